@@ -1,0 +1,33 @@
+# Make-style entry points. `make test` is the README's test command and what
+# .ci/run calls: it builds the environment from nothing, then runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.prfaas-env-stamp
+
+.PHONY: env test lint check-patches rebase-check readme clean-env
+
+env: $(STAMP)
+
+$(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_sglang/_pin.py
+	VENV=$(VENV) bash scripts/setup-env.sh
+	touch $(STAMP)
+
+test: env
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: env
+	$(VENV)/bin/ruff check .
+	$(PY) -m prfaas_sglang.patches lint
+
+check-patches: env
+	$(PY) -m prfaas_sglang.patches check
+
+# The same check the scheduled upstream-rebase workflow runs.
+rebase-check: env
+	$(PY) -m prfaas_sglang.patches rebase-check --sglang-version $(or $(SGLANG_VERSION),latest)
+
+readme: env
+	$(PY) -m prfaas_sglang.patches readme --write
+
+clean-env:
+	rm -rf $(VENV)

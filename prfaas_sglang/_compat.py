@@ -1,0 +1,75 @@
+"""The only place that looks at SGLang's version.
+
+Nothing here imports sglang: the installed version comes from package
+metadata, a tree's version from ``sglang/_version.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from prfaas_sglang._pin import PINNED_SGLANG_VERSION
+from prfaas_sglang.envs import envs
+from prfaas_sglang.errors import UpstreamVersionError
+
+_VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+
+
+def installed_sglang_version() -> str | None:
+    """Version of the installed ``sglang`` distribution, or None if absent.
+
+    A patched wheel reports ``0.5.15+prfaas.<hash>``; see :func:`base_version`.
+    """
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_sglang_root() -> Path | None:
+    """The directory that holds the installed ``sglang`` package (site-packages)."""
+    try:
+        dist = importlib.metadata.distribution("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    root = Path(dist.locate_file(""))
+    return root if (root / "sglang").is_dir() else None
+
+
+def tree_sglang_version(root: Path) -> str | None:
+    """Version recorded in ``<root>/sglang/_version.py`` (None if not found)."""
+    version_file = root / "sglang" / "_version.py"
+    if not version_file.is_file():
+        return None
+    match = _VERSION_RE.search(version_file.read_text())
+    return match.group(1) if match else None
+
+
+def base_version(version: str) -> str:
+    """``0.5.15+prfaas.ab12`` -> ``0.5.15``; invalid strings come back unchanged."""
+    try:
+        return Version(version).base_version
+    except InvalidVersion:
+        return version
+
+
+def require_pinned(found: str | None, where: str, expected: str = PINNED_SGLANG_VERSION) -> None:
+    """Raise :class:`UpstreamVersionError` unless ``found`` is the pinned release.
+
+    ``PRFAAS_ALLOW_SGLANG_VERSION`` names one other version that is accepted
+    (used by rebase trials).
+    """
+    if found is None:
+        raise UpstreamVersionError(f"sglang is not installed ({where}); expected sglang=={expected}")
+    allowed = {expected}
+    if envs.ALLOW_SGLANG_VERSION.get():
+        allowed.add(base_version(envs.ALLOW_SGLANG_VERSION.get()))
+    if base_version(found) not in allowed:
+        raise UpstreamVersionError(
+            f"{where} has sglang {found}, but this prfaas-sglang is pinned to sglang=={expected} "
+            f"(set PRFAAS_ALLOW_SGLANG_VERSION={base_version(found)} to try it anyway)"
+        )

@@ -1,0 +1,82 @@
+"""Every ``PRFAAS_*`` environment variable, in one place.
+
+Values are read from ``os.environ`` each time ``.get()`` is called (nothing is
+cached at import), so tests and launchers can set them per process. Code
+outside this module never reads a ``PRFAAS_*`` variable directly.
+
+Other projects' variables that we *set* (Mooncake's ``MC_*``, SGLang's
+``SGLANG_*``) are not here: see ``prfaas_sglang.transport.wan_defaults`` and the
+launcher.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    doc: str
+
+    def get(self) -> str | None:
+        value = os.environ.get(self.name)
+        return self.default if value is None or value == "" else value
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+@dataclass(frozen=True)
+class EnvBool(EnvVar):
+    def get(self) -> bool:  # type: ignore[override]
+        raw = super().get()
+        return raw is not None and raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+class Envs:
+    """The registry. ``envs.ROLE.get()``; ``Envs.all()`` lists every variable."""
+
+    ROLE = EnvVar(
+        "PRFAAS_ROLE",
+        None,
+        "Cluster role of this SGLang process (prfaas | pd-prefill | pd-decode), set by "
+        "`python -m prfaas_sglang.launch`. When set, the plugin checks that SGLang's resolved "
+        "server arguments honour the role and stops startup if they do not.",
+    )
+    KV_TRANSPORT = EnvVar(
+        "PRFAAS_KV_TRANSPORT",
+        None,
+        "KV transport the launcher chose for this process (tcp | rdma); checked with PRFAAS_ROLE.",
+    )
+    ALLOW_SGLANG_VERSION = EnvVar(
+        "PRFAAS_ALLOW_SGLANG_VERSION",
+        None,
+        "Let the plugin load into this SGLang version instead of the pinned one (rebase trials only).",
+    )
+    PATCHES_DIR = EnvVar(
+        "PRFAAS_PATCHES_DIR",
+        None,
+        "Directory holding `series` and the patch files; default: the checkout's patches/ or the "
+        "copy packaged in the wheel.",
+    )
+    WHEEL_CACHE = EnvVar(
+        "PRFAAS_WHEEL_CACHE",
+        None,
+        "Where downloaded pristine SGLang wheels are kept; default ~/.cache/prfaas-sglang/wheels "
+        "(the checkout's .cache/wheels when it exists).",
+    )
+    SKIP_PATCH_VERIFY = EnvBool(
+        "PRFAAS_SKIP_PATCH_VERIFY",
+        None,
+        "Launcher: start SGLang even if the patch series is not applied (debugging only).",
+    )
+
+    @classmethod
+    def all(cls) -> list[EnvVar]:
+        return [v for v in vars(cls).values() if isinstance(v, EnvVar)]
+
+
+envs = Envs()

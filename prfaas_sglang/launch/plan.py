@@ -1,0 +1,121 @@
+"""Turn a node's settings into the exact SGLang command and environment (pure).
+
+No I/O: the caller passes the Python executable and the current environment,
+and decides whether to print the plan (``--dry-run``) or exec it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.launch.roles import ROLE_SPECS, Engine, KvTransport
+from prfaas_sglang.launch.topology import Node
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+
+# Flags the launcher derives from the role and node; passing them again after
+# `--` would contradict the role, so it is refused up front.
+LAUNCHER_OWNED_FLAGS = (
+    "--model-path",
+    "--host",
+    "--port",
+    "--tp-size",
+    "--disaggregation-mode",
+    "--disaggregation-transfer-backend",
+    "--disaggregation-bootstrap-port",
+    "--kv-events-config",
+)
+KV_EVENTS_TOPIC = "kv-events"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher will run. ``env`` holds only the variables it sets;
+    ``env_kept`` the defaults it did not set because the environment already
+    had a value (shown by ``--dry-run``)."""
+
+    node: Node
+    engine: Engine
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    env_kept: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def render(self) -> str:
+        lines = [f"# prfaas-sglang launch plan: node={self.node.name} role={self.node.role.value} engine={self.engine.value}"]
+        lines += [f"# {note}" for note in self.notes]
+        lines.append("# environment set by the launcher (the rest is inherited):")
+        lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        if self.env_kept:
+            lines.append("# defaults not applied, the environment already sets them:")
+            lines += [f"#   {k}={shlex.quote(v)}" for k, v in sorted(self.env_kept.items())]
+        lines.append("# command:")
+        lines.append(shlex.join(self.argv))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node.name,
+            "role": self.node.role.value,
+            "engine": self.engine.value,
+            "argv": list(self.argv),
+            "env": dict(sorted(self.env.items())),
+            "env_kept": dict(sorted(self.env_kept.items())),
+            "notes": list(self.notes),
+        }
+
+
+def _refuse_owned_flags(extra_args: tuple[str, ...]) -> None:
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in LAUNCHER_OWNED_FLAGS:
+            raise ConfigError(
+                "--", f"{flag} is set by the launcher from the role/node settings; pass it as a launcher flag instead"
+            )
+
+
+def kv_events_config(port: int) -> str:
+    """SGLang's ``--kv-events-config`` for a ZMQ publisher on ``port`` (all interfaces)."""
+    return json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": KV_EVENTS_TOPIC}, separators=(",", ":"))
+
+
+def plan_sglang(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = ()) -> LaunchPlan:
+    """The ``sglang.launch_server`` command and environment for an engine ``node``."""
+    spec = ROLE_SPECS[node.role]
+    if not spec.is_engine_role:
+        raise ConfigError("--role", f"{node.role.value} is not an SGLang server role")
+    if not node.model_path:
+        raise ConfigError("--model-path", f"is required for role {node.role.value} with --engine sglang")
+    _refuse_owned_flags(node.extra_args)
+    transport = node.kv_transport or spec.default_kv_transport
+    if transport not in spec.allowed_kv_transports:
+        raise ConfigError("--kv-transport", f"role {node.role.value} cannot use {transport.value}")
+
+    argv = [python, "-m", "sglang.launch_server", "--model-path", node.model_path]
+    if node.host:
+        argv += ["--host", node.host]
+    if node.port is not None:
+        argv += ["--port", str(node.port)]
+    if node.tp_size is not None:
+        argv += ["--tp-size", str(node.tp_size)]
+    argv += ["--disaggregation-mode", spec.disaggregation_mode]
+    argv += ["--disaggregation-transfer-backend", "mooncake_tcp" if transport is KvTransport.TCP else "mooncake"]
+    if node.bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(node.bootstrap_port)]
+    if node.kv_events_port is not None:
+        argv += ["--kv-events-config", kv_events_config(node.kv_events_port)]
+    argv += list(node.extra_args)
+
+    env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
+    kept: dict[str, str] = {}
+    if transport is KvTransport.TCP:
+        env["MC_FORCE_TCP"] = "1"
+        for default in MOONCAKE_TCP_WAN_DEFAULTS:
+            if environ.get(default.name):
+                kept[default.name] = default.value
+            else:
+                env[default.name] = default.value
+    return LaunchPlan(node, Engine.SGLANG, tuple(argv), env, kept, notes)

@@ -1,0 +1,267 @@
+"""Deployment topology files (YAML): clusters, nodes, roles and links.
+
+Validation is strict and names the bad field by its path
+(``clusters.pd-a.nodes[1].role``), suggesting the nearest known key for a
+typo. Parsing is pure (``parse_topology(dict)``); ``load_topology(path)`` adds
+the file read. Example files: ``launch/*.yaml``.
+
+Schema (version 1)::
+
+    version: 1
+    model:                       # defaults for every engine node
+      path: /models/x            # --model-path
+      extra_args: [...]          # passed to sglang.launch_server
+    clusters:
+      <name>:
+        kind: prfaas | pd | control
+        kv_transport: tcp | rdma   # engine clusters; default per role (tcp)
+        nodes:
+          - name: <unique>
+            role: prfaas | pd-prefill | pd-decode | router | kv-index
+            host: 127.0.0.1
+            port: 30000
+            bootstrap_port: 8998     # prefill roles
+            kv_events_port: 5557     # engine roles: ZMQ KV-event publisher
+            tp_size: 1
+            model_path: ...          # overrides model.path
+            extra_args: [...]        # appended after model.extra_args
+    links:
+      - {from: <cluster>, to: <cluster>, bandwidth_gbps: 100, rtt_ms: 5}
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.launch.roles import ROLE_SPECS, KvTransport, Role, parse_role
+
+SUPPORTED_VERSIONS = (1,)
+CLUSTER_KINDS = ("prfaas", "pd", "control")
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    cluster: str
+    role: Role
+    host: str | None = None
+    port: int | None = None
+    bootstrap_port: int | None = None
+    kv_events_port: int | None = None
+    tp_size: int | None = None
+    model_path: str | None = None
+    kv_transport: KvTransport | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Link:
+    src: str
+    dst: str
+    bandwidth_gbps: float
+    rtt_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Topology:
+    version: int
+    nodes: tuple[Node, ...]
+    links: tuple[Link, ...] = ()
+    cluster_kinds: dict[str, str] = field(default_factory=dict)
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        known = ", ".join(n.name for n in self.nodes)
+        raise ConfigError("--node", f"no node named {name!r} in the topology (nodes: {known})")
+
+
+def _check_keys(obj: dict, allowed: set[str], path: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(sorted(allowed))})"
+            raise ConfigError(f"{path}.{key}" if path else str(key), f"unknown field{hint}")
+
+
+def _mapping(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _opt_str(obj: dict, key: str, path: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _opt_port(obj: dict, key: str, path: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"{path}.{key}", f"must be a port number in 1..65535, got {value!r}")
+    return value
+
+
+def _opt_positive(obj: dict, key: str, path: str, kind: type = float) -> Any:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{path}.{key}", f"must be a positive number, got {value!r}")
+    if kind is int and int(value) != value:
+        raise ConfigError(f"{path}.{key}", f"must be an integer, got {value!r}")
+    return kind(value)
+
+
+def _str_list(obj: dict, key: str, path: str) -> tuple[str, ...]:
+    value = obj.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{path}.{key}", "must be a list of strings")
+    return tuple(value)
+
+
+def _transport(value: Any, path: str) -> KvTransport | None:
+    if value is None:
+        return None
+    try:
+        return KvTransport(value)
+    except ValueError:
+        raise ConfigError(path, f"unknown KV transport {value!r} (expected tcp or rdma)") from None
+
+
+_NODE_KEYS = {"name", "role", "host", "port", "bootstrap_port", "kv_events_port", "tp_size", "model_path", "extra_args"}
+
+
+def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTransport | None, model: dict) -> Node:
+    obj = _mapping(raw, path)
+    _check_keys(obj, _NODE_KEYS, path)
+    name = _opt_str(obj, "name", path)
+    if name is None:
+        raise ConfigError(f"{path}.name", "is required")
+    if "role" not in obj:
+        raise ConfigError(f"{path}.role", "is required")
+    role = parse_role(str(obj["role"]), f"{path}.role")
+    spec = ROLE_SPECS[role]
+    if spec.cluster_kind != kind:
+        raise ConfigError(f"{path}.role", f"role {role.value} cannot run in a {kind} cluster (it belongs in a {spec.cluster_kind} cluster)")
+    if transport is not None and spec.is_engine_role and transport not in spec.allowed_kv_transports:
+        raise ConfigError(f"{path}.role", f"role {role.value} cannot use the {transport.value} KV transport of its cluster")
+    bootstrap_port = _opt_port(obj, "bootstrap_port", path)
+    if bootstrap_port is not None and spec.disaggregation_mode != "prefill":
+        raise ConfigError(f"{path}.bootstrap_port", f"only prefill roles serve a bootstrap port, not {role.value}")
+    kv_events_port = _opt_port(obj, "kv_events_port", path)
+    if kv_events_port is not None and not spec.is_engine_role:
+        raise ConfigError(f"{path}.kv_events_port", f"only engine roles publish KV events, not {role.value}")
+    return Node(
+        name=name,
+        cluster=cluster,
+        role=role,
+        host=_opt_str(obj, "host", path),
+        port=_opt_port(obj, "port", path),
+        bootstrap_port=bootstrap_port,
+        kv_events_port=kv_events_port,
+        tp_size=_opt_positive(obj, "tp_size", path, int),
+        model_path=_opt_str(obj, "model_path", path) or model.get("path"),
+        kv_transport=transport if spec.is_engine_role else None,
+        extra_args=tuple(model.get("extra_args", ())) + _str_list(obj, "extra_args", path)
+        if spec.is_engine_role
+        else _str_list(obj, "extra_args", path),
+    )
+
+
+def _check_unique_endpoints(nodes: list[Node], paths: dict[str, str]) -> None:
+    names: set[str] = set()
+    endpoints: dict[tuple[str, int], str] = {}
+    for node in nodes:
+        path = paths[node.name + "@" + node.cluster]
+        if node.name in names:
+            raise ConfigError(f"{path}.name", f"node name {node.name!r} is used twice")
+        names.add(node.name)
+        host = node.host or "127.0.0.1"
+        for key in ("port", "bootstrap_port", "kv_events_port"):
+            port = getattr(node, key)
+            if port is None:
+                continue
+            other = endpoints.get((host, port))
+            if other is not None:
+                raise ConfigError(f"{path}.{key}", f"{host}:{port} is already used by {other}")
+            endpoints[(host, port)] = f"{node.name}.{key}"
+
+
+def parse_topology(data: Any, source: str = "topology") -> Topology:
+    """Validate a loaded YAML document; raise :class:`ConfigError` naming the bad field."""
+    top = _mapping(data, source)
+    _check_keys(top, {"version", "model", "clusters", "links"}, "")
+    version = top.get("version")
+    if version not in SUPPORTED_VERSIONS:
+        raise ConfigError("version", f"must be one of {SUPPORTED_VERSIONS}, got {version!r}")
+    model = _mapping(top.get("model", {}), "model")
+    _check_keys(model, {"path", "extra_args"}, "model")
+    _opt_str(model, "path", "model")
+    _str_list(model, "extra_args", "model")
+    clusters = _mapping(top.get("clusters"), "clusters") if "clusters" in top else None
+    if not clusters:
+        raise ConfigError("clusters", "at least one cluster is required")
+
+    nodes: list[Node] = []
+    paths: dict[str, str] = {}
+    kinds: dict[str, str] = {}
+    for cname, craw in clusters.items():
+        cpath = f"clusters.{cname}"
+        cluster = _mapping(craw, cpath)
+        _check_keys(cluster, {"kind", "kv_transport", "nodes"}, cpath)
+        kind = cluster.get("kind")
+        if kind not in CLUSTER_KINDS:
+            raise ConfigError(f"{cpath}.kind", f"must be one of {', '.join(CLUSTER_KINDS)}, got {kind!r}")
+        kinds[str(cname)] = kind
+        transport = _transport(cluster.get("kv_transport"), f"{cpath}.kv_transport")
+        if transport is not None and kind == "control":
+            raise ConfigError(f"{cpath}.kv_transport", "a control cluster moves no KV")
+        raw_nodes = cluster.get("nodes")
+        if not isinstance(raw_nodes, list) or not raw_nodes:
+            raise ConfigError(f"{cpath}.nodes", "must be a non-empty list")
+        for i, raw in enumerate(raw_nodes):
+            node = _parse_node(raw, f"{cpath}.nodes[{i}]", str(cname), kind, transport, model)
+            paths.setdefault(node.name + "@" + node.cluster, f"{cpath}.nodes[{i}]")
+            nodes.append(node)
+    _check_unique_endpoints(nodes, paths)
+
+    links: list[Link] = []
+    raw_links = top.get("links", [])
+    if not isinstance(raw_links, list):
+        raise ConfigError("links", "must be a list")
+    for i, raw in enumerate(raw_links):
+        lpath = f"links[{i}]"
+        obj = _mapping(raw, lpath)
+        _check_keys(obj, {"from", "to", "bandwidth_gbps", "rtt_ms"}, lpath)
+        for key in ("from", "to"):
+            if obj.get(key) not in kinds:
+                raise ConfigError(f"{lpath}.{key}", f"unknown cluster {obj.get(key)!r} (clusters: {', '.join(kinds)})")
+        bandwidth = _opt_positive(obj, "bandwidth_gbps", lpath)
+        if bandwidth is None:
+            raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
+        links.append(Link(obj["from"], obj["to"], bandwidth, _opt_positive(obj, "rtt_ms", lpath)))
+    return Topology(version, tuple(nodes), tuple(links), kinds)
+
+
+def load_topology(path: Path) -> Topology:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError("--config", f"cannot read {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", f"{path} is not valid YAML: {err}") from None
+    return parse_topology(data, str(path))

@@ -1,0 +1,36 @@
+"""The quilt-style patch series against the pinned SGLang, and its tooling.
+
+``patches/series`` (in the repository; packaged into the wheel as
+``prfaas_sglang/_patches``) is the only source of order. See
+``python -m prfaas_sglang.patches --help`` and patches/README.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prfaas_sglang._compat import require_pinned
+from prfaas_sglang.errors import PatchError
+
+
+def verify_installed(patches_dir: Path | None = None) -> str:
+    """Check the installed SGLang is the pinned release with every patch applied.
+
+    Returns a one-line summary; raises UpstreamVersionError or PatchError
+    (naming what is missing and how to fix it). Reads files only.
+    """
+    from prfaas_sglang.patches.engine import evaluate_tree
+    from prfaas_sglang.patches.series import load_series
+    from prfaas_sglang.patches.tree import default_patches_dir, installed_tree
+
+    series = load_series(patches_dir or default_patches_dir())
+    tree = installed_tree()
+    require_pinned(tree.version, tree.label)
+    report = evaluate_tree(series, tree)
+    missing = [p.patch.name for p in report.patches if p.status.value != "already applied"]
+    if missing:
+        raise PatchError(
+            f"{tree.label} lacks {len(missing)} patch(es) of the series ({', '.join(missing)}); "
+            "run `python -m prfaas_sglang.patches apply` or install the patched wheel"
+        )
+    return f"sglang {tree.version} with all {len(series.patches)} patch(es) of the series applied"

@@ -1,0 +1,174 @@
+"""SGLang plugin entry point: the only place runtime hooks are installed.
+
+SGLang loads ``prfaas_sglang.plugin:register`` through the ``sglang.srt.plugins``
+entry-point group in ``launch_server``, ``sglang serve``, ``Engine`` and every
+scheduler subprocess (``sglang/srt/plugins/__init__.py``).
+
+Upstream catches and *logs* both a plugin that raises and a hook that fails to
+apply, then carries on with stock behaviour. We do not accept that: a
+PrfaaS server running without its hooks is silently wrong. So ``register()``
+
+1. checks the installed SGLang is the pinned release,
+2. registers every hook in :data:`HOOKS` with SGLang's ``HookRegistry``,
+3. applies them immediately (``HookRegistry.apply_hooks`` is idempotent per
+   target, so the later call in ``load_plugins`` skips them), and
+4. verifies each target now reaches our hook through its ``__wrapped__`` chain,
+
+and raises :class:`HookInstallError` -- a ``SystemExit``, which
+``load_plugins``'s ``except Exception`` does not swallow -- when any step fails.
+
+Caveat of step 3: another plugin that registers a hook on one of *our* targets
+after we ran will find the target already patched and its hook skipped by
+upstream. No other plugin we know of hooks these targets.
+
+Each :class:`HookSpec` carries the same fields as a patch header (Why, How,
+Upstream-Status, Removal, Tests) and is listed in the README's
+"changes vs upstream" table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import pkgutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from prfaas_sglang._compat import installed_sglang_version, require_pinned
+from prfaas_sglang.errors import PrfaasError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One runtime hook. ``hook`` is ``module:function``; ``hook_type`` a HookType value."""
+
+    name: str
+    target: str
+    hook: str
+    hook_type: str  # "before" | "after" | "around" | "replace"
+    expected_signature: str  # str(inspect.signature(target)) at the pinned release
+    subject: str
+    why: str
+    how: str
+    upstream_status: str
+    removal: str
+    tests: str
+
+    def load_hook(self) -> Callable:
+        module_name, _, attr = self.hook.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(
+        name="role-contract",
+        target="sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
+        hook="prfaas_sglang.hooks.role_contract:check_role_contract",
+        hook_type="after",
+        expected_signature="(server_args: 'ServerArgs') -> 'None'",
+        subject="[launch] Refuse server args that contradict the PrfaaS role",
+        why=(
+            "A PrfaaS or PD server started with passthrough flags that change its "
+            "disaggregation mode or KV backend would join the deployment in the wrong role "
+            "and fail only when the first request's KV goes nowhere."
+        ),
+        how=(
+            "AFTER hook on SGLang's PD argument normalisation; with PRFAAS_ROLE set (by "
+            "prfaas_sglang.launch) it checks mode, backend and MC_FORCE_TCP via "
+            "prfaas_sglang.launch.roles.role_contract_violations and raises."
+        ),
+        upstream_status="vendor-specific",
+        removal="never: PrfaaS roles are this distribution's concept",
+        tests="tests/unit/test_plugin.py tests/drift/test_hook_targets.py",
+    ),
+)
+
+
+class HookInstallError(SystemExit):
+    """A hook could not be installed: stops the process (SGLang only logs ``Exception``)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"prfaas_sglang plugin: {message}")
+        self.message = message
+
+
+def resolve_target(target: str) -> object:
+    """The object at dotted path ``target`` (module attribute or class attribute)."""
+    owner_path, _, attr = target.rpartition(".")
+    owner = pkgutil.resolve_name(owner_path)
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+    if isinstance(raw, (classmethod, staticmethod)):
+        return raw.__func__
+    return getattr(owner, attr)
+
+
+def reaches_hook(obj: object, hook: Callable) -> bool:
+    """True if ``obj`` is ``hook`` or a wrapper chain (``__wrapped__``) that closes over it."""
+    seen = 0
+    while obj is not None and seen < 64:
+        if obj is hook:
+            return True
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # empty cell
+                continue
+        obj = getattr(obj, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def install_hooks(specs: Sequence[HookSpec]) -> None:
+    """Register, apply and verify ``specs``; idempotent. Raises PrfaasError on failure."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    pending: list[tuple[HookSpec, Callable]] = []
+    for spec in specs:
+        try:
+            hook = spec.load_hook()
+        except (ImportError, AttributeError) as err:
+            raise PrfaasError(f"hook {spec.name}: cannot load {spec.hook}: {err}") from err
+        try:
+            current = resolve_target(spec.target)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise PrfaasError(f"hook {spec.name}: target {spec.target} does not resolve: {err}") from err
+        if reaches_hook(current, hook):
+            continue
+        HookRegistry.register(spec.target, hook, HookType(spec.hook_type))
+        pending.append((spec, hook))
+    if not pending:
+        return
+    HookRegistry.apply_hooks()
+    failed = [spec for spec, hook in pending if not reaches_hook(resolve_target(spec.target), hook)]
+    if failed:
+        raise PrfaasError(
+            "hooks did not take effect (see SGLang's 'Failed to apply hooks' log above): "
+            + ", ".join(f"{s.name} -> {s.target}" for s in failed)
+        )
+    for spec, _ in pending:
+        logger.info("prfaas_sglang: hook %s installed on %s", spec.name, spec.target)
+
+
+def signature_drift(specs: Sequence[HookSpec] = HOOKS) -> list[str]:
+    """Targets whose signature differs from the one recorded at the pin (empty: none)."""
+    drift = []
+    for spec in specs:
+        target = resolve_target(spec.target)
+        original = inspect.unwrap(target)
+        found = str(inspect.signature(original))
+        if found != spec.expected_signature:
+            drift.append(f"{spec.target}: expected {spec.expected_signature}, found {found}")
+    return drift
+
+
+def register() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group; see the module docstring."""
+    try:
+        require_pinned(installed_sglang_version(), "this environment")
+        install_hooks(HOOKS)
+    except PrfaasError as err:
+        raise HookInstallError(str(err)) from err

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Create the CPU development/test environment from nothing.
+#
+#   scripts/setup-env.sh            -> .venv with everything `make test` needs
+#   VENV=/path PYTHON=python3.11 scripts/setup-env.sh
+#
+# Idempotent: re-running only installs what changed. Needs root (or sudo) for
+# apt-get the first time; needs only the package registries (PyPI, Debian).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+WHEEL_CACHE=${PRFAAS_WHEEL_CACHE:-.cache/wheels}
+PIN=$("$PYTHON" prfaas_sglang/_pin.py)
+
+log() { printf '[setup-env] %s\n' "$*"; }
+
+# 1. Mooncake's engine.so links libibverbs.so.1, even when it only uses TCP.
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  log "installing libibverbs1 (apt)"
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null || { echo "error: libibverbs1 is missing and this user cannot apt-get install it" >&2; exit 1; }
+    SUDO=sudo
+  fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+# 2. The virtual environment and the CPU test requirements.
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+log "installing requirements/cpu-test.txt"
+"${PIP[@]}" -r requirements/cpu-test.txt
+
+# 3. The pinned SGLang, pristine, without its GPU dependency set. The wheel is
+#    kept in the cache that `python -m prfaas_sglang.patches` also reads.
+mkdir -p "$WHEEL_CACHE"
+if ! ls "$WHEEL_CACHE"/sglang-"$PIN"-*.whl >/dev/null 2>&1; then
+  log "downloading sglang==$PIN"
+  "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps -d "$WHEEL_CACHE" "sglang==$PIN"
+fi
+installed=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null || true)
+if [ "$installed" != "$PIN" ]; then
+  log "installing sglang==$PIN --no-deps"
+  "${PIP[@]}" --no-deps --force-reinstall "$WHEEL_CACHE"/sglang-"$PIN"-*.whl
+fi
+
+# 4. This project, editable, with the test extra.
+log "installing prfaas-sglang (editable, [test])"
+"${PIP[@]}" -e '.[test]'
+log "done: $VENV"
