@@ -24,7 +24,7 @@ check-patches: env
 
 # The same check the scheduled upstream-rebase workflow runs.
 rebase-check: env
-	$(PY) -m prfaas_sglang.patches rebase-check --sglang-version $(or $(SGLANG_VERSION),latest)
+	PY=$(PY) bash scripts/rebase-check.sh $(or $(SGLANG_VERSION),latest)
 
 readme: env
 	$(PY) -m prfaas_sglang.patches readme --write

@@ -23,7 +23,7 @@ Schema (version 1)::
             bootstrap_port: 8998     # prefill roles
             kv_events_port: 5557     # engine roles: ZMQ KV-event publisher
             tp_size: 1
-            model_path: ...          # overrides model.path
+            model_path: ...          # overrides model.path; ./ and ../ are relative to the file
             extra_args: [...]        # appended after model.extra_args
     links:
       - {from: <cluster>, to: <cluster>, bandwidth_gbps: 100, rtt_ms: 5}
@@ -32,7 +32,7 @@ Schema (version 1)::
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +201,12 @@ def _check_unique_endpoints(nodes: list[Node], paths: dict[str, str]) -> None:
             endpoints[(host, port)] = f"{node.name}.{key}"
 
 
-def parse_topology(data: Any, source: str = "topology") -> Topology:
-    """Validate a loaded YAML document; raise :class:`ConfigError` naming the bad field."""
+def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = None) -> Topology:
+    """Validate a loaded YAML document; raise :class:`ConfigError` naming the bad field.
+
+    Model paths starting with ``./`` or ``../`` are resolved against ``base_dir``
+    (the topology file's directory) when it is given.
+    """
     top = _mapping(data, source)
     _check_keys(top, {"version", "model", "clusters", "links"}, "")
     version = top.get("version")
@@ -235,6 +239,8 @@ def parse_topology(data: Any, source: str = "topology") -> Topology:
             raise ConfigError(f"{cpath}.nodes", "must be a non-empty list")
         for i, raw in enumerate(raw_nodes):
             node = _parse_node(raw, f"{cpath}.nodes[{i}]", str(cname), kind, transport, model)
+            if base_dir is not None and node.model_path and node.model_path.startswith(("./", "../")):
+                node = replace(node, model_path=str((base_dir / node.model_path).resolve()))
             paths.setdefault(node.name + "@" + node.cluster, f"{cpath}.nodes[{i}]")
             nodes.append(node)
     _check_unique_endpoints(nodes, paths)
@@ -264,4 +270,4 @@ def load_topology(path: Path) -> Topology:
         raise ConfigError("--config", f"cannot read {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise ConfigError("--config", f"{path} is not valid YAML: {err}") from None
-    return parse_topology(data, str(path))
+    return parse_topology(data, str(path), Path(path).resolve().parent)

@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1
+# Image for the PrfaaS prefill cluster: long uncached prefills, KV shipped to the PD cluster over Mooncake TCP.
+#
+#   docker build -f docker/prfaas-prefill.Dockerfile -t prfaas-sglang/prfaas-prefill .
+#   docker run --gpus all --network host prfaas-sglang/prfaas-prefill --model-path /models/m
+#
+# Build context: the repository root. The SGLang base image must carry the
+# pinned release (prfaas_sglang/_pin.py); tests/unit/test_docker.py checks that.
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.15-cu130
+
+# Stage 1: the patched SGLang wheel (sglang-0.5.15+prfaas.<series-digest>) and
+# this package's wheel, built with the same Python the runtime uses.
+FROM ${SGLANG_IMAGE} AS builder
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY prfaas_sglang ./prfaas_sglang
+COPY patches ./patches
+RUN python3 -m pip wheel --no-deps -w /wheels . \
+ && python3 -m pip install --no-deps /wheels/prfaas_sglang-*.whl \
+ && python3 -m prfaas_sglang.patches lint \
+ && python3 -m prfaas_sglang.patches apply --wheel-out /wheels
+
+# Stage 2: the runtime. Replace the stock sglang with the patched wheel (same
+# dependency set), add Mooncake's CUDA 13 transfer engine and this package.
+FROM ${SGLANG_IMAGE}
+COPY --from=builder /wheels /wheels
+RUN python3 -m pip install --no-deps --force-reinstall /wheels/sglang-*+prfaas.*.whl \
+ && python3 -m pip install mooncake-transfer-engine-cuda13 /wheels/prfaas_sglang-*.whl \
+ && python3 -m prfaas_sglang.patches check \
+ && rm -rf /wheels
+# Cross-datacenter KV: prefer BBR on the host (sysctl net.ipv4.tcp_congestion_control=bbr);
+# the Mooncake TCP WAN defaults are set by the launcher (prfaas_sglang/transport/wan_defaults.py).
+ENTRYPOINT ["python3", "-m", "prfaas_sglang.launch", "--role", "prfaas"]

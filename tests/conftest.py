@@ -1,0 +1,55 @@
+"""Shared test helpers.
+
+Tests that change process-global state of SGLang (its HookRegistry, patched
+functions) run in a subprocess so that the rest of the suite sees stock
+SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_PATCHES = REPO_ROOT / "tests" / "fixtures" / "patches"
+
+
+def run_py(args: list[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO_ROOT):
+    """Run ``python <args>`` with this interpreter; returns CompletedProcess (text)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
+    )
+
+
+@pytest.fixture
+def installed_sglang_root() -> Path:
+    from prfaas_sglang._compat import installed_sglang_root as find
+
+    root = find()
+    assert root is not None, "the CPU test environment installs sglang (make env)"
+    return root
+
+
+@pytest.fixture
+def sglang_tree(tmp_path: Path, installed_sglang_root: Path) -> Path:
+    """A small real sglang 0.5.15 tree: the files the fixture series touches, copied."""
+    root = tmp_path / "site"
+    for rel in ("sglang/_version.py", "sglang/srt/plugins/__init__.py"):
+        dst = root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(installed_sglang_root / rel, dst)
+    return root
+
+
+@pytest.fixture
+def fixture_series_dir(tmp_path: Path) -> Path:
+    """A writable copy of tests/fixtures/patches."""
+    dst = tmp_path / "patches"
+    shutil.copytree(FIXTURE_PATCHES, dst)
+    return dst

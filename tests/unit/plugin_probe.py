@@ -1,0 +1,120 @@
+"""Subprocess body for test_plugin.py: runs scenarios against real SGLang, prints JSON.
+
+Usage: python plugin_probe.py <scenario> <model_dir>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def server_args(model_dir: str, mode: str, backend: str = "mooncake_tcp"):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(
+        model_path=model_dir,
+        disaggregation_mode=mode,
+        disaggregation_transfer_backend=backend,
+        device="cuda",  # resolution only; nothing is allocated (see notes: hybrid args need it on CPU)
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        mamba_radix_cache_strategy="no_buffer",
+        disable_overlap_schedule=True,
+    )
+
+
+def attempt(model_dir: str, env: dict, mode: str, backend: str = "mooncake_tcp") -> dict:
+    for key in ("PRFAAS_ROLE", "PRFAAS_KV_TRANSPORT", "MC_FORCE_TCP"):
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    try:
+        args = server_args(model_dir, mode, backend)
+        return {"ok": True, "mode": args.disaggregation_mode, "backend": args.disaggregation_transfer_backend}
+    except BaseException as err:  # noqa: BLE001 - report whatever stops startup
+        return {"ok": False, "type": type(err).__name__, "message": str(err)}
+
+
+def scenario_role_contract(model_dir: str) -> dict:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # real entry-point discovery: must find prfaas_sglang.plugin:register
+    from prfaas_sglang.plugin import HOOKS, reaches_hook, resolve_target
+
+    installed = {spec.name: reaches_hook(resolve_target(spec.target), spec.load_hook()) for spec in HOOKS}
+    return {
+        "installed": installed,
+        "no_role_decode": attempt(model_dir, {}, "decode"),
+        "prfaas_prefill": attempt(model_dir, {"PRFAAS_ROLE": "prfaas"}, "prefill"),
+        "prfaas_decode": attempt(model_dir, {"PRFAAS_ROLE": "prfaas"}, "decode"),
+        "pd_decode_decode": attempt(model_dir, {"PRFAAS_ROLE": "pd-decode"}, "decode"),
+        "pd_decode_prefill": attempt(model_dir, {"PRFAAS_ROLE": "pd-decode"}, "prefill"),
+        "prfaas_tcp_without_force": attempt(
+            model_dir, {"PRFAAS_ROLE": "prfaas", "PRFAAS_KV_TRANSPORT": "tcp", "MC_FORCE_TCP": "0"}, "prefill", "mooncake"
+        ),
+        "unknown_role": attempt(model_dir, {"PRFAAS_ROLE": "decoder"}, "decode"),
+    }
+
+
+def scenario_unresolvable_target(model_dir: str) -> dict:
+    import dataclasses
+
+    from prfaas_sglang import plugin
+
+    bad = dataclasses.replace(plugin.HOOKS[0], name="bad", target="sglang.srt.arg_groups.pd_disaggregation_hook.no_such_function")
+    plugin.HOOKS = (*plugin.HOOKS, bad)
+    try:
+        plugin.register()
+    except SystemExit as err:
+        return {"exited": True, "is_system_exit": isinstance(err, SystemExit), "message": str(err.code)}
+    return {"exited": False}
+
+
+def scenario_apply_fails(model_dir: str) -> dict:
+    """Target resolves, but SGLang's HookRegistry refuses it (AROUND on a class) and only logs."""
+    import dataclasses
+
+    from prfaas_sglang import plugin
+
+    bad = dataclasses.replace(plugin.HOOKS[0], name="class-around", target="sglang.srt.server_args.ServerArgs", hook_type="around")
+    plugin.HOOKS = (*plugin.HOOKS, bad)
+    try:
+        plugin.register()
+    except SystemExit as err:
+        return {"exited": True, "message": str(err.code)}
+    return {"exited": False}
+
+
+def scenario_load_plugins_stops(model_dir: str) -> dict:
+    """The same failure reached through sglang's own load_plugins(): it must not be swallowed."""
+    import dataclasses
+
+    from prfaas_sglang import plugin
+
+    bad = dataclasses.replace(plugin.HOOKS[0], name="bad", target="sglang.srt.no_such_module.fn")
+    plugin.HOOKS = (*plugin.HOOKS, bad)
+    from sglang.srt.plugins import load_plugins
+
+    try:
+        load_plugins()
+    except SystemExit as err:
+        return {"exited": True, "message": str(err.code)}
+    return {"exited": False}
+
+
+def scenario_idempotent(model_dir: str) -> dict:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from prfaas_sglang import plugin
+
+    plugin.register()
+    plugin.register()
+    spec = plugin.HOOKS[0]
+    return {"registrations": len(HookRegistry._hooks[spec.target])}
+
+
+if __name__ == "__main__":
+    name, model = sys.argv[1], sys.argv[2]
+    result = globals()[f"scenario_{name}"](model)
+    print("PROBE-RESULT " + json.dumps(result))

@@ -1,0 +1,116 @@
+"""docker/: no Docker engine runs here, so parse the Dockerfiles and check what they reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+
+from prfaas_sglang._pin import PINNED_SGLANG_VERSION
+
+DOCKERFILES = sorted((REPO_ROOT / "docker").glob("*.Dockerfile"))
+INSTRUCTIONS = {"FROM", "ARG", "ENV", "WORKDIR", "COPY", "ADD", "RUN", "ENTRYPOINT", "CMD", "EXPOSE", "LABEL", "USER", "HEALTHCHECK", "SHELL"}
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined: list[str] = []
+    buf = ""
+    for raw in path.read_text().splitlines():
+        line = raw.rstrip()
+        if not buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        joined.append(buf + line)
+        buf = ""
+    assert not buf, f"{path.name}: dangling line continuation"
+    result = []
+    for line in joined:
+        word, _, rest = line.strip().partition(" ")
+        result.append((word.upper(), rest.strip()))
+    return result
+
+
+def test_one_image_per_cluster_role():
+    assert {p.name for p in DOCKERFILES} == {
+        "prfaas-prefill.Dockerfile",
+        "local-pd.Dockerfile",
+        "control-plane.Dockerfile",
+    }
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+class TestDockerfile:
+    def test_parses_with_known_instructions(self, path):
+        parsed = instructions(path)
+        assert parsed and all(word in INSTRUCTIONS for word, _ in parsed), parsed
+        assert any(word == "FROM" for word, _ in parsed)
+        assert parsed[-1][0] in ("ENTRYPOINT", "CMD")
+
+    def test_copy_sources_exist_in_the_build_context(self, path):
+        for word, args in instructions(path):
+            if word not in ("COPY", "ADD"):
+                continue
+            parts = [p for p in shlex.split(args) if not p.startswith("--")]
+            if "--from=" in args:
+                continue
+            for src in parts[:-1]:
+                assert (REPO_ROOT / src).exists(), f"{path.name}: COPY source {src} does not exist"
+
+    def test_copy_from_names_a_stage(self, path):
+        parsed = instructions(path)
+        stages = {args.split()[-1] for word, args in parsed if word == "FROM" and " AS " in args.upper()}
+        for word, args in parsed:
+            match = re.search(r"--from=(\S+)", args)
+            if word == "COPY" and match:
+                assert match.group(1) in stages
+
+    def test_python_modules_it_runs_exist(self, path):
+        text = path.read_text()
+        modules = set(re.findall(r"-m[\"', ]+(prfaas_sglang[\w.]*)", text))
+        assert modules, f"{path.name} runs no prfaas_sglang module"
+        for module in modules:
+            assert importlib.util.find_spec(module) is not None, module
+
+    def test_engine_images_use_the_pinned_sglang(self, path):
+        text = path.read_text()
+        if "SGLANG_IMAGE" not in text:
+            return
+        (image,) = re.findall(r"ARG SGLANG_IMAGE=(\S+)", text)
+        assert f":v{PINNED_SGLANG_VERSION}-" in image
+        assert "patches apply --wheel-out" in text and "patches check" in text
+
+
+def test_dockerignore_keeps_local_environments_out():
+    ignored = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".cache" in ignored
+
+
+def test_installed_wheel_finds_its_packaged_series(tmp_path):
+    """What the images do: install this package from its wheel and read the series from it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "w"), str(REPO_ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "w").glob("prfaas_sglang-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    assert (site / "prfaas_sglang" / "_patches" / "series").read_text() == (REPO_ROOT / "patches" / "series").read_text()
+    out = subprocess.run(
+        [sys.executable, "-c", "from prfaas_sglang.patches.tree import default_patches_dir, is_checkout; "
+         "print(is_checkout(), default_patches_dir())"],
+        capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", str(site / "prfaas_sglang" / "_patches")]

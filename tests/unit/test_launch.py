@@ -1,0 +1,250 @@
+"""python -m prfaas_sglang.launch: plans, dry runs, topology files, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO_ROOT, run_py
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.launch.__main__ import main as launch_main
+from prfaas_sglang.launch.plan import plan_sglang
+from prfaas_sglang.launch.roles import KvTransport, Role
+from prfaas_sglang.launch.topology import Node, load_topology, parse_topology
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+
+
+def launch_cli(*args: str, env: dict | None = None):
+    return run_py(["-m", "prfaas_sglang.launch", *args], env=env)
+
+
+class TestAcceptanceCommands:
+    def test_prfaas_dry_run_prints_prefill_command_and_tcp_environment(self):
+        proc = launch_cli("--role", "prfaas", "--engine", "sglang", "--model-path", "/some/dir", "--dry-run")
+        assert proc.returncode == 0, proc.stderr
+        command = [line for line in proc.stdout.splitlines() if "sglang.launch_server" in line]
+        assert len(command) == 1
+        argv = shlex.split(command[0])
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        assert argv[argv.index("--disaggregation-mode") + 1] == "prefill"
+        assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "mooncake_tcp"
+        assert argv[argv.index("--model-path") + 1] == "/some/dir"
+        env_lines = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line and not line.startswith(("#", "/")))
+        assert env_lines["MC_FORCE_TCP"] == "1"
+        assert env_lines["PRFAAS_ROLE"] == "prfaas"
+        for default in MOONCAKE_TCP_WAN_DEFAULTS:
+            assert env_lines[default.name] == default.value
+
+    @pytest.mark.parametrize(
+        "args, reason",
+        [
+            (["--role", "prefil", "--model-path", "/m"], "--role: unknown role 'prefil'"),
+            (["--role", "prfaas", "--dry-run"], "--model-path: is required for role prfaas"),
+            (["--role", "router"], "role router is not available in this release yet"),
+            (["--role", "pd-decode", "--engine", "mock"], "--engine mock for role pd-decode is not available"),
+            (["--role", "pd-decode", "--engine", "vllm"], "--engine: unknown engine 'vllm'"),
+            (["--role", "prfaas", "--model-path", "/no/such/dir"], "--model-path: /no/such/dir is not a directory"),
+            (["--role", "pd-decode", "--model-path", "/m", "--bootstrap-port", "8998", "--dry-run"], "only prefill roles"),
+            (["--role", "prfaas", "--model-path", "/m", "--kv-transport", "rdma", "--dry-run"], "cannot use rdma"),
+            (["--role", "prfaas", "--model-path", "/m", "--port", "70000", "--dry-run"], "--port: must be a port number"),
+        ],
+    )
+    def test_bad_input_exits_nonzero_with_one_line(self, args, reason):
+        proc = launch_cli(*args)
+        assert proc.returncode != 0
+        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert reason in proc.stderr
+        assert proc.stdout == ""
+
+
+class TestPlan:
+    def test_decode_plan(self):
+        node = Node("d0", "pd", Role.PD_DECODE, host="0.0.0.0", port=30001, kv_events_port=5558, model_path="/m", tp_size=2)
+        plan = plan_sglang(node, "/usr/bin/python3", {})
+        argv = list(plan.argv)
+        assert argv[argv.index("--disaggregation-mode") + 1] == "decode"
+        assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "30001"
+        assert argv[argv.index("--tp-size") + 1] == "2"
+        events = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert events == {"publisher": "zmq", "endpoint": "tcp://*:5558", "topic": "kv-events"}
+        assert "--disaggregation-bootstrap-port" not in argv
+
+    def test_kv_events_config_is_accepted_by_sglang(self):
+        from sglang.srt.disaggregation.kv_events import KVEventsConfig
+
+        node = Node("p0", "pd", Role.PD_PREFILL, kv_events_port=5557, model_path="/m")
+        argv = list(plan_sglang(node, "python", {}).argv)
+        config = KVEventsConfig.from_cli(argv[argv.index("--kv-events-config") + 1])
+        assert config.publisher == "zmq" and config.endpoint == "tcp://*:5557"
+
+    def test_plan_arguments_parse_with_sglang_own_parser(self):
+        """Every flag we emit exists in sglang 0.5.15's argument parser with the value we give."""
+        import argparse
+
+        from sglang.srt.server_args import ServerArgs
+
+        node = Node("p0", "prfaas", Role.PRFAAS, host="127.0.0.1", port=30000, bootstrap_port=8998,
+                    kv_events_port=5557, model_path="/m", tp_size=1)
+        argv = list(plan_sglang(node, "python", {}).argv)[3:]
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        ns = parser.parse_args(argv)
+        assert ns.disaggregation_mode == "prefill"
+        assert ns.disaggregation_transfer_backend == "mooncake_tcp"
+        assert ns.disaggregation_bootstrap_port == 8998 and ns.port == 30000
+
+    def test_rdma_plan_sets_no_tcp_environment(self):
+        node = Node("p0", "pd", Role.PD_PREFILL, model_path="/m", kv_transport=KvTransport.RDMA)
+        plan = plan_sglang(node, "python", {})
+        argv = list(plan.argv)
+        assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "mooncake"
+        assert "MC_FORCE_TCP" not in plan.env and plan.env["PRFAAS_KV_TRANSPORT"] == "rdma"
+
+    def test_operator_environment_wins_over_wan_defaults(self):
+        node = Node("p0", "prfaas", Role.PRFAAS, model_path="/m")
+        plan = plan_sglang(node, "python", {"MC_TCP_LANES_PER_PEER": "4"})
+        assert "MC_TCP_LANES_PER_PEER" not in plan.env
+        assert plan.env_kept == {"MC_TCP_LANES_PER_PEER": "16"}
+        assert plan.env["MC_FORCE_TCP"] == "1"
+
+    def test_passthrough_cannot_override_the_role(self):
+        node = Node("p0", "prfaas", Role.PRFAAS, model_path="/m", extra_args=("--disaggregation-mode=decode",))
+        with pytest.raises(ConfigError, match="--disaggregation-mode is set by the launcher"):
+            plan_sglang(node, "python", {})
+
+    def test_passthrough_arguments_are_appended(self, capsys):
+        rc = launch_main(["--role", "pd-decode", "--model-path", "/m", "--dry-run", "--json", "--", "--mem-fraction-static", "0.3"])
+        assert rc == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["argv"][-2:] == ["--mem-fraction-static", "0.3"]
+        assert plan["role"] == "pd-decode" and plan["env"]["PRFAAS_ROLE"] == "pd-decode"
+
+
+TOPOLOGIES = sorted((REPO_ROOT / "launch").glob("*.yaml"))
+
+
+class TestTopology:
+    @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
+    def test_shipped_topologies_validate(self, path):
+        topology = load_topology(path)
+        roles = {n.role for n in topology.nodes}
+        assert {Role.PRFAAS, Role.PD_PREFILL, Role.PD_DECODE} <= roles
+
+    def test_shipped_topologies_exist(self):
+        assert TOPOLOGIES
+
+    def test_node_from_config_and_flag_override(self, capsys):
+        path = REPO_ROOT / "launch" / "local-two-cluster.yaml"
+        node = next(n for n in load_topology(path).nodes if n.role is Role.PRFAAS)
+        rc = launch_main(["--config", str(path), "--node", node.name, "--port", "31999", "--dry-run", "--json"])
+        assert rc == 0
+        argv = json.loads(capsys.readouterr().out)["argv"]
+        assert argv[argv.index("--port") + 1] == "31999"
+        assert argv[argv.index("--disaggregation-bootstrap-port") + 1] == str(node.bootstrap_port)
+        assert argv[argv.index("--model-path") + 1] == node.model_path
+
+    def test_role_flag_contradicting_node(self):
+        path = REPO_ROOT / "launch" / "local-two-cluster.yaml"
+        node = next(n for n in load_topology(path).nodes if n.role is Role.PRFAAS)
+        proc = launch_cli("--config", str(path), "--node", node.name, "--role", "pd-decode", "--dry-run")
+        assert proc.returncode == 2 and "contradicts node" in proc.stderr
+
+
+def base_topology() -> dict:
+    return {
+        "version": 1,
+        "model": {"path": "/m"},
+        "clusters": {
+            "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": 30000, "bootstrap_port": 8998}]},
+            "a": {
+                "kind": "pd",
+                "nodes": [
+                    {"name": "pp0", "role": "pd-prefill", "port": 30100, "bootstrap_port": 8999},
+                    {"name": "d0", "role": "pd-decode", "port": 30200},
+                ],
+            },
+        },
+        "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100, "rtt_ms": 5}],
+    }
+
+
+def mutate(path: str, value):
+    data = base_topology()
+    keys = path.replace("[", ".").replace("]", "").split(".")
+    target = data
+    for key in keys[:-1]:
+        target = target[int(key)] if key.isdigit() else target[key]
+    last = keys[-1]
+    if value is KeyError:
+        del target[last]
+    elif isinstance(target, list):
+        target[int(last)] = value
+    else:
+        target[last] = value
+    return data
+
+
+class TestTopologyErrorsNameTheField:
+    def test_base_is_valid(self):
+        topology = parse_topology(base_topology())
+        assert [n.name for n in topology.nodes] == ["p0", "pp0", "d0"]
+        assert topology.links[0].bandwidth_gbps == 100.0
+
+    @pytest.mark.parametrize(
+        "path, value, field, message",
+        [
+            ("version", 2, "version", "must be one of"),
+            ("clusters.a.nodes[1].role", "decoder", "clusters.a.nodes[1].role", "unknown role 'decoder'"),
+            ("clusters.a.nodes[1].role", "prfaas", "clusters.a.nodes[1].role", "cannot run in a pd cluster"),
+            ("clusters.a.nodes[0].port", "30100", "clusters.a.nodes[0].port", "port number"),
+            ("clusters.a.nodes[0].bootstrap_port", 0, "clusters.a.nodes[0].bootstrap_port", "port number"),
+            ("clusters.a.nodes[1].bootstrap_port", 9000, "clusters.a.nodes[1].bootstrap_port", "only prefill roles"),
+            ("clusters.a.nodes[1].bootstrap_prot", 9000, "clusters.a.nodes[1].bootstrap_prot", "did you mean 'bootstrap_port'"),
+            ("clusters.a.kind", "gpu", "clusters.a.kind", "must be one of"),
+            ("clusters.a.nodes", [], "clusters.a.nodes", "non-empty list"),
+            ("clusters.a.kv_transport", "udp", "clusters.a.kv_transport", "unknown KV transport"),
+            ("clusters.b.kv_transport", "rdma", "clusters.b.nodes[0].role", "cannot use the rdma KV transport"),
+            ("clusters.a.nodes[1].port", 30000, "clusters.a.nodes[1].port", "already used by p0.port"),
+            ("clusters.a.nodes[1].name", "p0", "clusters.a.nodes[1].name", "used twice"),
+            ("clusters.a.nodes[0].tp_size", 1.5, "clusters.a.nodes[0].tp_size", "must be an integer"),
+            ("links[0].to", "c", "links[0].to", "unknown cluster 'c'"),
+            ("links[0].bandwidth_gbps", -1, "links[0].bandwidth_gbps", "positive number"),
+            ("links[0].bandwidth_gbps", KeyError, "links[0].bandwidth_gbps", "is required"),
+            ("model.extra_args", "--x", "model.extra_args", "list of strings"),
+            ("clusters", {}, "clusters", "at least one cluster"),
+        ],
+    )
+    def test_bad_field(self, path, value, field, message):
+        with pytest.raises(ConfigError) as err:
+            parse_topology(mutate(path, value))
+        assert err.value.field == field
+        assert message in err.value.problem
+
+    def test_bad_yaml_and_missing_file(self, tmp_path: Path):
+        bad = tmp_path / "t.yaml"
+        bad.write_text("clusters: [unclosed\n")
+        with pytest.raises(ConfigError, match="not valid YAML"):
+            load_topology(bad)
+        with pytest.raises(ConfigError, match="cannot read"):
+            load_topology(tmp_path / "missing.yaml")
+
+    def test_cli_names_the_bad_field(self, tmp_path: Path):
+        path = tmp_path / "t.yaml"
+        path.write_text(yaml.safe_dump(mutate("clusters.a.nodes[1].role", "decoder")))
+        proc = launch_cli("--config", str(path), "--node", "d0", "--dry-run")
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == (
+            "error: clusters.a.nodes[1].role: unknown role 'decoder' "
+            "(expected one of: prfaas, pd-prefill, pd-decode, router, kv-index)"
+        )
+
+
+def test_relative_model_path_resolves_against_the_topology_file():
+    topology = load_topology(REPO_ROOT / "launch" / "local-two-cluster.yaml")
+    node = next(n for n in topology.nodes if n.role is Role.PD_DECODE)
+    assert Path(node.model_path) == REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
+    assert (Path(node.model_path) / "config.json").is_file()

@@ -1,0 +1,112 @@
+"""The sglang.srt.plugins entry point: hooks install, verify, and stop startup loudly.
+
+Scenarios run in a subprocess (tests/unit/plugin_probe.py) because SGLang's
+HookRegistry and the functions it patches are process-global.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, run_py
+
+from prfaas_sglang.errors import UpstreamVersionError
+from prfaas_sglang.launch.roles import KvTransport, Role, role_contract_violations
+from prfaas_sglang.plugin import HOOKS
+
+TINY_MODEL = REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
+PROBE = Path(__file__).with_name("plugin_probe.py")
+
+
+def probe(scenario: str) -> dict:
+    proc = run_py([str(PROBE), scenario, str(TINY_MODEL)], env={"PRFAAS_ROLE": ""}, timeout=180)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
+    assert lines, f"probe {scenario} printed no result\nstdout:{proc.stdout[-2000:]}\nstderr:{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("PROBE-RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def role_contract() -> dict:
+    return probe("role_contract")
+
+
+class TestRoleContractThroughSGLang:
+    def test_entry_point_installs_every_hook(self, role_contract):
+        assert role_contract["installed"] == {spec.name: True for spec in HOOKS}
+
+    def test_no_role_leaves_stock_behaviour(self, role_contract):
+        assert role_contract["no_role_decode"] == {"ok": True, "mode": "decode", "backend": "mooncake"}
+
+    @pytest.mark.parametrize("case", ["prfaas_prefill", "pd_decode_decode"])
+    def test_matching_role_starts(self, role_contract, case):
+        assert role_contract[case]["ok"], role_contract[case]
+
+    @pytest.mark.parametrize(
+        "case, message",
+        [
+            ("prfaas_decode", "role prfaas needs --disaggregation-mode prefill, got 'decode'"),
+            ("pd_decode_prefill", "role pd-decode needs --disaggregation-mode decode, got 'prefill'"),
+            ("prfaas_tcp_without_force", "MC_FORCE_TCP is not 1"),
+            ("unknown_role", "PRFAAS_ROLE: unknown role 'decoder'"),
+        ],
+    )
+    def test_contradicting_role_stops_startup(self, role_contract, case, message):
+        result = role_contract[case]
+        assert not result["ok"]
+        assert result["type"] == "RoleContractError"
+        assert message in result["message"]
+
+
+class TestLoudFailures:
+    def test_unresolvable_target_exits(self):
+        result = probe("unresolvable_target")
+        assert result["exited"] and result["is_system_exit"]
+        assert "no_such_function does not resolve" in result["message"]
+
+    def test_hook_sglang_refuses_to_apply_exits(self):
+        """SGLang's HookRegistry logs and skips an AROUND hook on a class; we stop instead."""
+        result = probe("apply_fails")
+        assert result["exited"]
+        assert "did not take effect" in result["message"] and "class-around" in result["message"]
+
+    def test_failure_is_not_swallowed_by_load_plugins(self):
+        result = probe("load_plugins_stops")
+        assert result["exited"] and "does not resolve" in result["message"]
+
+    def test_register_is_idempotent(self):
+        assert probe("idempotent") == {"registrations": 1}
+
+
+class TestRoleContractPure:
+    @pytest.mark.parametrize(
+        "role, mode, backend, transport, env, expected",
+        [
+            (Role.PRFAAS, "prefill", "mooncake", None, {"MC_FORCE_TCP": "1"}, []),
+            (Role.PRFAAS, "prefill", "mooncake", KvTransport.RDMA, {}, ["cannot use the rdma KV transport"]),
+            (Role.PD_PREFILL, "prefill", "mooncake", KvTransport.RDMA, {}, []),
+            (Role.PD_DECODE, "decode", "nixl", KvTransport.RDMA, {}, ["ships KV with Mooncake"]),
+            (Role.PD_DECODE, None, "mooncake", None, {"MC_FORCE_TCP": "1"}, ["needs --disaggregation-mode decode"]),
+            (Role.ROUTER, None, None, None, {}, ["control-plane role"]),
+        ],
+    )
+    def test_violations(self, role, mode, backend, transport, env, expected):
+        found = role_contract_violations(role, mode, backend, transport, env)
+        assert len(found) == len(expected)
+        for want, got in zip(expected, found, strict=True):
+            assert want in got
+
+
+class TestVersionGate:
+    def test_other_sglang_version_is_refused_with_the_override_named(self, monkeypatch):
+        from prfaas_sglang._compat import require_pinned
+
+        monkeypatch.delenv("PRFAAS_ALLOW_SGLANG_VERSION", raising=False)
+        with pytest.raises(UpstreamVersionError, match="PRFAAS_ALLOW_SGLANG_VERSION=0.5.23"):
+            require_pinned("0.5.23", "this environment")
+        require_pinned("0.5.15+prfaas.abcd1234", "this environment")
+        monkeypatch.setenv("PRFAAS_ALLOW_SGLANG_VERSION", "0.5.23")
+        require_pinned("0.5.23", "this environment")
+        with pytest.raises(UpstreamVersionError, match="not installed"):
+            require_pinned(None, "this environment")
