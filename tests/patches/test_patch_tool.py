@@ -149,6 +149,14 @@ class TestPatchedWheel:
                 expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 assert digest == f"sha256={expected}" and int(size) == len(data), name
 
+    def test_apply_wheel_out_cli_writes_the_image_wheel(self, tmp_path):
+        series = load_series(FIXTURE_PATCHES)
+        proc = patches_cli("--patches-dir", str(FIXTURE_PATCHES), "apply", "--wheel-out", str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        (wheel,) = tmp_path.glob("sglang-0.5.15+prfaas.*.whl")
+        assert wheel_version(wheel) == f"0.5.15+prfaas.{series.digest}"
+        assert f"wrote {wheel}" in proc.stdout
+
     def test_pin_still_matches_the_patched_version(self):
         from packaging.specifiers import SpecifierSet
 
