@@ -31,13 +31,18 @@ Schema (version 1)::
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from prfaas_sglang.configcheck import check_keys as _check_keys
+from prfaas_sglang.configcheck import mapping as _mapping
+from prfaas_sglang.configcheck import number
+from prfaas_sglang.configcheck import opt_str as _opt_str
+from prfaas_sglang.configcheck import port as _opt_port
+from prfaas_sglang.configcheck import str_list as _str_list
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.launch.roles import ROLE_SPECS, KvTransport, Role, parse_role
 
@@ -83,56 +88,6 @@ class Topology:
         raise ConfigError("--node", f"no node named {name!r} in the topology (nodes: {known})")
 
 
-def _check_keys(obj: dict, allowed: set[str], path: str) -> None:
-    for key in obj:
-        if key not in allowed:
-            near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(sorted(allowed))})"
-            raise ConfigError(f"{path}.{key}" if path else str(key), f"unknown field{hint}")
-
-
-def _mapping(value: Any, path: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _opt_str(obj: dict, key: str, path: str) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
-    return value
-
-
-def _opt_port(obj: dict, key: str, path: str) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ConfigError(f"{path}.{key}", f"must be a port number in 1..65535, got {value!r}")
-    return value
-
-
-def _opt_positive(obj: dict, key: str, path: str, kind: type = float) -> Any:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"{path}.{key}", f"must be a positive number, got {value!r}")
-    if kind is int and int(value) != value:
-        raise ConfigError(f"{path}.{key}", f"must be an integer, got {value!r}")
-    return kind(value)
-
-
-def _str_list(obj: dict, key: str, path: str) -> tuple[str, ...]:
-    value = obj.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{path}.{key}", "must be a list of strings")
-    return tuple(value)
-
-
 def _transport(value: Any, path: str) -> KvTransport | None:
     if value is None:
         return None
@@ -173,7 +128,7 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
         port=_opt_port(obj, "port", path),
         bootstrap_port=bootstrap_port,
         kv_events_port=kv_events_port,
-        tp_size=_opt_positive(obj, "tp_size", path, int),
+        tp_size=number(obj, "tp_size", path, positive=True, integer=True),
         model_path=_opt_str(obj, "model_path", path) or model.get("path"),
         kv_transport=transport if spec.is_engine_role else None,
         extra_args=tuple(model.get("extra_args", ())) + _str_list(obj, "extra_args", path)
@@ -256,10 +211,10 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
         for key in ("from", "to"):
             if obj.get(key) not in kinds:
                 raise ConfigError(f"{lpath}.{key}", f"unknown cluster {obj.get(key)!r} (clusters: {', '.join(kinds)})")
-        bandwidth = _opt_positive(obj, "bandwidth_gbps", lpath)
+        bandwidth = number(obj, "bandwidth_gbps", lpath, positive=True)
         if bandwidth is None:
             raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
-        links.append(Link(obj["from"], obj["to"], bandwidth, _opt_positive(obj, "rtt_ms", lpath)))
+        links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True)))
     return Topology(version, tuple(nodes), tuple(links), kinds)
 
 

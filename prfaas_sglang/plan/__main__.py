@@ -1,0 +1,210 @@
+"""``python -m prfaas_sglang.plan``: threshold and PD split for a PrfaaS-PD deployment.
+
+Examples::
+
+    python -m prfaas_sglang.plan --scenario case-study              # the paper's section 4
+    python -m prfaas_sglang.plan --scenario case-study --json
+    python -m prfaas_sglang.plan --scenario case-study --threshold 19400 --json
+    python -m prfaas_sglang.plan --scenario case-study --egress-gbps 5 --plot out/plan
+    python -m prfaas_sglang.plan --model qwen3.5-397b-a17b --prfaas h200x8:4 --pd h20x8:8 \\
+        --egress-gbps 100 --workload trace:../shared/data/mooncake_conversation_trace.jsonl \\
+        --output-tokens 343 --slo 40
+    python -m prfaas_sglang.plan --anchors                           # Table 3 check
+
+Flags override the matching field of ``--scenario`` (a shipped name or a YAML
+file; see prfaas_sglang/plan/scenario.py). Bad input exits 2 naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from prfaas_sglang.errors import ConfigError, PrfaasError
+from prfaas_sglang.plan.anchors import ANCHORS, check_anchor
+from prfaas_sglang.plan.report import make_plan, render_table
+from prfaas_sglang.plan.scenario import Catalog, parse_scenario
+
+PROGRESS_MIN_THRESHOLDS = 4096
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m prfaas_sglang.plan",
+        description="Search the routing threshold t and the PD prefill/decode split (PrfaaS paper, section 3.4).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Examples::", 1)[1].split("Flags override", 1)[0],
+    )
+    parser.add_argument("--scenario", help="shipped scenario name (e.g. case-study) or a scenario YAML file")
+    parser.add_argument("--model", help="shipped model name, or a model YAML file")
+    parser.add_argument("--prfaas", metavar="ACCEL:N", help="PrfaaS class and instance count, e.g. h200x8:4")
+    parser.add_argument("--pd", metavar="ACCEL:N", help="PD class and instance count, e.g. h20x8:8")
+    parser.add_argument("--egress-gbps", type=float, help="PrfaaS egress capacity B_out")
+    parser.add_argument("--workload", help="lognormal:MU,SIGMA,MIN,MAX | trace:PATH[:lru=BLOCKS] | lengths:FILE")
+    parser.add_argument("--output-tokens", type=float, help="L_out")
+    parser.add_argument("--slo", type=float, help="decode SLO, tokens/s per request")
+    parser.add_argument("--threshold-step", type=float, help="threshold grid step, tokens (default 128)")
+    parser.add_argument("--homogeneous-instances", type=int, help="size of the homogeneous baseline (default: same GPUs)")
+    parser.add_argument("--threshold", type=float, help="evaluate this threshold instead of searching")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="write split_search.png and threshold_search.png")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar (automatic for large grids)")
+    parser.add_argument("--anchors", action="store_true", help="compare shipped profiles with the paper's Table 3 anchors")
+    parser.add_argument("--list", action="store_true", help="list shipped models, accelerators and scenarios")
+    return parser
+
+
+def _class_flag(value: str, flag: str) -> dict:
+    accel, sep, count = value.rpartition(":")
+    if not sep or not accel:
+        raise ConfigError(flag, f"expected ACCEL:N (e.g. h200x8:4), got {value!r}")
+    try:
+        instances = int(count)
+    except ValueError:
+        raise ConfigError(flag, f"instance count must be an integer, got {count!r}") from None
+    return {"accelerator": accel, "instances": instances}
+
+
+def _workload_flag(value: str) -> dict:
+    kind, _, rest = value.partition(":")
+    if kind == "lognormal":
+        try:
+            numbers = [float(x) for x in rest.split(",")]
+        except ValueError:
+            raise ConfigError("--workload", f"lognormal needs MU,SIGMA,MIN,MAX numbers, got {rest!r}") from None
+        if len(numbers) != 4:
+            raise ConfigError("--workload", "lognormal needs MU,SIGMA,MIN,MAX")
+        mu, sigma, lo, hi = numbers
+        return {"kind": "lognormal", "mu": mu, "sigma": sigma, "min_tokens": lo, "max_tokens": hi}
+    if kind == "trace":
+        path, _, cache = rest.partition(":lru=")
+        spec: dict = {"kind": "trace", "path": path, "cache": {"kind": "unbounded"}}
+        if cache:
+            try:
+                spec["cache"] = {"kind": "lru", "capacity_blocks": int(cache)}
+            except ValueError:
+                raise ConfigError("--workload", f"lru=BLOCKS must be an integer, got {cache!r}") from None
+        return spec
+    if kind == "lengths":
+        try:
+            lengths = [float(x) for x in Path(rest).read_text().split()]
+        except OSError as err:
+            raise ConfigError("--workload", f"cannot read {rest}: {err.strerror}") from None
+        except ValueError:
+            raise ConfigError("--workload", f"{rest} must hold whitespace-separated numbers") from None
+        return {"kind": "lengths", "lengths": lengths}
+    raise ConfigError("--workload", f"unknown workload kind {kind!r} (lognormal, trace, lengths)")
+
+
+def scenario_from_args(args: argparse.Namespace, catalog: Catalog):
+    overrides_given = any(v is not None for v in (args.model, args.prfaas, args.pd, args.egress_gbps, args.workload))
+    raw: dict = {}
+    base_dir = Path.cwd()
+    if args.scenario or not overrides_given:
+        path = catalog._path("scenarios", args.scenario or "case-study", "--scenario")
+        base_dir = path.parent
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError("--scenario", f"{path} is not a mapping")
+    else:
+        raw = {"name": "cli"}
+    if args.model:
+        raw["model"] = args.model
+    if args.prfaas:
+        raw["prfaas"] = _class_flag(args.prfaas, "--prfaas")
+    if args.pd:
+        raw["pd"] = _class_flag(args.pd, "--pd")
+    if args.egress_gbps is not None:
+        raw["link"] = {"egress_gbps": args.egress_gbps}
+    if args.workload:
+        raw["workload"] = _workload_flag(args.workload)
+        base_dir = Path.cwd()
+    if args.output_tokens is not None:
+        raw["output_tokens"] = args.output_tokens
+    if args.slo is not None:
+        raw["slo_tokens_per_s"] = args.slo
+    if args.threshold_step is not None:
+        raw["search"] = {"threshold_step_tokens": args.threshold_step}
+    if args.homogeneous_instances is not None:
+        raw["baselines"] = {"homogeneous_instances": args.homogeneous_instances}
+    if overrides_given and raw.get("paper"):
+        raw["paper"] = {}  # the paper's figures describe the unmodified scenario only
+    return parse_scenario(raw, Catalog(catalog.data_dir, base_dir))
+
+
+def _progress_bar(done: int, total: int) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\rsearching [{'#' * filled}{'.' * (width - filled)}] {done}/{total} thresholds")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def print_anchors(catalog: Catalog, as_json: bool) -> int:
+    accel = catalog.accelerator("h200x8", "accelerator")
+    rows = []
+    for anchor in ANCHORS:
+        check = check_anchor(anchor, catalog.model(anchor.model), accel)
+        rows.append({
+            "model": anchor.model,
+            "note": anchor.note,
+            "phi_kv_32k_gbps": check.phi_kv_gbps,
+            "paper_phi_kv_32k_gbps": anchor.paper_phi_kv_gbps,
+            "phi_ratio": check.phi_ratio,
+            "egress_512_gpus_tbps": check.egress_512_tbps,
+            "paper_egress_512_gpus_tbps": anchor.paper_egress_512_tbps,
+            "egress_ratio": check.egress_ratio,
+            "implied_prefill_mfu": check.implied_prefill_mfu,
+        })
+    if as_json:
+        print(json.dumps({"accelerator": accel.name, "prefill_mfu": accel.prefill_mfu, "anchors": rows}, indent=2))
+        return 0
+    print(f"KV throughput at 32K on {accel.name} (prefill_mfu {accel.prefill_mfu:g}) vs the paper")
+    print(f"{'model':<20} {'Phi_kv Gbps':>12} {'paper':>7} {'ratio':>6} {'512-GPU Tbps':>13} {'paper':>6} {'ratio':>6} {'MFU that matches':>17}")
+    for r in rows:
+        def f(v, spec):
+            return "-" if v is None else format(v, spec)
+        print(f"{r['model']:<20} {r['phi_kv_32k_gbps']:>12.2f} {f(r['paper_phi_kv_32k_gbps'], '.2f'):>7} {f(r['phi_ratio'], '.2f'):>6} "
+              f"{r['egress_512_gpus_tbps']:>13.3f} {f(r['paper_egress_512_gpus_tbps'], '.3f'):>6} {f(r['egress_ratio'], '.2f'):>6} "
+              f"{f(r['implied_prefill_mfu'], '.2f'):>17}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    catalog = Catalog()
+    try:
+        if args.list:
+            for kind in ("scenarios", "models", "accelerators"):
+                print(f"{kind}: {', '.join(catalog.names(kind))}")
+            return 0
+        if args.anchors:
+            return print_anchors(catalog, args.json)
+        if args.threshold is not None and not args.threshold > 0:
+            raise ConfigError("--threshold", f"must be > 0, got {args.threshold!r}")
+        scenario = scenario_from_args(args, catalog)
+        grid = scenario.workload.max_tokens / scenario.step_tokens
+        show = args.threshold is None and (args.progress or (grid >= PROGRESS_MIN_THRESHOLDS and sys.stderr.isatty()))
+        plan = make_plan(scenario, args.threshold, _progress_bar if show else None)
+        if args.plot:
+            if plan.search is None:
+                raise ConfigError("--plot", "needs a search (drop --threshold)")
+            from prfaas_sglang.plan.plots import write_plots
+
+            paths = write_plots(plan, args.plot)
+            if not args.json:
+                print("wrote " + ", ".join(str(p) for p in paths))
+    except PrfaasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(json.dumps(plan.to_json(), indent=2) if args.json else render_table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

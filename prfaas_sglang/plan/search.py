@@ -1,0 +1,105 @@
+"""Grid search over the threshold and the PD split (7)(8), and the two baselines (pure).
+
+The optimum of Lambda_max over ``t`` (on a token grid) and ``N_p`` (with
+``N_p + N_d = n_pd``, ``N_d >= 1``) is found exhaustively: the grid is small
+(~1000 thresholds x a handful of splits) and an exhaustive search returns
+the whole surface, which the plots and the router's re-search both use.
+Equations (7) and (8) are then *reported* (how far the optimum is from
+balance), not solved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
+from prfaas_sglang.plan.profiles import InstanceClass
+from prfaas_sglang.plan.workload import Split, Workload
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """``surface[i][j]`` is Lambda_max at ``thresholds[i]`` and ``n_prefill_options[j]``."""
+
+    best: OperatingPoint
+    thresholds: tuple[float, ...]
+    n_prefill_options: tuple[int, ...]
+    surface: tuple[tuple[float, ...], ...]
+
+    def best_on_grid(self) -> float:
+        return max(max(row) for row in self.surface)
+
+
+def threshold_grid(workload: Workload, step_tokens: float) -> list[float]:
+    """``step, 2*step, ...`` up to the first multiple at or above the longest request.
+
+    The first point at or below the shortest request offloads everything, the
+    last keeps everything local, so both extremes are on the grid.
+    """
+    if not step_tokens > 0:
+        raise ConfigError("search.threshold_step_tokens", f"must be > 0, got {step_tokens!r}")
+    count = math.ceil(workload.max_tokens / step_tokens)
+    if count > 2_000_000:
+        raise ConfigError("search.threshold_step_tokens", f"{step_tokens:g} gives {count} thresholds; use a coarser step")
+    return [step_tokens * k for k in range(1, count + 1)]
+
+
+def _better(a: OperatingPoint, b: OperatingPoint | None) -> bool:
+    """Higher throughput wins; on a tie, less egress, then the lower threshold (stable)."""
+    if b is None:
+        return True
+    if not math.isclose(a.lambda_max_rps, b.lambda_max_rps, rel_tol=1e-12):
+        return a.lambda_max_rps > b.lambda_max_rps
+    return a.egress_gbps < b.egress_gbps
+
+
+def _splits(dep: Deployment) -> list[int]:
+    return list(range(0, dep.n_pd))  # N_p = 0 .. n_pd-1, so N_d >= 1
+
+
+def search(dep: Deployment, workload: Workload, step_tokens: float = 128, progress: Progress | None = None) -> SearchResult:
+    """Exhaustive 2-D search; ``progress(done, total)`` is called once per threshold."""
+    thresholds = threshold_grid(workload, step_tokens)
+    splits = _splits(dep)
+    surface: list[tuple[float, ...]] = []
+    best: OperatingPoint | None = None
+    for i, t in enumerate(thresholds):
+        split = workload.split(t)
+        row = []
+        for n_p in splits:
+            point = evaluate(dep, split, n_p, dep.n_pd - n_p)
+            row.append(point.lambda_max_rps)
+            if _better(point, best):
+                best = point
+        surface.append(tuple(row))
+        if progress:
+            progress(i + 1, len(thresholds))
+    return SearchResult(best, tuple(thresholds), tuple(splits), tuple(surface))
+
+
+def best_split_at(dep: Deployment, split: Split) -> OperatingPoint:
+    """Best PD split for one fixed threshold (``--threshold``)."""
+    best = None
+    for n_p in _splits(dep):
+        point = evaluate(dep, split, n_p, dep.n_pd - n_p)
+        if _better(point, best):
+            best = point
+    return best
+
+
+def homogeneous_baseline(pd: InstanceClass, n_instances: int, workload: Workload, output_tokens: float, egress_bps: float) -> OperatingPoint:
+    """All ``n_instances`` of one class in one PD cluster, best P/D split, no PrfaaS (p = 0)."""
+    dep = Deployment(pd, 0, pd, n_instances, egress_bps, output_tokens)
+    everything_local = Split(math.inf, 0.0, None, workload.mean_tokens)
+    return replace(best_split_at(dep, everything_local), threshold_tokens=None)
+
+
+def naive_baseline(dep: Deployment, workload: Workload) -> OperatingPoint:
+    """All prefill on the PrfaaS class, all decode on the PD class, no threshold (p = 1)."""
+    everything_offloaded = Split(0.0, 1.0, workload.mean_tokens, None)
+    return replace(evaluate(dep, everything_offloaded, 0, dep.n_pd), threshold_tokens=None)

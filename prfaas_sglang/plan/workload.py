@@ -1,0 +1,240 @@
+"""Request-length workloads for the throughput model (pure).
+
+A workload answers, for a routing threshold ``t`` on the *incremental*
+(uncached) prefill length ``L``::
+
+    p(t)       = P(L > t)            fraction offloaded to PrfaaS
+    l_long(t)  = E[L | L > t]        representative PrfaaS request
+    l_short(t) = E[L | L <= t]       representative PD-P request
+
+``None`` stands for an empty side (p = 0 or p = 1); never a sentinel number.
+
+Three kinds: :class:`TruncatedLogNormal` (closed form, the paper's case
+study), :class:`EmpiricalLengths` (any list of lengths), and
+:func:`incremental_lengths` which turns a Mooncake-format trace into
+empirical incremental lengths under a cache model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from prfaas_sglang.errors import ConfigError
+
+_STD_NORMAL = NormalDist()
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Split:
+    """The workload seen through threshold ``t`` (lengths in tokens)."""
+
+    threshold_tokens: float
+    offload_fraction: float  # p = P(L > t)
+    mean_long_tokens: float | None  # E[L | L > t]; None when p == 0
+    mean_short_tokens: float | None  # E[L | L <= t]; None when p == 1
+
+
+class Workload:
+    """Interface: ``split(t)``, ``mean_tokens``, ``min_tokens``/``max_tokens``."""
+
+    name: str
+    min_tokens: float
+    max_tokens: float
+    mean_tokens: float
+
+    def split(self, threshold_tokens: float) -> Split:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TruncatedLogNormal(Workload):
+    """ln L ~ N(mu, sigma²), conditioned on ``lo <= L <= hi``. Closed form, no sampling.
+
+    Uses the partial expectation of a log-normal::
+
+        E[L ; a < L <= b] = exp(mu + sigma²/2) * (Phi(zb - sigma) - Phi(za - sigma)),
+        za = (ln a - mu) / sigma
+    """
+
+    mu: float
+    sigma: float
+    lo: float
+    hi: float
+    name: str = "lognormal"
+
+    def __post_init__(self):
+        if not self.sigma > 0:
+            raise ConfigError("workload.sigma", f"must be > 0, got {self.sigma!r}")
+        if not 0 < self.lo < self.hi:
+            raise ConfigError("workload.min_tokens", f"need 0 < min_tokens < max_tokens, got {self.lo!r}, {self.hi!r}")
+
+    def _z(self, x: float) -> float:
+        return (math.log(x) - self.mu) / self.sigma
+
+    def _mass(self, a: float, b: float) -> float:
+        return _STD_NORMAL.cdf(self._z(b)) - _STD_NORMAL.cdf(self._z(a))
+
+    def _partial_mean(self, a: float, b: float) -> float:
+        scale = math.exp(self.mu + self.sigma**2 / 2)
+        return scale * (_STD_NORMAL.cdf(self._z(b) - self.sigma) - _STD_NORMAL.cdf(self._z(a) - self.sigma))
+
+    @property
+    def min_tokens(self) -> float:  # type: ignore[override]
+        return self.lo
+
+    @property
+    def max_tokens(self) -> float:  # type: ignore[override]
+        return self.hi
+
+    @property
+    def mean_tokens(self) -> float:  # type: ignore[override]
+        return self._partial_mean(self.lo, self.hi) / self._mass(self.lo, self.hi)
+
+    def split(self, threshold_tokens: float) -> Split:
+        t = min(max(threshold_tokens, self.lo), self.hi)
+        total = self._mass(self.lo, self.hi)
+        upper = self._mass(t, self.hi)
+        lower = total - upper
+        p = upper / total
+        long_mean = self._partial_mean(t, self.hi) / upper if upper > 0 else None
+        short_mean = self._partial_mean(self.lo, t) / lower if lower > 0 else None
+        return Split(threshold_tokens, p, long_mean, short_mean)
+
+    def sample(self, rng: random.Random, n: int) -> list[float]:
+        """``n`` lengths by inverse-CDF sampling inside the truncation (for simulators)."""
+        lo_u, hi_u = _STD_NORMAL.cdf(self._z(self.lo)), _STD_NORMAL.cdf(self._z(self.hi))
+        return [
+            math.exp(self.mu + self.sigma * _STD_NORMAL.inv_cdf(lo_u + (hi_u - lo_u) * rng.random()))
+            for _ in range(n)
+        ]
+
+
+class EmpiricalLengths(Workload):
+    """A finite list of lengths; ``split`` is exact for it (O(log n) per threshold)."""
+
+    def __init__(self, lengths: Iterable[float], name: str = "empirical"):
+        values = sorted(float(x) for x in lengths)
+        if not values:
+            raise ConfigError("workload.lengths", "is empty")
+        if values[0] < 0:
+            raise ConfigError("workload.lengths", f"lengths must be >= 0, got {values[0]!r}")
+        self.name = name
+        self._values = values
+        self._prefix = [0.0]
+        for v in values:
+            self._prefix.append(self._prefix[-1] + v)
+
+    @property
+    def min_tokens(self) -> float:  # type: ignore[override]
+        return self._values[0]
+
+    @property
+    def max_tokens(self) -> float:  # type: ignore[override]
+        return self._values[-1]
+
+    @property
+    def mean_tokens(self) -> float:  # type: ignore[override]
+        return self._prefix[-1] / len(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def split(self, threshold_tokens: float) -> Split:
+        n = len(self._values)
+        k = bisect.bisect_right(self._values, threshold_tokens)  # values[:k] <= t
+        short_sum, long_sum = self._prefix[k], self._prefix[n] - self._prefix[k]
+        return Split(
+            threshold_tokens,
+            (n - k) / n,
+            long_sum / (n - k) if k < n else None,
+            short_sum / k if k > 0 else None,
+        )
+
+
+# --- Mooncake traces -> incremental lengths -------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One Mooncake FAST'25 trace line: ``hash_ids`` name 512-token prefix blocks."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_trace_record(obj: dict, where: str) -> TraceRecord:
+    try:
+        record = TraceRecord(
+            float(obj["timestamp"]),
+            int(obj["input_length"]),
+            int(obj["output_length"]),
+            tuple(int(h) for h in obj["hash_ids"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(where, f"not a Mooncake trace record ({err!r})") from None
+    if record.input_length <= 0 or record.output_length < 0:
+        raise ConfigError(where, "input_length must be > 0 and output_length >= 0")
+    return record
+
+
+class UnboundedCache:
+    """Every block ever seen stays cached (the trace's reuse upper bound)."""
+
+    def __init__(self):
+        self._blocks: set[int] = set()
+
+    def match_and_insert(self, hash_ids: Sequence[int]) -> int:
+        """Number of leading blocks already cached; then cache all of them."""
+        matched = 0
+        for h in hash_ids:
+            if h not in self._blocks:
+                break
+            matched += 1
+        self._blocks.update(hash_ids)
+        return matched
+
+
+class LruBlockCache:
+    """A cache of ``capacity_blocks`` blocks with LRU eviction (one cluster's prefix cache)."""
+
+    def __init__(self, capacity_blocks: int):
+        if capacity_blocks <= 0:
+            raise ConfigError("cache.capacity_blocks", f"must be > 0, got {capacity_blocks!r}")
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def match_and_insert(self, hash_ids: Sequence[int]) -> int:
+        matched = 0
+        for h in hash_ids:
+            if h not in self._lru:
+                break
+            matched += 1
+        for h in hash_ids:
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity_blocks:
+            self._lru.popitem(last=False)
+        return matched
+
+
+def incremental_lengths(records: Iterable[TraceRecord], cache, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[int]:
+    """Uncached prefill length of each record, replayed in order through ``cache``.
+
+    ``cached = min(matched_blocks * block_tokens, input_length - 1)``: the last
+    prompt token is always computed (SGLang prefills at least one token).
+    """
+    out = []
+    for record in records:
+        matched = cache.match_and_insert(record.hash_ids)
+        cached = min(matched * block_tokens, record.input_length - 1)
+        out.append(record.input_length - cached)
+    return out
