@@ -29,6 +29,7 @@ from prfaas_sglang.errors import ConfigError
 
 _STD_NORMAL = NormalDist()
 MOONCAKE_BLOCK_TOKENS = 512
+NEGLIGIBLE_MASS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,17 @@ class TruncatedLogNormal(Workload):
     def split(self, threshold_tokens: float) -> Split:
         t = min(max(threshold_tokens, self.lo), self.hi)
         total = self._mass(self.lo, self.hi)
-        upper = self._mass(t, self.hi)
-        lower = total - upper
-        p = upper / total
-        long_mean = self._partial_mean(t, self.hi) / upper if upper > 0 else None
-        short_mean = self._partial_mean(self.lo, t) / lower if lower > 0 else None
-        return Split(threshold_tokens, p, long_mean, short_mean)
+        # A side whose mass is below NEGLIGIBLE_MASS of the total is empty: its
+        # partial mean would be a difference of two equal floats (0/0-ish).
+        upper = self._mass(t, self.hi) / total
+        lower = self._mass(self.lo, t) / total
+        if upper < NEGLIGIBLE_MASS:
+            return Split(threshold_tokens, 0.0, None, self.mean_tokens)
+        if lower < NEGLIGIBLE_MASS:
+            return Split(threshold_tokens, 1.0, self.mean_tokens, None)
+        long_mean = self._partial_mean(t, self.hi) / (upper * total)
+        short_mean = self._partial_mean(self.lo, t) / (lower * total)
+        return Split(threshold_tokens, upper, min(max(long_mean, t), self.hi), min(max(short_mean, self.lo), t))
 
     def sample(self, rng: random.Random, n: int) -> list[float]:
         """``n`` lengths by inverse-CDF sampling inside the truncation (for simulators)."""

@@ -1,0 +1,139 @@
+"""python -m prfaas_sglang.plan: JSON keys, fixed threshold, plots, bad input naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import REPO_ROOT, run_py
+
+REQUIRED_KEYS = {
+    "threshold_tokens", "n_prefill", "n_decode", "offload_fraction", "mean_long_tokens", "mean_short_tokens",
+    "lambda_max_rps", "egress_gbps", "gain_vs_homogeneous", "gain_vs_naive", "binding_stage",
+}
+
+
+def plan_cli(*args: str, cwd=REPO_ROOT):
+    return run_py(["-m", "prfaas_sglang.plan", *args], cwd=cwd)
+
+
+def test_case_study_json_has_the_documented_keys():
+    proc = plan_cli("--scenario", "case-study", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert REQUIRED_KEYS <= set(result)
+    assert result["threshold_searched"] is True
+
+
+def test_fixed_threshold_reproduces_the_paper_split_figures():
+    result = json.loads(plan_cli("--scenario", "case-study", "--threshold", "19400", "--json").stdout)
+    assert result["threshold_tokens"] == 19400 and result["threshold_searched"] is False
+    assert result["offload_fraction"] == pytest.approx(0.496, abs=0.002)
+    assert 44_000 <= result["mean_long_tokens"] <= 46_000
+    assert 27_000 <= result["mean_tokens"] <= 28_000
+
+
+def test_human_table_shows_paper_beside_ours():
+    out = plan_cli("--scenario", "case-study").stdout
+    assert "ours" in out and "paper" in out and "19.4K" in out and "1.54x" in out
+
+
+def test_plots_are_written(tmp_path):
+    proc = plan_cli("--scenario", "case-study", "--plot", str(tmp_path), "--threshold-step", "1024")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("split_search.png", "threshold_search.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_flags_only_scenario_with_the_trace(tmp_path):
+    trace = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    proc = plan_cli("--model", "qwen3.5-397b-a17b", "--prfaas", "h200x8:4", "--pd", "h200x8:8", "--egress-gbps", "100",
+                    f"--workload=trace:{trace}:lru=20000", "--output-tokens", "343", "--slo", "40", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["model"] == "qwen3.5-397b-a17b" and result["paper"] == {}
+    assert 0 <= result["offload_fraction"] <= 1
+
+
+def test_progress_bar_on_request():
+    proc = plan_cli("--scenario", "case-study", "--progress", "--threshold-step", "4096")
+    assert proc.returncode == 0
+    assert "searching [" in proc.stderr and "32/32 thresholds" in proc.stderr
+
+
+def write(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--egress-gbps", "-1"], "link.egress_gbps"),
+    (["--workload", "lognormal:9.9,0,128,1000"], "workload.sigma"),
+    (["--pd", "h20x8:eight"], "--pd"),
+    (["--prfaas", "tpu:4"], "prfaas.accelerator"),
+    (["--threshold", "0"], "--threshold"),
+    (["--threshold-step", "0"], "search.threshold_step_tokens"),
+    (["--scenario", "no-such-scenario"], "--scenario"),
+])
+def test_bad_flags_name_the_field(args, field):
+    proc = plan_cli(*(["--scenario", "case-study"] if "--scenario" not in args else []), *args)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stderr.startswith(f"error: {field}:"), proc.stderr
+
+
+def test_empty_workload_is_refused(tmp_path):
+    empty = tmp_path / "lengths.txt"
+    empty.write_text("\n")
+    proc = plan_cli("--scenario", "case-study", f"--workload=lengths:{empty}")
+    assert proc.returncode == 2 and "error: workload.lengths: is empty" in proc.stderr
+
+
+def test_unknown_model_field_is_named(tmp_path):
+    model = yaml.safe_load((REPO_ROOT / "prfaas_sglang/plan/data/models/qwen3-235b-a22b.yaml").read_text())
+    model["full_attention"]["num_layerz"] = 94
+    path = write(tmp_path / "m.yaml", model)
+    proc = plan_cli("--scenario", "case-study", "--model", str(path))
+    assert proc.returncode == 2
+    assert "error: model.full_attention.num_layerz: unknown field" in proc.stderr
+
+
+def test_non_monotone_measured_profile_is_named(tmp_path):
+    profile = {
+        "name": "h20-measured", "gpus_per_instance": 8,
+        "points": [{"tokens": 1024, "prefill_s": 0.3, "kv_bytes": 2e7},
+                   {"tokens": 8192, "prefill_s": 1.9, "kv_bytes": 1.5e8},
+                   {"tokens": 32768, "prefill_s": 1.5, "kv_bytes": 6e8}],
+        "decode": {"bs_max": 24, "step_s": 0.025},
+    }
+    write(tmp_path / "h20.yaml", profile)
+    scenario = yaml.safe_load((REPO_ROOT / "prfaas_sglang/plan/data/scenarios/case-study.yaml").read_text())
+    scenario["pd"] = {"profile": "h20.yaml", "instances": 8}
+    path = write(tmp_path / "s.yaml", scenario)
+    proc = plan_cli("--scenario", str(path))
+    assert proc.returncode == 2
+    assert "error: pd.profile.points[2].prefill_s: must be non-decreasing" in proc.stderr
+
+
+def test_measured_profile_scenario_runs(tmp_path):
+    profile = {
+        "name": "h20-measured", "gpus_per_instance": 8,
+        "points": [{"tokens": 1024, "prefill_s": 0.3, "kv_bytes": 2e7},
+                   {"tokens": 8192, "prefill_s": 1.9, "kv_bytes": 1.5e8},
+                   {"tokens": 32768, "prefill_s": 9.5, "kv_bytes": 6e8}],
+        "decode": {"bs_max": 24, "step_s": 0.025},
+    }
+    write(tmp_path / "h20.yaml", profile)
+    scenario = yaml.safe_load((REPO_ROOT / "prfaas_sglang/plan/data/scenarios/case-study.yaml").read_text())
+    scenario["pd"] = {"profile": "h20.yaml", "instances": 8}
+    proc = plan_cli("--scenario", str(write(tmp_path / "s.yaml", scenario)), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["decode_bs_max"] == 24
+
+
+def test_negative_bandwidth_in_a_scenario_file(tmp_path):
+    scenario = yaml.safe_load((REPO_ROOT / "prfaas_sglang/plan/data/scenarios/case-study.yaml").read_text())
+    scenario["link"]["egress_gbps"] = -5
+    proc = plan_cli("--scenario", str(write(tmp_path / "s.yaml", scenario)))
+    assert proc.returncode == 2 and "error: link.egress_gbps: must be a positive number" in proc.stderr
