@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prfaas_sglang.plan.model import Deployment, evaluate, required_egress_bps
-from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, ScaledPrefill, TabulatedPrefill
+from prfaas_sglang.plan.profiles import (
+    DecodeProfile,
+    InstanceClass,
+    ScaledPrefill,
+    TabulatedPrefill,
+)
 from prfaas_sglang.plan.report import make_plan
 from prfaas_sglang.plan.scenario import Catalog
 from prfaas_sglang.plan.search import homogeneous_baseline, naive_baseline, search

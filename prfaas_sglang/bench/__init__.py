@@ -1,0 +1,1 @@
+"""Benchmarks whose numbers go into BENCHMARKS.md: ``python -m prfaas_sglang.bench --help``."""
