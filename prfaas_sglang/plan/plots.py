@@ -37,14 +37,8 @@ def write_plots(plan: Plan, out_dir: Path) -> list[Path]:
     ax.plot(n_ps, [p.theta_pd_decode_rps for p in points], "^--", label="Theta_pd-d (consumer)")
     ax.axvline(best.n_prefill, color="grey", lw=0.8)
     ax.set_xticks(n_ps, [f"{n}P/{dep.n_pd - n}D" for n in n_ps], rotation=45)
-    ax.set_xlabel("PD-cluster split")
-    ax.set_ylabel("requests/s")
-    ax.set_title(f"(a) split search at t = {best.threshold_tokens / 1000:.1f}K")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path_a = out_dir / "split_search.png"
-    fig.savefig(path_a, dpi=120)
-    plt.close(fig)
+    path_a = _finish(plt, fig, ax, "PD-cluster split", f"(a) split search at t = {best.threshold_tokens / 1000:.1f}K",
+                     out_dir / "split_search.png")
 
     # (b) threshold sweep at the optimal split
     thresholds = plan.search.thresholds if plan.search else [best.threshold_tokens]
@@ -63,12 +57,17 @@ def write_plots(plan: Plan, out_dir: Path) -> list[Path]:
     ax.axvline(best.threshold_tokens / 1000, color="grey", lw=0.8)
     top = max(v for v in curve_lambda) * 3
     ax.set_ylim(0, top)
-    ax.set_xlabel("threshold t (K tokens)")
+    path_b = _finish(plt, fig, ax, "threshold t (K tokens)", f"(b) threshold search at {best.n_prefill}P/{best.n_decode}D",
+                     out_dir / "threshold_search.png")
+    return [path_a, path_b]
+
+
+def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("requests/s")
-    ax.set_title(f"(b) threshold search at {best.n_prefill}P/{best.n_decode}D")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path_b = out_dir / "threshold_search.png"
-    fig.savefig(path_b, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [path_a, path_b]
+    return path

@@ -192,6 +192,16 @@ def parse_trace_record(obj: dict, where: str) -> TraceRecord:
     return record
 
 
+def leading_matches(hash_ids: Sequence[int], cached) -> int:
+    """How many of ``hash_ids``, from the first, are in ``cached`` (a prefix match)."""
+    matched = 0
+    for h in hash_ids:
+        if h not in cached:
+            break
+        matched += 1
+    return matched
+
+
 class UnboundedCache:
     """Every block ever seen stays cached (the trace's reuse upper bound)."""
 
@@ -200,11 +210,7 @@ class UnboundedCache:
 
     def match_and_insert(self, hash_ids: Sequence[int]) -> int:
         """Number of leading blocks already cached; then cache all of them."""
-        matched = 0
-        for h in hash_ids:
-            if h not in self._blocks:
-                break
-            matched += 1
+        matched = leading_matches(hash_ids, self._blocks)
         self._blocks.update(hash_ids)
         return matched
 
@@ -219,11 +225,7 @@ class LruBlockCache:
         self._lru: OrderedDict[int, None] = OrderedDict()
 
     def match_and_insert(self, hash_ids: Sequence[int]) -> int:
-        matched = 0
-        for h in hash_ids:
-            if h not in self._lru:
-                break
-            matched += 1
+        matched = leading_matches(hash_ids, self._lru)
         for h in hash_ids:
             self._lru[h] = None
             self._lru.move_to_end(h)

@@ -99,35 +99,29 @@ def test_unknown_model_field_is_named(tmp_path):
     assert "error: model.full_attention.num_layerz: unknown field" in proc.stderr
 
 
-def test_non_monotone_measured_profile_is_named(tmp_path):
+def measured_scenario(tmp_path, last_prefill_s: float):
+    """The case study with the PD class replaced by a measured profile file."""
     profile = {
         "name": "h20-measured", "gpus_per_instance": 8,
         "points": [{"tokens": 1024, "prefill_s": 0.3, "kv_bytes": 2e7},
                    {"tokens": 8192, "prefill_s": 1.9, "kv_bytes": 1.5e8},
-                   {"tokens": 32768, "prefill_s": 1.5, "kv_bytes": 6e8}],
+                   {"tokens": 32768, "prefill_s": last_prefill_s, "kv_bytes": 6e8}],
         "decode": {"bs_max": 24, "step_s": 0.025},
     }
     write(tmp_path / "h20.yaml", profile)
     scenario = yaml.safe_load((REPO_ROOT / "prfaas_sglang/plan/data/scenarios/case-study.yaml").read_text())
     scenario["pd"] = {"profile": "h20.yaml", "instances": 8}
-    path = write(tmp_path / "s.yaml", scenario)
-    proc = plan_cli("--scenario", str(path))
+    return write(tmp_path / "s.yaml", scenario)
+
+
+def test_non_monotone_measured_profile_is_named(tmp_path):
+    proc = plan_cli("--scenario", str(measured_scenario(tmp_path, last_prefill_s=1.5)))
     assert proc.returncode == 2
     assert "error: pd.profile.points[2].prefill_s: must be non-decreasing" in proc.stderr
 
 
 def test_measured_profile_scenario_runs(tmp_path):
-    profile = {
-        "name": "h20-measured", "gpus_per_instance": 8,
-        "points": [{"tokens": 1024, "prefill_s": 0.3, "kv_bytes": 2e7},
-                   {"tokens": 8192, "prefill_s": 1.9, "kv_bytes": 1.5e8},
-                   {"tokens": 32768, "prefill_s": 9.5, "kv_bytes": 6e8}],
-        "decode": {"bs_max": 24, "step_s": 0.025},
-    }
-    write(tmp_path / "h20.yaml", profile)
-    scenario = yaml.safe_load((REPO_ROOT / "prfaas_sglang/plan/data/scenarios/case-study.yaml").read_text())
-    scenario["pd"] = {"profile": "h20.yaml", "instances": 8}
-    proc = plan_cli("--scenario", str(write(tmp_path / "s.yaml", scenario)), "--json")
+    proc = plan_cli("--scenario", str(measured_scenario(tmp_path, last_prefill_s=9.5)), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["decode_bs_max"] == 24
 
