@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError, PrfaasError, RoleNotAvailableError
-from prfaas_sglang.launch.plan import LaunchPlan, plan_sglang
+from prfaas_sglang.launch.plan import LaunchPlan, plan_mock, plan_sglang
 from prfaas_sglang.launch.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
 from prfaas_sglang.launch.topology import Node, load_topology
 
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-events-port", type=int, help="publish SGLang KV events over ZMQ on this port")
     parser.add_argument("--kv-transport", help="tcp (Mooncake TCP, default) | rdma")
     parser.add_argument("--tp-size", type=int, help="tensor parallel size")
+    mock = parser.add_argument_group("emulated engine (--engine mock)")
+    mock.add_argument("--profile", help="MODEL@ACCELERATOR from the planner's data (e.g. kimi-linear-1t-hybrid@h20x8) or a measured profile YAML")
+    mock.add_argument("--speedup", type=float, help="divide emulated durations by this")
+    mock.add_argument("--kv-scale", type=float, help="real KV bytes shipped = S_kv(l) * kv_scale")
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
     parser.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
     return parser
@@ -58,8 +62,12 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
     return argv, ()
 
 
-def resolve_node(args: argparse.Namespace, extra: tuple[str, ...]) -> Node:
-    """The node to start: topology defaults (``--config/--node``) overridden by flags."""
+def resolve_node(args: argparse.Namespace) -> Node:
+    """The node to start: topology defaults (``--config/--node``) overridden by flags.
+
+    ``node.extra_args`` holds the topology's SGLang arguments only; arguments
+    after ``--`` are added by the plan for the chosen engine.
+    """
     if args.node and not args.config:
         raise ConfigError("--node", "needs --config")
     if args.config:
@@ -92,8 +100,7 @@ def resolve_node(args: argparse.Namespace, extra: tuple[str, ...]) -> Node:
             raise ConfigError("--" + key.replace("_", "-"), f"must be a port number in 1..65535, got {value}")
     if args.bootstrap_port is not None and ROLE_SPECS[node.role].disaggregation_mode != "prefill":
         raise ConfigError("--bootstrap-port", f"only prefill roles serve a bootstrap port, not {node.role.value}")
-    node = dataclasses.replace(node, **{k: v for k, v in overrides.items() if v is not None})
-    return dataclasses.replace(node, extra_args=node.extra_args + extra)
+    return dataclasses.replace(node, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _looks_local(path: str) -> bool:
@@ -101,15 +108,25 @@ def _looks_local(path: str) -> bool:
 
 
 def make_plan(args: argparse.Namespace, extra: tuple[str, ...]) -> LaunchPlan:
-    node = resolve_node(args, extra)
+    node = resolve_node(args)
     spec = ROLE_SPECS[node.role]
     try:
         engine = Engine(args.engine or "sglang")
     except ValueError:
         raise ConfigError("--engine", f"unknown engine {args.engine!r} (expected sglang or mock)") from None
     if engine not in spec.available_engines:
-        what = f"role {node.role.value}" if not spec.available_engines else f"--engine {engine.value} for role {node.role.value}"
-        raise RoleNotAvailableError(f"{what} is not available in this release yet (planned: {spec.planned_in})")
+        raise RoleNotAvailableError(f"role {node.role.value} is not available in this release yet (planned: {spec.planned_in})")
+
+    mock_flags = {"--profile": args.profile, "--speedup": args.speedup, "--kv-scale": args.kv_scale}
+    if engine is Engine.MOCK:
+        if not args.profile:
+            raise ConfigError("--profile", "is required with --engine mock (e.g. kimi-linear-1t-hybrid@h20x8)")
+        mock_args = tuple(x for flag in ("--speedup", "--kv-scale") if mock_flags[flag] is not None for x in (flag, str(mock_flags[flag])))
+        # The topology's extra_args are SGLang flags; the emulated engine takes only `--` arguments.
+        return plan_mock(dataclasses.replace(node, extra_args=()), sys.executable, args.profile, mock_args + extra)
+    given = [flag for flag, value in mock_flags.items() if value is not None]
+    if given:
+        raise ConfigError(given[0], "applies to --engine mock only")
 
     from prfaas_sglang.patches import verify_installed
 
@@ -119,6 +136,7 @@ def make_plan(args: argparse.Namespace, extra: tuple[str, ...]) -> LaunchPlan:
         if not (args.dry_run or envs.SKIP_PATCH_VERIFY.get()):
             raise
         notes = (f"patch series NOT verified ({type(err).__name__}): {err}",)
+    node = dataclasses.replace(node, extra_args=node.extra_args + extra)
     plan = plan_sglang(node, sys.executable, os.environ, notes)
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")

@@ -119,3 +119,26 @@ def plan_sglang(node: Node, python: str, environ: Mapping[str, str], notes: tupl
             else:
                 env[default.name] = default.value
     return LaunchPlan(node, Engine.SGLANG, tuple(argv), env, kept, notes)
+
+
+def plan_mock(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = ()) -> LaunchPlan:
+    """The emulated worker's command (``python -m prfaas_sglang.engine.mock``) for an engine ``node``.
+
+    The emulated engine ships KV over Mooncake TCP whatever the node's transport says.
+    """
+    spec = ROLE_SPECS[node.role]
+    if not spec.is_engine_role:
+        raise ConfigError("--role", f"{node.role.value} is not an engine role")
+    if node.port is None:
+        raise ConfigError("--port", f"is required for role {node.role.value} with --engine mock")
+    if spec.disaggregation_mode == "prefill" and node.bootstrap_port is None:
+        raise ConfigError("--bootstrap-port", f"is required for role {node.role.value} with --engine mock")
+    argv = [python, "-m", "prfaas_sglang.engine.mock", "--role", node.role.value, "--host", node.host or "127.0.0.1",
+            "--port", str(node.port), "--profile", profile]
+    if node.bootstrap_port is not None:
+        argv += ["--bootstrap-port", str(node.bootstrap_port)]
+    if node.kv_events_port is not None:
+        argv += ["--kv-events-port", str(node.kv_events_port)]
+    argv += list(mock_args) + list(node.extra_args)
+    env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
+    return LaunchPlan(node, Engine.MOCK, tuple(argv), env)

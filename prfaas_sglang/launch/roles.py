@@ -51,9 +51,9 @@ class RoleSpec:
 # with no PrfaaS leg (one Mooncake engine cannot mix transports per peer in
 # 0.3.13; the transport issue revisits this).
 ROLE_SPECS: dict[Role, RoleSpec] = {
-    Role.PRFAAS: RoleSpec(Role.PRFAAS, "prfaas", "prefill", KvTransport.TCP, (KvTransport.TCP,), (Engine.SGLANG,), "issue #4 (mock engine)"),
-    Role.PD_PREFILL: RoleSpec(Role.PD_PREFILL, "pd", "prefill", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG,), "issue #4 (mock engine)"),
-    Role.PD_DECODE: RoleSpec(Role.PD_DECODE, "pd", "decode", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG,), "issue #4 (mock engine)"),
+    Role.PRFAAS: RoleSpec(Role.PRFAAS, "prfaas", "prefill", KvTransport.TCP, (KvTransport.TCP,), (Engine.SGLANG, Engine.MOCK), None),
+    Role.PD_PREFILL: RoleSpec(Role.PD_PREFILL, "pd", "prefill", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG, Engine.MOCK), None),
+    Role.PD_DECODE: RoleSpec(Role.PD_DECODE, "pd", "decode", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG, Engine.MOCK), None),
     Role.ROUTER: RoleSpec(Role.ROUTER, "control", None, None, (), (), "issue #5 (global scheduler)"),
     Role.KV_INDEX: RoleSpec(Role.KV_INDEX, "control", None, None, (), (), "issue #5 (global KV index)"),
 }

@@ -1,0 +1,35 @@
+"""SGLang's chained block hashes, in pure Python (no sglang import).
+
+SGLang 0.5.15 (``mem_cache/cpp_utils/hash_binding.cpp``) hashes a prompt page
+by page: ``digest_i = SHA256(digest_{i-1} || page_i tokens as little-endian
+uint32)`` (no prefix for the first page), and KV events carry the first 64 bits
+of each digest as a signed int64 (``mem_cache/utils.py:hash_str_to_int64``).
+Using the same function in the emulated engine and the kv-index means both
+see real SGLang's and the mock's events identically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+
+def page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
+    """One 32-byte digest per *full* page of ``token_ids``; a trailing partial page is not hashed."""
+    if page_size <= 0:
+        raise ValueError("page_size must be positive")
+    digests = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        h = hashlib.sha256()
+        if prior is not None:
+            h.update(prior)
+        h.update(struct.pack(f"<{page_size}I", *token_ids[start : start + page_size]))
+        prior = h.digest()
+        digests.append(prior)
+    return digests
+
+
+def digest_to_int64(digest: bytes) -> int:
+    """SGLang's event id for a block: the digest's first 8 bytes, big-endian, as signed int64."""
+    return int.from_bytes(digest[:8], "big", signed=True)

@@ -1,0 +1,90 @@
+"""``python -m prfaas_sglang.engine.mock``: one emulated SGLang worker (normally started by the launcher).
+
+Exits 2 with a one-line reason on a bad flag or profile; stops cleanly on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from prfaas_sglang.errors import ConfigError, PrfaasError
+from prfaas_sglang.launch.roles import ROLE_SPECS, parse_role
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m prfaas_sglang.engine.mock", description=__doc__)
+    p.add_argument("--role", required=True, help="prfaas | pd-prefill | pd-decode")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bootstrap-port", type=int, help="prefill roles: the bootstrap server's port")
+    p.add_argument("--kv-events-port", type=int, help="publish SGLang KV events on tcp://*:PORT")
+    p.add_argument("--profile", required=True, help="MODEL@ACCELERATOR (planner data) or a measured profile YAML")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--speedup", type=float, default=1.0, help="divide every emulated duration by this")
+    p.add_argument("--kv-scale", type=float, default=0.01, help="ship S_kv(l) * kv_scale real bytes per request")
+    p.add_argument("--max-batch", type=int, default=None, help="decode batch limit (default: the profile's)")
+    p.add_argument("--page-size", type=int, default=512, help="prefix-cache block size, tokens")
+    p.add_argument("--cache-tokens", type=int, default=2_097_152, help="prefix-cache capacity, tokens")
+    p.add_argument("--context-tokens", type=int, default=131_072, help="longest prompt + output accepted")
+    p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: KV receive buffer size")
+    p.add_argument("--bootstrap-timeout-s", type=float, default=30.0)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    from prfaas_sglang.engine.mock.engine import MockConfig
+
+    role = parse_role(args.role)
+    spec = ROLE_SPECS[role]
+    if not spec.is_engine_role:
+        raise ConfigError("--role", f"{role.value} is not an engine role")
+    if spec.disaggregation_mode == "prefill" and args.bootstrap_port is None:
+        raise ConfigError("--bootstrap-port", f"is required for role {role.value}")
+    for flag, value in (("--page-size", args.page_size), ("--cache-tokens", args.cache_tokens),
+                        ("--context-tokens", args.context_tokens), ("--kv-buffer-mb", args.kv_buffer_mb)):
+        if value < 1:
+            raise ConfigError(flag, f"must be >= 1, got {value}")
+    if not args.bootstrap_timeout_s > 0:
+        raise ConfigError("--bootstrap-timeout-s", "must be > 0")
+    return MockConfig(
+        role=role, host=args.host, port=args.port, profile=args.profile,
+        served_model_name=args.served_model_name or args.profile.split("@", 1)[0],
+        bootstrap_port=args.bootstrap_port, kv_events_port=args.kv_events_port, speedup=args.speedup,
+        kv_scale=args.kv_scale, max_batch=args.max_batch, page_size=args.page_size, cache_tokens=args.cache_tokens,
+        context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
+    )
+
+
+async def _run(config, timing) -> None:
+    from prfaas_sglang.engine.mock.engine import MockEngine
+    from prfaas_sglang.engine.mock.server import serve
+
+    task = asyncio.create_task(serve(config, MockEngine(config, timing)))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from prfaas_sglang.engine.mock.timing import load_timing
+
+        config = config_from_args(args)
+        timing = load_timing(args.profile, args.speedup, args.kv_scale, args.max_batch)
+    except PrfaasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    asyncio.run(_run(config, timing))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

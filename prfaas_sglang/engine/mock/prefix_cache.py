@@ -1,0 +1,104 @@
+"""The emulated engine's prefix cache: page blocks, LRU, hybrid checkpoints (pure).
+
+Blocks are full pages keyed by SGLang's chained digests (``engine.blocks``).
+A prefix is reusable up to the longest matched chain of blocks; for a hybrid
+model (linear attention / SWA state), only up to the longest *state
+checkpoint* inside that match, because recurrent state can only be resumed at
+the exact length where it was saved (SGLang's MambaRadixCache does the same).
+Checkpoints are taken where the engine would save state: at every
+``checkpoint_interval_tokens`` boundary of a prefill and at the prompt's
+last full page.
+
+Every mutation returns the KV events it causes (BlockStored / BlockRemoved),
+in the order SGLang would emit them. Eviction is LRU over blocks; parents are
+always more recent than their children, so leaves go first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
+from prfaas_sglang.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+
+@dataclass(frozen=True)
+class Match:
+    """``cached_tokens``: reusable prefix length (page-aligned, checkpoint-limited when hybrid)."""
+
+    matched_blocks: int  # full-attention blocks found
+    cached_tokens: int
+
+
+@dataclass
+class _Block:
+    parent: int | None  # event id of the parent block
+    checkpoint: bool  # a linear-state checkpoint ends at this block
+
+
+class PrefixCache:
+    def __init__(self, page_size: int, capacity_blocks: int, hybrid: bool, checkpoint_interval_tokens: int = 8192):
+        if page_size <= 0 or capacity_blocks <= 0:
+            raise ValueError("page_size and capacity_blocks must be positive")
+        self.page_size = page_size
+        self.capacity_blocks = capacity_blocks
+        self.hybrid = hybrid
+        self.checkpoint_interval_tokens = checkpoint_interval_tokens
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _ids(self, token_ids: Sequence[int]) -> list[int]:
+        return [digest_to_int64(d) for d in page_digests(token_ids, self.page_size)]
+
+    def match(self, token_ids: Sequence[int]) -> Match:
+        """Reusable prefix of ``token_ids``. Marks the matched blocks recently used; no events."""
+        ids = self._ids(token_ids)
+        matched = 0
+        best = 0
+        for i, block_id in enumerate(ids):
+            block = self._blocks.get(block_id)
+            if block is None:
+                break
+            matched = i + 1
+            if not self.hybrid or block.checkpoint:
+                best = matched
+        for block_id in reversed(ids[:matched]):  # children first: parents end up most recent
+            self._blocks.move_to_end(block_id)
+        return Match(matched, best * self.page_size)
+
+    def insert(self, token_ids: Sequence[int], medium: str = "GPU") -> list[KVCacheEvent]:
+        """Cache every full page of a prefilled prompt; returns BlockStored/BlockRemoved events."""
+        ids = self._ids(token_ids)
+        if not ids:
+            return []
+        interval_blocks = max(self.checkpoint_interval_tokens // self.page_size, 1)
+        events: list[KVCacheEvent] = []
+        for i, block_id in enumerate(ids):
+            checkpoint = (i + 1) % interval_blocks == 0 or i == len(ids) - 1
+            block = self._blocks.get(block_id)
+            if block is not None:
+                block.checkpoint = block.checkpoint or checkpoint
+                continue
+            parent = ids[i - 1] if i else None
+            self._blocks[block_id] = _Block(parent, checkpoint)
+            page = list(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            # One BlockStored per page, as SGLang's KVCacheEventMixin emits them.
+            events.append(BlockStored([block_id], parent, page, self.page_size, None, medium))
+        for block_id in reversed(ids):
+            self._blocks.move_to_end(block_id)
+        events.extend(self._evict(medium))
+        return events
+
+    def _evict(self, medium: str) -> list[KVCacheEvent]:
+        removed = []
+        while len(self._blocks) > self.capacity_blocks:
+            block_id, _ = self._blocks.popitem(last=False)
+            removed.append(block_id)
+        return [BlockRemoved(removed, medium)] if removed else []
+
+    def clear(self) -> None:
+        self._blocks.clear()

@@ -1,0 +1,260 @@
+"""SGLang's HTTP surface for the emulated worker (aiohttp), as a router sees it.
+
+Served: /health, /health_generate, /v1/models (owned_by "sglang"),
+/server_info and /get_server_info, /model_info and /get_model_info,
+/get_load, /v1/loads, /metrics (SGLang gauge names), /flush_cache,
+/generate, /v1/completions, /v1/chat/completions (SSE or not), plus the
+internal /prfaas/kv_ready (decode). Prefill roles also serve the bootstrap
+endpoints (/health, /prfaas/register) on ``--bootstrap-port``. /version is
+not served (404), as SGLang does not serve it.
+
+Errors are JSON ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx
+status; nothing a failed request took stays allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+
+from aiohttp import web
+
+from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine, Registration
+from prfaas_sglang.engine.mock.protocol import (
+    SSE_DONE,
+    BadRequest,
+    full_response,
+    parse_request,
+    stream_chunk,
+)
+
+ENGINE_KEY = web.AppKey("engine", MockEngine)
+_rid_counter = itertools.count()
+
+
+def error_response(status: int, message: str) -> web.Response:
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalServerError"
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+async def _json_body(request: web.Request):
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest(400, "request body is not valid JSON") from None
+
+
+def _info(engine: MockEngine) -> dict:
+    cfg = engine.config
+    return {
+        "model_path": cfg.served_model_name,
+        "served_model_name": cfg.served_model_name,
+        "tokenizer_path": None,
+        "skip_tokenizer_init": True,
+        "dp_size": 1,
+        "tp_size": 1,
+        "page_size": cfg.page_size,
+        "max_total_tokens": cfg.cache_tokens,
+        "max_prefill_tokens": cfg.context_tokens,
+        "max_running_requests": engine.timing.max_batch,
+        "context_length": cfg.context_tokens,
+        "disaggregation_mode": cfg.mode,
+        "disaggregation_transfer_backend": "mooncake",
+        "disaggregation_bootstrap_port": cfg.bootstrap_port,
+        "load_balance_method": "follow_bootstrap_room" if cfg.mode == "prefill" else "round_robin",
+        "kv_events": {"publisher": "zmq", "endpoint": f"tcp://{cfg.advertise_host}:{cfg.kv_events_port}", "topic": "kv-events"}
+        if cfg.kv_events_port is not None else None,
+        "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup, "kv_scale": cfg.kv_scale},
+        "version": "0.5.15",
+    }
+
+
+def _metrics(engine: MockEngine) -> str:
+    s, cfg = engine.stats, engine.config
+    label = f'{{model_name="{cfg.served_model_name}"}}'
+    used = len(engine.cache) * cfg.page_size
+    hit_rate = s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+    rows = [
+        ("sglang:num_running_reqs", "gauge", len(engine.running)),
+        ("sglang:num_queue_reqs", "gauge", engine.waiting),
+        ("sglang:token_usage", "gauge", used / cfg.cache_tokens),
+        ("sglang:gen_throughput", "gauge", engine.gen_throughput()),
+        ("sglang:cache_hit_rate", "gauge", hit_rate),
+        ("sglang:prompt_tokens_total", "counter", s.prompt_tokens),
+        ("sglang:generation_tokens_total", "counter", s.generation_tokens),
+        ("prfaas:kv_bytes_sent_total", "counter", s.kv_bytes_sent),
+        ("prfaas:kv_bytes_received_total", "counter", s.kv_bytes_received),
+        ("prfaas:kv_transfer_seconds_total", "counter", s.kv_transfer_s),
+        ("prfaas:requests_ok_total", "counter", s.requests_ok),
+        ("prfaas:requests_failed_total", "counter", s.requests_failed),
+    ]
+    return "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
+
+
+def _load(engine: MockEngine) -> dict:
+    return {"dp_rank": 0, "num_reqs": len(engine.running) + engine.waiting, "num_waiting_reqs": engine.waiting,
+            "num_tokens": sum(len(s.req.input_ids) + len(s.tokens) for s in engine.running)}
+
+
+def build_app(engine: MockEngine) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[ENGINE_KEY] = engine
+
+    async def health(request):
+        return web.Response(status=200 if engine.ready else 503)
+
+    async def models(request):
+        name = engine.config.served_model_name
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "sglang", "root": name}]})
+
+    async def server_info(request):
+        return web.json_response(_info(engine))
+
+    async def model_info(request):
+        return web.json_response({"model_path": engine.config.served_model_name, "tokenizer_path": None, "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default", "model_type": "prfaas-mock",
+                                  "architectures": ["PrfaasMockForCausalLM"]})
+
+    async def get_load(request):
+        return web.json_response([_load(engine)])
+
+    async def loads(request):
+        load = _load(engine)
+        return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
+            "dp_rank": 0, "num_running_reqs": len(engine.running), "num_waiting_reqs": engine.waiting,
+            "num_total_reqs": load["num_reqs"], "num_used_tokens": load["num_tokens"],
+            "max_total_num_tokens": engine.config.cache_tokens, "gen_throughput": engine.gen_throughput()}]})
+
+    async def metrics(request):
+        return web.Response(text=_metrics(engine), content_type="text/plain")
+
+    async def flush_cache(request):
+        engine.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    async def kv_ready(request):
+        try:
+            message = await _json_body(request)
+            if not isinstance(message, dict):
+                raise BadRequest(400, "kv_ready body must be an object")
+            engine.kv_ready(message)
+        except BadRequest as err:
+            return error_response(err.status, err.message)
+        return web.json_response({"ok": True})
+
+    def data_plane(kind: str):
+        async def handler(request: web.Request):
+            if not engine.ready:
+                return error_response(503, "server is starting")
+            try:
+                req = parse_request(kind, await _json_body(request), f"mock-{next(_rid_counter)}")
+                if engine.config.mode == "prefill":
+                    return await _prefill_response(engine, req)
+                return await _decode_response(engine, req, request)
+            except BadRequest as err:
+                return error_response(err.status, err.message)
+
+        return handler
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    app.router.add_get("/v1/models", models)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
+    app.router.add_get("/get_load", get_load)
+    app.router.add_get("/v1/loads", loads)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/prfaas/kv_ready", kv_ready)
+    app.router.add_post("/generate", data_plane("generate"))
+    app.router.add_post("/v1/completions", data_plane("completions"))
+    app.router.add_post("/v1/chat/completions", data_plane("chat"))
+    return app
+
+
+async def _prefill_response(engine: MockEngine, req) -> web.StreamResponse:
+    report = await engine.prefill(req)
+    extra = {"prfaas": {"kv_bytes": report["kv_bytes"], "kv_transfer_s": report["transfer_s"], "role": "prefill"}}
+    body = full_response(req, [], report["cached_tokens"], engine.config.served_model_name, extra)
+    return web.json_response(body)
+
+
+async def _decode_response(engine: MockEngine, req, request: web.Request) -> web.StreamResponse:
+    seq = await engine.decode(req)
+    ok = False
+    model = req.model or engine.config.served_model_name
+    cached = seq.kv_message.get("cached_tokens", 0)
+    extra = {"prfaas": {"kv_bytes": seq.kv_message["kv_bytes"], "kv_transfer_s": seq.kv_message.get("transfer_s"), "role": "decode"}}
+    try:
+        if not req.stream:
+            while await seq.queue.get() is not None:
+                pass
+            ok = True
+            return web.json_response(full_response(req, seq.tokens, cached, model, extra))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sent = 0
+        # Tokens are appended to seq.tokens before they are queued, so [:sent] is complete.
+        while await seq.queue.get() is not None:
+            sent += 1
+            await response.write(stream_chunk(req, seq.tokens[:sent], seq.tokens[sent - 1:sent], False, cached, model, extra).encode())
+        await response.write(stream_chunk(req, seq.tokens, [], True, cached, model, extra).encode())
+        await response.write(SSE_DONE.encode())
+        ok = True
+        return response
+    finally:
+        engine.finish(seq, ok)
+
+
+async def serve(config: MockConfig, engine: MockEngine) -> None:
+    """Run the HTTP server (and, for prefill roles, the bootstrap server) until cancelled."""
+    await engine.start()
+    runners = []
+    try:
+        main = web.AppRunner(build_app(engine), access_log=None)
+        await main.setup()
+        await web.TCPSite(main, config.host, config.port).start()
+        runners.append(main)
+        if config.mode == "prefill" and config.bootstrap_port is not None:
+            boot = web.AppRunner(build_bootstrap_app(engine), access_log=None)
+            await boot.setup()
+            await web.TCPSite(boot, config.host, config.bootstrap_port).start()
+            runners.append(boot)
+        await asyncio.Event().wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await engine.stop()
+
+
+def build_bootstrap_app(engine: MockEngine) -> web.Application:
+    """The prefill worker's bootstrap server: decode workers register where each room's KV goes."""
+    app = web.Application()
+
+    async def health(request):
+        return web.Response(text="OK")
+
+    async def register(request: web.Request):
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                raise BadRequest(400, "registration must be an object")
+            try:
+                room = body["room"]
+                registration = Registration(str(body["session"]), int(body["addr"]), int(body["length"]), str(body["notify_url"]))
+            except (KeyError, TypeError, ValueError) as err:
+                raise BadRequest(400, f"registration needs room, session, addr, length, notify_url ({err})") from None
+            if not isinstance(room, int) or isinstance(room, bool):
+                raise BadRequest(400, "room must be an integer")
+            engine.register_decode(room, registration)
+        except BadRequest as err:
+            return error_response(err.status, err.message)
+        return web.json_response({"ok": True})
+
+    app.router.add_get("/health", health)
+    app.router.add_post("/prfaas/register", register)
+    return app

@@ -1,0 +1,70 @@
+"""How long the emulated engine takes (pure): the planner's profiles, scaled by ``speedup``.
+
+``--profile`` names either ``MODEL@ACCELERATOR`` (analytic roofline from the
+planner's shipped data) or a measured-profile YAML file. The same objects
+drive the planner, so a mock deployment behaves as the plan assumes.
+
+    prefill_s(l_uncached)      = T_prefill(l_uncached) / speedup
+    kv_bytes(l_total)          = S_kv(l_total) * kv_scale        (real bytes shipped)
+    decode_step_s(bs, context) = analytic step time, or the measured T_decode, / speedup
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.plan.analytic import Accelerator, AnalyticPrefill, ModelConfig, decode_step_s
+from prfaas_sglang.plan.profiles import DecodeProfile, PrefillProfile
+from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    prefill: PrefillProfile
+    speedup: float
+    kv_scale: float
+    max_batch: int
+    hybrid: bool
+    model: ModelConfig | None = None
+    accel: Accelerator | None = None
+    measured_decode: DecodeProfile | None = None
+
+    def prefill_s(self, uncached_tokens: int) -> float:
+        return self.prefill.prefill_s(max(uncached_tokens, 1)) / self.speedup
+
+    def kv_bytes(self, total_tokens: int) -> int:
+        return max(int(self.prefill.kv_bytes(total_tokens) * self.kv_scale), 64)
+
+    def decode_step_s(self, batch: int, mean_context_tokens: float) -> float:
+        if self.measured_decode is not None:
+            return self.measured_decode.step_s / self.speedup
+        return decode_step_s(self.model, self.accel, batch, mean_context_tokens) / self.speedup
+
+
+def load_timing(profile: str, speedup: float, kv_scale: float, max_batch: int | None,
+                catalog: Catalog | None = None) -> EngineTiming:
+    """``MODEL@ACCEL`` or a measured profile file; ``max_batch`` None: the profile's BS_max."""
+    if not speedup > 0:
+        raise ConfigError("--speedup", f"must be > 0, got {speedup!r}")
+    if not 0 < kv_scale <= 1:
+        raise ConfigError("--kv-scale", f"must be in (0, 1], got {kv_scale!r}")
+    if max_batch is not None and max_batch < 1:
+        raise ConfigError("--max-batch", f"must be >= 1, got {max_batch!r}")
+    catalog = catalog or Catalog()
+    if "@" in profile and not Path(profile).is_file():
+        model_ref, accel_ref = profile.split("@", 1)
+        model = catalog.model(model_ref, "--profile")
+        accel = catalog.accelerator(accel_ref, "--profile")
+        hybrid = model.recurrent is not None or model.sliding_window is not None
+        return EngineTiming(AnalyticPrefill(model, accel), speedup, kv_scale, max_batch or 256, hybrid, model, accel)
+    path = Path(profile)
+    if not path.is_file():
+        raise ConfigError("--profile", f"expected MODEL@ACCELERATOR or a profile file, got {profile!r}")
+    import yaml
+
+    prefill, _gpus, decode = parse_measured_profile(yaml.safe_load(path.read_text()), "--profile")
+    if decode is None:
+        raise ConfigError("--profile", f"{path} has no decode section (bs_max, step_s)")
+    return EngineTiming(prefill, speedup, kv_scale, max_batch or int(decode.bs_max), False, measured_decode=decode)
