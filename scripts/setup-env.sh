@@ -28,6 +28,15 @@ if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
+# 1b. SGLang builds its block-hash extension (torch cpp_extension, -lcrypto) on
+#     first use; the tests compare our hash with it.
+if ! dpkg -s libssl-dev >/dev/null 2>&1; then
+  log "installing libssl-dev (apt)"
+  SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libssl-dev >/dev/null
+fi
+
 # 2. The virtual environment and the CPU test requirements.
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"

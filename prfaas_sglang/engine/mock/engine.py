@@ -148,6 +148,11 @@ class MockEngine:
 
     # --- shared ----------------------------------------------------------------------
 
+    @property
+    def open_rooms(self) -> int:
+        """Bootstrap rooms this worker still tracks (prefill: registrations; decode: awaited KV)."""
+        return len(self._rooms) + len(self._pending)
+
     def check_length(self, req: EngineRequest) -> None:
         total = len(req.input_ids) + req.max_new_tokens
         if total > self.config.context_tokens:

@@ -89,6 +89,8 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:kv_transfer_seconds_total", "counter", s.kv_transfer_s),
         ("prfaas:requests_ok_total", "counter", s.requests_ok),
         ("prfaas:requests_failed_total", "counter", s.requests_failed),
+        ("prfaas:kv_buffer_free_bytes", "gauge", engine.kv.arena.free_bytes if engine.kv else 0),
+        ("prfaas:open_rooms", "gauge", engine.open_rooms),
     ]
     return "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
 

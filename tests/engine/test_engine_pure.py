@@ -1,0 +1,106 @@
+"""The emulated engine's pure parts: block hashes, prefix cache, receive arena, request parsing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
+from prfaas_sglang.engine.kv_events import BlockRemoved, BlockStored
+from prfaas_sglang.engine.mock.kv_transport import KvArena
+from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
+from prfaas_sglang.engine.mock.protocol import BadRequest, parse_request
+
+
+def test_block_hash_matches_sglang_native_hash():
+    """Our pure-Python chained SHA-256 equals SGLang's C++ extension (compiled on first use)."""
+    from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
+
+    tokens = [7, 70_000, 3, 31_999, 0] * 400
+    theirs = [hash_str_to_int64(h) for h in get_hash_str(tokens, None, page_size=64)]
+    ours = [digest_to_int64(d) for d in page_digests(tokens, 64)]
+    # SGLang also hashes a trailing partial page; its radix tree (and so its events) holds full pages only.
+    assert len(ours) == len(tokens) // 64 == len(theirs) - 1
+    assert ours == theirs[: len(ours)]
+
+
+class TestPrefixCache:
+    def test_dense_match_is_page_aligned(self):
+        cache = PrefixCache(page_size=4, capacity_blocks=100, hybrid=False)
+        events = cache.insert(list(range(10)))
+        assert [type(e) for e in events] == [BlockStored, BlockStored]
+        assert events[1].parent_block_hash == events[0].block_hashes[0]
+        assert events[0].parent_block_hash is None and events[0].token_ids == [0, 1, 2, 3]
+        assert cache.match(list(range(9)) + [99]).cached_tokens == 8
+        assert cache.match([5] + list(range(1, 12))).cached_tokens == 0
+
+    def test_hybrid_match_stops_at_the_last_checkpoint(self):
+        """Linear state can only be resumed where it was saved: prompt end and every interval."""
+        cache = PrefixCache(page_size=4, capacity_blocks=100, hybrid=True, checkpoint_interval_tokens=8)
+        cache.insert(list(range(20)))  # blocks 1..5; checkpoints after blocks 2, 4 and 5 (prompt end)
+        longer = list(range(20)) + [100, 101, 102, 103]
+        assert cache.match(longer).cached_tokens == 20
+        diverges_in_block_4 = list(range(14)) + [999] * 10
+        match = cache.match(diverges_in_block_4)
+        assert match.matched_blocks == 3 and match.cached_tokens == 8
+
+    def test_dense_model_reuses_the_whole_match(self):
+        cache = PrefixCache(page_size=4, capacity_blocks=100, hybrid=False, checkpoint_interval_tokens=8)
+        cache.insert(list(range(20)))
+        assert cache.match(list(range(14)) + [999] * 10).cached_tokens == 12
+
+    def test_lru_evicts_leaves_first_and_reports_removals(self):
+        cache = PrefixCache(page_size=2, capacity_blocks=3, hybrid=False)
+        cache.insert([1, 2, 3, 4, 5, 6])  # 3 blocks, a chain
+        events = cache.insert([9, 9])  # a 4th block: the chain's leaf must go, not its root
+        removed = [e for e in events if isinstance(e, BlockRemoved)]
+        assert len(removed) == 1 and len(cache) == 3
+        assert cache.match([1, 2, 3, 4, 5, 6]).cached_tokens == 4
+
+    def test_reinserting_emits_nothing_new(self):
+        cache = PrefixCache(page_size=4, capacity_blocks=10, hybrid=False)
+        cache.insert(list(range(8)))
+        assert cache.insert(list(range(8))) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 50_000)), max_size=40))
+def test_arena_never_overlaps_and_frees_everything(ops):
+    arena = KvArena(1 << 20)
+    live: list[tuple[int, int]] = []
+    for is_alloc, n in ops:
+        if is_alloc or not live:
+            off = arena.alloc(n)
+            if off is not None:
+                for o, ln in live:
+                    assert off + n <= o or o + ln <= off
+                live.append((off, n))
+        else:
+            arena.free(*live.pop(0))
+    for region in live:
+        arena.free(*region)
+    assert arena.free_bytes == 1 << 20
+
+
+class TestParse:
+    @pytest.mark.parametrize("kind, body, message", [
+        ("generate", [], "JSON object"),
+        ("generate", {}, "one of input_ids or text"),
+        ("generate", {"input_ids": [1, "x"]}, "list of token ids"),
+        ("generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be a positive"),
+        ("generate", {"input_ids": [1], "bootstrap_room": 5}, "need all of bootstrap_host"),
+        ("completions", {"prompt": 3}, "prompt must be"),
+        ("chat", {"messages": []}, "non-empty list"),
+        ("chat", {"messages": [{"content": "x"}]}, "role"),
+        ("generate", {"input_ids": [1], "stream": "yes"}, "stream must be"),
+    ])
+    def test_bad_bodies(self, kind, body, message):
+        with pytest.raises(BadRequest) as err:
+            parse_request(kind, body, "r")
+        assert err.value.status == 400 and message in err.value.message
+
+    def test_text_is_pseudo_tokenized_deterministically(self):
+        a = parse_request("generate", {"text": "a b c"}, "r")
+        b = parse_request("completions", {"prompt": "a b c"}, "r")
+        assert a.input_ids == b.input_ids and len(a.input_ids) == 3

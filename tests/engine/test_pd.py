@@ -1,0 +1,175 @@
+"""Emulated prefill + decode over real HTTP, real Mooncake TCP bytes, real ZMQ events."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+
+import msgspec
+import pytest
+import requests
+import zmq
+from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
+
+from prfaas_sglang.engine.mock.timing import load_timing
+
+KV_SCALE = 0.01
+_rooms = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def pair(module_procs):
+    prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE),
+                           "--context-tokens", "65536", "--bootstrap-timeout-s", "2", events=True)
+    decode = start_worker(module_procs, "pd-decode", DECODE_PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE),
+                          "--context-tokens", "65536", "--bootstrap-timeout-s", "2")
+    return prefill, decode
+
+
+def pd_request(prefill, decode, body: dict, path: str = "/generate", room: int | None = None, timeout: float = 30):
+    """Send the same body to both workers, as a PD router does; returns (prefill, decode) responses."""
+    room = next(_rooms) if room is None else room
+    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("p", requests.post(prefill.url + path, json=body, timeout=timeout)))
+    t.start()
+    d = requests.post(decode.url + path, json=body, timeout=timeout)
+    t.join()
+    return result["p"], d
+
+
+def metric(worker, name: str) -> float:
+    text = requests.get(worker.url + "/metrics", timeout=5).text
+    return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+def test_decode_receives_exactly_s_kv_times_scale(pair):
+    prefill, decode = pair
+    timing = load_timing(DECODE_PROFILE, 1.0, KV_SCALE, None)
+    before = metric(decode, "prfaas:kv_bytes_received_total")
+    expected_total = 0
+    for n in (1_000, 8_000, 32_000):
+        p, d = pd_request(prefill, decode, {"input_ids": list(range(n)), "sampling_params": {"max_new_tokens": 3}})
+        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        expected = timing.kv_bytes(n)
+        assert d.json()["meta_info"]["prfaas"]["kv_bytes"] == expected
+        assert p.json()["meta_info"]["prfaas"]["kv_bytes"] == expected
+        assert len(d.json()["output_ids"]) == 3
+        expected_total += expected
+    assert metric(decode, "prfaas:kv_bytes_received_total") - before == expected_total
+
+
+def test_repeated_prompt_reuses_its_cached_prefix(pair):
+    prefill, decode = pair
+    prompt = {"input_ids": [7] * 5_000 + list(range(3_000)), "sampling_params": {"max_new_tokens": 1}}
+    first, _ = pd_request(prefill, decode, prompt)
+    second, _ = pd_request(prefill, decode, prompt)
+    assert first.json()["meta_info"]["cached_tokens"] == 0
+    assert second.json()["meta_info"]["cached_tokens"] == (8_000 // 512) * 512
+
+
+def test_kv_events_decode_with_sglang_classes(pair):
+    from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
+
+    prefill, decode = pair
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{prefill.kv_events_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    import time
+
+    time.sleep(0.5)  # PUB/SUB join
+    tokens = list(range(50_000, 50_000 + 1536))
+    pd_request(prefill, decode, {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1}})
+    topic, seq, payload = sub.recv_multipart()
+    sub.close(linger=0)
+    assert topic == b"kv-events" and len(seq) == 8
+    batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+    stored = [e for e in batch.events if isinstance(e, BlockStored)]
+    assert [e.token_ids for e in stored] == [tokens[i:i + 512] for i in (0, 512, 1024)]
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+    from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
+
+    assert [e.block_hashes[0] for e in stored] == [hash_str_to_int64(h) for h in get_hash_str(tokens, None, 512)]
+
+
+def test_streaming_and_openai_endpoints(pair):
+    prefill, decode = pair
+    room = next(_rooms)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4, "stream": True,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+    t = threading.Thread(target=requests.post, args=(prefill.url + "/v1/chat/completions",), kwargs={"json": body, "timeout": 30})
+    t.start()
+    with requests.post(decode.url + "/v1/chat/completions", json=body, stream=True, timeout=30) as resp:
+        lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
+    t.join()
+    assert lines[-1] == "data: [DONE]"
+    contents = [msgspec.json.decode(line[6:])["choices"][0]["delta"].get("content") for line in lines[:-1]]
+    assert sum(1 for c in contents if c) == 4
+
+
+class TestBadInput:
+    def test_malformed_json_and_missing_fields(self, pair):
+        prefill, decode = pair
+        r = requests.post(decode.url + "/generate", data="{not json", timeout=5)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = requests.post(decode.url + "/generate", json={"input_ids": [1, 2]}, timeout=5)
+        assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+        r = requests.post(prefill.url + "/v1/completions", json={"prompt": None}, timeout=5)
+        assert r.status_code == 400
+
+    def test_prompt_beyond_context(self, pair):
+        prefill, decode = pair
+        p, d = pd_request(prefill, decode, {"input_ids": [1] * 70_000})
+        assert p.status_code == 400 and d.status_code == 400
+        assert "exceeds the context length 65536" in d.json()["error"]["message"]
+
+    def test_unknown_room_on_kv_ready(self, pair):
+        _, decode = pair
+        r = requests.post(decode.url + "/prfaas/kv_ready", json={"room": 123456789, "ok": True}, timeout=5)
+        assert r.status_code == 404 and "unknown bootstrap room" in r.json()["error"]["message"]
+
+    def test_decode_without_prefill_partner_times_out_and_frees(self, pair):
+        prefill, decode = pair
+        free_before = metric(decode, "prfaas:kv_buffer_free_bytes")
+        body = {"input_ids": list(range(4_000)), "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": next(_rooms)}
+        r = requests.post(decode.url + "/generate", json=body, timeout=30)
+        assert r.status_code == 504 and "no prefill partner" in r.json()["error"]["message"]
+        assert metric(decode, "prfaas:kv_buffer_free_bytes") == free_before
+        assert metric(decode, "prfaas:open_rooms") == 0
+
+    def test_prefill_without_decode_partner(self, pair):
+        prefill, _ = pair
+        body = {"input_ids": [1, 2, 3], "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+                "bootstrap_room": next(_rooms)}
+        r = requests.post(prefill.url + "/generate", json=body, timeout=30)
+        assert r.status_code == 503 and "no decode worker registered" in r.json()["error"]["message"]
+        assert metric(prefill, "prfaas:open_rooms") == 0
+
+    def test_unreachable_bootstrap_server(self, pair):
+        _, decode = pair
+        body = {"input_ids": [1, 2, 3], "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": next(_rooms)}
+        r = requests.post(decode.url + "/generate", json=body, timeout=30)
+        assert r.status_code == 502 and "cannot reach the prefill bootstrap server" in r.json()["error"]["message"]
+
+    def test_workers_still_serve_after_bad_input(self, pair):
+        prefill, decode = pair
+        p, d = pd_request(prefill, decode, {"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 2}})
+        assert p.status_code == 200 and d.status_code == 200
+
+
+def test_router_facing_surface(pair):
+    prefill, decode = pair
+    assert requests.get(decode.url + "/v1/models", timeout=5).json()["data"][0]["owned_by"] == "sglang"
+    info = requests.get(prefill.url + "/server_info", timeout=5).json()
+    assert info["dp_size"] == 1 and info["max_total_tokens"] > 0 and info["disaggregation_mode"] == "prefill"
+    assert requests.get(prefill.url + "/get_server_info", timeout=5).json() == info
+    assert requests.get(decode.url + "/get_model_info", timeout=5).status_code == 200
+    assert requests.get(decode.url + "/get_load", timeout=5).json()[0]["dp_rank"] == 0
+    assert "loads" in requests.get(decode.url + "/v1/loads", timeout=5).json()
+    assert "sglang:num_running_reqs" in requests.get(decode.url + "/metrics", timeout=5).text
+    assert requests.get(decode.url + "/version", timeout=5).status_code == 404
+    assert requests.post(prefill.url + "/flush_cache", timeout=5).status_code == 200
+    assert requests.get(decode.url + "/health_generate", timeout=5).status_code == 200
