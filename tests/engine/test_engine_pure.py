@@ -104,3 +104,11 @@ class TestParse:
         a = parse_request("generate", {"text": "a b c"}, "r")
         b = parse_request("completions", {"prompt": "a b c"}, "r")
         assert a.input_ids == b.input_ids and len(a.input_ids) == 3
+
+
+def test_outputs_depend_on_the_prompt_only():
+    from prfaas_sglang.engine.mock.protocol import output_token, prompt_seed
+
+    a, b = prompt_seed([1, 2, 3]), prompt_seed([1, 2, 3])
+    assert a == b != prompt_seed([1, 2, 4])
+    assert [output_token(a, i) for i in range(5)] == [output_token(b, i) for i in range(5)]

@@ -29,7 +29,7 @@ import aiohttp
 from prfaas_sglang.engine.kv_events import AllBlocksCleared
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
-from prfaas_sglang.engine.mock.protocol import BadRequest, EngineRequest, output_token
+from prfaas_sglang.engine.mock.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.launch.roles import ROLE_SPECS, Role
 
@@ -225,7 +225,7 @@ class MockEngine:
 
     async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int) -> dict:
         length = self.timing.kv_bytes(len(req.input_ids))
-        first_token = output_token(req.bootstrap.room, 0)
+        first_token = output_token(prompt_seed(req.input_ids), 0)
         message = {"room": req.bootstrap.room, "kv_bytes": length, "cached_tokens": cached_tokens, "first_token": first_token}
         if length > registration.length:
             message.update(ok=False, error=f"decode region of {registration.length} bytes is smaller than the KV ({length})")
@@ -291,7 +291,7 @@ class MockEngine:
             self._pending.pop(room, None)
         self.stats.kv_bytes_received += length
         self.stats.kv_transfer_s += message.get("transfer_s", 0.0)
-        seq = Sequence(req, room, [message["first_token"]], kv_region=(offset, length), kv_message=message)
+        seq = Sequence(req, prompt_seed(req.input_ids), [message["first_token"]], kv_region=(offset, length), kv_message=message)
         seq.queue.put_nowait(message["first_token"])
         if seq.done:
             seq.queue.put_nowait(None)

@@ -4,13 +4,14 @@ Requests are reduced to one :class:`EngineRequest`. Prompts arrive as token
 ids (``input_ids``, or a list of ints as ``prompt``) or as text; the mock has
 no tokenizer, so text becomes one pseudo-token per whitespace-separated word
 (``pseudo_tokenize``, deterministic). Output tokens are pseudo-random but
-deterministic per (room or rid, position), and rendered as ``" t<id>"``.
+deterministic per (prompt, position), and rendered as ``" t<id>"``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,12 @@ class EngineRequest:
 
 def pseudo_tokenize(text: str) -> list[int]:
     return [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "little") % VOCAB_SIZE for w in text.split()]
+
+
+def prompt_seed(input_ids) -> int:
+    """Seed of the pseudo-tokens: a function of the prompt alone, like greedy decoding of fixed weights."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(input_ids)}I", *input_ids), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def output_token(seed: int, position: int) -> int:

@@ -1,0 +1,80 @@
+"""Acceptance: the real sglang-router (PyPI, pinned) in PD mode in front of emulated workers."""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+import pytest
+import requests
+from conftest import DECODE_PROFILE, PREFILL_PROFILE, free_port, start_worker, wait_healthy
+
+ROUTER_VERSION = "0.3.2"
+
+
+@pytest.fixture(scope="module")
+def router(module_procs):
+    import importlib.metadata
+
+    assert importlib.metadata.version("sglang-router") == ROUTER_VERSION
+    prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20")
+    decode = start_worker(module_procs, "pd-decode", DECODE_PROFILE, "--speedup", "20")
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    proc = module_procs.start("sglang-router", argv)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url + "/health", proc, timeout_s=90)
+    return url, decode
+
+
+def sse_events(resp) -> list[str]:
+    return [line[6:] for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+
+
+def test_generate_non_streaming(router):
+    url, _ = router
+    r = requests.post(url + "/generate", json={"input_ids": list(range(2_000)), "sampling_params": {"max_new_tokens": 6}}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["output_ids"]) == 6 and body["meta_info"]["prompt_tokens"] == 2_000
+    assert body["meta_info"]["prfaas"]["role"] == "decode" and body["meta_info"]["prfaas"]["kv_bytes"] > 0
+
+
+def test_generate_streaming(router):
+    url, _ = router
+    with requests.post(url + "/generate", json={"input_ids": list(range(900)), "sampling_params": {"max_new_tokens": 5}, "stream": True},
+                       stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    last = msgspec.json.decode(events[-2])
+    assert len(last["output_ids"]) == 5 and last["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_chat_completions_streaming_and_not(router):
+    url, _ = router
+    body = {"model": "kimi-linear-1t-hybrid", "messages": [{"role": "user", "content": "say something long"}], "max_tokens": 4}
+    r = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["message"]["content"].split()) == 4
+    with requests.post(url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60) as s:
+        events = sse_events(s)
+    assert events[-1] == "[DONE]"
+    deltas = [msgspec.json.decode(e)["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert "".join(d for d in deltas if d) == choice["message"]["content"]
+
+
+def test_completions(router):
+    url, _ = router
+    r = requests.post(url + "/v1/completions", json={"model": "kimi-linear-1t-hybrid", "prompt": "one two three", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["text"].split()) == 3
+
+
+def test_router_spreads_nothing_it_should_not(router):
+    """After the requests above, the decode worker holds no KV region and no room."""
+    _, decode = router
+    text = requests.get(decode.url + "/metrics", timeout=5).text
+    assert "prfaas:open_rooms{" in text and 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' in text
