@@ -7,24 +7,11 @@ SGLang.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURE_PATCHES = REPO_ROOT / "tests" / "fixtures" / "patches"
-
-
-def run_py(args: list[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO_ROOT):
-    """Run ``python <args>`` with this interpreter; returns CompletedProcess (text)."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
-    )
+from helpers import FIXTURE_PATCHES, REPO_ROOT, run_py  # noqa: F401 - re-exported for tests
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import sys
 import msgspec
 import pytest
 import requests
-from conftest import DECODE_PROFILE, PREFILL_PROFILE, free_port, start_worker, wait_healthy
+from conftest import DECODE_PROFILE, PREFILL_PROFILE, free_port, start_worker
 
 ROUTER_VERSION = "0.3.2"
 
@@ -25,7 +25,7 @@ def router(module_procs):
             "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
     proc = module_procs.start("sglang-router", argv)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url + "/health", proc, timeout_s=90)
+    module_procs.wait_healthy(url + "/health", proc, timeout_s=90)
     return url, decode
 
 

@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURE_PATCHES, REPO_ROOT, run_py
+from helpers import FIXTURE_PATCHES, REPO_ROOT, run_py
 
 from prfaas_sglang.errors import PatchError, UpstreamVersionError
 from prfaas_sglang.patches.engine import PatchStatus, apply_to_tree, evaluate_tree

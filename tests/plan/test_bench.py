@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_py
+from helpers import run_py
 
 
 def test_plan_bench_reports_search_and_sensitivity():

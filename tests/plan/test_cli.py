@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, run_py
+from helpers import REPO_ROOT, run_py
 
 REQUIRED_KEYS = {
     "threshold_tokens", "n_prefill", "n_decode", "offload_fraction", "mean_long_tokens", "mean_short_tokens",

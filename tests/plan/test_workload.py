@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 from prfaas_sglang._pin import PINNED_SGLANG_VERSION
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, run_py
+from helpers import REPO_ROOT, run_py
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.launch.__main__ import main as launch_main

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, run_py
+from helpers import REPO_ROOT, run_py
 
 from prfaas_sglang.errors import UpstreamVersionError
 from prfaas_sglang.launch.roles import KvTransport, Role, role_contract_violations

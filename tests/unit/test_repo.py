@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import tomllib
-from conftest import REPO_ROOT, run_py
+from helpers import REPO_ROOT, run_py
 
 from prfaas_sglang._pin import PINNED_SGLANG_VERSION
 from prfaas_sglang.envs import Envs

@@ -1,0 +1,1 @@
+"""The one-command local deployment: ``python -m prfaas_sglang.demo``."""

@@ -1,0 +1,46 @@
+"""python -m prfaas_sglang.demo: runs, reports, exits 0 with 0 failures, leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from helpers import REPO_ROOT, run_py
+
+REQUIRED = {"requests_ok", "requests_failed", "offload_fraction", "egress_gbps", "ttft_p50_s", "ttft_p90_s",
+            "tbt_p99_s", "output_tokens_per_s"}
+
+
+def children_with(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "prfaas_sglang.engine.mock" in line]
+
+
+def test_demo_case_study(tmp_path):
+    # A distinctive context length marks this run's workers in `ps`.
+    proc = run_py(["-m", "prfaas_sglang.demo", "--duration", "8", "--rate", "1.5", "--max-input-tokens", "40001",
+                   "--json", "--keep-logs", str(tmp_path)], timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    summary = json.loads(proc.stdout)
+    assert REQUIRED <= set(summary)
+    assert summary["requests_failed"] == 0 and summary["requests_ok"] > 0
+    assert summary["egress_gbps"] > 0 if summary["offload_fraction"] > 0 else True
+    assert children_with("--context-tokens 40066") == []
+    assert {p.name for p in tmp_path.iterdir()} == {"prfaas-0.log", "pd-prefill-0.log", "pd-decode-0.log"}
+
+
+def test_demo_trace_replay():
+    trace = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    proc = run_py(["-m", "prfaas_sglang.demo", "--workload", f"trace:{trace}", "--duration", "4", "--max-requests", "60",
+                   "--json"], timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    summary = json.loads(proc.stdout)
+    assert summary["requests_failed"] == 0 and summary["requests_ok"] == 60
+    assert 0 < summary["offload_fraction"] < 1
+
+
+def test_demo_bad_input():
+    proc = run_py(["-m", "prfaas_sglang.demo", "--workload", "poisson"])
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --workload:")
+    proc = run_py(["-m", "prfaas_sglang.demo", "--workload", "trace:/no/such/file"])
+    assert proc.returncode == 2 and "not found" in proc.stderr
