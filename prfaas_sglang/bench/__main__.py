@@ -1,8 +1,9 @@
 """``python -m prfaas_sglang.bench <name>``: run a benchmark, print Markdown (or --json) for BENCHMARKS.md.
 
 Benchmarks:
-  plan    planner search time (case study, 128- and 32-token grids), and the
-          case-study optimum under other values of the two calibrated MFUs
+  plan           planner search time (case study, 128- and 32-token grids), and the
+                 case-study optimum under other values of the two calibrated MFUs
+  mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
 """
 
 from __future__ import annotations
@@ -21,19 +22,32 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="planner search time and sensitivity")
     plan.add_argument("--repeat", type=int, default=20)
     plan.add_argument("--json", action="store_true")
+    fidelity = sub.add_parser("mock-fidelity", help="emulated engine TTFT vs its profile")
+    fidelity.add_argument("--speedup", type=float, default=1.0)
+    fidelity.add_argument("--kv-scale", type=float, default=0.01)
+    fidelity.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.repeat < 1:
-        parser.error("--repeat must be >= 1")
-
-    from prfaas_sglang.bench import plan as plan_bench
-
-    result = plan_bench.run(args.repeat)
     machine = f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
-    if args.json:
-        print(json.dumps({"date": date.today().isoformat(), "machine": machine, **result}, indent=2))
+    stamp = f"{date.today().isoformat()}; {machine}"
+    if args.name == "plan":
+        if args.repeat < 1:
+            parser.error("--repeat must be >= 1")
+        from prfaas_sglang.bench import plan as bench
+
+        result = bench.run(args.repeat)
+        header = f"<!-- python -m prfaas_sglang.bench plan --repeat {args.repeat}; {stamp} -->"
     else:
-        print(f"<!-- python -m prfaas_sglang.bench plan --repeat {args.repeat}; {date.today().isoformat()}; {machine} -->")
-        print(plan_bench.render_markdown(result))
+        if not args.speedup > 0 or not 0 < args.kv_scale <= 1:
+            parser.error("--speedup must be > 0 and --kv-scale in (0, 1]")
+        from prfaas_sglang.bench import mock as bench
+
+        result = bench.run(args.speedup, args.kv_scale)
+        header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --speedup {args.speedup:g}; {stamp} -->"
+    if args.json:
+        print(json.dumps({"date": date.today().isoformat(), "machine": machine, "result": result}, indent=2))
+    else:
+        print(header)
+        print(bench.render_markdown(result))
     return 0
 
 

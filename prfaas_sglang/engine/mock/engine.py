@@ -5,8 +5,8 @@ router sees: the same body with ``bootstrap_host/port/room`` goes to both)::
 
     router ──body──> prefill                         router ──body──> decode
                       │                                                 │ 1. carve a receive region
+                      │ 2. queue, prefill for T(l_uncached), cache pages (KV events), meanwhile
                       │ <── POST /prfaas/register {room, session, addr, length, notify_url}
-                      │ 2. queue, prefill for T(l_uncached), cache pages (KV events)
                       │ 3. Mooncake TCP write: S_kv(l) * kv_scale bytes ──> region
                       │ 4. POST notify_url {room, ok, first_token, ...} ─────> │ 5. check bytes arrived
        <── 200 (KV shipped, like SGLang's prefill)                            │ 6. continuous-batch decode
@@ -198,22 +198,26 @@ class MockEngine:
         self.check_length(req)
         room = req.bootstrap.room
         future = self._room_future(room)
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
         self.waiting += 1
         queued = True
         try:
-            try:
-                registration: Registration = await asyncio.wait_for(asyncio.shield(future), self.config.bootstrap_timeout_s)
-            except asyncio.TimeoutError:
-                raise BadRequest(503, f"no decode worker registered bootstrap room {room} within "
-                                      f"{self.config.bootstrap_timeout_s:g} s") from None
+            # Like SGLang, compute at once; the decode's registration is needed only to ship.
             async with self._prefill_lock:
                 self.waiting -= 1
                 queued = False
-                match = self.cache.match(req.input_ids)
+                # The last prompt token is always computed (its logits give the first output
+                # token), so an exact repeat reuses at most the pages before it.
+                match = self.cache.match(req.input_ids[:-1])
                 await asyncio.sleep(self.timing.prefill_s(len(req.input_ids) - match.cached_tokens))
                 events = self.cache.insert(req.input_ids)
             if self.publisher:
                 self.publisher.publish(events)
+            try:
+                registration: Registration = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise BadRequest(503, f"no decode worker registered bootstrap room {room} within "
+                                      f"{self.config.bootstrap_timeout_s:g} s") from None
             return await self._ship(req, registration, match.cached_tokens)
         finally:
             if queued:
