@@ -1,0 +1,108 @@
+"""Real bytes on a real (shaped) link: the emulated prefill worker in its own network
+namespace behind a veth pair, a tbf qdisc on its egress, the decode worker in the
+root namespace. Throttling the link must stretch the KV transfer and TTFT by at least
+bytes / rate: a physical bound, not a timing threshold.
+
+Needs root, iproute2 and tbf (this project's machines and CI have them).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port
+from prfaas_sglang.engine.mock.timing import load_timing
+
+PROFILE = "kimi-linear-1t-hybrid@h20x8"
+KV_SCALE = 0.01
+RATE_MBIT = 40
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def link(tmp_path_factory):
+    """(netns, veth-in-netns, prefill IP, root-side IP); removed afterwards."""
+    tag = f"{random.randrange(16, 250)}"
+    ns, inner, outer = f"prfaas-t{tag}", f"pfi{tag}", f"pfo{tag}"
+    prefill_ip, root_ip = f"10.213.{tag}.1", f"10.213.{tag}.2"
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+        sh("ip", "link", "set", inner, "netns", ns)
+        sh("ip", "addr", "add", f"{root_ip}/30", "dev", outer)
+        sh("ip", "link", "set", outer, "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{prefill_ip}/30", "dev", inner)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield ns, inner, prefill_ip, root_ip
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", outer], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def workers(link, tmp_path_factory):
+    ns, _, prefill_ip, root_ip = link
+    group = ProcessGroup(tmp_path_factory.mktemp("throttle"))
+    common = ["--profile", PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE), "--bootstrap-timeout-s", "60"]
+    p_port, p_boot, d_port = free_port(), free_port(), free_port(root_ip)
+    prefill = group.start("prefill", ["ip", "netns", "exec", ns, sys.executable, "-m", "prfaas_sglang.engine.mock",
+                                      "--role", "prfaas", "--host", prefill_ip, "--port", str(p_port),
+                                      "--bootstrap-port", str(p_boot), *common])
+    decode = group.start("decode", [sys.executable, "-m", "prfaas_sglang.engine.mock", "--role", "pd-decode",
+                                    "--host", root_ip, "--port", str(d_port), *common])
+    try:
+        group.wait_healthy(f"http://{prefill_ip}:{p_port}/health", prefill)
+        group.wait_healthy(f"http://{root_ip}:{d_port}/health", decode)
+        yield {"prefill": f"http://{prefill_ip}:{p_port}", "bootstrap": (prefill_ip, p_boot), "decode": f"http://{root_ip}:{d_port}"}
+    finally:
+        group.stop()
+
+
+def pd_request(workers, tokens: list[int]) -> tuple[dict, dict]:
+    """Returns (prefill meta_info, decode meta_info + "ttft_s" measured here: one output token)."""
+    host, port = workers["bootstrap"]
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1},
+            "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": random.getrandbits(63)}
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("p", requests.post(workers["prefill"] + "/generate", json=body, timeout=120)))
+    start = time.perf_counter()
+    t.start()
+    d = requests.post(workers["decode"] + "/generate", json=body, timeout=120)
+    ttft_s = time.perf_counter() - start
+    t.join()
+    assert out["p"].status_code == 200 and d.status_code == 200, (out["p"].text, d.text)
+    return out["p"].json()["meta_info"], {**d.json()["meta_info"], "ttft_s": ttft_s}
+
+
+def test_throttled_link_stretches_transfer_by_at_least_bytes_over_rate(link, workers):
+    ns, inner, _, _ = link
+    n = 16_384
+    expected_bytes = load_timing(PROFILE, 20, KV_SCALE, None).kv_bytes(n)
+    pd_request(workers, [1] * 700)  # warm the lanes
+
+    fast_p, fast_d = pd_request(workers, [random.randrange(32_000) for _ in range(n)])
+    assert fast_d["prfaas"]["kv_bytes"] == expected_bytes
+
+    sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "tbf",
+       "rate", f"{RATE_MBIT}mbit", "burst", "32kb", "latency", "400ms")
+    try:
+        slow_p, slow_d = pd_request(workers, [random.randrange(32_000) for _ in range(n)])
+    finally:
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", inner, "root")
+
+    floor_s = expected_bytes * 8 / (RATE_MBIT * 1e6)
+    assert slow_d["prfaas"]["kv_bytes"] == expected_bytes
+    assert slow_p["prfaas"]["kv_transfer_s"] >= 0.9 * floor_s
+    assert fast_p["prfaas"]["kv_transfer_s"] < 0.5 * floor_s
+    assert slow_d["ttft_s"] - fast_d["ttft_s"] >= 0.8 * floor_s
