@@ -250,3 +250,26 @@ def test_relative_model_path_resolves_against_the_topology_file():
     node = next(n for n in topology.nodes if n.role is Role.PD_DECODE)
     assert Path(node.model_path) == REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
     assert (Path(node.model_path) / "config.json").is_file()
+
+
+def test_mock_engine_plan(capsys):
+    rc = launch_main(["--role", "pd-decode", "--engine", "mock", "--profile", "kimi-linear-1t-hybrid@h20x8", "--port", "31234",
+                      "--speedup", "10", "--dry-run", "--json", "--", "--max-batch", "8"])
+    assert rc == 0
+    plan = json.loads(capsys.readouterr().out)
+    argv = plan["argv"]
+    assert argv[1:3] == ["-m", "prfaas_sglang.engine.mock"] and plan["engine"] == "mock"
+    assert argv[argv.index("--profile") + 1] == "kimi-linear-1t-hybrid@h20x8"
+    assert argv[argv.index("--speedup") + 1] == "10.0" and argv[-2:] == ["--max-batch", "8"]
+    assert plan["env"]["MC_FORCE_TCP"] == "1"
+
+
+def test_mock_plan_runs_the_emulated_engine_parser():
+    """The emitted flags are accepted by the emulated engine's own parser."""
+    from prfaas_sglang.engine.mock.__main__ import build_parser, config_from_args
+    from prfaas_sglang.launch.plan import plan_mock
+
+    node = Node("p0", "prfaas", Role.PRFAAS, host="127.0.0.1", port=30000, bootstrap_port=8998, kv_events_port=5557)
+    argv = list(plan_mock(node, "python", "kimi-linear-1t-hybrid@h200x8", ("--speedup", "5")).argv)[3:]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.bootstrap_port == 8998 and config.kv_events_port == 5557 and config.speedup == 5.0
