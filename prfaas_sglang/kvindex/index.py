@@ -1,0 +1,176 @@
+"""The global KV index: which worker holds which prefix, from SGLang's KV events (pure).
+
+Fed with decoded event batches (``apply``), queried with token ids
+(``match``). Blocks are SGLang's chained page hashes (``engine.blocks``), so
+holding block *k* of a prompt means holding the whole prefix up to it; a
+worker's reusable prefix is its longest run of leading blocks.
+
+Hybrid models. SGLang's events say nothing about linear-attention / SWA
+state (evicting state emits nothing), yet state decides reuse: a prefix is
+usable only up to the longest state checkpoint inside the full-attention
+match. The index therefore records where checkpoints are expected: at the
+last block of every stored run (a prefilled prompt's end) and every
+``checkpoint_interval_tokens`` (SGLang's chunk-aligned checkpoints), and
+``match`` caps hybrid reuse there. It can overstate reuse when state was
+evicted but pages were not; the router treats the answer as an estimate.
+
+Consistency. Each worker's events carry a sequence number. A gap means
+events were lost: the worker's entries are dropped (an empty index is safe,
+a wrong one is not) until new events rebuild it. A sequence number going
+backwards means the worker restarted: same treatment. ``AllBlocksCleared``
+empties the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
+from prfaas_sglang.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+@dataclass
+class _WorkerState:
+    cluster: str
+    block_size: int | None = None
+    blocks: set[int] = field(default_factory=set)
+    checkpoints: set[int] = field(default_factory=set)
+    depth: dict[int, int] = field(default_factory=dict)  # block -> blocks from the root
+    last_seq: int | None = None
+    resets: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Reusable prefix per worker and per cluster, in tokens (0 when nothing matches)."""
+
+    total_tokens: int
+    by_worker: dict[str, int]
+    by_cluster: dict[str, int]
+
+    def best_worker(self, cluster: str) -> tuple[str | None, int]:
+        candidates = [(n, w) for w, n in self.by_worker.items() if self._cluster_of.get(w) == cluster]
+        if not candidates:
+            return None, 0
+        n, w = max(candidates)
+        return w, n
+
+    _cluster_of: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+
+class KvIndex:
+    def __init__(self, hybrid: bool, checkpoint_interval_tokens: int = 8192):
+        self.hybrid = hybrid
+        self.checkpoint_interval_tokens = checkpoint_interval_tokens
+        self._workers: dict[str, _WorkerState] = {}
+        self._holders: dict[int, set[str]] = {}  # block hash -> workers holding it
+
+    # --- membership ----------------------------------------------------------------
+
+    def add_worker(self, worker: str, cluster: str) -> None:
+        self._workers.setdefault(worker, _WorkerState(cluster))
+
+    def remove_worker(self, worker: str) -> None:
+        self._drop(worker)
+        self._workers.pop(worker, None)
+
+    def workers(self) -> dict[str, str]:
+        return {w: s.cluster for w, s in self._workers.items()}
+
+    def block_count(self, worker: str) -> int:
+        return len(self._workers[worker].blocks)
+
+    def resets(self, worker: str) -> int:
+        return self._workers[worker].resets
+
+    # --- ingest ------------------------------------------------------------------------
+
+    def apply(self, worker: str, seq: int, events: Iterable) -> None:
+        """Apply one event batch numbered ``seq`` from ``worker`` (added first with add_worker)."""
+        state = self._workers[worker]
+        if state.last_seq is not None and seq != state.last_seq + 1:
+            self._drop(worker)  # a gap (lost events) or a restart (seq went back): start over
+            state.resets += 1
+        state.last_seq = seq
+        run_end: int | None = None  # last block of the chain being stored in this batch
+        for event in events:
+            if isinstance(event, BlockStored):
+                state.block_size = event.block_size
+                interval = max(self.checkpoint_interval_tokens // event.block_size, 1)
+                parent = event.parent_block_hash
+                if run_end is not None and parent != run_end:
+                    state.checkpoints.add(run_end)  # the previous prompt's end
+                for block in event.block_hashes:
+                    # Absolute depth from the root; an unknown parent (lost to a reset) restarts at 1.
+                    depth = state.depth.get(parent, 0) + 1 if parent is not None else 1
+                    state.depth[block] = depth
+                    state.blocks.add(block)
+                    self._holders.setdefault(block, set()).add(worker)
+                    if depth % interval == 0:
+                        state.checkpoints.add(block)
+                    parent = block
+                run_end = parent
+                continue
+            if run_end is not None:
+                state.checkpoints.add(run_end)
+                run_end = None
+            if isinstance(event, BlockRemoved):
+                for block in event.block_hashes:
+                    self._forget(worker, block)
+            elif isinstance(event, AllBlocksCleared):
+                self._drop(worker)
+        if run_end is not None:
+            state.checkpoints.add(run_end)
+
+    def _forget(self, worker: str, block: int) -> None:
+        state = self._workers[worker]
+        state.blocks.discard(block)
+        state.checkpoints.discard(block)
+        state.depth.pop(block, None)
+        holders = self._holders.get(block)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._holders[block]
+
+    def _drop(self, worker: str) -> None:
+        state = self._workers.get(worker)
+        if state is None:
+            return
+        for block in list(state.blocks):
+            self._forget(worker, block)
+        state.checkpoints.clear()
+
+    # --- queries ------------------------------------------------------------------------
+
+    def block_ids(self, token_ids: Sequence[int], block_size: int) -> list[int]:
+        return [digest_to_int64(d) for d in page_digests(token_ids, block_size)]
+
+    def match(self, token_ids: Sequence[int], block_ids: Sequence[int] | None = None, block_size: int | None = None) -> PrefixMatch:
+        """Reusable prefix of ``token_ids`` on every worker, in tokens; pure read.
+
+        The last token is never reusable (it is always recomputed), so only the
+        full pages of ``token_ids[:-1]`` are looked up. A caller that already
+        hashed them passes ``block_ids`` (of ``token_ids[:-1]``, ``block_size`` pages).
+        """
+        size = block_size or next((s.block_size for s in self._workers.values() if s.block_size), None)
+        by_worker = {w: 0 for w in self._workers}
+        if size and len(token_ids) > 1:
+            ids = list(block_ids) if block_ids is not None else self.block_ids(token_ids[:-1], size)
+            alive = set(self._holders.get(ids[0], ())) if ids else set()
+            best = {w: 0 for w in alive}
+            for depth, block in enumerate(ids, 1):
+                holders = self._holders.get(block, set())
+                alive &= holders
+                if not alive:
+                    break
+                for w in alive:
+                    if not self.hybrid or block in self._workers[w].checkpoints:
+                        best[w] = depth * size
+            by_worker.update(best)
+        by_cluster: dict[str, int] = {}
+        for w, n in by_worker.items():
+            cluster = self._workers[w].cluster
+            by_cluster[cluster] = max(by_cluster.get(cluster, 0), n)
+        return PrefixMatch(len(token_ids), by_worker, by_cluster, {w: s.cluster for w, s in self._workers.items()})

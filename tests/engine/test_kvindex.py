@@ -1,0 +1,115 @@
+"""The global KV index against the emulated engine's own cache and events (pure, no sockets)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prfaas_sglang.engine.kv_events import AllBlocksCleared
+from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
+from prfaas_sglang.kvindex.index import KvIndex
+
+PAGE = 4
+
+
+def feed(index: KvIndex, worker: str, cache: PrefixCache, prompts, seq0: int = 0) -> int:
+    seq = seq0
+    for prompt in prompts:
+        index.apply(worker, seq, cache.insert(prompt))
+        seq += 1
+    return seq
+
+
+def test_index_agrees_with_the_worker_cache_dense_and_hybrid():
+    """Fed a worker's events, the index predicts what the worker's own cache reuses: exactly for a
+    dense model; for a hybrid one never more (a prompt ending on an already-cached page adds a
+    state checkpoint that, as in SGLang, no event announces)."""
+    rng = random.Random(3)
+    for hybrid in (False, True):
+        cache = PrefixCache(PAGE, capacity_blocks=40, hybrid=hybrid, checkpoint_interval_tokens=8)
+        index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
+        index.add_worker("w", "pd")
+        stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+        seq = 0
+        for _ in range(200):
+            prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            predicted = index.match(prompt).by_worker["w"]
+            actual = cache.match(prompt[:-1]).cached_tokens
+            assert predicted == actual if not hybrid else predicted <= actual, (hybrid, prompt)
+            index.apply("w", seq, cache.insert(prompt))
+            seq += 1
+
+
+def test_per_cluster_best_and_worker_choice():
+    index = KvIndex(hybrid=False)
+    caches = {}
+    for worker, cluster in (("p0", "prfaas"), ("d0", "pd"), ("d1", "pd")):
+        index.add_worker(worker, cluster)
+        caches[worker] = PrefixCache(PAGE, 100, hybrid=False)
+    prompt = list(range(40))
+    feed(index, "d1", caches["d1"], [prompt[:21]])
+    feed(index, "p0", caches["p0"], [prompt[:13]])
+    match = index.match(prompt)
+    assert match.by_worker == {"p0": 12, "d0": 0, "d1": 20}
+    assert match.by_cluster == {"prfaas": 12, "pd": 20}
+    assert match.best_worker("pd") == ("d1", 20)
+
+
+def test_removed_blocks_and_clear():
+    index = KvIndex(hybrid=False)
+    index.add_worker("w", "pd")
+    cache = PrefixCache(PAGE, capacity_blocks=3, hybrid=False)
+    seq = feed(index, "w", cache, [list(range(12))])
+    seq = feed(index, "w", cache, [[99] * 8], seq)  # evicts two leaves of the first prompt
+    assert index.match(list(range(12)) + [1]).by_worker["w"] == cache.match(list(range(12))).cached_tokens == 4
+    index.apply("w", seq, [AllBlocksCleared()])
+    assert index.block_count("w") == 0 and index.match([99] * 9).by_worker["w"] == 0
+
+
+def test_sequence_gap_or_restart_drops_the_worker():
+    index = KvIndex(hybrid=False)
+    index.add_worker("w", "pd")
+    cache = PrefixCache(PAGE, 100, hybrid=False)
+    feed(index, "w", cache, [list(range(16))])
+    assert index.match(list(range(17))).by_worker["w"] == 16
+    index.apply("w", 5, [])  # expected seq 1: events 1..4 were lost
+    assert index.resets("w") == 1 and index.match(list(range(17))).by_worker["w"] == 0
+    feed(index, "w", PrefixCache(PAGE, 100, hybrid=False), [list(range(8))], seq0=0)  # a restart: seq back to 0
+    assert index.resets("w") == 2 and index.match(list(range(9))).by_worker["w"] == 8
+
+
+def test_removed_worker_is_gone_from_answers():
+    index = KvIndex(hybrid=False)
+    index.add_worker("a", "pd")
+    index.add_worker("b", "pd")
+    feed(index, "a", PrefixCache(PAGE, 100, hybrid=False), [list(range(8))])
+    index.remove_worker("a")
+    assert index.match(list(range(9))).by_worker == {"b": 0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=24), min_size=1, max_size=25),
+       capacity=st.integers(1, 12), hybrid=st.booleans())
+def test_index_never_overstates_a_worker(prompts, capacity, hybrid):
+    """With eviction in play: equal to the worker's cache (dense), never above it (hybrid)."""
+    cache = PrefixCache(PAGE, capacity_blocks=capacity, hybrid=hybrid, checkpoint_interval_tokens=8)
+    index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
+    index.add_worker("w", "pd")
+    for seq, prompt in enumerate(prompts):
+        predicted, actual = index.match(prompt).by_worker["w"], cache.match(prompt[:-1]).cached_tokens
+        assert predicted == actual if not hybrid else predicted <= actual
+        index.apply("w", seq, cache.insert(prompt))
+
+
+def test_hybrid_index_exact_when_every_prompt_brings_new_pages():
+    cache = PrefixCache(PAGE, 100, hybrid=True, checkpoint_interval_tokens=8)
+    index = KvIndex(hybrid=True, checkpoint_interval_tokens=8)
+    index.add_worker("w", "pd")
+    base = list(range(30))
+    for seq, n in enumerate((9, 17, 26, 30)):
+        prompt = base[:n]
+        assert index.match(prompt + [77]).by_worker["w"] == cache.match(prompt).cached_tokens
+        index.apply("w", seq, cache.insert(prompt))
+    assert index.match(base[:22] + [5, 5, 5]).by_worker["w"] == 16  # last checkpoint within the 20-token match
