@@ -32,10 +32,10 @@ from prfaas_sglang.demo.cluster import ProcessGroup, Worker, start_mock_worker
 from prfaas_sglang.demo.dispatch import MiniDispatcher, RequestResult
 from prfaas_sglang.errors import ConfigError, PrfaasError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
-from prfaas_sglang.plan.model import Deployment, evaluate
+from prfaas_sglang.plan.model import Deployment
 from prfaas_sglang.plan.profiles import InstanceClass
 from prfaas_sglang.plan.scenario import Catalog
-from prfaas_sglang.plan.search import threshold_grid
+from prfaas_sglang.plan.search import best_threshold_for_split
 from prfaas_sglang.plan.workload import (
     EmpiricalLengths,
     TruncatedLogNormal,
@@ -73,12 +73,7 @@ def plan_threshold(lengths: list[float] | None, output_tokens: int) -> float:
     decode = analytic_decode(model, h20, workload.mean_tokens, output_tokens, 40)
     dep = Deployment(InstanceClass("h200x8", 8, AnalyticPrefill(model, h200)), 1,
                      InstanceClass("h20x8", 8, AnalyticPrefill(model, h20), decode), 2, 100e9, output_tokens)
-    best_t, best = None, -1.0
-    for t in threshold_grid(workload, 512):
-        lam = evaluate(dep, workload.split(t), 1, 1).lambda_max_rps
-        if lam > best:
-            best_t, best = t, lam
-    return best_t
+    return best_threshold_for_split(dep, workload, 1, 512).threshold_tokens
 
 
 def case_study_requests(args, rng: random.Random):

@@ -82,6 +82,18 @@ def search(dep: Deployment, workload: Workload, step_tokens: float = 128, progre
     return SearchResult(best, tuple(thresholds), tuple(splits), tuple(surface))
 
 
+def best_threshold_for_split(dep: Deployment, workload: Workload, n_prefill: int, step_tokens: float = 128) -> OperatingPoint:
+    """Best threshold when the PD split is fixed (the router re-searches t this way at run time)."""
+    if not 0 <= n_prefill < dep.n_pd:
+        raise ConfigError("n_prefill", f"must be in 0..{dep.n_pd - 1}, got {n_prefill}")
+    best = None
+    for t in threshold_grid(workload, step_tokens):
+        point = evaluate(dep, workload.split(t), n_prefill, dep.n_pd - n_prefill)
+        if _better(point, best):
+            best = point
+    return best
+
+
 def best_split_at(dep: Deployment, split: Split) -> OperatingPoint:
     """Best PD split for one fixed threshold (``--threshold``)."""
     best = None
