@@ -142,3 +142,12 @@ def plan_mock(node: Node, python: str, profile: str, mock_args: tuple[str, ...] 
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
     return LaunchPlan(node, Engine.MOCK, tuple(argv), env)
+
+
+def plan_router(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchPlan:
+    """The global scheduler for the workers of the topology at ``config_path``."""
+    if node.port is None:
+        raise ConfigError("--port", "is required for role router")
+    argv = [python, "-m", "prfaas_sglang.router", "--config", config_path, "--host", node.host or "127.0.0.1",
+            "--port", str(node.port), *extra]
+    return LaunchPlan(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value})

@@ -10,7 +10,7 @@ from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
 from prfaas_sglang.engine.kv_events import BlockRemoved, BlockStored
 from prfaas_sglang.engine.mock.kv_transport import KvArena
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
-from prfaas_sglang.engine.mock.protocol import BadRequest, parse_request
+from prfaas_sglang.protocol import BadRequest, parse_request
 
 
 def test_block_hash_matches_sglang_native_hash():
@@ -107,7 +107,7 @@ class TestParse:
 
 
 def test_outputs_depend_on_the_prompt_only():
-    from prfaas_sglang.engine.mock.protocol import output_token, prompt_seed
+    from prfaas_sglang.protocol import output_token, prompt_seed
 
     a, b = prompt_seed([1, 2, 3]), prompt_seed([1, 2, 3])
     assert a == b != prompt_seed([1, 2, 4])

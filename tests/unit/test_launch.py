@@ -44,7 +44,8 @@ class TestAcceptanceCommands:
         [
             (["--role", "prefil", "--model-path", "/m"], "--role: unknown role 'prefil'"),
             (["--role", "prfaas", "--dry-run"], "--model-path: is required for role prfaas"),
-            (["--role", "router"], "role router is not available in this release yet"),
+            (["--role", "kv-index"], "role kv-index is not available in this release yet"),
+            (["--role", "router", "--port", "8000"], "--config: the router reads its workers from a topology file"),
             (["--role", "pd-decode", "--engine", "mock"], "--profile: is required with --engine mock"),
             (["--role", "pd-decode", "--model-path", "/m", "--profile", "x@y", "--dry-run"], "--profile: applies to --engine mock only"),
             (["--role", "prfaas", "--engine", "mock", "--profile", "m@a", "--dry-run"], "--port: is required for role prfaas with --engine mock"),

@@ -29,9 +29,9 @@ import aiohttp
 from prfaas_sglang.engine.kv_events import AllBlocksCleared
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
-from prfaas_sglang.engine.mock.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.launch.roles import ROLE_SPECS, Role
+from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 
 
 @dataclass(frozen=True)

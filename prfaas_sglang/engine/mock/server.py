@@ -22,7 +22,7 @@ import time
 from aiohttp import web
 
 from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine, Registration
-from prfaas_sglang.engine.mock.protocol import (
+from prfaas_sglang.protocol import (
     SSE_DONE,
     BadRequest,
     full_response,

@@ -1,0 +1,127 @@
+"""The PrfaaS router end to end on emulated workers (loopback): threshold routing on the
+*uncached* length, cache affinity through the KV index, streaming, fallback, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import requests
+import yaml
+
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+
+THRESHOLD = 10_000
+EXTRA = ["--speedup", "50", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router")
+    group = ProcessGroup(tmp / "logs")
+    try:
+        p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", EXTRA, events=True)
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
+        topology = {
+            "version": 1,
+            "clusters": {
+                "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "host": "127.0.0.1", "port": p0.port,
+                                                   "bootstrap_port": p0.bootstrap_port, "kv_events_port": p0.kv_events_port}]},
+                "a": {"kind": "pd", "nodes": [
+                    {"name": "pp0", "role": "pd-prefill", "host": "127.0.0.1", "port": pp0.port,
+                     "bootstrap_port": pp0.bootstrap_port, "kv_events_port": pp0.kv_events_port},
+                    {"name": "d0", "role": "pd-decode", "host": "127.0.0.1", "port": d0.port, "kv_events_port": d0.kv_events_port}]},
+            },
+            "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}],
+        }
+        config = tmp / "topology.yaml"
+        config.write_text(yaml.safe_dump(topology))
+        port = free_port()
+        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
+                                        "--threshold", str(THRESHOLD)])
+        url = f"http://127.0.0.1:{port}"
+        group.wait_healthy(url + "/health", router)
+        yield {"url": url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0}
+    finally:
+        group.stop()
+
+
+def generate(url: str, tokens: list[int], stream: bool = False, max_new: int = 3):
+    return requests.post(url + "/generate", json={"input_ids": tokens, "sampling_params": {"max_new_tokens": max_new},
+                                                  "stream": stream}, timeout=60, stream=stream)
+
+
+def wait_for_index(url: str, worker: str, min_blocks: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (requests.get(url + "/status", timeout=5).json()["workers"][worker]["index_blocks"] or 0) >= min_blocks:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the router's KV index never saw {min_blocks} blocks of {worker}")
+
+
+def test_short_stays_local_long_goes_to_prfaas(deployment):
+    url = deployment["url"]
+    short = generate(url, list(range(100_000, 104_000)))
+    long = generate(url, list(range(200_000, 220_000)))
+    assert short.status_code == 200 and long.status_code == 200
+    assert short.headers["x-prfaas-route"] == "pd/pp0/d0"
+    assert long.headers["x-prfaas-route"] == "prfaas/p0/d0"
+    assert len(long.json()["output_ids"]) == 3
+
+
+def test_long_prompt_cached_in_pd_stays_local(deployment):
+    """Uncached length, not total length, decides: 8K cached on PD-P + 6K new stays on PD-P."""
+    url = deployment["url"]
+    stem = list(range(300_000, 308_192))
+    assert generate(url, stem + [1]).headers["x-prfaas-route"].startswith("pd/")
+    wait_for_index(url, "pp0", 16)
+    grown = generate(url, stem + list(range(400_000, 406_000)))
+    assert grown.status_code == 200 and grown.headers["x-prfaas-route"] == "pd/pp0/d0"
+    recent = requests.get(url + "/status", timeout=5).json()["recent"][-1]
+    assert recent["cached_tokens"] == 8_192 and recent["tokens"] == 14_192
+    fresh = generate(url, list(range(500_000, 514_192)))
+    assert fresh.headers["x-prfaas-route"] == "prfaas/p0/d0"
+
+
+def test_streaming_through_the_router(deployment):
+    with generate(deployment["url"], list(range(600_000, 601_000)), stream=True, max_new=4) as resp:
+        assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 5
+
+
+def test_openai_chat_through_the_router(deployment):
+    r = requests.post(deployment["url"] + "/v1/chat/completions", json={"model": "m", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "route me please"}]}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].count(" t") == 2
+
+
+def test_bad_input(deployment):
+    url = deployment["url"]
+    assert requests.post(url + "/generate", data="{oops", timeout=5).status_code == 400
+    r = requests.post(url + "/generate", json={"input_ids": [1, 2], "bootstrap_host": "x", "bootstrap_port": 1, "bootstrap_room": 2}, timeout=5)
+    assert r.status_code == 400 and "set by the router" in r.json()["error"]["message"]
+    assert requests.post(url + "/v1/completions", json={"prompt": 5}, timeout=5).status_code == 400
+    assert generate(url, list(range(700_000, 701_000))).status_code == 200
+
+
+def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
+    """Run last: kills the PrfaaS worker. Long prompts then prefill on PD-P; no request is lost."""
+    url, group = deployment["url"], deployment["group"]
+    proc = next(p for p in group.procs if p.name == "p0")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    results = [generate(url, list(range(800_000 + 30_000 * k, 800_000 + 30_000 * k + 20_000))) for k in range(4)]
+    assert [r.status_code for r in results] == [200] * 4
+    assert all(r.headers["x-prfaas-route"] == "pd/pp0/d0" for r in results)
+    status = requests.get(url + "/status", timeout=5).json()
+    assert status["workers"]["p0"]["healthy"] is False
+    # Either the prefill leg failed and was re-dispatched, or health checks had already caught it.
+    assert status["fallbacks"] >= 1 or any(r["reason"].startswith("fallback") for r in status["recent"])
+    decode_metrics = requests.get(deployment["decode"].url + "/metrics", timeout=5).text
+    assert 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' in decode_metrics
