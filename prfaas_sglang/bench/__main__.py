@@ -4,6 +4,7 @@ Benchmarks:
   plan           planner search time (case study, 128- and 32-token grids), and the
                  case-study optimum under other values of the two calibrated MFUs
   mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
+  kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     fidelity.add_argument("--speedup", type=float, default=1.0)
     fidelity.add_argument("--kv-scale", type=float, default=0.01)
     fidelity.add_argument("--json", action="store_true")
+    kvi = sub.add_parser("kvindex", help="KV index ingest rate and match latency")
+    kvi.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     machine = f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     stamp = f"{date.today().isoformat()}; {machine}"
@@ -36,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
 
         result = bench.run(args.repeat)
         header = f"<!-- python -m prfaas_sglang.bench plan --repeat {args.repeat}; {stamp} -->"
+    elif args.name == "kvindex":
+        from prfaas_sglang.bench import kvindex as bench
+
+        result = bench.run()
+        header = f"<!-- python -m prfaas_sglang.bench kvindex; {stamp} -->"
     else:
         if not args.speedup > 0 or not 0 < args.kv_scale <= 1:
             parser.error("--speedup must be > 0 and --kv-scale in (0, 1]")

@@ -11,23 +11,30 @@ see real SGLang's and the mock's events identically.
 from __future__ import annotations
 
 import hashlib
-import struct
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
+
+if sys.byteorder != "little":  # SGLang's native hash has the same restriction
+    raise ImportError("prfaas_sglang.engine.blocks needs a little-endian host")
+
+
+def iter_page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> Iterator[bytes]:
+    """Digests of the *full* pages of ``token_ids``, one at a time (stop early to hash less)."""
+    if page_size <= 0:
+        raise ValueError("page_size must be positive")
+    packed = memoryview(array("I", token_ids).tobytes())  # little-endian uint32 on the supported hosts
+    step = page_size * 4
+    for start in range(0, (len(token_ids) // page_size) * step, step):
+        h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
+        h.update(packed[start : start + step])
+        prior = h.digest()
+        yield prior
 
 
 def page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
     """One 32-byte digest per *full* page of ``token_ids``; a trailing partial page is not hashed."""
-    if page_size <= 0:
-        raise ValueError("page_size must be positive")
-    digests = []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        h = hashlib.sha256()
-        if prior is not None:
-            h.update(prior)
-        h.update(struct.pack(f"<{page_size}I", *token_ids[start : start + page_size]))
-        prior = h.digest()
-        digests.append(prior)
-    return digests
+    return list(iter_page_digests(token_ids, page_size, prior))
 
 
 def digest_to_int64(digest: bytes) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
+from prfaas_sglang.engine.blocks import digest_to_int64, iter_page_digests, page_digests
 from prfaas_sglang.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -157,12 +157,13 @@ class KvIndex:
         size = block_size or next((s.block_size for s in self._workers.values() if s.block_size), None)
         by_worker = {w: 0 for w in self._workers}
         if size and len(token_ids) > 1:
-            ids = list(block_ids) if block_ids is not None else self.block_ids(token_ids[:-1], size)
-            alive = set(self._holders.get(ids[0], ())) if ids else set()
-            best = {w: 0 for w in alive}
+            # Hash lazily: the walk stops at the first block no worker holds.
+            ids = iter(block_ids) if block_ids is not None else (digest_to_int64(d) for d in iter_page_digests(token_ids[:-1], size))
+            alive: set[str] | None = None
+            best: dict[str, int] = {}
             for depth, block in enumerate(ids, 1):
                 holders = self._holders.get(block, set())
-                alive &= holders
+                alive = set(holders) if alive is None else alive & holders
                 if not alive:
                     break
                 for w in alive:
