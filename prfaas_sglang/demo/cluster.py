@@ -86,20 +86,25 @@ class Worker:
     port: int
     bootstrap_port: int | None
     kv_events_port: int | None
+    telemetry_port: int | None = None
 
 
 def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, extra: list[str],
-                      events: bool = False, host: str = "127.0.0.1", python: str = sys.executable) -> Worker:
+                      events: bool = False, host: str = "127.0.0.1", python: str = sys.executable,
+                      telemetry: bool = False) -> Worker:
     """One emulated worker on free ports; returns when it answers /health."""
     port = free_port(host)
     bootstrap = free_port(host) if role != "pd-decode" else None
     kv_events = free_port(host) if events else None
+    telemetry_port = free_port(host) if telemetry and bootstrap is not None else None
     argv = [python, "-m", "prfaas_sglang.engine.mock", "--role", role, "--host", host, "--port", str(port), "--profile", profile, *extra]
     if bootstrap is not None:
         argv += ["--bootstrap-port", str(bootstrap)]
     if kv_events is not None:
         argv += ["--kv-events-port", str(kv_events)]
+    if telemetry_port is not None:
+        argv += ["--telemetry-port", str(telemetry_port)]
     proc = group.start(name, argv)
     url = f"http://{host}:{port}"
     group.wait_healthy(url + "/health", proc)
-    return Worker(name, url, port, bootstrap, kv_events)
+    return Worker(name, url, port, bootstrap, kv_events, telemetry_port)

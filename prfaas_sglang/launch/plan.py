@@ -139,6 +139,8 @@ def plan_mock(node: Node, python: str, profile: str, mock_args: tuple[str, ...] 
         argv += ["--bootstrap-port", str(node.bootstrap_port)]
     if node.kv_events_port is not None:
         argv += ["--kv-events-port", str(node.kv_events_port)]
+    if node.telemetry_port is not None:
+        argv += ["--telemetry-port", str(node.telemetry_port)]
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
     return LaunchPlan(node, Engine.MOCK, tuple(argv), env)

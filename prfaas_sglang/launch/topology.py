@@ -22,6 +22,7 @@ Schema (version 1)::
             port: 30000
             bootstrap_port: 8998     # prefill roles
             kv_events_port: 5557     # engine roles: ZMQ KV-event publisher
+            telemetry_port: 5560     # prefill roles: ZMQ link telemetry (emulated engine, transport)
             tp_size: 1
             model_path: ...          # overrides model.path; ./ and ../ are relative to the file
             extra_args: [...]        # appended after model.extra_args
@@ -59,6 +60,7 @@ class Node:
     port: int | None = None
     bootstrap_port: int | None = None
     kv_events_port: int | None = None
+    telemetry_port: int | None = None
     tp_size: int | None = None
     model_path: str | None = None
     kv_transport: KvTransport | None = None
@@ -97,7 +99,7 @@ def _transport(value: Any, path: str) -> KvTransport | None:
         raise ConfigError(path, f"unknown KV transport {value!r} (expected tcp or rdma)") from None
 
 
-_NODE_KEYS = {"name", "role", "host", "port", "bootstrap_port", "kv_events_port", "tp_size", "model_path", "extra_args"}
+_NODE_KEYS = {"name", "role", "host", "port", "bootstrap_port", "kv_events_port", "telemetry_port", "tp_size", "model_path", "extra_args"}
 
 
 def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTransport | None, model: dict) -> Node:
@@ -118,6 +120,9 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
     if bootstrap_port is not None and spec.disaggregation_mode != "prefill":
         raise ConfigError(f"{path}.bootstrap_port", f"only prefill roles serve a bootstrap port, not {role.value}")
     kv_events_port = _opt_port(obj, "kv_events_port", path)
+    telemetry_port = _opt_port(obj, "telemetry_port", path)
+    if telemetry_port is not None and spec.disaggregation_mode != "prefill":
+        raise ConfigError(f"{path}.telemetry_port", f"only prefill roles publish link telemetry, not {role.value}")
     if kv_events_port is not None and not spec.is_engine_role:
         raise ConfigError(f"{path}.kv_events_port", f"only engine roles publish KV events, not {role.value}")
     return Node(
@@ -128,6 +133,7 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
         port=_opt_port(obj, "port", path),
         bootstrap_port=bootstrap_port,
         kv_events_port=kv_events_port,
+        telemetry_port=telemetry_port,
         tp_size=number(obj, "tp_size", path, positive=True, integer=True),
         model_path=_opt_str(obj, "model_path", path) or model.get("path"),
         kv_transport=transport if spec.is_engine_role else None,
@@ -146,7 +152,7 @@ def _check_unique_endpoints(nodes: list[Node], paths: dict[str, str]) -> None:
             raise ConfigError(f"{path}.name", f"node name {node.name!r} is used twice")
         names.add(node.name)
         host = node.host or "127.0.0.1"
-        for key in ("port", "bootstrap_port", "kv_events_port"):
+        for key in ("port", "bootstrap_port", "kv_events_port", "telemetry_port"):
             port = getattr(node, key)
             if port is None:
                 continue

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=512, help="the workers' KV page size, tokens")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument("--served-model-name", default="prfaas")
+    p.add_argument("--raise-after-s", type=float, default=0.5, help="sustained saturation before t is raised")
+    p.add_argument("--lower-after-s", type=float, default=5.0, help="sustained recovery before t is lowered")
     return p
 
 
@@ -68,7 +70,11 @@ def make_state(args: argparse.Namespace):
         return best_threshold_for_split(thin, workload, n_p, 512).threshold_tokens
 
     baseline = args.threshold if args.threshold is not None else research(link.capacity_bps)
-    controller = ThresholdController(baseline, research, workload.max_tokens)
+    for flag, value in (("--raise-after-s", args.raise_after_s), ("--lower-after-s", args.lower_after_s)):
+        if value < 0:
+            raise ConfigError(flag, f"must be >= 0, got {value}")
+    controller = ThresholdController(baseline, research, workload.max_tokens,
+                                     raise_after_s=args.raise_after_s, lower_after_s=args.lower_after_s)
     hybrid = pd_t.hybrid
     return RouterState(workers=workers, index=KvIndex(hybrid=hybrid), controller=controller,
                        prefill_cost={"prfaas": prfaas_t.prefill, "pd": pd_t.prefill}, kv_bytes=pd_t.prefill.kv_bytes,

@@ -30,6 +30,7 @@ from prfaas_sglang.kvindex.subscriber import KvEventSubscriber
 from prfaas_sglang.plan.profiles import PrefillProfile
 from prfaas_sglang.protocol import BadRequest, parse_request
 from prfaas_sglang.router.policy import BandwidthMode, Link, NoHealthyWorker, RouteDecision, route
+from prfaas_sglang.router.telemetry import TelemetryConsumer
 from prfaas_sglang.router.threshold import ThresholdController
 from prfaas_sglang.router.workers import WorkerRecord
 
@@ -64,6 +65,7 @@ class RouterState:
 STATE_KEY = web.AppKey("state", RouterState)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 SUB_KEY = web.AppKey("subscriber", KvEventSubscriber)
+TELEMETRY_KEY = web.AppKey("telemetry", TelemetryConsumer)
 _ids = itertools.count()
 
 
@@ -220,15 +222,19 @@ def build_app(state: RouterState) -> web.Application:
     async def on_startup(app):
         app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
         app[SUB_KEY] = KvEventSubscriber(state.index)
+        app[TELEMETRY_KEY] = TelemetryConsumer(state)
         for w in state.workers.values():
             if w.events_endpoint:
                 app[SUB_KEY].watch(w.name, w.cluster, w.events_endpoint)
+            if w.telemetry_endpoint and w.cluster == "prfaas":
+                app[TELEMETRY_KEY].watch(w.name, w.telemetry_endpoint)
         app["health_task"] = asyncio.create_task(_health_loop(app))
 
     async def on_cleanup(app):
         app["health_task"].cancel()
         await asyncio.gather(app["health_task"], return_exceptions=True)
         await app[SUB_KEY].close()
+        await app[TELEMETRY_KEY].close()
         await app[SESSION_KEY].close()
 
     app.on_startup.append(on_startup)
@@ -242,7 +248,10 @@ def build_app(state: RouterState) -> web.Application:
                                                               "owned_by": "prfaas-sglang"}]})
 
     async def status(request):
-        return web.json_response(_status(state))
+        body = _status(state)
+        body["threshold_history"] = [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in state.controller.history]
+        body["telemetry"] = list(request.app[TELEMETRY_KEY].series)[-int(request.query.get("telemetry", "20")):]
+        return web.json_response(body)
 
     async def metrics(request):
         return web.Response(text=_metrics(state), content_type="text/plain")

@@ -25,6 +25,7 @@ class WorkerRecord:
     host: str
     bootstrap_port: int | None
     events_endpoint: str | None
+    telemetry_endpoint: str | None = None
     healthy: bool = True
     draining: bool = False
     queue_s: float = 0.0
@@ -48,8 +49,9 @@ def workers_from_topology(topology: Topology) -> dict[str, WorkerRecord]:
             raise ConfigError(f"nodes.{node.name}.bootstrap_port", "the router needs every prefill node's bootstrap port")
         host = node.host or "127.0.0.1"
         events = f"tcp://{host}:{node.kv_events_port}" if node.kv_events_port is not None else None
+        telemetry = f"tcp://{host}:{node.telemetry_port}" if node.telemetry_port is not None else None
         records[node.name] = WorkerRecord(node.name, f"http://{host}:{node.port}", spec.cluster_kind, role, host,
-                                          node.bootstrap_port, events)
+                                          node.bootstrap_port, events, telemetry)
     if not any(r.role == "decode" for r in records.values()):
         raise ConfigError("clusters", "the topology has no pd-decode node")
     if not any(r.role == "prefill" for r in records.values()):

@@ -125,3 +125,70 @@ def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
     assert status["fallbacks"] >= 1 or any(r["reason"].startswith("fallback") for r in status["recent"])
     decode_metrics = requests.get(deployment["decode"].url + "/metrics", timeout=5).text
     assert 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' in decode_metrics
+
+
+def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path):
+    """Telemetry in the worker wire format (published here, as a PrfaaS worker would) drives t."""
+    import zmq
+
+    from prfaas_sglang.transport.telemetry import TELEMETRY_TOPIC, LinkSample
+
+    group = ProcessGroup(tmp_path / "logs")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    telemetry_port = free_port()
+    pub.bind(f"tcp://127.0.0.1:{telemetry_port}")
+    try:
+        p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", EXTRA)
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        topology = {"version": 1, "clusters": {
+            "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": p0.bootstrap_port,
+                                               "telemetry_port": telemetry_port}]},
+            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
+                                          {"name": "d0", "role": "pd-decode", "port": d0.port}]}},
+            "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}]}
+        config = tmp_path / "t.yaml"
+        config.write_text(yaml.safe_dump(topology))
+        port = free_port()
+        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
+                                        "--lower-after-s", "1"])
+        url = f"http://127.0.0.1:{port}"
+        group.wait_healthy(url + "/health", router)
+        baseline = requests.get(url + "/status", timeout=5).json()["threshold_tokens"]
+        time.sleep(0.5)  # let the SUB socket connect
+
+        import threading
+
+        link = {"busy": 0.99, "capacity_bps": 2e9}  # saturated: the link delivers 2 Gbps and is always busy
+        stop = threading.Event()
+
+        def publish() -> None:
+            while not stop.is_set():
+                pub.send_multipart((TELEMETRY_TOPIC, LinkSample("p0", time.monotonic(), link["capacity_bps"] * link["busy"],
+                                                                link["busy"], link["capacity_bps"], 4, 0).encode()))
+                time.sleep(0.1)
+
+        def wait_threshold(predicate, timeout_s: float) -> tuple[float, dict]:
+            start = time.monotonic()
+            while time.monotonic() - start < timeout_s:
+                status = requests.get(url + "/status", timeout=5).json()
+                if predicate(status["threshold_tokens"]):
+                    return time.monotonic() - start, status
+                time.sleep(0.05)
+            raise AssertionError(f"threshold did not change within {timeout_s} s")
+
+        publisher = threading.Thread(target=publish, daemon=True)
+        publisher.start()
+        try:
+            elapsed, status = wait_threshold(lambda t: t > baseline, timeout_s=5.0)
+            assert elapsed <= 2.0, f"raised after {elapsed:.2f} s"
+            assert status["threshold_history"][0]["why"].startswith("raise")
+            assert status["telemetry"][-1]["utilization"] == pytest.approx(0.99)
+            link.update(busy=0.2, capacity_bps=100e9)  # the link recovered
+            wait_threshold(lambda t: t == baseline, timeout_s=5.0)
+        finally:
+            stop.set()
+            publisher.join()
+    finally:
+        pub.close(linger=0)
+        group.stop()

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--bootstrap-port", type=int, help="prefill roles: the bootstrap server's port")
     p.add_argument("--kv-events-port", type=int, help="publish SGLang KV events on tcp://*:PORT")
+    p.add_argument("--telemetry-port", type=int, help="prefill roles: publish link telemetry on tcp://*:PORT")
     p.add_argument("--profile", required=True, help="MODEL@ACCELERATOR (planner data) or a measured profile YAML")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--speedup", type=float, default=1.0, help="divide every emulated duration by this")
@@ -52,7 +53,8 @@ def config_from_args(args: argparse.Namespace):
     return MockConfig(
         role=role, host=args.host, port=args.port, profile=args.profile,
         served_model_name=args.served_model_name or args.profile.split("@", 1)[0],
-        bootstrap_port=args.bootstrap_port, kv_events_port=args.kv_events_port, speedup=args.speedup,
+        bootstrap_port=args.bootstrap_port, kv_events_port=args.kv_events_port, telemetry_port=args.telemetry_port,
+        speedup=args.speedup,
         kv_scale=args.kv_scale, max_batch=args.max_batch, page_size=args.page_size, cache_tokens=args.cache_tokens,
         context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.launch.roles import ROLE_SPECS, Role
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
+from prfaas_sglang.transport.telemetry import TELEMETRY_TOPIC, LinkMeter
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class MockConfig:
     served_model_name: str
     bootstrap_port: int | None = None
     kv_events_port: int | None = None
+    telemetry_port: int | None = None
     speedup: float = 1.0
     kv_scale: float = 0.01
     max_batch: int | None = None
@@ -105,6 +108,7 @@ class MockEngine:
         self.stats = Stats()
         self.kv: KvEndpoint | None = None
         self.publisher = None
+        self.telemetry = None
         self.http: aiohttp.ClientSession | None = None
         self.ready = False
         self.waiting = 0  # queued for prefill, or for a decode slot
@@ -116,6 +120,8 @@ class MockEngine:
         self._prefill_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
+        self.meter = LinkMeter()
+        self._transfer_ids = itertools.count()
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -132,6 +138,12 @@ class MockEngine:
             from prfaas_sglang.launch.plan import KV_EVENTS_TOPIC
 
             self.publisher = ZmqKvEventPublisher(f"tcp://*:{cfg.kv_events_port}", KV_EVENTS_TOPIC)
+        if cfg.telemetry_port is not None and cfg.mode == "prefill":
+            from prfaas_sglang.engine.mock.events import ZmqKvEventPublisher
+
+            # Its own socket: the KV-event stream stays exactly SGLang's format.
+            self.telemetry = ZmqKvEventPublisher(f"tcp://*:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode())
+            self._tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.bootstrap_timeout_s))
         self.ready = True
 
@@ -141,8 +153,9 @@ class MockEngine:
             task.cancel()
         if self.http:
             await self.http.close()
-        if self.publisher:
-            self.publisher.close()
+        for pub in (self.publisher, self.telemetry):
+            if pub:
+                pub.close()
         if self.kv:
             self.kv.close()
 
@@ -235,11 +248,15 @@ class MockEngine:
             message.update(ok=False, error=f"decode region of {registration.length} bytes is smaller than the KV ({length})")
         else:
             start = time.perf_counter()
+            transfer_id = next(self._transfer_ids)
+            self.meter.start(transfer_id, time.monotonic())
             try:
                 await self.kv.write(registration.session, registration.addr, length)
                 message.update(ok=True, transfer_s=time.perf_counter() - start)
+                self.meter.end(transfer_id, time.monotonic(), length)
             except KvTransferError as err:
                 message.update(ok=False, error=str(err))
+                self.meter.end(transfer_id, time.monotonic(), 0)
         try:
             async with self.http.post(registration.notify_url, json=message) as resp:
                 resp.raise_for_status()
@@ -255,6 +272,13 @@ class MockEngine:
         self.stats.cached_tokens += cached_tokens
         self.stats.requests_ok += 1
         return message
+
+    async def _telemetry_loop(self, interval_s: float = 0.25) -> None:
+        """Publish this prefill worker's link telemetry (transport.telemetry wire format)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            sample = self.meter.sample(self.config.served_model_name + f"@{self.config.port}", time.monotonic(), self.waiting)
+            self.telemetry.publish_raw(TELEMETRY_TOPIC, sample.encode())
 
     # --- decode side -----------------------------------------------------------------
 

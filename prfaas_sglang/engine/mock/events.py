@@ -30,5 +30,9 @@ class ZmqKvEventPublisher:
         self._pub.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload))
         self._seq += 1
 
+    def publish_raw(self, topic: bytes, payload: bytes) -> None:
+        """Another stream on the same socket (e.g. link telemetry); KV-event subscribers filter it out by topic."""
+        self._pub.send_multipart((topic, payload))
+
     def close(self) -> None:
         self._pub.close(linger=0)
