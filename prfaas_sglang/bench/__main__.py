@@ -5,6 +5,7 @@ Benchmarks:
                  case-study optimum under other values of the two calibrated MFUs
   mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
+  bandwidth      router + emulated workers; the PrfaaS link throttled (tbf, netns) mid-run (root)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import platform
 import sys
 from datetime import date
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     fidelity.add_argument("--json", action="store_true")
     kvi = sub.add_parser("kvindex", help="KV index ingest rate and match latency")
     kvi.add_argument("--json", action="store_true")
+    bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link mid-run; the router's t over time")
+    bw.add_argument("--rate-mbit", type=float, default=40.0)
+    bw.add_argument("--load-rps", type=float, default=3.0)
+    bw.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
+    bw.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     machine = f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     stamp = f"{date.today().isoformat()}; {machine}"
@@ -39,6 +46,17 @@ def main(argv: list[str] | None = None) -> int:
 
         result = bench.run(args.repeat)
         header = f"<!-- python -m prfaas_sglang.bench plan --repeat {args.repeat}; {stamp} -->"
+    elif args.name == "bandwidth":
+        from prfaas_sglang.bench import bandwidth as bench
+
+        result = bench.run(args.rate_mbit, args.load_rps)
+        if args.plot:
+            bench.plot(result, args.plot)
+        header = f"<!-- python -m prfaas_sglang.bench bandwidth --rate-mbit {args.rate_mbit:g} --load-rps {args.load_rps:g}; {stamp} -->"
+        if not args.json:
+            print(header)
+            print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
+            return 0
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 

@@ -62,7 +62,7 @@ class TelemetryConsumer:
         capacity = sum(measured) if measured else self.state.link.capacity_bps
         queue_s = sum(w.queue_s for w in self.state.workers.values() if w.cluster == "prfaas" and w.role == "prefill")
         changed = self.state.controller.observe(now_s, utilization, capacity, queue_s)
-        self.series.append({"t_s": now_s - self._t0, "utilization": utilization, "capacity_bps": capacity,
+        self.series.append({"t_s": now_s - self._t0, "mono_s": now_s, "utilization": utilization, "capacity_bps": capacity,
                             "egress_bps": sum(s.egress_bps for s in samples), "queue_s": queue_s,
                             "threshold_tokens": self.state.controller.threshold_tokens})
         return changed

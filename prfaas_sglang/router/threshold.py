@@ -7,8 +7,8 @@ on the recent incremental-length distribution, with the egress capacity the
 link actually shows, and raises ``t`` to at least ``raise_factor`` x its
 current value. When both stay below their low marks for ``lower_after_s``
 (hysteresis: the low marks sit below the high ones, and lowering waits
-longer than raising), ``t`` is re-searched with the capacity the link shows
-then, never going below the planner's baseline.
+longer than raising), ``t`` returns to the baseline (the planner's or the
+operator's t for a healthy link).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class ThresholdController:
             self._over_since = now_s  # the next raise needs another full window of overload
             return self._set(now_s, new, f"raise: utilization {egress_utilization:.2f}, queue {prfaas_queue_s:.2f} s")
         if under and self.threshold_tokens > self.baseline_tokens and now_s - self._under_since >= self.lower_after_s:
-            # Re-search with the capacity the link shows now; never below the baseline.
-            new = max(self.baseline_tokens, min(self.research(capacity_bps), self.threshold_tokens))
+            # Back to the baseline: with little offloaded the link cannot show its capacity,
+            # and if it is still short the next saturation raises t again within raise_after_s.
+            new = self.baseline_tokens
             self._under_since = now_s
             return self._set(now_s, new, f"lower: utilization {egress_utilization:.2f}, queue {prfaas_queue_s:.2f} s")
         return None
