@@ -68,6 +68,11 @@ class Envs:
         "Where downloaded pristine SGLang wheels are kept; default ~/.cache/prfaas-sglang/wheels "
         "(the checkout's .cache/wheels when it exists).",
     )
+    ADMIN_TOKEN = EnvVar(
+        "PRFAAS_ADMIN_TOKEN",
+        None,
+        "Router: bearer token for /admin/*; unset disables the admin API (403).",
+    )
     SKIP_PATCH_VERIFY = EnvBool(
         "PRFAAS_SKIP_PATCH_VERIFY",
         None,

@@ -29,6 +29,7 @@ from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.kvindex.subscriber import KvEventSubscriber
 from prfaas_sglang.plan.profiles import PrefillProfile
 from prfaas_sglang.protocol import BadRequest, parse_request
+from prfaas_sglang.router.admin import add_admin_routes
 from prfaas_sglang.router.policy import BandwidthMode, Link, NoHealthyWorker, RouteDecision, route
 from prfaas_sglang.router.telemetry import TelemetryConsumer
 from prfaas_sglang.router.threshold import ThresholdController
@@ -86,13 +87,16 @@ async def _post_json(session: aiohttp.ClientSession, url: str, body: dict, timeo
         return resp.status, await resp.read()
 
 
-async def _prefill_leg(session, prefill: WorkerRecord, path: str, body: dict, timeout_s: float) -> None:
+async def _prefill_leg(session, prefill: WorkerRecord, path: str, body: dict, timeout_s: float) -> tuple[int, bytes]:
+    """The prefill worker's (status, body). A worker fault (unreachable, 5xx) raises PrefillFailed;
+    a client error (4xx, e.g. a prompt beyond the context) is returned for the client to see."""
     try:
         status, payload = await _post_json(session, prefill.url + path, {**body, "stream": False}, timeout_s)
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise PrefillFailed(f"prefill worker {prefill.name} unreachable: {err or type(err).__name__}") from None
-    if status != 200:
+    if status >= 500:
         raise PrefillFailed(f"prefill worker {prefill.name} answered {status}: {payload[:200].decode(errors='replace')}")
+    return status, payload
 
 
 async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
@@ -148,8 +152,12 @@ async def _run_legs(request, state, session, req, decision: RouteDecision, out: 
     resp = None
     try:
         done, _ = await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-        if prefill_task in done and prefill_task.exception() is not None:
-            raise prefill_task.exception()  # nothing streamed yet: the caller re-dispatches
+        if prefill_task in done:
+            if prefill_task.exception() is not None:
+                raise prefill_task.exception()  # nothing streamed yet: the caller re-dispatches
+            status, payload = prefill_task.result()
+            if status != 200:  # a client error: relay it, the decode leg is aborted in finally
+                return web.Response(body=payload, status=status, headers=headers, content_type="application/json")
         resp = await decode_task
         if not req.stream or resp.status != 200:
             payload = await resp.read()
@@ -256,6 +264,18 @@ def build_app(state: RouterState) -> web.Application:
     async def metrics(request):
         return web.Response(text=_metrics(state), content_type="text/plain")
 
+    def on_register(app, record):
+        if record.events_endpoint:
+            app[SUB_KEY].watch(record.name, record.cluster, record.events_endpoint)
+        if record.telemetry_endpoint and record.cluster == "prfaas":
+            app[TELEMETRY_KEY].watch(record.name, record.telemetry_endpoint)
+
+    def on_deregister(app, name):
+        if name in state.index.workers():
+            app[SUB_KEY].unwatch(name)
+        app[TELEMETRY_KEY].unwatch(name)
+
+    add_admin_routes(app, STATE_KEY, on_register, on_deregister)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/status", status)

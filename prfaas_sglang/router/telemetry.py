@@ -27,14 +27,20 @@ class TelemetryConsumer:
         self.latest: dict[str, LinkSample] = {}
         self.series: collections.deque[dict] = collections.deque(maxlen=history)
         self.bad_frames = 0
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
         self._t0 = time.monotonic()
 
     def watch(self, worker: str, endpoint: str) -> None:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
         sock.connect(endpoint)
-        self._tasks.append(asyncio.create_task(self._consume(worker, sock), name=f"telemetry-{worker}"))
+        self._tasks[worker] = asyncio.create_task(self._consume(worker, sock), name=f"telemetry-{worker}")
+
+    def unwatch(self, worker: str) -> None:
+        task = self._tasks.pop(worker, None)
+        if task:
+            task.cancel()
+        self.latest.pop(worker, None)
 
     async def _consume(self, worker: str, sock) -> None:
         try:
@@ -68,6 +74,6 @@ class TelemetryConsumer:
         return changed
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -11,10 +11,14 @@ import time
 import pytest
 import requests
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
 
 THRESHOLD = 10_000
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 EXTRA = ["--speedup", "50", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
 
 
@@ -42,7 +46,7 @@ def deployment(tmp_path_factory):
         config.write_text(yaml.safe_dump(topology))
         port = free_port()
         router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
-                                        "--threshold", str(THRESHOLD)])
+                                        "--threshold", str(THRESHOLD)], env={"PRFAAS_ADMIN_TOKEN": TOKEN})
         url = f"http://127.0.0.1:{port}"
         group.wait_healthy(url + "/health", router)
         yield {"url": url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0}
@@ -110,6 +114,81 @@ def test_bad_input(deployment):
     assert generate(url, list(range(700_000, 701_000))).status_code == 200
 
 
+def test_admin_api_requires_the_token(deployment):
+    url = deployment["url"]
+    assert requests.post(url + "/admin/threshold", json={"threshold_tokens": 5}, timeout=5).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert requests.post(url + "/admin/threshold", json={"threshold_tokens": 5}, headers=wrong, timeout=5).status_code == 401
+    assert requests.get(url + "/status", timeout=5).json()["threshold_tokens"] == THRESHOLD
+
+
+def test_admin_threshold_override_and_clear(deployment):
+    url = deployment["url"]
+    r = requests.post(url + "/admin/threshold", json={"threshold_tokens": 50_000}, headers=AUTH, timeout=5)
+    assert r.status_code == 200 and r.json() == {"threshold_tokens": 50_000, "override": True}
+    assert generate(url, list(range(900_000, 920_000))).headers["x-prfaas-route"].startswith("pd/")
+    r = requests.post(url + "/admin/threshold", json={"threshold_tokens": None}, headers=AUTH, timeout=5)
+    assert r.json()["threshold_tokens"] == THRESHOLD
+    for bad in ({}, {"threshold_tokens": -1}, {"threshold_tokens": "x"}):
+        assert requests.post(url + "/admin/threshold", json=bad, headers=AUTH, timeout=5).status_code == 400
+
+
+def test_admin_drain_moves_traffic_and_undrain_restores(deployment):
+    url = deployment["url"]
+    assert requests.post(url + "/admin/workers/pp0/drain", json={"draining": True}, headers=AUTH, timeout=5).status_code == 200
+    drained = generate(url, list(range(940_000, 942_000)))
+    assert drained.status_code == 200 and drained.headers["x-prfaas-route"].startswith("prfaas/")
+    assert requests.post(url + "/admin/workers/pp0/drain", json={"draining": False}, headers=AUTH, timeout=5).status_code == 200
+    assert generate(url, list(range(950_000, 952_000))).headers["x-prfaas-route"].startswith("pd/")
+    assert requests.post(url + "/admin/workers/nope/drain", json={}, headers=AUTH, timeout=5).status_code == 404
+
+
+def test_admin_register_and_deregister(deployment):
+    url, pp0 = deployment["url"], deployment["pd_prefill"]
+    worker = {"name": "pp0-alias", "url": pp0.url, "cluster": "pd", "role": "prefill", "bootstrap_port": pp0.bootstrap_port}
+    assert requests.post(url + "/admin/workers", json=worker, headers=AUTH, timeout=5).status_code == 201
+    assert requests.post(url + "/admin/workers", json=worker, headers=AUTH, timeout=5).status_code == 409
+    assert "pp0-alias" in requests.get(url + "/status", timeout=5).json()["workers"]
+    for bad in ({**worker, "name": "x", "url": "ftp://h"}, {**worker, "name": "y", "role": "chef"},
+                {k: v for k, v in worker.items() if k != "url"}, {**worker, "name": "z", "bootstrap_port": None}):
+        assert requests.post(url + "/admin/workers", json=bad, headers=AUTH, timeout=5).status_code == 400
+    assert requests.delete(url + "/admin/workers/pp0-alias", headers=AUTH, timeout=5).status_code == 200
+    assert requests.delete(url + "/admin/workers/pp0-alias", headers=AUTH, timeout=5).status_code == 404
+    assert requests.delete(url + "/admin/workers/d0", headers=AUTH, timeout=5).status_code == 409  # the only decode worker
+    assert generate(url, list(range(960_000, 961_000))).status_code == 200
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 40_000) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+bodies = st.fixed_dictionaries({}, optional={
+    "input_ids": st.lists(st.integers(-3, 70_000), max_size=40) | json_values,
+    "text": st.text(max_size=30) | json_values,
+    "prompt": st.text(max_size=30) | st.lists(st.integers(0, 100), max_size=10) | json_values,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=20)}), max_size=2) | json_values,
+    "sampling_params": st.fixed_dictionaries({}, optional={"max_new_tokens": st.integers(-2, 300_000) | json_values}) | json_values,
+    "max_tokens": st.integers(-2, 300_000) | json_values,
+    "stream": st.booleans() | json_values,
+    "bootstrap_room": json_values,
+})
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/generate", "/v1/completions", "/v1/chat/completions"]), body=bodies)
+def test_fuzz_the_http_api_never_5xx(deployment, path, body):
+    r = requests.post(deployment["url"] + path, json=body, timeout=60)
+    assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert "error" in r.json()
+
+
+def test_router_survives_the_fuzz_run(deployment):
+    assert generate(deployment["url"], list(range(990_000, 991_000))).status_code == 200
+    assert requests.post(deployment["url"] + "/generate", data=b"\xff\xfe", timeout=5).status_code == 400
+
+
 def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
     """Run last: kills the PrfaaS worker. Long prompts then prefill on PD-P; no request is lost."""
     url, group = deployment["url"], deployment["group"]
@@ -155,6 +234,8 @@ def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path
         url = f"http://127.0.0.1:{port}"
         group.wait_healthy(url + "/health", router)
         baseline = requests.get(url + "/status", timeout=5).json()["threshold_tokens"]
+        no_token = requests.post(url + "/admin/threshold", json={"threshold_tokens": 5}, timeout=5)
+        assert no_token.status_code == 403 and "PRFAAS_ADMIN_TOKEN" in no_token.json()["error"]["message"]
         time.sleep(0.5)  # let the SUB socket connect
 
         import threading
@@ -192,3 +273,33 @@ def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path
     finally:
         pub.close(linger=0)
         group.stop()
+
+
+def test_prefill_client_error_is_returned_not_raised():
+    """A 4xx from the prefill leg is a client error to relay, not a worker fault to re-dispatch on."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from prfaas_sglang.router import server
+
+    async def scenario() -> tuple[int, bool]:
+        async def prefill_400(request):
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+
+        app = web.Application()
+        app.router.add_post("/generate", prefill_400)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            prefill = server.WorkerRecord("p", f"http://127.0.0.1:{port}", "pd", "prefill", "127.0.0.1", 1, None)
+            async with aiohttp.ClientSession() as session:
+                status, _ = await server._prefill_leg(session, prefill, "/generate", {"input_ids": [1]}, 5)
+            return status, prefill.healthy
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(scenario()) == (400, True)

@@ -1,0 +1,128 @@
+"""The router's admin API (``/admin/*``), behind ``Authorization: Bearer $PRFAAS_ADMIN_TOKEN``.
+
+    POST   /admin/threshold          {"threshold_tokens": N | null}   override t / back to the baseline
+    POST   /admin/workers/{name}/drain    {"draining": true | false}  stop / resume routing to a worker
+    POST   /admin/workers            {name, url, cluster, role, bootstrap_port?, kv_events_port?, telemetry_port?}
+    DELETE /admin/workers/{name}
+
+Without a configured token the API answers 403; a missing or wrong token, 401.
+Every error is JSON with a one-line message; nothing changes on an error.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from urllib.parse import urlparse
+
+from aiohttp import web
+
+from prfaas_sglang.envs import envs
+from prfaas_sglang.router.workers import WorkerRecord
+
+
+def _err(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def _authorized(request: web.Request) -> web.Response | None:
+    token = envs.ADMIN_TOKEN.get()
+    if not token:
+        return _err(403, "admin API disabled: set PRFAAS_ADMIN_TOKEN for the router")
+    given = request.headers.get("Authorization", "")
+    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+        return _err(401, "missing or wrong bearer token")
+    return None
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body is not valid JSON", "code": 400}}),
+                                 content_type="application/json") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body must be an object", "code": 400}}),
+                                 content_type="application/json")
+    return body
+
+
+def add_admin_routes(app: web.Application, state_key, on_register, on_deregister) -> None:
+    """``on_register(record)`` / ``on_deregister(name)`` start/stop the event subscriptions."""
+
+    async def threshold(request):
+        if (denied := _authorized(request)) is not None:
+            return denied
+        body = await _body(request)
+        value = body.get("threshold_tokens", "missing")
+        if value == "missing" or (value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0)):
+            return _err(400, "threshold_tokens must be a positive number or null")
+        state = request.app[state_key]
+        now = state.controller.override(time.monotonic(), value)
+        return web.json_response({"threshold_tokens": now, "override": value is not None})
+
+    async def drain(request):
+        if (denied := _authorized(request)) is not None:
+            return denied
+        state = request.app[state_key]
+        worker = state.workers.get(request.match_info["name"])
+        if worker is None:
+            return _err(404, f"unknown worker {request.match_info['name']!r}")
+        body = await _body(request)
+        draining = body.get("draining", True)
+        if not isinstance(draining, bool):
+            return _err(400, "draining must be true or false")
+        worker.draining = draining
+        return web.json_response({"worker": worker.name, "draining": worker.draining})
+
+    async def register(request):
+        if (denied := _authorized(request)) is not None:
+            return denied
+        state = request.app[state_key]
+        body = await _body(request)
+        try:
+            name, url, cluster, role = (str(body[k]) for k in ("name", "url", "cluster", "role"))
+        except KeyError as err:
+            return _err(400, f"missing field {err.args[0]!r} (need name, url, cluster, role)")
+        parsed = urlparse(url)
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            return _err(400, f"url must look like http://host:port, got {url!r}")
+        if cluster not in ("prfaas", "pd") or role not in ("prefill", "decode") or (cluster == "prfaas" and role == "decode"):
+            return _err(400, "cluster must be prfaas or pd, role prefill or decode (decode lives in pd)")
+        ports = {}
+        for key in ("bootstrap_port", "kv_events_port", "telemetry_port"):
+            value = body.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535):
+                return _err(400, f"{key} must be a port number")
+            ports[key] = value
+        if role == "prefill" and ports["bootstrap_port"] is None:
+            return _err(400, "a prefill worker needs bootstrap_port")
+        if name in state.workers:
+            return _err(409, f"worker {name!r} is already registered")
+        host = parsed.hostname
+        record = WorkerRecord(name, url.rstrip("/"), cluster, role, host, ports["bootstrap_port"],
+                              f"tcp://{host}:{ports['kv_events_port']}" if ports["kv_events_port"] else None,
+                              f"tcp://{host}:{ports['telemetry_port']}" if ports["telemetry_port"] else None)
+        state.workers[name] = record
+        on_register(request.app, record)
+        return web.json_response({"registered": name}, status=201)
+
+    async def deregister(request):
+        if (denied := _authorized(request)) is not None:
+            return denied
+        state = request.app[state_key]
+        name = request.match_info["name"]
+        if name not in state.workers:
+            return _err(404, f"unknown worker {name!r}")
+        remaining = [w for w in state.workers.values() if w.name != name]
+        if not any(w.role == "decode" for w in remaining) or not any(w.role == "prefill" for w in remaining):
+            return _err(409, f"deregistering {name!r} would leave no prefill or no decode worker; drain it instead")
+        del state.workers[name]
+        on_deregister(request.app, name)
+        return web.json_response({"deregistered": name})
+
+    app.router.add_post("/admin/threshold", threshold)
+    app.router.add_post("/admin/workers/{name}/drain", drain)
+    app.router.add_post("/admin/workers", register)
+    app.router.add_delete("/admin/workers/{name}", deregister)
