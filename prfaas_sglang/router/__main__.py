@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=512, help="the workers' KV page size, tokens")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument("--served-model-name", default="prfaas")
+    p.add_argument("--max-ttft-s", type=float, default=None,
+                   help="reject (503 + Retry-After) when the best route's estimated TTFT exceeds this")
     p.add_argument("--raise-after-s", type=float, default=0.5, help="sustained saturation before t is raised")
     p.add_argument("--lower-after-s", type=float, default=5.0, help="sustained recovery before t is lowered")
     return p
@@ -50,6 +52,8 @@ def make_state(args: argparse.Namespace):
         mode = BandwidthMode(args.bandwidth_mode)
     except ValueError:
         raise ConfigError("--bandwidth-mode", f"expected scarce or abundant, got {args.bandwidth_mode!r}") from None
+    if args.max_ttft_s is not None and not args.max_ttft_s > 0:
+        raise ConfigError("--max-ttft-s", f"must be > 0, got {args.max_ttft_s}")
     if args.threshold is not None and not args.threshold > 0:
         raise ConfigError("--threshold", f"must be > 0, got {args.threshold}")
     topology = load_topology(args.config)
@@ -79,7 +83,7 @@ def make_state(args: argparse.Namespace):
     return RouterState(workers=workers, index=KvIndex(hybrid=hybrid), controller=controller,
                        prefill_cost={"prfaas": prfaas_t.prefill, "pd": pd_t.prefill}, kv_bytes=pd_t.prefill.kv_bytes,
                        link=link, mode=mode, page_size=args.page_size, phase_timeout_s=args.phase_timeout_s,
-                       model_name=args.served_model_name)
+                       model_name=args.served_model_name, max_ttft_s=args.max_ttft_s)
 
 
 def main(argv: list[str] | None = None) -> int:

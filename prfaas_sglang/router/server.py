@@ -30,6 +30,7 @@ from prfaas_sglang.kvindex.subscriber import KvEventSubscriber
 from prfaas_sglang.plan.profiles import PrefillProfile
 from prfaas_sglang.protocol import BadRequest, parse_request
 from prfaas_sglang.router.admin import add_admin_routes
+from prfaas_sglang.router.metrics import Histogram
 from prfaas_sglang.router.policy import BandwidthMode, Link, NoHealthyWorker, RouteDecision, route
 from prfaas_sglang.router.telemetry import TelemetryConsumer
 from prfaas_sglang.router.threshold import ThresholdController
@@ -61,6 +62,10 @@ class RouterState:
     failed: int = 0
     recent: list[dict] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    max_ttft_s: float | None = None  # early rejection: refuse when the best route's estimate exceeds it
+    ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
+    tbt: Histogram = field(default_factory=Histogram)  # streamed requests: gaps between chunks
+    e2e: Histogram = field(default_factory=Histogram)  # every successful request
 
 
 STATE_KEY = web.AppKey("state", RouterState)
@@ -118,6 +123,10 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         except NoHealthyWorker as err:
             state.rejections += 1
             return _error(503, str(err), retry_after_s=2)
+        if state.max_ttft_s is not None and decision.estimated_ttft_s > state.max_ttft_s:
+            state.rejections += 1
+            return _error(503, f"overloaded: estimated TTFT {decision.estimated_ttft_s:.1f} s exceeds {state.max_ttft_s:g} s",
+                          retry_after_s=max(1, int(decision.estimated_ttft_s - state.max_ttft_s) + 1))
         prefill = state.workers[decision.prefill]
         out = {**body, "bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
                "bootstrap_room": state.rng.getrandbits(63)}
@@ -144,6 +153,7 @@ async def _run_legs(request, state, session, req, decision: RouteDecision, out: 
     estimate = max(decision.estimated_ttft_s - prefill.queue_s, 0.0)
     prefill.queue_s += estimate
     decode.running += 1
+    started = time.perf_counter()
     prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, out, state.phase_timeout_s))
     # The decode worker answers (even its headers) only once the KV has arrived, so the
     # race between the two legs starts before the decode response exists.
@@ -163,12 +173,21 @@ async def _run_legs(request, state, session, req, decision: RouteDecision, out: 
             payload = await resp.read()
             if resp.status == 200:
                 await prefill_task
+                state.e2e.observe(time.perf_counter() - started)
             return web.Response(body=payload, status=resp.status, headers=headers, content_type="application/json")
         stream = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
+        last = None
         async for data in resp.content.iter_any():
+            now = time.perf_counter()
+            if last is None:
+                state.ttft.observe(now - started)
+            else:
+                state.tbt.observe(now - last)
+            last = now
             await stream.write(data)
         await stream.write_eof()
+        state.e2e.observe(time.perf_counter() - started)
         return stream
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         if prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is not None:
@@ -213,14 +232,22 @@ def _status(state: RouterState) -> dict:
     }
 
 
-def _metrics(state: RouterState) -> str:
-    rows = [("prfaas_router_threshold_tokens", "gauge", "", state.controller.threshold_tokens)]
+def _metrics(state: RouterState, telemetry: TelemetryConsumer | None = None) -> str:
+    routed = sum(state.routed.values())
+    rows = [("prfaas_router_threshold_tokens", "gauge", "", state.controller.threshold_tokens),
+            ("prfaas_router_offload_fraction", "gauge", "", state.routed.get("prfaas", 0) / routed if routed else 0.0)]
+    if telemetry is not None and telemetry.series:
+        last = telemetry.series[-1]
+        rows += [("prfaas_router_egress_utilization", "gauge", "", last["utilization"]),
+                 ("prfaas_router_egress_bps", "gauge", "", last["egress_bps"])]
     rows += [("prfaas_router_routed_total", "counter", f'{{cluster="{c}"}}', n) for c, n in state.routed.items()]
     rows += [("prfaas_router_fallbacks_total", "counter", "", state.fallbacks),
              ("prfaas_router_rejections_total", "counter", "", state.rejections),
              ("prfaas_router_failed_total", "counter", "", state.failed)]
     rows += [("prfaas_router_worker_healthy", "gauge", f'{{worker="{w.name}"}}', int(w.healthy)) for w in state.workers.values()]
-    return "".join(f"# TYPE {n} {k}\n{n}{labels} {v}\n" for n, k, labels, v in rows)
+    text = "".join(f"# TYPE {n} {k}\n{n}{labels} {v}\n" for n, k, labels, v in rows)
+    return (text + state.ttft.render("prfaas_router_ttft_seconds") + state.tbt.render("prfaas_router_tbt_seconds")
+            + state.e2e.render("prfaas_router_request_seconds"))
 
 
 def build_app(state: RouterState) -> web.Application:
@@ -262,7 +289,7 @@ def build_app(state: RouterState) -> web.Application:
         return web.json_response(body)
 
     async def metrics(request):
-        return web.Response(text=_metrics(state), content_type="text/plain")
+        return web.Response(text=_metrics(state, request.app[TELEMETRY_KEY]), content_type="text/plain")
 
     def on_register(app, record):
         if record.events_endpoint:

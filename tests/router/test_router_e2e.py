@@ -49,7 +49,7 @@ def deployment(tmp_path_factory):
                                         "--threshold", str(THRESHOLD)], env={"PRFAAS_ADMIN_TOKEN": TOKEN})
         url = f"http://127.0.0.1:{port}"
         group.wait_healthy(url + "/health", router)
-        yield {"url": url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0}
+        yield {"url": url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0, "config": config}
     finally:
         group.stop()
 
@@ -187,6 +187,28 @@ def test_fuzz_the_http_api_never_5xx(deployment, path, body):
 def test_router_survives_the_fuzz_run(deployment):
     assert generate(deployment["url"], list(range(990_000, 991_000))).status_code == 200
     assert requests.post(deployment["url"] + "/generate", data=b"\xff\xfe", timeout=5).status_code == 400
+
+
+def test_router_metrics_after_traffic(deployment):
+    text = requests.get(deployment["url"] + "/metrics", timeout=5).text
+    for name in ("prfaas_router_threshold_tokens", "prfaas_router_offload_fraction", 'prfaas_router_routed_total{cluster="pd"}',
+                 "prfaas_router_ttft_seconds_bucket", "prfaas_router_tbt_seconds_count", "prfaas_router_request_seconds_sum"):
+        assert name in text, name
+    count = float(next(line for line in text.splitlines() if line.startswith("prfaas_router_ttft_seconds_count")).split()[-1])
+    assert count >= 1  # the streaming test above went through this router
+
+
+def test_early_rejection_with_retry_after(deployment):
+    """A second router over the same workers, with a TTFT bound no prefill can meet."""
+    port = free_port()
+    proc = deployment["group"].start("router-strict", [sys.executable, "-m", "prfaas_sglang.router", "--config",
+                                                      str(deployment["config"]), "--port", str(port), "--max-ttft-s", "0.0001"])
+    url = f"http://127.0.0.1:{port}"
+    deployment["group"].wait_healthy(url + "/health", proc)
+    r = generate(url, list(range(980_000, 981_000)))
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+    assert "estimated TTFT" in r.json()["error"]["message"]
+    assert requests.get(url + "/status", timeout=5).json()["rejections"] == 1
 
 
 def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):

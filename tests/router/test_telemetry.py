@@ -50,3 +50,16 @@ def test_wire_round_trip_and_rejection():
     for bad in (b"{}", b"not json", b'{"v": 2, "worker": "x"}'):
         with pytest.raises(ValueError):
             LinkSample.decode(bad)
+
+
+def test_histogram_buckets_are_cumulative():
+    from prfaas_sglang.router.metrics import Histogram
+
+    h = Histogram(buckets=(0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    text = h.render("x", 'route="pd"')
+    assert 'x_bucket{route="pd",le="0.1"} 2' in text
+    assert 'x_bucket{route="pd",le="1"} 3' in text
+    assert 'x_bucket{route="pd",le="+Inf"} 4' in text
+    assert 'x_count{route="pd"} 4' in text and h.total == pytest.approx(3.65)
