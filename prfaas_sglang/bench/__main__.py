@@ -6,6 +6,7 @@ Benchmarks:
   mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   bandwidth      router + emulated workers; the PrfaaS link throttled (tbf, netns) mid-run (root)
+  router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     fidelity.add_argument("--json", action="store_true")
     kvi = sub.add_parser("kvindex", help="KV index ingest rate and match latency")
     kvi.add_argument("--json", action="store_true")
+    ro = sub.add_parser("router-overhead", help="latency added by the router")
+    ro.add_argument("--rate", type=float, default=200.0)
+    ro.add_argument("--duration", type=float, default=10.0)
+    ro.add_argument("--json", action="store_true")
     bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link mid-run; the router's t over time")
     bw.add_argument("--rate-mbit", type=float, default=40.0)
     bw.add_argument("--load-rps", type=float, default=3.0)
@@ -57,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
             print(header)
             print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
             return 0
+    elif args.name == "router-overhead":
+        from prfaas_sglang.bench import router as bench
+
+        result = bench.run(args.rate, args.duration)
+        header = f"<!-- python -m prfaas_sglang.bench router-overhead --rate {args.rate:g}; {stamp} -->"
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 
