@@ -7,6 +7,7 @@ Benchmarks:
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   bandwidth      router + emulated workers; the PrfaaS link throttled (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
+  compare        goodput: the PrfaaS router vs sglang-router (PD, cache_aware), same workers and arrivals
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--rate", type=float, default=200.0)
     ro.add_argument("--duration", type=float, default=10.0)
     ro.add_argument("--json", action="store_true")
+    cmp_ = sub.add_parser("compare", help="goodput vs sglang-router on the same emulated workers and arrivals")
+    cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
+    cmp_.add_argument("--duration", type=float, default=30.0)
+    cmp_.add_argument("--rate", type=float, default=1.5, help="case-study arrivals per wall second")
+    cmp_.add_argument("--ttft-slo-s", type=float, default=5.0, help="TTFT SLO, emulated seconds")
+    cmp_.add_argument("--speedup", type=float, default=5.0)
+    cmp_.add_argument("--json", action="store_true")
     bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link mid-run; the router's t over time")
     bw.add_argument("--rate-mbit", type=float, default=40.0)
     bw.add_argument("--load-rps", type=float, default=3.0)
@@ -62,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             print(header)
             print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
             return 0
+    elif args.name == "compare":
+        from prfaas_sglang.bench import compare as bench
+
+        result = bench.run(args.workload, args.duration, args.rate, ttft_slo_s=args.ttft_slo_s, speedup=args.speedup)
+        header = f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --duration {args.duration:g}; {stamp} -->"
     elif args.name == "router-overhead":
         from prfaas_sglang.bench import router as bench
 

@@ -1,0 +1,18 @@
+"""python -m prfaas_sglang.bench compare: the user-facing comparison runs end to end (no numbers asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import run_py
+
+
+def test_compare_command_reports_both_routers_and_the_ratio():
+    proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--duration", "4", "--json"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)["result"]
+    for router in ("prfaas", "sglang-router"):
+        summary = result[router]
+        assert summary["requests_failed"] == 0 and summary["requests"] == result["arrivals"] > 0
+        assert {"goodput_rps", "ttft_p50_s", "ttft_p90_s", "tbt_p99_s", "offload_fraction", "egress_gbps"} <= set(summary)
+    assert "goodput_ratio" in result
