@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-pd", default="kimi-linear-1t-hybrid@h20x8", help="prefill cost model of the PD class")
     p.add_argument("--page-size", type=int, default=512, help="the workers' KV page size, tokens")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
-    p.add_argument("--served-model-name", default="prfaas")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name(s) clients may ask for (repeatable); requests naming another get 404. "
+                        "Unset: any name is accepted and /v1/models lists 'prfaas'")
     p.add_argument("--max-ttft-s", type=float, default=None,
                    help="reject (503 + Retry-After) when the best route's estimated TTFT exceeds this")
     p.add_argument("--raise-after-s", type=float, default=0.5, help="sustained saturation before t is raised")
@@ -83,7 +85,8 @@ def make_state(args: argparse.Namespace):
     return RouterState(workers=workers, index=KvIndex(hybrid=hybrid), controller=controller,
                        prefill_cost={"prfaas": prfaas_t.prefill, "pd": pd_t.prefill}, kv_bytes=pd_t.prefill.kv_bytes,
                        link=link, mode=mode, page_size=args.page_size, phase_timeout_s=args.phase_timeout_s,
-                       model_name=args.served_model_name, max_ttft_s=args.max_ttft_s)
+                       model_name=(args.served_model_name or ["prfaas"])[0],
+                       served_models=frozenset(args.served_model_name or ()), max_ttft_s=args.max_ttft_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,7 @@ class RouterState:
     phase_timeout_s: float = 600.0
     health_interval_s: float = 2.0
     model_name: str = "prfaas"
+    served_models: frozenset[str] = frozenset()  # empty: accept any model name
     routed: dict[str, int] = field(default_factory=lambda: {"prfaas": 0, "pd": 0})
     fallbacks: int = 0
     rejections: int = 0
@@ -116,6 +117,8 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         return _error(err.status, err.message)
     if req.bootstrap is not None:
         return _error(400, "bootstrap_host/bootstrap_port/bootstrap_room are set by the router; remove them")
+    if state.served_models and req.model is not None and req.model not in state.served_models:
+        return _error(404, f"model {req.model!r} not found (served: {', '.join(sorted(state.served_models))})")
     tried: set[str] = set()
     for attempt in range(2):
         try:
@@ -279,8 +282,9 @@ def build_app(state: RouterState) -> web.Application:
         return web.Response(text="OK")
 
     async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
-                                                              "owned_by": "prfaas-sglang"}]})
+        names = sorted(state.served_models) or [state.model_name]
+        return web.json_response({"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()),
+                                                              "owned_by": "prfaas-sglang"} for n in names]})
 
     async def status(request):
         body = _status(state)

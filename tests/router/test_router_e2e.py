@@ -46,7 +46,7 @@ def deployment(tmp_path_factory):
         config.write_text(yaml.safe_dump(topology))
         port = free_port()
         router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
-                                        "--threshold", str(THRESHOLD)], env={"PRFAAS_ADMIN_TOKEN": TOKEN})
+                                        "--threshold", str(THRESHOLD), "--served-model-name", "m"], env={"PRFAAS_ADMIN_TOKEN": TOKEN})
         url = f"http://127.0.0.1:{port}"
         group.wait_healthy(url + "/health", router)
         yield {"url": url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0, "config": config}
@@ -111,6 +111,9 @@ def test_bad_input(deployment):
     r = requests.post(url + "/generate", json={"input_ids": [1, 2], "bootstrap_host": "x", "bootstrap_port": 1, "bootstrap_room": 2}, timeout=5)
     assert r.status_code == 400 and "set by the router" in r.json()["error"]["message"]
     assert requests.post(url + "/v1/completions", json={"prompt": 5}, timeout=5).status_code == 400
+    unknown = requests.post(url + "/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, timeout=5)
+    assert unknown.status_code == 404 and "model 'gpt-9' not found" in unknown.json()["error"]["message"]
+    assert [m["id"] for m in requests.get(url + "/v1/models", timeout=5).json()["data"]] == ["m"]
     assert generate(url, list(range(700_000, 701_000))).status_code == 200
 
 
@@ -325,3 +328,51 @@ def test_prefill_client_error_is_returned_not_raised():
             await runner.cleanup()
 
     assert asyncio.run(scenario()) == (400, True)
+
+
+def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
+    """Kill the PrfaaS worker while long prefills run on it: every request completes via PD-P."""
+    import threading
+
+    group = ProcessGroup(tmp_path / "logs")
+    slow = ["--speedup", "2", "--kv-scale", "0.002", "--bootstrap-timeout-s", "30"]
+    try:
+        p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", slow)
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        topology = {"version": 1, "clusters": {
+            "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": p0.bootstrap_port}]},
+            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
+                                          {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
+        config = tmp_path / "t.yaml"
+        config.write_text(yaml.safe_dump(topology))
+        port = free_port()
+        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config),
+                                        "--port", str(port), "--threshold", str(THRESHOLD)])
+        url = f"http://127.0.0.1:{port}"
+        group.wait_healthy(url + "/health", router)
+        results: dict[int, requests.Response] = {}
+
+        def send(k: int) -> None:
+            # 30K uncached tokens: far above t, so PrfaaS; ~0.75 s of prefill there at speedup 2.
+            results[k] = generate(url, list(range(1_000_000 + 40_000 * k, 1_000_000 + 40_000 * k + 30_000)), stream=(k % 2 == 1))
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.4)  # all four are now prefilling (or queued) on p0
+        proc = next(p for p in group.procs if p.name == "p0")
+        os.killpg(proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert all(r.status_code == 200 for r in results.values()), {k: r.status_code for k, r in results.items()}
+        assert all(r.headers["x-prfaas-route"] == "pd/pp0/d0" for r in results.values())
+        status = requests.get(url + "/status", timeout=5).json()
+        assert status["fallbacks"] >= 1 and status["failed"] == 0
+        deadline = time.monotonic() + 5  # the aborted first legs are cancelled on the decode worker
+        while 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' not in requests.get(d0.url + "/metrics", timeout=5).text:
+            assert time.monotonic() < deadline, "aborted decode legs still hold their rooms"
+            time.sleep(0.1)
+    finally:
+        group.stop()

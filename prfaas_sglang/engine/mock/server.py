@@ -217,7 +217,9 @@ async def serve(config: MockConfig, engine: MockEngine) -> None:
     await engine.start()
     runners = []
     try:
-        main = web.AppRunner(build_app(engine), access_log=None)
+        # A client that disconnects (e.g. a router aborting a PD leg) cancels its handler,
+        # whose finally-blocks free the KV region and the room at once.
+        main = web.AppRunner(build_app(engine), access_log=None, handler_cancellation=True)
         await main.setup()
         await web.TCPSite(main, config.host, config.port).start()
         runners.append(main)
