@@ -12,7 +12,7 @@ COPY pyproject.toml README.md ./
 COPY prfaas_sglang ./prfaas_sglang
 COPY patches ./patches
 COPY launch /etc/prfaas/examples
-RUN python3 -m pip install --no-cache-dir . && rm -rf /src
+RUN python3 -m pip install --no-cache-dir ".[router]" && rm -rf /src
 WORKDIR /
 ENTRYPOINT ["python3", "-m", "prfaas_sglang.launch"]
-CMD ["--role", "router", "--help"]
+CMD ["--help"]
