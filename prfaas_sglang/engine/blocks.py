@@ -19,13 +19,19 @@ if sys.byteorder != "little":  # SGLang's native hash has the same restriction
     raise ImportError("prfaas_sglang.engine.blocks needs a little-endian host")
 
 
-def iter_page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> Iterator[bytes]:
-    """Digests of the *full* pages of ``token_ids``, one at a time (stop early to hash less)."""
+def iter_page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None,
+                      max_tokens: int | None = None) -> Iterator[bytes]:
+    """Digests of the *full* pages of ``token_ids[:max_tokens]``, one at a time (stop early to hash less).
+
+    ``max_tokens`` limits the pages without copying the list (``token_ids[:-1]`` of a 128K
+    prompt costs as much as hashing it).
+    """
     if page_size <= 0:
         raise ValueError("page_size must be positive")
+    usable = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
     packed = memoryview(array("I", token_ids).tobytes())  # little-endian uint32 on the supported hosts
     step = page_size * 4
-    for start in range(0, (len(token_ids) // page_size) * step, step):
+    for start in range(0, (usable // page_size) * step, step):
         h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
         h.update(packed[start : start + step])
         prior = h.digest()

@@ -158,7 +158,8 @@ class KvIndex:
         by_worker = {w: 0 for w in self._workers}
         if size and len(token_ids) > 1:
             # Hash lazily: the walk stops at the first block no worker holds.
-            ids = iter(block_ids) if block_ids is not None else (digest_to_int64(d) for d in iter_page_digests(token_ids[:-1], size))
+            ids = iter(block_ids) if block_ids is not None else (
+                digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
             alive: set[str] | None = None
             best: dict[str, int] = {}
             for depth, block in enumerate(ids, 1):
