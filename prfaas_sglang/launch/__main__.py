@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError, PrfaasError, RoleNotAvailableError
-from prfaas_sglang.launch.plan import LaunchPlan, plan_mock, plan_router, plan_sglang
+from prfaas_sglang.launch.plan import LaunchPlan, plan_control, plan_mock, plan_sglang
 from prfaas_sglang.launch.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
 from prfaas_sglang.launch.topology import Node, load_topology
 
@@ -117,10 +117,10 @@ def make_plan(args: argparse.Namespace, extra: tuple[str, ...]) -> LaunchPlan:
     if engine not in spec.available_engines:
         raise RoleNotAvailableError(f"role {node.role.value} is not available in this release yet (planned: {spec.planned_in})")
 
-    if node.role is Role.ROUTER:
+    if not spec.is_engine_role:
         if not args.config:
-            raise ConfigError("--config", "the router reads its workers from a topology file")
-        return plan_router(node, sys.executable, str(args.config), extra)
+            raise ConfigError("--config", f"the {node.role.value} reads its workers from a topology file")
+        return plan_control(node, sys.executable, str(args.config), extra)
     mock_flags = {"--profile": args.profile, "--speedup": args.speedup, "--kv-scale": args.kv_scale}
     if engine is Engine.MOCK:
         if not args.profile:

@@ -146,10 +146,10 @@ def plan_mock(node: Node, python: str, profile: str, mock_args: tuple[str, ...] 
     return LaunchPlan(node, Engine.MOCK, tuple(argv), env)
 
 
-def plan_router(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchPlan:
-    """The global scheduler for the workers of the topology at ``config_path``."""
+def plan_control(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchPlan:
+    """A control-plane process (router or kv-index) for the workers of the topology at ``config_path``."""
     if node.port is None:
-        raise ConfigError("--port", "is required for role router")
-    argv = [python, "-m", "prfaas_sglang.router", "--config", config_path, "--host", node.host or "127.0.0.1",
-            "--port", str(node.port), *extra]
+        raise ConfigError("--port", f"is required for role {node.role.value}")
+    module = {"router": "prfaas_sglang.router", "kv-index": "prfaas_sglang.kvindex"}[node.role.value]
+    argv = [python, "-m", module, "--config", config_path, "--host", node.host or "127.0.0.1", "--port", str(node.port), *extra]
     return LaunchPlan(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value})

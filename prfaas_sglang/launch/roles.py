@@ -55,7 +55,7 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
     Role.PD_PREFILL: RoleSpec(Role.PD_PREFILL, "pd", "prefill", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG, Engine.MOCK), None),
     Role.PD_DECODE: RoleSpec(Role.PD_DECODE, "pd", "decode", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG, Engine.MOCK), None),
     Role.ROUTER: RoleSpec(Role.ROUTER, "control", None, None, (), (Engine.SGLANG, Engine.MOCK), None),
-    Role.KV_INDEX: RoleSpec(Role.KV_INDEX, "control", None, None, (), (), "issue #5 (global KV index)"),
+    Role.KV_INDEX: RoleSpec(Role.KV_INDEX, "control", None, None, (), (Engine.SGLANG, Engine.MOCK), None),
 }
 
 

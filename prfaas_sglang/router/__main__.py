@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(build_app(state), host=args.host, port=args.port, access_log=None, print=None)
+    # handler_cancellation: a client that disconnects cancels its request, and with it both PD legs.
+    web.run_app(build_app(state), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
     return 0
 
 

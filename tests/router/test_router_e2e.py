@@ -114,6 +114,9 @@ def test_bad_input(deployment):
     unknown = requests.post(url + "/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, timeout=5)
     assert unknown.status_code == 404 and "model 'gpt-9' not found" in unknown.json()["error"]["message"]
     assert [m["id"] for m in requests.get(url + "/v1/models", timeout=5).json()["data"]] == ["m"]
+    oversize = generate(url, [1, 2, 3], max_new=200_000)  # beyond the workers' 131,072-token context
+    assert oversize.status_code == 400 and "exceeds the context length" in oversize.json()["error"]["message"]
+    assert requests.get(url + "/status", timeout=5).json()["workers"]["pp0"]["healthy"] is True
     assert generate(url, list(range(700_000, 701_000))).status_code == 200
 
 

@@ -44,7 +44,7 @@ class TestAcceptanceCommands:
         [
             (["--role", "prefil", "--model-path", "/m"], "--role: unknown role 'prefil'"),
             (["--role", "prfaas", "--dry-run"], "--model-path: is required for role prfaas"),
-            (["--role", "kv-index"], "role kv-index is not available in this release yet"),
+            (["--role", "kv-index", "--port", "8001"], "--config: the kv-index reads its workers from a topology file"),
             (["--role", "router", "--port", "8000"], "--config: the router reads its workers from a topology file"),
             (["--role", "pd-decode", "--engine", "mock"], "--profile: is required with --engine mock"),
             (["--role", "pd-decode", "--model-path", "/m", "--profile", "x@y", "--dry-run"], "--profile: applies to --engine mock only"),
@@ -274,3 +274,11 @@ def test_mock_plan_runs_the_emulated_engine_parser():
     argv = list(plan_mock(node, "python", "kimi-linear-1t-hybrid@h200x8", ("--speedup", "5")).argv)[3:]
     config = config_from_args(build_parser().parse_args(argv))
     assert config.bootstrap_port == 8998 and config.kv_events_port == 5557 and config.speedup == 5.0
+
+
+@pytest.mark.parametrize("node, module", [("router", "prfaas_sglang.router"), ("kv-index", "prfaas_sglang.kvindex")])
+def test_control_plane_plans(capsys, node, module):
+    rc = launch_main(["--config", str(REPO_ROOT / "launch" / "local-two-cluster.yaml"), "--node", node, "--dry-run", "--json"])
+    assert rc == 0
+    argv = json.loads(capsys.readouterr().out)["argv"]
+    assert argv[1:3] == ["-m", module] and "--config" in argv

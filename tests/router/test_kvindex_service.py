@@ -1,0 +1,50 @@
+"""The kv-index service: fed by real workers' KV events, queried over HTTP by other processes."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import requests
+import yaml
+
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+
+EXTRA = ["--speedup", "50", "--kv-scale", "0.002"]
+
+
+def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        topology = {"version": 1, "clusters": {"a": {"kind": "pd", "nodes": [
+            {"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port, "kv_events_port": pp0.kv_events_port},
+            {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
+        config = tmp_path / "t.yaml"
+        config.write_text(yaml.safe_dump(topology))
+        port = free_port()
+        proc = group.start("kv-index", [sys.executable, "-m", "prfaas_sglang.kvindex", "--config", str(config), "--port", str(port)])
+        url = f"http://127.0.0.1:{port}"
+        group.wait_healthy(url + "/health", proc)
+        time.sleep(0.5)  # SUB join
+
+        prompt = list(range(5_000))
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": pp0.bootstrap_port, "bootstrap_room": 77}
+        t = threading.Thread(target=requests.post, args=(pp0.url + "/generate",), kwargs={"json": body, "timeout": 30})
+        t.start()
+        assert requests.post(d0.url + "/generate", json=body, timeout=30).status_code == 200
+        t.join()
+
+        deadline = time.monotonic() + 10
+        while requests.get(url + "/status", timeout=5).json()["workers"]["pp0"]["blocks"] < 9:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        match = requests.post(url + "/match", json={"input_ids": prompt + [1, 2, 3]}, timeout=5).json()
+        assert match == {"total_tokens": 5_003, "by_worker": {"pp0": 4_608}, "by_cluster": {"pd": 4_608}}
+        assert requests.post(url + "/match", json={"input_ids": ["x"]}, timeout=5).status_code == 400
+        assert requests.post(url + "/match", data="{", timeout=5).status_code == 400
+    finally:
+        group.stop()
