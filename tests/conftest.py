@@ -7,11 +7,19 @@ SGLang.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 from helpers import FIXTURE_PATCHES, REPO_ROOT, run_py  # noqa: F401 - re-exported for tests
+from hypothesis import settings
+
+# CI (CI=true) draws the same hypothesis examples on every run, so a red build is reproducible;
+# local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture

@@ -164,8 +164,11 @@ def test_admin_register_and_deregister(deployment):
     assert generate(url, list(range(960_000, 961_000))).status_code == 200
 
 
+# Token counts are either small or beyond the workers' context: the fuzz looks for crashes and
+# wrong status codes, not for long legitimate generations (a valid 40K-token answer takes a minute).
+counts = st.integers(-5, 64) | st.sampled_from([200_000, 10**12])
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 40_000) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    st.none() | st.booleans() | counts | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
@@ -174,8 +177,8 @@ bodies = st.fixed_dictionaries({}, optional={
     "text": st.text(max_size=30) | json_values,
     "prompt": st.text(max_size=30) | st.lists(st.integers(0, 100), max_size=10) | json_values,
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=20)}), max_size=2) | json_values,
-    "sampling_params": st.fixed_dictionaries({}, optional={"max_new_tokens": st.integers(-2, 300_000) | json_values}) | json_values,
-    "max_tokens": st.integers(-2, 300_000) | json_values,
+    "sampling_params": st.fixed_dictionaries({}, optional={"max_new_tokens": counts | json_values}) | json_values,
+    "max_tokens": counts | json_values,
     "stream": st.booleans() | json_values,
     "bootstrap_room": json_values,
 })
@@ -184,7 +187,7 @@ bodies = st.fixed_dictionaries({}, optional={
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/generate", "/v1/completions", "/v1/chat/completions"]), body=bodies)
 def test_fuzz_the_http_api_never_5xx(deployment, path, body):
-    r = requests.post(deployment["url"] + path, json=body, timeout=60)
+    r = requests.post(deployment["url"] + path, json=body, timeout=20)
     assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
     if r.status_code >= 400:
         assert "error" in r.json()
