@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import aiohttp
-import yaml
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker, start_router
 
 PROFILE_PRFAAS = "kimi-linear-1t-hybrid@h200x8"
 PROFILE_PD = "kimi-linear-1t-hybrid@h20x8"
@@ -114,13 +113,7 @@ def run(rate_mbit: float = 40.0, load_rps: float = 3.0, phases_s: tuple[float, f
                     {"name": "pd-prefill", "role": "pd-prefill", "host": net.outer_ip, "port": pd_p.port, "bootstrap_port": pd_p.bootstrap_port},
                     {"name": "pd-decode", "role": "pd-decode", "host": net.outer_ip, "port": pd_d.port}]}},
                 "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}]}
-            config = log_dir / "topology.yaml"
-            config.write_text(yaml.safe_dump(topology))
-            r_port = free_port()
-            router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(r_port),
-                                            "--threshold", "12000", "--lower-after-s", "3"])
-            url = f"http://127.0.0.1:{r_port}"
-            group.wait_healthy(url + "/health", router)
+            url = start_router(group, topology, "--threshold", "12000", "--lower-after-s", "3").url
             return asyncio.run(_experiment(url, net, rate_mbit, load_rps, phases_s, seed))
         finally:
             group.stop()

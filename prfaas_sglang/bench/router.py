@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-import yaml
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+from prfaas_sglang.demo.cluster import ProcessGroup, start_mock_worker, start_router
 
 PROFILE = "kimi-linear-1t-hybrid@h20x8"
 
@@ -62,13 +60,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path) -> dict:
         topology = {"version": 1, "clusters": {"a": {"kind": "pd", "nodes": [
             {"name": "pp", "role": "pd-prefill", "port": pp.port, "bootstrap_port": pp.bootstrap_port},
             {"name": "dd", "role": "pd-decode", "port": dd.port}]}}}
-        config = log_dir / "topology.yaml"
-        config.write_text(yaml.safe_dump(topology))
-        port = free_port()
-        proc = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
-                                      "--threshold", "1000000"])
-        router_url = f"http://127.0.0.1:{port}"
-        await asyncio.to_thread(group.wait_healthy, router_url + "/health", proc)
+        router_url = (await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")).url
         body = {"input_ids": list(range(16)), "sampling_params": {"max_new_tokens": 1}}
         rooms = random.Random(7)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as session:

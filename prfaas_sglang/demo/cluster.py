@@ -108,3 +108,25 @@ def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, e
     url = f"http://{host}:{port}"
     group.wait_healthy(url + "/health", proc)
     return Worker(name, url, port, bootstrap, kv_events, telemetry_port)
+
+
+@dataclass(frozen=True)
+class RouterHandle:
+    url: str
+    config: Path
+    proc: subprocess.Popen
+
+
+def start_router(group: ProcessGroup, topology: dict, *args: str, name: str = "router",
+                 env: dict[str, str] | None = None, python: str = sys.executable) -> RouterHandle:
+    """Write ``topology`` next to the logs and start ``python -m prfaas_sglang.router`` for it."""
+    import yaml
+
+    config = group.log_dir / f"{name}-topology.yaml"
+    group.log_dir.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(topology))
+    port = free_port()
+    proc = group.start(name, [python, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port), *args], env=env)
+    url = f"http://127.0.0.1:{port}"
+    group.wait_healthy(url + "/health", proc)
+    return RouterHandle(url, config, proc)

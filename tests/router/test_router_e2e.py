@@ -10,11 +10,10 @@ import time
 
 import pytest
 import requests
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker, start_router
 
 THRESHOLD = 10_000
 TOKEN = "test-admin-token"
@@ -42,14 +41,9 @@ def deployment(tmp_path_factory):
             },
             "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}],
         }
-        config = tmp / "topology.yaml"
-        config.write_text(yaml.safe_dump(topology))
-        port = free_port()
-        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
-                                        "--threshold", str(THRESHOLD), "--served-model-name", "m"], env={"PRFAAS_ADMIN_TOKEN": TOKEN})
-        url = f"http://127.0.0.1:{port}"
-        group.wait_healthy(url + "/health", router)
-        yield {"url": url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0, "config": config}
+        router = start_router(group, topology, "--threshold", str(THRESHOLD), "--served-model-name", "m",
+                              env={"PRFAAS_ADMIN_TOKEN": TOKEN})
+        yield {"url": router.url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0, "config": router.config}
     finally:
         group.stop()
 
@@ -257,13 +251,7 @@ def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path
             "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
                                           {"name": "d0", "role": "pd-decode", "port": d0.port}]}},
             "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}]}
-        config = tmp_path / "t.yaml"
-        config.write_text(yaml.safe_dump(topology))
-        port = free_port()
-        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
-                                        "--lower-after-s", "1"])
-        url = f"http://127.0.0.1:{port}"
-        group.wait_healthy(url + "/health", router)
+        url = start_router(group, topology, "--lower-after-s", "1").url
         baseline = requests.get(url + "/status", timeout=5).json()["threshold_tokens"]
         no_token = requests.post(url + "/admin/threshold", json={"threshold_tokens": 5}, timeout=5)
         assert no_token.status_code == 403 and "PRFAAS_ADMIN_TOKEN" in no_token.json()["error"]["message"]
@@ -350,13 +338,7 @@ def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
             "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": p0.bootstrap_port}]},
             "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
                                           {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
-        config = tmp_path / "t.yaml"
-        config.write_text(yaml.safe_dump(topology))
-        port = free_port()
-        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config),
-                                        "--port", str(port), "--threshold", str(THRESHOLD)])
-        url = f"http://127.0.0.1:{port}"
-        group.wait_healthy(url + "/health", router)
+        url = start_router(group, topology, "--threshold", str(THRESHOLD)).url
         results: dict[int, requests.Response] = {}
 
         def send(k: int) -> None:

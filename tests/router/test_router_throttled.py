@@ -10,10 +10,9 @@ import time
 
 import pytest
 import requests
-import yaml
 
 from prfaas_sglang.bench.bandwidth import Netns
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker, start_router
 
 RATE_MBIT = 200
 EXTRA = ["--speedup", "50", "--kv-scale", "0.005", "--bootstrap-timeout-s", "30"]
@@ -41,14 +40,7 @@ def cluster(tmp_path_factory):
                      "kv_events_port": pp0.kv_events_port},
                     {"name": "d0", "role": "pd-decode", "host": net.outer_ip, "port": d0.port}]}},
                 "links": [{"from": "b", "to": "a", "bandwidth_gbps": RATE_MBIT / 1000}]}
-            config = tmp / "topology.yaml"
-            config.write_text(yaml.safe_dump(topology))
-            port = free_port()
-            router = group.start("router", [sys.executable, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port),
-                                            "--threshold", "10000"])
-            url = f"http://127.0.0.1:{port}"
-            group.wait_healthy(url + "/health", router)
-            yield url
+            yield start_router(group, topology, "--threshold", "10000").url
         finally:
             group.stop()
 
