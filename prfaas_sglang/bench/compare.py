@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-import aiohttp
 import yaml
 
 from prfaas_sglang.demo.__main__ import (
@@ -33,6 +30,7 @@ from prfaas_sglang.demo.__main__ import (
     trace_records,
     trace_requests,
 )
+from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
 from prfaas_sglang.plan.workload import UnboundedCache, incremental_lengths
 
@@ -45,49 +43,11 @@ def _metric(url: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-async def _one(session, url: str, tokens: list[int], max_new: int, start_at: float, out: list) -> None:
-    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": max_new}, "stream": True}
-    t0 = time.perf_counter()
-    ttft, last, gaps, n, status = None, None, [], 0, None
-    try:
-        async with session.post(url + "/generate", json=body) as resp:
-            status = resp.status
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: {"):
-                    continue
-                count = len(json.loads(line[6:])["output_ids"])
-                if count <= n:
-                    continue
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    gaps.append(now - last)
-                last, n = now, count
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        status = f"error: {err}"
-    out.append({"status": status, "ttft_s": ttft, "tbt_s": sum(gaps) / len(gaps) if gaps else 0.0, "tokens": n, "input": len(tokens)})
-
-
-async def _replay(url: str, arrivals: list, results: list) -> float:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=512)) as session:
-        start = time.perf_counter()
-        tasks = []
-        for offset, tokens, max_new in arrivals:
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, url, tokens, max_new, start, results)))
-        await asyncio.gather(*tasks)
-        return time.perf_counter() - start
-
-
 def _summary(results: list, wall_s: float, window_s: float, speedup: float, ttft_slo_s: float, tbt_tokens_per_s: float,
              offloaded: float, egress_bytes: float) -> dict:
     """``goodput_rps``: requests within both SLOs per second of the arrival window (the same for both routers)."""
-    ok = [r for r in results if r["status"] == 200 and r["ttft_s"] is not None]
-    good = [r for r in ok if r["ttft_s"] * speedup <= ttft_slo_s and r["tbt_s"] * speedup <= 1.0 / tbt_tokens_per_s]
+    ok = [r for r in results if r.ok]
+    good = [r for r in ok if r.ttft_s * speedup <= ttft_slo_s and r.mean_tbt_s * speedup <= 1.0 / tbt_tokens_per_s]
 
     def pct(values, q):
         ordered = sorted(values)
@@ -96,9 +56,9 @@ def _summary(results: list, wall_s: float, window_s: float, speedup: float, ttft
     return {
         "requests": len(results), "requests_ok": len(ok), "requests_failed": len(results) - len(ok),
         "slo_met": len(good), "goodput_rps": len(good) / window_s,
-        "ttft_slo_met": sum(r["ttft_s"] * speedup <= ttft_slo_s for r in ok),
-        "ttft_p50_s": pct([r["ttft_s"] * speedup for r in ok], 0.5), "ttft_p90_s": pct([r["ttft_s"] * speedup for r in ok], 0.9),
-        "tbt_p99_s": pct([r["tbt_s"] * speedup for r in ok], 0.99),
+        "ttft_slo_met": sum(r.ttft_s * speedup <= ttft_slo_s for r in ok),
+        "ttft_p50_s": pct([r.ttft_s * speedup for r in ok], 0.5), "ttft_p90_s": pct([r.ttft_s * speedup for r in ok], 0.9),
+        "tbt_p99_s": pct([r.mean_tbt_s * speedup for r in ok], 0.99),
         "offload_fraction": offloaded / len(ok) if ok else 0.0,
         "egress_gbps": egress_bytes * 8 / (wall_s * speedup) / 1e9,
         "wall_s": wall_s,
@@ -152,8 +112,7 @@ def run(workload: str = "case-study", duration_s: float = 30.0, rate: float = 1.
             url = f"http://127.0.0.1:{port}"
             group.wait_healthy(url + "/health", proc, timeout_s=90)
             before = (_metric(p0.url, "prfaas:requests_ok_total"), _metric(p0.url, "prfaas:kv_bytes_sent_total"))
-            results: list = []
-            wall = asyncio.run(_replay(url, arrivals, results))
+            results, wall = asyncio.run(replay(url, arrivals))
             offloaded = _metric(p0.url, "prfaas:requests_ok_total") - before[0]
             egress = _metric(p0.url, "prfaas:kv_bytes_sent_total") - before[1]
             window = max(offset for offset, _, _ in arrivals) if arrivals else duration_s

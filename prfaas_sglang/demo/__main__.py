@@ -2,9 +2,10 @@
 
 Starts three emulated workers (a PrfaaS prefill worker on the H200 profile,
 a PD-P and a PD-D worker on the H20 profile; real Mooncake TCP KV bytes
-between them), asks the planner for the threshold of this deployment,
-replays a workload through the demo dispatcher for ``--duration`` seconds,
-prints a summary and stops every child process.
+between them, KV events and link telemetry over ZMQ) and the PrfaaS router
+in front of them with the planner's threshold for this deployment, replays a
+workload through the router for ``--duration`` seconds, prints a summary and
+stops every child process.
 
     python -m prfaas_sglang.demo                          # case-study lengths, 20 s, speedup 20
     python -m prfaas_sglang.demo --workload trace:../shared/data/mooncake_conversation_trace.jsonl --json
@@ -23,13 +24,10 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
-
-from prfaas_sglang.demo.cluster import ProcessGroup, Worker, start_mock_worker
-from prfaas_sglang.demo.dispatch import MiniDispatcher, RequestResult
+from prfaas_sglang.demo.client import RequestResult, replay
+from prfaas_sglang.demo.cluster import ProcessGroup, Worker, start_mock_worker, start_router
 from prfaas_sglang.errors import ConfigError, PrfaasError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
 from prfaas_sglang.plan.model import Deployment
@@ -119,20 +117,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def drive(args, workers: dict[str, Worker], threshold: float, requests) -> tuple[list[RequestResult], float]:
-    rng = random.Random(args.seed + 1)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) as session:
-        dispatcher = MiniDispatcher(session, workers["prfaas"], workers["pd-prefill"], workers["pd-decode"], threshold, 512, rng)
-        start = time.perf_counter()
-        tasks = []
-        for offset, tokens, max_new in requests:
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(dispatcher.run(tokens, max_new)))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+def demo_topology(workers: dict[str, Worker]) -> dict:
+    """The topology the router reads: one PrfaaS cluster, one PD cluster, a 100 Gbps link."""
+    p, pp, d = workers["prfaas"], workers["pd-prefill"], workers["pd-decode"]
+    return {"version": 1, "clusters": {
+        "prfaas": {"kind": "prfaas", "nodes": [{"name": "prfaas-0", "role": "prfaas", "port": p.port, "bootstrap_port": p.bootstrap_port,
+                                                 "kv_events_port": p.kv_events_port, "telemetry_port": p.telemetry_port}]},
+        "pd": {"kind": "pd", "nodes": [
+            {"name": "pd-prefill-0", "role": "pd-prefill", "port": pp.port, "bootstrap_port": pp.bootstrap_port,
+             "kv_events_port": pp.kv_events_port},
+            {"name": "pd-decode-0", "role": "pd-decode", "port": d.port}]}},
+        "links": [{"from": "prfaas", "to": "pd", "bandwidth_gbps": 100}]}
 
 
 def kv_bytes_sent(worker: Worker) -> float:
@@ -157,7 +152,7 @@ def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: f
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
-        "offload_fraction": sum(r.route == "prfaas" for r in ok) / len(ok) if ok else 0.0,
+        "offload_fraction": sum(r.route.startswith("prfaas/") for r in ok) / len(ok) if ok else 0.0,
         "egress_gbps": egress_bytes * 8 / wall_s / 1e9 if wall_s else 0.0,
         "egress_gbps_modelled": egress_bytes / args.kv_scale * 8 / (wall_s * args.speedup) / 1e9 if wall_s else 0.0,
         "ttft_p50_s": percentile(ttfts, 0.50),
@@ -214,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         group = ProcessGroup(log_dir)
         common = ["--speedup", str(args.speedup), "--kv-scale", str(args.kv_scale), "--context-tokens", str(args.max_input_tokens + args.output_tokens + 1)]
         workers = {
-            "prfaas": start_mock_worker(group, "prfaas-0", "prfaas", f"{MODEL}@h200x8", common),
-            "pd-prefill": start_mock_worker(group, "pd-prefill-0", "pd-prefill", f"{MODEL}@h20x8", common),
+            "prfaas": start_mock_worker(group, "prfaas-0", "prfaas", f"{MODEL}@h200x8", common, events=True, telemetry=True),
+            "pd-prefill": start_mock_worker(group, "pd-prefill-0", "pd-prefill", f"{MODEL}@h20x8", common, events=True),
             "pd-decode": start_mock_worker(group, "pd-decode-0", "pd-decode", f"{MODEL}@h20x8", common),
         }
-        results, wall_s = asyncio.run(drive(args, workers, threshold, requests))
+        router = start_router(group, demo_topology(workers), "--threshold", str(threshold))
+        results, wall_s = asyncio.run(replay(router.url, list(requests)))
         summary = summarize(args, results, wall_s, kv_bytes_sent(workers["prfaas"]), threshold)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -26,7 +26,10 @@ def test_demo_case_study(tmp_path):
     assert summary["requests_failed"] == 0 and summary["requests_ok"] > 0
     assert summary["egress_gbps"] > 0 if summary["offload_fraction"] > 0 else True
     assert children_with("--context-tokens 40066") == []
-    assert {p.name for p in tmp_path.iterdir()} == {"prfaas-0.log", "pd-prefill-0.log", "pd-decode-0.log"}
+    assert {p.name for p in tmp_path.iterdir()} == {"prfaas-0.log", "pd-prefill-0.log", "pd-decode-0.log",
+                                                   "router.log", "router-topology.yaml"}
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "router-topology.yaml") not in ps  # the router is gone too
 
 
 def test_demo_trace_replay():
@@ -36,7 +39,7 @@ def test_demo_trace_replay():
     assert proc.returncode == 0, proc.stderr + proc.stdout
     summary = json.loads(proc.stdout)
     assert summary["requests_failed"] == 0 and summary["requests_ok"] == 60
-    assert 0 < summary["offload_fraction"] < 1
+    assert 0 < summary["offload_fraction"] < 1  # routed by the PrfaaS router (x-prfaas-route)
 
 
 def test_demo_bad_input():
