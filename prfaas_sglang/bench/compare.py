@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import re
 import sys
 import tempfile
 import urllib.request
@@ -31,16 +30,10 @@ from prfaas_sglang.demo.__main__ import (
     trace_requests,
 )
 from prfaas_sglang.demo.client import replay
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, scrape_metric, start_mock_worker
 from prfaas_sglang.plan.workload import UnboundedCache, incremental_lengths
 
 MODEL = "kimi-linear-1t-hybrid"
-
-
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def _summary(results: list, wall_s: float, window_s: float, speedup: float, ttft_slo_s: float, tbt_tokens_per_s: float,
@@ -111,10 +104,10 @@ def run(workload: str = "case-study", duration_s: float = 30.0, rate: float = 1.
             proc = group.start(name, argv)
             url = f"http://127.0.0.1:{port}"
             group.wait_healthy(url + "/health", proc, timeout_s=90)
-            before = (_metric(p0.url, "prfaas:requests_ok_total"), _metric(p0.url, "prfaas:kv_bytes_sent_total"))
+            before = (scrape_metric(p0.url, "prfaas:requests_ok_total"), scrape_metric(p0.url, "prfaas:kv_bytes_sent_total"))
             results, wall = asyncio.run(replay(url, arrivals))
-            offloaded = _metric(p0.url, "prfaas:requests_ok_total") - before[0]
-            egress = _metric(p0.url, "prfaas:kv_bytes_sent_total") - before[1]
+            offloaded = scrape_metric(p0.url, "prfaas:requests_ok_total") - before[0]
+            egress = scrape_metric(p0.url, "prfaas:kv_bytes_sent_total") - before[1]
             window = max(offset for offset, _, _ in arrivals) if arrivals else duration_s
             out[name] = _summary(results, wall, window, speedup, ttft_slo_s, tbt_tokens_per_s, offloaded, egress)
             proc.terminate()

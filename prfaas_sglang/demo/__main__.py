@@ -20,14 +20,19 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from prfaas_sglang.demo.client import RequestResult, replay
-from prfaas_sglang.demo.cluster import ProcessGroup, Worker, start_mock_worker, start_router
+from prfaas_sglang.demo.cluster import (
+    ProcessGroup,
+    Worker,
+    scrape_metric,
+    start_mock_worker,
+    start_router,
+)
 from prfaas_sglang.errors import ConfigError, PrfaasError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
 from prfaas_sglang.plan.model import Deployment
@@ -130,14 +135,6 @@ def demo_topology(workers: dict[str, Worker]) -> dict:
         "links": [{"from": "prfaas", "to": "pd", "bandwidth_gbps": 100}]}
 
 
-def kv_bytes_sent(worker: Worker) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(worker.url + "/metrics", timeout=5).read().decode()
-    match = re.search(r"^prfaas:kv_bytes_sent_total\{[^}]*\} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: float, threshold: float) -> dict:
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.token_gaps_s]
@@ -215,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         router = start_router(group, demo_topology(workers), "--threshold", str(threshold))
         results, wall_s = asyncio.run(replay(router.url, list(requests)))
-        summary = summarize(args, results, wall_s, kv_bytes_sent(workers["prfaas"]), threshold)
+        summary = summarize(args, results, wall_s, scrape_metric(workers["prfaas"].url, "prfaas:kv_bytes_sent_total"), threshold)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

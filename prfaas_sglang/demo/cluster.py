@@ -8,6 +8,7 @@ outlives the owner. Used by the demo, the benchmarks and the tests.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,13 @@ from prfaas_sglang.errors import PrfaasError
 
 class StartupError(PrfaasError):
     """A child process exited or never became healthy."""
+
+
+def scrape_metric(url: str, name: str) -> float:
+    """One unlabelled-or-labelled sample ``name`` from ``{url}/metrics`` (0.0 when absent)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -16,6 +16,7 @@ bootstrap room; after that it fails with 502. No worker -> 503 + Retry-After.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import random
@@ -61,7 +62,7 @@ class RouterState:
     fallbacks: int = 0
     rejections: int = 0
     failed: int = 0
-    recent: list[dict] = field(default_factory=list)
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
     rng: random.Random = field(default_factory=random.Random)
     max_ttft_s: float | None = None  # early rejection: refuse when the best route's estimate exceeds it
     ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
@@ -134,9 +135,9 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         out = {**body, "bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
                "bootstrap_room": state.rng.getrandbits(63)}
         state.routed[decision.cluster] += 1
-        state.recent = (state.recent + [{"rid": req.rid, "cluster": decision.cluster, "prefill": prefill.name,
-                                          "cached_tokens": decision.cached_tokens, "tokens": len(req.input_ids),
-                                          "reason": decision.reason, "attempt": attempt}])[-50:]
+        state.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": prefill.name,
+                             "cached_tokens": decision.cached_tokens, "tokens": len(req.input_ids),
+                             "reason": decision.reason, "attempt": attempt})
         try:
             return await _run_legs(request, state, session, req, decision, out)
         except PrefillFailed as err:
@@ -231,7 +232,7 @@ def _status(state: RouterState) -> dict:
         "workers": {w.name: {"cluster": w.cluster, "role": w.role, "healthy": w.healthy, "queue_s": w.queue_s,
                              "running": w.running, "index_blocks": state.index.block_count(w.name)
                              if w.name in state.index.workers() else None} for w in state.workers.values()},
-        "recent": state.recent[-10:],
+        "recent": list(state.recent)[-10:],
     }
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 
 import msgspec
@@ -12,6 +11,7 @@ import requests
 import zmq
 from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
 
+from prfaas_sglang.demo.cluster import scrape_metric
 from prfaas_sglang.engine.mock.timing import load_timing
 
 KV_SCALE = 0.01
@@ -40,8 +40,7 @@ def pd_request(prefill, decode, body: dict, path: str = "/generate", room: int |
 
 
 def metric(worker, name: str) -> float:
-    text = requests.get(worker.url + "/metrics", timeout=5).text
-    return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+    return scrape_metric(worker.url, name)
 
 
 def test_decode_receives_exactly_s_kv_times_scale(pair):

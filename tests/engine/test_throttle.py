@@ -9,7 +9,6 @@ Needs root, iproute2 and tbf (this project's machines and CI have them).
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ import time
 import pytest
 import requests
 
+from prfaas_sglang.bench.bandwidth import Netns
 from prfaas_sglang.demo.cluster import ProcessGroup, free_port
 from prfaas_sglang.engine.mock.timing import load_timing
 
@@ -25,34 +25,16 @@ KV_SCALE = 0.01
 RATE_MBIT = 40
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
-def link(tmp_path_factory):
-    """(netns, veth-in-netns, prefill IP, root-side IP); removed afterwards."""
-    tag = f"{random.randrange(16, 250)}"
-    ns, inner, outer = f"prfaas-t{tag}", f"pfi{tag}", f"pfo{tag}"
-    prefill_ip, root_ip = f"10.213.{tag}.1", f"10.213.{tag}.2"
-    sh("ip", "netns", "add", ns)
-    try:
-        sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-        sh("ip", "link", "set", inner, "netns", ns)
-        sh("ip", "addr", "add", f"{root_ip}/30", "dev", outer)
-        sh("ip", "link", "set", outer, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{prefill_ip}/30", "dev", inner)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield ns, inner, prefill_ip, root_ip
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", outer], capture_output=True)
+def link():
+    """A namespace joined to the root namespace by a veth pair; removed afterwards."""
+    with Netns(random.randrange(16, 250)) as net:
+        yield net
 
 
 @pytest.fixture(scope="module")
 def workers(link, tmp_path_factory):
-    ns, _, prefill_ip, root_ip = link
+    ns, prefill_ip, root_ip = link.ns, link.inner_ip, link.outer_ip
     group = ProcessGroup(tmp_path_factory.mktemp("throttle"))
     common = ["--profile", PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE), "--bootstrap-timeout-s", "60"]
     p_port, p_boot, d_port = free_port(), free_port(), free_port(root_ip)
@@ -86,7 +68,6 @@ def pd_request(workers, tokens: list[int]) -> tuple[dict, dict]:
 
 
 def test_throttled_link_stretches_transfer_by_at_least_bytes_over_rate(link, workers):
-    ns, inner, _, _ = link
     n = 16_384
     expected_bytes = load_timing(PROFILE, 20, KV_SCALE, None).kv_bytes(n)
     pd_request(workers, [1] * 700)  # warm the lanes
@@ -94,12 +75,11 @@ def test_throttled_link_stretches_transfer_by_at_least_bytes_over_rate(link, wor
     fast_p, fast_d = pd_request(workers, [random.randrange(32_000) for _ in range(n)])
     assert fast_d["prfaas"]["kv_bytes"] == expected_bytes
 
-    sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "tbf",
-       "rate", f"{RATE_MBIT}mbit", "burst", "32kb", "latency", "400ms")
+    link.throttle(RATE_MBIT)
     try:
         slow_p, slow_d = pd_request(workers, [random.randrange(32_000) for _ in range(n)])
     finally:
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", inner, "root")
+        link.throttle(None)
 
     floor_s = expected_bytes * 8 / (RATE_MBIT * 1e6)
     assert slow_d["prfaas"]["kv_bytes"] == expected_bytes
