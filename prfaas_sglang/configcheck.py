@@ -7,6 +7,7 @@ the bad value, so an operator sees *which* line of which file to fix.
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 from prfaas_sglang.errors import ConfigError
@@ -59,6 +60,8 @@ def number(obj: dict, key: str, path: str, *, required: bool = False, default: f
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(field, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(field, f"must be a finite number, got {value!r}")
     if positive and not value > 0:
         raise ConfigError(field, f"must be a positive number, got {value!r}")
     if nonnegative and value < 0:

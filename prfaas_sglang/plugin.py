@@ -78,7 +78,7 @@ HOOKS: tuple[HookSpec, ...] = (
         how=(
             "AFTER hook on SGLang's PD argument normalisation; with PRFAAS_ROLE set (by "
             "prfaas_sglang.launch) it checks mode, backend and MC_FORCE_TCP via "
-            "prfaas_sglang.launch.roles.role_contract_violations and raises."
+            "prfaas_sglang.roles.role_contract_violations and raises."
         ),
         upstream_status="vendor-specific",
         removal="never: PrfaaS roles are this distribution's concept",

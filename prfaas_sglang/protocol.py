@@ -1,10 +1,18 @@
 """SGLang's request and response shapes for /generate, /v1/completions, /v1/chat/completions (pure).
 
-Requests are reduced to one :class:`EngineRequest`. Prompts arrive as token
-ids (``input_ids``, or a list of ints as ``prompt``) or as text; the mock has
-no tokenizer, so text becomes one pseudo-token per whitespace-separated word
-(``pseudo_tokenize``, deterministic). Output tokens are pseudo-random but
-deterministic per (prompt, position), and rendered as ``" t<id>"``.
+A request body is reduced to one :class:`EngineRequest`. Its ``input_ids`` are
+what SGLang would prefill:
+
+* ``input_ids`` (``/generate``) or a list of ints as ``prompt`` (completions): as given;
+* text (``text``, ``prompt``) and chat ``messages``: the served model's tokenizer,
+  as SGLang's own paths apply it (:class:`prfaas_sglang.tokenizer.PromptTokenizer`);
+* with no tokenizer, ``text_ids`` (a callable, the emulated engine's explicit
+  fallback: one pseudo-token per word) or, when there is none, a 400 that says
+  to send ``input_ids`` or configure a tokenizer.
+
+The response side renders token ids with ``detokenize`` (the tokenizer's
+decode, or the emulated engine's `` t<id>`` pseudo-text) in SGLang's
+/generate and OpenAI shapes, streaming or not, with ``stream_options.include_usage``.
 """
 
 from __future__ import annotations
@@ -12,11 +20,15 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-VOCAB_SIZE = 32_000
+if TYPE_CHECKING:  # pragma: no cover
+    from prfaas_sglang.tokenizer import PromptTokenizer
+
+MAX_TOKEN_ID = 2**31 - 1
+Detokenize = Callable[[Sequence[int]], str]
 
 
 class BadRequest(Exception):
@@ -44,33 +56,31 @@ class EngineRequest:
     rid: str
     model: str | None
     bootstrap: Bootstrap | None
-    created: int = field(default_factory=lambda: int(time.time()))
+    include_usage: bool = False  # stream_options.include_usage (OpenAI kinds)
+    created: int = 0  # unix seconds, stamped by the adapter that parsed it
 
-
-def pseudo_tokenize(text: str) -> list[int]:
-    return [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "little") % VOCAB_SIZE for w in text.split()]
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV this request may hold on a decode worker: prompt + every output token."""
+        return len(self.input_ids) + self.max_new_tokens
 
 
 def prompt_seed(input_ids) -> int:
-    """Seed of the pseudo-tokens: a function of the prompt alone, like greedy decoding of fixed weights."""
+    """Seed of the emulated engine's outputs: a function of the prompt alone, like greedy decoding."""
     digest = hashlib.blake2b(struct.pack(f"<{len(input_ids)}I", *input_ids), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
-def output_token(seed: int, position: int) -> int:
+def output_token(seed: int, position: int, vocab: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") % VOCAB_SIZE
-
-
-def render(tokens: list[int]) -> str:
-    return "".join(f" t{t}" for t in tokens)
+    return int.from_bytes(digest, "little") % vocab
 
 
 def _int_list(value: Any, field_name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         raise BadRequest(400, f"{field_name} must be a list of token ids")
-    if any(x < 0 for x in value):
-        raise BadRequest(400, f"{field_name} has a negative token id")
+    if any(x < 0 or x > MAX_TOKEN_ID for x in value):
+        raise BadRequest(400, f"{field_name} has a token id outside 0..{MAX_TOKEN_ID}")
     return value
 
 
@@ -90,61 +100,98 @@ def _bootstrap(body: dict) -> Bootstrap | None:
     if len(present) != 3:
         raise BadRequest(400, f"PD requests need all of {', '.join(keys)}; got only {', '.join(present)}")
     host, port, room = body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]
-    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(room, int) or isinstance(room, bool):
-        raise BadRequest(400, "bootstrap_host must be a string, bootstrap_port and bootstrap_room integers")
     if isinstance(room, list) or isinstance(host, list):
-        raise BadRequest(400, "batched requests are not supported by the emulated engine")
+        raise BadRequest(400, "batched requests are not supported")
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) or not isinstance(room, int) or isinstance(room, bool):
+        raise BadRequest(400, "bootstrap_host must be a string, bootstrap_port and bootstrap_room integers")
     return Bootstrap(host, port, room)
 
 
-def parse_request(kind: str, body: Any, rid: str) -> EngineRequest:
-    """Validate a decoded JSON body; raise :class:`BadRequest` with the offending field."""
+def _text_ids(text: str, tokenizer: PromptTokenizer | None, text_ids: Callable[[str], list[int]] | None) -> list[int]:
+    if tokenizer is not None:
+        return tokenizer.encode_text(text)
+    if text_ids is not None:
+        return text_ids(text)
+    raise BadRequest(400, "this server has no tokenizer: send token ids (input_ids, or prompt as a list of ints), "
+                          "or configure model.tokenizer in the topology")
+
+
+def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer: PromptTokenizer | None = None,
+                  text_ids: Callable[[str], list[int]] | None = None) -> EngineRequest:
+    """Validate a decoded JSON body; raise :class:`BadRequest` naming the offending field.
+
+    ``created_s`` stamps the OpenAI ``created`` field (the caller's clock)."""
+    from prfaas_sglang.tokenizer import TokenizeError
+
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
-    if kind == "generate":
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise BadRequest(400, "sampling_params must be an object")
-        if body.get("input_ids") is not None:
-            ids = _int_list(body["input_ids"], "input_ids")
-        elif isinstance(body.get("text"), str):
-            ids = pseudo_tokenize(body["text"])
-        else:
-            raise BadRequest(400, "one of input_ids or text is required")
-        max_new = _positive_int(params.get("max_new_tokens"), "sampling_params.max_new_tokens", 128)
-    elif kind == "completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = pseudo_tokenize(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-            ids = _int_list(prompt, "prompt")
-        else:
-            raise BadRequest(400, "prompt must be a string or a list of token ids")
-        max_new = _positive_int(body.get("max_tokens"), "max_tokens", 16)
-    elif kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest(400, "messages must be a non-empty list")
-        words = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content", ""), str) or "role" not in message:
-                raise BadRequest(400, f"messages[{i}] must have a role and string content")
-            words.append(f"<{message['role']}> {message.get('content', '')}")
-        ids = pseudo_tokenize(" ".join(words))
-        max_new = _positive_int(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens", 128)
-    else:  # pragma: no cover - routes are fixed
-        raise BadRequest(404, f"unknown endpoint kind {kind}")
+    try:
+        if kind == "generate":
+            params = body.get("sampling_params") or {}
+            if not isinstance(params, dict):
+                raise BadRequest(400, "sampling_params must be an object")
+            if body.get("input_ids") is not None:
+                ids = _int_list(body["input_ids"], "input_ids")
+            elif isinstance(body.get("text"), str):
+                ids = _text_ids(body["text"], tokenizer, text_ids)
+            else:
+                raise BadRequest(400, "one of input_ids or text (a string) is required")
+            max_new = _positive_int(params.get("max_new_tokens"), "sampling_params.max_new_tokens", 128)
+        elif kind == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                ids = _text_ids(prompt, tokenizer, text_ids)
+            elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+                ids = _int_list(prompt, "prompt")
+            else:
+                raise BadRequest(400, "prompt must be a string or a non-empty list of token ids")
+            max_new = _positive_int(body.get("max_tokens"), "max_tokens", 16)
+        elif kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest(400, "messages must be a non-empty list")
+            if tokenizer is not None:
+                ids = tokenizer.encode_chat(body)
+            else:
+                ids = _text_ids(_chat_as_text(messages), None, text_ids)
+            max_new = _positive_int(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens", 128)
+        else:  # pragma: no cover - routes are fixed
+            raise BadRequest(404, f"unknown endpoint kind {kind}")
+    except TokenizeError as err:
+        raise BadRequest(400, str(err)) from None
     if not ids:
         raise BadRequest(400, "the prompt is empty")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(400, "stream must be true or false")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest(400, "stream_options must be an object")
+    include_usage = bool(options and options.get("include_usage") is True and kind != "generate")
     model = body.get("model")
-    return EngineRequest(kind, tuple(ids), max_new, stream, str(body.get("rid") or rid), model if isinstance(model, str) else None,
-                         _bootstrap(body))
+    rid_value = body.get("rid")
+    return EngineRequest(kind, tuple(ids), max_new, stream, rid_value if isinstance(rid_value, str) and rid_value else rid,
+                         model if isinstance(model, str) else None, _bootstrap(body), include_usage, created_s)
 
 
-def meta_info(req: EngineRequest, tokens: list[int], finished: bool, cached_tokens: int, extra: dict) -> dict:
+def _chat_as_text(messages: list) -> str:
+    """Chat messages flattened for a tokenizer-less fallback (the emulated engine's pseudo-tokens)."""
+    words = []
+    for i, message in enumerate(messages):
+        content = message.get("content", "") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or not isinstance(content, (str, type(None))) or "role" not in message:
+            raise BadRequest(400, f"messages[{i}] must have a role and string content")
+        words.append(f"<{message['role']}> {content or ''}")
+    return " ".join(words)
+
+
+def _usage(req: EngineRequest, tokens: Sequence[int], cached_tokens: int) -> dict:
+    return {"prompt_tokens": len(req.input_ids), "completion_tokens": len(tokens),
+            "total_tokens": len(req.input_ids) + len(tokens),
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def meta_info(req: EngineRequest, tokens: Sequence[int], finished: bool, cached_tokens: int, extra: dict) -> dict:
     meta = {
         "id": req.rid,
         "prompt_tokens": len(req.input_ids),
@@ -156,32 +203,43 @@ def meta_info(req: EngineRequest, tokens: list[int], finished: bool, cached_toke
     return meta
 
 
-def full_response(req: EngineRequest, tokens: list[int], cached_tokens: int, model: str, extra: dict) -> dict:
+def full_response(req: EngineRequest, tokens: list[int], cached_tokens: int, model: str, extra: dict,
+                  detokenize: Detokenize) -> dict:
     """The non-streaming body for ``req.kind``."""
-    text = render(tokens)
-    usage = {"prompt_tokens": len(req.input_ids), "completion_tokens": len(tokens), "total_tokens": len(req.input_ids) + len(tokens)}
+    text = detokenize(tokens)
+    meta = meta_info(req, tokens, True, cached_tokens, extra)
     if req.kind == "generate":
-        return {"text": text, "output_ids": tokens, "meta_info": meta_info(req, tokens, True, cached_tokens, extra)}
+        return {"text": text, "output_ids": tokens, "meta_info": meta}
     if req.kind == "completions":
         return {"id": f"cmpl-{req.rid}", "object": "text_completion", "created": req.created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}], "usage": usage,
-                "meta_info": meta_info(req, tokens, True, cached_tokens, extra)}
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+                "usage": _usage(req, tokens, cached_tokens), "meta_info": meta}
     return {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": req.created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-            "usage": usage, "meta_info": meta_info(req, tokens, True, cached_tokens, extra)}
+            "usage": _usage(req, tokens, cached_tokens), "meta_info": meta}
 
 
-def stream_chunk(req: EngineRequest, tokens: list[int], new: list[int], finished: bool, cached_tokens: int, model: str, extra: dict) -> str:
-    """One SSE event (``data: ...\\n\\n``) for the tokens produced so far."""
+def stream_chunk(req: EngineRequest, tokens: list[int], delta_text: str, finished: bool, cached_tokens: int, model: str,
+                 extra: dict, text: str) -> str:
+    """One SSE event (``data: ...\\n\\n``): ``text`` is all output so far, ``delta_text`` its new part."""
     if req.kind == "generate":
-        body = {"text": render(tokens), "output_ids": tokens, "meta_info": meta_info(req, tokens, finished, cached_tokens, extra)}
+        body = {"text": text, "output_ids": tokens, "meta_info": meta_info(req, tokens, finished, cached_tokens, extra)}
     elif req.kind == "completions":
         body = {"id": f"cmpl-{req.rid}", "object": "text_completion", "created": req.created, "model": model,
-                "choices": [{"index": 0, "text": render(new), "logprobs": None, "finish_reason": "length" if finished else None}]}
+                "choices": [{"index": 0, "text": delta_text, "logprobs": None, "finish_reason": "length" if finished else None}]}
     else:
         body = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion.chunk", "created": req.created, "model": model,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": render(new)} if new else {},
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": delta_text} if delta_text or not finished else {},
                              "finish_reason": "length" if finished else None}]}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def usage_chunk(req: EngineRequest, tokens: list[int], cached_tokens: int, model: str) -> str:
+    """The final ``include_usage`` event of an OpenAI stream: no choices, the usage."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+    body = {"id": f"{prefix}-{req.rid}", "object": obj, "created": req.created, "model": model, "choices": [],
+            "usage": _usage(req, tokens, cached_tokens)}
     return f"data: {json.dumps(body)}\n\n"
 
 

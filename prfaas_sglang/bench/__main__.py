@@ -5,7 +5,7 @@ Benchmarks:
                  case-study optimum under other values of the two calibrated MFUs
   mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
-  bandwidth      router + emulated workers; the PrfaaS link throttled (tbf, netns) mid-run (root)
+  bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
   compare        goodput: the PrfaaS router vs sglang-router (PD, cache_aware), same workers and arrivals
 """
@@ -43,10 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--rate", type=float, default=1.5, help="case-study arrivals per wall second")
     cmp_.add_argument("--ttft-slo-s", type=float, default=5.0, help="TTFT SLO, emulated seconds")
     cmp_.add_argument("--speedup", type=float, default=5.0)
+    cmp_.add_argument("--seed", type=int, default=0)
     cmp_.add_argument("--json", action="store_true")
-    bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link mid-run; the router's t over time")
-    bw.add_argument("--rate-mbit", type=float, default=40.0)
+    bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link 10x mid-run; the router's t over time")
+    bw.add_argument("--nominal-mbit", type=float, default=400.0, help="the link's rate (tbf) before and after the throttle")
+    bw.add_argument("--factor", type=float, default=10.0, help="throttled rate = nominal / factor")
     bw.add_argument("--load-rps", type=float, default=3.0)
+    bw.add_argument("--phases", default="15,60,20", help="seconds clear, throttled, clear")
+    bw.add_argument("--speedup", type=float, default=10.0)
+    bw.add_argument("--seed", type=int, default=0)
     bw.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
     bw.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -62,18 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "bandwidth":
         from prfaas_sglang.bench import bandwidth as bench
 
-        result = bench.run(args.rate_mbit, args.load_rps)
+        phases = tuple(float(x) for x in args.phases.split(","))
+        if len(phases) != 3 or min(phases) <= 0 or args.factor <= 1:
+            parser.error("--phases needs three positive numbers and --factor must be > 1")
+        result = bench.run(args.nominal_mbit, args.factor, args.load_rps, phases, args.speedup, seed=args.seed)
         if args.plot:
             bench.plot(result, args.plot)
-        header = f"<!-- python -m prfaas_sglang.bench bandwidth --rate-mbit {args.rate_mbit:g} --load-rps {args.load_rps:g}; {stamp} -->"
+        header = (f"<!-- python -m prfaas_sglang.bench bandwidth --nominal-mbit {args.nominal_mbit:g} --factor {args.factor:g} "
+                  f"--load-rps {args.load_rps:g} --seed {args.seed}; {stamp} -->")
+        result = {k: v for k, v in result.items() if k not in ("series", "history")} | {"history": result["history"]}
         if not args.json:
             print(header)
-            print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))
+            print(json.dumps(result, indent=2))
             return 0
     elif args.name == "compare":
         from prfaas_sglang.bench import compare as bench
 
-        result = bench.run(args.workload, args.duration, args.rate, ttft_slo_s=args.ttft_slo_s, speedup=args.speedup)
+        result = bench.run(args.workload, args.duration, args.rate, ttft_slo_s=args.ttft_slo_s, speedup=args.speedup, seed=args.seed)
         header = f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --duration {args.duration:g}; {stamp} -->"
     elif args.name == "router-overhead":
         from prfaas_sglang.bench import router as bench

@@ -35,12 +35,12 @@ def run(workers: int = 8, prompts_per_worker: int = 150, match_runs: int = 200, 
     index.add_worker("holder", "pd")
     index.apply("holder", 0, cache.insert(long_prompt))
     with_hash, lookup_only = [], []
-    block_ids = index.block_ids(long_prompt[:-1], PAGE)
+    block_ids = {PAGE: index.block_ids(long_prompt, PAGE)}
     for _ in range(match_runs):
         t0 = time.perf_counter()
-        index.match(long_prompt, block_size=PAGE)
+        index.match(long_prompt)
         t1 = time.perf_counter()
-        index.match(long_prompt, block_ids=block_ids, block_size=PAGE)
+        index.match(long_prompt, block_ids)
         t2 = time.perf_counter()
         with_hash.append(t1 - t0)
         lookup_only.append(t2 - t1)

@@ -57,7 +57,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path) -> dict:
         extra = ["--speedup", "1000", "--kv-scale", "0.0005"]
         pp = await asyncio.to_thread(start_mock_worker, group, "pd-prefill", "pd-prefill", PROFILE, extra)
         dd = await asyncio.to_thread(start_mock_worker, group, "pd-decode", "pd-decode", PROFILE, extra)
-        topology = {"version": 1, "clusters": {"a": {"kind": "pd", "nodes": [
+        topology = {"version": 1, "emulation": {"speedup": 1000, "kv_scale": 0.0005}, "clusters": {"a": {"kind": "pd", "nodes": [
             {"name": "pp", "role": "pd-prefill", "port": pp.port, "bootstrap_port": pp.bootstrap_port},
             {"name": "dd", "role": "pd-decode", "port": dd.port}]}}}
         router_url = (await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")).url

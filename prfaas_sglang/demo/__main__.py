@@ -1,11 +1,13 @@
 """``python -m prfaas_sglang.demo``: a PrfaaS-PD deployment on loopback, under load, then a summary.
 
-Starts three emulated workers (a PrfaaS prefill worker on the H200 profile,
-a PD-P and a PD-D worker on the H20 profile; real Mooncake TCP KV bytes
-between them, KV events and link telemetry over ZMQ) and the PrfaaS router
-in front of them with the planner's threshold for this deployment, replays a
-workload through the router for ``--duration`` seconds, prints a summary and
-stops every child process.
+Writes one topology (a PrfaaS prefill worker on the H200 profile, a PD-P and a
+PD-D worker on the H20 profile, the router; ``emulation:`` and the
+``scheduler:`` prior of the chosen workload), starts every node through the
+launcher (real Mooncake TCP KV bytes between the workers, KV events and link
+telemetry over ZMQ), replays the workload through the router for
+``--duration`` seconds as text prompts tokenized by the shipped tokenizer,
+prints a summary and stops every child process. The router's threshold comes
+from that topology's runtime model, as for any deployment.
 
     python -m prfaas_sglang.demo                          # case-study lengths, 20 s, speedup 20
     python -m prfaas_sglang.demo --workload trace:../shared/data/mooncake_conversation_trace.jsonl --json
@@ -19,35 +21,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import RequestResult, replay
 from prfaas_sglang.demo.cluster import (
     ProcessGroup,
-    Worker,
+    demo_topology,
+    get_json,
     scrape_metric,
-    start_mock_worker,
-    start_router,
+    start_deployment,
 )
 from prfaas_sglang.errors import ConfigError, PrfaasError
-from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
-from prfaas_sglang.plan.model import Deployment
-from prfaas_sglang.plan.profiles import InstanceClass
-from prfaas_sglang.plan.scenario import Catalog
-from prfaas_sglang.plan.search import best_threshold_for_split
-from prfaas_sglang.plan.workload import (
-    EmpiricalLengths,
-    TruncatedLogNormal,
-    UnboundedCache,
-    incremental_lengths,
-)
+from prfaas_sglang.tokenizer import SHIPPED
 
-MODEL = "kimi-linear-1t-hybrid"
-VOCAB = 32_000
+SERVED_NAME = "prfaas-demo"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,59 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-tokens", type=int, default=65_536, help="longer prompts are truncated")
     p.add_argument("--speedup", type=float, default=20.0)
     p.add_argument("--kv-scale", type=float, default=0.01)
+    p.add_argument("--tokenizer", default=SHIPPED, help="the model's tokenizer (text prompts); 'none': token ids")
     p.add_argument("--max-requests", type=int, default=2_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--keep-logs", type=Path, default=None, help="write worker logs here (default: a temp dir)")
+    p.add_argument("--keep-logs", type=Path, default=None, help="write every process's log here (default: a temp dir)")
     return p
 
 
-def plan_threshold(lengths: list[float] | None, output_tokens: int) -> float:
-    """The planner's threshold for this deployment: 1 PrfaaS (8xH200), 1 PD-P + 1 PD-D (8xH20)."""
-    catalog = Catalog()
-    model = catalog.model(MODEL)
-    h200, h20 = catalog.accelerator("h200x8", "h200x8"), catalog.accelerator("h20x8", "h20x8")
-    workload = EmpiricalLengths(lengths) if lengths else TruncatedLogNormal(9.90, 1.00, 128, 131_072)
-    decode = analytic_decode(model, h20, workload.mean_tokens, output_tokens, 40)
-    dep = Deployment(InstanceClass("h200x8", 8, AnalyticPrefill(model, h200)), 1,
-                     InstanceClass("h20x8", 8, AnalyticPrefill(model, h20), decode), 2, 100e9, output_tokens)
-    return best_threshold_for_split(dep, workload, 1, 512).threshold_tokens
-
-
-def case_study_requests(args, rng: random.Random):
-    """(arrival offset s, token ids, max_new_tokens) with Poisson arrivals and case-study lengths."""
-    dist = TruncatedLogNormal(9.90, 1.00, 128, 131_072)
-    t = 0.0
-    for _ in range(args.max_requests):
-        t += rng.expovariate(args.rate)
-        if t > args.duration:
-            return
-        n = min(int(dist.sample(rng, 1)[0]), args.max_input_tokens)
-        yield t, [rng.randrange(VOCAB) for _ in range(n)], args.output_tokens
-
-
-def trace_records(path: str):
-    from prfaas_sglang.plan.workload import parse_trace_record
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--workload", f"trace file {path} not found")
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                yield parse_trace_record(json.loads(line), f"{path}:{lineno}")
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}:{lineno}", f"not JSON: {err.msg}") from None
-
-
-def trace_requests(args, records):
-    """Trace arrivals compressed by ``speedup``; 512-token blocks become deterministic token runs."""
-    for count, rec in enumerate(records):
-        offset = rec.timestamp_ms / 1000.0 / args.speedup
-        if offset > args.duration or count >= args.max_requests:
-            return
-        tokens = [(h * 7919 + i) % VOCAB for h in rec.hash_ids for i in range(512)][: min(rec.input_length, args.max_input_tokens)]
-        yield offset, tokens, max(1, min(rec.output_length, args.output_tokens))
+def topology_for(args) -> dict:
+    """The demo's deployment (:func:`~prfaas_sglang.demo.cluster.demo_topology`) for these flags."""
+    return demo_topology(workloads.prior(args.workload, args.max_input_tokens), speedup=args.speedup, kv_scale=args.kv_scale,
+                         output_tokens=args.output_tokens, tokenizer=None if args.tokenizer == "none" else args.tokenizer,
+                         served_name=SERVED_NAME)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -122,20 +73,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def demo_topology(workers: dict[str, Worker]) -> dict:
-    """The topology the router reads: one PrfaaS cluster, one PD cluster, a 100 Gbps link."""
-    p, pp, d = workers["prfaas"], workers["pd-prefill"], workers["pd-decode"]
-    return {"version": 1, "clusters": {
-        "prfaas": {"kind": "prfaas", "nodes": [{"name": "prfaas-0", "role": "prfaas", "port": p.port, "bootstrap_port": p.bootstrap_port,
-                                                 "kv_events_port": p.kv_events_port, "telemetry_port": p.telemetry_port}]},
-        "pd": {"kind": "pd", "nodes": [
-            {"name": "pd-prefill-0", "role": "pd-prefill", "port": pp.port, "bootstrap_port": pp.bootstrap_port,
-             "kv_events_port": pp.kv_events_port},
-            {"name": "pd-decode-0", "role": "pd-decode", "port": d.port}]}},
-        "links": [{"from": "prfaas", "to": "pd", "bandwidth_gbps": 100}]}
-
-
-def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: float, threshold: float) -> dict:
+def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: float, threshold: float, log_dir: Path) -> dict:
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in r.token_gaps_s]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -145,6 +83,7 @@ def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: f
         "threshold_tokens": threshold,
         "speedup": args.speedup,
         "kv_scale": args.kv_scale,
+        "tokenizer": args.tokenizer,
         "wall_s": wall_s,
         "requests_ok": len(ok),
         "requests_failed": len(results) - len(ok),
@@ -159,6 +98,7 @@ def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: f
         "tbt_p99_s": percentile(gaps, 0.99),
         "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
         "mean_input_tokens": statistics.fmean(r.input_tokens for r in ok) if ok else 0.0,
+        "logs": str(log_dir),
     }
 
 
@@ -167,14 +107,16 @@ def render(summary: dict) -> str:
         return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
 
     rows = [
-        ("workload", summary["workload"]), ("threshold t (planner)", f"{summary['threshold_tokens'] / 1000:.1f}K tokens"),
+        ("workload", summary["workload"]), ("threshold t (runtime model)", f"{summary['threshold_tokens'] / 1000:.1f}K tokens"),
         ("requests ok / failed", f"{summary['requests_ok']} / {summary['requests_failed']}"),
         ("offload fraction", f(summary["offload_fraction"])),
+        ("mean input tokens", f"{summary['mean_input_tokens']:.0f} ({summary['tokenizer']})"),
         ("PrfaaS egress", f"{f(summary['egress_gbps'])} Gbps on the wire ({f(summary['egress_gbps_modelled'])} Gbps modelled)"),
         ("TTFT p50 / p90 / p99", f"{f(summary['ttft_p50_s'], ' s')} / {f(summary['ttft_p90_s'], ' s')} / {f(summary['ttft_p99_s'], ' s')}"),
         ("TBT p50 / p99", f"{f(summary['tbt_p50_s'], ' s')} / {f(summary['tbt_p99_s'], ' s')}"),
         ("output tokens/s", f(summary["output_tokens_per_s"])),
         ("wall / speedup", f"{summary['wall_s']:.1f} s / {summary['speedup']:g}x"),
+        ("logs", summary["logs"]),
     ]
     width = max(len(a) for a, _ in rows)
     lines = [f"{a:<{width}}  {b}" for a, b in rows]
@@ -191,28 +133,24 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(flag, f"must be > 0, got {value}")
         if args.output_tokens < 1 or args.max_requests < 1:
             raise ConfigError("--output-tokens", "--output-tokens and --max-requests must be >= 1")
-        rng = random.Random(args.seed)
-        if args.workload == "case-study":
-            lengths = None
-            requests = case_study_requests(args, rng)
-        elif args.workload.startswith("trace:"):
-            records = list(trace_records(args.workload[len("trace:"):]))
-            lengths = incremental_lengths(records, UnboundedCache())
-            requests = trace_requests(args, records)
-        else:
-            raise ConfigError("--workload", f"expected case-study or trace:PATH, got {args.workload!r}")
-        threshold = plan_threshold(lengths, args.output_tokens)
+        text = None
+        if args.tokenizer != "none":
+            from prfaas_sglang.tokenizer import PromptTokenizer
+
+            text = workloads.TextSource(PromptTokenizer.load(args.tokenizer))
+        requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
+                                      args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
+        topology = topology_for(args)
         log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-demo-"))
         group = ProcessGroup(log_dir)
-        common = ["--speedup", str(args.speedup), "--kv-scale", str(args.kv_scale), "--context-tokens", str(args.max_input_tokens + args.output_tokens + 1)]
-        workers = {
-            "prfaas": start_mock_worker(group, "prfaas-0", "prfaas", f"{MODEL}@h200x8", common, events=True, telemetry=True),
-            "pd-prefill": start_mock_worker(group, "pd-prefill-0", "pd-prefill", f"{MODEL}@h20x8", common, events=True),
-            "pd-decode": start_mock_worker(group, "pd-decode-0", "pd-decode", f"{MODEL}@h20x8", common),
-        }
-        router = start_router(group, demo_topology(workers), "--threshold", str(threshold))
-        results, wall_s = asyncio.run(replay(router.url, list(requests)))
-        summary = summarize(args, results, wall_s, scrape_metric(workers["prfaas"].url, "prfaas:kv_bytes_sent_total"), threshold)
+        deployment = start_deployment(group, topology,
+                                      engine_args={"prfaas": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens)),
+                                                   "pd-prefill": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens)),
+                                                   "pd-decode": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens))})
+        threshold = get_json(deployment.router.url + "/status")["threshold_tokens"]
+        results, wall_s = asyncio.run(replay(deployment.router.url, requests))
+        egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
+        summary = summarize(args, results, wall_s, egress, threshold, log_dir)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

@@ -1,6 +1,8 @@
-"""A streaming /generate client that measures what a user sees: TTFT, gaps between tokens, the route.
+"""A streaming client that measures what a user sees: TTFT, gaps between tokens, the route.
 
-Used by the demo and the benchmarks (one pooled aiohttp session per run).
+Speaks SGLang's ``/generate`` (ids or text) and OpenAI ``/v1/completions`` /
+``/v1/chat/completions`` (SSE, with ``stream_options.include_usage``). Used by
+the demo and the benchmarks (one pooled aiohttp session per run).
 """
 
 from __future__ import annotations
@@ -13,6 +15,27 @@ from dataclasses import dataclass, field
 import aiohttp
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a replay: when (seconds after the start), where, what."""
+
+    offset_s: float
+    path: str  # /generate | /v1/completions | /v1/chat/completions
+    body: dict
+    input_tokens: int | None = None  # when the sender knows it (ids); else the usage tells
+
+
+def generate_ids(offset_s: float, tokens: list[int], max_new_tokens: int) -> Arrival:
+    return Arrival(offset_s, "/generate", {"input_ids": tokens, "sampling_params": {"max_new_tokens": max_new_tokens}}, len(tokens))
+
+
+def completion_text(offset_s: float, text: str, max_tokens: int, model: str | None = None) -> Arrival:
+    body = {"prompt": text, "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    return Arrival(offset_s, "/v1/completions", body)
+
+
 @dataclass
 class RequestResult:
     input_tokens: int
@@ -22,6 +45,8 @@ class RequestResult:
     ttft_s: float | None = None
     token_gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
+    sent_s: float = 0.0  # offset from the replay's start
+    retry_after_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -32,47 +57,66 @@ class RequestResult:
         return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else 0.0
 
 
-async def stream_generate(session: aiohttp.ClientSession, url: str, tokens: list[int], max_new_tokens: int) -> RequestResult:
-    """POST ``{url}/generate`` with ``stream: true``; never raises for HTTP or connection errors."""
-    result = RequestResult(len(tokens))
-    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": max_new_tokens}, "stream": True}
+async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arrival) -> RequestResult:
+    """POST ``arrival`` with ``stream: true``; never raises for HTTP or connection errors."""
+    result = RequestResult(arrival.input_tokens or 0)
+    body = {**arrival.body, "stream": True}
     start = last = time.perf_counter()
     try:
-        async with session.post(url + "/generate", json=body) as resp:
+        async with session.post(url + arrival.path, json=body) as resp:
             result.status = resp.status
             result.route = resp.headers.get("x-prfaas-route", "")
             if resp.status != 200:
                 result.error = f"{resp.status}: {(await resp.text())[:200]}"
+                if resp.headers.get("Retry-After"):
+                    result.retry_after_s = float(resp.headers["Retry-After"])
                 return result
+            count = 0
             async for raw in resp.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: {"):
                     continue
-                count = len(json.loads(line[6:])["output_ids"])
-                if count <= result.output_tokens:
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    result.input_tokens = obj["usage"].get("prompt_tokens", result.input_tokens)
+                if "output_ids" in obj:
+                    new = len(obj["output_ids"])
+                    if "meta_info" in obj:
+                        result.input_tokens = obj["meta_info"].get("prompt_tokens", result.input_tokens)
+                else:
+                    choice = (obj.get("choices") or [{}])[0]
+                    piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    new = count + 1 if piece else count
+                if new <= count:
                     continue
                 now = time.perf_counter()
                 if result.ttft_s is None:
                     result.ttft_s = now - start
                 else:
                     result.token_gaps_s.append(now - last)
-                last = now
-                result.output_tokens = count
+                last, count = now, new
+            result.output_tokens = count
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         result.error = str(err) or type(err).__name__
     return result
 
 
-async def replay(url: str, arrivals, connector_limit: int = 512, timeout_s: float = 300) -> tuple[list[RequestResult], float]:
-    """Send ``(offset_s, tokens, max_new_tokens)`` arrivals on schedule; returns results and wall time."""
+async def replay(url: str, arrivals: list[Arrival], connector_limit: int = 512, timeout_s: float = 300) -> tuple[list[RequestResult], float]:
+    """Send ``arrivals`` on schedule; returns results (in arrival order) and wall time."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
                                      connector=aiohttp.TCPConnector(limit=connector_limit)) as session:
         start = time.perf_counter()
         tasks = []
-        for offset, tokens, max_new in arrivals:
-            delay = start + offset - time.perf_counter()
+        for arrival in arrivals:
+            delay = start + arrival.offset_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(stream_generate(session, url, tokens, max_new)))
+
+            async def one(a=arrival):
+                r = await stream_request(session, url, a)
+                r.sent_s = a.offset_s
+                return r
+
+            tasks.append(asyncio.create_task(one()))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start

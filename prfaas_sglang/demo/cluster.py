@@ -1,12 +1,19 @@
-"""Start and stop a local deployment's processes (I/O).
+"""Bring a local deployment up and down (I/O): the demo's, the benchmarks' and the tests'.
+
+:func:`local_topology` writes one topology document (free ports, the
+``scheduler:``/``emulation:`` sections); :func:`start_deployment` starts each of
+its nodes through the launcher (``python -m prfaas_sglang.launch --config ...
+--node ...``), exactly as an operator would, engines first, the router last.
+Each process logs to its own file in the group's directory.
 
 Each child gets its own session (process group); :meth:`ProcessGroup.stop`
 sends SIGTERM to every group, waits, then SIGKILLs what is left, so nothing
-outlives the owner. Used by the demo, the benchmarks and the tests.
+outlives the owner.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -33,6 +40,11 @@ def scrape_metric(url: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def get_json(url: str, timeout_s: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -45,6 +57,7 @@ class ProcessGroup:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``argv``, its output in ``log_dir/<name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -87,6 +100,79 @@ class ProcessGroup:
                 proc.wait()
 
 
+# --- topologies -------------------------------------------------------------------------
+
+
+def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, host: str = "127.0.0.1",
+                   hosts: dict[str, str] | None = None, link_gbps: float = 100.0, rtt_ms: float | None = None,
+                   speedup: float | None = 20.0, kv_scale: float | None = 0.01, workload: dict | None = None,
+                   output_tokens: int | None = 64, slo_tokens_per_s: float | None = None, tokenizer: str | None = None,
+                   served_name: str | None = None, threshold_tokens: float | None = None, telemetry: bool = True,
+                   kv_events: bool = True, decode_events: bool = False, accelerators: tuple[str, str] | None = None,
+                   router: bool = True) -> dict:
+    """A one-box topology document with free ports. ``hosts`` maps a role to its bind address
+    (e.g. a PrfaaS worker inside a network namespace)."""
+    hosts = hosts or {}
+
+    def node(role: str, i: int) -> dict:
+        h = hosts.get(role, host)
+        n = {"name": f"{role}-{i}", "role": role, "host": h, "port": free_port(h if h == host else host)}
+        if role != "pd-decode":
+            n["bootstrap_port"] = free_port(host)
+            if kv_events:
+                n["kv_events_port"] = free_port(host)
+            if telemetry and role == "prfaas":
+                n["telemetry_port"] = free_port(host)
+        elif decode_events:
+            n["kv_events_port"] = free_port(host)
+        return n
+
+    prfaas_cluster = {"kind": "prfaas", "nodes": [node("prfaas", i) for i in range(prfaas)]}
+    pd_cluster = {"kind": "pd", "nodes": [node("pd-prefill", i) for i in range(pd_prefill)]
+                  + [node("pd-decode", i) for i in range(pd_decode)]}
+    if accelerators:
+        prfaas_cluster["accelerator"], pd_cluster["accelerator"] = accelerators
+    clusters = {"pd": pd_cluster}
+    if prfaas:
+        clusters = {"prfaas": prfaas_cluster, **clusters}
+    if router:
+        clusters["control"] = {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": free_port(host)}]}
+    model = {k: v for k, v in (("tokenizer", tokenizer), ("served_name", served_name)) if v is not None}
+    scheduler = {k: v for k, v in (("workload", workload), ("output_tokens", output_tokens),
+                                   ("slo_tokens_per_s", slo_tokens_per_s), ("threshold_tokens", threshold_tokens)) if v is not None}
+    doc = {"version": 1, "clusters": clusters, "links": []}
+    if prfaas:
+        doc["links"].append({"from": "prfaas", "to": "pd", "bandwidth_gbps": link_gbps, **({"rtt_ms": rtt_ms} if rtt_ms else {})})
+    if model:
+        doc["model"] = model
+    if scheduler:
+        doc["scheduler"] = scheduler
+    if speedup is not None or kv_scale is not None:
+        doc["emulation"] = {k: v for k, v in (("speedup", speedup), ("kv_scale", kv_scale)) if v is not None}
+    return doc
+
+
+def demo_topology(workload_prior: dict, *, speedup: float, kv_scale: float, output_tokens: int, tokenizer: str | None,
+                  served_name: str, link_gbps: float = 100.0, threshold_tokens: float | None = None) -> dict:
+    """The demo's deployment, also the comparison benchmark's: 1 PrfaaS (8xH200) + 1 PD-P and 1 PD-D (8xH20),
+    a router, ``workload_prior`` as the scheduler's prior."""
+    return local_topology(speedup=speedup, kv_scale=kv_scale, workload=workload_prior, output_tokens=output_tokens,
+                          tokenizer=tokenizer, served_name=served_name, accelerators=("h200x8", "h20x8"),
+                          link_gbps=link_gbps, threshold_tokens=threshold_tokens)
+
+
+def write_topology(doc: dict, path: Path) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def topology_nodes(doc: dict) -> dict[str, dict]:
+    return {n["name"]: n for c in doc["clusters"].values() for n in c["nodes"]}
+
+
 @dataclass(frozen=True)
 class Worker:
     name: str
@@ -97,10 +183,73 @@ class Worker:
     telemetry_port: int | None = None
 
 
+@dataclass(frozen=True)
+class RouterHandle:
+    url: str
+    config: Path
+    proc: subprocess.Popen
+
+
+@dataclass
+class LocalDeployment:
+    config: Path
+    workers: dict[str, Worker]
+    router: RouterHandle | None
+
+    def worker(self, role: str, i: int = 0) -> Worker:
+        return self.workers[f"{role}-{i}"]
+
+
+def start_node(group: ProcessGroup, config: Path, name: str, *args: str, engine: str = "mock",
+               wrap: tuple[str, ...] = (), extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+               python: str = sys.executable) -> subprocess.Popen:
+    """``python -m prfaas_sglang.launch --config CONFIG --node NAME`` (``wrap`` prefixes it, e.g. ``ip netns exec``)."""
+    argv = [*wrap, python, "-m", "prfaas_sglang.launch", "--config", str(config), "--node", name, "--engine", engine, *args]
+    if extra:
+        argv += ["--", *extra]
+    return group.start(name, argv, env=env)
+
+
+def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_args: dict[str, tuple[str, ...]] | None = None,
+                     wrap: dict[str, tuple[str, ...]] | None = None, router_env: dict[str, str] | None = None,
+                     name: str = "topology") -> LocalDeployment:
+    """Write ``doc``, start every engine node (emulated) through the launcher, wait for health, then the router.
+
+    ``engine_args[node or role]`` are extra emulated-engine flags (after ``--``); ``wrap[node or role]`` prefixes
+    the command (a network namespace)."""
+    config = write_topology(doc, group.log_dir / f"{name}.yaml")
+    engine_args, wrap = engine_args or {}, wrap or {}
+    workers, procs = {}, []
+    for n in topology_nodes(doc).values():
+        if n["role"] in ("router", "kv-index"):
+            continue
+        key = n["name"] if n["name"] in engine_args else n["role"]
+        proc = start_node(group, config, n["name"], extra=engine_args.get(key, ()),
+                          wrap=wrap.get(n["name"], wrap.get(n["role"], ())))
+        url = f"http://{n['host']}:{n['port']}"
+        procs.append((proc, url))
+        workers[n["name"]] = Worker(n["name"], url, n["port"], n.get("bootstrap_port"), n.get("kv_events_port"),
+                                    n.get("telemetry_port"))
+    for proc, url in procs:
+        group.wait_healthy(url + "/health", proc)
+    router = None
+    router_node = next((n for n in topology_nodes(doc).values() if n["role"] == "router"), None)
+    if router_node is not None:
+        proc = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), *router_args],
+                           env=router_env)
+        url = f"http://{router_node['host']}:{router_node['port']}"
+        group.wait_healthy(url + "/health", proc, timeout_s=90)
+        router = RouterHandle(url, config, proc)
+    return LocalDeployment(config, workers, router)
+
+
+# --- lower level (tests of single workers, peers) ------------------------------------------
+
+
 def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, extra: list[str],
                       events: bool = False, host: str = "127.0.0.1", python: str = sys.executable,
                       telemetry: bool = False) -> Worker:
-    """One emulated worker on free ports; returns when it answers /health."""
+    """One emulated worker on free ports, started directly (no topology); returns when it answers /health."""
     port = free_port(host)
     bootstrap = free_port(host) if role != "pd-decode" else None
     kv_events = free_port(host) if events else None
@@ -118,23 +267,12 @@ def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, e
     return Worker(name, url, port, bootstrap, kv_events, telemetry_port)
 
 
-@dataclass(frozen=True)
-class RouterHandle:
-    url: str
-    config: Path
-    proc: subprocess.Popen
-
-
 def start_router(group: ProcessGroup, topology: dict, *args: str, name: str = "router",
                  env: dict[str, str] | None = None, python: str = sys.executable) -> RouterHandle:
-    """Write ``topology`` next to the logs and start ``python -m prfaas_sglang.router`` for it."""
-    import yaml
-
-    config = group.log_dir / f"{name}-topology.yaml"
-    group.log_dir.mkdir(parents=True, exist_ok=True)
-    config.write_text(yaml.safe_dump(topology))
+    """Write ``topology`` next to the logs and start ``python -m prfaas_sglang.router`` for it on a free port."""
+    config = write_topology(topology, group.log_dir / f"{name}-topology.yaml")
     port = free_port()
     proc = group.start(name, [python, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port), *args], env=env)
     url = f"http://127.0.0.1:{port}"
-    group.wait_healthy(url + "/health", proc)
+    group.wait_healthy(url + "/health", proc, timeout_s=90)
     return RouterHandle(url, config, proc)

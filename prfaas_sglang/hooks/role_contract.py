@@ -13,7 +13,7 @@ import os
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError, PrfaasError
-from prfaas_sglang.launch.roles import KvTransport, parse_role, role_contract_violations
+from prfaas_sglang.roles import KvTransport, parse_role, role_contract_violations
 
 
 class RoleContractError(PrfaasError, ValueError):

@@ -1,12 +1,15 @@
 """``python -m prfaas_sglang.kvindex``: the global KV index as a service for other processes (HTTP).
 
-    python -m prfaas_sglang.kvindex --config launch/local-two-cluster.yaml --port 8001
+    python -m prfaas_sglang.kvindex --config launch/local-two-cluster.yaml [--port 8001]
 
 It subscribes to the KV events of every engine node of the topology that
-publishes them and answers:
+publishes them (the node's ``kv_events_port``, else the worker's
+``/server_info["kv_events"]``), hashes at each worker's block size (from
+``/server_info``; ``--page-size`` only for workers that do not answer), and
+answers:
 
     POST /match   {"input_ids": [...]}  ->  {"total_tokens", "by_worker": {name: tokens}, "by_cluster": {...}}
-    GET  /status  workers, blocks indexed, events applied, resets
+    GET  /status  workers, blocks indexed, resets, per-subscription frame counts
     GET  /health
 
 The router embeds the same :class:`KvIndex` in process; this service is for
@@ -18,6 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
@@ -27,26 +33,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prfaas_sglang.kvindex", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, required=True, help="topology YAML listing the workers")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--page-size", type=int, default=512)
-    p.add_argument("--dense", action="store_true", help="the model has no linear/SWA state (no checkpoint rule)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None, help="default: the topology's kv-index node")
+    p.add_argument("--page-size", type=int, default=None, help="block size for workers that do not report theirs")
+    p.add_argument("--dense", action="store_true", help="the model has no linear/SWA state (no checkpoint rule); "
+                                                        "default: what the topology's cost model says")
     return p
 
 
-def build_app(index, workers: dict[str, tuple[str, str]], page_size: int):
-    """``workers``: name -> (cluster, ZMQ endpoint)."""
+def _block_size(url: str, fallback: int | None) -> tuple[int | None, dict | None]:
+    try:
+        with urllib.request.urlopen(url + "/server_info", timeout=2) as resp:
+            info = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return fallback, None
+    events = info.get("kv_events") if isinstance(info, dict) else None
+    size = (events or {}).get("block_size") or info.get("page_size")
+    return (size if isinstance(size, int) and size > 0 else fallback), events
+
+
+def build_app(index, workers: dict[str, tuple[str, str, str]]):
+    """``workers``: name -> (cluster, ZMQ endpoint, topic)."""
     from aiohttp import web
 
-    from prfaas_sglang.kvindex.subscriber import KvEventSubscriber
+    from prfaas_sglang.adapters.zmq import ZmqSubscriber
+    from prfaas_sglang.kvindex.feed import kv_event_handler
 
     app = web.Application(client_max_size=64 << 20)
-    sub_key = web.AppKey("subscriber", KvEventSubscriber)
+    sub_key = web.AppKey("subscriber", ZmqSubscriber)
 
     async def on_startup(app):
-        app[sub_key] = KvEventSubscriber(index)
-        for name, (cluster, endpoint) in workers.items():
-            app[sub_key].watch(name, cluster, endpoint)
+        app[sub_key] = ZmqSubscriber()
+        for name, (_cluster, endpoint, topic) in workers.items():
+            app[sub_key].watch(name, endpoint, topic.encode(), kv_event_handler(index, name))
 
     async def on_cleanup(app):
         await app[sub_key].close()
@@ -65,14 +84,16 @@ def build_app(index, workers: dict[str, tuple[str, str]], page_size: int):
         ids = body.get("input_ids") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in ids):
             return error(400, "input_ids must be a list of token ids (0 <= id < 2^32)")
-        result = index.match(ids, block_size=page_size)
+        result = index.match(ids)
         return web.json_response({"total_tokens": result.total_tokens, "by_worker": result.by_worker, "by_cluster": result.by_cluster})
 
     async def status(request):
-        sub = request.app[sub_key]
+        subs = request.app[sub_key].stats(time.monotonic())
         return web.json_response({
             "workers": {w: {"cluster": c, "blocks": index.block_count(w), "resets": index.resets(w)} for w, c in index.workers().items()},
-            "events_applied": sub.events_applied, "bad_frames": sub.bad_frames})
+            "subscriptions": subs,
+            "events_applied_frames": sum(s["frames"] - s["bad_frames"] - s["handler_errors"] for s in subs.values()),
+            "bad_frames": sum(s["bad_frames"] for s in subs.values())})
 
     async def health(request):
         return web.Response(text="OK")
@@ -86,24 +107,43 @@ def build_app(index, workers: dict[str, tuple[str, str]], page_size: int):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from prfaas_sglang import runtime
         from prfaas_sglang.kvindex.index import KvIndex
-        from prfaas_sglang.launch.roles import ROLE_SPECS
-        from prfaas_sglang.launch.topology import load_topology
+        from prfaas_sglang.roles import ROLE_SPECS, Role
+        from prfaas_sglang.topology import load_topology
+        from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
-        if args.page_size < 1:
+        if args.page_size is not None and args.page_size < 1:
             raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
         topology = load_topology(args.config)
-        workers = {n.name: (ROLE_SPECS[n.role].cluster_kind, f"tcp://{n.host or '127.0.0.1'}:{n.kv_events_port}")
-                   for n in topology.nodes if ROLE_SPECS[n.role].is_engine_role and n.kv_events_port is not None}
+        hybrid = False if args.dense else runtime.from_topology(topology).hybrid
+        index = KvIndex(hybrid=hybrid)
+        workers = {}
+        for n in topology.nodes:
+            if not ROLE_SPECS[n.role].is_engine_role or n.port is None:
+                continue
+            host = n.host or "127.0.0.1"
+            size, events = _block_size(f"http://{host}:{n.port}", args.page_size)
+            port = n.kv_events_port or (events or {}).get("endpoint_port_base")
+            if port is None:
+                continue
+            if size is None:
+                raise ConfigError(f"nodes.{n.name}", "did not report its block size (/server_info); give --page-size")
+            index.add_worker(n.name, ROLE_SPECS[n.role].cluster_kind, size)
+            workers[n.name] = (ROLE_SPECS[n.role].cluster_kind, f"tcp://{host}:{port}", (events or {}).get("topic") or KV_EVENTS_TOPIC)
         if not workers:
             raise ConfigError("--config", "no engine node publishes KV events (kv_events_port)")
+        node = next(iter(topology.nodes_of(Role.KV_INDEX)), None)
+        host = args.host or (node.host if node and node.host else "127.0.0.1")
+        port = args.port or (node.port if node else None)
+        if port is None:
+            raise ConfigError("--port", "is required (the topology has no kv-index node with a port)")
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     from aiohttp import web
 
-    web.run_app(build_app(KvIndex(hybrid=not args.dense), workers, args.page_size), host=args.host, port=args.port,
-                access_log=None, print=None)
+    web.run_app(build_app(index, workers), host=host, port=port, access_log=None, print=None)
     return 0
 
 

@@ -14,6 +14,11 @@ last block of every stored run (a prefilled prompt's end) and every
 ``match`` caps hybrid reuse there. It can overstate reuse when state was
 evicted but pages were not; the router treats the answer as an estimate.
 
+Block sizes. Each worker hashes at its own page size (``/server_info``'s
+``kv_events.block_size``, given to :meth:`add_worker`, or learnt from its
+first event). Events with another size, or a size below 1, are refused whole
+(:class:`InvalidEvents`); ``match`` hashes the prompt once per distinct size.
+
 Consistency. Each worker's events carry a sequence number. A gap means
 events were lost: the worker's entries are dropped (an empty index is safe,
 a wrong one is not) until new events rebuild it. A sequence number going
@@ -26,8 +31,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from prfaas_sglang.engine.blocks import digest_to_int64, iter_page_digests, page_digests
-from prfaas_sglang.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas_sglang.wire.blocks import digest_to_int64, iter_page_digests
+from prfaas_sglang.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+class InvalidEvents(ValueError):
+    """An event batch that cannot be right for its worker; nothing of it was applied."""
 
 
 @dataclass
@@ -68,8 +77,14 @@ class KvIndex:
 
     # --- membership ----------------------------------------------------------------
 
-    def add_worker(self, worker: str, cluster: str) -> None:
-        self._workers.setdefault(worker, _WorkerState(cluster))
+    def add_worker(self, worker: str, cluster: str, block_size: int | None = None) -> None:
+        state = self._workers.setdefault(worker, _WorkerState(cluster))
+        if block_size is not None:
+            if block_size < 1:
+                raise InvalidEvents(f"block size of {worker} must be >= 1, got {block_size}")
+            if state.block_size not in (None, block_size):
+                self._drop(worker)
+            state.block_size = block_size
 
     def remove_worker(self, worker: str) -> None:
         self._drop(worker)
@@ -89,6 +104,14 @@ class KvIndex:
     def apply(self, worker: str, seq: int, events: Iterable) -> None:
         """Apply one event batch numbered ``seq`` from ``worker`` (added first with add_worker)."""
         state = self._workers[worker]
+        events = list(events)
+        for event in events:
+            if isinstance(event, BlockStored):
+                size = event.block_size
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise InvalidEvents(f"{worker}: BlockStored with block_size {size!r}")
+                if state.block_size is not None and size != state.block_size:
+                    raise InvalidEvents(f"{worker}: BlockStored with block_size {size}, the worker's is {state.block_size}")
         if state.last_seq is not None and seq != state.last_seq + 1:
             self._drop(worker)  # a gap (lost events) or a restart (seq went back): start over
             state.resets += 1
@@ -144,35 +167,43 @@ class KvIndex:
 
     # --- queries ------------------------------------------------------------------------
 
-    def block_ids(self, token_ids: Sequence[int], block_size: int) -> list[int]:
-        return [digest_to_int64(d) for d in page_digests(token_ids, block_size)]
+    def block_sizes(self) -> set[int]:
+        return {s.block_size for s in self._workers.values() if s.block_size}
 
-    def match(self, token_ids: Sequence[int], block_ids: Sequence[int] | None = None, block_size: int | None = None) -> PrefixMatch:
+    def block_ids(self, token_ids: Sequence[int], block_size: int) -> list[int]:
+        """The block ids ``match`` would compute for ``token_ids[:-1]`` at ``block_size``."""
+        return [digest_to_int64(d) for d in iter_page_digests(token_ids, block_size, max_tokens=len(token_ids) - 1)]
+
+    def match(self, token_ids: Sequence[int], block_ids: dict[int, Sequence[int]] | None = None) -> PrefixMatch:
         """Reusable prefix of ``token_ids`` on every worker, in tokens; pure read.
 
-        The last token is never reusable (it is always recomputed), so only the
-        full pages of ``token_ids[:-1]`` are looked up. A caller that already
-        hashed them passes ``block_ids`` (of ``token_ids[:-1]``, ``block_size`` pages).
+        The last token is never reusable (it is always recomputed), so only the full
+        pages of ``token_ids[:-1]`` are looked up, at each worker's own block size.
+        A caller that already hashed them passes ``block_ids[block_size]``.
         """
-        size = block_size or next((s.block_size for s in self._workers.values() if s.block_size), None)
         by_worker = {w: 0 for w in self._workers}
-        if size and len(token_ids) > 1:
-            # Hash lazily: the walk stops at the first block no worker holds.
-            ids = iter(block_ids) if block_ids is not None else (
-                digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
-            alive: set[str] | None = None
-            best: dict[str, int] = {}
-            for depth, block in enumerate(ids, 1):
-                holders = self._holders.get(block, set())
-                alive = set(holders) if alive is None else alive & holders
-                if not alive:
-                    break
-                for w in alive:
-                    if not self.hybrid or block in self._workers[w].checkpoints:
-                        best[w] = depth * size
-            by_worker.update(best)
+        if len(token_ids) > 1:
+            for size in sorted(self.block_sizes()):
+                members = {w for w, st in self._workers.items() if st.block_size == size}
+                by_worker.update(self._match_size(token_ids, size, members, (block_ids or {}).get(size)))
         by_cluster: dict[str, int] = {}
         for w, n in by_worker.items():
             cluster = self._workers[w].cluster
             by_cluster[cluster] = max(by_cluster.get(cluster, 0), n)
         return PrefixMatch(len(token_ids), by_worker, by_cluster, {w: s.cluster for w, s in self._workers.items()})
+
+    def _match_size(self, token_ids: Sequence[int], size: int, members: set[str], given=None) -> dict[str, int]:
+        # Hash lazily: the walk stops at the first block no member holds.
+        ids = iter(given) if given is not None else (
+            digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
+        alive: set[str] | None = None
+        best: dict[str, int] = {}
+        for depth, block in enumerate(ids, 1):
+            holders = self._holders.get(block, set())
+            alive = (holders & members) if alive is None else alive & holders
+            if not alive:
+                break
+            for w in alive:
+                if not self.hybrid or block in self._workers[w].checkpoints:
+                    best[w] = depth * size
+        return best

@@ -3,13 +3,23 @@
 Examples::
 
     python -m prfaas_sglang.launch --role prfaas --model-path /models/m --dry-run
-    python -m prfaas_sglang.launch --config launch/local-two-cluster.yaml --node prfaas-0
+    python -m prfaas_sglang.launch --config launch/local-two-cluster.yaml --node prfaas-0 --engine mock
+    python -m prfaas_sglang.launch --config launch/local-two-cluster.yaml            # the router node
+    python -m prfaas_sglang.launch --config launch/local-two-cluster.yaml --node router --threshold 20000
     python -m prfaas_sglang.launch --role pd-decode --model-path /models/m -- --mem-fraction-static 0.3
 
-Arguments after ``--`` go to ``sglang.launch_server`` unchanged (flags the
-launcher owns are refused). Errors print one line and exit non-zero:
-2 bad configuration or role not available yet, 3 wrong SGLang version,
-4 patch series not applied.
+With ``--config`` and no ``--node`` the topology's router node starts (or, with
+no single router node, the error lists the nodes to choose from). For the
+router and the kv-index, flags the launcher does not know are theirs
+(``--threshold``, ``--max-ttft-s``, ...: see ``python -m prfaas_sglang.router --help``)
+and are checked before anything starts. Arguments after ``--`` go to
+``sglang.launch_server`` (or the emulated engine) unchanged; flags the launcher
+owns are refused there. An emulated engine (``--engine mock``) started from a
+topology takes its profile, scale (``emulation:``), tokenizer and decode batch
+from the topology's runtime model, like the router's cost model.
+
+Errors print one line and exit non-zero: 2 bad configuration or role not
+available yet, 3 wrong SGLang version, 4 patch series not applied.
 """
 
 from __future__ import annotations
@@ -23,22 +33,27 @@ from pathlib import Path
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError, PrfaasError, RoleNotAvailableError
-from prfaas_sglang.launch.plan import LaunchPlan, plan_control, plan_mock, plan_sglang
-from prfaas_sglang.launch.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
-from prfaas_sglang.launch.topology import Node, load_topology
+from prfaas_sglang.launch.command import (
+    LaunchCommand,
+    control_command,
+    mock_command,
+    sglang_command,
+)
+from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
+from prfaas_sglang.topology import Node, Topology, load_topology
 
 
 def build_parser() -> argparse.ArgumentParser:
     roles = ", ".join(r.value for r in Role)
     parser = argparse.ArgumentParser(
         prog="python -m prfaas_sglang.launch",
-        description="Start one process of a PrfaaS-PD deployment (SGLang server, router or kv-index).",
-        epilog="Arguments after `--` are passed to sglang.launch_server.",
+        description="Start one process of a PrfaaS-PD deployment (SGLang server, emulated engine, router or kv-index).",
+        epilog="Arguments after `--` are passed to sglang.launch_server. Router / kv-index flags are passed to them.",
     )
     parser.add_argument("--role", help=f"one of: {roles} (or taken from --node)")
     parser.add_argument("--engine", default=None, help="sglang (default) | mock (emulated engine, GPU-less)")
     parser.add_argument("--config", type=Path, help="topology YAML (see launch/*.yaml)")
-    parser.add_argument("--node", help="node name in --config; its settings are defaults for the flags below")
+    parser.add_argument("--node", help="node name in --config (default: its router node); its settings are defaults for the flags below")
     parser.add_argument("--model-path", help="model directory or hub id (engine roles)")
     parser.add_argument("--host", help="address the server binds (and the bootstrap server, for prefill roles)")
     parser.add_argument("--port", type=int, help="HTTP port")
@@ -47,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-transport", help="tcp (Mooncake TCP, default) | rdma")
     parser.add_argument("--tp-size", type=int, help="tensor parallel size")
     mock = parser.add_argument_group("emulated engine (--engine mock)")
-    mock.add_argument("--profile", help="MODEL@ACCELERATOR from the planner's data (e.g. kimi-linear-1t-hybrid@h20x8) or a measured profile YAML")
-    mock.add_argument("--speedup", type=float, help="divide emulated durations by this")
-    mock.add_argument("--kv-scale", type=float, help="real KV bytes shipped = S_kv(l) * kv_scale")
+    mock.add_argument("--profile", help="MODEL@ACCELERATOR from the planner's data (e.g. kimi-linear-1t-hybrid@h20x8) or a "
+                                        "measured profile YAML (default with --config: the topology's cost model)")
+    mock.add_argument("--speedup", type=float, help="divide emulated durations by this (default: the topology's emulation)")
+    mock.add_argument("--kv-scale", type=float, help="real KV bytes shipped = S_kv(l) * kv_scale (default: the topology's)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
-    parser.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    parser.add_argument("--json", action="store_true", help="with --dry-run: print the command as JSON")
     return parser
 
 
@@ -62,19 +78,29 @@ def _split_passthrough(argv: list[str]) -> tuple[list[str], tuple[str, ...]]:
     return argv, ()
 
 
-def resolve_node(args: argparse.Namespace) -> Node:
+def _default_node(topology: Topology, args: argparse.Namespace) -> Node:
+    """No ``--node``: the topology's router (the usual entry point), else say which nodes exist."""
+    wanted = parse_role(args.role) if args.role else Role.ROUTER
+    candidates = topology.nodes_of(wanted)
+    if len(candidates) == 1:
+        print(f"note: no --node given: starting {wanted.value} node {candidates[0].name!r} of {args.config}", file=sys.stderr)
+        return candidates[0]
+    listing = ", ".join(f"{n.name} ({n.role.value})" for n in topology.nodes)
+    raise ConfigError("--node", f"choose the node to start (nodes: {listing})")
+
+
+def resolve_node(args: argparse.Namespace) -> tuple[Node, Topology | None]:
     """The node to start: topology defaults (``--config/--node``) overridden by flags.
 
     ``node.extra_args`` holds the topology's SGLang arguments only; arguments
-    after ``--`` are added by the plan for the chosen engine.
+    after ``--`` are added by the command for the chosen engine.
     """
+    topology = None
     if args.node and not args.config:
         raise ConfigError("--node", "needs --config")
     if args.config:
         topology = load_topology(args.config)
-        if not args.node:
-            raise ConfigError("--node", f"is required with --config (nodes: {', '.join(n.name for n in topology.nodes)})")
-        node = topology.node(args.node)
+        node = topology.node(args.node) if args.node else _default_node(topology, args)
         if args.role and parse_role(args.role) is not node.role:
             raise ConfigError("--role", f"{args.role} contradicts node {node.name}, whose role is {node.role.value}")
     else:
@@ -100,15 +126,54 @@ def resolve_node(args: argparse.Namespace) -> Node:
             raise ConfigError("--" + key.replace("_", "-"), f"must be a port number in 1..65535, got {value}")
     if args.bootstrap_port is not None and ROLE_SPECS[node.role].disaggregation_mode != "prefill":
         raise ConfigError("--bootstrap-port", f"only prefill roles serve a bootstrap port, not {node.role.value}")
-    return dataclasses.replace(node, **{k: v for k, v in overrides.items() if v is not None})
+    return dataclasses.replace(node, **{k: v for k, v in overrides.items() if v is not None}), topology
 
 
 def _looks_local(path: str) -> bool:
     return path.startswith(("/", ".", "~"))
 
 
-def make_plan(args: argparse.Namespace, extra: tuple[str, ...]) -> LaunchPlan:
-    node = resolve_node(args)
+def _check_control_flags(role: Role, flags: list[str]) -> None:
+    """Flags for the router / kv-index must parse with its own parser (one-line error otherwise)."""
+    if role is Role.ROUTER:
+        from prfaas_sglang.router.__main__ import build_parser as control_parser
+    else:
+        from prfaas_sglang.kvindex.__main__ import build_parser as control_parser
+    parser = control_parser()
+    _, unknown = parser.parse_known_args(["--config", "x", *flags])
+    if unknown:
+        raise ConfigError(unknown[0], f"is neither a launcher nor a {role.value} flag (see python -m prfaas_sglang.launch --help)")
+
+
+def _mock_args(args: argparse.Namespace, node: Node, topology: Topology | None) -> tuple[str, tuple[str, ...]]:
+    """(profile, emulated-engine flags) from the command line, else from the topology's runtime model."""
+    profile = args.profile
+    speedup, kv_scale = args.speedup, args.kv_scale
+    extra: list[str] = []
+    if topology is not None:
+        from prfaas_sglang import runtime
+
+        model = runtime.from_topology(topology)
+        kind = runtime.engine_role_kind(node.role)
+        profile = profile or model.costs[kind].engine_profile
+        speedup = speedup if speedup is not None else model.emulation.speedup
+        kv_scale = kv_scale if kv_scale is not None else model.emulation.kv_scale
+        if node.role is Role.PD_DECODE:
+            extra += ["--max-batch", str(max(int(model.decode.bs_max), 1))]
+        if topology.model.tokenizer:
+            from prfaas_sglang.tokenizer import resolve
+
+            extra += ["--tokenizer", resolve(topology.model.tokenizer, topology.base_dir)]
+        if topology.model.served_name:
+            extra += ["--served-model-name", topology.model.served_name]
+    if not profile:
+        raise ConfigError("--profile", "is required with --engine mock (e.g. kimi-linear-1t-hybrid@h20x8), or give --config")
+    flags = [x for flag, value in (("--speedup", speedup), ("--kv-scale", kv_scale)) if value is not None for x in (flag, str(value))]
+    return profile, tuple(flags + extra)
+
+
+def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list[str] = ()) -> LaunchCommand:
+    node, topology = resolve_node(args)
     spec = ROLE_SPECS[node.role]
     try:
         engine = Engine(args.engine or "sglang")
@@ -120,15 +185,16 @@ def make_plan(args: argparse.Namespace, extra: tuple[str, ...]) -> LaunchPlan:
     if not spec.is_engine_role:
         if not args.config:
             raise ConfigError("--config", f"the {node.role.value} reads its workers from a topology file")
-        return plan_control(node, sys.executable, str(args.config), extra)
-    mock_flags = {"--profile": args.profile, "--speedup": args.speedup, "--kv-scale": args.kv_scale}
+        _check_control_flags(node.role, list(unknown))
+        return control_command(node, sys.executable, str(args.config), tuple(unknown) + extra)
+    if unknown:
+        raise ConfigError(unknown[0], "is not a launcher flag (SGLang flags go after `--`)")
     if engine is Engine.MOCK:
-        if not args.profile:
-            raise ConfigError("--profile", "is required with --engine mock (e.g. kimi-linear-1t-hybrid@h20x8)")
-        mock_args = tuple(x for flag in ("--speedup", "--kv-scale") if mock_flags[flag] is not None for x in (flag, str(mock_flags[flag])))
+        profile, mock_args = _mock_args(args, node, topology)
         # The topology's extra_args are SGLang flags; the emulated engine takes only `--` arguments.
-        return plan_mock(dataclasses.replace(node, extra_args=()), sys.executable, args.profile, mock_args + extra)
-    given = [flag for flag, value in mock_flags.items() if value is not None]
+        return mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra)
+    given = [flag for flag, value in (("--profile", args.profile), ("--speedup", args.speedup), ("--kv-scale", args.kv_scale))
+             if value is not None]
     if given:
         raise ConfigError(given[0], "applies to --engine mock only")
 
@@ -140,26 +206,41 @@ def make_plan(args: argparse.Namespace, extra: tuple[str, ...]) -> LaunchPlan:
         if not (args.dry_run or envs.SKIP_PATCH_VERIFY.get()):
             raise
         notes = (f"patch series NOT verified ({type(err).__name__}): {err}",)
-    node = dataclasses.replace(node, extra_args=node.extra_args + extra)
-    plan = plan_sglang(node, sys.executable, os.environ, notes)
+    node = dataclasses.replace(node, extra_args=node.extra_args + _model_args(topology, node) + extra)
+    command = sglang_command(node, sys.executable, os.environ, notes)
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")
-    return plan
+    return command
+
+
+def _model_args(topology: Topology | None, node: Node) -> tuple[str, ...]:
+    """``--tokenizer-path`` / ``--served-model-name`` from the topology's model section, unless given."""
+    if topology is None:
+        return ()
+    out: list[str] = []
+    given = {a.split("=", 1)[0] for a in node.extra_args}
+    if topology.model.tokenizer and "--tokenizer-path" not in given:
+        from prfaas_sglang.tokenizer import resolve
+
+        out += ["--tokenizer-path", resolve(topology.model.tokenizer, topology.base_dir)]
+    if topology.model.served_name and "--served-model-name" not in given:
+        out += ["--served-model-name", topology.model.served_name]
+    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ours, extra = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(ours)
+    args, unknown = build_parser().parse_known_args(ours)
     try:
-        plan = make_plan(args, extra)
+        command = make_command(args, extra, unknown)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     if args.dry_run:
-        print(json.dumps(plan.to_json(), indent=2) if args.json else plan.render())
+        print(json.dumps(command.to_json(), indent=2) if args.json else command.render())
         return 0
     sys.stdout.flush()
-    os.execvpe(plan.argv[0], list(plan.argv), {**os.environ, **plan.env})
+    os.execvpe(command.argv[0], list(command.argv), {**os.environ, **command.env})
     return 0  # not reached
 
 

@@ -19,7 +19,7 @@ def verify_installed(patches_dir: Path | None = None) -> str:
     Returns a one-line summary; raises UpstreamVersionError or PatchError
     (naming what is missing and how to fix it). Reads files only.
     """
-    from prfaas_sglang.patches.engine import evaluate_tree
+    from prfaas_sglang.patches.applier import evaluate_tree
     from prfaas_sglang.patches.series import load_series
     from prfaas_sglang.patches.tree import default_patches_dir, installed_tree
 

@@ -16,7 +16,7 @@ from prfaas_sglang._compat import require_pinned
 from prfaas_sglang._pin import PINNED_SGLANG_VERSION, REBASE_TARGET_SGLANG_VERSION
 from prfaas_sglang.errors import PatchError, PrfaasError
 from prfaas_sglang.patches import readme as readme_mod
-from prfaas_sglang.patches.engine import (
+from prfaas_sglang.patches.applier import (
     SeriesReport,
     apply_to_tree,
     evaluate_tree,

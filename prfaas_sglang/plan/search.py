@@ -49,12 +49,28 @@ def threshold_grid(workload: Workload, step_tokens: float) -> list[float]:
     return [step_tokens * k for k in range(1, count + 1)]
 
 
+def prefill_capacity_rps(point: OperatingPoint) -> float:
+    """Requests/s the prefill side alone sustains: ``min(Theta_prfaas / p, Theta_pd_p / (1 - p))``.
+
+    Equation (7) balances exactly these two terms; when decode binds Lambda_max
+    over a range of thresholds, this is what tells them apart.
+    """
+    p = point.offload_fraction
+    prfaas = point.theta_prfaas_rps / p if p > 0 else math.inf
+    local = point.theta_pd_prefill_rps / (1 - p) if p < 1 else math.inf
+    return min(prfaas, local)
+
+
 def _better(a: OperatingPoint, b: OperatingPoint | None) -> bool:
-    """Higher throughput wins; on a tie, less egress, then the lower threshold (stable)."""
+    """Higher throughput wins; on a tie (decode binds), the better-balanced prefill side
+    (equation (7)), then less egress, then the lower threshold (stable)."""
     if b is None:
         return True
     if not math.isclose(a.lambda_max_rps, b.lambda_max_rps, rel_tol=1e-12):
         return a.lambda_max_rps > b.lambda_max_rps
+    pa, pb = prefill_capacity_rps(a), prefill_capacity_rps(b)
+    if not math.isclose(pa, pb, rel_tol=1e-9):
+        return pa > pb
     return a.egress_gbps < b.egress_gbps
 
 

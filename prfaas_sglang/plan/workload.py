@@ -164,6 +164,59 @@ class EmpiricalLengths(Workload):
         )
 
 
+class BlendedWorkload(Workload):
+    """A prior and observed lengths, mixed by pseudo-counts (pure).
+
+    The observed lengths weigh ``n / (n + prior_weight)``: with few
+    observations the prior dominates, with many the observations do. ``split``
+    mixes the two sides' masses and conditional means::
+
+        p        = (1 - w) p_prior + w p_obs
+        E[L|L>t] = ((1 - w) p_prior l_long_prior + w p_obs l_long_obs) / p
+        E[L|L<=t] likewise with 1 - p
+    """
+
+    def __init__(self, prior: Workload, observed: Sequence[float], prior_weight: float, name: str = "blended"):
+        if prior_weight < 0:
+            raise ConfigError("prior_weight", f"must be >= 0, got {prior_weight!r}")
+        self.prior = prior
+        self.observed = EmpiricalLengths(observed, "observed") if len(observed) else None
+        n = len(observed)
+        self.weight = n / (n + prior_weight) if n + prior_weight > 0 else 0.0
+        self.name = name
+
+    def _parts(self) -> list[tuple[float, Workload]]:
+        parts = [(1.0 - self.weight, self.prior)]
+        if self.observed is not None and self.weight > 0:
+            parts.append((self.weight, self.observed))
+        return [(w, x) for w, x in parts if w > 0]
+
+    @property
+    def min_tokens(self) -> float:  # type: ignore[override]
+        return min(x.min_tokens for _, x in self._parts())
+
+    @property
+    def max_tokens(self) -> float:  # type: ignore[override]
+        return max(x.max_tokens for _, x in self._parts())
+
+    @property
+    def mean_tokens(self) -> float:  # type: ignore[override]
+        return sum(w * x.mean_tokens for w, x in self._parts())
+
+    def split(self, threshold_tokens: float) -> Split:
+        p = long_sum = short_sum = 0.0
+        for w, x in self._parts():
+            s = x.split(threshold_tokens)
+            p += w * s.offload_fraction
+            if s.mean_long_tokens is not None:
+                long_sum += w * s.offload_fraction * s.mean_long_tokens
+            if s.mean_short_tokens is not None:
+                short_sum += w * (1.0 - s.offload_fraction) * s.mean_short_tokens
+        q = 1.0 - p
+        return Split(threshold_tokens, p, long_sum / p if p > NEGLIGIBLE_MASS else None,
+                     short_sum / q if q > NEGLIGIBLE_MASS else None)
+
+
 # --- Mooncake traces -> incremental lengths -------------------------------------------
 
 

@@ -1,98 +1,171 @@
 """``python -m prfaas_sglang.router``: the PrfaaS global scheduler for the workers of a topology.
 
-    python -m prfaas_sglang.router --config launch/local-two-cluster.yaml --port 8000 [--threshold 19400]
+    python -m prfaas_sglang.router --config launch/local-two-cluster.yaml [--port 8000] [--threshold 19400]
 
-Without ``--threshold`` the planner picks it for the topology's instance counts
-and the case-study workload. Exits 2 with a one-line reason on bad input.
+Where things come from:
+
+* ``t``: the runtime model (:mod:`prfaas_sglang.runtime`) of the topology, i.e. the
+  planner's threshold for its instances, cost profiles, link and workload prior,
+  unless ``--threshold`` (or ``scheduler.threshold_tokens``) fixes the baseline;
+  then the threshold controller moves it (see ``router/threshold.py``).
+* page size, KV pool, context length, served model name: each worker's
+  ``/server_info`` at start-up (a worker that is not up yet is adopted when it
+  comes up; facts that contradict the deployment stop start-up).
+* the tokenizer: ``--tokenizer``, else ``model.tokenizer``, else ``model.path``,
+  else the workers' ``tokenizer_path``; with none, requests must carry token
+  ids (said once at start-up).
+
+Exits 2 with a one-line reason on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
+
+logger = logging.getLogger("prfaas_sglang.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prfaas_sglang.router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, required=True, help="topology YAML listing the workers")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--threshold", type=float, help="routing threshold t, tokens (default: from the planner)")
-    p.add_argument("--bandwidth-mode", default="scarce", help="scarce | abundant (paper section 3.4.3)")
-    p.add_argument("--profile-prfaas", default="kimi-linear-1t-hybrid@h200x8", help="prefill cost model of the PrfaaS class")
-    p.add_argument("--profile-pd", default="kimi-linear-1t-hybrid@h20x8", help="prefill cost model of the PD class")
-    p.add_argument("--page-size", type=int, default=512, help="the workers' KV page size, tokens")
-    p.add_argument("--phase-timeout-s", type=float, default=600.0)
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="model name(s) clients may ask for (repeatable); requests naming another get 404. "
-                        "Unset: any name is accepted and /v1/models lists 'prfaas'")
-    p.add_argument("--max-ttft-s", type=float, default=None,
-                   help="reject (503 + Retry-After) when the best route's estimated TTFT exceeds this")
-    p.add_argument("--raise-after-s", type=float, default=0.5, help="sustained saturation before t is raised")
-    p.add_argument("--lower-after-s", type=float, default=5.0, help="sustained recovery before t is lowered")
+    add_router_arguments(p)
     return p
 
 
-def make_state(args: argparse.Namespace):
-    from prfaas_sglang.engine.mock.timing import load_timing
-    from prfaas_sglang.kvindex.index import KvIndex
-    from prfaas_sglang.launch.topology import load_topology
-    from prfaas_sglang.plan.model import Deployment
-    from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass
-    from prfaas_sglang.plan.search import best_threshold_for_split
-    from prfaas_sglang.plan.workload import TruncatedLogNormal
+def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -> None:
+    """The router's flags; the launcher reuses them for ``--role router``."""
+    if with_config:
+        p.add_argument("--config", type=Path, required=True, help="topology YAML listing the workers")
+    p.add_argument("--host", default=None, help="bind address (default: the topology's router node, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: the topology's router node)")
+    p.add_argument("--threshold", type=float, help="baseline threshold t, tokens (default: the planner's, from the topology)")
+    p.add_argument("--bandwidth-mode", default="scarce", help="scarce | abundant (paper section 3.4.3)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer name or directory (default: model.tokenizer of the topology)")
+    p.add_argument("--phase-timeout-s", type=float, default=600.0)
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name(s) clients may ask for (repeatable); default: the workers' served name. "
+                        "Requests naming another model get 404")
+    p.add_argument("--max-ttft-s", type=float, default=None,
+                   help="reject (503 + Retry-After) when the best route's estimated TTFT exceeds this")
+    p.add_argument("--admission-timeout-s", type=float, default=60.0,
+                   help="longest a request waits in the router for decode KV room before 503")
+    p.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for decode room; more get 429")
+    p.add_argument("--startup-timeout-s", type=float, default=30.0, help="how long to wait for workers' facts at start")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _fetch(url: str, timeout_s: float = 2.0):
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def preflight(service, timeout_s: float) -> None:
+    """Fetch every worker's facts (waiting up to ``timeout_s`` for workers still starting).
+
+    Facts that contradict the deployment raise :class:`ConfigError`; a worker still down
+    afterwards is left to the health loop.
+    """
+    from prfaas_sglang.router.server import adopt_facts
+
+    deadline = time.monotonic() + timeout_s
+    pending = dict(service.workers)
+    while pending:
+        for name, worker in list(pending.items()):
+            try:
+                urllib.request.urlopen(worker.url + "/health", timeout=2).read()
+                info = _fetch(worker.url + "/server_info")
+            except (urllib.error.URLError, OSError, ValueError):
+                continue
+            problem = adopt_facts(service, worker, info, None)
+            if problem:
+                raise ConfigError(f"worker {name}", problem)
+            worker.healthy = True
+            del pending[name]
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    for name in pending:
+        logger.warning("worker %s is not reachable yet; it is adopted when it answers /server_info", name)
+    names = {w.facts.served_model_name for w in service.workers.values() if w.facts and w.facts.served_model_name}
+    if len(names) > 1 and not service.config.served_models:
+        raise ConfigError("workers", f"the workers serve different models ({', '.join(sorted(names))}); "
+                                     "give --served-model-name or fix the deployment")
+
+
+def load_tokenizer(args, topology, workers):
+    """The tokenizer by the documented order, or None (then requests must carry ids)."""
+    from prfaas_sglang.tokenizer import PromptTokenizer
+
+    explicit = args.tokenizer or topology.model.tokenizer
+    if explicit:
+        return PromptTokenizer.load(explicit, topology.base_dir)
+    candidates = [topology.model.path] + [w.facts.tokenizer_path for w in workers.values() if w.facts]
+    for ref in candidates:
+        if ref:
+            try:
+                return PromptTokenizer.load(ref, topology.base_dir)
+            except PrfaasError:
+                continue
+    return None
+
+
+def make_service(args: argparse.Namespace):
+    from prfaas_sglang import runtime
+    from prfaas_sglang.roles import Role
     from prfaas_sglang.router.policy import BandwidthMode
-    from prfaas_sglang.router.server import RouterState
-    from prfaas_sglang.router.threshold import ThresholdController
-    from prfaas_sglang.router.workers import link_from_topology, workers_from_topology
+    from prfaas_sglang.router.service import RouterConfig, new_service
+    from prfaas_sglang.router.threshold import ControllerSettings
+    from prfaas_sglang.router.workers import workers_from_topology
+    from prfaas_sglang.topology import load_topology
 
     try:
         mode = BandwidthMode(args.bandwidth_mode)
     except ValueError:
         raise ConfigError("--bandwidth-mode", f"expected scarce or abundant, got {args.bandwidth_mode!r}") from None
-    if args.max_ttft_s is not None and not args.max_ttft_s > 0:
-        raise ConfigError("--max-ttft-s", f"must be > 0, got {args.max_ttft_s}")
-    if args.threshold is not None and not args.threshold > 0:
-        raise ConfigError("--threshold", f"must be > 0, got {args.threshold}")
+    for flag, value in (("--max-ttft-s", args.max_ttft_s), ("--threshold", args.threshold)):
+        if value is not None and not value > 0:
+            raise ConfigError(flag, f"must be > 0, got {value}")
+    for flag, value in (("--admission-timeout-s", args.admission_timeout_s), ("--phase-timeout-s", args.phase_timeout_s),
+                        ("--max-waiting", args.max_waiting)):
+        if not value > 0:
+            raise ConfigError(flag, f"must be > 0, got {value}")
     topology = load_topology(args.config)
+    model = runtime.from_topology(topology)
     workers = workers_from_topology(topology)
-    link = link_from_topology(topology)
-    prfaas_t = load_timing(args.profile_prfaas, 1.0, 1.0, None)
-    pd_t = load_timing(args.profile_pd, 1.0, 1.0, None)
-    workload = TruncatedLogNormal(9.90, 1.00, 128, 131_072)
-    count = {(w.cluster, w.role): 0 for w in workers.values()}
-    for w in workers.values():
-        count[(w.cluster, w.role)] += 1
-    n_prfaas, n_p, n_d = count.get(("prfaas", "prefill"), 0), count.get(("pd", "prefill"), 0), count.get(("pd", "decode"), 0)
-    dep = Deployment(InstanceClass("prfaas", 8, prfaas_t.prefill), n_prfaas,
-                     InstanceClass("pd", 8, pd_t.prefill, DecodeProfile(pd_t.max_batch, 0.025)), n_p + n_d, link.capacity_bps, 1024)
-
-    def research(capacity_bps: float) -> float:
-        thin = Deployment(dep.prfaas, dep.n_prfaas, dep.pd, dep.n_pd, max(capacity_bps, 1.0), dep.output_tokens)
-        return best_threshold_for_split(thin, workload, n_p, 512).threshold_tokens
-
-    baseline = args.threshold if args.threshold is not None else research(link.capacity_bps)
-    for flag, value in (("--raise-after-s", args.raise_after_s), ("--lower-after-s", args.lower_after_s)):
-        if value < 0:
-            raise ConfigError(flag, f"must be >= 0, got {value}")
-    controller = ThresholdController(baseline, research, workload.max_tokens,
-                                     raise_after_s=args.raise_after_s, lower_after_s=args.lower_after_s)
-    hybrid = pd_t.hybrid
-    return RouterState(workers=workers, index=KvIndex(hybrid=hybrid), controller=controller,
-                       prefill_cost={"prfaas": prfaas_t.prefill, "pd": pd_t.prefill}, kv_bytes=pd_t.prefill.kv_bytes,
-                       link=link, mode=mode, page_size=args.page_size, phase_timeout_s=args.phase_timeout_s,
-                       model_name=(args.served_model_name or ["prfaas"])[0],
-                       served_models=frozenset(args.served_model_name or ()), max_ttft_s=args.max_ttft_s)
+    node = next(iter(topology.nodes_of(Role.ROUTER)), None)
+    args.host = args.host or (node.host if node and node.host else "127.0.0.1")
+    args.port = args.port or (node.port if node else None)
+    if args.port is None:
+        raise ConfigError("--port", "is required (the topology has no router node with a port)")
+    config = RouterConfig(mode=mode, phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
+                          admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
+                          served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
+                          controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup))
+    service = new_service(config, model, workers)
+    preflight(service, args.startup_timeout_s)
+    service.tokenizer = load_tokenizer(args, topology, workers)
+    if service.tokenizer is None:
+        logger.warning("no tokenizer configured (model.tokenizer, model.path or the workers' tokenizer_path): "
+                       "routing only requests that carry token ids; text and chat prompts get 400")
+    logger.info("router: t = %.0f tokens (%s), model %s", service.controller.threshold_tokens,
+                "operator" if service.controller.operator_baseline_tokens else "planner", model.describe())
+    return service
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        state = make_state(args)
+        service = make_service(args)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -109,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     # handler_cancellation: a client that disconnects cancels its request, and with it both PD legs.
-    web.run_app(build_app(state), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
+    web.run_app(build_app(service), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
     return 0
 
 

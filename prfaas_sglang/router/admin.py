@@ -48,8 +48,8 @@ async def _body(request: web.Request) -> dict:
     return body
 
 
-def add_admin_routes(app: web.Application, state_key, on_register, on_deregister) -> None:
-    """``on_register(record)`` / ``on_deregister(name)`` start/stop the event subscriptions."""
+def add_admin_routes(app: web.Application, service_key, on_register, on_deregister) -> None:
+    """``on_register(app, record)`` / ``on_deregister(app, name)`` start/stop what follows a worker."""
 
     async def threshold(request):
         if (denied := _authorized(request)) is not None:
@@ -58,15 +58,15 @@ def add_admin_routes(app: web.Application, state_key, on_register, on_deregister
         value = body.get("threshold_tokens", "missing")
         if value == "missing" or (value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0)):
             return _err(400, "threshold_tokens must be a positive number or null")
-        state = request.app[state_key]
-        now = state.controller.override(time.monotonic(), value)
+        service = request.app[service_key]
+        now = service.controller.override(time.monotonic(), value)
         return web.json_response({"threshold_tokens": now, "override": value is not None})
 
     async def drain(request):
         if (denied := _authorized(request)) is not None:
             return denied
-        state = request.app[state_key]
-        worker = state.workers.get(request.match_info["name"])
+        service = request.app[service_key]
+        worker = service.workers.get(request.match_info["name"])
         if worker is None:
             return _err(404, f"unknown worker {request.match_info['name']!r}")
         body = await _body(request)
@@ -79,7 +79,7 @@ def add_admin_routes(app: web.Application, state_key, on_register, on_deregister
     async def register(request):
         if (denied := _authorized(request)) is not None:
             return denied
-        state = request.app[state_key]
+        service = request.app[service_key]
         body = await _body(request)
         try:
             name, url, cluster, role = (str(body[k]) for k in ("name", "url", "cluster", "role"))
@@ -98,27 +98,27 @@ def add_admin_routes(app: web.Application, state_key, on_register, on_deregister
             ports[key] = value
         if role == "prefill" and ports["bootstrap_port"] is None:
             return _err(400, "a prefill worker needs bootstrap_port")
-        if name in state.workers:
+        if name in service.workers:
             return _err(409, f"worker {name!r} is already registered")
         host = parsed.hostname
         record = WorkerRecord(name, url.rstrip("/"), cluster, role, host, ports["bootstrap_port"],
                               f"tcp://{host}:{ports['kv_events_port']}" if ports["kv_events_port"] else None,
                               f"tcp://{host}:{ports['telemetry_port']}" if ports["telemetry_port"] else None)
-        state.workers[name] = record
+        service.workers[name] = record
         on_register(request.app, record)
         return web.json_response({"registered": name}, status=201)
 
     async def deregister(request):
         if (denied := _authorized(request)) is not None:
             return denied
-        state = request.app[state_key]
+        service = request.app[service_key]
         name = request.match_info["name"]
-        if name not in state.workers:
+        if name not in service.workers:
             return _err(404, f"unknown worker {name!r}")
-        remaining = [w for w in state.workers.values() if w.name != name]
+        remaining = [w for w in service.workers.values() if w.name != name]
         if not any(w.role == "decode" for w in remaining) or not any(w.role == "prefill" for w in remaining):
             return _err(409, f"deregistering {name!r} would leave no prefill or no decode worker; drain it instead")
-        del state.workers[name]
+        del service.workers[name]
         on_deregister(request.app, name)
         return web.json_response({"deregistered": name})
 

@@ -1,8 +1,15 @@
-"""Prometheus text for the router: counters, gauges and fixed-bucket histograms (pure)."""
+"""The router's counters and histograms, and their Prometheus text (pure).
+
+Causes are labels: ``rejected{cause}`` counts requests refused before any
+worker ran them (no worker, no decode room in time, queue full, estimated
+TTFT over the limit, bad request); ``failed{cause}`` requests that a worker
+took and that still ended in an error.
+"""
 
 from __future__ import annotations
 
 import bisect
+import collections
 from dataclasses import dataclass, field
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -34,3 +41,35 @@ class Histogram:
         lines.append(f"{name}_sum{{{labels}}} {self.total}" if labels else f"{name}_sum {self.total}")
         lines.append(f"{name}_count{{{labels}}} {self.n}" if labels else f"{name}_count {self.n}")
         return "\n".join(lines) + "\n"
+
+
+@dataclass
+class RouterCounters:
+    routed: dict[str, int] = field(default_factory=lambda: {"prfaas": 0, "pd": 0})
+    redispatched: int = 0  # a prefill leg failed before anything streamed; routed again
+    spilled: int = 0  # the rule's cluster had no usable prefill worker
+    probes: int = 0
+    rejected: collections.Counter = field(default_factory=collections.Counter)
+    failed: collections.Counter = field(default_factory=collections.Counter)
+    ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
+    tbt: Histogram = field(default_factory=Histogram)  # streamed requests: gaps between chunks
+    e2e: Histogram = field(default_factory=Histogram)  # every successful request
+    queue_wait: Histogram = field(default_factory=Histogram)  # waiting in the router for decode room
+
+    def render(self, gauges: list[tuple[str, str, float]]) -> str:
+        """Prometheus text: ``gauges`` as (name, labels, value), then every counter and histogram."""
+        rows = [(n, "gauge", labels, v) for n, labels, v in gauges]
+        rows += [("prfaas_router_routed_total", "counter", f'{{cluster="{c}"}}', n) for c, n in self.routed.items()]
+        rows += [("prfaas_router_redispatched_total", "counter", "", self.redispatched),
+                 ("prfaas_router_spilled_total", "counter", "", self.spilled),
+                 ("prfaas_router_probes_total", "counter", "", self.probes)]
+        rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.rejected.items())]
+        rows += [("prfaas_router_failed_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.failed.items())]
+        text, typed = [], set()
+        for name, kind, labels, value in rows:
+            if name not in typed:
+                text.append(f"# TYPE {name} {kind}\n")
+                typed.add(name)
+            text.append(f"{name}{labels} {value}\n")
+        return ("".join(text) + self.ttft.render("prfaas_router_ttft_seconds") + self.tbt.render("prfaas_router_tbt_seconds")
+                + self.e2e.render("prfaas_router_request_seconds") + self.queue_wait.render("prfaas_router_queue_wait_seconds"))

@@ -1,8 +1,9 @@
 """Where a request prefills and decodes: the paper's routing rule (section 3.4.3), pure.
 
-Inputs are snapshots (no clocks, no sockets): the prompt length, the KV
-index's answer, each worker's state, the threshold, the bandwidth mode, the
-link and the cost profiles. The output is a :class:`RouteDecision`.
+Inputs are a :class:`RouteInput` (the prompt's length, the KV it will hold on a
+decode worker, the KV index's answer) and a :class:`ClusterSnapshot` (each
+worker's state, the threshold, the bandwidth mode, the link, the cost
+profiles); no clocks, no sockets. The output is a :class:`RouteDecision`::
 
     l = l_total - l_cached                                   incremental length
     bandwidth scarce:   each cluster's cache judged alone:
@@ -10,15 +11,24 @@ link and the cost profiles. The output is a :class:`RouteDecision`.
     bandwidth abundant: l_prefix = max(l_prfaas, l_pd):
                         l_total - l_prefix <= t -> PD-P, else PrfaaS;
                         if the longer cache sits in the other cluster, move it
-                        across when the transfer is cheaper than recomputing
-                        the extra tokens (cost model below), else recompute.
+                        across when the transfer is cheaper than recomputing.
+                        Only where the snapshot says a cache transfer can run
+                        (``transfer_supported``); otherwise each cluster's
+                        cache is judged alone, as in scarce mode, and the
+                        reason says so: nothing is credited that nobody moves.
+    probe:              with ``probe_budget_bytes`` set (the threshold
+                        controller asks to re-measure a constrained link), a
+                        request bound for PD-P whose KV fits the budget goes
+                        to PrfaaS instead, once.
 
 Within the chosen cluster the prefill worker with the lowest estimated TTFT
-wins: ``queue_s + T_prefill(l_total - cached_on_that_worker) + transfer``
-(Mooncake's TTFT estimate). Decode: the healthy decode worker with the most
-KV headroom, then the fewest running requests. When the chosen cluster has
-no healthy prefill worker the request falls back to the other one (the
-reason says so); with none anywhere, :class:`NoHealthyWorker`.
+wins: ``queue_s + T_prefill(l_total - cached_on_that_worker)``, plus, for
+PrfaaS, shipping ``S_kv(l_total)`` over the link. When the chosen cluster has
+no usable prefill worker the request *spills* to the other one (the reason
+says so); with none anywhere, :class:`NoHealthyWorker`. Decode: among usable
+decode workers whose free KV holds ``decode_tokens``, the most free KV, then
+the fewest running; when none has room, :class:`NoDecodeRoom` (the caller
+waits or rejects; a decode leg is never sent where it cannot fit).
 """
 
 from __future__ import annotations
@@ -34,9 +44,13 @@ PRFAAS, PD = "prfaas", "pd"
 
 
 class NoHealthyWorker(PrfaasError):
-    """No worker can take this request (all unhealthy, draining or full)."""
+    """No worker can take this request (all unhealthy or draining)."""
 
     exit_code = 1
+
+
+class NoDecodeRoom(NoHealthyWorker):
+    """Decode workers are up, but none has KV room for this request now."""
 
 
 class BandwidthMode(str, enum.Enum):
@@ -51,9 +65,9 @@ class WorkerState:
     role: str  # "prefill" | "decode"
     healthy: bool = True
     draining: bool = False
-    queue_s: float = 0.0  # estimated prefill work queued ahead, seconds
+    queue_s: float = 0.0  # outstanding prefill work, the engines' seconds
     running: int = 0
-    kv_free_tokens: int | None = None  # decode: room for more KV (None: unknown)
+    kv_free_tokens: int | None = None  # decode: KV room now (None: not reported yet)
 
     @property
     def usable(self) -> bool:
@@ -62,7 +76,7 @@ class WorkerState:
 
 @dataclass(frozen=True)
 class Link:
-    """The PrfaaS -> PD link as telemetry sees it now."""
+    """The PrfaaS -> PD link as the router sees it now."""
 
     capacity_bps: float
     used_bps: float = 0.0
@@ -83,90 +97,116 @@ class CacheTransfer:
 
 
 @dataclass(frozen=True)
+class RouteInput:
+    total_tokens: int  # prompt length
+    decode_tokens: int  # KV the request may hold on its decode worker (prompt + max new tokens)
+    by_worker: Mapping[str, int]  # reusable prefix per worker (the KV index)
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    workers: Sequence[WorkerState]
+    threshold_tokens: float
+    mode: BandwidthMode
+    prefill_cost: Mapping[str, PrefillProfile]  # cluster -> T_prefill / S_kv in observed units
+    link: Link
+    kv_bytes: Callable[[float], float]  # bytes on the wire for a request of N tokens
+    transfer_supported: bool = False  # can an engine move a cache across clusters?
+    probe_budget_bytes: float | None = None
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     prefill: str
     decode: str
     cluster: str
-    cached_tokens: int
+    cached_tokens: int  # reusable on the chosen prefill worker (plus a transfer's, when one runs)
     uncached_tokens: int
     estimated_ttft_s: float
+    estimated_prefill_s: float  # T_prefill(uncached) alone: the work the prefill worker gets
     transfer: CacheTransfer | None
+    probe: bool
     reason: str
 
 
-def transfer_s(kv_bytes: float, link: Link) -> float | None:
-    """Seconds to move ``kv_bytes`` over the link's spare capacity (None: no spare capacity)."""
-    if link.spare_bps <= 0:
+def transfer_s(kv_bytes: float, link: Link, spare_only: bool = True) -> float | None:
+    """Seconds to move ``kv_bytes`` over the link (its spare capacity by default); None: no capacity."""
+    rate = link.spare_bps if spare_only else link.capacity_bps
+    if rate <= 0:
         return None
-    return link.rtt_s + 8.0 * kv_bytes / link.spare_bps
+    return link.rtt_s + 8.0 * kv_bytes / rate
 
 
-def choose_cluster(total_tokens: int, by_cluster: Mapping[str, int], threshold_tokens: float, mode: BandwidthMode) -> tuple[str, int, str]:
+def choose_cluster(total_tokens: int, by_cluster: Mapping[str, int], threshold_tokens: float, mode: BandwidthMode,
+                   transfer_supported: bool) -> tuple[str, int, str]:
     """(cluster, prefix length the rule credits, reason) by the paper's rule."""
     l_pd, l_prfaas = by_cluster.get(PD, 0), by_cluster.get(PRFAAS, 0)
-    if mode is BandwidthMode.SCARCE:
+    if mode is BandwidthMode.SCARCE or not transfer_supported:
+        note = "" if mode is BandwidthMode.SCARCE else " (abundant mode, but no engine can move a cache: judged per cluster)"
         if total_tokens - l_pd <= threshold_tokens:
-            return PD, l_pd, f"uncached on PD {total_tokens - l_pd} <= t {threshold_tokens:g}"
-        return PRFAAS, l_prfaas, f"uncached on PD {total_tokens - l_pd} > t {threshold_tokens:g}"
+            return PD, l_pd, f"uncached on PD {total_tokens - l_pd} <= t {threshold_tokens:g}{note}"
+        return PRFAAS, l_prfaas, f"uncached on PD {total_tokens - l_pd} > t {threshold_tokens:g}{note}"
     prefix = max(l_pd, l_prfaas)
     cluster = PD if total_tokens - prefix <= threshold_tokens else PRFAAS
     op = "<=" if cluster == PD else ">"
     return cluster, prefix, f"uncached after the best cache {total_tokens - prefix} {op} t {threshold_tokens:g}"
 
 
-def route(
-    total_tokens: int,
-    by_worker: Mapping[str, int],
-    workers: Sequence[WorkerState],
-    threshold_tokens: float,
-    mode: BandwidthMode,
-    prefill_cost: Mapping[str, PrefillProfile],
-    link: Link,
-    kv_bytes: Callable[[float], float],
-) -> RouteDecision:
+def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
     """Choose prefill worker, decode worker and any cross-cluster cache transfer. Pure."""
-    prefills = [w for w in workers if w.role == "prefill" and w.usable]
-    decodes = [w for w in workers if w.role == "decode" and w.usable]
+    total, by_worker = request.total_tokens, request.by_worker
+    prefills = [w for w in snap.workers if w.role == "prefill" and w.usable]
+    decodes = [w for w in snap.workers if w.role == "decode" and w.usable]
     if not prefills or not decodes:
-        missing = "prefill" if not prefills else "decode"
-        raise NoHealthyWorker(f"no healthy {missing} worker")
+        raise NoHealthyWorker(f"no healthy {'prefill' if not prefills else 'decode'} worker")
+    roomy = [w for w in decodes if w.kv_free_tokens is None or w.kv_free_tokens >= request.decode_tokens]
+    if not roomy:
+        raise NoDecodeRoom(f"no decode worker has KV room for {request.decode_tokens} tokens now")
+    cluster_of = {w.name: w.cluster for w in snap.workers}
     by_cluster: dict[str, int] = {}
-    cluster_of = {w.name: w.cluster for w in workers}
     for name, n in by_worker.items():
         c = cluster_of.get(name)
         if c is not None:
             by_cluster[c] = max(by_cluster.get(c, 0), n)
 
-    cluster, credited, reason = choose_cluster(total_tokens, by_cluster, threshold_tokens, mode)
+    cluster, credited, reason = choose_cluster(total, by_cluster, snap.threshold_tokens, snap.mode, snap.transfer_supported)
+    probe = False
+    if cluster == PD and snap.probe_budget_bytes is not None and any(w.cluster == PRFAAS for w in prefills):
+        if snap.kv_bytes(total) <= snap.probe_budget_bytes:
+            cluster, credited, probe = PRFAAS, by_cluster.get(PRFAAS, 0), True
+            reason = f"probe of the constrained link ({reason})"
     in_cluster = [w for w in prefills if w.cluster == cluster]
     if not in_cluster:
         other = PD if cluster == PRFAAS else PRFAAS
         in_cluster = [w for w in prefills if w.cluster == other]
-        reason = f"fallback to {other}: no healthy {cluster} prefill worker ({reason})"
-        cluster = other
+        reason = f"spill to {other}: no usable {cluster} prefill worker ({reason})"
+        cluster, probe = other, False
 
     transfer = None
     own_best = max((by_worker.get(w.name, 0) for w in in_cluster), default=0)
-    if mode is BandwidthMode.ABUNDANT and credited > own_best:
-        source = max((w for w in workers if w.cluster != cluster), key=lambda w: by_worker.get(w.name, 0), default=None)
-        moved = credited - own_best
-        cost = transfer_s(kv_bytes(credited), link)
-        profile = prefill_cost[cluster]
-        saved = profile.prefill_s(total_tokens - own_best) - profile.prefill_s(total_tokens - credited)
+    if snap.mode is BandwidthMode.ABUNDANT and snap.transfer_supported and credited > own_best:
+        source = max((w for w in snap.workers if w.cluster != cluster), key=lambda w: by_worker.get(w.name, 0), default=None)
+        cost = transfer_s(snap.kv_bytes(credited), snap.link)
+        profile = snap.prefill_cost[cluster]
+        saved = profile.prefill_s(total - own_best) - profile.prefill_s(total - credited)
         if source is not None and cost is not None and cost < saved:
             transfer = CacheTransfer(source.name, credited, cost)
-            reason += f"; move {moved} cached tokens from {source.name} ({cost:.3f} s < recompute {saved:.3f} s)"
+            reason += f"; move {credited - own_best} cached tokens from {source.name} ({cost:.3f} s < recompute {saved:.3f} s)"
         else:
             reason += "; recompute instead of moving the other cluster's cache"
 
+    profile = snap.prefill_cost[cluster]
+    ship_s = (transfer_s(snap.kv_bytes(total), snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0
+
+    def cached_on(w: WorkerState) -> int:
+        return credited if transfer else by_worker.get(w.name, 0)
+
     def ttft(w: WorkerState) -> float:
-        cached = credited if transfer else by_worker.get(w.name, 0)
-        return w.queue_s + prefill_cost[cluster].prefill_s(max(total_tokens - cached, 1)) + (transfer.estimated_s if transfer else 0.0)
+        return (w.queue_s + profile.prefill_s(max(total - cached_on(w), 1)) + ship_s
+                + (transfer.estimated_s if transfer else 0.0))
 
     prefill = min(in_cluster, key=lambda w: (ttft(w), w.name))
-    cached = credited if transfer else by_worker.get(prefill.name, 0)
-    roomy = [w for w in decodes if w.kv_free_tokens is None or w.kv_free_tokens >= total_tokens]
-    if not roomy:
-        raise NoHealthyWorker(f"no decode worker has KV room for {total_tokens} tokens")
+    cached = cached_on(prefill)
     decode = max(roomy, key=lambda w: (w.kv_free_tokens if w.kv_free_tokens is not None else 0, -w.running, w.name))
-    return RouteDecision(prefill.name, decode.name, cluster, cached, total_tokens - cached, ttft(prefill), transfer, reason)
+    return RouteDecision(prefill.name, decode.name, cluster, cached, total - cached, ttft(prefill),
+                         profile.prefill_s(max(total - cached, 1)), transfer, probe, reason)

@@ -1,80 +1,74 @@
-"""The PrfaaS router's HTTP front end (aiohttp): OpenAI-compatible + SGLang /generate.
+"""The PrfaaS router's HTTP front end (aiohttp): OpenAI-compatible + SGLang /generate (adapter).
 
-Per request: token ids (``input_ids``/``prompt`` ids; text is estimated with the
-word-level pseudo-tokenizer when no tokenizer is configured, see README) ->
-the KV index's prefix match -> :func:`policy.route` -> the same body plus
-``bootstrap_host/port/room`` POSTed to the chosen prefill worker and to the
+Per request (the decisions are :class:`~prfaas_sglang.router.service.RouterService`'s):
+parse and tokenize as SGLang would -> 400 now if no worker could take it ->
+decide a route; with no decode room, wait in the router (FIFO-ish, bounded by
+``admission_timeout_s`` and ``max_waiting``: 503 / 429 with Retry-After) ->
+the same body plus ``bootstrap_host/port/room`` POSTed to the prefill and the
 decode worker at once, as SGLang's PD routers do -> the decode response (or
-its SSE stream) back to the client, with an ``x-prfaas-route`` header.
+its SSE stream) back, with an ``x-prfaas-route`` header.
 
 Faults: when the prefill leg fails before anything was streamed, the decode
-leg is aborted (its connection closed, so the worker frees its KV region), the
+leg is aborted (its connection closed, so the worker frees its KV), the
 prefill worker is marked unhealthy and the request is routed again with a new
-bootstrap room; after that it fails with 502. No worker -> 503 + Retry-After.
+room (``redispatched``); after that it fails with 502. A stream that breaks
+after it started ends there (the client sees a truncated stream, never a
+second response).
+
+Background loops: health + facts (``/health``, ``/server_info``) every
+``health_interval_s``; load (``/v1/loads``) every ``load_interval_s``; the
+controller every ``control_interval_s``; KV events and link telemetry through
+one :class:`~prfaas_sglang.adapters.zmq.ZmqSubscriber`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import json
+import logging
 import random
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
-from prfaas_sglang.kvindex.index import KvIndex
-from prfaas_sglang.kvindex.subscriber import KvEventSubscriber
-from prfaas_sglang.plan.profiles import PrefillProfile
-from prfaas_sglang.protocol import BadRequest, parse_request
+from prfaas_sglang.adapters.zmq import ZmqSubscriber
+from prfaas_sglang.kvindex.feed import kv_event_handler
+from prfaas_sglang.protocol import BadRequest, EngineRequest, parse_request
 from prfaas_sglang.router.admin import add_admin_routes
-from prfaas_sglang.router.metrics import Histogram
-from prfaas_sglang.router.policy import BandwidthMode, Link, NoHealthyWorker, RouteDecision, route
-from prfaas_sglang.router.telemetry import TelemetryConsumer
-from prfaas_sglang.router.threshold import ThresholdController
-from prfaas_sglang.router.workers import WorkerRecord
+from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision
+from prfaas_sglang.router.service import Lease, RouterService
+from prfaas_sglang.router.workers import (
+    FactsError,
+    WorkerRecord,
+    check_facts,
+    parse_loads,
+    parse_server_info,
+)
+from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
+from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
 
+logger = logging.getLogger(__name__)
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+LONG_TEXT_CHARS = 20_000  # tokenize longer prompts off the event loop
+
+SERVICE_KEY = web.AppKey("service", RouterService)
+SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
+SUB_KEY = web.AppKey("subscriber", ZmqSubscriber)
+ROOM_KEY = web.AppKey("room", asyncio.Condition)
+_ids = itertools.count()
+_rng = random.Random()
 
 
 class PrefillFailed(Exception):
-    """The prefill leg failed; ``retryable`` when nothing reached the client yet."""
+    """The prefill leg failed before anything reached the client."""
 
 
-@dataclass
-class RouterState:
-    workers: dict[str, WorkerRecord]
-    index: KvIndex
-    controller: ThresholdController
-    prefill_cost: dict[str, PrefillProfile]
-    kv_bytes: object  # Callable[[float], float]
-    link: Link
-    mode: BandwidthMode = BandwidthMode.SCARCE
-    page_size: int = 512
-    phase_timeout_s: float = 600.0
-    health_interval_s: float = 2.0
-    model_name: str = "prfaas"
-    served_models: frozenset[str] = frozenset()  # empty: accept any model name
-    routed: dict[str, int] = field(default_factory=lambda: {"prfaas": 0, "pd": 0})
-    fallbacks: int = 0
-    rejections: int = 0
-    failed: int = 0
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50))
-    rng: random.Random = field(default_factory=random.Random)
-    max_ttft_s: float | None = None  # early rejection: refuse when the best route's estimate exceeds it
-    ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
-    tbt: Histogram = field(default_factory=Histogram)  # streamed requests: gaps between chunks
-    e2e: Histogram = field(default_factory=Histogram)  # every successful request
-
-
-STATE_KEY = web.AppKey("state", RouterState)
-SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
-SUB_KEY = web.AppKey("subscriber", KvEventSubscriber)
-TELEMETRY_KEY = web.AppKey("telemetry", TelemetryConsumer)
-_ids = itertools.count()
+class Rejected(Exception):
+    def __init__(self, status: int, cause: str, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status, self.cause, self.message, self.retry_after_s = status, cause, message, retry_after_s
 
 
 def _error(status: int, message: str, retry_after_s: int | None = None) -> web.Response:
@@ -82,23 +76,106 @@ def _error(status: int, message: str, retry_after_s: int | None = None) -> web.R
     return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
 
 
-def decide(state: RouterState, token_ids: tuple[int, ...], exclude: set[str]) -> RouteDecision:
-    match = state.index.match(token_ids, block_size=state.page_size)
-    snapshots = [w.snapshot() for w in state.workers.values() if w.name not in exclude]
-    return route(len(token_ids), match.by_worker, snapshots, state.controller.threshold_tokens, state.mode,
-                 state.prefill_cost, state.link, state.kv_bytes)
+async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, dict]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest(400, "request body is not valid JSON") from None
+    rid = f"prfaas-{next(_ids)}"
+    created = int(time.time())
+    text = json.dumps(body.get("messages") or body.get("text") or body.get("prompt") or "") if isinstance(body, dict) else ""
+    if service.tokenizer is not None and len(text) > LONG_TEXT_CHARS:
+        req = await asyncio.to_thread(parse_request, kind, body, rid, created, service.tokenizer)
+    else:
+        req = parse_request(kind, body, rid, created, service.tokenizer)
+    if req.bootstrap is not None:
+        raise BadRequest(400, "bootstrap_host/bootstrap_port/bootstrap_room are set by the router; remove them")
+    service.check_model(req.model)
+    service.check_fits(req)
+    return req, body
 
 
-async def _post_json(session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> tuple[int, bytes]:
-    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        return resp.status, await resp.read()
+async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> RouteDecision:
+    """A route, waiting for decode room when that is all that is missing."""
+    service, room = app[SERVICE_KEY], app[ROOM_KEY]
+    cfg = service.config
+    deadline = time.monotonic() + cfg.admission_timeout_s
+    waited_since = None
+    try:
+        while True:
+            try:
+                decision = service.decide(req, tried, time.monotonic())
+                break
+            except NoDecodeRoom as err:
+                if waited_since is None:
+                    if service.waiting >= cfg.max_waiting:
+                        raise Rejected(429, "queue_full", f"{service.waiting} requests already wait for decode room",
+                                       retry_after_s=2) from None
+                    waited_since = time.monotonic()
+                    service.waiting += 1
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Rejected(503, "no_decode_room", f"{err} (waited {cfg.admission_timeout_s:g} s)",
+                                   retry_after_s=max(1, int(cfg.admission_timeout_s / 4))) from None
+                async with room:
+                    try:
+                        await asyncio.wait_for(room.wait(), min(remaining, 1.0))
+                    except asyncio.TimeoutError:
+                        pass
+            except NoHealthyWorker as err:
+                raise Rejected(503, "no_worker", str(err), retry_after_s=2) from None
+    finally:
+        if waited_since is not None:
+            service.waiting -= 1
+            service.counters.queue_wait.observe(time.monotonic() - waited_since)
+    if cfg.max_ttft_s is not None and decision.estimated_ttft_s > cfg.max_ttft_s:
+        raise Rejected(503, "ttft_estimate", f"overloaded: estimated TTFT {decision.estimated_ttft_s:.1f} s exceeds "
+                                             f"{cfg.max_ttft_s:g} s",
+                       retry_after_s=max(1, int(decision.estimated_ttft_s - cfg.max_ttft_s) + 1))
+    return decision
+
+
+async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
+    service = request.app[SERVICE_KEY]
+    try:
+        req, body = await _parse(request, service, kind)
+    except BadRequest as err:
+        service.counters.rejected["bad_request" if err.status != 404 else "unknown_model"] += 1
+        return _error(err.status, err.message)
+    tried: set[str] = set()
+    last_error = ""
+    for attempt in range(2):
+        try:
+            decision = await _decide(request.app, req, tried)
+        except Rejected as err:
+            service.counters.rejected[err.cause] += 1
+            return _error(err.status, err.message, err.retry_after_s)
+        lease = service.begin(req, decision, time.monotonic(), attempt)
+        try:
+            return await _run_legs(request, service, req, body, lease)
+        except PrefillFailed as err:
+            prefill = service.workers.get(decision.prefill)
+            if prefill is not None:
+                prefill.healthy = False
+                prefill.failures += 1
+            tried.add(decision.prefill)
+            service.counters.redispatched += 1
+            last_error = str(err)
+        finally:
+            service.finish(lease)
+            async with request.app[ROOM_KEY]:
+                request.app[ROOM_KEY].notify_all()
+    service.counters.failed["prefill"] += 1
+    return _error(502, f"request failed after re-dispatch: {last_error}")
 
 
 async def _prefill_leg(session, prefill: WorkerRecord, path: str, body: dict, timeout_s: float) -> tuple[int, bytes]:
     """The prefill worker's (status, body). A worker fault (unreachable, 5xx) raises PrefillFailed;
-    a client error (4xx, e.g. a prompt beyond the context) is returned for the client to see."""
+    a client error (4xx) is returned for the client to see."""
     try:
-        status, payload = await _post_json(session, prefill.url + path, {**body, "stream": False}, timeout_s)
+        async with session.post(prefill.url + path, json={**body, "stream": False},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            status, payload = resp.status, await resp.read()
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise PrefillFailed(f"prefill worker {prefill.name} unreachable: {err or type(err).__name__}") from None
     if status >= 500:
@@ -106,64 +183,25 @@ async def _prefill_leg(session, prefill: WorkerRecord, path: str, body: dict, ti
     return status, payload
 
 
-async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
-    state, session = request.app[STATE_KEY], request.app[SESSION_KEY]
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _error(400, "request body is not valid JSON")
-    try:
-        req = parse_request(kind, body, f"prfaas-{next(_ids)}")
-    except BadRequest as err:
-        return _error(err.status, err.message)
-    if req.bootstrap is not None:
-        return _error(400, "bootstrap_host/bootstrap_port/bootstrap_room are set by the router; remove them")
-    if state.served_models and req.model is not None and req.model not in state.served_models:
-        return _error(404, f"model {req.model!r} not found (served: {', '.join(sorted(state.served_models))})")
-    tried: set[str] = set()
-    for attempt in range(2):
-        try:
-            decision = decide(state, req.input_ids, tried)
-        except NoHealthyWorker as err:
-            state.rejections += 1
-            return _error(503, str(err), retry_after_s=2)
-        if state.max_ttft_s is not None and decision.estimated_ttft_s > state.max_ttft_s:
-            state.rejections += 1
-            return _error(503, f"overloaded: estimated TTFT {decision.estimated_ttft_s:.1f} s exceeds {state.max_ttft_s:g} s",
-                          retry_after_s=max(1, int(decision.estimated_ttft_s - state.max_ttft_s) + 1))
-        prefill = state.workers[decision.prefill]
-        out = {**body, "bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
-               "bootstrap_room": state.rng.getrandbits(63)}
-        state.routed[decision.cluster] += 1
-        state.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": prefill.name,
-                             "cached_tokens": decision.cached_tokens, "tokens": len(req.input_ids),
-                             "reason": decision.reason, "attempt": attempt})
-        try:
-            return await _run_legs(request, state, session, req, decision, out)
-        except PrefillFailed as err:
-            prefill.healthy = False
-            prefill.failures += 1
-            tried.add(prefill.name)
-            state.fallbacks += 1
-            last_error = str(err)
-    state.failed += 1
-    return _error(502, f"request failed after re-dispatch: {last_error}")
-
-
-async def _run_legs(request, state, session, req, decision: RouteDecision, out: dict) -> web.StreamResponse:
-    prefill, decode = state.workers[decision.prefill], state.workers[decision.decode]
+async def _run_legs(request: web.Request, service: RouterService, req: EngineRequest, body: dict,
+                    lease: Lease) -> web.StreamResponse:
+    decision = lease.decision
+    session = request.app[SESSION_KEY]
+    prefill, decode = service.workers[decision.prefill], service.workers[decision.decode]
+    out = {**body, "bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
+           "bootstrap_room": _rng.getrandbits(63)}
     path = PATHS[req.kind]
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid}
-    estimate = max(decision.estimated_ttft_s - prefill.queue_s, 0.0)
-    prefill.queue_s += estimate
-    decode.running += 1
+    timeout = service.config.phase_timeout_s
     started = time.perf_counter()
-    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, out, state.phase_timeout_s))
+    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, out, timeout))
+    prefill_task.add_done_callback(lambda _t: service.prefill_done(lease))
     # The decode worker answers (even its headers) only once the KV has arrived, so the
     # race between the two legs starts before the decode response exists.
-    decode_cm = session.post(decode.url + path, json=out, timeout=aiohttp.ClientTimeout(total=state.phase_timeout_s))
+    decode_cm = session.post(decode.url + path, json=out, timeout=aiohttp.ClientTimeout(total=timeout))
     decode_task = asyncio.create_task(decode_cm.__aenter__())
     resp = None
+    stream = None
     try:
         done, _ = await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task in done:
@@ -171,13 +209,16 @@ async def _run_legs(request, state, session, req, decision: RouteDecision, out: 
                 raise prefill_task.exception()  # nothing streamed yet: the caller re-dispatches
             status, payload = prefill_task.result()
             if status != 200:  # a client error: relay it, the decode leg is aborted in finally
+                service.counters.rejected["worker_4xx"] += 1
                 return web.Response(body=payload, status=status, headers=headers, content_type="application/json")
         resp = await decode_task
         if not req.stream or resp.status != 200:
             payload = await resp.read()
             if resp.status == 200:
                 await prefill_task
-                state.e2e.observe(time.perf_counter() - started)
+                service.counters.e2e.observe(time.perf_counter() - started)
+            else:
+                service.counters.failed[f"decode_{resp.status}"] += 1
             return web.Response(body=payload, status=resp.status, headers=headers, content_type="application/json")
         stream = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
@@ -185,95 +226,131 @@ async def _run_legs(request, state, session, req, decision: RouteDecision, out: 
         async for data in resp.content.iter_any():
             now = time.perf_counter()
             if last is None:
-                state.ttft.observe(now - started)
+                service.counters.ttft.observe(now - started)
             else:
-                state.tbt.observe(now - last)
+                service.counters.tbt.observe(now - last)
             last = now
             await stream.write(data)
         await stream.write_eof()
-        state.e2e.observe(time.perf_counter() - started)
+        service.counters.e2e.observe(time.perf_counter() - started)
         return stream
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        if prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is not None:
+        if prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is not None and stream is None:
             raise prefill_task.exception() from None
-        state.failed += 1
+        service.counters.failed["decode"] += 1
+        if stream is not None:  # the client already has a 200 and part of a stream: end it, do not answer twice
+            return stream
         return _error(502, f"decode worker {decode.name} failed: {err or type(err).__name__}")
     finally:
-        prefill.queue_s = max(prefill.queue_s - estimate, 0.0)
-        decode.running -= 1
         for task in (decode_task, prefill_task):
             if not task.done():
-                task.cancel()  # closing the decode connection makes the worker free its KV region
+                task.cancel()  # closing the decode connection makes the worker free its KV
         await asyncio.gather(decode_task, prefill_task, return_exceptions=True)
         if resp is not None:
             resp.release()
 
 
+# --- background loops ----------------------------------------------------------------------
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 2.0):
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        if resp.status != 200:
+            raise FactsError(f"{url} answered {resp.status}")
+        return await resp.json(content_type=None)
+
+
+def adopt_facts(service: RouterService, worker: WorkerRecord, info, sub: ZmqSubscriber | None) -> str | None:
+    """Parse and check a worker's /server_info; on success start its event feed. Returns why it was refused."""
+    try:
+        facts = parse_server_info(info)
+    except FactsError as err:
+        worker.refused = f"{worker.name}: bad /server_info: {err}"
+        return worker.refused
+    problem = check_facts(worker, facts, list(service.workers.values()), service.runtime.emulation)
+    worker.refused = problem
+    if problem is None:
+        worker.facts = facts
+        if facts.served_model_name and service.served_name is None:
+            service.served_name = facts.served_model_name
+        if sub is not None:
+            _watch_worker(service, worker, sub)
+    return problem
+
+
+def _watch_worker(service: RouterService, worker: WorkerRecord, sub: ZmqSubscriber) -> None:
+    url = worker.kv_events_url
+    if url is not None and f"kv:{worker.name}" not in sub.sources():
+        block = worker.facts.kv_events.block_size if worker.facts and worker.facts.kv_events else worker.facts.page_size
+        service.index.add_worker(worker.name, worker.cluster, block)
+        topic = (worker.kv_events_topic if worker.kv_events_topic is not None else KV_EVENTS_TOPIC).encode()
+        sub.watch(f"kv:{worker.name}", url, topic, kv_event_handler(service.index, worker.name))
+    if worker.telemetry_endpoint and worker.cluster == "prfaas" and f"link:{worker.name}" not in sub.sources():
+        def on_sample(frames, name=worker.name):
+            service.link.update(name, LinkSample.decode(frames[-1]), time.monotonic())
+
+        sub.watch(f"link:{worker.name}", worker.telemetry_endpoint, TELEMETRY_TOPIC, on_sample)
+
+
 async def _health_loop(app: web.Application) -> None:
-    state, session = app[STATE_KEY], app[SESSION_KEY]
+    service, session, sub = app[SERVICE_KEY], app[SESSION_KEY], app[SUB_KEY]
     while True:
-        for worker in state.workers.values():
+        for worker in list(service.workers.values()):
             try:
                 async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                    worker.healthy = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                    healthy = resp.status == 200
+                if healthy and worker.facts is None:
+                    problem = adopt_facts(service, worker, await _get_json(session, worker.url + "/server_info"), sub)
+                    if problem:
+                        logger.error("refusing worker %s: %s", worker.name, problem)
+                worker.healthy = healthy
+            except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
                 worker.healthy = False
-        await asyncio.sleep(state.health_interval_s)
+        await asyncio.sleep(service.config.health_interval_s)
 
 
-def _status(state: RouterState) -> dict:
-    return {
-        "threshold_tokens": state.controller.threshold_tokens,
-        "bandwidth_mode": state.mode.value,
-        "routed": state.routed,
-        "fallbacks": state.fallbacks,
-        "rejections": state.rejections,
-        "failed": state.failed,
-        "workers": {w.name: {"cluster": w.cluster, "role": w.role, "healthy": w.healthy, "queue_s": w.queue_s,
-                             "running": w.running, "index_blocks": state.index.block_count(w.name)
-                             if w.name in state.index.workers() else None} for w in state.workers.values()},
-        "recent": list(state.recent)[-10:],
-    }
+async def _load_loop(app: web.Application) -> None:
+    service, session, room = app[SERVICE_KEY], app[SESSION_KEY], app[ROOM_KEY]
+    while True:
+        for worker in list(service.workers.values()):
+            if not worker.healthy:
+                continue
+            try:
+                worker.load = parse_loads(await _get_json(session, worker.url + "/v1/loads", 1.0))
+            except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
+                worker.load = None
+        async with room:
+            room.notify_all()
+        await asyncio.sleep(service.config.load_interval_s)
 
 
-def _metrics(state: RouterState, telemetry: TelemetryConsumer | None = None) -> str:
-    routed = sum(state.routed.values())
-    rows = [("prfaas_router_threshold_tokens", "gauge", "", state.controller.threshold_tokens),
-            ("prfaas_router_offload_fraction", "gauge", "", state.routed.get("prfaas", 0) / routed if routed else 0.0)]
-    if telemetry is not None and telemetry.series:
-        last = telemetry.series[-1]
-        rows += [("prfaas_router_egress_utilization", "gauge", "", last["utilization"]),
-                 ("prfaas_router_egress_bps", "gauge", "", last["egress_bps"])]
-    rows += [("prfaas_router_routed_total", "counter", f'{{cluster="{c}"}}', n) for c, n in state.routed.items()]
-    rows += [("prfaas_router_fallbacks_total", "counter", "", state.fallbacks),
-             ("prfaas_router_rejections_total", "counter", "", state.rejections),
-             ("prfaas_router_failed_total", "counter", "", state.failed)]
-    rows += [("prfaas_router_worker_healthy", "gauge", f'{{worker="{w.name}"}}', int(w.healthy)) for w in state.workers.values()]
-    text = "".join(f"# TYPE {n} {k}\n{n}{labels} {v}\n" for n, k, labels, v in rows)
-    return (text + state.ttft.render("prfaas_router_ttft_seconds") + state.tbt.render("prfaas_router_tbt_seconds")
-            + state.e2e.render("prfaas_router_request_seconds"))
+async def _control_loop(app: web.Application) -> None:
+    service = app[SERVICE_KEY]
+    while True:
+        changed = service.control_tick(time.monotonic())
+        if changed is not None:
+            logger.info("threshold t -> %.0f tokens (%s)", changed, service.controller.history[-1][2])
+        await asyncio.sleep(service.config.control_interval_s)
 
 
-def build_app(state: RouterState) -> web.Application:
+def build_app(service: RouterService) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
-    app[STATE_KEY] = state
+    app[SERVICE_KEY] = service
 
     async def on_startup(app):
         app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
-        app[SUB_KEY] = KvEventSubscriber(state.index)
-        app[TELEMETRY_KEY] = TelemetryConsumer(state)
-        for w in state.workers.values():
-            if w.events_endpoint:
-                app[SUB_KEY].watch(w.name, w.cluster, w.events_endpoint)
-            if w.telemetry_endpoint and w.cluster == "prfaas":
-                app[TELEMETRY_KEY].watch(w.name, w.telemetry_endpoint)
-        app["health_task"] = asyncio.create_task(_health_loop(app))
+        app[SUB_KEY] = ZmqSubscriber()
+        app[ROOM_KEY] = asyncio.Condition()
+        for worker in service.workers.values():
+            if worker.facts is not None:
+                _watch_worker(service, worker, app[SUB_KEY])
+        app["tasks"] = [asyncio.create_task(loop(app), name=loop.__name__) for loop in (_health_loop, _load_loop, _control_loop)]
 
     async def on_cleanup(app):
-        app["health_task"].cancel()
-        await asyncio.gather(app["health_task"], return_exceptions=True)
+        for task in app["tasks"]:
+            task.cancel()
+        await asyncio.gather(*app["tasks"], return_exceptions=True)
         await app[SUB_KEY].close()
-        await app[TELEMETRY_KEY].close()
         await app[SESSION_KEY].close()
 
     app.on_startup.append(on_startup)
@@ -283,31 +360,30 @@ def build_app(state: RouterState) -> web.Application:
         return web.Response(text="OK")
 
     async def models(request):
-        names = sorted(state.served_models) or [state.model_name]
         return web.json_response({"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()),
-                                                              "owned_by": "prfaas-sglang"} for n in names]})
+                                                              "owned_by": "prfaas-sglang"} for n in service.model_names()]})
 
     async def status(request):
-        body = _status(state)
-        body["threshold_history"] = [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in state.controller.history]
-        body["telemetry"] = list(request.app[TELEMETRY_KEY].series)[-int(request.query.get("telemetry", "20")):]
+        now = time.monotonic()
+        body = service.status(now)
+        body["threshold_history"] = [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in service.controller.history]
+        body["subscriptions"] = request.app[SUB_KEY].stats(now)
         return web.json_response(body)
 
     async def metrics(request):
-        return web.Response(text=_metrics(state, request.app[TELEMETRY_KEY]), content_type="text/plain")
+        return web.Response(text=service.counters.render(service.metrics_gauges(time.monotonic())), content_type="text/plain")
 
     def on_register(app, record):
-        if record.events_endpoint:
-            app[SUB_KEY].watch(record.name, record.cluster, record.events_endpoint)
-        if record.telemetry_endpoint and record.cluster == "prfaas":
-            app[TELEMETRY_KEY].watch(record.name, record.telemetry_endpoint)
+        pass  # the health loop fetches its facts, then subscribes
 
     def on_deregister(app, name):
-        if name in state.index.workers():
-            app[SUB_KEY].unwatch(name)
-        app[TELEMETRY_KEY].unwatch(name)
+        app[SUB_KEY].unwatch(f"kv:{name}")
+        app[SUB_KEY].unwatch(f"link:{name}")
+        if name in service.index.workers():
+            service.index.remove_worker(name)
+        service.link.forget(name)
 
-    add_admin_routes(app, STATE_KEY, on_register, on_deregister)
+    add_admin_routes(app, SERVICE_KEY, on_register, on_deregister)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/status", status)

@@ -1,67 +1,289 @@
-"""Short-term threshold control (paper section 3.4.3), pure: time comes in as ``now_s``.
+"""Short-term control of the routing threshold ``t`` (paper section 3.4.3), pure: time comes in as ``now_s``.
 
-The router feeds link telemetry (PrfaaS egress utilisation) and PrfaaS queueing
-into :meth:`ThresholdController.observe`. When either stays above its high
-mark for ``raise_after_s``, the controller re-searches ``t`` with the planner
-on the recent incremental-length distribution, with the egress capacity the
-link actually shows, and raises ``t`` to at least ``raise_factor`` x its
-current value. When both stay below their low marks for ``lower_after_s``
-(hysteresis: the low marks sit below the high ones, and lowering waits
-longer than raising), ``t`` returns to the baseline (the planner's or the
-operator's t for a healthy link).
+``t`` is the planner's threshold for what the router *measures*, times a
+queue-balance bias::
+
+    t = clamp(model_t(capacity_est, workload_est) * bias, step, longest request)
+
+* ``model_t`` is the planner's balance, ``Theta_prfaas / p = Theta_pd_p / (1 - p)``
+  (and the bandwidth ceiling of equation (3)), searched by ``research`` on
+  ``capacity_est``, the link capacity telemetry shows, and on ``workload_est``,
+  the incremental lengths the router really routed (a sliding window, blended
+  with the prior while it is small; re-searched every ``research_every_s``).
+  With the operator's baseline set, ``model_t`` is that baseline on a healthy
+  link and never below it on a constrained one.
+* ``capacity_est`` starts at the nominal link. It drops to the measured
+  capacity when the link is busy (>= ``busy_high``) and delivers less than
+  ``drop_ratio`` of the estimate for ``confirm_s``; it rises when a measurement
+  exceeds ``rise_ratio`` of it for ``confirm_s`` (back to nominal once within
+  ``recovered_ratio`` of it). A capacity change re-searches ``model_t`` and
+  resets ``bias`` to 1 (the queues it answered belonged to the old link).
+  Any other change of ``t`` smaller than ``min_relative_change`` is not made:
+  ``t`` settles.
+* ``bias`` (starts at 1) answers the queues: the outstanding prefill seconds per
+  PD-P and per PrfaaS instance. When PD-P backs up (>= ``queue_high_s``, and
+  ``imbalance`` times PrfaaS's) while the link has headroom, ``bias`` steps down
+  by ``step_factor`` (more offload); when PrfaaS backs up likewise, it steps up.
+  At most one step per ``adjust_every_s``; after ``idle_decay_s`` with both
+  queues empty it steps back toward 1. On a constrained link the bias is at
+  least 1: the bandwidth-bound ``model_t`` is a floor.
+* While the link is constrained and nothing crosses it, capacity is re-probed
+  with a bounded trickle: ``probe_due`` allows one offloaded request per
+  ``probe_interval_s`` whose KV fits in half that interval at ``capacity_est``.
+
+Queue marks are model seconds; ``time_scale`` (1 / an emulated engine's
+speedup) converts them to the engines' seconds, the unit of the queue signal.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from prfaas_sglang.plan.workload import BlendedWorkload, Workload
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    time_scale: float = 1.0
+    busy_high: float = 0.9
+    drop_ratio: float = 0.7
+    rise_ratio: float = 1.4
+    recovered_ratio: float = 0.7  # = drop_ratio: one band; a single transfer rarely shows the full nominal rate
+    confirm_s: float = 0.5
+    queue_high_s: float = 10.0  # model seconds of outstanding prefill per instance: a few long prompts waiting
+    queue_low_s: float = 1.0
+    imbalance: float = 2.0
+    adjust_every_s: float = 1.0
+    step_factor: float = 1.25
+    min_bias: float = 1 / 16
+    max_bias: float = 16.0
+    idle_decay_s: float = 30.0
+    research_every_s: float = 10.0
+    min_relative_change: float = 0.1
+    window_requests: int = 1000
+    window_s: float = 600.0
+    prior_weight: float = 100.0
+    probe_interval_s: float = 2.0
+
+    def __post_init__(self):
+        if not 0 < self.drop_ratio < 1 < self.rise_ratio or not 0 < self.recovered_ratio <= 1:
+            raise ValueError("need 0 < drop_ratio < 1 < rise_ratio and 0 < recovered_ratio <= 1")
+        if not 0 < self.queue_low_s < self.queue_high_s or self.step_factor <= 1 or self.time_scale <= 0:
+            raise ValueError("need 0 < queue_low_s < queue_high_s, step_factor > 1, time_scale > 0")
+
+
+@dataclass(frozen=True)
+class LinkView:
+    """The PrfaaS -> PD link now, aggregated over the PrfaaS workers' telemetry."""
+
+    capacity_bps: float | None  # delivered while busy; None: not measured in the window
+    busy_fraction: float
+    egress_bps: float = 0.0
+    offered_bps: float = 0.0
+    backlog_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """Outstanding prefill work per instance, in engine seconds (released when a prefill leg ends)."""
+
+    prfaas_s: float
+    pd_s: float
 
 
 @dataclass
 class ThresholdController:
-    baseline_tokens: float  # the planner's t for a healthy link
-    research: Callable[[float], float]  # egress capacity (bits/s) -> planner's t for it
-    max_tokens: float  # never route less than this would (the workload's longest request)
-    high_utilization: float = 0.9
-    low_utilization: float = 0.6
-    high_queue_s: float = 2.0
-    low_queue_s: float = 0.5
-    raise_after_s: float = 0.5
-    lower_after_s: float = 5.0
-    raise_factor: float = 1.25
+    research: Callable[[float, Workload], float]  # (capacity bits/s, workload) -> the planner's t
+    prior: Workload
+    nominal_bps: float
+    step_tokens: float
+    operator_baseline_tokens: float | None = None
+    settings: ControllerSettings = field(default_factory=ControllerSettings)
+
     threshold_tokens: float = field(init=False)
-    _over_since: float | None = field(default=None, init=False)
-    _under_since: float | None = field(default=None, init=False)
-    history: list[tuple[float, float, str]] = field(default_factory=list, init=False)
+    capacity_est_bps: float = field(init=False)
+    bias: float = field(init=False, default=1.0)
+    override_tokens: float | None = field(init=False, default=None)
+    history: collections.deque = field(init=False)
 
     def __post_init__(self):
-        if not 0 < self.low_utilization < self.high_utilization:
-            raise ValueError("need 0 < low_utilization < high_utilization")
-        self.threshold_tokens = self.baseline_tokens
+        if not self.nominal_bps > 0 or not self.step_tokens > 0:
+            raise ValueError("nominal_bps and step_tokens must be > 0")
+        self.capacity_est_bps = self.nominal_bps
+        self.history = collections.deque(maxlen=1000)
+        self._lengths: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.settings.window_requests)
+        self._workload: Workload = self.prior
+        self._capacity_reason = ""
+        self._drop_since: float | None = None
+        self._rise_since: float | None = None
+        self._last_adjust_s = -math.inf
+        self._idle_since: float | None = None
+        self._last_research_s = -math.inf
+        self._last_progress_s = -math.inf
+        self._last_probe_s = -math.inf
+        self._model_cache: dict[tuple[float, int], float] = {}
+        self._workload_version = 0
+        self._model_t = self._model(self.capacity_est_bps)
+        self.threshold_tokens = self._target(self._model_t)
+        self.baseline_tokens = self.threshold_tokens
 
-    def observe(self, now_s: float, egress_utilization: float, capacity_bps: float, prfaas_queue_s: float) -> float | None:
-        """Feed one telemetry sample; returns the new threshold when it changes, else None."""
-        over = egress_utilization >= self.high_utilization or prfaas_queue_s >= self.high_queue_s
-        under = egress_utilization <= self.low_utilization and prfaas_queue_s <= self.low_queue_s
-        self._over_since = (self._over_since if self._over_since is not None else now_s) if over else None
-        self._under_since = (self._under_since if self._under_since is not None else now_s) if under else None
+    # --- inputs ------------------------------------------------------------------------
 
-        if over and now_s - self._over_since >= self.raise_after_s:
-            searched = self.research(capacity_bps)
-            new = min(max(searched, self.threshold_tokens * self.raise_factor), self.max_tokens)
-            self._over_since = now_s  # the next raise needs another full window of overload
-            return self._set(now_s, new, f"raise: utilization {egress_utilization:.2f}, queue {prfaas_queue_s:.2f} s")
-        if under and self.threshold_tokens > self.baseline_tokens and now_s - self._under_since >= self.lower_after_s:
-            # Back to the baseline: with little offloaded the link cannot show its capacity,
-            # and if it is still short the next saturation raises t again within raise_after_s.
-            new = self.baseline_tokens
-            self._under_since = now_s
-            return self._set(now_s, new, f"lower: utilization {egress_utilization:.2f}, queue {prfaas_queue_s:.2f} s")
-        return None
+    def record(self, now_s: float, uncached_tokens: int) -> None:
+        """One routed request's incremental length (feeds ``workload_est``)."""
+        self._lengths.append((now_s, uncached_tokens))
+
+    def observe(self, now_s: float, link: LinkView | None, queues: QueueView) -> float | None:
+        """Feed one sample; returns the new ``t`` when it changed, else None."""
+        s = self.settings
+        reasons = []
+        if link is not None and link.egress_bps > 0:
+            self._last_progress_s = now_s
+        capacity_changed = False
+        if link is not None and link.capacity_bps is not None:
+            capacity_changed = bool(self._update_capacity(now_s, link))
+            if capacity_changed:
+                reasons.append(self._capacity_reason)
+                self.bias, self._last_adjust_s, self._idle_since = 1.0, now_s, None
+        if now_s - self._last_research_s >= s.research_every_s:
+            self._last_research_s = now_s
+            if self._refresh_workload(now_s):
+                reasons.append("workload window")
+        reasons += self._update_bias(now_s, link, queues)
+        model_t = self._model(self.capacity_est_bps)
+        target = self._target(model_t)
+        self._model_t = model_t
+        self.baseline_tokens = self._target(self._model(self.nominal_bps), 1.0)
+        if self.override_tokens is not None or not reasons:
+            return None
+        current = self.threshold_tokens
+        if abs(target - current) < s.min_relative_change * current and not capacity_changed:
+            return None
+        why = "; ".join(reasons)
+        return self._set(now_s, target, f"{'raise' if target > current else 'lower'}: {why}")
+
+    # --- probing -----------------------------------------------------------------------
+
+    @property
+    def constrained(self) -> bool:
+        return self.capacity_est_bps < self.settings.recovered_ratio * self.nominal_bps
+
+    def probe_budget_bytes(self, now_s: float) -> float | None:
+        """KV bytes one probe may carry now, or None when no probe is due."""
+        s = self.settings
+        if not self.constrained or self.override_tokens is not None:
+            return None
+        if now_s - self._last_probe_s < s.probe_interval_s or now_s - self._last_progress_s < s.probe_interval_s:
+            return None
+        return 0.5 * s.probe_interval_s * self.capacity_est_bps / 8.0
+
+    def note_probe(self, now_s: float) -> None:
+        self._last_probe_s = now_s
+
+    # --- admin -------------------------------------------------------------------------
 
     def override(self, now_s: float, tokens: float | None) -> float:
-        """Admin override; ``None`` returns to the baseline."""
-        return self._set(now_s, self.baseline_tokens if tokens is None else tokens, "override") or self.threshold_tokens
+        """Fix ``t`` (admin); ``None`` hands control back to the controller."""
+        self.override_tokens = tokens
+        target = tokens if tokens is not None else self._target(self._model_t)
+        self._set(now_s, target, "override" if tokens is not None else "override cleared")
+        return self.threshold_tokens
+
+    def describe(self) -> dict:
+        return {"threshold_tokens": self.threshold_tokens, "baseline_tokens": self.baseline_tokens,
+                "model_threshold_tokens": self._model_t, "bias": self.bias,
+                "capacity_est_bps": self.capacity_est_bps, "nominal_bps": self.nominal_bps,
+                "constrained": self.constrained, "override_tokens": self.override_tokens,
+                "window_requests": len(self._lengths), "workload_mean_tokens": self._workload.mean_tokens}
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _update_capacity(self, now_s: float, link: LinkView) -> list[str]:
+        s, m, est = self.settings, link.capacity_bps, self.capacity_est_bps
+        if m < s.drop_ratio * est and link.busy_fraction >= s.busy_high:
+            self._rise_since = None
+            self._drop_since = self._drop_since if self._drop_since is not None else now_s
+            if now_s - self._drop_since >= s.confirm_s:
+                self._drop_since = None
+                self.capacity_est_bps = max(m, 1e-3 * self.nominal_bps)
+                self._capacity_reason = f"link delivers {m / 1e6:.1f} Mbit/s while busy {link.busy_fraction:.2f}"
+                return [self._capacity_reason]
+            return []
+        self._drop_since = None
+        if m > s.rise_ratio * est:
+            self._rise_since = self._rise_since if self._rise_since is not None else now_s
+            if now_s - self._rise_since >= s.confirm_s:
+                self._rise_since = None
+                self.capacity_est_bps = self.nominal_bps if m >= s.recovered_ratio * self.nominal_bps else min(m, self.nominal_bps)
+                self._capacity_reason = f"link capacity back to {self.capacity_est_bps / 1e6:.1f} Mbit/s"
+                return [self._capacity_reason]
+            return []
+        self._rise_since = None
+        return []
+
+    def _refresh_workload(self, now_s: float) -> bool:
+        s = self.settings
+        while self._lengths and now_s - self._lengths[0][0] > s.window_s:
+            self._lengths.popleft()
+        if not self._lengths:
+            return False
+        self._workload = BlendedWorkload(self.prior, [n for _, n in self._lengths], s.prior_weight, "router window")
+        self._workload_version += 1
+        return True
+
+    def _update_bias(self, now_s: float, link: LinkView | None, q: QueueView) -> list[str]:
+        s = self.settings
+        high, low = s.queue_high_s * s.time_scale, s.queue_low_s * s.time_scale
+        if self.constrained:
+            if self.bias < 1.0:
+                self.bias = 1.0
+                return ["constrained link: no offload beyond the bandwidth-bound t"]
+            return []
+        if now_s - self._last_adjust_s < s.adjust_every_s:
+            return []
+        link_busy = link is not None and link.busy_fraction >= s.busy_high
+        if q.pd_s >= high and q.pd_s > s.imbalance * q.prfaas_s and not link_busy and self.bias > s.min_bias:
+            self._last_adjust_s, self._idle_since = now_s, None
+            self.bias = max(self.bias / s.step_factor, s.min_bias)
+            return [f"PD-P queue {q.pd_s:.2f} s vs PrfaaS {q.prfaas_s:.2f} s"]
+        if q.prfaas_s >= high and q.prfaas_s > s.imbalance * q.pd_s and self.bias < s.max_bias:
+            self._last_adjust_s, self._idle_since = now_s, None
+            self.bias = min(self.bias * s.step_factor, s.max_bias)
+            return [f"PrfaaS queue {q.prfaas_s:.2f} s vs PD-P {q.pd_s:.2f} s"]
+        if q.pd_s <= low and q.prfaas_s <= low and self.bias != 1.0:
+            self._idle_since = self._idle_since if self._idle_since is not None else now_s
+            if now_s - self._idle_since >= s.idle_decay_s:
+                self._idle_since, self._last_adjust_s = now_s, now_s
+                self.bias = min(self.bias * s.step_factor, 1.0) if self.bias < 1 else max(self.bias / s.step_factor, 1.0)
+                return ["queues idle: bias back toward 1"]
+        else:
+            self._idle_since = None
+        return []
+
+    def _model(self, capacity_bps: float) -> float:
+        key = (round(capacity_bps, -3), self._workload_version)
+        cached = self._model_cache.get(key)
+        if cached is None:
+            if len(self._model_cache) > 256:
+                self._model_cache.clear()
+            cached = self.research(capacity_bps, self._workload)
+            base = self.operator_baseline_tokens
+            if base is not None:
+                healthy = capacity_bps >= self.settings.recovered_ratio * self.nominal_bps
+                cached = base if healthy else max(base, cached)
+            self._model_cache[key] = cached
+        return cached
+
+    def _target(self, model_t: float, bias: float | None = None) -> float:
+        """``model_t * bias`` within [step, longest request]; a biased value is put on the search grid,
+        ``model_t`` itself (the planner's, or the operator's baseline) is kept exact."""
+        bias = self.bias if bias is None else bias
+        tokens = model_t if bias == 1.0 else round(model_t * bias / self.step_tokens) * self.step_tokens
+        longest = math.ceil(max(self.prior.max_tokens, self._workload.max_tokens) / self.step_tokens) * self.step_tokens
+        return min(max(tokens, self.step_tokens), longest)
 
     def _set(self, now_s: float, tokens: float, why: str) -> float | None:
         if tokens == self.threshold_tokens:

@@ -1,39 +1,185 @@
-"""The router's view of its workers, built from a topology file (pure apart from reading it).
+"""The router's view of its workers: identity from the topology, facts and load from the workers (pure).
 
-Engine nodes of the topology become :class:`WorkerRecord`: URL, cluster
-(prfaas | pd), role (prefill | decode), bootstrap address, KV-event endpoint.
-The router keeps its own live estimates on each record (health, queued prefill
-seconds, running decodes) and hands the policy immutable snapshots.
+A :class:`WorkerRecord` holds what the topology says (URL, cluster, role,
+bootstrap and event endpoints), what the worker says about itself
+(:class:`WorkerFacts`, parsed from SGLang's ``/server_info``: page size, KV
+pool, context length, served model, KV-event descriptor; :class:`WorkerLoad`
+from ``/v1/loads``), and two ledgers the router keeps as it dispatches:
+
+* prefill workers: ``outstanding_prefill_s``, the estimated prefill seconds of
+  requests whose prefill leg has not ended (the engines' time unit): the queue
+  signal of the threshold controller and the TTFT estimate;
+* decode workers: ``reserved_tokens``, the KV (prompt + max new tokens) of
+  requests dispatched and not finished. Free KV is the reported pool size
+  minus the larger of that and what the worker reports in use.
+
+:func:`check_facts` refuses facts that contradict the deployment (a page size
+that differs inside a cluster, another block-hash scheme, a wrong PD mode, an
+emulated engine scaled differently from the topology's ``emulation:``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.launch.roles import ROLE_SPECS
-from prfaas_sglang.launch.topology import Topology
-from prfaas_sglang.router.policy import PD, PRFAAS, Link, WorkerState
+from prfaas_sglang.roles import ROLE_SPECS
+from prfaas_sglang.router.policy import WorkerState
+from prfaas_sglang.topology import Emulation, Topology
+from prfaas_sglang.wire.blocks import HASH_SCHEME
+
+
+class FactsError(ValueError):
+    """A worker's /server_info or /v1/loads answer is malformed."""
+
+
+@dataclass(frozen=True)
+class KvEventsEndpoint:
+    port: int
+    topic: str
+    block_size: int
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    served_model_name: str | None
+    page_size: int
+    disaggregation_mode: str | None
+    max_total_tokens: int | None  # the KV pool (decode: what bounds its requests)
+    max_running_requests: int | None
+    context_length: int | None
+    kv_events: KvEventsEndpoint | None
+    block_hash: str
+    tokenizer_path: str | None
+    emulated: dict | None  # the emulated engine's "prfaas" section (speedup, kv_scale, profile, ...)
+    version: str | None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    running: int
+    waiting: int
+    used_tokens: int
+    max_total_tokens: int | None
+    waiting_uncached_tokens: int = 0
+
+
+def _opt_int(obj: dict, key: str, lo: int = 0) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise FactsError(f"{key} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def parse_server_info(info: Any) -> WorkerFacts:
+    """SGLang 0.5.15's ``/server_info`` (or the emulated engine's) -> the facts the router uses."""
+    if not isinstance(info, dict):
+        raise FactsError("server_info must be a JSON object")
+    page_size = _opt_int(info, "page_size", 1)
+    events = info.get("kv_events")
+    endpoint = None
+    if isinstance(events, dict) and events.get("endpoint_port_base") is not None:
+        port = _opt_int(events, "endpoint_port_base", 1)
+        block = _opt_int(events, "block_size", 1) or page_size
+        topic = events.get("topic") or ""
+        if not isinstance(topic, str):
+            raise FactsError("kv_events.topic must be a string")
+        endpoint = KvEventsEndpoint(port, topic, block)
+        page_size = page_size or block
+    if page_size is None:
+        raise FactsError("page_size is missing")
+    emulated = info.get("prfaas") if isinstance(info.get("prfaas"), dict) else None
+    block_hash = emulated.get("block_hash", HASH_SCHEME) if emulated else HASH_SCHEME
+    name = info.get("served_model_name")
+    if isinstance(name, list):  # SGLang accepts several; the first is the canonical one
+        name = name[0] if name else None
+    return WorkerFacts(
+        served_model_name=name if isinstance(name, str) else None,
+        page_size=page_size,
+        disaggregation_mode=info.get("disaggregation_mode") if isinstance(info.get("disaggregation_mode"), str) else None,
+        max_total_tokens=_opt_int(info, "max_total_num_tokens", 1),
+        max_running_requests=_opt_int(info, "max_running_requests", 1),
+        context_length=_opt_int(info, "context_length", 1),
+        kv_events=endpoint,
+        block_hash=str(block_hash),
+        tokenizer_path=info.get("tokenizer_path") if isinstance(info.get("tokenizer_path"), str) else None,
+        emulated=emulated,
+        version=str(info["version"]) if info.get("version") is not None else None,
+    )
+
+
+def parse_loads(body: Any) -> WorkerLoad:
+    """SGLang 0.5.15's ``/v1/loads`` -> the load summed over DP ranks."""
+    loads = body.get("loads") if isinstance(body, dict) else None
+    if not isinstance(loads, list) or not loads:
+        raise FactsError("/v1/loads must be an object with a non-empty list 'loads'")
+    running = waiting = used = uncached = 0
+    total: int | None = 0
+    for rank in loads:
+        if not isinstance(rank, dict):
+            raise FactsError("each load must be an object")
+        running += _opt_int(rank, "num_running_reqs") or 0
+        waiting += _opt_int(rank, "num_waiting_reqs") or 0
+        used += _opt_int(rank, "num_used_tokens") or 0
+        uncached += _opt_int(rank, "num_waiting_uncached_tokens") or 0
+        pool = _opt_int(rank, "max_total_num_tokens")
+        total = None if pool is None or total is None else total + pool
+    return WorkerLoad(running, waiting, used, total, uncached)
 
 
 @dataclass
 class WorkerRecord:
     name: str
     url: str
-    cluster: str
-    role: str
+    cluster: str  # prfaas | pd
+    role: str  # prefill | decode
     host: str
     bootstrap_port: int | None
-    events_endpoint: str | None
+    events_endpoint: str | None  # from the topology; else from the facts' kv_events
     telemetry_endpoint: str | None = None
-    healthy: bool = True
+    healthy: bool = False
     draining: bool = False
-    queue_s: float = 0.0
-    running: int = 0
+    facts: WorkerFacts | None = None
+    load: WorkerLoad | None = None
+    outstanding_prefill_s: float = 0.0
+    reserved_tokens: int = 0
+    reserved_requests: int = 0
     failures: int = 0
+    refused: str | None = None  # why the facts were refused (never routed to then)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and self.facts is not None and self.refused is None
+
+    @property
+    def kv_free_tokens(self) -> int | None:
+        """Decode: KV room now; None when the worker has not reported its pool."""
+        pool = (self.load.max_total_tokens if self.load else None) or (self.facts.max_total_tokens if self.facts else None)
+        if pool is None:
+            return None
+        used = max(self.reserved_tokens, self.load.used_tokens if self.load else 0)
+        return max(pool - used, 0)
+
+    @property
+    def kv_events_url(self) -> str | None:
+        if self.events_endpoint:
+            return self.events_endpoint
+        if self.facts is not None and self.facts.kv_events is not None:
+            return f"tcp://{self.host}:{self.facts.kv_events.port}"
+        return None
+
+    @property
+    def kv_events_topic(self) -> str | None:
+        return self.facts.kv_events.topic if self.facts is not None and self.facts.kv_events else None
 
     def snapshot(self) -> WorkerState:
-        return WorkerState(self.name, self.cluster, self.role, self.healthy, self.draining, self.queue_s, self.running)
+        running = self.load.running if self.load else 0
+        return WorkerState(self.name, self.cluster, self.role, self.healthy and self.routable, self.draining,
+                           self.outstanding_prefill_s, max(running, self.reserved_requests),
+                           self.kv_free_tokens if self.role == "decode" else None)
 
 
 def workers_from_topology(topology: Topology) -> dict[str, WorkerRecord]:
@@ -59,10 +205,23 @@ def workers_from_topology(topology: Topology) -> dict[str, WorkerRecord]:
     return records
 
 
-def link_from_topology(topology: Topology) -> Link:
-    """The PrfaaS -> PD link's capacity (the first link between a prfaas and a pd cluster)."""
-    for link in topology.links:
-        kinds = {topology.cluster_kinds.get(link.src), topology.cluster_kinds.get(link.dst)}
-        if kinds == {PRFAAS, PD}:
-            return Link(capacity_bps=link.bandwidth_gbps * 1e9, rtt_s=(link.rtt_ms or 0.0) / 1e3)
-    return Link(capacity_bps=100e9)
+def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerRecord], emulation: Emulation | None) -> str | None:
+    """Why ``facts`` cannot be right for ``record`` in this deployment (None: they can)."""
+    if facts.disaggregation_mode is not None and facts.disaggregation_mode != record.role:
+        return f"{record.name} runs --disaggregation-mode {facts.disaggregation_mode}, the topology says {record.role}"
+    if facts.block_hash != HASH_SCHEME:
+        return f"{record.name} hashes KV blocks with {facts.block_hash!r}; the kv-index uses {HASH_SCHEME!r}"
+    for peer in peers:
+        if peer.name != record.name and peer.cluster == record.cluster and peer.facts is not None \
+                and peer.facts.page_size != facts.page_size:
+            return (f"page size {facts.page_size} of {record.name} differs from {peer.facts.page_size} of {peer.name} "
+                    f"in the same cluster ({record.cluster})")
+    if facts.emulated is not None and facts.emulated.get("engine") == "mock":
+        want = emulation or Emulation()
+        got = (facts.emulated.get("speedup"), facts.emulated.get("kv_scale"))
+        if got != (want.speedup, want.kv_scale):
+            return (f"{record.name} is an emulated engine at speedup {got[0]}, kv_scale {got[1]}; the topology's "
+                    f"emulation section says {want.speedup}, {want.kv_scale}, so the router's cost model would be wrong")
+    elif emulation is not None and (emulation.speedup, emulation.kv_scale) != (1.0, 1.0):
+        return f"{record.name} is not an emulated engine, but the topology scales costs for emulation ({emulation})"
+    return None

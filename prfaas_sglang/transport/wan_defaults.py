@@ -20,7 +20,7 @@ class EnvDefault:
 
 
 # MC_FORCE_TCP is not a default: the TCP transport requires it, so the
-# launcher always sets it (see launch.plan).
+# launcher always sets it (see launch.command).
 MOONCAKE_TCP_WAN_DEFAULTS: tuple[EnvDefault, ...] = (
     EnvDefault(
         "MC_TCP_ENABLE_CONNECTION_POOL",

@@ -25,11 +25,13 @@ def test_demo_case_study(tmp_path):
     assert REQUIRED <= set(summary)
     assert summary["requests_failed"] == 0 and summary["requests_ok"] > 0
     assert summary["egress_gbps"] > 0 if summary["offload_fraction"] > 0 else True
-    assert children_with("--context-tokens 40066") == []
+    assert summary["tokenizer"] == "prfaas-tiny-chatml" and summary["mean_input_tokens"] > 128  # real text, tokenized
+    assert children_with("--context-tokens 80066") == []
+    # one log per process, and the one topology every process was started from
     assert {p.name for p in tmp_path.iterdir()} == {"prfaas-0.log", "pd-prefill-0.log", "pd-decode-0.log",
-                                                   "router.log", "router-topology.yaml"}
+                                                   "router.log", "topology.yaml"}
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert str(tmp_path / "router-topology.yaml") not in ps  # the router is gone too
+    assert str(tmp_path / "topology.yaml") not in ps  # the router is gone too
 
 
 def test_demo_trace_replay():

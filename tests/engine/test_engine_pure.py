@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
-from prfaas_sglang.engine.kv_events import BlockRemoved, BlockStored
 from prfaas_sglang.engine.mock.kv_transport import KvArena
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.protocol import BadRequest, parse_request
+from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
+from prfaas_sglang.wire.kv_events import BlockRemoved, BlockStored
 
 
 def test_block_hash_matches_sglang_native_hash():
@@ -88,6 +88,7 @@ class TestParse:
         ("generate", [], "JSON object"),
         ("generate", {}, "one of input_ids or text"),
         ("generate", {"input_ids": [1, "x"]}, "list of token ids"),
+        ("generate", {"input_ids": [1, 2**40]}, "outside"),
         ("generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be a positive"),
         ("generate", {"input_ids": [1], "bootstrap_room": 5}, "need all of bootstrap_host"),
         ("completions", {"prompt": 3}, "prompt must be"),
@@ -100,10 +101,36 @@ class TestParse:
             parse_request(kind, body, "r")
         assert err.value.status == 400 and message in err.value.message
 
-    def test_text_is_pseudo_tokenized_deterministically(self):
-        a = parse_request("generate", {"text": "a b c"}, "r")
-        b = parse_request("completions", {"prompt": "a b c"}, "r")
+    def test_without_a_tokenizer_text_is_refused_with_the_fix(self):
+        for kind, body in (("generate", {"text": "a b c"}), ("completions", {"prompt": "a b c"}),
+                           ("chat", {"messages": [{"role": "user", "content": "hi"}]})):
+            with pytest.raises(BadRequest) as err:
+                parse_request(kind, body, "r")
+            assert err.value.status == 400 and "no tokenizer" in err.value.message and "input_ids" in err.value.message
+
+    def test_the_emulated_engines_fallback_pseudo_tokenizes_deterministically(self):
+        from prfaas_sglang.engine.mock.server import pseudo_tokenize
+
+        a = parse_request("generate", {"text": "a b c"}, "r", text_ids=pseudo_tokenize)
+        b = parse_request("completions", {"prompt": "a b c"}, "r", text_ids=pseudo_tokenize)
         assert a.input_ids == b.input_ids and len(a.input_ids) == 3
+
+    def test_real_tokenizer_for_text_and_chat(self):
+        from prfaas_sglang.tokenizer import PromptTokenizer
+
+        tok = PromptTokenizer.load("prfaas-tiny-chatml")
+        a = parse_request("completions", {"prompt": "prefill over Ethernet"}, "r", tokenizer=tok)
+        assert list(a.input_ids) == tok.encode_text("prefill over Ethernet")
+        c = parse_request("chat", {"messages": [{"role": "user", "content": "hi"}]}, "r", tokenizer=tok)
+        assert tok.decode(c.input_ids) == "user\nhi\nassistant\n"  # specials skipped on decode
+
+    def test_usage_option_and_kv_tokens(self):
+        r = parse_request("completions", {"prompt": [1, 2, 3], "max_tokens": 5, "stream": True,
+                                          "stream_options": {"include_usage": True}}, "r")
+        assert r.include_usage and r.kv_tokens == 8
+        assert not parse_request("generate", {"input_ids": [1], "stream_options": {"include_usage": True}}, "r").include_usage
+        with pytest.raises(BadRequest):
+            parse_request("completions", {"prompt": [1], "stream_options": 3}, "r")
 
 
 def test_outputs_depend_on_the_prompt_only():
@@ -111,4 +138,4 @@ def test_outputs_depend_on_the_prompt_only():
 
     a, b = prompt_seed([1, 2, 3]), prompt_seed([1, 2, 3])
     assert a == b != prompt_seed([1, 2, 4])
-    assert [output_token(a, i) for i in range(5)] == [output_token(b, i) for i in range(5)]
+    assert [output_token(a, i, 32_000) for i in range(5)] == [output_token(b, i, 32_000) for i in range(5)]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prfaas_sglang.engine.kv_events import AllBlocksCleared
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
-from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.kvindex.feed import BadFrame, kv_event_handler
+from prfaas_sglang.kvindex.index import InvalidEvents, KvIndex
+from prfaas_sglang.wire.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
 
 PAGE = 4
 
@@ -113,3 +115,38 @@ def test_hybrid_index_exact_when_every_prompt_brings_new_pages():
         assert index.match(prompt + [77]).by_worker["w"] == cache.match(prompt).cached_tokens
         index.apply("w", seq, cache.insert(prompt))
     assert index.match(base[:22] + [5, 5, 5]).by_worker["w"] == 16  # last checkpoint within the 20-token match
+
+
+def test_invalid_block_sizes_are_refused_whole():
+    index = KvIndex(hybrid=False)
+    index.add_worker("w", "pd", block_size=4)
+    good = BlockStored([1], None, [1, 2, 3, 4], 4, None)
+    for bad in (0, -4, 8):
+        with pytest.raises(InvalidEvents):
+            index.apply("w", 0, [good, BlockStored([2], 1, [5, 6, 7, 8], bad, None)])
+    assert index.block_count("w") == 0  # nothing of a refused batch was applied
+    with pytest.raises(InvalidEvents):
+        index.add_worker("x", "pd", block_size=0)
+
+
+def test_workers_with_different_block_sizes_are_matched_at_their_own():
+    index = KvIndex(hybrid=False)
+    index.add_worker("small", "pd", block_size=4)
+    index.add_worker("big", "prfaas", block_size=8)
+    prompt = list(range(40))
+    feed(index, "small", PrefixCache(4, 100, hybrid=False), [prompt[:21]])
+    feed(index, "big", PrefixCache(8, 100, hybrid=False), [prompt[:21]])
+    assert index.match(prompt).by_worker == {"small": 20, "big": 16}
+
+
+def test_feed_counts_malformed_frames_as_bad_and_applies_good_ones():
+    index = KvIndex(hybrid=False)
+    index.add_worker("w", "pd", block_size=4)
+    handle = kv_event_handler(index, "w")
+    payload = encode_batch(KVEventBatch(ts=0.0, events=[BlockStored([1], None, [1, 2, 3, 4], 4, None)]))
+    assert handle([b"kv-events", (0).to_bytes(8, "big"), payload]) == 1
+    for frames in ([b"kv-events", b"x"], [b"t", b"12345678", b"not msgpack"],
+                   [b"t", (1).to_bytes(8, "big"), encode_batch(KVEventBatch(ts=0.0, events=[BlockStored([2], 1, [5], 0, None)]))]):
+        with pytest.raises(BadFrame):
+            handle(frames)
+    assert index.block_count("w") == 1

@@ -104,8 +104,25 @@ def test_streaming_and_openai_endpoints(pair):
         lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
     t.join()
     assert lines[-1] == "data: [DONE]"
-    contents = [msgspec.json.decode(line[6:])["choices"][0]["delta"].get("content") for line in lines[:-1]]
+    chunks = [msgspec.json.decode(line[6:]) for line in lines[:-1]]
+    contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
     assert sum(1 for c in contents if c) == 4
+    assert all(c["choices"] for c in chunks)  # no usage chunk unless asked for
+
+
+def test_stream_options_include_usage(pair):
+    prefill, decode = pair
+    room = next(_rooms)
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
+    t = threading.Thread(target=requests.post, args=(prefill.url + "/v1/completions",), kwargs={"json": body, "timeout": 30})
+    t.start()
+    with requests.post(decode.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
+        lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
+    t.join()
+    assert lines[-1] == "data: [DONE]"
+    last = msgspec.json.decode(lines[-2][6:])
+    assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 3 and last["usage"]["completion_tokens"] == 3
 
 
 class TestBadInput:
@@ -124,10 +141,16 @@ class TestBadInput:
         assert p.status_code == 400 and d.status_code == 400
         assert "exceeds the context length 65536" in d.json()["error"]["message"]
 
-    def test_unknown_room_on_kv_ready(self, pair):
+    def test_unknown_room_and_malformed_hand_off_on_kv_ready(self, pair):
+        from prfaas_sglang.wire.handoff import KvReady
+
         _, decode = pair
-        r = requests.post(decode.url + "/prfaas/kv_ready", json={"room": 123456789, "ok": True}, timeout=5)
+        ready = KvReady(123456789, True, 64, 0, 1, 0.01).to_json()
+        r = requests.post(decode.url + "/prfaas/kv_ready", json=ready, timeout=5)
         assert r.status_code == 404 and "unknown bootstrap room" in r.json()["error"]["message"]
+        for bad in ({"room": 1, "ok": True}, {**ready, "v": 99}, {**ready, "room": "x"}, [1]):
+            r = requests.post(decode.url + "/prfaas/kv_ready", json=bad, timeout=5)
+            assert r.status_code == 400, bad
 
     def test_decode_without_prefill_partner_times_out_and_frees(self, pair):
         prefill, decode = pair
@@ -163,11 +186,15 @@ def test_router_facing_surface(pair):
     prefill, decode = pair
     assert requests.get(decode.url + "/v1/models", timeout=5).json()["data"][0]["owned_by"] == "sglang"
     info = requests.get(prefill.url + "/server_info", timeout=5).json()
-    assert info["dp_size"] == 1 and info["max_total_tokens"] > 0 and info["disaggregation_mode"] == "prefill"
+    assert info["dp_size"] == 1 and info["max_total_num_tokens"] > 0 and info["disaggregation_mode"] == "prefill"
+    assert info["kv_events"]["block_size"] == info["page_size"] == 512
     assert requests.get(prefill.url + "/get_server_info", timeout=5).json() == info
     assert requests.get(decode.url + "/get_model_info", timeout=5).status_code == 200
     assert requests.get(decode.url + "/get_load", timeout=5).json()[0]["dp_rank"] == 0
-    assert "loads" in requests.get(decode.url + "/v1/loads", timeout=5).json()
+    loads = requests.get(decode.url + "/v1/loads", timeout=5).json()["loads"][0]
+    # SGLang 0.5.15's GetLoadsReqOutput core fields, which the router reads
+    for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "max_running_requests"):
+        assert isinstance(loads[key], int), key
     assert "sglang:num_running_reqs" in requests.get(decode.url + "/metrics", timeout=5).text
     assert requests.get(decode.url + "/version", timeout=5).status_code == 404
     assert requests.post(prefill.url + "/flush_cache", timeout=5).status_code == 200

@@ -15,7 +15,7 @@ import pytest
 from helpers import FIXTURE_PATCHES, REPO_ROOT, run_py
 
 from prfaas_sglang.errors import PatchError, UpstreamVersionError
-from prfaas_sglang.patches.engine import PatchStatus, apply_to_tree, evaluate_tree
+from prfaas_sglang.patches.applier import PatchStatus, apply_to_tree, evaluate_tree
 from prfaas_sglang.patches.series import REQUIRED_FIELDS, lint, load_series, parse_header
 from prfaas_sglang.patches.tree import (
     SourceTree,

@@ -19,7 +19,7 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
     try:
         pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
         d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
-        topology = {"version": 1, "clusters": {"a": {"kind": "pd", "nodes": [
+        topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {"a": {"kind": "pd", "nodes": [
             {"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port, "kv_events_port": pp0.kv_events_port},
             {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
         config = tmp_path / "t.yaml"
@@ -46,5 +46,7 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         assert match == {"total_tokens": 5_003, "by_worker": {"pp0": 4_608}, "by_cluster": {"pd": 4_608}}
         assert requests.post(url + "/match", json={"input_ids": ["x"]}, timeout=5).status_code == 400
         assert requests.post(url + "/match", data="{", timeout=5).status_code == 400
+        status = requests.get(url + "/status", timeout=5).json()
+        assert status["subscriptions"]["pp0"]["frames"] >= 1 and status["bad_frames"] == 0
     finally:
         group.stop()

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from prfaas_sglang.plan.model import Deployment
 from prfaas_sglang.plan.profiles import TabulatedPrefill
-from prfaas_sglang.plan.scenario import Catalog
-from prfaas_sglang.plan.search import best_threshold_for_split
-from prfaas_sglang.router.policy import BandwidthMode, Link, NoHealthyWorker, WorkerState, route
-from prfaas_sglang.router.threshold import ThresholdController
+from prfaas_sglang.plan.workload import EmpiricalLengths, TruncatedLogNormal
+from prfaas_sglang.router.policy import (
+    BandwidthMode,
+    ClusterSnapshot,
+    Link,
+    NoDecodeRoom,
+    NoHealthyWorker,
+    RouteInput,
+    WorkerState,
+    route,
+)
+from prfaas_sglang.router.threshold import (
+    ControllerSettings,
+    LinkView,
+    QueueView,
+    ThresholdController,
+)
 
 
 def linear(name: str, s_per_token: float) -> TabulatedPrefill:
@@ -29,8 +43,10 @@ FAT = Link(capacity_bps=100e9)
 KV = lambda tokens: 1000.0 * tokens  # noqa: E731 - 1 KB of KV per token
 
 
-def decide(total, by_worker, t=10_000, mode=BandwidthMode.SCARCE, workers=WORKERS, link=FAT):
-    return route(total, by_worker, workers, t, mode, COST, link, KV)
+def decide(total, by_worker, t=10_000, mode=BandwidthMode.SCARCE, workers=WORKERS, link=FAT, transfer=False,
+           probe=None, decode_tokens=None):
+    snap = ClusterSnapshot(workers, t, mode, COST, link, KV, transfer_supported=transfer, probe_budget_bytes=probe)
+    return route(RouteInput(total, decode_tokens or total + 16, by_worker), snap)
 
 
 class TestThresholdRule:
@@ -49,31 +65,63 @@ class TestThresholdRule:
         assert d.prefill == "pp1" and d.cached_tokens == 25_000 and d.uncached_tokens == 5_000
 
     def test_abundant_moves_the_other_clusters_cache_when_cheaper(self):
-        """PrfaaS holds 25K of a 30K prompt: with bandwidth, the prefix is moved and PD-P prefills 5K."""
-        d = decide(30_000, {"p0": 25_000}, mode=BandwidthMode.ABUNDANT)
+        """PrfaaS holds 25K of a 30K prompt: with a transfer engine and bandwidth, the prefix moves and PD-P prefills 5K."""
+        d = decide(30_000, {"p0": 25_000}, mode=BandwidthMode.ABUNDANT, transfer=True)
         assert d.cluster == "pd" and d.transfer is not None and d.transfer.source == "p0"
         assert d.uncached_tokens == 5_000 and "move" in d.reason
 
+    def test_abundant_without_a_transfer_engine_credits_nothing_it_cannot_move(self):
+        """No engine can move a cache yet: the other cluster's prefix is not credited, each cluster judged alone."""
+        d = decide(30_000, {"p0": 25_000}, mode=BandwidthMode.ABUNDANT, transfer=False)
+        assert d.transfer is None and d.cluster == "prfaas" and d.cached_tokens == 25_000
+        assert "judged per cluster" in d.reason
+        local = decide(30_000, {"pp0": 25_000}, mode=BandwidthMode.ABUNDANT, transfer=False)
+        assert local.cluster == "pd" and local.cached_tokens == 25_000
+
     def test_abundant_recomputes_when_the_link_is_slow(self):
         slow = Link(capacity_bps=1e6)
-        d = decide(30_000, {"p0": 25_000}, mode=BandwidthMode.ABUNDANT, link=slow)
+        d = decide(30_000, {"p0": 25_000}, mode=BandwidthMode.ABUNDANT, link=slow, transfer=True)
         assert d.transfer is None and d.cached_tokens == 0 and "recompute" in d.reason
 
     def test_queue_moves_work_to_the_idle_worker(self):
         busy = [w if w.name != "pp0" else WorkerState("pp0", "pd", "prefill", queue_s=5.0) for w in WORKERS]
         assert decide(8_000, {}, workers=busy).prefill == "pp1"
 
+    def test_ttft_estimate_counts_queue_prefill_and_shipping(self):
+        d = decide(30_000, {}, link=Link(capacity_bps=8e6))  # 30 MB of KV over 8 Mbit/s: 30 s
+        assert d.cluster == "prfaas" and d.estimated_prefill_s == pytest.approx(0.3)
+        assert d.estimated_ttft_s == pytest.approx(0.3 + 30.0)
+
     def test_decode_by_headroom_then_load(self):
         assert decide(8_000, {}).decode == "d1"
         tight = [w for w in WORKERS if w.name != "d1"] + [WorkerState("d1", "pd", "decode", kv_free_tokens=1_000)]
         assert decide(8_000, {}, workers=tight).decode == "d0"
 
+    def test_decode_only_where_the_whole_request_fits(self):
+        """Prompt + max_new_tokens must fit: 8K prompt, 600K output does not fit d0 (500K) but fits d1."""
+        assert decide(8_000, {}, decode_tokens=608_000).decode == "d1"
+        with pytest.raises(NoDecodeRoom):
+            decide(8_000, {}, decode_tokens=1_000_000)
+
+
+class TestProbe:
+    def test_a_local_request_probes_the_link_when_asked_and_it_fits(self):
+        d = decide(8_000, {}, probe=10e6)
+        assert d.cluster == "prfaas" and d.probe and d.reason.startswith("probe")
+
+    def test_a_probe_never_carries_more_than_its_budget(self):
+        d = decide(8_000, {}, probe=1e6)  # 8 MB of KV > 1 MB budget
+        assert d.cluster == "pd" and not d.probe
+
+    def test_no_probe_without_budget(self):
+        assert not decide(8_000, {}).probe
+
 
 class TestFaults:
-    def test_prfaas_down_falls_back_to_pd(self):
+    def test_prfaas_down_spills_to_pd(self):
         down = [w if w.name != "p0" else WorkerState("p0", "prfaas", "prefill", healthy=False) for w in WORKERS]
         d = decide(50_000, {}, workers=down)
-        assert d.cluster == "pd" and d.reason.startswith("fallback to pd")
+        assert d.cluster == "pd" and d.reason.startswith("spill to pd")
 
     def test_draining_worker_takes_nothing(self):
         drained = [w if w.name != "pp0" else WorkerState("pp0", "pd", "prefill", draining=True) for w in WORKERS]
@@ -87,53 +135,165 @@ class TestFaults:
         with pytest.raises(NoHealthyWorker, match=message):
             decide(1_000, {}, workers=[w for w in WORKERS if w.name in keep])
 
-    def test_no_decode_room(self):
+    def test_no_decode_room_is_its_own_error(self):
         full = [w for w in WORKERS if w.role == "prefill"] + [WorkerState("d0", "pd", "decode", kv_free_tokens=100)]
-        with pytest.raises(NoHealthyWorker, match="KV room"):
+        with pytest.raises(NoDecodeRoom, match="KV room"):
             decide(8_000, {}, workers=full)
 
 
+# --- the threshold controller ------------------------------------------------------------------
+
+NOMINAL = 400e6
+PRIOR = TruncatedLogNormal(9.9, 1.0, 128, 65_536)
+
+
+def research(capacity_bps: float, workload) -> float:
+    """A stand-in planner: t grows as the link thins (10x thinner -> 2.5x longer), never past the longest request."""
+    return min(20_000 * (NOMINAL / capacity_bps) ** 0.4, workload.max_tokens)
+
+
 def controller(**kw) -> ThresholdController:
-    return ThresholdController(baseline_tokens=20_000, research=lambda bps: 20_000 * 100e9 / bps, max_tokens=131_072, **kw)
+    settings = ControllerSettings(**kw)
+    return ThresholdController(research, PRIOR, NOMINAL, 128, None, settings)
+
+
+IDLE = QueueView(0.0, 0.0)
+
+
+def busy_link(mbps: float) -> LinkView:
+    return LinkView(mbps * 1e6, 1.0, mbps * 1e6, mbps * 1e6, 0)
+
+
+def quiet_link(mbps: float | None) -> LinkView:
+    return LinkView(None if mbps is None else mbps * 1e6, 0.1 if mbps else 0.0, (mbps or 0) * 1e6 / 10, 0.0, 0)
 
 
 class TestThresholdController:
-    def test_raises_after_sustained_saturation_and_comes_back(self):
-        c = controller()
-        assert c.observe(0.0, 0.95, 10e9, 0.0) is None           # not yet: needs raise_after_s
-        raised = c.observe(0.6, 0.97, 10e9, 0.0)
-        assert raised == 131_072                                   # the planner's t for a 10x thinner link, capped
-        assert c.observe(1.0, 0.30, 100e9, 0.0) is None            # recovering: hysteresis waits
-        lowered = [c.observe(1.0 + 5.0 * k, 0.30, 100e9, 0.0) for k in range(1, 12)]
-        assert [x for x in lowered if x][-1] == 20_000 and c.threshold_tokens == 20_000
-        assert [why.split(":")[0] for _, _, why in c.history][:2] == ["raise", "lower"]
+    def test_baseline_is_the_planners_t_for_the_nominal_link(self):
+        assert controller().threshold_tokens == 20_000
 
-    def test_queueing_alone_raises_by_at_least_the_factor(self):
+    def test_a_drop_must_be_confirmed_then_t_goes_to_the_planners_t_for_it(self):
         c = controller()
-        c.observe(0.0, 0.1, 100e9, 3.0)
-        assert c.observe(0.5, 0.1, 100e9, 3.0) == pytest.approx(25_000)
+        assert c.observe(0.0, busy_link(40), IDLE) is None       # seen once: not yet
+        raised = c.observe(0.6, busy_link(40), IDLE)              # confirmed after confirm_s
+        assert raised == pytest.approx(research(40e6, PRIOR), abs=128) and c.constrained
+        assert c.history[-1][2].startswith("raise: link delivers 40.0 Mbit/s")
 
-    def test_in_between_changes_nothing(self):
+    def test_a_slow_but_idle_link_is_not_a_drop(self):
+        """A lone small transfer shows a low rate; without the link busy it says nothing about capacity."""
         c = controller()
-        assert all(c.observe(k * 0.5, 0.75, 100e9, 1.0) is None for k in range(40))
+        assert all(c.observe(k * 0.25, quiet_link(40), IDLE) is None for k in range(40))
+        assert not c.constrained
+
+    def test_under_a_sustained_throttle_t_settles_and_stays(self):
+        c = controller()
+        changes = [c.observe(k * 0.25, busy_link(40 + (k % 5)), IDLE) for k in range(400)]  # 100 s, noisy 40-44 Mbit/s
+        assert sum(x is not None for x in changes) == 1
+
+    def test_recovery_returns_to_the_baseline(self):
+        c = controller()
+        baseline = c.threshold_tokens
+        c.observe(0.0, busy_link(40), IDLE)
+        c.observe(0.6, busy_link(40), IDLE)
+        assert c.threshold_tokens > baseline
+        assert c.observe(10.0, quiet_link(300), IDLE) is None  # a fast transfer, not yet confirmed
+        assert c.observe(10.6, quiet_link(300), IDLE) == baseline and not c.constrained
+
+    def test_pd_backlog_lowers_t_when_prfaas_and_link_have_headroom(self):
+        c = controller(time_scale=0.1)  # engines 10x faster than the model: marks of 10 s become 1 s
+        base = c.threshold_tokens
+        lowered = c.observe(0.0, quiet_link(None), QueueView(0.05, 3.0))
+        assert lowered is not None and lowered < base and "PD-P queue" in c.history[-1][2]
+        assert c.observe(0.5, quiet_link(None), QueueView(0.05, 3.0)) is None   # one step per adjust_every_s
+        assert c.observe(1.0, quiet_link(None), QueueView(0.05, 3.0)) < lowered
+
+    def test_prfaas_backlog_raises_t(self):
+        c = controller(time_scale=0.1)
+        assert c.observe(0.0, quiet_link(None), QueueView(3.0, 0.1)) > c.baseline_tokens
+
+    def test_no_lowering_while_the_link_is_busy(self):
+        c = controller(time_scale=0.1)
+        assert c.observe(0.0, LinkView(None, 0.95), QueueView(0.05, 3.0)) is None
+
+    def test_a_constrained_link_is_a_floor_for_t(self):
+        """On a thin link, a PD-P backlog cannot pull t below the bandwidth-bound planner's t."""
+        c = controller(time_scale=0.1)
+        c.observe(0.0, busy_link(40), IDLE)
+        floor = c.observe(0.6, busy_link(40), IDLE)
+        for k in range(20):
+            c.observe(1.0 + k, quiet_link(40), QueueView(0.0, 5.0))
+        assert c.threshold_tokens == floor
+
+    def test_a_capacity_change_resets_the_queue_bias(self):
+        c = controller(time_scale=0.1)
+        c.observe(0.0, quiet_link(None), QueueView(3.0, 0.0))
+        assert c.bias > 1
+        c.observe(5.0, busy_link(40), IDLE)
+        c.observe(5.6, busy_link(40), IDLE)
+        assert c.bias == 1.0 and c.threshold_tokens == pytest.approx(research(40e6, PRIOR), abs=128)
+
+    def test_bias_decays_toward_1_after_idle_queues(self):
+        c = controller(time_scale=0.1, idle_decay_s=30.0)
+        c.observe(0.0, quiet_link(None), QueueView(0.0, 3.0))
+        low = c.bias
+        assert low < 1
+        for k in range(1, 80):
+            c.observe(float(k), quiet_link(None), IDLE)
+        assert low < c.bias <= 1.0
+
+    def test_probes_only_when_constrained_and_nothing_crosses(self):
+        c = controller()
+        assert c.probe_budget_bytes(0.0) is None                 # healthy link: no probe
+        c.observe(0.0, busy_link(40), IDLE)
+        c.observe(0.6, busy_link(40), IDLE)
+        assert c.probe_budget_bytes(1.0) is None                 # traffic crossed recently
+        c.observe(5.0, LinkView(None, 0.0, 0.0, 0.0, 0), IDLE)
+        budget = c.probe_budget_bytes(5.0)
+        assert budget == pytest.approx(0.5 * 2.0 * 40e6 / 8)    # half a probe interval at the estimate
+        c.note_probe(5.0)
+        assert c.probe_budget_bytes(6.0) is None                 # at most one per probe_interval_s
+
+    def test_routed_lengths_move_the_workload_estimate(self):
+        seen = []
+        c = ThresholdController(lambda bps, w: seen.append(w.mean_tokens) or 20_000.0, PRIOR, NOMINAL, 128, None,
+                                ControllerSettings(research_every_s=1.0, prior_weight=10))
+        for k in range(200):
+            c.record(k * 0.01, 60_000)
+        c.observe(5.0, None, IDLE)
+        assert seen[-1] > PRIOR.mean_tokens * 1.5   # the window (all 60K) outweighs the prior
+
+    def test_operator_baseline_is_kept_on_a_healthy_link_and_is_a_floor_when_thin(self):
+        c = ThresholdController(research, PRIOR, NOMINAL, 128, 12_000, ControllerSettings())
+        assert c.threshold_tokens == 12_000  # exact: the operator's value is not put on the grid
+        c.observe(0.0, busy_link(40), IDLE)
+        assert c.observe(0.6, busy_link(40), IDLE) == pytest.approx(research(40e6, PRIOR), abs=128)
 
     def test_override_and_clear(self):
         c = controller()
         assert c.override(0.0, 50_000) == 50_000 and c.threshold_tokens == 50_000
-        assert c.override(1.0, None) == 20_000
+        c.observe(1.0, busy_link(40), IDLE)
+        assert c.observe(1.6, busy_link(40), IDLE) is None and c.threshold_tokens == 50_000  # overridden
+        assert c.override(2.0, None) == pytest.approx(research(40e6, PRIOR), abs=128)
 
-    def test_bad_marks(self):
+    def test_bad_settings(self):
         with pytest.raises(ValueError):
-            controller(low_utilization=0.95)
+            ControllerSettings(drop_ratio=1.5)
+        with pytest.raises(ValueError):
+            ControllerSettings(queue_low_s=5, queue_high_s=1)
 
 
-def test_research_with_the_planner_raises_t_on_a_thin_link():
-    """The controller's research function is the planner: less egress, longer threshold."""
-    case = Catalog().scenario("case-study")
-    dep = case.deployment
+def test_the_runtime_models_research_raises_t_on_a_thin_link():
+    """The controller's research is the planner (via the runtime model): less egress, longer threshold."""
+    from prfaas_sglang import runtime
+    from prfaas_sglang.demo.cluster import local_topology
+    from prfaas_sglang.topology import parse_topology
 
-    def research(bps: float) -> float:
-        thin = Deployment(dep.prfaas, dep.n_prfaas, dep.pd, dep.n_pd, bps, dep.output_tokens)
-        return best_threshold_for_split(thin, case.workload, 4, 1024).threshold_tokens
+    model = runtime.from_topology(parse_topology(local_topology(link_gbps=0.4, speedup=10, kv_scale=0.01)))
+    assert model.research(40e6) > model.research(400e6)
+    lengths = EmpiricalLengths([60_000] * 50)
+    assert model.research(None, lengths) != model.research(None)
 
-    assert research(2e9) > research(100e9)
+
+def test_settings_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ControllerSettings().busy_high = 0.5

@@ -13,37 +13,29 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker, start_router
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port, local_topology, start_deployment, start_mock_worker, start_router
 
 THRESHOLD = 10_000
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EXTRA = ["--speedup", "50", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
+SPEEDUP, KV_SCALE = 50, 0.002
+EXTRA = ["--speedup", str(SPEEDUP), "--kv-scale", str(KV_SCALE), "--bootstrap-timeout-s", "5"]
+P0, PP0, D0 = "prfaas-0", "pd-prefill-0", "pd-decode-0"
+LOCAL, REMOTE = f"pd/{PP0}/{D0}", f"prfaas/{P0}/{D0}"
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
+    """One topology, every node started through the launcher; the router with the operator's t and a tokenizer."""
     tmp = tmp_path_factory.mktemp("router")
     group = ProcessGroup(tmp / "logs")
     try:
-        p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", EXTRA, events=True)
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
-        topology = {
-            "version": 1,
-            "clusters": {
-                "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "host": "127.0.0.1", "port": p0.port,
-                                                   "bootstrap_port": p0.bootstrap_port, "kv_events_port": p0.kv_events_port}]},
-                "a": {"kind": "pd", "nodes": [
-                    {"name": "pp0", "role": "pd-prefill", "host": "127.0.0.1", "port": pp0.port,
-                     "bootstrap_port": pp0.bootstrap_port, "kv_events_port": pp0.kv_events_port},
-                    {"name": "d0", "role": "pd-decode", "host": "127.0.0.1", "port": d0.port, "kv_events_port": d0.kv_events_port}]},
-            },
-            "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}],
-        }
-        router = start_router(group, topology, "--threshold", str(THRESHOLD), "--served-model-name", "m",
-                              env={"PRFAAS_ADMIN_TOKEN": TOKEN})
-        yield {"url": router.url, "group": group, "prfaas": p0, "pd_prefill": pp0, "decode": d0, "config": router.config}
+        doc = local_topology(speedup=SPEEDUP, kv_scale=KV_SCALE, threshold_tokens=THRESHOLD, served_name="m",
+                             tokenizer="prfaas-tiny-chatml", telemetry=False, decode_events=True)
+        d = start_deployment(group, doc, engine_args={r: ("--bootstrap-timeout-s", "5") for r in ("prfaas", "pd-prefill", "pd-decode")},
+                             router_env={"PRFAAS_ADMIN_TOKEN": TOKEN})
+        yield {"url": d.router.url, "group": group, "prfaas": d.worker("prfaas"), "pd_prefill": d.worker("pd-prefill"),
+               "decode": d.worker("pd-decode"), "config": d.config}
     finally:
         group.stop()
 
@@ -67,8 +59,8 @@ def test_short_stays_local_long_goes_to_prfaas(deployment):
     short = generate(url, list(range(100_000, 104_000)))
     long = generate(url, list(range(200_000, 220_000)))
     assert short.status_code == 200 and long.status_code == 200
-    assert short.headers["x-prfaas-route"] == "pd/pp0/d0"
-    assert long.headers["x-prfaas-route"] == "prfaas/p0/d0"
+    assert short.headers["x-prfaas-route"] == LOCAL
+    assert long.headers["x-prfaas-route"] == REMOTE
     assert len(long.json()["output_ids"]) == 3
 
 
@@ -77,13 +69,13 @@ def test_long_prompt_cached_in_pd_stays_local(deployment):
     url = deployment["url"]
     stem = list(range(300_000, 308_192))
     assert generate(url, stem + [1]).headers["x-prfaas-route"].startswith("pd/")
-    wait_for_index(url, "pp0", 16)
+    wait_for_index(url, PP0, 16)
     grown = generate(url, stem + list(range(400_000, 406_000)))
-    assert grown.status_code == 200 and grown.headers["x-prfaas-route"] == "pd/pp0/d0"
+    assert grown.status_code == 200 and grown.headers["x-prfaas-route"] == LOCAL
     recent = requests.get(url + "/status", timeout=5).json()["recent"][-1]
     assert recent["cached_tokens"] == 8_192 and recent["tokens"] == 14_192
     fresh = generate(url, list(range(500_000, 514_192)))
-    assert fresh.headers["x-prfaas-route"] == "prfaas/p0/d0"
+    assert fresh.headers["x-prfaas-route"] == REMOTE
 
 
 def test_streaming_through_the_router(deployment):
@@ -93,10 +85,29 @@ def test_streaming_through_the_router(deployment):
     assert events[-1] == "data: [DONE]" and len(events) >= 5
 
 
-def test_openai_chat_through_the_router(deployment):
-    r = requests.post(deployment["url"] + "/v1/chat/completions", json={"model": "m", "max_tokens": 2,
-                      "messages": [{"role": "user", "content": "route me please"}]}, timeout=60)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].count(" t") == 2
+def test_openai_chat_and_text_through_the_router(deployment):
+    """Tokenized by the router and, from the same body, identically by the engines (usage agrees)."""
+    from prfaas_sglang.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer.load("prfaas-tiny-chatml")
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "system", "content": "be brief"},
+                                                       {"role": "user", "content": "route me please, ünïcödé"}]}
+    r = requests.post(deployment["url"] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode_chat(body))
+    assert r.json()["choices"][0]["message"]["content"]  # real text, detokenized
+    text = requests.post(deployment["url"] + "/v1/completions", json={"prompt": "prefill as a service", "max_tokens": 1}, timeout=60)
+    assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] == len(tok.encode_text("prefill as a service"))
+    recent = requests.get(deployment["url"] + "/status", timeout=5).json()["recent"][-1]
+    assert recent["tokens"] == len(tok.encode_text("prefill as a service"))
+
+
+def test_worker_facts_come_from_the_workers(deployment):
+    status = requests.get(deployment["url"] + "/status", timeout=5).json()
+    assert {w["page_size"] for w in status["workers"].values()} == {512}
+    decode = status["workers"][D0]
+    assert decode["kv_free_tokens"] > 0 and decode["running"] == 0
+    assert status["served_models"] == ["m"] and status["tokenizer"].endswith("prfaas-tiny-chatml")
 
 
 def test_bad_input(deployment):
@@ -110,7 +121,7 @@ def test_bad_input(deployment):
     assert [m["id"] for m in requests.get(url + "/v1/models", timeout=5).json()["data"]] == ["m"]
     oversize = generate(url, [1, 2, 3], max_new=200_000)  # beyond the workers' 131,072-token context
     assert oversize.status_code == 400 and "exceeds the context length" in oversize.json()["error"]["message"]
-    assert requests.get(url + "/status", timeout=5).json()["workers"]["pp0"]["healthy"] is True
+    assert requests.get(url + "/status", timeout=5).json()["workers"][PP0]["healthy"] is True
     assert generate(url, list(range(700_000, 701_000))).status_code == 200
 
 
@@ -135,10 +146,10 @@ def test_admin_threshold_override_and_clear(deployment):
 
 def test_admin_drain_moves_traffic_and_undrain_restores(deployment):
     url = deployment["url"]
-    assert requests.post(url + "/admin/workers/pp0/drain", json={"draining": True}, headers=AUTH, timeout=5).status_code == 200
+    assert requests.post(url + f"/admin/workers/{PP0}/drain", json={"draining": True}, headers=AUTH, timeout=5).status_code == 200
     drained = generate(url, list(range(940_000, 942_000)))
     assert drained.status_code == 200 and drained.headers["x-prfaas-route"].startswith("prfaas/")
-    assert requests.post(url + "/admin/workers/pp0/drain", json={"draining": False}, headers=AUTH, timeout=5).status_code == 200
+    assert requests.post(url + f"/admin/workers/{PP0}/drain", json={"draining": False}, headers=AUTH, timeout=5).status_code == 200
     assert generate(url, list(range(950_000, 952_000))).headers["x-prfaas-route"].startswith("pd/")
     assert requests.post(url + "/admin/workers/nope/drain", json={}, headers=AUTH, timeout=5).status_code == 404
 
@@ -154,7 +165,7 @@ def test_admin_register_and_deregister(deployment):
         assert requests.post(url + "/admin/workers", json=bad, headers=AUTH, timeout=5).status_code == 400
     assert requests.delete(url + "/admin/workers/pp0-alias", headers=AUTH, timeout=5).status_code == 200
     assert requests.delete(url + "/admin/workers/pp0-alias", headers=AUTH, timeout=5).status_code == 404
-    assert requests.delete(url + "/admin/workers/d0", headers=AUTH, timeout=5).status_code == 409  # the only decode worker
+    assert requests.delete(url + f"/admin/workers/{D0}", headers=AUTH, timeout=5).status_code == 409  # the only decode worker
     assert generate(url, list(range(960_000, 961_000))).status_code == 200
 
 
@@ -211,31 +222,35 @@ def test_early_rejection_with_retry_after(deployment):
     r = generate(url, list(range(980_000, 981_000)))
     assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
     assert "estimated TTFT" in r.json()["error"]["message"]
-    assert requests.get(url + "/status", timeout=5).json()["rejections"] == 1
+    assert requests.get(url + "/status", timeout=5).json()["rejected"] == {"ttft_estimate": 1}
 
 
 def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
     """Run last: kills the PrfaaS worker. Long prompts then prefill on PD-P; no request is lost."""
     url, group = deployment["url"], deployment["group"]
-    proc = next(p for p in group.procs if p.name == "p0")
+    proc = next(p for p in group.procs if p.name == P0)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     results = [generate(url, list(range(800_000 + 30_000 * k, 800_000 + 30_000 * k + 20_000))) for k in range(4)]
     assert [r.status_code for r in results] == [200] * 4
-    assert all(r.headers["x-prfaas-route"] == "pd/pp0/d0" for r in results)
+    assert all(r.headers["x-prfaas-route"] == LOCAL for r in results)
     status = requests.get(url + "/status", timeout=5).json()
-    assert status["workers"]["p0"]["healthy"] is False
-    # Either the prefill leg failed and was re-dispatched, or health checks had already caught it.
-    assert status["fallbacks"] >= 1 or any(r["reason"].startswith("fallback") for r in status["recent"])
+    assert status["workers"][P0]["healthy"] is False
+    # Either the prefill leg failed and was re-dispatched, or health checks had already caught it (a spill).
+    assert status["redispatched"] >= 1 or status["spilled"] >= 1
     decode_metrics = requests.get(deployment["decode"].url + "/metrics", timeout=5).text
-    assert 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' in decode_metrics
+    assert 'prfaas:open_rooms{model_name="m"} 0' in decode_metrics
 
 
 def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path):
-    """Telemetry in the worker wire format (published here, as a PrfaaS worker would) drives t."""
+    """Telemetry in the worker wire format, published here as a PrfaaS worker would, goes through the
+    router's subscriber and aggregator into the controller: a busy link delivering a tenth of nominal
+    raises t within 2 s; a fast link brings it back to the baseline."""
+    import threading
+
     import zmq
 
-    from prfaas_sglang.transport.telemetry import TELEMETRY_TOPIC, LinkSample
+    from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
 
     group = ProcessGroup(tmp_path / "logs")
     pub = zmq.Context.instance().socket(zmq.PUB)
@@ -245,27 +260,26 @@ def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path
         p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", EXTRA)
         pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA)
         d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
-        topology = {"version": 1, "clusters": {
+        topology = {"version": 1, "emulation": {"speedup": SPEEDUP, "kv_scale": KV_SCALE}, "clusters": {
             "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": p0.bootstrap_port,
                                                "telemetry_port": telemetry_port}]},
             "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
                                           {"name": "d0", "role": "pd-decode", "port": d0.port}]}},
-            "links": [{"from": "b", "to": "a", "bandwidth_gbps": 100}]}
-        url = start_router(group, topology, "--lower-after-s", "1").url
+            "links": [{"from": "b", "to": "a", "bandwidth_gbps": 0.4}]}
+        url = start_router(group, topology).url
         baseline = requests.get(url + "/status", timeout=5).json()["threshold_tokens"]
         no_token = requests.post(url + "/admin/threshold", json={"threshold_tokens": 5}, timeout=5)
         assert no_token.status_code == 403 and "PRFAAS_ADMIN_TOKEN" in no_token.json()["error"]["message"]
         time.sleep(0.5)  # let the SUB socket connect
 
-        import threading
-
-        link = {"busy": 0.99, "capacity_bps": 2e9}  # saturated: the link delivers 2 Gbps and is always busy
+        link = {"busy": 1.0, "capacity_bps": 40e6}  # saturated: busy all the time, delivering a tenth of 400 Mbit/s
         stop = threading.Event()
 
         def publish() -> None:
             while not stop.is_set():
-                pub.send_multipart((TELEMETRY_TOPIC, LinkSample("p0", time.monotonic(), link["capacity_bps"] * link["busy"],
-                                                                link["busy"], link["capacity_bps"], 4, 0).encode()))
+                rate = link["capacity_bps"] * link["busy"]
+                pub.send_multipart((TELEMETRY_TOPIC, LinkSample("p0", time.time(), rate, link["busy"], link["capacity_bps"],
+                                                                1, 0, 1.0, rate, 1_000_000).encode()))
                 time.sleep(0.1)
 
         def wait_threshold(predicate, timeout_s: float) -> tuple[float, dict]:
@@ -282,9 +296,10 @@ def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path
         try:
             elapsed, status = wait_threshold(lambda t: t > baseline, timeout_s=5.0)
             assert elapsed <= 2.0, f"raised after {elapsed:.2f} s"
-            assert status["threshold_history"][0]["why"].startswith("raise")
-            assert status["telemetry"][-1]["utilization"] == pytest.approx(0.99)
-            link.update(busy=0.2, capacity_bps=100e9)  # the link recovered
+            assert status["threshold_history"][-1]["why"].startswith("raise: link delivers 40.0 Mbit/s")
+            assert status["link"]["busy_fraction"] == pytest.approx(1.0)
+            assert status["subscriptions"]["link:p0"]["frames"] > 0
+            link.update(busy=0.2, capacity_bps=380e6)  # the link recovered
             wait_threshold(lambda t: t == baseline, timeout_s=5.0)
         finally:
             stop.set()
@@ -314,7 +329,7 @@ def test_prefill_client_error_is_returned_not_raised():
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
-            prefill = server.WorkerRecord("p", f"http://127.0.0.1:{port}", "pd", "prefill", "127.0.0.1", 1, None)
+            prefill = server.WorkerRecord("p", f"http://127.0.0.1:{port}", "pd", "prefill", "127.0.0.1", 1, None, healthy=True)
             async with aiohttp.ClientSession() as session:
                 status, _ = await server._prefill_leg(session, prefill, "/generate", {"input_ids": [1]}, 5)
             return status, prefill.healthy
@@ -329,12 +344,12 @@ def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
     import threading
 
     group = ProcessGroup(tmp_path / "logs")
-    slow = ["--speedup", "2", "--kv-scale", "0.002", "--bootstrap-timeout-s", "30"]
+    slow = ["--speedup", "4", "--kv-scale", "0.002", "--bootstrap-timeout-s", "30"]
     try:
         p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", slow)
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
-        topology = {"version": 1, "clusters": {
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", slow)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", slow)
+        topology = {"version": 1, "emulation": {"speedup": 4, "kv_scale": 0.002}, "clusters": {
             "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": p0.bootstrap_port}]},
             "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
                                           {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
@@ -342,13 +357,13 @@ def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
         results: dict[int, requests.Response] = {}
 
         def send(k: int) -> None:
-            # 30K uncached tokens: far above t, so PrfaaS; ~0.75 s of prefill there at speedup 2.
+            # 30K uncached tokens: far above t, so PrfaaS; ~0.4 s of prefill there at speedup 4.
             results[k] = generate(url, list(range(1_000_000 + 40_000 * k, 1_000_000 + 40_000 * k + 30_000)), stream=(k % 2 == 1))
 
         threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.4)  # all four are now prefilling (or queued) on p0
+        time.sleep(0.3)  # all four are now prefilling (or queued) on p0
         proc = next(p for p in group.procs if p.name == "p0")
         os.killpg(proc.pid, signal.SIGKILL)
         for t in threads:
@@ -357,7 +372,7 @@ def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
         assert all(r.status_code == 200 for r in results.values()), {k: r.status_code for k, r in results.items()}
         assert all(r.headers["x-prfaas-route"] == "pd/pp0/d0" for r in results.values())
         status = requests.get(url + "/status", timeout=5).json()
-        assert status["fallbacks"] >= 1 and status["failed"] == 0
+        assert status["redispatched"] >= 1 and status["failed"] == {}
         deadline = time.monotonic() + 5  # the aborted first legs are cancelled on the decode worker
         while 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' not in requests.get(d0.url + "/metrics", timeout=5).text:
             assert time.monotonic() < deadline, "aborted decode legs still hold their rooms"

@@ -1,55 +1,137 @@
-"""Link telemetry: busy fraction, egress and delivered capacity from transfer records (pure)."""
+"""Link telemetry: the sender's meter, the wire format, the router's aggregate view (pure)."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
-from prfaas_sglang.transport.telemetry import LinkMeter, LinkSample
+from prfaas_sglang.router.link import LinkAggregator
+from prfaas_sglang.transport.meter import LinkMeter
+from prfaas_sglang.wire.telemetry import LinkSample
 
 
 def test_idle_link():
-    s = LinkMeter(window_s=1.0).sample("w", 10.0)
-    assert (s.busy_fraction, s.egress_bps, s.capacity_bps, s.inflight) == (0.0, 0.0, None, 0)
+    s = LinkMeter(window_s=1.0).sample("w", 10.0, 0.0)
+    assert (s.busy_fraction, s.egress_bps, s.capacity_bps, s.inflight, s.offered_bps, s.backlog_bytes) == (0.0, 0.0, None, 0, 0.0, 0)
 
 
 def test_back_to_back_transfers_saturate():
     m = LinkMeter(window_s=1.0)
     t = 0.0
     for i in range(10):  # each 125 KB in 0.2 s: a 5 Mbit/s link, always busy
-        m.start(i, t)
+        m.start(i, t, 125_000)
         t += 0.2
-        m.end(i, t, 125_000)
-    s = m.sample("w", t)
+        m.progress(i, t, 125_000)
+        m.end(i, t)
+    s = m.sample("w", t, 0.0)
     assert s.busy_fraction == pytest.approx(1.0)
     assert s.capacity_bps == pytest.approx(5e6)
     assert s.egress_bps == pytest.approx(5e6)
 
 
+def test_a_rate_drop_shows_within_a_slice_not_a_whole_transfer():
+    """A 10 MB transfer in 1 MB slices: 100 Mbit/s, then 10 Mbit/s from t=0.4. The meter sees 10 Mbit/s
+    one second after the drop, long before the transfer ends (it has 8 MB left at 0.8 Mbit per 80 ms...)."""
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.0, 10_000_000)
+    t = 0.0
+    for _ in range(5):  # 5 slices at 100 Mbit/s: 80 ms each
+        t += 0.08
+        m.progress(1, t, 1_000_000)
+    for _ in range(2):  # then 10 Mbit/s: 0.8 s per slice
+        t += 0.8
+        m.progress(1, t, 1_000_000)
+    s = m.sample("w", t, 0.0)
+    assert s.inflight == 1 and s.backlog_bytes == 3_000_000 and s.busy_fraction == pytest.approx(1.0)
+    assert s.capacity_bps == pytest.approx(1e7, rel=0.3)
+
+
+def test_a_stall_reads_as_zero_capacity():
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.0, 5_000_000)
+    s = m.sample("w", 3.0, 0.0)
+    assert s.capacity_bps == 0.0 and s.busy_fraction == 1.0 and s.egress_bps == 0.0 and s.backlog_bytes == 5_000_000
+
+
+def test_offered_load_counts_requests_not_deliveries():
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.5, 1_000_000)
+    m.start(2, 0.6, 1_000_000)
+    s = m.sample("w", 1.0, 0.0)
+    assert s.offered_bps == pytest.approx(16e6) and s.egress_bps == 0.0
+
+
 def test_overlapping_transfers_are_counted_once_and_inflight_counts_as_busy():
     m = LinkMeter(window_s=1.0)
-    m.start(1, 0.0)
-    m.start(2, 0.1)
-    m.end(1, 0.3, 1000)
-    m.end(2, 0.4, 1000)
-    m.start(3, 0.8)  # still in flight at 1.0
-    s = m.sample("w", 1.0)
+    m.start(1, 0.0, 1000)
+    m.start(2, 0.1, 1000)
+    m.progress(1, 0.3, 1000)
+    m.end(1, 0.3)
+    m.progress(2, 0.4, 1000)
+    m.end(2, 0.4)
+    m.start(3, 0.8, 1000)  # still in flight at 1.0
+    s = m.sample("w", 1.0, 0.0)
     assert s.busy_fraction == pytest.approx(0.4 + 0.2)
     assert s.inflight == 1
 
 
 def test_old_transfers_leave_the_window():
     m = LinkMeter(window_s=1.0)
-    m.start(1, 0.0)
-    m.end(1, 0.5, 10_000)
-    assert m.sample("w", 5.0).busy_fraction == 0.0
+    m.start(1, 0.0, 10_000)
+    m.progress(1, 0.5, 10_000)
+    m.end(1, 0.5)
+    s = m.sample("w", 5.0, 0.0)
+    assert s.busy_fraction == 0.0 and s.offered_bps == 0.0 and s.capacity_bps is None
 
 
-def test_wire_round_trip_and_rejection():
-    s = LinkSample("p0", 1.5, 8e6, 0.5, 1.6e7, 2, 3)
-    assert LinkSample.decode(s.encode()) == s
-    for bad in (b"{}", b"not json", b'{"v": 2, "worker": "x"}'):
+class TestWire:
+    def test_round_trip(self):
+        s = LinkSample("p0", 1.5, 8e6, 0.5, 1.6e7, 2, 3, 1.0, 9e6, 4096)
+        assert LinkSample.decode(s.encode()) == s
+
+    def test_v1_still_decodes(self):
+        v1 = {"v": 1, "worker": "p0", "ts": 1.0, "egress_bps": 8e6, "busy_fraction": 0.5, "capacity_bps": None,
+              "inflight": 0, "queue": 0}
+        s = LinkSample.decode(json.dumps(v1).encode())
+        assert s.offered_bps == 8e6 and s.backlog_bytes == 0 and s.window_s == 1.0
+
+    @pytest.mark.parametrize("payload", [
+        b"{}", b"not json", b"42", b"null", b'"str"', b"[]",
+        b'{"v": 3, "worker": "x"}',
+        b'{"v": 2, "worker": "x", "ts": 1, "egress_bps": 1, "busy_fraction": "high", "capacity_bps": null, "inflight": 0}',
+        b'{"v": 2, "worker": "x", "ts": 1, "egress_bps": 1, "busy_fraction": 0.5, "capacity_bps": NaN, "inflight": 0}',
+        b'{"v": 2, "worker": "x", "ts": 1, "egress_bps": 1, "busy_fraction": 1.5, "capacity_bps": null, "inflight": 0}',
+        b'{"v": 2, "worker": "x", "ts": 1, "egress_bps": -1, "busy_fraction": 0.5, "capacity_bps": null, "inflight": 0}',
+        b'{"v": 2, "worker": "x", "ts": 1, "egress_bps": 1, "busy_fraction": 0.5, "capacity_bps": null, "inflight": -2}',
+        b'{"v": 2, "worker": "x", "ts": 1, "egress_bps": 1, "busy_fraction": 0.5, "capacity_bps": null, "inflight": 0, "extra": 1}',
+        b'{"v": 2, "worker": 7, "ts": 1, "egress_bps": 1, "busy_fraction": 0.5, "capacity_bps": null, "inflight": 0}',
+    ])
+    def test_rejects_anything_else_with_value_error(self, payload):
         with pytest.raises(ValueError):
-            LinkSample.decode(bad)
+            LinkSample.decode(payload)
+
+
+class TestAggregate:
+    def sample(self, name, busy, capacity, egress=0.0, offered=0.0, backlog=0):
+        return LinkSample(name, 0.0, egress, busy, capacity, 1, 0, 1.0, offered, backlog)
+
+    def test_workers_share_the_link(self):
+        agg = LinkAggregator(stale_after_s=2.0)
+        agg.update("a", self.sample("a", 1.0, 20e6, egress=20e6, offered=30e6, backlog=100), 0.0)
+        agg.update("b", self.sample("b", 0.5, 20e6, egress=10e6, offered=5e6, backlog=50), 0.0)
+        v = agg.view(1.0)
+        assert v.busy_fraction == 1.0 and v.egress_bps == 30e6 and v.offered_bps == 35e6 and v.backlog_bytes == 150
+        assert v.capacity_bps == pytest.approx(30e6)  # 20 while always busy + 20 for half the time
+
+    def test_a_silent_worker_drops_out_and_nobody_means_unknown(self):
+        agg = LinkAggregator(stale_after_s=2.0)
+        agg.update("a", self.sample("a", 1.0, 20e6), 0.0)
+        agg.update("b", self.sample("b", 0.2, None), 2.5)
+        assert agg.view(3.0).capacity_bps is None          # a is stale; b measured nothing
+        assert agg.view(10.0) is None
+        assert not math.isnan(agg.view(3.0).busy_fraction)
 
 
 def test_histogram_buckets_are_cumulative():

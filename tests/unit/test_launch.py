@@ -12,9 +12,9 @@ from helpers import REPO_ROOT, run_py
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.launch.__main__ import main as launch_main
-from prfaas_sglang.launch.plan import plan_sglang
-from prfaas_sglang.launch.roles import KvTransport, Role
-from prfaas_sglang.launch.topology import Node, load_topology, parse_topology
+from prfaas_sglang.launch.command import sglang_command
+from prfaas_sglang.roles import KvTransport, Role
+from prfaas_sglang.topology import Node, load_topology, parse_topology
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
 
 
@@ -67,7 +67,7 @@ class TestAcceptanceCommands:
 class TestPlan:
     def test_decode_plan(self):
         node = Node("d0", "pd", Role.PD_DECODE, host="0.0.0.0", port=30001, kv_events_port=5558, model_path="/m", tp_size=2)
-        plan = plan_sglang(node, "/usr/bin/python3", {})
+        plan = sglang_command(node, "/usr/bin/python3", {})
         argv = list(plan.argv)
         assert argv[argv.index("--disaggregation-mode") + 1] == "decode"
         assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "30001"
@@ -80,7 +80,7 @@ class TestPlan:
         from sglang.srt.disaggregation.kv_events import KVEventsConfig
 
         node = Node("p0", "pd", Role.PD_PREFILL, kv_events_port=5557, model_path="/m")
-        argv = list(plan_sglang(node, "python", {}).argv)
+        argv = list(sglang_command(node, "python", {}).argv)
         config = KVEventsConfig.from_cli(argv[argv.index("--kv-events-config") + 1])
         assert config.publisher == "zmq" and config.endpoint == "tcp://*:5557"
 
@@ -92,7 +92,7 @@ class TestPlan:
 
         node = Node("p0", "prfaas", Role.PRFAAS, host="127.0.0.1", port=30000, bootstrap_port=8998,
                     kv_events_port=5557, model_path="/m", tp_size=1)
-        argv = list(plan_sglang(node, "python", {}).argv)[3:]
+        argv = list(sglang_command(node, "python", {}).argv)[3:]
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(argv)
@@ -102,14 +102,14 @@ class TestPlan:
 
     def test_rdma_plan_sets_no_tcp_environment(self):
         node = Node("p0", "pd", Role.PD_PREFILL, model_path="/m", kv_transport=KvTransport.RDMA)
-        plan = plan_sglang(node, "python", {})
+        plan = sglang_command(node, "python", {})
         argv = list(plan.argv)
         assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "mooncake"
         assert "MC_FORCE_TCP" not in plan.env and plan.env["PRFAAS_KV_TRANSPORT"] == "rdma"
 
     def test_operator_environment_wins_over_wan_defaults(self):
         node = Node("p0", "prfaas", Role.PRFAAS, model_path="/m")
-        plan = plan_sglang(node, "python", {"MC_TCP_LANES_PER_PEER": "4"})
+        plan = sglang_command(node, "python", {"MC_TCP_LANES_PER_PEER": "4"})
         assert "MC_TCP_LANES_PER_PEER" not in plan.env
         assert plan.env_kept == {"MC_TCP_LANES_PER_PEER": "16"}
         assert plan.env["MC_FORCE_TCP"] == "1"
@@ -117,7 +117,7 @@ class TestPlan:
     def test_passthrough_cannot_override_the_role(self):
         node = Node("p0", "prfaas", Role.PRFAAS, model_path="/m", extra_args=("--disaggregation-mode=decode",))
         with pytest.raises(ConfigError, match="--disaggregation-mode is set by the launcher"):
-            plan_sglang(node, "python", {})
+            sglang_command(node, "python", {})
 
     def test_passthrough_arguments_are_appended(self, capsys):
         rc = launch_main(["--role", "pd-decode", "--model-path", "/m", "--dry-run", "--json", "--", "--mem-fraction-static", "0.3"])
@@ -268,10 +268,10 @@ def test_mock_engine_plan(capsys):
 def test_mock_plan_runs_the_emulated_engine_parser():
     """The emitted flags are accepted by the emulated engine's own parser."""
     from prfaas_sglang.engine.mock.__main__ import build_parser, config_from_args
-    from prfaas_sglang.launch.plan import plan_mock
+    from prfaas_sglang.launch.command import mock_command
 
     node = Node("p0", "prfaas", Role.PRFAAS, host="127.0.0.1", port=30000, bootstrap_port=8998, kv_events_port=5557)
-    argv = list(plan_mock(node, "python", "kimi-linear-1t-hybrid@h200x8", ("--speedup", "5")).argv)[3:]
+    argv = list(mock_command(node, "python", "kimi-linear-1t-hybrid@h200x8", ("--speedup", "5")).argv)[3:]
     config = config_from_args(build_parser().parse_args(argv))
     assert config.bootstrap_port == 8998 and config.kv_events_port == 5557 and config.speedup == 5.0
 

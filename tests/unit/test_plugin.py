@@ -13,8 +13,8 @@ import pytest
 from helpers import REPO_ROOT, run_py
 
 from prfaas_sglang.errors import UpstreamVersionError
-from prfaas_sglang.launch.roles import KvTransport, Role, role_contract_violations
 from prfaas_sglang.plugin import HOOKS
+from prfaas_sglang.roles import KvTransport, Role, role_contract_violations
 
 TINY_MODEL = REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
 PROBE = Path(__file__).with_name("plugin_probe.py")

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
-from prfaas_sglang.launch.roles import ROLE_SPECS, parse_role
+from prfaas_sglang.roles import ROLE_SPECS, parse_role
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=512, help="prefix-cache block size, tokens")
     p.add_argument("--cache-tokens", type=int, default=2_097_152, help="prefix-cache capacity, tokens")
     p.add_argument("--context-tokens", type=int, default=131_072, help="longest prompt + output accepted")
-    p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: KV receive buffer size")
-    p.add_argument("--bootstrap-timeout-s", type=float, default=30.0)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="decode: KV pool, tokens (default: what the profile's HBM holds next to the weights)")
+    p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: landing buffer for KV in flight, MiB")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenize text/chat and detokenize outputs with this tokenizer (a shipped name such as "
+                        "prfaas-tiny-chatml, or a directory); default: ids, or one pseudo-token per word")
+    p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
+                   help="how long a prefill waits for its decode partner and a decode for room or KV (SGLang: 300)")
     return p
 
 
@@ -45,7 +51,8 @@ def config_from_args(args: argparse.Namespace):
     if spec.disaggregation_mode == "prefill" and args.bootstrap_port is None:
         raise ConfigError("--bootstrap-port", f"is required for role {role.value}")
     for flag, value in (("--page-size", args.page_size), ("--cache-tokens", args.cache_tokens),
-                        ("--context-tokens", args.context_tokens), ("--kv-buffer-mb", args.kv_buffer_mb)):
+                        ("--context-tokens", args.context_tokens), ("--kv-buffer-mb", args.kv_buffer_mb),
+                        ("--max-total-tokens", args.max_total_tokens or 1)):
         if value < 1:
             raise ConfigError(flag, f"must be >= 1, got {value}")
     if not args.bootstrap_timeout_s > 0:
@@ -57,14 +64,15 @@ def config_from_args(args: argparse.Namespace):
         speedup=args.speedup,
         kv_scale=args.kv_scale, max_batch=args.max_batch, page_size=args.page_size, cache_tokens=args.cache_tokens,
         context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
+        max_total_tokens=args.max_total_tokens, tokenizer=args.tokenizer,
     )
 
 
-async def _run(config, timing) -> None:
+async def _run(config, timing, tokenizer) -> None:
     from prfaas_sglang.engine.mock.engine import MockEngine
     from prfaas_sglang.engine.mock.server import serve
 
-    task = asyncio.create_task(serve(config, MockEngine(config, timing)))
+    task = asyncio.create_task(serve(config, MockEngine(config, timing, tokenizer)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
@@ -81,10 +89,15 @@ def main(argv: list[str] | None = None) -> int:
 
         config = config_from_args(args)
         timing = load_timing(args.profile, args.speedup, args.kv_scale, args.max_batch)
+        tokenizer = None
+        if args.tokenizer:
+            from prfaas_sglang.tokenizer import PromptTokenizer
+
+            tokenizer = PromptTokenizer.load(args.tokenizer)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    asyncio.run(_run(config, timing))
+    asyncio.run(_run(config, timing, tokenizer))
     return 0
 
 

@@ -1,20 +1,26 @@
 """The emulated worker's state and request flows (asyncio; no HTTP types here).
 
 PD protocol between emulated workers (SGLang's, at the granularity the
-router sees: the same body with ``bootstrap_host/port/room`` goes to both)::
+router sees: the same body with ``bootstrap_host/port/room`` goes to both;
+message types and versions in :mod:`prfaas_sglang.wire.handoff`)::
 
     router ──body──> prefill                         router ──body──> decode
-                      │                                                 │ 1. carve a receive region
+                      │                                                 │ 1. wait for KV-pool room (tokens),
+                      │                                                 │    carve a landing region (bytes)
                       │ 2. queue, prefill for T(l_uncached), cache pages (KV events), meanwhile
-                      │ <── POST /prfaas/register {room, session, addr, length, notify_url}
-                      │ 3. Mooncake TCP write: S_kv(l) * kv_scale bytes ──> region
-                      │ 4. POST notify_url {room, ok, first_token, ...} ─────> │ 5. check bytes arrived
-       <── 200 (KV shipped, like SGLang's prefill)                            │ 6. continuous-batch decode
-                                                                 <── tokens (stream or not)
+                      │ <── POST /prfaas/register  Registration{room, session, addr, length, notify_url}
+                      │ 3. Mooncake TCP write, 1 MiB slices: S_kv(l) * kv_scale bytes ──> region
+                      │ 4. POST notify_url  KvReady{room, ok, first_token, ...} ─────────> │ 5. check the bytes
+       <── 200 (KV shipped, like SGLang's prefill)                                        │    arrived, free the region
+                                                                                         │ 6. continuous-batch decode
+                                                                          <── tokens (stream or not)
 
-Timeouts: the prefill waits ``bootstrap_timeout_s`` for its decode partner
-(503); the decode waits as long for its KV (504). Every path frees what it
-took (receive region, room entries) in ``finally``.
+Decode KV is accounted in tokens, as SGLang's pool is: a sequence holds
+``prompt + max_new_tokens`` from step 1 until :meth:`MockEngine.finish`. A
+decode request that does not fit waits (SGLang's prealloc queue) up to
+``bootstrap_timeout_s``, then fails 503; so does one that finds no landing
+space. The prefill waits as long for its decode partner (503); the decode as
+long for its KV (504). Every path frees what it took in ``finally``.
 """
 
 from __future__ import annotations
@@ -27,13 +33,17 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from prfaas_sglang.engine.kv_events import AllBlocksCleared
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.timing import EngineTiming
-from prfaas_sglang.launch.roles import ROLE_SPECS, Role
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
-from prfaas_sglang.transport.telemetry import TELEMETRY_TOPIC, LinkMeter
+from prfaas_sglang.roles import ROLE_SPECS, Role
+from prfaas_sglang.transport.meter import LinkMeter
+from prfaas_sglang.wire.handoff import KvReady, Registration
+from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared
+from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
+
+PSEUDO_VOCAB = 32_000
 
 
 @dataclass(frozen=True)
@@ -52,8 +62,10 @@ class MockConfig:
     page_size: int = 512
     cache_tokens: int = 2_097_152
     context_tokens: int = 131_072
-    kv_buffer_bytes: int = 1 << 30
-    bootstrap_timeout_s: float = 30.0
+    max_total_tokens: int | None = None  # decode KV pool; None: the profile's
+    kv_buffer_bytes: int = 1 << 30  # decode landing buffer
+    bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_{BOOTSTRAP,WAITING}_TIMEOUT
+    tokenizer: str | None = None  # what the tokenizer was loaded from, for /server_info
 
     @property
     def advertise_host(self) -> str:
@@ -65,22 +77,14 @@ class MockConfig:
 
 
 @dataclass
-class Registration:
-    session: str
-    addr: int
-    length: int
-    notify_url: str
-
-
-@dataclass
 class Sequence:
     req: EngineRequest
     seed: int
     tokens: list[int]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
-    kv_region: tuple[int, int] | None = None  # (offset, length) in the receive arena; freed by finish()
-    kv_message: dict = field(default_factory=dict)  # the prefill's kv_ready report
+    pool_tokens: int = 0  # decode KV-pool tokens held; returned by finish()
+    ready: KvReady | None = None  # the prefill's report
 
     @property
     def done(self) -> bool:
@@ -100,10 +104,15 @@ class Stats:
 
 
 class MockEngine:
-    """One emulated worker. ``start()`` opens Mooncake and ZMQ; ``stop()`` closes them."""
+    """One emulated worker. ``start()`` opens Mooncake and ZMQ; ``stop()`` closes them.
 
-    def __init__(self, config: MockConfig, timing: EngineTiming):
-        self.config, self.timing = config, timing
+    ``tokenizer`` (a :class:`~prfaas_sglang.tokenizer.PromptTokenizer`) makes text and
+    chat prompts real token ids and outputs real text; without one, prompts must be
+    ids or fall back to one pseudo-token per word, and outputs read `` t<id>``.
+    """
+
+    def __init__(self, config: MockConfig, timing: EngineTiming, tokenizer=None):
+        self.config, self.timing, self.tokenizer = config, timing, tokenizer
         self.cache = PrefixCache(config.page_size, max(config.cache_tokens // config.page_size, 1), timing.hybrid)
         self.stats = Stats()
         self.kv: KvEndpoint | None = None
@@ -111,17 +120,26 @@ class MockEngine:
         self.telemetry = None
         self.http: aiohttp.ClientSession | None = None
         self.ready = False
-        self.waiting = 0  # queued for prefill, or for a decode slot
+        self.waiting = 0  # queued for prefill, or for decode room or a decode slot
+        self.waiting_uncached_tokens = 0
         self.running: list[Sequence] = []
+        self.max_total_tokens = config.max_total_tokens or timing.kv_pool_tokens
+        self.used_tokens = 0  # decode KV pool in use
+        self._room = asyncio.Condition()  # decode: signalled when pool tokens or landing bytes are freed
         self._decode_queue: collections.deque[Sequence] = collections.deque()
         self._wake = asyncio.Event()
         self._rooms: dict[int, asyncio.Future] = {}  # prefill: room -> Registration
-        self._pending: dict[int, asyncio.Future] = {}  # decode: room -> kv_ready message
+        self._pending: dict[int, asyncio.Future] = {}  # decode: room -> KvReady
         self._prefill_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self.meter = LinkMeter()
         self._transfer_ids = itertools.count()
+        if tokenizer is not None:
+            special = tokenizer.special_ids
+            self._vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
+        else:
+            self._vocab = None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -133,18 +151,15 @@ class MockEngine:
         else:
             self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, cfg.kv_buffer_bytes, False)
             self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
+        from prfaas_sglang.adapters.zmq import ZmqPublisher
+
         if cfg.kv_events_port is not None:
-            from prfaas_sglang.engine.mock.events import ZmqKvEventPublisher
-            from prfaas_sglang.launch.plan import KV_EVENTS_TOPIC
-
-            self.publisher = ZmqKvEventPublisher(f"tcp://*:{cfg.kv_events_port}", KV_EVENTS_TOPIC)
+            self.publisher = ZmqPublisher(f"tcp://*:{cfg.kv_events_port}", KV_EVENTS_TOPIC)
         if cfg.telemetry_port is not None and cfg.mode == "prefill":
-            from prfaas_sglang.engine.mock.events import ZmqKvEventPublisher
-
             # Its own socket: the KV-event stream stays exactly SGLang's format.
-            self.telemetry = ZmqKvEventPublisher(f"tcp://*:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode())
+            self.telemetry = ZmqPublisher(f"tcp://*:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode())
             self._tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.bootstrap_timeout_s))
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
         self.ready = True
 
     async def stop(self) -> None:
@@ -166,8 +181,18 @@ class MockEngine:
         """Bootstrap rooms this worker still tracks (prefill: registrations; decode: awaited KV)."""
         return len(self._rooms) + len(self._pending)
 
+    def output_token(self, seed: int, position: int) -> int:
+        if self._vocab is None:
+            return output_token(seed, position, PSEUDO_VOCAB)
+        return self._vocab[output_token(seed, position, len(self._vocab))]
+
+    def detokenize(self, ids) -> str:
+        if self.tokenizer is None:
+            return "".join(f" t{t}" for t in ids)
+        return self.tokenizer.decode(ids)
+
     def check_length(self, req: EngineRequest) -> None:
-        total = len(req.input_ids) + req.max_new_tokens
+        total = req.kv_tokens
         if total > self.config.context_tokens:
             raise BadRequest(400, f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                   f"exceeds the context length {self.config.context_tokens}")
@@ -175,7 +200,7 @@ class MockEngine:
     def flush_cache(self) -> None:
         self.cache.clear()
         if self.publisher:
-            self.publisher.publish([AllBlocksCleared()])
+            self.publisher.publish([AllBlocksCleared()], time.time())
 
     def gen_throughput(self) -> float:
         now = time.monotonic()
@@ -191,8 +216,9 @@ class MockEngine:
             self._rooms[room] = future
         return future
 
-    def register_decode(self, room: int, registration: Registration) -> None:
-        """Bootstrap server: a decode worker says where room ``room``'s KV goes."""
+    def register_decode(self, registration: Registration) -> None:
+        """Bootstrap server: a decode worker says where a room's KV goes."""
+        room = registration.room
         future = self._room_future(room)
         if future.done():
             raise BadRequest(409, f"bootstrap room {room} is already registered")
@@ -204,8 +230,8 @@ class MockEngine:
         if self._rooms.get(room) is future:
             del self._rooms[room]
 
-    async def prefill(self, req: EngineRequest) -> dict:
-        """Run one prefill and ship its KV; returns the numbers the response reports."""
+    async def prefill(self, req: EngineRequest) -> KvReady:
+        """Run one prefill and ship its KV; returns the hand-off the decode worker was sent."""
         if req.bootstrap is None:
             raise BadRequest(400, "this is a PD prefill server: requests need bootstrap_host, bootstrap_port, bootstrap_room")
         self.check_length(req)
@@ -213,11 +239,14 @@ class MockEngine:
         future = self._room_future(room)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         self.waiting += 1
+        queued_tokens = len(req.input_ids)
+        self.waiting_uncached_tokens += queued_tokens
         queued = True
         try:
             # Like SGLang, compute at once; the decode's registration is needed only to ship.
             async with self._prefill_lock:
                 self.waiting -= 1
+                self.waiting_uncached_tokens -= queued_tokens
                 queued = False
                 # The last prompt token is always computed (its logits give the first output
                 # token), so an exact repeat reuses at most the pages before it.
@@ -225,7 +254,7 @@ class MockEngine:
                 await asyncio.sleep(self.timing.prefill_s(len(req.input_ids) - match.cached_tokens))
                 events = self.cache.insert(req.input_ids)
             if self.publisher:
-                self.publisher.publish(events)
+                self.publisher.publish(events, time.time())
             try:
                 registration: Registration = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
@@ -235,92 +264,132 @@ class MockEngine:
         finally:
             if queued:
                 self.waiting -= 1
+                self.waiting_uncached_tokens -= queued_tokens
             if self._rooms.get(room) is future:
                 del self._rooms[room]
             if not future.done():
                 future.cancel()
 
-    async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int) -> dict:
+    async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int) -> KvReady:
         length = self.timing.kv_bytes(len(req.input_ids))
-        first_token = output_token(prompt_seed(req.input_ids), 0)
-        message = {"room": req.bootstrap.room, "kv_bytes": length, "cached_tokens": cached_tokens, "first_token": first_token}
+        first_token = self.output_token(prompt_seed(req.input_ids), 0)
+        room = req.bootstrap.room
+        transfer_s, error = None, None
         if length > registration.length:
-            message.update(ok=False, error=f"decode region of {registration.length} bytes is smaller than the KV ({length})")
+            error = f"decode region of {registration.length} bytes is smaller than the KV ({length})"
         else:
             start = time.perf_counter()
             transfer_id = next(self._transfer_ids)
-            self.meter.start(transfer_id, time.monotonic())
+            self.meter.start(transfer_id, time.monotonic(), length)
             try:
-                await self.kv.write(registration.session, registration.addr, length)
-                message.update(ok=True, transfer_s=time.perf_counter() - start)
-                self.meter.end(transfer_id, time.monotonic(), length)
+                await self.kv.write(registration.session, registration.addr, length,
+                                    lambda n, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n))
+                transfer_s = time.perf_counter() - start
             except KvTransferError as err:
-                message.update(ok=False, error=str(err))
-                self.meter.end(transfer_id, time.monotonic(), 0)
+                error = str(err)
+            finally:
+                self.meter.end(transfer_id, time.monotonic())
+        ready = KvReady(room, error is None, length, cached_tokens, first_token, transfer_s, error)
         try:
-            async with self.http.post(registration.notify_url, json=message) as resp:
+            async with self.http.post(registration.notify_url, json=ready.to_json()) as resp:
                 resp.raise_for_status()
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            message.setdefault("error", f"cannot notify the decode worker: {err}")
-            message["ok"] = False
-        if not message["ok"]:
+            error = error or f"cannot notify the decode worker: {err or type(err).__name__}"
+        if error is not None:
             self.stats.requests_failed += 1
-            raise BadRequest(502, f"KV transfer for bootstrap room {req.bootstrap.room} failed: {message['error']}")
+            raise BadRequest(502, f"KV transfer for bootstrap room {room} failed: {error}")
         self.stats.kv_bytes_sent += length
-        self.stats.kv_transfer_s += message["transfer_s"]
+        self.stats.kv_transfer_s += transfer_s
         self.stats.prompt_tokens += len(req.input_ids)
         self.stats.cached_tokens += cached_tokens
         self.stats.requests_ok += 1
-        return message
+        return ready
 
     async def _telemetry_loop(self, interval_s: float = 0.25) -> None:
-        """Publish this prefill worker's link telemetry (transport.telemetry wire format)."""
+        """Publish this prefill worker's link telemetry (``wire.telemetry`` format)."""
+        name = f"{self.config.served_model_name}@{self.config.advertise_host}:{self.config.port}"
         while True:
             await asyncio.sleep(interval_s)
-            sample = self.meter.sample(self.config.served_model_name + f"@{self.config.port}", time.monotonic(), self.waiting)
-            self.telemetry.publish_raw(TELEMETRY_TOPIC, sample.encode())
+            sample = self.meter.sample(name, time.monotonic(), time.time(), self.waiting)
+            self.telemetry.publish_raw(sample.encode())
 
     # --- decode side -----------------------------------------------------------------
 
-    def kv_ready(self, message: dict) -> None:
-        """A prefill worker reports the KV for ``message['room']`` (written, or failed)."""
-        room = message.get("room")
-        future = self._pending.get(room)
+    def kv_ready(self, ready: KvReady) -> None:
+        """A prefill worker reports the KV for ``ready.room`` (written, or failed)."""
+        future = self._pending.get(ready.room)
         if future is None or future.done():
-            raise BadRequest(404, f"unknown bootstrap room {room!r} (not waiting for KV)")
-        future.set_result(message)
+            raise BadRequest(404, f"unknown bootstrap room {ready.room!r} (not waiting for KV)")
+        future.set_result(ready)
+
+    async def _take_room(self, tokens: int, length: int, deadline: float) -> int:
+        """Wait until the pool has ``tokens`` and the landing buffer ``length`` bytes; returns the offset."""
+        async with self._room:
+            while True:
+                if self.used_tokens + tokens <= self.max_total_tokens:
+                    offset = self.kv.arena.alloc(length)
+                    if offset is not None:
+                        self.used_tokens += tokens
+                        return offset
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise BadRequest(503, f"no decode room for {tokens} tokens within {self.config.bootstrap_timeout_s:g} s "
+                                          f"({self.max_total_tokens - self.used_tokens} tokens and "
+                                          f"{self.kv.arena.free_bytes} landing bytes free)")
+                try:
+                    await asyncio.wait_for(self._room.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _give_back(self, tokens: int = 0, region: tuple[int, int] | None = None) -> None:
+        async with self._room:
+            self.used_tokens -= tokens
+            if region is not None:
+                self.kv.arena.free(*region)
+            self._room.notify_all()
 
     async def decode(self, req: EngineRequest) -> Sequence:
-        """Receive the KV, then enqueue for decoding. The caller iterates ``seq.queue``
-        (token ids, ``None`` at the end) and must call :meth:`finish` in a ``finally``."""
+        """Take pool room, receive the KV, then enqueue for decoding. The caller iterates
+        ``seq.queue`` (token ids, ``None`` at the end) and must call :meth:`finish` in a ``finally``."""
         if req.bootstrap is None:
             raise BadRequest(400, "this is a PD decode server: requests need bootstrap_host, bootstrap_port, bootstrap_room")
         self.check_length(req)
+        if req.kv_tokens > self.max_total_tokens:
+            raise BadRequest(400, f"prompt + max_new_tokens ({req.kv_tokens}) exceeds the decode KV pool ({self.max_total_tokens} tokens)")
         room = req.bootstrap.room
         if room in self._pending:
             raise BadRequest(409, f"bootstrap room {room} is already in use on this decode worker")
         length = self.timing.kv_bytes(len(req.input_ids))
-        offset = self.kv.arena.alloc(length)
-        if offset is None:
-            raise BadRequest(503, f"KV receive buffer full ({self.kv.arena.free_bytes} bytes free, {length} needed)")
+        if length > self.kv.arena.size:
+            raise BadRequest(400, f"KV of {length} bytes exceeds the landing buffer ({self.kv.arena.size} bytes)")
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        future = asyncio.get_running_loop().create_future()
+        self._pending[room] = future  # the room is ours from here: a duplicate is refused at once
+        self.waiting += 1
+        try:
+            offset = await self._take_room(req.kv_tokens, length, deadline)
+        except BaseException:
+            self._pending.pop(room, None)
+            raise
+        finally:
+            self.waiting -= 1
         region = self.kv.region(offset, length)
         region[:8] = 0
         region[-8:] = 0
-        future = asyncio.get_running_loop().create_future()
-        self._pending[room] = future
         try:
-            message = await self._await_kv(req, self.kv.base + offset, length, future)
+            ready = await self._await_kv(req, self.kv.base + offset, length, future)
             if not (region[:8] == PATTERN).all() or not (region[-8:] == PATTERN).all():
                 raise BadRequest(500, f"KV for bootstrap room {room} was reported written but did not arrive")
         except BaseException:
-            self.kv.arena.free(offset, length)
+            await self._give_back(req.kv_tokens, (offset, length))
             raise
         finally:
             self._pending.pop(room, None)
+        await self._give_back(0, (offset, length))  # checked: the bytes live on as pool tokens
         self.stats.kv_bytes_received += length
-        self.stats.kv_transfer_s += message.get("transfer_s", 0.0)
-        seq = Sequence(req, prompt_seed(req.input_ids), [message["first_token"]], kv_region=(offset, length), kv_message=message)
-        seq.queue.put_nowait(message["first_token"])
+        self.stats.kv_transfer_s += ready.transfer_s or 0.0
+        seq = Sequence(req, prompt_seed(req.input_ids), [ready.first_token], pool_tokens=req.kv_tokens, ready=ready)
+        seq.queue.put_nowait(ready.first_token)
         if seq.done:
             seq.queue.put_nowait(None)
         else:
@@ -329,38 +398,38 @@ class MockEngine:
             self._wake.set()
         return seq
 
-    async def _await_kv(self, req: EngineRequest, addr: int, length: int, future: asyncio.Future) -> dict:
+    async def _await_kv(self, req: EngineRequest, addr: int, length: int, future: asyncio.Future) -> KvReady:
         b = req.bootstrap
-        registration = {"room": b.room, "session": self.kv.session, "addr": addr, "length": length,
-                        "notify_url": f"http://{self.config.advertise_host}:{self.config.port}/prfaas/kv_ready"}
+        registration = Registration(b.room, self.kv.session, addr, length,
+                                    f"http://{self.config.advertise_host}:{self.config.port}/prfaas/kv_ready")
         url = f"http://{b.host}:{b.port}/prfaas/register"
         try:
-            async with self.http.post(url, json=registration) as resp:
+            async with self.http.post(url, json=registration.to_json()) as resp:
                 if resp.status != 200:
                     raise BadRequest(502, f"prefill bootstrap server {b.host}:{b.port} refused room {b.room}: "
                                           f"{resp.status} {(await resp.text())[:200]}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise BadRequest(502, f"cannot reach the prefill bootstrap server {b.host}:{b.port}: {err}") from None
+            raise BadRequest(502, f"cannot reach the prefill bootstrap server {b.host}:{b.port}: "
+                                  f"{err or type(err).__name__}") from None
         try:
-            message = await asyncio.wait_for(future, self.config.bootstrap_timeout_s)
+            ready: KvReady = await asyncio.wait_for(future, self.config.bootstrap_timeout_s)
         except asyncio.TimeoutError:
             raise BadRequest(504, f"no KV for bootstrap room {b.room} within {self.config.bootstrap_timeout_s:g} s "
                                   "(no prefill partner?)") from None
-        if not message.get("ok"):
-            raise BadRequest(502, f"prefill reported a failed KV transfer: {message.get('error')}")
-        return message
+        if not ready.ok:
+            raise BadRequest(502, f"prefill reported a failed KV transfer: {ready.error}")
+        return ready
 
-    def finish(self, seq: Sequence, ok: bool) -> None:
+    async def finish(self, seq: Sequence, ok: bool) -> None:
         """Release what ``decode`` took; safe to call once per sequence, any time."""
         seq.cancelled = True
-        region = seq.kv_region
-        if region is not None:
-            self.kv.arena.free(*region)
-            seq.kv_region = None
+        if seq.pool_tokens:
+            tokens, seq.pool_tokens = seq.pool_tokens, 0
+            await self._give_back(tokens)
             self.stats.requests_ok += ok
             self.stats.requests_failed += not ok
             self.stats.prompt_tokens += len(seq.req.input_ids)
-            self.stats.cached_tokens += seq.kv_message.get("cached_tokens", 0)
+            self.stats.cached_tokens += seq.ready.cached_tokens if seq.ready else 0
 
     async def _decode_loop(self) -> None:
         """Continuous batching: admit up to max_batch, one step per ``decode_step_s``."""
@@ -381,7 +450,7 @@ class MockEngine:
             for seq in self.running:
                 if seq.cancelled:
                     continue
-                token = output_token(seq.seed, len(seq.tokens))
+                token = self.output_token(seq.seed, len(seq.tokens))
                 seq.tokens.append(token)
                 seq.queue.put_nowait(token)
                 produced += 1

@@ -4,25 +4,28 @@ Each worker owns one ``TransferEngine`` (``P2PHANDSHAKE`` metadata, so peers
 address each other as ``ip:rpc_port``) and one registered host buffer:
 
 * prefill: a *source* region of ``source_bytes`` filled with ``PATTERN``;
-* decode: a *receive* arena from which per-request regions are carved
-  (first fit, page granular). A region belongs to its request until
-  ``free`` (the decode handler frees it in a ``finally``).
+* decode: a *landing* arena from which per-request regions are carved (first
+  fit, page granular). A region belongs to its request only until the bytes
+  have been checked (``MockEngine.decode`` frees it then); what the request
+  holds afterwards is accounted in tokens, like a GPU KV pool.
 
-Mooncake's sync calls busy-spin and release the GIL, so they run on a small
-thread pool, never on the event loop. A transfer is split into entries of
-``CHUNK_BYTES`` submitted as one batch, which spreads it over the TCP lanes.
+A transfer is written in ``SLICE_BYTES`` slices, one synchronous batch each,
+on a small thread pool (Mooncake's sync calls busy-spin and release the GIL),
+and each delivered slice is reported to ``on_progress`` on the event loop, so
+link telemetry sees a rate change within one slice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 PATTERN = 0xA5
-CHUNK_BYTES = 4 << 20
+SLICE_BYTES = 1 << 20
 _ALIGN = 4096
 
 
@@ -37,8 +40,12 @@ class KvArena:
         self.size = size
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted
 
+    @staticmethod
+    def aligned(length: int) -> int:
+        return -(-length // _ALIGN) * _ALIGN
+
     def alloc(self, length: int) -> int | None:
-        length = -(-length // _ALIGN) * _ALIGN
+        length = self.aligned(length)
         for i, (off, free_len) in enumerate(self._free):
             if free_len >= length:
                 if free_len == length:
@@ -49,7 +56,7 @@ class KvArena:
         return None
 
     def free(self, offset: int, length: int) -> None:
-        length = -(-length // _ALIGN) * _ALIGN
+        length = self.aligned(length)
         self._free.append((offset, length))
         self._free.sort()
         merged: list[tuple[int, int]] = []
@@ -85,20 +92,23 @@ class KvEndpoint:
         self.arena = KvArena(buffer_bytes)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv")
 
-    def write_sync(self, peer_session: str, peer_addr: int, length: int) -> None:
-        """Copy ``length`` bytes of the source buffer to ``peer_addr`` on ``peer_session``."""
-        srcs, dsts, lens = [], [], []
-        for off in range(0, length, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, length - off)
-            srcs.append(self.base + off)
-            dsts.append(peer_addr + off)
-            lens.append(n)
-        rc = self.engine.batch_transfer_sync_write(peer_session, srcs, dsts, lens)
-        if rc != 0:
-            raise KvTransferError(f"transfer of {length} bytes to {peer_session} returned {rc}")
+    def _write_sync(self, peer_session: str, peer_addr: int, length: int, report: Callable[[int], None]) -> None:
+        for off in range(0, length, SLICE_BYTES):
+            n = min(SLICE_BYTES, length - off)
+            rc = self.engine.batch_transfer_sync_write(peer_session, [self.base + off], [peer_addr + off], [n])
+            if rc != 0:
+                raise KvTransferError(f"transfer of {length} bytes to {peer_session} returned {rc} at offset {off}")
+            report(n)
 
-    async def write(self, peer_session: str, peer_addr: int, length: int) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._pool, self.write_sync, peer_session, peer_addr, length)
+    async def write(self, peer_session: str, peer_addr: int, length: int, on_progress: Callable[[int], None]) -> None:
+        """Copy ``length`` bytes of the source buffer to ``peer_addr``; ``on_progress(n)`` runs on the
+        loop after each delivered slice."""
+        loop = asyncio.get_running_loop()
+
+        def report(n: int) -> None:
+            loop.call_soon_threadsafe(on_progress, n)
+
+        await loop.run_in_executor(self._pool, self._write_sync, peer_session, peer_addr, length, report)
 
     def region(self, offset: int, length: int) -> np.ndarray:
         return self.buffer[offset : offset + length]

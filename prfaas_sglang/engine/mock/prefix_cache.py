@@ -20,8 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prfaas_sglang.engine.blocks import digest_to_int64, page_digests
-from prfaas_sglang.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
+from prfaas_sglang.wire.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 
 @dataclass(frozen=True)

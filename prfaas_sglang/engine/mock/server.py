@@ -15,23 +15,34 @@ status; nothing a failed request took stays allocated.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import hashlib
 import itertools
 import json
 import time
 
 from aiohttp import web
 
-from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine, Registration
+from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine
 from prfaas_sglang.protocol import (
     SSE_DONE,
     BadRequest,
     full_response,
     parse_request,
     stream_chunk,
+    usage_chunk,
 )
+from prfaas_sglang.wire.blocks import HASH_SCHEME
+from prfaas_sglang.wire.handoff import KvReady, Registration
+from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
 ENGINE_KEY = web.AppKey("engine", MockEngine)
 _rid_counter = itertools.count()
+
+
+def pseudo_tokenize(text: str) -> list[int]:
+    """The tokenizer-less fallback: one deterministic pseudo-token per whitespace-separated word."""
+    return [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "little") % 32_000 for w in text.split()]
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -47,16 +58,18 @@ async def _json_body(request: web.Request):
 
 
 def _info(engine: MockEngine) -> dict:
+    """``/server_info``: the fields of SGLang 0.5.15's answer a router reads, plus ``prfaas``."""
     cfg = engine.config
     return {
         "model_path": cfg.served_model_name,
         "served_model_name": cfg.served_model_name,
-        "tokenizer_path": None,
-        "skip_tokenizer_init": True,
+        "tokenizer_path": cfg.tokenizer,
+        "skip_tokenizer_init": engine.tokenizer is None,
         "dp_size": 1,
         "tp_size": 1,
         "page_size": cfg.page_size,
-        "max_total_tokens": cfg.cache_tokens,
+        "max_total_num_tokens": engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens,
+        "max_req_input_len": cfg.context_tokens - 1,
         "max_prefill_tokens": cfg.context_tokens,
         "max_running_requests": engine.timing.max_batch,
         "context_length": cfg.context_tokens,
@@ -64,9 +77,12 @@ def _info(engine: MockEngine) -> dict:
         "disaggregation_transfer_backend": "mooncake",
         "disaggregation_bootstrap_port": cfg.bootstrap_port,
         "load_balance_method": "follow_bootstrap_room" if cfg.mode == "prefill" else "round_robin",
-        "kv_events": {"publisher": "zmq", "endpoint": f"tcp://{cfg.advertise_host}:{cfg.kv_events_port}", "topic": "kv-events"}
+        "kv_events": {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": cfg.kv_events_port,
+                      "topic": KV_EVENTS_TOPIC, "block_size": cfg.page_size, "dp_size": 1}
         if cfg.kv_events_port is not None else None,
-        "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup, "kv_scale": cfg.kv_scale},
+        "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup,
+                   "kv_scale": cfg.kv_scale, "block_hash": HASH_SCHEME, "hybrid": engine.timing.hybrid,
+                   "telemetry_port": cfg.telemetry_port},
         "version": "0.5.15",
     }
 
@@ -79,7 +95,7 @@ def _metrics(engine: MockEngine) -> str:
     rows = [
         ("sglang:num_running_reqs", "gauge", len(engine.running)),
         ("sglang:num_queue_reqs", "gauge", engine.waiting),
-        ("sglang:token_usage", "gauge", used / cfg.cache_tokens),
+        ("sglang:token_usage", "gauge", (engine.used_tokens / engine.max_total_tokens) if cfg.mode == "decode" else used / cfg.cache_tokens),
         ("sglang:gen_throughput", "gauge", engine.gen_throughput()),
         ("sglang:cache_hit_rate", "gauge", hit_rate),
         ("sglang:prompt_tokens_total", "counter", s.prompt_tokens),
@@ -90,14 +106,25 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:requests_ok_total", "counter", s.requests_ok),
         ("prfaas:requests_failed_total", "counter", s.requests_failed),
         ("prfaas:kv_buffer_free_bytes", "gauge", engine.kv.arena.free_bytes if engine.kv else 0),
+        ("prfaas:kv_pool_used_tokens", "gauge", engine.used_tokens),
         ("prfaas:open_rooms", "gauge", engine.open_rooms),
     ]
     return "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
 
 
 def _load(engine: MockEngine) -> dict:
-    return {"dp_rank": 0, "num_reqs": len(engine.running) + engine.waiting, "num_waiting_reqs": engine.waiting,
-            "num_tokens": sum(len(s.req.input_ids) + len(s.tokens) for s in engine.running)}
+    """One DP rank of SGLang 0.5.15's ``/v1/loads`` (``GetLoadsReqOutput``, core fields)."""
+    cfg = engine.config
+    decode = cfg.mode == "decode"
+    used = engine.used_tokens if decode else len(engine.cache) * cfg.page_size
+    total = engine.max_total_tokens if decode else cfg.cache_tokens
+    return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": len(engine.running),
+            "num_waiting_reqs": engine.waiting, "num_waiting_uncached_tokens": engine.waiting_uncached_tokens,
+            "num_used_tokens": used, "num_total_tokens": used, "max_total_num_tokens": total,
+            "token_usage": used / total if total else 0.0, "gen_throughput": engine.gen_throughput(),
+            "cache_hit_rate": engine.stats.cached_tokens / engine.stats.prompt_tokens if engine.stats.prompt_tokens else 0.0,
+            "utilization": len(engine.running) / engine.timing.max_batch, "max_running_requests": engine.timing.max_batch,
+            "disaggregation": {"mode": cfg.mode}}
 
 
 def build_app(engine: MockEngine) -> web.Application:
@@ -120,14 +147,14 @@ def build_app(engine: MockEngine) -> web.Application:
                                   "architectures": ["PrfaasMockForCausalLM"]})
 
     async def get_load(request):
-        return web.json_response([_load(engine)])
+        load = _load(engine)
+        return web.json_response([{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                                   "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_total_tokens"],
+                                   "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
     async def loads(request):
-        load = _load(engine)
-        return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-            "dp_rank": 0, "num_running_reqs": len(engine.running), "num_waiting_reqs": engine.waiting,
-            "num_total_reqs": load["num_reqs"], "num_used_tokens": load["num_tokens"],
-            "max_total_num_tokens": engine.config.cache_tokens, "gen_throughput": engine.gen_throughput()}]})
+        return web.json_response({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                  "version": "0.5.15", "loads": [_load(engine)]})
 
     async def metrics(request):
         return web.Response(text=_metrics(engine), content_type="text/plain")
@@ -138,10 +165,11 @@ def build_app(engine: MockEngine) -> web.Application:
 
     async def kv_ready(request):
         try:
-            message = await _json_body(request)
-            if not isinstance(message, dict):
-                raise BadRequest(400, "kv_ready body must be an object")
-            engine.kv_ready(message)
+            try:
+                ready = KvReady.decode(await _json_body(request))
+            except ValueError as err:
+                raise BadRequest(400, str(err)) from None
+            engine.kv_ready(ready)
         except BadRequest as err:
             return error_response(err.status, err.message)
         return web.json_response({"ok": True})
@@ -151,7 +179,8 @@ def build_app(engine: MockEngine) -> web.Application:
             if not engine.ready:
                 return error_response(503, "server is starting")
             try:
-                req = parse_request(kind, await _json_body(request), f"mock-{next(_rid_counter)}")
+                req = parse_request(kind, await _json_body(request), f"mock-{next(_rid_counter)}", int(time.time()),
+                                    engine.tokenizer, pseudo_tokenize)
                 if engine.config.mode == "prefill":
                     return await _prefill_response(engine, req)
                 return await _decode_response(engine, req, request)
@@ -179,9 +208,9 @@ def build_app(engine: MockEngine) -> web.Application:
 
 
 async def _prefill_response(engine: MockEngine, req) -> web.StreamResponse:
-    report = await engine.prefill(req)
-    extra = {"prfaas": {"kv_bytes": report["kv_bytes"], "kv_transfer_s": report["transfer_s"], "role": "prefill"}}
-    body = full_response(req, [], report["cached_tokens"], engine.config.served_model_name, extra)
+    ready = await engine.prefill(req)
+    extra = {"prfaas": {"kv_bytes": ready.kv_bytes, "kv_transfer_s": ready.transfer_s, "role": "prefill"}}
+    body = full_response(req, [], ready.cached_tokens, engine.config.served_model_name, extra, engine.detokenize)
     return web.json_response(body)
 
 
@@ -189,27 +218,31 @@ async def _decode_response(engine: MockEngine, req, request: web.Request) -> web
     seq = await engine.decode(req)
     ok = False
     model = req.model or engine.config.served_model_name
-    cached = seq.kv_message.get("cached_tokens", 0)
-    extra = {"prfaas": {"kv_bytes": seq.kv_message["kv_bytes"], "kv_transfer_s": seq.kv_message.get("transfer_s"), "role": "decode"}}
+    cached = seq.ready.cached_tokens
+    extra = {"prfaas": {"kv_bytes": seq.ready.kv_bytes, "kv_transfer_s": seq.ready.transfer_s, "role": "decode"}}
     try:
         if not req.stream:
             while await seq.queue.get() is not None:
                 pass
             ok = True
-            return web.json_response(full_response(req, seq.tokens, cached, model, extra))
+            return web.json_response(full_response(req, seq.tokens, cached, model, extra, engine.detokenize))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        sent = 0
+        sent, text = 0, ""
         # Tokens are appended to seq.tokens before they are queued, so [:sent] is complete.
         while await seq.queue.get() is not None:
             sent += 1
-            await response.write(stream_chunk(req, seq.tokens[:sent], seq.tokens[sent - 1:sent], False, cached, model, extra).encode())
-        await response.write(stream_chunk(req, seq.tokens, [], True, cached, model, extra).encode())
+            so_far = engine.detokenize(seq.tokens[:sent])
+            delta, text = so_far[len(text):] if so_far.startswith(text) else so_far, so_far
+            await response.write(stream_chunk(req, seq.tokens[:sent], delta, False, cached, model, extra, text).encode())
+        await response.write(stream_chunk(req, seq.tokens, "", True, cached, model, extra, text).encode())
+        if req.include_usage:
+            await response.write(usage_chunk(req, seq.tokens, cached, model).encode())
         await response.write(SSE_DONE.encode())
         ok = True
         return response
     finally:
-        engine.finish(seq, ok)
+        await engine.finish(seq, ok)
 
 
 async def serve(config: MockConfig, engine: MockEngine) -> None:
@@ -248,13 +281,10 @@ def build_bootstrap_app(engine: MockEngine) -> web.Application:
             if not isinstance(body, dict):
                 raise BadRequest(400, "registration must be an object")
             try:
-                room = body["room"]
-                registration = Registration(str(body["session"]), int(body["addr"]), int(body["length"]), str(body["notify_url"]))
-            except (KeyError, TypeError, ValueError) as err:
-                raise BadRequest(400, f"registration needs room, session, addr, length, notify_url ({err})") from None
-            if not isinstance(room, int) or isinstance(room, bool):
-                raise BadRequest(400, "room must be an integer")
-            engine.register_decode(room, registration)
+                registration = Registration.decode(body)
+            except ValueError as err:
+                raise BadRequest(400, f"bad registration: {err}") from None
+            engine.register_decode(registration)
         except BadRequest as err:
             return error_response(err.status, err.message)
         return web.json_response({"ok": True})

@@ -1,12 +1,15 @@
-"""How long the emulated engine takes (pure): the planner's profiles, scaled by ``speedup``.
+"""How long the emulated engine takes, and how much KV it holds (pure): the planner's profiles, scaled.
 
 ``--profile`` names either ``MODEL@ACCELERATOR`` (analytic roofline from the
 planner's shipped data) or a measured-profile YAML file. The same objects
-drive the planner, so a mock deployment behaves as the plan assumes.
+drive the planner and the router (``prfaas_sglang.runtime``), so a mock
+deployment behaves as the plan assumes.
 
     prefill_s(l_uncached)      = T_prefill(l_uncached) / speedup
     kv_bytes(l_total)          = S_kv(l_total) * kv_scale        (real bytes shipped)
     decode_step_s(bs, context) = analytic step time, or the measured T_decode, / speedup
+    kv_pool_tokens             = (HBM * mem_fraction - weights) / full-attention KV per token
+                                 (analytic; a measured profile: BS_max * 32K)
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.analytic import Accelerator, AnalyticPrefill, ModelConfig, decode_step_s
 from prfaas_sglang.plan.profiles import DecodeProfile, PrefillProfile
 from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile
+
+MEASURED_POOL_TOKENS_PER_SEQ = 32_768
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,20 @@ class EngineTiming:
             return self.measured_decode.step_s / self.speedup
         return decode_step_s(self.model, self.accel, batch, mean_context_tokens) / self.speedup
 
+    @property
+    def kv_pool_tokens(self) -> int:
+        """Tokens of KV one instance holds next to its weights (the decode pool)."""
+        if self.model is None or self.accel is None:
+            return self.max_batch * MEASURED_POOL_TOKENS_PER_SEQ
+        free = self.accel.gpus * self.accel.hbm_gb * 1e9 * self.accel.mem_fraction
+        free -= self.model.total_params_b * 1e9 * self.model.weight_bytes_per_param
+        per_token = self.model.full_attention.kv_elems_per_token() * self.model.kv_dtype_bytes
+        return max(int(free / per_token), 1)
+
 
 def load_timing(profile: str, speedup: float, kv_scale: float, max_batch: int | None,
                 catalog: Catalog | None = None) -> EngineTiming:
-    """``MODEL@ACCEL`` or a measured profile file; ``max_batch`` None: the profile's BS_max."""
+    """``MODEL@ACCEL`` or a measured profile file; ``max_batch`` None: 256 (analytic) or the profile's BS_max."""
     if not speedup > 0:
         raise ConfigError("--speedup", f"must be > 0, got {speedup!r}")
     if not 0 < kv_scale <= 1:

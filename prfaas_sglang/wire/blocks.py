@@ -15,8 +15,13 @@ import sys
 from array import array
 from collections.abc import Iterator, Sequence
 
+# The block-id scheme of SGLang 0.5.15's KV events, as a name: workers that state one
+# (the emulated engine, in /server_info["prfaas"]["block_hash"]) must state this one;
+# SGLang itself states none and uses it.
+HASH_SCHEME = "sglang-sha256-chain-int64"
+
 if sys.byteorder != "little":  # SGLang's native hash has the same restriction
-    raise ImportError("prfaas_sglang.engine.blocks needs a little-endian host")
+    raise ImportError("prfaas_sglang.wire.blocks needs a little-endian host")
 
 
 def iter_page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None,

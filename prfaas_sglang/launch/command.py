@@ -1,7 +1,7 @@
-"""Turn a node's settings into the exact SGLang command and environment (pure).
+"""Turn a node's settings into the exact command and environment to start it (pure).
 
 No I/O: the caller passes the Python executable and the current environment,
-and decides whether to print the plan (``--dry-run``) or exec it.
+and decides whether to print the command (``--dry-run``) or exec it.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.launch.roles import ROLE_SPECS, Engine, KvTransport
-from prfaas_sglang.launch.topology import Node
+from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport
+from prfaas_sglang.topology import Node
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
 # Flags the launcher derives from the role and node; passing them again after
 # `--` would contradict the role, so it is refused up front.
@@ -28,11 +29,10 @@ LAUNCHER_OWNED_FLAGS = (
     "--disaggregation-bootstrap-port",
     "--kv-events-config",
 )
-KV_EVENTS_TOPIC = "kv-events"
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchCommand:
     """What the launcher will run. ``env`` holds only the variables it sets;
     ``env_kept`` the defaults it did not set because the environment already
     had a value (shown by ``--dry-run``)."""
@@ -45,7 +45,7 @@ class LaunchPlan:
     notes: tuple[str, ...] = ()
 
     def render(self) -> str:
-        lines = [f"# prfaas-sglang launch plan: node={self.node.name} role={self.node.role.value} engine={self.engine.value}"]
+        lines = [f"# prfaas-sglang launch: node={self.node.name} role={self.node.role.value} engine={self.engine.value}"]
         lines += [f"# {note}" for note in self.notes]
         lines.append("# environment set by the launcher (the rest is inherited):")
         lines += [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
@@ -82,7 +82,7 @@ def kv_events_config(port: int) -> str:
     return json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": KV_EVENTS_TOPIC}, separators=(",", ":"))
 
 
-def plan_sglang(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = ()) -> LaunchPlan:
+def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = ()) -> LaunchCommand:
     """The ``sglang.launch_server`` command and environment for an engine ``node``."""
     spec = ROLE_SPECS[node.role]
     if not spec.is_engine_role:
@@ -118,10 +118,10 @@ def plan_sglang(node: Node, python: str, environ: Mapping[str, str], notes: tupl
                 kept[default.name] = default.value
             else:
                 env[default.name] = default.value
-    return LaunchPlan(node, Engine.SGLANG, tuple(argv), env, kept, notes)
+    return LaunchCommand(node, Engine.SGLANG, tuple(argv), env, kept, notes)
 
 
-def plan_mock(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = ()) -> LaunchPlan:
+def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = ()) -> LaunchCommand:
     """The emulated worker's command (``python -m prfaas_sglang.engine.mock``) for an engine ``node``.
 
     The emulated engine ships KV over Mooncake TCP whatever the node's transport says.
@@ -143,13 +143,13 @@ def plan_mock(node: Node, python: str, profile: str, mock_args: tuple[str, ...] 
         argv += ["--telemetry-port", str(node.telemetry_port)]
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
-    return LaunchPlan(node, Engine.MOCK, tuple(argv), env)
+    return LaunchCommand(node, Engine.MOCK, tuple(argv), env)
 
 
-def plan_control(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchPlan:
+def control_command(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchCommand:
     """A control-plane process (router or kv-index) for the workers of the topology at ``config_path``."""
     if node.port is None:
         raise ConfigError("--port", f"is required for role {node.role.value}")
     module = {"router": "prfaas_sglang.router", "kv-index": "prfaas_sglang.kvindex"}[node.role.value]
     argv = [python, "-m", module, "--config", config_path, "--host", node.host or "127.0.0.1", "--port", str(node.port), *extra]
-    return LaunchPlan(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value})
+    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value})

@@ -17,6 +17,9 @@ from typing import Any
 import msgspec
 
 WIRE_VERSION = 1
+# The topic our launcher configures (``--kv-events-config``) and the emulated engine
+# publishes on; a worker's ``/server_info["kv_events"]["topic"]`` says which one it uses.
+KV_EVENTS_TOPIC = "kv-events"
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

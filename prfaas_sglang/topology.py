@@ -1,20 +1,28 @@
-"""Deployment topology files (YAML): clusters, nodes, roles and links.
+"""Deployment topology files (YAML): clusters, nodes, roles, links, and the scheduler's model.
 
 Validation is strict and names the bad field by its path
 (``clusters.pd-a.nodes[1].role``), suggesting the nearest known key for a
 typo. Parsing is pure (``parse_topology(dict)``); ``load_topology(path)`` adds
-the file read. Example files: ``launch/*.yaml``.
+the file read. Example files: ``launch/*.yaml``. The scheduler's model of the
+deployment (cost profiles, threshold) is built from a topology by
+:mod:`prfaas_sglang.runtime`, and only there.
 
-Schema (version 1)::
+Schema (version 1; every field marked optional may be left out)::
 
     version: 1
     model:                       # defaults for every engine node
       path: /models/x            # --model-path
+      served_name: my-model      # optional: the name clients ask for (default: what the workers report)
+      tokenizer: DIR | NAME      # optional: the router's tokenizer (default: path); a shipped name
+                                 #   (prfaas-tiny-chatml) or a directory; none: ids only
+      cost_model: NAME | PATH    # optional: the planner's model config (default kimi-linear-1t-hybrid)
       extra_args: [...]          # passed to sglang.launch_server
     clusters:
       <name>:
         kind: prfaas | pd | control
         kv_transport: tcp | rdma   # engine clusters; default per role (tcp)
+        accelerator: h200x8        # optional, engine clusters: the planner's accelerator class
+        profile: measured.yaml     #   ... or a measured profile instead (default: h200x8 / h20x8)
         nodes:
           - name: <unique>
             role: prfaas | pd-prefill | pd-decode | router | kv-index
@@ -28,6 +36,17 @@ Schema (version 1)::
             extra_args: [...]        # appended after model.extra_args
     links:
       - {from: <cluster>, to: <cluster>, bandwidth_gbps: 100, rtt_ms: 5}
+    scheduler:                   # optional: what the global scheduler assumes until it measures
+      workload: {kind: lognormal, mu: 9.9, sigma: 1.0, min_tokens: 128, max_tokens: 131072}
+                                 #   prior of incremental lengths (the planner's workload schema)
+      output_tokens: 1024        # L_out
+      slo_tokens_per_s: 40       # decode SLO (sets BS_max and T_decode)
+      decode_batch: 64           # optional: BS_max instead of the profile's
+      threshold_tokens: 19400    # optional: the operator's baseline t instead of the planner's
+      threshold_step_tokens: 128 # search grid
+    emulation:                   # optional: emulated engines (--engine mock) run this scaled
+      speedup: 20                #   durations / speedup
+      kv_scale: 0.01             #   KV bytes shipped = S_kv(l) * kv_scale
 """
 
 from __future__ import annotations
@@ -45,7 +64,7 @@ from prfaas_sglang.configcheck import opt_str as _opt_str
 from prfaas_sglang.configcheck import port as _opt_port
 from prfaas_sglang.configcheck import str_list as _str_list
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.launch.roles import ROLE_SPECS, KvTransport, Role, parse_role
+from prfaas_sglang.roles import ROLE_SPECS, KvTransport, Role, parse_role
 
 SUPPORTED_VERSIONS = (1,)
 CLUSTER_KINDS = ("prfaas", "pd", "control")
@@ -76,11 +95,62 @@ class Link:
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """``model:``: what the engines serve, and what the scheduler assumes of it."""
+
+    path: str | None = None
+    served_name: str | None = None
+    tokenizer: str | None = None  # None: model.path (when given); resolved by the router
+    cost_model: str | dict | None = None  # the planner's model config; None: the runtime's default
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    kind: str  # prfaas | pd | control
+    kv_transport: KvTransport | None = None
+    accelerator: str | None = None  # the planner's accelerator class
+    profile: str | None = None  # or a measured profile file
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """``scheduler:``; ``workload`` is validated by the runtime model (it may read a trace)."""
+
+    workload: dict | None = None
+    output_tokens: int | None = None
+    slo_tokens_per_s: float | None = None
+    decode_batch: int | None = None
+    threshold_tokens: float | None = None
+    threshold_step_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How emulated engines scale time and KV bytes (``emulation:``)."""
+
+    speedup: float = 1.0
+    kv_scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class Topology:
     version: int
     nodes: tuple[Node, ...]
     links: tuple[Link, ...] = ()
     cluster_kinds: dict[str, str] = field(default_factory=dict)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    clusters: dict[str, ClusterSpec] = field(default_factory=dict)
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    emulation: Emulation | None = None
+    base_dir: Path | None = None  # the file's directory: relative paths resolve against it
+
+    def nodes_of(self, *roles: Role) -> list[Node]:
+        return [n for n in self.nodes if n.role in roles]
+
+    def routers(self) -> list[Node]:
+        return self.nodes_of(Role.ROUTER)
 
     def node(self, name: str) -> Node:
         for node in self.nodes:
@@ -137,7 +207,7 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
         tp_size=number(obj, "tp_size", path, positive=True, integer=True),
         model_path=_opt_str(obj, "model_path", path) or model.get("path"),
         kv_transport=transport if spec.is_engine_role else None,
-        extra_args=tuple(model.get("extra_args", ())) + _str_list(obj, "extra_args", path)
+        extra_args=tuple(model.get("extra_args") or ()) + _str_list(obj, "extra_args", path)
         if spec.is_engine_role
         else _str_list(obj, "extra_args", path),
     )
@@ -169,14 +239,12 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     (the topology file's directory) when it is given.
     """
     top = _mapping(data, source)
-    _check_keys(top, {"version", "model", "clusters", "links"}, "")
+    _check_keys(top, {"version", "model", "clusters", "links", "scheduler", "emulation"}, "")
     version = top.get("version")
     if version not in SUPPORTED_VERSIONS:
         raise ConfigError("version", f"must be one of {SUPPORTED_VERSIONS}, got {version!r}")
     model = _mapping(top.get("model", {}), "model")
-    _check_keys(model, {"path", "extra_args"}, "model")
-    _opt_str(model, "path", "model")
-    _str_list(model, "extra_args", "model")
+    model_spec = _parse_model(model)
     clusters = _mapping(top.get("clusters"), "clusters") if "clusters" in top else None
     if not clusters:
         raise ConfigError("clusters", "at least one cluster is required")
@@ -184,10 +252,11 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     nodes: list[Node] = []
     paths: dict[str, str] = {}
     kinds: dict[str, str] = {}
+    specs: dict[str, ClusterSpec] = {}
     for cname, craw in clusters.items():
         cpath = f"clusters.{cname}"
         cluster = _mapping(craw, cpath)
-        _check_keys(cluster, {"kind", "kv_transport", "nodes"}, cpath)
+        _check_keys(cluster, {"kind", "kv_transport", "accelerator", "profile", "nodes"}, cpath)
         kind = cluster.get("kind")
         if kind not in CLUSTER_KINDS:
             raise ConfigError(f"{cpath}.kind", f"must be one of {', '.join(CLUSTER_KINDS)}, got {kind!r}")
@@ -195,6 +264,14 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
         transport = _transport(cluster.get("kv_transport"), f"{cpath}.kv_transport")
         if transport is not None and kind == "control":
             raise ConfigError(f"{cpath}.kv_transport", "a control cluster moves no KV")
+        accelerator, profile = _opt_str(cluster, "accelerator", cpath), _opt_str(cluster, "profile", cpath)
+        if kind == "control" and (accelerator or profile):
+            raise ConfigError(f"{cpath}.{'accelerator' if accelerator else 'profile'}", "a control cluster runs no engine")
+        if accelerator and profile:
+            raise ConfigError(f"{cpath}.profile", "give accelerator or profile, not both")
+        if profile and base_dir is not None and profile.startswith(("./", "../")):
+            profile = str((base_dir / profile).resolve())
+        specs[str(cname)] = ClusterSpec(str(cname), kind, transport, accelerator, profile)
         raw_nodes = cluster.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise ConfigError(f"{cpath}.nodes", "must be a non-empty list")
@@ -221,7 +298,43 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
         if bandwidth is None:
             raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
         links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True)))
-    return Topology(version, tuple(nodes), tuple(links), kinds)
+    return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
+                    _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir)
+
+
+def _parse_model(model: dict) -> ModelSpec:
+    _check_keys(model, {"path", "served_name", "tokenizer", "cost_model", "extra_args"}, "model")
+    cost = model.get("cost_model")
+    if cost is not None and not isinstance(cost, (str, dict)):
+        raise ConfigError("model.cost_model", "must be a shipped model name, a path or a mapping")
+    return ModelSpec(_opt_str(model, "path", "model"), _opt_str(model, "served_name", "model"),
+                     _opt_str(model, "tokenizer", "model"), cost, _str_list(model, "extra_args", "model"))
+
+
+def _parse_scheduler(raw: Any) -> SchedulerSpec:
+    obj = _mapping(raw, "scheduler")
+    _check_keys(obj, {"workload", "output_tokens", "slo_tokens_per_s", "decode_batch", "threshold_tokens",
+                      "threshold_step_tokens"}, "scheduler")
+    workload = obj.get("workload")
+    if workload is not None:
+        _mapping(workload, "scheduler.workload")
+    return SchedulerSpec(
+        workload=workload,
+        output_tokens=number(obj, "output_tokens", "scheduler", positive=True, integer=True),
+        slo_tokens_per_s=number(obj, "slo_tokens_per_s", "scheduler", positive=True),
+        decode_batch=number(obj, "decode_batch", "scheduler", positive=True, integer=True),
+        threshold_tokens=number(obj, "threshold_tokens", "scheduler", positive=True),
+        threshold_step_tokens=number(obj, "threshold_step_tokens", "scheduler", positive=True),
+    )
+
+
+def _parse_emulation(raw: Any) -> Emulation | None:
+    if raw is None:
+        return None
+    obj = _mapping(raw, "emulation")
+    _check_keys(obj, {"speedup", "kv_scale"}, "emulation")
+    kv_scale = number(obj, "kv_scale", "emulation", default=1.0, positive=True, at_most=1.0)
+    return Emulation(number(obj, "speedup", "emulation", default=1.0, positive=True), kv_scale)
 
 
 def load_topology(path: Path) -> Topology:

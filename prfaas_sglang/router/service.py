@@ -1,0 +1,228 @@
+"""The router's state and decisions, without I/O: the HTTP front end and its loops call in with ``now_s``.
+
+One request, top to bottom (``server.dispatch`` drives it)::
+
+    ids      = tokenizer(body)                   protocol.parse_request (SGLang's paths)
+    check    = fits the context and some decode pool, or 400 now
+    decision = decide(ids)                       KvIndex.match -> policy.route(RouteInput, snapshot)
+                                                 NoDecodeRoom: the caller waits for room, then 503/429
+    lease    = begin(decision)                   ledgers in: prefill seconds, decode tokens
+    ...legs run...
+    prefill_done(lease)                          prefill seconds out (the queue signal)
+    finish(lease)                                decode tokens out
+
+Every ``control_interval_s`` the loop calls :meth:`control_tick`: the link view
+(telemetry) and the queues (ledgers) go to the threshold controller.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.protocol import BadRequest, EngineRequest
+from prfaas_sglang.router.link import LinkAggregator
+from prfaas_sglang.router.metrics import RouterCounters
+from prfaas_sglang.router.policy import (
+    PD,
+    PRFAAS,
+    BandwidthMode,
+    ClusterSnapshot,
+    Link,
+    RouteDecision,
+    RouteInput,
+    route,
+)
+from prfaas_sglang.router.threshold import ControllerSettings, QueueView, ThresholdController
+from prfaas_sglang.router.workers import WorkerRecord
+from prfaas_sglang.runtime import RuntimeModel
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: BandwidthMode = BandwidthMode.SCARCE
+    phase_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    load_interval_s: float = 0.5
+    control_interval_s: float = 0.25
+    telemetry_stale_s: float = 2.0
+    max_ttft_s: float | None = None  # early rejection: refuse when the best route's estimate exceeds it
+    admission_timeout_s: float = 60.0  # how long a request may wait in the router for decode room
+    max_waiting: int = 1024  # requests waiting for decode room; more are refused at once (429)
+    served_models: frozenset[str] = frozenset()  # empty: the workers' name(s)
+    threshold_tokens: float | None = None  # the operator's baseline t (overrides the topology's)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+
+@dataclass
+class Lease:
+    """What one dispatched request holds in the ledgers until it ends."""
+
+    rid: str
+    decision: RouteDecision
+    decode_tokens: int
+    prefill_open: bool = True
+    decode_open: bool = True
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord],
+                 index: KvIndex, controller: ThresholdController, tokenizer=None):
+        self.config, self.runtime, self.workers = config, runtime, workers
+        self.index, self.controller, self.tokenizer = index, controller, tokenizer
+        self.counters = RouterCounters()
+        self.link = LinkAggregator(config.telemetry_stale_s)
+        self.recent: collections.deque = collections.deque(maxlen=50)
+        self.waiting = 0  # requests waiting for decode room now
+        self.served_name: str | None = None  # from the workers' facts, unless configured
+
+    # --- names ----------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        if self.config.served_models:
+            return sorted(self.config.served_models)
+        return [self.served_name or "default"]
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this deployment does not serve (no model field: accepted)."""
+        if model is not None and model not in self.model_names():
+            raise BadRequest(404, f"model {model!r} not found (served: {', '.join(self.model_names())})")
+
+    # --- per request ----------------------------------------------------------------
+
+    def check_fits(self, req: EngineRequest) -> None:
+        """400 now for a request no worker could ever take (the context, the largest decode pool)."""
+        contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
+        if contexts and req.kv_tokens > min(contexts):
+            raise BadRequest(400, f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) = "
+                                  f"{req.kv_tokens} exceeds the context length {min(contexts)}")
+        pools = [w.facts.max_total_tokens for w in self.workers.values()
+                 if w.role == "decode" and w.facts and w.facts.max_total_tokens]
+        if pools and req.kv_tokens > max(pools):
+            raise BadRequest(400, f"prompt + max_new_tokens ({req.kv_tokens}) exceeds every decode worker's KV pool "
+                                  f"(largest: {max(pools)} tokens)")
+
+    def snapshot(self, exclude: set[str], now_s: float) -> ClusterSnapshot:
+        view = self.link.view(now_s)
+        capacity = self.controller.capacity_est_bps
+        link = Link(capacity, view.egress_bps if view else 0.0, 0.0)
+        return ClusterSnapshot(
+            workers=[w.snapshot() for w in self.workers.values() if w.name not in exclude],
+            threshold_tokens=self.controller.threshold_tokens, mode=self.config.mode,
+            prefill_cost={PRFAAS: self.runtime.prefill_cost(PRFAAS), PD: self.runtime.prefill_cost(PD)},
+            link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=False,
+            probe_budget_bytes=self.controller.probe_budget_bytes(now_s))
+
+    def decide(self, req: EngineRequest, exclude: set[str], now_s: float) -> RouteDecision:
+        """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now."""
+        match = self.index.match(req.input_ids)
+        return route(RouteInput(len(req.input_ids), req.kv_tokens, match.by_worker), self.snapshot(exclude, now_s))
+
+    def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
+        prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
+        prefill.outstanding_prefill_s += decision.estimated_prefill_s
+        decode.reserved_tokens += req.kv_tokens
+        decode.reserved_requests += 1
+        self.counters.routed[decision.cluster] += 1
+        if decision.probe:
+            self.counters.probes += 1
+            self.controller.note_probe(now_s)
+        if decision.reason.startswith("spill"):
+            self.counters.spilled += 1
+        if attempt == 0:
+            self.controller.record(now_s, decision.uncached_tokens)
+        self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
+                            "decode": decision.decode, "cached_tokens": decision.cached_tokens,
+                            "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt})
+        return Lease(req.rid, decision, req.kv_tokens)
+
+    def prefill_done(self, lease: Lease) -> None:
+        """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""
+        if lease.prefill_open:
+            lease.prefill_open = False
+            worker = self.workers.get(lease.decision.prefill)
+            if worker is not None:
+                worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.decision.estimated_prefill_s, 0.0)
+
+    def finish(self, lease: Lease) -> None:
+        """The request ended, whatever the outcome: everything it held is released."""
+        self.prefill_done(lease)
+        if lease.decode_open:
+            lease.decode_open = False
+            worker = self.workers.get(lease.decision.decode)
+            if worker is not None:
+                worker.reserved_tokens = max(worker.reserved_tokens - lease.decode_tokens, 0)
+                worker.reserved_requests = max(worker.reserved_requests - 1, 0)
+
+    # --- control ----------------------------------------------------------------------
+
+    def queues(self) -> QueueView:
+        def per_instance(cluster: str) -> float:
+            ws = [w for w in self.workers.values() if w.cluster == cluster and w.role == "prefill" and w.routable]
+            return sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
+
+        return QueueView(per_instance(PRFAAS), per_instance(PD))
+
+    def control_tick(self, now_s: float) -> float | None:
+        """One controller step on the current link view and queues; returns a new ``t`` or None."""
+        return self.controller.observe(now_s, self.link.view(now_s), self.queues())
+
+    def status(self, now_s: float) -> dict:
+        view = self.link.view(now_s)
+        return {
+            "threshold_tokens": self.controller.threshold_tokens,
+            "controller": self.controller.describe(),
+            "bandwidth_mode": self.config.mode.value,
+            "model": self.runtime.describe(),
+            "served_models": self.model_names(),
+            "tokenizer": getattr(self.tokenizer, "source", None),
+            "link": None if view is None else {"capacity_bps": view.capacity_bps, "busy_fraction": view.busy_fraction,
+                                               "egress_bps": view.egress_bps, "offered_bps": view.offered_bps,
+                                               "backlog_bytes": view.backlog_bytes},
+            "queues_s": vars(self.queues()),
+            "routed": dict(self.counters.routed),
+            "redispatched": self.counters.redispatched,
+            "spilled": self.counters.spilled,
+            "probes": self.counters.probes,
+            "rejected": dict(self.counters.rejected),
+            "failed": dict(self.counters.failed),
+            "waiting_for_decode_room": self.waiting,
+            "workers": {w.name: {
+                "cluster": w.cluster, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
+                "page_size": w.facts.page_size if w.facts else None,
+                "outstanding_prefill_s": w.outstanding_prefill_s, "reserved_tokens": w.reserved_tokens,
+                "kv_free_tokens": w.kv_free_tokens if w.role == "decode" else None,
+                "running": w.load.running if w.load else None,
+                "index_blocks": self.index.block_count(w.name) if w.name in self.index.workers() else None,
+            } for w in self.workers.values()},
+            "recent": list(self.recent)[-10:],
+        }
+
+    def metrics_gauges(self, now_s: float) -> list[tuple[str, str, float]]:
+        routed = sum(self.counters.routed.values())
+        view = self.link.view(now_s)
+        q = self.queues()
+        gauges = [("prfaas_router_threshold_tokens", "", self.controller.threshold_tokens),
+                  ("prfaas_router_baseline_threshold_tokens", "", self.controller.baseline_tokens),
+                  ("prfaas_router_link_capacity_estimate_bps", "", self.controller.capacity_est_bps),
+                  ("prfaas_router_offload_fraction", "", self.counters.routed.get(PRFAAS, 0) / routed if routed else 0.0),
+                  ("prfaas_router_queue_seconds", '{cluster="prfaas"}', q.prfaas_s),
+                  ("prfaas_router_queue_seconds", '{cluster="pd"}', q.pd_s),
+                  ("prfaas_router_waiting_requests", "", self.waiting)]
+        if view is not None:
+            gauges += [("prfaas_router_egress_utilization", "", view.busy_fraction),
+                       ("prfaas_router_egress_bps", "", view.egress_bps),
+                       ("prfaas_router_offered_bps", "", view.offered_bps)]
+        gauges += [("prfaas_router_worker_healthy", f'{{worker="{w.name}"}}', int(w.healthy)) for w in self.workers.values()]
+        gauges += [("prfaas_router_kv_free_tokens", f'{{worker="{w.name}"}}', w.kv_free_tokens or 0)
+                   for w in self.workers.values() if w.role == "decode"]
+        return gauges
+
+
+def new_service(config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord], tokenizer=None) -> RouterService:
+    """Build the service with the runtime model's controller and a KV index for its workers."""
+    controller = ThresholdController(runtime.research, runtime.prior, runtime.link_bps, runtime.step_tokens,
+                                     config.threshold_tokens if config.threshold_tokens is not None else runtime.operator_threshold_tokens,
+                                     config.controller)
+    return RouterService(config, runtime, workers, KvIndex(hybrid=runtime.hybrid), controller, tokenizer)

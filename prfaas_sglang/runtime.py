@@ -1,0 +1,229 @@
+"""The scheduler's model of a deployment, built from its topology, in one place (pure).
+
+Router, kv-index, demo, benchmarks and the launcher's emulated engines all call
+:func:`from_topology`; nothing else outside the planner builds a
+:class:`~prfaas_sglang.plan.model.Deployment`. So for one topology they agree on
+the cost profiles and on the threshold ``t``.
+
+Units. Everything here is in the units the router *observes*: seconds of the
+engines' wall clock and bytes on the wire. Real SGLang engines run at scale 1.
+Emulated engines (``emulation:`` in the topology) divide every duration by
+``speedup`` and ship ``kv_scale`` of the KV bytes; the profiles are scaled the
+same way, and a link's capacity (what telemetry measures) needs no conversion::
+
+    T_observed(l) = T_prefill(l) / speedup        S_observed(l) = S_kv(l) * kv_scale
+    T_decode_observed = T_decode / speedup         B_out = the link's bits/s on the wire
+
+The threshold is scale-free when every engine shares one ``speedup``; the
+bandwidth term is not, which is the point: a link binds when it binds on the wire.
+
+Inputs and their defaults (each stated in ``/status`` under ``"model"``):
+
+    cost model      model.cost_model                    kimi-linear-1t-hybrid
+    PrfaaS class    clusters.<prfaas>.accelerator|profile   h200x8
+    PD class        clusters.<pd>.accelerator|profile       h20x8
+    link            the first prfaas <-> pd link          100 Gbps
+    workload prior  scheduler.workload                  the case study's log-normal
+    L_out, SLO      scheduler.output_tokens / slo_tokens_per_s   1024, 40 tok/s
+    BS_max          scheduler.decode_batch              the PD class's decode profile
+    baseline t      scheduler.threshold_tokens          the planner's t for the link
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
+from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
+from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
+from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile, parse_workload
+from prfaas_sglang.plan.search import best_threshold_for_split
+from prfaas_sglang.plan.workload import TruncatedLogNormal, Workload
+from prfaas_sglang.roles import ROLE_SPECS, Role
+from prfaas_sglang.topology import Emulation, Topology
+
+DEFAULT_COST_MODEL = "kimi-linear-1t-hybrid"
+DEFAULT_ACCELERATOR = {"prfaas": "h200x8", "pd": "h20x8"}
+DEFAULT_LINK_BPS = 100e9
+DEFAULT_OUTPUT_TOKENS = 1024
+DEFAULT_SLO_TOKENS_PER_S = 40.0
+DEFAULT_STEP_TOKENS = 128.0
+
+
+def case_study_prior() -> TruncatedLogNormal:
+    """The paper's case-study lengths: ln L ~ N(9.90, 1.00), truncated to [128, 128K]."""
+    return TruncatedLogNormal(9.90, 1.00, 128, 131_072, "case-study")
+
+
+@dataclass(frozen=True)
+class ClusterCost:
+    """One cluster kind's instances: the planner's class (model units) and how to emulate one."""
+
+    kind: str  # prfaas | pd
+    instance: InstanceClass  # model units (seconds of the real accelerator, real KV bytes)
+    engine_profile: str  # what ``--engine mock --profile`` takes: MODEL@ACCELERATOR or a profile file
+    source: str  # where the profile came from, for /status
+    hybrid: bool  # linear-attention / SWA state (the analytic model says; measured profiles: no)
+
+
+@dataclass(frozen=True)
+class RuntimeModel:
+    """Counts, costs and workload of one deployment, in observed units (see the module docstring)."""
+
+    deployment: Deployment  # observed units; egress_bps = the link's nominal capacity
+    n_prefill: int  # PD-P instances (the split is fixed in the short term)
+    n_decode: int
+    prior: Workload
+    output_tokens: int
+    slo_tokens_per_s: float
+    step_tokens: float
+    emulation: Emulation
+    costs: dict[str, ClusterCost]  # model units
+    operator_threshold_tokens: float | None
+    defaults_used: tuple[str, ...]  # which inputs fell back to a default
+    hybrid: bool = False  # the cost model has linear-attention / SWA state (prefix reuse stops at checkpoints)
+
+    # --- cost profiles in observed units ----------------------------------------------
+
+    def prefill_cost(self, kind: str) -> PrefillProfile:
+        """``T_prefill`` and ``S_kv`` of one instance of ``kind`` as the router sees them."""
+        return self.deployment.prfaas.prefill if kind == "prfaas" else self.deployment.pd.prefill
+
+    def kv_bytes(self, tokens: float) -> float:
+        """Bytes on the wire for a request of ``tokens`` (the PD class's S_kv, scaled)."""
+        return self.deployment.pd.prefill.kv_bytes(tokens)
+
+    @property
+    def decode(self) -> DecodeProfile:
+        return self.deployment.pd.decode
+
+    @property
+    def link_bps(self) -> float:
+        return self.deployment.egress_bps
+
+    # --- the threshold ---------------------------------------------------------------
+
+    def operating_point(self, capacity_bps: float | None = None, workload: Workload | None = None) -> OperatingPoint:
+        """The planner's best ``t`` for the fixed PD split, on ``capacity_bps`` (default: the
+        nominal link) and ``workload`` (default: the prior)."""
+        dep = self.deployment
+        if capacity_bps is not None:
+            dep = dataclasses.replace(dep, egress_bps=max(capacity_bps, 1.0))
+        return best_threshold_for_split(dep, workload or self.prior, self.n_prefill, self.step_tokens)
+
+    def research(self, capacity_bps: float | None, workload: Workload | None = None) -> float:
+        return self.operating_point(capacity_bps, workload).threshold_tokens
+
+    @property
+    def baseline_threshold_tokens(self) -> float:
+        """The operator's ``scheduler.threshold_tokens``, else the planner's t for the nominal link."""
+        if self.operator_threshold_tokens is not None:
+            return self.operator_threshold_tokens
+        return self.research(None)
+
+    def capacity_rps(self, threshold_tokens: float | None = None) -> float:
+        """Lambda_max (requests/s, observed units) at ``t`` (default: the baseline)."""
+        t = self.baseline_threshold_tokens if threshold_tokens is None else threshold_tokens
+        return evaluate(self.deployment, self.prior.split(t), self.n_prefill, self.n_decode).lambda_max_rps
+
+    def describe(self) -> dict:
+        """What the model assumes, for ``/status`` and logs."""
+        return {
+            "instances": {"prfaas": self.deployment.n_prfaas, "pd_prefill": self.n_prefill, "pd_decode": self.n_decode},
+            "cost": {k: c.source for k, c in self.costs.items()},
+            "link_gbps": self.link_bps / 1e9,
+            "workload_prior": getattr(self.prior, "name", type(self.prior).__name__),
+            "output_tokens": self.output_tokens, "slo_tokens_per_s": self.slo_tokens_per_s,
+            "decode_bs_max": self.decode.bs_max,
+            "emulation": dataclasses.asdict(self.emulation),
+            "baseline_threshold_tokens": self.baseline_threshold_tokens,
+            "defaults_used": list(self.defaults_used),
+        }
+
+
+def _link_bps(topology: Topology, defaults: list[str]) -> float:
+    for link in topology.links:
+        kinds = {topology.cluster_kinds.get(link.src), topology.cluster_kinds.get(link.dst)}
+        if kinds == {"prfaas", "pd"}:
+            return link.bandwidth_gbps * 1e9
+    defaults.append("link")
+    return DEFAULT_LINK_BPS
+
+
+def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, workload: Workload,
+                  output_tokens: int, slo: float, defaults: list[str]) -> ClusterCost:
+    specs = [c for c in topology.clusters.values() if c.kind == kind]
+    path = f"clusters.{specs[0].name}" if specs else f"clusters.<{kind}>"
+    profiled = [c for c in specs if c.profile or c.accelerator]
+    chosen = profiled[0] if profiled else None
+    if len({(c.profile, c.accelerator) for c in profiled}) > 1:
+        raise ConfigError(f"clusters.{profiled[1].name}", f"every {kind} cluster must use the same accelerator/profile")
+    if chosen is not None and chosen.profile:
+        prefill, gpus, decode = parse_measured_profile(catalog.load_yaml("profiles", chosen.profile, f"{path}.profile"),
+                                                       f"{path}.profile")
+        if kind == "pd" and decode is None:
+            raise ConfigError(f"{path}.profile", "a PD profile needs a decode section {bs_max, step_s}")
+        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), chosen.profile, chosen.profile, False)
+    accel_name = chosen.accelerator if chosen is not None else DEFAULT_ACCELERATOR[kind]
+    if chosen is None:
+        defaults.append(f"{kind}.accelerator")
+    model = catalog.model(model_ref, "model.cost_model")
+    accel = catalog.accelerator(accel_name, f"{path}.accelerator")
+    decode = analytic_decode(model, accel, workload.mean_tokens, output_tokens, slo) if kind == "pd" else None
+    ref = model_ref if isinstance(model_ref, str) else model.name
+    return ClusterCost(kind, InstanceClass(accel.name, accel.gpus, AnalyticPrefill(model, accel), decode),
+                       f"{ref}@{accel_name}", f"{model.name}@{accel.name} (analytic)",
+                       model.recurrent is not None or model.sliding_window is not None)
+
+
+def from_topology(topology: Topology, catalog: Catalog | None = None) -> RuntimeModel:
+    """Build the runtime model; a bad or missing input raises :class:`ConfigError` naming its field."""
+    catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
+    defaults: list[str] = []
+    spec = topology.scheduler
+    if spec.workload is not None:
+        prior = parse_workload(spec.workload, catalog, "scheduler.workload")
+    else:
+        prior = case_study_prior()
+        defaults.append("scheduler.workload")
+    output_tokens = spec.output_tokens or DEFAULT_OUTPUT_TOKENS
+    slo = spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S
+    if spec.output_tokens is None:
+        defaults.append("scheduler.output_tokens")
+    if spec.slo_tokens_per_s is None:
+        defaults.append("scheduler.slo_tokens_per_s")
+    model_ref = topology.model.cost_model or DEFAULT_COST_MODEL
+    if topology.model.cost_model is None:
+        defaults.append("model.cost_model")
+
+    count = {r: len(topology.nodes_of(r)) for r in (Role.PRFAAS, Role.PD_PREFILL, Role.PD_DECODE)}
+    if count[Role.PD_DECODE] == 0:
+        raise ConfigError("clusters", "the topology has no pd-decode node")
+    if count[Role.PRFAAS] + count[Role.PD_PREFILL] == 0:
+        raise ConfigError("clusters", "the topology has no prefill node")
+    costs = {kind: _cluster_cost(topology, kind, catalog, model_ref, prior, output_tokens, slo, defaults)
+             for kind in ("prfaas", "pd")}
+    emulation = topology.emulation or Emulation()
+    time_scale, kv_scale = 1.0 / emulation.speedup, emulation.kv_scale
+
+    def observed(cost: ClusterCost) -> InstanceClass:
+        decode = cost.instance.decode
+        if decode is not None:
+            bs_max = float(spec.decode_batch) if spec.decode_batch else decode.bs_max
+            decode = DecodeProfile(bs_max, decode.step_s * time_scale)
+        return InstanceClass(cost.instance.name, cost.instance.gpus_per_instance,
+                             ScaledPrefill(cost.instance.prefill, time_scale, kv_scale), decode)
+
+    deployment = Deployment(observed(costs["prfaas"]), count[Role.PRFAAS], observed(costs["pd"]),
+                            count[Role.PD_PREFILL] + count[Role.PD_DECODE], _link_bps(topology, defaults), output_tokens)
+    return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
+                        spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
+                        tuple(defaults), costs["pd"].hybrid)
+
+
+def engine_role_kind(role: Role) -> str:
+    """``prfaas`` or ``pd``: whose cost profile an engine node of ``role`` runs."""
+    return ROLE_SPECS[role].cluster_kind

@@ -1,0 +1,115 @@
+"""What a prefill worker's KV egress looks like, measured from its own transfers (pure).
+
+A :class:`LinkMeter` records, per transfer, when it was requested and how many
+bytes, each delivered slice (``progress``), and its end. Times are arguments,
+never read from a clock here. ``sample`` summarises a sliding window::
+
+    window           [now - window_s, now]
+    busy_fraction    share of the window with at least one transfer in flight
+    egress_bps       bits delivered in the window / window_s (a slice's bits are spread
+                     over the time since its transfer's previous delivery, and
+                     only the part inside the window counts)
+    offered_bps      bits of transfers *requested* in the window / window_s (demand)
+    capacity_bps     bits delivered in the window / busy time that led to them
+                     (each transfer's busy time counts up to its last delivery,
+                     so a slice still on the wire does not dilute the rate);
+                     0.0 when the link was busy most of the window and delivered
+                     nothing (a stall); None when too little was measured
+    backlog_bytes    requested, not yet delivered
+
+A saturated or throttled link is busy ~100% of the time whatever its nominal
+capacity, and delivers ``capacity_bps`` while busy: that pair is what the
+router's threshold controller reads. Senders that report progress per slice
+(the emulated engine writes its KV in slices) make a drop visible within one
+slice instead of one whole transfer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from prfaas_sglang.wire.telemetry import LinkSample
+
+
+@dataclass
+class _Transfer:
+    start_s: float
+    total_bytes: int
+    delivered_bytes: int = 0
+    last_progress_s: float | None = None
+
+
+class LinkMeter:
+    def __init__(self, window_s: float = 1.0, min_busy_s: float = 0.02):
+        if not window_s > 0 or min_busy_s < 0:
+            raise ValueError("window_s must be > 0 and min_busy_s >= 0")
+        self.window_s = window_s
+        self.min_busy_s = min_busy_s
+        self._inflight: dict[int, _Transfer] = {}
+        self._requested: deque[tuple[float, int]] = deque()  # (t, bytes)
+        self._delivered: deque[tuple[float, float, int]] = deque()  # (since, t, bytes): delivered over [since, t]
+        self._busy: deque[tuple[float, float]] = deque()  # finished transfers: (start, last delivery or end)
+        self._spans: deque[tuple[float, float]] = deque()  # finished transfers: (start, end), for busy_fraction
+
+    def start(self, transfer_id: int, now_s: float, nbytes: int) -> None:
+        """A transfer of ``nbytes`` was requested (it may queue behind others)."""
+        self._inflight[transfer_id] = _Transfer(now_s, nbytes)
+        self._requested.append((now_s, nbytes))
+
+    def progress(self, transfer_id: int, now_s: float, nbytes: int) -> None:
+        """``nbytes`` more of the transfer reached the peer."""
+        transfer = self._inflight.get(transfer_id)
+        if transfer is None or nbytes <= 0:
+            return
+        since = transfer.last_progress_s if transfer.last_progress_s is not None else transfer.start_s
+        transfer.delivered_bytes += nbytes
+        transfer.last_progress_s = now_s
+        self._delivered.append((since, now_s, nbytes))
+
+    def end(self, transfer_id: int, now_s: float) -> None:
+        """The transfer finished (delivered or failed); what it did not deliver leaves the backlog."""
+        transfer = self._inflight.pop(transfer_id, None)
+        if transfer is None:
+            return
+        self._spans.append((transfer.start_s, now_s))
+        if transfer.last_progress_s is not None:
+            self._busy.append((transfer.start_s, transfer.last_progress_s))
+
+    def sample(self, worker: str, now_s: float, wall_s: float, queue: int = 0) -> LinkSample:
+        lo = now_s - self.window_s
+        while self._requested and self._requested[0][0] < lo:
+            self._requested.popleft()
+        while self._delivered and self._delivered[0][1] < lo:
+            self._delivered.popleft()
+        for q in (self._busy, self._spans):
+            while q and q[0][1] < lo:
+                q.popleft()
+        inflight = list(self._inflight.values())
+        busy = _covered(lo, [(s, e) for s, e in self._spans] + [(t.start_s, now_s) for t in inflight])
+        delivered_bits = 8.0 * sum(b * (t - max(since, lo)) / (t - since) if t > since else b
+                                   for since, t, b in self._delivered if t > lo or t == since == lo)
+        useful_busy = _covered(lo, [(s, e) for s, e in self._busy]
+                               + [(t.start_s, t.last_progress_s) for t in inflight if t.last_progress_s is not None])
+        if useful_busy >= self.min_busy_s and delivered_bits > 0:
+            capacity = delivered_bits / useful_busy
+        elif busy >= 0.5 * self.window_s and delivered_bits == 0:
+            capacity = 0.0  # busy and nothing delivered: stalled
+        else:
+            capacity = None
+        return LinkSample(
+            worker=worker, ts=wall_s, egress_bps=delivered_bits / self.window_s,
+            busy_fraction=min(busy / self.window_s, 1.0), capacity_bps=capacity, inflight=len(inflight), queue=queue,
+            window_s=self.window_s, offered_bps=8.0 * sum(b for _, b in self._requested) / self.window_s,
+            backlog_bytes=sum(max(t.total_bytes - t.delivered_bytes, 0) for t in inflight))
+
+
+def _covered(lo: float, intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals`` clipped to ``[lo, +inf)``."""
+    total, cursor = 0.0, lo
+    for s, e in sorted((max(s, lo), e) for s, e in intervals):
+        s = max(s, cursor)
+        if e > s:
+            total += e - s
+            cursor = e
+    return total

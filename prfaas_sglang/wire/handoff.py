@@ -1,0 +1,109 @@
+"""The emulated engine's PD hand-off between a prefill and a decode worker (wire format, pure).
+
+SGLang's own workers hand KV over with ZMQ messages inside its Mooncake backend;
+the emulated engine follows the same shape over HTTP, at the granularity a router
+sees (``engine/mock/engine.py`` has the sequence diagram)::
+
+    decode  ── POST {bootstrap}/prfaas/register  Registration ──> prefill
+    prefill ── Mooncake TCP write of the KV into the registered region
+    prefill ── POST {notify_url}                 KvReady      ──> decode
+
+Both bodies are JSON objects with ``"v"``.
+
+History:
+  v1: first typed version (the same fields the untyped dicts had); ``v`` added.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+HANDOFF_VERSION = 1
+
+
+def _decode(cls, payload: bytes | str | dict):
+    if isinstance(payload, (bytes, str)):
+        try:
+            payload = json.loads(payload)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{cls.__name__} is not JSON: {err}") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{cls.__name__} must be a JSON object")
+    obj = dict(payload)
+    if obj.pop("v", None) != HANDOFF_VERSION:
+        raise ValueError(f"{cls.__name__}: unsupported hand-off version {payload.get('v')!r}")
+    names = {f.name for f in fields(cls)}
+    if set(obj) - names:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(set(obj) - names)}")
+    try:
+        message = cls(**obj)
+    except TypeError as err:
+        raise ValueError(f"{cls.__name__}: {err}") from None
+    message.validate()
+    return message
+
+
+def _int(name: str, value, lo: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Decode -> prefill: write bootstrap room ``room``'s KV (``length`` bytes at most) to
+    ``addr`` of Mooncake session ``session``, then POST a :class:`KvReady` to ``notify_url``."""
+
+    room: int
+    session: str
+    addr: int
+    length: int
+    notify_url: str
+
+    def validate(self) -> None:
+        _int("room", self.room)
+        _int("addr", self.addr)
+        _int("length", self.length, 1)
+        if not isinstance(self.session, str) or not self.session:
+            raise ValueError("session must be a non-empty string")
+        if not isinstance(self.notify_url, str) or not self.notify_url.startswith("http"):
+            raise ValueError("notify_url must be an http URL")
+
+    def to_json(self) -> dict:
+        return {"v": HANDOFF_VERSION, **asdict(self)}
+
+    @classmethod
+    def decode(cls, payload) -> Registration:
+        return _decode(cls, payload)
+
+
+@dataclass(frozen=True)
+class KvReady:
+    """Prefill -> decode: room ``room``'s KV was written (``ok``) or could not be (``error``)."""
+
+    room: int
+    ok: bool
+    kv_bytes: int
+    cached_tokens: int
+    first_token: int
+    transfer_s: float | None = None
+    error: str | None = None
+
+    def validate(self) -> None:
+        _int("room", self.room)
+        _int("kv_bytes", self.kv_bytes)
+        _int("cached_tokens", self.cached_tokens)
+        _int("first_token", self.first_token)
+        if not isinstance(self.ok, bool):
+            raise ValueError("ok must be true or false")
+        if self.ok and self.transfer_s is None:
+            raise ValueError("a successful hand-off reports transfer_s")
+        if not self.ok and not self.error:
+            raise ValueError("a failed hand-off says why (error)")
+
+    def to_json(self) -> dict:
+        return {"v": HANDOFF_VERSION, **asdict(self)}
+
+    @classmethod
+    def decode(cls, payload) -> KvReady:
+        return _decode(cls, payload)
