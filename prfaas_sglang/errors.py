@@ -46,3 +46,7 @@ class RoleNotAvailableError(PrfaasError):
     """A role/engine combination exists in the CLI but is not built yet."""
 
     exit_code = 2
+
+
+class TokenizeError(ValueError):
+    """A prompt that cannot be tokenized (bad messages, a chat-template error): a client error (400)."""

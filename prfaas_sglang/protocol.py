@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prfaas_sglang.errors import TokenizeError
+
 if TYPE_CHECKING:  # pragma: no cover
     from prfaas_sglang.tokenizer import PromptTokenizer
 
@@ -121,8 +123,6 @@ def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer:
     """Validate a decoded JSON body; raise :class:`BadRequest` naming the offending field.
 
     ``created_s`` stamps the OpenAI ``created`` field (the caller's clock)."""
-    from prfaas_sglang.tokenizer import TokenizeError
-
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
     try:

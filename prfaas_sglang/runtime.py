@@ -7,9 +7,12 @@ the cost profiles and on the threshold ``t``.
 
 Units. Everything here is in the units the router *observes*: seconds of the
 engines' wall clock and bytes on the wire. Real SGLang engines run at scale 1.
-Emulated engines (``emulation:`` in the topology) divide every duration by
-``speedup`` and ship ``kv_scale`` of the KV bytes; the profiles are scaled the
-same way, and a link's capacity (what telemetry measures) needs no conversion::
+Emulated engines (``--engine mock``) run as the topology's ``emulation:`` says:
+every duration divided by ``speedup``, ``kv_scale`` of the KV bytes shipped; for
+them (``emulated=True``) the profiles are scaled the same way, and a link's
+capacity (what telemetry measures) needs no conversion. The same file thus
+describes a deployment of real engines (the section is ignored) and its
+emulation::
 
     T_observed(l) = T_prefill(l) / speedup        S_observed(l) = S_kv(l) * kv_scale
     T_decode_observed = T_decode / speedup         B_out = the link's bits/s on the wire
@@ -179,8 +182,12 @@ def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, wo
                        model.recurrent is not None or model.sliding_window is not None)
 
 
-def from_topology(topology: Topology, catalog: Catalog | None = None) -> RuntimeModel:
-    """Build the runtime model; a bad or missing input raises :class:`ConfigError` naming its field."""
+def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> RuntimeModel:
+    """Build the runtime model; a bad or missing input raises :class:`ConfigError` naming its field.
+
+    ``emulated``: the engines are emulated (scale costs by the ``emulation:`` section); None: they are
+    when the topology has that section. The router passes what its workers report.
+    """
     catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
     defaults: list[str] = []
     spec = topology.scheduler
@@ -206,7 +213,9 @@ def from_topology(topology: Topology, catalog: Catalog | None = None) -> Runtime
         raise ConfigError("clusters", "the topology has no prefill node")
     costs = {kind: _cluster_cost(topology, kind, catalog, model_ref, prior, output_tokens, slo, defaults)
              for kind in ("prfaas", "pd")}
-    emulation = topology.emulation or Emulation()
+    if emulated is None:
+        emulated = topology.emulation is not None
+    emulation = (topology.emulation or Emulation()) if emulated else Emulation()
     time_scale, kv_scale = 1.0 / emulation.speedup, emulation.kv_scale
 
     def observed(cost: ClusterCost) -> InstanceClass:

@@ -7,7 +7,6 @@ import statistics
 import time
 
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
-from prfaas_sglang.plan.model import Deployment
 from prfaas_sglang.plan.profiles import InstanceClass
 from prfaas_sglang.plan.report import make_plan
 from prfaas_sglang.plan.scenario import Catalog, Scenario
@@ -41,14 +40,8 @@ def with_mfus(scenario: Scenario, catalog: Catalog, h200_mfu: float, h20_mfu: fl
     pd_acc = dataclasses.replace(catalog.accelerator("h20x8", "a"), prefill_mfu=h20_mfu)
     dep = scenario.deployment
     decode = analytic_decode(model, pd_acc, scenario.workload.mean_tokens, dep.output_tokens, scenario.slo_tokens_per_s)
-    new_dep = Deployment(
-        InstanceClass(prfaas_acc.name, prfaas_acc.gpus, AnalyticPrefill(model, prfaas_acc)),
-        dep.n_prfaas,
-        InstanceClass(pd_acc.name, pd_acc.gpus, AnalyticPrefill(model, pd_acc), decode),
-        dep.n_pd,
-        dep.egress_bps,
-        dep.output_tokens,
-    )
+    new_dep = dataclasses.replace(dep, prfaas=InstanceClass(prfaas_acc.name, prfaas_acc.gpus, AnalyticPrefill(model, prfaas_acc)),
+                                  pd=InstanceClass(pd_acc.name, pd_acc.gpus, AnalyticPrefill(model, pd_acc), decode))
     return dataclasses.replace(scenario, deployment=new_dep)
 
 

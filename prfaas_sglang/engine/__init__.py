@@ -1,6 +1,6 @@
 """Engine-side code: what runs inside (or instead of) an SGLang server.
 
-``mock/`` is the emulated SGLang worker (``--engine mock``); ``blocks`` and
-``kv_events`` are SGLang's block-hash and KV-event wire formats, shared by the
-mock and (later) the kv-index.
+``mock/`` is the emulated SGLang worker (``--engine mock``). The formats it
+shares with real SGLang and the control plane (KV events, block hashes, the PD
+hand-off, link telemetry) live in :mod:`prfaas_sglang.wire`.
 """

@@ -1,3 +1,3 @@
 """The global KV index (the paper's global KVCache manager): ``KvIndex`` (pure) fed by
 SGLang KV events from every worker; ``python -m prfaas_sglang.launch --role kv-index``
-(issue #5) serves it."""
+serves it (``__main__``); ``feed`` turns a worker's ZMQ frames into index updates."""

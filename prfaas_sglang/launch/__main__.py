@@ -142,7 +142,8 @@ def _check_control_flags(role: Role, flags: list[str]) -> None:
     parser = control_parser()
     _, unknown = parser.parse_known_args(["--config", "x", *flags])
     if unknown:
-        raise ConfigError(unknown[0], f"is neither a launcher nor a {role.value} flag (see python -m prfaas_sglang.launch --help)")
+        module = "router" if role is Role.ROUTER else "kvindex"
+        raise ConfigError(unknown[0], f"is neither a launcher nor a {role.value} flag (see python -m prfaas_sglang.{module} --help)")
 
 
 def _mock_args(args: argparse.Namespace, node: Node, topology: Topology | None) -> tuple[str, tuple[str, ...]]:

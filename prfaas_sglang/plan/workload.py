@@ -114,7 +114,7 @@ class TruncatedLogNormal(Workload):
         return Split(threshold_tokens, upper, min(max(long_mean, t), self.hi), min(max(short_mean, self.lo), t))
 
     def sample(self, rng: random.Random, n: int) -> list[float]:
-        """``n`` lengths by inverse-CDF sampling inside the truncation (for simulators)."""
+        """``n`` lengths by inverse-CDF sampling inside the truncation (workload generators)."""
         lo_u, hi_u = _STD_NORMAL.cdf(self._z(self.lo)), _STD_NORMAL.cdf(self._z(self.hi))
         return [
             math.exp(self.mu + self.sigma * _STD_NORMAL.inv_cdf(lo_u + (hi_u - lo_u) * rng.random()))

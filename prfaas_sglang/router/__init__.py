@@ -1,2 +1,3 @@
-"""The global scheduler (issue #5). ``policy`` and ``threshold`` are pure and shared with
-the planner and the simulator; the HTTP front end arrives with the rest of the issue."""
+"""The global scheduler: ``policy`` (where a request goes), ``threshold`` (how ``t`` moves),
+``link``, ``workers``, ``service`` and ``metrics`` are pure; ``server`` is the HTTP front end
+and ``__main__`` its entry point (``python -m prfaas_sglang.router``)."""

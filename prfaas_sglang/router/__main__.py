@@ -21,6 +21,7 @@ Exits 2 with a one-line reason on bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -68,16 +69,16 @@ def _fetch(url: str, timeout_s: float = 2.0):
         return json.loads(resp.read())
 
 
-def preflight(service, timeout_s: float) -> None:
-    """Fetch every worker's facts (waiting up to ``timeout_s`` for workers still starting).
+def preflight(workers, topology, config, timeout_s: float) -> dict:
+    """Every reachable worker's facts (waiting up to ``timeout_s`` for workers still starting), checked.
 
     Facts that contradict the deployment raise :class:`ConfigError`; a worker still down
-    afterwards is left to the health loop.
+    afterwards is left to the health loop. Returns name -> facts; nothing is modified.
     """
-    from prfaas_sglang.router.server import adopt_facts
+    from prfaas_sglang.router.workers import FactsError, check_facts, parse_server_info
 
     deadline = time.monotonic() + timeout_s
-    pending = dict(service.workers)
+    pending, adopted = dict(workers), {}
     while pending:
         for name, worker in list(pending.items()):
             try:
@@ -85,20 +86,26 @@ def preflight(service, timeout_s: float) -> None:
                 info = _fetch(worker.url + "/server_info")
             except (urllib.error.URLError, OSError, ValueError):
                 continue
-            problem = adopt_facts(service, worker, info, None)
+            try:
+                facts = parse_server_info(info)
+            except FactsError as err:
+                raise ConfigError(f"worker {name}", f"bad /server_info: {err}") from None
+            peers = [dataclasses.replace(workers[n], facts=f) for n, f in adopted.items()]
+            problem = check_facts(worker, facts, peers, topology.emulation)
             if problem:
                 raise ConfigError(f"worker {name}", problem)
-            worker.healthy = True
+            adopted[name] = facts
             del pending[name]
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
     for name in pending:
         logger.warning("worker %s is not reachable yet; it is adopted when it answers /server_info", name)
-    names = {w.facts.served_model_name for w in service.workers.values() if w.facts and w.facts.served_model_name}
-    if len(names) > 1 and not service.config.served_models:
+    names = {f.served_model_name for f in adopted.values() if f.served_model_name}
+    if len(names) > 1 and not config.served_models:
         raise ConfigError("workers", f"the workers serve different models ({', '.join(sorted(names))}); "
                                      "give --served-model-name or fix the deployment")
+    return adopted
 
 
 def load_tokenizer(args, topology, workers):
@@ -124,7 +131,7 @@ def make_service(args: argparse.Namespace):
     from prfaas_sglang.router.policy import BandwidthMode
     from prfaas_sglang.router.service import RouterConfig, new_service
     from prfaas_sglang.router.threshold import ControllerSettings
-    from prfaas_sglang.router.workers import workers_from_topology
+    from prfaas_sglang.router.workers import is_emulated, workers_from_topology
     from prfaas_sglang.topology import load_topology
 
     try:
@@ -139,7 +146,7 @@ def make_service(args: argparse.Namespace):
         if not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
     topology = load_topology(args.config)
-    model = runtime.from_topology(topology)
+    runtime.from_topology(topology)  # validate the scheduler's inputs before waiting for workers
     workers = workers_from_topology(topology)
     node = next(iter(topology.nodes_of(Role.ROUTER)), None)
     args.host = args.host or (node.host if node and node.host else "127.0.0.1")
@@ -148,10 +155,15 @@ def make_service(args: argparse.Namespace):
         raise ConfigError("--port", "is required (the topology has no router node with a port)")
     config = RouterConfig(mode=mode, phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
-                          served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
-                          controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup))
-    service = new_service(config, model, workers)
-    preflight(service, args.startup_timeout_s)
+                          served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold)
+    adopted = preflight(workers, topology, config, args.startup_timeout_s)
+    emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
+    model = runtime.from_topology(topology, emulated=emulated)
+    config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup))
+    service = new_service(config, model, workers, emulation_spec=topology.emulation)
+    for name, facts in adopted.items():
+        workers[name].facts, workers[name].healthy = facts, True
+        service.served_name = service.served_name or facts.served_model_name
     service.tokenizer = load_tokenizer(args, topology, workers)
     if service.tokenizer is None:
         logger.warning("no tokenizer configured (model.tokenizer, model.path or the workers' tokenizer_path): "

@@ -37,6 +37,7 @@ from prfaas_sglang.router.policy import (
 from prfaas_sglang.router.threshold import ControllerSettings, QueueView, ThresholdController
 from prfaas_sglang.router.workers import WorkerRecord
 from prfaas_sglang.runtime import RuntimeModel
+from prfaas_sglang.topology import Emulation
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ class Lease:
 
 class RouterService:
     def __init__(self, config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord],
-                 index: KvIndex, controller: ThresholdController, tokenizer=None):
+                 index: KvIndex, controller: ThresholdController, tokenizer=None, emulation_spec: Emulation | None = None):
         self.config, self.runtime, self.workers = config, runtime, workers
+        self.emulation_spec = emulation_spec  # the topology's emulation: section, what emulated workers must match
         self.index, self.controller, self.tokenizer = index, controller, tokenizer
         self.counters = RouterCounters()
         self.link = LinkAggregator(config.telemetry_stale_s)
@@ -220,9 +222,10 @@ class RouterService:
         return gauges
 
 
-def new_service(config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord], tokenizer=None) -> RouterService:
+def new_service(config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord], tokenizer=None,
+                emulation_spec: Emulation | None = None) -> RouterService:
     """Build the service with the runtime model's controller and a KV index for its workers."""
     controller = ThresholdController(runtime.research, runtime.prior, runtime.link_bps, runtime.step_tokens,
                                      config.threshold_tokens if config.threshold_tokens is not None else runtime.operator_threshold_tokens,
                                      config.controller)
-    return RouterService(config, runtime, workers, KvIndex(hybrid=runtime.hybrid), controller, tokenizer)
+    return RouterService(config, runtime, workers, KvIndex(hybrid=runtime.hybrid), controller, tokenizer, emulation_spec)

@@ -216,12 +216,17 @@ def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerReco
                 and peer.facts.page_size != facts.page_size:
             return (f"page size {facts.page_size} of {record.name} differs from {peer.facts.page_size} of {peer.name} "
                     f"in the same cluster ({record.cluster})")
-    if facts.emulated is not None and facts.emulated.get("engine") == "mock":
+    if is_emulated(facts):
         want = emulation or Emulation()
         got = (facts.emulated.get("speedup"), facts.emulated.get("kv_scale"))
         if got != (want.speedup, want.kv_scale):
             return (f"{record.name} is an emulated engine at speedup {got[0]}, kv_scale {got[1]}; the topology's "
                     f"emulation section says {want.speedup}, {want.kv_scale}, so the router's cost model would be wrong")
-    elif emulation is not None and (emulation.speedup, emulation.kv_scale) != (1.0, 1.0):
-        return f"{record.name} is not an emulated engine, but the topology scales costs for emulation ({emulation})"
+    for peer in peers:
+        if peer.name != record.name and peer.facts is not None and is_emulated(peer.facts) != is_emulated(facts):
+            return f"{record.name} and {peer.name} mix emulated and real engines in one deployment"
     return None
+
+
+def is_emulated(facts: WorkerFacts) -> bool:
+    return facts.emulated is not None and facts.emulated.get("engine") == "mock"

@@ -8,8 +8,9 @@ SGLang's settings: fast tokenizer, ``clean_up_tokenization_spaces=False``):
   TokenizerManager calls ``tokenizer([text])``, default special tokens
   (``managers/tokenizer_manager.py`` ``_tokenize_texts``);
 * chat (``/v1/chat/completions``): ``OpenAIServingChat._apply_jinja_template``:
-  messages as SGLang's pydantic models dump them (roles lower-cased, ``None``
-  fields dropped, ``content: None`` -> ``""``); list content flattened or kept
+  messages as SGLang's pydantic models validate and dump them (``user`` exact,
+  the other roles case-insensitive and lower-cased; a user message needs
+  content; ``None`` fields dropped, ``content: None`` -> ``""``); list content flattened or kept
   by the template's detected content format (``string`` | ``openai``, the same
   AST test as SGLang/vLLM); a trailing assistant message becomes the prefix to
   continue (``continue_final_message``) or a user message; the template
@@ -34,14 +35,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prfaas_sglang.errors import ConfigError, TokenizeError
+
+__all__ = ["PromptTokenizer", "TokenizeError", "detect_content_format", "resolve", "SHIPPED"]
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SHIPPED = "prfaas-tiny-chatml"
-_GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "user")
+# SGLang's ChatCompletionMessageGenericParam roles (case-insensitive); "user" is its own, exact, type.
+_GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
 _MESSAGE_KEYS = ("role", "content", "tool_call_id", "name", "reasoning_content", "tool_calls", "tools")
-
-
-class TokenizeError(ValueError):
-    """The request cannot be tokenized (bad messages, a template error): a client error (400)."""
 
 
 def resolve(ref: str, base_dir: Path | None = None) -> str:
@@ -77,8 +79,6 @@ class PromptTokenizer:
         try:
             tok = AutoTokenizer.from_pretrained(source, clean_up_tokenization_spaces=False, use_fast=True)
         except (OSError, ValueError) as err:
-            from prfaas_sglang.errors import ConfigError
-
             raise ConfigError("tokenizer", f"cannot load tokenizer {ref!r}: {str(err).splitlines()[0]}") from None
         return cls(tok, source)
 
@@ -156,9 +156,11 @@ def _dump_message(raw: Any, index: int) -> dict:
     if not isinstance(raw, dict):
         raise TokenizeError(f"messages[{index}] must be an object")
     role = raw.get("role")
-    if not isinstance(role, str) or role.lower() not in _GENERIC_ROLES:
-        raise TokenizeError(f"messages[{index}].role must be one of {', '.join(_GENERIC_ROLES)}")
+    if role != "user" and (not isinstance(role, str) or role.lower() not in _GENERIC_ROLES):
+        raise TokenizeError(f"messages[{index}].role must be user or one of {', '.join(_GENERIC_ROLES)}")
     content = raw.get("content")
+    if role == "user" and not isinstance(content, (str, list)):
+        raise TokenizeError(f"messages[{index}].content of a user message must be a string or a list of parts")
     if content is not None and not isinstance(content, (str, list)):
         raise TokenizeError(f"messages[{index}].content must be a string, a list of parts or null")
     if isinstance(content, list):

@@ -1,5 +1,6 @@
 """Cross-cluster KV transport (Mooncake TCP over WAN links).
 
-Today: the WAN defaults the launcher sets. The transport issue adds the
-scheduler-side/worker-side transfer split and link telemetry here.
+``wan_defaults``: the Mooncake TCP settings the launcher sets for cross-cluster
+roles; ``meter``: a sender's view of its KV egress (the link telemetry it
+publishes, wire format in ``prfaas_sglang.wire.telemetry``).
 """

@@ -26,6 +26,13 @@ def test_demo_case_study(tmp_path):
     assert summary["requests_failed"] == 0 and summary["requests_ok"] > 0
     assert summary["egress_gbps"] > 0 if summary["offload_fraction"] > 0 else True
     assert summary["tokenizer"] == "prfaas-tiny-chatml" and summary["mean_input_tokens"] > 128  # real text, tokenized
+    # the router's t (read from its /status) is the runtime model's for the demo's topology
+    from prfaas_sglang import runtime
+    from prfaas_sglang.demo.__main__ import build_parser, topology_for
+    from prfaas_sglang.topology import parse_topology
+
+    args = build_parser().parse_args(["--max-input-tokens", "40001"])
+    assert summary["threshold_tokens"] == runtime.from_topology(parse_topology(topology_for(args))).baseline_threshold_tokens
     assert children_with("--context-tokens 80066") == []
     # one log per process, and the one topology every process was started from
     assert {p.name for p in tmp_path.iterdir()} == {"prfaas-0.log", "pd-prefill-0.log", "pd-decode-0.log",

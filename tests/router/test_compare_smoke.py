@@ -16,3 +16,10 @@ def test_compare_command_reports_both_routers_and_the_ratio():
         assert summary["requests_failed"] == 0 and summary["requests"] == result["arrivals"] > 0
         assert {"goodput_rps", "ttft_p50_s", "ttft_p90_s", "tbt_p99_s", "offload_fraction", "egress_gbps"} <= set(summary)
     assert "goodput_ratio" in result
+    # our router's t (from its /status) is the runtime model's for the comparison's topology
+    from prfaas_sglang import runtime
+    from prfaas_sglang.bench.compare import compare_topology
+    from prfaas_sglang.topology import parse_topology
+
+    topology = compare_topology("case-study", 64, result["speedup"], result["kv_scale"], result["tokenizer"])
+    assert result["threshold_tokens"] == runtime.from_topology(parse_topology(topology)).baseline_threshold_tokens

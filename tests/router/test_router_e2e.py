@@ -13,7 +13,14 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, local_topology, start_deployment, start_mock_worker, start_router
+from prfaas_sglang.demo.cluster import (
+    ProcessGroup,
+    free_port,
+    local_topology,
+    start_deployment,
+    start_mock_worker,
+    start_router,
+)
 
 THRESHOLD = 10_000
 TOKEN = "test-admin-token"

@@ -282,3 +282,70 @@ def test_control_plane_plans(capsys, node, module):
     assert rc == 0
     argv = json.loads(capsys.readouterr().out)["argv"]
     assert argv[1:3] == ["-m", module] and "--config" in argv
+
+
+LOCAL = str(REPO_ROOT / "launch" / "local-two-cluster.yaml")
+
+
+def dry_run(capsys, *args: str, stderr: list | None = None) -> list[str]:
+    assert launch_main([*args, "--dry-run", "--json"]) == 0
+    captured = capsys.readouterr()
+    if stderr is not None:
+        stderr.append(captured.err)
+    return json.loads(captured.out)["argv"]
+
+
+class TestUsability:
+    def test_config_without_node_starts_the_router(self, capsys):
+        err: list[str] = []
+        argv = dry_run(capsys, "--config", LOCAL, stderr=err)
+        assert argv[1:3] == ["-m", "prfaas_sglang.router"]
+        assert "no --node given: starting router node 'router'" in err[0]
+
+    def test_config_without_node_and_no_single_router_names_the_choices(self, tmp_path):
+        doc = yaml.safe_load(Path(LOCAL).read_text())
+        doc["clusters"]["control"]["nodes"].append({"name": "router-2", "role": "router", "port": 8002})
+        path = tmp_path / "two-routers.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        proc = launch_cli("--config", str(path), "--dry-run")
+        assert proc.returncode == 2 and proc.stderr.startswith("error: --node: choose the node to start (nodes: ")
+        assert "router-2 (router)" in proc.stderr and "prfaas-0 (prfaas)" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+    def test_router_flags_pass_through_the_launcher(self, capsys):
+        argv = dry_run(capsys, "--config", LOCAL, "--node", "router", "--threshold", "20000", "--max-ttft-s", "8")
+        assert argv[argv.index("--threshold") + 1] == "20000" and argv[argv.index("--max-ttft-s") + 1] == "8"
+        from prfaas_sglang.router.__main__ import build_parser
+
+        parsed = build_parser().parse_args(argv[3:])  # what the router will parse
+        assert parsed.threshold == 20000 and parsed.max_ttft_s == 8
+
+    @pytest.mark.parametrize("args, reason", [
+        (["--config", LOCAL, "--node", "router", "--threshhold", "5"],
+         "--threshhold: is neither a launcher nor a router flag (see python -m prfaas_sglang.router --help)"),
+        (["--config", LOCAL, "--node", "prfaas-0", "--threshold", "5"], "--threshold: is not a launcher flag (SGLang flags go after `--`)"),
+    ])
+    def test_unknown_flags_are_one_line_errors(self, args, reason):
+        proc = launch_cli(*args, "--dry-run")
+        assert proc.returncode == 2 and proc.stderr.strip() == f"error: {reason}"
+
+    def test_emulated_engines_take_their_settings_from_the_topology(self, capsys):
+        """Profile (the cluster's accelerator), scale (emulation:), tokenizer and served name, decode batch."""
+        from prfaas_sglang import runtime
+
+        model = runtime.from_topology(load_topology(LOCAL))
+        prfaas = dry_run(capsys, "--config", LOCAL, "--node", "prfaas-0", "--engine", "mock")
+        assert prfaas[prfaas.index("--profile") + 1] == "kimi-linear-1t-hybrid@h200x8"
+        assert prfaas[prfaas.index("--speedup") + 1] == "20.0" and prfaas[prfaas.index("--kv-scale") + 1] == "0.01"
+        assert prfaas[prfaas.index("--tokenizer") + 1].endswith("tokenizer/data/prfaas-tiny-chatml")
+        assert prfaas[prfaas.index("--served-model-name") + 1] == "tiny-hybrid"
+        assert prfaas[prfaas.index("--telemetry-port") + 1] == "5560"
+        decode = dry_run(capsys, "--config", LOCAL, "--node", "pd-decode-0", "--engine", "mock")
+        assert decode[decode.index("--profile") + 1] == "kimi-linear-1t-hybrid@h20x8"
+        assert decode[decode.index("--max-batch") + 1] == str(int(model.decode.bs_max))
+
+    def test_real_engines_get_the_tokenizer_and_served_name_but_no_emulation(self, capsys):
+        argv = dry_run(capsys, "--config", LOCAL, "--node", "pd-prefill-0")
+        assert argv[argv.index("--tokenizer-path") + 1].endswith("tokenizer/data/prfaas-tiny-chatml")
+        assert argv[argv.index("--served-model-name") + 1] == "tiny-hybrid"
+        assert "--skip-tokenizer-init" not in argv and "--speedup" not in argv

@@ -101,6 +101,7 @@ class Stats:
     kv_transfer_s: float = 0.0
     requests_ok: int = 0
     requests_failed: int = 0
+    room_waits: int = 0  # decode requests that found the pool or the landing buffer full and waited
 
 
 class MockEngine:
@@ -325,12 +326,16 @@ class MockEngine:
     async def _take_room(self, tokens: int, length: int, deadline: float) -> int:
         """Wait until the pool has ``tokens`` and the landing buffer ``length`` bytes; returns the offset."""
         async with self._room:
+            waited = False
             while True:
                 if self.used_tokens + tokens <= self.max_total_tokens:
                     offset = self.kv.arena.alloc(length)
                     if offset is not None:
                         self.used_tokens += tokens
                         return offset
+                if not waited:
+                    waited = True
+                    self.stats.room_waits += 1
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise BadRequest(503, f"no decode room for {tokens} tokens within {self.config.bootstrap_timeout_s:g} s "

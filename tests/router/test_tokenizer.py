@@ -1,0 +1,212 @@
+"""The router's token ids equal those SGLang 0.5.15's own tokenizer paths compute (its classes, on CPU).
+
+SGLang's side: ``get_tokenizer`` (its loader), ``TemplateManager`` (chat-template and content-format
+detection), ``OpenAIServingChat._process_messages`` (chat) and ``TokenizerManager._tokenize_texts``
+(text), with a stand-in for the parts of the TokenizerManager those read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import types
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prfaas_sglang.tokenizer import (
+    DATA_DIR,
+    SHIPPED,
+    PromptTokenizer,
+    TokenizeError,
+    detect_content_format,
+)
+
+STRING_TEMPLATE = (  # content is used as a string: SGLang flattens list parts with spaces
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def variant(tmp_path, name: str, template: str | None = None, bos: bool = False):
+    """The shipped tokenizer with another chat template, or one that prepends a BOS token."""
+    from tokenizers import Tokenizer, processors
+
+    out = tmp_path / name
+    shutil.copytree(DATA_DIR / SHIPPED, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    if template is not None:
+        config["chat_template"] = template
+    if bos:
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                                           special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))])
+        tok.save(str(out / "tokenizer.json"))
+        config["bos_token"] = "<|endoftext|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+class SGLangPaths:
+    """SGLang 0.5.15's tokenization of one tokenizer, through its own classes."""
+
+    def __init__(self, path: str):
+        from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+        from sglang.srt.managers.template_manager import TemplateManager
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+        from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+        tok = get_tokenizer(path)
+        self.tm = types.SimpleNamespace(
+            tokenizer=tok, processor=None,
+            server_args=types.SimpleNamespace(tool_call_parser=None, reasoning_parser=None,
+                                              tokenizer_metrics_allowed_custom_labels=None),
+            model_config=types.SimpleNamespace(get_default_sampling_params=lambda: {},
+                                               hf_config=types.SimpleNamespace(model_type="qwen3_next",
+                                                                               architectures=["Qwen3NextForCausalLM"])))
+        self.templates = TemplateManager()
+        self.templates.initialize_templates(self.tm, model_path=path)
+        self.chat = OpenAIServingChat(self.tm, self.templates)
+        self.manager = object.__new__(TokenizerManager)
+        self.manager.tokenizer, self.manager.async_dynamic_batch_tokenizer = tok, None
+
+    def chat_ids(self, body: dict) -> list[int]:
+        from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(model="m", **body)
+        return list(self.chat._process_messages(request, is_multimodal=False).prompt_ids)
+
+    def text_ids(self, text: str) -> list[int]:
+        ids, _ = asyncio.run(self.manager._tokenize_texts(text))
+        return list(ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tok")
+    paths = {"shipped (openai content)": str(DATA_DIR / SHIPPED),
+             "string content": variant(tmp, "string", STRING_TEMPLATE),
+             "bos-adding": variant(tmp, "bos", bos=True)}
+    return {name: (PromptTokenizer.load(path), SGLangPaths(path)) for name, path in paths.items()}
+
+
+LONG = " ".join(f"word{i % 97} prefill{i % 13}" for i in range(6_000))
+CHATS = [
+    {"messages": [{"role": "user", "content": "hi"}]},
+    {"messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Explain PrfaaS."},
+                  {"role": "assistant", "content": "Long prefills elsewhere."}, {"role": "user", "content": "And decode?"}]},
+    {"messages": [{"role": "user", "content": "Grüße, 東京, emoji 😀, RTL שלום, zero\u200bwidth"}]},
+    {"messages": [{"role": "SYSTEM", "content": "roles other than user are case-insensitive"}, {"role": "user", "content": "ok"}]},
+    {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "summarise"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}]},
+    {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a trailing answer"}]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "to continue"}], "continue_final_message": True},
+    {"messages": [{"role": "user", "content": "weather?"}],
+     "tools": [{"type": "function", "function": {"name": "get_weather", "description": "city weather",
+                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]},
+    {"messages": [{"role": "user", "content": "weather?"}], "tool_choice": "none",
+     "tools": [{"type": "function", "function": {"name": "get_weather"}}]},
+    {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"},
+    {"messages": [{"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c1"}]},
+]
+TEXTS = ["", "a", "Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\r\n", "Grüße 東京 😀", LONG,
+         "<|im_start|>user\nspecial tokens in text<|im_end|>"]
+
+
+REFUSED = [  # SGLang's request models refuse these (422/400): so does the router (400)
+    {"messages": [{"role": "User", "content": "the user role is exact"}]},
+    {"messages": [{"role": "user", "content": None}]},
+    {"messages": [{"role": "wizard", "content": "x"}]},
+]
+
+
+@pytest.mark.parametrize("name", ["shipped (openai content)", "string content", "bos-adding"])
+@pytest.mark.parametrize("body", CHATS, ids=range(len(CHATS)))
+def test_chat_ids_equal_sglangs(tokenizers, name, body):
+    ours, theirs = tokenizers[name]
+    assert ours.encode_chat(json.loads(json.dumps(body))) == theirs.chat_ids(json.loads(json.dumps(body)))
+
+
+@pytest.mark.parametrize("body", REFUSED, ids=range(len(REFUSED)))
+def test_what_sglang_refuses_the_router_refuses(tokenizers, body):
+    import pydantic
+
+    ours, theirs = tokenizers["shipped (openai content)"]
+    with pytest.raises(pydantic.ValidationError):
+        theirs.chat_ids(body)
+    with pytest.raises(TokenizeError):
+        ours.encode_chat(body)
+
+
+@pytest.mark.parametrize("name", ["shipped (openai content)", "bos-adding"])
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_text_ids_equal_sglangs(tokenizers, name, text):
+    ours, theirs = tokenizers[name]
+    if not text:
+        with pytest.raises(ValueError):
+            theirs.text_ids(text)  # SGLang refuses empty text; our protocol refuses an empty prompt (400)
+        return
+    assert ours.encode_text(text) == theirs.text_ids(text)
+
+
+@pytest.mark.parametrize("name", ["shipped (openai content)", "string content", "bos-adding"])
+def test_content_format_detection_agrees(tokenizers, name):
+    ours, theirs = tokenizers[name]
+    assert ours.content_format == theirs.templates.jinja_template_content_format
+
+
+def test_content_format_detection_on_sglang_examples():
+    from sglang.srt.parser.jinja_template_utils import (
+        detect_jinja_template_content_format as theirs,
+    )
+
+    for template in ("{% for message in messages %}{{ message['content'] }}{% endfor %}",
+                     "{% for message in messages %}{% for c in message['content'] %}{{ c.text }}{% endfor %}{% endfor %}",
+                     "{% for m in messages %}{% for c in m.content | selectattr('type') %}{{ c }}{% endfor %}{% endfor %}",
+                     "{{ 'image' }}", "{% for x in %}broken"):
+        assert detect_content_format(template) == theirs(template), template
+
+
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                           "content": st.text(max_size=60)}), min_size=1, max_size=5)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=messages)
+def test_generated_conversations_match(tokenizers, msgs):
+    ours, theirs = tokenizers["shipped (openai content)"]
+    assert ours.encode_chat({"messages": msgs}) == theirs.chat_ids({"messages": msgs})
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"messages": "hi"}, "messages must be a list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role must be user or one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content of a user message must be"),
+    ({"messages": [{"role": "system", "content": 5}]}, "content must be a string, a list of parts or null"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "multimodal"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}]}, "function.name"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+])
+def test_bad_chat_bodies_are_typed_errors(tokenizers, body, message):
+    ours, _ = tokenizers["shipped (openai content)"]
+    with pytest.raises(TokenizeError, match=message):
+        ours.encode_chat(body)
+
+
+def test_shipped_tokenizer_is_what_its_recipe_says():
+    recipe = json.loads((DATA_DIR / SHIPPED / "recipe.json").read_text())
+    tok = PromptTokenizer.load(SHIPPED)
+    assert tok.vocab_size == recipe["vocab_size"] == 4096
+    assert tok.chat_template and tok.content_format == "openai" and not tok.auto_adds_specials
+    text = "Grüße 東京 😀 — any UTF-8 round-trips"
+    assert tok.decode(tok.encode_text(text)) == text  # byte-level: nothing is unknown
+
+
+def test_a_missing_tokenizer_is_a_config_error():
+    from prfaas_sglang.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot load tokenizer"):
+        PromptTokenizer.load("/no/such/tokenizer")
