@@ -133,8 +133,7 @@ def test_the_emulated_engine_never_imports_the_launcher():
 
 
 def _classes_and_calls(name: str):
-    for node in ast.walk(tree(name)):
-        yield node
+    yield from ast.walk(tree(name))
 
 
 def test_wire_formats_live_in_wire():
