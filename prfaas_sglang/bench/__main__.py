@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link 10x mid-run; the router's t over time")
     bw.add_argument("--nominal-mbit", type=float, default=400.0, help="the link's rate (tbf) before and after the throttle")
     bw.add_argument("--factor", type=float, default=10.0, help="throttled rate = nominal / factor")
-    bw.add_argument("--load-rps", type=float, default=3.0)
+    bw.add_argument("--load-rps", type=float, default=2.0,
+                    help="Poisson arrivals/s; at 2 the old t overloads the throttled link 1.34x, at 3 2x")
     bw.add_argument("--phases", default="15,60,20", help="seconds clear, throttled, clear")
     bw.add_argument("--speedup", type=float, default=10.0)
     bw.add_argument("--seed", type=int, default=0)

@@ -17,14 +17,17 @@ Figures (all from the router's own series and clock, CLOCK_MONOTONIC shared):
 * ``t_changes_while_throttled``: changes of ``t`` after the first settle (the
   first change followed by 5 s without one), until the link is restored (target <= 2);
 * ``egress_over_capacity_fraction``: share of throttled seconds in which the
-  offered egress (KV bits whose transfer was requested, averaged over the
-  trailing ``offered_window_s`` = 5 s) exceeded the throttled capacity
-  (target < 0.1). At the throttled rate one long request's KV takes 1-3 s to
+  offered egress (KV bits whose transfer was requested after the throttle,
+  averaged over the trailing ``offered_window_s`` = 5 s) exceeded the throttled
+  capacity (target < 0.1). Demand requested before the throttle is backlog no
+  controller can take back; ``..._with_prior_demand`` counts it too. At the throttled rate one long request's KV takes 1-3 s to
   cross, so a window shorter than about two transfers counts single transfers
   (any link below 100% but above ~30% utilisation has some), not overload;
   the 2 s figure is reported beside it (``..._2s``), and the mean offered load;
+  ``..._settled`` counts only the seconds after the first settle plus one window;
 * ``t_recovery_s``: from restoring the link to ``t`` back at the healthy-link
-  baseline (target <= 10 s);
+  baseline the controller reports then (it tracks the routed lengths, so it
+  may differ slightly from the pre-throttle ``t``; target <= 10 s);
 * ``requests_failed`` (target 0).
 """
 
@@ -122,7 +125,7 @@ async def _sample(url: str, until: float, t0: float, series: list) -> None:
             await asyncio.sleep(0.25)
 
 
-def run(nominal_mbit: float = 400.0, factor: float = 10.0, load_rps: float = 3.0,
+def run(nominal_mbit: float = 400.0, factor: float = 10.0, load_rps: float = 2.0,
         phases_s: tuple[float, float, float] = (15.0, 60.0, 20.0), speedup: float = 10.0, kv_scale: float = 0.01,
         seed: int = 0, offered_window_s: float = 5.0, log_dir: Path | None = None) -> dict:
     tag = random.Random().randrange(16, 250)
@@ -190,16 +193,24 @@ def analyse(series: list[dict], history: list[dict], results: list[dict], thrott
     changes_after_settle = sum(1 for h in during if settle is not None and h["t_s"] > settle)
     seconds = range(int(throttled_at) + 1, int(cleared_at) + 1)
 
-    def over_fraction(window_s: float) -> float | None:
-        over = 0
+    def over_seconds(window_s: float, after_throttle: bool = True) -> list[int]:
+        # after_throttle: only demand requested once the link was throttled (samples whose 1 s telemetry
+        # window lies after it); demand from before is backlog no controller can take back
+        first = throttled_at + 1.0 if after_throttle else float("-inf")
+        out = []
         for sec in seconds:
-            window = [s["offered_mbps"] for s in series if sec - window_s <= s["t_s"] < sec]
+            window = [s["offered_mbps"] for s in series if max(sec - window_s, first) <= s["t_s"] < sec]
             if window and sum(window) / len(window) > capacity:
-                over += 1
-        return over / len(seconds) if seconds else None
+                out.append(sec)
+        return out
 
-    back = next((h["t_s"] for h in history if h["t_s"] >= cleared_at and baseline is not None
-                 and h["threshold_tokens"] == baseline), None)
+    def over_fraction(window_s: float, lo: float = 0.0, after_throttle: bool = True) -> float | None:
+        span = [sec for sec in seconds if sec >= lo]
+        return sum(1 for sec in over_seconds(window_s, after_throttle) if sec >= lo) / len(span) if span else None
+
+    # back at the healthy-link baseline the controller reports at that moment (it follows the routed
+    # lengths, so it may differ a little from the pre-throttle t)
+    back = next((s["t_s"] for s in series if s["t_s"] >= cleared_at and s["threshold_tokens"] == s["baseline_tokens"]), None)
     throttled_series = [s for s in series if throttled_at + 5 <= s["t_s"] < cleared_at]
     offloaded = lambda lo, hi: _share([r for r in results if lo <= r["t_s"] < hi])  # noqa: E731
     return {
@@ -213,6 +224,10 @@ def analyse(series: list[dict], history: list[dict], results: list[dict], thrott
         "egress_over_capacity_fraction": over_fraction(offered_window_s),
         "offered_window_s": offered_window_s,
         "egress_over_capacity_fraction_2s": over_fraction(2.0),
+        "egress_over_capacity_fraction_with_prior_demand": over_fraction(offered_window_s, after_throttle=False),
+        # the same, counted only once t has settled and the window no longer holds pre-settle demand
+        "egress_over_capacity_fraction_settled": over_fraction(offered_window_s, (settle or cleared_at) + offered_window_s),
+        "over_capacity_seconds_after_throttle": [round(sec - throttled_at) for sec in over_seconds(offered_window_s)],
         "t_recovered_at_s": back, "t_recovery_s": (back - cleared_at) if back is not None else None,
         "requests": len(results), "requests_failed": sum(r["status"] != 200 for r in results),
         "offloaded_clear": offloaded(0, throttled_at), "offloaded_throttled": offloaded(throttled_at + 5, cleared_at),

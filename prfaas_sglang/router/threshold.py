@@ -52,7 +52,7 @@ class ControllerSettings:
     drop_ratio: float = 0.7
     rise_ratio: float = 1.4
     recovered_ratio: float = 0.7  # = drop_ratio: one band; a single transfer rarely shows the full nominal rate
-    confirm_s: float = 0.5
+    confirm_s: float = 0.5  # three telemetry samples (0.25 s apart) must agree
     queue_high_s: float = 10.0  # model seconds of outstanding prefill per instance: a few long prompts waiting
     queue_low_s: float = 1.0
     imbalance: float = 2.0

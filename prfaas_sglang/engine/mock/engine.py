@@ -134,7 +134,7 @@ class MockEngine:
         self._prefill_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
-        self.meter = LinkMeter()
+        self.meter = LinkMeter(window_s=1.0)  # 1 MiB slices: a shorter window sees too few of them at 40 Mbit/s
         self._transfer_ids = itertools.count()
         if tokenizer is not None:
             special = tokenizer.special_ids
