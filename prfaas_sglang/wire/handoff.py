@@ -16,30 +16,19 @@ History:
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+
+from prfaas_sglang.wire._json import build, json_object
 
 HANDOFF_VERSION = 1
 
 
 def _decode(cls, payload: bytes | str | dict):
-    if isinstance(payload, (bytes, str)):
-        try:
-            payload = json.loads(payload)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{cls.__name__} is not JSON: {err}") from None
-    if not isinstance(payload, dict):
-        raise ValueError(f"{cls.__name__} must be a JSON object")
-    obj = dict(payload)
-    if obj.pop("v", None) != HANDOFF_VERSION:
-        raise ValueError(f"{cls.__name__}: unsupported hand-off version {payload.get('v')!r}")
-    names = {f.name for f in fields(cls)}
-    if set(obj) - names:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(set(obj) - names)}")
-    try:
-        message = cls(**obj)
-    except TypeError as err:
-        raise ValueError(f"{cls.__name__}: {err}") from None
+    obj = json_object(payload, cls.__name__)
+    version = obj.pop("v", None)
+    if version != HANDOFF_VERSION:
+        raise ValueError(f"{cls.__name__}: unsupported hand-off version {version!r}")
+    message = build(cls, obj, cls.__name__)
     message.validate()
     return message
 

@@ -26,6 +26,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from prfaas_sglang.wire._json import build, json_object
+
 TELEMETRY_TOPIC = b"prfaas-telemetry"
 WIRE_VERSION = 2
 
@@ -49,25 +51,13 @@ class LinkSample:
     @classmethod
     def decode(cls, payload: bytes) -> LinkSample:
         """Raise ValueError on anything that is not a valid v1 or v2 sample."""
-        try:
-            obj = json.loads(payload)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"telemetry is not JSON: {err}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"telemetry must be a JSON object, got {type(obj).__name__}")
+        obj = json_object(payload, "telemetry")
         version = obj.pop("v", None)
         if version == 1:
             obj.setdefault("offered_bps", obj.get("egress_bps"))
         elif version != WIRE_VERSION:
             raise ValueError(f"unsupported telemetry version {version!r}")
-        known = set(cls.__dataclass_fields__)
-        unknown = set(obj) - known
-        if unknown:
-            raise ValueError(f"unknown telemetry field(s) {sorted(unknown)}")
-        try:
-            sample = cls(**obj)
-        except TypeError as err:
-            raise ValueError(f"not a telemetry sample: {err}") from None
+        sample = build(cls, obj, "telemetry")
         sample._validate()
         return sample
 

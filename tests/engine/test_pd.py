@@ -93,16 +93,21 @@ def test_kv_events_decode_with_sglang_classes(pair):
     assert [e.block_hashes[0] for e in stored] == [hash_str_to_int64(h) for h in get_hash_str(tokens, None, 512)]
 
 
-def test_streaming_and_openai_endpoints(pair):
-    prefill, decode = pair
-    room = next(_rooms)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4, "stream": True,
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
-    t = threading.Thread(target=requests.post, args=(prefill.url + "/v1/chat/completions",), kwargs={"json": body, "timeout": 30})
+def pd_stream(prefill, decode, path: str, body: dict) -> list[str]:
+    """The same streaming body to both workers, as a router sends it; the decode worker's SSE lines."""
+    body = {**body, "stream": True, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": next(_rooms)}
+    t = threading.Thread(target=requests.post, args=(prefill.url + path,), kwargs={"json": body, "timeout": 30})
     t.start()
-    with requests.post(decode.url + "/v1/chat/completions", json=body, stream=True, timeout=30) as resp:
+    with requests.post(decode.url + path, json=body, stream=True, timeout=30) as resp:
         lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
     t.join()
+    return lines
+
+
+def test_streaming_and_openai_endpoints(pair):
+    lines = pd_stream(*pair, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi there"}],
+                                                      "max_tokens": 4})
     assert lines[-1] == "data: [DONE]"
     chunks = [msgspec.json.decode(line[6:]) for line in lines[:-1]]
     contents = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
@@ -111,15 +116,8 @@ def test_streaming_and_openai_endpoints(pair):
 
 
 def test_stream_options_include_usage(pair):
-    prefill, decode = pair
-    room = next(_rooms)
-    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
-    t = threading.Thread(target=requests.post, args=(prefill.url + "/v1/completions",), kwargs={"json": body, "timeout": 30})
-    t.start()
-    with requests.post(decode.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
-        lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
-    t.join()
+    lines = pd_stream(*pair, "/v1/completions", {"model": "m", "prompt": [5, 6, 7], "max_tokens": 3,
+                                                 "stream_options": {"include_usage": True}})
     assert lines[-1] == "data: [DONE]"
     last = msgspec.json.decode(lines[-2][6:])
     assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 3 and last["usage"]["completion_tokens"] == 3
