@@ -1,0 +1,106 @@
+"""Worker facts and load as real SGLang 0.5.15 reports them (its own ServerArgs / GetLoadsReqOutput), and the checks."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from helpers import REPO_ROOT, run_py
+
+from prfaas_sglang.router.workers import (
+    FactsError,
+    WorkerRecord,
+    check_facts,
+    parse_loads,
+    parse_server_info,
+)
+from prfaas_sglang.topology import Emulation
+from prfaas_sglang.wire.blocks import HASH_SCHEME
+
+MODEL = REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
+
+# /server_info as SGLang 0.5.15's http_server builds it: asdict(server_args) + scheduler info + version +
+# describe_kv_events_publisher(). Resolving ServerArgs touches process-global state: run it in a subprocess.
+PROBE = textwrap.dedent(f"""
+    import dataclasses, json
+    from sglang.srt.server_args import ServerArgs
+    args = ServerArgs(model_path={str(MODEL)!r}, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake_tcp",
+                      device="cuda", load_format="dummy", mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True,
+                      served_model_name="tiny-hybrid", page_size=64,
+                      kv_events_config=json.dumps({{"publisher": "zmq", "endpoint": "tcp://*:5559", "topic": "kv-events"}}))
+    info = {{**dataclasses.asdict(args), "max_total_num_tokens": 123456, "max_req_input_len": 32767,
+            "version": "0.5.15", "kv_events": args.describe_kv_events_publisher()}}
+    print(json.dumps(info, default=str))
+""")
+
+
+@pytest.fixture(scope="module")
+def sglang_server_info() -> dict:
+    proc = run_py(["-c", PROBE], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_real_server_info_parses_to_the_facts_the_router_uses(sglang_server_info):
+    facts = parse_server_info(sglang_server_info)
+    assert facts.page_size == 64 and facts.kv_events.block_size == 64 and facts.kv_events.port == 5559
+    assert facts.kv_events.topic == "kv-events" and facts.served_model_name == "tiny-hybrid"
+    assert facts.disaggregation_mode == "decode" and facts.max_total_tokens == 123456
+    assert facts.block_hash == HASH_SCHEME and facts.emulated is None  # a real engine states no scheme: SGLang's own
+    record = WorkerRecord("d0", "http://h:1", "pd", "decode", "h", None, None)
+    assert check_facts(record, facts, [], None) is None
+    assert record.kv_events_url is None and WorkerRecord("d0", "http://h:1", "pd", "decode", "h", None, None,
+                                                         facts=facts).kv_events_url == "tcp://h:5559"
+
+
+def test_real_loads_parse():
+    """The body SGLang's /v1/loads builds: LoadSnapshot.from_get_loads_output(...).to_dict(include) per DP rank."""
+    from sglang.srt.managers.io_struct import GetLoadsReqOutput
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+
+    ranks = [GetLoadsReqOutput(dp_rank=r, timestamp=0.0, num_running_reqs=3, num_waiting_reqs=1, num_waiting_uncached_tokens=900,
+                               num_used_tokens=5000, num_total_tokens=6000, max_total_num_tokens=100_000, token_usage=0.05,
+                               gen_throughput=10.0, cache_hit_rate=0.0, utilization=0.1, max_running_requests=64)
+             for r in range(2)]
+    load = parse_loads(json.loads(json.dumps({"timestamp": "x", "version": "0.5.15", "loads": [LoadSnapshot.from_get_loads_output(r).to_dict(None) for r in ranks]})))
+    assert (load.running, load.waiting, load.used_tokens, load.max_total_tokens, load.waiting_uncached_tokens) == (6, 2, 10_000, 200_000, 1800)
+
+
+@pytest.mark.parametrize("body", [None, [], {"loads": []}, {"loads": [{"num_running_reqs": -1}]}, {"loads": ["x"]}])
+def test_bad_loads_are_typed_errors(body):
+    with pytest.raises(FactsError):
+        parse_loads(body)
+
+
+@pytest.mark.parametrize("info", [None, [], {}, {"page_size": 0}, {"page_size": "64"},
+                                  {"kv_events": {"endpoint_port_base": 5557, "block_size": -1}}])
+def test_bad_server_info_is_a_typed_error(info):
+    with pytest.raises(FactsError):
+        parse_server_info(info)
+
+
+def facts(page=512, mode="prefill", emulated=None, scheme=None):
+    info = {"page_size": page, "disaggregation_mode": mode}
+    if emulated is not None:
+        info["prfaas"] = {"engine": "mock", "speedup": emulated[0], "kv_scale": emulated[1], **({"block_hash": scheme} if scheme else {})}
+    return parse_server_info(info)
+
+
+def record(name, cluster="pd", role="prefill", f=None):
+    return WorkerRecord(name, "http://h:1", cluster, role, "h", 1, None, facts=f)
+
+
+@pytest.mark.parametrize("candidate, peers, emulation, problem", [
+    (facts(mode="decode"), [], None, "runs --disaggregation-mode decode"),
+    (facts(page=256), [record("b", f=facts(page=512))], None, "page size 256 of a differs from 512 of b"),
+    (facts(emulated=(20, 0.01)), [], Emulation(10, 0.01), "emulated engine at speedup 20"),
+    (facts(emulated=(20, 0.01), scheme="md5"), [], Emulation(20, 0.01), "hashes KV blocks with 'md5'"),
+    (facts(emulated=(1.0, 1.0)), [record("b", f=facts())], None, "mix emulated and real engines"),
+])
+def test_facts_that_contradict_the_deployment_are_refused(candidate, peers, emulation, problem):
+    assert problem in check_facts(record("a"), candidate, peers, emulation)
+
+
+def test_page_sizes_may_differ_between_clusters():
+    assert check_facts(record("a", cluster="prfaas"), facts(page=256), [record("b", f=facts(page=512))], None) is None
