@@ -76,6 +76,20 @@ def _error(status: int, message: str, retry_after_s: int | None = None) -> web.R
     return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
 
 
+def _text_chars(body) -> int:
+    """Characters of text the tokenizer would read (0 for token ids): decides where to tokenize."""
+    if not isinstance(body, dict):
+        return 0
+    n = sum(len(body[k]) for k in ("text", "prompt") if isinstance(body.get(k), str))
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
 async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, dict]:
     try:
         body = await request.json()
@@ -83,8 +97,7 @@ async def _parse(request: web.Request, service: RouterService, kind: str) -> tup
         raise BadRequest(400, "request body is not valid JSON") from None
     rid = f"prfaas-{next(_ids)}"
     created = int(time.time())
-    text = json.dumps(body.get("messages") or body.get("text") or body.get("prompt") or "") if isinstance(body, dict) else ""
-    if service.tokenizer is not None and len(text) > LONG_TEXT_CHARS:
+    if service.tokenizer is not None and _text_chars(body) > LONG_TEXT_CHARS:
         req = await asyncio.to_thread(parse_request, kind, body, rid, created, service.tokenizer)
     else:
         req = parse_request(kind, body, rid, created, service.tokenizer)
