@@ -210,3 +210,11 @@ def test_a_missing_tokenizer_is_a_config_error():
 
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         PromptTokenizer.load("/no/such/tokenizer")
+
+
+def test_the_tiny_model_fixture_covers_the_shipped_tokenizer():
+    """local-two-cluster.yaml serves the tiny model with this tokenizer: every id must have an embedding row."""
+    from helpers import REPO_ROOT
+
+    config = json.loads((REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next" / "config.json").read_text())
+    assert config["vocab_size"] >= PromptTokenizer.load(SHIPPED).vocab_size
