@@ -116,7 +116,7 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
 
     def node(role: str, i: int) -> dict:
         h = hosts.get(role, host)
-        n = {"name": f"{role}-{i}", "role": role, "host": h, "port": free_port(h if h == host else host)}
+        n = {"name": f"{role}-{i}", "role": role, "host": h, "port": free_port(host)}
         if role != "pd-decode":
             n["bootstrap_port"] = free_port(host)
             if kv_events:

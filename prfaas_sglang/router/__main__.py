@@ -163,7 +163,6 @@ def make_service(args: argparse.Namespace):
     service = new_service(config, model, workers, emulation_spec=topology.emulation)
     for name, facts in adopted.items():
         workers[name].facts, workers[name].healthy = facts, True
-        service.served_name = service.served_name or facts.served_model_name
     service.tokenizer = load_tokenizer(args, topology, workers)
     if service.tokenizer is None:
         logger.warning("no tokenizer configured (model.tokenizer, model.path or the workers' tokenizer_path): "

@@ -81,7 +81,8 @@ def _text_chars(body) -> int:
     if not isinstance(body, dict):
         return 0
     n = sum(len(body[k]) for k in ("text", "prompt") if isinstance(body.get(k), str))
-    for message in body.get("messages") or ():
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
             n += len(content)
@@ -114,10 +115,11 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> 
     cfg = service.config
     deadline = time.monotonic() + cfg.admission_timeout_s
     waited_since = None
+    request = service.route_input(req)  # the prompt is hashed once, not on every wake-up below
     try:
         while True:
             try:
-                decision = service.decide(req, tried, time.monotonic())
+                decision = service.decide(request, tried, time.monotonic())
                 break
             except NoDecodeRoom as err:
                 if waited_since is None:
@@ -284,8 +286,6 @@ def adopt_facts(service: RouterService, worker: WorkerRecord, info, sub: ZmqSubs
     worker.refused = problem
     if problem is None:
         worker.facts = facts
-        if facts.served_model_name and service.served_name is None:
-            service.served_name = facts.served_model_name
         if sub is not None:
             _watch_worker(service, worker, sub)
     return problem

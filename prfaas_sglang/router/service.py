@@ -4,7 +4,7 @@ One request, top to bottom (``server.dispatch`` drives it)::
 
     ids      = tokenizer(body)                   protocol.parse_request (SGLang's paths)
     check    = fits the context and some decode pool, or 400 now
-    decision = decide(ids)                       KvIndex.match -> policy.route(RouteInput, snapshot)
+    decision = decide(route_input(ids))          KvIndex.match (once per attempt) -> policy.route(RouteInput, snapshot)
                                                  NoDecodeRoom: the caller waits for room, then 503/429
     lease    = begin(decision)                   ledgers in: prefill seconds, decode tokens
     ...legs run...
@@ -77,14 +77,16 @@ class RouterService:
         self.link = LinkAggregator(config.telemetry_stale_s)
         self.recent: collections.deque = collections.deque(maxlen=50)
         self.waiting = 0  # requests waiting for decode room now
-        self.served_name: str | None = None  # from the workers' facts, unless configured
 
     # --- names ----------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
+        """``--served-model-name``, else what the adopted workers report (the first such name)."""
         if self.config.served_models:
             return sorted(self.config.served_models)
-        return [self.served_name or "default"]
+        reported = next((w.facts.served_model_name for w in self.workers.values()
+                         if w.facts is not None and w.facts.served_model_name), None)
+        return [reported or "default"]
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this deployment does not serve (no model field: accepted)."""
@@ -116,10 +118,14 @@ class RouterService:
             link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=False,
             probe_budget_bytes=self.controller.probe_budget_bytes(now_s))
 
-    def decide(self, req: EngineRequest, exclude: set[str], now_s: float) -> RouteDecision:
-        """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now."""
-        match = self.index.match(req.input_ids)
-        return route(RouteInput(len(req.input_ids), req.kv_tokens, match.by_worker), self.snapshot(exclude, now_s))
+    def route_input(self, req: EngineRequest) -> RouteInput:
+        """The request as the policy sees it: its lengths and the KV index's prefix match (hashes the prompt)."""
+        return RouteInput(len(req.input_ids), req.kv_tokens, self.index.match(req.input_ids).by_worker)
+
+    def decide(self, request: RouteInput, exclude: set[str], now_s: float) -> RouteDecision:
+        """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now. Cheap: a
+        request waiting for decode room calls it again on every wake-up with the same ``request``."""
+        return route(request, self.snapshot(exclude, now_s))
 
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]

@@ -177,7 +177,9 @@ class WorkerRecord:
 
     def snapshot(self) -> WorkerState:
         running = self.load.running if self.load else 0
-        return WorkerState(self.name, self.cluster, self.role, self.healthy and self.routable, self.draining,
+        # a worker without (accepted) facts is not routable: it counts as unhealthy to the policy
+        return WorkerState(self.name, self.cluster, self.role, self.healthy and self.facts is not None and self.refused is None,
+                           self.draining,
                            self.outstanding_prefill_s, max(running, self.reserved_requests),
                            self.kv_free_tokens if self.role == "decode" else None)
 

@@ -218,3 +218,13 @@ def test_the_tiny_model_fixture_covers_the_shipped_tokenizer():
 
     config = json.loads((REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next" / "config.json").read_text())
     assert config["vocab_size"] >= PromptTokenizer.load(SHIPPED).vocab_size
+
+
+@pytest.mark.parametrize("body, chars", [
+    ({"text": "abcd", "messages": [{"role": "user", "content": "xy"}]}, 6),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "image"}]}]}, 3),
+    ({"messages": True}, 0), ({"messages": "hi"}, 0), ({"messages": [1, None]}, 0), ([1, 2], 0), ({"text": 5}, 0),
+])
+def test_text_chars_counts_what_the_tokenizer_reads_and_never_raises(body, chars):
+    from prfaas_sglang.router.server import _text_chars
+    assert _text_chars(body) == chars
