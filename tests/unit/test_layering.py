@@ -33,6 +33,7 @@ PURE = (
     "prfaas_sglang.runtime", "prfaas_sglang.topology", "prfaas_sglang.roles", "prfaas_sglang.configcheck",
     "prfaas_sglang.errors", "prfaas_sglang.protocol", "prfaas_sglang.transport.meter", "prfaas_sglang.transport.wan_defaults",
     "prfaas_sglang.launch.command", "prfaas_sglang.engine.mock.prefix_cache", "prfaas_sglang.engine.mock.timing",
+    "prfaas_sglang.engine.mock.scheduler",
 )
 IO_MODULES = {"socket", "ssl", "http", "urllib", "asyncio", "threading", "multiprocessing", "subprocess", "selectors",
               "signal", "concurrent", "time", "aiohttp", "requests", "zmq", "uvloop", "mooncake", "sglang", "torch",

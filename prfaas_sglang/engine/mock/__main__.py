@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, default=131_072, help="longest prompt + output accepted")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="decode: KV pool, tokens (default: what the profile's HBM holds next to the weights)")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192,
+                   help="prefill: new tokens per forward, shared FCFS by waiting requests (SGLang's flag; -1: no chunking)")
     p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: landing buffer for KV in flight, MiB")
     p.add_argument("--tokenizer", default=None,
                    help="tokenize text/chat and detokenize outputs with this tokenizer (a shipped name such as "
@@ -55,6 +57,8 @@ def config_from_args(args: argparse.Namespace):
                         ("--max-total-tokens", args.max_total_tokens or 1)):
         if value < 1:
             raise ConfigError(flag, f"must be >= 1, got {value}")
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        raise ConfigError("--chunked-prefill-size", f"must be >= 1 or -1 (no chunking), got {args.chunked_prefill_size}")
     if not args.bootstrap_timeout_s > 0:
         raise ConfigError("--bootstrap-timeout-s", "must be > 0")
     return MockConfig(
@@ -65,6 +69,7 @@ def config_from_args(args: argparse.Namespace):
         kv_scale=args.kv_scale, max_batch=args.max_batch, page_size=args.page_size, cache_tokens=args.cache_tokens,
         context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
         max_total_tokens=args.max_total_tokens, tokenizer=args.tokenizer,
+        chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
     )
 
 

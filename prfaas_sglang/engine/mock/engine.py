@@ -35,6 +35,7 @@ import aiohttp
 
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
+from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
@@ -63,6 +64,7 @@ class MockConfig:
     cache_tokens: int = 2_097_152
     context_tokens: int = 131_072
     max_total_tokens: int | None = None  # decode KV pool; None: the profile's
+    chunked_prefill_size: int | None = 8192  # SGLang's --chunked-prefill-size; None: no chunking (SGLang's -1)
     kv_buffer_bytes: int = 1 << 30  # decode landing buffer
     bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_{BOOTSTRAP,WAITING}_TIMEOUT
     tokenizer: str | None = None  # what the tokenizer was loaded from, for /server_info
@@ -121,17 +123,17 @@ class MockEngine:
         self.telemetry = None
         self.http: aiohttp.ClientSession | None = None
         self.ready = False
-        self.waiting = 0  # queued for prefill, or for decode room or a decode slot
-        self.waiting_uncached_tokens = 0
         self.running: list[Sequence] = []
-        self.max_total_tokens = config.max_total_tokens or timing.kv_pool_tokens
-        self.used_tokens = 0  # decode KV pool in use
+        self.prefills = ChunkedPrefill(config.chunked_prefill_size, timing.prefill_s)
+        self._prefill_done: dict[PrefillJob, asyncio.Future] = {}
+        self._prefill_wake = asyncio.Event()
+        self.pool = KvPool(config.max_total_tokens or timing.kv_pool_tokens)  # decode KV, tokens
+        self._decode_waiting = 0  # decode: waiting for pool room, for KV, or for a batch slot
         self._room = asyncio.Condition()  # decode: signalled when pool tokens or landing bytes are freed
         self._decode_queue: collections.deque[Sequence] = collections.deque()
         self._wake = asyncio.Event()
         self._rooms: dict[int, asyncio.Future] = {}  # prefill: room -> Registration
         self._pending: dict[int, asyncio.Future] = {}  # decode: room -> KvReady
-        self._prefill_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self.meter = LinkMeter(window_s=1.0)  # 1 MiB slices: a shorter window sees too few of them at 40 Mbit/s
@@ -149,6 +151,7 @@ class MockEngine:
         if cfg.mode == "prefill":
             source = self.timing.kv_bytes(cfg.context_tokens)
             self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, True)
+            self._tasks.append(asyncio.create_task(self._prefill_loop(), name="prefill-loop"))
         else:
             self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, cfg.kv_buffer_bytes, False)
             self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
@@ -176,6 +179,24 @@ class MockEngine:
             self.kv.close()
 
     # --- shared ----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued: for prefill (not started), or for decode room, KV or a batch slot."""
+        return self.prefills.waiting_jobs + self._decode_waiting
+
+    @property
+    def waiting_uncached_tokens(self) -> int:
+        """Prefill tokens still to compute (queued and part-done requests)."""
+        return self.prefills.remaining_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.pool.total_tokens
+
+    @property
+    def used_tokens(self) -> int:
+        return self.pool.used_tokens
 
     @property
     def open_rooms(self) -> int:
@@ -239,21 +260,13 @@ class MockEngine:
         room = req.bootstrap.room
         future = self._room_future(room)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
-        self.waiting += 1
-        queued_tokens = len(req.input_ids)
-        self.waiting_uncached_tokens += queued_tokens
-        queued = True
         try:
             # Like SGLang, compute at once; the decode's registration is needed only to ship.
-            async with self._prefill_lock:
-                self.waiting -= 1
-                self.waiting_uncached_tokens -= queued_tokens
-                queued = False
-                # The last prompt token is always computed (its logits give the first output
-                # token), so an exact repeat reuses at most the pages before it.
-                match = self.cache.match(req.input_ids[:-1])
-                await asyncio.sleep(self.timing.prefill_s(len(req.input_ids) - match.cached_tokens))
-                events = self.cache.insert(req.input_ids)
+            # The last prompt token is always computed (its logits give the first output
+            # token), so an exact repeat reuses at most the pages before it.
+            match = self.cache.match(req.input_ids[:-1])
+            await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens))
+            events = self.cache.insert(req.input_ids)
             if self.publisher:
                 self.publisher.publish(events, time.time())
             try:
@@ -263,13 +276,36 @@ class MockEngine:
                                       f"{self.config.bootstrap_timeout_s:g} s") from None
             return await self._ship(req, registration, match.cached_tokens)
         finally:
-            if queued:
-                self.waiting -= 1
-                self.waiting_uncached_tokens -= queued_tokens
             if self._rooms.get(room) is future:
                 del self._rooms[room]
             if not future.done():
                 future.cancel()
+
+    async def _compute(self, job: PrefillJob) -> None:
+        """Queue ``job`` for the prefill loop and wait until its last chunk is computed."""
+        done = asyncio.get_running_loop().create_future()
+        self._prefill_done[job] = done
+        self.prefills.add(job)
+        self._prefill_wake.set()
+        try:
+            await done
+        finally:
+            self._prefill_done.pop(job, None)
+            self.prefills.remove(job)  # abandoned: its remaining chunks are not computed
+
+    async def _prefill_loop(self) -> None:
+        """One forward at a time: chunked prefill with a shared token budget (``scheduler.ChunkedPrefill``)."""
+        while True:
+            forward = self.prefills.next_forward()
+            if forward is None:
+                self._prefill_wake.clear()
+                await self._prefill_wake.wait()
+                continue
+            await asyncio.sleep(forward.duration_s)
+            for job in self.prefills.complete(forward):
+                done = self._prefill_done.get(job)
+                if done is not None and not done.done():
+                    done.set_result(None)
 
     async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int) -> KvReady:
         length = self.timing.kv_bytes(len(req.input_ids))
@@ -328,10 +364,10 @@ class MockEngine:
         async with self._room:
             waited = False
             while True:
-                if self.used_tokens + tokens <= self.max_total_tokens:
+                if tokens <= self.pool.free_tokens:
                     offset = self.kv.arena.alloc(length)
                     if offset is not None:
-                        self.used_tokens += tokens
+                        self.pool.try_take(tokens)
                         return offset
                 if not waited:
                     waited = True
@@ -348,7 +384,7 @@ class MockEngine:
 
     async def _give_back(self, tokens: int = 0, region: tuple[int, int] | None = None) -> None:
         async with self._room:
-            self.used_tokens -= tokens
+            self.pool.give(tokens)
             if region is not None:
                 self.kv.arena.free(*region)
             self._room.notify_all()
@@ -359,7 +395,7 @@ class MockEngine:
         if req.bootstrap is None:
             raise BadRequest(400, "this is a PD decode server: requests need bootstrap_host, bootstrap_port, bootstrap_room")
         self.check_length(req)
-        if req.kv_tokens > self.max_total_tokens:
+        if not self.pool.fits(req.kv_tokens):
             raise BadRequest(400, f"prompt + max_new_tokens ({req.kv_tokens}) exceeds the decode KV pool ({self.max_total_tokens} tokens)")
         room = req.bootstrap.room
         if room in self._pending:
@@ -370,14 +406,14 @@ class MockEngine:
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         future = asyncio.get_running_loop().create_future()
         self._pending[room] = future  # the room is ours from here: a duplicate is refused at once
-        self.waiting += 1
+        self._decode_waiting += 1
         try:
             offset = await self._take_room(req.kv_tokens, length, deadline)
         except BaseException:
             self._pending.pop(room, None)
             raise
         finally:
-            self.waiting -= 1
+            self._decode_waiting -= 1
         region = self.kv.region(offset, length)
         region[:8] = 0
         region[-8:] = 0
@@ -398,7 +434,7 @@ class MockEngine:
         if seq.done:
             seq.queue.put_nowait(None)
         else:
-            self.waiting += 1
+            self._decode_waiting += 1
             self._decode_queue.append(seq)
             self._wake.set()
         return seq
@@ -442,11 +478,8 @@ class MockEngine:
             if not self.running and not self._decode_queue:
                 self._wake.clear()
                 await self._wake.wait()
-            while self._decode_queue and len(self.running) < self.timing.max_batch:
-                seq = self._decode_queue.popleft()
-                self.waiting -= 1
-                if not seq.cancelled:
-                    self.running.append(seq)
+            self._decode_waiting -= len(admit(self._decode_queue, self.running, self.timing.max_batch,
+                                              lambda seq: seq.cancelled))
             if not self.running:
                 continue
             context = sum(len(s.req.input_ids) + len(s.tokens) for s in self.running) / len(self.running)

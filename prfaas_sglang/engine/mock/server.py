@@ -71,6 +71,7 @@ def _info(engine: MockEngine) -> dict:
         "max_total_num_tokens": engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens,
         "max_req_input_len": cfg.context_tokens - 1,
         "max_prefill_tokens": cfg.context_tokens,
+        "chunked_prefill_size": cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else -1,
         "max_running_requests": engine.timing.max_batch,
         "context_length": cfg.context_tokens,
         "disaggregation_mode": cfg.mode,
