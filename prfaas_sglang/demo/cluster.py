@@ -246,6 +246,39 @@ def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_a
 # --- lower level (tests of single workers, peers) ------------------------------------------
 
 
+PEER_ROUTERS = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router"}
+
+
+def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], decode: list[Worker], *,
+                      prefill_policy: str = "cache_aware", decode_policy: str | None = None,
+                      host: str = "127.0.0.1", name: str | None = None, timeout_s: float = 90) -> str:
+    """Start a PyPI PD router (``sglang-router`` 0.3.x or ``smg`` 1.x) over these workers; returns its URL
+    once it routes (smg registers workers in the background after ``/health`` answers, so this waits
+    until ``/v1/models`` lists a model). ``decode_policy`` None: ``power_of_two`` (load-aware) where there
+    are two decode workers or more, else ``round_robin`` (smg refuses power_of_two over one)."""
+    decode_policy = decode_policy or ("power_of_two" if len(decode) >= 2 else "round_robin")
+    port = free_port(host)
+    argv = [sys.executable, "-m", PEER_ROUTERS[kind], "--pd-disaggregation"]
+    for w in prefill:
+        argv += ["--prefill", w.url, str(w.bootstrap_port)]
+    for w in decode:
+        argv += ["--decode", w.url]
+    argv += ["--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
+             "--prometheus-port", str(free_port(host))]
+    proc = group.start(name or kind, argv)
+    url = f"http://{host}:{port}"
+    group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if get_json(url + "/v1/models", timeout_s=2).get("data"):
+                return url
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise StartupError(f"{kind}: no model listed at {url}/v1/models after {timeout_s:g} s")
+
+
 def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, extra: list[str],
                       events: bool = False, host: str = "127.0.0.1", python: str = sys.executable,
                       telemetry: bool = False) -> Worker:

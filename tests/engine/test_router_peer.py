@@ -1,31 +1,28 @@
-"""Acceptance: the real sglang-router (PyPI, pinned) in PD mode in front of emulated workers."""
+"""Acceptance: the real peer routers (PyPI, pinned: sglang-router 0.3.2 and its successor smg 1.13)
+in PD mode in front of emulated workers."""
 
 from __future__ import annotations
-
-import sys
 
 import msgspec
 import pytest
 import requests
-from conftest import DECODE_PROFILE, PREFILL_PROFILE, free_port, start_worker
+from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
 
-ROUTER_VERSION = "0.3.2"
+from prfaas_sglang.demo.cluster import start_peer_router
+
+PEERS = {"sglang-router": "0.3.2", "smg": "1.13.0"}
 
 
-@pytest.fixture(scope="module")
-def router(module_procs):
+@pytest.fixture(scope="module", params=sorted(PEERS))
+def router(request, module_procs):
     import importlib.metadata
 
-    assert importlib.metadata.version("sglang-router") == ROUTER_VERSION
+    version = PEERS[request.param]
+    assert importlib.metadata.version(request.param) == version
     prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20")
     decode = start_worker(module_procs, "pd-decode", DECODE_PROFILE, "--speedup", "20")
-    port = free_port()
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
-            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    proc = module_procs.start("sglang-router", argv)
-    url = f"http://127.0.0.1:{port}"
-    module_procs.wait_healthy(url + "/health", proc, timeout_s=90)
+    url = start_peer_router(module_procs, request.param, [prefill], [decode], prefill_policy="cache_aware",
+                            decode_policy="round_robin")
     return url, decode
 
 
@@ -63,7 +60,10 @@ def test_chat_completions_streaming_and_not(router):
     with requests.post(url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60) as s:
         events = sse_events(s)
     assert events[-1] == "[DONE]"
-    deltas = [msgspec.json.decode(e)["choices"][0]["delta"].get("content") for e in events[:-1]]
+    chunks = [msgspec.json.decode(e) for e in events[:-1]]
+    # smg asks for stream_options.include_usage: a last chunk with no choices carries the usage
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert all(c.get("usage", {}).get("completion_tokens") == 4 for c in chunks if not c["choices"])
     assert "".join(d for d in deltas if d) == choice["message"]["content"]
 
 
