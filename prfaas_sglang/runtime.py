@@ -28,6 +28,7 @@ Inputs and their defaults (each stated in ``/status`` under ``"model"``):
     link            the first prfaas <-> pd link          100 Gbps
     workload prior  scheduler.workload                  the case study's log-normal
     L_out, SLO      scheduler.output_tokens / slo_tokens_per_s   1024, 40 tok/s
+    TTFT SLO        scheduler.ttft_slo_s                10 s (model time; early rejection)
     BS_max          scheduler.decode_batch              the PD class's decode profile
     baseline t      scheduler.threshold_tokens          the planner's t for the link
 """
@@ -53,6 +54,7 @@ DEFAULT_ACCELERATOR = {"prfaas": "h200x8", "pd": "h20x8"}
 DEFAULT_LINK_BPS = 100e9
 DEFAULT_OUTPUT_TOKENS = 1024
 DEFAULT_SLO_TOKENS_PER_S = 40.0
+DEFAULT_TTFT_SLO_S = 10.0
 DEFAULT_STEP_TOKENS = 128.0
 
 
@@ -88,6 +90,12 @@ class RuntimeModel:
     operator_threshold_tokens: float | None
     defaults_used: tuple[str, ...]  # which inputs fell back to a default
     hybrid: bool = False  # the cost model has linear-attention / SWA state (prefix reuse stops at checkpoints)
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S  # model time
+
+    @property
+    def observed_ttft_slo_s(self) -> float:
+        """The TTFT SLO on the engines' clock (emulated engines run ``speedup`` times faster)."""
+        return self.ttft_slo_s / self.emulation.speedup
 
     # --- cost profiles in observed units ----------------------------------------------
 
@@ -139,7 +147,7 @@ class RuntimeModel:
             "cost": {k: c.source for k, c in self.costs.items()},
             "link_gbps": self.link_bps / 1e9,
             "workload_prior": getattr(self.prior, "name", type(self.prior).__name__),
-            "output_tokens": self.output_tokens, "slo_tokens_per_s": self.slo_tokens_per_s,
+            "output_tokens": self.output_tokens, "slo_tokens_per_s": self.slo_tokens_per_s, "ttft_slo_s": self.ttft_slo_s,
             "decode_bs_max": self.decode.bs_max,
             "emulation": dataclasses.asdict(self.emulation),
             "baseline_threshold_tokens": self.baseline_threshold_tokens,
@@ -202,6 +210,8 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
         defaults.append("scheduler.output_tokens")
     if spec.slo_tokens_per_s is None:
         defaults.append("scheduler.slo_tokens_per_s")
+    if spec.ttft_slo_s is None:
+        defaults.append("scheduler.ttft_slo_s")
     model_ref = topology.model.cost_model or DEFAULT_COST_MODEL
     if topology.model.cost_model is None:
         defaults.append("model.cost_model")
@@ -230,7 +240,7 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
                             count[Role.PD_PREFILL] + count[Role.PD_DECODE], _link_bps(topology, defaults), output_tokens)
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
-                        tuple(defaults), costs["pd"].hybrid)
+                        tuple(defaults), costs["pd"].hybrid, spec.ttft_slo_s or DEFAULT_TTFT_SLO_S)
 
 
 def engine_role_kind(role: Role) -> str:

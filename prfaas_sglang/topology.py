@@ -41,6 +41,7 @@ Schema (version 1; every field marked optional may be left out)::
                                  #   prior of incremental lengths (the planner's workload schema)
       output_tokens: 1024        # L_out
       slo_tokens_per_s: 40       # decode SLO (sets BS_max and T_decode)
+      ttft_slo_s: 10             # TTFT SLO: the router refuses early (503 + Retry-After) what would miss it
       decode_batch: 64           # optional: BS_max instead of the profile's
       threshold_tokens: 19400    # optional: the operator's baseline t instead of the planner's
       threshold_step_tokens: 128 # search grid
@@ -121,6 +122,7 @@ class SchedulerSpec:
     workload: dict | None = None
     output_tokens: int | None = None
     slo_tokens_per_s: float | None = None
+    ttft_slo_s: float | None = None
     decode_batch: int | None = None
     threshold_tokens: float | None = None
     threshold_step_tokens: float | None = None
@@ -313,8 +315,8 @@ def _parse_model(model: dict) -> ModelSpec:
 
 def _parse_scheduler(raw: Any) -> SchedulerSpec:
     obj = _mapping(raw, "scheduler")
-    _check_keys(obj, {"workload", "output_tokens", "slo_tokens_per_s", "decode_batch", "threshold_tokens",
-                      "threshold_step_tokens"}, "scheduler")
+    _check_keys(obj, {"workload", "output_tokens", "slo_tokens_per_s", "ttft_slo_s", "decode_batch",
+                      "threshold_tokens", "threshold_step_tokens"}, "scheduler")
     workload = obj.get("workload")
     if workload is not None:
         _mapping(workload, "scheduler.workload")
@@ -322,6 +324,7 @@ def _parse_scheduler(raw: Any) -> SchedulerSpec:
         workload=workload,
         output_tokens=number(obj, "output_tokens", "scheduler", positive=True, integer=True),
         slo_tokens_per_s=number(obj, "slo_tokens_per_s", "scheduler", positive=True),
+        ttft_slo_s=number(obj, "ttft_slo_s", "scheduler", positive=True),
         decode_batch=number(obj, "decode_batch", "scheduler", positive=True, integer=True),
         threshold_tokens=number(obj, "threshold_tokens", "scheduler", positive=True),
         threshold_step_tokens=number(obj, "threshold_step_tokens", "scheduler", positive=True),

@@ -7,7 +7,8 @@ Benchmarks:
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
-  compare        goodput: the PrfaaS router vs sglang-router (PD, cache_aware), same workers and arrivals
+  compare        goodput: our router vs homogeneous, naive, sglang-router (two settings) and smg,
+                 identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--rate", type=float, default=200.0)
     ro.add_argument("--duration", type=float, default=10.0)
     ro.add_argument("--json", action="store_true")
-    cmp_ = sub.add_parser("compare", help="goodput vs sglang-router on the same emulated workers and arrivals")
+    cmp_ = sub.add_parser("compare", help="goodput: our router vs every baseline, identical arrivals, several seeds, shaped link")
     cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
-    cmp_.add_argument("--duration", type=float, default=30.0)
-    cmp_.add_argument("--rate", type=float, default=1.5, help="case-study arrivals per wall second")
+    cmp_.add_argument("--seeds", type=int, default=5)
+    cmp_.add_argument("--link", choices=("abundant", "scarce"), default="abundant")
+    cmp_.add_argument("--load", default="0.8",
+                      help="offered load as a fraction of the planned capacity; a comma list sweeps (e.g. 0.5,1,1.5,2)")
+    cmp_.add_argument("--rows", default=None, help="comma list of rows (default: all)")
+    cmp_.add_argument("--duration", type=float, default=30.0, help="arrival window per seed, wall seconds")
     cmp_.add_argument("--ttft-slo-s", type=float, default=5.0, help="TTFT SLO, emulated seconds")
-    cmp_.add_argument("--speedup", type=float, default=5.0)
-    cmp_.add_argument("--seed", type=int, default=0)
+    cmp_.add_argument("--speedup", type=float, default=2.0)
     cmp_.add_argument("--json", action="store_true")
     bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link 10x mid-run; the router's t over time")
     bw.add_argument("--nominal-mbit", type=float, default=400.0, help="the link's rate (tbf) before and after the throttle")
@@ -84,8 +88,24 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "compare":
         from prfaas_sglang.bench import compare as bench
 
-        result = bench.run(args.workload, args.duration, args.rate, ttft_slo_s=args.ttft_slo_s, speedup=args.speedup, seed=args.seed)
-        header = f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --duration {args.duration:g}; {stamp} -->"
+        try:
+            loads = [float(x) for x in args.load.split(",")]
+        except ValueError:
+            parser.error(f"--load takes numbers, got {args.load!r}")
+        rows = tuple(args.rows.split(",")) if args.rows else bench.ROWS
+        if unknown := set(rows) - set(bench.ROWS):
+            parser.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(bench.ROWS)}")
+        if args.seeds < 1 or min(loads) <= 0 or args.duration <= 0:
+            parser.error("--seeds must be >= 1, --load and --duration > 0")
+        from prfaas_sglang.demo.netns import available
+
+        if (why := available()) is not None and any(bench.DEPLOYMENT_OF[r] != "homogeneous" for r in rows):
+            parser.error(f"the shaped PrfaaS link {why}")
+        runs = [bench.run(bench.Setting(args.workload, args.link, load, args.duration, args.speedup, ttft_slo_s=args.ttft_slo_s),
+                          args.seeds, rows) for load in loads]
+        result = runs[0] if len(runs) == 1 else {"loads": runs}
+        header = (f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --link {args.link} --load {args.load} "
+                  f"--seeds {args.seeds} --duration {args.duration:g} --speedup {args.speedup:g}; {stamp} -->")
     elif args.name == "router-overhead":
         from prfaas_sglang.bench import router as bench
 

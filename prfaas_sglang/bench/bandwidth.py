@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,46 +42,10 @@ from pathlib import Path
 import aiohttp
 
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+from prfaas_sglang.demo.netns import Netns
 from prfaas_sglang.plan.workload import TruncatedLogNormal
 
 PRIOR = {"kind": "lognormal", "mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": 65_536}
-
-
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True)
-
-
-class Netns:
-    """A namespace joined to the root namespace by a veth pair (removed on exit)."""
-
-    def __init__(self, tag: int):
-        self.ns, self.inner, self.outer = f"prfaas-bw{tag}", f"pbi{tag}", f"pbo{tag}"
-        self.inner_ip, self.outer_ip = f"10.214.{tag}.1", f"10.214.{tag}.2"
-
-    def __enter__(self) -> Netns:
-        _sh("ip", "netns", "add", self.ns)
-        _sh("ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner)
-        _sh("ip", "link", "set", self.inner, "netns", self.ns)
-        _sh("ip", "addr", "add", f"{self.outer_ip}/30", "dev", self.outer)
-        _sh("ip", "link", "set", self.outer, "up")
-        _sh("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.inner_ip}/30", "dev", self.inner)
-        _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", self.inner, "up")
-        _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
-        return self
-
-    @property
-    def wrap(self) -> tuple[str, ...]:
-        return ("ip", "netns", "exec", self.ns)
-
-    def throttle(self, rate_mbit: float | None) -> None:
-        subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "del", "dev", self.inner, "root"], capture_output=True)
-        if rate_mbit is not None:
-            _sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.inner, "root", "tbf",
-                "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "2000ms")
-
-    def __exit__(self, *exc) -> None:
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.outer], capture_output=True)
 
 
 async def _load(url: str, rate: float, until: float, rng: random.Random, t0: float, results: list) -> None:

@@ -106,7 +106,8 @@ class ProcessGroup:
 def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, host: str = "127.0.0.1",
                    hosts: dict[str, str] | None = None, link_gbps: float = 100.0, rtt_ms: float | None = None,
                    speedup: float | None = 20.0, kv_scale: float | None = 0.01, workload: dict | None = None,
-                   output_tokens: int | None = 64, slo_tokens_per_s: float | None = None, tokenizer: str | None = None,
+                   output_tokens: int | None = 64, slo_tokens_per_s: float | None = None, ttft_slo_s: float | None = None,
+                   tokenizer: str | None = None,
                    served_name: str | None = None, threshold_tokens: float | None = None, telemetry: bool = True,
                    kv_events: bool = True, decode_events: bool = False, accelerators: tuple[str, str] | None = None,
                    router: bool = True) -> dict:
@@ -139,7 +140,8 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
         clusters["control"] = {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": free_port(host)}]}
     model = {k: v for k, v in (("tokenizer", tokenizer), ("served_name", served_name)) if v is not None}
     scheduler = {k: v for k, v in (("workload", workload), ("output_tokens", output_tokens),
-                                   ("slo_tokens_per_s", slo_tokens_per_s), ("threshold_tokens", threshold_tokens)) if v is not None}
+                                   ("slo_tokens_per_s", slo_tokens_per_s), ("ttft_slo_s", ttft_slo_s),
+                                   ("threshold_tokens", threshold_tokens)) if v is not None}
     doc = {"version": 1, "clusters": clusters, "links": []}
     if prfaas:
         doc["links"].append({"from": "prfaas", "to": "pd", "bandwidth_gbps": link_gbps, **({"rtt_ms": rtt_ms} if rtt_ms else {})})

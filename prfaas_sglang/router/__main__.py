@@ -56,7 +56,10 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                    help="model name(s) clients may ask for (repeatable); default: the workers' served name. "
                         "Requests naming another model get 404")
     p.add_argument("--max-ttft-s", type=float, default=None,
-                   help="reject (503 + Retry-After) when the best route's estimated TTFT exceeds this")
+                   help="early rejection: refuse (503 + Retry-After) a request whose best route's estimated TTFT "
+                        "exceeds max(this, 2 x its own prefill); default: the topology's scheduler.ttft_slo_s "
+                        "(on the engines' clock)")
+    p.add_argument("--no-early-rejection", action="store_true", help="admit whatever the estimated TTFT")
     p.add_argument("--admission-timeout-s", type=float, default=60.0,
                    help="longest a request waits in the router for decode KV room before 503")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for decode room; more get 429")
@@ -159,7 +162,9 @@ def make_service(args: argparse.Namespace):
     adopted = preflight(workers, topology, config, args.startup_timeout_s)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)
-    config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup))
+    max_ttft_s = None if args.no_early_rejection else (args.max_ttft_s or model.observed_ttft_slo_s)
+    config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
+                                 max_ttft_s=max_ttft_s)
     service = new_service(config, model, workers, emulation_spec=topology.emulation)
     for name, facts in adopted.items():
         workers[name].facts, workers[name].healthy = facts, True

@@ -129,6 +129,15 @@ class RouteDecision:
     reason: str
 
 
+def refuse_early(decision: RouteDecision, max_ttft_s: float | None) -> bool:
+    """Early rejection (Mooncake's): refuse what the load would make miss the TTFT SLO.
+
+    A request slow on its own (a long prompt on an idle worker) is not refused for its length:
+    its bound is ``max(max_ttft_s, 2 x its own prefill)``, so only waiting (queues, the link) refuses it.
+    """
+    return max_ttft_s is not None and decision.estimated_ttft_s > max(max_ttft_s, 2 * decision.estimated_prefill_s)
+
+
 def transfer_s(kv_bytes: float, link: Link, spare_only: bool = True) -> float | None:
     """Seconds to move ``kv_bytes`` over the link (its spare capacity by default); None: no capacity."""
     rate = link.spare_bps if spare_only else link.capacity_bps

@@ -37,7 +37,7 @@ from prfaas_sglang.adapters.zmq import ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.protocol import BadRequest, EngineRequest, parse_request
 from prfaas_sglang.router.admin import add_admin_routes
-from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision
+from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
 from prfaas_sglang.router.service import Lease, RouterService
 from prfaas_sglang.router.workers import (
     FactsError,
@@ -143,7 +143,7 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> 
         if waited_since is not None:
             service.waiting -= 1
             service.counters.queue_wait.observe(time.monotonic() - waited_since)
-    if cfg.max_ttft_s is not None and decision.estimated_ttft_s > cfg.max_ttft_s:
+    if refuse_early(decision, cfg.max_ttft_s):
         raise Rejected(503, "ttft_estimate", f"overloaded: estimated TTFT {decision.estimated_ttft_s:.1f} s exceeds "
                                              f"{cfg.max_ttft_s:g} s",
                        retry_after_s=max(1, int(decision.estimated_ttft_s - cfg.max_ttft_s) + 1))

@@ -16,8 +16,8 @@ import time
 import pytest
 import requests
 
-from prfaas_sglang.bench.bandwidth import Netns
 from prfaas_sglang.demo.cluster import ProcessGroup, free_port
+from prfaas_sglang.demo.netns import Netns
 from prfaas_sglang.engine.mock.timing import load_timing
 
 PROFILE = "kimi-linear-1t-hybrid@h20x8"

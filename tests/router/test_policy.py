@@ -297,3 +297,16 @@ def test_the_runtime_models_research_raises_t_on_a_thin_link():
 def test_settings_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ControllerSettings().busy_high = 0.5
+
+
+def test_early_rejection_refuses_waiting_not_length():
+    from prfaas_sglang.router.policy import RouteDecision, refuse_early
+
+    def decision(ttft_s, prefill_s):
+        return RouteDecision("p", "d", "pd", 0, 1000, ttft_s, prefill_s, None, False, "")
+
+    assert not refuse_early(decision(9.0, 1.0), None)
+    assert refuse_early(decision(6.0, 1.0), 5.0)  # 5 s of waiting: refused
+    assert not refuse_early(decision(4.0, 1.0), 5.0)
+    assert not refuse_early(decision(15.0, 8.0), 5.0)  # long alone, little waiting: served
+    assert refuse_early(decision(17.0, 8.0), 5.0)

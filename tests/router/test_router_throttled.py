@@ -10,8 +10,8 @@ import time
 import pytest
 import requests
 
-from prfaas_sglang.bench.bandwidth import Netns
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+from prfaas_sglang.demo.netns import Netns
 
 RATE_MBIT = 200
 LOCAL, REMOTE = "pd/pd-prefill-0/pd-decode-0", "prfaas/prfaas-0/pd-decode-0"
