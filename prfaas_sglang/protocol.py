@@ -79,9 +79,11 @@ def output_token(seed: int, position: int, vocab: int) -> int:
 
 
 def _int_list(value: Any, field_name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+    # C-speed checks (a 32K-token prompt in well under a millisecond): exact int type (no bools, no
+    # floats, no int subclasses), then the range from min and max.
+    if not isinstance(value, list) or (value and not set(map(type, value)) <= {int}):
         raise BadRequest(400, f"{field_name} must be a list of token ids")
-    if any(x < 0 or x > MAX_TOKEN_ID for x in value):
+    if value and (min(value) < 0 or max(value) > MAX_TOKEN_ID):
         raise BadRequest(400, f"{field_name} has a token id outside 0..{MAX_TOKEN_ID}")
     return value
 

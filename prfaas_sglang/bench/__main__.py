@@ -3,7 +3,8 @@
 Benchmarks:
   plan           planner search time (case study, 128- and 32-token grids), and the
                  case-study optimum under other values of the two calibrated MFUs
-  mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
+  mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer;
+                 --load: each stage saturated, throughput vs the planner's Theta (eq. 3-6), TTFT at 50/80%
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import sys
 from datetime import date
 from pathlib import Path
@@ -31,12 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     fidelity = sub.add_parser("mock-fidelity", help="emulated engine TTFT vs its profile")
     fidelity.add_argument("--speedup", type=float, default=1.0)
     fidelity.add_argument("--kv-scale", type=float, default=0.01)
+    fidelity.add_argument("--load", action="store_true",
+                          help="saturate each stage of a small deployment; throughput vs the planner's Theta, TTFT at 50/80%%")
     fidelity.add_argument("--json", action="store_true")
     kvi = sub.add_parser("kvindex", help="KV index ingest rate and match latency")
     kvi.add_argument("--json", action="store_true")
     ro = sub.add_parser("router-overhead", help="latency added by the router")
-    ro.add_argument("--rate", type=float, default=200.0)
+    ro.add_argument("--rate", type=float, default=None, help="requests/s (default: 200, or 5 for prompts over 1K tokens)")
     ro.add_argument("--duration", type=float, default=10.0)
+    ro.add_argument("--prompt-tokens", type=int, default=16)
+    ro.add_argument("--prompt", choices=("ids", "text", "both"), default=None,
+                    help="input_ids, /generate text, or both (default: ids, or both for prompts over 1K tokens)")
     ro.add_argument("--json", action="store_true")
     cmp_ = sub.add_parser("compare", help="goodput: our router vs every baseline, identical arrivals, several seeds, shaped link")
     cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
     bw.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: every benchmark stops its processes and removes its namespaces in finally
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     machine = f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     stamp = f"{date.today().isoformat()}; {machine}"
     if args.name == "plan":
@@ -109,8 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "router-overhead":
         from prfaas_sglang.bench import router as bench
 
-        result = bench.run(args.rate, args.duration)
-        header = f"<!-- python -m prfaas_sglang.bench router-overhead --rate {args.rate:g}; {stamp} -->"
+        long = args.prompt_tokens > 1024
+        rate = args.rate or (5.0 if long else 200.0)
+        kinds = {"both": ("ids", "text"), None: ("ids", "text") if long else ("ids",)}.get(args.prompt, (args.prompt,))
+        if args.prompt_tokens < 1 or rate <= 0:
+            parser.error("--prompt-tokens must be >= 1 and --rate > 0")
+        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind) for kind in kinds}
+        result = result[kinds[0]] if len(kinds) == 1 else result
+        header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
+                  f"--duration {args.duration:g}; {stamp} -->")
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 
@@ -119,10 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not args.speedup > 0 or not 0 < args.kv_scale <= 1:
             parser.error("--speedup must be > 0 and --kv-scale in (0, 1]")
-        from prfaas_sglang.bench import mock as bench
+        if args.load:
+            from prfaas_sglang.bench import fidelity as bench
 
-        result = bench.run(args.speedup, args.kv_scale)
-        header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --speedup {args.speedup:g}; {stamp} -->"
+            speedup = args.speedup if args.speedup != 1.0 else 5.0
+            result = bench.run(speedup, args.kv_scale)
+            header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --load --speedup {speedup:g}; {stamp} -->"
+        else:
+            from prfaas_sglang.bench import mock as bench
+
+            result = bench.run(args.speedup, args.kv_scale)
+            header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --speedup {args.speedup:g}; {stamp} -->"
     if args.json:
         print(json.dumps({"date": date.today().isoformat(), "machine": machine, "result": result}, indent=2))
     else:

@@ -58,7 +58,7 @@ from prfaas_sglang.demo.cluster import (
     start_deployment,
     start_peer_router,
 )
-from prfaas_sglang.demo.netns import TBF_BURST, Netns
+from prfaas_sglang.demo.netns import TBF_BURST_BYTES, Netns
 from prfaas_sglang.plan.search import homogeneous_baseline
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 from prfaas_sglang.topology import parse_topology
@@ -148,7 +148,9 @@ class LinkSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), self.net.rx_bytes()))
+            before = time.monotonic()
+            count = self.net.rx_bytes()
+            self.samples.append((before, count, time.monotonic()))  # the count lies between the two times
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> LinkSampler:
@@ -163,7 +165,18 @@ class LinkSampler:
 
     def rates_bps(self) -> list[float]:
         """Wire bits/s per interval."""
-        return [8 * (b1 - b0) / (t1 - t0) for (t0, b0), (t1, b1) in zip(self.samples, self.samples[1:], strict=False) if t1 > t0]
+        pairs = zip(self.samples, self.samples[1:], strict=False)
+        return [8 * (b1 - b0) / (t1 - t0) for (t0, b0, _), (t1, b1, _) in pairs if t1 > t0]
+
+    def max_excess_bytes(self, rate_bps: float) -> float:
+        """The most the link carried beyond ``rate_bps`` over any window between two samples, in
+        bytes (conservatively timed: from the earliest the first count can be to the latest the
+        second can be). A shaper with bucket B keeps this <= B."""
+        excess = 0.0
+        for i, (start, b0, _) in enumerate(self.samples):
+            for _, b1, end in self.samples[i + 1:]:
+                excess = max(excess, (b1 - b0) - rate_bps / 8 * (end - start))
+        return excess
 
 
 def _pct(values, q):
@@ -172,7 +185,7 @@ def _pct(values, q):
 
 
 def summarise(results: list, wall_s: float, window_s: float, setting: Setting, offloaded: float,
-              egress_bytes: float, link_rates_bps: list[float]) -> dict:
+              egress_bytes: float, link_rates_bps: list[float], link_excess_bytes: float = 0.0) -> dict:
     """One row, one seed. ``goodput_rps``: requests within both SLOs per second of the arrival window."""
     s = setting.speedup
     ok = [r for r in results if r.ok]
@@ -190,6 +203,7 @@ def summarise(results: list, wall_s: float, window_s: float, setting: Setting, o
         "egress_gbps": egress_bytes / setting.kv_scale * 8 / (wall_s * s) / 1e9,
         "link_utilisation": statistics.fmean(busy) / wire_capacity_bps if busy else 0.0,
         "link_peak_utilisation": max(busy) / wire_capacity_bps if busy else 0.0,
+        "link_max_excess_bytes": link_excess_bytes,
         "wall_s": wall_s,
     }
 
@@ -207,7 +221,8 @@ def _replay_row(url: str, arrivals: list, setting: Setting, workers, prfaas_work
         results, wall = asyncio.run(replay(url, arrivals))
     after = [scrape_metric(prfaas_worker.url, m) for m in metric] if prfaas_worker else [0.0, 0.0]
     window = max((a.offset_s for a in arrivals), default=setting.duration_s) or setting.duration_s
-    return summarise(results, wall, window, setting, after[0] - before[0], after[1] - before[1], sampler.rates_bps())
+    return summarise(results, wall, window, setting, after[0] - before[0], after[1] - before[1], sampler.rates_bps(),
+                     sampler.max_excess_bytes(setting.wire_mbit * 1e6))
 
 
 def _routers(kind: str, group: ProcessGroup, deployment, rows: list[str]) -> dict[str, str]:
@@ -237,7 +252,7 @@ def run(setting: Setting = Setting(), seeds: int = 5, rows: tuple[str, ...] = RO
     arrivals = {seed: make_arrivals(setting, seed) for seed in range(seeds)}
     per_seed: dict[str, list[dict]] = {row: [] for row in rows}
     out = {"setting": dataclasses.asdict(setting), "seeds": seeds, "logs": str(log_dir),
-           "link_gbps": setting.link_gbps, "tbf_mbit": setting.wire_mbit, "tbf_burst": TBF_BURST,
+           "link_gbps": setting.link_gbps, "tbf_mbit": setting.wire_mbit, "tbf_burst_bytes": TBF_BURST_BYTES,
            "offered_rps": offered_rps(setting) / setting.speedup,
            "planned_capacity_rps": hetero_model(setting).capacity_rps() / setting.speedup,
            "threshold_tokens": hetero_model(setting).baseline_threshold_tokens,

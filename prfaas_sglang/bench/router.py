@@ -1,10 +1,16 @@
 """Router overhead: latency added by the PrfaaS router vs dispatching to the workers directly.
 
-Both modes send the same tiny requests at a fixed rate to one emulated PD-P +
-PD-D pair (speedup 1000, so worker time is small): ``direct`` does the PD
-dispatch itself (same body with bootstrap fields to both workers, as a router
-would), ``router`` sends to our router. Added latency = router - direct, per
+Both modes send the same requests at a fixed rate to one emulated PD-P + PD-D
+pair (speedup 1000, so worker time is small): ``direct`` does the PD dispatch
+itself (same body with bootstrap fields to both workers, as a router would),
+``router`` sends to our router. Added latency = router - direct, per
 percentile, from the same run.
+
+``prompt_tokens`` sets the body size (default 16, a pure dispatch cost). With
+``prompt="text"`` the body is ``/generate`` text of that many tokens of the
+shipped tokenizer, which workers and router load: directly, both workers
+tokenize it; through the router, the router tokenizes it once (to route on the
+ids) and sends the workers the ids, so its tokenization is part of what it adds.
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 from prfaas_sglang.demo.cluster import ProcessGroup, start_mock_worker, start_router
+from prfaas_sglang.demo.workloads import TextSource
+from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 
 PROFILE = "kimi-linear-1t-hybrid@h20x8"
+JSON = {"Content-Type": "application/json"}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -51,25 +61,38 @@ async def _drive(rate: float, duration_s: float, send) -> tuple[list[float], int
     return latencies, failures
 
 
-async def _run(rate: float, duration_s: float, log_dir: Path) -> dict:
+async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str) -> dict:
     group = ProcessGroup(log_dir)
     try:
-        extra = ["--speedup", "1000", "--kv-scale", "0.0005"]
+        extra = ["--speedup", "1000", "--kv-scale", "0.0005", "--context-tokens", str(prompt_tokens + 64)]
+        if prompt == "text":
+            extra += ["--tokenizer", SHIPPED]
         pp = await asyncio.to_thread(start_mock_worker, group, "pd-prefill", "pd-prefill", PROFILE, extra)
         dd = await asyncio.to_thread(start_mock_worker, group, "pd-decode", "pd-decode", PROFILE, extra)
         topology = {"version": 1, "emulation": {"speedup": 1000, "kv_scale": 0.0005}, "clusters": {"a": {"kind": "pd", "nodes": [
             {"name": "pp", "role": "pd-prefill", "port": pp.port, "bootstrap_port": pp.bootstrap_port},
             {"name": "dd", "role": "pd-decode", "port": dd.port}]}}}
+        if prompt == "text":
+            topology["model"] = {"tokenizer": SHIPPED}
         router_url = (await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")).url
-        body = {"input_ids": list(range(16)), "sampling_params": {"max_new_tokens": 1}}
+        rng = random.Random(11)
+        if prompt == "text":
+            body = {"text": TextSource(PromptTokenizer.load(SHIPPED)).text(rng, prompt_tokens)}
+        else:
+            body = {"input_ids": [rng.randrange(4096) for _ in range(prompt_tokens)]}
+        body["sampling_params"] = {"max_new_tokens": 1}
         rooms = random.Random(7)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512)) as session:
 
+            # Bodies are serialised once, up front, so both paths cost the client the same.
+            raw = orjson.dumps(body)
+            head = raw[:-1] + b',"bootstrap_host":"127.0.0.1","bootstrap_port":%d,"bootstrap_room":' % pp.bootstrap_port
+
             async def direct(i: int) -> bool:
-                out = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": pp.bootstrap_port, "bootstrap_room": rooms.getrandbits(63)}
+                out = head + b"%d}" % rooms.getrandbits(63)
 
                 async def post(url):
-                    async with session.post(url, json=out) as resp:
+                    async with session.post(url, data=out, headers=JSON) as resp:
                         await resp.read()
                         return resp.status
 
@@ -77,7 +100,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path) -> dict:
                 return statuses == [200, 200]
 
             async def via_router(i: int) -> bool:
-                async with session.post(router_url + "/generate", json=body) as resp:
+                async with session.post(router_url + "/generate", data=raw, headers=JSON) as resp:
                     await resp.read()
                     return resp.status == 200
 
@@ -88,7 +111,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path) -> dict:
     finally:
         group.stop()
     return {
-        "rate_rps": rate, "duration_s": duration_s,
+        "rate_rps": rate, "duration_s": duration_s, "prompt_tokens": prompt_tokens, "prompt": prompt,
         "direct": {"requests": len(d_lat), "failed": d_fail, "p50_ms": _pct(d_lat, 0.5) * 1e3, "p99_ms": _pct(d_lat, 0.99) * 1e3},
         "router": {"requests": len(r_lat), "failed": r_fail, "p50_ms": _pct(r_lat, 0.5) * 1e3, "p99_ms": _pct(r_lat, 0.99) * 1e3},
         "added_p50_ms": (_pct(r_lat, 0.5) - _pct(d_lat, 0.5)) * 1e3,
@@ -96,12 +119,16 @@ async def _run(rate: float, duration_s: float, log_dir: Path) -> dict:
     }
 
 
-def run(rate: float = 200.0, duration_s: float = 10.0) -> dict:
+def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids") -> dict:
     with tempfile.TemporaryDirectory(prefix="prfaas-overhead-") as tmp:
-        return asyncio.run(_run(rate, duration_s, Path(tmp)))
+        return asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt))
 
 
 def render_markdown(r: dict) -> str:
+    """One table per prompt kind (``{"ids": ..., "text": ...}``) or for one result."""
+    if "router" not in r:
+        return "\n\n".join(f"{kind} prompt of {x['prompt_tokens']:,} tokens at {x['rate_rps']:g} req/s:\n\n" + render_markdown(x)
+                            for kind, x in r.items())
     d, o = r["direct"], r["router"]
     return "\n".join([
         "| path | requests | failed | p50 | p99 |", "|---|---|---|---|---|",

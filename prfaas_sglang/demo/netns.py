@@ -12,7 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
-TBF_BURST = "64kb"  # the shaper's bucket: the most the link can exceed its rate by, in bytes
+TBF_BURST_BYTES = 65_536  # the shaper's bucket: the most the link can carry beyond its rate over any window
 
 
 def available() -> str | None:
@@ -55,7 +55,7 @@ class Netns:
         subprocess.run(["ip", "netns", "exec", self.ns, "tc", "qdisc", "del", "dev", self.inner, "root"], capture_output=True)
         if rate_mbit is not None:
             _sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.inner, "root", "tbf",
-                "rate", f"{rate_mbit}mbit", "burst", TBF_BURST, "latency", "2000ms")
+                "rate", f"{rate_mbit}mbit", "burst", f"{TBF_BURST_BYTES}b", "latency", "2000ms")
 
     def rx_bytes(self) -> int:
         """Bytes the root namespace has received from inside (the link's egress, at the wire)."""

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import random
 import time
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from prfaas_sglang.adapters.zmq import ZmqSubscriber
@@ -93,8 +93,8 @@ def _text_chars(body) -> int:
 
 async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, dict]:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = orjson.loads(await request.read())  # one parse, fast; bounded nesting (1024), 64-bit integers
+    except orjson.JSONDecodeError:
         raise BadRequest(400, "request body is not valid JSON") from None
     rid = f"prfaas-{next(_ids)}"
     created = int(time.time())
@@ -184,11 +184,27 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
     return _error(502, f"request failed after re-dispatch: {last_error}")
 
 
-async def _prefill_leg(session, prefill: WorkerRecord, path: str, body: dict, timeout_s: float) -> tuple[int, bytes]:
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def engine_body(req: EngineRequest, body: dict, tokenized: bool) -> dict:
+    """What the workers get: the client's body, with a text prompt the router tokenized replaced by
+    its ids (``/generate`` and ``/v1/completions`` take ids; chat keeps its messages, the template is
+    the engine's), so the workers do not tokenize the same text again."""
+    if not tokenized:
+        return body
+    if req.kind == "generate" and body.get("input_ids") is None:
+        return {**{k: v for k, v in body.items() if k != "text"}, "input_ids": list(req.input_ids)}
+    if req.kind == "completions" and isinstance(body.get("prompt"), str):
+        return {**body, "prompt": list(req.input_ids)}
+    return body
+
+
+async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes]:
     """The prefill worker's (status, body). A worker fault (unreachable, 5xx) raises PrefillFailed;
     a client error (4xx) is returned for the client to see."""
     try:
-        async with session.post(prefill.url + path, json={**body, "stream": False},
+        async with session.post(prefill.url + path, data=data, headers=JSON_HEADERS,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             status, payload = resp.status, await resp.read()
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
@@ -203,17 +219,18 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     decision = lease.decision
     session = request.app[SESSION_KEY]
     prefill, decode = service.workers[decision.prefill], service.workers[decision.decode]
-    out = {**body, "bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
-           "bootstrap_room": _rng.getrandbits(63)}
+    out = {**engine_body(req, body, service.tokenizer is not None), "bootstrap_host": prefill.host,
+           "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": _rng.getrandbits(63)}
     path = PATHS[req.kind]
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
-    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, out, timeout))
+    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, orjson.dumps({**out, "stream": False}), timeout))
     prefill_task.add_done_callback(lambda _t: service.prefill_done(lease))
     # The decode worker answers (even its headers) only once the KV has arrived, so the
     # race between the two legs starts before the decode response exists.
-    decode_cm = session.post(decode.url + path, json=out, timeout=aiohttp.ClientTimeout(total=timeout))
+    decode_cm = session.post(decode.url + path, data=orjson.dumps(out), headers=JSON_HEADERS,
+                             timeout=aiohttp.ClientTimeout(total=timeout))
     decode_task = asyncio.create_task(decode_cm.__aenter__())
     resp = None
     stream = None
