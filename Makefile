@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prfaas-env-stamp
 
-.PHONY: env test lint check-patches rebase-check readme clean-env
+.PHONY: env test lint check-patches rebase-check readme clean-env aiperf-env
 
 env: $(STAMP)
 
@@ -28,6 +28,11 @@ rebase-check: env
 
 readme: env
 	$(PY) -m prfaas_sglang.patches readme --write
+
+# AIPerf (the independent client of `bench aiperf-check`) pins packages SGLang's environment
+# cannot take (orjson, pyzmq, ...): it gets its own.
+aiperf-env:
+	python3.11 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf==0.13.0
 
 clean-env:
 	rm -rf $(VENV)

@@ -8,6 +8,7 @@ Benchmarks:
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
+  aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
   compare        goodput: our router vs homogeneous, naive, sglang-router (two settings) and smg,
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
 """
@@ -56,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--ttft-slo-s", type=float, default=5.0, help="TTFT SLO, emulated seconds")
     cmp_.add_argument("--speedup", type=float, default=2.0)
     cmp_.add_argument("--json", action="store_true")
+    ap = sub.add_parser("aiperf-check", help="TTFT of one trace through our router: AIPerf vs our client")
+    ap.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf", help="the aiperf executable (make aiperf-env)")
+    ap.add_argument("--load", type=float, default=0.5)
+    ap.add_argument("--duration", type=float, default=40.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
     bw = sub.add_parser("bandwidth", help="throttle the PrfaaS link 10x mid-run; the router's t over time")
     bw.add_argument("--nominal-mbit", type=float, default=400.0, help="the link's rate (tbf) before and after the throttle")
     bw.add_argument("--factor", type=float, default=10.0, help="throttled rate = nominal / factor")
@@ -115,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         result = runs[0] if len(runs) == 1 else {"loads": runs}
         header = (f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --link {args.link} --load {args.load} "
                   f"--seeds {args.seeds} --duration {args.duration:g} --speedup {args.speedup:g}; {stamp} -->")
+    elif args.name == "aiperf-check":
+        from prfaas_sglang.bench import aiperf_check as bench
+
+        result = bench.run(args.aiperf, args.load, args.duration, seed=args.seed)
+        header = f"<!-- python -m prfaas_sglang.bench aiperf-check --load {args.load:g} --duration {args.duration:g}; {stamp} -->"
     elif args.name == "router-overhead":
         from prfaas_sglang.bench import router as bench
 

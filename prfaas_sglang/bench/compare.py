@@ -10,7 +10,9 @@ instance of 8xH200 + 2 PD instances of 8xH20 vs 3 PD instances)::
     homogeneous   3 x 8xH20 at the planner's best P/D split            row:  homogeneous
 
 Rows: ``prfaas`` is our router with the runtime model's ``t`` and its
-controllers; ``sglang-router`` is sglang-router 0.3.2 in PD mode, prefill
+controllers, in the product's default configuration (early rejection on);
+``prfaas-no-early-rejection`` is the same router admitting everything (an
+ablation: what routing alone gives, apart from admission); ``sglang-router`` is sglang-router 0.3.2 in PD mode, prefill
 pool PrfaaS + PD-P, ``cache_aware``; ``sglang-router-prfaas-prefill`` gives it
 the PrfaaS worker as its only prefill (the obvious configuration of a
 length-blind router: the fast worker does every prefill, PD-P idles);
@@ -57,6 +59,7 @@ from prfaas_sglang.demo.cluster import (
     scrape_metric,
     start_deployment,
     start_peer_router,
+    start_router,
 )
 from prfaas_sglang.demo.netns import TBF_BURST_BYTES, Netns
 from prfaas_sglang.plan.search import homogeneous_baseline
@@ -66,9 +69,11 @@ from prfaas_sglang.topology import parse_topology
 SERVED_NAME = "prfaas-compare"
 MAX_INPUT_TOKENS = 65_536
 LINKS_GBPS = {"abundant": 25.0, "scarce": 2.0}  # modelled capacity per PrfaaS instance
-ROWS = ("prfaas", "sglang-router", "sglang-router-prfaas-prefill", "smg", "naive", "homogeneous")
-DEPLOYMENT_OF = {"prfaas": "hetero", "sglang-router": "hetero", "sglang-router-prfaas-prefill": "hetero", "smg": "hetero",
-                 "naive": "naive", "homogeneous": "homogeneous"}
+ROWS = ("prfaas", "prfaas-no-early-rejection", "sglang-router", "sglang-router-prfaas-prefill", "smg", "naive",
+        "homogeneous")
+OURS = ("prfaas", "prfaas-no-early-rejection")  # the ablation is ours too: not a baseline for the ratio vs best
+DEPLOYMENT_OF = {"prfaas": "hetero", "prfaas-no-early-rejection": "hetero", "sglang-router": "hetero",
+                 "sglang-router-prfaas-prefill": "hetero", "smg": "hetero", "naive": "naive", "homogeneous": "homogeneous"}
 ACCELERATORS = ("h200x8", "h20x8")
 
 
@@ -225,7 +230,7 @@ def _replay_row(url: str, arrivals: list, setting: Setting, workers, prfaas_work
                      sampler.max_excess_bytes(setting.wire_mbit * 1e6))
 
 
-def _routers(kind: str, group: ProcessGroup, deployment, rows: list[str]) -> dict[str, str]:
+def _routers(kind: str, group: ProcessGroup, deployment, rows: list[str], doc: dict) -> dict[str, str]:
     """URL per row served by this deployment (peers started here)."""
     w = deployment.workers
     prfaas = [x for n, x in w.items() if n.startswith("prfaas")]
@@ -235,6 +240,9 @@ def _routers(kind: str, group: ProcessGroup, deployment, rows: list[str]) -> dic
     if kind == "hetero":
         if "prfaas" in rows:
             urls["prfaas"] = deployment.router.url
+        if "prfaas-no-early-rejection" in rows:
+            urls["prfaas-no-early-rejection"] = start_router(group, doc, "--no-early-rejection",
+                                                             name="prfaas-no-early-rejection").url
         for row, peer, prefill in (("sglang-router", "sglang-router", prfaas + pd_p), ("smg", "smg", prfaas + pd_p),
                                    ("sglang-router-prfaas-prefill", "sglang-router", prfaas)):
             if row in rows:
@@ -273,7 +281,7 @@ def run(setting: Setting = Setting(), seeds: int = 5, rows: tuple[str, ...] = RO
                                           wrap={"prfaas": net.wrap} if net else None, name=kind)
             workers = list(deployment.workers.values())
             prfaas_worker = deployment.workers.get("prfaas-0")
-            for row, url in _routers(kind, group, deployment, kind_rows).items():
+            for row, url in _routers(kind, group, deployment, kind_rows, doc).items():
                 for seed in range(seeds):
                     per_seed[row].append(_replay_row(url, arrivals[seed], setting, workers, prfaas_worker, net))
         finally:
@@ -282,8 +290,9 @@ def run(setting: Setting = Setting(), seeds: int = 5, rows: tuple[str, ...] = RO
                 net.__exit__(None, None, None)
     out["rows"] = {row: aggregate(per_seed[row]) for row in rows}
     ours = out["rows"].get("prfaas", {}).get("goodput_rps", {}).get("median")
-    others = {row: r["goodput_rps"]["median"] for row, r in out["rows"].items() if row != "prfaas"}
-    out["goodput_ratio"] = {row: (ours / v if v else None) for row, v in others.items()} if ours is not None else {}
+    medians = {row: r["goodput_rps"]["median"] for row, r in out["rows"].items() if row != "prfaas"}
+    out["goodput_ratio"] = {row: (ours / v if v else None) for row, v in medians.items()} if ours is not None else {}
+    others = {row: v for row, v in medians.items() if row not in OURS}
     best = max(others, key=others.get) if others else None
     out["best_other_row"] = best
     out["goodput_ratio_vs_best"] = (ours / others[best]) if best and others[best] and ours is not None else None

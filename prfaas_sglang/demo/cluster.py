@@ -307,7 +307,8 @@ def start_router(group: ProcessGroup, topology: dict, *args: str, name: str = "r
     """Write ``topology`` next to the logs and start ``python -m prfaas_sglang.router`` for it on a free port."""
     config = write_topology(topology, group.log_dir / f"{name}-topology.yaml")
     port = free_port()
-    proc = group.start(name, [python, "-m", "prfaas_sglang.router", "--config", str(config), "--port", str(port), *args], env=env)
+    proc = group.start(name, [python, "-m", "prfaas_sglang.router", "--config", str(config), "--host", "127.0.0.1",
+                              "--port", str(port), *args], env=env)
     url = f"http://127.0.0.1:{port}"
     group.wait_healthy(url + "/health", proc, timeout_s=90)
     return RouterHandle(url, config, proc)

@@ -28,6 +28,7 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -91,9 +92,18 @@ def _text_chars(body) -> int:
     return n
 
 
-async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, dict]:
+@dataclass(frozen=True)
+class ClientBody:
+    """The client's JSON object, parsed once, and its bytes (re-sent as they came when unchanged)."""
+
+    obj: dict
+    raw: bytes
+
+
+async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, ClientBody]:
+    raw = await request.read()
     try:
-        body = orjson.loads(await request.read())  # one parse, fast; bounded nesting (1024), 64-bit integers
+        body = orjson.loads(raw)  # one parse, fast; bounded nesting (1024), 64-bit integers
     except orjson.JSONDecodeError:
         raise BadRequest(400, "request body is not valid JSON") from None
     rid = f"prfaas-{next(_ids)}"
@@ -106,7 +116,7 @@ async def _parse(request: web.Request, service: RouterService, kind: str) -> tup
         raise BadRequest(400, "bootstrap_host/bootstrap_port/bootstrap_room are set by the router; remove them")
     service.check_model(req.model)
     service.check_fits(req)
-    return req, body
+    return req, ClientBody(body, raw)
 
 
 async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> RouteDecision:
@@ -187,17 +197,35 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def engine_body(req: EngineRequest, body: dict, tokenized: bool) -> dict:
-    """What the workers get: the client's body, with a text prompt the router tokenized replaced by
-    its ids (``/generate`` and ``/v1/completions`` take ids; chat keeps its messages, the template is
-    the engine's), so the workers do not tokenize the same text again."""
+def engine_body(req: EngineRequest, body: dict, tokenized: bool) -> dict | None:
+    """What the workers get instead of the client's body, or None for the body unchanged: a text
+    prompt the router tokenized is replaced by its ids (``/generate`` and ``/v1/completions`` take
+    ids; chat keeps its messages, the template is the engine's), so the workers do not tokenize
+    the same text again."""
     if not tokenized:
-        return body
+        return None
     if req.kind == "generate" and body.get("input_ids") is None:
         return {**{k: v for k, v in body.items() if k != "text"}, "input_ids": list(req.input_ids)}
     if req.kind == "completions" and isinstance(body.get("prompt"), str):
         return {**body, "prompt": list(req.input_ids)}
-    return body
+    return None
+
+
+def leg_bytes(body: ClientBody, replaced: dict | None, extra: dict) -> bytes:
+    """The JSON a worker gets: ``replaced`` (or the client's object) with ``extra``'s keys set.
+
+    When the client's object is unchanged its bytes are re-sent, with ``extra`` appended as
+    members before the closing brace (no re-serialisation of a 32K-token prompt). A key both in the
+    client's object and in ``extra`` then appears twice and the later, ``extra``'s, wins, as it
+    does for every JSON parser SGLang and the emulated engine use (Python's ``json``, ``orjson``).
+    """
+    if replaced is not None:
+        return orjson.dumps({**replaced, **extra})
+    head = body.raw.rstrip()
+    members = orjson.dumps(extra)[1:-1]
+    if not body.obj:
+        return b"{" + members + b"}"
+    return head[:-1] + b"," + members + b"}"
 
 
 async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes]:
@@ -214,22 +242,24 @@ async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, t
     return status, payload
 
 
-async def _run_legs(request: web.Request, service: RouterService, req: EngineRequest, body: dict,
+async def _run_legs(request: web.Request, service: RouterService, req: EngineRequest, body: ClientBody,
                     lease: Lease) -> web.StreamResponse:
     decision = lease.decision
     session = request.app[SESSION_KEY]
     prefill, decode = service.workers[decision.prefill], service.workers[decision.decode]
-    out = {**engine_body(req, body, service.tokenizer is not None), "bootstrap_host": prefill.host,
-           "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": _rng.getrandbits(63)}
+    replaced = engine_body(req, body.obj, service.tokenizer is not None)
+    bootstrap = {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
+                 "bootstrap_room": _rng.getrandbits(63)}
     path = PATHS[req.kind]
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
-    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, orjson.dumps({**out, "stream": False}), timeout))
+    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, replaced, {**bootstrap, "stream": False}),
+                                                    timeout))
     prefill_task.add_done_callback(lambda _t: service.prefill_done(lease))
     # The decode worker answers (even its headers) only once the KV has arrived, so the
     # race between the two legs starts before the decode response exists.
-    decode_cm = session.post(decode.url + path, data=orjson.dumps(out), headers=JSON_HEADERS,
+    decode_cm = session.post(decode.url + path, data=leg_bytes(body, replaced, bootstrap), headers=JSON_HEADERS,
                              timeout=aiohttp.ClientTimeout(total=timeout))
     decode_task = asyncio.create_task(decode_cm.__aenter__())
     resp = None

@@ -228,3 +228,23 @@ def test_the_tiny_model_fixture_covers_the_shipped_tokenizer():
 def test_text_chars_counts_what_the_tokenizer_reads_and_never_raises(body, chars):
     from prfaas_sglang.router.server import _text_chars
     assert _text_chars(body) == chars
+
+
+@settings(max_examples=200)
+@given(obj=st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=5) | st.booleans(), max_size=5),
+       pad=st.sampled_from(["", " ", "\n  "]), stream=st.booleans())
+def test_leg_bytes_parse_to_the_body_with_the_router_fields_set(obj, pad, stream):
+    """The client's bytes re-sent with members appended read, to Python's json and to orjson, as
+    the client's object with the router's keys set (a duplicate key: the router's wins)."""
+    import orjson
+
+    from prfaas_sglang.router.server import ClientBody, leg_bytes
+
+    obj = {k: v for k, v in obj.items() if not isinstance(v, int) or abs(v) < 2**63}
+    raw = pad.encode() + json.dumps({**obj, "stream": stream}).encode() + pad.encode()
+    extra = {"bootstrap_host": "h", "bootstrap_room": 2**62, "stream": False}
+    body = ClientBody(orjson.loads(raw), raw)
+    expected = {**obj, "stream": stream, **extra}
+    assert json.loads(leg_bytes(body, None, extra)) == expected == orjson.loads(leg_bytes(body, None, extra))
+    assert json.loads(leg_bytes(body, {"input_ids": [1, 2]}, extra)) == {"input_ids": [1, 2], **extra}
+    assert json.loads(leg_bytes(ClientBody({}, b" {} "), None, extra)) == extra
