@@ -24,7 +24,11 @@ queue-balance bias::
   PD-P and per PrfaaS instance. When PD-P backs up (>= ``queue_high_s``, and
   ``imbalance`` times PrfaaS's) while the link has headroom, ``bias`` steps down
   by ``step_factor`` (more offload); when PrfaaS backs up likewise, it steps up.
-  At most one step per ``adjust_every_s``; after ``idle_decay_s`` with both
+  At most one step per ``adjust_every_s``, and no second step the same way
+  while the queue it answered is already shrinking (a lower ``t`` only
+  reroutes new arrivals; the backlog drains at its own pace, and stepping on
+  it winds the bias up: t fell from 43K to 5.7K in 8 s before this rule, with
+  PrfaaS then overloaded). After ``idle_decay_s`` with both
   queues empty it steps back toward 1. On a constrained link the bias is at
   least 1: the bandwidth-bound ``model_t`` is a floor.
 * While the link is constrained and nothing crosses it, capacity is re-probed
@@ -120,6 +124,7 @@ class ThresholdController:
         self._drop_since: float | None = None
         self._rise_since: float | None = None
         self._last_adjust_s = -math.inf
+        self._last_step: tuple[int, float] | None = None  # (direction, the queue it answered, engine s)
         self._idle_since: float | None = None
         self._last_research_s = -math.inf
         self._last_progress_s = -math.inf
@@ -246,11 +251,15 @@ class ThresholdController:
             return []
         link_busy = link is not None and link.busy_fraction >= s.busy_high
         if q.pd_s >= high and q.pd_s > s.imbalance * q.prfaas_s and not link_busy and self.bias > s.min_bias:
-            self._last_adjust_s, self._idle_since = now_s, None
+            if self._responding(-1, q.pd_s):
+                return []
+            self._last_adjust_s, self._idle_since, self._last_step = now_s, None, (-1, q.pd_s)
             self.bias = max(self.bias / s.step_factor, s.min_bias)
             return [f"PD-P queue {q.pd_s:.2f} s vs PrfaaS {q.prfaas_s:.2f} s"]
         if q.prfaas_s >= high and q.prfaas_s > s.imbalance * q.pd_s and self.bias < s.max_bias:
-            self._last_adjust_s, self._idle_since = now_s, None
+            if self._responding(+1, q.prfaas_s):
+                return []
+            self._last_adjust_s, self._idle_since, self._last_step = now_s, None, (+1, q.prfaas_s)
             self.bias = min(self.bias * s.step_factor, s.max_bias)
             return [f"PrfaaS queue {q.prfaas_s:.2f} s vs PD-P {q.pd_s:.2f} s"]
         if q.pd_s <= low and q.prfaas_s <= low and self.bias != 1.0:
@@ -262,6 +271,10 @@ class ThresholdController:
         else:
             self._idle_since = None
         return []
+
+    def _responding(self, direction: int, queue_s: float) -> bool:
+        """The last step went this way and the queue it answered has shrunk since: let it drain."""
+        return self._last_step is not None and self._last_step[0] == direction and queue_s < self._last_step[1]
 
     def _model(self, capacity_bps: float) -> float:
         key = (round(capacity_bps, -3), self._workload_version)

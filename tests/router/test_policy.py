@@ -207,6 +207,17 @@ class TestThresholdController:
         assert c.observe(0.5, quiet_link(None), QueueView(0.05, 3.0)) is None   # one step per adjust_every_s
         assert c.observe(1.0, quiet_link(None), QueueView(0.05, 3.0)) < lowered
 
+    def test_no_second_step_while_the_backlog_it_answered_drains(self):
+        """Anti-windup: a lower t only reroutes new arrivals; while the PD-P backlog shrinks, t holds.
+        It steps again only if the backlog stops shrinking."""
+        c = controller(time_scale=0.1)
+        first = c.observe(0.0, quiet_link(None), QueueView(0.05, 3.0))
+        assert first is not None
+        for k, pd_s in enumerate((2.6, 2.2, 1.8, 1.4), start=1):  # draining, still above the mark
+            assert c.observe(float(k), quiet_link(None), QueueView(0.05, pd_s)) is None
+        assert c.threshold_tokens == first
+        assert c.observe(5.0, quiet_link(None), QueueView(0.05, 3.2)) < first  # it grew again: step
+
     def test_prfaas_backlog_raises_t(self):
         c = controller(time_scale=0.1)
         assert c.observe(0.0, quiet_link(None), QueueView(3.0, 0.1)) > c.baseline_tokens
