@@ -26,13 +26,15 @@ def demo_args(workload: str, **kw) -> argparse.Namespace:
 @pytest.mark.parametrize("workload", ["case-study", f"trace:{TRACE}"])
 @pytest.mark.parametrize("speedup", [5.0, 20.0])
 def test_demo_and_comparison_topologies_give_the_same_t(workload, speedup):
-    """Same workload and settings -> the same topology (ports aside) -> the same t, whoever builds it."""
-    from prfaas_sglang.bench.compare import MAX_INPUT_TOKENS, compare_topology
+    """Same workload and settings -> the same topology (ports aside) -> the same t, whoever builds it.
+    The comparison shapes its link and states its TTFT SLO; with those two set alike, nothing differs."""
+    from prfaas_sglang.bench import compare
     from prfaas_sglang.demo.__main__ import topology_for
-    from prfaas_sglang.tokenizer import SHIPPED
 
-    demo = topology_for(demo_args(workload, speedup=speedup, max_input_tokens=MAX_INPUT_TOKENS, output_tokens=64))
-    bench = compare_topology(workload, 64, speedup, 0.01, SHIPPED)
+    demo = topology_for(demo_args(workload, speedup=speedup, max_input_tokens=compare.MAX_INPUT_TOKENS, output_tokens=64))
+    bench = compare.topology(compare.Setting(workload=workload, speedup=speedup), "hetero")
+    demo["links"] = bench["links"]
+    demo["scheduler"]["ttft_slo_s"] = bench["scheduler"]["ttft_slo_s"]
     t_demo = runtime.from_topology(parse_topology(demo)).baseline_threshold_tokens
     t_bench = runtime.from_topology(parse_topology(bench)).baseline_threshold_tokens
     assert t_demo == t_bench
