@@ -24,10 +24,10 @@ import os
 import random
 import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from prfaas_sglang.bench import compare
+from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import ProcessGroup, start_deployment
@@ -54,10 +54,6 @@ def write_trace(path: Path, rate_rps: float, duration_s: float, output_tokens: i
     path.write_text("\n".join(lines) + "\n")
     return len(lines)
 
-
-def _pct(values, q):
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None
 
 
 def _aiperf_ttft(artifacts: Path) -> dict:
@@ -94,10 +90,9 @@ def run(aiperf: str, load: float = 0.5, duration_s: float = 40.0, speedup: float
         url = dep.router.url
         results, _ = asyncio.run(replay(url, arrivals))
         ok = [r for r in results if r.ok]
-        ours = {"requests": len(results), "ok": len(ok), "ttft_p50_s": _pct([r.ttft_s for r in ok], 0.5),
-                "ttft_p90_s": _pct([r.ttft_s for r in ok], 0.9)}
-        for w in dep.workers.values():
-            urllib.request.urlopen(urllib.request.Request(w.url + "/flush_cache", method="POST"), timeout=5).read()
+        ours = {"requests": len(results), "ok": len(ok), "ttft_p50_s": percentile([r.ttft_s for r in ok], 0.5),
+                "ttft_p90_s": percentile([r.ttft_s for r in ok], 0.9)}
+        compare.flush_caches(dep.workers.values())
         artifacts = log_dir / "aiperf"
         argv = [aiperf, "profile", "--model", compare.SERVED_NAME, "--url", url, "--endpoint-type", "completions",
                 "--streaming", "--tokenizer", resolve(SHIPPED), "--input-file", str(trace),

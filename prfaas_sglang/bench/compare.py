@@ -51,6 +51,7 @@ import urllib.request
 from pathlib import Path
 
 from prfaas_sglang import runtime
+from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import (
@@ -184,10 +185,6 @@ class LinkSampler:
         return excess
 
 
-def _pct(values, q):
-    ordered = sorted(v for v in values if v is not None)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None
-
 
 def summarise(results: list, wall_s: float, window_s: float, setting: Setting, offloaded: float,
               egress_bytes: float, link_rates_bps: list[float], link_excess_bytes: float = 0.0) -> dict:
@@ -201,8 +198,8 @@ def summarise(results: list, wall_s: float, window_s: float, setting: Setting, o
     return {
         "requests": len(results), "requests_ok": len(ok), "requests_failed": len(results) - len(ok) - len(rejected),
         "requests_rejected": len(rejected), "slo_met": len(good), "goodput_rps": len(good) / window_s / s,
-        "ttft_p50_s": _pct([r.ttft_s * s for r in ok], 0.5), "ttft_p90_s": _pct([r.ttft_s * s for r in ok], 0.9),
-        "tbt_p99_s": _pct([r.mean_tbt_s * s for r in ok], 0.99),
+        "ttft_p50_s": percentile([r.ttft_s * s for r in ok], 0.5), "ttft_p90_s": percentile([r.ttft_s * s for r in ok], 0.9),
+        "tbt_p99_s": percentile([r.mean_tbt_s * s for r in ok], 0.99),
         "offload_fraction": offloaded / len(ok) if ok else 0.0,
         # modelled: real KV bytes (kv_scale of them on the wire) per emulated second
         "egress_gbps": egress_bytes / setting.kv_scale * 8 / (wall_s * s) / 1e9,
@@ -213,13 +210,14 @@ def summarise(results: list, wall_s: float, window_s: float, setting: Setting, o
     }
 
 
-def _flush(workers) -> None:
+def flush_caches(workers) -> None:
+    """``POST /flush_cache`` to each worker (between rows: every row starts with cold caches)."""
     for w in workers:
         urllib.request.urlopen(urllib.request.Request(w.url + "/flush_cache", method="POST"), timeout=5).read()
 
 
 def _replay_row(url: str, arrivals: list, setting: Setting, workers, prfaas_worker, net: Netns | None) -> dict:
-    _flush(workers)
+    flush_caches(workers)
     metric = ("prfaas:requests_ok_total", "prfaas:kv_bytes_sent_total")
     before = [scrape_metric(prfaas_worker.url, m) for m in metric] if prfaas_worker else [0.0, 0.0]
     with LinkSampler(net) as sampler:

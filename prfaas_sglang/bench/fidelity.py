@@ -39,6 +39,7 @@ from pathlib import Path
 import aiohttp
 
 from prfaas_sglang import runtime
+from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.demo.client import RequestResult, generate_ids, replay
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.plan.model import evaluate
@@ -106,10 +107,6 @@ def _rate(done: list[float], warmup: int) -> float | None:
     return (len(steady) - 1) / (steady[-1] - steady[0])
 
 
-def _pct(values, q):
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None
-
 
 def run(speedup: float = 5.0, kv_scale: float = 0.01, output_tokens: int = 64, requests_per_stage: int = 40,
         ttft_window_s: float = 20.0, seed: int = 0, log_dir: Path | None = None) -> dict:
@@ -155,8 +152,8 @@ def run(speedup: float = 5.0, kv_scale: float = 0.01, output_tokens: int = 64, r
             results, _ = asyncio.run(replay(dep.router.url, arrivals))
             ok: list[RequestResult] = [r for r in results if r.ok]
             ttft[f"{share:g}"] = {"offered_rps": share * lam_measured, "requests": len(results), "ok": len(ok),
-                                  "ttft_p50_s": _pct([r.ttft_s * speedup for r in ok], 0.5),
-                                  "ttft_p90_s": _pct([r.ttft_s * speedup for r in ok], 0.9)}
+                                  "ttft_p50_s": percentile([r.ttft_s * speedup for r in ok], 0.5),
+                                  "ttft_p90_s": percentile([r.ttft_s * speedup for r in ok], 0.9)}
     finally:
         group.stop()
     stages = {k: {"measured_rps": measured[k], "planner_rps": planner[k],

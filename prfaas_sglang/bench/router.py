@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.demo.cluster import ProcessGroup, start_mock_worker, start_router
 from prfaas_sglang.demo.workloads import TextSource
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
@@ -31,10 +32,6 @@ from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 PROFILE = "kimi-linear-1t-hybrid@h20x8"
 JSON = {"Content-Type": "application/json"}
 
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 async def _drive(rate: float, duration_s: float, send) -> tuple[list[float], int]:
@@ -112,10 +109,10 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
         group.stop()
     return {
         "rate_rps": rate, "duration_s": duration_s, "prompt_tokens": prompt_tokens, "prompt": prompt,
-        "direct": {"requests": len(d_lat), "failed": d_fail, "p50_ms": _pct(d_lat, 0.5) * 1e3, "p99_ms": _pct(d_lat, 0.99) * 1e3},
-        "router": {"requests": len(r_lat), "failed": r_fail, "p50_ms": _pct(r_lat, 0.5) * 1e3, "p99_ms": _pct(r_lat, 0.99) * 1e3},
-        "added_p50_ms": (_pct(r_lat, 0.5) - _pct(d_lat, 0.5)) * 1e3,
-        "added_p99_ms": (_pct(r_lat, 0.99) - _pct(d_lat, 0.99)) * 1e3,
+        "direct": {"requests": len(d_lat), "failed": d_fail, "p50_ms": percentile(d_lat, 0.5) * 1e3, "p99_ms": percentile(d_lat, 0.99) * 1e3},
+        "router": {"requests": len(r_lat), "failed": r_fail, "p50_ms": percentile(r_lat, 0.5) * 1e3, "p99_ms": percentile(r_lat, 0.99) * 1e3},
+        "added_p50_ms": (percentile(r_lat, 0.5) - percentile(d_lat, 0.5)) * 1e3,
+        "added_p99_ms": (percentile(r_lat, 0.99) - percentile(d_lat, 0.99)) * 1e3,
     }
 
 
