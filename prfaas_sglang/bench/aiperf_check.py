@@ -98,7 +98,9 @@ def run(aiperf: str, load: float = 0.5, duration_s: float = 40.0, speedup: float
                 "--streaming", "--tokenizer", resolve(SHIPPED), "--input-file", str(trace),
                 "--custom-dataset-type", "mooncake_trace", "--fixed-schedule", "--random-seed", str(seed),
                 "--output-artifact-dir", str(artifacts), "--ui-type", "none"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        # Not HF_HUB_OFFLINE: in offline mode AIPerf 0.13 resolves every tokenizer name as a hub
+        # snapshot, and a local directory fails its repo-id validation.
+        env = dict(os.environ)
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=duration_s * 10 + 300)
         (log_dir / "aiperf.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
