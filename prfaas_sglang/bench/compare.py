@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import random
 import statistics
 import tempfile
@@ -119,14 +120,17 @@ def topology(setting: Setting, kind: str, net: Netns | None = None) -> dict:
     raise ValueError(kind)
 
 
+@functools.lru_cache(maxsize=8)
 def hetero_model(setting: Setting) -> runtime.RuntimeModel:
+    """The runtime model of the hetero deployment (cached: a planner search per call otherwise)."""
     return runtime.from_topology(parse_topology(topology(setting, "hetero")))
 
 
 def homogeneous_split(setting: Setting) -> tuple[int, int]:
     """The planner's best P/D split for three PD-class instances (p = 0)."""
-    dep = hetero_model(setting).deployment
-    point = homogeneous_baseline(dep.pd, dep.n_prfaas + dep.n_pd, hetero_model(setting).prior, dep.output_tokens, dep.egress_bps)
+    model = hetero_model(setting)
+    dep = model.deployment
+    point = homogeneous_baseline(dep.pd, dep.n_prfaas + dep.n_pd, model.prior, dep.output_tokens, dep.egress_bps)
     return point.n_prefill, point.n_decode
 
 

@@ -248,18 +248,20 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     session = request.app[SESSION_KEY]
     prefill, decode = service.workers[decision.prefill], service.workers[decision.decode]
     replaced = engine_body(req, body.obj, service.tokenizer is not None)
+    if replaced is not None:  # serialised once; both legs then append their members to the same bytes
+        body = ClientBody(replaced, orjson.dumps(replaced))
     bootstrap = {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
                  "bootstrap_room": _rng.getrandbits(63)}
     path = PATHS[req.kind]
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
-    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, replaced, {**bootstrap, "stream": False}),
+    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, None, {**bootstrap, "stream": False}),
                                                     timeout))
     prefill_task.add_done_callback(lambda _t: service.prefill_done(lease))
     # The decode worker answers (even its headers) only once the KV has arrived, so the
     # race between the two legs starts before the decode response exists.
-    decode_cm = session.post(decode.url + path, data=leg_bytes(body, replaced, bootstrap), headers=JSON_HEADERS,
+    decode_cm = session.post(decode.url + path, data=leg_bytes(body, None, bootstrap), headers=JSON_HEADERS,
                              timeout=aiohttp.ClientTimeout(total=timeout))
     decode_task = asyncio.create_task(decode_cm.__aenter__())
     resp = None
