@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,13 +81,50 @@ def output_token(seed: int, position: int, vocab: int) -> int:
 
 
 def _int_list(value: Any, field_name: str) -> list[int]:
-    # C-speed checks (a 32K-token prompt in well under a millisecond): exact int type (no bools, no
-    # floats, no int subclasses), then the range from min and max.
-    if not isinstance(value, list) or (value and not set(map(type, value)) <= {int}):
+    """``value`` if it is a list of token ids (exact ``int``s in 0..MAX_TOKEN_ID), else BadRequest.
+
+    C-speed for a 32K-token prompt (about 0.5 ms): packing into ``array("I")`` rejects
+    non-integers, negatives and ids of 2**32 and more; the top bit of each packed id then
+    finds those over MAX_TOKEN_ID. ``bool`` is the one ``int`` subclass JSON yields and packs
+    as 0/1, so the exact type scan runs only for a prompt holding a 0 or a 1.
+    """
+    if not isinstance(value, list):
         raise BadRequest(400, f"{field_name} must be a list of token ids")
-    if value and (min(value) < 0 or max(value) > MAX_TOKEN_ID):
+    try:
+        packed = array("I", value)
+    except TypeError:
+        raise BadRequest(400, f"{field_name} must be a list of token ids") from None
+    except OverflowError:
+        raise BadRequest(400, f"{field_name} has a token id outside 0..{MAX_TOKEN_ID}") from None
+    raw = packed.tobytes()
+    if _has_0_or_1(raw, len(value)) and not set(map(type, value)) <= {int}:  # a 0 or 1 may be a bool
+        raise BadRequest(400, f"{field_name} must be a list of token ids")
+    high_bytes = raw[3::4] if sys.byteorder == "little" else raw[0::4]
+    if high_bytes.translate(None, _LOW_HALF):  # some id has its top bit set: > 2**31 - 1
         raise BadRequest(400, f"{field_name} has a token id outside 0..{MAX_TOKEN_ID}")
     return value
+
+
+_LOW_HALF = bytes(range(0x80))
+_NOT_0_OR_1 = bytes([0, 0] + [1] * 254)  # translate table: byte 0 or 1 -> 0, anything else -> 1
+
+
+def _has_0_or_1(packed: bytes, n: int) -> bool:
+    """Whether any of the ``n`` uint32 words in ``packed`` (native order) is 0 or 1, in C time.
+
+    Word i is <= 1 iff its three high bytes are 0 and its low byte is 0 or 1. Taking every 4th
+    byte gives one byte string per byte position; OR-ing them as big integers (the low byte
+    first mapped to 0 for 0/1, else 1) leaves a zero byte exactly at such words::
+
+        packed:  | w0: b0 b1 b2 b3 | w1: b0 b1 b2 b3 | ...      (little-endian)
+        lanes:   b0s = packed[0::4], b1s = packed[1::4], ...     (one byte per word)
+        merged:  b0s' | b1s | b2s | b3s  -> byte i == 0  <=>  word i in {0, 1}
+    """
+    low, highs = (0, (1, 2, 3)) if sys.byteorder == "little" else (3, (0, 1, 2))
+    merged = int.from_bytes(packed[low::4].translate(_NOT_0_OR_1), "big")
+    for k in highs:
+        merged |= int.from_bytes(packed[k::4], "big")
+    return 0 in merged.to_bytes(n, "big")
 
 
 def _positive_int(value: Any, field_name: str, default: int) -> int:
@@ -143,7 +182,7 @@ def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer:
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 ids = _text_ids(prompt, tokenizer, text_ids)
-            elif isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+            elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
                 ids = _int_list(prompt, "prompt")
             else:
                 raise BadRequest(400, "prompt must be a string or a non-empty list of token ids")

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--speedup", type=float, default=10.0)
     bw.add_argument("--seed", type=int, default=0)
     bw.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
+    bw.add_argument("--series", type=Path, default=None, help="write the sampled /status series and the requests as JSON here")
     bw.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: every benchmark stops its processes and removes its namespaces in finally
@@ -94,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run(args.nominal_mbit, args.factor, args.load_rps, phases, args.speedup, seed=args.seed)
         if args.plot:
             bench.plot(result, args.plot)
+        if args.series:
+            args.series.write_text(json.dumps({k: result[k] for k in ("series", "history", "requests_log")}))
         header = (f"<!-- python -m prfaas_sglang.bench bandwidth --nominal-mbit {args.nominal_mbit:g} --factor {args.factor:g} "
                   f"--load-rps {args.load_rps:g} --seed {args.seed}; {stamp} -->")
-        result = {k: v for k, v in result.items() if k not in ("series", "history")} | {"history": result["history"]}
+        result = {k: v for k, v in result.items() if k not in ("series", "history", "requests_log")} | {"history": result["history"]}
         if not args.json:
             print(header)
             print(json.dumps(result, indent=2))

@@ -7,7 +7,9 @@ input lengths in whole 512-token blocks and unique hash ids (no prefix reuse),
 so both clients send prompts of the same lengths at the same instants. The
 deployment is the comparison's hetero one on loopback. Our client
 (``demo.client.replay``, text built per hash block from the shipped tokenizer)
-runs first; caches are flushed; then AIPerf 0.13 replays the file with
+runs first, after a discarded warm-up pass (another seed's trace: otherwise
+the first client alone pays the deployment's cold start, 10-15% of TTFT p50);
+caches are flushed; then AIPerf 0.13 replays the file with
 ``--custom-dataset-type mooncake_trace --fixed-schedule`` and the same local
 tokenizer, streaming ``/v1/completions``. Reported: TTFT p50/p90 of each,
 in wall seconds, and their ratios (target within 10%).
@@ -19,9 +21,11 @@ lives in its own environment: ``make aiperf-env`` (``.venv-aiperf``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -56,6 +60,29 @@ def write_trace(path: Path, rate_rps: float, duration_s: float, output_tokens: i
 
 
 
+TOKENIZER_REPO = "prfaas/prfaas-tiny-chatml"
+
+
+def hub_cache_with_shipped_tokenizer(cache: Path) -> tuple[Path, str]:
+    """Lay the shipped tokenizer out as a cached hub snapshot under ``cache``; returns (cache, repo id).
+
+    The layout is huggingface_hub's: ``models--{org}--{name}/refs/main`` holds a commit id and
+    ``snapshots/{commit}/`` the files, which is what ``snapshot_download(local_files_only=True)``
+    resolves in offline mode. Files are copied, so the cache outlives edits of the package.
+    """
+    source = Path(resolve(SHIPPED))
+    files = sorted(p for p in source.iterdir() if p.is_file())
+    commit = hashlib.sha1(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+    repo_dir = cache / ("models--" + TOKENIZER_REPO.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for p in files:
+        shutil.copyfile(p, snapshot / p.name)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return cache, TOKENIZER_REPO
+
+
 def _aiperf_ttft(artifacts: Path) -> dict:
     """TTFT p50/p90 (seconds) from AIPerf's JSON export."""
     found = sorted(artifacts.rglob("*aiperf*.json"))
@@ -88,19 +115,28 @@ def run(aiperf: str, load: float = 0.5, duration_s: float = 40.0, speedup: float
         context = ("--context-tokens", str(2 * compare.MAX_INPUT_TOKENS + setting.output_tokens))
         dep = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")})
         url = dep.router.url
+        # A warm-up pass (another seed's trace, discarded): the measured passes then both meet warm
+        # processes and connections; without it the first client also pays the cold start.
+        warm_trace = log_dir / "warmup.jsonl"
+        write_trace(warm_trace, compare.offered_rps(setting), min(duration_s, 15.0), setting.output_tokens, seed + 1000)
+        asyncio.run(replay(url, workloads.trace(str(warm_trace), duration_s + 1, 1.0, setting.output_tokens,
+                                                compare.MAX_INPUT_TOKENS, text, 100_000, compare.SERVED_NAME)))
+        compare.flush_caches(dep.workers.values())
         results, _ = asyncio.run(replay(url, arrivals))
         ok = [r for r in results if r.ok]
         ours = {"requests": len(results), "ok": len(ok), "ttft_p50_s": percentile([r.ttft_s for r in ok], 0.5),
                 "ttft_p90_s": percentile([r.ttft_s for r in ok], 0.9)}
         compare.flush_caches(dep.workers.values())
         artifacts = log_dir / "aiperf"
+        hub_cache, tokenizer_repo = hub_cache_with_shipped_tokenizer(log_dir / "hf-hub")
         argv = [aiperf, "profile", "--model", compare.SERVED_NAME, "--url", url, "--endpoint-type", "completions",
-                "--streaming", "--tokenizer", resolve(SHIPPED), "--input-file", str(trace),
+                "--streaming", "--tokenizer", tokenizer_repo, "--input-file", str(trace),
                 "--custom-dataset-type", "mooncake_trace", "--fixed-schedule", "--random-seed", str(seed),
                 "--output-artifact-dir", str(artifacts), "--ui-type", "none"]
-        # Not HF_HUB_OFFLINE: in offline mode AIPerf 0.13 resolves every tokenizer name as a hub
-        # snapshot, and a local directory fails its repo-id validation.
-        env = dict(os.environ)
+        # Offline, against a private hub cache: AIPerf 0.13's prompt synthesis decodes in worker
+        # processes that force HF_HUB_OFFLINE and resolve the tokenizer name as a cached hub repo,
+        # so a local directory path fails there (BrokenProcessPool) even when the parent loaded it.
+        env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=duration_s * 10 + 300)
         (log_dir / "aiperf.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:

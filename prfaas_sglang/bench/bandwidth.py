@@ -28,15 +28,20 @@ Figures (all from the router's own series and clock, CLOCK_MONOTONIC shared):
 * ``t_recovery_s``: from restoring the link to ``t`` back at the healthy-link
   baseline the controller reports then (it tracks the routed lengths, so it
   may differ slightly from the pre-throttle ``t``; target <= 10 s);
-* ``requests_failed`` (target 0).
+* ``requests_failed`` (target 0): answers other than 200 that are not refusals;
+  ``requests_refused`` counts, by cause, the requests admission refused up front
+  (429/503 with Retry-After, before any work: early rejection when the predicted
+  TTFT exceeds the topology's SLO), which is the product's overload behaviour.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -62,13 +67,24 @@ async def _load(url: str, rate: float, until: float, rng: random.Random, t0: flo
             async def one(body=body, sent=sent):
                 try:
                     async with session.post(url + "/generate", json=body) as resp:
-                        await resp.read()
-                        results.append({"t_s": sent - t0, "status": resp.status, "route": resp.headers.get("x-prfaas-route", "")})
+                        payload = await resp.read()
+                        results.append({"t_s": sent - t0, "status": resp.status, "route": resp.headers.get("x-prfaas-route", ""),
+                                        "refused": _refusal(resp.status, resp.headers, payload)})
                 except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                     results.append({"t_s": sent - t0, "status": None, "route": "", "error": str(err)})
 
             tasks.append(asyncio.create_task(one()))
         await asyncio.gather(*tasks)
+
+
+def _refusal(status: int, headers, payload: bytes) -> str | None:
+    """The router's reason for refusing a request before any work (429/503 with Retry-After), else None."""
+    if status not in (429, 503) or "Retry-After" not in headers:
+        return None
+    try:
+        return json.loads(payload)["error"].get("type") or "refused"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "refused"
 
 
 async def _sample(url: str, until: float, t0: float, series: list) -> None:
@@ -132,7 +148,7 @@ async def _experiment(url, net: Netns, nominal_mbit, factor, load_rps, phases_s,
     history = [{"t_s": h["t_s"] - t0, "threshold_tokens": h["threshold_tokens"], "why": h["why"]} for h in final["threshold_history"]]
     return analyse(series, history, results, throttled_at, cleared_at, nominal_mbit, factor, offered_window_s) | {
         "nominal_mbit": nominal_mbit, "throttled_mbit": nominal_mbit / factor, "load_rps": load_rps, "phases_s": phases_s,
-        "series": series, "history": history}
+        "series": series, "history": history, "requests_log": results}
 
 
 def analyse(series: list[dict], history: list[dict], results: list[dict], throttled_at: float, cleared_at: float,
@@ -192,7 +208,9 @@ def analyse(series: list[dict], history: list[dict], results: list[dict], thrott
         "egress_over_capacity_fraction_settled": over_fraction(offered_window_s, (settle or cleared_at) + offered_window_s),
         "over_capacity_seconds_after_throttle": [round(sec - throttled_at) for sec in over_seconds(offered_window_s)],
         "t_recovered_at_s": back, "t_recovery_s": (back - cleared_at) if back is not None else None,
-        "requests": len(results), "requests_failed": sum(r["status"] != 200 for r in results),
+        "requests": len(results), "requests_failed": sum(r["status"] != 200 and not r.get("refused") for r in results),
+        # refused up front by admission (early rejection: predicted TTFT over the SLO), by cause
+        "requests_refused": dict(Counter(r["refused"] for r in results if r.get("refused"))),
         "offloaded_clear": offloaded(0, throttled_at), "offloaded_throttled": offloaded(throttled_at + 5, cleared_at),
         "offloaded_recovered": offloaded(cleared_at + 10, float("inf")),
         "egress_mbps_throttled": _mean([s["egress_mbps"] for s in throttled_series]),

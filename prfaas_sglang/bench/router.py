@@ -3,8 +3,9 @@
 Both modes send the same requests at a fixed rate to one emulated PD-P + PD-D
 pair (speedup 1000, so worker time is small): ``direct`` does the PD dispatch
 itself (same body with bootstrap fields to both workers, as a router would),
-``router`` sends to our router. Added latency = router - direct, per
-percentile, from the same run.
+``router`` sends to our router. The two paths take turns at the same rate in
+the same window (not one after the other), so drift of a noisy machine hits
+both alike. Added latency = router - direct, per percentile, from that run.
 
 ``prompt_tokens`` sets the body size (default 16, a pure dispatch cost). With
 ``prompt="text"`` the body is ``/generate`` text of that many tokens of the
@@ -34,28 +35,30 @@ JSON = {"Content-Type": "application/json"}
 
 
 
-async def _drive(rate: float, duration_s: float, send) -> tuple[list[float], int]:
-    latencies: list[float] = []
-    failures = 0
+async def _drive(rate: float, duration_s: float, *senders) -> list[tuple[list[float], int]]:
+    """Send at ``rate`` per sender for ``duration_s``, the senders taking turns (one tick each), so
+    every path sees the same machine at the same time; returns (latencies, failures) per sender."""
+    latencies: list[list[float]] = [[] for _ in senders]
+    failures = [0] * len(senders)
 
-    async def one(i: int):
-        nonlocal failures
+    async def one(k: int, i: int):
         start = time.perf_counter()
-        ok = await send(i)
+        ok = await senders[k](i)
         if ok:
-            latencies.append(time.perf_counter() - start)
+            latencies[k].append(time.perf_counter() - start)
         else:
-            failures += 1
+            failures[k] += 1
 
     tasks = []
     start = time.perf_counter()
     i = 0
+    step_rate = rate * len(senders)
     while time.perf_counter() - start < duration_s:
-        tasks.append(asyncio.create_task(one(i)))
+        tasks.append(asyncio.create_task(one(i % len(senders), i)))
         i += 1
-        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        await asyncio.sleep(max(0.0, start + i / step_rate - time.perf_counter()))
     await asyncio.gather(*tasks)
-    return latencies, failures
+    return [(latencies[k], failures[k]) for k in range(len(senders))]
 
 
 async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str) -> dict:
@@ -101,10 +104,8 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
                     await resp.read()
                     return resp.status == 200
 
-            await _drive(rate, 1.0, direct)  # warm both paths
-            await _drive(rate, 1.0, via_router)
-            d_lat, d_fail = await _drive(rate, duration_s, direct)
-            r_lat, r_fail = await _drive(rate, duration_s, via_router)
+            await _drive(rate, 1.0, direct, via_router)  # warm both paths
+            (d_lat, d_fail), (r_lat, r_fail) = await _drive(rate, duration_s, direct, via_router)
     finally:
         group.stop()
     return {

@@ -51,6 +51,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_free_port = free_port
+
+
 @dataclass
 class ProcessGroup:
     log_dir: Path
@@ -114,6 +117,15 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
     """A one-box topology document with free ports. ``hosts`` maps a role to its bind address
     (e.g. a PrfaaS worker inside a network namespace)."""
     hosts = hosts or {}
+    taken: set[int] = set()
+
+    def free_port(bind: str) -> int:
+        # The kernel may hand out a just-closed ephemeral port again: a topology needs distinct ones.
+        port = _free_port(bind)
+        while port in taken:
+            port = _free_port(bind)
+        taken.add(port)
+        return port
 
     def node(role: str, i: int) -> dict:
         h = hosts.get(role, host)

@@ -20,6 +20,12 @@ profiles); no clocks, no sockets. The output is a :class:`RouteDecision`::
                         controller asks to re-measure a constrained link), a
                         request bound for PD-P whose KV fits the budget goes
                         to PrfaaS instead, once.
+    TTFT SLO:           with ``max_ttft_s`` set, a request the chosen cluster
+                        would refuse (``refuse_early``) goes to the other
+                        cluster when that one meets the bound (Mooncake's
+                        admission takes the best instance before refusing:
+                        a long prompt behind a throttled link prefills on
+                        PD-P rather than being refused).
 
 Within the chosen cluster the prefill worker with the lowest estimated TTFT
 wins: ``queue_s + T_prefill(l_total - cached_on_that_worker)``, plus, for
@@ -113,6 +119,7 @@ class ClusterSnapshot:
     kv_bytes: Callable[[float], float]  # bytes on the wire for a request of N tokens
     transfer_supported: bool = False  # can an engine move a cache across clusters?
     probe_budget_bytes: float | None = None
+    max_ttft_s: float | None = None  # early rejection's bound (observed seconds); None: off
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,28 @@ def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
         reason = f"spill to {other}: no usable {cluster} prefill worker ({reason})"
         cluster, probe = other, False
 
+    decision = _place(request, snap, cluster, credited, in_cluster, roomy, probe, reason)
+    if not refuse_early(decision, snap.max_ttft_s):
+        return decision
+    # Mooncake's admission looks at every prefill instance before refusing: when the rule's cluster
+    # would miss the SLO and the other one meets it, the request goes there instead.
+    other = PD if cluster == PRFAAS else PRFAAS
+    others = [w for w in prefills if w.cluster == other]
+    if others:
+        movable = snap.mode is BandwidthMode.ABUNDANT and snap.transfer_supported
+        alt_credited = max(by_cluster.values(), default=0) if movable else by_cluster.get(other, 0)
+        alt = _place(request, snap, other, alt_credited, others, roomy, False,
+                     f"spill to {other} within the TTFT SLO: {cluster} estimated {decision.estimated_ttft_s:.2f} s ({reason})")
+        if not refuse_early(alt, snap.max_ttft_s):
+            return alt
+    return decision
+
+
+def _place(request: RouteInput, snap: ClusterSnapshot, cluster: str, credited: int, in_cluster: list[WorkerState],
+           roomy: list[WorkerState], probe: bool, reason: str) -> RouteDecision:
+    """The decision within ``cluster``: the prefill worker with the lowest estimated TTFT, any cache
+    transfer worth its cost (abundant mode), and the decode worker with the most free KV."""
+    total, by_worker = request.total_tokens, request.by_worker
     transfer = None
     own_best = max((by_worker.get(w.name, 0) for w in in_cluster), default=0)
     if snap.mode is BandwidthMode.ABUNDANT and snap.transfer_supported and credited > own_best:

@@ -72,9 +72,12 @@ class Rejected(Exception):
         self.status, self.cause, self.message, self.retry_after_s = status, cause, message, retry_after_s
 
 
-def _error(status: int, message: str, retry_after_s: int | None = None) -> web.Response:
+def _error(status: int, message: str, retry_after_s: int | None = None, cause: str | None = None) -> web.Response:
+    """An OpenAI-style error body; ``cause`` (the rejection's counter name, e.g. ``ttft_estimate``)
+    becomes its ``type``, so a client can tell a refusal before any work from a failure."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
-    return web.json_response({"error": {"message": message, "code": status}}, status=status, headers=headers)
+    error = {"message": message, "code": status, **({"type": cause} if cause else {})}
+    return web.json_response({"error": error}, status=status, headers=headers)
 
 
 def _text_chars(body) -> int:
@@ -174,7 +177,7 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
             decision = await _decide(request.app, req, tried)
         except Rejected as err:
             service.counters.rejected[err.cause] += 1
-            return _error(err.status, err.message, err.retry_after_s)
+            return _error(err.status, err.message, err.retry_after_s, err.cause)
         lease = service.begin(req, decision, time.monotonic(), attempt)
         try:
             return await _run_legs(request, service, req, body, lease)

@@ -116,7 +116,7 @@ class RouterService:
             threshold_tokens=self.controller.threshold_tokens, mode=self.config.mode,
             prefill_cost={PRFAAS: self.runtime.prefill_cost(PRFAAS), PD: self.runtime.prefill_cost(PD)},
             link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=False,
-            probe_budget_bytes=self.controller.probe_budget_bytes(now_s))
+            probe_budget_bytes=self.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s)
 
     def route_input(self, req: EngineRequest) -> RouteInput:
         """The request as the policy sees it: its lengths and the KV index's prefix match (hashes the prompt)."""

@@ -14,7 +14,9 @@ queue-balance bias::
   link and never below it on a constrained one.
 * ``capacity_est`` starts at the nominal link. It drops to the measured
   capacity when the link is busy (>= ``busy_high``) and delivers less than
-  ``drop_ratio`` of the estimate for ``confirm_s``; it rises when a measurement
+  ``drop_ratio`` of the estimate for ``confirm_s``; once a drop is pending, a
+  sample still mostly busy (>= ``busy_hold``) and still low keeps it pending
+  (the gap between two transfers is not a recovery); it rises when a measurement
   exceeds ``rise_ratio`` of it for ``confirm_s`` (back to nominal once within
   ``recovered_ratio`` of it). A capacity change re-searches ``model_t`` and
   resets ``bias`` to 1 (the queues it answered belonged to the old link).
@@ -32,8 +34,13 @@ queue-balance bias::
   queues empty it steps back toward 1. On a constrained link the bias is at
   least 1: the bandwidth-bound ``model_t`` is a floor.
 * While the link is constrained and nothing crosses it, capacity is re-probed
-  with a bounded trickle: ``probe_due`` allows one offloaded request per
-  ``probe_interval_s`` whose KV fits in half that interval at ``capacity_est``.
+  with a bounded trickle: ``probe_budget_bytes`` allows one offloaded request
+  per ``probe_interval_s`` whose KV crosses, at ``capacity_est``, in half the
+  time the link has been silent (capped at ``probe_max_s``). The budget grows
+  with the silence because only requests below ``t`` can probe, and on a hybrid
+  model even a short one carries a fixed linear-attention state: a fixed
+  one-second budget admitted only prompts under ~12K tokens, so a recovered link
+  went unnoticed for 13 s when none arrived (bench bandwidth, seed 1).
 
 Queue marks are model seconds; ``time_scale`` (1 / an emulated engine's
 speedup) converts them to the engines' seconds, the unit of the queue signal.
@@ -53,6 +60,7 @@ from prfaas_sglang.plan.workload import BlendedWorkload, Workload
 class ControllerSettings:
     time_scale: float = 1.0
     busy_high: float = 0.9
+    busy_hold: float = 0.5
     drop_ratio: float = 0.7
     rise_ratio: float = 1.4
     recovered_ratio: float = 0.7  # = drop_ratio: one band; a single transfer rarely shows the full nominal rate
@@ -71,10 +79,15 @@ class ControllerSettings:
     window_s: float = 600.0
     prior_weight: float = 100.0
     probe_interval_s: float = 2.0
+    probe_max_s: float = 8.0
 
     def __post_init__(self):
+        if not 0 < self.busy_hold <= self.busy_high <= 1:
+            raise ValueError("need 0 < busy_hold <= busy_high <= 1")
         if not 0 < self.drop_ratio < 1 < self.rise_ratio or not 0 < self.recovered_ratio <= 1:
             raise ValueError("need 0 < drop_ratio < 1 < rise_ratio and 0 < recovered_ratio <= 1")
+        if not 0 < self.probe_interval_s <= self.probe_max_s:
+            raise ValueError("need 0 < probe_interval_s <= probe_max_s")
         if not 0 < self.queue_low_s < self.queue_high_s or self.step_factor <= 1 or self.time_scale <= 0:
             raise ValueError("need 0 < queue_low_s < queue_high_s, step_factor > 1, time_scale > 0")
 
@@ -181,9 +194,10 @@ class ThresholdController:
         s = self.settings
         if not self.constrained or self.override_tokens is not None:
             return None
-        if now_s - self._last_probe_s < s.probe_interval_s or now_s - self._last_progress_s < s.probe_interval_s:
+        silent_s = now_s - max(self._last_probe_s, self._last_progress_s)
+        if silent_s < s.probe_interval_s:
             return None
-        return 0.5 * s.probe_interval_s * self.capacity_est_bps / 8.0
+        return 0.5 * min(silent_s, s.probe_max_s) * self.capacity_est_bps / 8.0
 
     def note_probe(self, now_s: float) -> None:
         self._last_probe_s = now_s
@@ -208,7 +222,8 @@ class ThresholdController:
 
     def _update_capacity(self, now_s: float, link: LinkView) -> list[str]:
         s, m, est = self.settings, link.capacity_bps, self.capacity_est_bps
-        if m < s.drop_ratio * est and link.busy_fraction >= s.busy_high:
+        busy = link.busy_fraction >= (s.busy_high if self._drop_since is None else s.busy_hold)
+        if m < s.drop_ratio * est and busy:
             self._rise_since = None
             self._drop_since = self._drop_since if self._drop_since is not None else now_s
             if now_s - self._drop_since >= s.confirm_s:

@@ -12,6 +12,10 @@ Both bodies are JSON objects with ``"v"``.
 
 History:
   v1: first typed version (the same fields the untyped dicts had); ``v`` added.
+  v2: ``Registration.decode_prefix_len`` (SGLang's name): tokens of the prompt the
+      decode worker already holds in its own prefix cache
+      (``--disaggregation-decode-enable-radix-cache``); the prefill worker ships only
+      the KV beyond them. A v1 message still decodes, with 0.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from dataclasses import asdict, dataclass
 
 from prfaas_sglang.wire._json import build, json_object
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2
+ACCEPTED_VERSIONS = (1, 2)
 
 
 def _decode(cls, payload: bytes | str | dict):
     obj = json_object(payload, cls.__name__)
     version = obj.pop("v", None)
-    if version != HANDOFF_VERSION:
+    if version not in ACCEPTED_VERSIONS:
         raise ValueError(f"{cls.__name__}: unsupported hand-off version {version!r}")
     message = build(cls, obj, cls.__name__)
     message.validate()
@@ -48,11 +53,13 @@ class Registration:
     addr: int
     length: int
     notify_url: str
+    decode_prefix_len: int = 0  # v2: prompt tokens whose KV the decode worker already holds
 
     def validate(self) -> None:
         _int("room", self.room)
         _int("addr", self.addr)
         _int("length", self.length, 1)
+        _int("decode_prefix_len", self.decode_prefix_len)
         if not isinstance(self.session, str) or not self.session:
             raise ValueError("session must be a non-empty string")
         if not isinstance(self.notify_url, str) or not self.notify_url.startswith("http"):

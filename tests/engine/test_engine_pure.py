@@ -101,6 +101,30 @@ class TestParse:
             parse_request(kind, body, "r")
         assert err.value.status == 400 and message in err.value.message
 
+    @pytest.mark.parametrize("ids, ok", [
+        ([0, 1, 2**31 - 1], True), ([], True), ([True, 5], False), ([5, False], False), ([1.0], False),
+        ([2**31], False), ([2**32], False), ([-1], False), ([3, None], False), ([1, [2]], False), ([2**64], False),
+    ])
+    def test_token_ids_are_exact_ints_in_range(self, ids, ok):
+        if ok:
+            assert parse_request("generate", {"input_ids": ids or [7]}, "r").input_ids == tuple(ids or [7])
+        else:
+            with pytest.raises(BadRequest) as err:
+                parse_request("generate", {"input_ids": ids}, "r")
+            assert err.value.status == 400
+
+    @given(st.lists(st.one_of(st.integers(-2, 2**33), st.booleans(), st.floats(allow_nan=False), st.text(max_size=2)),
+                    min_size=1, max_size=40))
+    @settings(max_examples=300, deadline=None)
+    def test_the_fast_id_check_is_the_exact_definition(self, ids):
+        exact = all(type(x) is int and 0 <= x <= 2**31 - 1 for x in ids)
+        try:
+            parse_request("generate", {"input_ids": ids}, "r")
+            accepted = True
+        except BadRequest:
+            accepted = False
+        assert accepted == exact
+
     def test_without_a_tokenizer_text_is_refused_with_the_fix(self):
         for kind, body in (("generate", {"text": "a b c"}), ("completions", {"prompt": "a b c"}),
                            ("chat", {"messages": [{"role": "user", "content": "hi"}]})):

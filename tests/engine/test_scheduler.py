@@ -44,9 +44,9 @@ def test_chunks_of_one_request_cost_what_the_whole_prefill_costs():
     assert sum(d for _, d, _ in forwards) == pytest.approx(quadratic(50_000))
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)  # cost scales with forwards; a timing is no assertion
 @given(lengths=st.lists(st.integers(1, 40_000), min_size=1, max_size=12),
-       chunk=st.one_of(st.none(), st.integers(1, 20_000)))
+       chunk=st.one_of(st.none(), st.integers(64, 20_000)))
 def test_any_queue_costs_the_sum_of_its_prefills_and_no_forward_exceeds_the_budget(lengths, chunk):
     """Throughput is the planner's 1 / E[T_prefill] however chunks fall: the total telescopes."""
     sched = ChunkedPrefill(chunk, quadratic, max_forward_tokens=16_384)

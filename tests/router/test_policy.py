@@ -16,6 +16,7 @@ from prfaas_sglang.router.policy import (
     NoHealthyWorker,
     RouteInput,
     WorkerState,
+    refuse_early,
     route,
 )
 from prfaas_sglang.router.threshold import (
@@ -44,8 +45,9 @@ KV = lambda tokens: 1000.0 * tokens  # noqa: E731 - 1 KB of KV per token
 
 
 def decide(total, by_worker, t=10_000, mode=BandwidthMode.SCARCE, workers=WORKERS, link=FAT, transfer=False,
-           probe=None, decode_tokens=None):
-    snap = ClusterSnapshot(workers, t, mode, COST, link, KV, transfer_supported=transfer, probe_budget_bytes=probe)
+           probe=None, decode_tokens=None, max_ttft_s=None):
+    snap = ClusterSnapshot(workers, t, mode, COST, link, KV, transfer_supported=transfer, probe_budget_bytes=probe,
+                           max_ttft_s=max_ttft_s)
     return route(RouteInput(total, decode_tokens or total + 16, by_worker), snap)
 
 
@@ -179,6 +181,22 @@ class TestThresholdController:
         assert raised == pytest.approx(research(40e6, PRIOR), abs=128) and c.constrained
         assert c.history[-1][2].startswith("raise: link delivers 40.0 Mbit/s")
 
+    def test_the_gap_between_two_slow_transfers_does_not_reset_a_pending_drop(self):
+        c = controller()
+        half_busy = LinkView(40e6, 0.8, 32e6, 32e6, 0)            # one transfer ended, the next began
+        assert c.observe(0.0, busy_link(40), IDLE) is None
+        assert c.observe(0.3, half_busy, IDLE) is None
+        assert c.observe(0.6, half_busy, IDLE) is not None and c.constrained
+        fresh = controller()
+        assert all(fresh.observe(k * 0.3, half_busy, IDLE) is None for k in range(10))  # never saturated: no drop
+
+    def test_a_quiet_sample_does_reset_a_pending_drop(self):
+        c = controller()
+        assert c.observe(0.0, busy_link(40), IDLE) is None
+        assert c.observe(0.3, quiet_link(40), IDLE) is None       # busy 0.1: the link went idle
+        assert c.observe(0.6, busy_link(40), IDLE) is None        # the confirmation starts over
+        assert c.observe(1.2, busy_link(40), IDLE) is not None
+
     def test_a_slow_but_idle_link_is_not_a_drop(self):
         """A lone small transfer shows a low rate; without the link busy it says nothing about capacity."""
         c = controller()
@@ -258,11 +276,13 @@ class TestThresholdController:
         c.observe(0.0, busy_link(40), IDLE)
         c.observe(0.6, busy_link(40), IDLE)
         assert c.probe_budget_bytes(1.0) is None                 # traffic crossed recently
-        c.observe(5.0, LinkView(None, 0.0, 0.0, 0.0, 0), IDLE)
-        budget = c.probe_budget_bytes(5.0)
-        assert budget == pytest.approx(0.5 * 2.0 * 40e6 / 8)    # half a probe interval at the estimate
-        c.note_probe(5.0)
-        assert c.probe_budget_bytes(6.0) is None                 # at most one per probe_interval_s
+        c.observe(2.6, LinkView(None, 0.0, 0.0, 0.0, 0), IDLE)
+        assert c.probe_budget_bytes(2.6) == pytest.approx(0.5 * 2.0 * 40e6 / 8)  # half the silence at the estimate
+        assert c.probe_budget_bytes(4.6) == pytest.approx(0.5 * 4.0 * 40e6 / 8)  # no request fit: the budget grows
+        assert c.probe_budget_bytes(60.0) == pytest.approx(0.5 * 8.0 * 40e6 / 8)  # up to probe_max_s
+        c.note_probe(60.0)
+        assert c.probe_budget_bytes(61.0) is None                # at most one per probe_interval_s
+        assert c.probe_budget_bytes(62.0) == pytest.approx(0.5 * 2.0 * 40e6 / 8)  # and small again after one
 
     def test_routed_lengths_move_the_workload_estimate(self):
         seen = []
@@ -308,6 +328,32 @@ def test_the_runtime_models_research_raises_t_on_a_thin_link():
 def test_settings_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ControllerSettings().busy_high = 0.5
+
+
+class TestSloFallback:
+    """With early rejection on, the rule's cluster is left only for one that meets the bound."""
+
+    def test_a_long_prompt_behind_a_slow_link_prefills_locally_when_that_meets_the_slo(self):
+        slow = Link(capacity_bps=8e6)  # 30 MB of KV: 30 s to ship; PD-P computes 30K tokens in 1.2 s
+        assert decide(30_000, {}, link=slow).cluster == "prfaas"                    # early rejection off: the rule
+        d = decide(30_000, {}, link=slow, max_ttft_s=5.0)
+        assert d.cluster == "pd" and d.reason.startswith("spill to pd within the TTFT SLO")
+        assert d.estimated_ttft_s == pytest.approx(1.2)
+
+    def test_a_busy_pd_prefill_sends_a_short_prompt_to_prfaas_when_that_meets_the_slo(self):
+        busy = [w if w.cluster != "pd" or w.role != "prefill" else WorkerState(w.name, "pd", "prefill", queue_s=20.0)
+                for w in WORKERS]
+        d = decide(8_000, {}, workers=busy, max_ttft_s=5.0)
+        assert d.cluster == "prfaas" and not d.probe and "within the TTFT SLO" in d.reason
+
+    def test_when_neither_meets_the_slo_the_rules_choice_is_returned_for_refusal(self):
+        busy = [dataclasses.replace(w, queue_s=20.0) for w in WORKERS]
+        d = decide(8_000, {}, workers=busy, max_ttft_s=5.0)
+        assert d.cluster == "pd" and refuse_early(d, 5.0)
+
+    def test_no_detour_while_the_rules_choice_meets_the_slo(self):
+        assert decide(30_000, {}, max_ttft_s=5.0).cluster == "prfaas"
+        assert decide(8_000, {}, max_ttft_s=5.0).cluster == "pd"
 
 
 def test_early_rejection_refuses_waiting_not_length():

@@ -233,6 +233,7 @@ def test_early_rejection_with_retry_after(deployment):
     refused = [r for r in answers if r.status_code == 503]
     assert refused and any(r.status_code == 200 for r in answers), [r.status_code for r in answers]
     assert all(int(r.headers["Retry-After"]) >= 1 and "estimated TTFT" in r.json()["error"]["message"] for r in refused)
+    assert {r.json()["error"]["type"] for r in refused} == {"ttft_estimate"}
     assert requests.get(url + "/status", timeout=5).json()["rejected"] == {"ttft_estimate": len(refused)}
 
 

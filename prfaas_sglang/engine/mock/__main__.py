@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: KV pool, tokens (default: what the profile's HBM holds next to the weights)")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="prefill: new tokens per forward, shared FCFS by waiting requests (SGLang's flag; -1: no chunking)")
+    p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
+                   help="decode role: keep finished sequences in a prefix cache; the prefill ships only the KV beyond "
+                        "the prefix found there (SGLang's flag of the same name)")
     p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: landing buffer for KV in flight, MiB")
     p.add_argument("--tokenizer", default=None,
                    help="tokenize text/chat and detokenize outputs with this tokenizer (a shipped name such as "
@@ -61,6 +64,8 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--chunked-prefill-size", f"must be >= 1 or -1 (no chunking), got {args.chunked_prefill_size}")
     if not args.bootstrap_timeout_s > 0:
         raise ConfigError("--bootstrap-timeout-s", "must be > 0")
+    if args.disaggregation_decode_enable_radix_cache and spec.disaggregation_mode != "decode":
+        raise ConfigError("--disaggregation-decode-enable-radix-cache", f"is for decode roles, not {role.value}")
     return MockConfig(
         role=role, host=args.host, port=args.port, profile=args.profile,
         served_model_name=args.served_model_name or args.profile.split("@", 1)[0],
@@ -69,6 +74,7 @@ def config_from_args(args: argparse.Namespace):
         kv_scale=args.kv_scale, max_batch=args.max_batch, page_size=args.page_size, cache_tokens=args.cache_tokens,
         context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
         max_total_tokens=args.max_total_tokens, tokenizer=args.tokenizer,
+        decode_radix_cache=args.disaggregation_decode_enable_radix_cache,
         chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
     )
 
@@ -87,6 +93,15 @@ async def _run(config, timing, tokenizer) -> None:
         pass
 
 
+def check_decode_radix_cache(config, timing) -> None:
+    """SGLang 0.5.15 refuses a decode-side radix cache for hybrid SWA/SSM models
+    (``mem_cache/kv_cache_builder.py``: their pools do not support prefix-match-and-lock); so does the emulator."""
+    if config.decode_radix_cache and timing.hybrid:
+        raise ConfigError("--disaggregation-decode-enable-radix-cache",
+                          f"is incompatible with hybrid (SWA / linear-attention) models such as {config.profile} "
+                          "in SGLang 0.5.15")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -94,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         config = config_from_args(args)
         timing = load_timing(args.profile, args.speedup, args.kv_scale, args.max_batch)
+        check_decode_radix_cache(config, timing)
         tokenizer = None
         if args.tokenizer:
             from prfaas_sglang.tokenizer import PromptTokenizer

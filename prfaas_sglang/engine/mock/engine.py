@@ -15,6 +15,18 @@ message types and versions in :mod:`prfaas_sglang.wire.handoff`)::
                                                                                          │ 6. continuous-batch decode
                                                                           <── tokens (stream or not)
 
+With ``decode_radix_cache`` (SGLang's ``--disaggregation-decode-enable-radix-cache``)
+the decode worker keeps finished sequences (prompt + output) in its own prefix
+cache, matches each new prompt there at step 1 and registers the match as
+``decode_prefix_len``; the prefill worker then ships only the KV beyond it
+(``EngineTiming.kv_bytes_beyond``: later pages plus the whole recurrent state).
+As in SGLang 0.5.15, full-attention models only: the launcher refuses the flag
+for a hybrid profile. Simplifications: that cache has its own capacity (``cache_tokens``) instead of
+sharing the pool (SGLang evicts cached pages on demand, so admission is the
+same while eviction is free), and it publishes no KV events (a router would
+otherwise credit the decode worker's cluster with prefixes its prefill workers
+do not hold).
+
 Decode KV is accounted in tokens, as SGLang's pool is: a sequence holds
 ``prompt + max_new_tokens`` from step 1 until :meth:`MockEngine.finish`. A
 decode request that does not fit waits (SGLang's prealloc queue) up to
@@ -67,6 +79,7 @@ class MockConfig:
     chunked_prefill_size: int | None = 8192  # SGLang's --chunked-prefill-size; None: no chunking (SGLang's -1)
     kv_buffer_bytes: int = 1 << 30  # decode landing buffer
     bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_{BOOTSTRAP,WAITING}_TIMEOUT
+    decode_radix_cache: bool = False  # SGLang's --disaggregation-decode-enable-radix-cache (decode role)
     tokenizer: str | None = None  # what the tokenizer was loaded from, for /server_info
 
     @property
@@ -87,6 +100,7 @@ class Sequence:
     cancelled: bool = False
     pool_tokens: int = 0  # decode KV-pool tokens held; returned by finish()
     ready: KvReady | None = None  # the prefill's report
+    decode_prefix_len: int = 0  # prompt tokens the decode worker's own prefix cache supplied
 
     @property
     def done(self) -> bool:
@@ -104,6 +118,7 @@ class Stats:
     requests_ok: int = 0
     requests_failed: int = 0
     room_waits: int = 0  # decode requests that found the pool or the landing buffer full and waited
+    decode_prefix_tokens: int = 0  # decode: prompt tokens found in the decode-side prefix cache (not shipped)
 
 
 class MockEngine:
@@ -308,11 +323,14 @@ class MockEngine:
                     done.set_result(None)
 
     async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int) -> KvReady:
-        length = self.timing.kv_bytes(len(req.input_ids))
         first_token = self.output_token(prompt_seed(req.input_ids), 0)
         room = req.bootstrap.room
         transfer_s, error = None, None
-        if length > registration.length:
+        held = registration.decode_prefix_len
+        length = self.timing.kv_bytes_beyond(len(req.input_ids), min(held, len(req.input_ids)))
+        if held >= len(req.input_ids):
+            error = f"decode_prefix_len {held} leaves nothing of the {len(req.input_ids)}-token prompt to ship"
+        elif length > registration.length:
             error = f"decode region of {registration.length} bytes is smaller than the KV ({length})"
         else:
             start = time.perf_counter()
@@ -400,7 +418,9 @@ class MockEngine:
         room = req.bootstrap.room
         if room in self._pending:
             raise BadRequest(409, f"bootstrap room {room} is already in use on this decode worker")
-        length = self.timing.kv_bytes(len(req.input_ids))
+        # The last prompt token's KV always comes from the prefill (its logits give the first token).
+        held = self.cache.match(req.input_ids[:-1]).cached_tokens if self.config.decode_radix_cache else 0
+        length = self.timing.kv_bytes_beyond(len(req.input_ids), held)
         if length > self.kv.arena.size:
             raise BadRequest(400, f"KV of {length} bytes exceeds the landing buffer ({self.kv.arena.size} bytes)")
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
@@ -418,7 +438,7 @@ class MockEngine:
         region[:8] = 0
         region[-8:] = 0
         try:
-            ready = await self._await_kv(req, self.kv.base + offset, length, future)
+            ready = await self._await_kv(req, self.kv.base + offset, length, held, future)
             if not (region[:8] == PATTERN).all() or not (region[-8:] == PATTERN).all():
                 raise BadRequest(500, f"KV for bootstrap room {room} was reported written but did not arrive")
         except BaseException:
@@ -427,9 +447,11 @@ class MockEngine:
         finally:
             self._pending.pop(room, None)
         await self._give_back(0, (offset, length))  # checked: the bytes live on as pool tokens
-        self.stats.kv_bytes_received += length
+        self.stats.kv_bytes_received += ready.kv_bytes
         self.stats.kv_transfer_s += ready.transfer_s or 0.0
-        seq = Sequence(req, prompt_seed(req.input_ids), [ready.first_token], pool_tokens=req.kv_tokens, ready=ready)
+        self.stats.decode_prefix_tokens += held
+        seq = Sequence(req, prompt_seed(req.input_ids), [ready.first_token], pool_tokens=req.kv_tokens, ready=ready,
+                       decode_prefix_len=held)
         seq.queue.put_nowait(ready.first_token)
         if seq.done:
             seq.queue.put_nowait(None)
@@ -439,10 +461,10 @@ class MockEngine:
             self._wake.set()
         return seq
 
-    async def _await_kv(self, req: EngineRequest, addr: int, length: int, future: asyncio.Future) -> KvReady:
+    async def _await_kv(self, req: EngineRequest, addr: int, length: int, held: int, future: asyncio.Future) -> KvReady:
         b = req.bootstrap
         registration = Registration(b.room, self.kv.session, addr, length,
-                                    f"http://{self.config.advertise_host}:{self.config.port}/prfaas/kv_ready")
+                                    f"http://{self.config.advertise_host}:{self.config.port}/prfaas/kv_ready", held)
         url = f"http://{b.host}:{b.port}/prfaas/register"
         try:
             async with self.http.post(url, json=registration.to_json()) as resp:
@@ -469,6 +491,8 @@ class MockEngine:
             await self._give_back(tokens)
             self.stats.requests_ok += ok
             self.stats.requests_failed += not ok
+            if ok and self.config.decode_radix_cache:  # SGLang caches a finished request's prompt + output
+                self.cache.insert(list(seq.req.input_ids) + seq.tokens)
             self.stats.prompt_tokens += len(seq.req.input_ids)
             self.stats.cached_tokens += seq.ready.cached_tokens if seq.ready else 0
 

@@ -103,6 +103,7 @@ def _metrics(engine: MockEngine) -> str:
         ("sglang:generation_tokens_total", "counter", s.generation_tokens),
         ("prfaas:kv_bytes_sent_total", "counter", s.kv_bytes_sent),
         ("prfaas:kv_bytes_received_total", "counter", s.kv_bytes_received),
+        ("prfaas:decode_prefix_tokens_total", "counter", s.decode_prefix_tokens),
         ("prfaas:kv_transfer_seconds_total", "counter", s.kv_transfer_s),
         ("prfaas:requests_ok_total", "counter", s.requests_ok),
         ("prfaas:requests_failed_total", "counter", s.requests_failed),
@@ -221,7 +222,8 @@ async def _decode_response(engine: MockEngine, req, request: web.Request) -> web
     ok = False
     model = req.model or engine.config.served_model_name
     cached = seq.ready.cached_tokens
-    extra = {"prfaas": {"kv_bytes": seq.ready.kv_bytes, "kv_transfer_s": seq.ready.transfer_s, "role": "decode"}}
+    extra = {"prfaas": {"kv_bytes": seq.ready.kv_bytes, "kv_transfer_s": seq.ready.transfer_s, "role": "decode",
+                        "decode_prefix_len": seq.decode_prefix_len}}
     try:
         if not req.stream:
             while await seq.queue.get() is not None:

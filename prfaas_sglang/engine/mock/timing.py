@@ -7,6 +7,9 @@ deployment behaves as the plan assumes.
 
     prefill_s(l_uncached)      = T_prefill(l_uncached) / speedup
     kv_bytes(l_total)          = S_kv(l_total) * kv_scale        (real bytes shipped)
+    kv_bytes_beyond(l, prefix) = (S_kv(l) - (S_kv(prefix) - S_kv(0))) * kv_scale
+                                 (the decode worker holds ``prefix``'s pages: only the
+                                 pages after it, and the whole recurrent/SWA state, ship)
     decode_step_s(bs, context) = analytic step time, or the measured T_decode, / speedup
     kv_pool_tokens             = (HBM * mem_fraction - weights) / full-attention KV per token
                                  (analytic; a measured profile: BS_max * 32K)
@@ -41,6 +44,18 @@ class EngineTiming:
 
     def kv_bytes(self, total_tokens: int) -> int:
         return max(int(self.prefill.kv_bytes(total_tokens) * self.kv_scale), 64)
+
+    def kv_bytes_beyond(self, total_tokens: int, prefix_tokens: int) -> int:
+        """Bytes shipped when the receiver already holds the first ``prefix_tokens`` (page-aligned).
+
+        ``S_kv(0)`` is the per-request state that does not grow with length (a hybrid model's
+        linear-attention state); it is the state at the prompt's end, so it always ships."""
+        if not 0 <= prefix_tokens <= total_tokens:
+            raise ValueError(f"prefix_tokens must be in 0..{total_tokens}, got {prefix_tokens}")
+        if prefix_tokens == 0:
+            return self.kv_bytes(total_tokens)
+        held = self.prefill.kv_bytes(prefix_tokens) - self.prefill.kv_bytes(0)
+        return max(int((self.prefill.kv_bytes(total_tokens) - held) * self.kv_scale), 64)
 
     def decode_step_s(self, batch: int, mean_context_tokens: float) -> float:
         if self.measured_decode is not None:
