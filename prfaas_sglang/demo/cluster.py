@@ -51,8 +51,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_free_port = free_port
-
 
 @dataclass
 class ProcessGroup:
@@ -119,25 +117,25 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
     hosts = hosts or {}
     taken: set[int] = set()
 
-    def free_port(bind: str) -> int:
+    def distinct_port(bind: str) -> int:
         # The kernel may hand out a just-closed ephemeral port again: a topology needs distinct ones.
-        port = _free_port(bind)
+        port = free_port(bind)
         while port in taken:
-            port = _free_port(bind)
+            port = free_port(bind)
         taken.add(port)
         return port
 
     def node(role: str, i: int) -> dict:
         h = hosts.get(role, host)
-        n = {"name": f"{role}-{i}", "role": role, "host": h, "port": free_port(host)}
+        n = {"name": f"{role}-{i}", "role": role, "host": h, "port": distinct_port(host)}
         if role != "pd-decode":
-            n["bootstrap_port"] = free_port(host)
+            n["bootstrap_port"] = distinct_port(host)
             if kv_events:
-                n["kv_events_port"] = free_port(host)
+                n["kv_events_port"] = distinct_port(host)
             if telemetry and role == "prfaas":
-                n["telemetry_port"] = free_port(host)
+                n["telemetry_port"] = distinct_port(host)
         elif decode_events:
-            n["kv_events_port"] = free_port(host)
+            n["kv_events_port"] = distinct_port(host)
         return n
 
     prfaas_cluster = {"kind": "prfaas", "nodes": [node("prfaas", i) for i in range(prfaas)]}
