@@ -79,6 +79,13 @@ class Envs:
         "Launcher: start SGLang even if the patch series is not applied (debugging only).",
     )
 
+    TRACE_PATH = EnvVar(
+        "PRFAAS_TRACE_PATH",
+        None,
+        "Tests and examples: the Mooncake conversation trace (JSONL) to replay; default "
+        "../shared/data/mooncake_conversation_trace.jsonl beside the checkout.",
+    )
+
     @classmethod
     def all(cls) -> list[EnvVar]:
         return [v for v in vars(cls).values() if isinstance(v, EnvVar)]

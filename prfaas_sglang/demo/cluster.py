@@ -51,6 +51,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class PortPicker:
+    """Free ports that are also distinct from each other: the kernel may hand out a just-closed
+    ephemeral port again, and one topology (or one worker) needs each of its ports once."""
+
+    def __init__(self) -> None:
+        self._taken: set[int] = set()
+
+    def __call__(self, host: str = "127.0.0.1") -> int:
+        port = free_port(host)
+        while port in self._taken:
+            port = free_port(host)
+        self._taken.add(port)
+        return port
+
+
 
 @dataclass
 class ProcessGroup:
@@ -115,15 +130,7 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
     """A one-box topology document with free ports. ``hosts`` maps a role to its bind address
     (e.g. a PrfaaS worker inside a network namespace)."""
     hosts = hosts or {}
-    taken: set[int] = set()
-
-    def distinct_port(bind: str) -> int:
-        # The kernel may hand out a just-closed ephemeral port again: a topology needs distinct ones.
-        port = free_port(bind)
-        while port in taken:
-            port = free_port(bind)
-        taken.add(port)
-        return port
+    distinct_port = PortPicker()
 
     def node(role: str, i: int) -> dict:
         h = hosts.get(role, host)
@@ -147,7 +154,7 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
     if prfaas:
         clusters = {"prfaas": prfaas_cluster, **clusters}
     if router:
-        clusters["control"] = {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": free_port(host)}]}
+        clusters["control"] = {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": distinct_port(host)}]}
     model = {k: v for k, v in (("tokenizer", tokenizer), ("served_name", served_name)) if v is not None}
     scheduler = {k: v for k, v in (("workload", workload), ("output_tokens", output_tokens),
                                    ("slo_tokens_per_s", slo_tokens_per_s), ("ttft_slo_s", ttft_slo_s),
@@ -269,14 +276,15 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
     until ``/v1/models`` lists a model). ``decode_policy`` None: ``power_of_two`` (load-aware) where there
     are two decode workers or more, else ``round_robin`` (smg refuses power_of_two over one)."""
     decode_policy = decode_policy or ("power_of_two" if len(decode) >= 2 else "round_robin")
-    port = free_port(host)
+    pick = PortPicker()
+    port = pick(host)
     argv = [sys.executable, "-m", PEER_ROUTERS[kind], "--pd-disaggregation"]
     for w in prefill:
         argv += ["--prefill", w.url, str(w.bootstrap_port)]
     for w in decode:
         argv += ["--decode", w.url]
     argv += ["--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
-             "--prometheus-port", str(free_port(host))]
+             "--prometheus-port", str(pick(host))]
     proc = group.start(name or kind, argv)
     url = f"http://{host}:{port}"
     group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)
@@ -295,10 +303,11 @@ def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, e
                       events: bool = False, host: str = "127.0.0.1", python: str = sys.executable,
                       telemetry: bool = False) -> Worker:
     """One emulated worker on free ports, started directly (no topology); returns when it answers /health."""
-    port = free_port(host)
-    bootstrap = free_port(host) if role != "pd-decode" else None
-    kv_events = free_port(host) if events else None
-    telemetry_port = free_port(host) if telemetry and bootstrap is not None else None
+    pick = PortPicker()
+    port = pick(host)
+    bootstrap = pick(host) if role != "pd-decode" else None
+    kv_events = pick(host) if events else None
+    telemetry_port = pick(host) if telemetry and bootstrap is not None else None
     argv = [python, "-m", "prfaas_sglang.engine.mock", "--role", role, "--host", host, "--port", str(port), "--profile", profile, *extra]
     if bootstrap is not None:
         argv += ["--bootstrap-port", str(bootstrap)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from helpers import REPO_ROOT, run_py
+from helpers import TRACE, run_py
 
 REQUIRED = {"requests_ok", "requests_failed", "offload_fraction", "egress_gbps", "ttft_p50_s", "ttft_p90_s",
             "tbt_p99_s", "output_tokens_per_s"}
@@ -42,7 +42,7 @@ def test_demo_case_study(tmp_path):
 
 
 def test_demo_trace_replay():
-    trace = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    trace = TRACE
     proc = run_py(["-m", "prfaas_sglang.demo", "--workload", f"trace:{trace}", "--duration", "4", "--max-requests", "60",
                    "--json"], timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout

@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port
+from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
 from prfaas_sglang.demo.netns import Netns
 from prfaas_sglang.engine.mock.timing import load_timing
 
@@ -37,7 +37,8 @@ def workers(link, tmp_path_factory):
     ns, prefill_ip, root_ip = link.ns, link.inner_ip, link.outer_ip
     group = ProcessGroup(tmp_path_factory.mktemp("throttle"))
     common = ["--profile", PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE), "--bootstrap-timeout-s", "60"]
-    p_port, p_boot, d_port = free_port(), free_port(), free_port(root_ip)
+    pick = PortPicker()
+    p_port, p_boot, d_port = pick(), pick(), pick(root_ip)
     prefill = group.start("prefill", ["ip", "netns", "exec", ns, sys.executable, "-m", "prfaas_sglang.engine.mock",
                                       "--role", "prfaas", "--host", prefill_ip, "--port", str(p_port),
                                       "--bootstrap-port", str(p_boot), *common])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, run_py
+from helpers import REPO_ROOT, TRACE, run_py
 
 REQUIRED_KEYS = {
     "threshold_tokens", "n_prefill", "n_decode", "offload_fraction", "mean_long_tokens", "mean_short_tokens",
@@ -48,7 +48,7 @@ def test_plots_are_written(tmp_path):
 
 
 def test_flags_only_scenario_with_the_trace(tmp_path):
-    trace = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    trace = TRACE
     proc = plan_cli("--model", "qwen3.5-397b-a17b", "--prfaas", "h200x8:4", "--pd", "h200x8:8", "--egress-gbps", "100",
                     f"--workload=trace:{trace}:lru=20000", "--output-tokens", "343", "--slo", "40", "--json")
     assert proc.returncode == 0, proc.stderr

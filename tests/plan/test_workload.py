@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import REPO_ROOT
+from helpers import TRACE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +23,6 @@ from prfaas_sglang.plan.workload import (
 )
 
 CASE_STUDY = TruncatedLogNormal(mu=9.90, sigma=1.00, lo=128, hi=131072)
-TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +115,7 @@ class TestIncrementalLengths:
 
     def test_mooncake_conversation_trace_reuse(self):
         """The shared trace: ~37% of input tokens are reusable with an unbounded cache (data README)."""
-        assert TRACE.is_file(), f"{TRACE} ships in shared/data beside the checkout"
+        assert TRACE.is_file(), f"{TRACE} ships in shared/data beside the checkout (or set PRFAAS_TRACE_PATH)"
         records = [parse_trace_record(json.loads(line), "trace") for line in TRACE.read_text().splitlines()]
         total = sum(r.input_length for r in records)
         unbounded = sum(incremental_lengths(records, UnboundedCache()))

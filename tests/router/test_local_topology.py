@@ -13,8 +13,8 @@ import yaml
 from helpers import REPO_ROOT
 
 from prfaas_sglang.demo.cluster import (
+    PortPicker,
     ProcessGroup,
-    free_port,
     local_topology,
     start_deployment,
     topology_nodes,
@@ -28,10 +28,11 @@ def shipped(tmp_path_factory):
     """The shipped file with its ports moved to free ones (nothing else changed)."""
     tmp = tmp_path_factory.mktemp("local")
     doc = yaml.safe_load((REPO_ROOT / "launch" / "local-two-cluster.yaml").read_text())
+    pick = PortPicker()
     for node in topology_nodes(doc).values():
         for key in PORT_KEYS:
             if key in node:
-                node[key] = free_port()
+                node[key] = pick()
     config = tmp / "local-two-cluster.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     group = ProcessGroup(tmp / "logs")

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, TRACE
 
 from prfaas_sglang import runtime
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.topology import load_topology, parse_topology
-
-TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 
 
 def demo_args(workload: str, **kw) -> argparse.Namespace:
