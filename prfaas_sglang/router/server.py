@@ -49,6 +49,7 @@ from prfaas_sglang.router.workers import (
 )
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
+from prfaas_sglang.wire.token_ids import split_ids
 
 logger = logging.getLogger(__name__)
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -95,9 +96,14 @@ def _text_chars(body) -> int:
     return n
 
 
+# Where a body's token ids sit, per endpoint kind (chat has none).
+ID_KEYS = {"generate": "input_ids", "completions": "prompt"}
+
+
 @dataclass(frozen=True)
 class ClientBody:
-    """The client's JSON object, parsed once, and its bytes (re-sent as they came when unchanged)."""
+    """The client's JSON object, parsed once, and its bytes (re-sent as they came when unchanged).
+    ``obj`` may hold a :class:`JsonIds` for its ids (never serialised: the bytes are re-sent)."""
 
     obj: dict
     raw: bytes
@@ -105,10 +111,14 @@ class ClientBody:
 
 async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, ClientBody]:
     raw = await request.read()
-    try:
-        body = orjson.loads(raw)  # one parse, fast; bounded nesting (1024), 64-bit integers
-    except orjson.JSONDecodeError:
-        raise BadRequest(400, "request body is not valid JSON") from None
+    cut = split_ids(raw, ID_KEYS[kind]) if kind in ID_KEYS else None
+    if cut is not None:  # token ids: checked in their JSON text, parsed only as far as routing reads
+        body = cut[0]
+    else:
+        try:
+            body = orjson.loads(raw)  # one parse, fast; bounded nesting (1024), 64-bit integers
+        except orjson.JSONDecodeError:
+            raise BadRequest(400, "request body is not valid JSON") from None
     rid = f"prfaas-{next(_ids)}"
     created = int(time.time())
     if service.tokenizer is not None and _text_chars(body) > LONG_TEXT_CHARS:
@@ -165,11 +175,13 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> 
 
 async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
+    received = time.perf_counter()
     try:
         req, body = await _parse(request, service, kind)
     except BadRequest as err:
         service.counters.rejected["bad_request" if err.status != 404 else "unknown_model"] += 1
         return _error(err.status, err.message)
+    parsed = time.perf_counter()
     tried: set[str] = set()
     last_error = ""
     for attempt in range(2):
@@ -179,8 +191,11 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
             service.counters.rejected[err.cause] += 1
             return _error(err.status, err.message, err.retry_after_s, err.cause)
         lease = service.begin(req, decision, time.monotonic(), attempt)
+        # The router's own time before the legs (W3C Server-Timing, ms): reading and checking the
+        # body, then routing it (prefix match, policy; waiting for decode room included).
+        timing = f"parse;dur={(parsed - received) * 1e3:.3f}, route;dur={(time.perf_counter() - parsed) * 1e3:.3f}"
         try:
-            return await _run_legs(request, service, req, body, lease)
+            return await _run_legs(request, service, req, body, lease, timing)
         except PrefillFailed as err:
             prefill = service.workers.get(decision.prefill)
             if prefill is not None:
@@ -246,7 +261,7 @@ async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, t
 
 
 async def _run_legs(request: web.Request, service: RouterService, req: EngineRequest, body: ClientBody,
-                    lease: Lease) -> web.StreamResponse:
+                    lease: Lease, timing: str) -> web.StreamResponse:
     decision = lease.decision
     session = request.app[SESSION_KEY]
     prefill, decode = service.workers[decision.prefill], service.workers[decision.decode]
@@ -256,7 +271,8 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     bootstrap = {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
                  "bootstrap_room": _rng.getrandbits(63)}
     path = PATHS[req.kind]
-    headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid}
+    headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid,
+               "Server-Timing": timing}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
     prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, None, {**bootstrap, "stream": False}),

@@ -29,18 +29,35 @@ def iter_page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | N
     """Digests of the *full* pages of ``token_ids[:max_tokens]``, one at a time (stop early to hash less).
 
     ``max_tokens`` limits the pages without copying the list (``token_ids[:-1]`` of a 128K
-    prompt costs as much as hashing it).
+    prompt costs as much as hashing it). Ids with a ``packed_prefix(n)`` method (a
+    :class:`~prfaas_sglang.wire.token_ids.JsonIds` still in its JSON text) are parsed only as
+    far as the pages read, so stopping early also parses less.
     """
     if page_size <= 0:
         raise ValueError("page_size must be positive")
     usable = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-    packed = memoryview(array("I", token_ids).tobytes())  # little-endian uint32 on the supported hosts
-    step = page_size * 4
-    for start in range(0, (usable // page_size) * step, step):
+    for page in _packed_pages(token_ids, page_size, usable // page_size):
         h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
-        h.update(packed[start : start + step])
+        h.update(page)
         prior = h.digest()
         yield prior
+
+
+def _packed_pages(token_ids: Sequence[int], page_size: int, num_pages: int) -> Iterator[memoryview]:
+    """Pages ``0 .. num_pages - 1`` as little-endian uint32 bytes (``page_size * 4`` each)."""
+    step = page_size * 4
+    packed_prefix = getattr(token_ids, "packed_prefix", None)
+    if packed_prefix is None:
+        packed = memoryview(array("I", token_ids).tobytes())  # little-endian uint32 on the supported hosts
+        for k in range(num_pages):
+            yield packed[k * step : (k + 1) * step]
+        return
+    packed, have_pages = memoryview(b""), 0
+    for k in range(num_pages):
+        if k >= have_pages:  # the source at least doubles what it parsed on each call
+            packed = memoryview(packed_prefix((k + 1) * page_size))
+            have_pages = len(packed) // step
+        yield packed[k * step : (k + 1) * step]
 
 
 def page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:

@@ -70,6 +70,10 @@ def test_short_stays_local_long_goes_to_prfaas(deployment):
     assert short.headers["x-prfaas-route"] == LOCAL
     assert long.headers["x-prfaas-route"] == REMOTE
     assert len(long.json()["output_ids"]) == 3
+    from prfaas_sglang.bench.router import server_timing
+
+    own = server_timing(long.headers["Server-Timing"])  # the router's own time before the legs
+    assert set(own) == {"parse", "route"} and all(ms >= 0 for ms in own.values())
 
 
 def test_long_prompt_cached_in_pd_stays_local(deployment):
@@ -124,6 +128,9 @@ def test_bad_input(deployment):
     r = requests.post(url + "/generate", json={"input_ids": [1, 2], "bootstrap_host": "x", "bootstrap_port": 1, "bootstrap_room": 2}, timeout=5)
     assert r.status_code == 400 and "set by the router" in r.json()["error"]["message"]
     assert requests.post(url + "/v1/completions", json={"prompt": 5}, timeout=5).status_code == 400
+    for ids in (b"[1, true]", b"[1, 02]", b"[1,,2]", b"[1, -2]", b"[1, 4294967296]"):  # the full parse words these
+        bad = requests.post(url + "/generate", data=b'{"input_ids": ' + ids + b"}", timeout=5)
+        assert bad.status_code == 400 and bad.json()["error"]["message"], ids
     unknown = requests.post(url + "/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, timeout=5)
     assert unknown.status_code == 404 and "model 'gpt-9' not found" in unknown.json()["error"]["message"]
     assert [m["id"] for m in requests.get(url + "/v1/models", timeout=5).json()["data"]] == ["m"]

@@ -1,0 +1,177 @@
+"""Token ids left in their JSON text: checked without parsing, parsed only as far as a reader needs (pure).
+
+A 32K-token ``input_ids`` body is about 200 KB of JSON. Parsing it into Python ints
+costs the router about 1.2 ms, checking the ints another 1 ms and packing them for the
+block hashes 0.4 ms, on every request, although routing needs only the prompt's length
+and the ids of the pages a prefix match reads (one page when the prompt is new). The
+router forwards the client's bytes unchanged, so it never needs the rest.
+
+:func:`split_ids` cuts the one top-level id array out of a raw body, checks it with a
+few vectorised passes over its bytes, and parses everything else (small) with
+``orjson``. The result, :class:`JsonIds`, knows its length at once and parses its ids
+front to back on demand. Both are exact or absent: whatever they accept, the full
+parse (``orjson.loads`` + ``protocol._int_list``) accepts with the same ids; whatever
+they are unsure of (other whitespace, ids of 10 digits, escapes in the rest of the
+body, a key written twice) returns None, and the caller takes the full parse, which
+also words the error for a bad body.
+
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import orjson
+
+_COMMA, _ZERO = ord(","), ord("0")
+_WHITESPACE = np.zeros(256, dtype=bool)
+_WHITESPACE[[ord(" "), ord("\t"), ord("\n"), ord("\r")]] = True
+MAX_DIGITS = 9  # every id of at most 9 digits is <= MAX_TOKEN_ID (2**31 - 1); 10 digits go to the full parse
+
+
+class JsonIds(Sequence[int]):
+    """A checked JSON id array, parsed front to back as it is read; immutable.
+
+    ``len()`` is free. :meth:`packed_prefix` parses just enough ids (the prefix match
+    hashes page by page and stops at the first page no worker holds); indexing and
+    iteration parse all of them, once. Built only by :func:`scan_ids`.
+    """
+
+    __slots__ = ("_text", "_count", "_parsed", "_parsed_end")
+
+    def __init__(self, text: bytes, count: int):
+        self._text = text
+        self._count = count
+        self._parsed = array("I")
+        self._parsed_end = 0  # text[:_parsed_end] holds the parsed ids; it ends before a comma or at the end
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def num_parsed(self) -> int:
+        """How many leading ids have been parsed so far (for tests and diagnostics)."""
+        return len(self._parsed)
+
+    def packed_prefix(self, num_tokens: int) -> bytes:
+        """The first ``min(num_tokens, len(self))`` ids or more, as little-endian uint32 bytes
+        (what SGLang's block hash reads). Parses only what no earlier call parsed, and at least
+        doubles what it has, so reading page by page parses the prompt about once.
+
+        The text is cut at a comma past the estimated end (average bytes per id so far)::
+
+            text:  | parsed ids | , next ids ... estimate , | rest |
+                   0       _parsed_end              cut
+        """
+        text, want = self._text, min(self._count, max(num_tokens, 2 * len(self._parsed)))
+        while len(self._parsed) < want:
+            start = self._parsed_end + (1 if self._parsed_end else 0)  # past the comma
+            guess = start + (want - len(self._parsed)) * (len(text) // self._count + 1) + 16
+            cut = text.find(b",", guess)
+            cut = len(text) if cut < 0 else cut
+            self._parsed.extend(orjson.loads(b"[" + text[start:cut] + b"]"))
+            self._parsed_end = cut
+        return self._parsed.tobytes()
+
+    def _all(self) -> array:
+        if len(self._parsed) < self._count:
+            self.packed_prefix(self._count)
+        return self._parsed
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all())
+
+    def __repr__(self) -> str:
+        return f"JsonIds({self._count} ids)"
+
+
+def scan_ids(text: bytes) -> JsonIds | None:
+    """``text`` (an array's bytes between the brackets) as ids if it is a non-empty list of
+    non-negative integers of at most :data:`MAX_DIGITS` digits in JSON's grammar (no leading
+    zeros, whitespace only around commas); else None. Vectorised: a dozen passes over the bytes,
+    no Python loop over the ids, no index arrays."""
+    if not text:
+        return None
+    b = np.frombuffer(text, dtype=np.uint8)
+    digit = (b - _ZERO) < 10  # uint8 wrap-around: everything below '0' is large
+    comma = b == _COMMA
+    if not (digit | comma).all():
+        space = _WHITESPACE[b]
+        if not (digit | comma | space).all():
+            return None  # a sign, a fraction, true/false/null, a nested array: the full parse decides
+        runs = int(np.count_nonzero(digit[1:] & ~digit[:-1])) + int(digit[0])
+        if runs != int(np.count_nonzero(comma)) + 1:
+            return None  # two numbers with only whitespace between them, or an empty element
+        keep = ~space
+        b, digit, comma = b[keep], digit[keep], comma[keep]
+    if not _numbers_between_commas(b, digit, comma):
+        return None
+    return JsonIds(text, int(np.count_nonzero(comma)) + 1)
+
+
+def _numbers_between_commas(b: np.ndarray, digit: np.ndarray, comma: np.ndarray) -> bool:
+    """Whether ``b`` (digits and commas only) is ``number(,number)*``, each number 1 to
+    MAX_DIGITS digits without a leading zero."""
+    n = len(b)
+    if n == 0 or comma[0] or comma[-1] or (n > 1 and (comma[1:] & comma[:-1]).any()):
+        return False  # an empty element
+    if n > MAX_DIGITS:  # MAX_DIGITS + 1 digits in a row anywhere
+        window = digit[MAX_DIGITS:].copy()
+        for k in range(1, MAX_DIGITS + 1):
+            window &= digit[MAX_DIGITS - k : n - k]
+        if window.any():
+            return False
+    if n > 1 and b[0] == _ZERO and digit[1]:
+        return False  # the first number has a leading zero
+    if n > 2 and ((b[1:-1] == _ZERO) & comma[:-2] & digit[2:]).any():
+        return False  # a later one does
+    return True
+
+
+def _skip_whitespace(raw: bytes, i: int) -> int:
+    while raw[i : i + 1] in (b" ", b"\t", b"\n", b"\r"):
+        i += 1
+    return i
+
+
+def split_ids(raw: bytes, key: str) -> tuple[dict, JsonIds] | None:
+    """The JSON object ``raw`` with its top-level ``key`` holding a :class:`JsonIds`, or None.
+
+    Exact (the object equals ``orjson.loads(raw)`` with the ids in place) or None: the key's
+    spelling must occur once in ``raw`` (so no nested or repeated key was cut), the rest must
+    parse with an empty list in the cut's place at the top level, and hold no ``\\u`` escape
+    (which could spell the key another way). Costs one vectorised scan of the array and an
+    ``orjson`` parse of everything else.
+    """
+    pattern = b'"' + key.encode() + b'"'
+    at = raw.find(pattern)
+    if at < 0 or raw.find(pattern, at + 1) >= 0:
+        return None
+    colon = _skip_whitespace(raw, at + len(pattern))
+    if raw[colon : colon + 1] != b":":
+        return None
+    opening = _skip_whitespace(raw, colon + 1)
+    if raw[opening : opening + 1] != b"[":
+        return None
+    closing = raw.find(b"]", opening + 1)
+    if closing < 0:
+        return None
+    ids = scan_ids(raw[opening + 1 : closing])
+    if ids is None:
+        return None
+    rest = raw[:opening] + b"[]" + raw[closing + 1 :]
+    if b"\\u" in rest:
+        return None
+    try:
+        obj = orjson.loads(rest)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get(key) != []:
+        return None
+    obj[key] = ids
+    return obj, ids

@@ -1,0 +1,139 @@
+"""Token ids cut from the raw body (wire/token_ids.py): exact or absent, and parsed only as far as routing reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import orjson
+import pytest
+from helpers import run_py
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.protocol import BadRequest, parse_request
+from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
+from prfaas_sglang.wire.kv_events import BlockStored
+from prfaas_sglang.wire.token_ids import JsonIds, split_ids
+
+
+def full_parse(raw: bytes, key: str):
+    """What the router does without the cut: orjson, then protocol's exact id check."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return "invalid"
+    try:
+        return body, list(parse_request("generate" if key == "input_ids" else "completions", body, "r").input_ids)
+    except BadRequest:
+        return "rejected"
+
+
+IDS = [random.Random(3).randrange(200_000) for _ in range(3000)]
+BODY = {"sampling_params": {"max_new_tokens": 8, "stop": ["\n"]}, "input_ids": IDS, "stream": False}
+
+
+@pytest.mark.parametrize("dumps", [
+    orjson.dumps,  # compact (orjson, httpx >= 0.28)
+    lambda o: json.dumps(o).encode(),  # ", " and ": " (requests, aiohttp's json=)
+    lambda o: json.dumps(o, indent=2).encode(),  # newlines and indentation
+], ids=["compact", "json.dumps", "indented"])
+def test_what_common_clients_send_takes_the_cut(dumps):
+    raw = dumps(BODY)
+    cut = split_ids(raw, "input_ids")
+    assert cut is not None
+    obj, ids = cut
+    assert isinstance(ids, JsonIds) and len(ids) == len(IDS) and list(ids) == IDS
+    assert {k: v for k, v in obj.items() if k != "input_ids"} == {k: v for k, v in BODY.items() if k != "input_ids"}
+    req = parse_request("generate", obj, "r")
+    assert req.input_ids is ids and len(req.input_ids) == len(IDS) and req.max_new_tokens == 8
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"input_ids": [1, 02]}',  # a leading zero: not JSON
+    b'{"input_ids": [1,,2]}', b'{"input_ids": [,1]}', b'{"input_ids": [1,]}', b'{"input_ids": []}',
+    b'{"input_ids": [1 2]}',  # whitespace between two numbers
+    b'{"input_ids": [1, -2]}', b'{"input_ids": [1.5]}', b'{"input_ids": [1e3]}', b'{"input_ids": [true]}',
+    b'{"input_ids": [2147483648]}', b'{"input_ids": [1000000000]}',  # 10 digits: the full parse decides
+    b'{"input_ids": [[1, 2], [3]]}',  # batched
+    b'{"input_ids": [1, 2], "input_ids": [3]}',  # written twice: the last one counts
+    b'{"x": {"input_ids": [1, 2]}}',  # nested, not the request's
+    b'{"x": {"input_ids": [1, 2]}, "input\\u005fids": []}',  # the top-level key spelled with an escape
+    b'{"text": "\\"input_ids\\": [1, 2]"}',
+    b'{"input_ids": [1, 2]', b'{"input_ids": [1, 2]} x', b'[{"input_ids": [1]}]',
+])
+def test_anything_unsure_goes_to_the_full_parse(raw):
+    assert split_ids(raw, "input_ids") is None
+
+
+@st.composite
+def bodies(draw):
+    """JSON-ish bodies around an id array, with the mistakes clients and attackers make."""
+    valid = st.one_of(st.integers(0, 300_000), st.integers(0, 2**31 + 5)).map(str)
+    bad = st.sampled_from(["01", "00", "-1", "1.0", "true", "", " ", "1 2"])
+    element = st.integers(0, 15).flatmap(lambda k: bad if k == 0 else valid)  # mostly valid: the cut must be taken often
+    items = draw(st.lists(element, min_size=0, max_size=12))
+    sep = draw(st.sampled_from([",", ", ", " ,", ",\n  "]))
+    array = "[" + draw(st.sampled_from(["", " "])) + sep.join(items) + "]"
+    key = draw(st.sampled_from(['"input_ids"', '"input_ids"', '"input_ids" ', '"input\\u005fids"']))
+    extra = draw(st.sampled_from(["", ', "stream": true', ', "sampling_params": {"max_new_tokens": 2}', ', "x": {"input_ids": [5]}',
+                                  ', "input_ids": [9]', ', "s": "\\"input_ids\\": [4]"']))
+    before = draw(st.booleans())
+    members = [f"{key}: {array}"] + ([extra.lstrip(", ")] if extra else [])
+    return ("{" + ", ".join(reversed(members) if before else members) + "}").encode()
+
+
+@given(bodies())
+@settings(max_examples=600, deadline=None)
+def test_the_cut_is_exact_or_absent(raw):
+    """Whatever the cut accepts, the full parse accepts with the same object and ids (and the
+    common case, plain ids around ordinary members, is taken: see the event below)."""
+    cut = split_ids(raw, "input_ids")
+    event("cut taken" if cut is not None else "full parse")
+    if cut is None:
+        return
+    expected = full_parse(raw, "input_ids")
+    assert expected not in ("invalid", "rejected"), raw
+    body, ids = expected
+    obj, got = cut
+    assert list(got) == ids, raw
+    assert {k: v for k, v in obj.items() if k != "input_ids"} == {k: v for k, v in body.items() if k != "input_ids"}
+
+
+def test_completions_prompt_ids_take_the_cut_too():
+    raw = orjson.dumps({"model": "m", "prompt": IDS[:100], "max_tokens": 3})
+    obj, ids = split_ids(raw, "prompt")
+    req = parse_request("completions", obj, "r")
+    assert list(req.input_ids) == IDS[:100] and req.max_new_tokens == 3
+
+
+def test_a_cold_prompt_is_parsed_one_page_deep():
+    """The prefix match hashes page by page and stops at the first page nobody holds: a new prompt
+    costs one page of parsing, a cached one as much as it hits, and the digests equal the list's."""
+    page = 64
+    index = KvIndex(hybrid=False)
+    index.add_worker("w", "pd", block_size=page)
+    _, cold = split_ids(orjson.dumps({"input_ids": IDS}), "input_ids")
+    assert index.match(cold).by_worker["w"] == 0
+    assert page <= cold.num_parsed <= 2 * page
+
+    held = [digest_to_int64(d) for d in page_digests(IDS[:1024], page)]
+    index.apply("w", 0, [BlockStored(held, None, IDS[:1024], page, None)])
+    _, warm = split_ids(orjson.dumps({"input_ids": IDS}), "input_ids")
+    assert index.match(warm).by_worker["w"] == 1024
+    assert 1024 < warm.num_parsed <= 2 * 1088  # the page after the hit is read, not the whole prompt
+    assert [digest_to_int64(d) for d in page_digests(warm, page)] == [digest_to_int64(d) for d in page_digests(IDS, page)]
+
+
+def test_the_router_keeps_request_buffers_in_its_heap_unless_told_otherwise():
+    """glibc: mallopt applies (True); an operator's own MALLOC_* setting is left alone (False)."""
+    code = "from prfaas_sglang.router.__main__ import keep_request_buffers_mapped as k; print(k())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    assert run_py(["-c", code], env=env).stdout.strip() == "True"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "MALLOC_TRIM_THRESHOLD_": "1000000"})
+    assert proc.stdout.strip() == "False", proc.stderr
