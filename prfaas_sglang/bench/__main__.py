@@ -11,6 +11,8 @@ Benchmarks:
   aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
   compare        goodput: our router vs homogeneous, naive, sglang-router (two settings) and smg,
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
+  transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
+                 root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
     bw.add_argument("--series", type=Path, default=None, help="write the sampled /status series and the requests as JSON here")
     bw.add_argument("--json", action="store_true")
+    tr = sub.add_parser("transport", help="Mooncake TCP over an emulated WAN link: WAN profile vs defaults")
+    tr.add_argument("--rate-mbit", type=float, default=1000.0)
+    tr.add_argument("--payload-mib", type=int, default=256)
+    tr.add_argument("--request-mib", type=float, default=16.0, help="our coalesced request size (a 64 MiB chunk over 4 lanes)")
+    tr.add_argument("--default-request-kib", type=int, default=128, help="SGLang's request on a fragmented pool")
+    tr.add_argument("--conditions", default="clean,lossy", help="comma list of: clean, lossy, lossy-cubic, lossy-bbr")
+    tr.add_argument("--repeats", type=int, default=3)
+    tr.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
+    tr.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: every benchmark stops its processes and removes its namespaces in finally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -142,6 +153,21 @@ def main(argv: list[str] | None = None) -> int:
         result = result[kinds[0]] if len(kinds) == 1 else result
         header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
                   f"--duration {args.duration:g}; {stamp} -->")
+    elif args.name == "transport":
+        from prfaas_sglang.bench import transport as bench
+        from prfaas_sglang.transport.linkem import unavailable
+
+        conditions = tuple(args.conditions.split(","))
+        if unknown := set(conditions) - set(bench.CONDITIONS):
+            parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(bench.CONDITIONS)}")
+        if args.rate_mbit <= 0 or args.payload_mib < 1 or args.repeats < 1 or args.request_mib <= 0 or args.default_request_kib < 1:
+            parser.error("--rate-mbit, --payload-mib, --repeats, --request-mib and --default-request-kib must be positive")
+        if (why := unavailable()) is not None:
+            parser.error(f"the emulated link {why}")
+        result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
+                           args.repeats, not args.no_table)
+        header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
+                  f"--conditions {args.conditions} --repeats {args.repeats}; {stamp} -->")
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 

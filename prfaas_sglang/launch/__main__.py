@@ -38,6 +38,7 @@ from prfaas_sglang.launch.command import (
     control_command,
     mock_command,
     sglang_command,
+    wan_link,
 )
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
 from prfaas_sglang.topology import Node, Topology, load_topology
@@ -208,7 +209,7 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
             raise
         notes = (f"patch series NOT verified ({type(err).__name__}): {err}",)
     node = dataclasses.replace(node, extra_args=node.extra_args + _model_args(topology, node) + extra)
-    command = sglang_command(node, sys.executable, os.environ, notes)
+    command = sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node))
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")
     return command

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport
-from prfaas_sglang.topology import Node
-from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+from prfaas_sglang.topology import Node, Topology
+from prfaas_sglang.transport.wan_defaults import WanLink, mooncake_env
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
 # Flags the launcher derives from the role and node; passing them again after
@@ -82,7 +82,8 @@ def kv_events_config(port: int) -> str:
     return json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": KV_EVENTS_TOPIC}, separators=(",", ":"))
 
 
-def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = ()) -> LaunchCommand:
+def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = (),
+                   link: WanLink | None = None) -> LaunchCommand:
     """The ``sglang.launch_server`` command and environment for an engine ``node``."""
     spec = ROLE_SPECS[node.role]
     if not spec.is_engine_role:
@@ -113,12 +114,24 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     kept: dict[str, str] = {}
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
-        for default in MOONCAKE_TCP_WAN_DEFAULTS:
+        for default in mooncake_env(node.role, link):  # the cross-cluster leg's profile, by role
             if environ.get(default.name):
                 kept[default.name] = default.value
             else:
                 env[default.name] = default.value
     return LaunchCommand(node, Engine.SGLANG, tuple(argv), env, kept, notes)
+
+
+def wan_link(topology: Topology | None, node: Node) -> WanLink | None:
+    """The cross-cluster link ``node``'s KV crosses (from a PrfaaS cluster to a PD one), as the topology
+    states it; None without a topology or such a link."""
+    if topology is None:
+        return None
+    kinds = topology.cluster_kinds
+    for link in topology.links:
+        if kinds.get(link.src) == "prfaas" and kinds.get(link.dst) == "pd" and node.cluster in (link.src, link.dst):
+            return WanLink(link.bandwidth_gbps * 1e9, link.rtt_ms / 1e3 if link.rtt_ms is not None else None)
+    return None
 
 
 def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = ()) -> LaunchCommand:

@@ -27,9 +27,10 @@ slice instead of one whole transfer.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from prfaas_sglang.wire.telemetry import LinkSample
+from prfaas_sglang.transport.tcpstate import TcpInterval
+from prfaas_sglang.wire.telemetry import LinkSample, TcpView
 
 
 @dataclass
@@ -113,3 +114,16 @@ def _covered(lo: float, intervals: list[tuple[float, float]]) -> float:
             total += e - s
             cursor = e
     return total
+
+
+def with_tcp_view(sample: LinkSample, interval: TcpInterval | None) -> LinkSample:
+    """``sample`` with the kernel's view of its last interval (wire v3): ``tcp`` and ``congested``,
+    and, when the connections were backlogged through the interval, their goodput as
+    ``capacity_bps`` (the link's rate as this sender sees it, one interval after a change, where the
+    transfer-level meter waits for slices to finish)."""
+    if interval is None:
+        return sample
+    view = TcpView(interval.connections, interval.goodput_bps, interval.retrans_fraction, interval.rtt_ms,
+                   interval.min_rtt_ms, interval.delivery_rate_bps, interval.backlogged)
+    capacity = interval.goodput_bps if interval.backlogged and interval.goodput_bps > 0 else sample.capacity_bps
+    return replace(sample, tcp=view, congested=interval.congested, capacity_bps=capacity)

@@ -1,15 +1,36 @@
-"""Mooncake TCP settings for KV that crosses a WAN link (pure data).
+"""Mooncake TCP settings for KV that crosses the WAN link, per role and scaled to the link (pure data).
 
-The launcher sets these for every process that uses the TCP KV transport,
-unless the variable is already in the environment (the operator's value wins).
-Starting points from measurements on an emulated 1 Gbit/s, 20 ms RTT link with
-Mooncake 0.3.13.post1 (shared/notes/mooncake-tcp.md); the WAN transport issue
-tunes them with its own benchmarks.
+The PrfaaS -> PD path is the only cross-cluster KV leg. Mooncake's settings are per
+process, so the launcher gives them by role (:func:`mooncake_env`):
+
+* ``prfaas`` (the sender on the WAN leg): the whole profile below;
+* ``pd-decode`` (receives from the PrfaaS cluster and from PD-P): only the stall bound,
+  which both ends of a connection enforce;
+* ``pd-prefill`` (in-cluster PD-P -> PD-D): nothing; SGLang's defaults, or RDMA where the
+  deployment has it.
+
+An operator's own value in the environment always wins. Measured with
+``python -m prfaas_sglang.bench transport`` on an emulated 1 Gbit/s, 20 ms RTT link
+(BENCHMARKS.md, "KV transport over an emulated WAN link"): large requests matter most
+(a lane carries one request at a time and waits an RTT for its acknowledgement), and
+4 lanes beat 16 once requests are large (16 BBR flows overflow the bottleneck queue).
+
+History: the first profile (issue #5) set 16 lanes and a flat ``MC_TRANSFER_TIMEOUT=300``
+for every TCP role; a stalled transfer then took Mooncake's 30 s progress timeout to fail,
+and the in-cluster leg got WAN settings too.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from prfaas_sglang.roles import Role
+
+SLICE_BYTES = 1 << 20
+STALL_FLOOR_S = 5  # a live connection makes progress well within this on any link the profile is for
+MAX_BATCH_BYTES = 1 << 30  # the largest synchronous batch SGLang sends (one chunk's KV), for the total timeout
+TRANSFER_TIMEOUT_FLOOR_S = 30  # Mooncake's own default
 
 
 @dataclass(frozen=True)
@@ -19,43 +40,67 @@ class EnvDefault:
     why: str
 
 
-# MC_FORCE_TCP is not a default: the TCP transport requires it, so the
-# launcher always sets it (see launch.command).
-MOONCAKE_TCP_WAN_DEFAULTS: tuple[EnvDefault, ...] = (
-    EnvDefault(
-        "MC_TCP_ENABLE_CONNECTION_POOL",
-        "1",
-        "persistent per-peer lanes; without them every request pays a connect (236 vs ~1400 MB/s measured)",
-    ),
-    EnvDefault(
-        "MC_TCP_LANES_PER_PEER",
-        "16",
-        "one request per lane and an ack per request: more lanes fill a long fat pipe "
-        "(0.1% loss, CUBIC: 3 -> 52 MB/s measured)",
-    ),
-    EnvDefault(
-        "MC_TCP_SLICE_SIZE",
-        "1048576",
-        "1 MiB socket writes instead of 64 KiB: about 2x on a lossy link under BBR",
-    ),
-    EnvDefault(
-        "MC_TRANSFER_TIMEOUT",
-        "300",
-        "the default 30 s (+1 ns/byte) fails a large KV transfer at WAN speed while data still flows",
-    ),
-    EnvDefault(
-        "MC_TCP_ADMISSION_TIMEOUT_MS",
-        "60000",
-        "pending admissions expire after 1 s by default; a burst to one peer then fails with -1",
-    ),
-    EnvDefault(
-        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
-        "8192",
-        "default 1024 rejects bursts at once ('lane queue-full')",
-    ),
-    EnvDefault(
-        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
-        "8192",
-        "default 1024; same failure mode as the queue limit",
-    ),
-)
+@dataclass(frozen=True)
+class WanLink:
+    """The cross-cluster link as the topology states it; None where it does not."""
+
+    rate_bps: float | None = None
+    rtt_s: float | None = None
+
+
+def stall_timeout_s(link: WanLink) -> int:
+    """Seconds without progress after which a transfer fails: a slice's time at the link rate,
+    20 times over, plus four RTTs, and never under :data:`STALL_FLOOR_S`."""
+    slice_s = SLICE_BYTES * 8 / link.rate_bps if link.rate_bps else 0.0
+    return max(STALL_FLOOR_S, math.ceil(20 * slice_s + 4 * (link.rtt_s or 0.0)))
+
+
+def transfer_timeout_s(link: WanLink) -> int:
+    """The synchronous call's total bound (Mooncake adds 1 ns per byte, i.e. assumes 1 GB/s): four
+    times the largest batch's time at the link rate. Stalls fail earlier, on :func:`stall_timeout_s`."""
+    if not link.rate_bps:
+        return 300
+    return max(TRANSFER_TIMEOUT_FLOOR_S, math.ceil(4 * MAX_BATCH_BYTES * 8 / link.rate_bps))
+
+
+def sender_profile(link: WanLink) -> tuple[EnvDefault, ...]:
+    return (
+        EnvDefault("MC_TCP_ENABLE_CONNECTION_POOL", "1",
+                   "persistent per-peer lanes; without them every request pays a connect (236 vs ~1400 MB/s measured)"),
+        EnvDefault("MC_TCP_LANES_PER_PEER", "4",
+                   "with large requests 4 lanes fill a 1 Gbit/s, 20 ms link; 16 BBR flows overflow its queue "
+                   "(0.51 vs 0.85 of the rate measured)"),
+        EnvDefault("MC_TCP_SLICE_SIZE", str(SLICE_BYTES),
+                   "1 MiB socket writes instead of 64 KiB: about 2x on a lossy link under BBR"),
+        EnvDefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(stall_timeout_s(link)),
+                   "a stalled or black-holed transfer fails within this bound (Mooncake: 30 s), scaled to the link"),
+        EnvDefault("MC_TRANSFER_TIMEOUT", str(transfer_timeout_s(link)),
+                   "the default 30 s (+1 ns/byte) fails a large KV batch at WAN speed while data still flows"),
+        EnvDefault("MC_TCP_ADMISSION_TIMEOUT_MS", "60000",
+                   "pending admissions expire after 1 s by default; a burst to one peer then fails with -1"),
+        EnvDefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "8192",
+                   "default 1024 rejects bursts at once ('lane queue-full')"),
+        EnvDefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "8192",
+                   "default 1024; same failure mode as the queue limit"),
+    )
+
+
+def receiver_profile(link: WanLink) -> tuple[EnvDefault, ...]:
+    return (
+        EnvDefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(stall_timeout_s(link)),
+                   "the receiving end of a WAN transfer gives up on a stall within the same bound as the sender"),
+    )
+
+
+def mooncake_env(role: Role, link: WanLink | None = None) -> tuple[EnvDefault, ...]:
+    """The ``MC_*`` settings a TCP KV process of ``role`` gets (``MC_FORCE_TCP`` aside)."""
+    link = link or WanLink()
+    if role is Role.PRFAAS:
+        return sender_profile(link)
+    if role is Role.PD_DECODE:
+        return receiver_profile(link)
+    return ()
+
+
+# The sender profile for a link the topology does not describe (kept for readers of the old name).
+MOONCAKE_TCP_WAN_DEFAULTS: tuple[EnvDefault, ...] = sender_profile(WanLink())

@@ -3,9 +3,13 @@
 ZMQ PUB on the worker's telemetry port, topic ``prfaas-telemetry``, frames
 ``(topic, json)``; the JSON object is one :class:`LinkSample`::
 
-    {"v": 2, "worker": str, "ts": float, "window_s": float,
+    {"v": 3, "worker": str, "ts": float, "window_s": float,
      "egress_bps": float, "offered_bps": float, "busy_fraction": float,
-     "capacity_bps": float | null, "inflight": int, "backlog_bytes": int, "queue": int}
+     "capacity_bps": float | null, "inflight": int, "backlog_bytes": int, "queue": int,
+     "tcp": null | {"connections": int, "goodput_bps": float, "retrans_fraction": float | null,
+                    "rtt_ms": float | null, "min_rtt_ms": float | null,
+                    "delivery_rate_bps": float | null, "backlogged": bool},
+     "congested": bool}
 
 Units: bits per second, bytes, seconds; ``ts`` is the sender's wall clock
 (``time.time()``), informational only: receivers use their own clock.
@@ -18,6 +22,14 @@ History:
       and backlog_bytes (requested, not yet delivered). Values are validated
       (finite, in range). v1 samples still decode (window_s 1.0, offered_bps
       equal to egress_bps, backlog 0).
+  v3: adds ``tcp`` (the kernel's view of the KV connections over the sample's last
+      interval, ``transport.tcpstate``; null where the sender cannot read it) and
+      ``congested`` (queue growth or loss on those connections while KV waits, with
+      hysteresis). When ``tcp`` shows a backlogged interval, the sender reports its goodput
+      as ``capacity_bps`` (the link's rate as this sender sees it, within one interval of a
+      change, even mid-transfer); otherwise ``capacity_bps`` keeps its v2 meaning, so a v2
+      reader (the router's controller) needs no change. v1 and v2 samples still decode
+      (tcp null, congested false).
 """
 
 from __future__ import annotations
@@ -29,7 +41,30 @@ from dataclasses import asdict, dataclass
 from prfaas_sglang.wire._json import build, json_object
 
 TELEMETRY_TOPIC = b"prfaas-telemetry"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
+
+
+@dataclass(frozen=True)
+class TcpView:
+    """The kernel's TCP_INFO over the KV connections for the last interval (``transport.tcpstate``)."""
+
+    connections: int
+    goodput_bps: float
+    retrans_fraction: float | None
+    rtt_ms: float | None
+    min_rtt_ms: float | None
+    delivery_rate_bps: float | None
+    backlogged: bool
+
+    def _validate(self) -> None:
+        if isinstance(self.connections, bool) or not isinstance(self.connections, int) or self.connections < 0:
+            raise ValueError("tcp.connections must be a non-negative integer")
+        _finite("tcp.goodput_bps", self.goodput_bps)
+        for name in ("retrans_fraction", "rtt_ms", "min_rtt_ms", "delivery_rate_bps"):
+            if getattr(self, name) is not None:
+                _finite(f"tcp.{name}", getattr(self, name))
+        if not isinstance(self.backlogged, bool):
+            raise ValueError("tcp.backlogged must be true or false")
 
 
 @dataclass(frozen=True)
@@ -44,6 +79,8 @@ class LinkSample:
     window_s: float = 1.0
     offered_bps: float = 0.0  # bits requested in the window / window (demand)
     backlog_bytes: int = 0  # requested, not yet delivered
+    tcp: TcpView | None = None  # v3: the kernel's view of the KV connections
+    congested: bool = False  # v3: queue growth or loss on the KV connections while KV waits
 
     def encode(self) -> bytes:
         return json.dumps({"v": WIRE_VERSION, **asdict(self)}).encode()
@@ -55,9 +92,17 @@ class LinkSample:
         version = obj.pop("v", None)
         if version == 1:
             obj.setdefault("offered_bps", obj.get("egress_bps"))
-        elif version != WIRE_VERSION:
+        elif version not in (2, WIRE_VERSION):
             raise ValueError(f"unsupported telemetry version {version!r}")
-        sample = build(cls, obj, "telemetry")
+        if version < 3 and ("tcp" in obj or "congested" in obj):
+            raise ValueError(f"tcp and congested are v3 fields, not v{version}")
+        tcp = obj.pop("tcp", None)
+        if tcp is not None and not isinstance(tcp, dict):
+            raise ValueError("tcp must be an object or null")
+        if tcp is not None:
+            tcp = build(TcpView, tcp, "telemetry.tcp")
+            tcp._validate()
+        sample = build(cls, {**obj, "tcp": tcp}, "telemetry")
         sample._validate()
         return sample
 
@@ -76,6 +121,8 @@ class LinkSample:
             raise ValueError(f"busy_fraction must be in [0, 1], got {self.busy_fraction!r}")
         if not self.window_s > 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s!r}")
+        if not isinstance(self.congested, bool):
+            raise ValueError("congested must be true or false")
 
 
 def _finite(name: str, value) -> None:

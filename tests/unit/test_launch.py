@@ -15,7 +15,12 @@ from prfaas_sglang.launch.__main__ import main as launch_main
 from prfaas_sglang.launch.command import sglang_command
 from prfaas_sglang.roles import KvTransport, Role
 from prfaas_sglang.topology import Node, load_topology, parse_topology
-from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+from prfaas_sglang.transport.wan_defaults import (
+    MOONCAKE_TCP_WAN_DEFAULTS,
+    WanLink,
+    mooncake_env,
+    stall_timeout_s,
+)
 
 
 def launch_cli(*args: str, env: dict | None = None):
@@ -64,6 +69,42 @@ class TestAcceptanceCommands:
         assert proc.stdout == ""
 
 
+class TestWanProfile:
+    """Cross-cluster legs only, scaled to the link the topology states."""
+
+    def test_by_role(self):
+        names = lambda role: {d.name for d in mooncake_env(role, WanLink(1e9, 0.02))}  # noqa: E731
+        assert {"MC_TCP_LANES_PER_PEER", "MC_TCP_SLICE_SIZE", "MC_TCP_PROGRESS_TIMEOUT_SEC"} <= names(Role.PRFAAS)
+        assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC"}  # it receives the WAN leg
+        assert names(Role.PD_PREFILL) == set()  # in-cluster: SGLang's defaults
+
+    def test_bounds_scale_with_the_link(self):
+        fast, slow = WanLink(1e9, 0.02), WanLink(10e6, 0.2)
+        assert stall_timeout_s(fast) == 5 < stall_timeout_s(slow)  # 1 MiB at 10 Mbit/s is 0.84 s a slice
+        env = lambda link: {d.name: int(d.value) for d in mooncake_env(Role.PRFAAS, link) if d.name.endswith("TIMEOUT")}  # noqa: E731
+        assert env(fast)["MC_TRANSFER_TIMEOUT"] == 35 and env(slow)["MC_TRANSFER_TIMEOUT"] > 3000
+        assert env(WanLink())["MC_TRANSFER_TIMEOUT"] == 300  # no link stated: the old flat bound
+
+    def test_the_launcher_reads_the_link_from_the_topology(self, tmp_path):
+        doc = {"version": 1, "clusters": {
+            "remote": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": 30000, "bootstrap_port": 8998}]},
+            "local": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": 30001, "bootstrap_port": 8999},
+                                              {"name": "d0", "role": "pd-decode", "port": 30002}]}},
+               "links": [{"from": "remote", "to": "local", "bandwidth_gbps": 0.01, "rtt_ms": 200}]}
+        config = tmp_path / "t.yaml"
+        config.write_text(yaml.safe_dump(doc))
+
+        def env_of(name):
+            proc = launch_cli("--config", str(config), "--node", name, "--model-path", "/m", "--dry-run")
+            assert proc.returncode == 0, proc.stderr
+            return dict(line.split("=", 1) for line in proc.stdout.splitlines() if line.startswith("MC_"))
+
+        slow = str(stall_timeout_s(WanLink(10e6, 0.2)))
+        assert env_of("p0")["MC_TCP_PROGRESS_TIMEOUT_SEC"] == slow and env_of("p0")["MC_TCP_LANES_PER_PEER"] == "4"
+        assert env_of("d0") == {"MC_FORCE_TCP": "1", "MC_TCP_PROGRESS_TIMEOUT_SEC": slow}
+        assert env_of("pp0") == {"MC_FORCE_TCP": "1"}
+
+
 class TestPlan:
     def test_decode_plan(self):
         node = Node("d0", "pd", Role.PD_DECODE, host="0.0.0.0", port=30001, kv_events_port=5558, model_path="/m", tp_size=2)
@@ -109,9 +150,9 @@ class TestPlan:
 
     def test_operator_environment_wins_over_wan_defaults(self):
         node = Node("p0", "prfaas", Role.PRFAAS, model_path="/m")
-        plan = sglang_command(node, "python", {"MC_TCP_LANES_PER_PEER": "4"})
+        plan = sglang_command(node, "python", {"MC_TCP_LANES_PER_PEER": "16"})
         assert "MC_TCP_LANES_PER_PEER" not in plan.env
-        assert plan.env_kept == {"MC_TCP_LANES_PER_PEER": "16"}
+        assert plan.env_kept == {"MC_TCP_LANES_PER_PEER": "4"}  # the profile's value, not applied
         assert plan.env["MC_FORCE_TCP"] == "1"
 
     def test_passthrough_cannot_override_the_role(self):

@@ -30,8 +30,10 @@ PURE = (
     "prfaas_sglang.router.workers", "prfaas_sglang.router.service", "prfaas_sglang.router.metrics",
     "prfaas_sglang.kvindex.index", "prfaas_sglang.kvindex.feed",
     "prfaas_sglang.wire.kv_events", "prfaas_sglang.wire.blocks", "prfaas_sglang.wire.telemetry", "prfaas_sglang.wire.handoff",
+    "prfaas_sglang.wire.token_ids",
     "prfaas_sglang.runtime", "prfaas_sglang.topology", "prfaas_sglang.roles", "prfaas_sglang.configcheck",
     "prfaas_sglang.errors", "prfaas_sglang.protocol", "prfaas_sglang.transport.meter", "prfaas_sglang.transport.wan_defaults",
+    "prfaas_sglang.transport.tcpstate",
     "prfaas_sglang.launch.command", "prfaas_sglang.engine.mock.prefix_cache", "prfaas_sglang.engine.mock.timing",
     "prfaas_sglang.engine.mock.scheduler",
 )

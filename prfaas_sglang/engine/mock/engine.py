@@ -45,13 +45,15 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from prfaas_sglang.adapters import tcpinfo
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
-from prfaas_sglang.transport.meter import LinkMeter
+from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
+from prfaas_sglang.transport.tcpstate import TcpCongestion
 from prfaas_sglang.wire.handoff import KvReady, Registration
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
@@ -361,12 +363,15 @@ class MockEngine:
         return ready
 
     async def _telemetry_loop(self, interval_s: float = 0.25) -> None:
-        """Publish this prefill worker's link telemetry (``wire.telemetry`` format)."""
+        """Publish this prefill worker's link telemetry (``wire.telemetry`` format): the transfer-level
+        meter, and the kernel's TCP_INFO of its Mooncake connections where ``ss`` can read it."""
         name = f"{self.config.served_model_name}@{self.config.advertise_host}:{self.config.port}"
+        tcp = TcpCongestion() if tcpinfo.available() else None
         while True:
             await asyncio.sleep(interval_s)
+            interval = tcp.update(await tcpinfo.own_kv_connections(), time.monotonic()) if tcp is not None else None
             sample = self.meter.sample(name, time.monotonic(), time.time(), self.waiting)
-            self.telemetry.publish_raw(sample.encode())
+            self.telemetry.publish_raw(with_tcp_view(sample, interval).encode())
 
     # --- decode side -----------------------------------------------------------------
 

@@ -1,0 +1,50 @@
+"""Reading the kernel's TCP_INFO for this process's connections, with iproute2's ``ss`` (I/O adapter).
+
+``ss -tineH state established`` asks ``inet_diag`` for every established TCP socket of the
+current network namespace with its TCP_INFO and socket inode; this process's own sockets are
+the inodes behind ``/proc/self/fd``. One call costs a few milliseconds. Parsing and everything
+computed from it live in :mod:`prfaas_sglang.transport.tcpstate` (pure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+
+from prfaas_sglang.transport.tcpstate import TcpConn, kv_connections, parse_ss
+
+_SOCKET = re.compile(r"socket:\[(\d+)\]")
+SS_ARGS = ("-tineH", "state", "established")
+
+
+def own_socket_inodes() -> set[int]:
+    """Inodes of the sockets this process holds open now."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            match = _SOCKET.fullmatch(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            continue
+        if match:
+            inodes.add(int(match.group(1)))
+    return inodes
+
+
+def available() -> bool:
+    return shutil.which("ss") is not None and os.path.isdir("/proc/self/fd")
+
+
+async def own_kv_connections(peer_ips: set[str] | None = None) -> list[TcpConn]:
+    """This process's established connections to Mooncake ports, with their TCP_INFO; [] when
+    ``ss`` is missing or fails (telemetry then carries no ``tcp`` view)."""
+    try:
+        proc = await asyncio.create_subprocess_exec("ss", *SS_ARGS, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await proc.communicate()
+    except OSError:
+        return []
+    if proc.returncode != 0:
+        return []
+    return kv_connections(parse_ss(out.decode(errors="replace")), own_socket_inodes(), peer_ips)

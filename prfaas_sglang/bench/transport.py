@@ -1,0 +1,213 @@
+"""KV over Mooncake TCP across an emulated WAN link: our WAN profile vs SGLang's Mooncake settings.
+
+Two network namespaces joined by :class:`~prfaas_sglang.transport.linkem.EmulatedLink`
+(rate, RTT, random loss; this kernel has no netem). A Mooncake transfer engine in each,
+real TCP between them. The sender writes the payload as SGLang 0.5.15's Mooncake backend
+does (one synchronous batch write per chunked-prefill chunk), in two configurations, each
+in a fresh sender process, alternating, in the same run over the same link:
+
+* ``default``: Mooncake's own TCP settings (what SGLang runs with: 4 lanes per peer, 64 KiB
+  socket writes, 30 s timeouts) and SGLang's request size on a fragmented KV pool, one
+  entry per page per layer, K and V apart (``--default-request-kib``, 128 KiB: a 64-token page
+  of one layer's K of a model with 8 KV heads of dim 128 in bf16);
+* ``ours``: the WAN profile the launcher gives cross-cluster legs
+  (:data:`~prfaas_sglang.transport.wan_defaults.MOONCAKE_TCP_WAN_DEFAULTS`), KV coalesced
+  into ``--request-mib`` requests, each submitted as soon as it exists (up to 8 outstanding,
+  completions polled with a sleep): no barrier at chunk ends, no thread spinning in a sync call;
+* ``ours_per_chunk``: the same profile and requests, sent SGLang's way (one sync batch per
+  chunk), to separate the two mechanisms.
+
+``goodput_fraction`` = payload bits / elapsed / shaped rate (the median of ``--repeats``);
+``tcp_reference_fraction`` is the same for one plain TCP stream of the payload over the same
+link in the same run: what the link, the emulator and the kernel give at best (TCP/IP headers
+alone cost 3.5% of a 1500-byte MTU; the emulator forwards in user space on this machine).
+The size x lanes table (64 MiB per cell, our profile otherwise) finds the knee: a lane
+carries one request at a time and waits an RTT for its acknowledgement, so throughput
+follows about lanes x size / (RTT + size / rate) until the link binds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from prfaas_sglang.transport.linkem import EmulatedLink
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+
+PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
+CHUNK_BYTES = 64 << 20  # KV of one chunked-prefill chunk (e.g. 8K tokens x 8 KiB per token)
+
+
+@dataclass(frozen=True)
+class Condition:
+    name: str
+    rtt_ms: float
+    loss: float
+    congestion_control: str | None = None  # None: the host's default
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
+
+
+def ours_env(lanes: int | None = None) -> dict[str, str]:
+    env = {**_clean_env(), "MC_FORCE_TCP": "1", **{d.name: d.value for d in MOONCAKE_TCP_WAN_DEFAULTS}}
+    if lanes is not None:
+        env["MC_TCP_LANES_PER_PEER"] = str(lanes)
+    return env
+
+
+def default_env() -> dict[str, str]:
+    return {**_clean_env(), "MC_FORCE_TCP": "1"}
+
+
+class _Sender:
+    def __init__(self, link: EmulatedLink, recv: dict, buffer_mib: int, env: dict[str, str]):
+        if "port" in recv:  # the plain-TCP reference
+            argv = (*link.wrap_a, *PEER, "tcp-send", "--host", link.ip_a, "--peer", f"{link.ip_b}:{recv['port']}")
+        else:
+            argv = (*link.wrap_a, *PEER, "send", "--host", link.ip_a, "--buffer-mib", str(buffer_mib),
+                    "--peer", recv["session"], "--addr", str(recv["addr"]))
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env)
+        if not self.proc.stdout.readline():
+            raise RuntimeError("transport sender did not start")
+
+    def run(self, payload_bytes: int, request_bytes: int, chunk_bytes: int = CHUNK_BYTES, pipeline: bool = False) -> dict:
+        self.proc.stdin.write(json.dumps({"payload_bytes": payload_bytes, "request_bytes": request_bytes,
+                                          "chunk_bytes": chunk_bytes, "pipeline": pipeline, "inflight": 8}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("transport sender died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
+    if not result["ok"]:
+        return 0.0
+    return payload_bytes * 8 / result["elapsed_s"] / (rate_mbit * 1e6)
+
+
+def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
+                  default_request_kib: int, repeats: int, table: bool) -> dict:
+    payload = payload_mib << 20
+    buffer_mib = max(payload_mib, 64)
+    with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
+                      congestion_control=cond.congestion_control) as link:
+        recv_proc = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(buffer_mib)),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=default_env())
+        tcp_proc = subprocess.Popen((*link.wrap_b, *PEER, "tcp-recv", "--host", link.ip_b), stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True)
+        try:
+            recv = json.loads(recv_proc.stdout.readline())
+            tcp_recv = json.loads(tcp_proc.stdout.readline())
+            runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": []}
+            senders = {"ours": _Sender(link, recv, buffer_mib, ours_env()), "default": _Sender(link, recv, buffer_mib, default_env()),
+                       "tcp": _Sender(link, tcp_recv, buffer_mib, default_env())}
+            senders["ours_per_chunk"] = senders["ours"]
+            ours_request = int(request_mib * (1 << 20))
+            jobs = {"ours": (ours_request, True), "ours_per_chunk": (ours_request, False),
+                    "default": (default_request_kib << 10, False), "tcp": (payload, False)}
+            try:
+                for _ in range(repeats):  # take turns, so drift hits all alike
+                    for name in runs:
+                        request, pipeline = jobs[name]
+                        runs[name].append(senders[name].run(payload, request, pipeline=pipeline))
+            finally:
+                for sender in {id(x): x for x in senders.values()}.values():
+                    sender.close()
+            out = {"condition": cond.name, "rtt_ms": cond.rtt_ms, "loss": cond.loss,
+                   "congestion_control": cond.congestion_control or _host_cc(),
+                   "goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours"]),
+                   "default_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["default"]),
+                   "per_chunk_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_per_chunk"]),
+                   "tcp_reference_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp"]),
+                   "runs": runs}
+            if table:
+                out["table"] = _size_lanes_table(link, recv, buffer_mib, rate_mbit)
+            out["link"] = link.stats()
+            return out
+        finally:
+            recv_proc.stdin.close()
+            recv_proc.wait(timeout=10)
+            tcp_proc.kill()
+            tcp_proc.wait()
+
+
+TABLE_SIZES_KIB = (64, 256, 1024, 4096, 16384)
+TABLE_LANES = (4, 16)
+
+
+def _size_lanes_table(link: EmulatedLink, recv: dict, buffer_mib: int, rate_mbit: float) -> dict:
+    payload = 64 << 20
+    table = {}
+    for lanes in TABLE_LANES:
+        sender = _Sender(link, recv, buffer_mib, ours_env(lanes))
+        try:
+            table[str(lanes)] = {str(kib): round(_fraction(sender.run(payload, kib << 10), payload, rate_mbit), 3)
+                                 for kib in TABLE_SIZES_KIB}
+        finally:
+            sender.close()
+    return table
+
+
+def _host_cc() -> str:
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
+
+
+CONDITIONS = {
+    "clean": Condition("clean", rtt_ms=20.0, loss=0.0),
+    "lossy": Condition("lossy", rtt_ms=20.0, loss=0.001),
+    "lossy-cubic": Condition("lossy-cubic", rtt_ms=20.0, loss=0.001, congestion_control="cubic"),
+    "lossy-bbr": Condition("lossy-bbr", rtt_ms=20.0, loss=0.001, congestion_control="bbr"),
+}
+
+
+def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
+        conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True) -> dict:
+    results = []
+    for i, name in enumerate(conditions):
+        results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
+                                     default_request_kib, repeats, table and i == 0))
+    first = results[0]
+    return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib,
+            "default_request_kib": default_request_kib, "chunk_mib": CHUNK_BYTES >> 20,
+            "goodput_fraction": first["goodput_fraction"], "default_goodput_fraction": first["default_goodput_fraction"],
+            "conditions": results}
+
+
+def render_markdown(r: dict) -> str:
+    lines = [f"Link {r['rate_mbit']:g} Mbit/s, payload {r['payload_mib']} MiB in {r['chunk_mib']} MiB chunks; "
+             f"ours: {r['request_mib']:g} MiB requests, WAN profile; default: {r['default_request_kib']} KiB requests, "
+             "Mooncake's settings.", "",
+             "| condition | congestion control | ours (pipelined) | ours, one sync batch per chunk | default | one plain TCP stream |",
+             "|---|---|---|---|---|---|"]
+    for c in r["conditions"]:
+        lines.append(f"| {c['condition']} (RTT {c['rtt_ms']:g} ms, loss {c['loss'] * 100:g}%) | {c['congestion_control']} "
+                     f"| **{c['goodput_fraction']:.3f}** | {c['per_chunk_goodput_fraction']:.3f} | {c['default_goodput_fraction']:.3f} "
+                     f"| {c['tcp_reference_fraction']:.3f} |")
+    lines.append("")
+    lines.append("(goodput / shaped rate, median of the repeats)")
+    for c in r["conditions"]:
+        if "table" in c:
+            lines += ["", f"Goodput / rate by request size x lanes ({c['condition']}, 64 MiB, WAN profile otherwise):", "",
+                      "| lanes | " + " | ".join(f"{k} KiB" for k in TABLE_SIZES_KIB) + " |",
+                      "|---|" + "---|" * len(TABLE_SIZES_KIB)]
+            for lanes, row in c["table"].items():
+                lines.append(f"| {lanes} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |")
+    return "\n".join(lines)

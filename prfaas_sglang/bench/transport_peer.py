@@ -1,0 +1,147 @@
+"""One end of ``bench transport``: a Mooncake transfer engine (TCP) inside a network namespace.
+
+    python -m prfaas_sglang.bench.transport_peer recv --host IP --buffer-mib N
+        registers an N MiB landing buffer, prints {"session", "addr"} and waits for stdin to close.
+    python -m prfaas_sglang.bench.transport_peer send --host IP --buffer-mib N --peer SESSION --addr ADDR
+        reads one job per stdin line ({"payload_bytes", "request_bytes", "chunk_bytes"}) and answers
+        {"elapsed_s", "ok", "requests"} per job.
+    python -m prfaas_sglang.bench.transport_peer tcp-recv --host IP   /   tcp-send --host IP --peer IP:PORT
+        the reference: one plain TCP stream of the same payload over the same link (1 MiB writes);
+        tcp-recv prints its port, tcp-send answers {"elapsed_s", "ok"} per job like send.
+
+A job sends ``payload_bytes`` as SGLang 0.5.15's Mooncake backend does: one synchronous batch
+write per chunk (``chunk_bytes``, a chunked-prefill chunk's KV), each batch made of
+``request_bytes`` entries (SGLang: one per contiguous page run per layer, K and V apart).
+The Mooncake settings are the process's ``MC_*`` environment, read once at engine start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _engine(host: str, buffer_bytes: int):
+    os.environ.setdefault("MC_FORCE_TCP", "1")
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit(f"mooncake initialize({host}) failed")
+    buffer = np.ones(buffer_bytes, dtype=np.uint8)
+    if engine.register_memory(buffer.ctypes.data, buffer_bytes) != 0:
+        raise SystemExit("mooncake register_memory failed")
+    return engine, buffer
+
+
+def send_job(engine, base: int, session: str, peer_addr: int, job: dict) -> dict:
+    if job.get("pipeline"):
+        return pipeline_job(engine, base, session, peer_addr, job)
+    payload, request, chunk = int(job["payload_bytes"]), int(job["request_bytes"]), int(job["chunk_bytes"])
+    requests = 0
+    started = time.perf_counter()
+    for chunk_off in range(0, payload, chunk):
+        chunk_len = min(chunk, payload - chunk_off)
+        offsets = range(chunk_off, chunk_off + chunk_len, request)
+        lengths = [min(request, chunk_off + chunk_len - off) for off in offsets]
+        rc = engine.batch_transfer_sync_write(session, [base + off for off in offsets],
+                                              [peer_addr + off for off in offsets], lengths)
+        requests += len(lengths)
+        if rc != 0:
+            return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests,
+                    "failed_at_bytes": chunk_off}
+    return {"elapsed_s": time.perf_counter() - started, "ok": True, "requests": requests}
+
+
+def pipeline_job(engine, base: int, session: str, peer_addr: int, job: dict, poll_s: float = 0.001) -> dict:
+    """Each request submitted as soon as its KV exists (here: at once), at most ``inflight`` outstanding,
+    completions polled with a sleep: no barrier at chunk ends, no thread spinning in a sync call."""
+    payload, request, inflight = int(job["payload_bytes"]), int(job["request_bytes"]), int(job.get("inflight", 8))
+    pending: list[int] = []
+    offsets = iter(range(0, payload, request))
+    requests = 0
+    started = time.perf_counter()
+    while True:
+        while len(pending) < inflight and (off := next(offsets, None)) is not None:
+            batch = engine.transfer_submit_write(session, base + off, peer_addr + off, min(request, payload - off))
+            if batch <= 0:
+                return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests, "failed_at_bytes": off}
+            pending.append(batch)
+            requests += 1
+        if not pending:
+            return {"elapsed_s": time.perf_counter() - started, "ok": True, "requests": requests}
+        status = engine.transfer_check_status(pending[0])
+        if status == 1:
+            pending.pop(0)
+        elif status < 0:
+            return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests, "status": status}
+        else:
+            time.sleep(poll_s)
+
+
+def _tcp_recv(host: str) -> int:
+    import socket
+
+    with socket.socket() as server:
+        server.bind((host, 0))
+        server.listen(8)
+        print(json.dumps({"port": server.getsockname()[1]}), flush=True)
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                while conn.recv(1 << 20):
+                    pass
+                conn.sendall(b"k")  # the sender times until the last byte is read
+
+
+def _tcp_send(peer: str) -> int:
+    import socket
+
+    host, port = peer.rsplit(":", 1)
+    block = bytes(1 << 20)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        payload = int(json.loads(line)["payload_bytes"])
+        started = time.perf_counter()
+        with socket.create_connection((host, int(port))) as conn:
+            for off in range(0, payload, len(block)):
+                conn.sendall(block[: min(len(block), payload - off)])
+            conn.shutdown(socket.SHUT_WR)
+            ok = conn.recv(1) == b"k"
+        print(json.dumps({"elapsed_s": time.perf_counter() - started, "ok": ok, "requests": 1}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prfaas_sglang.bench.transport_peer")
+    parser.add_argument("mode", choices=("recv", "send", "tcp-recv", "tcp-send"))
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--buffer-mib", type=int, default=64)
+    parser.add_argument("--peer")
+    parser.add_argument("--addr", type=int)
+    args = parser.parse_args(argv)
+    if args.mode == "tcp-recv":
+        return _tcp_recv(args.host)
+    if args.mode == "tcp-send":
+        return _tcp_send(args.peer)
+    engine, buffer = _engine(args.host, args.buffer_mib << 20)
+    if args.mode == "recv":
+        print(json.dumps({"session": f"{args.host}:{engine.get_rpc_port()}", "addr": buffer.ctypes.data}), flush=True)
+        sys.stdin.read()
+        return 0
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(send_job(engine, buffer.ctypes.data, args.peer, args.addr, json.loads(line))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

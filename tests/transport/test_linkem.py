@@ -1,0 +1,108 @@
+"""The link emulator the WAN tests stand on: its delay, rate and loss are what a TCP connection sees.
+
+Physical bounds only (a connect cannot beat the RTT, bytes cannot beat the rate), plus the
+emulator's own counters for loss. Needs root, /dev/net/tun and a C compiler (this project's
+machines and CI have them).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prfaas_sglang.transport.linkem import EmulatedLink, LinkEmulatorUnavailable
+
+CLIENT = r"""
+import json, socket, sys, time
+host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+t0 = time.perf_counter()
+c = socket.create_connection((host, port))
+connect_s = time.perf_counter() - t0
+block = bytes(1 << 16)
+t1 = time.perf_counter()
+for off in range(0, nbytes, len(block)):
+    c.sendall(block[: min(len(block), nbytes - off)])
+c.shutdown(socket.SHUT_WR)
+c.recv(1)
+print(json.dumps({"connect_s": connect_s, "send_s": time.perf_counter() - t1}))
+"""
+
+SERVER = r"""
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(4)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    while c.recv(1 << 20):
+        pass
+    c.sendall(b"k"); c.close()
+"""
+
+
+def _transfer(link: EmulatedLink, port: int, nbytes: int) -> dict:
+    out = subprocess.run((*link.wrap_a, sys.executable, "-c", CLIENT, link.ip_b, str(port), str(nbytes)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def served():
+    def start(link: EmulatedLink) -> tuple[subprocess.Popen, int]:
+        proc = subprocess.Popen((*link.wrap_b, sys.executable, "-c", SERVER, link.ip_b), stdout=subprocess.PIPE, text=True)
+        return proc, int(proc.stdout.readline())
+    procs = []
+    yield lambda link: procs.append(start(link)) or procs[-1][1]
+    for proc, _ in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_delay_rate_and_loss_are_what_tcp_sees(served):
+    rate_mbit, rtt_ms, nbytes = 50.0, 40.0, 4 << 20
+    with EmulatedLink(tag=241, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link:
+        port = served(link)
+        result = _transfer(link, port, nbytes)
+        assert result["connect_s"] >= rtt_ms / 1e3  # SYN and SYN-ACK cross the link once each
+        assert result["send_s"] >= nbytes * 8 / (rate_mbit * 1e6)  # no faster than the rate
+        link.set(rate_mbit=rate_mbit / 10)  # a 10x drop takes effect for the next bytes
+        slow = _transfer(link, port, nbytes // 4)
+        assert slow["send_s"] >= (nbytes // 4) * 8 / (rate_mbit / 10 * 1e6)
+        stats = link.stats()
+        assert stats["ab"]["bytes"] >= nbytes * 1.25 and stats["ab"]["lost"] == 0
+
+
+def test_random_loss_is_counted_and_tcp_recovers(served):
+    with EmulatedLink(tag=242, rate_mbit=200, rtt_ms=2, loss=0.02) as link:
+        port = served(link)
+        _transfer(link, port, 8 << 20)  # TCP retransmits what was lost: the bytes all arrive
+        ab = link.stats()["ab"]
+        assert ab["pkts"] > 4000 and 0.01 < ab["lost"] / (ab["pkts"] + ab["lost"]) < 0.03
+
+
+def test_blackhole_and_back():
+    with EmulatedLink(tag=243, rate_mbit=100, rtt_ms=2) as link:
+        link.set(blackhole=True)
+        probe = subprocess.run((*link.wrap_a, sys.executable, "-c",
+                                f"import socket; socket.create_connection(('{link.ip_b}', 9), timeout=1)"),
+                               capture_output=True, text=True)
+        assert "timed out" in probe.stderr  # nothing crosses, not even a refusal
+        link.set(blackhole=False)
+        refused = subprocess.run((*link.wrap_a, sys.executable, "-c",
+                                  f"import socket; socket.create_connection(('{link.ip_b}', 9), timeout=5)"),
+                                 capture_output=True, text=True)
+        assert "Connection refused" in refused.stderr  # back: B answers (no listener on port 9)
+        assert link.stats()["ab"]["blackholed"] >= 1
+
+
+def test_bad_settings_are_refused_before_anything_is_made():
+    with pytest.raises(ValueError):
+        EmulatedLink(tag=300, rate_mbit=10)
+    with pytest.raises(ValueError):
+        EmulatedLink(tag=1, rate_mbit=0)
+    with pytest.raises(LinkEmulatorUnavailable, match="not available"):
+        EmulatedLink(tag=244, rate_mbit=10, congestion_control="no-such-cc").__enter__()
+    assert "prfaas-la244" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
