@@ -79,6 +79,12 @@ class Envs:
         "Launcher: start SGLang even if the patch series is not applied (debugging only).",
     )
 
+    TELEMETRY_PORT = EnvVar(
+        "PRFAAS_TELEMETRY_PORT",
+        None,
+        "PrfaaS prefill worker (SGLang): publish link telemetry (wire v3) on tcp://*:PORT; set by the "
+        "launcher from the node's telemetry_port. Unset: no publisher.",
+    )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",
         None,

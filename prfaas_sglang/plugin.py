@@ -84,6 +84,44 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="never: PrfaaS roles are this distribution's concept",
         tests="tests/unit/test_plugin.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="kv-telemetry-start",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__",
+        hook="prfaas_sglang.hooks.kv_telemetry:start_link_telemetry",
+        hook_type="after",
+        expected_signature=("(self, args: 'KVArgs', disaggregation_mode: 'DisaggregationMode', "
+                            "server_args: 'ServerArgs', is_mla_backend: 'Optional[bool]' = False)"),
+        subject="[transport] A PrfaaS prefill worker publishes link telemetry",
+        why=(
+            "The router's threshold controller moves t with the cross-cluster link's capacity and "
+            "congestion, which only the sender sees; SGLang publishes nothing about its KV transfers."
+        ),
+        how=(
+            "AFTER hook on the Mooncake KV manager's constructor: in a prefill manager of a process "
+            "with PRFAAS_ROLE=prfaas and PRFAAS_TELEMETRY_PORT, start a publisher thread (ZMQ PUB, "
+            "wire.telemetry v3: the transfer meter and the kernel's TCP view of its Mooncake connections)."
+        ),
+        upstream_status="vendor-specific (upstream has no KV-transfer telemetry stream)",
+        removal="when SGLang exports per-peer KV transfer metrics the router can read",
+        tests="tests/transport/test_sglang_mooncake_cpu.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="kv-telemetry-meter",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
+        hook="prfaas_sglang.hooks.kv_telemetry:meter_transfer",
+        hook_type="around",
+        expected_signature="(self, mooncake_session_id, transfer_blocks)",
+        subject="[transport] Meter each KV batch the prefill worker sends",
+        why="Telemetry needs each transfer's bytes, start and end; Mooncake's Python API reports only a return code.",
+        how=(
+            "AROUND hook on the one place SGLang's Mooncake manager submits a chunk's KV batch: "
+            "record it in the manager's link meter (requested, delivered or failed); a manager "
+            "without telemetry calls the original unchanged. Never raises."
+        ),
+        upstream_status="vendor-specific",
+        removal="with kv-telemetry-start",
+        tests="tests/transport/test_sglang_mooncake_cpu.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 

@@ -111,6 +111,8 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     argv += list(node.extra_args)
 
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
+    if node.telemetry_port is not None:
+        env["PRFAAS_TELEMETRY_PORT"] = str(node.telemetry_port)  # the kv-telemetry hook publishes there
     kept: dict[str, str] = {}
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"

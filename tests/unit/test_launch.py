@@ -87,22 +87,24 @@ class TestWanProfile:
 
     def test_the_launcher_reads_the_link_from_the_topology(self, tmp_path):
         doc = {"version": 1, "clusters": {
-            "remote": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": 30000, "bootstrap_port": 8998}]},
+            "remote": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": 30000, "bootstrap_port": 8998,
+                                                 "telemetry_port": 5600}]},
             "local": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": 30001, "bootstrap_port": 8999},
                                               {"name": "d0", "role": "pd-decode", "port": 30002}]}},
                "links": [{"from": "remote", "to": "local", "bandwidth_gbps": 0.01, "rtt_ms": 200}]}
         config = tmp_path / "t.yaml"
         config.write_text(yaml.safe_dump(doc))
 
-        def env_of(name):
+        def env_of(name, prefix="MC_"):
             proc = launch_cli("--config", str(config), "--node", name, "--model-path", "/m", "--dry-run")
             assert proc.returncode == 0, proc.stderr
-            return dict(line.split("=", 1) for line in proc.stdout.splitlines() if line.startswith("MC_"))
+            return dict(line.split("=", 1) for line in proc.stdout.splitlines() if line.startswith(prefix))
 
         slow = str(stall_timeout_s(WanLink(10e6, 0.2)))
         assert env_of("p0")["MC_TCP_PROGRESS_TIMEOUT_SEC"] == slow and env_of("p0")["MC_TCP_LANES_PER_PEER"] == "4"
         assert env_of("d0") == {"MC_FORCE_TCP": "1", "MC_TCP_PROGRESS_TIMEOUT_SEC": slow}
         assert env_of("pp0") == {"MC_FORCE_TCP": "1"}
+        assert env_of("p0", "PRFAAS_TELEMETRY_PORT")["PRFAAS_TELEMETRY_PORT"] == "5600"  # the kv-telemetry hook's port
 
 
 class TestPlan:

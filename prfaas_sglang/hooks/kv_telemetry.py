@@ -1,0 +1,143 @@
+"""Hooks: link telemetry from a real SGLang PrfaaS prefill worker (wire v3), as the emulated engine publishes it.
+
+Two hooks on SGLang 0.5.15's Mooncake backend (``disaggregation/mooncake/conn.py``):
+
+* AFTER ``MooncakeKVManager.__init__``: in a prefill manager of a process started as
+  ``PRFAAS_ROLE=prfaas`` with ``PRFAAS_TELEMETRY_PORT`` set, start one publisher thread
+  (ZMQ PUB on that port, topic ``prfaas-telemetry``) for the manager's lifetime;
+* AROUND ``MooncakeKVManager._transfer_data``: each synchronous batch (one per chunked-prefill
+  chunk: every layer's K and V of the chunk's pages) is one transfer of the manager's
+  :class:`~prfaas_sglang.transport.meter.LinkMeter`: requested, delivered (return code 0) or
+  failed. The hook never raises: SGLang's transfer worker thread dies on an exception.
+
+The publisher samples the meter every 0.25 s and adds the kernel's view of the process's
+Mooncake connections (``ss``; :mod:`prfaas_sglang.transport.tcpstate`), so the capacity moves
+within one interval of a change even while one chunk's batch is still on the wire. Without
+the two variables nothing starts and ``_transfer_data`` is called unchanged (one attribute
+lookup), so installing the plugin never changes a stock server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import threading
+import time
+
+from prfaas_sglang.envs import envs
+from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
+from prfaas_sglang.transport.tcpstate import TcpCongestion, kv_connections, parse_ss
+from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
+
+logger = logging.getLogger(__name__)
+INTERVAL_S = 0.25
+_ATTR = "_prfaas_link"  # the manager's LinkTelemetry, set by start_link_telemetry
+
+
+class LinkTelemetry:
+    """One prefill manager's meter and publisher thread. Thread-safe: transfer threads record,
+    the publisher samples."""
+
+    def __init__(self, port: int, worker: str):
+        self.meter = LinkMeter(window_s=1.0)
+        self.worker = worker
+        self.port = port
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self.samples_sent = 0
+        self.delivered_bytes_total = 0
+        self.transfers_total = 0
+        self.failed_total = 0
+        self._thread = threading.Thread(target=self._run, name="prfaas-link-telemetry", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def begin(self, nbytes: int) -> int:
+        transfer_id = next(self._ids)
+        with self._lock:
+            self.meter.start(transfer_id, time.monotonic(), nbytes)
+        return transfer_id
+
+    def finish(self, transfer_id: int, nbytes: int, ok: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if ok:
+                self.meter.progress(transfer_id, now, nbytes)
+                self.delivered_bytes_total += nbytes
+            else:
+                self.failed_total += 1
+            self.transfers_total += 1
+            self.meter.end(transfer_id, now)
+
+    def _run(self) -> None:
+        import zmq
+
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 1000)
+        pub.setsockopt(zmq.LINGER, 0)
+        try:
+            pub.bind(f"tcp://*:{self.port}")
+        except zmq.ZMQError as err:
+            logger.error("prfaas_sglang: link telemetry cannot bind port %s: %s", self.port, err)
+            return
+        tcp = TcpCongestion()
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                interval = tcp.update(_own_kv_connections(), time.monotonic())
+                with self._lock:
+                    sample = self.meter.sample(self.worker, time.monotonic(), time.time())
+                pub.send_multipart([TELEMETRY_TOPIC, with_tcp_view(sample, interval).encode()], flags=zmq.NOBLOCK)
+                self.samples_sent += 1
+            except Exception:  # noqa: BLE001 - telemetry must never take the worker down
+                logger.exception("prfaas_sglang: link telemetry sample failed")
+        pub.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _own_kv_connections():
+    """This process's Mooncake connections with TCP_INFO (synchronous ``ss``; [] if it fails)."""
+    from prfaas_sglang.adapters.tcpinfo import SS_ARGS, own_socket_inodes
+
+    try:
+        out = subprocess.run(["ss", *SS_ARGS], capture_output=True, text=True, timeout=2)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return kv_connections(parse_ss(out.stdout), own_socket_inodes()) if out.returncode == 0 else []
+
+
+def start_link_telemetry(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
+    """AFTER hook on ``MooncakeKVManager.__init__``: a PrfaaS prefill manager publishes telemetry."""
+    port = envs.TELEMETRY_PORT.get()
+    if envs.ROLE.get() != "prfaas" or port is None or getattr(disaggregation_mode, "value", None) != "prefill":
+        return None
+    host = getattr(server_args, "host", None) or socket.gethostname()
+    telemetry = LinkTelemetry(int(port), f"{host}:{getattr(server_args, 'port', '')}@pid{os.getpid()}")
+    setattr(manager, _ATTR, telemetry)
+    telemetry.start()
+    logger.info("prfaas_sglang: link telemetry on tcp://*:%s", port)
+    return None
+
+
+def meter_transfer(original, manager, mooncake_session_id, transfer_blocks):
+    """AROUND hook on ``MooncakeKVManager._transfer_data``: one chunk's batch is one metered transfer."""
+    telemetry = getattr(manager, _ATTR, None)
+    if telemetry is None or not transfer_blocks:
+        return original(manager, mooncake_session_id, transfer_blocks)
+    try:
+        nbytes = sum(int(length) for _, _, length in transfer_blocks)
+        transfer_id = telemetry.begin(nbytes)
+    except Exception:  # noqa: BLE001 - never fail a transfer for its telemetry
+        return original(manager, mooncake_session_id, transfer_blocks)
+    ret = original(manager, mooncake_session_id, transfer_blocks)
+    try:
+        telemetry.finish(transfer_id, nbytes, ret == 0)
+    except Exception:  # noqa: BLE001
+        logger.exception("prfaas_sglang: link telemetry record failed")
+    return ret

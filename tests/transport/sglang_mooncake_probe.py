@@ -1,0 +1,145 @@
+"""SGLang 0.5.15's own Mooncake KV classes on CPU, with our plugin's hooks installed (run as a subprocess).
+
+Real objects: ``MooncakeKVBootstrapServer``, a prefill and a decode ``MooncakeKVManager`` (host numpy
+buffers registered in Mooncake's transfer engine, TCP), ``MooncakeKVSender`` / ``MooncakeKVReceiver``.
+What is stubbed is what a model runner would set up: the parallel groups (world size 1) and the
+process's Mooncake engine (``init_mooncake_transfer_engine``). Prints one JSON line and hard-exits
+(SGLang's listener threads are not daemons and there is no shutdown API).
+
+Environment: PRFAAS_ROLE / PRFAAS_TELEMETRY_PORT as the launcher sets them; BOOT_PORT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import types
+
+os.environ.setdefault("MC_FORCE_TCP", "1")
+os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+os.environ.setdefault("SGLANG_DISAGGREGATION_QUEUE_SIZE", "1")
+os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from prfaas_sglang.plugin import register  # noqa: E402
+
+register()  # what SGLang's plugin loader does in every server process; raises if a hook fails
+
+import sglang.srt.distributed.parallel_state as ps  # noqa: E402
+import sglang.srt.layers.dp_attention as dpa  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.mooncake.conn import (  # noqa: E402
+    MooncakeKVBootstrapServer,
+    MooncakeKVManager,
+    MooncakeKVReceiver,
+    MooncakeKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
+from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # noqa: E402
+    init_mooncake_transfer_engine,
+)
+
+from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample  # noqa: E402
+
+group = types.SimpleNamespace(world_size=1, rank_in_group=0)
+ps._ATTN_TP = ps._ATTN_CP = ps._PP = group
+dpa._ATTN_DP_RANK, dpa._ATTN_DP_SIZE = 0, 1
+init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+
+BOOT_PORT = int(os.environ["BOOT_PORT"])
+SERVER_ARGS = types.SimpleNamespace(
+    host="127.0.0.1", port=30000, disaggregation_bootstrap_port=BOOT_PORT, dist_init_addr=None, nnodes=1,
+    enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
+    enable_trace=False, chunked_prefill_size=8192)
+NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
+
+
+def kv_args(fill: bool):
+    bufs = [np.zeros((NUM_PAGES, PAGE_BYTES), dtype=np.uint8) for _ in range(2 * NUM_LAYERS)]  # K0..Kn, V0..Vn
+    if fill:
+        for i, b in enumerate(bufs):
+            b[:] = ((np.arange(NUM_PAGES)[:, None] * 7 + i * 31) % 251).astype(np.uint8)
+    aux = np.full((N_AUX, AUX_BYTES), 0xAB if fill else 0, dtype=np.uint8)
+    a = KVArgs()
+    a.engine_rank = 0
+    a.kv_data_ptrs, a.kv_data_lens = [b.ctypes.data for b in bufs], [b.nbytes for b in bufs]
+    a.kv_item_lens = [PAGE_BYTES] * len(bufs)
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [aux.nbytes], [AUX_BYTES]
+    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens, a.state_dim_per_tensor = [], [], [], [], []
+    a.ib_device, a.ib_traffic_class, a.gpu_id = None, None, 0
+    a.kv_head_num = a.total_kv_head_num = 1
+    a.page_size = 1
+    a.system_dp_rank, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = 0, 0, 0, None
+    a.mla_compression_ratios = None
+    return a, bufs, aux
+
+
+def wait(obj, want, timeout_s=30.0):
+    end = time.time() + timeout_s
+    while time.time() < end:
+        if obj.poll() in want:
+            return obj.poll()
+        time.sleep(0.005)
+    return obj.poll()
+
+
+def main() -> dict:
+    sub = None
+    if os.environ.get("PRFAAS_TELEMETRY_PORT"):
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
+        sub.connect(f"tcp://127.0.0.1:{os.environ['PRFAAS_TELEMETRY_PORT']}")
+    MooncakeKVBootstrapServer("127.0.0.1", BOOT_PORT)
+    time.sleep(0.3)
+    p_args, p_bufs, p_aux = kv_args(True)
+    d_args, d_bufs, d_aux = kv_args(False)
+    prefill = MooncakeKVManager(p_args, DisaggregationMode.PREFILL, SERVER_ARGS, False)
+    decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
+    addr = f"127.0.0.1:{BOOT_PORT}"
+    rng = np.random.default_rng(3)
+    results = []
+    for room in range(1, 4):
+        src = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
+        dst = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
+        sender = MooncakeKVSender(prefill, addr, room, [0], 0)
+        receiver = MooncakeKVReceiver(decode, addr, room)
+        while not decode.try_ensure_parallel_info(addr):
+            time.sleep(0.05)
+        receiver.init(0)
+        receiver.send_metadata(dst, aux_index=room % N_AUX)
+        wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed))
+        sender.init(len(src), aux_index=1)
+        for start in range(0, len(src), 64):  # three chunks, as chunked prefill sends them
+            sender.send(src[start:start + 64])
+        states = (wait(sender, (KVPoll.Success, KVPoll.Failed)), wait(receiver, (KVPoll.Success, KVPoll.Failed)))
+        intact = all((d[dst] == p[src]).all() for p, d in zip(p_bufs, d_bufs, strict=True))
+        results.append({"room": room, "sender": int(states[0]), "receiver": int(states[1]), "kv_intact": bool(intact),
+                        "aux_intact": bool((d_aux[room % N_AUX] == p_aux[1]).all())})
+        sender.clear()
+        receiver.clear()
+    samples = []
+    if sub is not None:
+        deadline = time.time() + 3.0
+        while time.time() < deadline:
+            if sub.poll(100):
+                samples.append(json.loads(LinkSample.decode(sub.recv_multipart()[1]).encode()))
+    telemetry = getattr(prefill, "_prfaas_link", None)
+    return {"requests": results, "success": int(KVPoll.Success), "samples": samples,
+            "metered_bytes": telemetry.delivered_bytes_total if telemetry else None,
+            "metered_transfers": telemetry.transfers_total if telemetry else None,
+            "kv_bytes_per_request": 192 * PAGE_BYTES * 2 * NUM_LAYERS, "aux_bytes_per_request": AUX_BYTES,
+            "decode_has_telemetry": hasattr(decode, "_prfaas_link")}
+
+
+if __name__ == "__main__":
+    try:
+        print(json.dumps(main()), flush=True)
+    except BaseException as err:  # noqa: BLE001 - report, then hard-exit below
+        print(json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
+    sys.stdout.flush()
+    os._exit(0)

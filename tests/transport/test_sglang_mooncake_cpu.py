@@ -1,0 +1,55 @@
+"""SGLang's own Mooncake sender and receiver on CPU with our hooks installed (real objects, real TCP).
+
+``sglang_mooncake_probe.py`` runs in a subprocess (one Mooncake engine per process; SGLang's
+listener threads never exit): the plugin's ``register()``, a bootstrap server, prefill and decode
+``MooncakeKVManager`` over host buffers, three requests of three chunks each. As the launcher
+starts a PrfaaS worker (PRFAAS_ROLE=prfaas, PRFAAS_TELEMETRY_PORT), the prefill manager meters every
+chunk's batch and publishes wire-v3 telemetry; the KV still arrives intact. Without the variables the
+hooks change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prfaas_sglang.demo.cluster import PortPicker
+
+PROBE = Path(__file__).with_name("sglang_mooncake_probe.py")
+
+
+def run_probe(as_prfaas_worker: bool) -> dict:
+    pick = PortPicker()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_"))}
+    env["BOOT_PORT"] = str(pick())
+    if as_prfaas_worker:  # as the launcher starts a PrfaaS node with a telemetry port
+        env.update(PRFAAS_ROLE="prfaas", PRFAAS_TELEMETRY_PORT=str(pick()))
+    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=240, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stdout[-1500:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1])
+    assert "error" not in out, out["error"] + "\n" + proc.stderr[-3000:]
+    return out
+
+
+def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
+    out = run_probe(as_prfaas_worker=True)
+    assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] and r["aux_intact"]
+               for r in out["requests"]), out["requests"]
+    per_request = out["kv_bytes_per_request"] + out["aux_bytes_per_request"]
+    assert out["metered_bytes"] == 3 * per_request  # every byte SGLang sent, KV and aux
+    assert out["metered_transfers"] == 3 * (3 + 1)  # per request: one batch per chunk, then the aux
+    assert not out["decode_has_telemetry"]  # only the prefill side of the WAN leg publishes
+    samples = out["samples"]
+    assert samples and all(s["v"] == 3 for s in samples)
+    assert max(s["egress_bps"] for s in samples) > 0
+    assert any(s["tcp"] is not None for s in samples)  # the kernel's view of the Mooncake connections
+
+
+def test_without_the_role_the_hooks_change_nothing():
+    out = run_probe(as_prfaas_worker=False)
+    assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] for r in out["requests"])
+    assert out["metered_bytes"] is None and out["samples"] == []
