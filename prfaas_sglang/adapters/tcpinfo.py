@@ -12,6 +12,7 @@ import asyncio
 import os
 import re
 import shutil
+import subprocess
 
 from prfaas_sglang.transport.tcpstate import TcpConn, kv_connections, parse_ss
 
@@ -36,15 +37,18 @@ def available() -> bool:
     return shutil.which("ss") is not None and os.path.isdir("/proc/self/fd")
 
 
-async def own_kv_connections(peer_ips: set[str] | None = None) -> list[TcpConn]:
+def read_own_kv_connections(peer_ips: set[str] | None = None) -> list[TcpConn]:
     """This process's established connections to Mooncake ports, with their TCP_INFO; [] when
-    ``ss`` is missing or fails (telemetry then carries no ``tcp`` view)."""
+    ``ss`` is missing or fails (telemetry then carries no ``tcp`` view). Blocks for one ``ss`` call."""
     try:
-        proc = await asyncio.create_subprocess_exec("ss", *SS_ARGS, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.DEVNULL)
-        out, _ = await proc.communicate()
-    except OSError:
+        out = subprocess.run(["ss", *SS_ARGS], capture_output=True, text=True, timeout=2)
+    except (OSError, subprocess.TimeoutExpired):
         return []
-    if proc.returncode != 0:
+    if out.returncode != 0:
         return []
-    return kv_connections(parse_ss(out.decode(errors="replace")), own_socket_inodes(), peer_ips)
+    return kv_connections(parse_ss(out.stdout), own_socket_inodes(), peer_ips)
+
+
+async def own_kv_connections(peer_ips: set[str] | None = None) -> list[TcpConn]:
+    """:func:`read_own_kv_connections` off the event loop."""
+    return await asyncio.to_thread(read_own_kv_connections, peer_ips)

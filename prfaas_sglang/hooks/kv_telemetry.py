@@ -23,13 +23,13 @@ import itertools
 import logging
 import os
 import socket
-import subprocess
 import threading
 import time
 
+from prfaas_sglang.adapters.tcpinfo import read_own_kv_connections
 from prfaas_sglang.envs import envs
 from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
-from prfaas_sglang.transport.tcpstate import TcpCongestion, kv_connections, parse_ss
+from prfaas_sglang.transport.tcpstate import TcpCongestion
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class LinkTelemetry:
         tcp = TcpCongestion()
         while not self._stop.wait(INTERVAL_S):
             try:
-                interval = tcp.update(_own_kv_connections(), time.monotonic())
+                interval = tcp.update(read_own_kv_connections(), time.monotonic())
                 with self._lock:
                     sample = self.meter.sample(self.worker, time.monotonic(), time.time())
                 pub.send_multipart([TELEMETRY_TOPIC, with_tcp_view(sample, interval).encode()], flags=zmq.NOBLOCK)
@@ -99,17 +99,6 @@ class LinkTelemetry:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def _own_kv_connections():
-    """This process's Mooncake connections with TCP_INFO (synchronous ``ss``; [] if it fails)."""
-    from prfaas_sglang.adapters.tcpinfo import SS_ARGS, own_socket_inodes
-
-    try:
-        out = subprocess.run(["ss", *SS_ARGS], capture_output=True, text=True, timeout=2)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return kv_connections(parse_ss(out.stdout), own_socket_inodes()) if out.returncode == 0 else []
 
 
 def start_link_telemetry(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
