@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from prfaas_sglang.tokenizer import PromptTokenizer
 
 MAX_TOKEN_ID = 2**31 - 1
+# Where a body's token ids sit, per endpoint kind (chat has none): what parse_request reads.
+ID_KEYS = {"generate": "input_ids", "completions": "prompt"}
 Detokenize = Callable[[Sequence[int]], str]
 
 

@@ -11,7 +11,7 @@ in a fresh sender process, alternating, in the same run over the same link:
   entry per page per layer, K and V apart (``--default-request-kib``, 128 KiB: a 64-token page
   of one layer's K of a model with 8 KV heads of dim 128 in bf16);
 * ``ours``: the WAN profile the launcher gives cross-cluster legs
-  (:data:`~prfaas_sglang.transport.wan_defaults.MOONCAKE_TCP_WAN_DEFAULTS`), KV coalesced
+  (:func:`~prfaas_sglang.transport.wan_defaults.sender_profile` for this link), KV coalesced
   into ``--request-mib`` requests, each submitted as soon as it exists (up to 8 outstanding,
   completions polled with a sleep): no barrier at chunk ends, no thread spinning in a sync call;
 * ``ours_per_chunk``: the same profile and requests, sent SGLang's way (one sync batch per
@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 
 from prfaas_sglang.transport.linkem import EmulatedLink
-from prfaas_sglang.transport.wan_defaults import MOONCAKE_TCP_WAN_DEFAULTS
+from prfaas_sglang.transport.wan_defaults import WanLink, sender_profile
 
 PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
 CHUNK_BYTES = 64 << 20  # KV of one chunked-prefill chunk (e.g. 8K tokens x 8 KiB per token)
@@ -54,8 +54,9 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
 
 
-def ours_env(lanes: int | None = None) -> dict[str, str]:
-    env = {**_clean_env(), "MC_FORCE_TCP": "1", **{d.name: d.value for d in MOONCAKE_TCP_WAN_DEFAULTS}}
+def ours_env(link: WanLink, lanes: int | None = None) -> dict[str, str]:
+    """What the launcher gives a PrfaaS worker whose topology states ``link`` (``lanes`` overrides)."""
+    env = {**_clean_env(), "MC_FORCE_TCP": "1", **{d.name: d.value for d in sender_profile(link)}}
     if lanes is not None:
         env["MC_TCP_LANES_PER_PEER"] = str(lanes)
     return env
@@ -116,7 +117,8 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
             recv = json.loads(recv_proc.stdout.readline())
             tcp_recv = json.loads(tcp_proc.stdout.readline())
             runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": []}
-            senders = {"ours": _Sender(link, recv, buffer_mib, ours_env()), "default": _Sender(link, recv, buffer_mib, default_env()),
+            wan = WanLink(rate_mbit * 1e6, cond.rtt_ms / 1e3)
+            senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan)), "default": _Sender(link, recv, buffer_mib, default_env()),
                        "tcp": _Sender(link, tcp_recv, buffer_mib, default_env())}
             senders["ours_per_chunk"] = senders["ours"]
             ours_request = int(request_mib * (1 << 20))
@@ -138,7 +140,7 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    "tcp_reference_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp"]),
                    "runs": runs}
             if table:
-                out["table"] = _size_lanes_table(link, recv, buffer_mib, rate_mbit)
+                out["table"] = _size_lanes_table(link, recv, buffer_mib, rate_mbit, wan)
             out["link"] = link.stats()
             return out
         finally:
@@ -152,11 +154,11 @@ TABLE_SIZES_KIB = (64, 256, 1024, 4096, 16384)
 TABLE_LANES = (4, 16)
 
 
-def _size_lanes_table(link: EmulatedLink, recv: dict, buffer_mib: int, rate_mbit: float) -> dict:
+def _size_lanes_table(link: EmulatedLink, recv: dict, buffer_mib: int, rate_mbit: float, wan: WanLink) -> dict:
     payload = 64 << 20
     table = {}
     for lanes in TABLE_LANES:
-        sender = _Sender(link, recv, buffer_mib, ours_env(lanes))
+        sender = _Sender(link, recv, buffer_mib, ours_env(wan, lanes))
         try:
             table[str(lanes)] = {str(kib): round(_fraction(sender.run(payload, kib << 10), payload, rate_mbit), 3)
                                  for kib in TABLE_SIZES_KIB}

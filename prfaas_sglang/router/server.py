@@ -36,7 +36,7 @@ from aiohttp import web
 
 from prfaas_sglang.adapters.zmq import ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
-from prfaas_sglang.protocol import BadRequest, EngineRequest, parse_request
+from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request
 from prfaas_sglang.router.admin import add_admin_routes
 from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
 from prfaas_sglang.router.service import Lease, RouterService
@@ -94,10 +94,6 @@ def _text_chars(body) -> int:
         elif isinstance(content, list):
             n += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return n
-
-
-# Where a body's token ids sit, per endpoint kind (chat has none).
-ID_KEYS = {"generate": "input_ids", "completions": "prompt"}
 
 
 @dataclass(frozen=True)

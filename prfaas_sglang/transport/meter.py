@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from prfaas_sglang.transport.tcpstate import TcpInterval
-from prfaas_sglang.wire.telemetry import LinkSample, TcpView
+from prfaas_sglang.wire.telemetry import LinkSample
 
 
 @dataclass
@@ -123,7 +123,5 @@ def with_tcp_view(sample: LinkSample, interval: TcpInterval | None) -> LinkSampl
     transfer-level meter waits for slices to finish)."""
     if interval is None:
         return sample
-    view = TcpView(interval.connections, interval.goodput_bps, interval.retrans_fraction, interval.rtt_ms,
-                   interval.min_rtt_ms, interval.delivery_rate_bps, interval.backlogged)
     capacity = interval.goodput_bps if interval.backlogged and interval.goodput_bps > 0 else sample.capacity_bps
-    return replace(sample, tcp=view, congested=interval.congested, capacity_bps=capacity)
+    return replace(sample, tcp=interval.view(), congested=interval.congested, capacity_bps=capacity)

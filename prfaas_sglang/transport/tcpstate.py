@@ -26,7 +26,9 @@ of a transfer. Times are arguments; nothing here reads a clock or a socket.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from prfaas_sglang.wire.telemetry import TcpView
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,10 @@ class TcpInterval:
     delivery_rate_bps: float | None  # the kernel's estimate, summed over connections with data in flight
     backlogged: bool
     congested: bool
+
+    def view(self) -> TcpView:
+        """This interval as telemetry v3 carries it (every field of ``TcpView``, taken from here)."""
+        return TcpView(**{f.name: getattr(self, f.name) for f in fields(TcpView)})
 
 
 @dataclass

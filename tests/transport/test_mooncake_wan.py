@@ -10,15 +10,15 @@ went dark and came back) succeeds. Needs root, /dev/net/tun and a C compiler.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
+from prfaas_sglang.bench.transport import default_env, ours_env
 from prfaas_sglang.transport.linkem import EmulatedLink
-from prfaas_sglang.transport.wan_defaults import WanLink, sender_profile, stall_timeout_s
+from prfaas_sglang.transport.wan_defaults import WanLink, stall_timeout_s
 
 PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
 RATE_MBIT, RTT_MS = 200.0, 20.0
@@ -26,11 +26,7 @@ LINK = WanLink(RATE_MBIT * 1e6, RTT_MS / 1e3)
 
 
 def _env(profile: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
-    env["MC_FORCE_TCP"] = "1"
-    if profile:
-        env.update({d.name: d.value for d in sender_profile(LINK)})
-    return env
+    return ours_env(LINK) if profile else default_env()
 
 
 class Peers:
