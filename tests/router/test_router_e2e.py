@@ -72,8 +72,9 @@ def test_short_stays_local_long_goes_to_prfaas(deployment):
     assert len(long.json()["output_ids"]) == 3
     from prfaas_sglang.bench.router import server_timing
 
-    own = server_timing(long.headers["Server-Timing"])  # the router's own time before the legs
-    assert set(own) == {"parse", "route"} and all(ms >= 0 for ms in own.values())
+    own = server_timing(long.headers["Server-Timing"])  # the router's own time, then both legs
+    assert set(own) == {"parse", "route", "legs"} and all(ms >= 0 for ms in own.values())
+    assert own["legs"] > 0
 
 
 def test_long_prompt_cached_in_pd_stays_local(deployment):
