@@ -291,3 +291,50 @@ def usage_chunk(req: EngineRequest, tokens: list[int], cached_tokens: int, model
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error(req: EngineRequest, status: int, message: str) -> str:
+    """A failure as SGLang 0.5.15 streams it after its 200 (then ``SSE_DONE``): ``/generate``
+    reports a server-side abort (5xx) in ``meta_info.finish_reason`` and a bad request as an
+    ``error`` object; the OpenAI routes send ``{"error": ErrorResponse}`` for both."""
+    if req.kind == "generate" and status >= 500:
+        body = {"text": "", "output_ids": [], "meta_info": {
+            "id": req.rid, "finish_reason": {"type": "abort", "message": message, "status_code": status}}}
+    elif req.kind == "generate":
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": status, "retryable": False}}
+    else:
+        body = {"error": {"object": "error", "message": message, "type": "BadRequestError" if status < 500 else
+                          "InternalServerError", "param": None, "code": status}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def stream_failure(event: bytes) -> int | None:
+    """The HTTP status an SSE event reports a failure with, or None for an ordinary event.
+
+    SGLang 0.5.15 answers a streamed request with 200 at once and reports a later failure as an
+    event: an aborted request (a failed KV transfer is one) as ``meta_info.finish_reason`` =
+    ``{"type": "abort", "status_code": 500, ...}``, an exception as ``{"error": {"code": 400, ...}}``
+    (the OpenAI routes: ``{"object": "error", "code": ...}``). ``event`` is the stream's bytes from
+    an event's start; only that first event (``data: ...`` up to its blank line) is read, and
+    anything unparsable is an ordinary event.
+    """
+    ends = [i for i in (event.find(b"\n\n"), event.find(b"\r\n\r\n")) if i >= 0]
+    data = (event[:min(ends)] if ends else event).strip()
+    if not data.startswith(b"data:"):
+        return None
+    try:
+        obj = json.loads(data[5:])
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    error = obj.get("error")
+    if isinstance(error, dict) or obj.get("object") == "error":
+        code = (error if isinstance(error, dict) else obj).get("code")
+        return code if isinstance(code, int) and 400 <= code < 600 else 500
+    meta = obj.get("meta_info")
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        code = reason.get("status_code")  # none: a graceful abort (the client's), an ordinary end
+        return code if isinstance(code, int) and 400 <= code < 600 else None
+    return None

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from prfaas_sglang.adapters.zmq import ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
-from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request
+from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
 from prfaas_sglang.router.admin import add_admin_routes
 from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
 from prfaas_sglang.router.service import Lease, RouterService
@@ -256,6 +256,58 @@ async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, t
     return status, payload
 
 
+PREFILL_VERDICT_S = 5.0  # after a decode failure, how long the prefill leg's own verdict is awaited
+
+
+async def _raise_if_prefill_failed(prefill_task: asyncio.Task, timeout_s: float) -> None:
+    """After the decode leg failed before anything reached the client: raise the prefill leg's
+    PrefillFailed if it failed too (unreachable, 5xx: a prefill fault or a failed KV transfer,
+    which SGLang reports on both legs), so the caller routes the request again. A prefill that
+    answered, or gives no verdict within :data:`PREFILL_VERDICT_S`, leaves the decode's failure
+    to relay. Does not cancel ``prefill_task``."""
+    try:
+        await asyncio.wait_for(asyncio.shield(prefill_task), min(PREFILL_VERDICT_S, timeout_s))
+    except asyncio.TimeoutError:
+        pass
+
+
+async def _first_event(resp: aiohttp.ClientResponse, prefill_task: asyncio.Task) -> bytes:
+    """The decode stream's first SSE event (up to its blank line), read before the client is
+    answered: SGLang sends 200 at once and reports a failure as an event. While it waits, a
+    failed prefill leg raises its PrefillFailed (nothing has reached the client yet)."""
+    first_task = asyncio.create_task(_read_first_event(resp.content))
+    try:
+        done, _ = await asyncio.wait({first_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+        if first_task not in done and prefill_task.exception() is not None:
+            raise prefill_task.exception()
+        return await first_task
+    finally:
+        if not first_task.done():
+            first_task.cancel()
+
+
+FIRST_EVENT_MAX_BYTES = 1 << 20  # past this the first event is relayed unread (failure events are small)
+
+
+async def _read_first_event(content: aiohttp.StreamReader) -> bytes:
+    """Bytes from the stream up to at least the end of its first event (``\n\n`` or ``\r\n\r\n``),
+    the end of the stream, or :data:`FIRST_EVENT_MAX_BYTES`; possibly more (whole reads)."""
+    buf = b""
+    while b"\n\n" not in buf and b"\r\n\r\n" not in buf and len(buf) < FIRST_EVENT_MAX_BYTES:
+        data = await content.readany()
+        if not data:
+            break
+        buf += data
+    return buf
+
+
+async def _chain(first: bytes, rest):
+    if first:
+        yield first
+    async for data in rest:
+        yield data
+
+
 async def _run_legs(request: web.Request, service: RouterService, req: EngineRequest, body: ClientBody,
                     lease: Lease, timing: str) -> web.StreamResponse:
     decision = lease.decision
@@ -291,6 +343,13 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
                 service.counters.rejected["worker_4xx"] += 1
                 return web.Response(body=payload, status=status, headers=headers, content_type="application/json")
         resp = await decode_task
+        if resp.status >= 500:  # before anything reached the client: a failed transfer is re-dispatched
+            await _raise_if_prefill_failed(prefill_task, service.config.phase_timeout_s)
+        first = b""
+        if req.stream and resp.status == 200:
+            first = await _first_event(resp, prefill_task)
+            if (stream_failure(first) or 0) >= 500:
+                await _raise_if_prefill_failed(prefill_task, service.config.phase_timeout_s)
         if not req.stream or resp.status != 200:
             payload = await resp.read()
             if resp.status == 200:
@@ -306,7 +365,7 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
         stream = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
         last = None
-        async for data in resp.content.iter_any():
+        async for data in _chain(first, resp.content.iter_any()):
             now = time.perf_counter()
             if last is None:
                 service.counters.ttft.observe(now - started)

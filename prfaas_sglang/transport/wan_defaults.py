@@ -3,7 +3,8 @@
 The PrfaaS -> PD path is the only cross-cluster KV leg. Mooncake's settings are per
 process, so the launcher gives them by role (:func:`mooncake_env`):
 
-* ``prfaas`` (the sender on the WAN leg): the whole profile below;
+* ``prfaas`` (the sender on the WAN leg): the whole profile below, with SGLang's probe of
+  blacklisted decode sessions on, so a peer that was unreachable for a while takes KV again;
 * ``pd-decode`` (receives from the PrfaaS cluster and from PD-P): only the stall bound,
   which both ends of a connection enforce;
 * ``pd-prefill`` (in-cluster PD-P -> PD-D): nothing; SGLang's defaults, or RDMA where the
@@ -31,6 +32,7 @@ SLICE_BYTES = 1 << 20
 STALL_FLOOR_S = 5  # a live connection makes progress well within this on any link the profile is for
 MAX_BATCH_BYTES = 1 << 30  # the largest synchronous batch SGLang sends (one chunk's KV), for the total timeout
 TRANSFER_TIMEOUT_FLOOR_S = 30  # Mooncake's own default
+SESSION_PROBE_INTERVAL_S = 2  # a peer back on the link takes new KV within about this (SGLang's probe: 30 s)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ def sender_profile(link: WanLink) -> tuple[EnvDefault, ...]:
                    "default 1024 rejects bursts at once ('lane queue-full')"),
         EnvDefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "8192",
                    "default 1024; same failure mode as the queue limit"),
+        EnvDefault("SGLANG_ENABLE_FAILED_SESSION_PROBE", "1",
+                   "SGLang blacklists a decode peer's session after one failed transfer and, with this off "
+                   "(its default), only a re-registration (a restarted decode) clears it: one stall on the "
+                   "WAN would fail every later request to that peer"),
+        EnvDefault("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S", str(SESSION_PROBE_INTERVAL_S),
+                   "a blacklisted session is probed this often (SGLang: 30 s) and taken back once it answers"),
     )
 
 
@@ -93,7 +101,8 @@ def receiver_profile(link: WanLink) -> tuple[EnvDefault, ...]:
 
 
 def mooncake_env(role: Role, link: WanLink | None = None) -> tuple[EnvDefault, ...]:
-    """The ``MC_*`` settings a TCP KV process of ``role`` gets (``MC_FORCE_TCP`` aside)."""
+    """The ``MC_*`` (and SGLang's Mooncake-session) settings a TCP KV process of ``role`` gets
+    (``MC_FORCE_TCP`` aside)."""
     link = link or WanLink()
     if role is Role.PRFAAS:
         return sender_profile(link)

@@ -163,3 +163,43 @@ def test_outputs_depend_on_the_prompt_only():
     a, b = prompt_seed([1, 2, 3]), prompt_seed([1, 2, 3])
     assert a == b != prompt_seed([1, 2, 4])
     assert [output_token(a, i, 32_000) for i in range(5)] == [output_token(b, i, 32_000) for i in range(5)]
+
+
+class TestStreamFailure:
+    """What the router reads from a decode stream's first event before it answers the client."""
+
+    def _req(self, kind: str):
+        import dataclasses
+
+        from prfaas_sglang.protocol import parse_request
+
+        if kind == "generate":
+            return parse_request(kind, {"input_ids": [1, 2, 3], "stream": True}, "r1")
+        completions = parse_request("completions", {"prompt": [1, 2, 3], "stream": True}, "r1")
+        return dataclasses.replace(completions, kind=kind)  # chat would need a tokenizer; the event shape does not
+
+    def test_failures_as_sglang_streams_them(self):
+        from prfaas_sglang.protocol import SSE_DONE, stream_error, stream_failure
+
+        for kind in ("generate", "completions", "chat"):
+            for status in (400, 500, 502):
+                event = stream_error(self._req(kind), status, "KV transfer failed")
+                assert stream_failure((event + SSE_DONE).encode()) == status, (kind, status)
+        # SGLang 0.5.15's own bytes: /generate abort, OpenAI error chunk (serving_chat), http_server's ValueError.
+        abort = b'data: {"text":"","output_ids":[],"meta_info":{"id":"x","finish_reason":{"type":"abort","message":"m","status_code":500}}}\n\n'
+        chat = b'data: {"error": {"object": "error", "message": "m", "type": "INTERNAL_SERVER_ERROR", "param": null, "code": 500}}\r\n\r\n'
+        value_error = b'data: {"error":{"message":"m","type":"invalid_request_error","code":400,"retryable":false}}\n\n'
+        assert [stream_failure(e) for e in (abort, chat, value_error)] == [500, 500, 400]
+
+    def test_ordinary_events_are_not_failures(self):
+        from prfaas_sglang.protocol import stream_chunk, stream_failure
+
+        for kind in ("generate", "completions", "chat"):
+            first = stream_chunk(self._req(kind), [5], "a", False, 0, "m", {}, "a").encode()
+            assert stream_failure(first) is None
+        graceful = b'data: {"text":"","meta_info":{"finish_reason":{"type":"abort","message":"client"}}}\n\n'
+        assert stream_failure(graceful) is None  # no status: the client's own abort, an ordinary end
+        # Only the first event is read; junk, comments and non-objects are ordinary.
+        later = b'data: {"text":"a"}\n\ndata: {"error":{"code":500}}\n\n'
+        for event in (later, b": keep-alive\n\n", b"data: [DONE]\n\n", b"data: [1,2]\n\n", b"data: {not json\n\n", b""):
+            assert stream_failure(event) is None, event

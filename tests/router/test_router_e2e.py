@@ -245,6 +245,46 @@ def test_early_rejection_with_retry_after(deployment):
     assert requests.get(url + "/status", timeout=5).json()["rejected"] == {"ttft_estimate": len(refused)}
 
 
+def test_a_failed_kv_transfer_is_prefilled_again_locally(deployment):
+    """A PrfaaS -> decode KV transfer that fails (injected on the worker; both legs then answer 502, as
+    SGLang's answer 500) is routed again before anything reaches the client: the client sees one 200,
+    streamed or not, from PD-P, nothing is counted failed, and the decode worker keeps no room."""
+    url, prfaas, decode = deployment["url"], deployment["prfaas"], deployment["decode"]
+    before = requests.get(url + "/status", timeout=5).json()
+    try:
+        for k, stream in enumerate((False, True)):
+            deadline = time.monotonic() + 10  # the previous failure marked the worker down until its next health check
+            while not requests.get(url + "/status", timeout=5).json()["workers"][P0]["healthy"]:
+                assert time.monotonic() < deadline, "the PrfaaS worker never came back healthy"
+                time.sleep(0.1)
+            armed = requests.post(prfaas.url + "/prfaas/faults", json={"fail_kv_transfers": 1}, timeout=5)
+            assert armed.json() == {"fail_kv_transfers": 1}
+            resp = generate(url, list(range(1_500_000 + 30_000 * k, 1_500_000 + 30_000 * k + 20_000)), stream=stream)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-prfaas-route"] == LOCAL  # the second attempt's route
+            if stream:
+                events = [line for line in resp.iter_lines() if line.startswith(b"data:")]
+                assert events[-1] == b"data: [DONE]" and len(events) >= 4  # 3 tokens, then [DONE]
+            else:
+                assert len(resp.json()["output_ids"]) == 3
+    finally:
+        requests.post(prfaas.url + "/prfaas/faults", json={"fail_kv_transfers": 0}, timeout=5)
+    status = requests.get(url + "/status", timeout=5).json()
+    assert status["redispatched"] == before["redispatched"] + 2
+    assert status["failed"] == before["failed"]
+    deadline = time.monotonic() + 5
+    while 'prfaas:open_rooms{model_name="m"} 0' not in requests.get(decode.url + "/metrics", timeout=5).text:
+        assert time.monotonic() < deadline, "a failed transfer's decode leg still holds its room"
+        time.sleep(0.1)
+
+
+def test_mock_fault_injection_refuses_bad_input(deployment):
+    url = deployment["prfaas"].url + "/prfaas/faults"
+    for bad in ({"fail_kv_transfers": -1}, {"fail_kv_transfers": "2"}, {"fail_kv_transfers": True}, [1], {}):
+        resp = requests.post(url, json=bad, timeout=5)
+        assert resp.status_code == 400 and "fail_kv_transfers" in resp.json()["error"]["message"]
+
+
 def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
     """Run last: kills the PrfaaS worker. Long prompts then prefill on PD-P; no request is lost."""
     url, group = deployment["url"], deployment["group"]

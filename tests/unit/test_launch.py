@@ -74,7 +74,8 @@ class TestWanProfile:
 
     def test_by_role(self):
         names = lambda role: {d.name for d in mooncake_env(role, WanLink(1e9, 0.02))}  # noqa: E731
-        assert {"MC_TCP_LANES_PER_PEER", "MC_TCP_SLICE_SIZE", "MC_TCP_PROGRESS_TIMEOUT_SEC"} <= names(Role.PRFAAS)
+        assert {"MC_TCP_LANES_PER_PEER", "MC_TCP_SLICE_SIZE", "MC_TCP_PROGRESS_TIMEOUT_SEC",
+                "SGLANG_ENABLE_FAILED_SESSION_PROBE"} <= names(Role.PRFAAS)  # a blacklisted peer is probed back
         assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC"}  # it receives the WAN leg
         assert names(Role.PD_PREFILL) == set()  # in-cluster: SGLang's defaults
 

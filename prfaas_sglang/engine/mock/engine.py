@@ -153,6 +153,7 @@ class MockEngine:
         self._pending: dict[int, asyncio.Future] = {}  # decode: room -> KvReady
         self._tasks: list[asyncio.Task] = []
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
+        self.fail_kv_transfers = 0  # fault injection (POST /prfaas/faults): fail this many next KV transfers
         self.meter = LinkMeter(window_s=1.0)  # 1 MiB slices: a shorter window sees too few of them at 40 Mbit/s
         self._transfer_ids = itertools.count()
         if tokenizer is not None:
@@ -334,6 +335,9 @@ class MockEngine:
             error = f"decode_prefix_len {held} leaves nothing of the {len(req.input_ids)}-token prompt to ship"
         elif length > registration.length:
             error = f"decode region of {registration.length} bytes is smaller than the KV ({length})"
+        elif self.fail_kv_transfers > 0:
+            self.fail_kv_transfers -= 1
+            error = "injected fault: the KV transfer failed (POST /prfaas/faults)"
         else:
             start = time.perf_counter()
             transfer_id = next(self._transfer_ids)

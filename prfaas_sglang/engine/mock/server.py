@@ -4,7 +4,9 @@ Served: /health, /health_generate, /v1/models (owned_by "sglang"),
 /server_info and /get_server_info, /model_info and /get_model_info,
 /get_load, /v1/loads, /metrics (SGLang gauge names), /flush_cache,
 /generate, /v1/completions, /v1/chat/completions (SSE or not), plus the
-internal /prfaas/kv_ready (decode). Prefill roles also serve the bootstrap
+internal /prfaas/kv_ready (decode) and /prfaas/faults (fault injection for tests:
+``{"fail_kv_transfers": N}`` fails the next N KV transfers of a prefill worker as a
+broken link would: both legs answer 502). Prefill roles also serve the bootstrap
 endpoints (/health, /prfaas/register) on ``--bootstrap-port``. /version is
 not served (404), as SGLang does not serve it.
 
@@ -30,6 +32,7 @@ from prfaas_sglang.protocol import (
     full_response,
     parse_request,
     stream_chunk,
+    stream_error,
     usage_chunk,
 )
 from prfaas_sglang.wire.blocks import HASH_SCHEME
@@ -177,6 +180,17 @@ def build_app(engine: MockEngine) -> web.Application:
             return error_response(err.status, err.message)
         return web.json_response({"ok": True})
 
+    async def faults(request):
+        try:
+            body = await _json_body(request)
+            n = body.get("fail_kv_transfers") if isinstance(body, dict) else None
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise BadRequest(400, "expected {\"fail_kv_transfers\": <non-negative int>}")
+        except BadRequest as err:
+            return error_response(err.status, err.message)
+        engine.fail_kv_transfers = n
+        return web.json_response({"fail_kv_transfers": n})
+
     def data_plane(kind: str):
         async def handler(request: web.Request):
             if not engine.ready:
@@ -204,6 +218,7 @@ def build_app(engine: MockEngine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/prfaas/kv_ready", kv_ready)
+    app.router.add_post("/prfaas/faults", faults)
     app.router.add_post("/generate", data_plane("generate"))
     app.router.add_post("/v1/completions", data_plane("completions"))
     app.router.add_post("/v1/chat/completions", data_plane("chat"))
@@ -218,20 +233,37 @@ async def _prefill_response(engine: MockEngine, req) -> web.StreamResponse:
 
 
 async def _decode_response(engine: MockEngine, req, request: web.Request) -> web.StreamResponse:
-    seq = await engine.decode(req)
-    ok = False
-    model = req.model or engine.config.served_model_name
-    cached = seq.ready.cached_tokens
-    extra = {"prfaas": {"kv_bytes": seq.ready.kv_bytes, "kv_transfer_s": seq.ready.transfer_s, "role": "decode",
-                        "decode_prefix_len": seq.decode_prefix_len}}
-    try:
-        if not req.stream:
-            while await seq.queue.get() is not None:
-                pass
-            ok = True
-            return web.json_response(full_response(req, seq.tokens, cached, model, extra, engine.detokenize))
+    if req.stream:  # as SGLang: 200 at once; a failure after that (a failed KV transfer) is an event
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        try:
+            seq = await engine.decode(req)
+        except BadRequest as err:
+            await response.write((stream_error(req, err.status, err.message) + SSE_DONE).encode())
+            return response
+        return await _decode_stream(engine, req, seq, response)
+    seq = await engine.decode(req)
+    ok = False
+    try:
+        while await seq.queue.get() is not None:
+            pass
+        ok = True
+        return web.json_response(full_response(req, seq.tokens, seq.ready.cached_tokens, req.model or engine.config.served_model_name,
+                                               _extra(seq), engine.detokenize))
+    finally:
+        await engine.finish(seq, ok)
+
+
+def _extra(seq) -> dict:
+    return {"prfaas": {"kv_bytes": seq.ready.kv_bytes, "kv_transfer_s": seq.ready.transfer_s, "role": "decode",
+                       "decode_prefix_len": seq.decode_prefix_len}}
+
+
+async def _decode_stream(engine: MockEngine, req, seq, response: web.StreamResponse) -> web.StreamResponse:
+    ok = False
+    model = req.model or engine.config.served_model_name
+    cached, extra = seq.ready.cached_tokens, _extra(seq)
+    try:
         sent, text = 0, ""
         # Tokens are appended to seq.tokens before they are queued, so [:sent] is complete.
         while await seq.queue.get() is not None:
