@@ -82,7 +82,7 @@ class Envs:
     TELEMETRY_PORT = EnvVar(
         "PRFAAS_TELEMETRY_PORT",
         None,
-        "PrfaaS prefill worker (SGLang): publish link telemetry (wire v3) on tcp://*:PORT; set by the "
+        "PrfaaS prefill worker (SGLang): publish link telemetry (wire v4) on tcp://*:PORT; set by the "
         "launcher from the node's telemetry_port. Unset: no publisher.",
     )
     TRACE_PATH = EnvVar(

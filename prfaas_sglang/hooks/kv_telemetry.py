@@ -1,4 +1,4 @@
-"""Hooks: link telemetry from a real SGLang PrfaaS prefill worker (wire v3), as the emulated engine publishes it.
+"""Hooks: link telemetry from a real SGLang PrfaaS prefill worker (wire v4), as the emulated engine publishes it.
 
 Two hooks on SGLang 0.5.15's Mooncake backend (``disaggregation/mooncake/conn.py``):
 
@@ -57,10 +57,10 @@ class LinkTelemetry:
     def start(self) -> None:
         self._thread.start()
 
-    def begin(self, nbytes: int) -> int:
+    def begin(self, nbytes: int, peer: str | None = None) -> int:
         transfer_id = next(self._ids)
         with self._lock:
-            self.meter.start(transfer_id, time.monotonic(), nbytes)
+            self.meter.start(transfer_id, time.monotonic(), nbytes, peer)
         return transfer_id
 
     def finish(self, transfer_id: int, nbytes: int, ok: bool) -> None:
@@ -72,7 +72,7 @@ class LinkTelemetry:
             else:
                 self.failed_total += 1
             self.transfers_total += 1
-            self.meter.end(transfer_id, now)
+            self.meter.end(transfer_id, now, ok)
 
     def _run(self) -> None:
         import zmq
@@ -121,7 +121,7 @@ def meter_transfer(original, manager, mooncake_session_id, transfer_blocks):
         return original(manager, mooncake_session_id, transfer_blocks)
     try:
         nbytes = sum(int(length) for _, _, length in transfer_blocks)
-        transfer_id = telemetry.begin(nbytes)
+        transfer_id = telemetry.begin(nbytes, str(mooncake_session_id))
     except Exception:  # noqa: BLE001 - never fail a transfer for its telemetry
         return original(manager, mooncake_session_id, transfer_blocks)
     ret = original(manager, mooncake_session_id, transfer_blocks)

@@ -4,7 +4,8 @@ Each PrfaaS prefill worker publishes :class:`~prfaas_sglang.wire.telemetry.LinkS
 for its own KV egress; they share the link, so the view sums egress, offered
 load and backlog, takes the busiest worker's busy fraction, and credits the
 link with the capacities delivered while busy (each weighted by its busy
-share). A worker silent for ``stale_after_s`` drops out; with nobody fresh the
+share), and sums what the transfers came to (completed, failed; congested if any worker says
+so). A worker silent for ``stale_after_s`` drops out; with nobody fresh the
 view is ``None`` (unknown), never a stale utilisation.
 """
 
@@ -40,4 +41,5 @@ class LinkAggregator:
             capacity = (sum(s.capacity_bps * s.busy_fraction for s in measured) / weight) if weight > 0 \
                 else max(s.capacity_bps for s in measured)
         return LinkView(capacity, busy, sum(s.egress_bps for s in samples), sum(s.offered_bps for s in samples),
-                        sum(s.backlog_bytes for s in samples))
+                        sum(s.backlog_bytes for s in samples), any(s.congested for s in samples),
+                        sum(s.completed for s in samples), sum(s.failed for s in samples))

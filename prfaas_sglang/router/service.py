@@ -187,7 +187,9 @@ class RouterService:
             "tokenizer": getattr(self.tokenizer, "source", None),
             "link": None if view is None else {"capacity_bps": view.capacity_bps, "busy_fraction": view.busy_fraction,
                                                "egress_bps": view.egress_bps, "offered_bps": view.offered_bps,
-                                               "backlog_bytes": view.backlog_bytes},
+                                               "backlog_bytes": view.backlog_bytes, "congested": view.congested,
+                                               "transfers_completed": view.completed,
+                                               "transfers_failed": view.failed},
             "queues_s": vars(self.queues()),
             "routed": dict(self.counters.routed),
             "redispatched": self.counters.redispatched,
@@ -221,7 +223,9 @@ class RouterService:
         if view is not None:
             gauges += [("prfaas_router_egress_utilization", "", view.busy_fraction),
                        ("prfaas_router_egress_bps", "", view.egress_bps),
-                       ("prfaas_router_offered_bps", "", view.offered_bps)]
+                       ("prfaas_router_offered_bps", "", view.offered_bps),
+                       ("prfaas_router_link_congested", "", int(view.congested)),
+                       ("prfaas_router_link_transfers_failed", "", view.failed)]
         gauges += [("prfaas_router_worker_healthy", f'{{worker="{w.name}"}}', int(w.healthy)) for w in self.workers.values()]
         gauges += [("prfaas_router_kv_free_tokens", f'{{worker="{w.name}"}}', w.kv_free_tokens or 0)
                    for w in self.workers.values() if w.role == "decode"]

@@ -101,6 +101,9 @@ class LinkView:
     egress_bps: float = 0.0
     offered_bps: float = 0.0
     backlog_bytes: int = 0
+    congested: bool = False  # any worker's KV connections flag congestion (wire v3)
+    completed: int = 0  # transfers delivered in the workers' last windows (wire v4)
+    failed: int = 0  # transfers that ended undelivered in those windows (wire v4)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ never read from a clock here. ``sample`` summarises a sliding window::
                      0.0 when the link was busy most of the window and delivered
                      nothing (a stall); None when too little was measured
     backlog_bytes    requested, not yet delivered
+    completed/failed transfers that ended in the window, delivered or not (``end(ok=)``)
+    latency_*_s      request to end of the completed ones
+    peers            the same per decode peer (``start(peer=)``): egress, demand,
+                     in flight, completed, failed
 
 A saturated or throttled link is busy ~100% of the time whatever its nominal
 capacity, and delivers ``capacity_bps`` while busy: that pair is what the
@@ -30,13 +34,14 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from prfaas_sglang.transport.tcpstate import TcpInterval
-from prfaas_sglang.wire.telemetry import LinkSample
+from prfaas_sglang.wire.telemetry import LinkSample, PeerView
 
 
 @dataclass
 class _Transfer:
     start_s: float
     total_bytes: int
+    peer: str | None = None
     delivered_bytes: int = 0
     last_progress_s: float | None = None
 
@@ -48,15 +53,17 @@ class LinkMeter:
         self.window_s = window_s
         self.min_busy_s = min_busy_s
         self._inflight: dict[int, _Transfer] = {}
-        self._requested: deque[tuple[float, int]] = deque()  # (t, bytes)
-        self._delivered: deque[tuple[float, float, int]] = deque()  # (since, t, bytes): delivered over [since, t]
+        self._requested: deque[tuple[float, int, str | None]] = deque()  # (t, bytes, peer)
+        self._delivered: deque[tuple[float, float, int, str | None]] = deque()  # (since, t, bytes, peer): over [since, t]
         self._busy: deque[tuple[float, float]] = deque()  # finished transfers: (start, last delivery or end)
         self._spans: deque[tuple[float, float]] = deque()  # finished transfers: (start, end), for busy_fraction
+        self._ended: deque[tuple[float, float, str | None, bool]] = deque()  # (end, latency, peer, ok)
 
-    def start(self, transfer_id: int, now_s: float, nbytes: int) -> None:
-        """A transfer of ``nbytes`` was requested (it may queue behind others)."""
-        self._inflight[transfer_id] = _Transfer(now_s, nbytes)
-        self._requested.append((now_s, nbytes))
+    def start(self, transfer_id: int, now_s: float, nbytes: int, peer: str | None = None) -> None:
+        """A transfer of ``nbytes`` to ``peer`` (a decode's Mooncake session) was requested (it may
+        queue behind others)."""
+        self._inflight[transfer_id] = _Transfer(now_s, nbytes, peer)
+        self._requested.append((now_s, nbytes, peer))
 
     def progress(self, transfer_id: int, now_s: float, nbytes: int) -> None:
         """``nbytes`` more of the transfer reached the peer."""
@@ -66,13 +73,14 @@ class LinkMeter:
         since = transfer.last_progress_s if transfer.last_progress_s is not None else transfer.start_s
         transfer.delivered_bytes += nbytes
         transfer.last_progress_s = now_s
-        self._delivered.append((since, now_s, nbytes))
+        self._delivered.append((since, now_s, nbytes, transfer.peer))
 
-    def end(self, transfer_id: int, now_s: float) -> None:
-        """The transfer finished (delivered or failed); what it did not deliver leaves the backlog."""
+    def end(self, transfer_id: int, now_s: float, ok: bool = True) -> None:
+        """The transfer finished, delivered (``ok``) or failed; what it did not deliver leaves the backlog."""
         transfer = self._inflight.pop(transfer_id, None)
         if transfer is None:
             return
+        self._ended.append((now_s, now_s - transfer.start_s, transfer.peer, ok))
         self._spans.append((transfer.start_s, now_s))
         if transfer.last_progress_s is not None:
             self._busy.append((transfer.start_s, transfer.last_progress_s))
@@ -86,10 +94,12 @@ class LinkMeter:
         for q in (self._busy, self._spans):
             while q and q[0][1] < lo:
                 q.popleft()
+        while self._ended and self._ended[0][0] < lo:
+            self._ended.popleft()
         inflight = list(self._inflight.values())
         busy = _covered(lo, [(s, e) for s, e in self._spans] + [(t.start_s, now_s) for t in inflight])
-        delivered_bits = 8.0 * sum(b * (t - max(since, lo)) / (t - since) if t > since else b
-                                   for since, t, b in self._delivered if t > lo or t == since == lo)
+        delivered = _delivered_bits(self._delivered, lo)
+        delivered_bits = sum(delivered.values())
         useful_busy = _covered(lo, [(s, e) for s, e in self._busy]
                                + [(t.start_s, t.last_progress_s) for t in inflight if t.last_progress_s is not None])
         if useful_busy >= self.min_busy_s and delivered_bits > 0:
@@ -98,11 +108,37 @@ class LinkMeter:
             capacity = 0.0  # busy and nothing delivered: stalled
         else:
             capacity = None
+        latencies = sorted(latency for _, latency, _, ok in self._ended if ok)
         return LinkSample(
             worker=worker, ts=wall_s, egress_bps=delivered_bits / self.window_s,
             busy_fraction=min(busy / self.window_s, 1.0), capacity_bps=capacity, inflight=len(inflight), queue=queue,
-            window_s=self.window_s, offered_bps=8.0 * sum(b for _, b in self._requested) / self.window_s,
-            backlog_bytes=sum(max(t.total_bytes - t.delivered_bytes, 0) for t in inflight))
+            window_s=self.window_s, offered_bps=8.0 * sum(b for _, b, _ in self._requested) / self.window_s,
+            backlog_bytes=sum(max(t.total_bytes - t.delivered_bytes, 0) for t in inflight),
+            completed=len(latencies), failed=sum(not ok for *_, ok in self._ended),
+            latency_p50_s=latencies[(len(latencies) - 1) // 2] if latencies else None,
+            latency_max_s=latencies[-1] if latencies else None,
+            peers=self._peers(delivered, inflight) or None)
+
+    def _peers(self, delivered: dict[str | None, float], inflight: list[_Transfer]) -> dict[str, PeerView]:
+        names = {p for _, _, p in self._requested} | {p for *_, p, _ in self._ended} | {t.peer for t in inflight}
+        names |= set(delivered)
+        names.discard(None)
+        return {name: PeerView(
+            egress_bps=delivered.get(name, 0.0) / self.window_s,
+            offered_bps=8.0 * sum(b for _, b, p in self._requested if p == name) / self.window_s,
+            inflight=sum(t.peer == name for t in inflight),
+            completed=sum(p == name and ok for *_, p, ok in self._ended),
+            failed=sum(p == name and not ok for *_, p, ok in self._ended)) for name in sorted(names)}
+
+
+def _delivered_bits(delivered, lo: float) -> dict[str | None, float]:
+    """Bits delivered inside ``[lo, ...)`` per peer: a slice's bits are spread over the time since
+    its transfer's previous delivery, and only the part inside the window counts."""
+    out: dict[str | None, float] = {}
+    for since, t, b, peer in delivered:
+        if t > lo or t == since == lo:
+            out[peer] = out.get(peer, 0.0) + 8.0 * (b * (t - max(since, lo)) / (t - since) if t > since else b)
+    return out
 
 
 def _covered(lo: float, intervals: list[tuple[float, float]]) -> float:

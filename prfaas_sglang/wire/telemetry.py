@@ -9,7 +9,10 @@ ZMQ PUB on the worker's telemetry port, topic ``prfaas-telemetry``, frames
      "tcp": null | {"connections": int, "goodput_bps": float, "retrans_fraction": float | null,
                     "rtt_ms": float | null, "min_rtt_ms": float | null,
                     "delivery_rate_bps": float | null, "backlogged": bool},
-     "congested": bool}
+     "congested": bool,
+     "completed": int, "failed": int, "latency_p50_s": float | null, "latency_max_s": float | null,
+     "peers": {peer: {"egress_bps": float, "offered_bps": float, "inflight": int,
+                      "completed": int, "failed": int}}}
 
 Units: bits per second, bytes, seconds; ``ts`` is the sender's wall clock
 (``time.time()``), informational only: receivers use their own clock.
@@ -30,6 +33,11 @@ History:
       change, even mid-transfer); otherwise ``capacity_bps`` keeps its v2 meaning, so a v2
       reader (the router's controller) needs no change. v1 and v2 samples still decode
       (tcp null, congested false).
+  v4: adds what each transfer came to: ``completed`` and ``failed`` (transfers that ended in the
+      window, delivered or not), ``latency_p50_s`` / ``latency_max_s`` (request to end, over the
+      completed ones; null when none), and ``peers``, the same per decode peer (its Mooncake
+      session, ``host:port``): egress, demand, in flight, completed, failed. Nothing earlier
+      changes meaning; v1-v3 samples still decode (zero counts, null latencies, no peers).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from dataclasses import asdict, dataclass
 from prfaas_sglang.wire._json import build, json_object
 
 TELEMETRY_TOPIC = b"prfaas-telemetry"
-WIRE_VERSION = 3
+WIRE_VERSION = 4
+MAX_PEERS = 4096  # decode peers one sample may list
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,23 @@ class TcpView:
 
 
 @dataclass(frozen=True)
+class PeerView:
+    """One decode peer's share of a sample's window (v4)."""
+
+    egress_bps: float
+    offered_bps: float
+    inflight: int
+    completed: int
+    failed: int
+
+    def _validate(self, peer: str) -> None:
+        _finite(f"peers[{peer!r}].egress_bps", self.egress_bps)
+        _finite(f"peers[{peer!r}].offered_bps", self.offered_bps)
+        for name in ("inflight", "completed", "failed"):
+            _count(f"peers[{peer!r}].{name}", getattr(self, name))
+
+
+@dataclass(frozen=True)
 class LinkSample:
     worker: str
     ts: float
@@ -81,21 +107,37 @@ class LinkSample:
     backlog_bytes: int = 0  # requested, not yet delivered
     tcp: TcpView | None = None  # v3: the kernel's view of the KV connections
     congested: bool = False  # v3: queue growth or loss on the KV connections while KV waits
+    completed: int = 0  # v4: transfers delivered in the window
+    failed: int = 0  # v4: transfers that ended undelivered in the window
+    latency_p50_s: float | None = None  # v4: request to end, completed transfers in the window
+    latency_max_s: float | None = None
+    peers: dict[str, PeerView] | None = None  # v4: per decode peer (Mooncake session)
 
     def encode(self) -> bytes:
         return json.dumps({"v": WIRE_VERSION, **asdict(self)}).encode()
 
     @classmethod
     def decode(cls, payload: bytes) -> LinkSample:
-        """Raise ValueError on anything that is not a valid v1 or v2 sample."""
+        """Raise ValueError on anything that is not a valid v1-v4 sample."""
         obj = json_object(payload, "telemetry")
         version = obj.pop("v", None)
         if version == 1:
             obj.setdefault("offered_bps", obj.get("egress_bps"))
-        elif version not in (2, WIRE_VERSION):
+        elif version not in (2, 3, WIRE_VERSION):
             raise ValueError(f"unsupported telemetry version {version!r}")
         if version < 3 and ("tcp" in obj or "congested" in obj):
             raise ValueError(f"tcp and congested are v3 fields, not v{version}")
+        if version < 4 and any(k in obj for k in _V4_FIELDS):
+            raise ValueError(f"{', '.join(sorted(_V4_FIELDS))} are v4 fields, not v{version}")
+        peers = obj.pop("peers", None)
+        if peers is not None:
+            if not isinstance(peers, dict) or len(peers) > MAX_PEERS:
+                raise ValueError(f"peers must be an object of at most {MAX_PEERS} peers, or null")
+            peers = {str(k): build(PeerView, v, f"telemetry.peers[{k!r}]") if isinstance(v, dict) else _bad_peer(k)
+                     for k, v in peers.items()}
+            for name, view in peers.items():
+                view._validate(name)
+        obj["peers"] = peers
         tcp = obj.pop("tcp", None)
         if tcp is not None and not isinstance(tcp, dict):
             raise ValueError("tcp must be an object or null")
@@ -123,6 +165,23 @@ class LinkSample:
             raise ValueError(f"window_s must be > 0, got {self.window_s!r}")
         if not isinstance(self.congested, bool):
             raise ValueError("congested must be true or false")
+        for name in ("completed", "failed"):
+            _count(name, getattr(self, name))
+        for name in ("latency_p50_s", "latency_max_s"):
+            if getattr(self, name) is not None:
+                _finite(name, getattr(self, name))
+
+
+_V4_FIELDS = frozenset({"completed", "failed", "latency_p50_s", "latency_max_s", "peers"})
+
+
+def _bad_peer(peer) -> PeerView:
+    raise ValueError(f"peers[{peer!r}] must be an object")
+
+
+def _count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 def _finite(name: str, value) -> None:

@@ -86,6 +86,40 @@ def test_old_transfers_leave_the_window():
     assert s.busy_fraction == 0.0 and s.offered_bps == 0.0 and s.capacity_bps is None
 
 
+def test_outcomes_latency_and_peers():
+    """v4: what each transfer came to, per decode peer, within the window."""
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.1, 1000, "d0:1")
+    m.progress(1, 0.3, 1000)
+    m.end(1, 0.3)  # delivered in 0.2 s
+    m.start(2, 0.2, 2000, "d1:1")
+    m.end(2, 0.6, ok=False)  # failed, nothing delivered
+    m.start(3, 0.5, 1000, "d0:1")
+    m.progress(3, 0.9, 1000)
+    m.end(3, 0.9)  # delivered in 0.4 s
+    m.start(4, 0.95, 500, "d1:1")  # in flight
+    s = m.sample("w", 1.0, 0.0)
+    assert (s.completed, s.failed) == (2, 1)
+    assert s.latency_p50_s == pytest.approx(0.2) and s.latency_max_s == pytest.approx(0.4)
+    d0, d1 = s.peers["d0:1"], s.peers["d1:1"]
+    assert (d0.completed, d0.failed, d0.inflight) == (2, 0, 0) and d0.egress_bps == pytest.approx(16_000)
+    assert (d1.completed, d1.failed, d1.inflight) == (0, 1, 1) and d1.egress_bps == 0.0
+    assert d1.offered_bps == pytest.approx(8 * 2500)
+    assert sum(p.egress_bps for p in s.peers.values()) == pytest.approx(s.egress_bps)
+    assert LinkSample.decode(s.encode()) == s
+    later = m.sample("w", 3.0, 0.0)  # everything ended before the window
+    assert (later.completed, later.failed, later.latency_p50_s) == (0, 0, None)
+    assert set(later.peers) == {"d1:1"} and later.peers["d1:1"].inflight == 1  # transfer 4 still runs
+
+
+def test_transfers_without_a_peer_list_no_peers():
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.0, 1000)
+    m.end(1, 0.5, ok=False)
+    s = m.sample("w", 1.0, 0.0)
+    assert s.peers is None and s.failed == 1 and s.latency_p50_s is None
+
+
 class TestWire:
     def test_round_trip(self):
         s = LinkSample("p0", 1.5, 8e6, 0.5, 1.6e7, 2, 3, 1.0, 9e6, 4096)
@@ -96,6 +130,7 @@ class TestWire:
               "inflight": 0, "queue": 0}
         s = LinkSample.decode(json.dumps(v1).encode())
         assert s.offered_bps == 8e6 and s.backlog_bytes == 0 and s.window_s == 1.0
+        assert (s.completed, s.failed, s.latency_p50_s, s.peers) == (0, 0, None, None)
 
     @pytest.mark.parametrize("payload", [
         b"{}", b"not json", b"42", b"null", b'"str"', b"[]",
@@ -124,6 +159,15 @@ class TestAggregate:
         v = agg.view(1.0)
         assert v.busy_fraction == 1.0 and v.egress_bps == 30e6 and v.offered_bps == 35e6 and v.backlog_bytes == 150
         assert v.capacity_bps == pytest.approx(30e6)  # 20 while always busy + 20 for half the time
+
+    def test_outcomes_and_congestion_add_up(self):
+        agg = LinkAggregator(stale_after_s=2.0)
+        agg.update("a", LinkSample("a", 0.0, 0.0, 1.0, 0.0, 1, completed=3, failed=2, congested=True), 0.0)
+        agg.update("b", LinkSample("b", 0.0, 0.0, 0.5, None, 0, completed=4), 0.0)
+        v = agg.view(1.0)
+        assert (v.completed, v.failed, v.congested) == (7, 2, True)
+        agg.update("a", LinkSample("a", 0.0, 0.0, 1.0, 0.0, 1), 1.0)
+        assert (agg.view(1.5).failed, agg.view(1.5).congested) == (0, False)
 
     def test_a_silent_worker_drops_out_and_nobody_means_unknown(self):
         agg = LinkAggregator(stale_after_s=2.0)

@@ -44,7 +44,11 @@ def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
     assert out["metered_transfers"] == 3 * (3 + 1)  # per request: one batch per chunk, then the aux
     assert not out["decode_has_telemetry"]  # only the prefill side of the WAN leg publishes
     samples = out["samples"]
-    assert samples and all(s["v"] == 3 for s in samples)
+    assert samples and all(s["v"] == 4 for s in samples)
+    # v4: per decode peer (its Mooncake session), what the transfers came to; none failed here.
+    peers = {name for s in samples for name in (s["peers"] or {})}
+    assert len(peers) == 1 and all(s["failed"] == 0 for s in samples)
+    assert sum(s["completed"] for s in samples) >= 1 and any(s["latency_p50_s"] for s in samples)
     assert max(s["egress_bps"] for s in samples) > 0
     assert any(s["tcp"] is not None for s in samples)  # the kernel's view of the Mooncake connections
 

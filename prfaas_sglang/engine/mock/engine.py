@@ -335,21 +335,21 @@ class MockEngine:
             error = f"decode_prefix_len {held} leaves nothing of the {len(req.input_ids)}-token prompt to ship"
         elif length > registration.length:
             error = f"decode region of {registration.length} bytes is smaller than the KV ({length})"
-        elif self.fail_kv_transfers > 0:
-            self.fail_kv_transfers -= 1
-            error = "injected fault: the KV transfer failed (POST /prfaas/faults)"
         else:
             start = time.perf_counter()
             transfer_id = next(self._transfer_ids)
-            self.meter.start(transfer_id, time.monotonic(), length)
+            self.meter.start(transfer_id, time.monotonic(), length, registration.session)
             try:
+                if self.fail_kv_transfers > 0:  # metered as a failed transfer, as a broken link's would be
+                    self.fail_kv_transfers -= 1
+                    raise KvTransferError("injected fault: the KV transfer failed (POST /prfaas/faults)")
                 await self.kv.write(registration.session, registration.addr, length,
                                     lambda n, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n))
                 transfer_s = time.perf_counter() - start
             except KvTransferError as err:
                 error = str(err)
             finally:
-                self.meter.end(transfer_id, time.monotonic())
+                self.meter.end(transfer_id, time.monotonic(), transfer_s is not None)
         ready = KvReady(room, error is None, length, cached_tokens, first_token, transfer_s, error)
         try:
             async with self.http.post(registration.notify_url, json=ready.to_json()) as resp:
