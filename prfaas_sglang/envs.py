@@ -85,6 +85,14 @@ class Envs:
         "PrfaaS prefill worker (SGLang): publish link telemetry (wire v4) on tcp://*:PORT; set by the "
         "launcher from the node's telemetry_port. Unset: no publisher.",
     )
+    KV_ASYNC_SEND = EnvBool(
+        "PRFAAS_KV_ASYNC_SEND",
+        None,
+        "PrfaaS prefill worker (SGLang): submit each chunk's KV as asynchronous writes (adjacent "
+        "entries merged) and wait, sleeping, only before the last chunk's aux, instead of one "
+        "busy-waiting synchronous batch per chunk (the kv-send hooks). Set by the launcher for the "
+        "prfaas role (0 turns it off).",
+    )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",
         None,

@@ -106,21 +106,66 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/transport/test_sglang_mooncake_cpu.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
-        name="kv-telemetry-meter",
+        name="kv-send",
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
-        hook="prfaas_sglang.hooks.kv_telemetry:meter_transfer",
+        hook="prfaas_sglang.hooks.kv_send:send_transfer",
         hook_type="around",
         expected_signature="(self, mooncake_session_id, transfer_blocks)",
-        subject="[transport] Meter each KV batch the prefill worker sends",
-        why="Telemetry needs each transfer's bytes, start and end; Mooncake's Python API reports only a return code.",
+        subject="[transport] Send each chunk's KV without waiting on it; meter every batch",
+        why=(
+            "SGLang sends a chunk's KV as one synchronous batch that busy-waits, and the next chunk's "
+            "only after it: over a WAN the lanes idle at every chunk's tail and a core spins per "
+            "transfer thread. Telemetry needs each transfer's bytes, start and end, which Mooncake's "
+            "Python API reduces to a return code."
+        ),
         how=(
-            "AROUND hook on the one place SGLang's Mooncake manager submits a chunk's KV batch: "
-            "record it in the manager's link meter (requested, delivered or failed); a manager "
-            "without telemetry calls the original unchanged. Never raises."
+            "AROUND hook on the one place SGLang's Mooncake manager submits a chunk's KV: with an "
+            "AsyncKvSender (PRFAAS_KV_ASYNC_SEND, prefill), merge adjacent entries, submit them as "
+            "asynchronous single writes (at most 2 chunks in flight per decode session) and return at "
+            "once, or -1 once a write to that session failed; otherwise the original synchronous batch. "
+            "Either way the manager's link meter records it. Never raises."
+        ),
+        upstream_status="vendor-specific (upstream: synchronous batches, sglang 0.5.15)",
+        removal="when SGLang's Mooncake backend submits asynchronously and reports per-transfer progress",
+        tests="tests/transport/test_sglang_mooncake_cpu.py tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="kv-send-start",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__",
+        hook="prfaas_sglang.hooks.kv_send:start_async_sender",
+        hook_type="after",
+        expected_signature=("(self, args: 'KVArgs', disaggregation_mode: 'DisaggregationMode', "
+                            "server_args: 'ServerArgs', is_mla_backend: 'Optional[bool]' = False)"),
+        subject="[transport] A PrfaaS prefill manager gets an asynchronous KV sender",
+        why="The kv-send hooks need per-manager state: the writes in flight per decode session.",
+        how=(
+            "AFTER hook on the Mooncake KV manager's constructor: in a prefill manager of a process "
+            "with PRFAAS_KV_ASYNC_SEND=1 (the launcher sets it for the prfaas role) whose transfer "
+            "engine has transfer_submit_write / transfer_check_status, attach an AsyncKvSender."
         ),
         upstream_status="vendor-specific",
-        removal="with kv-telemetry-start",
-        tests="tests/transport/test_sglang_mooncake_cpu.py tests/drift/test_hook_targets.py",
+        removal="with kv-send",
+        tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="kv-send-aux-barrier",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux",
+        hook="prfaas_sglang.hooks.kv_send:aux_barrier",
+        hook_type="around",
+        expected_signature="(self, req: 'TransferInfo', prefill_aux_index: 'int', dst_aux_ptrs: 'list[int]')",
+        subject="[transport] A room's KV has landed before its aux is sent",
+        why=(
+            "SGLang reports Success to the decode right after the last chunk's aux; with asynchronous "
+            "KV writes the aux must wait for them, and fail the room if one of them failed."
+        ),
+        how=(
+            "AROUND hook on send_aux: with an AsyncKvSender, wait (sleeping) until no write to the "
+            "session is in flight; return -1 if one failed while the room was in flight, else send the "
+            "aux synchronously."
+        ),
+        upstream_status="vendor-specific",
+        removal="with kv-send",
+        tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
     ),
 )
 

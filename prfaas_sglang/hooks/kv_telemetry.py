@@ -63,16 +63,23 @@ class LinkTelemetry:
             self.meter.start(transfer_id, time.monotonic(), nbytes, peer)
         return transfer_id
 
-    def finish(self, transfer_id: int, nbytes: int, ok: bool) -> None:
-        now = time.monotonic()
+    def progress(self, transfer_id: int, nbytes: int) -> None:
+        """``nbytes`` more of the transfer landed (asynchronous sends report each write)."""
         with self._lock:
-            if ok:
-                self.meter.progress(transfer_id, now, nbytes)
-                self.delivered_bytes_total += nbytes
-            else:
-                self.failed_total += 1
+            self.meter.progress(transfer_id, time.monotonic(), nbytes)
+            self.delivered_bytes_total += nbytes
+
+    def end(self, transfer_id: int, ok: bool) -> None:
+        with self._lock:
+            self.failed_total += not ok
             self.transfers_total += 1
-            self.meter.end(transfer_id, now, ok)
+            self.meter.end(transfer_id, time.monotonic(), ok)
+
+    def finish(self, transfer_id: int, nbytes: int, ok: bool) -> None:
+        """A synchronous transfer ended: all of it delivered (``ok``) or none."""
+        if ok:
+            self.progress(transfer_id, nbytes)
+        self.end(transfer_id, ok)
 
     def _run(self) -> None:
         import zmq

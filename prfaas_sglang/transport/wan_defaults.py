@@ -84,6 +84,9 @@ def sender_profile(link: WanLink) -> tuple[EnvDefault, ...]:
                    "default 1024 rejects bursts at once ('lane queue-full')"),
         EnvDefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "8192",
                    "default 1024; same failure mode as the queue limit"),
+        EnvDefault("PRFAAS_KV_ASYNC_SEND", "1",
+                   "each chunk's KV as asynchronous writes, waited for (sleeping) before the last chunk's aux, "
+                   "instead of one busy-waiting synchronous batch per chunk (the kv-send hooks)"),
         EnvDefault("SGLANG_ENABLE_FAILED_SESSION_PROBE", "1",
                    "SGLang blacklists a decode peer's session after one failed transfer and, with this off "
                    "(its default), only a re-registration (a restarted decode) clears it: one stall on the "

@@ -6,7 +6,10 @@ What is stubbed is what a model runner would set up: the parallel groups (world 
 process's Mooncake engine (``init_mooncake_transfer_engine``). Prints one JSON line and hard-exits
 (SGLang's listener threads are not daemons and there is no shutdown API).
 
-Environment: PRFAAS_ROLE / PRFAAS_TELEMETRY_PORT as the launcher sets them; BOOT_PORT.
+Environment: PRFAAS_ROLE / PRFAAS_TELEMETRY_PORT / PRFAAS_KV_ASYNC_SEND as the launcher sets them;
+BOOT_PORT; FAIL_ROOM (optional): that room's KV is sent to a Mooncake session nobody listens on
+(``127.0.0.1:1``, with the real decode's registration), so the transfer engine refuses it; SGLang
+then fails the room on both sides and blacklists that session, not the real one.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ SERVER_ARGS = types.SimpleNamespace(
     enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
     enable_trace=False, chunked_prefill_size=8192)
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
+DEAD_SESSION = "127.0.0.1:1"
 
 
 def kv_args(fill: bool):
@@ -102,8 +106,11 @@ def main() -> dict:
     decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
     addr = f"127.0.0.1:{BOOT_PORT}"
     rng = np.random.default_rng(3)
+    fail_room = int(os.environ.get("FAIL_ROOM", "0"))
     results = []
     for room in range(1, 4):
+        for d in d_bufs:
+            d[:] = 0
         src = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
         dst = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
         sender = MooncakeKVSender(prefill, addr, room, [0], 0)
@@ -113,6 +120,10 @@ def main() -> dict:
         receiver.init(0)
         receiver.send_metadata(dst, aux_index=room % N_AUX)
         wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed))
+        if room == fail_room:  # a session nobody listens on, with the real decode's registration
+            for real, info in prefill.transfer_infos[room].items():
+                prefill.decode_kv_args_table[DEAD_SESSION] = prefill.decode_kv_args_table[real]
+                info.mooncake_session_id = DEAD_SESSION
         sender.init(len(src), aux_index=1)
         for start in range(0, len(src), 64):  # three chunks, as chunked prefill sends them
             sender.send(src[start:start + 64])
@@ -129,7 +140,16 @@ def main() -> dict:
             if sub.poll(100):
                 samples.append(json.loads(LinkSample.decode(sub.recv_multipart()[1]).encode()))
     telemetry = getattr(prefill, "_prfaas_link", None)
-    return {"requests": results, "success": int(KVPoll.Success), "samples": samples,
+    async_sender = getattr(prefill, "_prfaas_sender", None)
+    if async_sender is not None:  # let the last writes' completions be read (they are, at the latest, by the aux barrier)
+        async_sender.settle(10.0)
+    return {"requests": results, "success": int(KVPoll.Success), "failed": int(KVPoll.Failed), "samples": samples,
+            "async": None if async_sender is None else {
+                "batches": async_sender.batches_submitted, "writes": async_sender.writes_submitted,
+                "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes()},
+            "failed_sessions": sorted(prefill.failed_sessions),
+            "prefill_rooms_left": sorted(prefill.request_status), "decode_rooms_left": sorted(decode.request_status),
+            "transfer_infos_left": sorted(prefill.transfer_infos),
             "metered_bytes": telemetry.delivered_bytes_total if telemetry else None,
             "metered_transfers": telemetry.transfers_total if telemetry else None,
             "kv_bytes_per_request": 192 * PAGE_BYTES * 2 * NUM_LAYERS, "aux_bytes_per_request": AUX_BYTES,

@@ -33,7 +33,7 @@ PURE = (
     "prfaas_sglang.wire.token_ids",
     "prfaas_sglang.runtime", "prfaas_sglang.topology", "prfaas_sglang.roles", "prfaas_sglang.configcheck",
     "prfaas_sglang.errors", "prfaas_sglang.protocol", "prfaas_sglang.transport.meter", "prfaas_sglang.transport.wan_defaults",
-    "prfaas_sglang.transport.tcpstate",
+    "prfaas_sglang.transport.tcpstate", "prfaas_sglang.transport.kv_send",
     "prfaas_sglang.launch.command", "prfaas_sglang.engine.mock.prefix_cache", "prfaas_sglang.engine.mock.timing",
     "prfaas_sglang.engine.mock.scheduler",
 )
