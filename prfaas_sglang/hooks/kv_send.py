@@ -183,7 +183,7 @@ class AsyncKvSender:
     def _note_failure(self, session: str) -> None:
         """A write to ``session`` failed: taint the rooms in flight there now (each fails at its
         next chunk or its aux); the session's next call reports it once nothing is in flight."""
-        rooms = {room for room, infos in list(self.manager.transfer_infos.items()) if session in infos}
+        rooms = _rooms_on(self.manager.transfer_infos, session)
         known = self._tainted.setdefault(session, set())
         known.intersection_update(self.manager.request_status.keys())  # forget rooms SGLang is done with
         known.update(rooms)
@@ -196,6 +196,12 @@ class AsyncKvSender:
         with self.manager.session_lock:
             self.manager.failed_sessions.add(session)
         return -1
+
+
+def _rooms_on(transfer_infos: dict, session: str) -> set[int]:
+    """Rooms with ``session`` among their destinations. ``dict()`` copies in one step under the GIL,
+    so SGLang's bootstrap thread adding a room meanwhile cannot break the iteration."""
+    return {room for room, infos in dict(transfer_infos).items() if session in infos}
 
 
 def _wait_bound_s() -> float:

@@ -326,8 +326,9 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, None, {**bootstrap, "stream": False}),
                                                     timeout))
     prefill_task.add_done_callback(lambda _t: service.prefill_done(lease))
-    # The decode worker answers (even its headers) only once the KV has arrived, so the
-    # race between the two legs starts before the decode response exists.
+    # A non-streamed decode answers (even its headers) only once the KV has arrived; a streamed
+    # one answers 200 at once (SGLang) and its first event says whether the KV came. Until then
+    # nothing reaches the client, so a failed prefill leg can still be routed again.
     decode_cm = session.post(decode.url + path, data=leg_bytes(body, None, bootstrap), headers=JSON_HEADERS,
                              timeout=aiohttp.ClientTimeout(total=timeout))
     decode_task = asyncio.create_task(decode_cm.__aenter__())

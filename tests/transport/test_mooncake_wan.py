@@ -127,6 +127,7 @@ def test_bench_transport_smoke():
     result = json.loads(proc.stdout)["result"]
     (cond,) = result["conditions"]
     assert all(run["ok"] for runs in cond["runs"].values() for run in runs)
+    assert set(cond["first_transfer"]) == set(cond["runs"]) and all(r["ok"] for r in cond["first_transfer"].values())
     for key in ("goodput_fraction", "per_chunk_goodput_fraction", "default_goodput_fraction", "tcp_reference_fraction"):
         assert 0 < cond[key] < 1.05, (key, cond[key])  # goodput never beats the shaped rate (bursts aside)
     assert result["goodput_fraction"] == cond["goodput_fraction"]
