@@ -82,7 +82,7 @@ class AsyncKvSender:
         if not entries:
             return 0
         if not self._wait(session, lambda: self.ledger.failed(session)
-                          or sum(b.session == session for b in self.ledger.batches) < MAX_BATCHES_IN_FLIGHT):
+                          or self.ledger.in_flight(session) < MAX_BATCHES_IN_FLIGHT):
             return -1
         with self._lock:
             if self.ledger.failed(session):
@@ -164,7 +164,7 @@ class AsyncKvSender:
         telemetry = getattr(self.manager, "_prfaas_link", None)
         for e in ended:
             self._record(e, telemetry)
-            if e.delivered_bytes == 0 and e.batch.session not in self._noted:
+            if e.delivered_bytes == 0 and not e.batch.abandoned and e.batch.session not in self._noted:
                 self._note_failure(e.batch.session)
 
     def _record(self, e: Ended, telemetry) -> None:
@@ -182,7 +182,7 @@ class AsyncKvSender:
 
     def _note_failure(self, session: str) -> None:
         """A write to ``session`` failed: taint the rooms in flight there now (each fails at its
-        next chunk or its aux); the session's next call reports it once nothing is in flight."""
+        next chunk or its aux); the session's next call reports it."""
         rooms = _rooms_on(self.manager.transfer_infos, session)
         known = self._tainted.setdefault(session, set())
         known.intersection_update(self.manager.request_status.keys())  # forget rooms SGLang is done with
@@ -190,7 +190,8 @@ class AsyncKvSender:
         self._noted.add(session)
 
     def _report(self, session: str) -> int:
-        """Hand ``session``'s failure to SGLang (it blacklists the session on -1) and start afresh."""
+        """Hand ``session``'s failure to SGLang (it blacklists the session on -1) and start afresh: the
+        batches then in flight belong to failed rooms and hold up no later room."""
         self.ledger.forget(session)
         self._noted.discard(session)
         with self.manager.session_lock:

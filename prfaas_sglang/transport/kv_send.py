@@ -16,8 +16,9 @@ done, as Mooncake frees a batch once it reports its end.
 
 Contract: ``add`` after a successful submission; ``reap`` whenever convenient (it only
 reads statuses and drops what ended); ``failed`` says whether any write to a session has
-failed since the last :meth:`SendLedger.forget`; ``pending`` whether any is still in
-flight. The caller serialises access (one lock).
+failed since the last :meth:`SendLedger.forget`, which also abandons the session's batches
+then in flight (their rooms fail; a later failure of theirs is not a new one); ``pending``
+and ``in_flight`` count what is still awaited. The caller serialises access (one lock).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Batch:
     delivered_bytes: int = 0
     failed: bool = False
     reported: bool = False  # the caller recorded its outcome (at its first failure or its end)
+    abandoned: bool = False  # its session's failure was handed on: its rooms are failed, nobody waits for it
 
 
 @dataclass
@@ -96,22 +98,31 @@ class SendLedger:
                     batch.delivered_bytes += nbytes
                 else:
                     batch.failed = True
-                    self._failed_sessions.add(batch.session)
+                    if not batch.abandoned:
+                        self._failed_sessions.add(batch.session)
                 ended.append(Ended(batch, nbytes if ok else 0, not batch.writes))
             if not batch.writes:
                 self.batches.remove(batch)
         return ended
 
     def pending(self, session: str) -> bool:
-        return any(b.session == session and b.writes for b in self.batches)
+        """Whether a write to ``session`` that somebody waits for is in flight (abandoned ones aside)."""
+        return any(b.session == session and b.writes and not b.abandoned for b in self.batches)
+
+    def in_flight(self, session: str) -> int:
+        """Batches to ``session`` in flight, abandoned ones aside."""
+        return sum(b.session == session and not b.abandoned for b in self.batches)
 
     def failed(self, session: str) -> bool:
         return session in self._failed_sessions
 
     def forget(self, session: str) -> None:
-        """Clear ``session``'s failure (SGLang took the session back: its probe answered or the
-        decode registered again)."""
+        """Hand ``session``'s failure on: clear it and abandon its batches in flight (their rooms
+        are failed; Mooncake cannot cancel their writes, which are still read until they end)."""
         self._failed_sessions.discard(session)
+        for batch in self.batches:
+            if batch.session == session:
+                batch.abandoned = True
 
     def in_flight_bytes(self) -> int:
         return sum(sum(b.writes.values()) for b in self.batches)

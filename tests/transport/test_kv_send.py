@@ -56,6 +56,20 @@ class TestSendLedger:
         ledger.forget("d0")
         assert not ledger.failed("d0") and ledger.in_flight_bytes() == 0
 
+    def test_a_handed_on_failure_abandons_what_is_in_flight(self):
+        script = {1: [FAILED], 2: [PENDING, FAILED], 3: [PENDING, DONE]}
+        ledger = SendLedger()
+        ledger.add("d0", {1: 10, 2: 10})
+        ledger.add("d0", {3: 10})
+        ledger.reap(lambda i: script[i].pop(0))
+        assert ledger.failed("d0") and ledger.in_flight("d0") == 2 and ledger.pending("d0")
+        ledger.forget("d0")  # SGLang failed the rooms and blacklisted the session
+        assert not ledger.pending("d0") and ledger.in_flight("d0") == 0  # a later room waits for none of it
+        assert ledger.in_flight_bytes() == 20  # still read until it ends
+        ended = ledger.reap(lambda i: script[i].pop(0))
+        assert {e.delivered_bytes for e in ended} == {0, 10} and not ledger.failed("d0")  # not a new failure
+        assert ledger.batches == []
+
 
 def run_probe(**extra_env: str) -> dict:
     pick = PortPicker()
