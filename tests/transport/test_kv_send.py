@@ -11,16 +11,11 @@ SGLang's synchronous batches, and the next request goes through; the meter sees 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from sglang_cpu import run_probe
 
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.transport.kv_send import DONE, FAILED, PENDING, TIMED_OUT, SendLedger, coalesce
 
-PROBE = Path(__file__).with_name("sglang_mooncake_probe.py")
 CHUNKS, REQUESTS, BUFFERS, PAGES_PER_CHUNK = 3, 3, 8, 64
 
 
@@ -71,20 +66,8 @@ class TestSendLedger:
         assert ledger.batches == []
 
 
-def run_probe(**extra_env: str) -> dict:
-    pick = PortPicker()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_", "SGLANG_ENABLE_FAILED"))}
-    env.update(BOOT_PORT=str(pick()), PRFAAS_ROLE="prfaas", **extra_env)
-    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=240, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, proc.stdout[-1500:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1])
-    assert "error" not in out, out["error"] + "\n" + proc.stderr[-3000:]
-    return out
-
-
 def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
-    out = run_probe(PRFAAS_KV_ASYNC_SEND="1", PRFAAS_TELEMETRY_PORT=str(PortPicker()()))
+    out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1", PRFAAS_TELEMETRY_PORT=str(PortPicker()()))
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] and r["aux_intact"]
                for r in out["requests"]), out["requests"]
     sent = out["async"]
@@ -100,7 +83,7 @@ def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
 
 def test_a_refused_transfer_fails_the_request_on_both_sides_and_the_next_one_succeeds():
     for async_send in ("1", "0"):  # the same outcome as SGLang's synchronous batches
-        out = run_probe(PRFAAS_KV_ASYNC_SEND=async_send, FAIL_ROOM="2")
+        out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND=async_send, FAIL_ROOM="2")
         states = [(r["sender"], r["receiver"]) for r in out["requests"]]
         ok, failed = (out["success"],) * 2, (out["failed"],) * 2
         assert states == [ok, failed, ok], (async_send, out["requests"])

@@ -10,33 +10,19 @@ hooks change nothing.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from sglang_cpu import run_probe
 
 from prfaas_sglang.demo.cluster import PortPicker
 
-PROBE = Path(__file__).with_name("sglang_mooncake_probe.py")
 
-
-def run_probe(as_prfaas_worker: bool) -> dict:
-    pick = PortPicker()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_"))}
-    env["BOOT_PORT"] = str(pick())
-    if as_prfaas_worker:  # as the launcher starts a PrfaaS node with a telemetry port
-        env.update(PRFAAS_ROLE="prfaas", PRFAAS_TELEMETRY_PORT=str(pick()))
-    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=240, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, proc.stdout[-1500:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1])
-    assert "error" not in out, out["error"] + "\n" + proc.stderr[-3000:]
-    return out
+def run_as(prfaas_worker: bool) -> dict:
+    if prfaas_worker:  # as the launcher starts a PrfaaS node with a telemetry port
+        return run_probe(PRFAAS_ROLE="prfaas", PRFAAS_TELEMETRY_PORT=str(PortPicker()()))
+    return run_probe()
 
 
 def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
-    out = run_probe(as_prfaas_worker=True)
+    out = run_as(prfaas_worker=True)
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] and r["aux_intact"]
                for r in out["requests"]), out["requests"]
     per_request = out["kv_bytes_per_request"] + out["aux_bytes_per_request"]
@@ -54,6 +40,6 @@ def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
 
 
 def test_without_the_role_the_hooks_change_nothing():
-    out = run_probe(as_prfaas_worker=False)
+    out = run_as(prfaas_worker=False)
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] for r in out["requests"])
     assert out["metered_bytes"] is None and out["samples"] == []
