@@ -66,7 +66,6 @@ class AsyncKvSender:
         self.ledger = SendLedger()
         self._lock = threading.Lock()
         self._tainted: dict[str, set[int]] = {}  # session -> rooms to fail at their next chunk or aux
-        self._noted: set[str] = set()  # sessions with a failure not yet reported to SGLang
         self._sync = threading.local()  # inside the aux barrier: _transfer_data runs synchronously
         self.writes_submitted = 0
         self.writes_failed = 0
@@ -122,33 +121,27 @@ class AsyncKvSender:
                 return False
             return True
 
-    def _wait(self, session: str, done) -> bool:
-        """Sleep until nothing is in flight to ``session`` or ``done()`` (read under the lock);
-        False if the wait bound passed first."""
-        deadline = time.monotonic() + self.wait_bound_s
+    def _wait(self, session: str | None, done, bound_s: float | None = None) -> bool:
+        """Sleep until nothing awaited is in flight to ``session`` (None: nothing at all, abandoned
+        writes included) or ``done()`` (read under the lock); False if the bound passed first."""
+        bound_s = self.wait_bound_s if bound_s is None else bound_s
+        deadline = time.monotonic() + bound_s
         delay = POLL_MIN_S
         while True:
             with self._lock:
                 self._reap(None)
-                if not self.ledger.pending(session) or done():
+                idle = not self.ledger.batches if session is None else not self.ledger.pending(session)
+                if idle or done():
                     return True
             if time.monotonic() > deadline:
-                logger.error("prfaas_sglang: KV writes to %s still in flight after %.0f s", session, self.wait_bound_s)
+                logger.error("prfaas_sglang: KV writes to %s still in flight after %.0f s", session or "any peer", bound_s)
                 return False
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
 
     def settle(self, timeout_s: float) -> bool:
         """Wait, sleeping, until no write to any session is in flight (shutdown, tests); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                self._reap(None)
-                if not self.ledger.batches:
-                    return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(POLL_MAX_S)
+        return self._wait(None, lambda: False, timeout_s)
 
     @property
     def synchronous(self) -> bool:
@@ -164,8 +157,8 @@ class AsyncKvSender:
         telemetry = getattr(self.manager, "_prfaas_link", None)
         for e in ended:
             self._record(e, telemetry)
-            if e.delivered_bytes == 0 and not e.batch.abandoned and e.batch.session not in self._noted:
-                self._note_failure(e.batch.session)
+        for session in {e.batch.session for e in ended if e.delivered_bytes == 0 and not e.batch.abandoned}:
+            self._note_failure(session)
 
     def _record(self, e: Ended, telemetry) -> None:
         """Meter a write's end: its bytes; the batch (one chunk, one metered transfer) ends at its
@@ -187,13 +180,11 @@ class AsyncKvSender:
         known = self._tainted.setdefault(session, set())
         known.intersection_update(self.manager.request_status.keys())  # forget rooms SGLang is done with
         known.update(rooms)
-        self._noted.add(session)
 
     def _report(self, session: str) -> int:
         """Hand ``session``'s failure to SGLang (it blacklists the session on -1) and start afresh: the
         batches then in flight belong to failed rooms and hold up no later room."""
         self.ledger.forget(session)
-        self._noted.discard(session)
         with self.manager.session_lock:
             self.manager.failed_sessions.add(session)
         return -1
