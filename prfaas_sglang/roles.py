@@ -19,6 +19,7 @@ class Role(str, enum.Enum):
     PD_DECODE = "pd-decode"  # local PD cluster, decode nodes (all decoding)
     ROUTER = "router"  # global scheduler (control plane)
     KV_INDEX = "kv-index"  # global KVCache manager (control plane)
+    SINGLE = "single"  # a plain SGLang server, no disaggregation: the reference the GPU check compares with
 
 
 class Engine(str, enum.Enum):
@@ -34,8 +35,8 @@ class KvTransport(str, enum.Enum):
 @dataclass(frozen=True)
 class RoleSpec:
     role: Role
-    cluster_kind: str  # "prfaas" | "pd" | "control"
-    disaggregation_mode: str | None  # SGLang --disaggregation-mode, None for control-plane roles
+    cluster_kind: str  # "prfaas" | "pd" | "control" | "standalone" (never in a topology)
+    disaggregation_mode: str | None  # SGLang --disaggregation-mode ("null": none), None for control-plane roles
     default_kv_transport: KvTransport | None
     allowed_kv_transports: tuple[KvTransport, ...]
     available_engines: tuple[Engine, ...]  # what this release can start
@@ -44,6 +45,10 @@ class RoleSpec:
     @property
     def is_engine_role(self) -> bool:
         return self.disaggregation_mode is not None
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.disaggregation_mode in ("prefill", "decode")
 
 
 # The local PD cluster's decode nodes receive KV from the PrfaaS cluster over
@@ -56,15 +61,21 @@ ROLE_SPECS: dict[Role, RoleSpec] = {
     Role.PD_DECODE: RoleSpec(Role.PD_DECODE, "pd", "decode", KvTransport.TCP, (KvTransport.TCP, KvTransport.RDMA), (Engine.SGLANG, Engine.MOCK), None),
     Role.ROUTER: RoleSpec(Role.ROUTER, "control", None, None, (), (Engine.SGLANG, Engine.MOCK), None),
     Role.KV_INDEX: RoleSpec(Role.KV_INDEX, "control", None, None, (), (Engine.SGLANG, Engine.MOCK), None),
+    Role.SINGLE: RoleSpec(Role.SINGLE, "standalone", "null", None, (), (Engine.SGLANG,), None),
 }
 
 
-def parse_role(value: str, field: str = "--role") -> Role:
+def parse_role(value: str, field: str = "--role", topology: bool = False) -> Role:
+    """``value`` as a Role; ``topology``: only the roles a topology file may hold (not ``single``)."""
+    allowed = [r for r in Role if not (topology and ROLE_SPECS[r].cluster_kind == "standalone")]
     try:
-        return Role(value)
+        role = Role(value)
     except ValueError:
-        choices = ", ".join(r.value for r in Role)
-        raise ConfigError(field, f"unknown role {value!r} (expected one of: {choices})") from None
+        role = None
+    if role not in allowed:
+        choices = ", ".join(r.value for r in allowed)
+        raise ConfigError(field, f"unknown role {value!r} (expected one of: {choices})")
+    return role
 
 
 def role_contract_violations(
@@ -87,6 +98,8 @@ def role_contract_violations(
         problems.append(
             f"role {role.value} needs --disaggregation-mode {spec.disaggregation_mode}, got {disaggregation_mode!r}"
         )
+    if not spec.is_disaggregated:  # a plain server ships no KV
+        return problems
     if transfer_backend != "mooncake":
         problems.append(
             f"role {role.value} ships KV with Mooncake, got --disaggregation-transfer-backend {transfer_backend!r}"

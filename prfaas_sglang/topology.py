@@ -182,7 +182,7 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
         raise ConfigError(f"{path}.name", "is required")
     if "role" not in obj:
         raise ConfigError(f"{path}.role", "is required")
-    role = parse_role(str(obj["role"]), f"{path}.role")
+    role = parse_role(str(obj["role"]), f"{path}.role", topology=True)
     spec = ROLE_SPECS[role]
     if spec.cluster_kind != kind:
         raise ConfigError(f"{path}.role", f"role {role.value} cannot run in a {kind} cluster (it belongs in a {spec.cluster_kind} cluster)")

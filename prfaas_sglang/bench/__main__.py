@@ -13,6 +13,9 @@ Benchmarks:
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
   transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
+  gpu-bundle     build and verify the carry bundle for the lent GPU machine (SGLang, sglang-kernel,
+                 Mooncake CUDA 13, what the server imports) and the tiny hybrid model
+  gpu-e2e        on the GPU machine: every role through our launcher, checks a-f (PASS/FAIL lines)
 """
 
 from __future__ import annotations
@@ -85,9 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--repeats", type=int, default=3)
     tr.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
     tr.add_argument("--json", action="store_true")
+    gb = sub.add_parser("gpu-bundle", help="build and verify the GPU carry bundle (SGLang and what it imports, tiny model)")
+    gb.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
+    gb.add_argument("--python-version", default=None, help="the GPU machine's Python (default 3.12)")
+    gb.add_argument("--wheelhouse", type=Path, default=None, help="take wheels from this directory before the index")
+    gb.add_argument("--budget-mib", type=float, default=None, help="packed-size budget (default: 64 MiB carry less 8 for the checkout)")
+    gb.add_argument("--model-config", type=Path, default=None, help="a hybrid config.json (or its directory) instead of the tiny model's")
+    gb.add_argument("--json", action="store_true")
+    ge = sub.add_parser("gpu-e2e", help="on the GPU machine: real SGLang in every role behind our router; checks a-f")
+    ge.add_argument("--bundle", type=Path, required=True, help="the gpu-bundle output directory (bundle.tar.xz inside)")
+    ge.add_argument("--model-config", type=Path, default=None, help="a hybrid model directory instead of the bundle's tiny model")
+    ge.add_argument("--checks", default=None, help="comma list (default: all)")
+    ge.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: every benchmark stops its processes and removes its namespaces in finally
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.name == "gpu-bundle":
+        from prfaas_sglang.gpu.cli import bundle_main
+
+        return bundle_main(args, parser)
+    if args.name == "gpu-e2e":
+        from prfaas_sglang.gpu.cli import e2e_main
+
+        return e2e_main(args, parser)
     machine = f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     stamp = f"{date.today().isoformat()}; {machine}"
     if args.name == "plan":

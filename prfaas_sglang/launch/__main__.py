@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bootstrap-port", type=int, help="PD bootstrap port (prefill roles)")
     parser.add_argument("--kv-events-port", type=int, help="publish SGLang KV events over ZMQ on this port")
     parser.add_argument("--kv-transport", help="tcp (Mooncake TCP, default) | rdma")
+    parser.add_argument("--kv-profile", choices=("wan", "upstream"), default="wan",
+                        help="wan (default): the WAN transport profile for the cross-cluster leg; upstream: "
+                             "Mooncake's and SGLang's own settings (the baseline a transport comparison starts from)")
     parser.add_argument("--tp-size", type=int, help="tensor parallel size")
     mock = parser.add_argument_group("emulated engine (--engine mock)")
     mock.add_argument("--profile", help="MODEL@ACCELERATOR from the planner's data (e.g. kimi-linear-1t-hybrid@h20x8) or a "
@@ -182,6 +185,9 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
     except ValueError:
         raise ConfigError("--engine", f"unknown engine {args.engine!r} (expected sglang or mock)") from None
     if engine not in spec.available_engines:
+        if spec.planned_in is None:
+            raise ConfigError("--engine", f"role {node.role.value} runs with --engine "
+                                          f"{' or '.join(e.value for e in spec.available_engines)} only")
         raise RoleNotAvailableError(f"role {node.role.value} is not available in this release yet (planned: {spec.planned_in})")
 
     if not spec.is_engine_role:
@@ -209,7 +215,8 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
             raise
         notes = (f"patch series NOT verified ({type(err).__name__}): {err}",)
     node = dataclasses.replace(node, extra_args=node.extra_args + _model_args(topology, node) + extra)
-    command = sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node))
+    command = sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node),
+                             wan_profile=args.kv_profile == "wan")
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")
     return command

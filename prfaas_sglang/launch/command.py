@@ -83,14 +83,17 @@ def kv_events_config(port: int) -> str:
 
 
 def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = (),
-                   link: WanLink | None = None) -> LaunchCommand:
-    """The ``sglang.launch_server`` command and environment for an engine ``node``."""
+                   link: WanLink | None = None, wan_profile: bool = True) -> LaunchCommand:
+    """The ``sglang.launch_server`` command and environment for an engine ``node``; without
+    ``wan_profile``, Mooncake's and SGLang's own transport settings (``MC_FORCE_TCP`` aside)."""
     spec = ROLE_SPECS[node.role]
     if not spec.is_engine_role:
         raise ConfigError("--role", f"{node.role.value} is not an SGLang server role")
     if not node.model_path:
         raise ConfigError("--model-path", f"is required for role {node.role.value} with --engine sglang")
     _refuse_owned_flags(node.extra_args)
+    if not spec.is_disaggregated:
+        return _single_command(node, python, notes)
     transport = node.kv_transport or spec.default_kv_transport
     if transport not in spec.allowed_kv_transports:
         raise ConfigError("--kv-transport", f"role {node.role.value} cannot use {transport.value}")
@@ -116,12 +119,29 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     kept: dict[str, str] = {}
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
-        for default in mooncake_env(node.role, link):  # the cross-cluster leg's profile, by role
+        for default in mooncake_env(node.role, link) if wan_profile else ():  # the cross-cluster leg's profile, by role
             if environ.get(default.name):
                 kept[default.name] = default.value
             else:
                 env[default.name] = default.value
     return LaunchCommand(node, Engine.SGLANG, tuple(argv), env, kept, notes)
+
+
+def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCommand:
+    """A plain SGLang server (role ``single``): no disaggregation, no KV transport."""
+    if node.bootstrap_port is not None:
+        raise ConfigError("--bootstrap-port", f"role {node.role.value} runs no bootstrap server")
+    argv = [python, "-m", "sglang.launch_server", "--model-path", node.model_path]
+    if node.host:
+        argv += ["--host", node.host]
+    if node.port is not None:
+        argv += ["--port", str(node.port)]
+    if node.tp_size is not None:
+        argv += ["--tp-size", str(node.tp_size)]
+    if node.kv_events_port is not None:
+        argv += ["--kv-events-config", kv_events_config(node.kv_events_port)]
+    argv += list(node.extra_args)
+    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value}, {}, notes)
 
 
 def wan_link(topology: Topology | None, node: Node) -> WanLink | None:

@@ -35,7 +35,7 @@ PURE = (
     "prfaas_sglang.errors", "prfaas_sglang.protocol", "prfaas_sglang.transport.meter", "prfaas_sglang.transport.wan_defaults",
     "prfaas_sglang.transport.tcpstate", "prfaas_sglang.transport.kv_send",
     "prfaas_sglang.launch.command", "prfaas_sglang.engine.mock.prefix_cache", "prfaas_sglang.engine.mock.timing",
-    "prfaas_sglang.engine.mock.scheduler",
+    "prfaas_sglang.engine.mock.scheduler", "prfaas_sglang.gpu.bundle",
 )
 IO_MODULES = {"socket", "ssl", "http", "urllib", "asyncio", "threading", "multiprocessing", "subprocess", "selectors",
               "signal", "concurrent", "time", "aiohttp", "requests", "zmq", "uvloop", "mooncake", "sglang", "torch",

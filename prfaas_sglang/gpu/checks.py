@@ -1,0 +1,268 @@
+"""The six checks of ``bench gpu-e2e`` (need the GPU machine; see ``gpu/e2e.py`` for what each shows)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prfaas_sglang.gpu.e2e import (
+    ADMIN_TOKEN,
+    LONG_TOKENS,
+    SERVER_FLAGS,
+    SHAPED_RATE_MBIT,
+    CheckResult,
+    Processes,
+    RunningDeployment,
+    broken_hook_site,
+    bundle_env,
+    extended,
+    http,
+    metric_sum,
+    output_mismatch,
+    parse_answer,
+    prompt_ids,
+    request_body,
+    request_cases,
+    start_deployment,
+)
+
+MODEL_NAME = "tiny-hybrid"
+
+
+@dataclass
+class Context:
+    root: Path
+    checkout: Path
+    model_dir: Path
+    procs: Processes
+    work: Path
+    log: Callable[[str], None]
+    reference: str = ""
+    dep: RunningDeployment | None = None
+    vocab_size: int = 0
+    answers: dict | None = None  # greedy-equal's router answers, for shaped-link's comparison
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
+
+
+def preflight(root: Path, checkout: Path) -> dict:
+    """Versions of what the servers will import, from the bundle's environment; raises when any fails."""
+    code = ("import json, importlib.metadata as m, torch\n"
+            "import sglang, sgl_kernel, mooncake.engine, flashinfer.sampling, prfaas_sglang.plugin\n"
+            "v = {d: m.version(d) for d in ('torch', 'transformers', 'sglang', 'sglang-kernel', "
+            "'mooncake-transfer-engine-cuda13', 'flashinfer-python', 'prfaas-sglang')}\n"
+            "v['cuda'] = torch.version.cuda; v['gpu'] = torch.cuda.get_device_name(0)\n"
+            "v['plugins'] = sorted(e.name for e in m.entry_points(group='sglang.srt.plugins'))\n"
+            "print(json.dumps(v))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=bundle_env(root, checkout),
+                          timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the bundle does not import here: {proc.stderr.strip()[-1500:]}")
+    versions = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "prfaas" not in versions["plugins"]:
+        raise RuntimeError(f"our sglang.srt.plugins entry point is not visible: {versions['plugins']}")
+    return versions
+
+
+def _ask(url: str, case: dict, ids: list[int], text: str | None) -> tuple[dict, dict]:
+    status, headers, payload = http("POST", url + case["endpoint"], request_body(case, ids, text, MODEL_NAME))
+    if status != 200:
+        raise RuntimeError(f"{case['name']} at {url}: HTTP {status} {payload[:300]!r}")
+    return parse_answer(case["endpoint"], case["stream"], payload), headers
+
+
+def check_hooks(ctx: Context) -> CheckResult:
+    from prfaas_sglang.plugin import HOOKS
+
+    missing = {}
+    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0", "reference"):
+        log = ctx.procs.log(name)
+        absent = [h.name for h in HOOKS if f"hook {h.name} installed" not in log]
+        if absent:
+            missing[name] = absent
+    if missing:
+        return CheckResult("hooks", False, f"no 'installed' line for {missing}")
+    site = broken_hook_site(ctx.work / "broken-hook")
+    env = bundle_env(ctx.root, ctx.checkout)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    from prfaas_sglang.demo.cluster import free_port
+
+    proc = ctx.procs.start("broken-hook", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
+                                           str(ctx.model_dir), "--port", str(free_port()), "--", *SERVER_FLAGS], env)
+    try:
+        code = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        ctx.procs.kill("broken-hook")
+        return CheckResult("hooks", False, "a server with a broken hook did not stop within 300 s")
+    log = ctx.procs.log("broken-hook")
+    if code == 0 or "deliberately-broken" not in log or "does not resolve" not in log:
+        return CheckResult("hooks", False, f"a broken hook: exit {code}, message not found in its log")
+    line = next(x for x in log.splitlines() if "deliberately-broken" in x)
+    return CheckResult("hooks", True, data={"hooks": [h.name for h in HOOKS], "broken_exit": code, "broken_message": line[-300:]})
+
+
+def check_greedy_equal(ctx: Context) -> CheckResult:
+    tok = ctx.tokenizer()
+    ctx.vocab_size = len(tok)
+    router = ctx.dep.url("router")
+    failures, routes, answers = [], {}, {}
+    for case in request_cases(ctx.vocab_size):
+        ids = prompt_ids(case["num_tokens"], ctx.vocab_size, case["seed"])
+        text = tok.decode(ids)
+        ref, _ = _ask(ctx.reference, case, ids, text)
+        ours, headers = _ask(router, case, ids, text)
+        answers[case["name"]] = ours
+        routes[case["name"]] = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
+        why = output_mismatch(ours, ref)
+        if why:
+            failures.append(f"{case['name']}: {why}")
+    ctx.answers = answers
+    if failures:
+        return CheckResult("greedy-equal", False, f"{len(failures)} of {len(answers)} differ; first: {failures[0]}",
+                           {"routes": routes})
+    return CheckResult("greedy-equal", True, data={"cases": len(answers), "routes": routes})
+
+
+def check_routing(ctx: Context) -> CheckResult:
+    router = ctx.dep.url("router")
+    before = {n: http("GET", ctx.dep.url(n) + "/metrics")[2].decode() for n in ("prfaas-0", "pd-prefill-0", "pd-decode-0")}
+    router_before = http("GET", router + "/metrics")[2].decode()
+    wrong = []
+    sent = {"prfaas": 0, "pd": 0}
+    for i, num_tokens in enumerate((256, 2048, 8192, 16384)):
+        case = {"name": f"route-{num_tokens}", "endpoint": "/v1/completions", "stream": False}
+        ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, 1000 + i)
+        _, headers = _ask(router, case, ids, None)
+        route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
+        want = "prfaas-b" if num_tokens >= 4096 else "pd-a"
+        sent["prfaas" if want == "prfaas-b" else "pd"] += 1
+        if not route.startswith(want + "/"):
+            wrong.append(f"{num_tokens} tokens went to {route!r}, the threshold says {want}")
+    after = {n: http("GET", ctx.dep.url(n) + "/metrics")[2].decode() for n in before}
+    router_after = http("GET", router + "/metrics")[2].decode()
+    served = {n: metric_sum(after[n], "sglang:num_requests_total") - metric_sum(before[n], "sglang:num_requests_total")
+              for n in before}
+    routed = {c: metric_sum(router_after, "prfaas_router_routed_total", f'cluster="{c}"')
+              - metric_sum(router_before, "prfaas_router_routed_total", f'cluster="{c}"') for c in ("prfaas-b", "pd-a")}
+    if routed != {"prfaas-b": sent["prfaas"], "pd-a": sent["pd"]}:
+        wrong.append(f"router counters {routed} != sent {sent}")
+    if served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"] or served["pd-decode-0"] != 4:
+        wrong.append(f"engine request counters {served} disagree with sent {sent} (decode serves all)")
+    data = {"routed": routed, "engines": served}
+    return CheckResult("routing", not wrong, "; ".join(wrong), data)
+
+
+def check_kv_index(ctx: Context) -> CheckResult:
+    router, index = ctx.dep.url("router"), ctx.dep.url("kv-index")
+    wrong, rows = [], []
+    base = prompt_ids(2048, ctx.vocab_size or 4096, 777)
+    for label, ids in (("first", base), ("repeat", base), ("extend", extended(base, 1024, ctx.vocab_size or 4096, 778))):
+        time.sleep(1.0)  # KV events are published after the request; let them land
+        predicted = json.loads(http("POST", index + "/match", {"input_ids": ids})[2])
+        case = {"name": f"kv-{label}", "endpoint": "/v1/completions", "stream": False}
+        answer, headers = _ask(router, case, ids, None)
+        route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
+        prefill = route.split("/")[1] if route.count("/") >= 2 else ""
+        expect = predicted["by_worker"].get(prefill, 0)
+        rows.append({"prompt": label, "predicted": expect, "cached_tokens": answer["cached_tokens"], "prefill": prefill})
+        if answer["cached_tokens"] is None or expect != answer["cached_tokens"]:
+            wrong.append(f"{label}: kv-index predicts {expect} reusable tokens on {prefill}, the engine reports "
+                         f"cached_tokens {answer['cached_tokens']}")
+    if rows and rows[1]["cached_tokens"] in (0, None):
+        wrong.append("a repeated prompt hit no cache: the check shows nothing")
+    return CheckResult("kv-index", not wrong, "; ".join(wrong), {"rows": rows})
+
+
+def check_failover(ctx: Context) -> CheckResult:
+    router = ctx.dep.url("router")
+    long_case = {"name": "failover", "endpoint": "/v1/completions", "stream": True}
+
+    def one(i: int) -> dict:
+        ids = prompt_ids(LONG_TOKENS[0], ctx.vocab_size or 4096, 5000 + i)
+        started = time.monotonic()
+        try:
+            status, _, payload = http("POST", router + "/v1/completions", request_body(long_case, ids, None, MODEL_NAME),
+                                      timeout_s=180)
+        except OSError as err:
+            return {"ok": False, "hung": "timed out" in str(err), "why": str(err), "s": time.monotonic() - started}
+        if status != 200:
+            return {"ok": False, "status": status, "why": payload[:200].decode(errors="replace"),
+                    "clear": b"message" in payload, "s": time.monotonic() - started}
+        try:
+            parse_answer("/v1/completions", True, payload)
+        except ValueError as err:
+            return {"ok": False, "why": str(err), "streamed_error": True, "s": time.monotonic() - started}
+        return {"ok": True, "s": time.monotonic() - started}
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        time.sleep(1.5)
+        ctx.procs.kill("prfaas-0")
+        later = [pool.submit(one, 100 + i) for i in range(8)]
+        outcomes = [f.result() for f in futures + later]
+    status = json.loads(http("GET", router + "/status")[2])
+    metrics = http("GET", router + "/metrics")[2].decode()
+    hung = [o for o in outcomes if o.get("hung")]
+    unclear = [o for o in outcomes if not o["ok"] and not o.get("clear")]
+    data = {"completed": sum(o["ok"] for o in outcomes), "failed": sum(not o["ok"] for o in outcomes),
+            "redispatched": metric_sum(metrics, "prfaas_router_redispatched_total"),
+            "max_s": round(max(o["s"] for o in outcomes), 1), "kill_after_s": 1.5,
+            "last_answer_after_kill_s": round(max(o["s"] for o in outcomes) - 1.5, 1),
+            "prfaas_healthy": (status.get("workers") or {}).get("prfaas-0", {}).get("healthy")}
+    problems = []
+    if hung:
+        problems.append(f"{len(hung)} request(s) hung")
+    if unclear:
+        problems.append(f"{len(unclear)} failure(s) without a clear error: {unclear[0]['why'][:120]}")
+    if data["prfaas_healthy"] is not False:
+        problems.append(f"the router does not report prfaas-0 down ({data['prfaas_healthy']})")
+    return CheckResult("failover", not problems, "; ".join(problems), data)
+
+
+def check_shaped_link(ctx: Context) -> CheckResult:
+    from prfaas_sglang.gpu.netlink import shaped_namespace
+
+    ctx.procs.stop()
+    rows, problems = [], []
+    with shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT) as ns:
+        for profile in ("upstream", "wan"):
+            procs = Processes(ctx.work / f"logs-shaped-{profile}")
+            try:
+                dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=profile,
+                                       prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip)
+                for num_tokens in LONG_TOKENS:
+                    case = {"name": f"shaped-{num_tokens}", "endpoint": "/v1/completions", "stream": True}
+                    ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)
+                    started = time.monotonic()
+                    status, headers, payload = http("POST", dep.url("router") + "/v1/completions",
+                                                    {**request_body(case, ids, None, MODEL_NAME), "max_tokens": 1})
+                    ttft_s = time.monotonic() - started
+                    rows.append({"profile": profile, "tokens": num_tokens, "ttft_s": round(ttft_s, 3), "status": status,
+                                 "route": headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")})
+                    full, _ = _ask(dep.url("router"), {**case, "name": f"completions-{num_tokens}-stream"}, ids, None)
+                    ref = (ctx.answers or {}).get(f"completions-{num_tokens}-stream")
+                    if ref is not None and (why := output_mismatch(full, ref)):
+                        problems.append(f"{profile} {num_tokens}: {why}")
+            finally:
+                procs.stop()
+    if any(r["status"] != 200 for r in rows):
+        problems.append(f"non-200 answers: {[r for r in rows if r['status'] != 200]}")
+    return CheckResult("shaped-link", not problems, "; ".join(problems), {"rate_mbit": SHAPED_RATE_MBIT, "rows": rows})
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Context], CheckResult]] = {
+    "hooks": check_hooks, "greedy-equal": check_greedy_equal, "routing": check_routing, "kv-index": check_kv_index,
+    "failover": check_failover, "shaped-link": check_shaped_link,
+}
+
+__all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "preflight"]

@@ -1,0 +1,52 @@
+"""The ``bench gpu-bundle`` and ``bench gpu-e2e`` commands (argument handling and output)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prfaas_sglang.gpu import bundle as spec
+
+MODEL_DIR = "model"  # beside site/ in the bundle
+
+
+def bundle_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from prfaas_sglang.gpu.builder import build
+    from prfaas_sglang.gpu.model import ModelError, check_with_sglang, make_model
+
+    budget = int(args.budget_mib * 2**20) if args.budget_mib is not None else spec.BUNDLE_BUDGET_BYTES
+    log = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    try:
+        recipe = make_model(args.out / MODEL_DIR, config=args.model_config, log=log)
+        recipe.update(check_with_sglang(args.out / MODEL_DIR))
+        manifest = build(args.out, args.python_version or spec.PYTHON_VERSION, args.wheelhouse, budget, log=log,
+                         extra_dirs=(MODEL_DIR,))
+    except (spec.BundleError, ModelError) as err:
+        print(f"gpu-bundle: {err}", file=sys.stderr)
+        return 1
+    manifest["model"] = recipe
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        print(f"bundle: {args.out / 'bundle.tar.xz'} ({manifest['packed_bytes'] / 2**20:.1f} MiB of "
+              f"{manifest['budget_bytes'] / 2**20:.0f}), {len(manifest['dists'])} distributions, "
+              f"{manifest['verified_files']} traced files verified")
+    return 0
+
+
+def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from prfaas_sglang.gpu.e2e import CHECKS, gpu_unavailable, run
+
+    checks = tuple(args.checks.split(",")) if args.checks else CHECKS
+    if unknown := [c for c in checks if c not in CHECKS]:
+        parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
+    if (why := gpu_unavailable()) is not None:
+        print(f"gpu-e2e: {why}", file=sys.stderr)
+        return 2
+    if not args.bundle.is_dir():
+        parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    result = run(args.bundle, args.model_config, checks, log)
+    print(json.dumps(result, indent=2) if args.json else json.dumps({k: result[k] for k in ("ok", "passed", "failed")}))
+    return 0 if result["ok"] else 1

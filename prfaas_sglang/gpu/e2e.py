@@ -1,0 +1,427 @@
+"""``python -m prfaas_sglang.bench gpu-e2e --bundle DIR``: real SGLang behind our router, on one GPU.
+
+Starts, through our launcher only, a PrfaaS prefill server, a PD prefill, a PD decode, the
+kv-index and the router (one topology, loopback, every server on the one GPU), plus a plain
+SGLang server (role ``single``) as the reference, then runs the checks:
+
+    hooks         every hook installed in every SGLang server; a deliberately broken hook stops
+                  a server's start-up with a message naming it
+    greedy-equal  greedy outputs through the router equal the reference's, token for token:
+                  short prompts (PD-P) and long ones up to 32K tokens (PrfaaS, KV over Mooncake
+                  TCP), /v1/completions and /v1/chat/completions, streamed and not
+    routing       each request lands where the threshold says (route header, router counters),
+                  and the engines' own request counters agree
+    kv-index      the kv-index's predicted reusable length equals the engine's cached_tokens
+                  for repeated and extended prompts
+    failover      the PrfaaS server is killed mid-run: every request completes via PD-P or fails
+                  with a clear error before any token; none hangs; the router reports it
+    shaped-link   PrfaaS in a network namespace behind a rate-shaped veth (pyroute2, netlink):
+                  TTFT at 8K and 32K tokens, SGLang's Mooncake settings and our WAN profile;
+                  outputs identical to the unshaped run
+
+Every process runs in its own process group and every group is killed on the way out (failure,
+Ctrl-C and SIGTERM included): SGLang's scheduler and detokenizer outlive a killed parent.
+
+Pure helpers (prompt making, output comparison, the topology, the summary) are at the top and
+unit-tested without a GPU; the rest needs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
+# Flags every SGLang server gets (shared/notes/gpu.md): paths a slimmed sglang-kernel has, random
+# weights with one seed (greedy outputs then compare across servers), cached_tokens reported.
+SERVER_FLAGS = ("--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
+                "--mem-fraction-static", "0.17", "--log-level", "info")
+THRESHOLD_TOKENS = 4096  # pinned through the admin API: shorter prompts to PD-P, longer to PrfaaS
+SHORT_TOKENS = (64, 1024)
+LONG_TOKENS = (8192, 32768)
+MAX_NEW_TOKENS = 16
+STARTUP_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 300.0
+SHAPED_RATE_MBIT = 200.0  # binds for a 32K prompt's KV on the tiny model, lets an 8K one pass in a second
+
+
+# --- pure helpers ------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    reason: str = ""
+    data: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        return f"PASS {self.name}" if self.ok else f"FAIL {self.name}: {self.reason}"
+
+
+def gpu_unavailable(dev_dir: Path = Path("/dev")) -> str | None:
+    """Why this machine cannot run the check (one line), or None: an NVIDIA device node is needed."""
+    if not (dev_dir / "nvidiactl").exists() and not any(dev_dir.glob("nvidia[0-9]*")):
+        return "no NVIDIA GPU on this machine (no /dev/nvidia*); run it on the lent GPU machine (README, 'Real SGLang on a GPU')"
+    return None
+
+
+def prompt_ids(num_tokens: int, vocab_size: int, seed: int, first_id: int = 16) -> list[int]:
+    """A deterministic prompt of ``num_tokens`` ordinary token ids (specials, the first ``first_id``, avoided)."""
+    rng = random.Random(seed)
+    return [rng.randrange(first_id, vocab_size) for _ in range(num_tokens)]
+
+
+def extended(ids: list[int], more: int, vocab_size: int, seed: int) -> list[int]:
+    return ids + prompt_ids(more, vocab_size, seed)
+
+
+def request_cases(vocab_size: int) -> list[dict]:
+    """The greedy-equal cases: every length x endpoint x streaming. Completions take the prompt as
+    ids; chat takes text decoded from ids (the router tokenizes it with the chat template)."""
+    cases = []
+    for num_tokens in SHORT_TOKENS + LONG_TOKENS:
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            for stream in (False, True):
+                label = "chat" if "chat" in endpoint else "completions"
+                cases.append({"name": f"{label}-{num_tokens}{'-stream' if stream else ''}",
+                              "endpoint": endpoint, "num_tokens": num_tokens, "stream": stream,
+                              "seed": num_tokens, "long": num_tokens >= THRESHOLD_TOKENS})
+    return cases
+
+
+def request_body(case: dict, ids: list[int], text: str | None, model: str) -> dict:
+    body: dict = {"model": model, "max_tokens": MAX_NEW_TOKENS, "temperature": 0, "stream": case["stream"]}
+    if case["endpoint"] == "/v1/completions":
+        body["prompt"] = ids
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    if case["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def parse_answer(endpoint: str, stream: bool, payload: bytes) -> dict:
+    """``{"text", "finish_reason", "cached_tokens", "prompt_tokens"}`` from an OpenAI-format answer
+    (a JSON body, or an SSE stream of chunks)."""
+    kind = "text" if endpoint == "/v1/completions" else "content"
+    if not stream:
+        obj = json.loads(payload)
+        choice = obj["choices"][0]
+        text = choice.get("text") if kind == "text" else (choice.get("message") or {}).get("content")
+        usage = obj.get("usage") or {}
+        return {"text": text or "", "finish_reason": choice.get("finish_reason"),
+                "cached_tokens": ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")),
+                "prompt_tokens": usage.get("prompt_tokens")}
+    parts, finish, usage = [], None, {}
+    for line in payload.decode().splitlines():
+        if not line.startswith("data:") or line.strip() == "data: [DONE]":
+            continue
+        obj = json.loads(line[5:])
+        if "error" in obj:
+            raise ValueError(f"stream error: {obj['error']}")
+        for choice in obj.get("choices") or ():
+            piece = choice.get("text") if kind == "text" else (choice.get("delta") or {}).get("content")
+            parts.append(piece or "")
+            finish = choice.get("finish_reason") or finish
+        usage = obj.get("usage") or usage
+    return {"text": "".join(parts), "finish_reason": finish,
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "prompt_tokens": usage.get("prompt_tokens")}
+
+
+def output_mismatch(ours: dict, reference: dict) -> str | None:
+    """Why two answers differ (None: the same text and finish reason)."""
+    if ours["text"] != reference["text"]:
+        return f"text {ours['text']!r} != reference {reference['text']!r}"
+    if ours["finish_reason"] != reference["finish_reason"]:
+        return f"finish_reason {ours['finish_reason']} != reference {reference['finish_reason']}"
+    return None
+
+
+def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0.1",
+                 prfaas_host: str | None = None) -> dict:
+    """The topology the check starts: one PrfaaS node, one PD prefill, one PD decode, router and
+    kv-index, the model's tokenizer in the router, every SGLang server with :data:`SERVER_FLAGS`."""
+    def engine(name: str, role: str, prefill: bool, at: str = host) -> dict:
+        node = {"name": name, "role": role, "host": at, "port": ports(), "kv_events_port": ports()}
+        if prefill:
+            node["bootstrap_port"] = ports()
+        if role == "prfaas":
+            node["telemetry_port"] = ports()
+        return node
+
+    return {
+        "version": 1,
+        "model": {"path": str(model_dir), "served_name": "tiny-hybrid", "tokenizer": str(model_dir),
+                  "cost_model": "kimi-linear-1t-hybrid", "extra_args": list(SERVER_FLAGS)},
+        "clusters": {
+            "prfaas-b": {"kind": "prfaas", "kv_transport": "tcp", "accelerator": "h200x8",
+                         "nodes": [engine("prfaas-0", "prfaas", True, prfaas_host or host)]},
+            "pd-a": {"kind": "pd", "kv_transport": "tcp", "accelerator": "h20x8",
+                     "nodes": [engine("pd-prefill-0", "pd-prefill", True), engine("pd-decode-0", "pd-decode", False)]},
+            "control": {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": ports()},
+                                                     {"name": "kv-index", "role": "kv-index", "host": host, "port": ports()}]},
+        },
+        "links": [{"from": "prfaas-b", "to": "pd-a", "bandwidth_gbps": 1, "rtt_ms": 20}],
+        "scheduler": {"workload": {"kind": "lognormal", "mu": 9.9, "sigma": 1.0, "min_tokens": 128, "max_tokens": 40960},
+                      "output_tokens": MAX_NEW_TOKENS, "slo_tokens_per_s": 1, "ttft_slo_s": 600},
+    }
+
+
+def summary(results: Iterable[CheckResult], facts: dict) -> dict:
+    results = list(results)
+    return {"ok": bool(results) and all(r.ok for r in results), "passed": [r.name for r in results if r.ok],
+            "failed": {r.name: r.reason for r in results if not r.ok}, "checks": {r.name: r.data for r in results},
+            **facts}
+
+
+def broken_hook_site(directory: Path) -> Path:
+    """A directory whose ``sitecustomize`` adds a hook with a target that does not resolve: put first
+    on PYTHONPATH, every SGLang process of a server then loads it with our plugin."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(
+        "import dataclasses\n"
+        "from prfaas_sglang import plugin\n"
+        "plugin.HOOKS = (*plugin.HOOKS, dataclasses.replace(plugin.HOOKS[0], name='deliberately-broken',\n"
+        "                target='sglang.srt.server_args.ServerArgs.no_such_method_prfaas'))\n")
+    return directory
+
+
+# --- the bundle on the GPU machine --------------------------------------------------------------
+
+
+def unpack(bundle_dir: Path) -> Path:
+    """The bundle's root (``site/`` and ``model/`` inside): ``bundle_dir`` itself when already
+    unpacked, else ``bundle.tar.xz`` unpacked beside it (once)."""
+    if (bundle_dir / "site").is_dir():
+        return bundle_dir
+    archive = bundle_dir / "bundle.tar.xz"
+    if not archive.is_file():
+        raise FileNotFoundError(f"{bundle_dir}: neither site/ nor bundle.tar.xz (build it: bench gpu-bundle --out DIR)")
+    root = bundle_dir / "unpacked"
+    if not (root / "site").is_dir():
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+    return root
+
+
+def bundle_env(root: Path, checkout: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every process gets: the checkout, then the bundle's site, on PYTHONPATH; no
+    hub access; none of this shell's PRFAAS_* or MC_* settings."""
+    env = {k: v for k, v in (base if base is not None else os.environ).items() if not k.startswith(("PRFAAS_", "MC_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(root / "site")])
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+
+class Processes:
+    """Started processes, each its own process group, logs to files; :meth:`stop` kills every group."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], preexec_fn=None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        # its own session (and group) first; then ``preexec_fn`` (entering a network namespace)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=preexec_fn)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def kill(self, name: str, sig: int = 9) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def stop(self) -> list[str]:
+        """Kill every group (TERM, then KILL after 10 s); the names that had to be KILLed."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, 15)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        killed = []
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                killed.append(name)
+            try:  # the group too: children that outlive their parent
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+        return killed
+
+
+def http(method: str, url: str, body: dict | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
+         headers: dict | None = None) -> tuple[int, dict, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} before {url} answered")
+        try:
+            if http("GET", url, timeout_s=5)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{url} not healthy after {timeout_s:g} s")
+
+
+def metric_sum(text: str, name: str, label: str = "") -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (not label or label in line):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return total
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+ADMIN_TOKEN = "gpu-e2e"
+
+
+@dataclass
+class RunningDeployment:
+    topology: dict
+    config: Path
+    env: dict[str, str]
+    procs: Processes
+
+    def node(self, name: str) -> dict:
+        for cluster in self.topology["clusters"].values():
+            for node in cluster["nodes"]:
+                if node["name"] == name:
+                    return node
+        raise KeyError(name)
+
+    def url(self, name: str) -> str:
+        node = self.node(name)
+        return f"http://{node['host']}:{node['port']}"
+
+
+def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Processes, work: Path,
+                     kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None) -> RunningDeployment:
+    import yaml
+
+    from prfaas_sglang.demo.cluster import PortPicker
+
+    topology = e2e_topology(model_dir, PortPicker(), prfaas_host=prfaas_host)
+    config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}.yaml"
+    config.write_text(yaml.safe_dump(topology, sort_keys=False))
+    env = bundle_env(root, checkout)
+    dep = RunningDeployment(topology, config, env, procs)
+    launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
+    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
+        extra = ["--kv-profile", kv_profile] if name == "prfaas-0" else []
+        procs.start(name, [*launch, "--node", name, *extra], env, preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
+    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
+        wait_healthy(dep.url(name) + "/health", procs.procs[name])
+    procs.start("kv-index", [*launch, "--node", "kv-index"], env)
+    procs.start("router", [*launch, "--node", "router"], {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
+    for name in ("kv-index", "router"):
+        wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=120)
+    status, _, body = http("POST", dep.url("router") + "/admin/threshold", {"threshold_tokens": THRESHOLD_TOKENS},
+                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    if status != 200:
+        raise RuntimeError(f"pinning the threshold failed: {status} {body[:200]!r}")
+    return dep
+
+
+def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes) -> str:
+    from prfaas_sglang.demo.cluster import free_port
+
+    port = free_port()
+    procs.start("reference", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
+                              str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *SERVER_FLAGS],
+                bundle_env(root, checkout))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url + "/health", procs.procs["reference"])
+    return url
+
+
+def run(bundle_dir: Path, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None]) -> dict:
+    from prfaas_sglang.gpu import checks as impl
+
+    checkout = Path(__file__).resolve().parents[2]
+    root = unpack(bundle_dir)
+    if str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...) from the bundle
+        sys.path.append(str(root / "site"))
+    model_dir = model_config or (root / "model")
+    work = Path(tempfile.mkdtemp(prefix="prfaas-gpu-e2e-"))
+    procs = Processes(work / "logs")
+    results: list[CheckResult] = []
+    facts: dict = {"work_dir": str(work), "model": str(model_dir)}
+    try:
+        facts["versions"] = impl.preflight(root, checkout)
+        log(f"[gpu-e2e] versions: {facts['versions']}")
+        ctx = impl.Context(root, checkout, model_dir, procs, work, log)
+        ctx.reference = start_reference(root, checkout, model_dir, procs)
+        ctx.dep = start_deployment(root, checkout, model_dir, procs, work)
+        for name in checks:
+            started = time.monotonic()
+            try:
+                result = impl.CHECK_FUNCTIONS[name](ctx)
+            except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
+                result = CheckResult(name, False, f"{type(err).__name__}: {err}")
+            result.data["seconds"] = round(time.monotonic() - started, 1)
+            log(result.line())
+            results.append(result)
+    except Exception as err:  # noqa: BLE001 - start-up failed: every requested check fails with the cause
+        for name in checks:
+            if name not in {r.name for r in results}:
+                results.append(CheckResult(name, False, f"deployment did not start: {type(err).__name__}: {err}"))
+                log(results[-1].line())
+    finally:
+        facts["killed_after_term"] = procs.stop()
+        facts["logs"] = str(procs.log_dir)
+    if not results:
+        shutil.rmtree(work, ignore_errors=True)
+    return summary(results, facts)

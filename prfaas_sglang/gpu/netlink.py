@@ -1,0 +1,73 @@
+"""A network namespace behind a rate-shaped veth, made through netlink (pyroute2), no iproute2.
+
+The lent GPU machine has no ``ip`` or ``tc``; pyroute2 talks netlink directly. Layout::
+
+    root namespace                      namespace NAME
+    HOST_IF 10.78.0.1/30  <-- veth -->  INNER_IF 10.78.0.2/30, default route via 10.78.0.1
+                                        tbf on INNER_IF: everything leaving NAME at RATE
+
+A process started with ``preexec_fn=ns.enter`` runs inside NAME: what it sends (a PrfaaS
+server's KV) crosses the shaped link; what it receives does not. Needs root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+HOST_IP, INNER_IP, PREFIX = "10.78.0.1", "10.78.0.2", 30
+HOST_IF, INNER_IF = "pfe2e0", "pfe2e1"
+
+
+@dataclass(frozen=True)
+class ShapedNamespace:
+    name: str
+    host_ip: str
+    inner_ip: str
+    rate_mbit: float
+
+    def enter(self) -> None:
+        """``preexec_fn``: move the child into the namespace before it execs."""
+        from pyroute2 import netns
+
+        netns.setns(self.name)
+
+
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """A token bucket that holds 4 ms at the rate, at least 64 KiB (the kernel needs one segment
+    plus headroom for TSO bursts)."""
+    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+
+
+@contextlib.contextmanager
+def shaped_namespace(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
+    """Create the namespace, veth and shaper; remove them on exit (also on error)."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    if name in netns.listnetns():
+        netns.remove(name)
+    netns.create(name)
+    try:
+        with IPRoute() as ipr:
+            for stale in ipr.link_lookup(ifname=HOST_IF):
+                ipr.link("del", index=stale)
+            ipr.link("add", ifname=HOST_IF, kind="veth", peer={"ifname": INNER_IF, "net_ns_fd": name})
+            host = ipr.link_lookup(ifname=HOST_IF)[0]
+            ipr.addr("add", index=host, address=HOST_IP, prefixlen=PREFIX)
+            ipr.link("set", index=host, state="up")
+        with NetNS(name) as ns:
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            inner = ns.link_lookup(ifname=INNER_IF)[0]
+            ns.addr("add", index=inner, address=INNER_IP, prefixlen=PREFIX)
+            ns.link("set", index=inner, state="up")
+            ns.route("add", dst="default", gateway=HOST_IP)
+            ns.tc("add", "tbf", inner, 0x10000, rate=f"{int(rate_mbit * 1000)}kbit", burst=tbf_burst_bytes(rate_mbit),
+                  latency="100ms")
+        yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit)
+    finally:
+        with contextlib.suppress(Exception), IPRoute() as ipr:
+            for index in ipr.link_lookup(ifname=HOST_IF):
+                ipr.link("del", index=index)
+        with contextlib.suppress(Exception):
+            netns.remove(name)

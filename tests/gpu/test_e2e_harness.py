@@ -1,0 +1,188 @@
+"""``bench gpu-e2e`` without a GPU: its pure parts, its process handling, the broken-hook scaffold
+against real SGLang on CPU, the shaped namespace it builds through netlink, and its refusal to run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from helpers import REPO_ROOT
+
+from prfaas_sglang.gpu import e2e
+from prfaas_sglang.launch.command import sglang_command
+from prfaas_sglang.roles import Role, role_contract_violations
+from prfaas_sglang.topology import Node
+
+
+def test_without_a_gpu_it_exits_at_once_with_one_line(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "gpu-e2e", "--bundle", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "no NVIDIA GPU" in proc.stderr
+    assert time.monotonic() - started < 20
+
+
+def test_gpu_detection_reads_the_device_nodes(tmp_path):
+    assert "no NVIDIA GPU" in e2e.gpu_unavailable(tmp_path)
+    (tmp_path / "nvidia0").touch()
+    assert e2e.gpu_unavailable(tmp_path) is None
+
+
+def test_cases_cover_every_length_endpoint_and_mode():
+    cases = e2e.request_cases(4096)
+    assert len(cases) == 4 * 2 * 2 and len({c["name"] for c in cases}) == len(cases)
+    assert {c["num_tokens"] for c in cases if c["long"]} == set(e2e.LONG_TOKENS)
+    assert max(e2e.LONG_TOKENS) == 32768 and all(n < e2e.THRESHOLD_TOKENS for n in e2e.SHORT_TOKENS)
+    ids = e2e.prompt_ids(1000, 4096, seed=3)
+    assert ids == e2e.prompt_ids(1000, 4096, seed=3) != e2e.prompt_ids(1000, 4096, seed=4)
+    assert len(ids) == 1000 and min(ids) >= 16 and max(ids) < 4096
+    chat = next(c for c in cases if c["endpoint"].endswith("chat/completions") and c["stream"])
+    body = e2e.request_body(chat, ids, "hello", "m")
+    assert body["messages"] == [{"role": "user", "content": "hello"}] and body["temperature"] == 0
+    assert body["stream_options"] == {"include_usage": True}
+    assert e2e.request_body(cases[0], ids, None, "m")["prompt"] == ids
+
+
+def test_answers_parse_the_same_streamed_or_not():
+    plain = json.dumps({"choices": [{"text": "ab", "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}}).encode()
+    stream = b"".join(b"data: " + json.dumps(obj).encode() + b"\n\n" for obj in (
+        {"choices": [{"text": "a", "finish_reason": None}]}, {"choices": [{"text": "b", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}})) + b"data: [DONE]\n\n"
+    want = {"text": "ab", "finish_reason": "length", "cached_tokens": 4, "prompt_tokens": 9}
+    assert e2e.parse_answer("/v1/completions", False, plain) == want
+    assert e2e.parse_answer("/v1/completions", True, stream) == want
+    chat = b"data: " + json.dumps({"choices": [{"delta": {"content": "ab"}, "finish_reason": "stop"}]}).encode() + b"\n\n"
+    assert e2e.parse_answer("/v1/chat/completions", True, chat)["text"] == "ab"
+    with pytest.raises(ValueError, match="stream error"):
+        e2e.parse_answer("/v1/completions", True, b'data: {"error": {"message": "KV transfer failed"}}\n\n')
+    assert e2e.output_mismatch(want, dict(want)) is None
+    assert "reference 'ac'" in e2e.output_mismatch(want, {**want, "text": "ac"})
+    assert "finish_reason" in e2e.output_mismatch(want, {**want, "finish_reason": "stop"})
+
+
+def test_the_topology_loads_and_every_engine_gets_the_gpu_flags(tmp_path):
+    import yaml
+
+    from prfaas_sglang.demo.cluster import PortPicker
+    from prfaas_sglang.topology import load_topology
+
+    doc = e2e.e2e_topology(tmp_path / "model", PortPicker(), prfaas_host="10.78.0.2")
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    topology = load_topology(path)
+    engines = [n for n in topology.nodes if n.role in (Role.PRFAAS, Role.PD_PREFILL, Role.PD_DECODE)]
+    assert len(engines) == 3 and next(n for n in engines if n.role is Role.PRFAAS).host == "10.78.0.2"
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.launch", "--config", str(path), "--node", "prfaas-0",
+                           "--dry-run", "--json"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)["argv"]
+    joined = " ".join(argv)
+    assert "--load-format dummy" in joined and "--enable-cache-report" in joined and "--disaggregation-mode prefill" in joined
+
+
+def test_the_single_role_is_a_plain_server_and_the_upstream_profile_sets_nothing():
+    node = Node("ref", "standalone", Role.SINGLE, host="127.0.0.1", port=31000, model_path="/m", extra_args=("--load-format", "dummy"))
+    cmd = sglang_command(node, "python", {})
+    assert "--disaggregation-mode" not in cmd.argv and "--disaggregation-transfer-backend" not in cmd.argv
+    assert cmd.env == {"PRFAAS_ROLE": "single"}
+    assert role_contract_violations(Role.SINGLE, "null", None, None, {}) == []
+    assert role_contract_violations(Role.SINGLE, "prefill", "mooncake", None, {})
+    prfaas = Node("p", "prfaas", Role.PRFAAS, port=1, bootstrap_port=2, model_path="/m")
+    assert set(sglang_command(prfaas, "python", {}, wan_profile=False).env) == {"PRFAAS_ROLE", "PRFAAS_KV_TRANSPORT", "MC_FORCE_TCP"}
+    assert "MC_TCP_LANES_PER_PEER" in sglang_command(prfaas, "python", {}).env
+
+
+def test_stop_kills_children_that_outlive_their_parent(tmp_path):
+    procs = e2e.Processes(tmp_path / "logs")
+    script = "import subprocess, sys; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); sys.exit(0)"
+    parent = procs.start("orphaning", [sys.executable, "-c", script], dict(os.environ))
+    parent.wait(timeout=30)
+    child_pid = int((tmp_path / "logs" / "orphaning.log").read_text().split()[0])
+    os.kill(child_pid, 0)  # alive after its parent exited
+    procs.stop()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        try:
+            os.waitpid(child_pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("the orphaned child survived stop()")
+
+
+def test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading(tmp_path):
+    site = e2e.broken_hook_site(tmp_path / "broken")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode != 0
+    assert "deliberately-broken" in proc.stderr and "does not resolve" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_summary_is_ok_only_when_every_check_passed():
+    results = [e2e.CheckResult("hooks", True, data={"n": 1}), e2e.CheckResult("routing", False, "went to pd-a")]
+    out = e2e.summary(results, {"versions": {}})
+    assert out["ok"] is False and out["passed"] == ["hooks"] and out["failed"] == {"routing": "went to pd-a"}
+    assert [r.line() for r in results] == ["PASS hooks", "FAIL routing: went to pd-a"]
+    assert e2e.summary([], {})["ok"] is False
+
+
+def _root_with_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    try:
+        import pyroute2  # noqa: F401
+    except ImportError:
+        return "pyroute2 is not installed"
+    return None
+
+
+@pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
+def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
+    from pyroute2 import IPRoute, netns
+
+    from prfaas_sglang.gpu.netlink import HOST_IF, shaped_namespace
+
+    rate_mbit = 40.0
+    received = []
+    with shaped_namespace("prfaas-test-shaped", rate_mbit) as ns:
+        server = socket.create_server((ns.host_ip, 0))
+        port = server.getsockname()[1]
+
+        def sink():
+            conn, _ = server.accept()
+            total, started = 0, None
+            while data := conn.recv(1 << 16):
+                started = started or time.monotonic()
+                total += len(data)
+            received.append((total, time.monotonic() - started))
+            conn.close()
+
+        thread = threading.Thread(target=sink)
+        thread.start()
+        send = (f"import socket; s = socket.create_connection(('{ns.host_ip}', {port})); "
+                "s.sendall(b'x' * (8 << 20)); s.close()")
+        proc = subprocess.run([sys.executable, "-c", send], preexec_fn=ns.enter, timeout=60, capture_output=True, text=True)
+        thread.join(timeout=60)
+        server.close()
+        assert proc.returncode == 0, proc.stderr
+    total, seconds = received[0]
+    rate = total * 8 / seconds / 1e6
+    assert total == 8 << 20
+    assert 0.6 * rate_mbit < rate < 1.2 * rate_mbit, rate  # the tbf binds: 40 Mbit/s, not loopback speed
+    assert "prfaas-test-shaped" not in netns.listnetns()
+    with IPRoute() as ipr:
+        assert ipr.link_lookup(ifname=HOST_IF) == []
