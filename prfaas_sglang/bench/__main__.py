@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--conditions", default="clean,lossy", help="comma list of: clean, lossy, lossy-cubic, lossy-bbr")
     tr.add_argument("--repeats", type=int, default=3)
     tr.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
+    tr.add_argument("--no-slow-start-after-idle", action="store_true",
+                    help="net.ipv4.tcp_slow_start_after_idle=0 on both ends: connections keep their window across idle gaps")
     tr.add_argument("--json", action="store_true")
     gb = sub.add_parser("gpu-bundle", help="build and verify the GPU carry bundle (SGLang and what it imports, tiny model)")
     gb.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
@@ -188,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         if (why := unavailable()) is not None:
             parser.error(f"the emulated link {why}")
         result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
-                           args.repeats, not args.no_table)
+                           args.repeats, not args.no_table, not args.no_slow_start_after_idle)
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
-                  f"--conditions {args.conditions} --repeats {args.repeats}; {stamp} -->")
+                  f"--conditions {args.conditions} --repeats {args.repeats}"
+                  f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}; {stamp} -->")
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 

@@ -105,11 +105,11 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 
 
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
-                  default_request_kib: int, repeats: int, table: bool) -> dict:
+                  default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
-                      congestion_control=cond.congestion_control) as link:
+                      congestion_control=cond.congestion_control, slow_start_after_idle=slow_start_after_idle) as link:
         recv_proc = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(buffer_mib)),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=default_env())
@@ -142,6 +142,7 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                     sender.close()
             out = {"condition": cond.name, "rtt_ms": cond.rtt_ms, "loss": cond.loss,
                    "congestion_control": cond.congestion_control or _host_cc(),
+                   "slow_start_after_idle": slow_start_after_idle,
                    "goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours"]),
                    "default_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["default"]),
                    "per_chunk_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_per_chunk"]),
@@ -190,11 +191,12 @@ CONDITIONS = {
 
 
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
-        conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True) -> dict:
+        conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
+        slow_start_after_idle: bool = True) -> dict:
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
-                                     default_request_kib, repeats, table and i == 0))
+                                     default_request_kib, repeats, table and i == 0, slow_start_after_idle))
     first = results[0]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib,
             "default_request_kib": default_request_kib, "chunk_mib": CHUNK_BYTES >> 20,

@@ -106,3 +106,17 @@ def test_bad_settings_are_refused_before_anything_is_made():
     with pytest.raises(LinkEmulatorUnavailable, match="not available"):
         EmulatedLink(tag=244, rate_mbit=10, congestion_control="no-such-cc").__enter__()
     assert "prfaas-la244" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_slow_start_after_idle_is_set_per_namespace_only():
+    def value(wrap) -> str:
+        return subprocess.run((*wrap, "sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"), capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    host = subprocess.run(("sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"), capture_output=True, text=True).stdout.strip()
+    with EmulatedLink(tag=242, rate_mbit=100, slow_start_after_idle=False) as link:
+        assert value(link.wrap_a) == value(link.wrap_b) == "0"
+    with EmulatedLink(tag=242, rate_mbit=100) as link:
+        assert value(link.wrap_a) == "1"
+    assert subprocess.run(("sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"), capture_output=True,
+                          text=True).stdout.strip() == host

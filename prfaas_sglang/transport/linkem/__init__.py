@@ -77,7 +77,8 @@ class EmulatedLink:
     """Namespaces ``prfaas-la{tag}`` (``ip_a``) and ``prfaas-lb{tag}`` (``ip_b``) joined by linkem."""
 
     def __init__(self, tag: int, rate_mbit: float, rtt_ms: float = 0.0, loss: float = 0.0,
-                 queue_ms: float | None = None, congestion_control: str | None = None):
+                 queue_ms: float | None = None, congestion_control: str | None = None,
+                 slow_start_after_idle: bool = True):
         if not 0 <= tag < 256:
             raise ValueError("tag must be in 0..255")
         if rate_mbit <= 0 or rtt_ms < 0 or not 0 <= loss < 1:
@@ -88,6 +89,9 @@ class EmulatedLink:
         self.rate_mbit, self.rtt_ms, self.loss = rate_mbit, rtt_ms, loss
         self.queue_ms = queue_ms if queue_ms is not None else max(rtt_ms, 5.0)
         self.congestion_control = congestion_control
+        # False: net.ipv4.tcp_slow_start_after_idle=0 in both namespaces (a connection keeps its
+        # congestion window across idle gaps instead of restarting slow start after an idle RTO)
+        self.slow_start_after_idle = slow_start_after_idle
         self._proc: subprocess.Popen | None = None
         self._allowed_before: str | None = None  # the host's allowed congestion controls, when we widened them
 
@@ -120,6 +124,8 @@ class EmulatedLink:
                 _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
                 if self.congestion_control:
                     _sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion_control}")
+                if not self.slow_start_after_idle:
+                    _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
         except BaseException:
             self.__exit__(None, None, None)
             raise
