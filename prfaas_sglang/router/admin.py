@@ -12,9 +12,13 @@ Every error is JSON with a one-line message; nothing changes on an error.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import math
 import time
 from urllib.parse import urlparse
+
+import orjson
 
 from aiohttp import web
 
@@ -36,16 +40,40 @@ def _authorized(request: web.Request) -> web.Response | None:
     return None
 
 
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message, "code": 400}}), content_type="application/json")
+
+
 async def _body(request: web.Request) -> dict:
+    """The JSON object of the request, parsed strictly (orjson: no NaN or Infinity, nesting bounded,
+    valid UTF-8 whatever the declared charset); a 400 otherwise."""
+    raw = await request.read()
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body is not valid JSON", "code": 400}}),
-                                 content_type="application/json") from None
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise _bad_request(f"body is not valid JSON ({err})") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "body must be an object", "code": 400}}),
-                                 content_type="application/json")
+        raise _bad_request("body must be an object")
     return body
+
+
+def _worker_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot name a worker (None: it can): http://host:port with a port in 1..65535,
+    and not a link-local address (cloud metadata services live there)."""
+    try:
+        parsed = urlparse(url)
+        port = parsed.port
+    except ValueError as err:
+        return f"url {url!r} does not parse: {err}"
+    if parsed.scheme != "http" or not parsed.hostname or not port:
+        return f"url must look like http://host:port, got {url!r}"
+    try:
+        address = ipaddress.ip_address(parsed.hostname)
+    except ValueError:
+        address = None
+    if (address is not None and address.is_link_local) or parsed.hostname.lower() == "metadata.google.internal":
+        return f"url {url!r} is link-local (a cloud metadata address); a worker cannot live there"
+    return None
 
 
 def add_admin_routes(app: web.Application, service_key, on_register, on_deregister) -> None:
@@ -56,8 +84,9 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
             return denied
         body = await _body(request)
         value = body.get("threshold_tokens", "missing")
-        if value == "missing" or (value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0)):
-            return _err(400, "threshold_tokens must be a positive number or null")
+        if value == "missing" or (value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                         or not math.isfinite(value) or value <= 0)):
+            return _err(400, "threshold_tokens must be a positive, finite number or null")
         service = request.app[service_key]
         now = service.controller.override(time.monotonic(), value)
         return web.json_response({"threshold_tokens": now, "override": value is not None})
@@ -85,9 +114,9 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
             name, url, cluster, role = (str(body[k]) for k in ("name", "url", "cluster", "role"))
         except KeyError as err:
             return _err(400, f"missing field {err.args[0]!r} (need name, url, cluster, role)")
+        if (problem := _worker_url_problem(url)) is not None:
+            return _err(400, problem)
         parsed = urlparse(url)
-        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-            return _err(400, f"url must look like http://host:port, got {url!r}")
         if cluster not in ("prfaas", "pd") or role not in ("prefill", "decode") or (cluster == "prfaas" and role == "decode"):
             return _err(400, "cluster must be prfaas or pd, role prefill or decode (decode lives in pd)")
         ports = {}

@@ -185,6 +185,27 @@ def test_admin_register_and_deregister(deployment):
     assert generate(url, list(range(960_000, 961_000))).status_code == 200
 
 
+def test_admin_refuses_malformed_input_with_a_400_not_a_500(deployment):
+    """Issue #16's findings: NaN/Infinity thresholds were accepted, deep JSON, bad ports, broken IPv6
+    URLs and an unknown charset answered 500, and a link-local (cloud metadata) worker URL was taken."""
+    url, pp0 = deployment["url"], deployment["pd_prefill"]
+    raw = {**AUTH, "Content-Type": "application/json"}
+    for body in ('{"threshold_tokens": NaN}', '{"threshold_tokens": Infinity}', '{"threshold_tokens": 1e400}',
+                 "[" * 5000 + "]" * 5000, '{"threshold_tokens": 5', "\ud800"):
+        r = requests.post(url + "/admin/threshold", data=body.encode("utf-8", "surrogatepass"), headers=raw, timeout=5)
+        assert r.status_code == 400, (body[:40], r.status_code, r.text[:200])
+        assert r.json()["error"]["message"]
+    r = requests.post(url + "/admin/threshold", data=b'{"threshold_tokens": 5}', timeout=5,
+                      headers={**AUTH, "Content-Type": "application/json; charset=bogus"})
+    assert r.status_code == 200  # the body is valid UTF-8 JSON; the declared charset is not trusted
+    assert requests.post(url + "/admin/threshold", json={"threshold_tokens": None}, headers=AUTH, timeout=5).status_code == 200
+    worker = {"name": "w", "url": pp0.url, "cluster": "pd", "role": "prefill", "bootstrap_port": pp0.bootstrap_port}
+    for bad_url in ("http://h:99999", "http://[::1", "http://169.254.169.254:80", "http://[fe80::1]:80", "http://h:0"):
+        r = requests.post(url + "/admin/workers", json={**worker, "url": bad_url}, headers=AUTH, timeout=5)
+        assert r.status_code == 400, (bad_url, r.status_code, r.text[:200])
+    assert requests.get(url + "/status", timeout=5).json()["threshold_tokens"] == THRESHOLD
+
+
 # Token counts are either small or beyond the workers' context: the fuzz looks for crashes and
 # wrong status codes, not for long legitimate generations (a valid 40K-token answer takes a minute).
 counts = st.integers(-5, 64) | st.sampled_from([200_000, 10**12])
