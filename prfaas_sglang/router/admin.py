@@ -19,7 +19,6 @@ import time
 from urllib.parse import urlparse
 
 import orjson
-
 from aiohttp import web
 
 from prfaas_sglang.envs import envs
