@@ -7,24 +7,68 @@ link with the capacities delivered while busy (each weighted by its busy
 share), and sums what the transfers came to (completed, failed; congested if any worker says
 so). A worker silent for ``stale_after_s`` drops out; with nobody fresh the
 view is ``None`` (unknown), never a stale utilisation.
+
+Two more things silence and delay tell (telemetry crosses the same network as the KV):
+
+* **Silent while busy is down.** A worker that has published before and goes silent for
+  ``stale_after_s`` while the router has work in flight on it (:meth:`note_silence`) is marked
+  down: the router routes around it until any sample from it arrives again.
+* **Late is stale.** Samples held in a send queue during an outage arrive in a burst when the
+  link returns. Each sample's delay (receiver's wall clock less the sender's ``ts``) is compared
+  with the smallest delay seen from that worker over ``delay_window_s`` (which absorbs a constant
+  clock offset, and v1's monotonic ``ts``); one delayed by more than ``stale_after_s`` beyond it
+  is discarded (counted in ``discarded``), not replayed into the controller.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from prfaas_sglang.router.threshold import LinkView
 from prfaas_sglang.wire.telemetry import LinkSample
 
 
 class LinkAggregator:
-    def __init__(self, stale_after_s: float = 2.0):
+    def __init__(self, stale_after_s: float = 2.0, delay_window_s: float = 120.0):
         self.stale_after_s = stale_after_s
+        self.delay_window_s = delay_window_s
         self._latest: dict[str, tuple[float, LinkSample]] = {}
+        self._delays: dict[str, deque[tuple[float, float]]] = {}  # worker -> (received wall s, delay s)
+        self._down: set[str] = set()
+        self.discarded = 0
 
-    def update(self, worker: str, sample: LinkSample, now_s: float) -> None:
+    def update(self, worker: str, sample: LinkSample, now_s: float, wall_s: float | None = None) -> bool:
+        """Take ``sample`` from ``worker``, received at ``now_s`` (monotonic) and ``wall_s`` (the
+        receiver's wall clock; None skips the lateness test). Any sample clears ``worker``'s down
+        mark (it is heard again); a late one is then discarded. Returns whether it was taken."""
+        self._down.discard(worker)
+        if wall_s is not None:
+            delay = wall_s - sample.ts
+            seen = self._delays.setdefault(worker, deque())
+            seen.append((wall_s, delay))
+            while seen and seen[0][0] < wall_s - self.delay_window_s:
+                seen.popleft()
+            if delay - min(d for _, d in seen) > self.stale_after_s:
+                self.discarded += 1
+                return False
         self._latest[worker] = (now_s, sample)
+        return True
+
+    def note_silence(self, worker: str, now_s: float, busy: bool) -> None:
+        """Mark ``worker`` down if it has published before, is silent past ``stale_after_s`` and the
+        router has work in flight on it (``busy``)."""
+        heard = self._latest.get(worker)
+        if busy and heard is not None and now_s - heard[0] > self.stale_after_s:
+            self._down.add(worker)
+
+    def down(self) -> frozenset[str]:
+        """Workers silent while busy, not heard from since."""
+        return frozenset(self._down)
 
     def forget(self, worker: str) -> None:
         self._latest.pop(worker, None)
+        self._delays.pop(worker, None)
+        self._down.discard(worker)
 
     def fresh(self, now_s: float) -> dict[str, LinkSample]:
         return {w: s for w, (t, s) in self._latest.items() if now_s - t <= self.stale_after_s}

@@ -428,7 +428,7 @@ def _watch_worker(service: RouterService, worker: WorkerRecord, sub: ZmqSubscrib
         sub.watch(f"kv:{worker.name}", url, topic, kv_event_handler(service.index, worker.name))
     if worker.telemetry_endpoint and worker.cluster == "prfaas" and f"link:{worker.name}" not in sub.sources():
         def on_sample(frames, name=worker.name):
-            service.link.update(name, LinkSample.decode(frames[-1]), time.monotonic())
+            service.link.update(name, LinkSample.decode(frames[-1]), time.monotonic(), time.time())
 
         sub.watch(f"link:{worker.name}", worker.telemetry_endpoint, TELEMETRY_TOPIC, on_sample)
 

@@ -107,10 +107,19 @@ class RouterService:
             raise BadRequest(400, f"prompt + max_new_tokens ({req.kv_tokens}) exceeds every decode worker's KV pool "
                                   f"(largest: {max(pools)} tokens)")
 
+    def link_down(self, now_s: float) -> frozenset[str]:
+        """PrfaaS workers whose telemetry went silent while they had work in flight (the link to
+        them is presumed down until they are heard again): routed around."""
+        for w in self.workers.values():
+            if w.cluster == PRFAAS and w.telemetry_endpoint:
+                self.link.note_silence(w.name, now_s, busy=w.outstanding_prefill_s > 0)
+        return self.link.down()
+
     def snapshot(self, exclude: set[str], now_s: float) -> ClusterSnapshot:
         view = self.link.view(now_s)
         capacity = self.controller.capacity_est_bps
         link = Link(capacity, view.egress_bps if view else 0.0, 0.0)
+        exclude = exclude | self.link_down(now_s)
         return ClusterSnapshot(
             workers=[w.snapshot() for w in self.workers.values() if w.name not in exclude],
             threshold_tokens=self.controller.threshold_tokens, mode=self.config.mode,
@@ -190,6 +199,8 @@ class RouterService:
                                                "backlog_bytes": view.backlog_bytes, "congested": view.congested,
                                                "transfers_completed": view.completed,
                                                "transfers_failed": view.failed},
+            "link_down_workers": sorted(self.link_down(now_s)),
+            "telemetry_discarded_late": self.link.discarded,
             "queues_s": vars(self.queues()),
             "routed": dict(self.counters.routed),
             "redispatched": self.counters.redispatched,
@@ -227,6 +238,10 @@ class RouterService:
                        ("prfaas_router_link_congested", "", int(view.congested)),
                        ("prfaas_router_link_transfers_failed", "", view.failed)]
         gauges += [("prfaas_router_worker_healthy", f'{{worker="{w.name}"}}', int(w.healthy)) for w in self.workers.values()]
+        down = self.link_down(now_s)
+        gauges += [("prfaas_router_link_down", f'{{worker="{w.name}"}}', int(w.name in down))
+                   for w in self.workers.values() if w.cluster == PRFAAS and w.telemetry_endpoint]
+        gauges.append(("prfaas_router_telemetry_discarded_late", "", self.link.discarded))
         gauges += [("prfaas_router_kv_free_tokens", f'{{worker="{w.name}"}}', w.kv_free_tokens or 0)
                    for w in self.workers.values() if w.role == "decode"]
         return gauges

@@ -189,3 +189,72 @@ def test_histogram_buckets_are_cumulative():
     assert 'x_bucket{route="pd",le="1"} 3' in text
     assert 'x_bucket{route="pd",le="+Inf"} 4' in text
     assert 'x_count{route="pd"} 4' in text and h.total == pytest.approx(3.65)
+
+
+class TestSilenceAndLateness:
+    """Issue #16: during an outage the telemetry went silent while the router kept offloading, and
+    after it the samples held in the send queue were replayed and raised ``t`` for seconds."""
+
+    @staticmethod
+    def sample(ts: float, busy: float = 1.0) -> LinkSample:
+        return LinkSample("p", ts, 1e6, busy, 1e6, 1)
+
+    def test_samples_delayed_beyond_the_horizon_are_discarded_not_replayed(self):
+        agg = LinkAggregator(stale_after_s=2.0)
+        offset = 3600.0  # the sender's clock is an hour behind: a constant offset is absorbed
+        for i in range(5):
+            assert agg.update("p", self.sample(1000.0 + i - offset), now_s=float(i), wall_s=1000.0 + i + 0.01)
+        # a 45 s outage, then the queued samples arrive in a burst, the newest last
+        burst = [self.sample(1004.0 + k - offset) for k in range(1, 46)]
+        taken = [agg.update("p", s, now_s=50.0, wall_s=1050.0) for s in burst]
+        assert taken == [False] * 43 + [True] * 2  # sent within 2 s of arrival: the last two
+        assert agg.discarded == 43
+        assert agg.view(50.5) is not None
+
+    def test_v1_monotonic_timestamps_are_taken(self):
+        agg = LinkAggregator(stale_after_s=2.0)
+        assert all(agg.update("p", self.sample(50.0 + i), now_s=float(i), wall_s=1.7e9 + i) for i in range(3))
+
+    def test_silent_while_busy_is_down_until_heard_again(self):
+        agg = LinkAggregator(stale_after_s=2.0)
+        agg.note_silence("p", 10.0, busy=True)
+        assert agg.down() == frozenset()  # never heard: nothing to say
+        agg.update("p", self.sample(0.0), now_s=0.0)
+        agg.note_silence("p", 1.5, busy=True)
+        agg.note_silence("p", 5.0, busy=False)  # silent but idle: the link may simply carry nothing
+        assert agg.down() == frozenset()
+        agg.note_silence("p", 5.0, busy=True)
+        assert agg.down() == {"p"}
+        agg.note_silence("p", 9.0, busy=False)  # its work drained (failed over): still down
+        assert agg.down() == {"p"}
+        agg.update("p", self.sample(9.0), now_s=9.0)
+        assert agg.down() == frozenset()
+
+
+def test_the_router_routes_around_a_prfaas_worker_silent_while_busy():
+    from helpers import REPO_ROOT
+
+    from prfaas_sglang import runtime
+    from prfaas_sglang.router.service import RouterConfig, new_service
+    from prfaas_sglang.router.workers import workers_from_topology
+    from prfaas_sglang.topology import load_topology
+
+    topology = load_topology(REPO_ROOT / "launch" / "local-two-cluster.yaml")
+    service = new_service(RouterConfig(), runtime.from_topology(topology), workers_from_topology(topology))
+    prfaas = next(w for w in service.workers.values() if w.cluster == "prfaas")
+    assert prfaas.telemetry_endpoint
+
+    def listed(now_s: float) -> set[str]:
+        return {w.name for w in service.snapshot(set(), now_s).workers}
+
+    service.link.update(prfaas.name, LinkSample(prfaas.name, 100.0, 1e6, 0.5, 1e6, 1), now_s=0.0, wall_s=100.0)
+    prfaas.outstanding_prefill_s = 3.0  # a long prefill and its transfer in flight
+    assert prfaas.name in listed(1.0)
+    assert prfaas.name not in listed(4.0)  # silent for 4 s with work in flight: the link is presumed down
+    status = service.status(4.0)
+    assert status["link_down_workers"] == [prfaas.name]
+    assert f'prfaas_router_link_down{{worker="{prfaas.name}"}} 1' in service.counters.render(service.metrics_gauges(4.0))
+    prfaas.outstanding_prefill_s = 0.0
+    assert prfaas.name not in listed(6.0)
+    service.link.update(prfaas.name, LinkSample(prfaas.name, 106.0, 1e6, 0.5, 1e6, 1), now_s=6.0, wall_s=106.0)
+    assert prfaas.name in listed(6.1)
