@@ -63,6 +63,9 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--admission-timeout-s", type=float, default=60.0,
                    help="longest a request waits in the router for decode KV room before 503")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for decode room; more get 429")
+    p.add_argument("--health-interval-s", type=float, default=2.0,
+                   help="how often each worker's /health is polled (a failed leg marks its worker down at once)")
+    p.add_argument("--load-interval-s", type=float, default=0.5, help="how often each worker's /v1/loads is polled")
     p.add_argument("--startup-timeout-s", type=float, default=30.0, help="how long to wait for workers' facts at start")
     p.add_argument("--log-level", default="INFO")
 
@@ -145,7 +148,8 @@ def make_service(args: argparse.Namespace):
         if value is not None and not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
     for flag, value in (("--admission-timeout-s", args.admission_timeout_s), ("--phase-timeout-s", args.phase_timeout_s),
-                        ("--max-waiting", args.max_waiting)):
+                        ("--max-waiting", args.max_waiting), ("--health-interval-s", args.health_interval_s),
+                        ("--load-interval-s", args.load_interval_s)):
         if not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
     topology = load_topology(args.config)
@@ -158,6 +162,7 @@ def make_service(args: argparse.Namespace):
         raise ConfigError("--port", "is required (the topology has no router node with a port)")
     config = RouterConfig(mode=mode, phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
+                          health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold)
     adopted = preflight(workers, topology, config, args.startup_timeout_s)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None

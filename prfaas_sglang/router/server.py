@@ -67,6 +67,11 @@ class PrefillFailed(Exception):
     """The prefill leg failed before anything reached the client."""
 
 
+class DecodeUnreachable(Exception):
+    """The decode worker could not be reached, or dropped the connection, before anything reached
+    the client (a worker that answered, even 5xx, is alive: its answer is relayed instead)."""
+
+
 class Rejected(Exception):
     def __init__(self, status: int, cause: str, message: str, retry_after_s: int | None = None):
         super().__init__(message)
@@ -179,7 +184,7 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         return _error(err.status, err.message)
     parsed = time.perf_counter()
     tried: set[str] = set()
-    last_error = ""
+    last_error, last_leg = "", "prefill"
     for attempt in range(2):
         try:
             decision = await _decide(request.app, req, tried)
@@ -192,20 +197,21 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         timing = f"parse;dur={(parsed - received) * 1e3:.3f}, route;dur={(time.perf_counter() - parsed) * 1e3:.3f}"
         try:
             return await _run_legs(request, service, req, body, lease, timing)
-        except PrefillFailed as err:
-            prefill = service.workers.get(decision.prefill)
-            if prefill is not None:
-                prefill.healthy = False
-                prefill.failures += 1
-            tried.add(decision.prefill)
+        except (PrefillFailed, DecodeUnreachable) as err:
+            leg = "prefill" if isinstance(err, PrefillFailed) else "decode"
+            failed = service.workers.get(decision.prefill if leg == "prefill" else decision.decode)
+            if failed is not None:
+                failed.healthy = False  # until the next health check answers
+                failed.failures += 1
+            tried.add(failed.name if failed is not None else decision.prefill)
             service.counters.redispatched += 1
-            last_error = str(err)
+            last_error, last_leg = str(err), leg
         finally:
             service.finish(lease)
             async with request.app[ROOM_KEY]:
                 request.app[ROOM_KEY].notify_all()
-    service.counters.failed["prefill"] += 1
-    return _error(502, f"request failed after re-dispatch: {last_error}")
+    service.counters.failed[last_leg] += 1
+    return _error(502, f"request failed after re-dispatch: {last_error}", cause=f"{last_leg}_failed")
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -380,6 +386,9 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         if prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is not None and stream is None:
             raise prefill_task.exception() from None
+        if stream is None and resp is None and isinstance(err, (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)):
+            # nothing reached the client and the decode worker never answered: route again
+            raise DecodeUnreachable(f"decode worker {decode.name} unreachable: {err or type(err).__name__}") from None
         service.counters.failed["decode"] += 1
         if stream is not None:  # the client already has a 200 and part of a stream: end it, do not answer twice
             return stream

@@ -460,3 +460,34 @@ def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
             time.sleep(0.1)
     finally:
         group.stop()
+
+
+def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path):
+    """Issue #16: a decode leg that cannot reach its worker went to the client as 502 though nothing
+    had streamed. Now the request is routed again (another decode worker, a new room), the dead
+    worker is out until its health check answers, and nothing is lost."""
+    group = ProcessGroup(tmp_path / "logs")
+    fast = ["--speedup", "50", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
+    try:
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", fast)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", fast)
+        d1 = start_mock_worker(group, "d1", "pd-decode", "kimi-linear-1t-hybrid@h20x8", fast)
+        topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {
+            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
+                                          {"name": "d0", "role": "pd-decode", "port": d0.port},
+                                          {"name": "d1", "role": "pd-decode", "port": d1.port}]}}}
+        # health and load polls far apart: the router learns of the death only from a failed leg
+        url = start_router(group, topology, "--no-early-rejection", "--health-interval-s", "60", "--load-interval-s", "60").url
+        proc = next(p for p in group.procs if p.name == "d0")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:  # reservations spread them over d0 and d1
+            answers = list(pool.map(lambda k: generate(url, list(range(2_000_000 + 1000 * k, 2_000_000 + 1000 * k + 500)),
+                                                       stream=(k % 2 == 1)), range(6)))
+        assert [r.status_code for r in answers] == [200] * 6, [r.text[:200] for r in answers]
+        assert all(r.headers["x-prfaas-route"] == "pd/pp0/d1" for r in answers)
+        status = requests.get(url + "/status", timeout=5).json()
+        assert status["redispatched"] >= 1 and status["failed"] == {}
+        assert status["workers"]["d0"]["healthy"] is False
+    finally:
+        group.stop()
