@@ -98,13 +98,7 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     if transport not in spec.allowed_kv_transports:
         raise ConfigError("--kv-transport", f"role {node.role.value} cannot use {transport.value}")
 
-    argv = [python, "-m", "sglang.launch_server", "--model-path", node.model_path]
-    if node.host:
-        argv += ["--host", node.host]
-    if node.port is not None:
-        argv += ["--port", str(node.port)]
-    if node.tp_size is not None:
-        argv += ["--tp-size", str(node.tp_size)]
+    argv = _server_argv(node, python)
     argv += ["--disaggregation-mode", spec.disaggregation_mode]
     argv += ["--disaggregation-transfer-backend", "mooncake_tcp" if transport is KvTransport.TCP else "mooncake"]
     if node.bootstrap_port is not None:
@@ -131,6 +125,15 @@ def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCo
     """A plain SGLang server (role ``single``): no disaggregation, no KV transport."""
     if node.bootstrap_port is not None:
         raise ConfigError("--bootstrap-port", f"role {node.role.value} runs no bootstrap server")
+    argv = _server_argv(node, python)
+    if node.kv_events_port is not None:
+        argv += ["--kv-events-config", kv_events_config(node.kv_events_port)]
+    argv += list(node.extra_args)
+    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value}, {}, notes)
+
+
+def _server_argv(node: Node, python: str) -> list[str]:
+    """``sglang.launch_server`` with the node's model, address and tensor parallelism."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", node.model_path]
     if node.host:
         argv += ["--host", node.host]
@@ -138,10 +141,7 @@ def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCo
         argv += ["--port", str(node.port)]
     if node.tp_size is not None:
         argv += ["--tp-size", str(node.tp_size)]
-    if node.kv_events_port is not None:
-        argv += ["--kv-events-config", kv_events_config(node.kv_events_port)]
-    argv += list(node.extra_args)
-    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value}, {}, notes)
+    return argv
 
 
 def wan_link(topology: Topology | None, node: Node) -> WanLink | None:
