@@ -39,7 +39,7 @@ from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
 from prfaas_sglang.router.admin import add_admin_routes
 from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
-from prfaas_sglang.router.service import Lease, RouterService
+from prfaas_sglang.router.service import MAX_BODY_BYTES, Lease, RouterService
 from prfaas_sglang.router.workers import (
     FactsError,
     WorkerRecord,
@@ -111,7 +111,12 @@ class ClientBody:
 
 
 async def _parse(request: web.Request, service: RouterService, kind: str) -> tuple[EngineRequest, ClientBody]:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+    if len(raw) > service.max_body_bytes():  # a chunked body, which gave no length up front
+        raise BadRequest(413, f"request body of {len(raw)} bytes exceeds {service.max_body_bytes()} bytes")
     cut = split_ids(raw, ID_KEYS[kind]) if kind in ID_KEYS else None
     if cut is not None:  # token ids: checked in their JSON text, parsed only as far as routing reads
         body = cut[0]
@@ -177,11 +182,17 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> 
 async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     received = time.perf_counter()
+    limit = service.max_body_bytes()
+    if request.content_length is not None and request.content_length > limit:  # refused before a byte is read
+        service.counters.rejected["too_large"] += 1
+        return _error(413, f"request body of {request.content_length} bytes exceeds {limit} bytes "
+                           "(64 bytes per token of the largest context)", cause="too_large")
     try:
         req, body = await _parse(request, service, kind)
     except BadRequest as err:
-        service.counters.rejected["bad_request" if err.status != 404 else "unknown_model"] += 1
-        return _error(err.status, err.message)
+        cause = {404: "unknown_model", 413: "too_large"}.get(err.status, "bad_request")
+        service.counters.rejected[cause] += 1
+        return _error(err.status, err.message, cause="too_large" if err.status == 413 else None)
     parsed = time.perf_counter()
     tried: set[str] = set()
     last_error, last_leg = "", "prefill"
@@ -484,7 +495,7 @@ async def _control_loop(app: web.Application) -> None:
 
 
 def build_app(service: RouterService) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[SERVICE_KEY] = service
 
     async def on_startup(app):

@@ -39,6 +39,10 @@ from prfaas_sglang.router.workers import WorkerRecord
 from prfaas_sglang.runtime import RuntimeModel
 from prfaas_sglang.topology import Emulation
 
+MIN_BODY_BYTES = 4 << 20
+MAX_BODY_BYTES = 64 << 20  # the HTTP server's own cap, whatever the context
+BODY_BYTES_PER_TOKEN = 64  # an id is at most 11 bytes of JSON; a token of text rarely 16 chars, 6 bytes each escaped
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -94,6 +98,15 @@ class RouterService:
             raise BadRequest(404, f"model {model!r} not found (served: {', '.join(self.model_names())})")
 
     # --- per request ----------------------------------------------------------------
+
+    def max_body_bytes(self) -> int:
+        """The largest request body accepted: ``BODY_BYTES_PER_TOKEN`` per token of the largest
+        context a worker reports (a prompt of that many tokens, as ids or as JSON-escaped text,
+        fits easily), at least ``MIN_BODY_BYTES``; ``MAX_BODY_BYTES`` before any worker reported."""
+        contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
+        if not contexts:
+            return MAX_BODY_BYTES
+        return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max(contexts)))
 
     def check_fits(self, req: EngineRequest) -> None:
         """400 now for a request no worker could ever take (the context, the largest decode pool)."""

@@ -491,3 +491,32 @@ def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path
         assert status["workers"]["d0"]["healthy"] is False
     finally:
         group.stop()
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(deployment):
+    """Issue #16: a 10 MB prompt took 7-9 s to refuse (it was read and tokenized first) and stalled
+    /health. A declared length over the limit (64 bytes per token of the largest context) now gets
+    413 from the headers alone; a chunked body, once read, the same."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = deployment["url"]
+    parsed = urlparse(url)
+    with socket.create_connection((parsed.hostname, parsed.port), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n")  # 100 MB announced, none sent
+        head = sock.recv(65536).decode(errors="replace")
+    assert head.startswith("HTTP/1.1 413"), head[:200]
+    assert '"type": "too_large"' in head or '"type":"too_large"' in head
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * (256 << 10)  # 10 MiB of whitespace, no length up front
+        yield b'{"text": "x"}'
+    started = time.monotonic()
+    r = requests.post(url + "/generate", data=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "too_large"
+    assert time.monotonic() - started < 5
+    assert requests.get(url + "/health", timeout=2).status_code == 200
+    metrics = requests.get(url + "/metrics", timeout=5).text
+    assert 'prfaas_router_rejected_total{cause="too_large"} 2' in metrics
