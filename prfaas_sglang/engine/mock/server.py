@@ -198,9 +198,6 @@ def build_app(engine: MockEngine) -> web.Application:
             try:
                 req = parse_request(kind, await _json_body(request), f"mock-{next(_rid_counter)}", int(time.time()),
                                     engine.tokenizer, pseudo_tokenize)
-                vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else None
-                if vocab is not None and req.input_ids and max(req.input_ids) >= vocab:  # SGLang: ValueError -> 400
-                    raise BadRequest(400, f"The input_ids contains values greater than the vocab size ({vocab}).")
                 if engine.config.mode == "prefill":
                     return await _prefill_response(engine, req)
                 return await _decode_response(engine, req, request)
