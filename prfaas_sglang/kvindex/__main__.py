@@ -58,6 +58,7 @@ def build_app(index, workers: dict[str, tuple[str, str, str]]):
 
     from prfaas_sglang.adapters.zmq import ZmqSubscriber
     from prfaas_sglang.kvindex.feed import kv_event_handler
+    from prfaas_sglang.wire import kv_snapshot
 
     app = web.Application(client_max_size=64 << 20)
     sub_key = web.AppKey("subscriber", ZmqSubscriber)
@@ -98,6 +99,10 @@ def build_app(index, workers: dict[str, tuple[str, str, str]]):
     async def health(request):
         return web.Response(text="OK")
 
+    async def snapshot(request):  # what a restarted router starts from (wire/kv_snapshot.py)
+        return web.Response(body=kv_snapshot.encode(index.export()), content_type="application/json")
+
+    app.router.add_get("/snapshot", snapshot)
     app.router.add_post("/match", match)
     app.router.add_get("/status", status)
     app.router.add_get("/health", health)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from prfaas_sglang.wire.blocks import digest_to_int64, iter_page_digests
 from prfaas_sglang.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas_sglang.wire.kv_snapshot import WorkerSnapshot
 
 
 class InvalidEvents(ValueError):
@@ -98,6 +99,36 @@ class KvIndex:
 
     def resets(self, worker: str) -> int:
         return self._workers[worker].resets
+
+    # --- snapshots (a restarted router takes the kv-index service's view) --------------
+
+    def export(self) -> dict[str, WorkerSnapshot]:
+        """Every worker's blocks, their depths and the expected checkpoints; pure read."""
+        return {w: WorkerSnapshot(s.cluster, s.block_size, tuple((b, s.depth.get(b, 1)) for b in s.blocks),
+                                  tuple(s.checkpoints)) for w, s in self._workers.items()}
+
+    def restore(self, worker: str, snap: WorkerSnapshot) -> int:
+        """Add ``snap``'s blocks to ``worker`` (added first, same cluster and block size; else
+        InvalidEvents); the blocks added. A merge, not a replacement: what live events stored since
+        stays. The sequence check restarts, so the next event is taken whatever its number
+        (events between the snapshot and the subscription are missed: an estimate, as ever)."""
+        state = self._workers.get(worker)
+        if state is None or state.cluster != snap.cluster:
+            raise InvalidEvents(f"{worker}: not a worker of cluster {snap.cluster!r} here")
+        if snap.block_size is not None and state.block_size not in (None, snap.block_size):
+            raise InvalidEvents(f"{worker}: snapshot block size {snap.block_size}, the worker's is {state.block_size}")
+        if snap.block_size is not None:
+            state.block_size = snap.block_size
+        added = 0
+        for block, depth in snap.blocks:
+            if block not in state.blocks:
+                state.blocks.add(block)
+                state.depth[block] = depth
+                self._holders.setdefault(block, set()).add(worker)
+                added += 1
+        state.checkpoints.update(b for b in snap.checkpoints if b in state.blocks)
+        state.last_seq = None
+        return added
 
     # --- ingest ------------------------------------------------------------------------
 

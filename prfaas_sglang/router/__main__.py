@@ -132,6 +132,7 @@ def load_tokenizer(args, topology, workers):
 
 
 def make_service(args: argparse.Namespace):
+    """The router's service for ``args``, and the URL of the topology's kv-index service (or None)."""
     from prfaas_sglang import runtime
     from prfaas_sglang.roles import Role
     from prfaas_sglang.router.policy import BandwidthMode
@@ -179,7 +180,10 @@ def make_service(args: argparse.Namespace):
                        "routing only requests that carry token ids; text and chat prompts get 400")
     logger.info("router: t = %.0f tokens (%s), model %s", service.controller.threshold_tokens,
                 "operator" if service.controller.operator_baseline_tokens else "planner", model.describe())
-    return service
+    index_node = next(iter(topology.nodes_of(Role.KV_INDEX)), None)
+    kv_index_url = (f"http://{index_node.host or '127.0.0.1'}:{index_node.port}"
+                    if index_node is not None and index_node.port is not None else None)
+    return service, kv_index_url
 
 
 # glibc's mallopt parameters (malloc.h) and what the router sets them to.
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        service = make_service(args)
+        service, kv_index_url = make_service(args)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if not keep_request_buffers_mapped():
         logging.getLogger("prfaas.router").info("malloc left at its defaults (not glibc, or MALLOC_* set)")
     # handler_cancellation: a client that disconnects cancels its request, and with it both PD legs.
-    web.run_app(build_app(service), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
+    web.run_app(build_app(service, kv_index_url), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
     return 0
 
 

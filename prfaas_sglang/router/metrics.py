@@ -46,7 +46,8 @@ class Histogram:
 @dataclass
 class RouterCounters:
     routed: dict[str, int] = field(default_factory=lambda: {"prfaas": 0, "pd": 0})
-    redispatched: int = 0  # a prefill leg failed before anything streamed; routed again
+    redispatched: int = 0  # a prefill leg failed, or the decode worker was unreachable, before anything streamed
+    restored_blocks: int = 0  # blocks taken from the kv-index service's snapshot at start-up
     spilled: int = 0  # the rule's cluster had no usable prefill worker
     probes: int = 0
     rejected: collections.Counter = field(default_factory=collections.Counter)
@@ -61,6 +62,7 @@ class RouterCounters:
         rows = [(n, "gauge", labels, v) for n, labels, v in gauges]
         rows += [("prfaas_router_routed_total", "counter", f'{{cluster="{c}"}}', n) for c, n in self.routed.items()]
         rows += [("prfaas_router_redispatched_total", "counter", "", self.redispatched),
+                 ("prfaas_router_restored_blocks_total", "counter", "", self.restored_blocks),
                  ("prfaas_router_spilled_total", "counter", "", self.spilled),
                  ("prfaas_router_probes_total", "counter", "", self.probes)]
         rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.rejected.items())]

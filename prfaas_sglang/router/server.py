@@ -36,6 +36,7 @@ from aiohttp import web
 
 from prfaas_sglang.adapters.zmq import ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
+from prfaas_sglang.kvindex.index import InvalidEvents
 from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
 from prfaas_sglang.router.admin import add_admin_routes
 from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
@@ -47,6 +48,7 @@ from prfaas_sglang.router.workers import (
     parse_loads,
     parse_server_info,
 )
+from prfaas_sglang.wire import kv_snapshot
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
 from prfaas_sglang.wire.token_ids import split_ids
@@ -494,7 +496,32 @@ async def _control_loop(app: web.Application) -> None:
         await asyncio.sleep(service.config.control_interval_s)
 
 
-def build_app(service: RouterService) -> web.Application:
+async def _restore_index(app: web.Application, kv_index_url: str) -> None:
+    """Take the kv-index service's view once at start-up (a restarted router does not wait for new
+    events to learn what the workers hold); merged into what live events already stored. A missing
+    or unreachable kv-index service is logged, not fatal."""
+    service, session = app[SERVICE_KEY], app[SESSION_KEY]
+    try:
+        async with session.get(kv_index_url + "/snapshot", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            payload = await resp.read() if resp.status == 200 else None
+        snapshot = kv_snapshot.decode(payload) if payload is not None else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+        logger.warning("kv-index snapshot from %s not taken: %s", kv_index_url, err or type(err).__name__)
+        return
+    for name, snap in snapshot.items():
+        worker = service.workers.get(name)
+        if worker is None or name not in service.index.workers():
+            continue  # not ours, or not adopted yet (its facts, hence its page size, unknown)
+        try:
+            added = service.index.restore(name, snap)
+        except InvalidEvents as err:
+            logger.warning("kv-index snapshot for %s refused: %s", name, err)
+            continue
+        service.counters.restored_blocks += added
+        logger.info("kv-index snapshot: %d blocks of %s restored", added, name)
+
+
+def build_app(service: RouterService, kv_index_url: str | None = None) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[SERVICE_KEY] = service
 
@@ -506,6 +533,8 @@ def build_app(service: RouterService) -> web.Application:
             if worker.facts is not None:
                 _watch_worker(service, worker, app[SUB_KEY])
         app["tasks"] = [asyncio.create_task(loop(app), name=loop.__name__) for loop in (_health_loop, _load_loop, _control_loop)]
+        if kv_index_url is not None:
+            app["tasks"].append(asyncio.create_task(_restore_index(app, kv_index_url), name="restore_index"))
 
     async def on_cleanup(app):
         for task in app["tasks"]:

@@ -150,3 +150,70 @@ def test_feed_counts_malformed_frames_as_bad_and_applies_good_ones():
         with pytest.raises(BadFrame):
             handle(frames)
     assert index.block_count("w") == 1
+
+
+class TestSnapshot:
+    """A restarted router starts from the kv-index service's view (wire/kv_snapshot.py)."""
+
+    def fed(self, hybrid: bool) -> tuple[KvIndex, list[list[int]]]:
+        rng = random.Random(7)
+        cache = PrefixCache(PAGE, capacity_blocks=60, hybrid=hybrid, checkpoint_interval_tokens=8)
+        index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
+        index.add_worker("w", "pd")
+        prompts = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(20)]
+        feed(index, "w", cache, prompts)
+        return index, prompts
+
+    def test_a_restored_index_answers_as_the_original(self):
+        from prfaas_sglang.wire import kv_snapshot
+
+        for hybrid in (False, True):
+            original, prompts = self.fed(hybrid)
+            restored = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
+            restored.add_worker("w", "pd")
+            snap = kv_snapshot.decode(kv_snapshot.encode(original.export()))
+            assert restored.restore("w", snap["w"]) == original.block_count("w") > 0
+            for prompt in prompts:
+                assert restored.match(prompt + [1]).by_worker == original.match(prompt + [1]).by_worker
+            assert restored.restore("w", snap["w"]) == 0  # a merge: nothing new the second time
+
+    def test_restore_refuses_another_cluster_or_page_size_and_keeps_live_blocks(self):
+        original, prompts = self.fed(False)
+        snap = original.export()["w"]
+        other = KvIndex(hybrid=False)
+        other.add_worker("w", "prfaas")
+        with pytest.raises(InvalidEvents, match="cluster"):
+            other.restore("w", snap)
+        sized = KvIndex(hybrid=False)
+        sized.add_worker("w", "pd", block_size=PAGE * 2)
+        with pytest.raises(InvalidEvents, match="block size"):
+            sized.restore("w", snap)
+        with pytest.raises(InvalidEvents):
+            KvIndex(hybrid=False).restore("nobody", snap)
+        live = KvIndex(hybrid=False)
+        live.add_worker("w", "pd")
+        cache = PrefixCache(PAGE, capacity_blocks=60, hybrid=False)
+        live.apply("w", 41, cache.insert(list(range(100, 140))))
+        before = live.block_count("w")
+        live.restore("w", snap)
+        assert live.block_count("w") == before + original.block_count("w")
+        live.apply("w", 99, cache.insert(list(range(200, 240))))  # the next event is taken, whatever its number
+        assert live.resets("w") == 0
+
+    @pytest.mark.parametrize("payload, message", [
+        (b'{"v": 2, "workers": {}}', "version"),
+        (b'{"v": 1}', "workers must be an object"),
+        (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": []}}}', "exactly"),
+        (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 0, "blocks": [], "checkpoints": []}}}', "block_size"),
+        (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [[1, true]], "checkpoints": []}}}', "depth"),
+        (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [[1, 0]], "checkpoints": []}}}', "depth"),
+        (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [[18446744073709551616, 1]], '
+         b'"checkpoints": []}}}', "64-bit"),
+        (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [1], "checkpoints": []}}}', "pairs"),
+        (b"[]", "object"),
+    ])
+    def test_bad_snapshots_are_refused(self, payload, message):
+        from prfaas_sglang.wire import kv_snapshot
+
+        with pytest.raises(ValueError, match=message):
+            kv_snapshot.decode(payload)

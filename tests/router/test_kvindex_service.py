@@ -50,3 +50,58 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         assert status["subscriptions"]["pp0"]["frames"] >= 1 and status["bad_frames"] == 0
     finally:
         group.stop()
+
+
+def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_path):
+    """Issue #16: a restarted router's KV index was empty until new events refilled it, so the first
+    requests after a restart were routed as if nothing were cached. It now takes the kv-index
+    service's snapshot at start-up (``GET /snapshot``, wire/kv_snapshot.py)."""
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        index_port, router_port = free_port(), free_port()
+        topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {
+            "a": {"kind": "pd", "nodes": [
+                {"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port,
+                 "kv_events_port": pp0.kv_events_port},
+                {"name": "d0", "role": "pd-decode", "port": d0.port}]},
+            "control": {"kind": "control", "nodes": [
+                {"name": "router", "role": "router", "host": "127.0.0.1", "port": router_port},
+                {"name": "kv-index", "role": "kv-index", "host": "127.0.0.1", "port": index_port}]}}}
+        config = tmp_path / "t.yaml"
+        config.write_text(yaml.safe_dump(topology))
+        index = group.start("kv-index", [sys.executable, "-m", "prfaas_sglang.kvindex", "--config", str(config)])
+        index_url = f"http://127.0.0.1:{index_port}"
+        group.wait_healthy(index_url + "/health", index)
+        time.sleep(0.5)  # SUB join
+        prompt = list(range(5_000))
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": pp0.bootstrap_port, "bootstrap_room": 78}
+        t = threading.Thread(target=requests.post, args=(pp0.url + "/generate",), kwargs={"json": body, "timeout": 30})
+        t.start()
+        assert requests.post(d0.url + "/generate", json=body, timeout=30).status_code == 200
+        t.join()
+        deadline = time.monotonic() + 10
+        while requests.get(index_url + "/status", timeout=5).json()["workers"]["pp0"]["blocks"] < 9:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+        # the router starts after every event was published: only the snapshot can tell it
+        router = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)])
+        router_url = f"http://127.0.0.1:{router_port}"
+        group.wait_healthy(router_url + "/health", router, timeout_s=90)
+        deadline = time.monotonic() + 10
+        while requests.get(router_url + "/status", timeout=5).json()["workers"]["pp0"]["index_blocks"] in (None, 0):
+            assert time.monotonic() < deadline, "the router never took the kv-index service's blocks"
+            time.sleep(0.1)
+        status = requests.get(router_url + "/status", timeout=5).json()
+        assert status["workers"]["pp0"]["index_blocks"] == requests.get(index_url + "/status", timeout=5).json()["workers"]["pp0"]["blocks"]
+        assert "prfaas_router_restored_blocks_total 9" in requests.get(router_url + "/metrics", timeout=5).text
+        answer = requests.post(router_url + "/generate", json={"input_ids": prompt + [1, 2, 3],
+                                                               "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+        assert answer.status_code == 200
+        recent = requests.get(router_url + "/status", timeout=5).json()["recent"][-1]
+        assert recent["cached_tokens"] == 4_608  # routed on the restored prefix
+    finally:
+        group.stop()

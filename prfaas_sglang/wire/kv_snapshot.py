@@ -1,0 +1,77 @@
+"""A KV index's content, for a router that restarts: the kv-index service's ``GET /snapshot`` (JSON, pure).
+
+::
+
+    {"v": 1, "workers": {name: {"cluster": str, "block_size": int | null,
+                                "blocks": [[block, depth], ...], "checkpoints": [block, ...]}}}
+
+``block`` is SGLang's signed 64-bit page hash (``wire/blocks.py``); ``depth`` its distance from
+the root in blocks (>= 1); ``checkpoints`` the blocks where the index expects a hybrid state.
+A snapshot says what a worker held when it was taken: events after it are the subscriber's.
+
+History:
+  v1: first version.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from prfaas_sglang.wire._json import json_object
+
+SNAPSHOT_VERSION = 1
+MAX_BLOCKS_PER_WORKER = 1 << 22  # 4M pages: more than any worker's KV pool holds
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    cluster: str
+    block_size: int | None
+    blocks: tuple[tuple[int, int], ...]  # (block, depth)
+    checkpoints: tuple[int, ...]
+
+
+def encode(workers: dict[str, WorkerSnapshot]) -> bytes:
+    return json.dumps({"v": SNAPSHOT_VERSION, "workers": {
+        name: {"cluster": w.cluster, "block_size": w.block_size, "blocks": [list(b) for b in w.blocks],
+               "checkpoints": list(w.checkpoints)} for name, w in workers.items()}}, separators=(",", ":")).encode()
+
+
+def _block(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not _INT64[0] <= value <= _INT64[1]:
+        raise ValueError(f"{what} must be a 64-bit integer, got {value!r}")
+    return value
+
+
+def decode(payload: bytes | str | dict) -> dict[str, WorkerSnapshot]:
+    """Raise ValueError on anything that is not a valid v1 snapshot."""
+    obj = json_object(payload, "kv snapshot")
+    if obj.get("v") != SNAPSHOT_VERSION:
+        raise ValueError(f"unsupported kv snapshot version {obj.get('v')!r}")
+    workers = obj.get("workers")
+    if not isinstance(workers, dict):
+        raise ValueError("workers must be an object")
+    out: dict[str, WorkerSnapshot] = {}
+    for name, w in workers.items():
+        if not isinstance(w, dict) or set(w) != {"cluster", "block_size", "blocks", "checkpoints"}:
+            raise ValueError(f"workers[{name!r}] must hold exactly cluster, block_size, blocks, checkpoints")
+        size = w["block_size"]
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"workers[{name!r}].block_size must be a positive integer or null")
+        if not isinstance(w["cluster"], str) or not isinstance(w["blocks"], list) or not isinstance(w["checkpoints"], list):
+            raise ValueError(f"workers[{name!r}]: cluster must be a string, blocks and checkpoints lists")
+        if len(w["blocks"]) > MAX_BLOCKS_PER_WORKER or len(w["checkpoints"]) > MAX_BLOCKS_PER_WORKER:
+            raise ValueError(f"workers[{name!r}] lists more than {MAX_BLOCKS_PER_WORKER} blocks")
+        blocks = []
+        for pair in w["blocks"]:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError(f"workers[{name!r}].blocks holds [block, depth] pairs")
+            depth = pair[1]
+            if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+                raise ValueError(f"workers[{name!r}]: a depth must be a positive integer, got {depth!r}")
+            blocks.append((_block(pair[0], f"workers[{name!r}] block"), depth))
+        checkpoints = tuple(_block(b, f"workers[{name!r}] checkpoint") for b in w["checkpoints"])
+        out[name] = WorkerSnapshot(w["cluster"], size, tuple(blocks), checkpoints)
+    return out
