@@ -14,6 +14,21 @@ from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worke
 EXTRA = ["--speedup", "50", "--kv-scale", "0.002"]
 
 
+def prefill_through(pp0, d0, prompt: list[int], room: int, index_url: str, min_blocks: int) -> None:
+    """One PD request of ``prompt`` (SGLang's way: the same body to both), then wait until the
+    kv-index service at ``index_url`` holds ``min_blocks`` of pp0's blocks."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": pp0.bootstrap_port, "bootstrap_room": room}
+    t = threading.Thread(target=requests.post, args=(pp0.url + "/generate",), kwargs={"json": body, "timeout": 30})
+    t.start()
+    assert requests.post(d0.url + "/generate", json=body, timeout=30).status_code == 200
+    t.join()
+    deadline = time.monotonic() + 10
+    while requests.get(index_url + "/status", timeout=5).json()["workers"]["pp0"]["blocks"] < min_blocks:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
     group = ProcessGroup(tmp_path / "logs")
     try:
@@ -31,17 +46,7 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         time.sleep(0.5)  # SUB join
 
         prompt = list(range(5_000))
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": pp0.bootstrap_port, "bootstrap_room": 77}
-        t = threading.Thread(target=requests.post, args=(pp0.url + "/generate",), kwargs={"json": body, "timeout": 30})
-        t.start()
-        assert requests.post(d0.url + "/generate", json=body, timeout=30).status_code == 200
-        t.join()
-
-        deadline = time.monotonic() + 10
-        while requests.get(url + "/status", timeout=5).json()["workers"]["pp0"]["blocks"] < 9:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        prefill_through(pp0, d0, prompt, 77, url, 9)
         match = requests.post(url + "/match", json={"input_ids": prompt + [1, 2, 3]}, timeout=5).json()
         assert match == {"total_tokens": 5_003, "by_worker": {"pp0": 4_608}, "by_cluster": {"pd": 4_608}}
         assert requests.post(url + "/match", json={"input_ids": ["x"]}, timeout=5).status_code == 400
@@ -76,16 +81,7 @@ def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_
         group.wait_healthy(index_url + "/health", index)
         time.sleep(0.5)  # SUB join
         prompt = list(range(5_000))
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": pp0.bootstrap_port, "bootstrap_room": 78}
-        t = threading.Thread(target=requests.post, args=(pp0.url + "/generate",), kwargs={"json": body, "timeout": 30})
-        t.start()
-        assert requests.post(d0.url + "/generate", json=body, timeout=30).status_code == 200
-        t.join()
-        deadline = time.monotonic() + 10
-        while requests.get(index_url + "/status", timeout=5).json()["workers"]["pp0"]["blocks"] < 9:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        prefill_through(pp0, d0, prompt, 78, index_url, 9)
 
         # the router starts after every event was published: only the snapshot can tell it
         router = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)])
