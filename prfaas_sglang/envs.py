@@ -79,6 +79,13 @@ class Envs:
         "Launcher: start SGLang even if the patch series is not applied (debugging only).",
     )
 
+    HOOK_REPORT = EnvVar(
+        "PRFAAS_HOOK_REPORT",
+        None,
+        "SGLang processes: after the plugin installed and verified every hook, append one JSON line "
+        "{pid, role, hooks} to this file (the GPU check reads it: SGLang loads plugins before it "
+        "configures logging, so the plugin's INFO lines are not printed). Unset: nothing written.",
+    )
     TELEMETRY_PORT = EnvVar(
         "PRFAAS_TELEMETRY_PORT",
         None,

@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
+import os
 import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prfaas_sglang._compat import installed_sglang_version, require_pinned
+from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import PrfaasError
 
 logger = logging.getLogger(__name__)
@@ -255,3 +258,8 @@ def register() -> None:
         install_hooks(HOOKS)
     except PrfaasError as err:
         raise HookInstallError(str(err)) from err
+    report = envs.HOOK_REPORT.get()
+    if report:  # one line per process that verified the hooks (O_APPEND: whole lines from concurrent processes)
+        line = json.dumps({"pid": os.getpid(), "role": envs.ROLE.get(), "hooks": [spec.name for spec in HOOKS]})
+        with open(report, "a") as fh:
+            fh.write(line + "\n")

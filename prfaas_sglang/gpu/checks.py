@@ -23,6 +23,8 @@ from prfaas_sglang.gpu.e2e import (
     broken_hook_site,
     bundle_env,
     extended,
+    hook_report,
+    hook_report_problems,
     http,
     metric_sum,
     output_mismatch,
@@ -86,12 +88,12 @@ def check_hooks(ctx: Context) -> CheckResult:
 
     missing = {}
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0", "reference"):
-        log = ctx.procs.log(name)
-        absent = [h.name for h in HOOKS if f"hook {h.name} installed" not in log]
-        if absent:
-            missing[name] = absent
+        path = hook_report(ctx.work, name)
+        lines = path.read_text().splitlines() if path.exists() else []
+        if problems := hook_report_problems(lines, [h.name for h in HOOKS]):
+            missing[name] = problems
     if missing:
-        return CheckResult("hooks", False, f"no 'installed' line for {missing}")
+        return CheckResult("hooks", False, f"hook reports: {missing}")
     site = broken_hook_site(ctx.work / "broken-hook")
     env = bundle_env(ctx.root, ctx.checkout)
     env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])

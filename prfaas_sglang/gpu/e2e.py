@@ -189,6 +189,30 @@ def summary(results: Iterable[CheckResult], facts: dict) -> dict:
             **facts}
 
 
+def hook_report(work: Path, server: str) -> Path:
+    """Where ``server``'s SGLang processes record the hooks they verified (``PRFAAS_HOOK_REPORT``)."""
+    return work / f"hooks-{server}.jsonl"
+
+
+def hook_report_problems(lines: list[str], hooks: list[str], min_processes: int = 2) -> list[str]:
+    """What a server's hook report lacks (pure): at least ``min_processes`` processes (the HTTP
+    server's and the scheduler's), each having verified every hook."""
+    problems, pids = [], set()
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            pid, verified = entry["pid"], entry["hooks"]
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"unreadable report line {line[:80]!r}")
+            continue
+        pids.add(pid)
+        if missing := sorted(set(hooks) - set(verified)):
+            problems.append(f"process {pid} did not verify {missing}")
+    if len(pids) < min_processes:
+        problems.append(f"{len(pids)} process(es) reported, at least {min_processes} expected")
+    return problems
+
+
 def broken_hook_site(directory: Path) -> Path:
     """A directory whose ``sitecustomize`` adds a hook with a target that does not resolve: put first
     on PYTHONPATH, every SGLang process of a server then loads it with our plugin."""
@@ -361,7 +385,8 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
         extra = ["--kv-profile", kv_profile] if name == "prfaas-0" else []
-        procs.start(name, [*launch, "--node", name, *extra], env, preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
+        procs.start(name, [*launch, "--node", name, *extra], {**env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
+                    preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
         wait_healthy(dep.url(name) + "/health", procs.procs[name])
     procs.start("kv-index", [*launch, "--node", "kv-index"], env)
@@ -381,7 +406,7 @@ def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processe
     port = free_port()
     procs.start("reference", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
                               str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *SERVER_FLAGS],
-                bundle_env(root, checkout))
+                {**bundle_env(root, checkout), "PRFAAS_HOOK_REPORT": str(hook_report(procs.log_dir.parent, "reference"))})
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url + "/health", procs.procs["reference"])
     return url

@@ -186,3 +186,24 @@ def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
     assert "prfaas-test-shaped" not in netns.listnetns()
     with IPRoute() as ipr:
         assert ipr.link_lookup(ifname=HOST_IF) == []
+
+
+def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
+    """SGLang loads plugins before it configures logging, so the plugin's INFO lines never print;
+    check a reads PRFAAS_HOOK_REPORT instead: one line per process, every hook verified."""
+    from prfaas_sglang.plugin import HOOKS
+
+    report = tmp_path / "hooks.jsonl"
+    env = {**os.environ, "PRFAAS_HOOK_REPORT": str(report), "PYTHONPATH": str(REPO_ROOT)}
+    for _ in range(2):  # the HTTP server's process and the scheduler's each load the plugins
+        proc = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()"],
+                              capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = report.read_text().splitlines()
+    names = [h.name for h in HOOKS]
+    assert len(lines) == 2 and all(json.loads(line)["hooks"] == names for line in lines)
+    assert e2e.hook_report_problems(lines, names) == []
+    assert e2e.hook_report_problems(lines[:1], names) == ["1 process(es) reported, at least 2 expected"]
+    partial = json.dumps({"pid": 1, "hooks": names[:1]})
+    assert "did not verify" in e2e.hook_report_problems([lines[0], partial], names)[0]
+    assert "unreadable" in e2e.hook_report_problems(["{", *lines], names)[0]
