@@ -194,7 +194,7 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
     except BadRequest as err:
         cause = {404: "unknown_model", 413: "too_large"}.get(err.status, "bad_request")
         service.counters.rejected[cause] += 1
-        return _error(err.status, err.message, cause="too_large" if err.status == 413 else None)
+        return _error(err.status, err.message, cause=cause if err.status == 413 else None)
     parsed = time.perf_counter()
     tried: set[str] = set()
     last_error, last_leg = "", "prefill"
@@ -212,11 +212,12 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
             return await _run_legs(request, service, req, body, lease, timing)
         except (PrefillFailed, DecodeUnreachable) as err:
             leg = "prefill" if isinstance(err, PrefillFailed) else "decode"
-            failed = service.workers.get(decision.prefill if leg == "prefill" else decision.decode)
+            name = decision.prefill if leg == "prefill" else decision.decode
+            failed = service.workers.get(name)
             if failed is not None:
                 failed.healthy = False  # until the next health check answers
                 failed.failures += 1
-            tried.add(failed.name if failed is not None else decision.prefill)
+            tried.add(name)
             service.counters.redispatched += 1
             last_error, last_leg = str(err), leg
         finally:
