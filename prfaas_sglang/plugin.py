@@ -11,8 +11,10 @@ PrfaaS server running without its hooks is silently wrong. So ``register()``
 1. checks the installed SGLang is the pinned release,
 2. registers every hook in :data:`HOOKS` with SGLang's ``HookRegistry``,
 3. applies them immediately (``HookRegistry.apply_hooks`` is idempotent per
-   target, so the later call in ``load_plugins`` skips them), and
-4. verifies each target now reaches our hook through its ``__wrapped__`` chain,
+   target, so the later call in ``load_plugins`` skips them),
+4. verifies each target now reaches our hook through its ``__wrapped__`` chain, and
+5. registers the backends in :data:`REGISTRATIONS` with SGLang's own registries
+   (selected by a server flag, so inert until the launcher passes it),
 
 and raises :class:`HookInstallError` -- a ``SystemExit``, which
 ``load_plugins``'s ``except Exception`` does not swallow -- when any step fails.
@@ -21,9 +23,9 @@ Caveat of step 3: another plugin that registers a hook on one of *our* targets
 after we ran will find the target already patched and its hook skipped by
 upstream. No other plugin we know of hooks these targets.
 
-Each :class:`HookSpec` carries the same fields as a patch header (Why, How,
-Upstream-Status, Removal, Tests) and is listed in the README's
-"changes vs upstream" table.
+Each :class:`HookSpec` and :class:`RegistrationSpec` carries the same fields as
+a patch header (Why, How, Upstream-Status, Removal, Tests) and is listed in the
+README's "changes vs upstream" table.
 """
 
 from __future__ import annotations
@@ -173,6 +175,91 @@ HOOKS: tuple[HookSpec, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class RegistrationSpec:
+    """A backend registered with one of SGLang's registries, selected by ``selected_by``.
+    ``overrides``: the upstream methods its implementation subclasses or relies on, each with
+    its signature at the pinned release (checked by the drift tests like a hook's target)."""
+
+    name: str
+    registry: str  # dotted path of the registering function
+    selected_by: str
+    overrides: tuple[tuple[str, str], ...]
+    subject: str
+    why: str
+    how: str
+    upstream_status: str
+    removal: str
+    tests: str
+
+    hook_type = "registry"  # the README table's mechanism column
+
+    @property
+    def target(self) -> str:
+        return self.registry
+
+
+REGISTRATIONS: tuple[RegistrationSpec, ...] = (
+    RegistrationSpec(
+        name="prfaas-hybrid",
+        registry="sglang.srt.mem_cache.registry.register_radix_cache_backend",
+        selected_by="--radix-cache-backend prfaas-hybrid",
+        overrides=(
+            ("sglang.srt.mem_cache.registry.default_radix_cache_factory", "(ctx: 'TreeCacheBuildContext') -> 'BasePrefixCache'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.__init__", "(self, params: 'CacheInitParams')"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.reset", "(self) -> 'None'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.take_events", "(self)"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._insert_helper",
+             "(self, node: 'TreeNode', key: 'RadixKey', value, mamba_value, chunked: 'bool' = False, "
+             "prev_prefix_len: 'int' = 0) -> 'Tuple[int, bool]'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._tombstone_internal_node",
+             "(self, node: 'TreeNode') -> 'None'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_leaf", "(self, node: 'TreeNode') -> 'None'"),
+        ),
+        subject="[cache] Hybrid models' Mamba state checkpoints are published as KV events",
+        why=(
+            "MambaRadixCache publishes pages only: storing or evicting a prefix's linear-attention state emits "
+            "nothing, yet it decides how much of the prefix a hybrid model reuses, so a KV index either "
+            "guesses checkpoints or overstates hits after every state eviction."
+        ),
+        how=(
+            "A radix-cache backend (hooks/hybrid_cache.py): SGLang's default selection chain, with a "
+            "MambaRadixCache subclass that records StateStored when an insert leaves a state at the key's end "
+            "and StateRemoved when a node is tombstoned or an evicted leaf takes its state along; "
+            "take_events() hands them to the publisher inside the list SGLang passes on."
+        ),
+        upstream_status="backport of the shape of SGLang 0.5.23's component KV events (--enable-kv-events-component-types)",
+        removal="when the pin reaches a release with component KV events and the kv-index reads them",
+        tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
+    ),
+    RegistrationSpec(
+        name="prfaas-zmq",
+        registry="sglang.srt.disaggregation.kv_events.EventPublisherFactory.register_publisher",
+        selected_by="--kv-events-config '{\"publisher\": \"prfaas-zmq\", ...}'",
+        overrides=(
+            ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.__init__",
+             "(self, attn_dp_rank: int, endpoint: str = 'tcp://*:5557', replay_endpoint: Optional[str] = None, "
+             "buffer_steps: int = 10000, hwm: int = 100000, max_queue_size: int = 100000, topic: str = '') -> None"),
+            ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.publish",
+             "(self, events: sglang.srt.disaggregation.kv_events.EventBatch) -> None"),
+        ),
+        subject="[cache] KV-event batches carry the cache's state events (wire v2, ignored by v1 consumers)",
+        why=(
+            "SGLang's batch has no place for state events, and a new event tag in its event list would make "
+            "every existing consumer (SGLang's own decoder, Dynamo) refuse the whole batch."
+        ),
+        how=(
+            "SGLang's ZmqEventPublisher (same sockets, sequence numbers and replay), publishing each batch "
+            "with the cache's state events as a 4th array element, which msgspec decoders of the 3-element "
+            "batch skip."
+        ),
+        upstream_status="vendor-specific (upstream 0.5.23 puts component events in the event list instead)",
+        removal="with prfaas-hybrid",
+        tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
+    ),
+)
+
+
 class HookInstallError(SystemExit):
     """A hook could not be installed: stops the process (SGLang only logs ``Exception``)."""
 
@@ -239,16 +326,30 @@ def install_hooks(specs: Sequence[HookSpec]) -> None:
         logger.info("prfaas_sglang: hook %s installed on %s", spec.name, spec.target)
 
 
-def signature_drift(specs: Sequence[HookSpec] = HOOKS) -> list[str]:
-    """Targets whose signature differs from the one recorded at the pin (empty: none)."""
+def signature_drift(specs: Sequence[HookSpec | RegistrationSpec] = HOOKS + REGISTRATIONS) -> list[str]:
+    """Targets (a hook's, or what a registered backend overrides) whose signature differs from
+    the one recorded at the pin (empty: none)."""
     drift = []
     for spec in specs:
-        target = resolve_target(spec.target)
-        original = inspect.unwrap(target)
-        found = str(inspect.signature(original))
-        if found != spec.expected_signature:
-            drift.append(f"{spec.target}: expected {spec.expected_signature}, found {found}")
+        pairs = spec.overrides if isinstance(spec, RegistrationSpec) else ((spec.target, spec.expected_signature),)
+        for target_path, expected in pairs:
+            original = inspect.unwrap(resolve_target(target_path))
+            found = str(inspect.signature(original))
+            if found != expected:
+                drift.append(f"{target_path}: expected {expected}, found {found}")
     return drift
+
+
+def install_registrations() -> None:
+    """Register :data:`REGISTRATIONS` with SGLang's registries; idempotent. Raises PrfaasError."""
+    from prfaas_sglang.hooks import hybrid_cache
+
+    try:
+        done = hybrid_cache.register_backends()
+    except (RuntimeError, ValueError, KeyError, ImportError) as err:
+        raise PrfaasError(f"registering backends: {err}") from err
+    for name in done:
+        logger.info("prfaas_sglang: backend %s registered", name)
 
 
 def register() -> None:
@@ -256,10 +357,12 @@ def register() -> None:
     try:
         require_pinned(installed_sglang_version(), "this environment")
         install_hooks(HOOKS)
+        install_registrations()
     except PrfaasError as err:
         raise HookInstallError(str(err)) from err
     report = envs.HOOK_REPORT.get()
     if report:  # one line per process that verified the hooks (O_APPEND: whole lines from concurrent processes)
-        line = json.dumps({"pid": os.getpid(), "role": envs.ROLE.get(), "hooks": [spec.name for spec in HOOKS]})
+        line = json.dumps({"pid": os.getpid(), "role": envs.ROLE.get(), "hooks": [spec.name for spec in HOOKS],
+                           "registered": [spec.name for spec in REGISTRATIONS]})
         with open(report, "a") as fh:
             fh.write(line + "\n")

@@ -45,11 +45,12 @@ class ZmqPublisher:
         self._topic = topic.encode()
         self._seq = 0
 
-    def publish(self, events: list[KVCacheEvent], wall_s: float) -> None:
-        """One KV-event batch stamped ``wall_s``; nothing is sent for an empty list."""
-        if not events:
+    def publish(self, events: list[KVCacheEvent], wall_s: float, state_events: list[KVCacheEvent] | None = None) -> None:
+        """One KV-event batch stamped ``wall_s``, with ``state_events`` (wire v2; None: this
+        publisher reports no state); nothing is sent when both are empty."""
+        if not events and not state_events:
             return
-        payload = encode_batch(KVEventBatch(ts=wall_s, events=events, attn_dp_rank=0))
+        payload = encode_batch(KVEventBatch(ts=wall_s, events=events, attn_dp_rank=0, state_events=state_events))
         self._pub.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         self._seq += 1
 

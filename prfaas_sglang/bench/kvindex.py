@@ -8,6 +8,7 @@ import time
 
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.wire.kv_events import split_state_events
 
 PAGE = 512
 
@@ -20,20 +21,20 @@ def run(workers: int = 8, prompts_per_worker: int = 150, match_runs: int = 200, 
         cache = PrefixCache(PAGE, capacity_blocks=20_000, hybrid=True)
         for seq in range(prompts_per_worker):
             prompt = rng.choice(stems) + [rng.randrange(32_000) for _ in range(rng.randrange(512, 16_384))]
-            batches.append((f"w{w}", seq, cache.insert(prompt)))
+            batches.append((f"w{w}", seq, split_state_events(cache.insert(prompt))))
     index = KvIndex(hybrid=True)
     for w in range(workers):
         index.add_worker(f"w{w}", "pd" if w % 2 else "prfaas")
-    events = sum(len(ev) for _, _, ev in batches)
+    events = sum(len(blocks) + len(states) for _, _, (blocks, states) in batches)
     start = time.perf_counter()
-    for worker, seq, ev in batches:
-        index.apply(worker, seq, ev)
+    for worker, seq, (blocks, states) in batches:
+        index.apply(worker, seq, blocks, states)
     ingest_s = time.perf_counter() - start
 
     long_prompt = stems[0] + [rng.randrange(32_000) for _ in range(131_072 - len(stems[0]))]
     cache = PrefixCache(PAGE, capacity_blocks=1_000, hybrid=True)
     index.add_worker("holder", "pd")
-    index.apply("holder", 0, cache.insert(long_prompt))
+    index.apply("holder", 0, *split_state_events(cache.insert(long_prompt)))
     with_hash, lookup_only = [], []
     block_ids = {PAGE: index.block_ids(long_prompt, PAGE)}
     for _ in range(match_runs):

@@ -1,7 +1,7 @@
 """SGLang KV-event frames -> :meth:`KvIndex.apply` (pure: bytes in, index updates out).
 
 A worker's ZMQ frames are ``(topic, seq 8-byte big-endian, msgpack(KVEventBatch))``
-(:mod:`prfaas_sglang.wire.kv_events`). :func:`kv_event_handler` returns the
+(:mod:`prfaas_sglang.wire.kv_events`; v2 batches also carry state events). :func:`kv_event_handler` returns the
 callable :class:`~prfaas_sglang.adapters.zmq.ZmqSubscriber` runs per frame; a
 frame that does not decode, or whose events are invalid (a block size of 0, a
 block size other than the worker's), raises :class:`BadFrame` (a ``ValueError``)
@@ -33,9 +33,9 @@ def kv_event_handler(index: KvIndex, worker: str) -> Callable[[list[bytes]], int
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             raise BadFrame(f"not a KV-event batch: {err}") from None
         try:
-            index.apply(worker, int.from_bytes(frames[1], "big"), batch.events)
+            index.apply(worker, int.from_bytes(frames[1], "big"), batch.events, batch.state_events)
         except InvalidEvents as err:
             raise BadFrame(str(err)) from None
-        return len(batch.events)
+        return len(batch.events) + len(batch.state_events or ())
 
     return handle

@@ -5,14 +5,23 @@ Fed with decoded event batches (``apply``), queried with token ids
 holding block *k* of a prompt means holding the whole prefix up to it; a
 worker's reusable prefix is its longest run of leading blocks.
 
-Hybrid models. SGLang's events say nothing about linear-attention / SWA
-state (evicting state emits nothing), yet state decides reuse: a prefix is
-usable only up to the longest state checkpoint inside the full-attention
-match. The index therefore records where checkpoints are expected: at the
-last block of every stored run (a prefilled prompt's end) and every
-``checkpoint_interval_tokens`` (SGLang's chunk-aligned checkpoints), and
-``match`` caps hybrid reuse there. It can overstate reuse when state was
-evicted but pages were not; the router treats the answer as an estimate.
+Hybrid models. A prefix is usable only up to the longest linear-attention
+state checkpoint inside its full-attention match (the rule of SGLang's
+MambaRadixCache), so ``match`` caps hybrid reuse at the deepest matched
+block that holds one. Where the checkpoints come from, per worker:
+
+* *reported*: a worker whose batches carry ``state_events`` (wire v2: our
+  SGLang cache backend, the emulated engine) says where each state is stored
+  and evicted; the index holds exactly those (``"mamba"`` ones; other
+  components are not used here yet);
+* *inferred*: for a worker on SGLang's own publisher (no state events; its
+  Mamba evictions emit nothing) the index expects a checkpoint at the last
+  block of every stored run (a prefilled prompt's end) and every
+  ``checkpoint_interval_tokens`` (chunk-aligned checkpoints). That can
+  overstate reuse after a state eviction; the router treats it as an estimate.
+
+A worker that switches between the two (a restart with another publisher)
+is dropped and rebuilt from its new events.
 
 Block sizes. Each worker hashes at its own page size (``/server_info``'s
 ``kv_events.block_size``, given to :meth:`add_worker`, or learnt from its
@@ -32,7 +41,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prfaas_sglang.wire.blocks import digest_to_int64, iter_page_digests
-from prfaas_sglang.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prfaas_sglang.wire.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    StateRemoved,
+    StateStored,
+)
 from prfaas_sglang.wire.kv_snapshot import WorkerSnapshot
 
 
@@ -49,6 +64,7 @@ class _WorkerState:
     depth: dict[int, int] = field(default_factory=dict)  # block -> blocks from the root
     last_seq: int | None = None
     resets: int = 0
+    reports_state: bool = False  # checkpoints come from the worker's state events, not inferred
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,7 @@ class KvIndex:
     def export(self) -> dict[str, WorkerSnapshot]:
         """Every worker's blocks, their depths and the expected checkpoints; pure read."""
         return {w: WorkerSnapshot(s.cluster, s.block_size, tuple((b, s.depth.get(b, 1)) for b in s.blocks),
-                                  tuple(s.checkpoints)) for w, s in self._workers.items()}
+                                  tuple(s.checkpoints), s.reports_state) for w, s in self._workers.items()}
 
     def restore(self, worker: str, snap: WorkerSnapshot) -> int:
         """Add ``snap``'s blocks to ``worker`` (added first, same cluster and block size; else
@@ -119,6 +135,10 @@ class KvIndex:
             raise InvalidEvents(f"{worker}: snapshot block size {snap.block_size}, the worker's is {state.block_size}")
         if snap.block_size is not None:
             state.block_size = snap.block_size
+        # One source of checkpoints per worker: live events, once any came, decide it.
+        take_checkpoints = snap.reports_state == state.reports_state or state.last_seq is None
+        if take_checkpoints:
+            state.reports_state = snap.reports_state
         added = 0
         for block, depth in snap.blocks:
             if block not in state.blocks:
@@ -126,16 +146,41 @@ class KvIndex:
                 state.depth[block] = depth
                 self._holders.setdefault(block, set()).add(worker)
                 added += 1
-        state.checkpoints.update(b for b in snap.checkpoints if b in state.blocks)
+        if take_checkpoints:
+            state.checkpoints.update(b for b in snap.checkpoints if b in state.blocks)
         state.last_seq = None
         return added
 
     # --- ingest ------------------------------------------------------------------------
 
-    def apply(self, worker: str, seq: int, events: Iterable) -> None:
-        """Apply one event batch numbered ``seq`` from ``worker`` (added first with add_worker)."""
+    def apply(self, worker: str, seq: int, events: Iterable, state_events: Iterable | None = None) -> None:
+        """Apply one event batch numbered ``seq`` from ``worker`` (added first with add_worker):
+        its block ``events``, then its ``state_events`` (None: the worker reports no state)."""
         state = self._workers[worker]
         events = list(events)
+        state_events = None if state_events is None else list(state_events)
+        self._check(worker, state, events, state_events)
+        if state.last_seq is not None and seq != state.last_seq + 1:
+            self._drop(worker)  # a gap (lost events) or a restart (seq went back): start over
+            state.resets += 1
+        state.last_seq = seq
+        reports_state = state_events is not None
+        if reports_state != state.reports_state:
+            self._drop(worker)  # another source of checkpoints: rebuild from this batch on
+            state.reports_state = reports_state
+        self._apply_blocks(worker, state, events)
+        for event in state_events or ():
+            if event.component_type != "mamba":
+                continue
+            if isinstance(event, StateStored):
+                if event.block_hash in state.blocks:  # a state is held at most where its page is
+                    state.checkpoints.add(event.block_hash)
+            else:
+                state.checkpoints.discard(event.block_hash)
+
+    @staticmethod
+    def _check(worker: str, state: _WorkerState, events: list, state_events: list | None) -> None:
+        """Refuse a batch that cannot be right (InvalidEvents) before anything of it is applied."""
         for event in events:
             if isinstance(event, BlockStored):
                 size = event.block_size
@@ -143,17 +188,21 @@ class KvIndex:
                     raise InvalidEvents(f"{worker}: BlockStored with block_size {size!r}")
                 if state.block_size is not None and size != state.block_size:
                     raise InvalidEvents(f"{worker}: BlockStored with block_size {size}, the worker's is {state.block_size}")
-        if state.last_seq is not None and seq != state.last_seq + 1:
-            self._drop(worker)  # a gap (lost events) or a restart (seq went back): start over
-            state.resets += 1
-        state.last_seq = seq
+        for event in state_events or ():
+            if not isinstance(event, (StateStored, StateRemoved)):
+                raise InvalidEvents(f"{worker}: {type(event).__name__} among state events")
+            if isinstance(event.num_tokens, bool) or not isinstance(event.num_tokens, int) or event.num_tokens < 1:
+                raise InvalidEvents(f"{worker}: {type(event).__name__} with num_tokens {event.num_tokens!r}")
+
+    def _apply_blocks(self, worker: str, state: _WorkerState, events: list) -> None:
+        infer = self.hybrid and not state.reports_state  # expect checkpoints where SGLang takes them
         run_end: int | None = None  # last block of the chain being stored in this batch
         for event in events:
             if isinstance(event, BlockStored):
                 state.block_size = event.block_size
                 interval = max(self.checkpoint_interval_tokens // event.block_size, 1)
                 parent = event.parent_block_hash
-                if run_end is not None and parent != run_end:
+                if infer and run_end is not None and parent != run_end:
                     state.checkpoints.add(run_end)  # the previous prompt's end
                 for block in event.block_hashes:
                     # Absolute depth from the root; an unknown parent (lost to a reset) restarts at 1.
@@ -161,20 +210,20 @@ class KvIndex:
                     state.depth[block] = depth
                     state.blocks.add(block)
                     self._holders.setdefault(block, set()).add(worker)
-                    if depth % interval == 0:
+                    if infer and depth % interval == 0:
                         state.checkpoints.add(block)
                     parent = block
                 run_end = parent
                 continue
-            if run_end is not None:
+            if infer and run_end is not None:
                 state.checkpoints.add(run_end)
-                run_end = None
+            run_end = None
             if isinstance(event, BlockRemoved):
                 for block in event.block_hashes:
                     self._forget(worker, block)
             elif isinstance(event, AllBlocksCleared):
                 self._drop(worker)
-        if run_end is not None:
+        if infer and run_end is not None:
             state.checkpoints.add(run_end)
 
     def _forget(self, worker: str, block: int) -> None:

@@ -77,9 +77,35 @@ def _refuse_owned_flags(extra_args: tuple[str, ...]) -> None:
             )
 
 
+# Registered with SGLang by our plugin (prfaas_sglang/hooks/hybrid_cache.py): SGLang's ZMQ publisher
+# writing the cache's state events too (wire.kv_events v2), and SGLang's default cache chain with a
+# state-reporting MambaRadixCache. Names only: the launcher does not import SGLang.
+EVENT_PUBLISHER = "prfaas-zmq"
+RADIX_CACHE_BACKEND = "prfaas-hybrid"
+# Upstream refuses --radix-cache-backend together with these (server_args: not int8-aware).
+_EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
+
+
 def kv_events_config(port: int) -> str:
-    """SGLang's ``--kv-events-config`` for a ZMQ publisher on ``port`` (all interfaces)."""
-    return json.dumps({"publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": KV_EVENTS_TOPIC}, separators=(",", ":"))
+    """SGLang's ``--kv-events-config`` for our ZMQ publisher on ``port`` (all interfaces)."""
+    return json.dumps({"publisher": EVENT_PUBLISHER, "endpoint": f"tcp://*:{port}", "topic": KV_EVENTS_TOPIC},
+                      separators=(",", ":"))
+
+
+def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
+    """``--kv-events-config`` and, unless the node's own flags choose another cache, our cache
+    backend (its state events are what make a hybrid model's KV-index hits exact); with notes."""
+    if node.kv_events_port is None:
+        return [], ()
+    argv = ["--kv-events-config", kv_events_config(node.kv_events_port)]
+    flags = {arg.split("=", 1)[0] for arg in node.extra_args}
+    if "--radix-cache-backend" in flags:
+        return argv, ("--radix-cache-backend given: no state events, the kv-index infers hybrid checkpoints",)
+    excluded = [f for f in _EXCLUDES_CACHE_BACKEND if f in flags]
+    if excluded:
+        return argv, (f"{excluded[0]} excludes a radix-cache backend: no state events, the kv-index infers "
+                      "hybrid checkpoints",)
+    return argv + ["--radix-cache-backend", RADIX_CACHE_BACKEND], ()
 
 
 def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = (),
@@ -103,9 +129,9 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     argv += ["--disaggregation-transfer-backend", "mooncake_tcp" if transport is KvTransport.TCP else "mooncake"]
     if node.bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(node.bootstrap_port)]
-    if node.kv_events_port is not None:
-        argv += ["--kv-events-config", kv_events_config(node.kv_events_port)]
-    argv += list(node.extra_args)
+    events_argv, events_notes = _kv_events_args(node)
+    argv += events_argv + list(node.extra_args)
+    notes = notes + events_notes
 
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
     if node.telemetry_port is not None:
@@ -126,10 +152,9 @@ def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCo
     if node.bootstrap_port is not None:
         raise ConfigError("--bootstrap-port", f"role {node.role.value} runs no bootstrap server")
     argv = _server_argv(node, python)
-    if node.kv_events_port is not None:
-        argv += ["--kv-events-config", kv_events_config(node.kv_events_port)]
-    argv += list(node.extra_args)
-    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value}, {}, notes)
+    events_argv, events_notes = _kv_events_args(node)
+    argv += events_argv + list(node.extra_args)
+    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value}, {}, notes + events_notes)
 
 
 def _server_argv(node: Node, python: str) -> list[str]:

@@ -155,13 +155,13 @@ def cmd_rebase_check(series: Series, args) -> int:
 
 
 def cmd_readme(series: Series, args) -> int:
-    from prfaas_sglang.plugin import HOOKS
+    from prfaas_sglang.plugin import HOOKS, REGISTRATIONS
 
     path = Path(args.readme)
     if args.print:
-        print(readme_mod.render_table(series, HOOKS))
+        print(readme_mod.render_table(series, HOOKS + REGISTRATIONS))
         return 0
-    current = readme_mod.refresh(path, series, HOOKS, write=args.write)
+    current = readme_mod.refresh(path, series, HOOKS + REGISTRATIONS, write=args.write)
     if current:
         print(f"{path}: changes-vs-upstream table is current")
         return 0

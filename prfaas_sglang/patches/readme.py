@@ -22,9 +22,11 @@ def _cell(text: str) -> str:
 
 def render_table(series: Series, hooks: Sequence) -> str:
     """Markdown for the block between BEGIN and END (markers excluded)."""
+    registered = [h for h in hooks if getattr(h, "selected_by", None)]
     rows = [
         f"Against `sglang=={PINNED_SGLANG_VERSION}`: {len(series.patches)} patch(es) in `patches/series`, "
-        f"{len(hooks)} runtime hook(s) in `prfaas_sglang/plugin.py`.",
+        f"{len(hooks) - len(registered)} runtime hook(s) and {len(registered)} registered backend(s) "
+        "in `prfaas_sglang/plugin.py`.",
         "",
         "| # | change | mechanism | touches | Upstream-Status | removal |",
         "|---|---|---|---|---|---|",
@@ -36,8 +38,11 @@ def render_table(series: Series, hooks: Sequence) -> str:
             f"{_cell(patch.header.get('Upstream-Status', ''))} | {_cell(patch.header.get('Removal', ''))} |"
         )
     for n, hook in enumerate(hooks, len(series.patches) + 1):
+        selected_by = getattr(hook, "selected_by", None)
+        mechanism = (f"backend `{hook.name}` registered with SGLang, selected by `{_cell(selected_by)}`"
+                     if selected_by else f"{hook.hook_type} hook `{hook.name}`")
         rows.append(
-            f"| {n} | {_cell(hook.subject)} | {hook.hook_type} hook `{hook.name}` | `{hook.target}` | "
+            f"| {n} | {_cell(hook.subject)} | {mechanism} | `{hook.target}` | "
             f"{_cell(hook.upstream_status)} | {_cell(hook.removal)} |"
         )
     if not series.patches:

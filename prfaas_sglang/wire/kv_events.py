@@ -1,4 +1,5 @@
-"""SGLang's KV-event wire format (``sglang/srt/disaggregation/kv_events.py``, 0.5.15), re-declared.
+"""SGLang's KV-event wire format (``sglang/srt/disaggregation/kv_events.py``, 0.5.15), re-declared,
+plus this distribution's backwards-compatible extension for hybrid-model state.
 
 ZMQ PUB frames: ``(topic, seq as 8-byte big-endian, msgpack(KVEventBatch))``.
 Structs are msgspec ``array_like`` and events are tagged with their class
@@ -6,8 +7,31 @@ name, so a batch encodes as ``[ts, [["BlockStored", [...], ...], ...], dp_rank]`
 The declarations mirror upstream field for field; ``tests/engine`` decodes
 our frames with SGLang's own classes to prove it.
 
+State events (v2). SGLang 0.5.15 reports pages only: storing or evicting the
+linear-attention (Mamba) state of a prefix emits nothing, although it decides
+how much of the prefix a hybrid model can reuse. A publisher of ours appends
+one more element to the batch array, ``state_events`` (always a list, possibly
+empty, so its presence says "this worker reports state")::
+
+    [ts, events, attn_dp_rank, [["StateStored", block_hash, num_tokens, "mamba", "GPU"], ...]]
+
+msgspec ignores trailing elements of an ``array_like`` struct, so SGLang's own
+``KVEventBatch`` and every consumer that decodes 0.5.15 batches read such a
+batch as before and never see the state (tested against SGLang's class). The
+events follow upstream's component events (0.5.23,
+``--enable-kv-events-component-types``): one event per state checkpoint,
+anchored to the chained hash of the prefix's last page, labelled with its
+component (``"mamba"``; ``"swa"`` is reserved), plus the prefix length in
+tokens, which upstream leaves to the consumer's block depth.
+
+Contract of ``state_events``: it reports every change of the cache's state
+checkpoints, including a state that leaves with its node, and applies after
+the same batch's ``events``; a state is held at most where its page is held.
+
 Wire history (ours follows upstream's; bump if upstream changes):
   1: SGLang 0.5.15 BlockStored / BlockRemoved / AllBlocksCleared.
+  2: + the batch's 4th element ``state_events`` (StateStored / StateRemoved);
+     a v1 batch decodes with ``state_events`` None.
 """
 
 from __future__ import annotations
@@ -16,10 +40,11 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 # The topic our launcher configures (``--kv-events-config``) and the emulated engine
 # publishes on; a worker's ``/server_info["kv_events"]["topic"]`` says which one it uses.
 KV_EVENTS_TOPIC = "kv-events"
+STATE_COMPONENTS = ("mamba", "swa")
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -50,8 +75,32 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
+class StateStored(KVCacheEvent):
+    """A state checkpoint now exists for the prefix ending at page ``block_hash``
+    (``num_tokens`` long): a hybrid model can resume there."""
+
+    block_hash: int
+    num_tokens: int
+    component_type: str = "mamba"
+    medium: str | None = None
+
+
+class StateRemoved(KVCacheEvent):
+    """The state checkpoint at page ``block_hash`` is gone (evicted alone, or with its pages)."""
+
+    block_hash: int
+    num_tokens: int
+    component_type: str = "mamba"
+    medium: str | None = None
+
+
+StateEvent = StateStored | StateRemoved
+
+
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    # v2: None from a publisher that does not report state (SGLang's own, v1).
+    state_events: list[StateStored | StateRemoved] | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -59,8 +108,18 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
+    """Bytes of ``batch``. With ``state_events`` set, ``attn_dp_rank`` is written even when None,
+    so the state list is the 4th element."""
     return _ENCODER.encode(batch)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
+
+
+def split_state_events(events: list) -> tuple[list, list]:
+    """``(block events, state events)`` of a mixed list, each in its order (pure)."""
+    blocks, states = [], []
+    for event in events:
+        (states if isinstance(event, (StateStored, StateRemoved)) else blocks).append(event)
+    return blocks, states

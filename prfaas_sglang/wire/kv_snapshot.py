@@ -2,15 +2,19 @@
 
 ::
 
-    {"v": 1, "workers": {name: {"cluster": str, "block_size": int | null,
-                                "blocks": [[block, depth], ...], "checkpoints": [block, ...]}}}
+    {"v": 2, "workers": {name: {"cluster": str, "block_size": int | null,
+                                "blocks": [[block, depth], ...], "checkpoints": [block, ...],
+                                "reports_state": bool}}}
 
 ``block`` is SGLang's signed 64-bit page hash (``wire/blocks.py``); ``depth`` its distance from
-the root in blocks (>= 1); ``checkpoints`` the blocks where the index expects a hybrid state.
+the root in blocks (>= 1); ``checkpoints`` the blocks where the index expects a hybrid state;
+``reports_state`` whether those came from the worker's state events (wire/kv_events.py v2)
+rather than inferred.
 A snapshot says what a worker held when it was taken: events after it are the subscriber's.
 
 History:
   v1: first version.
+  v2: + ``reports_state`` (a v1 snapshot decodes with it false).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from prfaas_sglang.wire._json import json_object
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 MAX_BLOCKS_PER_WORKER = 1 << 22  # 4M pages: more than any worker's KV pool holds
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -31,12 +35,13 @@ class WorkerSnapshot:
     block_size: int | None
     blocks: tuple[tuple[int, int], ...]  # (block, depth)
     checkpoints: tuple[int, ...]
+    reports_state: bool = False
 
 
 def encode(workers: dict[str, WorkerSnapshot]) -> bytes:
     return json.dumps({"v": SNAPSHOT_VERSION, "workers": {
         name: {"cluster": w.cluster, "block_size": w.block_size, "blocks": [list(b) for b in w.blocks],
-               "checkpoints": list(w.checkpoints)} for name, w in workers.items()}}, separators=(",", ":")).encode()
+               "checkpoints": list(w.checkpoints), "reports_state": w.reports_state} for name, w in workers.items()}}, separators=(",", ":")).encode()
 
 
 def _block(value, what: str) -> int:
@@ -46,17 +51,22 @@ def _block(value, what: str) -> int:
 
 
 def decode(payload: bytes | str | dict) -> dict[str, WorkerSnapshot]:
-    """Raise ValueError on anything that is not a valid v1 snapshot."""
+    """Raise ValueError on anything that is not a valid v1 or v2 snapshot."""
     obj = json_object(payload, "kv snapshot")
-    if obj.get("v") != SNAPSHOT_VERSION:
-        raise ValueError(f"unsupported kv snapshot version {obj.get('v')!r}")
+    version = obj.get("v")
+    if version not in (1, SNAPSHOT_VERSION) or isinstance(version, bool):
+        raise ValueError(f"unsupported kv snapshot version {version!r}")
+    keys = {"cluster", "block_size", "blocks", "checkpoints"} | ({"reports_state"} if version >= 2 else set())
     workers = obj.get("workers")
     if not isinstance(workers, dict):
         raise ValueError("workers must be an object")
     out: dict[str, WorkerSnapshot] = {}
     for name, w in workers.items():
-        if not isinstance(w, dict) or set(w) != {"cluster", "block_size", "blocks", "checkpoints"}:
-            raise ValueError(f"workers[{name!r}] must hold exactly cluster, block_size, blocks, checkpoints")
+        if not isinstance(w, dict) or set(w) != keys:
+            raise ValueError(f"workers[{name!r}] must hold exactly {', '.join(sorted(keys))}")
+        reports_state = w.get("reports_state", False)
+        if not isinstance(reports_state, bool):
+            raise ValueError(f"workers[{name!r}].reports_state must be true or false")
         size = w["block_size"]
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"workers[{name!r}].block_size must be a positive integer or null")
@@ -73,5 +83,5 @@ def decode(payload: bytes | str | dict) -> dict[str, WorkerSnapshot]:
                 raise ValueError(f"workers[{name!r}]: a depth must be a positive integer, got {depth!r}")
             blocks.append((_block(pair[0], f"workers[{name!r}] block"), depth))
         checkpoints = tuple(_block(b, f"workers[{name!r}] checkpoint") for b in w["checkpoints"])
-        out[name] = WorkerSnapshot(w["cluster"], size, tuple(blocks), checkpoints)
+        out[name] = WorkerSnapshot(w["cluster"], size, tuple(blocks), checkpoints, reports_state)
     return out

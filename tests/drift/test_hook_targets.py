@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from prfaas_sglang.plugin import HOOKS, resolve_target, signature_drift
+from prfaas_sglang.plugin import HOOKS, REGISTRATIONS, resolve_target, signature_drift
 
 HOOK_TYPES = {"before", "after", "around", "replace"}
 
@@ -44,3 +44,27 @@ def test_signature_drift_is_detected():
     wrong = dataclasses.replace(HOOKS[0], expected_signature="(server_args, extra)")
     (problem,) = signature_drift([wrong])
     assert "expected (server_args, extra)" in problem
+
+
+@pytest.mark.parametrize("spec", REGISTRATIONS, ids=lambda s: s.name)
+class TestEveryRegisteredBackend:
+    def test_registry_and_overridden_methods_resolve(self, spec):
+        assert callable(resolve_target(spec.registry))
+        for target, _ in spec.overrides:
+            assert callable(resolve_target(target)), target
+
+    def test_overridden_signatures_match_the_pin(self, spec):
+        assert signature_drift([spec]) == []
+
+    def test_documented_like_a_patch(self, spec):
+        for field in ("subject", "why", "how", "upstream_status", "removal", "tests", "selected_by"):
+            assert getattr(spec, field).strip(), field
+
+
+def test_a_drifted_override_is_reported():
+    import dataclasses
+
+    spec = REGISTRATIONS[0]
+    wrong = dataclasses.replace(spec, overrides=((spec.overrides[1][0], "(self)"),))
+    (problem,) = signature_drift([wrong])
+    assert spec.overrides[1][0] in problem and "expected (self)" in problem

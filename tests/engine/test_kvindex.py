@@ -11,23 +11,37 @@ from hypothesis import strategies as st
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.kvindex.feed import BadFrame, kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents, KvIndex
-from prfaas_sglang.wire.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+from prfaas_sglang.wire.kv_events import (
+    AllBlocksCleared,
+    BlockStored,
+    KVEventBatch,
+    StateRemoved,
+    StateStored,
+    encode_batch,
+    split_state_events,
+)
 
 PAGE = 4
+
+
+def insert_into(index: KvIndex, worker: str, seq: int, cache: PrefixCache, prompt, report_state: bool = True) -> None:
+    """``prompt`` into the worker's ``cache``, its events into ``index``: a hybrid cache's state
+    events as a v2 batch carries them, or (``report_state`` false) none, as SGLang's own publisher."""
+    blocks, states = split_state_events(cache.insert(prompt))
+    index.apply(worker, seq, blocks, states if report_state and cache.hybrid else None)
 
 
 def feed(index: KvIndex, worker: str, cache: PrefixCache, prompts, seq0: int = 0) -> int:
     seq = seq0
     for prompt in prompts:
-        index.apply(worker, seq, cache.insert(prompt))
+        insert_into(index, worker, seq, cache, prompt)
         seq += 1
     return seq
 
 
 def test_index_agrees_with_the_worker_cache_dense_and_hybrid():
-    """Fed a worker's events, the index predicts what the worker's own cache reuses: exactly for a
-    dense model; for a hybrid one never more (a prompt ending on an already-cached page adds a
-    state checkpoint that, as in SGLang, no event announces)."""
+    """Fed a worker's events, the index predicts exactly what the worker's own cache reuses, for a
+    dense model and, with its state events, for a hybrid one."""
     rng = random.Random(3)
     for hybrid in (False, True):
         cache = PrefixCache(PAGE, capacity_blocks=40, hybrid=hybrid, checkpoint_interval_tokens=8)
@@ -39,8 +53,8 @@ def test_index_agrees_with_the_worker_cache_dense_and_hybrid():
             prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
             predicted = index.match(prompt).by_worker["w"]
             actual = cache.match(prompt[:-1]).cached_tokens
-            assert predicted == actual if not hybrid else predicted <= actual, (hybrid, prompt)
-            index.apply("w", seq, cache.insert(prompt))
+            assert predicted == actual, (hybrid, prompt)
+            insert_into(index, "w", seq, cache, prompt)
             seq += 1
 
 
@@ -93,16 +107,17 @@ def test_removed_worker_is_gone_from_answers():
 
 @settings(max_examples=60, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=24), min_size=1, max_size=25),
-       capacity=st.integers(1, 12), hybrid=st.booleans())
-def test_index_never_overstates_a_worker(prompts, capacity, hybrid):
-    """With eviction in play: equal to the worker's cache (dense), never above it (hybrid)."""
+       capacity=st.integers(1, 12), hybrid=st.booleans(), report_state=st.booleans())
+def test_index_never_overstates_a_worker(prompts, capacity, hybrid, report_state):
+    """With eviction in play: equal to the worker's cache (dense, or hybrid with state events);
+    with checkpoints inferred (no state events) never above it."""
     cache = PrefixCache(PAGE, capacity_blocks=capacity, hybrid=hybrid, checkpoint_interval_tokens=8)
     index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
     index.add_worker("w", "pd")
     for seq, prompt in enumerate(prompts):
         predicted, actual = index.match(prompt).by_worker["w"], cache.match(prompt[:-1]).cached_tokens
-        assert predicted == actual if not hybrid else predicted <= actual
-        index.apply("w", seq, cache.insert(prompt))
+        assert predicted == actual if report_state or not hybrid else predicted <= actual
+        insert_into(index, "w", seq, cache, prompt, report_state)
 
 
 def test_hybrid_index_exact_when_every_prompt_brings_new_pages():
@@ -113,7 +128,7 @@ def test_hybrid_index_exact_when_every_prompt_brings_new_pages():
     for seq, n in enumerate((9, 17, 26, 30)):
         prompt = base[:n]
         assert index.match(prompt + [77]).by_worker["w"] == cache.match(prompt).cached_tokens
-        index.apply("w", seq, cache.insert(prompt))
+        insert_into(index, "w", seq, cache, prompt, report_state=False)
     assert index.match(base[:22] + [5, 5, 5]).by_worker["w"] == 16  # last checkpoint within the 20-token match
 
 
@@ -193,15 +208,19 @@ class TestSnapshot:
         live = KvIndex(hybrid=False)
         live.add_worker("w", "pd")
         cache = PrefixCache(PAGE, capacity_blocks=60, hybrid=False)
-        live.apply("w", 41, cache.insert(list(range(100, 140))))
+        insert_into(live, "w", 41, cache, list(range(100, 140)))
         before = live.block_count("w")
         live.restore("w", snap)
         assert live.block_count("w") == before + original.block_count("w")
-        live.apply("w", 99, cache.insert(list(range(200, 240))))  # the next event is taken, whatever its number
+        insert_into(live, "w", 99, cache, list(range(200, 240)))  # the next event is taken, whatever its number
         assert live.resets("w") == 0
 
     @pytest.mark.parametrize("payload, message", [
-        (b'{"v": 2, "workers": {}}', "version"),
+        (b'{"v": 3, "workers": {}}', "version"),
+        (b'{"v": true, "workers": {}}', "version"),
+        (b'{"v": 2, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": []}}}', "exactly"),
+        (b'{"v": 2, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": [], '
+         b'"reports_state": 1}}}', "reports_state"),
         (b'{"v": 1}', "workers must be an object"),
         (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": []}}}', "exactly"),
         (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 0, "blocks": [], "checkpoints": []}}}', "block_size"),
@@ -217,3 +236,82 @@ class TestSnapshot:
 
         with pytest.raises(ValueError, match=message):
             kv_snapshot.decode(payload)
+
+
+class TestReportedState:
+    """Checkpoints from a worker's state events (wire v2) instead of inferred ones."""
+
+    def chain(self, n: int) -> list[BlockStored]:
+        return [BlockStored([b], b - 1 if b > 1 else None, [b] * PAGE, PAGE, None) for b in range(1, n + 1)]
+
+    def test_usable_hit_is_the_deepest_reported_state_inside_the_match(self):
+        index = KvIndex(hybrid=True)
+        index.add_worker("w", "pd")
+        prompt = list(range(100))
+        blocks = index.block_ids(prompt, PAGE)[:6]
+        stored = [BlockStored([b], blocks[i - 1] if i else None, prompt[i * PAGE:(i + 1) * PAGE], PAGE, None)
+                  for i, b in enumerate(blocks)]
+        index.apply("w", 0, stored, [StateStored(blocks[1], 2 * PAGE), StateStored(blocks[4], 5 * PAGE)])
+        assert index.match(prompt).by_worker["w"] == 5 * PAGE  # not 6 blocks: no state at the 6th
+        assert index.match(prompt[:4 * PAGE + 1]).by_worker["w"] == 2 * PAGE
+        index.apply("w", 1, [], [StateRemoved(blocks[4], 5 * PAGE)])  # a tombstone: pages stay, state goes
+        assert index.block_count("w") == 6 and index.match(prompt).by_worker["w"] == 2 * PAGE
+        index.apply("w", 2, [], [StateStored(blocks[5], 6 * PAGE, "swa")])  # not a component this index uses
+        assert index.match(prompt).by_worker["w"] == 2 * PAGE
+
+    def test_a_state_is_held_only_where_its_page_is(self):
+        index = KvIndex(hybrid=True)
+        index.add_worker("w", "pd")
+        prompt = list(range(40))
+        blocks = index.block_ids(prompt, PAGE)[:2]
+        stored = [BlockStored([blocks[0]], None, prompt[:PAGE], PAGE, None),
+                  BlockStored([blocks[1]], blocks[0], prompt[PAGE:2 * PAGE], PAGE, None)]
+        from prfaas_sglang.wire.kv_events import BlockRemoved
+
+        index.apply("w", 0, stored + [BlockRemoved([blocks[1]])], [StateStored(blocks[1], 2 * PAGE)])
+        assert index.match(prompt).by_worker["w"] == 0
+
+    def test_switching_between_reported_and_inferred_rebuilds_the_worker(self):
+        index = KvIndex(hybrid=True, checkpoint_interval_tokens=8)
+        index.add_worker("w", "pd")
+        cache = PrefixCache(PAGE, 100, hybrid=True, checkpoint_interval_tokens=8)
+        insert_into(index, "w", 0, cache, list(range(20)), report_state=False)
+        assert index.block_count("w") == 5
+        insert_into(index, "w", 1, cache, list(range(50, 70)), report_state=True)
+        assert index.block_count("w") == 5  # the first prompt's inferred view is gone, the new one is reported
+        assert index.match(list(range(20)) + [1]).by_worker["w"] == 0
+        assert index.export()["w"].reports_state
+
+    def test_bad_state_events_are_refused_whole(self):
+        index = KvIndex(hybrid=True)
+        index.add_worker("w", "pd")
+        for bad in ([StateStored(1, 0)], [StateRemoved(1, -4)], [BlockStored([1], None, [1] * PAGE, PAGE, None)]):
+            with pytest.raises(InvalidEvents):
+                index.apply("w", 0, self.chain(2), bad)
+            assert index.block_count("w") == 0
+
+    def test_a_v2_frame_through_the_feed_and_a_snapshot_keep_reported_state(self):
+        from prfaas_sglang.wire import kv_snapshot
+
+        index = KvIndex(hybrid=True)
+        index.add_worker("w", "pd")
+        handle = kv_event_handler(index, "w")
+        prompt = list(range(30))
+        blocks = index.block_ids(prompt, PAGE)[:3]
+        stored = [BlockStored([b], blocks[i - 1] if i else None, prompt[i * PAGE:(i + 1) * PAGE], PAGE, None)
+                  for i, b in enumerate(blocks)]
+        payload = encode_batch(KVEventBatch(1.0, stored, 0, [StateStored(blocks[1], 2 * PAGE)]))
+        assert handle([b"kv-events", (0).to_bytes(8, "big"), payload]) == 4
+        assert index.match(prompt).by_worker["w"] == 2 * PAGE
+        snap = kv_snapshot.decode(kv_snapshot.encode(index.export()))["w"]
+        assert snap.reports_state and snap.checkpoints == (blocks[1],)
+        restored = KvIndex(hybrid=True)
+        restored.add_worker("w", "pd")
+        restored.restore("w", snap)
+        assert restored.match(prompt).by_worker["w"] == 2 * PAGE
+        # Live events came first and are inferred (SGLang's own publisher): the snapshot's checkpoints are not taken.
+        live = KvIndex(hybrid=True)
+        live.add_worker("w", "pd")
+        live.apply("w", 0, [])
+        live.restore("w", snap)
+        assert not live.export()["w"].reports_state and live.match(prompt).by_worker["w"] == 0

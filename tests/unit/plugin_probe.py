@@ -43,8 +43,14 @@ def scenario_role_contract(model_dir: str) -> dict:
     from prfaas_sglang.plugin import HOOKS, reaches_hook, resolve_target
 
     installed = {spec.name: reaches_hook(resolve_target(spec.target), spec.load_hook()) for spec in HOOKS}
+    from sglang.srt.disaggregation.kv_events import EventPublisherFactory
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    registered = {"prfaas-hybrid": getattr(get_radix_cache_factory("prfaas-hybrid"), "__qualname__", None),
+                  "prfaas-zmq": getattr(EventPublisherFactory._registry.get("prfaas-zmq"), "__qualname__", None)}
     return {
         "installed": installed,
+        "registered": registered,
         "no_role_decode": attempt(model_dir, {}, "decode"),
         "prfaas_prefill": attempt(model_dir, {"PRFAAS_ROLE": "prfaas"}, "prefill"),
         "prfaas_decode": attempt(model_dir, {"PRFAAS_ROLE": "prfaas"}, "decode"),

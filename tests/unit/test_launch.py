@@ -117,16 +117,30 @@ class TestPlan:
         assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == "30001"
         assert argv[argv.index("--tp-size") + 1] == "2"
         events = json.loads(argv[argv.index("--kv-events-config") + 1])
-        assert events == {"publisher": "zmq", "endpoint": "tcp://*:5558", "topic": "kv-events"}
+        assert events == {"publisher": "prfaas-zmq", "endpoint": "tcp://*:5558", "topic": "kv-events"}
+        assert argv[argv.index("--radix-cache-backend") + 1] == "prfaas-hybrid"
         assert "--disaggregation-bootstrap-port" not in argv
 
-    def test_kv_events_config_is_accepted_by_sglang(self):
-        from sglang.srt.disaggregation.kv_events import KVEventsConfig
+    def test_kv_events_config_is_accepted_by_sglang_and_names_registered_backends(self):
+        from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventsConfig
+        from sglang.srt.mem_cache.registry import get_radix_cache_factory
 
+        from prfaas_sglang.hooks.hybrid_cache import register_backends
+
+        register_backends()  # what the plugin does in every SGLang process
         node = Node("p0", "pd", Role.PD_PREFILL, kv_events_port=5557, model_path="/m")
         argv = list(sglang_command(node, "python", {}).argv)
         config = KVEventsConfig.from_cli(argv[argv.index("--kv-events-config") + 1])
-        assert config.publisher == "zmq" and config.endpoint == "tcp://*:5557"
+        assert config.publisher == "prfaas-zmq" and config.endpoint == "tcp://*:5557"
+        assert config.publisher in EventPublisherFactory._registry
+        assert get_radix_cache_factory(argv[argv.index("--radix-cache-backend") + 1]) is not None
+
+    @pytest.mark.parametrize("flag", ["--radix-cache-backend=mine", "--enable-int8-mamba-checkpoint"])
+    def test_a_node_choosing_its_own_cache_keeps_it_and_is_told(self, flag):
+        node = Node("p0", "pd", Role.PD_PREFILL, kv_events_port=5557, model_path="/m", extra_args=(flag,))
+        plan = sglang_command(node, "python", {})
+        assert list(plan.argv).count("--radix-cache-backend") == 0 and flag in plan.argv
+        assert any("kv-index infers hybrid checkpoints" in note for note in plan.notes)
 
     def test_plan_arguments_parse_with_sglang_own_parser(self):
         """Every flag we emit exists in sglang 0.5.15's argument parser with the value we give."""

@@ -36,6 +36,9 @@ class TestRoleContractThroughSGLang:
     def test_entry_point_installs_every_hook(self, role_contract):
         assert role_contract["installed"] == {spec.name: True for spec in HOOKS}
 
+    def test_entry_point_registers_the_backends_with_sglangs_registries(self, role_contract):
+        assert role_contract["registered"] == {"prfaas-hybrid": "build_tree_cache", "prfaas-zmq": "StateEventsZmqPublisher"}
+
     def test_no_role_leaves_stock_behaviour(self, role_contract):
         assert role_contract["no_role_decode"] == {"ok": True, "mode": "decode", "backend": "mooncake"}
 

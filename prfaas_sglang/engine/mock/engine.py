@@ -55,7 +55,7 @@ from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
 from prfaas_sglang.transport.tcpstate import TcpCongestion
 from prfaas_sglang.wire.handoff import KvReady, Registration
-from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared
+from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared, split_state_events
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
 
 PSEUDO_VOCAB = 32_000
@@ -240,7 +240,7 @@ class MockEngine:
     def flush_cache(self) -> None:
         self.cache.clear()
         if self.publisher:
-            self.publisher.publish([AllBlocksCleared()], time.time())
+            self.publisher.publish([AllBlocksCleared()], time.time(), [] if self.cache.hybrid else None)
 
     def gen_throughput(self) -> float:
         now = time.monotonic()
@@ -284,9 +284,9 @@ class MockEngine:
             # token), so an exact repeat reuses at most the pages before it.
             match = self.cache.match(req.input_ids[:-1])
             await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens))
-            events = self.cache.insert(req.input_ids)
-            if self.publisher:
-                self.publisher.publish(events, time.time())
+            events, states = split_state_events(self.cache.insert(req.input_ids))
+            if self.publisher:  # a hybrid model's cache reports its state checkpoints (wire v2)
+                self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
             try:
                 registration: Registration = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:

@@ -10,8 +10,11 @@ Checkpoints are taken where the engine would save state: at every
 last full page.
 
 Every mutation returns the KV events it causes (BlockStored / BlockRemoved),
-in the order SGLang would emit them. Eviction is LRU over blocks; parents are
-always more recent than their children, so leaves go first.
+in the order SGLang would emit them, and for a hybrid model the state events
+our SGLang cache backend adds (StateStored when a block becomes a checkpoint,
+StateRemoved when a checkpoint block is evicted; ``wire.kv_events`` v2), so a
+KV index holds exactly this cache's checkpoints. Eviction is LRU over blocks;
+parents are always more recent than their children, so leaves go first.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
-from prfaas_sglang.wire.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from prfaas_sglang.wire.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    StateRemoved,
+    StateStored,
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class Match:
 class _Block:
     parent: int | None  # event id of the parent block
     checkpoint: bool  # a linear-state checkpoint ends at this block
+    num_tokens: int  # the prefix length this block ends
 
 
 class PrefixCache:
@@ -71,34 +81,40 @@ class PrefixCache:
         return Match(matched, best * self.page_size)
 
     def insert(self, token_ids: Sequence[int], medium: str = "GPU") -> list[KVCacheEvent]:
-        """Cache every full page of a prefilled prompt; returns BlockStored/BlockRemoved events."""
+        """Cache every full page of a prefilled prompt; returns its block events, then (hybrid)
+        its state events (the order a v2 batch applies them in)."""
         ids = self._ids(token_ids)
         if not ids:
             return []
         interval_blocks = max(self.checkpoint_interval_tokens // self.page_size, 1)
         events: list[KVCacheEvent] = []
+        states: list[KVCacheEvent] = []
         for i, block_id in enumerate(ids):
-            checkpoint = (i + 1) % interval_blocks == 0 or i == len(ids) - 1
+            checkpoint = self.hybrid and ((i + 1) % interval_blocks == 0 or i == len(ids) - 1)
             block = self._blocks.get(block_id)
-            if block is not None:
-                block.checkpoint = block.checkpoint or checkpoint
-                continue
-            parent = ids[i - 1] if i else None
-            self._blocks[block_id] = _Block(parent, checkpoint)
-            page = list(token_ids[i * self.page_size : (i + 1) * self.page_size])
-            # One BlockStored per page, as SGLang's KVCacheEventMixin emits them.
-            events.append(BlockStored([block_id], parent, page, self.page_size, None, medium))
+            if block is None:
+                parent = ids[i - 1] if i else None
+                block = self._blocks[block_id] = _Block(parent, False, (i + 1) * self.page_size)
+                page = list(token_ids[i * self.page_size : (i + 1) * self.page_size])
+                # One BlockStored per page, as SGLang's KVCacheEventMixin emits them.
+                events.append(BlockStored([block_id], parent, page, self.page_size, None, medium))
+            if checkpoint and not block.checkpoint:
+                block.checkpoint = True
+                states.append(StateStored(block_id, (i + 1) * self.page_size, "mamba", medium))
         for block_id in reversed(ids):
             self._blocks.move_to_end(block_id)
-        events.extend(self._evict(medium))
-        return events
+        evicted, lost_states = self._evict(medium)
+        return events + evicted + states + lost_states
 
-    def _evict(self, medium: str) -> list[KVCacheEvent]:
-        removed = []
+    def _evict(self, medium: str) -> tuple[list[KVCacheEvent], list[KVCacheEvent]]:
+        """(BlockRemoved, StateRemoved per evicted checkpoint) for what exceeds the capacity."""
+        removed, states = [], []
         while len(self._blocks) > self.capacity_blocks:
-            block_id, _ = self._blocks.popitem(last=False)
+            block_id, block = self._blocks.popitem(last=False)
             removed.append(block_id)
-        return [BlockRemoved(removed, medium)] if removed else []
+            if block.checkpoint:
+                states.append(StateRemoved(block_id, block.num_tokens, "mamba", medium))
+        return ([BlockRemoved(removed, medium)] if removed else []), states
 
     def clear(self) -> None:
         self._blocks.clear()

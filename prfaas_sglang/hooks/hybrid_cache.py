@@ -1,0 +1,187 @@
+"""SGLang side of state-aware KV events, through SGLang's own registries (no hook, no patch).
+
+SGLang 0.5.15's ``MambaRadixCache`` publishes pages only: when it stores a
+linear-attention state for a prefix, or evicts one (a *tombstone*: the pages
+stay, the state goes), nothing is published, yet that state decides how much
+of the prefix a hybrid model can reuse. Two registered parts fix that:
+
+* the radix-cache backend :data:`RADIX_CACHE_BACKEND` (``--radix-cache-backend
+  prfaas-hybrid``): where SGLang's default chain would build a
+  ``MambaRadixCache``, it builds :class:`StateEventsMambaRadixCache`, the same
+  cache that also records :class:`~prfaas_sglang.wire.kv_events.StateStored` /
+  ``StateRemoved``; anywhere else it builds what the default chain builds;
+* the event publisher :data:`EVENT_PUBLISHER` (``--kv-events-config
+  '{"publisher": "prfaas-zmq", ...}'``): SGLang's ZMQ publisher, writing the
+  batch's state events as its 4th element (wire v2), which SGLang 0.5.15's
+  own decoder and every v1 consumer skip.
+
+The cache hands its state events to the publisher inside the list
+``take_events()`` returns (:class:`EventsWithState`), which SGLang passes on
+untouched; with SGLang's own ``zmq`` publisher they are simply not written.
+A batch carries a state list (possibly empty) exactly when its cache reports
+state, which is how a consumer tells reported checkpoints from none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
+from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
+
+from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
+
+RADIX_CACHE_BACKEND = "prfaas-hybrid"
+EVENT_PUBLISHER = "prfaas-zmq"
+MEDIUM = "GPU"  # the device tree; a host tier would report its own medium
+
+
+class EventsWithState(list):
+    """A cache's block events (the list itself) and its ``state_events``; true when either is
+    non-empty, so SGLang publishes a batch that changed only state."""
+
+    def __init__(self, events: list, state_events: list):
+        super().__init__(events)
+        self.state_events = state_events
+
+    def __bool__(self) -> bool:
+        return bool(len(self) or self.state_events)
+
+
+class StateEventsMambaRadixCache(MambaRadixCache):
+    """``MambaRadixCache`` that records where Mamba state is stored and evicted.
+
+    A node's state sits at the node's end: the prefix up to its last page. Stored
+    when ``_insert_helper`` leaves a state at the inserted key's end (a new leaf,
+    or a tombstone given one again); removed when a node is tombstoned or an
+    evicted leaf leaves with it (after that leaf's ``BlockRemoved``). A split moves
+    no state: the state stays on the child, whose last page is unchanged. Reset
+    clears all (``AllBlocksCleared``). Records only while KV events are enabled.
+    """
+
+    def reset(self) -> None:  # also run by MambaRadixCache.__init__
+        super().reset()
+        self._state_queue: list = []
+        self._stated: dict[int, tuple[int, int]] = {}  # node id -> (block hash, num_tokens) reported
+
+    def take_events(self):
+        """This batch's block events and state events (:class:`EventsWithState`)."""
+        events = super().take_events()
+        states, self._state_queue = self._state_queue, []
+        return EventsWithState(events, states)
+
+    def _insert_helper(self, node: Any, key: Any, value: Any, mamba_value: Any, chunked: bool = False,
+                       prev_prefix_len: int = 0):
+        result = super()._insert_helper(node, key, value, mamba_value, chunked, prev_prefix_len)
+        if self.enable_kv_cache_events and len(key) > 0:
+            end = self._node_ending_at(node, key)
+            if end is not None and end.mamba_value is not None and end.id not in self._stated:
+                self._stated[end.id] = stated = (self._last_page_hash(end), self._prefix_len(end))
+                self._state_queue.append(StateStored(*stated, "mamba", MEDIUM))
+        return result
+
+    def _tombstone_internal_node(self, node: Any) -> None:
+        self._forget_state(node)
+        super()._tombstone_internal_node(node)
+
+    def _delete_leaf(self, node: Any) -> None:
+        self._forget_state(node)
+        super()._delete_leaf(node)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _forget_state(self, node: Any) -> None:
+        stated = self._stated.pop(node.id, None)
+        if stated is not None:
+            self._state_queue.append(StateRemoved(*stated, "mamba", MEDIUM))
+
+    def _node_ending_at(self, start: Any, key: Any) -> Any | None:
+        """The node whose end is ``key``'s end, walking down from ``start`` (after an insert the
+        path exists node for node); None if the tree has no such node."""
+        node = start
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                return None
+            matched = child.key.match(key, page_size=self.page_size)
+            if matched < len(child.key):
+                return None
+            node, key = child, key[matched:]
+        return node
+
+    def _last_page_hash(self, node: Any) -> int:
+        if node.hash_value is None:
+            node.hash_value = compute_node_hash_values(node, self.page_size)
+        return hash_str_to_int64(node.hash_value[-1])
+
+    def _prefix_len(self, node: Any) -> int:
+        n = 0
+        while node is not None and node is not self.root_node:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+
+def default_builds_mamba_radix_cache(ctx: Any) -> bool:
+    """Whether SGLang 0.5.15's ``default_radix_cache_factory`` builds a ``MambaRadixCache`` for
+    ``ctx`` (its selection chain, in its order; a drift test compares the two)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.utils.tensor_bridge import use_mlx
+
+    if ctx.effective_chunked_prefill_size is not None and ctx.disable_radix_cache:
+        return False  # ChunkCache
+    if envs.SGLANG_EXPERIMENTAL_CPP_RADIX_TREE.get() or envs.SGLANG_ENABLE_UNIFIED_RADIX_TREE.get() or use_mlx():
+        return False
+    if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa:
+        return False
+    return bool(ctx.is_hybrid_ssm)
+
+
+def build_tree_cache(ctx: Any):
+    """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
+    Mamba cache in place of ``MambaRadixCache``."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    if default_builds_mamba_radix_cache(ctx):
+        return StateEventsMambaRadixCache(ctx.params)
+    return default_radix_cache_factory(ctx)
+
+
+def to_wire_batch(batch: EventBatch) -> KVEventBatch:
+    """SGLang's batch as wire v2: its events, and as ``state_events`` the cache's state events when
+    the cache reports state (:class:`EventsWithState`), else None."""
+    state_events = getattr(batch.events, "state_events", None)
+    return KVEventBatch(ts=batch.ts, events=list(batch.events), attn_dp_rank=batch.attn_dp_rank,
+                        state_events=None if state_events is None else list(state_events))
+
+
+class StateEventsZmqPublisher(ZmqEventPublisher):
+    """SGLang's ZMQ publisher (same sockets, sequence numbers, replay) writing wire v2 batches
+    (:func:`to_wire_batch`)."""
+
+    def publish(self, events: EventBatch) -> None:
+        super().publish(to_wire_batch(events))
+
+
+def register_backends() -> list[str]:
+    """Register the radix-cache backend and the event publisher with SGLang's registries
+    (idempotent: a name already bound to ours is left alone). Returns the names registered now.
+    Raises RuntimeError if a name is taken by something else."""
+    from sglang.srt.disaggregation.kv_events import EventPublisherFactory
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    done = []
+    current = get_radix_cache_factory(RADIX_CACHE_BACKEND)
+    if current is None:
+        register_radix_cache_backend(RADIX_CACHE_BACKEND, build_tree_cache)
+        done.append(RADIX_CACHE_BACKEND)
+    elif current is not build_tree_cache:
+        raise RuntimeError(f"radix-cache backend {RADIX_CACHE_BACKEND!r} is registered by {current!r}")
+    current = EventPublisherFactory._registry.get(EVENT_PUBLISHER)
+    if current is None:
+        EventPublisherFactory.register_publisher(EVENT_PUBLISHER, StateEventsZmqPublisher)
+        done.append(EVENT_PUBLISHER)
+    elif current is not StateEventsZmqPublisher:
+        raise RuntimeError(f"event publisher {EVENT_PUBLISHER!r} is registered by {current!r}")
+    return done

@@ -1,0 +1,289 @@
+"""State-aware KV events from SGLang's own hybrid cache (``hooks/hybrid_cache.py``), on CPU.
+
+SGLang's real ``HybridReqToTokenPool``, ``TokenToKVPoolAllocator`` and ``MambaRadixCache``
+(our subclass through the registered ``prfaas-hybrid`` backend), SGLang's scheduler-side
+``SchedulerKvEventsPublisher`` and ``EventPublisherFactory`` with the registered
+``prfaas-zmq`` publisher, and SGLang's own batch decoder. CPU workarounds as in
+``../shared/notes/sglang-0.5.15-internals.md`` section 4: ``device="cpu"``, the mamba chunk size
+set on the global server args, ``no_buffer`` (page 1) or ``extra_buffer`` (page 4).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prfaas_sglang.kvindex.feed import kv_event_handler
+from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.wire.kv_events import StateRemoved, StateStored, decode_batch
+
+torch = pytest.importorskip("torch")
+sglang_kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+
+from prfaas_sglang.hooks import hybrid_cache  # noqa: E402
+
+MAMBA_SLOTS = 6
+KV_TOKENS = 96
+
+
+def _global_server_args():
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    args = ServerArgs(model_path="dummy", device="cpu")
+    args._mamba_cache_chunk_size = 64  # else MambaRadixCache reads it from the model's HF config
+    set_global_server_args_for_scheduler(args)
+
+
+class RealCache:
+    """A real SGLang hybrid pool and our state-reporting MambaRadixCache over it; operations as
+    the scheduler performs them (alloc, evict when short, insert, free a duplicate state slot)."""
+
+    def __init__(self, page_size: int, events: bool = True):
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+        _global_server_args()
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
+                                        state_size=4, conv_kernel=4)
+        extra = page_size > 1  # SGLang: page size 1 without the extra buffer, larger pages with it
+        self.req_pool = HybridReqToTokenPool(
+            size=4, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=4, max_context_len=KV_TOKENS, device="cpu",
+            enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+            enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
+        if page_size == 1:
+            self.kv = TokenToKVPoolAllocator(size=KV_TOKENS, dtype=torch.bfloat16, device="cpu", kvcache=None,
+                                             need_sort=False)
+        else:
+            self.kv = PagedTokenToKVPoolAllocator(size=KV_TOKENS, page_size=page_size, dtype=torch.bfloat16,
+                                                  device="cpu", kvcache=None, need_sort=False)
+        self.page_size = page_size
+        self.params = CacheInitParams(
+            disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.kv, page_size=page_size,
+            enable_kv_cache_events=events, enable_mamba_extra_buffer=extra)
+        self.cache = hybrid_cache.StateEventsMambaRadixCache(self.params)
+
+    def insert(self, tokens: list[int]) -> bool:
+        n = len(tokens)
+        if n == 0 or n % self.page_size:
+            return False
+        if self.kv.available_size() < n:
+            self.cache.evict(EvictParams(num_tokens=n - self.kv.available_size()))
+        value = self.kv.alloc(n)
+        if value is None:
+            return False
+        slot = self.req_pool.mamba_allocator.alloc(1)
+        if slot is None:
+            self.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+            slot = self.req_pool.mamba_allocator.alloc(1)
+        if slot is None:
+            self.kv.free(value)
+            return False
+        result = self.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=value, mamba_value=slot))
+        if result.mamba_exist:  # the state was already cached: the scheduler frees its own slot
+            self.req_pool.mamba_allocator.free(slot)
+        return True
+
+    def match(self, tokens: list[int]) -> int:
+        return len(self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).device_indices)
+
+
+class Wire:
+    """The cache's events through SGLang's scheduler-side batch, our publisher's v2 batch, its
+    bytes and the kv-index's feed (no socket: the ZMQ test below has one)."""
+
+    def __init__(self, index: KvIndex, worker: str = "w"):
+        self.handle = kv_event_handler(index, worker)
+        self.seq = 0
+        self.batches: list[bytes] = []
+
+    def flush(self, cache) -> None:
+        events = cache.take_events()
+        if not events:
+            return
+        batch = sglang_kv_events.KVEventBatch(ts=time.time(), events=events)  # as publish_kv_events builds it
+        payload = msgspec.msgpack.encode(hybrid_cache.to_wire_batch(batch))
+        self.batches.append(payload)
+        self.handle([b"kv-events", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+
+def index_for(page_size: int) -> KvIndex:
+    index = KvIndex(hybrid=True)
+    index.add_worker("w", "pd", block_size=page_size)
+    return index
+
+
+def test_a_tombstoned_state_stops_the_hit_in_the_index_as_in_the_cache():
+    """The case SGLang's own events get wrong: evicting a state keeps its pages (a tombstone), so
+    the prefix stops matching while every BlockStored stays advertised."""
+    real, index = RealCache(page_size=1), index_for(1)
+    wire = Wire(index)
+    real.insert([1, 2, 3, 4])
+    wire.flush(real.cache)  # one batch per scheduler step: one request finished in each
+    real.insert([1, 2, 3, 4, 5, 6])  # the state at 4 is now on an inner node
+    wire.flush(real.cache)
+    assert index.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 4  # (no match on the cache: it would reorder its LRU)
+    real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))  # LRU: the inner node's state -> tombstone
+    events = real.cache.take_events()
+    assert list(events) == [] and events.state_events == [StateRemoved(events.state_events[0].block_hash, 4, "mamba", "GPU")]
+    wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"),
+                 msgspec.msgpack.encode(hybrid_cache.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
+    assert real.match([1, 2, 3, 4, 9]) == index.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 0
+    assert real.match([1, 2, 3, 4, 5, 6, 7]) == index.match([1, 2, 3, 4, 5, 6, 7, 0]).by_worker["w"] == 6
+    # The same stream without state events (SGLang's own publisher): the index can only infer and overstates.
+    inferred = index_for(1)
+    for seq, payload in enumerate(wire.batches):
+        plain = sglang_kv_events.KVEventBatch(ts=0.0, events=decode_batch(payload).events)
+        kv_event_handler(inferred, "w")([b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode(plain)])
+    assert inferred.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 4
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.integers(0, 3), min_size=1, max_size=6)),
+        st.tuples(st.just("evict_full"), st.integers(1, 12)),
+        st.tuples(st.just("evict_mamba"), st.integers(1, 3)),
+        st.tuples(st.just("match"), st.lists(st.integers(0, 3), min_size=1, max_size=6)),
+    ),
+    min_size=1, max_size=14,
+)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS)
+def test_the_index_hit_equals_the_real_caches_match_prefix(page_size, ops):
+    """Randomized insert / evict / match sequences on the real cache: after every operation, for
+    every prefix inserted so far and the operation's own key, the kv-index fed only the published
+    batches predicts exactly the length ``MambaRadixCache.match_prefix`` returns."""
+    real, index = RealCache(page_size), index_for(page_size)
+    wire = Wire(index)
+    seen: list[list[int]] = []
+    for op, arg in ops:
+        if op in ("insert", "match"):
+            key = [t for t in arg for _ in range(page_size)]  # whole pages, with sharing between keys
+            if op == "insert" and real.insert(key):
+                seen.append(key)
+            seen_now = seen + [key]
+        elif op == "evict_full":
+            real.cache.evict(EvictParams(num_tokens=arg * page_size))
+            seen_now = seen
+        else:
+            real.cache.evict(EvictParams(num_tokens=0, mamba_num=arg))
+            seen_now = seen
+        wire.flush(real.cache)
+        for key in seen_now:
+            # The index reads the full pages of prompt[:-1]; SGLang matches the key it is given.
+            assert index.match(key + [0]).by_worker["w"] == real.match(key), (key, ops)
+        real.cache.take_events()  # match_prefix splits nodes (no events); nothing may be pending
+        assert not real.cache.take_events()
+
+
+def test_sglangs_own_decoder_reads_a_v2_batch_and_skips_the_state():
+    real = RealCache(page_size=1)
+    real.insert([5, 6, 7])
+    batch = sglang_kv_events.KVEventBatch(ts=1.5, events=real.cache.take_events())
+    payload = msgspec.msgpack.encode(hybrid_cache.to_wire_batch(batch))
+    theirs = msgspec.msgpack.Decoder(sglang_kv_events.KVEventBatch).decode(payload)
+    ours = decode_batch(payload)
+    assert [type(e).__name__ for e in theirs.events] == ["AllBlocksCleared"] + ["BlockStored"] * 3
+    assert [e.block_hashes for e in theirs.events[1:]] == [e.block_hashes for e in ours.events[1:]]
+    assert ours.state_events == [StateStored(ours.events[-1].block_hashes[0], 3, "mamba", "GPU")]
+
+
+def test_without_kv_events_nothing_is_recorded():
+    real = RealCache(page_size=1, events=False)
+    real.insert([1, 2, 3])
+    real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+    events = real.cache.take_events()
+    assert not events and events.state_events == []
+
+
+def test_the_registered_factory_builds_ours_where_sglang_builds_a_mamba_radix_cache():
+    """``prfaas-hybrid`` = SGLang's default chain with our subclass in MambaRadixCache's place, and
+    ``default_builds_mamba_radix_cache`` predicts the default chain (drift check)."""
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    real = RealCache(page_size=1)
+
+    def ctx(**kw):
+        base = dict(server_args=SimpleNamespace(enable_lmcache=False), params=real.params,
+                    is_hybrid_swa=False, is_hybrid_ssm=True, enable_hierarchical_cache=False, disable_radix_cache=False,
+                    effective_chunked_prefill_size=None, tp_worker=None, model_config=None, tp_size=1, tp_rank=0,
+                    tp_group=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    for kw in ({}, {"is_hybrid_ssm": False}, {"disable_radix_cache": True, "effective_chunked_prefill_size": 64}):
+        c = ctx(**kw)
+        default = default_radix_cache_factory(c)
+        assert hybrid_cache.default_builds_mamba_radix_cache(c) == (type(default) is MambaRadixCache), kw
+        ours = hybrid_cache.build_tree_cache(c)
+        if type(default) is MambaRadixCache:
+            assert type(ours) is hybrid_cache.StateEventsMambaRadixCache
+        else:
+            assert type(ours) is type(default)
+
+
+def test_scheduler_publisher_over_zmq_to_the_kv_index():
+    """End to end on SGLang's classes: the scheduler's SchedulerKvEventsPublisher takes the cache's
+    events, EventPublisherFactory builds the registered ``prfaas-zmq`` publisher from a
+    ``--kv-events-config`` string, and our subscriber's kv-index gets the state over ZMQ."""
+    import json
+
+    import zmq
+    from sglang.srt.managers.scheduler_components.kv_events_publisher import (
+        SchedulerKvEventsPublisher,
+    )
+
+    from prfaas_sglang.demo.cluster import PortPicker
+
+    hybrid_cache.register_backends()
+    port = PortPicker()()
+    config = json.dumps({"publisher": hybrid_cache.EVENT_PUBLISHER, "endpoint": f"tcp://*:{port}", "topic": "kv-events"})
+    real = RealCache(page_size=1)
+    ps = SimpleNamespace(pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_rank=None)
+    publisher = SchedulerKvEventsPublisher(
+        kv_events_config=config, ps=ps, attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0, dp_rank=None,
+        tree_cache=real.cache, send_metrics_from_scheduler=None, max_running_requests=4, max_total_num_tokens=KV_TOKENS,
+        get_stats=lambda: None)
+    assert type(publisher.kv_event_publisher) is hybrid_cache.StateEventsZmqPublisher
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    index = index_for(1)
+    handle = kv_event_handler(index, "w")
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # PUB/SUB joins asynchronously: publish until a batch arrives
+            real.insert([int(time.monotonic() * 1e6) % 1000 + 10, 2])
+            publisher.publish_kv_events()
+            if sub.poll(200):
+                break
+            assert time.monotonic() < deadline, "no batch arrived"
+        while sub.poll(200):
+            handle(sub.recv_multipart())
+        real.cache.evict(EvictParams(num_tokens=KV_TOKENS, mamba_num=MAMBA_SLOTS))  # the warm-up's keys go
+        real.insert([7, 8, 9])
+        real.insert([7, 8, 9, 10])
+        real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))  # tombstones [7, 8, 9]: a state-only batch
+        publisher.publish_kv_events()
+        while sub.poll(1000):
+            handle(sub.recv_multipart())
+        assert real.match([7, 8, 9, 11]) == index.match([7, 8, 9, 11, 0]).by_worker["w"] == 0
+        assert real.match([7, 8, 9, 10, 11]) == index.match([7, 8, 9, 10, 11, 0]).by_worker["w"] == 4
+        assert index.export()["w"].reports_state
+    finally:
+        sub.close(linger=0)
+        publisher.kv_event_publisher.shutdown()
