@@ -100,6 +100,19 @@ class Envs:
         "busy-waiting synchronous batch per chunk (the kv-send hooks). Set by the launcher for the "
         "prfaas role (0 turns it off).",
     )
+    PREFILL_CACHE = EnvVar(
+        "PRFAAS_PREFILL_CACHE",
+        None,
+        "SGLang prefill worker with the prfaas-hybrid cache backend: which finished prefills its radix "
+        "tree keeps (kvindex/admission.py): all | shared | none. Unset: SGLang's behaviour (all). "
+        "The launcher sets shared for the prfaas role: one-off long prompts are transfer cache, "
+        "freed once sent; a prefix seen twice is kept.",
+    )
+    PREFILL_CACHE_MIN_SHARED_TOKENS = EnvVar(
+        "PRFAAS_PREFILL_CACHE_MIN_SHARED_TOKENS",
+        "1024",
+        "With PRFAAS_PREFILL_CACHE=shared: the shortest prefix (tokens) that counts as shared.",
+    )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",
         None,

@@ -215,8 +215,18 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._tombstone_internal_node",
              "(self, node: 'TreeNode') -> 'None'"),
             ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_leaf", "(self, node: 'TreeNode') -> 'None'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.match_prefix",
+             "(self, params: 'MatchPrefixParams') -> 'MatchResult'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.cache_unfinished_req",
+             "(self, req: 'Req', chunked=False) -> 'None'"),
+            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.cache_finished_req",
+             "(self, req: 'Req', is_insert: 'bool' = True) -> 'None'"),
+            ("sglang.srt.mem_cache.common.maybe_cache_unfinished_req", "(req: 'Req', tree_cache: 'BasePrefixCache', **kwargs)"),
+            ("sglang.srt.mem_cache.common.release_kv_cache",
+             "(req: 'Req', tree_cache: 'BasePrefixCache', is_insert: 'bool' = True)"),
         ),
-        subject="[cache] Hybrid models' Mamba state checkpoints are published as KV events",
+        subject=("[cache] Hybrid models' Mamba state checkpoints are published as KV events; a PrfaaS "
+                 "worker keeps only shared prefixes"),
         why=(
             "MambaRadixCache publishes pages only: storing or evicting a prefix's linear-attention state emits "
             "nothing, yet it decides how much of the prefix a hybrid model reuses, so a KV index either "
@@ -226,7 +236,10 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "A radix-cache backend (hooks/hybrid_cache.py): SGLang's default selection chain, with a "
             "MambaRadixCache subclass that records StateStored when an insert leaves a state at the key's end "
             "and StateRemoved when a node is tombstoned or an evicted leaf takes its state along; "
-            "take_events() hands them to the publisher inside the list SGLang passes on."
+            "take_events() hands them to the publisher inside the list SGLang passes on. With "
+            "PRFAAS_PREFILL_CACHE (the launcher sets shared for the prfaas role) each request is decided at its "
+            "first match: a transfer-cache request takes SGLang's no-insert path for its chunks and finishes "
+            "with is_insert=False, so its KV is freed once its transfer completes."
         ),
         upstream_status="backport of the shape of SGLang 0.5.23's component KV events (--enable-kv-events-component-types)",
         removal="when the pin reaches a release with component KV events and the kv-index reads them",

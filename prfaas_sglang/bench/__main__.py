@@ -6,6 +6,8 @@ Benchmarks:
   mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer;
                  --load: each stage saturated, throughput vs the planner's Theta (eq. 3-6), TTFT at 50/80%
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
+  state-events   what state events cost: SGLang's MambaRadixCache vs ours on the conversation
+                 trace (events, bytes per second of trace, CPU time of cache calls + encoding)
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
   aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     fidelity.add_argument("--json", action="store_true")
     kvi = sub.add_parser("kvindex", help="KV index ingest rate and match latency")
     kvi.add_argument("--json", action="store_true")
+    se = sub.add_parser("state-events", help="state events' overhead: stock vs our hybrid cache on a trace")
+    se.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
+    se.add_argument("--requests", type=int, default=200)
+    se.add_argument("--page-sizes", default="1,64", help="comma list (1: no_buffer; > 1: extra_buffer)")
+    se.add_argument("--json", action="store_true")
     ro = sub.add_parser("router-overhead", help="latency added by the router")
     ro.add_argument("--rate", type=float, default=None, help="requests/s (default: 200, or 5 for prompts over 1K tokens)")
     ro.add_argument("--duration", type=float, default=10.0)
@@ -194,6 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
                   f"--conditions {args.conditions} --repeats {args.repeats}"
                   f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}; {stamp} -->")
+    elif args.name == "state-events":
+        from prfaas_sglang.bench import state_events as bench
+        from prfaas_sglang.envs import envs
+
+        trace = args.trace or envs.TRACE_PATH.get() or str(Path(__file__).resolve().parents[2].parent / "shared" / "data"
+                                                           / "mooncake_conversation_trace.jsonl")
+        try:
+            pages = tuple(int(p) for p in args.page_sizes.split(","))
+        except ValueError:
+            parser.error("--page-sizes must be a comma list of integers")
+        if args.requests < 1 or any(p < 1 for p in pages):
+            parser.error("--requests and every page size must be >= 1")
+        result = bench.run(trace, args.requests, pages)
+        header = (f"<!-- python -m prfaas_sglang.bench state-events --requests {args.requests} "
+                  f"--page-sizes {args.page_sizes}; {stamp} -->")
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 

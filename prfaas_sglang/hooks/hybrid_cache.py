@@ -15,6 +15,11 @@ of the prefix a hybrid model can reuse. Two registered parts fix that:
   batch's state events as its 4th element (wire v2), which SGLang 0.5.15's
   own decoder and every v1 consumer skip.
 
+The same cache applies a PrfaaS prefill worker's admission policy
+(:mod:`prfaas_sglang.kvindex.admission`, ``PRFAAS_PREFILL_CACHE``): a request whose prefill is
+*transfer cache* is never inserted (neither its chunks nor its end), so its pages and state
+slot go back to the pools when SGLang releases it after its KV transfer.
+
 The cache hands its state events to the publisher inside the list
 ``take_events()`` returns (:class:`EventsWithState`), which SGLang passes on
 untouched; with SGLang's own ``zmq`` publisher they are simply not written.
@@ -24,17 +29,21 @@ state, which is how a consumer tells reported checkpoints from none.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
+import torch
 from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
+from prfaas_sglang.kvindex.admission import PrefixAdmission
 from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
 
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
 EVENT_PUBLISHER = "prfaas-zmq"
 MEDIUM = "GPU"  # the device tree; a host tier would report its own medium
+MAX_PENDING_DECISIONS = 65_536  # requests decided but not finished (an aborted waiting request never finishes)
 
 
 class EventsWithState(list):
@@ -58,7 +67,17 @@ class StateEventsMambaRadixCache(MambaRadixCache):
     evicted leaf leaves with it (after that leaf's ``BlockRemoved``). A split moves
     no state: the state stays on the child, whose last page is unchanged. Reset
     clears all (``AllBlocksCleared``). Records only while KV events are enabled.
+
+    With an ``admission`` policy, each request is decided once, at its first ``match_prefix``
+    (the scheduler's, which passes the request): a transfer-cache request then takes SGLang's
+    no-insert path in ``cache_unfinished_req`` (its chunks stay its own) and finishes with
+    ``is_insert=False`` (everything beyond its cached prefix is freed).
     """
+
+    def __init__(self, params: Any, admission: PrefixAdmission | None = None):
+        self.admission = admission
+        self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> keep, decided, not yet finished
+        super().__init__(params)
 
     def reset(self) -> None:  # also run by MambaRadixCache.__init__
         super().reset()
@@ -70,6 +89,29 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         events = super().take_events()
         states, self._state_queue = self._state_queue, []
         return EventsWithState(events, states)
+
+    def match_prefix(self, params: Any):
+        result = super().match_prefix(params)
+        req = params.req
+        if self.admission is not None and req is not None and req.rid not in self._transfer_only:
+            key = params.key
+            token_ids = list(key.token_ids[: len(key)])
+            self._transfer_only[req.rid] = not self.admission.decide(token_ids, len(result.device_indices)).keep
+            while len(self._transfer_only) > MAX_PENDING_DECISIONS:
+                self._transfer_only.popitem(last=False)
+        return result
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        if not self._transfer_only.get(req.rid, False):
+            return super().cache_unfinished_req(req, chunked=chunked)
+        # SGLang's own no-insert path (MambaRadixCache's _skip_cache_unfinished_req): the request
+        # keeps its chunks' KV; the next chunk's prefix is what it computed so far.
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
+        req.prefix_indices = kv_indices.to(dtype=torch.int64, copy=True)
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        transfer_only = self._transfer_only.pop(req.rid, False)
+        super().cache_finished_req(req, is_insert=is_insert and not transfer_only)
 
     def _insert_helper(self, node: Any, key: Any, value: Any, mamba_value: Any, chunked: bool = False,
                        prev_prefix_len: int = 0):
@@ -144,8 +186,25 @@ def build_tree_cache(ctx: Any):
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     if default_builds_mamba_radix_cache(ctx):
-        return StateEventsMambaRadixCache(ctx.params)
+        return StateEventsMambaRadixCache(ctx.params, admission_from_env())
     return default_radix_cache_factory(ctx)
+
+
+def admission_from_env() -> PrefixAdmission | None:
+    """``PRFAAS_PREFILL_CACHE`` (unset: None, SGLang's behaviour); a bad value raises
+    AdmissionConfigError, which stops the server at start-up."""
+    from prfaas_sglang.envs import envs
+    from prfaas_sglang.kvindex.admission import AdmissionConfigError
+
+    mode = envs.PREFILL_CACHE.get()
+    if mode is None:
+        return None
+    raw = envs.PREFILL_CACHE_MIN_SHARED_TOKENS.get()
+    try:
+        min_shared = int(raw)
+    except ValueError:
+        raise AdmissionConfigError(f"PRFAAS_PREFILL_CACHE_MIN_SHARED_TOKENS must be an integer, got {raw!r}") from None
+    return PrefixAdmission(mode, min_shared)
 
 
 def to_wire_batch(batch: EventBatch) -> KVEventBatch:

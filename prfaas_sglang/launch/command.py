@@ -11,8 +11,9 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport
+from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role
 from prfaas_sglang.topology import Node, Topology
 from prfaas_sglang.transport.wan_defaults import WanLink, mooncake_env
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
@@ -82,6 +83,7 @@ def _refuse_owned_flags(extra_args: tuple[str, ...]) -> None:
 # state-reporting MambaRadixCache. Names only: the launcher does not import SGLang.
 EVENT_PUBLISHER = "prfaas-zmq"
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
+PREFILL_CACHE_DEFAULT = "shared"  # what a PrfaaS prefill worker's tree keeps (envs.PREFILL_CACHE)
 # Upstream refuses --radix-cache-backend together with these (server_args: not int8-aware).
 _EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
 
@@ -137,6 +139,8 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     if node.telemetry_port is not None:
         env["PRFAAS_TELEMETRY_PORT"] = str(node.telemetry_port)  # the kv-telemetry hook publishes there
     kept: dict[str, str] = {}
+    if node.role is Role.PRFAAS:  # one-off long prompts are transfer cache (kvindex/admission.py)
+        (kept if environ.get(envs.PREFILL_CACHE.name) else env)[envs.PREFILL_CACHE.name] = PREFILL_CACHE_DEFAULT
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
         for default in mooncake_env(node.role, link) if wan_profile else ():  # the cross-cluster leg's profile, by role

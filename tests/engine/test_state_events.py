@@ -34,11 +34,12 @@ MAMBA_SLOTS = 6
 KV_TOKENS = 96
 
 
-def _global_server_args():
+def _global_server_args(page_size: int):
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     args = ServerArgs(model_path="dummy", device="cpu")
     args._mamba_cache_chunk_size = 64  # else MambaRadixCache reads it from the model's HF config
+    args.page_size = page_size  # release_kv_cache reads it
     set_global_server_args_for_scheduler(args)
 
 
@@ -53,7 +54,7 @@ class RealCache:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
-        _global_server_args()
+        _global_server_args(page_size)
         shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
                                         state_size=4, conv_kernel=4)
         extra = page_size > 1  # SGLang: page size 1 without the extra buffer, larger pages with it
@@ -287,3 +288,136 @@ def test_scheduler_publisher_over_zmq_to_the_kv_index():
     finally:
         sub.close(linger=0)
         publisher.kv_event_publisher.shutdown()
+
+
+# --- prefix cache vs transfer cache (kvindex/admission.py) on SGLang's own request flows -------------
+
+
+class Flows:
+    """Real ``Req`` objects through the scheduler's cache calls: ``init_next_round_input`` (the
+    match), pool allocation, chunked prefill with ``maybe_cache_unfinished_req``, and
+    ``release_kv_cache`` once the KV transfer is done (what SGLang's PD prefill does)."""
+
+    def __init__(self, mode: str | None, min_shared_tokens: int = 8):
+        from prfaas_sglang.kvindex.admission import PrefixAdmission
+
+        self.real = RealCache(page_size=1)
+        self.real.cache.admission = None if mode is None else PrefixAdmission(mode, min_shared_tokens)
+        self.in_flight: list = []
+
+    def check_accounting(self) -> None:
+        """Every KV slot is free, in the tree, or held by a request beyond its cached prefix."""
+        cache, kv = self.real.cache, self.real.kv
+        held = sum(req.done - req.cache_protected_len for req in self.in_flight)
+        assert kv.available_size() + cache.total_size()[0] + held == KV_TOKENS
+        mamba = self.real.req_pool.mamba_allocator
+        assert mamba.available_size() + cache.total_size()[1] + len(self.in_flight) == MAMBA_SLOTS
+
+    def start(self, rid: str, ids: list[int]):
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids),
+                  sampling_params=SamplingParams(max_new_tokens=1))
+        req.init_next_round_input(self.real.cache)
+        self.real.cache.inc_lock_ref(req.last_node)
+        if self.real.req_pool.mamba_allocator.available_size() == 0:
+            self.real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+        self.real.req_pool.alloc([req])
+        req.done = len(req.prefix_indices)
+        self.real.req_pool.write((req.req_pool_idx, slice(0, req.done)), req.prefix_indices)
+        self.in_flight.append(req)
+        return req
+
+    def chunk(self, req, size: int) -> bool:
+        """Prefill the next ``size`` tokens; True when the prompt is done (the transfer may start)."""
+        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+        end = min(req.done + size, len(req.origin_input_ids))
+        kv, cache = self.real.kv, self.real.cache
+        if kv.available_size() < end - req.done:
+            cache.evict(EvictParams(num_tokens=end - req.done - kv.available_size()))
+        loc = kv.alloc(end - req.done)
+        assert loc is not None, "the test's pools are sized so that a prompt always fits"
+        self.real.req_pool.write((req.req_pool_idx, slice(req.done, end)), loc)
+        req.set_extend_range(req.done, end)
+        req.kv_committed_len = req.kv_allocated_len = end
+        req.done = end
+        if end < len(req.origin_input_ids):
+            maybe_cache_unfinished_req(req, cache, chunked=True)
+            # What PrefillAdder.add_chunked_req takes as the next chunk's prefix: all computed so far.
+            row = self.real.req_pool.req_to_token[req.req_pool_idx, :end]
+            assert torch.equal(req.prefix_indices.to(row.dtype), row)
+            return False
+        return True
+
+    def transferred(self, req) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.real.cache)
+        self.in_flight.remove(req)
+
+
+def test_unique_long_prompts_are_transfer_cache_and_leave_the_tree_empty():
+    """The PrfaaS worker's bulk traffic: one-off long prompts. With ``shared`` nothing of them is
+    inserted (neither chunks nor ends) and every page and state slot is back once sent; SGLang's
+    behaviour (``all``) fills the tree with them."""
+    for mode, tree_after in (("shared", 0), ("none", 0), (None, 1), ("all", 1)):
+        flows = Flows(mode)
+        for n in range(6):
+            req = flows.start(f"r{n}", [1000 * (n + 1) + i for i in range(40)])
+            while not flows.chunk(req, 16):
+                flows.check_accounting()
+            flows.check_accounting()
+            flows.transferred(req)
+            flows.check_accounting()
+        tokens, states = flows.real.cache.total_size()
+        assert (tokens > 0) == bool(tree_after), (mode, tokens, states)
+        if not tree_after:
+            assert flows.real.kv.available_size() == KV_TOKENS and states == 0
+        if mode is not None:
+            stats = flows.real.cache.admission.stats
+            assert stats.kept_requests + stats.transfer_requests == 6
+
+
+def test_a_prefix_seen_twice_is_kept_and_then_reused():
+    flows = Flows("shared")
+    shared = list(range(500, 532))
+    for rid, tail in (("first", [1, 2, 3]), ("second", [4, 5, 6]), ("third", [7, 8, 9])):
+        req = flows.start(rid, shared + tail)
+        while not flows.chunk(req, 16):
+            pass
+        flows.transferred(req)
+        flows.check_accounting()
+    stats = flows.real.cache.admission.stats
+    assert stats.reasons == {"one-off": 1, "seen-prefix": 1, "reused-prefix": 1}
+    # The second prefill's chunk checkpoints (16, 32) are in the tree: the third reused 32 tokens.
+    from array import array
+
+    key = RadixKey(array("q", shared + [0]))  # a Req's keys are arrays; the tree compares like with like
+    assert len(flows.real.cache.match_prefix(MatchPrefixParams(key=key)).device_indices) == 32
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["shared", "none", "all"]),
+       prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(4, 16)), min_size=1, max_size=8))
+def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, prompts):
+    """free + tree + held = total (KV) and free + tree + requests = total (Mamba slots) after every
+    chunk, insert and release, two prefills interleaved, under every mode."""
+    flows = Flows(mode)
+    pending = []
+    for n, (stem, tail, chunk) in enumerate(prompts):
+        ids = [stem] * 10 + [100 + n] * tail  # three shared stems, unique tails
+        pending.append((flows.start(f"r{n}", ids), chunk))
+        flows.check_accounting()
+        if len(pending) == 2 or n == len(prompts) - 1:
+            while pending:
+                for item in list(pending):
+                    req, size = item
+                    if flows.chunk(req, size):
+                        flows.transferred(req)
+                        pending.remove(item)
+                    flows.check_accounting()
+    assert flows.real.kv.available_size() + flows.real.cache.total_size()[0] == KV_TOKENS

@@ -135,6 +135,33 @@ class TestPlan:
         assert config.publisher in EventPublisherFactory._registry
         assert get_radix_cache_factory(argv[argv.index("--radix-cache-backend") + 1]) is not None
 
+    def test_only_the_prfaas_role_keeps_shared_prefixes_only(self):
+        """PRFAAS_PREFILL_CACHE=shared for the prfaas role (kvindex/admission.py); an operator's own
+        value is kept and shown; other roles keep SGLang's behaviour."""
+        from prfaas_sglang.hooks.hybrid_cache import admission_from_env
+
+        prfaas = Node("p0", "prfaas", Role.PRFAAS, bootstrap_port=8998, kv_events_port=5557, model_path="/m")
+        plan = sglang_command(prfaas, "python", {})
+        assert plan.env["PRFAAS_PREFILL_CACHE"] == "shared"
+        own = sglang_command(prfaas, "python", {"PRFAAS_PREFILL_CACHE": "all"})
+        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept == {**own.env_kept, "PRFAAS_PREFILL_CACHE": "shared"}
+        for role in (Role.PD_PREFILL, Role.PD_DECODE):
+            node = Node("x", "pd", role, bootstrap_port=8999 if role is Role.PD_PREFILL else None, model_path="/m")
+            assert "PRFAAS_PREFILL_CACHE" not in sglang_command(node, "python", {}).env
+        import os
+
+        saved = os.environ.get("PRFAAS_PREFILL_CACHE")
+        try:
+            os.environ["PRFAAS_PREFILL_CACHE"] = plan.env["PRFAAS_PREFILL_CACHE"]
+            assert admission_from_env().mode == "shared"
+            os.environ["PRFAAS_PREFILL_CACHE"] = "most"
+            with pytest.raises(ValueError, match="all, shared, none"):
+                admission_from_env()
+        finally:
+            os.environ.pop("PRFAAS_PREFILL_CACHE", None)
+            if saved is not None:
+                os.environ["PRFAAS_PREFILL_CACHE"] = saved
+
     @pytest.mark.parametrize("flag", ["--radix-cache-backend=mine", "--enable-int8-mamba-checkpoint"])
     def test_a_node_choosing_its_own_cache_keeps_it_and_is_told(self, flag):
         node = Node("p0", "pd", Role.PD_PREFILL, kv_events_port=5557, model_path="/m", extra_args=(flag,))

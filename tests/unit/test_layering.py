@@ -28,7 +28,7 @@ PURE = (
     "prfaas_sglang.plan.analytic", "prfaas_sglang.plan.scenario", "prfaas_sglang.plan.report", "prfaas_sglang.plan.anchors",
     "prfaas_sglang.router.policy", "prfaas_sglang.router.threshold", "prfaas_sglang.router.link",
     "prfaas_sglang.router.workers", "prfaas_sglang.router.service", "prfaas_sglang.router.metrics",
-    "prfaas_sglang.kvindex.index", "prfaas_sglang.kvindex.feed",
+    "prfaas_sglang.kvindex.index", "prfaas_sglang.kvindex.feed", "prfaas_sglang.kvindex.admission",
     "prfaas_sglang.wire.kv_events", "prfaas_sglang.wire.blocks", "prfaas_sglang.wire.telemetry", "prfaas_sglang.wire.handoff",
     "prfaas_sglang.wire.token_ids", "prfaas_sglang.wire.kv_snapshot",
     "prfaas_sglang.runtime", "prfaas_sglang.topology", "prfaas_sglang.roles", "prfaas_sglang.configcheck",
