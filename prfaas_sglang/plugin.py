@@ -61,6 +61,8 @@ class HookSpec:
     upstream_status: str
     removal: str
     tests: str
+    # (file under the tree, text): where a newer SGLang would show it does this itself (rebase-check)
+    upstream_marker: tuple[str, str] | None = None
 
     def load_hook(self) -> Callable:
         module_name, _, attr = self.hook.partition(":")
@@ -191,6 +193,7 @@ class RegistrationSpec:
     upstream_status: str
     removal: str
     tests: str
+    upstream_marker: tuple[str, str] | None = None  # as HookSpec's
 
     hook_type = "registry"  # the README table's mechanism column
 
@@ -208,7 +211,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.mem_cache.registry.default_radix_cache_factory", "(ctx: 'TreeCacheBuildContext') -> 'BasePrefixCache'"),
             ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.__init__", "(self, params: 'CacheInitParams')"),
             ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.reset", "(self) -> 'None'"),
-            ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.take_events", "(self)"),
+            ("sglang.srt.mem_cache.events.KVCacheEventMixin.take_events", "(self)"),  # inherited by MambaRadixCache
             ("sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._insert_helper",
              "(self, node: 'TreeNode', key: 'RadixKey', value, mamba_value, chunked: 'bool' = False, "
              "prev_prefix_len: 'int' = 0) -> 'Tuple[int, bool]'"),
@@ -244,6 +247,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         upstream_status="backport of the shape of SGLang 0.5.23's component KV events (--enable-kv-events-component-types)",
         removal="when the pin reaches a release with component KV events and the kv-index reads them",
         tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
     ),
     RegistrationSpec(
         name="prfaas-zmq",
@@ -269,6 +273,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         upstream_status="vendor-specific (upstream 0.5.23 puts component events in the event list instead)",
         removal="with prfaas-hybrid",
         tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
     ),
 )
 

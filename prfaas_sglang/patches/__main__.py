@@ -122,6 +122,9 @@ def cmd_apply(series: Series, args) -> int:
 
 
 def cmd_rebase_check(series: Series, args) -> int:
+    from prfaas_sglang.patches import upstream_api
+    from prfaas_sglang.plugin import HOOKS, REGISTRATIONS
+
     version = args.sglang_version
     if version == "latest":
         version = latest_sglang_version()
@@ -130,6 +133,21 @@ def cmd_rebase_check(series: Series, args) -> int:
         version = wheel_version(wheel)
         tree = unpack_wheel(wheel, Path(tmp))
         report = evaluate_tree(series, tree)
+        pinned = installed_tree().root
+        hooks = []
+        for spec in HOOKS + REGISTRATIONS:
+            targets = [t for t, _ in spec.overrides] + [spec.registry] if hasattr(spec, "overrides") else [spec.target]
+            statuses = [upstream_api.compare(pinned, tree.root, t) for t in targets]
+            upstream_has_it = upstream_api.marker_found(tree.root, spec.upstream_marker)
+            status = "same" if all(s.status == "same" for s in statuses) else "needs a port"
+            hooks.append({
+                "name": spec.name,
+                "mechanism": spec.hook_type,
+                "status": status,
+                "upstream_has_it": upstream_has_it,
+                "targets": [{"target": s.target, "status": s.status, "detail": s.detail} for s in statuses
+                            if s.status != "same"],
+            })
     rows = [
         {
             "patch": pr.patch.name,
@@ -139,8 +157,10 @@ def cmd_rebase_check(series: Series, args) -> int:
         }
         for pr in report.patches
     ]
+    hooks_ok = all(h["status"] == "same" for h in hooks)
     if args.json:
-        print(json.dumps({"sglang_version": version, "series_digest": series.digest, "ok": report.ok, "patches": rows}, indent=2))
+        print(json.dumps({"sglang_version": version, "series_digest": series.digest, "ok": report.ok and hooks_ok,
+                          "patches": rows, "hooks": hooks}, indent=2))
     else:
         print(f"rebase-check: series {series.directory} ({len(rows)} patch(es)) onto sglang {version}")
         print(f"| patch | sglang {version} | detail |")
@@ -150,8 +170,16 @@ def cmd_rebase_check(series: Series, args) -> int:
             print(f"| {row['patch']} | {row['status']} | {detail} |")
         if not rows:
             print("| (series is empty) | - | nothing to rebase |")
-        print("result: " + ("every patch applies" if report.ok else "some patches FAIL"))
-    return 0 if report.ok else 1
+        print()
+        print(f"| hook or registered backend | sglang {version} | upstream does it itself | what moved |")
+        print("|---|---|---|---|")
+        for h in hooks:
+            moved = "; ".join(f"{t['target']}: {t['status']} {t['detail']}".strip() for t in h["targets"]) or "-"
+            print(f"| {h['mechanism']} `{h['name']}` | {h['status']} | {'yes: retire it' if h['upstream_has_it'] else 'no'} "
+                  f"| {moved} |")
+        print("result: " + ("every patch applies" if report.ok else "some patches FAIL")
+              + ("; every hook target is unchanged" if hooks_ok else "; some hooks need a port"))
+    return 0 if report.ok and hooks_ok else 1
 
 
 def cmd_readme(series: Series, args) -> int:

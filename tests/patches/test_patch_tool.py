@@ -228,3 +228,57 @@ class TestLint:
         assert header["Why"].startswith("sglang.srt.plugins.load_plugins logs and skips")
         assert header["Why"].endswith("deployed with.")
         assert header["Subject"] == "[PATCH] [launch] Make a failing whitelisted plugin stop startup"
+
+
+class TestUpstreamApi:
+    """rebase-check's static view of hook targets and overridden methods in another release."""
+
+    def tree(self, root: Path, source: str) -> Path:
+        path = root / "sglang" / "srt" / "cache.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (root / "sglang" / "__init__.py").write_text("")
+        path.write_text(source)
+        return root
+
+    def test_same_changed_and_missing_targets(self, tmp_path):
+        from prfaas_sglang.patches.upstream_api import compare, find_params, marker_found
+
+        pinned = self.tree(tmp_path / "a", "class Cache:\n    def insert(self, key, value, chunked=False): ...\n"
+                                           "    def evict(self, n): ...\n    def take(self): ...\n"
+                                           "def release(req, cache, is_insert=True): ...\n")
+        newer = self.tree(tmp_path / "b", "class Cache:\n    def insert(self, key, value, chunked=False): ...\n"
+                                          "    def evict(self, n, *, mamba=0): ...\n"
+                                          "def release(req, cache, *, checkpoint): ...\nFLAG = 'enable_component_events'\n")
+        assert find_params(pinned, "sglang.srt.cache.Cache.insert") == ("self", "key", "value", "chunked")
+        assert find_params(pinned, "sglang.srt.cache.Cache") == ()  # no __init__ of its own
+        assert compare(pinned, newer, "sglang.srt.cache.Cache.insert").status == "same"
+        changed = compare(pinned, newer, "sglang.srt.cache.Cache.evict")
+        assert changed.status == "changed" and "(self, n, *, mamba)" in changed.detail
+        assert compare(pinned, newer, "sglang.srt.cache.Cache.take").status == "missing"
+        assert compare(pinned, newer, "sglang.srt.gone.Thing.method").status == "missing"
+        assert compare(pinned, newer, "sglang.srt.cache.release").status == "changed"
+        assert marker_found(newer, ("sglang/srt/cache.py", "enable_component_events"))
+        assert not marker_found(pinned, ("sglang/srt/cache.py", "enable_component_events"))
+        assert not marker_found(newer, None)
+
+    def test_every_hook_and_override_is_found_in_the_installed_release(self, installed_sglang_root):
+        """The static reader agrees with import-time signatures on the pinned release."""
+        import inspect
+
+        from prfaas_sglang.patches.upstream_api import find_params
+        from prfaas_sglang.plugin import HOOKS, REGISTRATIONS, resolve_target
+
+        targets = [h.target for h in HOOKS] + [t for r in REGISTRATIONS for t, _ in r.overrides]
+        for target in targets:
+            found = find_params(installed_sglang_root, target)
+            signature = inspect.signature(inspect.unwrap(resolve_target(target)))
+            assert found is not None, target
+            assert [name.strip("*/") for name in found if name != "*"] == list(signature.parameters), target
+
+    def test_rebase_check_lists_hooks_and_backends(self):
+        wheel = find_or_download_wheel("0.5.15")
+        proc = patches_cli("--patches-dir", str(FIXTURE_PATCHES), "rebase-check", "--wheel", str(wheel), "--json")
+        assert proc.returncode == 0, proc.stderr
+        hooks = {h["name"]: h for h in json.loads(proc.stdout)["hooks"]}
+        assert {"role-contract", "kv-send", "prfaas-hybrid", "prfaas-zmq"} <= set(hooks)
+        assert all(h["status"] == "same" and not h["upstream_has_it"] for h in hooks.values())
