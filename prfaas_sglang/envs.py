@@ -113,6 +113,14 @@ class Envs:
         "1024",
         "With PRFAAS_PREFILL_CACHE=shared: the shortest prefix (tokens) that counts as shared.",
     )
+    STATE_CHECKPOINTS = EnvVar(
+        "PRFAAS_STATE_CHECKPOINTS",
+        "chunks",
+        "SGLang worker with the prfaas-hybrid cache backend: where a hybrid model's linear-state "
+        "checkpoints are taken during a prefill: chunks (SGLang's: every chunk boundary and the "
+        "end) or end (the request's end only; each checkpoint is a state slot, ~74 MiB for "
+        "Qwen3-Next-80B).",
+    )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",
         None,

@@ -74,8 +74,11 @@ class StateEventsMambaRadixCache(MambaRadixCache):
     ``is_insert=False`` (everything beyond its cached prefix is freed).
     """
 
-    def __init__(self, params: Any, admission: PrefixAdmission | None = None):
+    def __init__(self, params: Any, admission: PrefixAdmission | None = None, chunk_checkpoints: bool = True):
         self.admission = admission
+        # False: a state checkpoint only at a request's end, none at its chunk boundaries
+        # (each is a state slot: ~74 MiB for Qwen3-Next-80B), PRFAAS_STATE_CHECKPOINTS=end.
+        self.chunk_checkpoints = chunk_checkpoints
         self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> keep, decided, not yet finished
         super().__init__(params)
 
@@ -102,7 +105,7 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         return result
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if not self._transfer_only.get(req.rid, False):
+        if self.chunk_checkpoints and not self._transfer_only.get(req.rid, False):
             return super().cache_unfinished_req(req, chunked=chunked)
         # SGLang's own no-insert path (MambaRadixCache's _skip_cache_unfinished_req): the request
         # keeps its chunks' KV; the next chunk's prefix is what it computed so far.
@@ -186,8 +189,22 @@ def build_tree_cache(ctx: Any):
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     if default_builds_mamba_radix_cache(ctx):
-        return StateEventsMambaRadixCache(ctx.params, admission_from_env())
+        return StateEventsMambaRadixCache(ctx.params, admission_from_env(), chunk_checkpoints_from_env())
     return default_radix_cache_factory(ctx)
+
+
+CHECKPOINT_PLACEMENTS = ("chunks", "end")
+
+
+def chunk_checkpoints_from_env() -> bool:
+    """``PRFAAS_STATE_CHECKPOINTS``: ``chunks`` (SGLang's: a state at every chunk boundary and at
+    the end) or ``end`` (at a request's end only). A bad value raises ValueError at start-up."""
+    from prfaas_sglang.envs import envs
+
+    placement = envs.STATE_CHECKPOINTS.get()
+    if placement not in CHECKPOINT_PLACEMENTS:
+        raise ValueError(f"PRFAAS_STATE_CHECKPOINTS must be one of {', '.join(CHECKPOINT_PLACEMENTS)}, got {placement!r}")
+    return placement == "chunks"
 
 
 def admission_from_env() -> PrefixAdmission | None:

@@ -298,11 +298,12 @@ class Flows:
     match), pool allocation, chunked prefill with ``maybe_cache_unfinished_req``, and
     ``release_kv_cache`` once the KV transfer is done (what SGLang's PD prefill does)."""
 
-    def __init__(self, mode: str | None, min_shared_tokens: int = 8):
+    def __init__(self, mode: str | None, min_shared_tokens: int = 8, chunk_checkpoints: bool = True):
         from prfaas_sglang.kvindex.admission import PrefixAdmission
 
         self.real = RealCache(page_size=1)
         self.real.cache.admission = None if mode is None else PrefixAdmission(mode, min_shared_tokens)
+        self.real.cache.chunk_checkpoints = chunk_checkpoints
         self.in_flight: list = []
 
     def check_accounting(self) -> None:
@@ -400,13 +401,40 @@ def test_a_prefix_seen_twice_is_kept_and_then_reused():
     assert len(flows.real.cache.match_prefix(MatchPrefixParams(key=key)).device_indices) == 32
 
 
+def test_checkpoints_at_the_request_end_only():
+    """PRFAAS_STATE_CHECKPOINTS=end: no state slot per chunk boundary; the finished prefill has
+    one, at its end, and a prompt sharing only the first chunks reuses nothing (no state there)."""
+    for chunk_checkpoints, states_after, shorter_hit in ((True, 3, 32), (False, 1, 0)):
+        flows = Flows(None, chunk_checkpoints=chunk_checkpoints)
+        ids = list(range(300, 340))
+        req = flows.start("r", ids)
+        during = []
+        while not flows.chunk(req, 16):
+            during.append(flows.real.cache.total_size()[1])
+            flows.check_accounting()
+        assert during == ([1, 2] if chunk_checkpoints else [0, 0])  # states in the tree after chunks 1 and 2
+        flows.transferred(req)
+        flows.check_accounting()
+        assert flows.real.cache.total_size() == (40, states_after)
+        from array import array
+
+        key = RadixKey(array("q", ids[:36] + [1]))
+        assert len(flows.real.cache.match_prefix(MatchPrefixParams(key=key)).device_indices) == shorter_hit
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRFAAS_STATE_CHECKPOINTS", "end")
+        assert hybrid_cache.chunk_checkpoints_from_env() is False
+        mp.setenv("PRFAAS_STATE_CHECKPOINTS", "sometimes")
+        with pytest.raises(ValueError, match="chunks, end"):
+            hybrid_cache.chunk_checkpoints_from_env()
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(["shared", "none", "all"]),
+@given(mode=st.sampled_from(["shared", "none", "all"]), chunk_checkpoints=st.booleans(),
        prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(4, 16)), min_size=1, max_size=8))
-def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, prompts):
+def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_checkpoints, prompts):
     """free + tree + held = total (KV) and free + tree + requests = total (Mamba slots) after every
-    chunk, insert and release, two prefills interleaved, under every mode."""
-    flows = Flows(mode)
+    chunk, insert and release, two prefills interleaved, under every mode and checkpoint placement."""
+    flows = Flows(mode, chunk_checkpoints=chunk_checkpoints)
     pending = []
     for n, (stem, tail, chunk) in enumerate(prompts):
         ids = [stem] * 10 + [100 + n] * tail  # three shared stems, unique tails
