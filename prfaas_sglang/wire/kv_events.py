@@ -32,6 +32,9 @@ Wire history (ours follows upstream's; bump if upstream changes):
   1: SGLang 0.5.15 BlockStored / BlockRemoved / AllBlocksCleared.
   2: + the batch's 4th element ``state_events`` (StateStored / StateRemoved);
      a v1 batch decodes with ``state_events`` None.
+  Read, not written: SGLang 0.5.23 writes events as tagged maps (``{"type": "BlockStored",
+  ...}``, optional fields omitted, new ones such as ``cache_salt``) in the same batch array;
+  :func:`decode_batch` takes those too, so a kv-index of this pin reads a newer worker.
 """
 
 from __future__ import annotations
@@ -103,8 +106,48 @@ class KVEventBatch(EventBatch):
     state_events: list[StateStored | StateRemoved] | None = None
 
 
+# SGLang 0.5.23's map-encoded events (decode only; unknown keys ignored), mapped onto ours.
+class _MapEvent(msgspec.Struct, tag=True, gc=False):
+    pass
+
+
+class _BlockStoredMap(_MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class _BlockRemovedMap(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _AllBlocksClearedMap(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_BlockStoredMap | _BlockRemovedMap | _AllBlocksClearedMap]
+    attn_dp_rank: int | None = None
+    state_events: list[StateStored | StateRemoved] | None = None
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_MAP_DECODER = msgspec.msgpack.Decoder(_MapBatch)
+
+
+def _from_map(event) -> KVCacheEvent:
+    if isinstance(event, _BlockStoredMap):
+        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                           event.lora_id, event.medium)
+    if isinstance(event, _BlockRemovedMap):
+        return BlockRemoved(event.block_hashes, event.medium)
+    return AllBlocksCleared()
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -114,7 +157,16 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    return _DECODER.decode(payload)
+    """A batch with array-encoded events (0.5.15, ours) or map-encoded ones (0.5.23); raises
+    msgspec's DecodeError / ValidationError for anything else (the array form's error)."""
+    try:
+        return _DECODER.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        try:
+            batch = _MAP_DECODER.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise err from None
+    return KVEventBatch(batch.ts, [_from_map(e) for e in batch.events], batch.attn_dp_rank, batch.state_events)
 
 
 def split_state_events(events: list) -> tuple[list, list]:

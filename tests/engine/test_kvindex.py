@@ -315,3 +315,24 @@ class TestReportedState:
         live.apply("w", 0, [])
         live.restore("w", snap)
         assert not live.export()["w"].reports_state and live.match(prompt).by_worker["w"] == 0
+
+
+def test_a_newer_sglangs_map_encoded_events_are_read():
+    """SGLang 0.5.23 writes each event as a tagged map with optional fields omitted and new ones
+    added (BENCHMARKS.md, "Hooks and registered backends onto 0.5.23"); the batch stays an array."""
+    import msgspec
+
+    from prfaas_sglang.wire.kv_events import BlockRemoved, decode_batch
+
+    payload = msgspec.msgpack.encode([2.5, [
+        {"type": "BlockStored", "block_hashes": [11, 12], "token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "block_size": 4,
+         "medium": "GPU", "cache_salt": "s", "session_id": "x"},
+        {"type": "BlockRemoved", "block_hashes": [12]},
+        {"type": "AllBlocksCleared"},
+    ], 0])
+    batch = decode_batch(payload)
+    assert batch.events == [BlockStored([11, 12], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU"),
+                            BlockRemoved([12], None), AllBlocksCleared()]
+    assert batch.ts == 2.5 and batch.attn_dp_rank == 0 and batch.state_events is None
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nonsense"}]]))

@@ -52,7 +52,7 @@ class RealCache:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
         _global_server_args(page_size)
         shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
@@ -62,12 +62,16 @@ class RealCache:
             size=4, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=4, max_context_len=KV_TOKENS, device="cpu",
             enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
             enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
+        # Layer 0 linear attention (its state in the request pool), layer 1 full attention.
+        self.kv_pool = HybridLinearKVPool(size=KV_TOKENS, dtype=torch.bfloat16, page_size=page_size, head_num=2,
+                                          head_dim=8, full_attention_layer_ids=[1], device="cpu",
+                                          mamba_pool=self.req_pool.mamba_pool)
         if page_size == 1:
-            self.kv = TokenToKVPoolAllocator(size=KV_TOKENS, dtype=torch.bfloat16, device="cpu", kvcache=None,
+            self.kv = TokenToKVPoolAllocator(size=KV_TOKENS, dtype=torch.bfloat16, device="cpu", kvcache=self.kv_pool,
                                              need_sort=False)
         else:
             self.kv = PagedTokenToKVPoolAllocator(size=KV_TOKENS, page_size=page_size, dtype=torch.bfloat16,
-                                                  device="cpu", kvcache=None, need_sort=False)
+                                                  device="cpu", kvcache=self.kv_pool, need_sort=False)
         self.page_size = page_size
         self.params = CacheInitParams(
             disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.kv, page_size=page_size,
@@ -449,3 +453,86 @@ def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_
                         pending.remove(item)
                     flows.check_accounting()
     assert flows.real.kv.available_size() + flows.real.cache.total_size()[0] == KV_TOKENS
+
+
+# --- a prefix moved between clusters (hooks/cache_import.py, wire/prefix_transfer.py) -----------------
+
+
+def _fill(real: RealCache, tokens: list[int], seed: int) -> None:
+    """Give the cached prefix ``tokens`` distinct KV rows and state (what a forward pass writes)."""
+    gen = torch.Generator().manual_seed(seed)
+    match = real.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    for buf in (real.kv_pool.full_kv_pool.k_buffer + real.kv_pool.full_kv_pool.v_buffer):
+        buf[match.device_indices] = torch.randn(buf[match.device_indices].shape, generator=gen).to(buf.dtype)
+    slot = int(match.last_device_node.mamba_value[0])
+    state = real.req_pool.mamba_pool.mamba_cache
+    for buf in list(state.conv) + [state.temporal]:
+        buf[:, slot] = torch.randn(buf[:, slot].shape, generator=gen).to(buf.dtype)
+
+
+def _held(real: RealCache, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
+    match = real.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    slot = int(match.last_device_node.mamba_value[0]) if len(match.device_indices) else None
+    full, state = real.kv_pool.full_kv_pool, real.req_pool.mamba_pool.mamba_cache
+    rows = [buf[match.device_indices].clone() for buf in full.k_buffer + full.v_buffer]
+    states = [buf[:, slot].clone() for buf in list(state.conv) + [state.temporal]] if slot is not None else []
+    return len(match.device_indices), rows + states
+
+
+def test_an_imported_prefix_matches_with_the_sources_length_and_bytes():
+    """A prefix cached only in the source cluster: exported (the longest prefix with a state), sent
+    as bytes, imported into another worker's pools as prefix cache; there it is matched with the
+    same usable length and its KV rows and state equal the source's, bit for bit. The destination
+    announces it to a kv-index as any insert (pages, then the state)."""
+    from prfaas_sglang.hooks.cache_import import export_prefix, import_prefix
+    from prfaas_sglang.wire import prefix_transfer
+
+    source, dest = RealCache(page_size=1), RealCache(page_size=1)
+    prompt = list(range(40, 64))
+    assert source.insert(prompt[:16]) and source.insert(prompt)  # states at 16 and 24
+    _fill(source, prompt[:16], seed=1)
+    _fill(source, prompt, seed=2)
+    source.cache.take_events()
+    query = prompt[:20] + [999, 998]  # diverges after 20 tokens: usable up to the state at 16
+    message = prefix_transfer.encode(export_prefix(source.cache, query))
+    transfer = prefix_transfer.decode(message)
+    assert transfer.token_ids == prompt[:16] and transfer.nbytes() > 0
+
+    index = index_for(1)
+    dest.cache.take_events()
+    assert import_prefix(dest.cache, transfer) == 16
+    Wire(index).flush(dest.cache)
+    assert index.match(query + [0]).by_worker["w"] == 16
+    held_src, bytes_src = _held(source, prompt[:16] + [7])
+    held_dst, bytes_dst = _held(dest, prompt[:16] + [7])
+    assert held_src == held_dst == 16
+    assert len(bytes_src) == len(bytes_dst) == 4  # k, v of the full-attention layer; conv, temporal state
+    assert all(torch.equal(a, b) for a, b in zip(bytes_src, bytes_dst))
+    assert import_prefix(dest.cache, transfer) == 0  # already held: nothing allocated
+    assert dest.kv.available_size() + dest.cache.total_size()[0] == KV_TOKENS
+
+
+def test_an_import_that_does_not_fit_is_refused_and_allocates_nothing():
+    from prfaas_sglang.hooks.cache_import import export_prefix, import_prefix
+    from prfaas_sglang.wire import prefix_transfer
+    from prfaas_sglang.wire.prefix_transfer import PrefixTransferError
+
+    source, dest = RealCache(page_size=1), RealCache(page_size=1)
+    source.insert([5, 6, 7, 8])
+    transfer = export_prefix(source.cache, [5, 6, 7, 8, 9])
+    assert export_prefix(source.cache, [1, 2, 3]) is None
+    free = dest.kv.available_size(), dest.req_pool.mamba_allocator.available_size()
+    broken = [
+        msgspec.structs.replace(transfer, page_size=4),
+        msgspec.structs.replace(transfer, kv=transfer.kv[:1]),
+        msgspec.structs.replace(transfer, kv=[msgspec.structs.replace(transfer.kv[0], dtype="float32")] + transfer.kv[1:]),
+        msgspec.structs.replace(transfer, state=[msgspec.structs.replace(transfer.state[0], data=b"x")] + transfer.state[1:]),
+    ]
+    for bad in broken:
+        with pytest.raises(PrefixTransferError):
+            import_prefix(dest.cache, bad)
+    assert (dest.kv.available_size(), dest.req_pool.mamba_allocator.available_size()) == free
+    for payload in (b"\x01", prefix_transfer.encode(msgspec.structs.replace(transfer, version=9)),
+                    prefix_transfer.encode(msgspec.structs.replace(transfer, token_ids=[]))):
+        with pytest.raises(PrefixTransferError):
+            prefix_transfer.decode(payload)

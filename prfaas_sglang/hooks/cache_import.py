@@ -1,0 +1,123 @@
+"""Engine side of a cross-cluster cache move: export a cached prefix, import it as prefix cache.
+
+Works on SGLang's own pools (the token-to-KV pool behind the allocator, the request pool's
+Mamba state pool) and the state-reporting ``MambaRadixCache`` of
+:mod:`prfaas_sglang.hooks.hybrid_cache`, so an import is announced to the kv-index like any
+insert (``BlockStored`` per page, then ``StateStored``). Wire format:
+:mod:`prfaas_sglang.wire.prefix_transfer`.
+
+Contract, both sides: called on the scheduler's thread, between forward passes (the cache and
+the pools are the scheduler's). ``export_prefix`` holds a lock on the matched node while it
+copies and leaves the tree as it found it (apart from LRU order and a split at the match
+end, as any ``match_prefix``). ``import_prefix`` owns what it allocates until the insert: the
+tree then owns the pages and the state slot (duplicates of pages or a state the tree already
+had are freed, as SGLang's insert does); on a refused message nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from prfaas_sglang.wire.prefix_transfer import (
+    PREFIX_TRANSFER_VERSION,
+    PrefixTransfer,
+    PrefixTransferError,
+    TensorBlob,
+)
+
+
+def _kv_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, token-major buffer) per full-attention layer, keys then values."""
+    kvcache = cache.token_to_kv_pool_allocator.get_kvcache()
+    full = getattr(kvcache, "full_kv_pool", kvcache)  # HybridLinearKVPool wraps an MHA pool
+    out = []
+    for i, (k, v) in enumerate(zip(full.k_buffer, full.v_buffer)):
+        out += [(f"k{i}", k), (f"v{i}", v)]
+    return out
+
+
+def _state_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer with the slot on dim 1) for each Mamba state tensor."""
+    state = cache.req_to_token_pool.mamba_pool.mamba_cache
+    return [(f"conv{i}", t) for i, t in enumerate(state.conv)] + [("temporal", state.temporal)]
+
+
+def _blob(name: str, tensor: torch.Tensor) -> TensorBlob:
+    tensor = tensor.detach().to("cpu").contiguous()
+    raw = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+    return TensorBlob(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.numpy().tobytes())
+
+
+def _tensor(blob: TensorBlob, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    dtype = str(like.dtype).removeprefix("torch.")
+    if blob.dtype != dtype or tuple(blob.shape) != shape:
+        raise PrefixTransferError(f"{blob.name}: {blob.dtype}{blob.shape} does not fit this worker's {dtype}{list(shape)}")
+    expected = like.element_size() * int(torch.Size(shape).numel())
+    if len(blob.data) != expected:
+        raise PrefixTransferError(f"{blob.name}: {len(blob.data)} bytes, {expected} expected")
+    flat = torch.frombuffer(bytearray(blob.data), dtype=torch.uint8) if blob.data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(like.dtype).reshape(shape).to(like.device)
+
+
+def export_prefix(cache: Any, token_ids: list[int]) -> PrefixTransfer | None:
+    """The longest prefix of ``token_ids`` this cache can resume from (full-attention pages up to
+    a state checkpoint), as a message; None when nothing is cached."""
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(token_ids))))
+    indices, node = match.device_indices, match.last_device_node
+    if len(indices) == 0 or node.mamba_value is None:
+        return None
+    cache.inc_lock_ref(node)
+    try:
+        slot = int(node.mamba_value[0])
+        kv = [_blob(name, buf[indices]) for name, buf in _kv_buffers(cache)]
+        state = [_blob(name, buf[:, slot]) for name, buf in _state_buffers(cache)]
+    finally:
+        cache.dec_lock_ref(node)
+    return PrefixTransfer(PREFIX_TRANSFER_VERSION, list(token_ids[: len(indices)]), cache.page_size, kv, state)
+
+
+def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
+    """Insert ``transfer``'s prefix as a prefix-cache entry; returns the tokens this cache did not
+    hold before (0: it already reused the whole prefix). Raises PrefixTransferError when the
+    message does not fit this worker's pools (page size, layers, dtypes, shapes)."""
+    n = len(transfer.token_ids)
+    if transfer.page_size != cache.page_size:
+        raise PrefixTransferError(f"page size {transfer.page_size}, this worker's is {cache.page_size}")
+    kv_buffers, state_buffers = _kv_buffers(cache), _state_buffers(cache)
+    if [b.name for b in transfer.kv] != [name for name, _ in kv_buffers]:
+        raise PrefixTransferError(f"KV layers {[b.name for b in transfer.kv]} do not match {[n for n, _ in kv_buffers]}")
+    if [b.name for b in transfer.state] != [name for name, _ in state_buffers]:
+        raise PrefixTransferError(f"state tensors {[b.name for b in transfer.state]} do not match "
+                                  f"{[n for n, _ in state_buffers]}")
+    kv = [_tensor(blob, buf, (n, *buf.shape[1:])) for blob, (_, buf) in zip(transfer.kv, kv_buffers)]
+    state = [_tensor(blob, buf, (buf.shape[0], *buf.shape[2:])) for blob, (_, buf) in zip(transfer.state, state_buffers)]
+    key = RadixKey(list(transfer.token_ids))
+    held = len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+    if held >= n:
+        return 0
+    allocator = cache.token_to_kv_pool_allocator
+    if allocator.available_size() < n:
+        cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
+    indices = allocator.alloc(n)
+    if indices is None:
+        raise PrefixTransferError(f"no room for {n} tokens of KV")
+    mamba = cache.req_to_token_pool.mamba_allocator
+    slot = mamba.alloc(1)
+    if slot is None:
+        cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+        slot = mamba.alloc(1)
+    if slot is None:
+        allocator.free(indices)
+        raise PrefixTransferError("no free state slot")
+    for tensor, (_, buf) in zip(kv, kv_buffers):
+        buf[indices] = tensor
+    for tensor, (_, buf) in zip(state, state_buffers):
+        buf[:, slot[0]] = tensor
+    result = cache.insert(InsertParams(key=key, value=indices, mamba_value=slot))
+    if result.mamba_exist:
+        mamba.free(slot)
+    return n - held
