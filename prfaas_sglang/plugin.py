@@ -46,8 +46,23 @@ from prfaas_sglang.errors import PrfaasError
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class HookSpec:
+@dataclass(frozen=True, kw_only=True)
+class ChangeNotes:
+    """What a patch header says (Why, How, Upstream-Status, Removal, Tests), for a hook or a
+    registered backend; ``upstream_marker`` (file under the tree, text) is where a newer SGLang
+    would show that it does this itself (``rebase-check``)."""
+
+    subject: str
+    why: str
+    how: str
+    upstream_status: str
+    removal: str
+    tests: str
+    upstream_marker: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookSpec(ChangeNotes):
     """One runtime hook. ``hook`` is ``module:function``; ``hook_type`` a HookType value."""
 
     name: str
@@ -55,14 +70,6 @@ class HookSpec:
     hook: str
     hook_type: str  # "before" | "after" | "around" | "replace"
     expected_signature: str  # str(inspect.signature(target)) at the pinned release
-    subject: str
-    why: str
-    how: str
-    upstream_status: str
-    removal: str
-    tests: str
-    # (file under the tree, text): where a newer SGLang would show it does this itself (rebase-check)
-    upstream_marker: tuple[str, str] | None = None
 
     def load_hook(self) -> Callable:
         module_name, _, attr = self.hook.partition(":")
@@ -177,8 +184,8 @@ HOOKS: tuple[HookSpec, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class RegistrationSpec:
+@dataclass(frozen=True, kw_only=True)
+class RegistrationSpec(ChangeNotes):
     """A backend registered with one of SGLang's registries, selected by ``selected_by``.
     ``overrides``: the upstream methods its implementation subclasses or relies on, each with
     its signature at the pinned release (checked by the drift tests like a hook's target)."""
@@ -187,13 +194,6 @@ class RegistrationSpec:
     registry: str  # dotted path of the registering function
     selected_by: str
     overrides: tuple[tuple[str, str], ...]
-    subject: str
-    why: str
-    how: str
-    upstream_status: str
-    removal: str
-    tests: str
-    upstream_marker: tuple[str, str] | None = None  # as HookSpec's
 
     hook_type = "registry"  # the README table's mechanism column
 

@@ -35,7 +35,7 @@ def _kv_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
     kvcache = cache.token_to_kv_pool_allocator.get_kvcache()
     full = getattr(kvcache, "full_kv_pool", kvcache)  # HybridLinearKVPool wraps an MHA pool
     out = []
-    for i, (k, v) in enumerate(zip(full.k_buffer, full.v_buffer)):
+    for i, (k, v) in enumerate(zip(full.k_buffer, full.v_buffer, strict=True)):
         out += [(f"k{i}", k), (f"v{i}", v)]
     return out
 
@@ -93,8 +93,8 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     if [b.name for b in transfer.state] != [name for name, _ in state_buffers]:
         raise PrefixTransferError(f"state tensors {[b.name for b in transfer.state]} do not match "
                                   f"{[n for n, _ in state_buffers]}")
-    kv = [_tensor(blob, buf, (n, *buf.shape[1:])) for blob, (_, buf) in zip(transfer.kv, kv_buffers)]
-    state = [_tensor(blob, buf, (buf.shape[0], *buf.shape[2:])) for blob, (_, buf) in zip(transfer.state, state_buffers)]
+    kv = [_tensor(blob, buf, (n, *buf.shape[1:])) for blob, (_, buf) in zip(transfer.kv, kv_buffers, strict=True)]
+    state = [_tensor(blob, buf, (buf.shape[0], *buf.shape[2:])) for blob, (_, buf) in zip(transfer.state, state_buffers, strict=True)]
     key = RadixKey(list(transfer.token_ids))
     held = len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
     if held >= n:
@@ -113,9 +113,9 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     if slot is None:
         allocator.free(indices)
         raise PrefixTransferError("no free state slot")
-    for tensor, (_, buf) in zip(kv, kv_buffers):
+    for tensor, (_, buf) in zip(kv, kv_buffers, strict=True):
         buf[indices] = tensor
-    for tensor, (_, buf) in zip(state, state_buffers):
+    for tensor, (_, buf) in zip(state, state_buffers, strict=True):
         buf[:, slot[0]] = tensor
     result = cache.insert(InsertParams(key=key, value=indices, mamba_value=slot))
     if result.mamba_exist:

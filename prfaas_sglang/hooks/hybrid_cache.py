@@ -79,7 +79,7 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         # False: a state checkpoint only at a request's end, none at its chunk boundaries
         # (each is a state slot: ~74 MiB for Qwen3-Next-80B), PRFAAS_STATE_CHECKPOINTS=end.
         self.chunk_checkpoints = chunk_checkpoints
-        self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> keep, decided, not yet finished
+        self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> transfer cache? (decided, not finished)
         super().__init__(params)
 
     def reset(self) -> None:  # also run by MambaRadixCache.__init__

@@ -507,7 +507,7 @@ def test_an_imported_prefix_matches_with_the_sources_length_and_bytes():
     held_dst, bytes_dst = _held(dest, prompt[:16] + [7])
     assert held_src == held_dst == 16
     assert len(bytes_src) == len(bytes_dst) == 4  # k, v of the full-attention layer; conv, temporal state
-    assert all(torch.equal(a, b) for a, b in zip(bytes_src, bytes_dst))
+    assert all(torch.equal(a, b) for a, b in zip(bytes_src, bytes_dst, strict=True))
     assert import_prefix(dest.cache, transfer) == 0  # already held: nothing allocated
     assert dest.kv.available_size() + dest.cache.total_size()[0] == KV_TOKENS
 
