@@ -91,7 +91,9 @@ def build_app(index, workers: dict[str, tuple[str, str, str]]):
     async def status(request):
         subs = request.app[sub_key].stats(time.monotonic())
         return web.json_response({
-            "workers": {w: {"cluster": c, "blocks": index.block_count(w), "resets": index.resets(w)} for w, c in index.workers().items()},
+            "workers": {w: {"cluster": c, "blocks": index.block_count(w), "resets": index.resets(w),
+                            **dict(zip(("checkpoints", "checkpoints_from"), index.checkpoints(w), strict=True))}
+                        for w, c in index.workers().items()},
             "subscriptions": subs,
             "events_applied_frames": sum(s["frames"] - s["bad_frames"] - s["handler_errors"] for s in subs.values()),
             "bad_frames": sum(s["bad_frames"] for s in subs.values())})

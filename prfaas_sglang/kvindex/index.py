@@ -116,6 +116,11 @@ class KvIndex:
     def resets(self, worker: str) -> int:
         return self._workers[worker].resets
 
+    def checkpoints(self, worker: str) -> tuple[int, str]:
+        """(state checkpoints held for ``worker``, ``"reported"`` or ``"inferred"``)."""
+        state = self._workers[worker]
+        return len(state.checkpoints), "reported" if state.reports_state else "inferred"
+
     # --- snapshots (a restarted router takes the kv-index service's view) --------------
 
     def export(self) -> dict[str, WorkerSnapshot]:

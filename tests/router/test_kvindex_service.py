@@ -53,6 +53,8 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         assert requests.post(url + "/match", data="{", timeout=5).status_code == 400
         status = requests.get(url + "/status", timeout=5).json()
         assert status["subscriptions"]["pp0"]["frames"] >= 1 and status["bad_frames"] == 0
+        # The emulated hybrid worker reports its state checkpoints (wire v2): one, at the prompt's last page.
+        assert (status["workers"]["pp0"]["checkpoints"], status["workers"]["pp0"]["checkpoints_from"]) == (1, "reported")
     finally:
         group.stop()
 
