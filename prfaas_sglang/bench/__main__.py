@@ -17,7 +17,7 @@ Benchmarks:
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
   gpu-bundle     build and verify the carry bundle for the lent GPU machine (SGLang, sglang-kernel,
                  Mooncake CUDA 13, what the server imports) and the tiny hybrid model
-  gpu-e2e        on the GPU machine: every role through our launcher, checks a-f (PASS/FAIL lines)
+  gpu-e2e        on the GPU machine: every role through our launcher, seven checks (PASS/FAIL lines)
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     gb.add_argument("--budget-mib", type=float, default=None, help="packed-size budget (default: 64 MiB carry less 8 for the checkout)")
     gb.add_argument("--model-config", type=Path, default=None, help="a hybrid config.json (or its directory) instead of the tiny model's")
     gb.add_argument("--json", action="store_true")
-    ge = sub.add_parser("gpu-e2e", help="on the GPU machine: real SGLang in every role behind our router; checks a-f")
+    ge = sub.add_parser("gpu-e2e", help="on the GPU machine: real SGLang in every role behind our router; seven checks")
     ge.add_argument("--bundle", type=Path, required=True, help="the gpu-bundle output directory (bundle.tar.xz inside)")
     ge.add_argument("--model-config", type=Path, default=None, help="a hybrid model directory instead of the bundle's tiny model")
     ge.add_argument("--checks", default=None, help="comma list (default: all)")

@@ -1,4 +1,4 @@
-"""The six checks of ``bench gpu-e2e`` (need the GPU machine; see ``gpu/e2e.py`` for what each shows)."""
+"""The seven checks of ``bench gpu-e2e`` (need the GPU machine; see ``gpu/e2e.py`` for what each shows)."""
 
 from __future__ import annotations
 
@@ -188,6 +188,44 @@ def check_kv_index(ctx: Context) -> CheckResult:
     return CheckResult("kv-index", not wrong, "; ".join(wrong), {"rows": rows})
 
 
+def _index_worker(index: str, name: str) -> dict:
+    return json.loads(http("GET", index + "/status")[2])["workers"].get(name, {})
+
+
+def check_state_events(ctx: Context) -> CheckResult:
+    """Issue #15 on real SGLang: both prefill workers report their Mamba state checkpoints (the
+    ``prfaas-hybrid`` cache and ``prfaas-zmq`` publisher are live); a PrfaaS worker keeps no
+    one-off long prompt (transfer cache: no page of it is published as stored) and keeps a prompt
+    seen twice, which a third sending then hits."""
+    router, index = ctx.dep.url("router"), ctx.dep.url("kv-index")
+    vocab, wrong, data = ctx.vocab_size or 4096, [], {}
+    case = {"name": "state", "endpoint": "/v1/completions", "stream": False}
+    _ask(router, case, prompt_ids(1024, vocab, 901), None)  # to PD-P, whose tree keeps everything
+    time.sleep(1.0)
+    for name in ("prfaas-0", "pd-prefill-0"):
+        data[name] = _index_worker(index, name)
+        if data[name].get("checkpoints_from") != "reported":
+            wrong.append(f"{name}: checkpoints {data[name].get('checkpoints_from')!r}, not reported by its cache")
+    if not data["pd-prefill-0"].get("checkpoints"):
+        wrong.append("pd-prefill-0 holds a prefilled prompt but reported no state checkpoint")
+    before = _index_worker(index, "prfaas-0").get("blocks", 0)
+    for i in range(3):  # one-off long prompts: transfer cache only
+        _ask(router, case, prompt_ids(LONG_TOKENS[0], vocab, 910 + i), None)
+    time.sleep(1.0)
+    after_unique = _index_worker(index, "prfaas-0").get("blocks", 0)
+    if after_unique != before:
+        wrong.append(f"prfaas-0 published {after_unique - before} stored blocks for 3 one-off prompts (transfer "
+                     "cache must not be inserted)")
+    shared = prompt_ids(LONG_TOKENS[0], vocab, 920)
+    cached = [_ask(router, case, shared, None)[0]["cached_tokens"] for _ in range(3)]
+    time.sleep(1.0)
+    data.update(blocks_before=before, blocks_after_unique=after_unique, cached_tokens_3x=cached,
+                blocks_after_shared=_index_worker(index, "prfaas-0").get("blocks", 0))
+    if not cached[2]:
+        wrong.append(f"a long prompt sent three times was never reused on prfaas-0: cached_tokens {cached}")
+    return CheckResult("state-events", not wrong, "; ".join(wrong), data)
+
+
 def check_failover(ctx: Context) -> CheckResult:
     router = ctx.dep.url("router")
     long_case = {"name": "failover", "endpoint": "/v1/completions", "stream": True}
@@ -267,7 +305,7 @@ def check_shaped_link(ctx: Context) -> CheckResult:
 
 CHECK_FUNCTIONS: dict[str, Callable[[Context], CheckResult]] = {
     "hooks": check_hooks, "greedy-equal": check_greedy_equal, "routing": check_routing, "kv-index": check_kv_index,
-    "failover": check_failover, "shaped-link": check_shaped_link,
+    "state-events": check_state_events, "failover": check_failover, "shaped-link": check_shaped_link,
 }
 
 __all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "preflight"]

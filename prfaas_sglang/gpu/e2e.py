@@ -13,6 +13,8 @@ SGLang server (role ``single``) as the reference, then runs the checks:
                   and the engines' own request counters agree
     kv-index      the kv-index's predicted reusable length equals the engine's cached_tokens
                   for repeated and extended prompts
+    state-events  both prefill servers report their Mamba state checkpoints (issue #15); the
+                  PrfaaS server inserts no one-off long prompt and reuses one sent three times
     failover      the PrfaaS server is killed mid-run: every request completes via PD-P or fails
                   with a clear error before any token; none hangs; the router reports it
     shaped-link   PrfaaS in a network namespace behind a rate-shaped veth (pyroute2, netlink):
@@ -43,7 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
+CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link")
 # Flags every SGLang server gets (shared/notes/gpu.md): paths a slimmed sglang-kernel has, random
 # weights with one seed (greedy outputs then compare across servers), cached_tokens reported.
 SERVER_FLAGS = ("--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
