@@ -32,28 +32,10 @@ def _prompt(hash_ids, input_length: int) -> list[int]:
 
 
 def _side(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int):
-    import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache
 
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
-                                    state_size=4, conv_kernel=4)
-    extra = page_size > 1
-    req_pool = HybridReqToTokenPool(
-        size=4, mamba_size=mamba_slots, mamba_spec_state_size=4, max_context_len=kv_tokens, device="cpu",
-        enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
-        enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
-    if extra:
-        kv = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu",
-                                         kvcache=None, need_sort=False)
-    else:
-        kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
-    cache = cache_cls(CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
-                                      page_size=page_size, enable_kv_cache_events=True, enable_mamba_extra_buffer=extra))
-    return cache, kv, req_pool
+    built = cpu_hybrid_cache(cache_cls, page_size, kv_tokens, mamba_slots, kv_buffers=False)
+    return built.cache, built.kv, built.req_pool
 
 
 def _step(side, tokens: list[int]) -> tuple[int, float]:
@@ -83,15 +65,11 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
     import msgspec
     from sglang.srt.disaggregation.kv_events import KVEventBatch as SglangBatch
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     from prfaas_sglang.demo.workloads import trace_records
     from prfaas_sglang.hooks.hybrid_cache import StateEventsMambaRadixCache, to_wire_batch
     from prfaas_sglang.wire.kv_events import StateRemoved
 
-    args = ServerArgs(model_path="dummy", device="cpu")
-    args._mamba_cache_chunk_size = 64
-    set_global_server_args_for_scheduler(args)
     records = []
     for rec in trace_records(trace_path):
         records.append(rec)

@@ -98,8 +98,8 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         req = params.req
         if self.admission is not None and req is not None and req.rid not in self._transfer_only:
             key = params.key
-            token_ids = list(key.token_ids[: len(key)])
-            self._transfer_only[req.rid] = not self.admission.decide(token_ids, len(result.device_indices)).keep
+            keep = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices)).keep
+            self._transfer_only[req.rid] = not keep
             while len(self._transfer_only) > MAX_PENDING_DECISIONS:
                 self._transfer_only.popitem(last=False)
         return result
@@ -122,7 +122,8 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         if self.enable_kv_cache_events and len(key) > 0:
             end = self._node_ending_at(node, key)
             if end is not None and end.mamba_value is not None and end.id not in self._stated:
-                self._stated[end.id] = stated = (self._last_page_hash(end), self._prefix_len(end))
+                # The end's prefix length: the start node's plus the key's (no walk from the root for it).
+                self._stated[end.id] = stated = (self._last_page_hash(end), self._prefix_len(node) + len(key))
                 self._state_queue.append(StateStored(*stated, "mamba", MEDIUM))
         return result
 
@@ -227,9 +228,8 @@ def admission_from_env() -> PrefixAdmission | None:
 def to_wire_batch(batch: EventBatch) -> KVEventBatch:
     """SGLang's batch as wire v2: its events, and as ``state_events`` the cache's state events when
     the cache reports state (:class:`EventsWithState`), else None."""
-    state_events = getattr(batch.events, "state_events", None)
-    return KVEventBatch(ts=batch.ts, events=list(batch.events), attn_dp_rank=batch.attn_dp_rank,
-                        state_events=None if state_events is None else list(state_events))
+    state_events = getattr(batch.events, "state_events", None)  # the list is encoded as it is, not copied
+    return KVEventBatch(ts=batch.ts, events=batch.events, attn_dp_rank=batch.attn_dp_rank, state_events=state_events)
 
 
 class StateEventsZmqPublisher(ZmqEventPublisher):

@@ -34,49 +34,17 @@ MAMBA_SLOTS = 6
 KV_TOKENS = 96
 
 
-def _global_server_args(page_size: int):
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    args = ServerArgs(model_path="dummy", device="cpu")
-    args._mamba_cache_chunk_size = 64  # else MambaRadixCache reads it from the model's HF config
-    args.page_size = page_size  # release_kv_cache reads it
-    set_global_server_args_for_scheduler(args)
-
-
 class RealCache:
-    """A real SGLang hybrid pool and our state-reporting MambaRadixCache over it; operations as
-    the scheduler performs them (alloc, evict when short, insert, free a duplicate state slot)."""
+    """A real SGLang hybrid pool and our state-reporting MambaRadixCache over it
+    (``bench/sglang_cpu.py``); operations as the scheduler performs them (alloc, evict when short,
+    insert, free a duplicate state slot)."""
 
     def __init__(self, page_size: int, events: bool = True):
-        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+        from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache
 
-        _global_server_args(page_size)
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
-                                        state_size=4, conv_kernel=4)
-        extra = page_size > 1  # SGLang: page size 1 without the extra buffer, larger pages with it
-        self.req_pool = HybridReqToTokenPool(
-            size=4, mamba_size=MAMBA_SLOTS, mamba_spec_state_size=4, max_context_len=KV_TOKENS, device="cpu",
-            enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
-            enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
-        # Layer 0 linear attention (its state in the request pool), layer 1 full attention.
-        self.kv_pool = HybridLinearKVPool(size=KV_TOKENS, dtype=torch.bfloat16, page_size=page_size, head_num=2,
-                                          head_dim=8, full_attention_layer_ids=[1], device="cpu",
-                                          mamba_pool=self.req_pool.mamba_pool)
-        if page_size == 1:
-            self.kv = TokenToKVPoolAllocator(size=KV_TOKENS, dtype=torch.bfloat16, device="cpu", kvcache=self.kv_pool,
-                                             need_sort=False)
-        else:
-            self.kv = PagedTokenToKVPoolAllocator(size=KV_TOKENS, page_size=page_size, dtype=torch.bfloat16,
-                                                  device="cpu", kvcache=self.kv_pool, need_sort=False)
-        self.page_size = page_size
-        self.params = CacheInitParams(
-            disable=False, req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.kv, page_size=page_size,
-            enable_kv_cache_events=events, enable_mamba_extra_buffer=extra)
-        self.cache = hybrid_cache.StateEventsMambaRadixCache(self.params)
+        built = cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, page_size, KV_TOKENS, MAMBA_SLOTS, events)
+        self.cache, self.kv, self.req_pool, self.kv_pool = built.cache, built.kv, built.req_pool, built.kv_pool
+        self.params, self.page_size = built.params, page_size
 
     def insert(self, tokens: list[int]) -> bool:
         n = len(tokens)

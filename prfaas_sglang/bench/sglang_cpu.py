@@ -1,0 +1,64 @@
+"""SGLang's real hybrid-model pools and a Mamba radix cache over them, on CPU (benchmarks and tests).
+
+A tiny layout: layer 0 linear attention (its conv and temporal state in the request pool's Mamba
+pool), layer 1 full attention (KV buffers, when asked for). CPU workarounds as in
+``../shared/notes/sglang-0.5.15-internals.md`` section 4: ``device="cpu"``, the Mamba chunk size
+set on the global server args, page 1 without SGLang's extra buffer, larger pages with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class CpuHybridCache:
+    cache: Any  # the radix cache (cache_cls)
+    kv: Any  # the token-to-KV allocator
+    req_pool: Any  # HybridReqToTokenPool (its mamba_allocator hands out state slots)
+    kv_pool: Any | None  # HybridLinearKVPool, or None without KV buffers
+    params: Any  # the CacheInitParams the cache was built with
+    page_size: int
+
+
+def set_global_server_args(page_size: int) -> None:
+    """What SGLang's cache code reads from the scheduler's global server args."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    args = ServerArgs(model_path="dummy", device="cpu")
+    args._mamba_cache_chunk_size = 64  # else MambaRadixCache reads it from the model's HF config
+    args.page_size = page_size  # release_kv_cache reads it
+    set_global_server_args_for_scheduler(args)
+
+
+def cpu_hybrid_cache(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True,
+                     kv_buffers: bool = True) -> CpuHybridCache:
+    """``cache_cls`` (``MambaRadixCache`` or a subclass) over fresh pools of ``kv_tokens`` tokens and
+    ``mamba_slots`` state slots; ``kv_buffers`` adds the full-attention layer's KV buffers."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    set_global_server_args(page_size)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
+                                    state_size=4, conv_kernel=4)
+    extra = page_size > 1
+    req_pool = HybridReqToTokenPool(
+        size=4, mamba_size=mamba_slots, mamba_spec_state_size=4, max_context_len=kv_tokens, device="cpu",
+        enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+        enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
+    kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=page_size, head_num=2, head_dim=8,
+                                 full_attention_layer_ids=[1], device="cpu",
+                                 mamba_pool=req_pool.mamba_pool) if kv_buffers else None
+    if extra:
+        kv = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu",
+                                         kvcache=kv_pool, need_sort=False)
+    else:
+        kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
+                             page_size=page_size, enable_kv_cache_events=events, enable_mamba_extra_buffer=extra)
+    return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, page_size)
