@@ -92,6 +92,13 @@ class Envs:
         "PrfaaS prefill worker (SGLang): publish link telemetry (wire v4) on tcp://*:PORT; set by the "
         "launcher from the node's telemetry_port. Unset: no publisher.",
     )
+    KV_LAYERWISE = EnvBool(
+        "PRFAAS_KV_LAYERWISE",
+        None,
+        "PrfaaS prefill worker (SGLang, with PRFAAS_KV_ASYNC_SEND): send each layer's KV of the chunk "
+        "being prefilled as soon as the forward wrote it, instead of the whole chunk after the forward "
+        "(the kv-layerwise hooks). Off by default; linear and SWA state still go once at the end.",
+    )
     KV_ASYNC_SEND = EnvBool(
         "PRFAAS_KV_ASYNC_SEND",
         None,

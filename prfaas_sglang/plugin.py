@@ -181,6 +181,52 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="with kv-send",
         tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="kv-layerwise-batch",
+        target="sglang.srt.managers.scheduler.Scheduler.run_batch",
+        hook="prfaas_sglang.hooks.layerwise:stream_forward",
+        hook_type="around",
+        expected_signature=(
+            "(self, batch: sglang.srt.managers.schedule_batch.ScheduleBatch, pp_proxy_tensors: "
+            "Optional[sglang.srt.model_executor.forward_batch_info.PPProxyTensors] = None) -> "
+            "Union[sglang.srt.managers.utils.GenerationBatchResult, sglang.srt.managers.utils.EmbeddingBatchResult]"),
+        subject="[transport] Plan each prefill chunk's KV per layer before its forward",
+        why=(
+            "SGLang sends a chunk's KV only after the chunk's whole forward, so over a WAN the last "
+            "chunk's transfer adds its full length to TTFT; streaming a layer as soon as it is written "
+            "needs, before the forward, which pages of which request go to which decode pages."
+        ),
+        how=(
+            "AROUND hook on the scheduler's run_batch: on a disaggregated prefill server whose Mooncake "
+            "manager has a LayerStreamer (PRFAAS_KV_LAYERWISE=1), run SGLang's early cached-prefix send, "
+            "plan every request's chunk with send_kv_chunk's own arithmetic and open it in a LayerLedger, "
+            "and make the plan the current forward's (a context variable) while run_batch runs."
+        ),
+        upstream_status="vendor-specific (SGLang 0.5.15 has no layer-wise KV transfer)",
+        removal="when SGLang's Mooncake backend streams KV per layer itself",
+        tests="tests/transport/test_layerwise.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="kv-layerwise-layer",
+        target="sglang.srt.layers.radix_attention.RadixAttention.forward",
+        hook="prfaas_sglang.hooks.layerwise:layer_written",
+        hook_type="after",
+        expected_signature="(self, q, k, v, forward_batch: 'ForwardBatch', save_kv_cache: 'bool' = True, **kwargs)",
+        subject="[transport] Stream a layer's KV once the forward has written it",
+        why=(
+            "The only point every attention backend passes after writing a layer's KV (or fusing the "
+            "write into its kernel) is the attention layer's forward returning."
+        ),
+        how=(
+            "AFTER hook on RadixAttention.forward: inside a planned forward and on the target model's KV "
+            "pool, record a blocking CUDA event and queue the layer; the streamer thread waits on it "
+            "(sleeping) and submits the layer's blocks as asynchronous writes. Outside a planned forward "
+            "it reads one context variable and returns."
+        ),
+        upstream_status="vendor-specific",
+        removal="with kv-layerwise-batch",
+        tests="tests/transport/test_layerwise.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 

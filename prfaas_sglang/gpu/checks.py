@@ -278,11 +278,13 @@ def check_shaped_link(ctx: Context) -> CheckResult:
     ctx.procs.stop()
     rows, problems = [], []
     with shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT) as ns:
-        for profile in ("upstream", "wan"):
+        # SGLang's Mooncake settings; our WAN profile; the same with layer-wise streaming.
+        for profile, kv_profile, env in (("upstream", "upstream", None), ("wan", "wan", None),
+                                         ("wan-layerwise", "wan", {"PRFAAS_KV_LAYERWISE": "1"})):
             procs = Processes(ctx.work / f"logs-shaped-{profile}")
             try:
-                dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=profile,
-                                       prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip)
+                dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile,
+                                       prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip, prfaas_env=env)
                 for num_tokens in LONG_TOKENS:
                     case = {"name": f"shaped-{num_tokens}", "endpoint": "/v1/completions", "stream": True}
                     ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)

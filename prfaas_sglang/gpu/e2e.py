@@ -18,8 +18,9 @@ SGLang server (role ``single``) as the reference, then runs the checks:
     failover      the PrfaaS server is killed mid-run: every request completes via PD-P or fails
                   with a clear error before any token; none hangs; the router reports it
     shaped-link   PrfaaS in a network namespace behind a rate-shaped veth (pyroute2, netlink):
-                  TTFT at 8K and 32K tokens, SGLang's Mooncake settings and our WAN profile;
-                  outputs identical to the unshaped run
+                  TTFT at 8K and 32K tokens, SGLang's Mooncake settings, our WAN profile, and
+                  our WAN profile with layer-wise streaming (PRFAAS_KV_LAYERWISE=1); outputs
+                  identical to the unshaped run
 
 Every process runs in its own process group and every group is killed on the way out (failure,
 Ctrl-C and SIGTERM included): SGLang's scheduler and detokenizer outlive a killed parent.
@@ -374,20 +375,22 @@ class RunningDeployment:
 
 
 def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Processes, work: Path,
-                     kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None) -> RunningDeployment:
+                     kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None,
+                     prfaas_env: dict[str, str] | None = None) -> RunningDeployment:
     import yaml
 
     from prfaas_sglang.demo.cluster import PortPicker
 
     topology = e2e_topology(model_dir, PortPicker(), prfaas_host=prfaas_host)
-    config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}.yaml"
+    config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}{'-env' if prfaas_env else ''}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
     env = bundle_env(root, checkout)
     dep = RunningDeployment(topology, config, env, procs)
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
         extra = ["--kv-profile", kv_profile] if name == "prfaas-0" else []
-        procs.start(name, [*launch, "--node", name, *extra], {**env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
+        node_env = {**env, **(prfaas_env or {})} if name == "prfaas-0" else env
+        procs.start(name, [*launch, "--node", name, *extra], {**node_env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
                     preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
         wait_healthy(dep.url(name) + "/health", procs.procs[name])

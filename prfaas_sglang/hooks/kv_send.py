@@ -44,6 +44,7 @@ import threading
 import time
 
 from prfaas_sglang.envs import envs
+from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
 from prfaas_sglang.transport.kv_send import Ended, SendLedger, coalesce
 
@@ -73,10 +74,17 @@ class AsyncKvSender:
 
     # --- called from SGLang's transfer threads -----------------------------------------------
 
-    def submit(self, session: str, blocks) -> int:
+    def submit(self, session: str, blocks, streamer=None) -> int:
         """Submit one chunk's entries to ``session``; 0, or -1 once a write to it failed. Like SGLang's
         synchronous batch, which fails as soon as one of its writes does, this does not wait for the
-        session's other writes: Mooncake cannot cancel them (see the module's hazard note)."""
+        session's other writes: Mooncake cannot cancel them (see the module's hazard note). With a
+        layer ``streamer``, blocks it already sent are dropped first."""
+        if streamer is not None:
+            with self._lock:
+                blocks = streamer.settle(session, blocks)
+                if not blocks:  # every layer streamed: report a failure among them, else done
+                    self._reap(session)
+                    return self._report(session) if self.ledger.failed(session) else 0
         entries = coalesce(blocks)
         if not entries:
             return 0
@@ -106,6 +114,33 @@ class AsyncKvSender:
                 return 0
             self._note_failure(session)
             return self._report(session)
+
+    def submit_locked(self, session: str, blocks) -> None:
+        """Submit streamed blocks to ``session`` now, outside the per-session window (the caller holds
+        ``self._lock``). Nothing goes to a session whose write already failed; a refused submission
+        marks it failed, reported at its next chunk or aux."""
+        if self.ledger.failed(session):
+            return
+        entries = coalesce(blocks)
+        if not entries:
+            return
+        telemetry = getattr(self.manager, "_prfaas_link", None)
+        meter_id = telemetry.begin(sum(n for _, _, n in entries), session) if telemetry is not None else None
+        writes: dict[int, int] = {}
+        for src, dst, length in entries:
+            write_id = self.engine.transfer_submit_write(session, src, dst, length)
+            if not write_id:
+                break
+            writes[write_id] = length
+        self.writes_submitted += len(writes)
+        self.batches_submitted += 1
+        if writes:
+            self.ledger.add(session, writes, meter_id)
+        elif telemetry is not None:
+            telemetry.end(meter_id, False)
+        if len(writes) != len(entries):
+            self.ledger.fail(session)
+            self._note_failure(session)
 
     def barrier(self, session: str, room: int) -> bool:
         """Wait, sleeping, until nothing is in flight to ``session`` or a write to it failed; False if
@@ -215,7 +250,10 @@ def start_async_sender(result, manager, args, disaggregation_mode, server_args, 
         logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
                        "single writes; sending synchronously")
         return None
-    setattr(manager, _ATTR, AsyncKvSender(manager, engine, _wait_bound_s()))
+    sender = AsyncKvSender(manager, engine, _wait_bound_s())
+    setattr(manager, _ATTR, sender)
+    if envs.KV_LAYERWISE.get():
+        layerwise.attach(manager, sender)
     logger.info("prfaas_sglang: KV sent asynchronously (at most %d chunks in flight per decode session)",
                 MAX_BATCHES_IN_FLIGHT)
     return None
@@ -228,7 +266,7 @@ def send_transfer(original, manager, mooncake_session_id, transfer_blocks):
     if sender is None or sender.synchronous or not transfer_blocks:
         return meter_transfer(original, manager, mooncake_session_id, transfer_blocks)
     try:
-        return sender.submit(str(mooncake_session_id), transfer_blocks)
+        return sender.submit(str(mooncake_session_id), transfer_blocks, layerwise.streamer_of(manager))
     except Exception:  # noqa: BLE001 - SGLang's transfer thread dies on an exception; fail the chunk instead
         logger.exception("prfaas_sglang: asynchronous KV submit failed")
         return -1

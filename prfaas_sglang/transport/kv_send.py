@@ -116,6 +116,10 @@ class SendLedger:
     def failed(self, session: str) -> bool:
         return session in self._failed_sessions
 
+    def fail(self, session: str) -> None:
+        """A write to ``session`` could not even be submitted: the session has failed."""
+        self._failed_sessions.add(session)
+
     def forget(self, session: str) -> None:
         """Hand ``session``'s failure on: clear it and abandon its batches in flight (their rooms
         are failed; Mooncake cannot cancel their writes, which are still read until they end)."""

@@ -1,0 +1,255 @@
+"""Layer-wise KV streaming (``PRFAAS_KV_LAYERWISE``): the plan is SGLang's own send, block for block.
+
+Pure parts first (:mod:`prfaas_sglang.transport.layerwise`). Then the planning hooks against
+SGLang 0.5.15's real scheduling code, in process: a real ``Req`` and ``ReqToTokenPool``, real
+``MHATokenToKVPool`` buffers, SGLang's ``send_kv_chunk`` and ``maybe_send_cached_prefix_chunk``
+(the prefill mixin's methods on a scheduler object), its ``MooncakeKVSender`` index bookkeeping
+(``curr_idx``), and its ``_send_kvcache_generic``, which builds the blocks a chunk's send carries;
+only the transfer engine is replaced by a recorder. Across random prompt lengths, page sizes,
+chunk sizes, decode-side and prefill-side prefixes, overlap on and off, and any subset of layers
+streamed before SGLang's send: what the streamer sent plus what SGLang's send still carries is
+exactly what SGLang alone would have sent, each block once. The Mooncake path with real transfers
+is ``test_sglang_streams_layers_as_the_forward_writes_them`` (a probe in a subprocess).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from array import array
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sglang_cpu import run_probe
+
+from prfaas_sglang.transport.layerwise import LayerLedger, chunk_range, layer_blocks, runs
+
+
+class TestPure:
+    def test_chunk_range_holds_a_partial_page_back_until_the_last_chunk(self):
+        assert chunk_range(0, 10, 100, 4) == chunk_range(0, 8, 100, 4)
+        assert chunk_range(0, 10, 100, 4).end_token == 8 and not chunk_range(0, 10, 100, 4).last
+        assert chunk_range(8, 100, 100, 4).end_token == 100 and chunk_range(8, 100, 100, 4).last
+        assert chunk_range(8, 11, 100, 4) is None  # no whole page yet: SGLang skips the send
+        assert chunk_range(96, 98, 98, 4).last and chunk_range(96, 98, 98, 4).end_token == 98
+        with pytest.raises(ValueError):
+            chunk_range(3, 10, 100, 4)
+
+    def test_runs_and_blocks_follow_sglangs_grouping(self):
+        from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+
+        src, dst = np.array([5, 6, 7, 9, 10, 2], np.int32), np.array([0, 1, 2, 3, 4, 8], np.int32)
+        groups = group_concurrent_contiguous(src, dst)
+        assert runs(src, dst) == [(g[0], d[0], len(g)) for g, d in zip(*groups, strict=True)]
+        assert layer_blocks([(5, 0, 3)], [(1000, 2000, 10), (5000, 6000, 10)]) == [(1050, 2000, 30), (5050, 6000, 30)]
+        with pytest.raises(ValueError):
+            runs([1, 2], [3])
+
+    def test_a_block_goes_once_by_whoever_comes_first(self):
+        ledger = LayerLedger()
+        a = ledger.open(1, "d0", {0: [(0, 0, 8)], 1: [(100, 100, 8)]})
+        assert ledger.claim(a, 0) == [(0, 0, 8)] and ledger.claim(a, 0) == [] and ledger.claim(a, 7) == []
+        settled = ledger.settle("d0", [(0, 0, 8), (100, 100, 8), (500, 500, 4)])
+        assert settled.to_send == [(100, 100, 8), (500, 500, 4)]
+        assert (settled.streamed_bytes, settled.unplanned_bytes) == (8, 4)
+        assert ledger.claim(a, 1) == [] and ledger.open_chunks() == 0  # settled: a late layer sends nothing
+        b = ledger.open(2, "d0", {0: [(0, 0, 8)]})
+        ledger.open(3, "d1", {0: [(0, 0, 8)]})
+        assert ledger.drop_rooms({3}) == 1 and ledger.claim(b, 0) == [] and ledger.open_chunks() == 1
+
+
+# --- SGLang's own scheduling code, in process ----------------------------------------------
+
+NUM_LAYERS, HEAD_DIM = 3, 4
+
+
+class RecordingEngine:
+    """What SGLang's ``_transfer_data`` would hand the transfer engine, per session."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, list]] = []
+
+
+def _manager(pool, decode_pool, room: int, session: str, dst_pages: np.ndarray):
+    """A prefill Mooncake manager as far as planning and block building read it: SGLang's own
+    ``get_mha_kv_ptrs_with_pp`` and ``_send_kvcache_generic`` over real pools' pointers."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    class Manager:
+        get_mha_kv_ptrs_with_pp = CommonKVManager.get_mha_kv_ptrs_with_pp
+        get_mla_kv_ptrs_with_pp = CommonKVManager.get_mla_kv_ptrs_with_pp
+        _send_kvcache_generic = MooncakeKVManager._send_kvcache_generic
+
+        def __init__(self):
+            ptrs, _, items = pool.get_contiguous_buf_infos()
+            self.kv_args = types.SimpleNamespace(kv_data_ptrs=ptrs, kv_item_lens=items, prefill_start_layer=0,
+                                                 state_types=[])
+            self.is_mla_backend, self.attn_tp_size, self.enable_custom_mem_pool = False, 1, False
+            self.transfer_infos = {room: {session: types.SimpleNamespace(
+                mooncake_session_id=session, dst_kv_indices=dst_pages, is_dummy=False)}}
+            self.decode_kv_args_table = {session: types.SimpleNamespace(
+                dst_kv_ptrs=decode_pool.get_contiguous_buf_infos()[0], dst_attn_tp_size=1)}
+            self.request_status = {room: 0}
+            self.streamed: list[tuple[str, list]] = []
+            self.sglang_sent: list[tuple[str, list, bool]] = []  # (session, blocks, after a planned forward)
+
+        def _transfer_data(self, session, blocks):
+            self.sglang_sent.append((session, list(blocks)))
+            return 0
+
+    return Manager()
+
+
+def _scheduler(mgr, pool, req_pool, page_size: int):
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    class Scheduler(SchedulerDisaggregationPrefillMixin):
+        pass
+
+    sched = Scheduler()
+    sched.disaggregation_mode = DisaggregationMode.PREFILL
+    sched.enable_staging = False
+    sched.req_to_token_pool = req_pool
+    sched.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=page_size, get_kvcache=lambda: pool)
+    sched.disagg_metadata_buffers = types.SimpleNamespace(set_buf=lambda req: None)
+    sched.disagg_prefill_bootstrap_queue = types.SimpleNamespace(kv_manager=mgr)
+    return sched
+
+
+class Sender:
+    """SGLang's ``CommonKVSender`` index bookkeeping (``_prepare_send_indices``), with the transfer
+    worker's lookup of the decode's pages, handing SGLang's blocks to ``on_send``."""
+
+    def __init__(self, mgr, room: int, session: str, on_send):
+        self.kv_mgr, self.bootstrap_room, self.curr_idx = mgr, room, 0
+        self.session, self.on_send = session, on_send
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk
+
+    def send(self, page_indices, state_indices=None):
+        index_slice = slice(self.curr_idx, self.curr_idx + len(page_indices))
+        self.curr_idx += len(page_indices)
+        if not len(page_indices):
+            return
+        info = self.kv_mgr.transfer_infos[self.bootstrap_room][self.session]
+        dst = info.dst_kv_indices[index_slice]
+        before = len(self.kv_mgr.sglang_sent)
+        self.kv_mgr._send_kvcache_generic(self.session, self.kv_mgr.kv_args.kv_data_ptrs,
+                                          self.kv_mgr.decode_kv_args_table[self.session].dst_kv_ptrs,
+                                          self.kv_mgr.kv_args.kv_item_lens, page_indices[:len(dst)], dst, None)
+        for session, blocks in self.kv_mgr.sglang_sent[before:]:
+            self.on_send(session, blocks)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(page_size=st.sampled_from([1, 2, 4, 16]), total=st.integers(1, 260), chunk=st.integers(1, 90),
+       decode_pages=st.integers(0, 8), cached_pages=st.integers(0, 12), overlap=st.booleans(),
+       streamed=st.lists(st.sets(st.integers(0, NUM_LAYERS - 1)), min_size=12, max_size=12),
+       seed=st.integers(0, 2**16))
+def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
+        page_size, total, chunk, decode_pages, cached_pages, overlap, streamed, seed):
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from prfaas_sglang.hooks.layerwise import attach, layer_written, stream_forward
+
+    decode_prefix = min(decode_pages * page_size, (total - 1) // page_size * page_size)
+    cached = min(cached_pages * page_size, (total - 1) // page_size * page_size)
+    num_pages = (total + page_size - 1) // page_size + 1
+    rng = np.random.default_rng(seed)
+    pool = MHATokenToKVPool(num_pages * page_size, page_size, torch.bfloat16, 1, HEAD_DIM, NUM_LAYERS, "cpu", False)
+    decode_pool = MHATokenToKVPool(num_pages * page_size, page_size, torch.bfloat16, 1, HEAD_DIM, NUM_LAYERS, "cpu", False)
+    req_pool = ReqToTokenPool(2, total + page_size, "cpu", False)
+    src_pages = rng.permutation(np.arange(1, num_pages))[:(total + page_size - 1) // page_size]  # page 0 is SGLang's pad
+    token_locs = (src_pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:total]
+    req_pool.req_to_token[0, :total] = torch.from_numpy(token_locs.astype(np.int32))
+    room, session = 7, "10.0.0.2:1234"
+    dst_pages = rng.permutation(np.arange(1, num_pages))[:(total - decode_prefix + page_size - 1) // page_size].astype(np.int32)
+    mgr = _manager(pool, decode_pool, room, session, dst_pages)
+    sched = _scheduler(mgr, pool, req_pool, page_size)
+
+    streamed_blocks: list = []
+    sender_stub = types.SimpleNamespace(_lock=threading.Lock(),
+                                        submit_locked=lambda s, blocks: streamed_blocks.extend((s, b) for b in blocks))
+    streamer = attach(mgr, sender_stub)
+    seen: list[tuple[Counter, Counter, Counter, int]] = []  # per SGLang send: (SGLang's, streamed then, still sent, unplanned)
+
+    def on_send(sess, blocks):
+        before = Counter(b for _, b in streamed_blocks)
+        unplanned = streamer.unplanned_bytes
+        with sender_stub._lock:
+            rest = streamer.settle(sess, blocks)
+        seen.append((Counter(blocks), before, Counter(rest), streamer.unplanned_bytes - unplanned))
+
+    req = Req(rid="r", origin_input_text="", origin_input_ids=array("q", range(total)),
+              sampling_params=SamplingParams(max_new_tokens=1))
+    req.req_pool_idx, req.start_send_idx, req.pending_bootstrap = 0, decode_prefix, False
+    req.prefix_indices = torch.from_numpy(token_locs[:cached].astype(np.int64))
+    req.disagg_kv_sender = Sender(mgr, room, session, on_send)
+    batch = types.SimpleNamespace(reqs=[req], forward_mode=types.SimpleNamespace(is_extend=lambda: True))
+    forward_batch = types.SimpleNamespace(token_to_kv_pool=pool)
+    layers = [types.SimpleNamespace(layer_id=i) for i in range(NUM_LAYERS)]
+    pending_send = None  # overlap: chunk N's send runs after chunk N+1's run_batch
+    start, n = cached, 0
+    while True:
+        end = min(start + chunk, total)
+        req.set_extend_range(start, end)
+        last = end == total
+        layers_now = streamed[n % len(streamed)]
+
+        def forward(_sched, _batch, layers_now=layers_now):
+            for i in sorted(layers_now):
+                layer_written(None, layers[i], None, None, None, forward_batch)
+            assert streamer.wait_idle(5.0)
+            return "result"
+
+        assert stream_forward(forward, sched, batch) == "result"
+        if pending_send is not None:
+            sched.send_kv_chunk(req, last_chunk=False, end_idx=pending_send)
+            pending_send = None
+        if last:
+            sched.send_kv_chunk(req, last_chunk=True)
+            break
+        if overlap:
+            pending_send = end
+        else:
+            sched.send_kv_chunk(req)
+        start, n = end, n + 1
+
+    sglang_total = Counter()
+    for sent, streamed_before, rest, _ in seen:
+        sglang_total += sent
+        # Every block SGLang's send holds was either streamed already or is still sent, never both.
+        assert rest + (sent - rest) == sent and all(streamed_before[b] >= 1 for b in sent - rest)
+        assert not any(streamed_before[b] for b in rest)
+    assert Counter(b for _, b in streamed_blocks) <= sglang_total  # nothing streamed that SGLang would not send
+    assert all(s == session for s, _ in streamed_blocks)
+    # The plan matched every send after a planned forward: only SGLang's early cached-prefix send is unplanned.
+    early = [u for (_, _, _, u) in seen if u]
+    assert len(early) <= 1 and (not early or cached > decode_prefix)
+    assert streamer.ledger.open_chunks() == 0
+
+
+def test_sglang_streams_layers_as_the_forward_writes_them():
+    """Real Mooncake TCP, SGLang's managers, sender and receiver, real KV pools on both sides: each
+    layer of a chunk is on the decode's pages before the next layer is written, SGLang's own sends
+    then carry nothing, the KV lands intact, and no room is left."""
+    out = run_probe(PRFAAS_KV_ASYNC_SEND="1", PRFAAS_KV_LAYERWISE="1", PROBE_LAYERWISE="1")
+    assert out["layerwise"] is not None
+    for r in out["requests"]:
+        assert (r["sender"], r["receiver"], r["kv_intact"], r["aux_intact"]) == (
+            out["success"], out["success"], True, True), r
+        assert r["layer_landed_before_next_written"], r
+    lw = out["layerwise"]
+    assert lw["unplanned_bytes"] == 0 and lw["streamed_bytes"] == out["kv_bytes_total"]
+    assert lw["forwards_without_layers"] == 0 and lw["open_chunks"] == 0
+    assert out["async"]["in_flight_bytes"] == 0 and out["async"]["writes_failed"] == 0
+    assert out["prefill_rooms_left"] == [] and out["decode_rooms_left"] == [] and out["transfer_infos_left"] == []
