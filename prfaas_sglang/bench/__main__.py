@@ -97,6 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--no-slow-start-after-idle", action="store_true",
                     help="net.ipv4.tcp_slow_start_after_idle=0 on both ends: connections keep their window across idle gaps")
     tr.add_argument("--json", action="store_true")
+    lw = sub.add_parser("layerwise", help="SGLang's Mooncake path on CPU over a shaped loopback: when the decode has the "
+                                          "KV, layer-wise streaming off vs on (root)")
+    lw.add_argument("--rate-mbit", type=float, default=400.0)
+    lw.add_argument("--forward-s", type=float, default=0.3, help="the emulated forward's duration per chunk (wall)")
+    lw.add_argument("--tokens", type=int, default=2048)
+    lw.add_argument("--layers", type=int, default=8)
+    lw.add_argument("--repeats", type=int, default=3)
+    lw.add_argument("--json", action="store_true")
+    ct = sub.add_parser("cache-transfer", help="a prefix cached on PrfaaS: TTFT moved vs recomputed on PD-P, per length "
+                                               "and link rate, next to the cost model (shaped link; root)")
+    ct.add_argument("--rates-gbps", default="2,10,50", help="modelled link rates, comma list")
+    ct.add_argument("--lengths", default="8192,16384,32768,65536", help="cached prefix lengths, comma list (tokens)")
+    ct.add_argument("--suffix-tokens", type=int, default=512, help="the new turn after the cached prefix")
+    ct.add_argument("--repeats", type=int, default=3)
+    ct.add_argument("--speedup", type=float, default=4.0)
+    ct.add_argument("--seed", type=int, default=0)
+    ct.add_argument("--json", action="store_true")
     gb = sub.add_parser("gpu-bundle", help="build and verify the GPU carry bundle (SGLang and what it imports, tiny model)")
     gb.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
     gb.add_argument("--python-version", default=None, help="the GPU machine's Python (default 3.12)")
@@ -168,6 +185,37 @@ def main(argv: list[str] | None = None) -> int:
         result = runs[0] if len(runs) == 1 else {"loads": runs}
         header = (f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --link {args.link} --load {args.load} "
                   f"--seeds {args.seeds} --duration {args.duration:g} --speedup {args.speedup:g}; {stamp} -->")
+    elif args.name == "layerwise":
+        from prfaas_sglang.bench import layerwise as bench
+        from prfaas_sglang.demo.netns import available
+
+        if args.rate_mbit <= 0 or args.forward_s < 0 or args.tokens < 1 or args.layers < 1 or args.repeats < 1:
+            parser.error("--rate-mbit must be > 0, --forward-s >= 0, --tokens, --layers and --repeats >= 1")
+        if (why := available()) is not None:
+            parser.error(f"the shaped loopback {why}")
+        result = bench.run(args.rate_mbit, args.forward_s, args.tokens, args.tokens, args.layers, repeats=args.repeats)
+        header = (f"<!-- python -m prfaas_sglang.bench layerwise --rate-mbit {args.rate_mbit:g} --forward-s {args.forward_s:g} "
+                  f"--tokens {args.tokens} --layers {args.layers} --repeats {args.repeats}; {stamp} -->")
+    elif args.name == "cache-transfer":
+        from prfaas_sglang.bench import cache_transfer as bench
+        from prfaas_sglang.demo.netns import available
+
+        try:
+            rates = tuple(float(x) for x in args.rates_gbps.split(","))
+            lengths = tuple(int(x) for x in args.lengths.split(","))
+        except ValueError:
+            parser.error("--rates-gbps takes numbers and --lengths integers, comma separated")
+        if min(rates) <= 0 or min(lengths) < 2 * bench.PAGE or args.suffix_tokens < 1 or args.repeats < 1:
+            parser.error(f"rates must be > 0, lengths >= {2 * bench.PAGE}, --suffix-tokens and --repeats >= 1")
+        if (why := available()) is not None:
+            parser.error(f"the shaped PrfaaS link {why}")
+        result = bench.run(rates, lengths, args.suffix_tokens, args.repeats, args.speedup, seed=args.seed)
+        header = (f"<!-- python -m prfaas_sglang.bench cache-transfer --rates-gbps {args.rates_gbps} --lengths {args.lengths} "
+                  f"--suffix-tokens {args.suffix_tokens} --repeats {args.repeats} --speedup {args.speedup:g}; {stamp} -->")
+        if not args.json:
+            print(header)
+            print(bench.render_markdown(result))
+            return 0
     elif args.name == "aiperf-check":
         from prfaas_sglang.bench import aiperf_check as bench
 

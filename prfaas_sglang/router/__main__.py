@@ -52,6 +52,10 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--bandwidth-mode", default="scarce", help="scarce | abundant (paper section 3.4.3)")
     p.add_argument("--tokenizer", default=None, help="tokenizer name or directory (default: model.tokenizer of the topology)")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
+    p.add_argument("--cache-transfer", choices=("auto", "off", "always", "never"), default="auto",
+                   help="abundant mode: move a prefix cached in the other cluster when the cost model says so "
+                        "(auto: where every prefill worker can import one), never (off), or force the move "
+                        "either way for benchmarks (always | never)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="model name(s) clients may ask for (repeatable); default: the workers' served name. "
                         "Requests naming another model get 404")
@@ -164,7 +168,8 @@ def make_service(args: argparse.Namespace):
     config = RouterConfig(mode=mode, phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
-                          served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold)
+                          served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
+                          cache_transfer=args.cache_transfer)
     adopted = preflight(workers, topology, config, args.startup_timeout_s)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)

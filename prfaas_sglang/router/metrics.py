@@ -56,6 +56,8 @@ class RouterCounters:
     tbt: Histogram = field(default_factory=Histogram)  # streamed requests: gaps between chunks
     e2e: Histogram = field(default_factory=Histogram)  # every successful request
     queue_wait: Histogram = field(default_factory=Histogram)  # waiting in the router for decode room
+    cache_moves: collections.Counter = field(default_factory=collections.Counter)  # outcome -> moves of a cached prefix
+    cache_move: Histogram = field(default_factory=Histogram)  # seconds a successful move took
 
     def render(self, gauges: list[tuple[str, str, float]]) -> str:
         """Prometheus text: ``gauges`` as (name, labels, value), then every counter and histogram."""
@@ -67,6 +69,8 @@ class RouterCounters:
                  ("prfaas_router_probes_total", "counter", "", self.probes)]
         rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.rejected.items())]
         rows += [("prfaas_router_failed_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.failed.items())]
+        rows += [("prfaas_router_cache_moves_total", "counter", f'{{outcome="{c}"}}', n)
+                 for c, n in sorted(self.cache_moves.items())]
         text, typed = [], set()
         for name, kind, labels, value in rows:
             if name not in typed:
@@ -74,4 +78,5 @@ class RouterCounters:
                 typed.add(name)
             text.append(f"{name}{labels} {value}\n")
         return ("".join(text) + self.ttft.render("prfaas_router_ttft_seconds") + self.tbt.render("prfaas_router_tbt_seconds")
-                + self.e2e.render("prfaas_router_request_seconds") + self.queue_wait.render("prfaas_router_queue_wait_seconds"))
+                + self.e2e.render("prfaas_router_request_seconds") + self.queue_wait.render("prfaas_router_queue_wait_seconds")
+                + self.cache_move.render("prfaas_router_cache_move_seconds"))

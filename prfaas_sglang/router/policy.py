@@ -118,6 +118,7 @@ class ClusterSnapshot:
     link: Link
     kv_bytes: Callable[[float], float]  # bytes on the wire for a request of N tokens
     transfer_supported: bool = False  # can an engine move a cache across clusters?
+    transfer_override: bool | None = None  # True: move whenever the other cluster's cache is longer; False: never
     probe_budget_bytes: float | None = None
     max_ttft_s: float | None = None  # early rejection's bound (observed seconds); None: off
 
@@ -223,15 +224,18 @@ def _place(request: RouteInput, snap: ClusterSnapshot, cluster: str, credited: i
     transfer = None
     own_best = max((by_worker.get(w.name, 0) for w in in_cluster), default=0)
     if snap.mode is BandwidthMode.ABUNDANT and snap.transfer_supported and credited > own_best:
-        source = max((w for w in snap.workers if w.cluster != cluster), key=lambda w: by_worker.get(w.name, 0), default=None)
+        source = max((w for w in snap.workers if w.cluster != cluster and w.role == "prefill"),
+                     key=lambda w: by_worker.get(w.name, 0), default=None)
         cost = transfer_s(snap.kv_bytes(credited), snap.link)
         profile = snap.prefill_cost[cluster]
         saved = profile.prefill_s(total - own_best) - profile.prefill_s(total - credited)
-        if source is not None and cost is not None and cost < saved:
+        worth = cost < saved if snap.transfer_override is None else snap.transfer_override
+        if source is not None and cost is not None and worth:
             transfer = CacheTransfer(source.name, credited, cost)
             reason += f"; move {credited - own_best} cached tokens from {source.name} ({cost:.3f} s < recompute {saved:.3f} s)"
         else:
-            reason += "; recompute instead of moving the other cluster's cache"
+            reason += ("; recompute instead of moving the other cluster's cache"
+                       + ("" if cost is None else f" ({cost:.3f} s >= recompute {saved:.3f} s)"))
 
     profile = snap.prefill_cost[cluster]
     ship_s = (transfer_s(snap.kv_bytes(total), snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0

@@ -28,6 +28,7 @@ import itertools
 import logging
 import random
 import time
+from array import array
 from dataclasses import dataclass
 
 import aiohttp
@@ -49,6 +50,7 @@ from prfaas_sglang.router.workers import (
     parse_server_info,
 )
 from prfaas_sglang.wire import kv_snapshot
+from prfaas_sglang.wire.cache_move import CacheImport, CacheImported
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
 from prfaas_sglang.wire.token_ids import split_ids
@@ -209,6 +211,9 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         # body, then routing it (prefix match, policy; waiting for decode room included).
         timing = f"parse;dur={(parsed - received) * 1e3:.3f}, route;dur={(time.perf_counter() - parsed) * 1e3:.3f}"
         try:
+            if decision.transfer is not None:  # move, then prefill the rest (recompute if the move fails)
+                moved_s = await _move_cache(request.app, req, decision)
+                timing += f", move;dur={moved_s * 1e3:.3f}"
             return await _run_legs(request, service, req, body, lease, timing)
         except (PrefillFailed, DecodeUnreachable) as err:
             leg = "prefill" if isinstance(err, PrefillFailed) else "decode"
@@ -229,6 +234,51 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+CACHE_MOVE_MIN_TIMEOUT_S = 5.0  # a move may take this long, or 4x the policy's estimate if longer
+
+
+def _prefix_ids(input_ids, num_tokens: int) -> list[int]:
+    if hasattr(input_ids, "packed_prefix"):  # ids still in their JSON text (wire.token_ids.JsonIds)
+        return array("I", input_ids.packed_prefix(num_tokens)[:4 * num_tokens]).tolist()
+    return list(input_ids[:num_tokens])
+
+
+async def _move_cache(app: web.Application, req: EngineRequest, decision: RouteDecision) -> float:
+    """Execute ``decision.transfer``: the chosen prefill worker fetches the prefix from the other
+    cluster's worker that holds it (``wire.cache_move``) before the legs start. Returns the seconds it
+    took. Never raises: a failed or timed-out move is counted by outcome, and the prefill then
+    computes what did not arrive (recompute)."""
+    service, session = app[SERVICE_KEY], app[SESSION_KEY]
+    move = decision.transfer
+    source, target = service.workers.get(move.source), service.workers.get(decision.prefill)
+    started = time.perf_counter()
+    if source is None or target is None:
+        service.counters.cache_moves["no_worker"] += 1
+        return 0.0
+    timeout_s = min(service.config.phase_timeout_s, max(CACHE_MOVE_MIN_TIMEOUT_S, 4 * move.estimated_s))
+    body = CacheImport(_prefix_ids(req.input_ids, move.tokens), move.tokens, source.url, timeout_s).to_json()
+    outcome = "failed"
+    try:
+        async with session.post(target.url + "/prfaas/cache/import", data=orjson.dumps(body), headers=JSON_HEADERS,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s + 1.0)) as resp:
+            payload = await resp.read()
+        if resp.status == 200:
+            CacheImported.decode(payload)
+            outcome = "ok"
+        elif resp.status == 409:
+            outcome = "source_lost"  # the source evicted it since the index saw it
+        else:
+            logger.warning("cache move of %d tokens %s -> %s: %d %s", move.tokens, source.name, target.name,
+                           resp.status, payload[:200].decode(errors="replace"))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+        outcome = "timeout" if isinstance(err, asyncio.TimeoutError) else "failed"
+        logger.warning("cache move of %d tokens %s -> %s: %s", move.tokens, source.name, target.name,
+                       err or type(err).__name__)
+    elapsed = time.perf_counter() - started
+    service.counters.cache_moves[outcome] += 1
+    if outcome == "ok":
+        service.counters.cache_move.observe(elapsed)
+    return elapsed
 
 
 def engine_body(req: EngineRequest, body: dict, tokenized: bool) -> dict | None:

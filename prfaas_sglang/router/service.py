@@ -57,6 +57,10 @@ class RouterConfig:
     max_waiting: int = 1024  # requests waiting for decode room; more are refused at once (429)
     served_models: frozenset[str] = frozenset()  # empty: the workers' name(s)
     threshold_tokens: float | None = None  # the operator's baseline t (overrides the topology's)
+    # Moving a cached prefix across clusters (abundant mode): "auto" where every prefill worker can
+    # import one, the cost model deciding; "off"; "always" / "never" move whenever possible / never
+    # (benchmarks and ablations: the same routing, the move forced either way).
+    cache_transfer: str = "auto"
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
 
@@ -137,8 +141,16 @@ class RouterService:
             workers=[w.snapshot() for w in self.workers.values() if w.name not in exclude],
             threshold_tokens=self.controller.threshold_tokens, mode=self.config.mode,
             prefill_cost={PRFAAS: self.runtime.prefill_cost(PRFAAS), PD: self.runtime.prefill_cost(PD)},
-            link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=False,
+            link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
+            transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
             probe_budget_bytes=self.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s)
+
+    def transfer_supported(self) -> bool:
+        """Whether a cached prefix can move: not turned off, and every prefill worker imports (the
+        emulated engine does; SGLang 0.5.15 servers have no import endpoint yet)."""
+        prefills = [w for w in self.workers.values() if w.role == "prefill"]
+        return (self.config.cache_transfer != "off" and bool(prefills)
+                and all(w.facts is not None and w.facts.cache_import for w in prefills))
 
     def route_input(self, req: EngineRequest) -> RouteInput:
         """The request as the policy sees it: its lengths and the KV index's prefix match (hashes the prompt)."""

@@ -55,6 +55,11 @@ class WorkerFacts:
     emulated: dict | None  # the emulated engine's "prfaas" section (speedup, kv_scale, profile, ...)
     version: str | None
 
+    @property
+    def cache_import(self) -> bool:
+        """Serves ``/prfaas/cache/import`` and ``/export`` (``wire.cache_move``)."""
+        return bool(self.emulated and self.emulated.get("cache_import") is True)
+
 
 @dataclass(frozen=True)
 class WorkerLoad:

@@ -85,6 +85,22 @@ class TestThresholdRule:
         d = decide(30_000, {"p0": 25_000}, mode=BandwidthMode.ABUNDANT, link=slow, transfer=True)
         assert d.transfer is None and d.cached_tokens == 0 and "recompute" in d.reason
 
+    def test_an_override_forces_the_move_either_way_with_the_same_routing(self):
+        """Benchmarks compare moved and recomputed on the same route: ``always`` moves over a slow
+        link, ``never`` recomputes over a fast one; the cluster and workers stay the rule's."""
+        slow = Link(capacity_bps=1e6)
+        for link, override, moved in ((slow, True, True), (FAT, False, False)):
+            snap = ClusterSnapshot(WORKERS, 10_000, BandwidthMode.ABUNDANT, COST, link, KV, transfer_supported=True,
+                                   transfer_override=override)
+            d = route(RouteInput(30_000, 30_016, {"p0": 25_000}), snap)
+            assert d.cluster == "pd" and (d.transfer is not None) == moved
+            assert d.cached_tokens == (25_000 if moved else 0)
+
+    def test_only_a_prefill_worker_is_a_moves_source(self):
+        """A decode worker's prefix (a decode-side cache in the index) is not something to import from."""
+        d = decide(30_000, {"d0": 28_000, "p0": 25_000}, mode=BandwidthMode.ABUNDANT, transfer=True)
+        assert d.transfer is None or d.transfer.source == "p0"
+
     def test_queue_moves_work_to_the_idle_worker(self):
         busy = [w if w.name != "pp0" else WorkerState("pp0", "pd", "prefill", queue_s=5.0) for w in WORKERS]
         assert decide(8_000, {}, workers=busy).prefill == "pp1"

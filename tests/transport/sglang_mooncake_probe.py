@@ -157,126 +157,13 @@ def main() -> dict:
             "decode_has_telemetry": hasattr(decode, "_prfaas_link")}
 
 
-def pool_kv_args(pool):
-    """KVArgs over a real SGLang KV pool's buffers (as the model runner registers them)."""
-    a, _, _ = kv_args(False)
-    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
-    return a
-
-
 def main_layerwise() -> dict:
-    """PROBE_LAYERWISE=1: three requests of three 64-token chunks through SGLang's scheduling code
-    (``send_kv_chunk`` on a prefill-mixin scheduler object, real ``Req`` and pools), the forward
-    written layer by layer with the pool's ``set_kv_buffer``, each layer announced through the
-    kv-layerwise hooks; after each layer, wait for its pages to reach the decode before writing
-    the next."""
-    import threading  # noqa: F401 - SGLang's managers start threads; kept explicit for readers
-    from array import array
+    """PROBE_LAYERWISE=1: three requests of three 64-token chunks through SGLang's scheduling code,
+    written layer by layer and announced through the kv-layerwise hooks; after each layer, wait for
+    its pages to reach the decode before writing the next (``prfaas_sglang.bench.layerwise.rounds``)."""
+    from prfaas_sglang.bench.layerwise import rounds
 
-    import torch
-    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    from prfaas_sglang.hooks.layerwise import layer_written, stream_forward, streamer_of
-
-    layers_n, heads, head_dim, tokens, chunk = 4, 4, 64, 192, 64
-    p_pool = MHATokenToKVPool(NUM_PAGES, 1, torch.bfloat16, heads, head_dim, layers_n, "cpu", False)
-    d_pool = MHATokenToKVPool(NUM_PAGES, 1, torch.bfloat16, heads, head_dim, layers_n, "cpu", False)
-    MooncakeKVBootstrapServer("127.0.0.1", BOOT_PORT)
-    time.sleep(0.3)
-    p_args, d_args = pool_kv_args(p_pool), pool_kv_args(d_pool)
-    _, _, p_aux = kv_args(True)
-    d_aux = np.zeros((N_AUX, AUX_BYTES), dtype=np.uint8)
-    p_args.aux_data_ptrs, p_args.aux_data_lens = [p_aux.ctypes.data], [p_aux.nbytes]
-    d_args.aux_data_ptrs, d_args.aux_data_lens = [d_aux.ctypes.data], [d_aux.nbytes]
-    prefill = MooncakeKVManager(p_args, DisaggregationMode.PREFILL, SERVER_ARGS, False)
-    decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
-    streamer = streamer_of(prefill)
-    if streamer is None:
-        return {"layerwise": None}
-
-    class Scheduler(SchedulerDisaggregationPrefillMixin):
-        pass
-
-    req_pool = ReqToTokenPool(4, tokens + 1, "cpu", False)
-    sched = Scheduler()
-    sched.disaggregation_mode, sched.enable_staging = DisaggregationMode.PREFILL, False
-    sched.req_to_token_pool = req_pool
-    sched.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=1, get_kvcache=lambda: p_pool)
-    sched.disagg_metadata_buffers = types.SimpleNamespace(set_buf=lambda req: None)
-    sched.disagg_prefill_bootstrap_queue = types.SimpleNamespace(kv_manager=prefill)
-    forward_batch = types.SimpleNamespace(token_to_kv_pool=p_pool)
-    layer_objs = [types.SimpleNamespace(layer_id=i) for i in range(layers_n)]
-    addr = f"127.0.0.1:{BOOT_PORT}"
-    rng = np.random.default_rng(5)
-    results = []
-    for room in range(1, 4):
-        for buf in d_pool.k_buffer + d_pool.v_buffer:
-            buf.zero_()
-        src = torch.from_numpy(rng.permutation(np.arange(1, NUM_PAGES))[:tokens].astype(np.int64))
-        dst = rng.permutation(np.arange(1, NUM_PAGES))[:tokens].astype(np.int32)
-        sender = MooncakeKVSender(prefill, addr, room, [0], 0)
-        receiver = MooncakeKVReceiver(decode, addr, room)
-        while not decode.try_ensure_parallel_info(addr):
-            time.sleep(0.05)
-        receiver.init(0)
-        receiver.send_metadata(dst, aux_index=room % N_AUX)
-        wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed))
-        sender.init(tokens, aux_index=1)
-        req = Req(rid=f"r{room}", origin_input_text="", origin_input_ids=array("q", range(tokens)),
-                  sampling_params=SamplingParams(max_new_tokens=1))
-        req.req_pool_idx, req.start_send_idx, req.pending_bootstrap = 0, 0, False
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.disagg_kv_sender = sender
-        req_pool.req_to_token[0, :tokens] = src.to(torch.int32)
-        batch = types.SimpleNamespace(reqs=[req], forward_mode=types.SimpleNamespace(is_extend=lambda: True))
-        landed_in_order = True
-        for start in range(0, tokens, chunk):
-            req.set_extend_range(start, start + chunk)
-            locs = src[start:start + chunk]
-
-            def forward(_sched, _batch, locs=locs, start=start, room=room, dst=dst):
-                nonlocal landed_in_order
-                for i, layer in enumerate(layer_objs):
-                    value = float(room * 16 + i + 1)
-                    k = torch.full((chunk, heads, head_dim), value, dtype=torch.bfloat16)
-                    p_pool.set_kv_buffer(types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None), locs, k, -k)
-                    layer_written(None, layer, None, None, None, forward_batch)
-                    got = torch.from_numpy(dst[start:start + chunk].astype(np.int64))
-                    deadline = time.time() + 10
-                    while not bool((d_pool.k_buffer[i][got] == value).all()) and time.time() < deadline:
-                        time.sleep(0.002)
-                    landed_in_order &= bool((d_pool.k_buffer[i][got] == value).all())
-                    if i + 1 < layers_n:  # the next layer is not written yet, so cannot have landed
-                        landed_in_order &= not bool((d_pool.k_buffer[i + 1][got] != 0).any())
-                return None
-
-            stream_forward(forward, sched, batch)
-            sched.send_kv_chunk(req, last_chunk=start + chunk >= tokens)
-        states = (wait(sender, (KVPoll.Success, KVPoll.Failed)), wait(receiver, (KVPoll.Success, KVPoll.Failed)))
-        dst_t = torch.from_numpy(dst.astype(np.int64))
-        intact = all(bool((d[dst_t] == p[src]).all())
-                     for p, d in zip(p_pool.k_buffer + p_pool.v_buffer, d_pool.k_buffer + d_pool.v_buffer, strict=True))
-        results.append({"room": room, "sender": int(states[0]), "receiver": int(states[1]), "kv_intact": intact,
-                        "aux_intact": bool((d_aux[room % N_AUX] == p_aux[1]).all()),
-                        "layer_landed_before_next_written": landed_in_order})
-        sender.clear()
-        receiver.clear()
-    async_sender = prefill._prfaas_sender
-    async_sender.settle(10.0)
-    item_bytes = sum(p_args.kv_item_lens)
-    return {"requests": results, "success": int(KVPoll.Success), "failed": int(KVPoll.Failed),
-            "layerwise": {"streamed_bytes": streamer.streamed_bytes, "unplanned_bytes": streamer.unplanned_bytes,
-                          "layers_streamed": streamer.layers_streamed, "open_chunks": streamer.ledger.open_chunks(),
-                          "forwards_without_layers": streamer.forwards_without_layers},
-            "kv_bytes_total": 3 * tokens * item_bytes,
-            "async": {"batches": async_sender.batches_submitted, "writes": async_sender.writes_submitted,
-                      "writes_failed": async_sender.writes_failed,
-                      "in_flight_bytes": async_sender.ledger.in_flight_bytes()},
-            "prefill_rooms_left": sorted(prefill.request_status), "decode_rooms_left": sorted(decode.request_status),
-            "transfer_infos_left": sorted(prefill.transfer_infos)}
+    return rounds(BOOT_PORT, SERVER_ARGS, wait_each_layer=True)
 
 
 if __name__ == "__main__":

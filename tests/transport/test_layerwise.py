@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang_cpu import run_probe
 
+from prfaas_sglang.demo import netns
 from prfaas_sglang.transport.layerwise import LayerLedger, chunk_range, layer_blocks, runs
 
 
@@ -253,3 +254,18 @@ def test_sglang_streams_layers_as_the_forward_writes_them():
     assert lw["forwards_without_layers"] == 0 and lw["open_chunks"] == 0
     assert out["async"]["in_flight_bytes"] == 0 and out["async"]["writes_failed"] == 0
     assert out["prefill_rooms_left"] == [] and out["decode_rooms_left"] == [] and out["transfer_infos_left"] == []
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=f"shaped loopback: {netns.available()}")
+def test_bench_layerwise_smoke():
+    """The benchmark end to end, one run per mode: with streaming on every byte went layer by layer
+    and nothing was sent twice, with it off nothing streamed; every request's KV landed intact (the
+    bench refuses to report otherwise). No timing is asserted."""
+    from prfaas_sglang.bench.layerwise import run
+
+    out = run(rate_mbit=400.0, forward_s=0.05, tokens=512, layers=4, requests=2, repeats=1)
+    (on,), (off,) = out["runs"]["on"], out["runs"]["off"]
+    assert off["layerwise"] is None
+    assert on["layerwise"]["unplanned_bytes"] == 0 and on["layerwise"]["open_chunks"] == 0
+    assert on["layerwise"]["streamed_bytes"] == 2 * out["kv_bytes_per_request"]
+    assert out["on_after_forward_s"]["median"] >= 0 and out["off_after_forward_s"]["median"] >= 0

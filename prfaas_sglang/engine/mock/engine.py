@@ -54,6 +54,7 @@ from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prom
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
 from prfaas_sglang.transport.tcpstate import TcpCongestion
+from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
 from prfaas_sglang.wire.handoff import KvReady, Registration
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared, split_state_events
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
@@ -121,6 +122,8 @@ class Stats:
     requests_failed: int = 0
     room_waits: int = 0  # decode requests that found the pool or the landing buffer full and waited
     decode_prefix_tokens: int = 0  # decode: prompt tokens found in the decode-side prefix cache (not shipped)
+    prefix_imported_tokens: int = 0  # prefill: prefix tokens imported from another cluster's worker
+    prefix_export_bytes: int = 0  # prefill: bytes of cached prefixes sent to another cluster's worker
 
 
 class MockEngine:
@@ -166,12 +169,12 @@ class MockEngine:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.mode == "prefill":
+        if cfg.mode == "prefill":  # room to import one context's prefix (cache moves) next to the source
             source = self.timing.kv_bytes(cfg.context_tokens)
-            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, True)
+            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, source)
             self._tasks.append(asyncio.create_task(self._prefill_loop(), name="prefill-loop"))
         else:
-            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, cfg.kv_buffer_bytes, False)
+            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, 0, cfg.kv_buffer_bytes)
             self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
         from prfaas_sglang.adapters.zmq import ZmqPublisher
 
@@ -365,6 +368,81 @@ class MockEngine:
         self.stats.cached_tokens += cached_tokens
         self.stats.requests_ok += 1
         return ready
+
+    # --- cache moves between prefill workers (wire.cache_move) ---------------------------
+
+    async def export_prefix(self, msg: CacheExport) -> dict:
+        """Source: write the KV and state of a prefix this worker holds to another worker's region
+        (metered like a PD transfer: it crosses the same link). 409 when it no longer holds it."""
+        if self.config.mode != "prefill":
+            raise BadRequest(400, "only a prefill worker exports cached prefixes")
+        ids = msg.token_ids[:msg.num_tokens]
+        held = self.cache.match(ids).cached_tokens
+        if held < msg.num_tokens:
+            raise BadRequest(409, f"this worker holds {held} of the {msg.num_tokens} prefix tokens")
+        length = self.timing.kv_bytes(msg.num_tokens)
+        if length > msg.length:
+            raise BadRequest(400, f"the region of {msg.length} bytes is smaller than the prefix's KV ({length})")
+        transfer_id = next(self._transfer_ids)
+        start = time.perf_counter()
+        self.meter.start(transfer_id, time.monotonic(), length, msg.session)
+        ok = False
+        try:
+            if self.fail_kv_transfers > 0:
+                self.fail_kv_transfers -= 1
+                raise KvTransferError("injected fault: the KV transfer failed (POST /prfaas/faults)")
+            await self.kv.write(msg.session, msg.addr, length,
+                                lambda n, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n))
+            ok = True
+        except KvTransferError as err:
+            raise BadRequest(502, f"exporting {msg.num_tokens} prefix tokens failed: {err}") from None
+        finally:
+            self.meter.end(transfer_id, time.monotonic(), ok)
+        self.stats.prefix_export_bytes += length
+        return {"bytes": length, "transfer_s": time.perf_counter() - start}
+
+    async def import_prefix(self, msg: CacheImport) -> CacheImported:
+        """Target: fetch a prefix's KV and state from ``msg.source_url`` into a landing region, check
+        the bytes arrived, then keep the prefix (page-aligned) as a prefix-cache entry, publishing its
+        KV events (and, hybrid, a state checkpoint at its end). The region is freed on every path."""
+        if self.config.mode != "prefill":
+            raise BadRequest(400, "only a prefill worker imports cached prefixes")
+        num_tokens = msg.num_tokens // self.cache.page_size * self.cache.page_size
+        if num_tokens == 0:
+            raise BadRequest(400, f"{msg.num_tokens} tokens is less than one page ({self.cache.page_size})")
+        if num_tokens > self.config.context_tokens:
+            raise BadRequest(400, f"{num_tokens} prefix tokens exceed the context length {self.config.context_tokens}")
+        ids = msg.token_ids[:num_tokens]
+        held = self.cache.match(ids).cached_tokens
+        if held >= num_tokens:
+            return CacheImported(0, held, 0, None)
+        length = self.timing.kv_bytes(num_tokens)
+        offset = self.kv.arena.alloc(length)
+        if offset is None:
+            raise BadRequest(503, f"no landing room for {length} bytes ({self.kv.arena.free_bytes} free)")
+        try:
+            region = self.kv.region(offset, length)
+            region[:8] = 0
+            region[-8:] = 0
+            export = CacheExport(ids, num_tokens, self.kv.session, self.kv.base + offset, length)
+            try:
+                async with self.http.post(msg.source_url.rstrip("/") + "/prfaas/cache/export", json=export.to_json(),
+                                          timeout=aiohttp.ClientTimeout(total=msg.timeout_s)) as resp:
+                    status, answer = resp.status, await resp.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+                raise BadRequest(502, f"cannot fetch the prefix from {msg.source_url}: {err or type(err).__name__}") from None
+            if status != 200:
+                detail = answer.get("error", {}).get("message") if isinstance(answer, dict) else answer
+                raise BadRequest(409 if status == 409 else 502, f"the source answered {status}: {detail}")
+            if not (region[:8] == PATTERN).all() or not (region[-8:] == PATTERN).all():
+                raise BadRequest(502, "the source reported the prefix written but its bytes did not arrive")
+        finally:
+            self.kv.arena.free(offset, length)
+        events, states = split_state_events(self.cache.insert(ids))
+        if self.publisher:
+            self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
+        self.stats.prefix_imported_tokens += num_tokens - held
+        return CacheImported(num_tokens - held, num_tokens, length, answer.get("transfer_s"))
 
     async def _telemetry_loop(self, interval_s: float = 0.25) -> None:
         """Publish this prefill worker's link telemetry (``wire.telemetry`` format): the transfer-level

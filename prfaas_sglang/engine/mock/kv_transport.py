@@ -34,11 +34,12 @@ class KvTransferError(RuntimeError):
 
 
 class KvArena:
-    """First-fit allocator over ``[0, size)`` (pure); offsets are ``_ALIGN``-aligned."""
+    """First-fit allocator over ``[start, start + size)`` (pure); offsets are ``_ALIGN``-aligned
+    relative to ``start`` (pass an aligned ``start``)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, start: int = 0):
         self.size = size
-        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted
+        self._free: list[tuple[int, int]] = [(start, size)] if size > 0 else []  # (offset, length), sorted
 
     @staticmethod
     def aligned(length: int) -> int:
@@ -73,9 +74,11 @@ class KvArena:
 
 
 class KvEndpoint:
-    """One worker's Mooncake engine and registered buffer."""
+    """One worker's Mooncake engine and registered buffer: ``source_bytes`` filled with ``PATTERN``
+    (what this worker sends), then ``landing_bytes`` of zeros carved by ``arena`` (what it receives:
+    a decode worker's KV, a prefill worker's imported prefixes)."""
 
-    def __init__(self, hostname: str, buffer_bytes: int, fill: bool):
+    def __init__(self, hostname: str, source_bytes: int, landing_bytes: int):
         os.environ.setdefault("MC_FORCE_TCP", "1")
         from mooncake.engine import TransferEngine
 
@@ -84,12 +87,14 @@ class KvEndpoint:
         if rc != 0:
             raise KvTransferError(f"mooncake initialize({hostname}) returned {rc}")
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
-        self.buffer = np.full(buffer_bytes, PATTERN, dtype=np.uint8) if fill else np.zeros(buffer_bytes, dtype=np.uint8)
+        source_bytes = KvArena.aligned(source_bytes)
+        self.buffer = np.zeros(source_bytes + landing_bytes, dtype=np.uint8)
+        self.buffer[:source_bytes] = PATTERN
         self.base = self.buffer.ctypes.data
-        rc = self.engine.register_memory(self.base, buffer_bytes)
+        rc = self.engine.register_memory(self.base, self.buffer.nbytes)
         if rc != 0:
             raise KvTransferError(f"mooncake register_memory returned {rc}")
-        self.arena = KvArena(buffer_bytes)
+        self.arena = KvArena(landing_bytes, start=source_bytes)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv")
 
     def _write_sync(self, peer_session: str, peer_addr: int, length: int, report: Callable[[int], None]) -> None:

@@ -36,6 +36,7 @@ from prfaas_sglang.protocol import (
     usage_chunk,
 )
 from prfaas_sglang.wire.blocks import HASH_SCHEME
+from prfaas_sglang.wire.cache_move import CacheExport, CacheImport
 from prfaas_sglang.wire.handoff import KvReady, Registration
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
@@ -86,7 +87,7 @@ def _info(engine: MockEngine) -> dict:
         if cfg.kv_events_port is not None else None,
         "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup,
                    "kv_scale": cfg.kv_scale, "block_hash": HASH_SCHEME, "hybrid": engine.timing.hybrid,
-                   "telemetry_port": cfg.telemetry_port},
+                   "telemetry_port": cfg.telemetry_port, "cache_import": cfg.mode == "prefill"},
         "version": "0.5.15",
     }
 
@@ -114,6 +115,8 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:kv_pool_used_tokens", "gauge", engine.used_tokens),
         ("prfaas:decode_room_waits_total", "counter", s.room_waits),
         ("prfaas:open_rooms", "gauge", engine.open_rooms),
+        ("prfaas:prefix_imported_tokens_total", "counter", s.prefix_imported_tokens),
+        ("prfaas:prefix_export_bytes_total", "counter", s.prefix_export_bytes),
     ]
     return "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
 
@@ -191,6 +194,26 @@ def build_app(engine: MockEngine) -> web.Application:
         engine.fail_kv_transfers = n
         return web.json_response({"fail_kv_transfers": n})
 
+    def cache_move(kind: str):
+        """``/prfaas/cache/import`` (the router asks this worker to fetch a prefix) and
+        ``/prfaas/cache/export`` (another worker fetches one from this worker); wire.cache_move."""
+        async def handler(request: web.Request):
+            if not engine.ready:
+                return error_response(503, "server is starting")
+            try:
+                body = await _json_body(request)
+                try:
+                    msg = (CacheImport if kind == "import" else CacheExport).decode(body)
+                except ValueError as err:
+                    raise BadRequest(400, str(err)) from None
+                if kind == "import":
+                    return web.json_response((await engine.import_prefix(msg)).to_json())
+                return web.json_response(await engine.export_prefix(msg))
+            except BadRequest as err:
+                return error_response(err.status, err.message)
+
+        return handler
+
     def data_plane(kind: str):
         async def handler(request: web.Request):
             if not engine.ready:
@@ -219,6 +242,8 @@ def build_app(engine: MockEngine) -> web.Application:
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/prfaas/kv_ready", kv_ready)
     app.router.add_post("/prfaas/faults", faults)
+    app.router.add_post("/prfaas/cache/import", cache_move("import"))
+    app.router.add_post("/prfaas/cache/export", cache_move("export"))
     app.router.add_post("/generate", data_plane("generate"))
     app.router.add_post("/v1/completions", data_plane("completions"))
     app.router.add_post("/v1/chat/completions", data_plane("chat"))

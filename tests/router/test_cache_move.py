@@ -1,0 +1,167 @@
+"""Cross-cluster cache moves end to end on emulated workers (``wire.cache_move``, issue #15 item 4).
+
+A long prompt is prefilled once on the PrfaaS worker, which keeps it in its prefix cache (the KV
+index hears its events). The same prompt grown by a short turn is then routed, in abundant mode,
+to PD-P (its uncached length after the best cache is under ``t``), and the router executes the
+policy's :class:`~prfaas_sglang.router.policy.CacheTransfer`: PD-P fetches the prefix from the
+PrfaaS worker over Mooncake TCP and keeps it, then prefills only the rest. Where the cost model
+says recompute (a link too slow for the bytes), nothing moves and PD-P computes it all. A move
+that fails (the source's transfer fails) leaves the request to recompute, and it still succeeds;
+a source asked for a prefix it does not hold answers 409.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from prfaas_sglang.demo import netns
+from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
+
+THRESHOLD, PAGE = 4096, 512
+SPEEDUP, KV_SCALE = 50, 0.002
+P0, PP0 = "prfaas-0", "pd-prefill-0"
+
+
+def _deploy(tmp, name: str, link_gbps: float, *router_args: str):
+    group = ProcessGroup(tmp / f"logs-{name}")
+    doc = local_topology(speedup=SPEEDUP, kv_scale=KV_SCALE, threshold_tokens=THRESHOLD, telemetry=False,
+                         link_gbps=link_gbps)
+    engine = ("--bootstrap-timeout-s", "10")
+    d = start_deployment(group, doc, "--bandwidth-mode", "abundant", "--no-early-rejection", *router_args,
+                         engine_args={r: engine for r in ("prfaas", "pd-prefill", "pd-decode")}, name=name)
+    return group, d
+
+
+def generate(url: str, ids: list[int], max_new: int = 2) -> requests.Response:
+    return requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}},
+                         timeout=120)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    for line in requests.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + labels + " ") or (not labels and line.startswith(name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for_index(url: str, worker: str, min_blocks: int) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if (requests.get(url + "/status", timeout=5).json()["workers"][worker]["index_blocks"] or 0) >= min_blocks:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the router's KV index never saw {min_blocks} blocks of {worker}")
+
+
+def warm_on_prfaas(url: str, stem: list[int]) -> None:
+    first = generate(url, stem)
+    assert first.status_code == 200 and first.headers["x-prfaas-route"].startswith("prfaas/"), first.text[:300]
+    wait_for_index(url, P0, len(stem) // PAGE - 1)
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    group, d = _deploy(tmp_path_factory.mktemp("move"), "fast", 100.0)
+    try:
+        yield d
+    finally:
+        group.stop()
+
+
+def test_the_cost_model_moves_a_long_prefix_over_a_fast_link_and_pd_prefills_only_the_rest(fast):
+    url, pd_prefill = fast.router.url, fast.worker("pd-prefill").url
+    stem = list(range(1_000_000, 1_000_000 + 16 * PAGE))
+    warm_on_prfaas(url, stem)
+    grown = generate(url, stem + list(range(2_000_000, 2_000_300)))
+    assert grown.status_code == 200, grown.text[:300]
+    assert grown.headers["x-prfaas-route"] == f"pd/{PP0}/pd-decode-0"
+    recent = requests.get(url + "/status", timeout=5).json()["recent"][-1]
+    assert "move" in recent["reason"] and recent["cached_tokens"] >= 15 * PAGE, recent
+    # PD-P received the prefix (its own metric) and reported it cached: only the rest was computed.
+    assert metric(pd_prefill, "prfaas:prefix_imported_tokens_total") >= 15 * PAGE
+    assert grown.json()["meta_info"]["cached_tokens"] >= 15 * PAGE
+    assert metric(url, "prfaas_router_cache_moves_total", '{outcome="ok"}') == 1
+    assert "move;dur=" in grown.headers["Server-Timing"]
+    # The prefix is now PD-P's own: the next turn needs no move.
+    again = generate(url, stem + list(range(2_000_000, 2_000_300)) + [7] * 200)
+    assert again.status_code == 200 and metric(url, "prfaas_router_cache_moves_total", '{outcome="ok"}') == 1
+
+
+def test_a_failed_move_recomputes_and_the_request_succeeds(fast):
+    url, prfaas = fast.router.url, fast.worker("prfaas").url
+    stem = list(range(3_000_000, 3_000_000 + 12 * PAGE))
+    warm_on_prfaas(url, stem)
+    # The source's next transfer fails (as over a broken link): the move fails, PD-P computes it all.
+    assert requests.post(prfaas + "/prfaas/faults", json={"fail_kv_transfers": 1}, timeout=5).status_code == 200
+    grown = generate(url, stem + list(range(4_000_000, 4_000_100)))
+    assert grown.status_code == 200 and grown.headers["x-prfaas-route"].startswith("pd/"), grown.text[:300]
+    assert "move" in requests.get(url + "/status", timeout=5).json()["recent"][-1]["reason"]
+    assert metric(url, "prfaas_router_cache_moves_total", '{outcome="failed"}') == 1
+    assert grown.json()["meta_info"]["cached_tokens"] == 0
+
+
+def test_the_endpoints_refuse_bad_input_with_a_400(fast):
+    prfaas = fast.worker("prfaas").url
+    for body in ({}, {"v": 1}, {"v": 2, "token_ids": [1], "num_tokens": 1, "source_url": "http://x", "timeout_s": 1},
+                 {"v": 1, "token_ids": [1], "num_tokens": 2, "source_url": "http://x", "timeout_s": 1},
+                 {"v": 1, "token_ids": [-1], "num_tokens": 1, "source_url": "http://x", "timeout_s": 1},
+                 {"v": 1, "token_ids": [1], "num_tokens": 1, "source_url": "ftp://x", "timeout_s": 1}):
+        r = requests.post(prfaas + "/prfaas/cache/import", json=body, timeout=5)
+        assert r.status_code == 400, (body, r.text)
+    r = requests.post(prfaas + "/prfaas/cache/export", data=b"[", timeout=5)
+    assert r.status_code == 400
+    decode = fast.worker("pd-decode").url
+    body = CacheImport(list(range(PAGE)), PAGE, "http://127.0.0.1:1", 1.0).to_json()
+    assert requests.post(decode + "/prfaas/cache/import", json=body, timeout=5).status_code == 400  # not a prefill worker
+    body = CacheExport(list(range(PAGE)), PAGE, "127.0.0.1:1", 0, 1 << 20).to_json()
+    assert requests.post(prfaas + "/prfaas/cache/export", json=body, timeout=5).status_code == 409  # not held
+
+
+def test_over_a_slow_link_the_cost_model_recomputes(tmp_path):
+    group, d = _deploy(tmp_path, "slow", 0.05)
+    try:
+        url, pd_prefill = d.router.url, d.worker("pd-prefill").url
+        stem = list(range(5_000_000, 5_000_000 + 16 * PAGE))
+        warm_on_prfaas(url, stem)
+        grown = generate(url, stem + list(range(6_000_000, 6_000_300)))
+        assert grown.status_code == 200
+        recent = requests.get(url + "/status", timeout=5).json()["recent"][-1]
+        assert "recompute instead of moving" in recent["reason"], recent
+        assert metric(pd_prefill, "prfaas:prefix_imported_tokens_total") == 0
+        assert metric(url, "prfaas_router_cache_moves_total", '{outcome="ok"}') == 0
+    finally:
+        group.stop()
+
+
+def test_wire_round_trip_and_refusals():
+    msg = CacheImport([1, 2, 3], 2, "http://h:1", 2.5)
+    assert CacheImport.decode(msg.to_json()) == msg
+    assert CacheImported.decode(CacheImported(512, 1024, 99, None).to_json()).cached_tokens == 1024
+    for bad in ({"v": 1, "token_ids": [1], "num_tokens": 0, "source_url": "http://h", "timeout_s": 1},
+                {"v": 1, "token_ids": [True], "num_tokens": 1, "source_url": "http://h", "timeout_s": 1},
+                {"v": 1, "token_ids": [1], "num_tokens": 1, "source_url": "http://h", "timeout_s": float("nan")},
+                {"v": 1, "token_ids": [1], "num_tokens": 1, "source_url": "http://h", "timeout_s": 1, "x": 1}):
+        with pytest.raises(ValueError):
+            CacheImport.decode(bad)
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=f"shaped link: {netns.available()}")
+def test_bench_cache_transfer_smoke():
+    """The benchmark's CLI end to end on one rate and one length: every mode ran, the moved runs moved
+    and kept the prefix, the recomputed ones did not, off prefilled on PrfaaS, and the prediction is there."""
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "cache-transfer", "--rates-gbps", "50",
+                           "--lengths", "4096", "--repeats", "1", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rate,) = json.loads(proc.stdout)["result"]["rates"]
+    (row,) = rate["lengths"]
+    assert row["moved_runs"] == row["recomputed_runs"] == row["off_runs"] == row["auto_runs"] == 1
+    assert row["moved_cached_tokens"] >= 3 * PAGE and row["predicted_transfer_s"] is not None
+    assert row["next_turn_routes"]["always"] == row["next_turn_routes"]["never"] == ["pd/pd-prefill-0/pd-decode-0"]
+    assert row["next_turn_routes"]["off"] == ["prfaas/prfaas-0/pd-decode-0"]
