@@ -33,13 +33,15 @@ import numpy as np
 N_AUX, AUX_BYTES = 4, 64
 
 
-def _kv_args(pool, aux: np.ndarray):
+def make_kv_args(kv_ptrs: list[int], kv_lens: list[int], kv_item_lens: list[int], aux: np.ndarray):
+    """SGLang's ``KVArgs`` for one CPU rank over host buffers (K per layer, then V) and one aux buffer of
+    ``AUX_BYTES`` rows, page size 1: what a model runner would register in the transfer engine."""
     from sglang.srt.disaggregation.base.conn import KVArgs
 
     a = KVArgs()
     a.engine_rank = 0
-    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [aux.nbytes], [AUX_BYTES]
+    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = list(kv_ptrs), list(kv_lens), list(kv_item_lens)
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [aux.nbytes], [aux.shape[-1]]
     a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens, a.state_dim_per_tensor = [], [], [], [], []
     a.ib_device, a.ib_traffic_class, a.gpu_id = None, None, 0
     a.kv_head_num = a.total_kv_head_num = 1
@@ -47,6 +49,10 @@ def _kv_args(pool, aux: np.ndarray):
     a.system_dp_rank, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = 0, 0, 0, None
     a.mla_compression_ratios = None
     return a
+
+
+def _kv_args(pool, aux: np.ndarray):
+    return make_kv_args(*pool.get_contiguous_buf_infos(), aux)
 
 
 def _wait(obj, want, timeout_s: float = 60.0):
@@ -58,6 +64,22 @@ def _wait(obj, want, timeout_s: float = 60.0):
     return obj.poll()
 
 
+def open_room(prefill, decode, addr: str, room: int, dst_pages: np.ndarray):
+    """SGLang's bootstrap for ``room``: a sender on ``prefill``, a receiver on ``decode`` that registers
+    ``dst_pages`` (aux row ``room % N_AUX``); returns both once the sender waits for input (or failed)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver, MooncakeKVSender
+
+    sender = MooncakeKVSender(prefill, addr, room, [0], 0)
+    receiver = MooncakeKVReceiver(decode, addr, room)
+    while not decode.try_ensure_parallel_info(addr):
+        time.sleep(0.05)
+    receiver.init(0)
+    receiver.send_metadata(dst_pages, aux_index=room % N_AUX)
+    _wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed))
+    return sender, receiver
+
+
 def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, chunk: int = 64, layers: int = 4,
            heads: int = 4, head_dim: int = 64, forward_s: float = 0.0, wait_each_layer: bool = False,
            fragmented: bool = True) -> dict:
@@ -67,12 +89,7 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
     (one write per chunk and layer, as a fresh pool allocates)."""
     import torch
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake.conn import (
-        MooncakeKVBootstrapServer,
-        MooncakeKVManager,
-        MooncakeKVReceiver,
-        MooncakeKVSender,
-    )
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer, MooncakeKVManager
     from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.schedule_batch import Req
@@ -113,13 +130,7 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
         order = rng.permutation if fragmented else (lambda x: x)
         src = torch.from_numpy(order(np.arange(1, slots))[:tokens].astype(np.int64))
         dst = order(np.arange(1, slots))[:tokens].astype(np.int32)
-        sender = MooncakeKVSender(prefill, addr, room, [0], 0)
-        receiver = MooncakeKVReceiver(decode, addr, room)
-        while not decode.try_ensure_parallel_info(addr):
-            time.sleep(0.05)
-        receiver.init(0)
-        receiver.send_metadata(dst, aux_index=room % N_AUX)
-        _wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed))
+        sender, receiver = open_room(prefill, decode, addr, room, dst)
         sender.init(tokens, aux_index=1)
         req = Req(rid=f"r{room}", origin_input_text="", origin_input_ids=array("q", range(tokens)),
                   sampling_params=SamplingParams(max_new_tokens=1))

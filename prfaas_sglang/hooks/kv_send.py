@@ -94,23 +94,9 @@ class AsyncKvSender:
         with self._lock:
             if self.ledger.failed(session):
                 return self._report(session)
-        telemetry = getattr(self.manager, "_prfaas_link", None)
-        total = sum(length for _, _, length in entries)
-        meter_id = telemetry.begin(total, session) if telemetry is not None else None
-        writes: dict[int, int] = {}
-        for src, dst, length in entries:
-            write_id = self.engine.transfer_submit_write(session, src, dst, length)
-            if not write_id:  # 0: not submitted (unknown session, no route)
-                break
-            writes[write_id] = length
+        writes, meter_id = self._write(session, entries)
         with self._lock:
-            self.writes_submitted += len(writes)
-            self.batches_submitted += 1
-            if writes:
-                self.ledger.add(session, writes, meter_id)
-            elif telemetry is not None:
-                telemetry.end(meter_id, False)
-            if len(writes) == len(entries):
+            if self._record_batch(session, entries, writes, meter_id):
                 return 0
             self._note_failure(session)
             return self._report(session)
@@ -124,6 +110,14 @@ class AsyncKvSender:
         entries = coalesce(blocks)
         if not entries:
             return
+        writes, meter_id = self._write(session, entries)
+        if not self._record_batch(session, entries, writes, meter_id):
+            self.ledger.fail(session)
+            self._note_failure(session)
+
+    def _write(self, session: str, entries: list[tuple[int, int, int]]) -> tuple[dict[int, int], int | None]:
+        """Submit ``entries`` as single asynchronous writes, stopping at the first the engine refuses
+        (id 0: unknown session, no route); the engine ids submitted (-> bytes) and the meter handle."""
         telemetry = getattr(self.manager, "_prfaas_link", None)
         meter_id = telemetry.begin(sum(n for _, _, n in entries), session) if telemetry is not None else None
         writes: dict[int, int] = {}
@@ -132,15 +126,17 @@ class AsyncKvSender:
             if not write_id:
                 break
             writes[write_id] = length
+        return writes, meter_id
+
+    def _record_batch(self, session: str, entries, writes: dict[int, int], meter_id: int | None) -> bool:
+        """Under ``self._lock``: put what was submitted in the ledger (one batch); whether all of it was."""
         self.writes_submitted += len(writes)
         self.batches_submitted += 1
         if writes:
             self.ledger.add(session, writes, meter_id)
-        elif telemetry is not None:
-            telemetry.end(meter_id, False)
-        if len(writes) != len(entries):
-            self.ledger.fail(session)
-            self._note_failure(session)
+        elif meter_id is not None:
+            self.manager._prfaas_link.end(meter_id, False)
+        return len(writes) == len(entries)
 
     def barrier(self, session: str, room: int) -> bool:
         """Wait, sleeping, until nothing is in flight to ``session`` or a write to it failed; False if

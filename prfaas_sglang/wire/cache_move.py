@@ -23,26 +23,16 @@ History:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from prfaas_sglang.wire._json import build, json_object
+from prfaas_sglang.wire._json import VersionedJson
+from prfaas_sglang.wire._json import check_int as _int
 
 CACHE_MOVE_VERSION = 1
 
 
-def _decode(cls, payload):
-    obj = json_object(payload, cls.__name__)
-    version = obj.pop("v", None)
-    if version != CACHE_MOVE_VERSION:
-        raise ValueError(f"{cls.__name__}: unsupported cache-move version {version!r}")
-    message = build(cls, obj, cls.__name__)
-    message.validate()
-    return message
-
-
-def _int(name: str, value, lo: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+class _CacheMove(VersionedJson):
+    VERSION, ACCEPTED, WHAT = CACHE_MOVE_VERSION, (CACHE_MOVE_VERSION,), "cache-move"
 
 
 def _token_ids(token_ids, num_tokens: int) -> None:
@@ -54,7 +44,7 @@ def _token_ids(token_ids, num_tokens: int) -> None:
 
 
 @dataclass(frozen=True)
-class CacheImport:
+class CacheImport(_CacheMove):
     """Router -> target: fetch the KV of ``token_ids[:num_tokens]`` from the prefill worker at
     ``source_url`` and keep it as a prefix-cache entry; give up after ``timeout_s``."""
 
@@ -71,16 +61,10 @@ class CacheImport:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not 0 < self.timeout_s <= 3600:
             raise ValueError(f"timeout_s must be in (0, 3600], got {self.timeout_s!r}")
 
-    def to_json(self) -> dict:
-        return {"v": CACHE_MOVE_VERSION, **asdict(self)}
-
-    @classmethod
-    def decode(cls, payload) -> CacheImport:
-        return _decode(cls, payload)
 
 
 @dataclass(frozen=True)
-class CacheExport:
+class CacheExport(_CacheMove):
     """Target -> source: write the KV (and state) of ``token_ids[:num_tokens]``, at most ``length``
     bytes, to ``addr`` of Mooncake session ``session``."""
 
@@ -98,16 +82,10 @@ class CacheExport:
         if not isinstance(self.session, str) or not self.session:
             raise ValueError("session must be a non-empty string")
 
-    def to_json(self) -> dict:
-        return {"v": CACHE_MOVE_VERSION, **asdict(self)}
-
-    @classmethod
-    def decode(cls, payload) -> CacheExport:
-        return _decode(cls, payload)
 
 
 @dataclass(frozen=True)
-class CacheImported:
+class CacheImported(_CacheMove):
     """Target -> router: ``imported_tokens`` arrived (0: it already held them); it now holds
     ``cached_tokens`` of the prefix; ``bytes`` crossed the link in ``transfer_s``."""
 
@@ -121,9 +99,3 @@ class CacheImported:
         _int("cached_tokens", self.cached_tokens)
         _int("bytes", self.bytes)
 
-    def to_json(self) -> dict:
-        return {"v": CACHE_MOVE_VERSION, **asdict(self)}
-
-    @classmethod
-    def decode(cls, payload) -> CacheImported:
-        return _decode(cls, payload)

@@ -20,31 +20,21 @@ History:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from prfaas_sglang.wire._json import build, json_object
+from prfaas_sglang.wire._json import VersionedJson
+from prfaas_sglang.wire._json import check_int as _int
 
 HANDOFF_VERSION = 2
 ACCEPTED_VERSIONS = (1, 2)
 
 
-def _decode(cls, payload: bytes | str | dict):
-    obj = json_object(payload, cls.__name__)
-    version = obj.pop("v", None)
-    if version not in ACCEPTED_VERSIONS:
-        raise ValueError(f"{cls.__name__}: unsupported hand-off version {version!r}")
-    message = build(cls, obj, cls.__name__)
-    message.validate()
-    return message
-
-
-def _int(name: str, value, lo: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+class _Handoff(VersionedJson):
+    VERSION, ACCEPTED, WHAT = HANDOFF_VERSION, ACCEPTED_VERSIONS, "hand-off"
 
 
 @dataclass(frozen=True)
-class Registration:
+class Registration(_Handoff):
     """Decode -> prefill: write bootstrap room ``room``'s KV (``length`` bytes at most) to
     ``addr`` of Mooncake session ``session``, then POST a :class:`KvReady` to ``notify_url``."""
 
@@ -65,16 +55,10 @@ class Registration:
         if not isinstance(self.notify_url, str) or not self.notify_url.startswith("http"):
             raise ValueError("notify_url must be an http URL")
 
-    def to_json(self) -> dict:
-        return {"v": HANDOFF_VERSION, **asdict(self)}
-
-    @classmethod
-    def decode(cls, payload) -> Registration:
-        return _decode(cls, payload)
 
 
 @dataclass(frozen=True)
-class KvReady:
+class KvReady(_Handoff):
     """Prefill -> decode: room ``room``'s KV was written (``ok``) or could not be (``error``)."""
 
     room: int
@@ -97,9 +81,3 @@ class KvReady:
         if not self.ok and not self.error:
             raise ValueError("a failed hand-off says why (error)")
 
-    def to_json(self) -> dict:
-        return {"v": HANDOFF_VERSION, **asdict(self)}
-
-    @classmethod
-    def decode(cls, payload) -> KvReady:
-        return _decode(cls, payload)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
+from test_router_e2e import wait_for_index
 
 from prfaas_sglang.demo import netns
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
@@ -49,15 +49,6 @@ def metric(url: str, name: str, labels: str = "") -> float:
         if line.startswith(name + labels + " ") or (not labels and line.startswith(name + "{")):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-def wait_for_index(url: str, worker: str, min_blocks: int) -> None:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if (requests.get(url + "/status", timeout=5).json()["workers"][worker]["index_blocks"] or 0) >= min_blocks:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the router's KV index never saw {min_blocks} blocks of {worker}")
 
 
 def warm_on_prfaas(url: str, stem: list[int]) -> None:

@@ -30,18 +30,17 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
+from prfaas_sglang.bench.layerwise import make_kv_args, open_room  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()  # what SGLang's plugin loader does in every server process; raises if a hook fails
 
 import sglang.srt.distributed.parallel_state as ps  # noqa: E402
 import sglang.srt.layers.dp_attention as dpa  # noqa: E402
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import (  # noqa: E402
     MooncakeKVBootstrapServer,
     MooncakeKVManager,
-    MooncakeKVReceiver,
-    MooncakeKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (  # noqa: E402
@@ -70,17 +69,7 @@ def kv_args(fill: bool):
         for i, b in enumerate(bufs):
             b[:] = ((np.arange(NUM_PAGES)[:, None] * 7 + i * 31) % 251).astype(np.uint8)
     aux = np.full((N_AUX, AUX_BYTES), 0xAB if fill else 0, dtype=np.uint8)
-    a = KVArgs()
-    a.engine_rank = 0
-    a.kv_data_ptrs, a.kv_data_lens = [b.ctypes.data for b in bufs], [b.nbytes for b in bufs]
-    a.kv_item_lens = [PAGE_BYTES] * len(bufs)
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [aux.nbytes], [AUX_BYTES]
-    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens, a.state_dim_per_tensor = [], [], [], [], []
-    a.ib_device, a.ib_traffic_class, a.gpu_id = None, None, 0
-    a.kv_head_num = a.total_kv_head_num = 1
-    a.page_size = 1
-    a.system_dp_rank, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = 0, 0, 0, None
-    a.mla_compression_ratios = None
+    a = make_kv_args([b.ctypes.data for b in bufs], [b.nbytes for b in bufs], [PAGE_BYTES] * len(bufs), aux)
     return a, bufs, aux
 
 
@@ -114,13 +103,7 @@ def main() -> dict:
             d[:] = 0
         src = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
         dst = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
-        sender = MooncakeKVSender(prefill, addr, room, [0], 0)
-        receiver = MooncakeKVReceiver(decode, addr, room)
-        while not decode.try_ensure_parallel_info(addr):
-            time.sleep(0.05)
-        receiver.init(0)
-        receiver.send_metadata(dst, aux_index=room % N_AUX)
-        wait(sender, (KVPoll.WaitingForInput, KVPoll.Failed))
+        sender, receiver = open_room(prefill, decode, addr, room, dst)
         if room == fail_room:  # a session nobody listens on, with the real decode's registration
             for real, info in prefill.transfer_infos[room].items():
                 prefill.decode_kv_args_table[DEAD_SESSION] = prefill.decode_kv_args_table[real]

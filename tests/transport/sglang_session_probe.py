@@ -50,13 +50,14 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 
 import numpy as np  # noqa: E402
 
+from prfaas_sglang.bench.layerwise import make_kv_args  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()
 
 import sglang.srt.distributed.parallel_state as ps  # noqa: E402
 import sglang.srt.layers.dp_attention as dpa  # noqa: E402
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import (  # noqa: E402
     MooncakeKVBootstrapServer,
     MooncakeKVManager,
@@ -106,17 +107,7 @@ def kv_args(fill: bool):
     aux = np.zeros((N_AUX, AUX_BYTES), dtype=np.uint8)
     if fill:
         aux[PREFILL_AUX_INDEX] = 0xAB
-    a = KVArgs()
-    a.engine_rank = 0
-    a.kv_data_ptrs, a.kv_data_lens = [b.ctypes.data for b in bufs], [b.nbytes for b in bufs]
-    a.kv_item_lens = [PAGE_BYTES] * len(bufs)
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.ctypes.data], [aux.nbytes], [AUX_BYTES]
-    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens, a.state_dim_per_tensor = [], [], [], [], []
-    a.ib_device, a.ib_traffic_class, a.gpu_id = None, None, 0
-    a.kv_head_num = a.total_kv_head_num = 1
-    a.page_size = 1
-    a.system_dp_rank, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = 0, 0, 0, None
-    a.mla_compression_ratios = None
+    a = make_kv_args([b.ctypes.data for b in bufs], [b.nbytes for b in bufs], [PAGE_BYTES] * len(bufs), aux)
     return a, bufs, aux
 
 
