@@ -35,6 +35,7 @@ import contextvars
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class _Forward:
 
     streamer: LayerStreamer
     pool: Any  # the target model's KV pool; layers of another pool (a draft model) are not ours
+    layer_index: Callable[[int], int | None]  # layer_id -> index into the pool's transfer buffers
     chunks: list[tuple[int, str]]
     layers_seen: set[int] = field(default_factory=set)
 
@@ -101,7 +103,7 @@ class LayerStreamer:
         if not chunks:
             return None
         self.forwards_planned += 1
-        return _Forward(self, pool, chunks)
+        return _Forward(self, pool, layers, chunks)
 
     def end(self, fwd: _Forward) -> None:
         if not fwd.layers_seen:  # no per-layer call ran: SGLang's send carries every layer
@@ -168,7 +170,7 @@ class LayerStreamer:
 
     def layer_written(self, fwd: _Forward, layer_id: int) -> None:
         """The forward launched the write of ``layer_id``'s KV: stream it once it has run."""
-        index = _layer_indexer(fwd.pool)(layer_id)
+        index = fwd.layer_index(layer_id)
         if index is None or index in fwd.layers_seen:
             return
         fwd.layers_seen.add(index)

@@ -432,7 +432,8 @@ class MockEngine:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
                 raise BadRequest(502, f"cannot fetch the prefix from {msg.source_url}: {err or type(err).__name__}") from None
             if status != 200:
-                detail = answer.get("error", {}).get("message") if isinstance(answer, dict) else answer
+                error = answer.get("error") if isinstance(answer, dict) else None
+                detail = error.get("message") if isinstance(error, dict) else (error or answer)
                 raise BadRequest(409 if status == 409 else 502, f"the source answered {status}: {detail}")
             if not (region[:8] == PATTERN).all() or not (region[-8:] == PATTERN).all():
                 raise BadRequest(502, "the source reported the prefix written but its bytes did not arrive")
@@ -442,7 +443,8 @@ class MockEngine:
         if self.publisher:
             self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
         self.stats.prefix_imported_tokens += num_tokens - held
-        return CacheImported(num_tokens - held, num_tokens, length, answer.get("transfer_s"))
+        transfer_s = answer.get("transfer_s") if isinstance(answer, dict) else None
+        return CacheImported(num_tokens - held, num_tokens, length, transfer_s if isinstance(transfer_s, float) else None)
 
     async def _telemetry_loop(self, interval_s: float = 0.25) -> None:
         """Publish this prefill worker's link telemetry (``wire.telemetry`` format): the transfer-level
