@@ -127,8 +127,10 @@ class LayerStreamer:
             return []
         if rng is None:
             return []
-        kv = req_to_token[req.req_pool_idx, rng.first_token:rng.end_token].cpu().numpy()
-        src_pages = kv if page_size == 1 else kv[::page_size] // page_size  # SGLang's kv_to_page_indices
+        from sglang.srt.mem_cache.common import kv_to_page_indices
+
+        src_pages = kv_to_page_indices(req_to_token[req.req_pool_idx, rng.first_token:rng.end_token].cpu().numpy(),
+                                       page_size)
         if rng.last:
             self._cursors.pop(room, None)
         else:
