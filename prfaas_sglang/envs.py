@@ -128,6 +128,20 @@ class Envs:
         "end) or end (the request's end only; each checkpoint is a state slot, ~74 MiB for "
         "Qwen3-Next-80B).",
     )
+    SECRET_FILE = EnvVar(
+        "PRFAAS_SECRET_FILE",
+        None,
+        "Every process of a deployment: a file holding the deployment secret (>= 16 bytes; e.g. "
+        "a mounted Kubernetes Secret). Set, it turns on authentication (prfaas_sglang/security.py): "
+        "workers demand an API key derived from it, hand-offs between workers are signed, ZMQ "
+        "KV-event and telemetry streams use CURVE. Unset: no authentication (a warning at start).",
+    )
+    PEER_HOSTS = EnvVar(
+        "PRFAAS_PEER_HOSTS",
+        None,
+        "Engine workers: comma-separated hosts a worker may hand KV to or take it from (bootstrap "
+        "hosts, notify and import URLs); set by the launcher from the topology. Unset: any host.",
+    )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",
         None,

@@ -227,6 +227,47 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="with kv-layerwise-batch",
         tests="tests/transport/test_layerwise.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="worker-api-key",
+        target="sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
+        hook="prfaas_sglang.hooks.deployment_auth:set_worker_api_key",
+        hook_type="after",
+        expected_signature="(server_args: 'ServerArgs') -> 'None'",
+        subject="[security] A worker of a deployment with a secret demands the key derived from it",
+        why=(
+            "A worker's HTTP API starts prefills and decodes that contact hosts named in the request; only "
+            "the router (and other workers) may call it. SGLang takes its API key only as --api-key, which "
+            "every local user reads in the process list."
+        ),
+        how=(
+            "AFTER hook on SGLang's PD argument normalisation: with PRFAAS_SECRET_FILE set, server_args.api_key "
+            "becomes the deployment's derived worker key (wire.auth), so SGLang's own middleware guards every "
+            "endpoint but /health* and /metrics; a different --api-key stops startup."
+        ),
+        upstream_status="vendor-specific (SGLang has no API-key file or environment variable)",
+        removal="when SGLang reads its API key from a file or the environment",
+        tests="tests/unit/test_security.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="bootstrap-peer-check",
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        hook="prfaas_sglang.hooks.deployment_auth:check_bootstrap_peer",
+        hook_type="before",
+        expected_signature="(self, obj: 'Union[GenerateReqInput, EmbeddingReqInput]', input_ids: 'List[int]') -> 'None'",
+        subject="[security] A request's bootstrap host must be a peer from the topology",
+        why=(
+            "A decode worker registers with whatever bootstrap_host a request names, and its KV manager then "
+            "talks to that host: a request can point a worker at any machine."
+        ),
+        how=(
+            "BEFORE hook on the tokenizer manager's per-request validation: with PRFAAS_PEER_HOSTS set (the "
+            "launcher sets it from the topology), a bootstrap_host outside it raises ValueError, which SGLang "
+            "answers with 400 before anything is scheduled."
+        ),
+        upstream_status="vendor-specific",
+        removal="when SGLang checks bootstrap hosts against a configured peer list",
+        tests="tests/unit/test_security.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 
@@ -305,6 +346,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
              "buffer_steps: int = 10000, hwm: int = 100000, max_queue_size: int = 100000, topic: str = '') -> None"),
             ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.publish",
              "(self, events: sglang.srt.disaggregation.kv_events.EventBatch) -> None"),
+            ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher._socket_setup", "(self) -> None"),
         ),
         subject="[cache] KV-event batches carry the cache's state events (wire v2, ignored by v1 consumers)",
         why=(
@@ -314,7 +356,9 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         how=(
             "SGLang's ZmqEventPublisher (same sockets, sequence numbers and replay), publishing each batch "
             "with the cache's state events as a 4th array element, which msgspec decoders of the 3-element "
-            "batch skip."
+            "batch skip. Its PUB socket always binds the configured host (upstream connects unless the "
+            "endpoint is a wildcard) and, with PRFAAS_SECRET_FILE, is a CURVE server admitting only the "
+            "deployment's subscribers."
         ),
         upstream_status="vendor-specific (upstream 0.5.23 puts component events in the event list instead)",
         removal="with prfaas-hybrid",

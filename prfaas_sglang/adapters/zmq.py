@@ -13,6 +13,13 @@ handler. A handler raises :class:`BadFrame` for a malformed frame (counted,
 skipped); any other exception is logged and counted too, and the loop goes on:
 one bad frame or one handler bug never stops consumption. ``stats()`` reports
 per-source frame counts, bad frames, handler errors and the age of the last frame.
+
+Authentication (when the deployment has a secret, :class:`CurveKeys`): every publisher is a
+CURVE server with its own context and a ZAP handler that admits only the deployment's client
+key (a subscriber without it gets nothing: prompts in KV events stay private); every subscriber
+is a CURVE client that only completes a handshake with the deployment's server key, so a
+publisher without the secret (a forged KV-event or telemetry source) delivers nothing. Failed
+handshakes are counted on both sides (``auth_failures``, ``refused_subscribers``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from prfaas_sglang.wire.auth import DeploymentKeys
 from prfaas_sglang.wire.kv_events import KVCacheEvent, KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -36,14 +44,91 @@ class BadFrame(ValueError):
     subclass, or a handler's own ``ValueError`` named BadFrame, e.g. ``kvindex.feed.BadFrame``)."""
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+@dataclass(frozen=True, repr=False)
+class CurveKeys:
+    """The deployment's CURVE key pairs (Z85): publishers hold the server pair, subscribers the
+    client pair and the server's public key."""
+
+    server_secret: bytes
+    server_public: bytes
+    client_secret: bytes
+    client_public: bytes
+
+    @classmethod
+    def from_deployment(cls, keys: DeploymentKeys) -> CurveKeys:
+        from zmq.utils import z85
+
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq has no CURVE support; a deployment secret needs it")
+        server, client = z85.encode(keys.zmq_server_seed), z85.encode(keys.zmq_client_seed)
+        return cls(server, zmq.curve_public(server), client, zmq.curve_public(client))
+
+    def __repr__(self) -> str:
+        return "CurveKeys(<hidden>)"
+
+
+class _ClientKeyCheck:
+    """ZAP credentials provider: only the deployment's client key; refusals counted."""
+
+    def __init__(self, client_public: bytes):
+        self.client_public, self.refused = client_public, 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key == self.client_public:
+            return True
+        self.refused += 1
+        return False
+
+
+class CurveServer:
+    """A context whose sockets may be CURVE servers admitting only the deployment's client key.
+    ``close()`` stops the ZAP thread; sockets made from ``ctx`` must be closed first."""
+
+    def __init__(self, curve: CurveKeys):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.curve = curve
+        self.ctx = zmq.Context()
+        self.check = _ClientKeyCheck(curve.client_public)
+        self._auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("prfaas_sglang.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=self.check)
+
+    def secure(self, sock: zmq.Socket) -> zmq.Socket:
+        """Make ``sock`` (of ``ctx``, before bind) a CURVE server."""
+        sock.curve_secretkey = self.curve.server_secret
+        sock.curve_publickey = self.curve.server_public
+        sock.curve_server = True
+        return sock
+
+    def close(self) -> None:
+        self._auth.stop()
+        self.ctx.term()
+
+
 class ZmqPublisher:
-    def __init__(self, endpoint: str, topic: str, hwm: int = 100_000):
-        self._ctx = zmq.Context.instance()
+    """A PUB socket bound at ``endpoint`` (give the configured interface, not ``*``, unless all
+    interfaces are meant); with ``curve``, a CURVE server (see the module's docstring)."""
+
+    def __init__(self, endpoint: str, topic: str, hwm: int = 100_000, curve: CurveKeys | None = None):
+        self._server = CurveServer(curve) if curve is not None else None
+        self._ctx = self._server.ctx if self._server else zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
+        if self._server:
+            self._server.secure(self._pub)
         self._pub.bind(endpoint)
         self._topic = topic.encode()
         self._seq = 0
+
+    @property
+    def refused_subscribers(self) -> int:
+        """Subscribers refused for want of the deployment's key (0 without CURVE)."""
+        return self._server.check.refused if self._server else 0
 
     def publish(self, events: list[KVCacheEvent], wall_s: float, state_events: list[KVCacheEvent] | None = None) -> None:
         """One KV-event batch stamped ``wall_s``, with ``state_events`` (wire v2; None: this
@@ -63,6 +148,8 @@ class ZmqPublisher:
 
     def close(self) -> None:
         self._pub.close(linger=0)
+        if self._server:
+            self._server.close()
 
 
 @dataclass
@@ -71,6 +158,7 @@ class SourceStats:
     frames: int = 0
     bad_frames: int = 0
     handler_errors: int = 0
+    auth_failures: int = 0  # handshakes that failed: a publisher without the deployment's key
     last_frame_mono_s: float | None = None
     last_error: str | None = None
 
@@ -83,11 +171,13 @@ class _Source:
 
 
 class ZmqSubscriber:
-    """Sources are watched from a running event loop; ``close()`` cancels them all."""
+    """Sources are watched from a running event loop; ``close()`` cancels them all. With
+    ``curve``, every source must be a CURVE server holding the deployment's key."""
 
-    def __init__(self, rcvhwm: int = 100_000):
+    def __init__(self, rcvhwm: int = 100_000, curve: CurveKeys | None = None):
         self.ctx = zmq.asyncio.Context.instance()
         self.rcvhwm = rcvhwm
+        self.curve = curve
         self._sources: dict[str, _Source] = {}
 
     def watch(self, source: str, endpoint: str, topic: bytes, handle: Callable[[list[bytes]], None]) -> None:
@@ -96,9 +186,15 @@ class ZmqSubscriber:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, topic)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        sock.connect(endpoint)
         stats = SourceStats(endpoint)
-        task = asyncio.create_task(self._consume(source, sock, stats, handle), name=f"zmq-{source}")
+        monitor = None
+        if self.curve is not None:
+            sock.curve_secretkey = self.curve.client_secret
+            sock.curve_publickey = self.curve.client_public
+            sock.curve_serverkey = self.curve.server_public
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        sock.connect(endpoint)
+        task = asyncio.create_task(self._consume(source, sock, stats, handle, monitor), name=f"zmq-{source}")
         self._sources[source] = _Source(stats, task, handle)
 
     def unwatch(self, source: str) -> None:
@@ -114,12 +210,22 @@ class ZmqSubscriber:
         for name, entry in self._sources.items():
             s = entry.stats
             out[name] = {"endpoint": s.endpoint, "frames": s.frames, "bad_frames": s.bad_frames,
-                         "handler_errors": s.handler_errors, "last_error": s.last_error,
+                         "handler_errors": s.handler_errors, "auth_failures": s.auth_failures, "last_error": s.last_error,
                          "last_frame_age_s": None if s.last_frame_mono_s is None else now_mono_s - s.last_frame_mono_s}
         return out
 
     @staticmethod
-    async def _consume(source: str, sock, stats: SourceStats, handle) -> None:
+    async def _count_auth_failures(source: str, monitor, stats: SourceStats) -> None:
+        while True:
+            await monitor.recv_multipart()  # only handshake failures are subscribed
+            stats.auth_failures += 1
+            if stats.auth_failures == 1:
+                logger.warning("zmq source %s (%s): handshake refused; it does not hold this deployment's key",
+                               source, stats.endpoint)
+
+    @classmethod
+    async def _consume(cls, source: str, sock, stats: SourceStats, handle, monitor=None) -> None:
+        watcher = asyncio.create_task(cls._count_auth_failures(source, monitor, stats)) if monitor is not None else None
         try:
             while True:
                 frames = await sock.recv_multipart()
@@ -137,6 +243,10 @@ class ZmqSubscriber:
         except asyncio.CancelledError:
             pass
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
 
     async def close(self) -> None:

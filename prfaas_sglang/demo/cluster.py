@@ -231,20 +231,21 @@ def start_node(group: ProcessGroup, config: Path, name: str, *args: str, engine:
 
 def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_args: dict[str, tuple[str, ...]] | None = None,
                      wrap: dict[str, tuple[str, ...]] | None = None, router_env: dict[str, str] | None = None,
-                     name: str = "topology") -> LocalDeployment:
+                     name: str = "topology", node_env: dict[str, dict[str, str]] | None = None) -> LocalDeployment:
     """Write ``doc``, start every engine node (emulated) through the launcher, wait for health, then the router.
 
     ``engine_args[node or role]`` are extra emulated-engine flags (after ``--``); ``wrap[node or role]`` prefixes
-    the command (a network namespace)."""
+    the command (a network namespace); ``node_env[node or role]`` adds to an engine's environment."""
     config = write_topology(doc, group.log_dir / f"{name}.yaml")
-    engine_args, wrap = engine_args or {}, wrap or {}
+    engine_args, wrap, node_env = engine_args or {}, wrap or {}, node_env or {}
     workers, procs = {}, []
     for n in topology_nodes(doc).values():
         if n["role"] in ("router", "kv-index"):
             continue
         key = n["name"] if n["name"] in engine_args else n["role"]
         proc = start_node(group, config, n["name"], extra=engine_args.get(key, ()),
-                          wrap=wrap.get(n["name"], wrap.get(n["role"], ())))
+                          wrap=wrap.get(n["name"], wrap.get(n["role"], ())),
+                          env=node_env.get(n["name"], node_env.get(n["role"])))
         url = f"http://{n['host']}:{n['port']}"
         procs.append((proc, url))
         workers[n["name"]] = Worker(n["name"], url, n["port"], n.get("bootstrap_port"), n.get("kv_events_port"),

@@ -234,10 +234,32 @@ def to_wire_batch(batch: EventBatch) -> KVEventBatch:
 
 class StateEventsZmqPublisher(ZmqEventPublisher):
     """SGLang's ZMQ publisher (same sockets, sequence numbers, replay) writing wire v2 batches
-    (:func:`to_wire_batch`)."""
+    (:func:`to_wire_batch`). Its PUB socket binds the endpoint's host (our consumers connect;
+    upstream would connect for a non-wildcard host) and, when the deployment has a secret, is a
+    CURVE server in its own context that admits only the deployment's subscribers."""
 
     def publish(self, events: EventBatch) -> None:
         super().publish(to_wire_batch(events))
+
+    def _socket_setup(self) -> None:
+        if self._pub is None:
+            import zmq
+
+            from prfaas_sglang.adapters.zmq import CurveKeys, CurveServer
+            from prfaas_sglang.security import load_keys
+
+            keys = load_keys()
+            server = CurveServer(CurveKeys.from_deployment(keys)) if keys is not None else None
+            if server is not None:
+                self._ctx = server.ctx  # its ZAP handler belongs to this context
+                self._curve_server = server
+            pub = self._ctx.socket(zmq.PUB)
+            pub.set_hwm(self._hwm)
+            if server is not None:
+                server.secure(pub)
+            pub.bind(self._endpoint)
+            self._pub = pub
+        super()._socket_setup()  # the replay socket, if configured
 
 
 def register_backends() -> list[str]:

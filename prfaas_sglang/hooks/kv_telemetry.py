@@ -41,10 +41,14 @@ class LinkTelemetry:
     """One prefill manager's meter and publisher thread. Thread-safe: transfer threads record,
     the publisher samples."""
 
-    def __init__(self, port: int, worker: str):
+    def __init__(self, port: int, worker: str, bind_host: str = "*", curve=None):
+        """Publishes on ``tcp://bind_host:port``; ``curve`` (``adapters.zmq.CurveKeys``) makes it a
+        CURVE server admitting only the deployment's subscribers."""
         self.meter = LinkMeter(window_s=1.0)
         self.worker = worker
         self.port = port
+        self.bind_host = f"[{bind_host}]" if ":" in bind_host else bind_host
+        self.curve = curve
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -84,13 +88,21 @@ class LinkTelemetry:
     def _run(self) -> None:
         import zmq
 
-        pub = zmq.Context.instance().socket(zmq.PUB)
+        from prfaas_sglang.adapters.zmq import CurveServer
+
+        server = CurveServer(self.curve) if self.curve is not None else None
+        pub = (server.ctx if server else zmq.Context.instance()).socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 1000)
         pub.setsockopt(zmq.LINGER, 0)
+        if server is not None:
+            server.secure(pub)
         try:
-            pub.bind(f"tcp://*:{self.port}")
+            pub.bind(f"tcp://{self.bind_host}:{self.port}")
         except zmq.ZMQError as err:
-            logger.error("prfaas_sglang: link telemetry cannot bind port %s: %s", self.port, err)
+            logger.error("prfaas_sglang: link telemetry cannot bind %s:%s: %s", self.bind_host, self.port, err)
+            pub.close()
+            if server is not None:
+                server.close()
             return
         tcp = TcpCongestion()
         while not self._stop.wait(INTERVAL_S):
@@ -103,6 +115,8 @@ class LinkTelemetry:
             except Exception:  # noqa: BLE001 - telemetry must never take the worker down
                 logger.exception("prfaas_sglang: link telemetry sample failed")
         pub.close()
+        if server is not None:
+            server.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -113,11 +127,17 @@ def start_link_telemetry(result, manager, args, disaggregation_mode, server_args
     port = envs.TELEMETRY_PORT.get()
     if envs.ROLE.get() != "prfaas" or port is None or getattr(disaggregation_mode, "value", None) != "prefill":
         return None
-    host = getattr(server_args, "host", None) or socket.gethostname()
-    telemetry = LinkTelemetry(int(port), f"{host}:{getattr(server_args, 'port', '')}@pid{os.getpid()}")
+    from prfaas_sglang.adapters.zmq import CurveKeys
+    from prfaas_sglang.security import load_keys
+
+    bind = getattr(server_args, "host", None) or "127.0.0.1"  # SGLang's --host: the configured interface
+    host = bind if bind not in ("0.0.0.0", "::") else socket.gethostname()
+    keys = load_keys()
+    telemetry = LinkTelemetry(int(port), f"{host}:{getattr(server_args, 'port', '')}@pid{os.getpid()}", bind,
+                              CurveKeys.from_deployment(keys) if keys else None)
     setattr(manager, _ATTR, telemetry)
     telemetry.start()
-    logger.info("prfaas_sglang: link telemetry on tcp://*:%s", port)
+    logger.info("prfaas_sglang: link telemetry on tcp://%s:%s%s", bind, port, " (CURVE)" if keys else "")
     return None
 
 

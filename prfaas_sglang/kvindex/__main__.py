@@ -41,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _block_size(url: str, fallback: int | None) -> tuple[int | None, dict | None]:
+def _block_size(url: str, fallback: int | None, headers: dict | None = None) -> tuple[int | None, dict | None]:
     try:
-        with urllib.request.urlopen(url + "/server_info", timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url + "/server_info", headers=headers or {}), timeout=2) as resp:
             info = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return fallback, None
@@ -52,19 +52,31 @@ def _block_size(url: str, fallback: int | None) -> tuple[int | None, dict | None
     return (size if isinstance(size, int) and size > 0 else fallback), events
 
 
-def build_app(index, workers: dict[str, tuple[str, str, str]]):
-    """``workers``: name -> (cluster, ZMQ endpoint, topic)."""
+def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
+    """``workers``: name -> (cluster, ZMQ endpoint, topic). With ``keys`` (the deployment's), the
+    KV-event streams are CURVE clients and every endpoint but /health needs the worker API key
+    (what it serves is derived from prompts)."""
     from aiohttp import web
 
-    from prfaas_sglang.adapters.zmq import ZmqSubscriber
+    from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
     from prfaas_sglang.kvindex.feed import kv_event_handler
     from prfaas_sglang.wire import kv_snapshot
+    from prfaas_sglang.wire.auth import AuthError, check_bearer
 
-    app = web.Application(client_max_size=64 << 20)
+    @web.middleware
+    async def api_key(request, handler):
+        if keys is not None and request.path != "/health":
+            try:
+                check_bearer(keys.worker_api_key, request.headers.get("Authorization"))
+            except AuthError as err:
+                return error(401, str(err))
+        return await handler(request)
+
+    app = web.Application(client_max_size=64 << 20, middlewares=[api_key])
     sub_key = web.AppKey("subscriber", ZmqSubscriber)
 
     async def on_startup(app):
-        app[sub_key] = ZmqSubscriber()
+        app[sub_key] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys) if keys else None)
         for name, (_cluster, endpoint, topic) in workers.items():
             app[sub_key].watch(name, endpoint, topic.encode(), kv_event_handler(index, name))
 
@@ -96,7 +108,8 @@ def build_app(index, workers: dict[str, tuple[str, str, str]]):
                         for w, c in index.workers().items()},
             "subscriptions": subs,
             "events_applied_frames": sum(s["frames"] - s["bad_frames"] - s["handler_errors"] for s in subs.values()),
-            "bad_frames": sum(s["bad_frames"] for s in subs.values())})
+            "bad_frames": sum(s["bad_frames"] for s in subs.values()),
+            "auth_failures": sum(s["auth_failures"] for s in subs.values())})
 
     async def health(request):
         return web.Response(text="OK")
@@ -117,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         from prfaas_sglang import runtime
         from prfaas_sglang.kvindex.index import KvIndex
         from prfaas_sglang.roles import ROLE_SPECS, Role
+        from prfaas_sglang.security import load_keys, warn_if_open
         from prfaas_sglang.topology import load_topology
         from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
         if args.page_size is not None and args.page_size < 1:
             raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
+        keys = load_keys()
+        warn_if_open(keys, "kv-index")
         topology = load_topology(args.config)
         hybrid = False if args.dense else runtime.from_topology(topology).hybrid
         index = KvIndex(hybrid=hybrid)
@@ -130,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             if not ROLE_SPECS[n.role].is_engine_role or n.port is None:
                 continue
             host = n.host or "127.0.0.1"
-            size, events = _block_size(f"http://{host}:{n.port}", args.page_size)
+            size, events = _block_size(f"http://{host}:{n.port}", args.page_size, keys.bearer() if keys else None)
             port = n.kv_events_port or (events or {}).get("endpoint_port_base")
             if port is None:
                 continue
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     from aiohttp import web
 
-    web.run_app(build_app(index, workers), host=host, port=port, access_log=None, print=None)
+    web.run_app(build_app(index, workers, keys), host=host, port=port, access_log=None, print=None)
     return 0
 
 

@@ -39,6 +39,7 @@ from prfaas_sglang.launch.command import (
     mock_command,
     sglang_command,
     wan_link,
+    with_peer_hosts,
 )
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
 from prfaas_sglang.topology import Node, Topology, load_topology
@@ -200,7 +201,8 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
     if engine is Engine.MOCK:
         profile, mock_args = _mock_args(args, node, topology)
         # The topology's extra_args are SGLang flags; the emulated engine takes only `--` arguments.
-        return mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra)
+        command = mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra)
+        return with_peer_hosts(command, topology, os.environ)
     given = [flag for flag, value in (("--profile", args.profile), ("--speedup", args.speedup), ("--kv-scale", args.kv_scale))
              if value is not None]
     if given:
@@ -219,7 +221,7 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
                              wan_profile=args.kv_profile == "wan")
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")
-    return command
+    return with_peer_hosts(command, topology, os.environ)
 
 
 def _model_args(topology: Topology | None, node: Node) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError
@@ -88,10 +88,41 @@ PREFILL_CACHE_DEFAULT = "shared"  # what a PrfaaS prefill worker's tree keeps (e
 _EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
 
 
-def kv_events_config(port: int) -> str:
-    """SGLang's ``--kv-events-config`` for our ZMQ publisher on ``port`` (all interfaces)."""
-    return json.dumps({"publisher": EVENT_PUBLISHER, "endpoint": f"tcp://*:{port}", "topic": KV_EVENTS_TOPIC},
+def kv_events_config(port: int, host: str | None = None) -> str:
+    """SGLang's ``--kv-events-config`` for our ZMQ publisher on ``host:port`` (the node's interface;
+    ``*``, all interfaces, only without a host). Our publisher binds whatever the host."""
+    bind = "*" if not host or host in WILDCARD_HOSTS else f"[{host}]" if ":" in host else host
+    return json.dumps({"publisher": EVENT_PUBLISHER, "endpoint": f"tcp://{bind}:{port}", "topic": KV_EVENTS_TOPIC},
                       separators=(",", ":"))
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+
+
+def peer_hosts(topology: Topology | None) -> str | None:
+    """``PRFAAS_PEER_HOSTS`` for an engine of ``topology``: every engine node's host, comma-separated;
+    None without a topology, or when a node's host is a wildcard (its peers' address is unknown)."""
+    if topology is None:
+        return None
+    hosts = set()
+    for node in topology.nodes:
+        if ROLE_SPECS[node.role].is_engine_role:
+            host = node.host or "127.0.0.1"
+            if host in WILDCARD_HOSTS:
+                return None
+            hosts.add(host.lower())
+    return ",".join(sorted(hosts)) or None
+
+
+def with_peer_hosts(command: LaunchCommand, topology: Topology | None, environ: Mapping[str, str]) -> LaunchCommand:
+    """``command`` with ``PRFAAS_PEER_HOSTS`` set from the topology, unless the environment sets it."""
+    peers = peer_hosts(topology)
+    if peers is None:
+        return command
+    name = envs.PEER_HOSTS.name
+    if environ.get(name):
+        return replace(command, env_kept={**command.env_kept, name: peers})
+    return replace(command, env={**command.env, name: peers})
 
 
 def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
@@ -99,7 +130,7 @@ def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
     backend (its state events are what make a hybrid model's KV-index hits exact); with notes."""
     if node.kv_events_port is None:
         return [], ()
-    argv = ["--kv-events-config", kv_events_config(node.kv_events_port)]
+    argv = ["--kv-events-config", kv_events_config(node.kv_events_port, node.host)]
     flags = {arg.split("=", 1)[0] for arg in node.extra_args}
     if "--radix-cache-backend" in flags:
         return argv, ("--radix-cache-backend given: no state events, the kv-index infers hybrid checkpoints",)

@@ -71,15 +71,17 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                    help="how often each worker's /health is polled (a failed leg marks its worker down at once)")
     p.add_argument("--load-interval-s", type=float, default=0.5, help="how often each worker's /v1/loads is polled")
     p.add_argument("--startup-timeout-s", type=float, default=30.0, help="how long to wait for workers' facts at start")
+    p.add_argument("--tls-cert-file", default=None, help="serve HTTPS (clients and the admin API) with this certificate (PEM)")
+    p.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM); with --tls-cert-file")
     p.add_argument("--log-level", default="INFO")
 
 
-def _fetch(url: str, timeout_s: float = 2.0):
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def _fetch(url: str, timeout_s: float = 2.0, headers: dict | None = None):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 
-def preflight(workers, topology, config, timeout_s: float) -> dict:
+def preflight(workers, topology, config, timeout_s: float, headers: dict | None = None) -> dict:
     """Every reachable worker's facts (waiting up to ``timeout_s`` for workers still starting), checked.
 
     Facts that contradict the deployment raise :class:`ConfigError`; a worker still down
@@ -93,7 +95,7 @@ def preflight(workers, topology, config, timeout_s: float) -> dict:
         for name, worker in list(pending.items()):
             try:
                 urllib.request.urlopen(worker.url + "/health", timeout=2).read()
-                info = _fetch(worker.url + "/server_info")
+                info = _fetch(worker.url + "/server_info", headers=headers)
             except (urllib.error.URLError, OSError, ValueError):
                 continue
             try:
@@ -136,13 +138,15 @@ def load_tokenizer(args, topology, workers):
 
 
 def make_service(args: argparse.Namespace):
-    """The router's service for ``args``, and the URL of the topology's kv-index service (or None)."""
+    """The router's service for ``args``, the URL of the topology's kv-index service (or None), and
+    the deployment's keys (``PRFAAS_SECRET_FILE``; None: no authentication)."""
     from prfaas_sglang import runtime
     from prfaas_sglang.roles import Role
     from prfaas_sglang.router.policy import BandwidthMode
     from prfaas_sglang.router.service import RouterConfig, new_service
     from prfaas_sglang.router.threshold import ControllerSettings
     from prfaas_sglang.router.workers import is_emulated, workers_from_topology
+    from prfaas_sglang.security import load_keys, warn_if_open
     from prfaas_sglang.topology import load_topology
 
     try:
@@ -157,6 +161,10 @@ def make_service(args: argparse.Namespace):
                         ("--load-interval-s", args.load_interval_s)):
         if not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise ConfigError("--tls-cert-file", "and --tls-key-file go together")
+    keys = load_keys()
+    warn_if_open(keys, "router")
     topology = load_topology(args.config)
     runtime.from_topology(topology)  # validate the scheduler's inputs before waiting for workers
     workers = workers_from_topology(topology)
@@ -170,7 +178,7 @@ def make_service(args: argparse.Namespace):
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
                           cache_transfer=args.cache_transfer)
-    adopted = preflight(workers, topology, config, args.startup_timeout_s)
+    adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)
     max_ttft_s = None if args.no_early_rejection else (args.max_ttft_s or model.observed_ttft_slo_s)
@@ -188,7 +196,7 @@ def make_service(args: argparse.Namespace):
     index_node = next(iter(topology.nodes_of(Role.KV_INDEX)), None)
     kv_index_url = (f"http://{index_node.host or '127.0.0.1'}:{index_node.port}"
                     if index_node is not None and index_node.port is not None else None)
-    return service, kv_index_url
+    return service, kv_index_url, keys
 
 
 # glibc's mallopt parameters (malloc.h) and what the router sets them to.
@@ -217,11 +225,27 @@ def keep_request_buffers_mapped() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _HEAP_ALLOC_BELOW_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_HEAP_BYTES))
 
 
+def tls_context(cert_file: str | None, key_file: str | None):
+    """A server TLS context (TLS 1.2 and up) for the router's port, or None without a certificate."""
+    if not cert_file:
+        return None
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as err:
+        raise ConfigError("--tls-cert-file", f"cannot load {cert_file} / {key_file}: {err}") from None
+    return context
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        service, kv_index_url = make_service(args)
+        service, kv_index_url, keys = make_service(args)
+        ssl_context = tls_context(args.tls_cert_file, args.tls_key_file)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -240,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if not keep_request_buffers_mapped():
         logging.getLogger("prfaas.router").info("malloc left at its defaults (not glibc, or MALLOC_* set)")
     # handler_cancellation: a client that disconnects cancels its request, and with it both PD legs.
-    web.run_app(build_app(service, kv_index_url), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
+    web.run_app(build_app(service, kv_index_url, keys), host=args.host, port=args.port, access_log=None, print=None,
+                handler_cancellation=True, ssl_context=ssl_context)
     return 0
 
 

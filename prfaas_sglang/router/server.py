@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from prfaas_sglang.adapters.zmq import ZmqSubscriber
+from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents
 from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
@@ -50,6 +50,7 @@ from prfaas_sglang.router.workers import (
     parse_server_info,
 )
 from prfaas_sglang.wire import kv_snapshot
+from prfaas_sglang.wire.auth import DeploymentKeys
 from prfaas_sglang.wire.cache_move import CacheImport, CacheImported
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
@@ -572,13 +573,17 @@ async def _restore_index(app: web.Application, kv_index_url: str) -> None:
         logger.info("kv-index snapshot: %d blocks of %s restored", added, name)
 
 
-def build_app(service: RouterService, kv_index_url: str | None = None) -> web.Application:
+def build_app(service: RouterService, kv_index_url: str | None = None, keys: DeploymentKeys | None = None) -> web.Application:
+    """The router's HTTP app. With ``keys`` (the deployment secret's), every request to a worker or
+    the kv-index carries the worker API key, and KV-event and telemetry streams are CURVE clients
+    that accept only publishers holding the deployment's key."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[SERVICE_KEY] = service
 
     async def on_startup(app):
-        app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
-        app[SUB_KEY] = ZmqSubscriber()
+        app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
+                                                 headers=keys.bearer() if keys else None)
+        app[SUB_KEY] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys) if keys else None)
         app[ROOM_KEY] = asyncio.Condition()
         for worker in service.workers.values():
             if worker.facts is not None:
@@ -612,7 +617,12 @@ def build_app(service: RouterService, kv_index_url: str | None = None) -> web.Ap
         return web.json_response(body)
 
     async def metrics(request):
-        return web.Response(text=service.counters.render(service.metrics_gauges(time.monotonic())), content_type="text/plain")
+        text = service.counters.render(service.metrics_gauges(time.monotonic()))
+        refused = sum(s["auth_failures"] for s in request.app[SUB_KEY].stats(time.monotonic()).values())
+        text += ("# HELP prfaas_router_zmq_auth_failures_total ZMQ handshakes refused: a KV-event or telemetry "
+                 "publisher without the deployment's key\n# TYPE prfaas_router_zmq_auth_failures_total counter\n"
+                 f"prfaas_router_zmq_auth_failures_total {refused}\n")
+        return web.Response(text=text, content_type="text/plain")
 
     def on_register(app, record):
         pass  # the health loop fetches its facts, then subscribes

@@ -116,8 +116,11 @@ def scenario_idempotent(model_dir: str) -> dict:
 
     plugin.register()
     plugin.register()
-    spec = plugin.HOOKS[0]
-    return {"registrations": len(HookRegistry._hooks[spec.target])}
+    targets = {spec.target for spec in plugin.HOOKS}
+    # One registration per hook, however often register() runs (two hooks may share a target).
+    return {"extra_registrations": {t: len(HookRegistry._hooks[t]) - sum(s.target == t for s in plugin.HOOKS)
+                                    for t in targets if len(HookRegistry._hooks[t]) != sum(s.target == t for s in plugin.HOOKS)},
+            "targets": len(targets)}
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--bootstrap-port", type=int, help="prefill roles: the bootstrap server's port")
-    p.add_argument("--kv-events-port", type=int, help="publish SGLang KV events on tcp://*:PORT")
-    p.add_argument("--telemetry-port", type=int, help="prefill roles: publish link telemetry on tcp://*:PORT")
+    p.add_argument("--kv-events-port", type=int, help="publish SGLang KV events on tcp://HOST:PORT")
+    p.add_argument("--telemetry-port", type=int, help="prefill roles: publish link telemetry on tcp://HOST:PORT")
     p.add_argument("--profile", required=True, help="MODEL@ACCELERATOR (planner data) or a measured profile YAML")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--speedup", type=float, default=1.0, help="divide every emulated duration by this")
@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The worker's config; the deployment secret and peers come from ``PRFAAS_SECRET_FILE`` and
+    ``PRFAAS_PEER_HOSTS`` (raises ConfigError for a bad one)."""
     from prfaas_sglang.engine.mock.engine import MockConfig
+    from prfaas_sglang.security import load_keys, peer_hosts
 
     role = parse_role(args.role)
     spec = ROLE_SPECS[role]
@@ -76,6 +79,7 @@ def config_from_args(args: argparse.Namespace):
         max_total_tokens=args.max_total_tokens, tokenizer=args.tokenizer,
         decode_radix_cache=args.disaggregation_decode_enable_radix_cache,
         chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
+        keys=load_keys(), peer_hosts=peer_hosts(),
     )
 
 
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         timing = load_timing(args.profile, args.speedup, args.kv_scale, args.max_batch)
         check_decode_radix_cache(config, timing)
+        from prfaas_sglang.security import warn_if_open
+
+        warn_if_open(config.keys, f"emulated {config.role.value} worker")
         tokenizer = None
         if args.tokenizer:
             from prfaas_sglang.tokenizer import PromptTokenizer

@@ -42,8 +42,10 @@ import collections
 import itertools
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
+import orjson
 
 from prfaas_sglang.adapters import tcpinfo
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
@@ -52,8 +54,17 @@ from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJ
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
+from prfaas_sglang.security import check_peer
 from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
 from prfaas_sglang.transport.tcpstate import TcpCongestion
+from prfaas_sglang.wire.auth import (
+    AUTH_HEADER,
+    AuthError,
+    DeploymentKeys,
+    ReplayGuard,
+    sign,
+    verify,
+)
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
 from prfaas_sglang.wire.handoff import KvReady, Registration
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared, split_state_events
@@ -84,6 +95,8 @@ class MockConfig:
     bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_{BOOTSTRAP,WAITING}_TIMEOUT
     decode_radix_cache: bool = False  # SGLang's --disaggregation-decode-enable-radix-cache (decode role)
     tokenizer: str | None = None  # what the tokenizer was loaded from, for /server_info
+    keys: DeploymentKeys | None = None  # the deployment secret's keys (security.load_keys); None: no authentication
+    peer_hosts: frozenset[str] | None = None  # hosts KV may go to or come from (security.peer_hosts); None: any
 
     @property
     def advertise_host(self) -> str:
@@ -124,6 +137,7 @@ class Stats:
     decode_prefix_tokens: int = 0  # decode: prompt tokens found in the decode-side prefix cache (not shipped)
     prefix_imported_tokens: int = 0  # prefill: prefix tokens imported from another cluster's worker
     prefix_export_bytes: int = 0  # prefill: bytes of cached prefixes sent to another cluster's worker
+    auth_rejected: collections.Counter = field(default_factory=collections.Counter)  # reason -> refused requests
 
 
 class MockEngine:
@@ -159,6 +173,7 @@ class MockEngine:
         self.fail_kv_transfers = 0  # fault injection (POST /prfaas/faults): fail this many next KV transfers
         self.meter = LinkMeter(window_s=1.0)  # 1 MiB slices: a shorter window sees too few of them at 40 Mbit/s
         self._transfer_ids = itertools.count()
+        self._replay = ReplayGuard()
         if tokenizer is not None:
             special = tokenizer.special_ids
             self._vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
@@ -176,15 +191,18 @@ class MockEngine:
         else:
             self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, 0, cfg.kv_buffer_bytes)
             self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
-        from prfaas_sglang.adapters.zmq import ZmqPublisher
+        from prfaas_sglang.adapters.zmq import CurveKeys, ZmqPublisher
 
+        curve = CurveKeys.from_deployment(cfg.keys) if cfg.keys else None
+        bind = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # the configured interface only
         if cfg.kv_events_port is not None:
-            self.publisher = ZmqPublisher(f"tcp://*:{cfg.kv_events_port}", KV_EVENTS_TOPIC)
+            self.publisher = ZmqPublisher(f"tcp://{bind}:{cfg.kv_events_port}", KV_EVENTS_TOPIC, curve=curve)
         if cfg.telemetry_port is not None and cfg.mode == "prefill":
             # Its own socket: the KV-event stream stays exactly SGLang's format.
-            self.telemetry = ZmqPublisher(f"tcp://*:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode())
+            self.telemetry = ZmqPublisher(f"tcp://{bind}:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode(), curve=curve)
             self._tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60),
+                                          headers=cfg.keys.bearer() if cfg.keys else None)
         self.ready = True
 
     async def stop(self) -> None:
@@ -252,6 +270,38 @@ class MockEngine:
 
     # --- prefill side ----------------------------------------------------------------
 
+    # --- authentication (wire.auth; PRFAAS_SECRET_FILE) ----------------------------------
+
+    def authenticate(self, header: str | None, method: str, path: str, body: bytes) -> None:
+        """Check a signed hand-off (register, kv_ready, cache export) before acting on it: the
+        deployment's MAC, fresh, not seen before. No-op without a secret. Raises :class:`AuthError`
+        (counted by reason)."""
+        keys = self.config.keys
+        if keys is None:
+            return
+        try:
+            now_s = time.time()
+            self._replay.check(verify(keys.handoff_key, header, method, path, body, now_s), now_s)
+        except AuthError as err:
+            self.stats.auth_rejected[err.reason] += 1
+            raise
+
+    def check_peer(self, host_or_url: str, what: str) -> None:
+        """Refuse (403, counted) a host outside ``PRFAAS_PEER_HOSTS`` that KV would go to or come from."""
+        try:
+            check_peer(self.config.peer_hosts, host_or_url, what)
+        except AuthError as err:
+            self.stats.auth_rejected[err.reason] += 1
+            raise BadRequest(403, str(err)) from None
+
+    def _post_signed(self, url: str, payload: dict, **kwargs):
+        """POST ``payload`` as JSON to another worker, signed when the deployment has a secret."""
+        body = orjson.dumps(payload)
+        headers = {"Content-Type": "application/json"}
+        if self.config.keys is not None:
+            headers[AUTH_HEADER] = sign(self.config.keys.handoff_key, "POST", urlsplit(url).path, body, time.time())
+        return self.http.post(url, data=body, headers=headers, **kwargs)
+
     def _room_future(self, room: int) -> asyncio.Future:
         future = self._rooms.get(room)
         if future is None:
@@ -260,7 +310,9 @@ class MockEngine:
         return future
 
     def register_decode(self, registration: Registration) -> None:
-        """Bootstrap server: a decode worker says where a room's KV goes."""
+        """Bootstrap server: a decode worker says where a room's KV goes (authenticated by the caller)."""
+        self.check_peer(registration.notify_url, "notify_url host")
+        self.check_peer(registration.session, "KV destination")
         room = registration.room
         future = self._room_future(room)
         if future.done():
@@ -355,7 +407,7 @@ class MockEngine:
                 self.meter.end(transfer_id, time.monotonic(), transfer_s is not None)
         ready = KvReady(room, error is None, length, cached_tokens, first_token, transfer_s, error)
         try:
-            async with self.http.post(registration.notify_url, json=ready.to_json()) as resp:
+            async with self._post_signed(registration.notify_url, ready.to_json()) as resp:
                 resp.raise_for_status()
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             error = error or f"cannot notify the decode worker: {err or type(err).__name__}"
@@ -376,6 +428,7 @@ class MockEngine:
         (metered like a PD transfer: it crosses the same link). 409 when it no longer holds it."""
         if self.config.mode != "prefill":
             raise BadRequest(400, "only a prefill worker exports cached prefixes")
+        self.check_peer(msg.session, "export destination")
         ids = msg.token_ids[:msg.num_tokens]
         held = self.cache.match(ids).cached_tokens
         if held < msg.num_tokens:
@@ -407,6 +460,7 @@ class MockEngine:
         KV events (and, hybrid, a state checkpoint at its end). The region is freed on every path."""
         if self.config.mode != "prefill":
             raise BadRequest(400, "only a prefill worker imports cached prefixes")
+        self.check_peer(msg.source_url, "import source")
         num_tokens = msg.num_tokens // self.cache.page_size * self.cache.page_size
         if num_tokens == 0:
             raise BadRequest(400, f"{msg.num_tokens} tokens is less than one page ({self.cache.page_size})")
@@ -426,8 +480,8 @@ class MockEngine:
             region[-8:] = 0
             export = CacheExport(ids, num_tokens, self.kv.session, self.kv.base + offset, length)
             try:
-                async with self.http.post(msg.source_url.rstrip("/") + "/prfaas/cache/export", json=export.to_json(),
-                                          timeout=aiohttp.ClientTimeout(total=msg.timeout_s)) as resp:
+                async with self._post_signed(msg.source_url.rstrip("/") + "/prfaas/cache/export", export.to_json(),
+                                             timeout=aiohttp.ClientTimeout(total=msg.timeout_s)) as resp:
                     status, answer = resp.status, await resp.json(content_type=None)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
                 raise BadRequest(502, f"cannot fetch the prefix from {msg.source_url}: {err or type(err).__name__}") from None
@@ -501,6 +555,7 @@ class MockEngine:
         ``seq.queue`` (token ids, ``None`` at the end) and must call :meth:`finish` in a ``finally``."""
         if req.bootstrap is None:
             raise BadRequest(400, "this is a PD decode server: requests need bootstrap_host, bootstrap_port, bootstrap_room")
+        self.check_peer(req.bootstrap.host, "bootstrap host")
         self.check_length(req)
         if not self.pool.fits(req.kv_tokens):
             raise BadRequest(400, f"prompt + max_new_tokens ({req.kv_tokens}) exceeds the decode KV pool ({self.max_total_tokens} tokens)")
@@ -556,7 +611,7 @@ class MockEngine:
                                     f"http://{self.config.advertise_host}:{self.config.port}/prfaas/kv_ready", held)
         url = f"http://{b.host}:{b.port}/prfaas/register"
         try:
-            async with self.http.post(url, json=registration.to_json()) as resp:
+            async with self._post_signed(url, registration.to_json()) as resp:
                 if resp.status != 200:
                     raise BadRequest(502, f"prefill bootstrap server {b.host}:{b.port} refused room {b.room}: "
                                           f"{resp.status} {(await resp.text())[:200]}")

@@ -12,6 +12,13 @@ not served (404), as SGLang does not serve it.
 
 Errors are JSON ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx
 status; nothing a failed request took stays allocated.
+
+With a deployment secret (``MockConfig.keys``): every endpoint but ``/health*`` and
+``/metrics`` demands the worker API key as SGLang's ``--api-key`` does (401 otherwise); the
+hand-offs from other workers (``/prfaas/register``, ``/prfaas/kv_ready``,
+``/prfaas/cache/export``) must also carry a fresh, unseen signature (``wire.auth``), checked
+before their body is parsed; hosts they name must be peers (403). Refusals are counted in
+``prfaas:auth_rejected_total{reason}``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from prfaas_sglang.protocol import (
     stream_error,
     usage_chunk,
 )
+from prfaas_sglang.wire.auth import AUTH_HEADER, AuthError, check_bearer
 from prfaas_sglang.wire.blocks import HASH_SCHEME
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport
 from prfaas_sglang.wire.handoff import KvReady, Registration
@@ -59,6 +67,37 @@ async def _json_body(request: web.Request):
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest(400, "request body is not valid JSON") from None
+
+
+async def _signed_json_body(engine: MockEngine, request: web.Request):
+    """The body of a hand-off from another worker, after its signature checked (no-op without a
+    secret); an :class:`AuthError` becomes 401."""
+    raw = await request.read()
+    try:
+        engine.authenticate(request.headers.get(AUTH_HEADER), request.method, request.path, raw)
+    except AuthError as err:
+        raise BadRequest(401, f"unauthenticated hand-off: {err}") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest(400, "request body is not valid JSON") from None
+
+
+def api_key_middleware(engine: MockEngine):
+    """SGLang's ``--api-key`` rule: all but /health* and /metrics need the bearer key."""
+    keys = engine.config.keys
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if keys is not None and request.method != "OPTIONS" and not request.path.startswith(("/health", "/metrics")):
+            try:
+                check_bearer(keys.worker_api_key, request.headers.get("Authorization"))
+            except AuthError as err:
+                engine.stats.auth_rejected[err.reason] += 1
+                return error_response(401, str(err))
+        return await handler(request)
+
+    return check
 
 
 def _info(engine: MockEngine) -> dict:
@@ -118,7 +157,11 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:prefix_imported_tokens_total", "counter", s.prefix_imported_tokens),
         ("prfaas:prefix_export_bytes_total", "counter", s.prefix_export_bytes),
     ]
-    return "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
+    text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
+    text += "# TYPE prfaas:auth_rejected_total counter\n"
+    for reason in ("missing", "malformed", "stale", "bad_mac", "replayed", "bad_key", "unknown_peer"):
+        text += f'prfaas:auth_rejected_total{{model_name="{cfg.served_model_name}",reason="{reason}"}} {s.auth_rejected[reason]}\n'
+    return text
 
 
 def _load(engine: MockEngine) -> dict:
@@ -137,7 +180,7 @@ def _load(engine: MockEngine) -> dict:
 
 
 def build_app(engine: MockEngine) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[api_key_middleware(engine)])
     app[ENGINE_KEY] = engine
 
     async def health(request):
@@ -175,7 +218,7 @@ def build_app(engine: MockEngine) -> web.Application:
     async def kv_ready(request):
         try:
             try:
-                ready = KvReady.decode(await _json_body(request))
+                ready = KvReady.decode(await _signed_json_body(engine, request))
             except ValueError as err:
                 raise BadRequest(400, str(err)) from None
             engine.kv_ready(ready)
@@ -201,7 +244,7 @@ def build_app(engine: MockEngine) -> web.Application:
             if not engine.ready:
                 return error_response(503, "server is starting")
             try:
-                body = await _json_body(request)
+                body = await (_json_body(request) if kind == "import" else _signed_json_body(engine, request))
                 try:
                     msg = (CacheImport if kind == "import" else CacheExport).decode(body)
                 except ValueError as err:
@@ -221,6 +264,8 @@ def build_app(engine: MockEngine) -> web.Application:
             try:
                 req = parse_request(kind, await _json_body(request), f"mock-{next(_rid_counter)}", int(time.time()),
                                     engine.tokenizer, pseudo_tokenize)
+                if req.bootstrap is not None:  # before a stream starts: a refusal is a status, not an event
+                    engine.check_peer(req.bootstrap.host, "bootstrap host")
                 if engine.config.mode == "prefill":
                     return await _prefill_response(engine, req)
                 return await _decode_response(engine, req, request)
@@ -338,7 +383,7 @@ def build_bootstrap_app(engine: MockEngine) -> web.Application:
 
     async def register(request: web.Request):
         try:
-            body = await _json_body(request)
+            body = await _signed_json_body(engine, request)
             if not isinstance(body, dict):
                 raise BadRequest(400, "registration must be an object")
             try:

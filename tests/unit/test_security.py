@@ -1,0 +1,323 @@
+"""Deployment-secret authentication (issue #16 item 4): the pure rules, the ZMQ adapter's CURVE on
+real sockets, SGLang's own publisher and server arguments under our hooks, and the launcher.
+
+End to end on emulated workers: ``tests/router/test_security_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import zmq
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.security import check_peer, load_keys, peer_hosts
+from prfaas_sglang.wire.auth import (
+    AuthError,
+    DeploymentKeys,
+    ReplayGuard,
+    check_bearer,
+    sign,
+    verify,
+)
+
+KEYS = DeploymentKeys.from_secret(b"0123456789abcdef-unit-test-secret")
+NOW = 1_790_000_000.0
+
+
+# --- wire.auth -------------------------------------------------------------------------------
+
+
+def reason(fn) -> str:
+    with pytest.raises(AuthError) as err:
+        fn()
+    return err.value.reason
+
+
+@given(method=st.sampled_from(["POST", "GET"]), path=st.text(min_size=1, max_size=40).map(lambda p: "/" + p),
+       body=st.binary(max_size=200))
+def test_a_signature_verifies_only_for_the_same_method_path_and_body(method, path, body):
+    header = sign(KEYS.handoff_key, method, path, body, NOW)
+    verify(KEYS.handoff_key, header, method, path, body, NOW + 5)
+    assert reason(lambda: verify(KEYS.handoff_key, header, method, path, body + b"x", NOW)) == "bad_mac"
+    assert reason(lambda: verify(KEYS.handoff_key, header, method, path + "x", body, NOW)) == "bad_mac"
+    other = "GET" if method == "POST" else "POST"
+    assert reason(lambda: verify(KEYS.handoff_key, header, other, path, body, NOW)) == "bad_mac"
+
+
+def test_signatures_are_refused_when_missing_malformed_stale_or_from_another_secret():
+    header = sign(KEYS.handoff_key, "POST", "/p", b"{}", NOW)
+    assert reason(lambda: verify(KEYS.handoff_key, None, "POST", "/p", b"{}", NOW)) == "missing"
+    assert reason(lambda: verify(KEYS.handoff_key, "v1 t=1 mac=zz", "POST", "/p", b"{}", NOW)) == "malformed"
+    assert reason(lambda: verify(KEYS.handoff_key, header.replace("v1", "v2"), "POST", "/p", b"{}", NOW)) == "malformed"
+    assert reason(lambda: verify(KEYS.handoff_key, header, "POST", "/p", b"{}", NOW + 61)) == "stale"
+    assert reason(lambda: verify(KEYS.handoff_key, header, "POST", "/p", b"{}", NOW - 61)) == "stale"
+    other = DeploymentKeys.from_secret(b"another deployment's secret!")
+    assert reason(lambda: verify(other.handoff_key, header, "POST", "/p", b"{}", NOW)) == "bad_mac"
+
+
+def test_derived_keys_are_independent_stable_and_hidden():
+    again = DeploymentKeys.from_secret(b"0123456789abcdef-unit-test-secret\n")  # a file's newline is not the secret
+    assert again == KEYS
+    parts = [KEYS.handoff_key, bytes.fromhex(KEYS.worker_api_key), KEYS.zmq_server_seed, KEYS.zmq_client_seed]
+    assert len(set(parts)) == 4 and all(len(p) == 32 for p in parts)
+    assert "0123" not in repr(KEYS) and KEYS.worker_api_key not in repr(KEYS)
+    with pytest.raises(ValueError, match="at least 16"):
+        DeploymentKeys.from_secret(b"short   \n")
+
+
+def test_the_bearer_check_is_sglangs_rule():
+    check_bearer(KEYS.worker_api_key, f"Bearer {KEYS.worker_api_key}")
+    check_bearer(KEYS.worker_api_key, f"bearer {KEYS.worker_api_key}")
+    assert reason(lambda: check_bearer(KEYS.worker_api_key, None)) == "missing"
+    assert reason(lambda: check_bearer(KEYS.worker_api_key, KEYS.worker_api_key)) == "bad_key"
+    assert reason(lambda: check_bearer(KEYS.worker_api_key, "Basic " + KEYS.worker_api_key)) == "bad_key"
+    assert reason(lambda: check_bearer(KEYS.worker_api_key, "Bearer " + KEYS.worker_api_key[:-1])) == "bad_key"
+
+
+def test_the_replay_guard_refuses_a_mac_within_its_window_and_stays_bounded():
+    guard = ReplayGuard(window_s=120, max_entries=100)
+    guard.check("a", NOW)
+    assert reason(lambda: guard.check("a", NOW + 119)) == "replayed"
+    guard.check("a", NOW + 121)  # expired: a signature that old is refused as stale anyway
+    for i in range(1000):
+        guard.check(f"m{i}", NOW + 200)
+    assert len(guard) <= 100
+
+
+# --- security.py ----------------------------------------------------------------------------
+
+
+def test_peers_are_checked_by_host_whatever_the_form():
+    allowed = peer_hosts("127.0.0.1, Worker-A ,::1")
+    for ok in ("127.0.0.1", "http://127.0.0.1:9/x", "worker-a", "127.0.0.1:16000", "http://[::1]:80/p"):
+        check_peer(allowed, ok, "host")
+    for bad in ("10.0.0.1", "http://169.254.169.254/latest", "http://127.0.0.1.evil:80/", "http://[::1", "",
+                "http://user@10.0.0.1:80/"):
+        assert reason(lambda bad=bad: check_peer(allowed, bad, "host")) == "unknown_peer"
+    check_peer(None, "10.0.0.1", "host")  # no list: any host
+    with pytest.raises(ConfigError):
+        peer_hosts(" , ")
+
+
+def test_the_secret_file_is_read_checked_and_refused_with_a_typed_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
+    assert load_keys() is None
+    good = tmp_path / "s"
+    good.write_bytes(b"0123456789abcdef-unit-test-secret\n")
+    good.chmod(0o600)
+    monkeypatch.setenv("PRFAAS_SECRET_FILE", str(good))
+    assert load_keys() == KEYS
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny")
+    for path, words in ((tmp_path / "absent", "cannot read"), (short, "at least 16")):
+        with pytest.raises(ConfigError, match=words):
+            load_keys(str(path))
+    good.chmod(0o666)
+    with pytest.raises(ConfigError, match="writable by anyone"):
+        load_keys(str(good))
+
+
+# --- adapters/zmq.py: CURVE on real sockets ---------------------------------------------------
+
+
+def _port() -> int:
+    from prfaas_sglang.demo.cluster import PortPicker
+
+    return PortPicker()()
+
+
+async def _collect(sub, source: str, seconds: float, publish) -> tuple[list, dict]:
+    got: list = []
+    sub.watch(source, f"tcp://127.0.0.1:{publish.port}", b"t", got.append)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not got:
+        publish()
+        await asyncio.sleep(0.05)
+    return got, sub.stats(time.monotonic())[source]
+
+
+class _Pub:
+    """A PUB at a free port, plain or CURVE with the given server keys."""
+
+    def __init__(self, curve=None, server_secret: bytes | None = None):
+        from prfaas_sglang.adapters.zmq import ZmqPublisher
+
+        self.port = _port()
+        if server_secret is None:
+            self.pub = ZmqPublisher(f"tcp://127.0.0.1:{self.port}", "t", curve=curve)
+            self.send = lambda: self.pub.publish_raw(b"payload")
+        else:  # a forger who made up its own CURVE server key
+            self.sock = zmq.Context.instance().socket(zmq.PUB)
+            self.sock.curve_secretkey = server_secret
+            self.sock.curve_publickey = zmq.curve_public(server_secret)
+            self.sock.curve_server = True
+            self.sock.bind(f"tcp://127.0.0.1:{self.port}")
+            self.send = lambda: self.sock.send_multipart([b"t", b"payload"], flags=zmq.NOBLOCK)
+
+    def __call__(self):
+        self.send()
+
+    def close(self):
+        (self.pub.close() if hasattr(self, "pub") else self.sock.close(linger=0))
+
+
+def test_curve_streams_deliver_only_between_holders_of_the_deployment_key():
+    from zmq.utils import z85
+
+    from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
+
+    curve = CurveKeys.from_deployment(KEYS)
+
+    async def run():
+        sub = ZmqSubscriber(curve=curve)
+        pubs = {"good": _Pub(curve), "plain": _Pub(), "forged": _Pub(server_secret=z85.encode(b"f" * 32))}
+        try:
+            good, good_stats = await _collect(sub, "good", 5, pubs["good"])
+            plain, plain_stats = await _collect(sub, "plain", 1.5, pubs["plain"])
+            forged, forged_stats = await _collect(sub, "forged", 1.5, pubs["forged"])
+            # A subscriber without the key learns nothing from a deployment's publisher (prompt privacy).
+            eavesdropper = ZmqSubscriber()
+            heard, _ = await _collect(eavesdropper, "eve", 1.5, pubs["good"])
+            await eavesdropper.close()
+            return good, good_stats, plain, plain_stats, forged, forged_stats, heard
+        finally:
+            await sub.close()
+            for p in pubs.values():
+                p.close()
+
+    good, good_stats, plain, plain_stats, forged, forged_stats, heard = asyncio.run(run())
+    assert good and good_stats["auth_failures"] == 0
+    assert not plain and plain_stats["frames"] == 0 and plain_stats["auth_failures"] >= 1
+    assert not forged and forged_stats["frames"] == 0 and forged_stats["auth_failures"] >= 1
+    assert not heard  # the eavesdropper has no key: the handshake fails (NULL vs CURVE) before ZAP
+
+
+def test_a_curve_subscriber_with_another_key_is_refused_by_the_publisher_and_counted():
+    from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
+
+    ours = CurveKeys.from_deployment(KEYS)
+    theirs = CurveKeys.from_deployment(DeploymentKeys.from_secret(b"another deployment, same server key?"))
+    # A client that knows our server's public key (it is not a secret) but holds another client key.
+    intruder = CurveKeys(ours.server_secret, ours.server_public, theirs.client_secret, theirs.client_public)
+
+    async def run():
+        pub = _Pub(ours)
+        sub = ZmqSubscriber(curve=intruder)
+        try:
+            got, stats = await _collect(sub, "x", 2, pub)
+            return got, stats, pub.pub.refused_subscribers
+        finally:
+            await sub.close()
+            pub.close()
+
+    got, stats, refused = asyncio.run(run())
+    assert not got and stats["frames"] == 0
+    assert refused >= 1 and stats["auth_failures"] >= 1
+
+
+# --- SGLang's own classes under our hooks ---------------------------------------------------
+
+
+def test_sglangs_publisher_binds_the_configured_host_with_curve_for_a_deployment_with_a_secret(tmp_path, monkeypatch):
+    from sglang.srt.disaggregation.kv_events import EventBatch
+
+    from prfaas_sglang.adapters.zmq import CurveKeys
+    from prfaas_sglang.hooks import hybrid_cache
+    from prfaas_sglang.launch.command import kv_events_config
+
+    secret = tmp_path / "s"
+    secret.write_bytes(b"0123456789abcdef-unit-test-secret")
+    monkeypatch.setenv("PRFAAS_SECRET_FILE", str(secret))
+    port = _port()
+    endpoint = json.loads(kv_events_config(port, "127.0.0.1"))["endpoint"]
+    assert endpoint == f"tcp://127.0.0.1:{port}"  # upstream would connect to a non-wildcard host; ours binds
+    publisher = hybrid_cache.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=endpoint, topic="kv-events")
+    curve = CurveKeys.from_deployment(KEYS)
+
+    def subscriber(keys):
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.subscribe(b"kv-events")
+        if keys:
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = (
+                keys.client_secret, keys.client_public, keys.server_public)
+        sock.connect(endpoint)
+        return sock
+
+    ours, plain = subscriber(curve), subscriber(None)
+    try:
+        deadline = time.monotonic() + 10
+        while not ours.poll(100):
+            publisher.publish(EventBatch(ts=time.time(), events=[]))
+            assert time.monotonic() < deadline, "the deployment's subscriber got nothing"
+        topic, _seq, _payload = ours.recv_multipart()
+        assert topic == b"kv-events"
+        assert not plain.poll(300)
+    finally:
+        ours.close(linger=0)
+        plain.close(linger=0)
+        publisher.shutdown()
+
+
+def test_the_worker_api_key_hook_sets_sglangs_key_and_refuses_a_contradicting_one(tmp_path, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    from prfaas_sglang.hooks.deployment_auth import DeploymentAuthError, set_worker_api_key
+
+    args = ServerArgs(model_path="dummy", device="cpu")
+    monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
+    set_worker_api_key(None, args)
+    assert args.api_key is None  # no secret: a stock server
+    secret = tmp_path / "s"
+    secret.write_bytes(b"0123456789abcdef-unit-test-secret")
+    monkeypatch.setenv("PRFAAS_SECRET_FILE", str(secret))
+    set_worker_api_key(None, args)
+    assert args.api_key == KEYS.worker_api_key
+    set_worker_api_key(None, args)  # idempotent: every process resolving the args runs it
+    args.api_key = "operator-chosen"
+    with pytest.raises(DeploymentAuthError, match="differs"):
+        set_worker_api_key(None, args)
+
+
+def test_the_bootstrap_peer_hook_refuses_a_host_outside_the_topology(monkeypatch):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from prfaas_sglang.hooks.deployment_auth import check_bootstrap_peer
+
+    req = GenerateReqInput(input_ids=[1, 2, 3], bootstrap_host="10.9.9.9", bootstrap_port=8998, bootstrap_room=1)
+    monkeypatch.delenv("PRFAAS_PEER_HOSTS", raising=False)
+    assert check_bootstrap_peer(None, req, [1, 2, 3]) is None
+    monkeypatch.setenv("PRFAAS_PEER_HOSTS", "127.0.0.1,10.0.0.2")
+    with pytest.raises(ValueError, match="not a peer"):
+        check_bootstrap_peer(None, req, [1, 2, 3])
+    req.bootstrap_host = "10.0.0.2"
+    assert check_bootstrap_peer(None, req, [1, 2, 3]) is None
+    assert check_bootstrap_peer(None, GenerateReqInput(input_ids=[1]), [1]) is None  # not a PD request
+
+
+# --- the launcher ---------------------------------------------------------------------------
+
+
+def test_the_launcher_names_the_topologys_engine_hosts_as_peers():
+    from prfaas_sglang.launch.command import mock_command, peer_hosts, with_peer_hosts
+    from prfaas_sglang.topology import parse_topology
+
+    def topo(decode_host: str):
+        return parse_topology({"version": 1, "clusters": {
+            "p": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "host": "10.0.0.1", "port": 1, "bootstrap_port": 2}]},
+            "d": {"kind": "pd", "nodes": [{"name": "d0", "role": "pd-decode", "host": decode_host, "port": 3}]},
+            "c": {"kind": "control", "nodes": [{"name": "r", "role": "router", "host": "10.9.9.9", "port": 4}]}},
+            "links": [{"from": "p", "to": "d", "bandwidth_gbps": 10}]})
+
+    t = topo("10.0.0.2")
+    assert peer_hosts(t) == "10.0.0.1,10.0.0.2"  # engines only: the router hands no KV
+    assert peer_hosts(topo("0.0.0.0")) is None  # a wildcard host: peers unknown, so no list
+    cmd = with_peer_hosts(mock_command(t.node("d0"), "python", "h20x8"), t, {})
+    assert cmd.env["PRFAAS_PEER_HOSTS"] == "10.0.0.1,10.0.0.2"
+    kept = with_peer_hosts(mock_command(t.node("d0"), "python", "h20x8"), t, {"PRFAAS_PEER_HOSTS": "x"})
+    assert "PRFAAS_PEER_HOSTS" not in kept.env and kept.env_kept["PRFAAS_PEER_HOSTS"] == "10.0.0.1,10.0.0.2"
