@@ -161,8 +161,6 @@ def make_service(args: argparse.Namespace):
                         ("--load-interval-s", args.load_interval_s)):
         if not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
-        raise ConfigError("--tls-cert-file", "and --tls-key-file go together")
     keys = load_keys()
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
@@ -227,6 +225,8 @@ def keep_request_buffers_mapped() -> bool:
 
 def tls_context(cert_file: str | None, key_file: str | None):
     """A server TLS context (TLS 1.2 and up) for the router's port, or None without a certificate."""
+    if bool(cert_file) != bool(key_file):
+        raise ConfigError("--tls-cert-file", "and --tls-key-file go together")
     if not cert_file:
         return None
     import ssl
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        ssl_context = tls_context(args.tls_cert_file, args.tls_key_file)  # before waiting for workers
         service, kv_index_url, keys = make_service(args)
-        ssl_context = tls_context(args.tls_cert_file, args.tls_key_file)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code

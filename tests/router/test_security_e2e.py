@@ -16,6 +16,7 @@ does not hold the deployment's secret (a forged KV-event and telemetry source). 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from unittest import mock
 
@@ -196,3 +197,50 @@ def test_nothing_listens_on_all_interfaces_but_mooncakes_two_ports(secured):
     assert set(wildcard) == {"prfaas-0", "pd-prefill-0", "pd-decode-0"}, wildcard
     for name, ports in wildcard.items():
         assert len(ports) == 2 and all(15000 <= p <= 17000 for p in ports), (name, ports)
+
+
+def test_the_router_serves_tls_when_given_a_certificate(secured):
+    """A second router over the same workers, with ``--tls-cert-file/--tls-key-file``: HTTPS answers
+    (health, a routed request), plain HTTP on that port does not."""
+    from helpers import REPO_ROOT
+
+    from prfaas_sglang.demo.cluster import PortPicker
+
+    group, d, _ = secured
+    tls = REPO_ROOT / "tests" / "fixtures" / "tls"
+    port = PortPicker()("127.0.0.1")
+    proc = group.start("router-tls", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(d.router.config),
+                                      "--port", str(port), "--no-early-rejection",
+                                      "--tls-cert-file", str(tls / "cert.pem"), "--tls-key-file", str(tls / "key.pem")],
+                       env={"PRFAAS_SECRET_FILE": str(group.log_dir.parent / "secret")})
+    url = f"https://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (group.log_dir / "router-tls.log").read_text()[-800:]
+        try:
+            if requests.get(url + "/health", verify=str(tls / "cert.pem"), timeout=2).status_code == 200:
+                break
+        except requests.exceptions.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "the TLS router never answered"
+        time.sleep(0.3)
+    r = requests.post(url + "/generate", json={"input_ids": list(range(5_000_000, 5_000_000 + 16 * PAGE)),
+                                               "sampling_params": {"max_new_tokens": 2}},
+                      verify=str(tls / "cert.pem"), timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def test_a_router_refuses_half_a_tls_configuration_or_a_bad_certificate(tmp_path):
+    from helpers import run_py
+
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    for flags, words in ((["--tls-cert-file", str(bad)], "go together"),
+                         (["--tls-cert-file", str(bad), "--tls-key-file", str(bad)], "cannot load")):
+        proc = run_py(["-m", "prfaas_sglang.router", "--config", "launch/local-two-cluster.yaml", "--port", "1", *flags],
+                      timeout=60)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-500:]
