@@ -268,6 +268,27 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="when SGLang checks bootstrap hosts against a configured peer list",
         tests="tests/unit/test_security.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="input-ids-in-vocab",
+        target="sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        hook="prfaas_sglang.hooks.deployment_auth:check_ids_in_vocab",
+        hook_type="before",
+        expected_signature="(self, obj: 'Union[GenerateReqInput, EmbeddingReqInput]', input_ids: 'List[int]') -> 'None'",
+        subject="[input] Prompt ids outside the vocabulary get 400, not an out-of-bounds embedding read",
+        why=(
+            "SGLang 0.5.15 defines _validate_input_ids_in_vocab but never calls it, and its tp=1 embedding "
+            "does not mask: one id >= vocab_size reads out of bounds on the GPU (garbage, or a device "
+            "assert that ends the worker and every request on it)."
+        ),
+        how=(
+            "BEFORE hook on the tokenizer manager's per-request validation: max/min of the prompt ids against "
+            "model_config.vocab_size (C speed); out of range raises ValueError, SGLang's 400. Multimodal "
+            "requests are left alone."
+        ),
+        upstream_status="bug in 0.5.15: the check exists upstream, uncalled",
+        removal="when SGLang calls its vocabulary check on every request",
+        tests="tests/unit/test_security.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 

@@ -11,7 +11,13 @@
   ``bootstrap_host`` is not a peer is refused with SGLang's 400 for invalid input, before a
   decode worker contacts that host.
 
-Without the variables both do nothing, so installing the plugin never changes a stock server.
+* ``check_ids_in_vocab`` (BEFORE the same method, every worker): a prompt id outside
+  ``[0, vocab_size)`` is refused with SGLang's 400. SGLang 0.5.15 defines this check
+  (``_validate_input_ids_in_vocab``) but never calls it, and its tp=1 embedding does not mask:
+  one such id reads out of bounds on the GPU (garbage, or a device assert that ends the worker).
+
+Without the variables the first two do nothing, so installing the plugin never changes a stock
+server's behaviour for valid requests.
 SGLang's bootstrap server (``--disaggregation-bootstrap-port``) still takes unauthenticated
 registrations; README "Security" names the network policy that must close it.
 """
@@ -54,4 +60,20 @@ def check_bootstrap_peer(tokenizer_manager, obj, input_ids=None, *args, **kwargs
             check_peer(allowed, str(one), "bootstrap_host")
         except AuthError as err:
             raise ValueError(str(err)) from None
+    return None
+
+
+def check_ids_in_vocab(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
+    """BEFORE hook: refuse prompt ids outside the model's vocabulary (ValueError: SGLang's 400).
+    Multimodal requests are left to SGLang (their processors place special ids)."""
+    if not input_ids or any(getattr(obj, k, None) for k in ("image_data", "video_data", "audio_data")):
+        return None
+    vocab_size = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size <= 0:
+        return None
+    seqs = input_ids if isinstance(input_ids[0], list) else [input_ids]
+    for seq in seqs:
+        if seq and (max(seq) >= vocab_size or min(seq) < 0):
+            bad = next(i for i in seq if i >= vocab_size or i < 0)
+            raise ValueError(f"input_ids contain {bad}, outside the model's vocabulary [0, {vocab_size})")
     return None

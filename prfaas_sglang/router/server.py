@@ -91,19 +91,36 @@ def _error(status: int, message: str, retry_after_s: int | None = None, cause: s
     return web.json_response({"error": error}, status=status, headers=headers)
 
 
-def _text_chars(body) -> int:
-    """Characters of text the tokenizer would read (0 for token ids): decides where to tokenize."""
+def _text_chars(body, count=len) -> int:
+    """Characters of text the tokenizer would read (0 for token ids): decides where to tokenize.
+    ``count`` measures one string (default: all its characters)."""
     if not isinstance(body, dict):
         return 0
-    n = sum(len(body[k]) for k in ("text", "prompt") if isinstance(body.get(k), str))
+    n = sum(count(body[k]) for k in ("text", "prompt") if isinstance(body.get(k), str))
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
-            n += len(content)
+            n += count(content)
         elif isinstance(content, list):
-            n += sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            n += sum(count(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return n
+
+
+def _non_space(text: str) -> int:
+    return len(text) - text.count(" ") - text.count("\n") - text.count("\t") - text.count("\r")
+
+
+def _refuse_text_beyond_context(service: RouterService, body) -> None:
+    """400 before tokenizing a text that cannot fit any worker's context (a lower bound on its
+    tokens from its length: ``PromptTokenizer.least_tokens``); tokenizing 10 MB takes seconds."""
+    context = service.context_tokens()
+    chars = _text_chars(body) if context else 0
+    if context and chars > context:  # a token has at least one character, so shorter texts cannot be too long
+        least = service.tokenizer.least_tokens(_text_chars(body, _non_space))
+        if least > context:
+            raise BadRequest(400, f"the prompt has at least {least} tokens ({chars} characters), more than the "
+                                  f"context length {context}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,8 @@ async def _parse(request: web.Request, service: RouterService, kind: str) -> tup
             raise BadRequest(400, "request body is not valid JSON") from None
     rid = f"prfaas-{next(_ids)}"
     created = int(time.time())
+    if service.tokenizer is not None:
+        _refuse_text_beyond_context(service, body)
     if service.tokenizer is not None and _text_chars(body) > LONG_TEXT_CHARS:
         req = await asyncio.to_thread(parse_request, kind, body, rid, created, service.tokenizer)
     else:

@@ -112,6 +112,11 @@ class RouterService:
             return MAX_BODY_BYTES
         return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max(contexts)))
 
+    def context_tokens(self) -> int | None:
+        """The smallest context length a worker reports (what every route can take); None before any."""
+        contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
+        return min(contexts) if contexts else None
+
     def check_fits(self, req: EngineRequest) -> None:
         """400 now for a request no worker could ever take (the context, the largest decode pool)."""
         contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]

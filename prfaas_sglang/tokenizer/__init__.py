@@ -30,6 +30,7 @@ processor (image, audio or video parts) raise :class:`TokenizeError`.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,6 +86,22 @@ class PromptTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can stand for: the longest entry of the vocabulary (byte-level
+        entries count bytes, which bounds characters). A text of N characters has at least
+        N / this many tokens, if the normaliser drops none; see ``least_tokens``."""
+        try:
+            return max((len(k) for k in self.tokenizer.get_vocab()), default=1) or 1
+        except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: no bound
+            return 1 << 30
+
+    def least_tokens(self, non_space_chars: int) -> int:
+        """A lower bound on the tokens of a text with ``non_space_chars`` characters other than
+        ASCII whitespace, with a factor of 2 to spare for normalisers that join characters (NFKC
+        composing accents); whitespace is not counted, as some normalisers collapse it."""
+        return non_space_chars // (2 * self.max_chars_per_token)
 
     def encode_text(self, text: str) -> list[int]:
         if not isinstance(text, str):

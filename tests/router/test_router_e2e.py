@@ -48,8 +48,17 @@ def deployment(tmp_path_factory):
         group.stop()
 
 
+VOCAB = 4096  # prfaas-tiny-chatml's: the workers refuse ids outside it, as SGLang's do (input-ids-in-vocab)
+
+
+def in_vocab(tokens: list[int]) -> list[int]:
+    """Spread the tests' distinct id ranges over the vocabulary, id by id: a prompt that extends
+    another still does, distinct ranges give distinct pages."""
+    return [(t * 40503) % VOCAB for t in tokens]
+
+
 def generate(url: str, tokens: list[int], stream: bool = False, max_new: int = 3):
-    return requests.post(url + "/generate", json={"input_ids": tokens, "sampling_params": {"max_new_tokens": max_new},
+    return requests.post(url + "/generate", json={"input_ids": in_vocab(tokens), "sampling_params": {"max_new_tokens": max_new},
                                                   "stream": stream}, timeout=60, stream=stream)
 
 
@@ -491,6 +500,37 @@ def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path
         assert status["workers"]["d0"]["healthy"] is False
     finally:
         group.stop()
+
+
+def test_an_id_outside_the_vocabulary_is_the_clients_error_and_the_workers_stay_in(deployment):
+    """Issue #16: prompt ids have to be within the model's vocabulary (a real worker would read its
+    embedding out of bounds; the workers refuse them, as the input-ids-in-vocab hook makes SGLang do).
+    The refusal is the client's 400, and no worker is marked down for it."""
+    url = deployment["url"]
+    for ids in ([5, VOCAB], list(range(3000, 3000 + 600)) + [VOCAB + 7]):
+        r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+        assert r.status_code == 400 and "vocabulary" in r.text, r.text[:300]
+    workers = requests.get(url + "/status", timeout=5).json()["workers"]
+    assert all(w["healthy"] for w in workers.values()), workers
+    assert generate(url, list(range(3_100_000, 3_100_600))).status_code == 200
+
+
+def test_a_text_far_beyond_the_context_is_refused_before_it_is_tokenized(deployment):
+    """Issue #16: a text under the body limit but far beyond every context was tokenized (seconds for
+    megabytes) before it was refused. Its length alone now bounds its tokens from below (the
+    tokenizer's longest vocabulary entry, a factor 2 to spare): the refusal names that bound, which
+    only the check before tokenizing produces, and a prompt near the context still goes through
+    to the length check after tokenizing."""
+    url = deployment["url"]
+    far = "abcdefgh " * 600_000  # 4.8M non-space characters: at least 141K tokens (17 characters a token at most)
+    r = requests.post(url + "/generate", json={"text": far, "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text[:300]
+    near = "abcdefgh " * 200_000  # could fit by length alone: tokenized, then refused by its real count
+    r = requests.post(url + "/generate", json={"text": near, "sampling_params": {"max_new_tokens": 1}}, timeout=120)
+    assert r.status_code == 400 and "exceeds the context length" in r.json()["error"]["message"], r.text[:300]
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": far}]}], "max_tokens": 1}
+    r = requests.post(url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text[:300]
 
 
 def test_an_oversized_body_is_refused_before_it_is_read(deployment):

@@ -321,3 +321,21 @@ def test_the_launcher_names_the_topologys_engine_hosts_as_peers():
     assert cmd.env["PRFAAS_PEER_HOSTS"] == "10.0.0.1,10.0.0.2"
     kept = with_peer_hosts(mock_command(t.node("d0"), "python", "h20x8"), t, {"PRFAAS_PEER_HOSTS": "x"})
     assert "PRFAAS_PEER_HOSTS" not in kept.env and kept.env_kept["PRFAAS_PEER_HOSTS"] == "10.0.0.1,10.0.0.2"
+
+
+def test_the_vocab_hook_refuses_ids_sglang_would_read_out_of_bounds():
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from prfaas_sglang.hooks.deployment_auth import check_ids_in_vocab
+
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+    ok = GenerateReqInput(input_ids=[0, 5, 99])
+    assert check_ids_in_vocab(manager, ok, ok.input_ids) is None
+    for ids in ([0, 100], [-1, 3], [[1, 2], [3, 4096]]):
+        with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 100\)"):
+            check_ids_in_vocab(manager, GenerateReqInput(input_ids=ids), ids)
+    image = GenerateReqInput(input_ids=[1, 10**6], image_data=["x.png"])
+    assert check_ids_in_vocab(manager, image, image.input_ids) is None  # multimodal: SGLang's processors decide
+    assert check_ids_in_vocab(SimpleNamespace(), ok, ok.input_ids) is None  # no model config: nothing to check

@@ -258,6 +258,14 @@ class MockEngine:
             raise BadRequest(400, f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                   f"exceeds the context length {self.config.context_tokens}")
 
+    def check_vocab(self, req: EngineRequest) -> None:
+        """With a tokenizer (the emulated model's vocabulary), prompt ids outside it get 400, as
+        on a real worker (the ``input-ids-in-vocab`` hook)."""
+        if self.tokenizer is not None and req.input_ids:
+            vocab = self.tokenizer.vocab_size
+            if max(req.input_ids) >= vocab:
+                raise BadRequest(400, f"input_ids contain {max(req.input_ids)}, outside the model's vocabulary [0, {vocab})")
+
     def flush_cache(self) -> None:
         self.cache.clear()
         if self.publisher:

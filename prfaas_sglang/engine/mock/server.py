@@ -266,6 +266,7 @@ def build_app(engine: MockEngine) -> web.Application:
                                     engine.tokenizer, pseudo_tokenize)
                 if req.bootstrap is not None:  # before a stream starts: a refusal is a status, not an event
                     engine.check_peer(req.bootstrap.host, "bootstrap host")
+                engine.check_vocab(req)
                 if engine.config.mode == "prefill":
                     return await _prefill_response(engine, req)
                 return await _decode_response(engine, req, request)
