@@ -35,11 +35,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from prfaas_sglang import __version__
 from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents
 from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
 from prfaas_sglang.router.admin import add_admin_routes
+from prfaas_sglang.router.openapi import router_openapi
 from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
 from prfaas_sglang.router.service import MAX_BODY_BYTES, Lease, RouterService
 from prfaas_sglang.router.workers import (
@@ -658,6 +660,8 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
     app.router.add_get("/v1/models", models)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
+    openapi = router_openapi(__version__)
+    app.router.add_get("/openapi.json", lambda request: web.json_response(openapi))
     for kind, path in PATHS.items():
         app.router.add_post(path, lambda request, kind=kind: dispatch(request, kind))
     return app
