@@ -165,6 +165,20 @@ def _text_ids(text: str, tokenizer: PromptTokenizer | None, text_ids: Callable[[
                           "or configure model.tokenizer in the topology")
 
 
+MAX_RID_CHARS = 256
+
+
+def _rid(value: Any) -> str | None:
+    """A client's request id: 1 to 256 visible ASCII characters (it is echoed in the
+    ``x-request-id`` header and in logs, so no control characters, spaces or line breaks)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_RID_CHARS or not value.isascii() \
+            or not all(33 <= ord(c) <= 126 for c in value):
+        raise BadRequest(400, f"rid must be 1 to {MAX_RID_CHARS} visible ASCII characters (no spaces or control characters)")
+    return value
+
+
 def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer: PromptTokenizer | None = None,
                   text_ids: Callable[[str], list[int]] | None = None) -> EngineRequest:
     """Validate a decoded JSON body; raise :class:`BadRequest` naming the offending field.
@@ -216,8 +230,8 @@ def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer:
         raise BadRequest(400, "stream_options must be an object")
     include_usage = bool(options and options.get("include_usage") is True and kind != "generate")
     model = body.get("model")
-    rid_value = body.get("rid")
-    return EngineRequest(kind, ids if isinstance(ids, JsonIds) else tuple(ids), max_new, stream, rid_value if isinstance(rid_value, str) and rid_value else rid,
+    rid_value = _rid(body.get("rid"))
+    return EngineRequest(kind, ids if isinstance(ids, JsonIds) else tuple(ids), max_new, stream, rid_value or rid,
                          model if isinstance(model, str) else None, _bootstrap(body), include_usage, created_s)
 
 

@@ -15,6 +15,9 @@ Benchmarks:
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
   transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
+  chaos          mixed load while each worker, the router and the PrfaaS link fail (seeded; root):
+                 hung / truncated / typed errors, leaks at rest, time to recover, router RSS
+  api-fuzz       schemathesis against the router's /openapi.json: server errors, survivors
   gpu-bundle     build and verify the carry bundle for the lent GPU machine (SGLang, sglang-kernel,
                  Mooncake CUDA 13, what the server imports) and the tiny hybrid model
   gpu-e2e        on the GPU machine: every role through our launcher, seven checks (PASS/FAIL lines)
@@ -114,6 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     ct.add_argument("--speedup", type=float, default=4.0)
     ct.add_argument("--seed", type=int, default=0)
     ct.add_argument("--json", action="store_true")
+    cs = sub.add_parser("chaos", help="mixed load while workers, the router and the PrfaaS link fail (seeded faults; root)")
+    cs.add_argument("--duration", type=float, default=60.0, help="load window, seconds (the faults spread over it)")
+    cs.add_argument("--rate", type=float, default=2.0, help="requests/s")
+    cs.add_argument("--down-s", type=float, default=3.0, help="how long each fault lasts")
+    cs.add_argument("--fuzz-requests", type=int, default=200)
+    cs.add_argument("--seed", type=int, default=0)
+    cs.add_argument("--json", action="store_true")
+    af = sub.add_parser("api-fuzz", help="schemathesis against the router's /openapi.json on an emulated deployment")
+    af.add_argument("--max-examples", type=int, default=250, help="cases per operation")
+    af.add_argument("--seed", type=int, default=0)
+    af.add_argument("--max-time", type=float, default=900.0, help="seconds")
+    af.add_argument("--json", action="store_true")
     gb = sub.add_parser("gpu-bundle", help="build and verify the GPU carry bundle (SGLang and what it imports, tiny model)")
     gb.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
     gb.add_argument("--python-version", default=None, help="the GPU machine's Python (default 3.12)")
@@ -264,6 +279,25 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run(trace, args.requests, pages)
         header = (f"<!-- python -m prfaas_sglang.bench state-events --requests {args.requests} "
                   f"--page-sizes {args.page_sizes}; {stamp} -->")
+    elif args.name == "chaos":
+        from prfaas_sglang.bench import chaos as bench
+        from prfaas_sglang.demo.netns import available
+
+        if args.duration < 20 or args.rate <= 0 or args.down_s <= 0 or args.fuzz_requests < 0:
+            parser.error("--duration must be >= 20, --rate and --down-s > 0, --fuzz-requests >= 0")
+        if (why := available()) is not None:
+            parser.error(f"the PrfaaS link's namespace {why}")
+        result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests)
+        header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
+                  f"--down-s {args.down_s:g} --seed {args.seed}; {stamp} -->")
+    elif args.name == "api-fuzz":
+        from prfaas_sglang.bench import api_fuzz as bench
+
+        if args.max_examples < 1 or args.max_time <= 0:
+            parser.error("--max-examples must be >= 1 and --max-time > 0")
+        result = bench.run(args.max_examples, args.seed, args.max_time)
+        header = (f"<!-- python -m prfaas_sglang.bench api-fuzz --max-examples {args.max_examples} --seed {args.seed}; "
+                  f"{stamp} -->")
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 

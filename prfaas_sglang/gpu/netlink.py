@@ -41,33 +41,61 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
 
 
 @contextlib.contextmanager
+def _asyncio_default_loops() -> Iterator[None]:
+    """pyroute2 opens its netlink sockets on an event loop of the process's policy; uvloop's cannot
+    carry AF_NETLINK, and importing SGLang's tokenizer manager installs uvloop's policy process-wide."""
+    import asyncio
+
+    policy = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(policy)
+
+
+@contextlib.contextmanager
 def shaped_namespace(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
     """Create the namespace, veth and shaper; remove them on exit (also on error)."""
-    from pyroute2 import IPRoute, NetNS, netns
+    from pyroute2 import netns
 
-    if name in netns.listnetns():
-        netns.remove(name)
-    netns.create(name)
     try:
-        with IPRoute() as ipr:
-            for stale in ipr.link_lookup(ifname=HOST_IF):
-                ipr.link("del", index=stale)
-            ipr.link("add", ifname=HOST_IF, kind="veth", peer={"ifname": INNER_IF, "net_ns_fd": name})
-            host = ipr.link_lookup(ifname=HOST_IF)[0]
-            ipr.addr("add", index=host, address=HOST_IP, prefixlen=PREFIX)
-            ipr.link("set", index=host, state="up")
-        with NetNS(name) as ns:
-            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-            inner = ns.link_lookup(ifname=INNER_IF)[0]
-            ns.addr("add", index=inner, address=INNER_IP, prefixlen=PREFIX)
-            ns.link("set", index=inner, state="up")
-            ns.route("add", dst="default", gateway=HOST_IP)
-            ns.tc("add", "tbf", inner, 0x10000, rate=f"{int(rate_mbit * 1000)}kbit", burst=tbf_burst_bytes(rate_mbit),
-                  latency="100ms")
+        with _asyncio_default_loops():
+            if name in netns.listnetns():
+                netns.remove(name)
+            netns.create(name)
+            _wire(name, rate_mbit)
         yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit)
     finally:
-        with contextlib.suppress(Exception), IPRoute() as ipr:
-            for index in ipr.link_lookup(ifname=HOST_IF):
-                ipr.link("del", index=index)
-        with contextlib.suppress(Exception):
-            netns.remove(name)
+        with _asyncio_default_loops():
+            _unwire(name)
+
+
+def _wire(name: str, rate_mbit: float) -> None:
+    from pyroute2 import IPRoute, NetNS
+
+    with IPRoute() as ipr:
+        for stale in ipr.link_lookup(ifname=HOST_IF):
+            ipr.link("del", index=stale)
+        ipr.link("add", ifname=HOST_IF, kind="veth", peer={"ifname": INNER_IF, "net_ns_fd": name})
+        host = ipr.link_lookup(ifname=HOST_IF)[0]
+        ipr.addr("add", index=host, address=HOST_IP, prefixlen=PREFIX)
+        ipr.link("set", index=host, state="up")
+    with NetNS(name) as ns:
+        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        inner = ns.link_lookup(ifname=INNER_IF)[0]
+        ns.addr("add", index=inner, address=INNER_IP, prefixlen=PREFIX)
+        ns.link("set", index=inner, state="up")
+        ns.route("add", dst="default", gateway=HOST_IP)
+        ns.tc("add", "tbf", inner, 0x10000, rate=f"{int(rate_mbit * 1000)}kbit", burst=tbf_burst_bytes(rate_mbit),
+              latency="100ms")
+
+
+def _unwire(name: str) -> None:
+    from pyroute2 import IPRoute, netns
+
+    with contextlib.suppress(Exception), IPRoute() as ipr:
+        for index in ipr.link_lookup(ifname=HOST_IF):
+            ipr.link("del", index=index)
+    with contextlib.suppress(Exception):
+        netns.remove(name)

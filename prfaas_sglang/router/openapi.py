@@ -52,18 +52,20 @@ def _admin(method: str, summary: str, body: dict | None = None, named: bool = Fa
     return {method: op}
 
 
-def router_openapi(version: str) -> dict:
-    """The description for router ``version``."""
+def router_openapi(version: str, models: list[str] | None = None) -> dict:
+    """The description for router ``version``; ``models``: the names it serves now (an enum for
+    ``model``; None: any string)."""
+    model = {"type": "string", **({"enum": list(models)} if models else {})}
     generate = {"type": "object", "additionalProperties": True, "properties": {
         "text": {"type": "string"}, "input_ids": _IDS, "sampling_params": _SAMPLING,
-        "stream": {"type": "boolean"}, "rid": {"type": "string", "maxLength": 256}, "model": {"type": "string"}}}
+        "stream": {"type": "boolean"}, "rid": {"type": "string", "pattern": "^[!-~]{1,256}$"}, "model": model}}
     completions = {"type": "object", "required": ["prompt"], "additionalProperties": True, "properties": {
-        "model": {"type": "string"}, "prompt": {"oneOf": [{"type": "string"}, _IDS]},
+        "model": model, "prompt": {"oneOf": [{"type": "string"}, _IDS]},
         "max_tokens": {"type": "integer", "minimum": 0}, "temperature": {"type": "number", "minimum": 0},
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}
     chat = {"type": "object", "required": ["messages"], "additionalProperties": True, "properties": {
-        "model": {"type": "string"},
+        "model": model,
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "additionalProperties": True,
             "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]}, "content": _CONTENT}}},

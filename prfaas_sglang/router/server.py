@@ -660,8 +660,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
     app.router.add_get("/v1/models", models)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
-    openapi = router_openapi(__version__)
-    app.router.add_get("/openapi.json", lambda request: web.json_response(openapi))
+    app.router.add_get("/openapi.json", lambda request: web.json_response(router_openapi(__version__, service.model_names())))
     for kind, path in PATHS.items():
         app.router.add_post(path, lambda request, kind=kind: dispatch(request, kind))
     return app

@@ -190,6 +190,30 @@ def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
         assert ipr.link_lookup(ifname=HOST_IF) == []
 
 
+@pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
+def test_the_shaped_namespace_is_made_under_uvloops_policy_too():
+    """Importing SGLang's tokenizer manager installs uvloop's event-loop policy process-wide, and
+    uvloop cannot open pyroute2's netlink sockets ("invalid family 16"): the namespace is made on
+    default loops anyway, and the process's policy is left as it was."""
+    import asyncio
+
+    import uvloop
+    from pyroute2 import netns
+
+    from prfaas_sglang.gpu.netlink import shaped_namespace
+
+    before = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        with shaped_namespace("prfaas-test-uvloop", 40.0):
+            assert "prfaas-test-uvloop" in netns.listnetns()
+            assert isinstance(asyncio.get_event_loop_policy(), uvloop.EventLoopPolicy)
+        assert "prfaas-test-uvloop" not in netns.listnetns()
+        assert isinstance(asyncio.get_event_loop_policy(), uvloop.EventLoopPolicy)
+    finally:
+        asyncio.set_event_loop_policy(before)
+
+
 def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
     """SGLang loads plugins before it configures logging, so the plugin's INFO lines never print;
     check a reads PRFAAS_HOOK_REPORT instead: one line per process, every hook verified."""

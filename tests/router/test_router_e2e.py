@@ -502,16 +502,33 @@ def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path
         group.stop()
 
 
+def test_a_request_id_is_echoed_only_when_it_is_safe_to_echo(deployment):
+    """Found by schemathesis (issue #16): a ``rid`` with a control character reached the
+    ``x-request-id`` response header, which aiohttp refuses to write: 500, or a stream closed with
+    no response. A rid is now 1-256 visible ASCII characters, else the client's 400."""
+    url = deployment["url"]
+    ids = in_vocab(list(range(3_200_000, 3_200_300)))
+    for rid in ("a\u0007b", "line\r\nX-Injected: 1", "with space", "", "é", "x" * 257, 7, ["a"]):
+        for stream in (False, True):
+            r = requests.post(url + "/generate", json={"input_ids": ids, "rid": rid, "stream": stream,
+                                                       "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+            assert r.status_code == 400 and "rid must be" in r.json()["error"]["message"], (rid, r.status_code, r.text[:200])
+    ok = requests.post(url + "/generate", json={"input_ids": ids, "rid": "client-42.a:b", "sampling_params": {"max_new_tokens": 1}},
+                       timeout=30)
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "client-42.a:b"
+
+
 def test_an_id_outside_the_vocabulary_is_the_clients_error_and_the_workers_stay_in(deployment):
     """Issue #16: prompt ids have to be within the model's vocabulary (a real worker would read its
     embedding out of bounds; the workers refuse them, as the input-ids-in-vocab hook makes SGLang do).
     The refusal is the client's 400, and no worker is marked down for it."""
     url = deployment["url"]
+    before = {n: w["healthy"] for n, w in requests.get(url + "/status", timeout=5).json()["workers"].items()}
     for ids in ([5, VOCAB], list(range(3000, 3000 + 600)) + [VOCAB + 7]):
         r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
         assert r.status_code == 400 and "vocabulary" in r.text, r.text[:300]
-    workers = requests.get(url + "/status", timeout=5).json()["workers"]
-    assert all(w["healthy"] for w in workers.values()), workers
+    after = {n: w["healthy"] for n, w in requests.get(url + "/status", timeout=5).json()["workers"].items()}
+    assert after == before and after["pd-prefill-0"], (before, after)  # the short prompts went to PD-P
     assert generate(url, list(range(3_100_000, 3_100_600))).status_code == 200
 
 

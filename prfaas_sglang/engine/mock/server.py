@@ -151,6 +151,7 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:requests_ok_total", "counter", s.requests_ok),
         ("prfaas:requests_failed_total", "counter", s.requests_failed),
         ("prfaas:kv_buffer_free_bytes", "gauge", engine.kv.arena.free_bytes if engine.kv else 0),
+        ("prfaas:kv_buffer_total_bytes", "gauge", engine.kv.arena.size if engine.kv else 0),
         ("prfaas:kv_pool_used_tokens", "gauge", engine.used_tokens),
         ("prfaas:decode_room_waits_total", "counter", s.room_waits),
         ("prfaas:open_rooms", "gauge", engine.open_rooms),

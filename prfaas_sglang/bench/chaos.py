@@ -1,0 +1,410 @@
+"""``python -m prfaas_sglang.bench chaos``: a bounded mixed load on an emulated two-cluster deployment
+while faults are injected at seeded times (issue #16 item 5). Root: the PrfaaS worker sits in a
+network namespace, so its link can be black-holed and throttled.
+
+Deployment: PrfaaS (own namespace, veth) + PD-P + PD-D + router, every node through the launcher.
+Load: ``rate`` requests/s, half short (PD path), half long (PrfaaS path), half streamed, each
+with a client deadline of ``hung_after_s``.
+
+Faults, one at a time, in a seeded order, evenly spread over the run:
+
+* ``kill-<node>``: ``kill -9`` of a worker (PrfaaS, PD-P, PD-D) or of the router, restarted
+  after ``down_s``; the fault ends when the new process answers ``/health``;
+* ``zmq-garbage``: PD-P killed and its KV-event port taken by a publisher of malformed frames
+  (random bytes, truncated batches, wrong topic) for ``down_s``, then PD-P restarted;
+* ``link-blackhole``: the PrfaaS veth down for ``down_s`` (every packet lost);
+* ``link-throttle``: the PrfaaS link at 1/10 of its rate for ``2 * down_s``;
+* ``http-fuzz``: ``fuzz_requests`` malformed HTTP requests (bad JSON, wrong types, absurd
+  sizes, bad headers) sent to the router alongside the load.
+
+Every request is classified: ``ok``; ``error`` (an HTTP error with a JSON message, or a stream
+that ends with an error event); ``reset`` (the connection broke: counted apart, and expected
+only while the router itself is down); ``truncated`` (a stream that ended cleanly without
+``[DONE]`` or an error event); ``hung`` (no end within the deadline). After the load: leaked
+rooms and KV bytes per worker (its metrics, idle), time to recover after each fault (until
+every worker is healthy in the router's view and a probe on each path succeeds), and the
+router's RSS over time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEADLINE_S = 60.0
+PROBE_INTERVAL_S = 0.25
+FAULTS = ("kill-pd-decode-0", "kill-pd-prefill-0", "kill-prfaas-0", "kill-router", "zmq-garbage",
+          "link-blackhole", "link-throttle", "http-fuzz")
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    ok: int = 0
+    error: int = 0
+    reset: int = 0
+    reset_outside_router_faults: int = 0
+    truncated: int = 0
+    hung: int = 0
+    untyped_errors: list = field(default_factory=list)
+    errors_by_status: dict = field(default_factory=dict)
+
+    def add(self, kind: str, status: int | None = None, detail: str | None = None, router_down: bool = False) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if kind == "error":
+            self.errors_by_status[str(status)] = self.errors_by_status.get(str(status), 0) + 1
+            if detail is not None and len(self.untyped_errors) < 10:
+                self.untyped_errors.append(detail)
+        if kind == "reset" and not router_down:
+            self.reset_outside_router_faults += 1
+
+
+def _body(rng: random.Random, long: bool, stream: bool, k: int) -> dict:
+    n = rng.randrange(9000, 14000) if long else rng.randrange(600, 2500)
+    base = rng.randrange(4096)
+    ids = [(base + k * 7919 + i * 40503) % 4096 for i in range(n)]
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": rng.randrange(2, 12)}, "stream": stream}
+
+
+def _typed(text: str) -> bool:
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return False
+    message = err.get("message") if isinstance(err, dict) else err
+    return isinstance(message, str) and bool(message.strip())
+
+
+async def _one(session, url: str, body: dict, tally: Tally, state: dict) -> None:
+    import aiohttp
+
+    tally.sent += 1
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            async with session.post(url + "/generate", json=body) as resp:
+                if not body["stream"] or resp.status != 200:
+                    text = await resp.text()
+                    if resp.status == 200:
+                        tally.add("ok")
+                    else:
+                        tally.add("error", resp.status, None if _typed(text) else f"{resp.status}: {text[:120]}")
+                    return
+                done = errored = False
+                async for line in resp.content:
+                    line = line.strip()
+                    if line == b"data: [DONE]":
+                        done = True
+                    elif line.startswith(b"data: ") and b'"error"' in line:
+                        errored = True
+                if errored:
+                    tally.add("error", 200)
+                elif done:
+                    tally.add("ok")
+                else:
+                    tally.add("truncated")
+    except TimeoutError:
+        tally.add("hung")
+    except (aiohttp.ClientError, ConnectionError):
+        tally.add("reset", router_down=state["router_down"])
+
+
+async def _load(url: str, rate: float, duration_s: float, seed: int, tally: Tally, state: dict) -> None:
+    import aiohttp
+
+    rng = random.Random(seed)
+    tasks = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        start = time.monotonic()
+        k = 0
+        while time.monotonic() - start < duration_s:
+            tasks.append(asyncio.create_task(_one(session, url, _body(rng, k % 2 == 0, (k // 2) % 2 == 0, k), tally, state)))
+            k += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+
+
+FUZZ_BODIES = (b"", b"{", b"[]", b"null", b'{"input_ids": "x"}', b'{"input_ids": [-1]}', b'{"input_ids": [1e99]}',
+               b'{"text": 5}', b'{"input_ids": [4294967296]}', b'{"sampling_params": {"max_new_tokens": -3}, "text": "a"}',
+               b'{"input_ids": [1,2,3], "bootstrap_host": "10.1.1.1"}', b'{"messages": [{"role": 7}]}',
+               b'\xff\xfe\x00garbage', b'[' * 2000, b'{"rid": "a\\u0000b", "input_ids": [1]}',
+               b'{"input_ids": [' + b"1," * 5000 + b'1], "stream": "yes"}')
+
+
+async def _fuzz(url: str, n: int, seed: int) -> dict:
+    """Malformed requests to every router path; returns counts by status (5xx are findings)."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    statuses: dict[str, int] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for _ in range(n):
+            path = rng.choice(["/generate", "/v1/completions", "/v1/chat/completions", "/admin/threshold", "/status?x=%ff"])
+            body = rng.choice(FUZZ_BODIES) if rng.random() < 0.8 else bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+            headers = rng.choice([{"Content-Type": "application/json"}, {"Content-Type": "application/json; charset=bogus"},
+                                  {"Content-Type": "text/plain"}, {"Transfer-Encoding": "chunked"}])
+            try:
+                async with session.request("GET" if "status" in path else "POST", url + path, data=body, headers=headers) as resp:
+                    await resp.read()
+                    key = str(resp.status)
+            except (aiohttp.ClientError, TimeoutError) as err:
+                key = type(err).__name__
+            statuses[key] = statuses.get(key, 0) + 1
+    return statuses
+
+
+async def _garbage(port: int, host: str, seconds: float, seed: int) -> int:
+    """Bind ``host:port`` (a killed worker's KV-event port) and publish malformed frames there."""
+    import zmq
+    import zmq.asyncio
+
+    rng = random.Random(seed)
+    sock = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    sock.bind(f"tcp://{host}:{port}")
+    sent = 0
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            frames = rng.choice([
+                [b"kv-events", (sent).to_bytes(8, "big"), bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))],
+                [b"kv-events", b"short"], [b"kv-events"], [b"kv-events.evil", b"\x00" * 8, b"\x93\x00\x90\xc0"],
+                [b"kv-events", b"\x00" * 8, b"\x93\xcb" + b"\x7f\xf8" + b"\x00" * 6 + b"\x91\x92\x00\x00\x00"],
+            ])
+            await sock.send_multipart(frames)
+            sent += 1
+            await asyncio.sleep(0.02)
+    finally:
+        sock.close(linger=0)
+    return sent
+
+
+class Chaos:
+    """The deployment, its processes' argv for restarts, and the fault actions."""
+
+    def __init__(self, group, deployment, config: Path, net, engine_args: dict, router_args: tuple[str, ...]):
+        self.group, self.d, self.config, self.net = group, deployment, config, net
+        self.engine_args, self.router_args = engine_args, router_args
+        self.procs = {p.name: p for p in group.procs}
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    async def restart(self, name: str) -> None:
+        from prfaas_sglang.demo.cluster import start_node
+
+        if name == "router":
+            proc = self.group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(self.config),
+                                               *self.router_args])
+            url = self.d.router.url
+        else:
+            role = name.rsplit("-", 1)[0]
+            wrap = self.net.wrap if (role == "prfaas" and self.net is not None) else ()
+            proc = start_node(self.group, self.config, name, extra=self.engine_args[role], wrap=wrap)
+            url = self.d.workers[name].url
+        self.procs[name] = proc
+        await asyncio.to_thread(self.group.wait_healthy, url + "/health", proc, 90)
+
+
+async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> float | None:
+    """Seconds from ``since`` until every worker is healthy and a probe on each path succeeds."""
+    rng = random.Random(int(since * 1000))
+    while time.monotonic() - since < limit_s:
+        try:
+            async with session.get(url + "/status") as resp:
+                status = await resp.json()
+            if all(w["healthy"] for w in status["workers"].values()) and not status.get("link_down_workers"):
+                good = 0
+                for long in (False, True):
+                    body = _body(rng, long, False, rng.randrange(10**6))
+                    async with session.post(url + "/generate", json=body) as resp:
+                        good += resp.status == 200 and resp.headers.get("x-prfaas-route", "").startswith(
+                            "prfaas/" if long else "pd/")
+                if good == 2:
+                    return time.monotonic() - since
+        except Exception:  # noqa: BLE001 - the router may be restarting
+            pass
+        await asyncio.sleep(PROBE_INTERVAL_S)
+    return None
+
+
+async def _inject(chaos: Chaos, fault: str, down_s: float, seed: int, state: dict, fuzz_requests: int, rate_mbit: float) -> dict:
+    record: dict = {"fault": fault, "started_s": time.monotonic() - state["t0"]}
+    if fault.startswith("kill-"):
+        name = fault.removeprefix("kill-")
+        state["router_down"] = name == "router"
+        chaos.kill(name)
+        await asyncio.sleep(down_s)
+        await chaos.restart(name)
+        state["router_down"] = False
+    elif fault == "zmq-garbage":
+        w = chaos.d.worker("pd-prefill")
+        chaos.kill(w.name)
+        await asyncio.sleep(0.2)
+        record["garbage_frames"] = await _garbage(w.kv_events_port, "127.0.0.1", down_s, seed)
+        await chaos.restart(w.name)
+    elif fault == "link-blackhole":
+        import subprocess
+
+        subprocess.run(["ip", "link", "set", chaos.net.outer, "down"], check=True, capture_output=True)
+        await asyncio.sleep(down_s)
+        subprocess.run(["ip", "link", "set", chaos.net.outer, "up"], check=True, capture_output=True)
+    elif fault == "link-throttle":
+        chaos.net.throttle(rate_mbit / 10)
+        await asyncio.sleep(2 * down_s)
+        chaos.net.throttle(rate_mbit)
+    elif fault == "http-fuzz":
+        record["statuses"] = await _fuzz(chaos.d.router.url, fuzz_requests, seed)
+    record["ended_s"] = time.monotonic() - state["t0"]
+    return record
+
+
+async def _rss(pid_of, samples: list, state: dict, stop: asyncio.Event) -> None:
+    import psutil
+
+    while not stop.is_set():
+        try:
+            pid = pid_of()
+            samples.append((time.monotonic() - state["t0"], pid, psutil.Process(pid).memory_info().rss))
+        except Exception:  # noqa: BLE001 - between a kill and its restart
+            pass
+        await asyncio.sleep(1.0)
+
+
+async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, down_s: float, fuzz_requests: int,
+                      rate_mbit: float, faults: tuple[str, ...]) -> dict:
+    import aiohttp
+
+    url = chaos.d.router.url
+    state = {"t0": time.monotonic(), "router_down": False}
+    tally, records, rss = Tally(), [], []
+    stop = asyncio.Event()
+    order = list(faults)
+    random.Random(seed).shuffle(order)
+    load = asyncio.create_task(_load(url, rate, duration_s, seed, tally, state))
+    sampler = asyncio.create_task(_rss(lambda: chaos.procs["router"].pid, rss, state, stop))
+    slot = duration_s * 0.8 / max(len(order), 1)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        for i, fault in enumerate(order):
+            start_at = duration_s * 0.1 + i * slot
+            await asyncio.sleep(max(start_at - (time.monotonic() - state["t0"]), 0))
+            record = await _inject(chaos, fault, down_s, seed + i, state, fuzz_requests, rate_mbit)
+            record["recovery_s"] = await _recovered(session, url, state["t0"] + record["ended_s"])
+            records.append(record)
+        await load
+        await asyncio.sleep(3.0)  # let the last finished requests release what they held
+        leaks = {}
+        for name, w in chaos.d.workers.items():
+            async with session.get(w.url + "/metrics") as resp:
+                text = await resp.text()
+            leaks[name] = _leak_view(text)
+    stop.set()
+    await sampler
+    return {"tally": vars(tally), "faults": records, "leaks": leaks, "router_rss": _rss_summary(rss),
+            "duration_s": duration_s, "rate_rps": rate, "seed": seed}
+
+
+def _leak_view(metrics: str) -> dict:
+    """What a worker holds at rest: open rooms, KV-pool tokens, landing-buffer bytes not free."""
+    vals = {}
+    for line in metrics.splitlines():
+        if line.startswith(("prfaas:open_rooms", "prfaas:kv_buffer_free_bytes", "prfaas:kv_buffer_total_bytes",
+                            "prfaas:kv_pool_used_tokens", "sglang:num_running_reqs", "sglang:num_queue_reqs")):
+            vals[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    vals["leaked_kv_bytes"] = vals.get("prfaas:kv_buffer_total_bytes", 0) - vals.get("prfaas:kv_buffer_free_bytes", 0)
+    return vals
+
+
+def _rss_summary(samples: list) -> dict:
+    """Per router process: RSS after its first 20 s and at its end; growth of the longest-lived."""
+    by_pid: dict[int, list] = {}
+    for t, pid, rss in samples:
+        by_pid.setdefault(pid, []).append((t, rss))
+    out = []
+    for pid, series in by_pid.items():
+        warm = next((rss for t, rss in series if t - series[0][0] >= 20), series[0][1])
+        out.append({"pid": pid, "lived_s": series[-1][0] - series[0][0], "rss_warm_mb": warm / 2**20,
+                    "rss_end_mb": series[-1][1] / 2**20, "growth": series[-1][1] / warm - 1, "max_mb": max(r for _, r in series) / 2**20})
+    longest = max(out, key=lambda s: s["lived_s"]) if out else None
+    return {"processes": out, "growth_longest_lived": longest["growth"] if longest else None,
+            "series_mb": [(round(t, 1), round(rss / 2**20, 1)) for t, _pid, rss in samples[:: max(len(samples) // 120, 1)]]}
+
+
+def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: float = 3.0, fuzz_requests: int = 200,
+        rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, log_dir: Path | None = None) -> dict:
+    from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+    from prfaas_sglang.demo.netns import Netns
+
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-chaos-"))
+    group = ProcessGroup(log_dir)
+    engine = ("--bootstrap-timeout-s", "10", "--context-tokens", "32768")
+    engine_args = {r: engine for r in ("prfaas", "pd-prefill", "pd-decode")}
+    router_args = ("--no-early-rejection", "--phase-timeout-s", "20", "--admission-timeout-s", "10",
+                   "--health-interval-s", "0.5")
+    with Netns(random.Random().randrange(16, 250)) as net:
+        try:
+            net.throttle(rate_mbit)
+            doc = local_topology(hosts={"prfaas": net.inner_ip}, host=net.outer_ip, link_gbps=rate_mbit / 1000,
+                                 speedup=50, kv_scale=0.002, threshold_tokens=6000, output_tokens=8)
+            d = start_deployment(group, doc, *router_args, wrap={"prfaas": net.wrap}, engine_args=engine_args, name="chaos")
+            chaos = Chaos(group, d, d.config, net, engine_args, router_args)
+            result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults))
+            result["logs"] = str(log_dir)
+            return result
+        finally:
+            group.stop()
+
+
+def verdict(result: dict) -> list[str]:
+    """The acceptance checks that do not depend on timing; an empty list is a pass."""
+    t, problems = result["tally"], []
+    for kind in ("hung", "truncated", "reset_outside_router_faults"):
+        if t[kind]:
+            problems.append(f"{t[kind]} {kind}")
+    if t["untyped_errors"]:
+        problems.append(f"untyped errors: {t['untyped_errors'][:3]}")
+    for name, v in result["leaks"].items():
+        if v.get("prfaas:open_rooms"):
+            problems.append(f"{name}: {v['prfaas:open_rooms']:.0f} rooms open at rest")
+        if v.get("prfaas:kv_pool_used_tokens"):
+            problems.append(f"{name}: {v['prfaas:kv_pool_used_tokens']:.0f} KV-pool tokens held at rest")
+        if v.get("leaked_kv_bytes"):
+            problems.append(f"{name}: {v['leaked_kv_bytes']:.0f} landing-buffer bytes held at rest")
+    for r in result["faults"]:
+        if r["recovery_s"] is None:
+            problems.append(f"{r['fault']}: not recovered")
+        for status in (r.get("statuses") or {}):
+            if status.isdigit() and int(status) >= 500 and status != "503":
+                problems.append(f"{r['fault']}: answered {status}")
+    return problems
+
+
+def render_markdown(result: dict) -> str:
+    t = result["tally"]
+    lines = [f"{t['sent']} requests: {t['ok']} ok, {t['error']} typed errors {t['errors_by_status']}, {t['reset']} reset "
+             f"({t['reset_outside_router_faults']} outside router kills), {t['truncated']} truncated, {t['hung']} hung.", "",
+             "| fault | at s | ended s | recovered after s | notes |", "|---|---|---|---|---|"]
+    for r in result["faults"]:
+        notes = r.get("statuses") or ({"frames": r["garbage_frames"]} if "garbage_frames" in r else "")
+        rec = "not recovered" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
+        lines.append(f"| {r['fault']} | {r['started_s']:.1f} | {r['ended_s']:.1f} | {rec} | {notes} |")
+    rss = result["router_rss"]
+    lines += ["", f"Router RSS growth (longest-lived process): {rss['growth_longest_lived']:+.1%}; "
+              + "; ".join(f"pid {p['pid']}: {p['rss_warm_mb']:.0f} -> {p['rss_end_mb']:.0f} MB over {p['lived_s']:.0f} s"
+                          for p in rss["processes"]),
+              "Held at rest: " + "; ".join(f"{n}: rooms {v.get('prfaas:open_rooms', 0):.0f}, pool tokens "
+                                            f"{v.get('prfaas:kv_pool_used_tokens', 0):.0f}, KV bytes {v['leaked_kv_bytes']:.0f}"
+                                            for n, v in result["leaks"].items()),
+              "Verdict: " + ("; ".join(verdict(result)) or "pass")]
+    return "\n".join(lines)
