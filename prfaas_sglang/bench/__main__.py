@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     cs.add_argument("--rate", type=float, default=2.0, help="requests/s")
     cs.add_argument("--down-s", type=float, default=3.0, help="how long each fault lasts")
     cs.add_argument("--fuzz-requests", type=int, default=200)
+    cs.add_argument("--rounds", type=int, default=None, help="every fault this many times (default: one per 200 s, at least 1)")
     cs.add_argument("--seed", type=int, default=0)
     cs.add_argument("--json", action="store_true")
     af = sub.add_parser("api-fuzz", help="schemathesis against the router's /openapi.json on an emulated deployment")
@@ -287,9 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--duration must be >= 20, --rate and --down-s > 0, --fuzz-requests >= 0")
         if (why := available()) is not None:
             parser.error(f"the PrfaaS link's namespace {why}")
-        result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests)
+        rounds = args.rounds or max(int(args.duration // 200), 1)
+        if rounds < 1 or args.duration / (rounds * len(bench.FAULTS)) < args.down_s + 2:
+            parser.error("--rounds must be >= 1, with room for each fault (--duration / (rounds x 8) >= --down-s + 2)")
+        result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, rounds=rounds)
         header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
-                  f"--down-s {args.down_s:g} --seed {args.seed}; {stamp} -->")
+                  f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}; {stamp} -->")
     elif args.name == "api-fuzz":
         from prfaas_sglang.bench import api_fuzz as bench
 

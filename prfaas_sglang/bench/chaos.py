@@ -6,13 +6,15 @@ Deployment: PrfaaS (own namespace, veth) + PD-P + PD-D + router, every node thro
 Load: ``rate`` requests/s, half short (PD path), half long (PrfaaS path), half streamed, each
 with a client deadline of ``hung_after_s``.
 
-Faults, one at a time, in a seeded order, evenly spread over the run:
+Faults, one at a time, evenly spread over the run (a fault that overruns its slot delays the next); each round injects every fault once, in a
+seeded order:
 
 * ``kill-<node>``: ``kill -9`` of a worker (PrfaaS, PD-P, PD-D) or of the router, restarted
   after ``down_s``; the fault ends when the new process answers ``/health``;
 * ``zmq-garbage``: PD-P killed and its KV-event port taken by a publisher of malformed frames
   (random bytes, truncated batches, wrong topic) for ``down_s``, then PD-P restarted;
-* ``link-blackhole``: the PrfaaS veth down for ``down_s`` (every packet lost);
+* ``link-blackhole``: the PrfaaS veth down for ``4 * down_s`` (every packet lost; long enough
+  for the router to see the telemetry go silent and route around the PrfaaS worker);
 * ``link-throttle``: the PrfaaS link at 1/10 of its rate for ``2 * down_s``;
 * ``http-fuzz``: ``fuzz_requests`` malformed HTTP requests (bad JSON, wrong types, absurd
   sizes, bad headers) sent to the router alongside the load.
@@ -258,7 +260,7 @@ async def _inject(chaos: Chaos, fault: str, down_s: float, seed: int, state: dic
         import subprocess
 
         subprocess.run(["ip", "link", "set", chaos.net.outer, "down"], check=True, capture_output=True)
-        await asyncio.sleep(down_s)
+        await asyncio.sleep(4 * down_s)
         subprocess.run(["ip", "link", "set", chaos.net.outer, "up"], check=True, capture_output=True)
     elif fault == "link-throttle":
         chaos.net.throttle(rate_mbit / 10)
@@ -283,15 +285,18 @@ async def _rss(pid_of, samples: list, state: dict, stop: asyncio.Event) -> None:
 
 
 async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, down_s: float, fuzz_requests: int,
-                      rate_mbit: float, faults: tuple[str, ...]) -> dict:
+                      rate_mbit: float, faults: tuple[str, ...], rounds: int) -> dict:
     import aiohttp
 
     url = chaos.d.router.url
     state = {"t0": time.monotonic(), "router_down": False}
     tally, records, rss = Tally(), [], []
     stop = asyncio.Event()
-    order = list(faults)
-    random.Random(seed).shuffle(order)
+    order = []
+    for r in range(rounds):  # every fault once per round, in a seeded order
+        batch = list(faults)
+        random.Random(seed * 1000 + r).shuffle(batch)
+        order += batch
     load = asyncio.create_task(_load(url, rate, duration_s, seed, tally, state))
     sampler = asyncio.create_task(_rss(lambda: chaos.procs["router"].pid, rss, state, stop))
     slot = duration_s * 0.8 / max(len(order), 1)
@@ -312,7 +317,7 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
     stop.set()
     await sampler
     return {"tally": vars(tally), "faults": records, "leaks": leaks, "router_rss": _rss_summary(rss),
-            "duration_s": duration_s, "rate_rps": rate, "seed": seed}
+            "duration_s": duration_s, "rate_rps": rate, "seed": seed, "rounds": rounds, "down_s": down_s}
 
 
 def _leak_view(metrics: str) -> dict:
@@ -342,7 +347,8 @@ def _rss_summary(samples: list) -> dict:
 
 
 def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: float = 3.0, fuzz_requests: int = 200,
-        rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, log_dir: Path | None = None) -> dict:
+        rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, rounds: int = 1, log_dir: Path | None = None) -> dict:
+    """One run; ``rounds``: how many times every fault is injected (the slots shrink to fit)."""
     from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
     from prfaas_sglang.demo.netns import Netns
 
@@ -359,7 +365,7 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
                                  speedup=50, kv_scale=0.002, threshold_tokens=6000, output_tokens=8)
             d = start_deployment(group, doc, *router_args, wrap={"prfaas": net.wrap}, engine_args=engine_args, name="chaos")
             chaos = Chaos(group, d, d.config, net, engine_args, router_args)
-            result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults))
+            result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults, rounds))
             result["logs"] = str(log_dir)
             return result
         finally:

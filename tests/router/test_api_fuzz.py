@@ -1,6 +1,6 @@
 """The router's published OpenAPI description under schemathesis (issue #16 item 3): generated
 requests, valid and not, against an emulated deployment; no response >= 500, every process alive
-and serving afterwards. The recorded run (>= 2,000 cases) is ``bench api-fuzz --max-examples 100``."""
+and serving afterwards. The recorded run (>= 2,000 cases) is ``bench api-fuzz --max-examples 250``."""
 
 from __future__ import annotations
 

@@ -502,6 +502,34 @@ def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path
         group.stop()
 
 
+BAD_BODIES = (  # issue #16's data-plane findings (500s then), and neighbours of them
+    b"[" * 1200 + b"]" * 1200,
+    b'{"input_ids": [' + b"9" * 5000 + b"]}",
+    b'{"text": "' + b"1" * 5000 + b'", "sampling_params": {"max_new_tokens": ' + b"9" * 5000 + b"}}",
+    b'{"text": "\\ud800 lone"}',
+    b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+    b'{"messages": [{"role": "\\ud800", "content": "hi"}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+    b'{"text": "a", "sampling_params": {"max_new_tokens": 1e400}}',
+    b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": NaN}}',
+    b'\xff\xfe{"text": "a"}',
+)
+
+
+def test_malformed_bodies_are_the_clients_error_on_every_path(deployment):
+    """Deep nesting, 5,000-digit numbers, lone surrogates in text, chat content or role, NaN, bad
+    UTF-8, and a bogus declared charset: 4xx on every data-plane path, never 5xx; then a good
+    request still goes through. ``/status`` with an unknown query answers as without it."""
+    url = deployment["url"]
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        for body in BAD_BODIES:
+            for ctype in ("application/json", "application/json; charset=bogus"):
+                r = requests.post(url + path, data=body, headers={"Content-Type": ctype}, timeout=30)
+                assert 400 <= r.status_code < 500, (path, body[:60], ctype, r.status_code, r.text[:200])
+    assert requests.get(url + "/status?telemetry=x", timeout=5).status_code == 200
+    assert generate(url, list(range(3_300_000, 3_300_300))).status_code == 200
+
+
 def test_a_request_id_is_echoed_only_when_it_is_safe_to_echo(deployment):
     """Found by schemathesis (issue #16): a ``rid`` with a control character reached the
     ``x-request-id`` response header, which aiohttp refuses to write: 500, or a stream closed with

@@ -1,0 +1,51 @@
+"""The 60 s chaos run in CI (issue #16 item 5): every fault once (kill -9 and restart of each worker
+and of the router, malformed ZMQ frames, a black-holed and a throttled PrfaaS link, fuzzed HTTP)
+under a mixed load. Asserted: what does not depend on timing (nothing hung, no stream truncated
+without an error event, every non-ok answer a typed error, connections broken only by the router's
+own death, nothing held at rest, every fault recovered from). Recovery times and RSS growth are
+the recorded run's (BENCHMARKS.md), not assertions here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prfaas_sglang.bench import chaos
+from prfaas_sglang.demo import netns
+
+pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"the PrfaaS link's namespace: {netns.available()}")
+
+
+def test_sixty_seconds_of_chaos_leave_nothing_hung_truncated_or_held():
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "chaos", "--duration", "60", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)["result"]
+    assert chaos.verdict(result) == [], chaos.render_markdown(result)
+    tally = result["tally"]
+    assert tally["sent"] >= 60 and tally["ok"] >= tally["sent"] // 2, tally
+    assert sorted(r["fault"] for r in result["faults"]) == sorted(chaos.FAULTS)
+    garbage = next(r for r in result["faults"] if r["fault"] == "zmq-garbage")
+    assert garbage["garbage_frames"] > 0
+    fuzz = next(r for r in result["faults"] if r["fault"] == "http-fuzz")
+    assert sum(fuzz["statuses"].values()) == 200 and not any(s.startswith("5") for s in fuzz["statuses"])
+    assert set(result["leaks"]) == {"prfaas-0", "pd-prefill-0", "pd-decode-0"}
+    assert len(result["router_rss"]["processes"]) == 2  # the router was killed once: two processes
+
+
+def test_the_verdict_names_each_kind_of_failure():
+    clean = {"tally": {"hung": 0, "truncated": 0, "reset_outside_router_faults": 0, "untyped_errors": []},
+             "leaks": {"w": {"prfaas:open_rooms": 0.0, "prfaas:kv_pool_used_tokens": 0.0, "leaked_kv_bytes": 0.0}},
+             "faults": [{"fault": "http-fuzz", "recovery_s": 0.1, "statuses": {"400": 3, "503": 1}}]}
+    assert chaos.verdict(clean) == []
+    bad = json.loads(json.dumps(clean))
+    bad["tally"].update(hung=1, truncated=2, reset_outside_router_faults=3, untyped_errors=["502: <html>"])
+    bad["leaks"]["w"].update({"prfaas:open_rooms": 1.0, "leaked_kv_bytes": 4096.0})
+    bad["faults"] = [{"fault": "kill-router", "recovery_s": None}, {"fault": "http-fuzz", "recovery_s": 0.1, "statuses": {"500": 1}}]
+    problems = " | ".join(chaos.verdict(bad))
+    for words in ("1 hung", "2 truncated", "3 reset_outside_router_faults", "untyped", "rooms open", "landing-buffer bytes",
+                  "kill-router: not recovered", "http-fuzz: answered 500"):
+        assert words in problems, (words, problems)
