@@ -339,3 +339,41 @@ def test_the_vocab_hook_refuses_ids_sglang_would_read_out_of_bounds():
     image = GenerateReqInput(input_ids=[1, 10**6], image_data=["x.png"])
     assert check_ids_in_vocab(manager, image, image.input_ids) is None  # multimodal: SGLang's processors decide
     assert check_ids_in_vocab(SimpleNamespace(), ok, ok.input_ids) is None  # no model config: nothing to check
+
+
+def test_sglangs_link_telemetry_publisher_binds_its_host_with_curve():
+    """The kv-telemetry hook's publisher (real SGLang PrfaaS workers): on the configured host, a
+    CURVE server: the deployment's subscriber gets samples, one without the key nothing."""
+    from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
+    from prfaas_sglang.hooks.kv_telemetry import LinkTelemetry
+    from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
+
+    curve = CurveKeys.from_deployment(KEYS)
+    port = _port()
+    telemetry = LinkTelemetry(port, "w@test", "127.0.0.1", curve)
+    telemetry.start()
+
+    async def run():
+        ours, eve = ZmqSubscriber(curve=curve), ZmqSubscriber()
+        got, heard = [], []
+        ours.watch("ours", f"tcp://127.0.0.1:{port}", TELEMETRY_TOPIC, got.append)
+        eve.watch("eve", f"tcp://127.0.0.1:{port}", TELEMETRY_TOPIC, heard.append)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.6)  # two more intervals for the eavesdropper
+        listening = [c.laddr for c in psutil.Process().net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        await ours.close()
+        await eve.close()
+        return got, heard, listening
+
+    import psutil
+
+    try:
+        got, heard, listening = asyncio.run(run())
+    finally:
+        telemetry.stop()
+    assert got and got[0][0] == TELEMETRY_TOPIC
+    assert not heard
+    assert [a.ip for a in listening] == ["127.0.0.1"]
