@@ -41,7 +41,7 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
 
 
 @contextlib.contextmanager
-def _asyncio_default_loops() -> Iterator[None]:
+def asyncio_default_loops() -> Iterator[None]:
     """pyroute2 opens its netlink sockets on an event loop of the process's policy; uvloop's cannot
     carry AF_NETLINK, and importing SGLang's tokenizer manager installs uvloop's policy process-wide."""
     import asyncio
@@ -60,14 +60,14 @@ def shaped_namespace(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
     from pyroute2 import netns
 
     try:
-        with _asyncio_default_loops():
+        with asyncio_default_loops():
             if name in netns.listnetns():
                 netns.remove(name)
             netns.create(name)
             _wire(name, rate_mbit)
         yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit)
     finally:
-        with _asyncio_default_loops():
+        with asyncio_default_loops():
             _unwire(name)
 
 

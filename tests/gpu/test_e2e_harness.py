@@ -156,7 +156,7 @@ def _root_with_netns() -> str | None:
 def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
     from pyroute2 import IPRoute, netns
 
-    from prfaas_sglang.gpu.netlink import HOST_IF, shaped_namespace
+    from prfaas_sglang.gpu.netlink import HOST_IF, asyncio_default_loops, shaped_namespace
 
     rate_mbit = 40.0
     received = []
@@ -186,7 +186,7 @@ def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
     assert total == 8 << 20
     assert 0.6 * rate_mbit < rate < 1.2 * rate_mbit, rate  # the tbf binds: 40 Mbit/s, not loopback speed
     assert "prfaas-test-shaped" not in netns.listnetns()
-    with IPRoute() as ipr:
+    with asyncio_default_loops(), IPRoute() as ipr:  # pyroute2 under SGLang's uvloop policy: see netlink.py
         assert ipr.link_lookup(ifname=HOST_IF) == []
 
 
