@@ -275,7 +275,8 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
     """Start a PyPI PD router (``sglang-router`` 0.3.x or ``smg`` 1.x) over these workers; returns its URL
     once it routes (smg registers workers in the background after ``/health`` answers, so this waits
     until ``/v1/models`` lists a model). ``decode_policy`` None: ``power_of_two`` (load-aware) where there
-    are two decode workers or more, else ``round_robin`` (smg refuses power_of_two over one)."""
+    are two decode workers or more, else ``round_robin`` (smg refuses power_of_two over one). smg is
+    waited for until ``GET /workers`` shows every worker ready: it lists a model after the first."""
     decode_policy = decode_policy or ("power_of_two" if len(decode) >= 2 else "round_robin")
     pick = PortPicker()
     port = pick(host)
@@ -290,14 +291,23 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
     url = f"http://{host}:{port}"
     group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
+    wanted = {w.url for w in prefill + decode}
     while time.monotonic() < deadline:
         try:
-            if get_json(url + "/v1/models", timeout_s=2).get("data"):
+            if get_json(url + "/v1/models", timeout_s=2).get("data") and (kind != "smg" or _smg_ready(url, wanted)):
                 return url
         except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
             pass
         time.sleep(0.2)
-    raise StartupError(f"{kind}: no model listed at {url}/v1/models after {timeout_s:g} s")
+    raise StartupError(f"{kind}: not every worker ready at {url} after {timeout_s:g} s")
+
+
+def _smg_ready(url: str, wanted: set[str]) -> bool:
+    """smg lists a model once one worker is registered, and registers the others in the background:
+    ready when ``GET /workers`` shows every given worker healthy and ready."""
+    workers = get_json(url + "/workers", timeout_s=2).get("workers") or []
+    ready = {w.get("url") for w in workers if w.get("is_healthy") and w.get("status", "ready") == "ready"}
+    return wanted <= ready
 
 
 def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, extra: list[str],
