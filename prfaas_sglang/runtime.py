@@ -36,6 +36,7 @@ Inputs and their defaults (each stated in ``/status`` under ``"model"``):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
 from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
 from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
 from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile, parse_workload
-from prfaas_sglang.plan.search import best_threshold_for_split
+from prfaas_sglang.plan.search import best_per_split, best_threshold_for_split
 from prfaas_sglang.plan.workload import TruncatedLogNormal, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.topology import Emulation, Topology
@@ -124,6 +125,45 @@ class RuntimeModel:
         if capacity_bps is not None:
             dep = dataclasses.replace(dep, egress_bps=max(capacity_bps, 1.0))
         return best_threshold_for_split(dep, workload or self.prior, self.n_prefill, self.step_tokens)
+
+    def with_split(self, n_prefill: int) -> RuntimeModel:
+        """The same deployment with ``n_prefill`` PD-P instances and the rest PD-D (a long-term
+        conversion); raises ConfigError unless both roles keep at least one instance."""
+        n_pd = self.deployment.n_pd
+        if not 1 <= n_prefill <= n_pd - 1:
+            raise ConfigError("n_prefill", f"must be in 1..{n_pd - 1} (one instance per role at least), got {n_prefill}")
+        return dataclasses.replace(self, n_prefill=n_prefill, n_decode=n_pd - n_prefill)
+
+    def calibrated(self, scales: Mapping[str, float]) -> RuntimeModel:
+        """The model with each stage's capacity scaled by what was measured (``measured / modelled``):
+        ``prfaas`` and ``pd-prefill`` divide ``T_prefill``, ``pd-decode`` multiplies ``BS_max``.
+        Missing stages keep scale 1. The link and ``S_kv`` are unchanged (telemetry measures the link)."""
+        dep = self.deployment
+
+        def prefill(cls: InstanceClass, scale: float) -> InstanceClass:
+            return cls if scale == 1.0 else dataclasses.replace(cls, prefill=ScaledPrefill(cls.prefill, 1.0 / scale))
+
+        pd = prefill(dep.pd, scales.get("pd-prefill", 1.0))
+        decode_scale = scales.get("pd-decode", 1.0)
+        if decode_scale != 1.0:
+            pd = dataclasses.replace(pd, decode=DecodeProfile(pd.decode.bs_max * decode_scale, pd.decode.step_s))
+        dep = dataclasses.replace(dep, prfaas=prefill(dep.prfaas, scales.get("prfaas", 1.0)), pd=pd)
+        return dataclasses.replace(self, deployment=dep)
+
+    def plan_splits(self, workload: Workload, output_tokens: float | None = None) -> dict[int, OperatingPoint]:
+        """Every PD split's best operating point on ``workload`` (and ``L_out``), nominal link: what the
+        long-term controller chooses among."""
+        dep = self.deployment
+        if output_tokens is not None:
+            dep = dataclasses.replace(dep, output_tokens=max(output_tokens, 1.0))
+        return best_per_split(dep, workload, self.step_tokens)
+
+    def evaluate_at(self, workload: Workload, threshold_tokens: float, output_tokens: float | None = None) -> OperatingPoint:
+        """Equation (6) at this split and ``t`` on ``workload``: the model's view of what runs now."""
+        dep = self.deployment
+        if output_tokens is not None:
+            dep = dataclasses.replace(dep, output_tokens=max(output_tokens, 1.0))
+        return evaluate(dep, workload.split(threshold_tokens), self.n_prefill, self.n_decode)
 
     def research(self, capacity_bps: float | None, workload: Workload | None = None) -> float:
         return self.operating_point(capacity_bps, workload).threshold_tokens

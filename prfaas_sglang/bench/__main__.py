@@ -130,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     af.add_argument("--seed", type=int, default=0)
     af.add_argument("--max-time", type=float, default=900.0, help="seconds")
     af.add_argument("--json", action="store_true")
+    sm = sub.add_parser("sim", help="the simulator: vs the analytic model, vs the paper, a workload shift, its cost at scale")
+    sm.add_argument("--study", choices=("analytic", "paper", "shift", "scale"), required=True)
+    sm.add_argument("--seeds", type=int, default=3)
+    sm.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
+    sm.add_argument("--json", action="store_true")
     gb = sub.add_parser("gpu-bundle", help="build and verify the GPU carry bundle (SGLang and what it imports, tiny model)")
     gb.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
     gb.add_argument("--python-version", default=None, help="the GPU machine's Python (default 3.12)")
@@ -302,6 +307,16 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run(args.max_examples, args.seed, args.max_time)
         header = (f"<!-- python -m prfaas_sglang.bench api-fuzz --max-examples {args.max_examples} --seed {args.seed}; "
                   f"{stamp} -->")
+    elif args.name == "sim":
+        from prfaas_sglang.bench import sim as bench
+
+        if args.seeds < 1:
+            parser.error("--seeds must be >= 1")
+        if args.study == "scale" and (args.trace is None or not args.trace.is_file()):
+            parser.error("--study scale needs --trace FILE (a Mooncake-format trace)")
+        result = bench.run(args.study, args.seeds, args.trace)
+        header = (f"<!-- python -m prfaas_sglang.bench sim --study {args.study} --seeds {args.seeds}"
+                  f"{f' --trace {args.trace}' if args.trace else ''}; {stamp} -->")
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 

@@ -131,3 +131,17 @@ def naive_baseline(dep: Deployment, workload: Workload) -> OperatingPoint:
     """All prefill on the PrfaaS class, all decode on the PD class, no threshold (p = 1)."""
     everything_offloaded = Split(0.0, 1.0, workload.mean_tokens, None)
     return replace(evaluate(dep, everything_offloaded, 0, dep.n_pd), threshold_tokens=None)
+
+
+def best_per_split(dep: Deployment, workload: Workload, step_tokens: float = 128) -> dict[int, OperatingPoint]:
+    """For every PD split ``N_p = 0 .. n_pd-1``, its best threshold's operating point (one pass
+    over the threshold grid). The long-term controller compares splits with this."""
+    splits = _splits(dep)
+    best: dict[int, OperatingPoint | None] = {n_p: None for n_p in splits}
+    for t in threshold_grid(workload, step_tokens):
+        split = workload.split(t)
+        for n_p in splits:
+            point = evaluate(dep, split, n_p, dep.n_pd - n_p)
+            if _better(point, best[n_p]):
+                best[n_p] = point
+    return best  # type: ignore[return-value]

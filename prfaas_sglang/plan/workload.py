@@ -213,8 +213,13 @@ class BlendedWorkload(Workload):
             if s.mean_short_tokens is not None:
                 short_sum += w * (1.0 - s.offload_fraction) * s.mean_short_tokens
         q = 1.0 - p
-        return Split(threshold_tokens, p, long_sum / p if p > NEGLIGIBLE_MASS else None,
-                     short_sum / q if q > NEGLIGIBLE_MASS else None)
+        # A side below NEGLIGIBLE_MASS is empty, and says so in both fields (the model reads p > 0
+        # as "there are long requests" and needs their mean then).
+        if p <= NEGLIGIBLE_MASS:
+            return Split(threshold_tokens, 0.0, None, short_sum / q)
+        if q <= NEGLIGIBLE_MASS:
+            return Split(threshold_tokens, 1.0, long_sum / p, None)
+        return Split(threshold_tokens, p, long_sum / p, short_sum / q)
 
 
 # --- Mooncake traces -> incremental lengths -------------------------------------------

@@ -214,6 +214,19 @@ class ThresholdController:
         self._set(now_s, target, "override" if tokens is not None else "override cleared")
         return self.threshold_tokens
 
+    def replan(self, now_s: float, research: Callable[[float, Workload], float], why: str) -> float | None:
+        """Take a new planner (the long-term controller changed the PD split): ``model_t`` is
+        re-searched with it and ``t`` moves there at once, ``bias`` back to 1 (the queues it
+        answered belonged to the old split). An admin override stays. Returns the new ``t`` or None."""
+        self.research = research
+        self._model_cache.clear()
+        self.bias, self._last_step, self._idle_since, self._last_adjust_s = 1.0, None, None, now_s
+        self._model_t = self._model(self.capacity_est_bps)
+        self.baseline_tokens = self._target(self._model(self.nominal_bps), 1.0)
+        if self.override_tokens is not None:
+            return None
+        return self._set(now_s, self._target(self._model_t), f"replan: {why}")
+
     def describe(self) -> dict:
         return {"threshold_tokens": self.threshold_tokens, "baseline_tokens": self.baseline_tokens,
                 "model_threshold_tokens": self._model_t, "bias": self.bias,

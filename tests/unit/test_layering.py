@@ -26,7 +26,7 @@ PACKAGE = REPO_ROOT / "prfaas_sglang"
 PURE = (
     "prfaas_sglang.plan.model", "prfaas_sglang.plan.search", "prfaas_sglang.plan.workload", "prfaas_sglang.plan.profiles",
     "prfaas_sglang.plan.analytic", "prfaas_sglang.plan.scenario", "prfaas_sglang.plan.report", "prfaas_sglang.plan.anchors",
-    "prfaas_sglang.router.policy", "prfaas_sglang.router.threshold", "prfaas_sglang.router.link",
+    "prfaas_sglang.router.policy", "prfaas_sglang.router.threshold", "prfaas_sglang.router.longterm", "prfaas_sglang.router.link",
     "prfaas_sglang.router.workers", "prfaas_sglang.router.service", "prfaas_sglang.router.metrics",
     "prfaas_sglang.kvindex.index", "prfaas_sglang.kvindex.feed", "prfaas_sglang.kvindex.admission",
     "prfaas_sglang.wire.kv_events", "prfaas_sglang.wire.blocks", "prfaas_sglang.wire.telemetry", "prfaas_sglang.wire.handoff",

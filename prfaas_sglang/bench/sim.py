@@ -1,0 +1,218 @@
+"""The simulator's benchmarks: agreement with the analytic model, the paper's case study, a
+workload shift under the long-term controller, and the simulator's own cost at scale.
+
+Every study runs seeded Poisson arrivals through :class:`~prfaas_sglang.sim.fleet.Simulation`
+(the product's routing policy, controllers and KV index) and reports per seed and the spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from pathlib import Path
+
+from prfaas_sglang.router.longterm import LongTermSettings
+from prfaas_sglang.sim import workloads
+from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
+from prfaas_sglang.sim.report import summarize
+
+CASE_STUDY = FleetSpec(4, 3, 5)
+
+
+def best_split(fleet: FleetSpec, workload=None) -> tuple[int, float, float]:
+    """(N_p, t, Lambda_max) the planner picks for ``fleet``'s PD instances (N_p >= 1)."""
+    rt = Simulation(fleet).runtime
+    plans = rt.plan_splits(workload or rt.prior)
+    n = max((n for n in plans if n >= 1), key=lambda n: plans[n].lambda_max_rps)
+    return n, plans[n].threshold_tokens, plans[n].lambda_max_rps
+
+
+def _mean_prefill_s(sim: Simulation, lengths: list[int], kind: str) -> float:
+    return statistics.fmean(sim.timing[kind].prefill_s(n) for n in lengths)
+
+
+def saturated(fleet: FleetSpec, seed: int, load: float = 1.25, duration_s: float = 2400.0, warmup_s: float = 1200.0) -> dict:
+    """Offer ``load`` x Lambda_max with ``t`` fixed at the planner's and nothing shed; the completion
+    rate after ``warmup_s`` is the simulated Lambda_max. Also the model with ``E[T(l)]`` for ``T(E[l])``
+    (the convexity of T_prefill), over the same arrivals, to tell that gap from simulator error."""
+    probe = Simulation(fleet)
+    t = probe.runtime.baseline_threshold_tokens
+    fleet = dataclasses.replace(fleet, threshold_tokens=t)
+    sim = Simulation(fleet, SimSettings(admission_timeout_s=math.inf))
+    sim.service.controller.override(0.0, t)  # t pinned: the queue bias would move it under overload
+    point = sim.runtime.operating_point()
+    lengths = fleet.workload_prior or workloads.CASE_STUDY
+    requests = list(workloads.poisson(load * point.lambda_max_rps, duration_s, seed, sim.runtime.output_tokens,
+                                      ((0.0, lengths),)))
+    sim.run(requests, duration_s)
+    done = sum(1 for r in sim.requests if r.finish_s is not None and warmup_s <= r.finish_s < duration_s)
+    measured = done / (duration_s - warmup_s)
+    long_ = [r.input_tokens for r in requests if r.input_tokens > t]
+    short = [r.input_tokens for r in requests if r.input_tokens <= t]
+    p = len(long_) / len(requests)
+    terms = [point.theta_pd_decode_rps]
+    if long_ and fleet.n_prfaas:
+        terms.append(min(fleet.n_prfaas / _mean_prefill_s(sim, long_, "prfaas"), point.prfaas_bandwidth_rps) / p)
+    if short:
+        terms.append(fleet.n_prefill / _mean_prefill_s(sim, short, "pd") / (1 - p))
+    narrow = f", lengths sigma {lengths['sigma']:g}" if fleet.workload_prior else ""
+    return {"fleet": f"{fleet.n_prfaas} PrfaaS + {fleet.n_prefill}P/{fleet.n_decode}D, {fleet.link_gbps:g} Gbit/s{narrow}",
+            "binding": point.binding_stage, "t": t, "seed": seed, "lambda_max_rps": point.lambda_max_rps,
+            "lambda_e_t_rps": min(terms), "measured_rps": measured, "ratio": measured / point.lambda_max_rps,
+            "ratio_e_t": measured / min(terms)}
+
+
+def study_analytic(seeds: int) -> list[dict]:
+    """Prefill-bound (the case study), decode-bound, bandwidth-bound, and prefill-bound with narrow lengths."""
+    fleets = [CASE_STUDY, FleetSpec(4, 6, 2), FleetSpec(4, 3, 5, link_gbps=5.0),
+              FleetSpec(4, 3, 5, workload_prior=dict(workloads.CASE_STUDY, kind="lognormal", sigma=0.25))]
+    return [saturated(fleet, seed) for fleet in fleets for seed in range(seeds)]
+
+
+def max_rate(fleet: FleetSpec, seed: int, lo: float, hi: float, attainment: float = 0.9, duration_s: float = 1500.0,
+             warmup_s: float = 300.0, iters: int = 7) -> tuple[float, dict]:
+    """The highest Poisson rate in [lo, hi] at which ``attainment`` of requests meet both SLOs (bisection)."""
+    best = (lo, {})
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        sim = Simulation(fleet)
+        sim.run(workloads.poisson(mid, duration_s, seed, sim.runtime.output_tokens), duration_s + 300)
+        s = summarize(sim, warmup_s, duration_s)
+        if (s["slo_attainment"] or 0) >= attainment:
+            lo, best = mid, (mid, s)
+        else:
+            hi = mid
+    return best
+
+
+def study_paper(seeds: int) -> list[dict]:
+    """PrfaaS-PD vs homogeneous (12 x 8xH20) vs naive heterogeneous (4 x 8xH200 prefill-only + 8 x 8xH20
+    decode-only), each at its planner's best split: the highest rate meeting the SLOs for 90% of requests."""
+    n_p, _, lam = best_split(CASE_STUDY)
+    homo = FleetSpec(0, 1, 11)
+    h_p, _, h_lam = best_split(homo)
+    configs = {"prfaas-pd": dataclasses.replace(CASE_STUDY, n_prefill=n_p, n_decode=8 - n_p),
+               "homogeneous": FleetSpec(0, h_p, 12 - h_p),
+               "naive-heterogeneous": FleetSpec(4, 0, 8, threshold_tokens=1.0)}
+    rows = []
+    for seed in range(seeds):
+        for name, fleet in configs.items():
+            rate, s = max_rate(fleet, seed, 0.3, 6.0)
+            rows.append({"config": name, "seed": seed, "split": f"{fleet.n_prefill}P/{fleet.n_decode}D",
+                         "max_rate_rps": rate, "ttft_p90_s": s.get("ttft_s", {}).get("p90"),
+                         "egress_gbps": s.get("egress_gbps_mean"), "offload": s.get("offload_fraction")})
+    return rows
+
+
+def shift_run(fleet: FleetSpec, seed: int, rate: float, longterm: LongTermSettings | None, shift_at_s: float = 600.0,
+              duration_s: float = 1800.0) -> dict:
+    sim = Simulation(fleet, SimSettings(longterm=longterm))
+    phases = workloads.median_shift_phases(shift_at_s)
+    sim.run(workloads.poisson(rate, duration_s, seed, sim.runtime.output_tokens, phases), duration_s + 300)
+    s = summarize(sim, duration_s - 600, duration_s)
+    return {"goodput_rps": s["goodput_rps"], "ttft_p90_s": s["ttft_s"]["p90"], "conversions": len(sim.longterm.history) if sim.longterm else 0,
+            "final_split": f"{sum(r.role == 'prefill' and r.cluster == 'pd' for r in sim.service.workers.values())}P/"
+                           f"{sum(r.role == 'decode' for r in sim.service.workers.values())}D",
+            "events": [(round(t), e[:120]) for t, e in sim.events]}
+
+
+def study_shift(seeds: int) -> dict:
+    """Median input doubles at minute 10 of 30; the last 10 minutes' goodput: the old split fixed, the
+    long-term controller, and the planner's optimum split for the new lengths fixed from the start.
+    Arrivals at 90% of that optimum's Lambda_max (above what the old split sustains)."""
+    new = workloads.lognormal(workloads.median_shift_phases(0)[1][1])
+    n_new, _, lam_new = best_split(CASE_STUDY, new)
+    n_old, _, _ = best_split(CASE_STUDY)
+    rt = Simulation(CASE_STUDY).runtime
+    lam_old_split = rt.plan_splits(new)[n_old].lambda_max_rps
+    rate = 0.9 * lam_new
+    rows = []
+    for seed in range(seeds):
+        for name, fleet, lt in (("fixed old split", dataclasses.replace(CASE_STUDY, n_prefill=n_old, n_decode=8 - n_old), None),
+                                ("long-term controller", dataclasses.replace(CASE_STUDY, n_prefill=n_old, n_decode=8 - n_old), LongTermSettings()),
+                                ("optimum for new lengths", dataclasses.replace(CASE_STUDY, n_prefill=n_new, n_decode=8 - n_new), None)):
+            rows.append({"run": name, "seed": seed, **shift_run(fleet, seed, rate, lt)})
+    return {"rate_rps": rate, "old_split": n_old, "new_split": n_new, "planner_lambda_new_rps": lam_new,
+            "planner_lambda_old_split_new_lengths_rps": lam_old_split, "rows": rows}
+
+
+def study_scale(trace: Path) -> list[dict]:
+    """Wall time of one hour of the trace vs fleet size, and vs request count (copies) at 512 GPUs."""
+    rows = []
+    for gpus, copies in ((64, 1), (128, 1), (256, 1), (512, 1), (512, 2), (512, 4)):
+        instances = gpus // 8
+        n_prfaas = instances // 4
+        n_pd = instances - n_prfaas
+        fleet = FleetSpec(n_prfaas, max(n_pd // 2, 1), n_pd - max(n_pd // 2, 1))
+        requests = workloads.trace(trace, copies)
+        sim = Simulation(fleet)
+        started = time.perf_counter()
+        sim.run(requests, max(r.arrival_s for r in requests) + 600)
+        wall = time.perf_counter() - started
+        s = summarize(sim, 0, max(r.arrival_s for r in requests))
+        rows.append({"gpus": gpus, "requests": len(requests), "wall_s": wall, "goodput_rps": s["goodput_rps"],
+                     "offered_rps": s["offered_rps"], "offload": s["offload_fraction"]})
+    return rows
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+
+
+def run(study: str, seeds: int, trace: Path | None = None) -> dict:
+    started = time.perf_counter()
+    if study == "analytic":
+        data = study_analytic(seeds)
+    elif study == "paper":
+        data = study_paper(seeds)
+    elif study == "shift":
+        data = study_shift(seeds)
+    else:
+        data = study_scale(trace)
+    return {"study": study, "seeds": seeds, "data": data, "wall_s": time.perf_counter() - started}
+
+
+def render_markdown(result: dict) -> str:
+    study, data = result["study"], result["data"]
+    lines = []
+    if study == "analytic":
+        lines += ["| fleet | binding | Lambda_max (eq. 6) | with E[T(l)] | simulated | sim / eq. 6 | sim / E[T(l)] |",
+                  "|---|---|---|---|---|---|---|"]
+        for fleet in dict.fromkeys(r["fleet"] for r in data):
+            rows = [r for r in data if r["fleet"] == fleet]
+            lines.append(f"| {fleet} | {rows[0]['binding']} | {rows[0]['lambda_max_rps']:.3f} | "
+                         f"{spread([r['lambda_e_t_rps'] for r in rows])} | {spread([r['measured_rps'] for r in rows])} | "
+                         f"{spread([r['ratio'] for r in rows])} | {spread([r['ratio_e_t'] for r in rows])} |")
+    elif study == "paper":
+        lines += ["| config | split | max rate at 90% SLO attainment (req/s) | TTFT p90 there (s) | egress (Gbit/s) | offload |",
+                  "|---|---|---|---|---|---|"]
+        for name in dict.fromkeys(r["config"] for r in data):
+            rows = [r for r in data if r["config"] == name]
+            lines.append(f"| {name} | {rows[0]['split']} | {spread([r['max_rate_rps'] for r in rows])} | "
+                         f"{spread([r['ttft_p90_s'] or 0 for r in rows])} | {spread([r['egress_gbps'] or 0 for r in rows])} | "
+                         f"{spread([r['offload'] or 0 for r in rows])} |")
+        by = {n: statistics.fmean(r["max_rate_rps"] for r in data if r["config"] == n) for n in ("prfaas-pd", "homogeneous", "naive-heterogeneous")}
+        lines.append(f"\nprfaas-pd / homogeneous {by['prfaas-pd'] / by['homogeneous']:.2f}x, prfaas-pd / naive "
+                     f"{by['prfaas-pd'] / by['naive-heterogeneous']:.2f}x, naive / homogeneous "
+                     f"{by['naive-heterogeneous'] / by['homogeneous']:.2f}x")
+    elif study == "shift":
+        lines += [f"arrivals {data['rate_rps']:.3f} req/s; planner Lambda_max for the new lengths: optimum "
+                  f"{data['new_split']}P {data['planner_lambda_new_rps']:.3f}, old split {data['old_split']}P "
+                  f"{data['planner_lambda_old_split_new_lengths_rps']:.3f}", "",
+                  "| run | goodput, last 10 min (req/s) | TTFT p90 (s) | conversions | final split |", "|---|---|---|---|---|"]
+        for name in dict.fromkeys(r["run"] for r in data["rows"]):
+            rows = [r for r in data["rows"] if r["run"] == name]
+            lines.append(f"| {name} | {spread([r['goodput_rps'] for r in rows])} | {spread([r['ttft_p90_s'] or 0 for r in rows])} | "
+                         f"{', '.join(str(r['conversions']) for r in rows)} | {', '.join(r['final_split'] for r in rows)} |")
+        opt = {r["seed"]: r["goodput_rps"] for r in data["rows"] if r["run"] == "optimum for new lengths"}
+        ratios = [r["goodput_rps"] / opt[r["seed"]] for r in data["rows"] if r["run"] == "long-term controller" and opt[r["seed"]]]
+        if ratios:
+            lines.append(f"\nlong-term / optimum, per seed: {', '.join(f'{x:.2f}' for x in ratios)}")
+    else:
+        lines += ["| GPUs | requests | wall (s) | offered (req/s) | goodput (req/s) | offload |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['gpus']} | {r['requests']} | {r['wall_s']:.1f} | {r['offered_rps']:.2f} | {r['goodput_rps']:.2f} | "
+                  f"{r['offload']:.2f} |" for r in data]
+    lines.append(f"\n(wall {result['wall_s']:.0f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,255 @@
+"""Long-term control of the PD split (paper section 3.4.3, "long term"), pure: time comes in as ``now_s``.
+
+The threshold controller (``threshold.py``) moves ``t`` every few seconds on a fixed split. This
+one works in minutes: it watches what each stage delivered and converts PD nodes between prefill
+and decode when the split no longer fits the load. One decision, every ``interval_s``::
+
+    workload  = incremental and output lengths the router routed over ``window_s``
+    measured  = per stage, requests finished / instance-seconds busy     (a busy instance's rate)
+    modelled  = the same rate by equations (3)-(5), on the lengths each stage really got
+    scale     = clamp(measured / modelled)       only for a stage busy enough to tell (else kept)
+    plans     = runtime.calibrated(scale).plan_splits(workload, L_out)   every split's best t
+    target    = the split with the highest Lambda_max (ties: the one nearest to now)
+
+    convert when all of these hold
+      gain = Lambda(target) / Lambda(now) - 1 >= min_gain     the model says it pays
+      some stage is saturated (busy >= busy_high, or its     the load says it matters now:
+        queue grew by more than one request per instance)    an idle fleet is not re-split
+      the same direction for ``confirm`` decisions running   hysteresis against one noisy window
+      (undoing the last conversion within 2 x min_dwell_s:    no flapping between two splits)
+       twice the gain)
+      now - last conversion >= min_dwell_s                   a conversion drains and restarts nodes
+    and move at most ``max_step`` nodes toward the target, never below one node per role.
+
+The paper's drift, ``Theta_prfaas + Theta_pd_p`` against ``Theta_pd_d``, is in every
+:class:`Replan` (``drift``: their ratio at the split that ran; 1 is balanced) and in
+:meth:`describe`. With a conversion comes the threshold for the new split: the caller hands
+``replan.runtime.research`` to the threshold controller (:meth:`ThresholdController.replan`).
+
+Who applies a decision: the router (emulated deployment: the engine's role-switch endpoint;
+SGLang 0.5.15: drain and restart through the launcher) and the simulator (its own nodes). A node
+being converted is drained first, so the caller reports it in neither role's ``instances`` until
+it serves again; :func:`pick_nodes` chooses which ones (the least loaded).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prfaas_sglang.plan.workload import EmpiricalLengths
+from prfaas_sglang.runtime import RuntimeModel
+
+STAGES = ("prfaas", "pd-prefill", "pd-decode")
+
+
+@dataclass(frozen=True)
+class LongTermSettings:
+    interval_s: float = 60.0  # decide at most this often (model seconds)
+    window_s: float = 300.0  # what a decision looks at
+    min_dwell_s: float = 300.0  # no conversion sooner than this after the last one
+    min_gain: float = 0.05  # Lambda_max gain the model must predict
+    confirm: int = 2  # consecutive decisions wanting the same direction
+    busy_high: float = 0.85  # a stage this busy is saturated (and decode's rate can be measured)
+    min_busy: float = 0.2  # a prefill stage less busy than this tells nothing about its rate
+    max_step: int | None = None  # nodes per conversion; None: max(1, n_pd // 4)
+    min_requests: int = 100  # routed requests in the window before any decision
+    scale_bounds: tuple[float, float] = (0.5, 2.0)  # measured / modelled, clamped
+
+    def __post_init__(self):
+        if not 0 < self.interval_s <= self.window_s:
+            raise ValueError("need 0 < interval_s <= window_s")
+        if self.min_dwell_s < 0 or self.min_gain < 0 or self.confirm < 1 or self.min_requests < 1:
+            raise ValueError("need min_dwell_s >= 0, min_gain >= 0, confirm >= 1, min_requests >= 1")
+        if not 0 < self.min_busy < self.busy_high <= 1:
+            raise ValueError("need 0 < min_busy < busy_high <= 1")
+        if self.max_step is not None and self.max_step < 1:
+            raise ValueError("max_step must be >= 1 or None")
+        lo, hi = self.scale_bounds
+        if not 0 < lo <= 1 <= hi:
+            raise ValueError("need 0 < scale_bounds[0] <= 1 <= scale_bounds[1]")
+
+
+@dataclass(frozen=True)
+class StageSample:
+    """What the stages did since the previous sample (the caller's counters, differenced).
+
+    ``busy_s``: instance-seconds busy. Prefill: a forward running. Decode: occupancy, the running
+    batch over the batch limit, integrated (a full batch for one second is one busy second).
+    ``queued``: requests waiting at the stage now. ``instances``: nodes serving the stage now.
+    """
+
+    interval_s: float
+    completed: Mapping[str, int]
+    busy_s: Mapping[str, float]
+    queued: Mapping[str, int]
+    instances: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A decision. ``convert`` > 0: that many decode nodes become prefill; < 0: prefill become decode."""
+
+    now_s: float
+    convert: int
+    n_prefill: int  # the split after the conversion
+    n_decode: int
+    threshold_tokens: float  # the planner's t for the new split (calibrated model, window's workload)
+    current_rps: float  # Lambda_max of the split that ran, calibrated
+    target_rps: float  # Lambda_max of the split the controller moves toward (maybe several steps away)
+    drift: float  # (Theta_prfaas + Theta_pd_p) / Theta_pd_d at the split that ran
+    scales: Mapping[str, float]
+    runtime: RuntimeModel  # the calibrated model at the new split (its ``research`` gives t)
+    reason: str
+
+
+@dataclass
+class LongTermController:
+    runtime: RuntimeModel  # the split in force now (model units as the router observes them)
+    settings: LongTermSettings = field(default_factory=LongTermSettings)
+
+    scales: dict[str, float] = field(init=False)
+    history: collections.deque = field(init=False)
+
+    def __post_init__(self):
+        self.scales = {s: 1.0 for s in STAGES}
+        self.history = collections.deque(maxlen=100)
+        self._routed: collections.deque[tuple[float, int, int, str | None]] = collections.deque()
+        self._samples: collections.deque[tuple[float, StageSample]] = collections.deque()
+        self._last_decision_s = -math.inf
+        self._last_change_s = -math.inf
+        self._streak = 0  # signed: consecutive decisions wanting more prefill (> 0) or more decode (< 0)
+        self._last: dict = {}
+        self._last_direction = 0
+
+    # --- inputs ------------------------------------------------------------------------
+
+    def record(self, now_s: float, uncached_tokens: int, output_tokens: int, cluster: str | None = None) -> None:
+        """One routed request: its incremental length, the output it may produce, where it prefills."""
+        self._routed.append((now_s, max(uncached_tokens, 1), max(output_tokens, 1), cluster))
+
+    def observe(self, now_s: float, sample: StageSample, threshold_tokens: float) -> Replan | None:
+        """Take one sample (``threshold_tokens``: the ``t`` that ran); returns a conversion or None."""
+        s = self.settings
+        self._samples.append((now_s, sample))
+        self._trim(now_s)
+        if now_s - self._last_decision_s < s.interval_s:
+            return None
+        self._last_decision_s = now_s
+        if len(self._routed) < s.min_requests:
+            self._last = {"decision": f"waiting for {s.min_requests} routed requests ({len(self._routed)})"}
+            return None
+
+        workload = EmpiricalLengths([r[1] for r in self._routed], "long-term window")
+        out_tokens = sum(r[2] for r in self._routed) / len(self._routed)
+        busy = self._busy_fractions()
+        self._calibrate(out_tokens, busy)
+        model = self.runtime.calibrated(self.scales)
+        plans = {n: p for n, p in model.plan_splits(workload, out_tokens).items() if n >= 1}
+        now_point = model.evaluate_at(workload, threshold_tokens, out_tokens)
+        current_rps = now_point.lambda_max_rps
+        n_now = self.runtime.n_prefill
+        best = max(plans, key=lambda n: (round(plans[n].lambda_max_rps, 9), -abs(n - n_now)))
+        # Gain against the best this split can do (its own best t), not against the t that ran:
+        # the threshold controller fixes t in seconds; a conversion is for what t cannot fix.
+        here = plans[n_now].lambda_max_rps if n_now in plans else current_rps
+        gain = plans[best].lambda_max_rps / here - 1 if here > 0 else math.inf
+        drift = (now_point.theta_prfaas_rps + now_point.theta_pd_prefill_rps) / now_point.theta_pd_decode_rps
+        saturated = self._saturated(busy)
+
+        direction = (best > n_now) - (best < n_now)
+        # Undoing the last conversion soon after it needs twice the gain: no flapping between two splits.
+        reversal = direction == -self._last_direction and now_s - self._last_change_s < 2 * s.min_dwell_s
+        wants = direction != 0 and gain >= s.min_gain * (2 if reversal else 1) and bool(saturated)
+        self._streak = (self._streak + direction if self._streak * direction > 0 else direction) if wants else 0
+        self._last = {"target_n_prefill": best, "gain": gain, "drift": drift, "saturated": saturated,
+                      "busy": busy, "streak": self._streak, "current_rps": current_rps,
+                      "target_rps": plans[best].lambda_max_rps}
+        why = (f"split {n_now}P/{self.runtime.n_decode}D -> best {best}P/{self.runtime.deployment.n_pd - best}D "
+               f"(+{gain:.0%} Lambda_max), drift {drift:.2f}, saturated: {', '.join(saturated) or 'none'}")
+        if not wants:
+            self._last["decision"] = f"stay: {why}"
+            return None
+        if abs(self._streak) < s.confirm:
+            self._last["decision"] = f"wait for confirmation ({abs(self._streak)}/{s.confirm}): {why}"
+            return None
+        if now_s - self._last_change_s < s.min_dwell_s:
+            self._last["decision"] = f"dwell ({now_s - self._last_change_s:.0f} s < {s.min_dwell_s:.0f} s): {why}"
+            return None
+
+        n_pd = self.runtime.deployment.n_pd
+        step = s.max_step or max(1, n_pd // 4)
+        n_new = min(max(n_now + max(-step, min(step, best - n_now)), 1), n_pd - 1)
+        if n_new == n_now:
+            return None
+        new_model = model.with_split(n_new)
+        replan = Replan(now_s, n_new - n_now, n_new, n_pd - n_new, new_model.research(None, workload),
+                        current_rps, plans[best].lambda_max_rps, drift, dict(self.scales), new_model, why)
+        self.runtime = self.runtime.with_split(n_new)
+        self._last_change_s, self._streak, self._last_direction = now_s, 0, direction
+        self._samples.clear()  # what the old split did says little about the new one
+        self.history.append(replan)
+        self._last["decision"] = f"convert {replan.convert:+d}: {why}"
+        return replan
+
+    def describe(self) -> dict:
+        return {"n_prefill": self.runtime.n_prefill, "n_decode": self.runtime.n_decode, "scales": dict(self.scales),
+                "window_requests": len(self._routed), "conversions": len(self.history), **self._last}
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _trim(self, now_s: float) -> None:
+        horizon = now_s - self.settings.window_s
+        while self._routed and self._routed[0][0] < horizon:
+            self._routed.popleft()
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+
+    def _busy_fractions(self) -> dict[str, float]:
+        """Per stage, busy instance-seconds over available instance-seconds in the window."""
+        out = {}
+        for stage in STAGES:
+            avail = sum(smp.interval_s * smp.instances.get(stage, 0) for _, smp in self._samples)
+            if avail > 0:
+                out[stage] = min(sum(smp.busy_s.get(stage, 0.0) for _, smp in self._samples) / avail, 1.0)
+        return out
+
+    def _saturated(self, busy: Mapping[str, float]) -> list[str]:
+        """Stages busy past ``busy_high`` or whose queue grew by more than one request per instance."""
+        out = [stage for stage, b in busy.items() if b >= self.settings.busy_high]
+        if len(self._samples) >= 2:
+            first, last = self._samples[0][1], self._samples[-1][1]
+            for stage in STAGES:
+                grew = last.queued.get(stage, 0) - first.queued.get(stage, 0)
+                if stage not in out and grew > max(last.instances.get(stage, 0), 1):
+                    out.append(stage)
+        return out
+
+    def _calibrate(self, out_tokens: float, busy: Mapping[str, float]) -> None:
+        """``scales[stage]`` = measured / modelled per-instance rate, for stages busy enough to tell.
+
+        Modelled as the equations do it, on what the stage really got: prefill ``1 / T(mean uncached
+        length routed there)``, decode ``BS_max / (T_decode * mean L_out)``. So a scale holds the
+        model's error (``E[T(l)]`` against ``T(E[l])``, a profile that is off), not a change of ``t``."""
+        dep = self.runtime.deployment
+        modelled: dict[str, float | None] = {"pd-decode": dep.pd.decode.bs_max / (dep.pd.decode.step_s * out_tokens)}
+        for stage, cluster, cls in (("prfaas", "prfaas", dep.prfaas), ("pd-prefill", "pd", dep.pd)):
+            lens = [r[1] for r in self._routed if r[3] == cluster]
+            modelled[stage] = 1.0 / cls.prefill.prefill_s(sum(lens) / len(lens)) if lens else None
+        lo, hi = self.settings.scale_bounds
+        for stage in STAGES:
+            busy_s = sum(smp.busy_s.get(stage, 0.0) for _, smp in self._samples)
+            done = sum(smp.completed.get(stage, 0) for _, smp in self._samples)
+            # A decode node below a full batch steps faster than T_decode (the SLO's step at BS_max), so
+            # its rate per occupied slot overstates its capacity: decode is calibrated only when saturated.
+            floor = self.settings.busy_high if stage == "pd-decode" else self.settings.min_busy
+            if busy.get(stage, 0.0) < floor or busy_s <= 0 or done < 10 or not modelled[stage]:
+                continue
+            self.scales[stage] = min(max((done / busy_s) / modelled[stage], lo), hi)
+
+
+def pick_nodes(candidates: Sequence[tuple[str, float]], count: int) -> list[str]:
+    """The ``count`` least loaded of ``(name, load)`` (ties by name): the ones that drain soonest."""
+    return [name for name, _ in sorted(candidates, key=lambda c: (c[1], c[0]))[:max(count, 0)]]

@@ -1,0 +1,115 @@
+"""``python -m prfaas_sglang.sim --scenario case-study|shift|trace [--json] [--plot DIR]``.
+
+* ``case-study``: the paper's fleet (4 x 8xH200 PrfaaS, 8 x 8xH20 PD at the planner's split, 100
+  Gbit/s), Poisson arrivals of its log-normal lengths at ``--load`` x the planner's Lambda_max.
+* ``shift``: the same, the median input doubling at ``--shift-at-s``; the long-term controller on
+  (``--fixed-split`` turns it off).
+* ``trace``: a Mooncake-format trace (``--trace``; prefix reuse through the KV index), ``--copies``
+  replicas of it at once.
+
+Fleet size: ``--prfaas N --pd-prefill N --pd-decode N`` (instances of 8 GPUs); ``--link-gbps``;
+``--link-drop AT_S:GBPS`` (repeatable) changes the link's capacity mid-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.router.longterm import LongTermSettings
+from prfaas_sglang.sim import workloads
+from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
+from prfaas_sglang.sim.report import plot, summarize
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m prfaas_sglang.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=("case-study", "shift", "trace"), default="case-study")
+    p.add_argument("--prfaas", type=int, default=4)
+    p.add_argument("--pd-prefill", type=int, default=None, help="default: the planner's split of --pd")
+    p.add_argument("--pd", type=int, default=8, help="PD instances (split by the planner unless --pd-prefill)")
+    p.add_argument("--link-gbps", type=float, default=100.0)
+    p.add_argument("--link-drop", action="append", default=[], metavar="AT_S:GBPS")
+    p.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of the planner's Lambda_max")
+    p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s), instead of --load")
+    p.add_argument("--duration-s", type=float, default=1800.0)
+    p.add_argument("--warmup-s", type=float, default=600.0, help="excluded from the summary")
+    p.add_argument("--shift-at-s", type=float, default=600.0)
+    p.add_argument("--fixed-split", action="store_true", help="no long-term controller")
+    p.add_argument("--trace", type=Path, default=None)
+    p.add_argument("--copies", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> tuple[Simulation, list, float]:
+    """The simulation, its arrivals and the measured window's end."""
+    n_prefill = args.pd_prefill
+    if n_prefill is None:
+        probe = Simulation(FleetSpec(args.prfaas, 1, args.pd - 1, args.link_gbps))
+        plans = probe.runtime.plan_splits(probe.runtime.prior)
+        n_prefill = max((n for n in plans if n >= 1), key=lambda n: plans[n].lambda_max_rps)
+    if not 1 <= n_prefill < args.pd:
+        raise ConfigError("--pd-prefill", f"must be in 1..{args.pd - 1}, got {n_prefill}")
+    fleet = FleetSpec(args.prfaas, n_prefill, args.pd - n_prefill, args.link_gbps)
+    schedule = []
+    for item in args.link_drop:
+        try:
+            at_s, gbps = (float(x) for x in item.split(":"))
+        except ValueError:
+            raise ConfigError("--link-drop", f"expected AT_S:GBPS, got {item!r}") from None
+        schedule.append((at_s, gbps))
+    longterm = LongTermSettings() if args.scenario == "shift" and not args.fixed_split else None
+    sim = Simulation(fleet, SimSettings(longterm=longterm, link_schedule=tuple(schedule)))
+    if args.scenario == "trace":
+        if args.trace is None:
+            raise ConfigError("--trace", "the trace scenario needs a Mooncake-format trace file")
+        requests = workloads.trace(args.trace, args.copies)
+        return sim, requests, max(r.arrival_s for r in requests)
+    rate = args.rate if args.rate is not None else args.load * sim.runtime.capacity_rps()
+    phases = workloads.median_shift_phases(args.shift_at_s) if args.scenario == "shift" else ((0.0, workloads.CASE_STUDY),)
+    return sim, list(workloads.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens, phases)), args.duration_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        sim, requests, end_s = build(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    sim.run(requests, end_s + 600.0)  # room for the last arrivals to finish
+    wall_s = time.perf_counter() - started
+    warmup = min(args.warmup_s, end_s / 2)
+    summary = summarize(sim, warmup, end_s)
+    summary.update({"scenario": args.scenario, "gpus": sim.fleet.gpus, "requests": len(requests),
+                    "wall_s": round(wall_s, 2), "fleet": {"prfaas": sim.fleet.n_prfaas, "pd_prefill": sim.fleet.n_prefill,
+                                                          "pd_decode": sim.fleet.n_decode, "link_gbps": sim.fleet.link_gbps},
+                    "planner_lambda_max_rps": sim.runtime.capacity_rps(),
+                    "final_threshold_tokens": sim.service.controller.threshold_tokens,
+                    "events": [[round(t, 1), what] for t, what in sim.events]})
+    if args.plot is not None:
+        summary["plots"] = [str(p) for p in plot(sim, args.plot)]
+    if args.json:
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        print(f"{args.scenario}: {sim.fleet.gpus} GPUs, {len(requests)} requests, simulated in {wall_s:.1f} s")
+        print(f"  goodput {summary['goodput_rps']:.3f} req/s of {summary['offered_rps']:.3f} offered "
+              f"(SLO attainment {summary['slo_attainment']:.1%}); TTFT p50/p90 {summary['ttft_s']['p50']}/{summary['ttft_s']['p90']} s; "
+              f"TBT p50/p90 {summary['tbt_ms']['p50']}/{summary['tbt_ms']['p90']} ms")
+        print(f"  offload {summary['offload_fraction']:.1%}, egress {summary['egress_gbps_mean']:.1f} Gbit/s, "
+              f"busy {', '.join(f'{k} {v:.0%}' for k, v in summary['utilisation'].items() if v is not None)}")
+        for t, what in sim.events:
+            print(f"  {t:8.0f} s  {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

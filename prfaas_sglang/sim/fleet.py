@@ -1,0 +1,394 @@
+"""A simulated PrfaaS-PD deployment driven by the product's own policy objects.
+
+The router here *is* the router's pure core: a :class:`~prfaas_sglang.router.service.RouterService`
+built by ``new_service`` from a topology document (``runtime.from_topology``, the one place a
+deployment model is built), so every request is placed by ``policy.route`` on the same snapshot the
+live router takes, the threshold controller gets the same link view (a
+:class:`~prfaas_sglang.wire.telemetry.LinkSample` from the simulated link) and queue ledgers, the
+KV index gets the events a worker publishes, and the long-term controller (``router.longterm``)
+converts nodes. Only the I/O differs: SimPy events instead of HTTP, ZMQ and Mooncake.
+
+One request::
+
+    arrive -> service.decide (NoDecodeRoom: wait in the router, as the live one does, until room
+              or ``admission_timeout_s``) -> service.begin -> prefill node (chunked prefill,
+              uncached = what that node's cache really holds) -> service.prefill_done ->
+              PrfaaS: the shared link carries S_kv(l); PD-P: RDMA, free -> decode node
+              (continuous batching) -> service.finish
+
+A conversion (:class:`~prfaas_sglang.router.longterm.Replan`): the chosen nodes are drained
+(routed around; they finish what they hold), go down for ``switch_s`` (SGLang 0.5.15: a restart
+through the launcher; 0.5.23's ``/pd_role_switch`` rebuilds in place), and come back in the new
+role with an empty cache. The router's runtime model and ``t`` move to the new split at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import simpy
+
+from prfaas_sglang.engine.mock.timing import EngineTiming, load_timing
+from prfaas_sglang.plan.workload import MOONCAKE_BLOCK_TOKENS
+from prfaas_sglang.router.longterm import (
+    LongTermController,
+    LongTermSettings,
+    Replan,
+    StageSample,
+    pick_nodes,
+)
+from prfaas_sglang.router.policy import (
+    PD,
+    PRFAAS,
+    BandwidthMode,
+    NoDecodeRoom,
+    NoHealthyWorker,
+    RouteInput,
+)
+from prfaas_sglang.router.service import RouterConfig, new_service
+from prfaas_sglang.router.threshold import ControllerSettings
+from prfaas_sglang.router.workers import (
+    WorkerFacts,
+    WorkerLoad,
+    WorkerRecord,
+    workers_from_topology,
+)
+from prfaas_sglang.runtime import RuntimeModel, from_topology
+from prfaas_sglang.sim.nodes import DecodeNode, PrefillNode, SharedLink, SimRequest
+from prfaas_sglang.topology import parse_topology
+from prfaas_sglang.wire.blocks import HASH_SCHEME
+from prfaas_sglang.wire.kv_events import BlockRemoved, BlockStored, StateStored
+from prfaas_sglang.wire.telemetry import LinkSample
+
+BLOCK = MOONCAKE_BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """Hardware and model: instance counts (8-GPU instances by default), the link, the cost model."""
+
+    n_prfaas: int
+    n_prefill: int
+    n_decode: int
+    link_gbps: float = 100.0
+    model: str = "kimi-linear-1t-hybrid"
+    accelerators: tuple[str, str] = ("h200x8", "h20x8")
+    workload_prior: dict | None = None  # scheduler.workload (None: the case study's log-normal)
+    output_tokens: int = 1024  # L_out the planner assumes
+    slo_tokens_per_s: float = 40.0
+    ttft_slo_s: float = 10.0
+    threshold_tokens: float | None = None  # the operator's fixed baseline t; None: the planner's
+
+    @property
+    def gpus(self) -> int:
+        return 8 * (self.n_prfaas + self.n_prefill + self.n_decode)
+
+    def topology(self) -> dict:
+        """The topology document a real deployment of this fleet would have (ports are names here)."""
+        ports = iter(range(20_000, 60_000))
+
+        def node(role: str, i: int) -> dict:
+            n = {"name": f"{role}-{i}", "role": role, "host": "127.0.0.1", "port": next(ports)}
+            if role != "pd-decode":
+                n["bootstrap_port"] = next(ports)
+            return n
+
+        clusters = {"pd": {"kind": "pd", "accelerator": self.accelerators[1],
+                           "nodes": [node("pd-prefill", i) for i in range(self.n_prefill)]
+                           + [node("pd-decode", i) for i in range(self.n_decode)]}}
+        links = []
+        if self.n_prfaas:
+            clusters = {"prfaas": {"kind": "prfaas", "accelerator": self.accelerators[0],
+                                   "nodes": [node("prfaas", i) for i in range(self.n_prfaas)]}, **clusters}
+            links.append({"from": "prfaas", "to": "pd", "bandwidth_gbps": self.link_gbps})
+        scheduler = {"output_tokens": self.output_tokens, "slo_tokens_per_s": self.slo_tokens_per_s,
+                     "ttft_slo_s": self.ttft_slo_s}
+        if self.workload_prior is not None:
+            scheduler["workload"] = self.workload_prior
+        if self.threshold_tokens is not None:
+            scheduler["threshold_tokens"] = self.threshold_tokens
+        return {"version": 1, "clusters": clusters, "links": links, "model": {"cost_model": self.model},
+                "scheduler": scheduler}
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    chunk_tokens: int | None = 8192  # SGLang's --chunked-prefill-size (the emulated engine's default)
+    control_interval_s: float = 1.0  # threshold controller ticks (the live router: 0.25 s)
+    sample_interval_s: float = 10.0  # time series and long-term samples
+    longterm: LongTermSettings | None = None  # None: the split stays fixed
+    switch_s: float = 60.0  # a drained node is down this long while it changes role
+    link_schedule: tuple[tuple[float, float], ...] = ()  # (at_s, gbps): the link's capacity changes
+    mode: BandwidthMode = BandwidthMode.SCARCE
+    admission_timeout_s: float = 60.0
+    threshold: ControllerSettings = field(default_factory=ControllerSettings)
+    prefix_cache_tokens: int = 2_097_152  # per prefill node (the emulated engine's --cache-tokens)
+
+
+class Simulation:
+    def __init__(self, fleet: FleetSpec, settings: SimSettings | None = None):
+        self.fleet, self.settings = fleet, settings or SimSettings()
+        self.env = simpy.Environment()
+        topology = parse_topology(fleet.topology(), "simulated fleet")
+        self.runtime: RuntimeModel = from_topology(topology, emulated=False)
+        self.timing = {kind: load_timing(cost.engine_profile, 1.0, 1.0, int(self.runtime.decode.bs_max))
+                       for kind, cost in self.runtime.costs.items()}
+        s = self.settings
+        config = RouterConfig(mode=s.mode, admission_timeout_s=s.admission_timeout_s, controller=s.threshold,
+                              max_ttft_s=None)
+        records = workers_from_topology(topology)
+        self.service = new_service(config, self.runtime, records)
+        self.longterm = LongTermController(self.runtime, s.longterm) if s.longterm else None
+        self.link = SharedLink(self.env, fleet.link_gbps * 1e9)
+        self.nodes: dict[str, PrefillNode | DecodeNode] = {}
+        self.requests: list[SimRequest] = []
+        self.blocked: deque[SimRequest] = deque()
+        self.series: list[dict] = []
+        self.events: list[tuple[float, str]] = []
+        self._retired_busy = {"prfaas": 0.0, "pd-prefill": 0.0, "pd-decode": 0.0}
+        self._completed = {"prfaas": 0, "pd-prefill": 0, "pd-decode": 0}
+        self._seq: dict[str, int] = {}
+        for record in records.values():
+            self._bring_up(record, record.role)
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    def _timing(self, record: WorkerRecord) -> EngineTiming:
+        return self.timing[PRFAAS if record.cluster == PRFAAS else PD]
+
+    def _bring_up(self, record: WorkerRecord, role: str) -> None:
+        timing = self._timing(record)
+        record.role = role
+        if role == "prefill":
+            node = PrefillNode(self.env, record.name, record.cluster, timing, self.settings.chunk_tokens,
+                               self._prefill_done, self.settings.prefix_cache_tokens // BLOCK)
+            self.service.index.add_worker(record.name, record.cluster, BLOCK)
+            pool = None
+        else:
+            node = DecodeNode(self.env, record.name, timing, timing.max_batch, timing.kv_pool_tokens, self._decode_done)
+            self.service.index.remove_worker(record.name)
+            pool = timing.kv_pool_tokens
+        self.nodes[record.name] = node
+        record.facts = WorkerFacts("sim", BLOCK, role, pool, timing.max_batch, None, None, HASH_SCHEME, None, None, None)
+        record.load = WorkerLoad(0, 0, 0, pool)
+        record.healthy, record.draining = True, False
+        self._seq[record.name] = 0
+
+    def stage_of(self, name: str) -> str:
+        record = self.service.workers[name]
+        return "pd-decode" if record.role == "decode" else ("prfaas" if record.cluster == PRFAAS else "pd-prefill")
+
+    # --- requests ------------------------------------------------------------------------
+
+    def _arrivals(self, requests: Iterable[SimRequest]):
+        for req in requests:
+            if req.arrival_s > self.env.now:
+                yield self.env.timeout(req.arrival_s - self.env.now)
+            self.requests.append(req)
+            self._dispatch(req)
+
+    def _dispatch(self, req: SimRequest) -> bool:
+        """Route and start ``req``; False when it must wait for decode room (it is queued)."""
+        blocks = req.hash_ids[:(req.input_tokens - 1) // BLOCK]
+        request = RouteInput(req.input_tokens, req.kv_tokens,
+                             self.service.index.match(req.input_ids, {BLOCK: blocks}).by_worker if blocks else {})
+        try:
+            decision = self.service.decide(request, set(), self.env.now)
+        except NoDecodeRoom:
+            if req not in self.blocked:
+                self.blocked.append(req)
+            return False
+        except NoHealthyWorker as err:
+            req.rejected = f"no worker: {err}"
+            return True
+        req.lease = self.service.begin(req, decision, self.env.now, 0)
+        if self.longterm is not None:
+            self.longterm.record(self.env.now, decision.uncached_tokens, req.output_tokens, decision.cluster)
+        node = self.nodes[decision.prefill]
+        held = node.cache.match(blocks, self.runtime.hybrid) * BLOCK
+        req.cluster, req.prefill_node, req.decode_node = decision.cluster, decision.prefill, decision.decode
+        req.uncached_tokens = req.input_tokens - min(held, req.input_tokens - 1)
+        node.submit(req, req.uncached_tokens)
+        return True
+
+    def _prefill_done(self, node: PrefillNode, req: SimRequest) -> None:
+        req.prefill_done_s = self.env.now
+        self._completed["prfaas" if node.cluster == PRFAAS else "pd-prefill"] += 1
+        self.service.prefill_done(req.lease)
+        self._publish(node, req)
+        if node.cluster == PRFAAS:
+            req.kv_bytes = self.runtime.kv_bytes(req.input_tokens)
+            self.link.send(req, req.kv_bytes, self._kv_arrived)
+        else:
+            self._kv_arrived(req)
+
+    def _publish(self, node: PrefillNode, req: SimRequest) -> None:
+        """The KV events a worker publishes for this prompt's blocks (prefix cache on)."""
+        blocks = req.hash_ids[:req.input_tokens // BLOCK]
+        if not blocks:
+            return
+        new, parent, evicted = node.cache.insert(blocks)
+        events = []
+        if evicted:
+            events.append(BlockRemoved(block_hashes=evicted))
+        if new:
+            events.append(BlockStored(block_hashes=new, parent_block_hash=parent, token_ids=[], block_size=BLOCK,
+                                      lora_id=None))
+        states = [StateStored(block_hash=blocks[-1], num_tokens=len(blocks) * BLOCK)] if self.runtime.hybrid else None
+        self._seq[node.name] += 1
+        self.service.index.apply(node.name, self._seq[node.name], events, states)
+
+    def _kv_arrived(self, req: SimRequest) -> None:
+        req.kv_arrived_s = self.env.now
+        self.nodes[req.decode_node].arrive(req)
+
+    def _decode_done(self, node: DecodeNode, req: SimRequest) -> None:
+        self._completed["pd-decode"] += 1
+        self.service.finish(req.lease)
+        self._retry_blocked()
+
+    def _retry_blocked(self) -> None:
+        while self.blocked:
+            req = self.blocked[0]
+            if self.env.now - req.arrival_s > self.settings.admission_timeout_s:
+                self.blocked.popleft()
+                req.rejected = "no decode room within the admission timeout"
+                continue
+            if not self._dispatch(req):
+                return
+            self.blocked.popleft()
+
+    # --- control loops ---------------------------------------------------------------------
+
+    def _control(self):
+        interval = self.settings.control_interval_s
+        last = (0.0, 0.0, 0.0)  # delivered bytes, busy s, offered bytes at the previous tick
+        while True:
+            yield self.env.timeout(interval)
+            self.link._advance()
+            delivered, busy, offered = (self.link.delivered_bytes - last[0], self.link.busy_s - last[1],
+                                        self.link.offered_bytes - last[2])
+            last = (self.link.delivered_bytes, self.link.busy_s, self.link.offered_bytes)
+            prfaas = [n for n, r in self.service.workers.items() if r.cluster == PRFAAS and r.role == "prefill"]
+            if prfaas:
+                sample = LinkSample(prfaas[0], self.env.now, 8 * delivered / interval, min(busy / interval, 1.0),
+                                    8 * delivered / busy if busy > 0.05 * interval and delivered > 0 else None,
+                                    len(self.link.flows), 0, interval, 8 * offered / interval,
+                                    int(self.link.backlog_bytes()))
+                self.service.link.update(prfaas[0], sample, self.env.now)
+            self.service.control_tick(self.env.now)
+            self._retry_blocked()
+
+    def _capacity_changes(self):
+        for at_s, gbps in sorted(self.settings.link_schedule):
+            if at_s > self.env.now:
+                yield self.env.timeout(at_s - self.env.now)
+            self.link.set_capacity(gbps * 1e9)
+            self.events.append((self.env.now, f"link capacity {gbps:g} Gbit/s"))
+
+    def _stage_totals(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+        busy = dict(self._retired_busy)
+        queued = {"prfaas": 0, "pd-prefill": 0, "pd-decode": len(self.blocked)}
+        instances = {"prfaas": 0, "pd-prefill": 0, "pd-decode": 0}
+        for name, node in self.nodes.items():
+            stage, record = self.stage_of(name), self.service.workers[name]
+            if isinstance(node, DecodeNode):
+                node._advance()
+                queued[stage] += len(node.waiting)
+            else:
+                queued[stage] += node.queue.waiting_jobs
+            busy[stage] += node.busy_s
+            if record.healthy and not record.draining:
+                instances[stage] += 1
+        return busy, queued, instances
+
+    def _sampler(self):
+        interval = self.settings.sample_interval_s
+        last_busy, last_done = self._stage_totals()[0], dict(self._completed)
+        while True:
+            yield self.env.timeout(interval)
+            busy, queued, instances = self._stage_totals()
+            sample = StageSample(interval, {k: self._completed[k] - last_done[k] for k in last_done},
+                                 {k: busy[k] - last_busy[k] for k in busy}, queued, instances)
+            last_busy, last_done = busy, dict(self._completed)
+            self._record_series(sample)
+            if self.longterm is not None:
+                replan = self.longterm.observe(self.env.now, sample, self.service.controller.threshold_tokens)
+                if replan is not None:
+                    self._apply(replan)
+
+    def _record_series(self, sample: StageSample) -> None:
+        routed = self.service.counters.routed
+        total = sum(routed.values())
+        self.series.append({
+            "t_s": self.env.now, "threshold_tokens": self.service.controller.threshold_tokens,
+            "n_prefill": sum(1 for r in self.service.workers.values() if r.cluster == PD and r.role == "prefill"),
+            "n_decode": sum(1 for r in self.service.workers.values() if r.role == "decode"),
+            "offload_fraction": routed.get(PRFAAS, 0) / total if total else 0.0,
+            "egress_gbps": self.service.link.view(self.env.now).egress_bps / 1e9 if self.service.link.view(self.env.now) else 0.0,
+            "link_capacity_gbps": self.link.capacity_bps / 1e9,
+            "capacity_est_gbps": self.service.controller.capacity_est_bps / 1e9,
+            "busy": {k: (sample.busy_s[k] / (sample.interval_s * sample.instances[k]) if sample.instances[k] else 0.0)
+                     for k in sample.busy_s},
+            "queued": dict(sample.queued),
+            "completed": sum(sample.completed.get(k, 0) for k in ("pd-decode",)),
+        })
+
+    # --- conversions ---------------------------------------------------------------------
+
+    def _apply(self, replan: Replan) -> None:
+        from_role, to_role = ("decode", "prefill") if replan.convert > 0 else ("prefill", "decode")
+        candidates = [(name, self._load(name)) for name, r in self.service.workers.items()
+                      if r.cluster == PD and r.role == from_role and r.healthy and not r.draining]
+        chosen = pick_nodes(candidates, abs(replan.convert))
+        for name in chosen:
+            self.service.workers[name].draining = True
+            self.env.process(self._convert(name, to_role))
+        self.service.runtime = replan.runtime
+        self.service.controller.replan(self.env.now, replan.runtime.research, replan.reason)
+        self.events.append((self.env.now, f"convert {', '.join(chosen)} to {to_role}; t -> "
+                                          f"{self.service.controller.threshold_tokens:.0f} ({replan.reason})"))
+
+    def _load(self, name: str) -> float:
+        node = self.nodes[name]
+        if isinstance(node, DecodeNode):
+            return len(node.running) + len(node.waiting) + self.service.workers[name].reserved_requests
+        return node.queue.remaining_tokens
+
+    def _convert(self, name: str, role: str):
+        record = self.service.workers[name]
+        while True:
+            node = self.nodes[name]
+            leases_open = record.reserved_requests if record.role == "decode" else 0
+            if node.idle and leases_open == 0:
+                break
+            yield self.env.timeout(1.0)
+        node = self.nodes[name]
+        node._advance() if isinstance(node, DecodeNode) else None
+        self._retired_busy[self.stage_of(name)] += node.busy_s
+        node.retired = True
+        if not node._wake.triggered:
+            node._wake.succeed()
+        del self.nodes[name]
+        record.healthy = False
+        self.service.index.remove_worker(name)
+        yield self.env.timeout(self.settings.switch_s)
+        self._bring_up(record, role)
+        self.events.append((self.env.now, f"{name} serves as {role}"))
+
+    # --- run -----------------------------------------------------------------------------
+
+    def run(self, requests: Iterable[SimRequest], until_s: float) -> None:
+        self.env.process(self._arrivals(requests))
+        self.env.process(self._control())
+        self.env.process(self._sampler())
+        if self.settings.link_schedule:
+            self.env.process(self._capacity_changes())
+        self.env.run(until=until_s)
+
+
+def nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x

@@ -1,0 +1,79 @@
+"""Arrivals for the simulator: Poisson with the case study's lengths (optionally shifting), or a
+Mooncake-format trace (timestamps, lengths, prefix blocks), replicated to scale its load."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.sim.nodes import SimRequest
+
+CASE_STUDY = {"mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": 131_072}
+
+
+def lognormal(params: dict) -> TruncatedLogNormal:
+    return TruncatedLogNormal(params["mu"], params["sigma"], params["min_tokens"], params["max_tokens"])
+
+
+def poisson(rate_rps: float, duration_s: float, seed: int, output_tokens: int = 1024,
+            phases: tuple[tuple[float, dict], ...] = ((0.0, CASE_STUDY),)) -> Iterator[SimRequest]:
+    """Poisson arrivals at ``rate_rps`` for ``duration_s``; lengths from the log-normal of the phase in
+    force (``phases``: (from_s, params) in time order), every request ``output_tokens`` long."""
+    if not rate_rps > 0 or not duration_s > 0:
+        raise ConfigError("--rate", f"rate and duration must be > 0, got {rate_rps!r}, {duration_s!r}")
+    rng = random.Random(seed)
+    dists = [(start, lognormal(p)) for start, p in phases]
+    t, i = 0.0, 0
+    while True:
+        t += rng.expovariate(rate_rps)
+        if t >= duration_s:
+            return
+        dist = [d for start, d in dists if start <= t][-1]
+        yield SimRequest(f"r{i}", t, max(int(dist.sample(rng, 1)[0]), 1), output_tokens)
+        i += 1
+
+
+def trace(path: Path, copies: int = 1, limit: int | None = None, time_scale: float = 1.0) -> list[SimRequest]:
+    """A Mooncake trace (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+
+    ``copies`` > 1 replays the trace that many times at once, each copy with its own block ids
+    (distinct users: the same reuse structure, ``copies`` times the load); ``time_scale`` < 1
+    compresses time (more load, same requests)."""
+    if copies < 1 or not time_scale > 0:
+        raise ConfigError("--copies", f"copies must be >= 1 and time_scale > 0, got {copies}, {time_scale}")
+    records = []
+    with Path(path).open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                records.append((float(obj["timestamp"]) / 1e3, int(obj["input_length"]), int(obj["output_length"]),
+                                tuple(int(h) for h in obj["hash_ids"])))
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConfigError(f"{path}:{lineno}", f"not a Mooncake trace record ({err!r})") from None
+            if limit is not None and len(records) >= limit:
+                break
+    if not records:
+        raise ConfigError(str(path), "trace has no records")
+    span = max(h for r in records for h in r[3]) + 1 if any(r[3] for r in records) else 0
+    out = []
+    for copy in range(copies):
+        offset = copy * span
+        jitter = copy * 1e-3  # copies do not arrive in the same instant
+        for i, (ts, n_in, n_out, blocks) in enumerate(records):
+            out.append(SimRequest(f"c{copy}-{i}", ts * time_scale + jitter, max(n_in, 1), max(n_out, 1),
+                                  tuple(h + offset for h in blocks)))
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def median_shift_phases(at_s: float, factor: float = 2.0) -> tuple[tuple[float, dict], ...]:
+    """The case study's lengths, then from ``at_s`` the same with the median times ``factor``."""
+    shifted = dict(CASE_STUDY, mu=CASE_STUDY["mu"] + math.log(factor))
+    return ((0.0, CASE_STUDY), (at_s, shifted))

@@ -1,0 +1,166 @@
+"""The long-term controller (router/longterm.py): when it converts, how far, and when it holds still."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.router.longterm import (
+    LongTermController,
+    LongTermSettings,
+    StageSample,
+    pick_nodes,
+)
+from prfaas_sglang.router.threshold import ThresholdController
+from prfaas_sglang.sim.fleet import FleetSpec, Simulation
+
+SETTINGS = LongTermSettings(interval_s=60, window_s=300, min_dwell_s=300, confirm=2, min_requests=50)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    """The case study's deployment (4 PrfaaS, 8 PD) built the product's way, at 3P/5D."""
+    return Simulation(FleetSpec(4, 3, 5)).runtime
+
+
+def lengths(median_factor: float, n: int, seed: int = 0) -> list[int]:
+    import math
+
+    dist = TruncatedLogNormal(9.90 + math.log(median_factor), 1.0, 128, 131_072)
+    return [int(x) for x in dist.sample(random.Random(seed), n)]
+
+
+def sample(busy: dict[str, float], n_prefill: int, n_decode: int, queued: dict[str, int] | None = None,
+           done_per_busy_s: dict[str, float] | None = None, interval_s: float = 10.0) -> StageSample:
+    instances = {"prfaas": 4, "pd-prefill": n_prefill, "pd-decode": n_decode}
+    busy_s = {k: busy[k] * interval_s * instances[k] for k in busy}
+    rates = done_per_busy_s or {}
+    completed = {k: int(busy_s[k] * rates.get(k, 0.0)) for k in busy}
+    return StageSample(interval_s, completed, busy_s, queued or {}, instances)
+
+
+def feed(ctl: LongTermController, start_s: float, end_s: float, lens: list[int], smp: StageSample, t: float = 24_000):
+    """Record ``lens`` spread over [start, end) and sample every 10 s; returns the decisions."""
+    step = (end_s - start_s) / len(lens)
+    for i, n in enumerate(lens):
+        ctl.record(start_s + i * step, n, 1024)
+    out = []
+    now = start_s + 10
+    while now <= end_s:
+        d = ctl.observe(now, smp, t)
+        if d is not None:
+            out.append(d)
+        now += 10
+    return out
+
+
+def test_longer_prompts_on_a_saturated_prefill_side_convert_decode_nodes(runtime):
+    ctl = LongTermController(runtime, SETTINGS)
+    saturated = sample({"prfaas": 1.0, "pd-prefill": 1.0, "pd-decode": 0.3}, 3, 5)
+    decisions = feed(ctl, 0, 600, lengths(2.0, 600), saturated)
+    assert decisions, ctl.describe()
+    first = decisions[0]
+    assert first.convert > 0 and first.n_prefill == 3 + first.convert and first.n_prefill + first.n_decode == 8
+    assert first.convert <= max(1, 8 // 4)  # max_step
+    assert first.target_rps >= (1 + SETTINGS.min_gain) * first.current_rps
+    assert first.runtime.n_prefill == first.n_prefill
+    # the threshold for the new split: more PD-P nodes take longer prompts locally than 3P did
+    assert first.threshold_tokens > runtime.baseline_threshold_tokens
+    # a second conversion waits out the dwell time
+    times = [d.now_s for d in decisions]
+    assert all(b - a >= SETTINGS.min_dwell_s for a, b in zip(times, times[1:], strict=False))
+
+
+def test_confirmation_is_needed(runtime):
+    ctl = LongTermController(runtime, SETTINGS)
+    saturated = sample({"prfaas": 1.0, "pd-prefill": 1.0, "pd-decode": 0.3}, 3, 5)
+    for i, n in enumerate(lengths(2.0, 300)):
+        ctl.record(i * 0.2, n, 1024)
+    assert ctl.observe(60, saturated, 24_000) is None  # first decision wanting it
+    assert "confirmation" in ctl.describe()["decision"]
+    assert ctl.observe(120, saturated, 24_000) is not None  # second in a row
+
+
+def test_an_idle_fleet_is_not_resplit(runtime):
+    """The model would gain, but no stage is busy and no queue grows: nothing to win now."""
+    ctl = LongTermController(runtime, SETTINGS)
+    idle = sample({"prfaas": 0.3, "pd-prefill": 0.3, "pd-decode": 0.1}, 3, 5)
+    assert feed(ctl, 0, 900, lengths(2.0, 600), idle) == []
+    assert ctl.describe()["decision"].startswith("stay") and ctl.describe()["gain"] > SETTINGS.min_gain
+
+
+def test_a_growing_queue_counts_as_saturation(runtime):
+    ctl = LongTermController(runtime, SETTINGS)
+    for i, n in enumerate(lengths(2.0, 600)):
+        ctl.record(i, n, 1024)
+    decisions = []
+    for k in range(1, 61):
+        smp = sample({"prfaas": 0.7, "pd-prefill": 0.7, "pd-decode": 0.2}, 3, 5, queued={"pd-prefill": 2 * k})
+        d = ctl.observe(k * 10, smp, 24_000)
+        decisions += [d] if d else []
+    assert decisions and decisions[0].convert > 0
+
+
+def test_short_prompts_move_nodes_to_decode_and_never_below_one_per_role(runtime):
+    """Short prompts with long outputs: decode binds; the controller moves prefill nodes to decode, at
+    most down to one PD-P node."""
+    ctl = LongTermController(runtime.with_split(6), dataclasses.replace(SETTINGS, min_dwell_s=0, confirm=1, max_step=8))
+    smp = sample({"prfaas": 0.2, "pd-prefill": 0.3, "pd-decode": 1.0}, 6, 2)
+    lens = [random.Random(i).randint(200, 600) for i in range(600)]
+    for i, n in enumerate(lens):
+        ctl.record(i, n, 4096)
+    decisions = []
+    for k in range(1, 30):
+        d = ctl.observe(k * 60.0, smp, 24_000)
+        decisions += [d] if d else []
+    assert decisions and decisions[0].convert < 0
+    assert min(d.n_prefill for d in decisions) >= 1 and all(d.n_decode >= 1 for d in decisions)
+
+
+def test_calibration_follows_a_slow_prefill_stage_but_not_an_underfull_decode(runtime):
+    ctl = LongTermController(runtime, SETTINGS)
+    lens = lengths(1.0, 400)
+    pd_rate = 1 / runtime.deployment.pd.prefill.prefill_s(sum(lens) / len(lens))
+    decode_rate = runtime.decode.bs_max / (runtime.decode.step_s * 1024)
+    smp = sample({"prfaas": 0.5, "pd-prefill": 0.6, "pd-decode": 0.5}, 3, 5,
+                 done_per_busy_s={"pd-prefill": 0.6 * pd_rate, "pd-decode": 1.5 * decode_rate, "prfaas": 1.0}, interval_s=60)
+    for i, n in enumerate(lens):
+        ctl.record(i * 0.5, n, 1024, "pd")
+    ctl.observe(60, smp, 24_000)
+    assert ctl.scales["pd-prefill"] == pytest.approx(0.6, rel=0.05)
+    assert ctl.scales["pd-decode"] == 1.0  # half-full decode batches step faster than T_decode: not its capacity
+
+
+def test_replan_moves_the_threshold_to_the_new_split(runtime):
+    ctl = ThresholdController(runtime.research, runtime.prior, runtime.link_bps, runtime.step_tokens)
+    before = ctl.threshold_tokens
+    other = runtime.with_split(5)
+    new = ctl.replan(100.0, other.research, "test")
+    assert new == ctl.threshold_tokens == other.research(runtime.link_bps, runtime.prior)
+    assert new != before and ctl.history[-1][2].startswith("replan")
+    ctl.override(101.0, 9_000)
+    assert ctl.replan(102.0, runtime.research, "again") is None and ctl.threshold_tokens == 9_000
+
+
+def test_with_split_refuses_an_empty_role(runtime):
+    from prfaas_sglang.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        runtime.with_split(0)
+    with pytest.raises(ConfigError):
+        runtime.with_split(8)
+
+
+def test_pick_nodes_takes_the_least_loaded():
+    assert pick_nodes([("a", 3.0), ("b", 0.0), ("c", 1.0)], 2) == ["b", "c"]
+    assert pick_nodes([("a", 1.0)], 0) == []
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError):
+        LongTermSettings(interval_s=600, window_s=60)
+    with pytest.raises(ValueError):
+        LongTermSettings(min_busy=0.9, busy_high=0.5)
