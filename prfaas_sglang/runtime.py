@@ -45,7 +45,7 @@ from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
 from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
 from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
 from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile, parse_workload
-from prfaas_sglang.plan.search import best_per_split, best_threshold_for_split
+from prfaas_sglang.plan.search import best_threshold_for_split, search
 from prfaas_sglang.plan.workload import TruncatedLogNormal, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.topology import Emulation, Topology
@@ -150,20 +150,19 @@ class RuntimeModel:
         dep = dataclasses.replace(dep, prfaas=prefill(dep.prfaas, scales.get("prfaas", 1.0)), pd=pd)
         return dataclasses.replace(self, deployment=dep)
 
+    def _with_output(self, output_tokens: float | None) -> Deployment:
+        dep = self.deployment
+        return dep if output_tokens is None else dataclasses.replace(dep, output_tokens=max(output_tokens, 1.0))
+
     def plan_splits(self, workload: Workload, output_tokens: float | None = None) -> dict[int, OperatingPoint]:
         """Every PD split's best operating point on ``workload`` (and ``L_out``), nominal link: what the
-        long-term controller chooses among."""
-        dep = self.deployment
-        if output_tokens is not None:
-            dep = dataclasses.replace(dep, output_tokens=max(output_tokens, 1.0))
-        return best_per_split(dep, workload, self.step_tokens)
+        long-term controller chooses among (the planner's search, column by column)."""
+        result = search(self._with_output(output_tokens), workload, self.step_tokens)
+        return dict(zip(result.n_prefill_options, result.best_by_split, strict=True))
 
     def evaluate_at(self, workload: Workload, threshold_tokens: float, output_tokens: float | None = None) -> OperatingPoint:
         """Equation (6) at this split and ``t`` on ``workload``: the model's view of what runs now."""
-        dep = self.deployment
-        if output_tokens is not None:
-            dep = dataclasses.replace(dep, output_tokens=max(output_tokens, 1.0))
-        return evaluate(dep, workload.split(threshold_tokens), self.n_prefill, self.n_decode)
+        return evaluate(self._with_output(output_tokens), workload.split(threshold_tokens), self.n_prefill, self.n_decode)
 
     def research(self, capacity_bps: float | None, workload: Workload | None = None) -> float:
         return self.operating_point(capacity_bps, workload).threshold_tokens

@@ -23,10 +23,8 @@ CASE_STUDY = FleetSpec(4, 3, 5)
 
 def best_split(fleet: FleetSpec, workload=None) -> tuple[int, float, float]:
     """(N_p, t, Lambda_max) the planner picks for ``fleet``'s PD instances (N_p >= 1)."""
-    rt = Simulation(fleet).runtime
-    plans = rt.plan_splits(workload or rt.prior)
-    n = max((n for n in plans if n >= 1), key=lambda n: plans[n].lambda_max_rps)
-    return n, plans[n].threshold_tokens, plans[n].lambda_max_rps
+    point = fleet.planner_split(workload)
+    return point.n_prefill, point.threshold_tokens, point.lambda_max_rps
 
 
 def _mean_prefill_s(sim: Simulation, lengths: list[int], kind: str) -> float:
@@ -37,10 +35,8 @@ def saturated(fleet: FleetSpec, seed: int, load: float = 1.25, duration_s: float
     """Offer ``load`` x Lambda_max with ``t`` fixed at the planner's and nothing shed; the completion
     rate after ``warmup_s`` is the simulated Lambda_max. Also the model with ``E[T(l)]`` for ``T(E[l])``
     (the convexity of T_prefill), over the same arrivals, to tell that gap from simulator error."""
-    probe = Simulation(fleet)
-    t = probe.runtime.baseline_threshold_tokens
-    fleet = dataclasses.replace(fleet, threshold_tokens=t)
     sim = Simulation(fleet, SimSettings(admission_timeout_s=math.inf))
+    t = sim.runtime.baseline_threshold_tokens
     sim.service.controller.override(0.0, t)  # t pinned: the queue bias would move it under overload
     point = sim.runtime.operating_point()
     lengths = fleet.workload_prior or workloads.CASE_STUDY
@@ -90,9 +86,8 @@ def max_rate(fleet: FleetSpec, seed: int, lo: float, hi: float, attainment: floa
 def study_paper(seeds: int) -> list[dict]:
     """PrfaaS-PD vs homogeneous (12 x 8xH20) vs naive heterogeneous (4 x 8xH200 prefill-only + 8 x 8xH20
     decode-only), each at its planner's best split: the highest rate meeting the SLOs for 90% of requests."""
-    n_p, _, lam = best_split(CASE_STUDY)
-    homo = FleetSpec(0, 1, 11)
-    h_p, _, h_lam = best_split(homo)
+    n_p, _, _ = best_split(CASE_STUDY)
+    h_p, _, _ = best_split(FleetSpec(0, 1, 11))
     configs = {"prfaas-pd": dataclasses.replace(CASE_STUDY, n_prefill=n_p, n_decode=8 - n_p),
                "homogeneous": FleetSpec(0, h_p, 12 - h_p),
                "naive-heterogeneous": FleetSpec(4, 0, 8, threshold_tokens=1.0)}
@@ -125,8 +120,7 @@ def study_shift(seeds: int) -> dict:
     new = workloads.lognormal(workloads.median_shift_phases(0)[1][1])
     n_new, _, lam_new = best_split(CASE_STUDY, new)
     n_old, _, _ = best_split(CASE_STUDY)
-    rt = Simulation(CASE_STUDY).runtime
-    lam_old_split = rt.plan_splits(new)[n_old].lambda_max_rps
+    lam_old_split = CASE_STUDY.runtime().plan_splits(new)[n_old].lambda_max_rps
     rate = 0.9 * lam_new
     rows = []
     for seed in range(seeds):
@@ -174,26 +168,33 @@ def run(study: str, seeds: int, trace: Path | None = None) -> dict:
     return {"study": study, "seeds": seeds, "data": data, "wall_s": time.perf_counter() - started}
 
 
+def _groups(rows: list[dict], key: str) -> dict[str, list[dict]]:
+    """Rows by ``row[key]``, in first-seen order (one table line per group, its seeds inside)."""
+    out: dict[str, list[dict]] = {}
+    for row in rows:
+        out.setdefault(row[key], []).append(row)
+    return out
+
+
 def render_markdown(result: dict) -> str:
     study, data = result["study"], result["data"]
     lines = []
     if study == "analytic":
         lines += ["| fleet | binding | Lambda_max (eq. 6) | with E[T(l)] | simulated | sim / eq. 6 | sim / E[T(l)] |",
                   "|---|---|---|---|---|---|---|"]
-        for fleet in dict.fromkeys(r["fleet"] for r in data):
-            rows = [r for r in data if r["fleet"] == fleet]
+        for fleet, rows in _groups(data, "fleet").items():
             lines.append(f"| {fleet} | {rows[0]['binding']} | {rows[0]['lambda_max_rps']:.3f} | "
                          f"{spread([r['lambda_e_t_rps'] for r in rows])} | {spread([r['measured_rps'] for r in rows])} | "
                          f"{spread([r['ratio'] for r in rows])} | {spread([r['ratio_e_t'] for r in rows])} |")
     elif study == "paper":
         lines += ["| config | split | max rate at 90% SLO attainment (req/s) | TTFT p90 there (s) | egress (Gbit/s) | offload |",
                   "|---|---|---|---|---|---|"]
-        for name in dict.fromkeys(r["config"] for r in data):
-            rows = [r for r in data if r["config"] == name]
+        groups = _groups(data, "config")
+        for name, rows in groups.items():
             lines.append(f"| {name} | {rows[0]['split']} | {spread([r['max_rate_rps'] for r in rows])} | "
                          f"{spread([r['ttft_p90_s'] or 0 for r in rows])} | {spread([r['egress_gbps'] or 0 for r in rows])} | "
                          f"{spread([r['offload'] or 0 for r in rows])} |")
-        by = {n: statistics.fmean(r["max_rate_rps"] for r in data if r["config"] == n) for n in ("prfaas-pd", "homogeneous", "naive-heterogeneous")}
+        by = {n: statistics.fmean(r["max_rate_rps"] for r in rows) for n, rows in groups.items()}
         lines.append(f"\nprfaas-pd / homogeneous {by['prfaas-pd'] / by['homogeneous']:.2f}x, prfaas-pd / naive "
                      f"{by['prfaas-pd'] / by['naive-heterogeneous']:.2f}x, naive / homogeneous "
                      f"{by['naive-heterogeneous'] / by['homogeneous']:.2f}x")
@@ -202,8 +203,7 @@ def render_markdown(result: dict) -> str:
                   f"{data['new_split']}P {data['planner_lambda_new_rps']:.3f}, old split {data['old_split']}P "
                   f"{data['planner_lambda_old_split_new_lengths_rps']:.3f}", "",
                   "| run | goodput, last 10 min (req/s) | TTFT p90 (s) | conversions | final split |", "|---|---|---|---|---|"]
-        for name in dict.fromkeys(r["run"] for r in data["rows"]):
-            rows = [r for r in data["rows"] if r["run"] == name]
+        for name, rows in _groups(data["rows"], "run").items():
             lines.append(f"| {name} | {spread([r['goodput_rps'] for r in rows])} | {spread([r['ttft_p90_s'] or 0 for r in rows])} | "
                          f"{', '.join(str(r['conversions']) for r in rows)} | {', '.join(r['final_split'] for r in rows)} |")
         opt = {r["seed"]: r["goodput_rps"] for r in data["rows"] if r["run"] == "optimum for new lengths"}

@@ -24,12 +24,14 @@ Progress = Callable[[int, int], None]  # (done, total)
 
 @dataclass(frozen=True)
 class SearchResult:
-    """``surface[i][j]`` is Lambda_max at ``thresholds[i]`` and ``n_prefill_options[j]``."""
+    """``surface[i][j]`` is Lambda_max at ``thresholds[i]`` and ``n_prefill_options[j]``;
+    ``best_by_split[j]`` the best point of column ``j`` (that split's best threshold)."""
 
     best: OperatingPoint
     thresholds: tuple[float, ...]
     n_prefill_options: tuple[int, ...]
     surface: tuple[tuple[float, ...], ...]
+    best_by_split: tuple[OperatingPoint, ...] = ()
 
     def best_on_grid(self) -> float:
         return max(max(row) for row in self.surface)
@@ -84,18 +86,21 @@ def search(dep: Deployment, workload: Workload, step_tokens: float = 128, progre
     splits = _splits(dep)
     surface: list[tuple[float, ...]] = []
     best: OperatingPoint | None = None
+    by_split: list[OperatingPoint | None] = [None] * len(splits)
     for i, t in enumerate(thresholds):
         split = workload.split(t)
         row = []
-        for n_p in splits:
+        for j, n_p in enumerate(splits):
             point = evaluate(dep, split, n_p, dep.n_pd - n_p)
             row.append(point.lambda_max_rps)
             if _better(point, best):
                 best = point
+            if _better(point, by_split[j]):
+                by_split[j] = point
         surface.append(tuple(row))
         if progress:
             progress(i + 1, len(thresholds))
-    return SearchResult(best, tuple(thresholds), tuple(splits), tuple(surface))
+    return SearchResult(best, tuple(thresholds), tuple(splits), tuple(surface), tuple(by_split))
 
 
 def best_threshold_for_split(dep: Deployment, workload: Workload, n_prefill: int, step_tokens: float = 128) -> OperatingPoint:
@@ -132,16 +137,3 @@ def naive_baseline(dep: Deployment, workload: Workload) -> OperatingPoint:
     everything_offloaded = Split(0.0, 1.0, workload.mean_tokens, None)
     return replace(evaluate(dep, everything_offloaded, 0, dep.n_pd), threshold_tokens=None)
 
-
-def best_per_split(dep: Deployment, workload: Workload, step_tokens: float = 128) -> dict[int, OperatingPoint]:
-    """For every PD split ``N_p = 0 .. n_pd-1``, its best threshold's operating point (one pass
-    over the threshold grid). The long-term controller compares splits with this."""
-    splits = _splits(dep)
-    best: dict[int, OperatingPoint | None] = {n_p: None for n_p in splits}
-    for t in threshold_grid(workload, step_tokens):
-        split = workload.split(t)
-        for n_p in splits:
-            point = evaluate(dep, split, n_p, dep.n_pd - n_p)
-            if _better(point, best[n_p]):
-                best[n_p] = point
-    return best  # type: ignore[return-value]

@@ -96,7 +96,7 @@ class Replan:
     convert: int
     n_prefill: int  # the split after the conversion
     n_decode: int
-    threshold_tokens: float  # the planner's t for the new split (calibrated model, window's workload)
+    threshold_tokens: float  # the planner's t for the new split (calibrated model, window's lengths and L_out)
     current_rps: float  # Lambda_max of the split that ran, calibrated
     target_rps: float  # Lambda_max of the split the controller moves toward (maybe several steps away)
     drift: float  # (Theta_prfaas + Theta_pd_p) / Theta_pd_d at the split that ran
@@ -185,7 +185,7 @@ class LongTermController:
         if n_new == n_now:
             return None
         new_model = model.with_split(n_new)
-        replan = Replan(now_s, n_new - n_now, n_new, n_pd - n_new, new_model.research(None, workload),
+        replan = Replan(now_s, n_new - n_now, n_new, n_pd - n_new, plans[n_new].threshold_tokens,
                         current_rps, plans[best].lambda_max_rps, drift, dict(self.scales), new_model, why)
         self.runtime = self.runtime.with_split(n_new)
         self._last_change_s, self._streak, self._last_direction = now_s, 0, direction

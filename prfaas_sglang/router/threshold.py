@@ -174,10 +174,7 @@ class ThresholdController:
             if self._refresh_workload(now_s):
                 reasons.append("workload window")
         reasons += self._update_bias(now_s, link, queues)
-        model_t = self._model(self.capacity_est_bps)
-        target = self._target(model_t)
-        self._model_t = model_t
-        self.baseline_tokens = self._target(self._model(self.nominal_bps), 1.0)
+        target = self._target(self._refresh_model())
         if self.override_tokens is not None or not reasons:
             return None
         current = self.threshold_tokens
@@ -221,11 +218,10 @@ class ThresholdController:
         self.research = research
         self._model_cache.clear()
         self.bias, self._last_step, self._idle_since, self._last_adjust_s = 1.0, None, None, now_s
-        self._model_t = self._model(self.capacity_est_bps)
-        self.baseline_tokens = self._target(self._model(self.nominal_bps), 1.0)
+        model_t = self._refresh_model()
         if self.override_tokens is not None:
             return None
-        return self._set(now_s, self._target(self._model_t), f"replan: {why}")
+        return self._set(now_s, self._target(model_t), f"replan: {why}")
 
     def describe(self) -> dict:
         return {"threshold_tokens": self.threshold_tokens, "baseline_tokens": self.baseline_tokens,
@@ -302,6 +298,12 @@ class ThresholdController:
         else:
             self._idle_since = None
         return []
+
+    def _refresh_model(self) -> float:
+        """``model_t`` on the current estimate, and the baseline on the nominal link; returns ``model_t``."""
+        self._model_t = self._model(self.capacity_est_bps)
+        self.baseline_tokens = self._target(self._model(self.nominal_bps), 1.0)
+        return self._model_t
 
     def _responding(self, direction: int, queue_s: float) -> bool:
         """The last step went this way and the queue it answered has shrunk since: let it drain."""

@@ -52,9 +52,7 @@ def build(args: argparse.Namespace) -> tuple[Simulation, list, float]:
     """The simulation, its arrivals and the measured window's end."""
     n_prefill = args.pd_prefill
     if n_prefill is None:
-        probe = Simulation(FleetSpec(args.prfaas, 1, args.pd - 1, args.link_gbps))
-        plans = probe.runtime.plan_splits(probe.runtime.prior)
-        n_prefill = max((n for n in plans if n >= 1), key=lambda n: plans[n].lambda_max_rps)
+        n_prefill = FleetSpec(args.prfaas, 1, args.pd - 1, args.link_gbps).planner_split().n_prefill
     if not 1 <= n_prefill < args.pd:
         raise ConfigError("--pd-prefill", f"must be in 1..{args.pd - 1}, got {n_prefill}")
     fleet = FleetSpec(args.prfaas, n_prefill, args.pd - n_prefill, args.link_gbps)

@@ -24,7 +24,6 @@ role with an empty cache. The router's runtime model and ``t`` move to the new s
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ from dataclasses import dataclass, field
 import simpy
 
 from prfaas_sglang.engine.mock.timing import EngineTiming, load_timing
-from prfaas_sglang.plan.workload import MOONCAKE_BLOCK_TOKENS
+from prfaas_sglang.plan.model import OperatingPoint
+from prfaas_sglang.plan.workload import MOONCAKE_BLOCK_TOKENS, Workload
 from prfaas_sglang.router.longterm import (
     LongTermController,
     LongTermSettings,
@@ -113,6 +113,17 @@ class FleetSpec:
         return {"version": 1, "clusters": clusters, "links": links, "model": {"cost_model": self.model},
                 "scheduler": scheduler}
 
+    def runtime(self) -> RuntimeModel:
+        """The runtime model of this fleet, built as the router builds it (model units: no emulation)."""
+        return from_topology(parse_topology(self.topology(), "simulated fleet"), emulated=False)
+
+    def planner_split(self, workload: Workload | None = None) -> OperatingPoint:
+        """The planner's best operating point over every split with at least one PD-P instance
+        (on ``workload``, default the fleet's prior)."""
+        runtime = self.runtime()
+        plans = runtime.plan_splits(workload or runtime.prior)
+        return max((p for n, p in plans.items() if n >= 1), key=lambda p: p.lambda_max_rps)
+
 
 @dataclass(frozen=True)
 class SimSettings:
@@ -133,7 +144,7 @@ class Simulation:
         self.fleet, self.settings = fleet, settings or SimSettings()
         self.env = simpy.Environment()
         topology = parse_topology(fleet.topology(), "simulated fleet")
-        self.runtime: RuntimeModel = from_topology(topology, emulated=False)
+        self.runtime: RuntimeModel = fleet.runtime()
         self.timing = {kind: load_timing(cost.engine_profile, 1.0, 1.0, int(self.runtime.decode.bs_max))
                        for kind, cost in self.runtime.costs.items()}
         s = self.settings
@@ -188,18 +199,17 @@ class Simulation:
             if req.arrival_s > self.env.now:
                 yield self.env.timeout(req.arrival_s - self.env.now)
             self.requests.append(req)
-            self._dispatch(req)
+            if not self._dispatch(req):
+                self.blocked.append(req)
 
     def _dispatch(self, req: SimRequest) -> bool:
-        """Route and start ``req``; False when it must wait for decode room (it is queued)."""
+        """Route and start ``req``; False when it must wait for decode room (the caller queues it)."""
         blocks = req.hash_ids[:(req.input_tokens - 1) // BLOCK]
         request = RouteInput(req.input_tokens, req.kv_tokens,
                              self.service.index.match(req.input_ids, {BLOCK: blocks}).by_worker if blocks else {})
         try:
             decision = self.service.decide(request, set(), self.env.now)
         except NoDecodeRoom:
-            if req not in self.blocked:
-                self.blocked.append(req)
             return False
         except NoHealthyWorker as err:
             req.rejected = f"no worker: {err}"
@@ -323,12 +333,13 @@ class Simulation:
     def _record_series(self, sample: StageSample) -> None:
         routed = self.service.counters.routed
         total = sum(routed.values())
+        view = self.service.link.view(self.env.now)
         self.series.append({
             "t_s": self.env.now, "threshold_tokens": self.service.controller.threshold_tokens,
             "n_prefill": sum(1 for r in self.service.workers.values() if r.cluster == PD and r.role == "prefill"),
             "n_decode": sum(1 for r in self.service.workers.values() if r.role == "decode"),
             "offload_fraction": routed.get(PRFAAS, 0) / total if total else 0.0,
-            "egress_gbps": self.service.link.view(self.env.now).egress_bps / 1e9 if self.service.link.view(self.env.now) else 0.0,
+            "egress_gbps": view.egress_bps / 1e9 if view is not None else 0.0,
             "link_capacity_gbps": self.link.capacity_bps / 1e9,
             "capacity_est_gbps": self.service.controller.capacity_est_bps / 1e9,
             "busy": {k: (sample.busy_s[k] / (sample.interval_s * sample.instances[k]) if sample.instances[k] else 0.0)
@@ -389,6 +400,3 @@ class Simulation:
             self.env.process(self._capacity_changes())
         self.env.run(until=until_s)
 
-
-def nan_if_none(x: float | None) -> float:
-    return math.nan if x is None else x

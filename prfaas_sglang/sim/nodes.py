@@ -31,7 +31,7 @@ import heapq
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import simpy
 
@@ -158,6 +158,9 @@ class PrefillNode:
                 self.on_done(self, self.jobs.pop(job))
 
 
+_FIRST_TOKEN, _DONE = 0, 1  # a first token due at the same step as a finish is stamped first
+
+
 class DecodeNode:
     def __init__(self, env: simpy.Environment, name: str, timing: EngineTiming, max_batch: int, pool_tokens: int,
                  on_finish: Callable[[DecodeNode, SimRequest], None]):
@@ -165,8 +168,8 @@ class DecodeNode:
         self.on_finish = on_finish
         self.pool = KvPool(pool_tokens)
         self.waiting: deque[SimRequest] = deque()
-        self.running: dict[SimRequest, float] = {}  # request -> the step count at which it is done
-        self._done_heap: list[tuple[float, int, SimRequest]] = []
+        self.running: set[SimRequest] = set()
+        self._due: list[tuple[float, int, int, SimRequest]] = []  # (step count, kind, tie, request)
         self._tie = itertools.count()
         self.steps, self._last_s, self._step_s = 0.0, env.now, 0.0
         self._context_sum = 0
@@ -206,48 +209,40 @@ class DecodeNode:
             if not self.pool.try_take(req.kv_tokens):
                 break  # FCFS: the head waits for room
             self.waiting.popleft()
-            # the first token comes out of the first step it joins
-            self.running[req] = self.steps + req.output_tokens
-            heapq.heappush(self._done_heap, (self.steps + req.output_tokens, next(self._tie), req))
+            self.running.add(req)
             self._context_sum += req.input_tokens + req.output_tokens // 2
-            req.first_token_s = None  # set when its first step ends (below)
-            req._first_step = self.steps + 1  # type: ignore[attr-defined]
+            # its first token comes out of the first step it joins, its last after output_tokens steps
+            tie = next(self._tie)
+            heapq.heappush(self._due, (self.steps + 1, _FIRST_TOKEN, tie, req))
+            heapq.heappush(self._due, (self.steps + req.output_tokens, _DONE, tie, req))
 
-    def _reap(self) -> None:
-        eps = 1e-9
-        while self._done_heap and self._done_heap[0][0] <= self.steps + eps:
-            _, _, req = heapq.heappop(self._done_heap)
-            del self.running[req]
-            self._context_sum -= req.input_tokens + req.output_tokens // 2
-            self.pool.give(req.kv_tokens)
-            req.finish_s = self.env.now
+    def _pop_due(self) -> None:
+        """Everything due by the current step count: first tokens stamped, finished sequences out."""
+        while self._due and self._due[0][0] <= self.steps + 1e-9:
+            _, kind, _, req = heapq.heappop(self._due)
             if req.first_token_s is None:
                 req.first_token_s = self.env.now
-            self.completed += 1
-            self.on_finish(self, req)
+            if kind == _DONE:
+                self.running.discard(req)
+                self._context_sum -= req.input_tokens + req.output_tokens // 2
+                self.pool.give(req.kv_tokens)
+                req.finish_s = self.env.now
+                self.completed += 1
+                self.on_finish(self, req)
 
     def _run(self):
         while not self.retired:
             self._advance()
-            self._stamp_first_tokens()
-            self._reap()
+            self._pop_due()
             self._admit()
             if not self.running:
                 self._wake = self.env.event()
                 yield self._wake
                 continue
             self._step_s = self.step_s(len(self.running), self._context_sum / len(self.running))
-            steps_left = max(self._done_heap[0][0] - self.steps, 0.0)
-            first = min((r._first_step for r in self.running if r.first_token_s is None), default=None)  # type: ignore[attr-defined]
-            if first is not None:
-                steps_left = min(steps_left, max(first - self.steps, 0.0))
+            steps_left = max(self._due[0][0] - self.steps, 0.0)
             self._wake = self.env.event()
             yield self.env.timeout(steps_left * self._step_s) | self._wake
-
-    def _stamp_first_tokens(self) -> None:
-        for req in self.running:
-            if req.first_token_s is None and req._first_step <= self.steps + 1e-9:  # type: ignore[attr-defined]
-                req.first_token_s = self.env.now
 
 
 @dataclass
@@ -315,12 +310,3 @@ class SharedLink:
             rate = self.capacity_bps / 8.0 / len(self.flows)
             self._wake = self.env.event()
             yield self.env.timeout(max(nearest / rate, 1e-9)) | self._wake
-
-
-@dataclass
-class Counters:
-    """A stage's counters as the long-term controller differences them."""
-
-    completed: int = 0
-    busy_s: float = 0.0
-    extra: dict = field(default_factory=dict)

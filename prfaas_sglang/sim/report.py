@@ -23,6 +23,7 @@ def summarize(sim: Simulation, start_s: float, end_s: float) -> dict:
     window = [r for r in sim.requests if start_s <= r.arrival_s < end_s]
     done = [r for r in window if r.finish_s is not None]
     good = [r for r in done if meets_slo(r, rt.ttft_slo_s, rt.slo_tokens_per_s)]
+    rejected = sum(r.rejected is not None for r in window)
     routed = [r for r in window if r.cluster is not None]
     ttft = [r.ttft_s for r in done]
     tbt = [r.tbt_s for r in done if r.tbt_s is not None]
@@ -38,8 +39,8 @@ def summarize(sim: Simulation, start_s: float, end_s: float) -> dict:
 
     return {
         "window_s": [start_s, end_s], "arrived": len(window), "finished": len(done),
-        "rejected": sum(r.rejected is not None for r in window),
-        "unfinished": len(window) - len(done) - sum(r.rejected is not None for r in window),
+        "rejected": rejected,
+        "unfinished": len(window) - len(done) - rejected,
         "offered_rps": len(window) / span, "throughput_rps": len(done) / span, "goodput_rps": len(good) / span,
         "slo_attainment": len(good) / len(window) if window else None,
         "ttft_s": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},

@@ -15,7 +15,7 @@ from prfaas_sglang.router.longterm import (
     pick_nodes,
 )
 from prfaas_sglang.router.threshold import ThresholdController
-from prfaas_sglang.sim.fleet import FleetSpec, Simulation
+from prfaas_sglang.sim.fleet import FleetSpec
 
 SETTINGS = LongTermSettings(interval_s=60, window_s=300, min_dwell_s=300, confirm=2, min_requests=50)
 
@@ -23,7 +23,7 @@ SETTINGS = LongTermSettings(interval_s=60, window_s=300, min_dwell_s=300, confir
 @pytest.fixture(scope="module")
 def runtime():
     """The case study's deployment (4 PrfaaS, 8 PD) built the product's way, at 3P/5D."""
-    return Simulation(FleetSpec(4, 3, 5)).runtime
+    return FleetSpec(4, 3, 5).runtime()
 
 
 def lengths(median_factor: float, n: int, seed: int = 0) -> list[int]:
