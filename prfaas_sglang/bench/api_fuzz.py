@@ -57,7 +57,8 @@ def run(max_examples: int = 250, seed: int = 0, max_time_s: float = 900.0, worke
                     "--header", f"Authorization: Bearer {ADMIN_TOKEN}",
                     "--report", "ndjson", "--report-ndjson-path", str(ndjson)]
             started = time.monotonic()
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=max_time_s + 300)
+            # cwd: schemathesis writes its .schemathesis/ cache into the working directory
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=max_time_s + 300, cwd=tmp)
             elapsed_s = time.monotonic() - started
             counts = count_events(ndjson)
             alive = {p.name: p.poll() is None for p in group.procs}
