@@ -59,8 +59,12 @@ class CurveKeys:
     client_public: bytes
 
     @classmethod
-    def from_deployment(cls, keys: DeploymentKeys) -> CurveKeys:
+    def from_deployment(cls, keys: DeploymentKeys | None) -> CurveKeys | None:
+        """The deployment's CURVE keys; None without a deployment secret (no authentication)."""
         from zmq.utils import z85
+
+        if keys is None:
+            return None
 
         if not zmq.has("curve"):
             raise RuntimeError("this libzmq has no CURVE support; a deployment secret needs it")

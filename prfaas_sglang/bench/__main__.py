@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"the PrfaaS link's namespace {why}")
         rounds = args.rounds or max(int(args.duration // 200), 1)
         if rounds < 1 or args.duration / (rounds * len(bench.FAULTS)) < args.down_s + 2:
-            parser.error("--rounds must be >= 1, with room for each fault (--duration / (rounds x 8) >= --down-s + 2)")
+            parser.error(f"--rounds must be >= 1, with room for each fault (--duration / (rounds x {len(bench.FAULTS)}) "
+                         f">= --down-s + 2)")
         result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, rounds=rounds)
         header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
                   f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}; {stamp} -->")

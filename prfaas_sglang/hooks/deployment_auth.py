@@ -50,8 +50,10 @@ def set_worker_api_key(result, server_args) -> None:
 def check_bootstrap_peer(tokenizer_manager, obj, input_ids=None, *args, **kwargs):
     """BEFORE hook: refuse a ``bootstrap_host`` outside ``PRFAAS_PEER_HOSTS`` (ValueError: SGLang's 400)."""
     host = getattr(obj, "bootstrap_host", None)
+    if host is None:  # no PD hand-off: nothing to check, and no environment to read per request
+        return None
     allowed = peer_hosts()
-    if allowed is None or host is None:
+    if allowed is None:
         return None
     for one in host if isinstance(host, list) else [host]:
         if one is None:

@@ -134,7 +134,7 @@ def start_link_telemetry(result, manager, args, disaggregation_mode, server_args
     host = bind if bind not in ("0.0.0.0", "::") else socket.gethostname()
     keys = load_keys()
     telemetry = LinkTelemetry(int(port), f"{host}:{getattr(server_args, 'port', '')}@pid{os.getpid()}", bind,
-                              CurveKeys.from_deployment(keys) if keys else None)
+                              CurveKeys.from_deployment(keys))
     setattr(manager, _ATTR, telemetry)
     telemetry.start()
     logger.info("prfaas_sglang: link telemetry on tcp://%s:%s%s", bind, port, " (CURVE)" if keys else "")

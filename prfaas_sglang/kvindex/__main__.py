@@ -76,7 +76,7 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     sub_key = web.AppKey("subscriber", ZmqSubscriber)
 
     async def on_startup(app):
-        app[sub_key] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys) if keys else None)
+        app[sub_key] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys))
         for name, (_cluster, endpoint, topic) in workers.items():
             app[sub_key].watch(name, endpoint, topic.encode(), kv_event_handler(index, name))
 

@@ -9,7 +9,7 @@ every documented error is a JSON ``{"error": {"message", "code", "type"?}}``.
 
 from __future__ import annotations
 
-MAX_TOKEN_ID = 2**31 - 1
+from prfaas_sglang.protocol import MAX_TOKEN_ID
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "code"],

@@ -113,11 +113,11 @@ def _non_space(text: str) -> int:
     return len(text) - text.count(" ") - text.count("\n") - text.count("\t") - text.count("\r")
 
 
-def _refuse_text_beyond_context(service: RouterService, body) -> None:
-    """400 before tokenizing a text that cannot fit any worker's context (a lower bound on its
-    tokens from its length: ``PromptTokenizer.least_tokens``); tokenizing 10 MB takes seconds."""
+def _refuse_text_beyond_context(service: RouterService, body, chars: int) -> None:
+    """400 before tokenizing a text of ``chars`` characters that cannot fit any worker's context (a
+    lower bound on its tokens from its length: ``PromptTokenizer.least_tokens``); tokenizing 10 MB
+    takes seconds."""
     context = service.context_tokens()
-    chars = _text_chars(body) if context else 0
     if context and chars > context:  # a token has at least one character, so shorter texts cannot be too long
         least = service.tokenizer.least_tokens(_text_chars(body, _non_space))
         if least > context:
@@ -151,9 +151,10 @@ async def _parse(request: web.Request, service: RouterService, kind: str) -> tup
             raise BadRequest(400, "request body is not valid JSON") from None
     rid = f"prfaas-{next(_ids)}"
     created = int(time.time())
+    chars = _text_chars(body) if service.tokenizer is not None else 0
     if service.tokenizer is not None:
-        _refuse_text_beyond_context(service, body)
-    if service.tokenizer is not None and _text_chars(body) > LONG_TEXT_CHARS:
+        _refuse_text_beyond_context(service, body, chars)
+    if chars > LONG_TEXT_CHARS:
         req = await asyncio.to_thread(parse_request, kind, body, rid, created, service.tokenizer)
     else:
         req = parse_request(kind, body, rid, created, service.tokenizer)
@@ -604,7 +605,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
     async def on_startup(app):
         app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
                                                  headers=keys.bearer() if keys else None)
-        app[SUB_KEY] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys) if keys else None)
+        app[SUB_KEY] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys))
         app[ROOM_KEY] = asyncio.Condition()
         for worker in service.workers.values():
             if worker.facts is not None:

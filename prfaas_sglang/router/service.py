@@ -107,22 +107,25 @@ class RouterService:
         """The largest request body accepted: ``BODY_BYTES_PER_TOKEN`` per token of the largest
         context a worker reports (a prompt of that many tokens, as ids or as JSON-escaped text,
         fits easily), at least ``MIN_BODY_BYTES``; ``MAX_BODY_BYTES`` before any worker reported."""
-        contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
+        contexts = self._contexts()
         if not contexts:
             return MAX_BODY_BYTES
         return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max(contexts)))
 
+    def _contexts(self) -> list[int]:
+        return [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
+
     def context_tokens(self) -> int | None:
         """The smallest context length a worker reports (what every route can take); None before any."""
-        contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
+        contexts = self._contexts()
         return min(contexts) if contexts else None
 
     def check_fits(self, req: EngineRequest) -> None:
         """400 now for a request no worker could ever take (the context, the largest decode pool)."""
-        contexts = [w.facts.context_length for w in self.workers.values() if w.facts and w.facts.context_length]
-        if contexts and req.kv_tokens > min(contexts):
+        context = self.context_tokens()
+        if context is not None and req.kv_tokens > context:
             raise BadRequest(400, f"prompt ({len(req.input_ids)}) + max_new_tokens ({req.max_new_tokens}) = "
-                                  f"{req.kv_tokens} exceeds the context length {min(contexts)}")
+                                  f"{req.kv_tokens} exceeds the context length {context}")
         pools = [w.facts.max_total_tokens for w in self.workers.values()
                  if w.role == "decode" and w.facts and w.facts.max_total_tokens]
         if pools and req.kv_tokens > max(pools):

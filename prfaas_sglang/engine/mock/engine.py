@@ -193,7 +193,7 @@ class MockEngine:
             self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
         from prfaas_sglang.adapters.zmq import CurveKeys, ZmqPublisher
 
-        curve = CurveKeys.from_deployment(cfg.keys) if cfg.keys else None
+        curve = CurveKeys.from_deployment(cfg.keys)
         bind = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # the configured interface only
         if cfg.kv_events_port is not None:
             self.publisher = ZmqPublisher(f"tcp://{bind}:{cfg.kv_events_port}", KV_EVENTS_TOPIC, curve=curve)
