@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, TRACE
 
 from prfaas_sglang.bench.sim import CASE_STUDY, saturated, shift_run
 from prfaas_sglang.router.longterm import LongTermSettings
@@ -18,7 +18,6 @@ from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.nodes import BlockCache
 from prfaas_sglang.sim.report import summarize
 
-TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 
 
 @pytest.mark.parametrize("fleet, binding", [
@@ -84,10 +83,10 @@ def _assert_nothing_held(sim: Simulation) -> None:
             assert node.pool.used_tokens == 0
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="the shared trace is beside the checkout")
 def test_trace_prefix_reuse_goes_through_the_kv_index():
     """The first 1,500 trace requests: the KV index sees the workers' events; requests routed to a
     worker holding their prefix compute only the rest, and the router's credit matches the worker's."""
+    assert TRACE.is_file(), f"{TRACE} ships in shared/data beside the checkout (or set PRFAAS_TRACE_PATH)"
     requests = workloads.trace(TRACE, limit=1500)
     sim = Simulation(FleetSpec(1, 1, 2))
     sim.run(requests, max(r.arrival_s for r in requests) + 600)
