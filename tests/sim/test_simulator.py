@@ -19,7 +19,6 @@ from prfaas_sglang.sim.nodes import BlockCache
 from prfaas_sglang.sim.report import summarize
 
 
-
 @pytest.mark.parametrize("fleet, binding", [
     (CASE_STUDY, "prfaas-compute"),
     (FleetSpec(4, 6, 2), "pd-decode"),
