@@ -46,6 +46,8 @@ def trace(path: Path, copies: int = 1, limit: int | None = None, time_scale: flo
     compresses time (more load, same requests)."""
     if copies < 1 or not time_scale > 0:
         raise ConfigError("--copies", f"copies must be >= 1 and time_scale > 0, got {copies}, {time_scale}")
+    if not Path(path).is_file():
+        raise ConfigError("--trace", f"no trace file {path}")
     records = []
     with Path(path).open() as fh:
         for lineno, line in enumerate(fh, 1):

@@ -139,6 +139,9 @@ def test_cli_refuses_bad_input():
     out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--pd", "4", "--pd-prefill", "4"],
                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 2 and "--pd-prefill" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--scenario", "trace", "--trace", "/nonexistent.jsonl"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == 2 and "no trace file" in out.stderr
 
 
 def test_summary_counts_every_arrival():
