@@ -142,6 +142,12 @@ class Envs:
         "Engine workers: comma-separated hosts a worker may hand KV to or take it from (bootstrap "
         "hosts, notify and import URLs); set by the launcher from the topology. Unset: any host.",
     )
+    ROLE_SWITCH_STARTUP_S = EnvVar(
+        "PRFAAS_ROLE_SWITCH_STARTUP_S",
+        "900",
+        "Role supervisor (a node with role_switch: restart): how long an engine restarted in its other PD role "
+        "may take to answer /health 200 before the node is declared unhealthy (restart required).",
+    )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",
         None,

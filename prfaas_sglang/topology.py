@@ -31,6 +31,11 @@ Schema (version 1; every field marked optional may be left out)::
             bootstrap_port: 8998     # prefill roles
             kv_events_port: 5557     # engine roles: ZMQ KV-event publisher
             telemetry_port: 5560     # prefill roles: ZMQ link telemetry (emulated engine, transport)
+            role_switch: in-place    # optional, pd-prefill / pd-decode: the long-term scheduler may turn it into
+                                     #   the other PD role. in-place: the worker's own /pd_role_switch (emulated
+                                     #   engine; SGLang >= 0.5.23); restart: the launcher supervises the engine
+                                     #   and restarts it in the other role (SGLang 0.5.15). Needs bootstrap_port.
+            switch_port: 30100       # role_switch restart: the launcher's supervisor serves /pd_role_switch here
             tp_size: 1
             model_path: ...          # overrides model.path; ./ and ../ are relative to the file
             extra_args: [...]        # appended after model.extra_args
@@ -69,6 +74,7 @@ from prfaas_sglang.roles import ROLE_SPECS, KvTransport, Role, parse_role
 
 SUPPORTED_VERSIONS = (1,)
 CLUSTER_KINDS = ("prfaas", "pd", "control")
+SWITCH_MODES = ("in-place", "restart")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class Node:
     bootstrap_port: int | None = None
     kv_events_port: int | None = None
     telemetry_port: int | None = None
+    role_switch: str | None = None  # in-place | restart (SWITCH_MODES); None: the role is fixed
+    switch_port: int | None = None  # restart: the launcher's supervisor's port
     tp_size: int | None = None
     model_path: str | None = None
     kv_transport: KvTransport | None = None
@@ -171,7 +179,29 @@ def _transport(value: Any, path: str) -> KvTransport | None:
         raise ConfigError(path, f"unknown KV transport {value!r} (expected tcp or rdma)") from None
 
 
-_NODE_KEYS = {"name", "role", "host", "port", "bootstrap_port", "kv_events_port", "telemetry_port", "tp_size", "model_path", "extra_args"}
+_NODE_KEYS = {"name", "role", "host", "port", "bootstrap_port", "kv_events_port", "telemetry_port", "role_switch",
+              "switch_port", "tp_size", "model_path", "extra_args"}
+_PORT_KEYS = ("port", "bootstrap_port", "kv_events_port", "telemetry_port", "switch_port")
+
+
+def _role_switch(obj: dict, path: str, role: Role, bootstrap_port: int | None) -> tuple[str | None, int | None]:
+    """``role_switch`` and ``switch_port`` of a node, checked: PD roles only, a bootstrap port (served
+    whenever the node is prefill), a supervisor port exactly when the switch is a restart."""
+    mode = _opt_str(obj, "role_switch", path)
+    switch_port = _opt_port(obj, "switch_port", path)
+    if mode is None:
+        if switch_port is not None:
+            raise ConfigError(f"{path}.switch_port", "is for nodes with role_switch: restart")
+        return None, None
+    if mode not in SWITCH_MODES:
+        raise ConfigError(f"{path}.role_switch", f"unknown mode {mode!r} (expected {' or '.join(SWITCH_MODES)})")
+    if role not in (Role.PD_PREFILL, Role.PD_DECODE):
+        raise ConfigError(f"{path}.role_switch", f"only pd-prefill and pd-decode nodes switch roles, not {role.value}")
+    if bootstrap_port is None:
+        raise ConfigError(f"{path}.bootstrap_port", "is required with role_switch (the node serves it while it is prefill)")
+    if (mode == "restart") != (switch_port is not None):
+        raise ConfigError(f"{path}.switch_port", "is required with role_switch: restart, and only then")
+    return mode, switch_port
 
 
 def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTransport | None, model: dict) -> Node:
@@ -189,8 +219,10 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
     if transport is not None and spec.is_engine_role and transport not in spec.allowed_kv_transports:
         raise ConfigError(f"{path}.role", f"role {role.value} cannot use the {transport.value} KV transport of its cluster")
     bootstrap_port = _opt_port(obj, "bootstrap_port", path)
-    if bootstrap_port is not None and spec.disaggregation_mode != "prefill":
-        raise ConfigError(f"{path}.bootstrap_port", f"only prefill roles serve a bootstrap port, not {role.value}")
+    role_switch, switch_port = _role_switch(obj, path, role, bootstrap_port)
+    if bootstrap_port is not None and spec.disaggregation_mode != "prefill" and role_switch is None:
+        raise ConfigError(f"{path}.bootstrap_port", f"only prefill roles (and switchable PD nodes) serve a bootstrap "
+                                                    f"port, not {role.value}")
     kv_events_port = _opt_port(obj, "kv_events_port", path)
     telemetry_port = _opt_port(obj, "telemetry_port", path)
     if telemetry_port is not None and spec.disaggregation_mode != "prefill":
@@ -206,6 +238,8 @@ def _parse_node(raw: Any, path: str, cluster: str, kind: str, transport: KvTrans
         bootstrap_port=bootstrap_port,
         kv_events_port=kv_events_port,
         telemetry_port=telemetry_port,
+        role_switch=role_switch,
+        switch_port=switch_port,
         tp_size=number(obj, "tp_size", path, positive=True, integer=True),
         model_path=_opt_str(obj, "model_path", path) or model.get("path"),
         kv_transport=transport if spec.is_engine_role else None,
@@ -224,7 +258,7 @@ def _check_unique_endpoints(nodes: list[Node], paths: dict[str, str]) -> None:
             raise ConfigError(f"{path}.name", f"node name {node.name!r} is used twice")
         names.add(node.name)
         host = node.host or "127.0.0.1"
-        for key in ("port", "bootstrap_port", "kv_events_port", "telemetry_port"):
+        for key in _PORT_KEYS:
             port = getattr(node, key)
             if port is None:
                 continue

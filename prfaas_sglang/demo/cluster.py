@@ -126,16 +126,23 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
                    tokenizer: str | None = None,
                    served_name: str | None = None, threshold_tokens: float | None = None, telemetry: bool = True,
                    kv_events: bool = True, decode_events: bool = False, accelerators: tuple[str, str] | None = None,
-                   router: bool = True) -> dict:
+                   router: bool = True, role_switch: str | None = None) -> dict:
     """A one-box topology document with free ports. ``hosts`` maps a role to its bind address
-    (e.g. a PrfaaS worker inside a network namespace)."""
+    (e.g. a PrfaaS worker inside a network namespace). ``role_switch`` (in-place | restart) makes every
+    PD node switchable: each gets a bootstrap port and KV events whatever its role, and a supervisor
+    port for restart."""
     hosts = hosts or {}
     distinct_port = PortPicker()
 
     def node(role: str, i: int) -> dict:
         h = hosts.get(role, host)
         n = {"name": f"{role}-{i}", "role": role, "host": h, "port": distinct_port(host)}
-        if role != "pd-decode":
+        switchable = role_switch is not None and role != "prfaas"
+        if switchable:
+            n["role_switch"] = role_switch
+            if role_switch == "restart":
+                n["switch_port"] = distinct_port(host)
+        if role != "pd-decode" or switchable:
             n["bootstrap_port"] = distinct_port(host)
             if kv_events:
                 n["kv_events_port"] = distinct_port(host)
@@ -200,6 +207,7 @@ class Worker:
     bootstrap_port: int | None
     kv_events_port: int | None
     telemetry_port: int | None = None
+    switch_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,7 @@ def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_a
         url = f"http://{n['host']}:{n['port']}"
         procs.append((proc, url))
         workers[n["name"]] = Worker(n["name"], url, n["port"], n.get("bootstrap_port"), n.get("kv_events_port"),
-                                    n.get("telemetry_port"))
+                                    n.get("telemetry_port"), n.get("switch_port"))
     for proc, url in procs:
         group.wait_healthy(url + "/health", proc)
     router = None

@@ -129,7 +129,7 @@ def resolve_node(args: argparse.Namespace) -> tuple[Node, Topology | None]:
         value = overrides[key]
         if value is not None and not 1 <= value <= 65535:
             raise ConfigError("--" + key.replace("_", "-"), f"must be a port number in 1..65535, got {value}")
-    if args.bootstrap_port is not None and ROLE_SPECS[node.role].disaggregation_mode != "prefill":
+    if args.bootstrap_port is not None and ROLE_SPECS[node.role].disaggregation_mode != "prefill" and node.role_switch is None:
         raise ConfigError("--bootstrap-port", f"only prefill roles serve a bootstrap port, not {node.role.value}")
     return dataclasses.replace(node, **{k: v for k, v in overrides.items() if v is not None}), topology
 
@@ -164,7 +164,7 @@ def _mock_args(args: argparse.Namespace, node: Node, topology: Topology | None) 
         profile = profile or model.costs[kind].engine_profile
         speedup = speedup if speedup is not None else model.emulation.speedup
         kv_scale = kv_scale if kv_scale is not None else model.emulation.kv_scale
-        if node.role is Role.PD_DECODE:
+        if node.role is Role.PD_DECODE or node.role_switch is not None:  # a switchable node may become decode
             extra += ["--max-batch", str(max(int(model.decode.bs_max), 1))]
         if topology.model.tokenizer:
             from prfaas_sglang.tokenizer import resolve
@@ -178,8 +178,12 @@ def _mock_args(args: argparse.Namespace, node: Node, topology: Topology | None) 
     return profile, tuple(flags + extra)
 
 
-def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list[str] = ()) -> LaunchCommand:
+def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list[str] = (),
+                 role: Role | None = None) -> LaunchCommand:
+    """The command for the node ``args`` name; ``role``: as the other PD role (the role supervisor's restart)."""
     node, topology = resolve_node(args)
+    if role is not None:
+        node = dataclasses.replace(node, role=role)
     spec = ROLE_SPECS[node.role]
     try:
         engine = Engine(args.engine or "sglang")
@@ -201,8 +205,13 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
     if engine is Engine.MOCK:
         profile, mock_args = _mock_args(args, node, topology)
         # The topology's extra_args are SGLang flags; the emulated engine takes only `--` arguments.
+        if node.role_switch == "in-place":
+            mock_args += ("--enable-pd-role-switch",)
         command = mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra)
-        return with_peer_hosts(command, topology, os.environ)
+        return with_peer_hosts(_supervised(command), topology, os.environ)
+    if node.role_switch == "in-place":
+        raise ConfigError(f"nodes.{node.name}.role_switch", "SGLang 0.5.15 has no /pd_role_switch; use role_switch: restart "
+                                                            "(the launcher restarts the engine in the other role)")
     given = [flag for flag, value in (("--profile", args.profile), ("--speedup", args.speedup), ("--kv-scale", args.kv_scale))
              if value is not None]
     if given:
@@ -217,11 +226,21 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
             raise
         notes = (f"patch series NOT verified ({type(err).__name__}): {err}",)
     node = dataclasses.replace(node, extra_args=node.extra_args + _model_args(topology, node) + extra)
-    command = sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node),
-                             wan_profile=args.kv_profile == "wan")
+    command = _supervised(sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node),
+                                         wan_profile=args.kv_profile == "wan"))
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")
     return with_peer_hosts(command, topology, os.environ)
+
+
+def _supervised(command: LaunchCommand) -> LaunchCommand:
+    """A ``role_switch: restart`` node's command, noted as run under the role supervisor."""
+    node = command.node
+    if node.role_switch != "restart":
+        return command
+    note = (f"role supervisor on {node.host or '127.0.0.1'}:{node.switch_port}: POST /pd_role_switch restarts this "
+            "engine in the other PD role (launch/supervisor.py)")
+    return dataclasses.replace(command, notes=command.notes + (note,))
 
 
 def _model_args(topology: Topology | None, node: Node) -> tuple[str, ...]:
@@ -251,8 +270,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(command.to_json(), indent=2) if args.json else command.render())
         return 0
     sys.stdout.flush()
+    if command.node.role_switch == "restart":
+        return _run_supervisor(args, extra, unknown, command)
     os.execvpe(command.argv[0], list(command.argv), {**os.environ, **command.env})
     return 0  # not reached
+
+
+def _run_supervisor(args: argparse.Namespace, extra: tuple[str, ...], unknown: list[str], command: LaunchCommand) -> int:
+    from prfaas_sglang.launch.supervisor import supervise
+    from prfaas_sglang.security import load_keys
+
+    node = command.node
+    host = node.host or "127.0.0.1"
+    url_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    try:
+        keys = load_keys()
+    except PrfaasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    return supervise(lambda role: make_command(args, extra, unknown, role), node.role, f"http://{url_host}:{node.port}",
+                     host, node.switch_port, keys)
 
 
 if __name__ == "__main__":

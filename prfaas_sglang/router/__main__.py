@@ -73,6 +73,17 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--startup-timeout-s", type=float, default=30.0, help="how long to wait for workers' facts at start")
     p.add_argument("--tls-cert-file", default=None, help="serve HTTPS (clients and the admin API) with this certificate (PEM)")
     p.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM); with --tls-cert-file")
+    lt = p.add_argument_group("long-term scheduler (P/D conversion of nodes with role_switch in the topology)")
+    lt.add_argument("--long-term", action="store_true",
+                    help="run the long-term controller: convert PD workers between prefill and decode when the "
+                         "measured stage throughputs say the split no longer fits (router/longterm.py)")
+    lt.add_argument("--long-term-interval-s", type=float, default=60.0, help="seconds between decisions")
+    lt.add_argument("--long-term-window-s", type=float, default=300.0, help="what a decision looks at")
+    lt.add_argument("--long-term-dwell-s", type=float, default=300.0, help="least time between two conversions")
+    lt.add_argument("--long-term-min-requests", type=int, default=100, help="routed requests in the window before deciding")
+    lt.add_argument("--long-term-confirm", type=int, default=2, help="decisions in a row wanting the same direction")
+    lt.add_argument("--long-term-drain-timeout-s", type=float, default=300.0,
+                    help="a conversion whose worker still holds requests after this is abandoned (back in service)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -142,6 +153,7 @@ def make_service(args: argparse.Namespace):
     the deployment's keys (``PRFAAS_SECRET_FILE``; None: no authentication)."""
     from prfaas_sglang import runtime
     from prfaas_sglang.roles import Role
+    from prfaas_sglang.router.longterm import LongTermController
     from prfaas_sglang.router.policy import BandwidthMode
     from prfaas_sglang.router.service import RouterConfig, new_service
     from prfaas_sglang.router.threshold import ControllerSettings
@@ -183,6 +195,10 @@ def make_service(args: argparse.Namespace):
     config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
                                  max_ttft_s=max_ttft_s)
     service = new_service(config, model, workers, emulation_spec=topology.emulation)
+    if args.long_term:
+        service.longterm = LongTermController(model, longterm_settings(args))
+        if not any(w.switch_url for w in workers.values()):
+            logger.warning("--long-term: no node of the topology has role_switch; decisions will be logged, not applied")
     for name, facts in adopted.items():
         workers[name].facts, workers[name].healthy = facts, True
     service.tokenizer = load_tokenizer(args, topology, workers)
@@ -195,6 +211,18 @@ def make_service(args: argparse.Namespace):
     kv_index_url = (f"http://{index_node.host or '127.0.0.1'}:{index_node.port}"
                     if index_node is not None and index_node.port is not None else None)
     return service, kv_index_url, keys
+
+
+def longterm_settings(args: argparse.Namespace):
+    """``LongTermSettings`` from the flags (wall seconds, as the router's model of an emulated deployment)."""
+    from prfaas_sglang.router.longterm import LongTermSettings
+
+    try:
+        return LongTermSettings(interval_s=args.long_term_interval_s, window_s=args.long_term_window_s,
+                                min_dwell_s=args.long_term_dwell_s, min_requests=args.long_term_min_requests,
+                                confirm=args.long_term_confirm)
+    except ValueError as err:
+        raise ConfigError("--long-term-*", str(err)) from None
 
 
 # glibc's mallopt parameters (malloc.h) and what the router sets them to.
@@ -264,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     if not keep_request_buffers_mapped():
         logging.getLogger("prfaas.router").info("malloc left at its defaults (not glibc, or MALLOC_* set)")
     # handler_cancellation: a client that disconnects cancels its request, and with it both PD legs.
-    web.run_app(build_app(service, kv_index_url, keys), host=args.host, port=args.port, access_log=None, print=None,
+    from prfaas_sglang.router.server import LongTermOptions
+
+    options = LongTermOptions(drain_timeout_s=args.long_term_drain_timeout_s)
+    web.run_app(build_app(service, kv_index_url, keys, options), host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True, ssl_context=ssl_context)
     return 0
 

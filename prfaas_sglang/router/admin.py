@@ -2,6 +2,9 @@
 
     POST   /admin/threshold          {"threshold_tokens": N | null}   override t / back to the baseline
     POST   /admin/workers/{name}/drain    {"draining": true | false}  stop / resume routing to a worker
+    POST   /admin/workers/{name}/role     {"new_role": "prefill" | "decode", "drain_timeout_s"?: 300}
+                                          drain, switch, follow (router/conversion.py); 200 with what happened,
+                                          404/409 refused, 504 not drained in time, 502 the switch failed
     POST   /admin/workers            {name, url, cluster, role, bootstrap_port?, kv_events_port?, telemetry_port?}
     DELETE /admin/workers/{name}
 
@@ -75,8 +78,10 @@ def _worker_url_problem(url: str) -> str | None:
     return None
 
 
-def add_admin_routes(app: web.Application, service_key, on_register, on_deregister) -> None:
-    """``on_register(app, record)`` / ``on_deregister(app, name)`` start/stop what follows a worker."""
+def add_admin_routes(app: web.Application, service_key, on_register, on_deregister, on_convert=None) -> None:
+    """``on_register(app, record)`` / ``on_deregister(app, name)`` start/stop what follows a worker;
+    ``on_convert(app, name, new_role, drain_timeout_s)`` runs one conversion (a ``Conversion``, or
+    raises ``ConversionError``)."""
 
     async def threshold(request):
         if (denied := _authorized(request)) is not None:
@@ -150,7 +155,28 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
         on_deregister(request.app, name)
         return web.json_response({"deregistered": name})
 
+    async def role(request):
+        if (denied := _authorized(request)) is not None:
+            return denied
+        from prfaas_sglang.router.conversion import ConversionError
+
+        body = await _body(request)
+        new_role = body.get("new_role")
+        if new_role not in ("prefill", "decode"):
+            return _err(400, "new_role must be prefill or decode")
+        timeout_s = body.get("drain_timeout_s", 300.0)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 86_400:
+            return _err(400, "drain_timeout_s must be a number of seconds in (0, 86400]")
+        if on_convert is None:
+            return _err(501, "this router does not convert workers")
+        try:
+            done = await on_convert(request.app, request.match_info["name"], new_role, float(timeout_s))
+        except ConversionError as err:
+            return _err(err.status, err.message)
+        return web.json_response(done.to_json())
+
     app.router.add_post("/admin/threshold", threshold)
+    app.router.add_post("/admin/workers/{name}/role", role)
     app.router.add_post("/admin/workers/{name}/drain", drain)
     app.router.add_post("/admin/workers", register)
     app.router.add_delete("/admin/workers/{name}", deregister)

@@ -250,6 +250,47 @@ class LongTermController:
             self.scales[stage] = min(max((done / busy_s) / modelled[stage], lo), hi)
 
 
+class StageMeter:
+    """:class:`StageSample` from what a live router sees (the simulator measures its nodes directly).
+
+    ``poll`` integrates each worker's load answer over the time since the previous poll: a prefill
+    worker with anything running or waiting is busy; a decode worker is busy by its occupancy,
+    running over its batch limit. ``complete`` counts a leg that ended at a stage. ``sample``
+    differences both since the previous sample. Accuracy is the load poll's (0.5 s by default):
+    enough for a controller that decides in minutes.
+    """
+
+    MAX_POLL_GAP_S = 5.0  # a longer gap (the loop stalled) is not integrated as if the load held
+
+    def __init__(self) -> None:
+        self._busy_s: collections.Counter = collections.Counter()
+        self._completed: collections.Counter = collections.Counter()
+        self._last_poll_s: float | None = None
+        self._taken: tuple[collections.Counter, collections.Counter] = (collections.Counter(), collections.Counter())
+        self._last_sample_s: float | None = None
+
+    def poll(self, now_s: float, loads) -> None:
+        """``loads``: ``(stage, running, waiting, max_running | None)`` per worker serving a stage now."""
+        dt = 0.0 if self._last_poll_s is None else min(max(now_s - self._last_poll_s, 0.0), self.MAX_POLL_GAP_S)
+        self._last_poll_s = now_s
+        for stage, running, waiting, max_running in loads:
+            if stage == "pd-decode":
+                self._busy_s[stage] += dt * (min(running / max_running, 1.0) if max_running else float(running > 0))
+            elif running or waiting:
+                self._busy_s[stage] += dt
+
+    def complete(self, stage: str) -> None:
+        self._completed[stage] += 1
+
+    def sample(self, now_s: float, queued: Mapping[str, int], instances: Mapping[str, int]) -> StageSample:
+        busy, done = self._taken
+        interval = 0.0 if self._last_sample_s is None else now_s - self._last_sample_s
+        out = StageSample(interval, {k: self._completed[k] - done[k] for k in STAGES},
+                          {k: self._busy_s[k] - busy[k] for k in STAGES}, dict(queued), dict(instances))
+        self._taken, self._last_sample_s = (collections.Counter(self._busy_s), collections.Counter(self._completed)), now_s
+        return out
+
+
 def pick_nodes(candidates: Sequence[tuple[str, float]], count: int) -> list[str]:
     """The ``count`` least loaded of ``(name, load)`` (ties by name): the ones that drain soonest."""
     return [name for name, _ in sorted(candidates, key=lambda c: (c[1], c[0]))[:max(count, 0)]]

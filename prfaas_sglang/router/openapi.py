@@ -41,10 +41,11 @@ def _data_plane(summary: str, body: dict) -> dict:
                                    **_errors(400, 413, 429, 502, 503, 504)}}}
 
 
-def _admin(method: str, summary: str, body: dict | None = None, named: bool = False) -> dict:
+def _admin(method: str, summary: str, body: dict | None = None, named: bool = False, extra_errors: tuple[int, ...] = ()) -> dict:
     op: dict = {"summary": summary, "security": [{"bearer": []}],
                 "responses": {"200": {"description": "done", **_json({"type": "object"})},
-                              **_errors(400, 401, 403, *((404,) if named else ()), *((409,) if method == "post" and not named else ()))}}
+                              **_errors(400, 401, 403, *((404,) if named else ()), *((409,) if method == "post" and not named else ()),
+                                        *extra_errors)}}
     if body is not None:
         op["requestBody"] = {"required": True, **_json(body)}
     if named:
@@ -74,7 +75,7 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}
     worker = {"type": "object", "required": ["name", "url", "cluster", "role"], "properties": {
         "name": {"type": "string", "minLength": 1}, "url": {"type": "string", "format": "uri"},
-        "cluster": {"type": "string"}, "role": {"type": "string", "enum": ["prfaas", "pd-prefill", "pd-decode"]},
+        "cluster": {"type": "string", "enum": ["prfaas", "pd"]}, "role": {"type": "string", "enum": ["prefill", "decode"]},
         "bootstrap_port": {"type": "integer", "minimum": 1, "maximum": 65535},
         "kv_events_port": {"type": "integer", "minimum": 1, "maximum": 65535},
         "telemetry_port": {"type": "integer", "minimum": 1, "maximum": 65535}}}
@@ -100,6 +101,11 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
             "/admin/workers/{name}": _admin("delete", "deregister a worker", named=True),
             "/admin/workers/{name}/drain": _admin("post", "stop or resume routing to a worker", {
                 "type": "object", "required": ["draining"], "properties": {"draining": {"type": "boolean"}}}, named=True),
+            "/admin/workers/{name}/role": _admin("post", "drain a PD worker, switch it to the other role, follow", {
+                "type": "object", "required": ["new_role"], "properties": {
+                    "new_role": {"type": "string", "enum": ["prefill", "decode"]},
+                    "drain_timeout_s": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 86400}}},
+                named=True, extra_errors=(409, 502, 504)),
         },
         "components": {"schemas": {"Error": _ERROR},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

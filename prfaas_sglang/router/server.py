@@ -37,10 +37,13 @@ from aiohttp import web
 
 from prfaas_sglang import __version__
 from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
+from prfaas_sglang.errors import PrfaasError
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents
 from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
 from prfaas_sglang.router.admin import add_admin_routes
+from prfaas_sglang.router.conversion import RoleSwitchClient, convert
+from prfaas_sglang.router.longterm import pick_nodes
 from prfaas_sglang.router.openapi import router_openapi
 from prfaas_sglang.router.policy import NoDecodeRoom, NoHealthyWorker, RouteDecision, refuse_early
 from prfaas_sglang.router.service import MAX_BODY_BYTES, Lease, RouterService
@@ -66,6 +69,18 @@ SERVICE_KEY = web.AppKey("service", RouterService)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 SUB_KEY = web.AppKey("subscriber", ZmqSubscriber)
 ROOM_KEY = web.AppKey("room", asyncio.Condition)
+
+
+@dataclass(frozen=True)
+class LongTermOptions:
+    """How the router runs the long-term controller's decisions (the policy's own settings are in
+    ``LongTermSettings``)."""
+
+    sample_s: float = 10.0  # stage samples; decisions come every LongTermSettings.interval_s
+    drain_timeout_s: float = 300.0  # a conversion gives up (back in service) after this
+
+
+LONGTERM_KEY = web.AppKey("longterm", LongTermOptions)
 _ids = itertools.count()
 _rng = random.Random()
 
@@ -556,6 +571,7 @@ async def _load_loop(app: web.Application) -> None:
                 worker.load = parse_loads(await _get_json(session, worker.url + "/v1/loads", 1.0))
             except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
                 worker.load = None
+        service.poll_stages(time.monotonic())
         async with room:
             room.notify_all()
         await asyncio.sleep(service.config.load_interval_s)
@@ -568,6 +584,39 @@ async def _control_loop(app: web.Application) -> None:
         if changed is not None:
             logger.info("threshold t -> %.0f tokens (%s)", changed, service.controller.history[-1][2])
         await asyncio.sleep(service.config.control_interval_s)
+
+
+async def _longterm_loop(app: web.Application) -> None:
+    """The long-term scheduler (``router.longterm``, the simulator's own policy object): a stage sample
+    every ``sample_s``; a decision converts the least-loaded workers through ``convert``.
+    A conversion that fails puts the controller back on the split that really serves."""
+    service, session = app[SERVICE_KEY], app[SESSION_KEY]
+    options = app[LONGTERM_KEY]
+    service.stage_sample(time.monotonic())  # the first sample starts here
+    while True:
+        await asyncio.sleep(min(options.sample_s, service.longterm.settings.interval_s))
+        now = time.monotonic()
+        replan = service.longterm.observe(now, service.stage_sample(now), service.controller.threshold_tokens)
+        if replan is None:
+            continue
+        from_role, to_role = ("decode", "prefill") if replan.convert > 0 else ("prefill", "decode")
+        candidates = [(w.name, float(service.open_legs(w.name))) for w in service.workers.values()
+                      if w.cluster == "pd" and w.role == from_role and w.routable and w.switch_url is not None]
+        chosen = pick_nodes(candidates, abs(replan.convert))
+        logger.info("long-term: convert %s to %s (%s)", ", ".join(chosen) or "nothing switchable", to_role, replan.reason)
+        results = await asyncio.gather(*(convert(service, RoleSwitchClient(session), name, to_role,
+                                                 drain_timeout_s=options.drain_timeout_s, runtime=replan.runtime,
+                                                 why=f"long-term: {replan.reason}", on_converted=lambda n: _unwatch(app, n))
+                                         for name in chosen), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for err in failed:
+            logger.error("long-term conversion failed: %s", err)
+        if failed or len(chosen) < abs(replan.convert):
+            n_prefill, _ = service.pd_split()
+            try:
+                service.longterm.runtime = service.longterm.runtime.with_split(n_prefill)
+            except PrfaasError:
+                pass
 
 
 async def _restore_index(app: web.Application, kv_index_url: str) -> None:
@@ -595,12 +644,21 @@ async def _restore_index(app: web.Application, kv_index_url: str) -> None:
         logger.info("kv-index snapshot: %d blocks of %s restored", added, name)
 
 
-def build_app(service: RouterService, kv_index_url: str | None = None, keys: DeploymentKeys | None = None) -> web.Application:
+def _unwatch(app: web.Application, name: str) -> None:
+    """Stop following worker ``name``'s streams (deregistered; or converted: the health loop re-reads
+    its facts and subscribes again for its new role)."""
+    app[SUB_KEY].unwatch(f"kv:{name}")
+    app[SUB_KEY].unwatch(f"link:{name}")
+
+
+def build_app(service: RouterService, kv_index_url: str | None = None, keys: DeploymentKeys | None = None,
+              longterm: LongTermOptions | None = None) -> web.Application:
     """The router's HTTP app. With ``keys`` (the deployment secret's), every request to a worker or
     the kv-index carries the worker API key, and KV-event and telemetry streams are CURVE clients
     that accept only publishers holding the deployment's key."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[SERVICE_KEY] = service
+    app[LONGTERM_KEY] = longterm or LongTermOptions()
 
     async def on_startup(app):
         app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
@@ -610,7 +668,8 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         for worker in service.workers.values():
             if worker.facts is not None:
                 _watch_worker(service, worker, app[SUB_KEY])
-        app["tasks"] = [asyncio.create_task(loop(app), name=loop.__name__) for loop in (_health_loop, _load_loop, _control_loop)]
+        loops = [_health_loop, _load_loop, _control_loop] + ([_longterm_loop] if service.longterm is not None else [])
+        app["tasks"] = [asyncio.create_task(loop(app), name=loop.__name__) for loop in loops]
         if kv_index_url is not None:
             app["tasks"].append(asyncio.create_task(_restore_index(app, kv_index_url), name="restore_index"))
 
@@ -650,13 +709,16 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         pass  # the health loop fetches its facts, then subscribes
 
     def on_deregister(app, name):
-        app[SUB_KEY].unwatch(f"kv:{name}")
-        app[SUB_KEY].unwatch(f"link:{name}")
+        _unwatch(app, name)
         if name in service.index.workers():
             service.index.remove_worker(name)
         service.link.forget(name)
 
-    add_admin_routes(app, SERVICE_KEY, on_register, on_deregister)
+    async def on_convert(app, name, new_role, drain_timeout_s):
+        return await convert(service, RoleSwitchClient(app[SESSION_KEY]), name, new_role, drain_timeout_s=drain_timeout_s,
+                             on_converted=lambda n: _unwatch(app, n))
+
+    add_admin_routes(app, SERVICE_KEY, on_register, on_deregister, on_convert)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/status", status)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.protocol import BadRequest, EngineRequest
 from prfaas_sglang.router.link import LinkAggregator
+from prfaas_sglang.router.longterm import STAGES, LongTermController, StageMeter, StageSample
 from prfaas_sglang.router.metrics import RouterCounters
 from prfaas_sglang.router.policy import (
     PD,
@@ -85,6 +86,9 @@ class RouterService:
         self.link = LinkAggregator(config.telemetry_stale_s)
         self.recent: collections.deque = collections.deque(maxlen=50)
         self.waiting = 0  # requests waiting for decode room now
+        self.longterm: LongTermController | None = None  # the long-term scheduler, when it runs (--long-term)
+        self.stage_meter = StageMeter()
+        self.converting: set[str] = set()  # workers a conversion is draining or switching now
 
     # --- names ----------------------------------------------------------------------
 
@@ -172,6 +176,7 @@ class RouterService:
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
         prefill.outstanding_prefill_s += decision.estimated_prefill_s
+        prefill.prefill_requests += 1
         decode.reserved_tokens += req.kv_tokens
         decode.reserved_requests += 1
         self.counters.routed[decision.cluster] += 1
@@ -182,6 +187,8 @@ class RouterService:
             self.counters.spilled += 1
         if attempt == 0:
             self.controller.record(now_s, decision.uncached_tokens)
+            if self.longterm is not None:
+                self.longterm.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
         self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
                             "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt})
@@ -194,6 +201,8 @@ class RouterService:
             worker = self.workers.get(lease.decision.prefill)
             if worker is not None:
                 worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.decision.estimated_prefill_s, 0.0)
+                worker.prefill_requests = max(worker.prefill_requests - 1, 0)
+            self.stage_meter.complete("prfaas" if lease.decision.cluster == PRFAAS else "pd-prefill")
 
     def finish(self, lease: Lease) -> None:
         """The request ended, whatever the outcome: everything it held is released."""
@@ -204,6 +213,59 @@ class RouterService:
             if worker is not None:
                 worker.reserved_tokens = max(worker.reserved_tokens - lease.decode_tokens, 0)
                 worker.reserved_requests = max(worker.reserved_requests - 1, 0)
+            self.stage_meter.complete("pd-decode")
+
+    # --- P/D conversion (the long-term scheduler's actuator; router/conversion.py drives it) ---
+
+    def open_legs(self, name: str) -> int:
+        """Requests whose prefill or decode leg on worker ``name`` has not ended."""
+        worker = self.workers[name]
+        return worker.prefill_requests + worker.reserved_requests
+
+    def pd_split(self) -> tuple[int, int]:
+        """(PD prefill, PD decode) workers in service or about to be (draining ones count where they are)."""
+        pd = [w for w in self.workers.values() if w.cluster == PD]
+        return sum(w.role == "prefill" for w in pd), sum(w.role == "decode" for w in pd)
+
+    def stage_of(self, worker: WorkerRecord) -> str:
+        return "pd-decode" if worker.role == "decode" else ("prfaas" if worker.cluster == PRFAAS else "pd-prefill")
+
+    def poll_stages(self, now_s: float) -> None:
+        """Feed the stage meter the loads just polled (routable workers only)."""
+        self.stage_meter.poll(now_s, [(self.stage_of(w), w.load.running, w.load.waiting,
+                                       w.facts.max_running_requests if w.facts else None)
+                                      for w in self.workers.values() if w.routable and w.load is not None])
+
+    def stage_sample(self, now_s: float) -> StageSample:
+        """What each stage did since the previous call: the long-term controller's input."""
+        queued = dict.fromkeys(STAGES, 0)
+        instances = dict.fromkeys(STAGES, 0)
+        for w in self.workers.values():
+            if w.routable:
+                instances[self.stage_of(w)] += 1
+                queued[self.stage_of(w)] += w.load.waiting if w.load else 0
+        queued["pd-decode"] += self.waiting
+        return self.stage_meter.sample(now_s, queued, instances)
+
+    def converted(self, name: str, new_role: str, now_s: float, runtime: RuntimeModel | None = None,
+                  why: str | None = None) -> float | None:
+        """Worker ``name`` now serves ``new_role``: its record follows (facts forgotten: the caller
+        re-reads them and re-subscribes its events; its blocks leave the KV index), it is back in
+        service, and the model moves to the new split (``runtime``: the long-term controller's
+        calibrated one; else the present model ``with_split``) with ``t`` re-solved. Returns the new
+        ``t`` or None (unchanged, or a split the model cannot hold)."""
+        worker = self.workers[name]
+        worker.role, worker.facts, worker.load, worker.draining = new_role, None, None, False
+        worker.outstanding_prefill_s, worker.prefill_requests = 0.0, 0
+        if name in self.index.workers():
+            self.index.remove_worker(name)
+        n_prefill, n_decode = self.pd_split()
+        if runtime is None:
+            if n_prefill + n_decode != self.runtime.deployment.n_pd or min(n_prefill, n_decode) < 1:
+                return None  # workers registered beyond the topology: the model's split stays
+            runtime = self.runtime.with_split(n_prefill)
+        self.runtime = runtime
+        return self.controller.replan(now_s, runtime.research, why or f"{name} -> {new_role} ({n_prefill}P/{n_decode}D)")
 
     # --- control ----------------------------------------------------------------------
 
@@ -246,11 +308,13 @@ class RouterService:
                 "cluster": w.cluster, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
                 "page_size": w.facts.page_size if w.facts else None,
                 "outstanding_prefill_s": w.outstanding_prefill_s, "reserved_tokens": w.reserved_tokens,
+                "open_legs": w.prefill_requests + w.reserved_requests,
                 "kv_free_tokens": w.kv_free_tokens if w.role == "decode" else None,
                 "running": w.load.running if w.load else None,
                 "index_blocks": self.index.block_count(w.name) if w.name in self.index.workers() else None,
             } for w in self.workers.values()},
             "recent": list(self.recent)[-10:],
+            "long_term": self.longterm.describe() if self.longterm is not None else None,
         }
 
     def metrics_gauges(self, now_s: float) -> list[tuple[str, str, float]]:

@@ -145,6 +145,7 @@ class WorkerRecord:
     bootstrap_port: int | None
     events_endpoint: str | None  # from the topology; else from the facts' kv_events
     telemetry_endpoint: str | None = None
+    switch_url: str | None = None  # serves /pd_role_switch: the worker (in-place) or its launcher's supervisor (restart)
     healthy: bool = False
     draining: bool = False
     facts: WorkerFacts | None = None
@@ -152,6 +153,7 @@ class WorkerRecord:
     outstanding_prefill_s: float = 0.0
     reserved_tokens: int = 0
     reserved_requests: int = 0
+    prefill_requests: int = 0  # prefill legs dispatched here and not ended
     failures: int = 0
     refused: str | None = None  # why the facts were refused (never routed to then)
 
@@ -203,13 +205,38 @@ def workers_from_topology(topology: Topology) -> dict[str, WorkerRecord]:
         host = node.host or "127.0.0.1"
         events = f"tcp://{host}:{node.kv_events_port}" if node.kv_events_port is not None else None
         telemetry = f"tcp://{host}:{node.telemetry_port}" if node.telemetry_port is not None else None
-        records[node.name] = WorkerRecord(node.name, f"http://{host}:{node.port}", spec.cluster_kind, role, host,
-                                          node.bootstrap_port, events, telemetry)
+        url = f"http://{host}:{node.port}"
+        switch_url = {"in-place": url, "restart": f"http://{host}:{node.switch_port}"}.get(node.role_switch)
+        records[node.name] = WorkerRecord(node.name, url, spec.cluster_kind, role, host,
+                                          node.bootstrap_port, events, telemetry, switch_url)
     if not any(r.role == "decode" for r in records.values()):
         raise ConfigError("clusters", "the topology has no pd-decode node")
     if not any(r.role == "prefill" for r in records.values()):
         raise ConfigError("clusters", "the topology has no prefill node")
     return records
+
+
+def conversion_problem(records: dict[str, WorkerRecord], name: str, new_role: str) -> str | None:
+    """Why worker ``name`` cannot be turned into a ``new_role`` worker now (None: it can): PD-cluster
+    workers with a role-switch endpoint only, a bootstrap port to serve as prefill, and never the last
+    routable worker of its present role."""
+    record = records.get(name)
+    if record is None:
+        return f"unknown worker {name!r}"
+    if new_role not in ("prefill", "decode"):
+        return f"new_role must be prefill or decode, got {new_role!r}"
+    if record.cluster != "pd":
+        return f"{name} is a {record.cluster} worker; only PD-cluster workers change roles"
+    if record.switch_url is None:
+        return f"{name} cannot switch roles (its topology node has no role_switch)"
+    if new_role == "prefill" and record.bootstrap_port is None:
+        return f"{name} has no bootstrap port to serve as prefill"
+    if record.role != new_role:
+        others = [w for w in records.values() if w.name != name and w.cluster == "pd" and w.role == record.role
+                  and w.healthy and not w.draining]
+        if not others:
+            return f"{name} is the last serving PD {record.role} worker; converting it would leave none"
+    return None
 
 
 def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerRecord], emulation: Emulation | None) -> str | None:

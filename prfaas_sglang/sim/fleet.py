@@ -153,6 +153,7 @@ class Simulation:
         records = workers_from_topology(topology)
         self.service = new_service(config, self.runtime, records)
         self.longterm = LongTermController(self.runtime, s.longterm) if s.longterm else None
+        self.service.longterm = self.longterm  # the service records each routed request into it, as the router's does
         self.link = SharedLink(self.env, fleet.link_gbps * 1e9)
         self.nodes: dict[str, PrefillNode | DecodeNode] = {}
         self.requests: list[SimRequest] = []
@@ -215,8 +216,6 @@ class Simulation:
             req.rejected = f"no worker: {err}"
             return True
         req.lease = self.service.begin(req, decision, self.env.now, 0)
-        if self.longterm is not None:
-            self.longterm.record(self.env.now, decision.uncached_tokens, req.output_tokens, decision.cluster)
         node = self.nodes[decision.prefill]
         held = node.cache.match(blocks, self.runtime.hybrid) * BLOCK
         req.cluster, req.prefill_node, req.decode_node = decision.cluster, decision.prefill, decision.decode

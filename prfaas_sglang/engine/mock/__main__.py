@@ -11,7 +11,7 @@ import signal
 import sys
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
-from prfaas_sglang.roles import ROLE_SPECS, parse_role
+from prfaas_sglang.roles import ROLE_SPECS, Role, parse_role
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
                    help="decode role: keep finished sequences in a prefix cache; the prefill ships only the KV beyond "
                         "the prefix found there (SGLang's flag of the same name)")
+    p.add_argument("--enable-pd-role-switch", action="store_true",
+                   help="PD roles: serve POST /pd_role_switch (turn prefill into decode or back when idle; "
+                        "SGLang 0.5.23's flag of the same name)")
     p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: landing buffer for KV in flight, MiB")
     p.add_argument("--tokenizer", default=None,
                    help="tokenize text/chat and detokenize outputs with this tokenizer (a shipped name such as "
@@ -67,6 +70,12 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--chunked-prefill-size", f"must be >= 1 or -1 (no chunking), got {args.chunked_prefill_size}")
     if not args.bootstrap_timeout_s > 0:
         raise ConfigError("--bootstrap-timeout-s", "must be > 0")
+    if args.enable_pd_role_switch and role not in (Role.PD_PREFILL, Role.PD_DECODE):
+        raise ConfigError("--enable-pd-role-switch", f"is for PD-cluster roles, not {role.value}")
+    if args.enable_pd_role_switch and args.bootstrap_port is None:
+        raise ConfigError("--bootstrap-port", "is required with --enable-pd-role-switch (served whenever the worker is prefill)")
+    if args.enable_pd_role_switch and args.disaggregation_decode_enable_radix_cache:
+        raise ConfigError("--enable-pd-role-switch", "and --disaggregation-decode-enable-radix-cache do not combine yet")
     if args.disaggregation_decode_enable_radix_cache and spec.disaggregation_mode != "decode":
         raise ConfigError("--disaggregation-decode-enable-radix-cache", f"is for decode roles, not {role.value}")
     return MockConfig(
@@ -78,6 +87,7 @@ def config_from_args(args: argparse.Namespace):
         context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
         max_total_tokens=args.max_total_tokens, tokenizer=args.tokenizer,
         decode_radix_cache=args.disaggregation_decode_enable_radix_cache,
+        enable_pd_role_switch=args.enable_pd_role_switch,
         chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
         keys=load_keys(), peer_hosts=peer_hosts(),
     )

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from prfaas_sglang.wire.auth import (
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
 from prfaas_sglang.wire.handoff import KvReady, Registration
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC, AllBlocksCleared, split_state_events
+from prfaas_sglang.wire.role_switch import RoleSwitchReply
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
 
 PSEUDO_VOCAB = 32_000
@@ -95,6 +97,7 @@ class MockConfig:
     bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_{BOOTSTRAP,WAITING}_TIMEOUT
     decode_radix_cache: bool = False  # SGLang's --disaggregation-decode-enable-radix-cache (decode role)
     tokenizer: str | None = None  # what the tokenizer was loaded from, for /server_info
+    enable_pd_role_switch: bool = False  # serve /pd_role_switch (SGLang 0.5.23's --enable-pd-role-switch)
     keys: DeploymentKeys | None = None  # the deployment secret's keys (security.load_keys); None: no authentication
     peer_hosts: frozenset[str] | None = None  # hosts KV may go to or come from (security.peer_hosts); None: any
 
@@ -171,6 +174,9 @@ class MockEngine:
         self._tasks: list[asyncio.Task] = []
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self.fail_kv_transfers = 0  # fault injection (POST /prfaas/faults): fail this many next KV transfers
+        self.fail_role_switch = False  # fault injection: the next role switch fails while rebuilding
+        self.unhealthy: str | None = None  # why a failed role switch left this worker unusable until restarted
+        self._switching = False
         self.meter = LinkMeter(window_s=1.0)  # 1 MiB slices: a shorter window sees too few of them at 40 Mbit/s
         self._transfer_ids = itertools.count()
         self._replay = ReplayGuard()
@@ -184,38 +190,114 @@ class MockEngine:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.mode == "prefill":  # room to import one context's prefix (cache moves) next to the source
-            source = self.timing.kv_bytes(cfg.context_tokens)
-            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, source)
-            self._tasks.append(asyncio.create_task(self._prefill_loop(), name="prefill-loop"))
-        else:
-            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, 0, cfg.kv_buffer_bytes)
-            self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
-        from prfaas_sglang.adapters.zmq import CurveKeys, ZmqPublisher
+        from prfaas_sglang.adapters.zmq import ZmqPublisher
 
-        curve = CurveKeys.from_deployment(cfg.keys)
-        bind = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # the configured interface only
         if cfg.kv_events_port is not None:
-            self.publisher = ZmqPublisher(f"tcp://{bind}:{cfg.kv_events_port}", KV_EVENTS_TOPIC, curve=curve)
-        if cfg.telemetry_port is not None and cfg.mode == "prefill":
-            # Its own socket: the KV-event stream stays exactly SGLang's format.
-            self.telemetry = ZmqPublisher(f"tcp://{bind}:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode(), curve=curve)
-            self._tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
+            self.publisher = ZmqPublisher(f"tcp://{self._bind_host}:{cfg.kv_events_port}", KV_EVENTS_TOPIC,
+                                          curve=self._curve())
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60),
                                           headers=cfg.keys.bearer() if cfg.keys else None)
+        await self._open_role()
         self.ready = True
 
     async def stop(self) -> None:
         self.ready = False
-        for task in self._tasks:
-            task.cancel()
+        await self._close_role()
         if self.http:
             await self.http.close()
-        for pub in (self.publisher, self.telemetry):
-            if pub:
-                pub.close()
+        if self.publisher:
+            self.publisher.close()
+
+    @property
+    def _bind_host(self) -> str:
+        return f"[{self.config.host}]" if ":" in self.config.host else self.config.host  # the configured interface only
+
+    def _curve(self):
+        from prfaas_sglang.adapters.zmq import CurveKeys
+
+        return CurveKeys.from_deployment(self.config.keys)
+
+    async def _open_role(self) -> None:
+        """What the current role needs beside the HTTP servers: the Mooncake endpoint (prefill: room to
+        import one context's prefix next to the source; decode: the landing buffer), the role's loop,
+        and, for prefill, the link-telemetry socket (its own: the KV-event stream stays SGLang's)."""
+        cfg = self.config
+        if cfg.mode == "prefill":
+            source = self.timing.kv_bytes(cfg.context_tokens)
+            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, source)
+            self._tasks.append(asyncio.create_task(self._prefill_loop(), name="prefill-loop"))
+            if cfg.telemetry_port is not None:
+                from prfaas_sglang.adapters.zmq import ZmqPublisher
+
+                self.telemetry = ZmqPublisher(f"tcp://{self._bind_host}:{cfg.telemetry_port}", TELEMETRY_TOPIC.decode(),
+                                              curve=self._curve())
+                self._tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
+        else:
+            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, 0, cfg.kv_buffer_bytes)
+            self._tasks.append(asyncio.create_task(self._decode_loop(), name="decode-loop"))
+
+    async def _close_role(self) -> None:
+        """Undo :meth:`_open_role` (the loops end, the endpoint and the telemetry socket close)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.telemetry:
+            self.telemetry.close()
+            self.telemetry = None
         if self.kv:
             self.kv.close()
+            self.kv = None
+
+    # --- role switch (upstream's /pd_role_switch) ------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no request computing, queued, decoding, holding pool room or a bootstrap room."""
+        return (not self.running and self.waiting == 0 and not self._rooms and not self._pending
+                and not self._prefill_done and not self._decode_queue and self.pool.used_tokens == 0)
+
+    async def switch_role(self, new_role: str) -> RoleSwitchReply:
+        """Turn this PD worker into a ``new_role`` ("prefill" | "decode") worker, as SGLang 0.5.23's
+        ``Scheduler.handle_pd_role_switch`` does: refused unless enabled, PD-cluster, healthy, not already
+        switching and idle (the caller drains first; nothing is taken from a request); the same role is
+        a no-op. The transfer side is torn down and rebuilt in the new role and the prefix cache is
+        emptied (one ``AllBlocksCleared`` event tells the kv-index). A rebuild that fails leaves the
+        worker unhealthy (``/health`` 503, every later switch refused) until it is restarted."""
+        old = self.config.mode
+        if not self.config.enable_pd_role_switch:
+            return RoleSwitchReply(False, "role switching is off (start the worker with --enable-pd-role-switch)", old)
+        if self.config.role not in (Role.PD_PREFILL, Role.PD_DECODE):
+            return RoleSwitchReply(False, f"a {self.config.role.value} worker does not switch roles (PD-cluster workers only)", old)
+        if self.unhealthy is not None:
+            return RoleSwitchReply(False, f"instance unhealthy ({self.unhealthy}); restart required", old,
+                                   safe_to_restore=False)
+        if self._switching:
+            return RoleSwitchReply(False, "a role switch is already in progress", old)
+        if new_role == old:
+            return RoleSwitchReply(True, "already in target role", old, new_role)
+        if not self.idle:
+            return RoleSwitchReply(False, f"instance is not idle ({len(self.running)} running, {self.waiting} waiting, "
+                                          f"{self.open_rooms} open rooms); drain it first", old)
+        self._switching, self.ready = True, False
+        try:
+            await self._close_role()
+            self.config = dataclasses.replace(self.config, role=Role.PD_PREFILL if new_role == "prefill" else Role.PD_DECODE)
+            self.flush_cache()
+            self.prefills = ChunkedPrefill(self.config.chunked_prefill_size, self.timing.prefill_s)
+            self.pool = KvPool(self.config.max_total_tokens or self.timing.kv_pool_tokens)
+            if self.fail_role_switch:
+                self.fail_role_switch = False
+                raise RuntimeError("injected fault (POST /prfaas/faults fail_role_switch)")
+            await self._open_role()
+        except (RuntimeError, OSError, KvTransferError) as err:
+            self.unhealthy = f"rebuilding as {new_role} failed: {err}"
+            return RoleSwitchReply(False, f"{self.unhealthy}; the instance is unhealthy, restart required", old, new_role,
+                                   safe_to_restore=False)
+        finally:
+            self._switching = False
+        self.ready = True
+        return RoleSwitchReply(True, f"switched from {old} to {new_role}", old, new_role)
 
     # --- shared ----------------------------------------------------------------------
 

@@ -4,9 +4,11 @@ Served: /health, /health_generate, /v1/models (owned_by "sglang"),
 /server_info and /get_server_info, /model_info and /get_model_info,
 /get_load, /v1/loads, /metrics (SGLang gauge names), /flush_cache,
 /generate, /v1/completions, /v1/chat/completions (SSE or not), plus the
-internal /prfaas/kv_ready (decode) and /prfaas/faults (fault injection for tests:
+internal /prfaas/kv_ready (decode), upstream's /pd_role_switch (with
+``--enable-pd-role-switch``; ``wire.role_switch``) and /prfaas/faults (fault injection for tests:
 ``{"fail_kv_transfers": N}`` fails the next N KV transfers of a prefill worker as a
-broken link would: both legs answer 502). Prefill roles also serve the bootstrap
+broken link would: both legs answer 502; ``{"fail_role_switch": true}`` fails the next role
+switch while rebuilding). Prefill roles (and switchable decode workers) also serve the bootstrap
 endpoints (/health, /prfaas/register) on ``--bootstrap-port``. /version is
 not served (404), as SGLang does not serve it.
 
@@ -47,6 +49,7 @@ from prfaas_sglang.wire.blocks import HASH_SCHEME
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport
 from prfaas_sglang.wire.handoff import KvReady, Registration
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
+from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
 
 ENGINE_KEY = web.AppKey("engine", MockEngine)
 _rid_counter = itertools.count()
@@ -126,7 +129,8 @@ def _info(engine: MockEngine) -> dict:
         if cfg.kv_events_port is not None else None,
         "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup,
                    "kv_scale": cfg.kv_scale, "block_hash": HASH_SCHEME, "hybrid": engine.timing.hybrid,
-                   "telemetry_port": cfg.telemetry_port, "cache_import": cfg.mode == "prefill"},
+                   "telemetry_port": cfg.telemetry_port, "cache_import": cfg.mode == "prefill",
+                   "role_switch": cfg.enable_pd_role_switch},
         "version": "0.5.15",
     }
 
@@ -230,13 +234,29 @@ def build_app(engine: MockEngine) -> web.Application:
     async def faults(request):
         try:
             body = await _json_body(request)
-            n = body.get("fail_kv_transfers") if isinstance(body, dict) else None
+            if not isinstance(body, dict) or not body or set(body) - {"fail_kv_transfers", "fail_role_switch"}:
+                raise BadRequest(400, "expected {\"fail_kv_transfers\": <non-negative int>} and/or "
+                                      "{\"fail_role_switch\": <bool>}")
+            n = body.get("fail_kv_transfers", engine.fail_kv_transfers)
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise BadRequest(400, "expected {\"fail_kv_transfers\": <non-negative int>}")
+                raise BadRequest(400, "fail_kv_transfers must be a non-negative integer")
+            fail_switch = body.get("fail_role_switch", engine.fail_role_switch)
+            if not isinstance(fail_switch, bool):
+                raise BadRequest(400, "fail_role_switch must be true or false")
         except BadRequest as err:
             return error_response(err.status, err.message)
-        engine.fail_kv_transfers = n
-        return web.json_response({"fail_kv_transfers": n})
+        engine.fail_kv_transfers, engine.fail_role_switch = n, fail_switch
+        return web.json_response({"fail_kv_transfers": n, "fail_role_switch": fail_switch})
+
+    async def role_switch(request):
+        """Upstream's /pd_role_switch (``wire.role_switch``): 200 and the reply on success, 400 otherwise."""
+        try:
+            switch = RoleSwitchRequest.decode(await _json_body(request))
+        except (BadRequest, ValueError) as err:
+            reply = RoleSwitchReply(False, getattr(err, "message", None) or str(err), engine.config.mode)
+        else:
+            reply = await engine.switch_role(switch.new_role)
+        return web.json_response(reply.to_json(), status=reply.http_status)
 
     def cache_move(kind: str):
         """``/prfaas/cache/import`` (the router asks this worker to fetch a prefix) and
@@ -289,6 +309,7 @@ def build_app(engine: MockEngine) -> web.Application:
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/prfaas/kv_ready", kv_ready)
     app.router.add_post("/prfaas/faults", faults)
+    app.router.add_post("/pd_role_switch", role_switch)
     app.router.add_post("/prfaas/cache/import", cache_move("import"))
     app.router.add_post("/prfaas/cache/export", cache_move("export"))
     app.router.add_post("/generate", data_plane("generate"))
@@ -364,7 +385,7 @@ async def serve(config: MockConfig, engine: MockEngine) -> None:
         await main.setup()
         await web.TCPSite(main, config.host, config.port).start()
         runners.append(main)
-        if config.mode == "prefill" and config.bootstrap_port is not None:
+        if config.bootstrap_port is not None:  # a switchable decode worker has one for when it is prefill
             boot = web.AppRunner(build_bootstrap_app(engine), access_log=None)
             await boot.setup()
             await web.TCPSite(boot, config.host, config.bootstrap_port).start()
@@ -392,6 +413,8 @@ def build_bootstrap_app(engine: MockEngine) -> web.Application:
                 registration = Registration.decode(body)
             except ValueError as err:
                 raise BadRequest(400, f"bad registration: {err}") from None
+            if engine.config.mode != "prefill":
+                raise BadRequest(503, f"this worker serves {engine.config.mode} now, not prefill")
             engine.register_decode(registration)
         except BadRequest as err:
             return error_response(err.status, err.message)

@@ -1,0 +1,131 @@
+"""Turning a PD worker from prefill into decode or back, live (the long-term scheduler's actuator).
+
+One conversion (``convert``), the order upstream's role switch requires::
+
+    conversion_problem()         PD worker, switchable, not the last of its role      else 409
+    draining = True              the policy routes around it; legs in flight go on
+    open_legs() == 0             the router's own ledgers: every prefill leg ended, every decode
+                                 reservation released (or drain_timeout_s: 504, back in service)
+    POST switch_url/pd_role_switch   the adapter (RoleSwitchClient): the worker itself
+                                 (role_switch: in-place; the emulated engine, SGLang >= 0.5.23) or the
+                                 launcher's supervisor (role_switch: restart; SGLang 0.5.15). "not idle"
+                                 (the engine's own view lags the router's by a load poll) is retried
+                                 until the drain deadline
+    success                      service.converted(): the record takes the new role, its facts are
+                                 re-read by the health loop (the new disaggregation mode checked), its
+                                 KV-event subscription restarts, its blocks leave the index, the model
+                                 moves to the new split and t is re-solved
+    refused, safe_to_restore     back in service in the old role (502 with the worker's message)
+    failed, unsafe               unhealthy and still draining until an operator restarts it (502)
+
+Nothing here decides *whether* to convert: the admin API (an operator) or the long-term controller
+(``router.longterm``, pure) does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from prfaas_sglang.errors import PrfaasError
+from prfaas_sglang.router.service import RouterService
+from prfaas_sglang.router.workers import WorkerRecord, conversion_problem
+from prfaas_sglang.runtime import RuntimeModel
+from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
+
+logger = logging.getLogger("prfaas.router.conversion")
+
+
+class ConversionError(PrfaasError):
+    """A conversion that did not happen; ``status`` is the admin API's HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class Conversion:
+    worker: str
+    old_role: str
+    new_role: str
+    drained_s: float  # from draining = True until the worker held no leg
+    switched_s: float  # the role switch itself
+    threshold_tokens: float  # t after the re-solve
+    message: str
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+class RoleSwitchClient:
+    """The adapter: upstream's ``/pd_role_switch`` wherever the worker's topology says it is served."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout_s: float = 1800.0):
+        self.session, self.timeout_s = session, timeout_s
+
+    async def switch(self, worker: WorkerRecord, new_role: str) -> RoleSwitchReply:
+        """The worker's (or its supervisor's) reply; a transport failure or an unreadable reply is
+        an unsafe failure (whether the worker switched is unknown)."""
+        try:
+            async with self.session.post(worker.switch_url + "/pd_role_switch", json=RoleSwitchRequest(new_role).to_json(),
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                body = await resp.read()
+            reply = RoleSwitchReply.decode(body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            return RoleSwitchReply(False, f"cannot reach {worker.switch_url}: {err or type(err).__name__}", worker.role,
+                                   safe_to_restore=False)
+        except ValueError as err:
+            return RoleSwitchReply(False, f"{worker.switch_url} answered {resp.status} without a role-switch reply: {err}",
+                                   worker.role, safe_to_restore=False)
+        return reply
+
+
+async def convert(service: RouterService, client: RoleSwitchClient, name: str, new_role: str, *,
+                  drain_timeout_s: float = 300.0, poll_s: float = 0.2, runtime: RuntimeModel | None = None,
+                  why: str | None = None, on_converted=None) -> Conversion:
+    """Drain worker ``name``, switch it to ``new_role``, and make the router follow. Raises
+    :class:`ConversionError` (the worker is back in service unless its reply said it is unsafe).
+    ``on_converted(name)`` runs after the records follow (the server restarts subscriptions there)."""
+    if (problem := conversion_problem(service.workers, name, new_role)) is not None:
+        raise ConversionError(404 if name not in service.workers else 409, problem)
+    worker = service.workers[name]
+    old_role = worker.role
+    if old_role == new_role:
+        return Conversion(name, old_role, new_role, 0.0, 0.0, service.controller.threshold_tokens, "already in target role")
+    if worker.draining:
+        raise ConversionError(409, f"{name} is draining already (another conversion, or an operator's drain)")
+    worker.draining = True
+    start = time.monotonic()
+    deadline = start + drain_timeout_s
+    while service.open_legs(name) > 0:
+        if time.monotonic() > deadline:
+            worker.draining = False
+            raise ConversionError(504, f"{name} still holds {service.open_legs(name)} request(s) after {drain_timeout_s:g} s; "
+                                       "back in service, not converted")
+        await asyncio.sleep(poll_s)
+    drained = time.monotonic()
+    while True:
+        reply = await client.switch(worker, new_role)
+        if reply.success or not reply.safe_to_restore or "not idle" not in reply.message or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(max(poll_s, 0.5))  # the engine finishes what the router already saw end
+    switched = time.monotonic()
+    if not reply.success:
+        if reply.safe_to_restore:
+            worker.draining = False
+            raise ConversionError(502, f"{name} refused to switch to {new_role}: {reply.message}; back in service as {old_role}")
+        worker.healthy = False
+        raise ConversionError(502, f"{name} failed to switch to {new_role}: {reply.message}; it stays out of service "
+                                   "until restarted")
+    service.converted(name, new_role, time.monotonic(), runtime, why)
+    if on_converted is not None:
+        on_converted(name)
+    logger.info("converted %s from %s to %s (drained in %.1f s, switched in %.1f s); t = %.0f", name, old_role, new_role,
+                drained - start, switched - drained, service.controller.threshold_tokens)
+    return Conversion(name, old_role, new_role, drained - start, switched - drained, service.controller.threshold_tokens,
+                      reply.message)

@@ -1,0 +1,157 @@
+"""P/D conversion without processes: the wire format, the router's checks and how its records and
+model follow (the pure parts of router/conversion.py), and the launcher's commands for switchable
+nodes. The live path is tests/router/test_conversion_e2e.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from prfaas_sglang.demo.cluster import local_topology
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.router.conversion import ConversionError, RoleSwitchClient, convert
+from prfaas_sglang.router.service import RouterConfig, new_service
+from prfaas_sglang.router.workers import WorkerFacts, conversion_problem, workers_from_topology
+from prfaas_sglang.runtime import from_topology
+from prfaas_sglang.topology import parse_topology
+from prfaas_sglang.wire.blocks import HASH_SCHEME
+from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
+
+
+def test_request_is_upstreams_shape():
+    assert RoleSwitchRequest("decode").to_json() == {"new_role": "decode"}
+    assert RoleSwitchRequest.decode({"new_role": "prefill", "decode_cuda_graph_bs": [1, 2]}).new_role == "prefill"
+    for bad in ({"new_role": "both"}, {}, b"[1]", b"{", {"new_role": None}):
+        with pytest.raises(ValueError):
+            RoleSwitchRequest.decode(bad)
+
+
+def test_reply_reads_upstream_and_unknown_fields():
+    ok = RoleSwitchReply.decode({"success": True, "message": "ok", "old_role": "prefill", "new_role": "decode", "extra": 1})
+    assert ok == RoleSwitchReply(True, "ok", "prefill", "decode", True)
+    # upstream's worker sends no safe_to_restore: a failure is then taken as unsafe, as mini_lb does
+    assert RoleSwitchReply.decode({"success": False, "message": "boom"}).safe_to_restore is False
+    assert RoleSwitchReply.decode({"success": False, "message": "not idle", "safe_to_restore": True}).safe_to_restore
+    assert RoleSwitchReply(False, "x").http_status == 400 and ok.http_status == 200
+    with pytest.raises(ValueError):
+        RoleSwitchReply.decode({"message": "no success field"})
+
+
+def _service(role_switch: str | None = "in-place", pd_prefill: int = 2, pd_decode: int = 2, threshold=None):
+    doc = local_topology(pd_prefill=pd_prefill, pd_decode=pd_decode, speedup=None, kv_scale=None, role_switch=role_switch,
+                         threshold_tokens=threshold, accelerators=("h200x8", "h20x8"),
+                         workload={"kind": "lognormal", "mu": 9.9, "sigma": 1.0, "min_tokens": 128, "max_tokens": 131072})
+    topology = parse_topology(doc)
+    records = workers_from_topology(topology)
+    for r in records.values():
+        r.healthy = True
+        r.facts = WorkerFacts("m", 512, r.role, 100_000, 64, 131_072, None, HASH_SCHEME, None, None, None)
+    return new_service(RouterConfig(), from_topology(topology, emulated=False), records)
+
+
+def test_conversion_problem_names_each_refusal():
+    service = _service()
+    assert conversion_problem(service.workers, "pd-prefill-0", "decode") is None
+    assert conversion_problem(service.workers, "pd-decode-0", "prefill") is None
+    assert "unknown" in conversion_problem(service.workers, "nope", "decode")
+    assert "only PD-cluster" in conversion_problem(service.workers, "prfaas-0", "decode")
+    assert "prefill or decode" in conversion_problem(service.workers, "pd-prefill-0", "sideways")
+    service.workers["pd-prefill-1"].draining = True  # the other PD-P is out of service: this one is the last
+    assert "last serving PD prefill" in conversion_problem(service.workers, "pd-prefill-0", "decode")
+    fixed = _service(role_switch=None)
+    assert "no role_switch" in conversion_problem(fixed.workers, "pd-prefill-0", "decode")
+
+
+def test_converted_moves_the_records_index_and_model():
+    service = _service()
+    before_t = service.controller.threshold_tokens
+    service.index.add_worker("pd-prefill-0", "pd", 512)
+    worker = service.workers["pd-prefill-0"]
+    worker.draining, worker.prefill_requests, worker.outstanding_prefill_s = True, 0, 0.0
+    assert service.pd_split() == (2, 2)
+    new_t = service.converted("pd-prefill-0", "decode", 100.0)
+    assert worker.role == "decode" and worker.facts is None and not worker.draining and not worker.routable
+    assert "pd-prefill-0" not in service.index.workers()
+    assert (service.runtime.n_prefill, service.runtime.n_decode) == (1, 3)
+    # fewer PD-P instances: the planner's t moves down (more prompts are long enough for PrfaaS)
+    assert new_t is not None and new_t < before_t
+    assert service.controller.history[-1][2].startswith("replan: pd-prefill-0 -> decode")
+
+
+def test_converted_keeps_the_operators_threshold():
+    service = _service(threshold=6_000)
+    assert service.converted("pd-prefill-0", "decode", 1.0) is None
+    assert service.controller.threshold_tokens == 6_000 and service.runtime.n_prefill == 1
+
+
+class _Client(RoleSwitchClient):
+    def __init__(self, replies):
+        self.replies, self.calls = list(replies), []
+
+    async def switch(self, worker, new_role):
+        self.calls.append((worker.name, new_role))
+        return self.replies.pop(0)
+
+
+def _run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def test_convert_waits_for_the_ledgers_then_restores_or_quarantines():
+    service = _service()
+    worker = service.workers["pd-prefill-0"]
+    # a leg that never ends: 504, back in service, the worker never asked
+    worker.prefill_requests = 1
+    client = _Client([])
+    with pytest.raises(ConversionError) as err:
+        _run(convert(service, client, "pd-prefill-0", "decode", drain_timeout_s=0.3, poll_s=0.05))
+    assert err.value.status == 504 and not worker.draining and client.calls == []
+    worker.prefill_requests = 0
+    # "not idle" is retried, then a safe refusal restores the worker
+    client = _Client([RoleSwitchReply(False, "instance is not idle", "prefill"), RoleSwitchReply(False, "role switching is off")])
+    client.replies[1] = RoleSwitchReply(False, "role switching is off", "prefill", safe_to_restore=True)
+    with pytest.raises(ConversionError) as err:
+        _run(convert(service, client, "pd-prefill-0", "decode", drain_timeout_s=5, poll_s=0.05))
+    assert err.value.status == 502 and len(client.calls) == 2 and not worker.draining and worker.role == "prefill"
+    # an unsafe failure: out of service until restarted
+    client = _Client([RoleSwitchReply(False, "rebuild failed; restart required", "prefill", safe_to_restore=False)])
+    with pytest.raises(ConversionError, match="until restarted"):
+        _run(convert(service, client, "pd-prefill-0", "decode", drain_timeout_s=5, poll_s=0.05))
+    assert worker.draining and not worker.healthy and worker.role == "prefill"
+    # success on another worker: the records follow and the hook runs
+    seen = []
+    client = _Client([RoleSwitchReply(True, "switched", "decode", "prefill")])
+    done = _run(convert(service, client, "pd-decode-0", "prefill", drain_timeout_s=5, poll_s=0.05, on_converted=seen.append))
+    assert (done.old_role, done.new_role) == ("decode", "prefill") and seen == ["pd-decode-0"]
+    assert service.workers["pd-decode-0"].role == "prefill"
+
+
+def _launch_args(config, node, engine="mock"):
+    return argparse.Namespace(role=None, engine=engine, config=config, node=node, model_path="/models/x", host=None,
+                              port=None, bootstrap_port=None, kv_events_port=None, kv_transport=None, kv_profile="wan",
+                              tp_size=None, profile=None, speedup=None, kv_scale=None, dry_run=True, json=False)
+
+
+@pytest.mark.parametrize("mode", ["in-place", "restart"])
+def test_launcher_commands_for_switchable_nodes(tmp_path, mode, monkeypatch):
+    from prfaas_sglang.demo.cluster import write_topology
+    from prfaas_sglang.launch.__main__ import make_command
+    from prfaas_sglang.roles import Role
+
+    monkeypatch.setenv("PRFAAS_SKIP_PATCH_VERIFY", "1")
+    config = write_topology(local_topology(role_switch=mode), tmp_path / "t.yaml")
+    decode = make_command(_launch_args(config, "pd-decode-0"), ())
+    assert "--bootstrap-port" in decode.argv and "--max-batch" in decode.argv
+    assert ("--enable-pd-role-switch" in decode.argv) == (mode == "in-place")
+    as_prefill = make_command(_launch_args(config, "pd-decode-0"), (), role=Role.PD_PREFILL)
+    assert as_prefill.argv[as_prefill.argv.index("--role") + 1] == "pd-prefill"
+    assert any("role supervisor" in n for n in decode.notes) == (mode == "restart")
+    if mode == "in-place":  # SGLang 0.5.15 cannot switch in place: refused before anything starts
+        with pytest.raises(ConfigError, match="no /pd_role_switch"):
+            make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
+    else:
+        sglang = make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
+        assert "--disaggregation-mode" in sglang.argv and any("role supervisor" in n for n in sglang.notes)
