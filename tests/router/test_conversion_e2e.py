@@ -183,3 +183,38 @@ def test_topology_refuses_bad_role_switch_settings(node, problem):
         **({} if kind == "pd" else {"pd": {"kind": "pd", "nodes": [{"name": "d", "role": "pd-decode", "port": 9100}]}})}}
     with pytest.raises(ConfigError, match=problem):
         parse_topology(doc)
+
+
+def test_router_long_term_loop_converts_a_decode_worker_when_pd_prefill_saturates(tmp_path):
+    """The router runs the simulator's long-term controller (``--long-term``): short prompts and short
+    outputs keep both PD-P workers busy while decode idles, so it converts one decode worker into a
+    prefill worker through the same path as the admin API; every request still succeeds."""
+    group = ProcessGroup(tmp_path / "logs")
+    doc = local_topology(pd_prefill=2, pd_decode=2, speedup=SPEEDUP, kv_scale=KV_SCALE, telemetry=False,
+                         role_switch="in-place")
+    args = ("--bootstrap-timeout-s", "10", "--context-tokens", "32768")
+    dep = start_deployment(group, doc, "--long-term", "--long-term-interval-s", "2", "--long-term-window-s", "6",
+                           "--long-term-dwell-s", "600", "--long-term-min-requests", "20", "--long-term-confirm", "1",
+                           engine_args={r: args for r in ("prfaas", "pd-prefill", "pd-decode")},
+                           router_env={"PRFAAS_ADMIN_TOKEN": TOKEN})
+    url = dep.router.url
+    try:
+        t = _status(url)["threshold_tokens"]
+        short = int(min(t * 0.8, 6_000))
+        deadline, sent, statuses = time.monotonic() + 60, 0, []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            while time.monotonic() < deadline:
+                batch = [pool.submit(_generate, url, short - 97 * (i % 7), 9_000 + sent + i, 4) for i in range(16)]
+                statuses += [f.result().status_code for f in batch]
+                sent += len(batch)
+                if _status(url)["model"]["instances"]["pd_prefill"] == 3:
+                    break
+        status = _status(url)
+        assert status["model"]["instances"] == {"prfaas": 1, "pd_prefill": 3, "pd_decode": 1}, status["long_term"]
+        assert status["long_term"]["conversions"] == 1
+        converted = [n for n in ("pd-decode-0", "pd-decode-1") if status["workers"][n]["role"] == "prefill"]
+        assert len(converted) == 1
+        assert requests.get(dep.workers[converted[0]].url + "/server_info", timeout=5).json()["disaggregation_mode"] == "prefill"
+        assert statuses == [200] * len(statuses)
+    finally:
+        group.stop()
