@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     af.add_argument("--seed", type=int, default=0)
     af.add_argument("--max-time", type=float, default=900.0, help="seconds")
     af.add_argument("--json", action="store_true")
-    sm = sub.add_parser("sim", help="the simulator: vs the analytic model, vs the paper, a workload shift, its cost at scale")
-    sm.add_argument("--study", choices=("analytic", "paper", "shift", "scale"), required=True)
+    sm = sub.add_parser("sim", help="the simulator: vs the analytic model, vs the emulated deployment, vs the paper, a workload shift, "
+                             "its cost at scale")
+    sm.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale"), required=True)
     sm.add_argument("--seeds", type=int, default=3)
     sm.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
     sm.add_argument("--json", action="store_true")

@@ -1,5 +1,6 @@
-"""The simulator's benchmarks: agreement with the analytic model, the paper's case study, a
-workload shift under the long-term controller, and the simulator's own cost at scale.
+"""The simulator's benchmarks: agreement with the analytic model, with the emulated deployment
+(``bench/sim_vs_emulator.py``), the paper's case study, a workload shift under the long-term
+controller, and the simulator's own cost at scale.
 
 Every study runs seeded Poisson arrivals through :class:`~prfaas_sglang.sim.fleet.Simulation`
 (the product's routing policy, controllers and KV index) and reports per seed and the spread.
@@ -83,22 +84,50 @@ def max_rate(fleet: FleetSpec, seed: int, lo: float, hi: float, attainment: floa
     return best
 
 
-def study_paper(seeds: int) -> list[dict]:
+def _splits(fleet: FleetSpec, around: int, width: int) -> list[FleetSpec]:
+    """``fleet`` at every split within ``width`` of ``around`` PD-P instances (>= 1 per role)."""
+    n_pd = fleet.n_prefill + fleet.n_decode
+    return [dataclasses.replace(fleet, n_prefill=n, n_decode=n_pd - n)
+            for n in range(max(1, around - width), min(n_pd - 1, around + width) + 1)]
+
+
+def study_paper(seeds: int, sweep: int = 2, common_duration_s: float = 1500.0) -> dict:
     """PrfaaS-PD vs homogeneous (12 x 8xH20) vs naive heterogeneous (4 x 8xH200 prefill-only + 8 x 8xH20
-    decode-only), each at its planner's best split: the highest rate meeting the SLOs for 90% of requests."""
+    decode-only). Each PD system at every split within ``sweep`` of its planner's (a baseline's
+    strongest configuration is measured, not assumed): the highest rate meeting the SLOs for 90% of
+    requests. Then all three, each at its best split, at one common load (the homogeneous system's
+    best rate, the paper's way to compare TTFT p90)."""
     n_p, _, _ = best_split(CASE_STUDY)
     h_p, _, _ = best_split(FleetSpec(0, 1, 11))
-    configs = {"prfaas-pd": dataclasses.replace(CASE_STUDY, n_prefill=n_p, n_decode=8 - n_p),
-               "homogeneous": FleetSpec(0, h_p, 12 - h_p),
-               "naive-heterogeneous": FleetSpec(4, 0, 8, threshold_tokens=1.0)}
-    rows = []
+    candidates = {"prfaas-pd": _splits(CASE_STUDY, n_p, sweep), "homogeneous": _splits(FleetSpec(0, h_p, 12 - h_p), h_p, sweep),
+                  "naive-heterogeneous": [FleetSpec(4, 0, 8, threshold_tokens=1.0)]}
+    planner = {"prfaas-pd": n_p, "homogeneous": h_p, "naive-heterogeneous": 0}
+    sweep_rows, rows = [], []
     for seed in range(seeds):
-        for name, fleet in configs.items():
-            rate, s = max_rate(fleet, seed, 0.3, 6.0)
-            rows.append({"config": name, "seed": seed, "split": f"{fleet.n_prefill}P/{fleet.n_decode}D",
+        for name, fleets in candidates.items():
+            tried = []
+            for fleet in fleets:
+                rate, s = max_rate(fleet, seed, 0.3, 6.0)
+                tried.append((rate, fleet, s))
+                sweep_rows.append({"config": name, "seed": seed, "split": f"{fleet.n_prefill}P/{fleet.n_decode}D",
+                                   "planner": fleet.n_prefill == planner[name], "max_rate_rps": rate})
+            rate, fleet, s = max(tried, key=lambda x: x[0])
+            rows.append({"config": name, "seed": seed, "split": f"{fleet.n_prefill}P/{fleet.n_decode}D", "fleet": fleet,
                          "max_rate_rps": rate, "ttft_p90_s": s.get("ttft_s", {}).get("p90"),
                          "egress_gbps": s.get("egress_gbps_mean"), "offload": s.get("offload_fraction")})
-    return rows
+    common_rps = statistics.fmean(r["max_rate_rps"] for r in rows if r["config"] == "homogeneous")
+    common = []
+    for row in rows:
+        sim = Simulation(row["fleet"])
+        sim.run(workloads.poisson(common_rps, common_duration_s, row["seed"], sim.runtime.output_tokens),
+                common_duration_s + 300)
+        s = summarize(sim, 300.0, common_duration_s)
+        common.append({"config": row["config"], "seed": row["seed"], "split": row["split"], "rate_rps": common_rps,
+                       "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
+                       "slo_attainment": s["slo_attainment"], "egress_gbps": s["egress_gbps_mean"]})
+    for row in rows:
+        del row["fleet"]
+    return {"rows": rows, "sweep": sweep_rows, "common": common, "common_rps": common_rps}
 
 
 def shift_run(fleet: FleetSpec, seed: int, rate: float, longterm: LongTermSettings | None, shift_at_s: float = 600.0,
@@ -163,6 +192,10 @@ def run(study: str, seeds: int, trace: Path | None = None) -> dict:
         data = study_paper(seeds)
     elif study == "shift":
         data = study_shift(seeds)
+    elif study == "emulator":
+        from prfaas_sglang.bench import sim_vs_emulator
+
+        data = sim_vs_emulator.run(seeds)
     else:
         data = study_scale(trace)
     return {"study": study, "seeds": seeds, "data": data, "wall_s": time.perf_counter() - started}
@@ -187,17 +220,32 @@ def render_markdown(result: dict) -> str:
                          f"{spread([r['lambda_e_t_rps'] for r in rows])} | {spread([r['measured_rps'] for r in rows])} | "
                          f"{spread([r['ratio'] for r in rows])} | {spread([r['ratio_e_t'] for r in rows])} |")
     elif study == "paper":
-        lines += ["| config | split | max rate at 90% SLO attainment (req/s) | TTFT p90 there (s) | egress (Gbit/s) | offload |",
-                  "|---|---|---|---|---|---|"]
-        groups = _groups(data, "config")
+        lines += ["Each system at its best split of those swept (planner's +-2):", "",
+                  "| config | best split (per seed) | max rate at 90% SLO attainment (req/s) | TTFT p90 there (s) | "
+                  "egress (Gbit/s) | offload |", "|---|---|---|---|---|---|"]
+        groups = _groups(data["rows"], "config")
         for name, rows in groups.items():
-            lines.append(f"| {name} | {rows[0]['split']} | {spread([r['max_rate_rps'] for r in rows])} | "
+            lines.append(f"| {name} | {', '.join(r['split'] for r in rows)} | {spread([r['max_rate_rps'] for r in rows])} | "
                          f"{spread([r['ttft_p90_s'] or 0 for r in rows])} | {spread([r['egress_gbps'] or 0 for r in rows])} | "
                          f"{spread([r['offload'] or 0 for r in rows])} |")
         by = {n: statistics.fmean(r["max_rate_rps"] for r in rows) for n, rows in groups.items()}
         lines.append(f"\nprfaas-pd / homogeneous {by['prfaas-pd'] / by['homogeneous']:.2f}x, prfaas-pd / naive "
                      f"{by['prfaas-pd'] / by['naive-heterogeneous']:.2f}x, naive / homogeneous "
                      f"{by['naive-heterogeneous'] / by['homogeneous']:.2f}x")
+        lines += ["", "Every split swept (max rate, req/s; * the planner's split):", "",
+                  "| config | split | max rate |", "|---|---|---|"]
+        for (name, split), rows in _groups([dict(r, key=(r["config"], r["split"])) for r in data["sweep"]], "key").items():
+            lines.append(f"| {name} | {split}{' *' if rows[0]['planner'] else ''} | {spread([r['max_rate_rps'] for r in rows])} |")
+        lines += ["", f"All three at one common load, {data['common_rps']:.3f} req/s (the homogeneous system's best "
+                      "rate), each at its best split:", "",
+                  "| config | TTFT p50 (s) | TTFT p90 (s) | SLO attainment | egress (Gbit/s) |", "|---|---|---|---|---|"]
+        common = _groups(data["common"], "config")
+        for name, rows in common.items():
+            lines.append(f"| {name} | {spread([r['ttft_p50_s'] for r in rows])} | {spread([r['ttft_p90_s'] for r in rows])} | "
+                         f"{spread([r['slo_attainment'] for r in rows])} | {spread([r['egress_gbps'] for r in rows])} |")
+        p90 = {n: statistics.fmean(r["ttft_p90_s"] for r in rows) for n, rows in common.items()}
+        lines.append(f"\nTTFT p90 at the common load: prfaas-pd {1 - p90['prfaas-pd'] / p90['homogeneous']:.0%} lower "
+                     "than homogeneous")
     elif study == "shift":
         lines += [f"arrivals {data['rate_rps']:.3f} req/s; planner Lambda_max for the new lengths: optimum "
                   f"{data['new_split']}P {data['planner_lambda_new_rps']:.3f}, old split {data['old_split']}P "
@@ -210,6 +258,10 @@ def render_markdown(result: dict) -> str:
         ratios = [r["goodput_rps"] / opt[r["seed"]] for r in data["rows"] if r["run"] == "long-term controller" and opt[r["seed"]]]
         if ratios:
             lines.append(f"\nlong-term / optimum, per seed: {', '.join(f'{x:.2f}' for x in ratios)}")
+    elif study == "emulator":
+        from prfaas_sglang.bench import sim_vs_emulator
+
+        lines += sim_vs_emulator.render_markdown(data)
     else:
         lines += ["| GPUs | requests | wall (s) | offered (req/s) | goodput (req/s) | offload |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['gpus']} | {r['requests']} | {r['wall_s']:.1f} | {r['offered_rps']:.2f} | {r['goodput_rps']:.2f} | "

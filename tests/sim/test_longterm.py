@@ -164,3 +164,24 @@ def test_settings_are_checked():
         LongTermSettings(interval_s=600, window_s=60)
     with pytest.raises(ValueError):
         LongTermSettings(min_busy=0.9, busy_high=0.5)
+
+
+def test_stage_meter_integrates_load_polls_and_counts_completions():
+    from prfaas_sglang.router.longterm import StageMeter
+
+    meter = StageMeter()
+    meter.sample(0.0, {}, {})
+    meter.poll(0.0, [("pd-prefill", 1, 0, None), ("pd-decode", 32, 0, 64)])
+    meter.poll(0.5, [("pd-prefill", 0, 2, None), ("pd-decode", 64, 3, 64), ("prfaas", 0, 0, None)])
+    meter.poll(1.0, [("pd-prefill", 0, 0, None), ("pd-decode", 16, 0, 64)])
+    meter.poll(100.0, [("pd-prefill", 1, 0, None)])  # a stalled loop: at most MAX_POLL_GAP_S integrated
+    for stage in ("pd-prefill", "pd-prefill", "pd-decode"):
+        meter.complete(stage)
+    sample = meter.sample(100.0, {"pd-decode": 3}, {"prfaas": 1, "pd-prefill": 1, "pd-decode": 1})
+    assert sample.interval_s == 100.0
+    assert sample.busy_s["pd-prefill"] == pytest.approx(0.5 + StageMeter.MAX_POLL_GAP_S)  # busy, busy, idle, busy
+    assert sample.busy_s["pd-decode"] == pytest.approx(0.5 * 1.0 + 0.5 * 0.25)  # occupancy 1 then 1/4
+    assert sample.busy_s["prfaas"] == 0.0
+    assert dict(sample.completed) == {"prfaas": 0, "pd-prefill": 2, "pd-decode": 1}
+    nothing = meter.sample(110.0, {}, {})  # differenced: nothing new since
+    assert sum(nothing.busy_s.values()) == 0 and sum(nothing.completed.values()) == 0 and nothing.interval_s == 10.0

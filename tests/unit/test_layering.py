@@ -31,6 +31,7 @@ PURE = (
     "prfaas_sglang.kvindex.index", "prfaas_sglang.kvindex.feed", "prfaas_sglang.kvindex.admission",
     "prfaas_sglang.wire.kv_events", "prfaas_sglang.wire.blocks", "prfaas_sglang.wire.telemetry", "prfaas_sglang.wire.handoff",
     "prfaas_sglang.wire.token_ids", "prfaas_sglang.wire.kv_snapshot", "prfaas_sglang.wire.auth", "prfaas_sglang.router.openapi",
+    "prfaas_sglang.wire.role_switch",
     "prfaas_sglang.runtime", "prfaas_sglang.topology", "prfaas_sglang.roles", "prfaas_sglang.configcheck",
     "prfaas_sglang.errors", "prfaas_sglang.protocol", "prfaas_sglang.transport.meter", "prfaas_sglang.transport.wan_defaults",
     "prfaas_sglang.transport.tcpstate", "prfaas_sglang.transport.kv_send",

@@ -1,0 +1,22 @@
+"""The simulator and the emulated deployment on the same arrivals (bench/sim_vs_emulator.py), short:
+the same routing and the same latencies within a loose band. The recorded comparison (3 seeds,
+two loads, 5-minute runs) is BENCHMARKS.md, "Simulator"."""
+
+from __future__ import annotations
+
+import pytest
+
+from prfaas_sglang.bench import sim_vs_emulator
+
+
+@pytest.mark.slow
+def test_simulator_agrees_with_the_emulated_deployment_on_the_same_arrivals(tmp_path):
+    data = sim_vs_emulator.run(seeds=1, loads=(0.5,), duration_s=90.0, warmup_s=10.0, log_dir=tmp_path, modes=("t pinned",))
+    row = data["rows"][0]
+    sim, emu = row["sim"], row["emulator"]
+    assert emu["arrived"] == sim["arrived"] > 20
+    assert emu["finished"] == emu["arrived"] and sim["finished"] == sim["arrived"], emu["errors"]
+    assert abs(sim["offload"] - emu["offload"]) <= 0.05  # one policy, one pinned t: the same split of the arrivals
+    assert abs(row["ratio"]["goodput_rps"] - 1) <= 0.1
+    for key in ("ttft_p50_s", "ttft_p90_s"):
+        assert 0.7 <= row["ratio"][key] <= 1.3, (key, sim[key], emu[key])
