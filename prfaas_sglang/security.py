@@ -6,6 +6,7 @@ only finds the secret (``PRFAAS_SECRET_FILE``) and the allowed peers (``PRFAAS_P
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import stat
@@ -50,10 +51,22 @@ def peer_hosts(raw: str | None = None) -> frozenset[str] | None:
     raw = raw if raw is not None else envs.PEER_HOSTS.get()
     if raw is None:
         return None
-    hosts = frozenset(h.strip().lower() for h in raw.split(",") if h.strip())
+    hosts = frozenset(_normal_host(h) for h in raw.split(",") if h.strip())
     if not hosts:
         raise ConfigError(envs.PEER_HOSTS.name, "is set but names no host")
     return hosts
+
+
+def _normal_host(host: str) -> str:
+    """A host as compared against ``PRFAAS_PEER_HOSTS``: lower case, brackets off, an IP address in
+    its canonical form (``0:0:0:0:0:0:0:1`` and ``::1`` are one host)."""
+    host = host.strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
 
 
 def check_peer(allowed: frozenset[str] | None, host_or_url: str, what: str) -> None:
@@ -66,8 +79,10 @@ def check_peer(allowed: frozenset[str] | None, host_or_url: str, what: str) -> N
             host = urlsplit(host_or_url).hostname or ""
         except ValueError:
             host = ""
+    elif host_or_url.startswith("[") and "]" in host_or_url:  # [v6]:port (a Mooncake session id on IPv6)
+        host = host_or_url[1:host_or_url.index("]")]
     elif host_or_url.count(":") == 1:  # host:port (a Mooncake session id)
         host = host_or_url.rsplit(":", 1)[0]
-    host = host.strip("[]").lower()
+    host = _normal_host(host)
     if host not in allowed:
         raise AuthError("unknown_peer", f"{what} {host!r} is not a peer of this deployment")

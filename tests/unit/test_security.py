@@ -95,10 +95,11 @@ def test_the_replay_guard_refuses_a_mac_within_its_window_and_stays_bounded():
 
 def test_peers_are_checked_by_host_whatever_the_form():
     allowed = peer_hosts("127.0.0.1, Worker-A ,::1")
-    for ok in ("127.0.0.1", "http://127.0.0.1:9/x", "worker-a", "127.0.0.1:16000", "http://[::1]:80/p"):
+    for ok in ("127.0.0.1", "http://127.0.0.1:9/x", "worker-a", "127.0.0.1:16000", "http://[::1]:80/p",
+               "[::1]:16000", "::1", "[0:0:0:0:0:0:0:1]:5", "http://[0::1]:80/"):  # IPv6 session ids, any spelling
         check_peer(allowed, ok, "host")
     for bad in ("10.0.0.1", "http://169.254.169.254/latest", "http://127.0.0.1.evil:80/", "http://[::1", "",
-                "http://user@10.0.0.1:80/"):
+                "http://user@10.0.0.1:80/", "[::2]:16000", "[::1", "::1]:5"):
         assert reason(lambda bad=bad: check_peer(allowed, bad, "host")) == "unknown_peer"
     check_peer(None, "10.0.0.1", "host")  # no list: any host
     with pytest.raises(ConfigError):
