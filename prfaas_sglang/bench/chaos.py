@@ -35,7 +35,6 @@ import json
 import os
 import random
 import signal
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -204,17 +203,10 @@ class Chaos:
         proc.wait()
 
     async def restart(self, name: str) -> None:
-        from prfaas_sglang.demo.cluster import start_node
-
-        if name == "router":
-            proc = self.group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(self.config),
-                                               *self.router_args])
-            url = self.d.router.url
-        else:
-            role = name.rsplit("-", 1)[0]
-            wrap = self.net.wrap if (role == "prfaas" and self.net is not None) else ()
-            proc = start_node(self.group, self.config, name, extra=self.engine_args[role], wrap=wrap)
-            url = self.d.workers[name].url
+        """Start a killed process again with the argv and environment it first had (the router keeps
+        its admin token and flags, a PrfaaS worker its network namespace)."""
+        proc = self.group.restart(name)
+        url = self.d.router.url if name == "router" else self.d.workers[name].url
         self.procs[name] = proc
         await asyncio.to_thread(self.group.wait_healthy, url + "/health", proc, 90)
 

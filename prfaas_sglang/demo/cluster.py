@@ -73,14 +73,22 @@ class ProcessGroup:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start ``argv``, its output in ``log_dir/<name>.log``."""
+        """Start ``argv``, its output in ``log_dir/<name>.log`` (appended: a restart keeps the earlier life's)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - owned by the child for its lifetime
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
-        proc.name = name
+        proc.name, proc.launch = name, (list(argv), dict(env or {}))
         self.procs.append(proc)
         return proc
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start process ``name`` again exactly as it was last started (argv and added environment)."""
+        last = next((p for p in reversed(self.procs) if p.name == name), None)
+        if last is None:
+            raise KeyError(f"no process {name!r} in this group")
+        argv, env = last.launch
+        return self.start(name, argv, env)
 
     def wait_healthy(self, url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
