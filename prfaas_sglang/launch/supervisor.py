@@ -36,6 +36,7 @@ from aiohttp import web
 from prfaas_sglang.envs import envs
 from prfaas_sglang.launch.command import LaunchCommand
 from prfaas_sglang.roles import ROLE_SPECS, Role
+from prfaas_sglang.router.workers import FactsError, parse_loads
 from prfaas_sglang.wire.auth import AuthError, DeploymentKeys, check_bearer
 from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
 
@@ -91,11 +92,13 @@ class Supervisor:
             status, body = await self._engine_json(session, "/v1/loads")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
             return f"its /v1/loads cannot be read ({err or type(err).__name__})"
-        if status != 200 or not isinstance(body, dict) or not isinstance(body.get("loads"), list):
+        if status != 200:
             return f"its /v1/loads answered {status}"
-        running = sum(int(r.get("num_running_reqs") or 0) for r in body["loads"] if isinstance(r, dict))
-        waiting = sum(int(r.get("num_waiting_reqs") or 0) for r in body["loads"] if isinstance(r, dict))
-        return f"{running} running, {waiting} waiting" if running or waiting else None
+        try:
+            load = parse_loads(body)
+        except FactsError as err:
+            return f"its /v1/loads is malformed ({err})"
+        return f"{load.running} running, {load.waiting} waiting" if load.running or load.waiting else None
 
     async def _wait_healthy(self, session: aiohttp.ClientSession) -> bool:
         deadline = asyncio.get_running_loop().time() + self.startup_s

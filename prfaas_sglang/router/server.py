@@ -37,7 +37,6 @@ from aiohttp import web
 
 from prfaas_sglang import __version__
 from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
-from prfaas_sglang.errors import PrfaasError
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents
 from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
@@ -589,7 +588,7 @@ async def _control_loop(app: web.Application) -> None:
 async def _longterm_loop(app: web.Application) -> None:
     """The long-term scheduler (``router.longterm``, the simulator's own policy object): a stage sample
     every ``sample_s``; a decision converts the least-loaded workers through ``convert``.
-    A conversion that fails puts the controller back on the split that really serves."""
+    A conversion that fails leaves the controller on the split that really serves."""
     service, session = app[SERVICE_KEY], app[SESSION_KEY]
     options = app[LONGTERM_KEY]
     service.stage_sample(time.monotonic())  # the first sample starts here
@@ -608,15 +607,9 @@ async def _longterm_loop(app: web.Application) -> None:
                                                  drain_timeout_s=options.drain_timeout_s, runtime=replan.runtime,
                                                  why=f"long-term: {replan.reason}", on_converted=lambda n: _unwatch(app, n))
                                          for name in chosen), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        for err in failed:
+        for err in (r for r in results if isinstance(r, BaseException)):
             logger.error("long-term conversion failed: %s", err)
-        if failed or len(chosen) < abs(replan.convert):
-            n_prefill, _ = service.pd_split()
-            try:
-                service.longterm.runtime = service.longterm.runtime.with_split(n_prefill)
-            except PrfaasError:
-                pass
+        service.sync_longterm()  # a conversion that failed, or too few switchable workers: the split that serves
 
 
 async def _restore_index(app: web.Application, kv_index_url: str) -> None:

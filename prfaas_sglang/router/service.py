@@ -88,7 +88,6 @@ class RouterService:
         self.waiting = 0  # requests waiting for decode room now
         self.longterm: LongTermController | None = None  # the long-term scheduler, when it runs (--long-term)
         self.stage_meter = StageMeter()
-        self.converting: set[str] = set()  # workers a conversion is draining or switching now
 
     # --- names ----------------------------------------------------------------------
 
@@ -260,12 +259,26 @@ class RouterService:
         if name in self.index.workers():
             self.index.remove_worker(name)
         n_prefill, n_decode = self.pd_split()
+        self.sync_longterm()
         if runtime is None:
-            if n_prefill + n_decode != self.runtime.deployment.n_pd or min(n_prefill, n_decode) < 1:
+            if not self._modelled_split():
                 return None  # workers registered beyond the topology: the model's split stays
             runtime = self.runtime.with_split(n_prefill)
         self.runtime = runtime
         return self.controller.replan(now_s, runtime.research, why or f"{name} -> {new_role} ({n_prefill}P/{n_decode}D)")
+
+    def _modelled_split(self) -> bool:
+        """Whether the PD workers' roles are a split the model can hold (its PD instance count, one per role at least)."""
+        n_prefill, n_decode = self.pd_split()
+        return n_prefill + n_decode == self.runtime.deployment.n_pd and min(n_prefill, n_decode) >= 1
+
+    def sync_longterm(self) -> None:
+        """Put the long-term controller on the split that really serves (after any conversion, an
+        operator's too, or one of its own that failed)."""
+        if self.longterm is not None and self._modelled_split():
+            n_prefill = self.pd_split()[0]
+            if n_prefill != self.longterm.runtime.n_prefill:
+                self.longterm.runtime = self.longterm.runtime.with_split(n_prefill)
 
     # --- control ----------------------------------------------------------------------
 
@@ -308,7 +321,7 @@ class RouterService:
                 "cluster": w.cluster, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
                 "page_size": w.facts.page_size if w.facts else None,
                 "outstanding_prefill_s": w.outstanding_prefill_s, "reserved_tokens": w.reserved_tokens,
-                "open_legs": w.prefill_requests + w.reserved_requests,
+                "open_legs": self.open_legs(w.name),
                 "kv_free_tokens": w.kv_free_tokens if w.role == "decode" else None,
                 "running": w.load.running if w.load else None,
                 "index_blocks": self.index.block_count(w.name) if w.name in self.index.workers() else None,

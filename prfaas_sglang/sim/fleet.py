@@ -190,8 +190,7 @@ class Simulation:
         self._seq[record.name] = 0
 
     def stage_of(self, name: str) -> str:
-        record = self.service.workers[name]
-        return "pd-decode" if record.role == "decode" else ("prfaas" if record.cluster == PRFAAS else "pd-prefill")
+        return self.service.stage_of(self.service.workers[name])
 
     # --- requests ------------------------------------------------------------------------
 

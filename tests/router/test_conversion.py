@@ -155,3 +155,16 @@ def test_launcher_commands_for_switchable_nodes(tmp_path, mode, monkeypatch):
     else:
         sglang = make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
         assert "--disaggregation-mode" in sglang.argv and any("role supervisor" in n for n in sglang.notes)
+
+
+def test_an_operators_conversion_moves_the_long_term_controllers_split_too():
+    from prfaas_sglang.router.longterm import LongTermController
+
+    service = _service()
+    service.longterm = LongTermController(service.runtime)
+    assert service.longterm.runtime.n_prefill == 2
+    service.converted("pd-prefill-0", "decode", 1.0)
+    assert service.longterm.runtime.n_prefill == 1 and service.longterm.runtime.n_decode == 3
+    service.longterm.runtime = service.longterm.runtime.with_split(2)  # a decision whose conversion then failed
+    service.sync_longterm()
+    assert service.longterm.runtime.n_prefill == 1

@@ -161,10 +161,9 @@ class MockEngine:
         self.http: aiohttp.ClientSession | None = None
         self.ready = False
         self.running: list[Sequence] = []
-        self.prefills = ChunkedPrefill(config.chunked_prefill_size, timing.prefill_s)
+        self.prefills, self.pool = self._queues()
         self._prefill_done: dict[PrefillJob, asyncio.Future] = {}
         self._prefill_wake = asyncio.Event()
-        self.pool = KvPool(config.max_total_tokens or timing.kv_pool_tokens)  # decode KV, tokens
         self._decode_waiting = 0  # decode: waiting for pool room, for KV, or for a batch slot
         self._room = asyncio.Condition()  # decode: signalled when pool tokens or landing bytes are freed
         self._decode_queue: collections.deque[Sequence] = collections.deque()
@@ -207,6 +206,11 @@ class MockEngine:
             await self.http.close()
         if self.publisher:
             self.publisher.close()
+
+    def _queues(self) -> tuple[ChunkedPrefill, KvPool]:
+        """Fresh scheduler state: the chunked-prefill queue and the decode KV pool (tokens)."""
+        return (ChunkedPrefill(self.config.chunked_prefill_size, self.timing.prefill_s),
+                KvPool(self.config.max_total_tokens or self.timing.kv_pool_tokens))
 
     @property
     def _bind_host(self) -> str:
@@ -284,8 +288,7 @@ class MockEngine:
             await self._close_role()
             self.config = dataclasses.replace(self.config, role=Role.PD_PREFILL if new_role == "prefill" else Role.PD_DECODE)
             self.flush_cache()
-            self.prefills = ChunkedPrefill(self.config.chunked_prefill_size, self.timing.prefill_s)
-            self.pool = KvPool(self.config.max_total_tokens or self.timing.kv_pool_tokens)
+            self.prefills, self.pool = self._queues()
             if self.fail_role_switch:
                 self.fail_role_switch = False
                 raise RuntimeError("injected fault (POST /prfaas/faults fail_role_switch)")
