@@ -170,9 +170,11 @@ def make_service(args: argparse.Namespace):
             raise ConfigError(flag, f"must be > 0, got {value}")
     for flag, value in (("--admission-timeout-s", args.admission_timeout_s), ("--phase-timeout-s", args.phase_timeout_s),
                         ("--max-waiting", args.max_waiting), ("--health-interval-s", args.health_interval_s),
-                        ("--load-interval-s", args.load_interval_s)):
+                        ("--load-interval-s", args.load_interval_s),
+                        ("--long-term-drain-timeout-s", args.long_term_drain_timeout_s)):
         if not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
+    longterm = longterm_settings(args) if args.long_term else None  # checked before waiting for workers
     keys = load_keys()
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
@@ -195,8 +197,8 @@ def make_service(args: argparse.Namespace):
     config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
                                  max_ttft_s=max_ttft_s)
     service = new_service(config, model, workers, emulation_spec=topology.emulation)
-    if args.long_term:
-        service.longterm = LongTermController(model, longterm_settings(args))
+    if longterm is not None:
+        service.longterm = LongTermController(model, longterm)
         if not any(w.switch_url for w in workers.values()):
             logger.warning("--long-term: no node of the topology has role_switch; decisions will be logged, not applied")
     for name, facts in adopted.items():
