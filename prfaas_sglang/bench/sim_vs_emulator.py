@@ -36,17 +36,16 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from prfaas_sglang.bench.fidelity import PRIOR, VOCAB
 from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.demo.client import RequestResult, generate_ids, replay
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.router.threshold import ControllerSettings
+from prfaas_sglang.sim import workloads
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.nodes import SimRequest
 from prfaas_sglang.sim.report import summarize
-from prfaas_sglang.sim.workloads import lognormal
 
-PRIOR = {"kind": "lognormal", "mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": 65_536}
-VOCAB = 32_000
 ADMIN_TOKEN = "sim-vs-emulator"
 ADMISSION_TIMEOUT_S = 60.0  # model seconds, both sides
 
@@ -60,14 +59,9 @@ def fleet(output_tokens: int) -> FleetSpec:
 
 
 def arrivals(rate_rps: float, duration_s: float, seed: int, output_tokens: int) -> list[tuple[float, int]]:
-    """(arrival model s, prompt tokens), Poisson at ``rate_rps``, lengths from the prior."""
-    rng, dist = random.Random(seed), lognormal(PRIOR)
-    out, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate_rps)
-        if t >= duration_s:
-            return out
-        out.append((t, max(int(dist.sample(rng, 1)[0]), 1)))
+    """(arrival model s, prompt tokens): the simulator's Poisson arrivals with the prior's lengths."""
+    return [(r.arrival_s, r.input_tokens) for r in workloads.poisson(rate_rps, duration_s, seed, output_tokens,
+                                                                      ((0.0, PRIOR),))]
 
 
 def emulated_cadence(speedup: float) -> tuple[float, ControllerSettings]:
