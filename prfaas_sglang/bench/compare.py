@@ -196,7 +196,7 @@ def summarise(results: list, wall_s: float, window_s: float, setting: Setting, o
     s = setting.speedup
     ok = [r for r in results if r.ok]
     good = [r for r in ok if r.ttft_s * s <= setting.ttft_slo_s and r.mean_tbt_s * s <= 1.0 / setting.tbt_tokens_per_s]
-    rejected = [r for r in results if r.status in (429, 503) and r.retry_after_s is not None]
+    rejected = [r for r in results if r.rejected]
     wire_capacity_bps = setting.wire_mbit * 1e6
     busy = link_rates_bps[1:-1] or link_rates_bps
     return {

@@ -12,7 +12,8 @@ from that topology's runtime model, as for any deployment.
     python -m prfaas_sglang.demo                          # case-study lengths, 20 s, speedup 20
     python -m prfaas_sglang.demo --workload trace:../shared/data/mooncake_conversation_trace.jsonl --json
 
-Exit: 0 when every request succeeded, 1 when some failed, 2 on bad input.
+Exit: 0 when no request failed (the router shedding load, 503 with Retry-After, is counted as
+rejected, not failed), 1 when some failed, 2 on bad input.
 Times in the summary are wall-clock (emulated time = wall x speedup).
 """
 
@@ -75,6 +76,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: float, threshold: float, log_dir: Path) -> dict:
     ok = [r for r in results if r.ok]
+    rejected = sum(r.rejected for r in results)
     gaps = [g for r in ok for g in r.token_gaps_s]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     tokens = sum(r.output_tokens for r in ok)
@@ -86,7 +88,8 @@ def summarize(args, results: list[RequestResult], wall_s: float, egress_bytes: f
         "tokenizer": args.tokenizer,
         "wall_s": wall_s,
         "requests_ok": len(ok),
-        "requests_failed": len(results) - len(ok),
+        "requests_rejected": rejected,
+        "requests_failed": len(results) - len(ok) - rejected,
         "errors": sorted({r.error for r in results if r.error})[:5],
         "offload_fraction": sum(r.route.startswith("prfaas/") for r in ok) / len(ok) if ok else 0.0,
         "egress_gbps": egress_bytes * 8 / wall_s / 1e9 if wall_s else 0.0,
@@ -108,7 +111,7 @@ def render(summary: dict) -> str:
 
     rows = [
         ("workload", summary["workload"]), ("threshold t (runtime model)", f"{summary['threshold_tokens'] / 1000:.1f}K tokens"),
-        ("requests ok / failed", f"{summary['requests_ok']} / {summary['requests_failed']}"),
+        ("requests ok / rejected / failed", f"{summary['requests_ok']} / {summary['requests_rejected']} / {summary['requests_failed']}"),
         ("offload fraction", f(summary["offload_fraction"])),
         ("mean input tokens", f"{summary['mean_input_tokens']:.0f} ({summary['tokenizer']})"),
         ("PrfaaS egress", f"{f(summary['egress_gbps'])} Gbps on the wire ({f(summary['egress_gbps_modelled'])} Gbps modelled)"),

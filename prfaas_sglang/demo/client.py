@@ -53,6 +53,11 @@ class RequestResult:
         return self.status == 200 and self.error is None and self.ttft_s is not None
 
     @property
+    def rejected(self) -> bool:
+        """Refused on purpose (load shedding: 429/503 with Retry-After), not a failure."""
+        return self.status in (429, 503) and self.retry_after_s is not None
+
+    @property
     def mean_tbt_s(self) -> float:
         return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else 0.0
 

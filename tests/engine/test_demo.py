@@ -7,7 +7,7 @@ import subprocess
 
 from helpers import TRACE, run_py
 
-REQUIRED = {"requests_ok", "requests_failed", "offload_fraction", "egress_gbps", "ttft_p50_s", "ttft_p90_s",
+REQUIRED = {"requests_ok", "requests_rejected", "requests_failed", "offload_fraction", "egress_gbps", "ttft_p50_s", "ttft_p90_s",
             "tbt_p99_s", "output_tokens_per_s"}
 
 
@@ -47,7 +47,10 @@ def test_demo_trace_replay():
                    "--json"], timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     summary = json.loads(proc.stdout)
-    assert summary["requests_failed"] == 0 and summary["requests_ok"] == 60
+    # Nothing fails. On a starved machine the router may shed a few (503 + Retry-After: its TTFT
+    # estimate passed the SLO); those are counted apart, and most requests still complete.
+    assert summary["requests_failed"] == 0, summary["errors"]
+    assert summary["requests_ok"] + summary["requests_rejected"] == 60 and summary["requests_ok"] >= 45, summary
     assert 0 < summary["offload_fraction"] < 1  # routed by the PrfaaS router (x-prfaas-route)
 
 
