@@ -1,9 +1,12 @@
 # syntax=docker/dockerfile:1
 # Image for the control plane: the global scheduler (--role router) and the
 # global KV index (--role kv-index). No GPU and no SGLang engine: it speaks
-# SGLang's HTTP, PD-dispatch and KV-event protocols from the outside.
+# SGLang's HTTP, PD-dispatch and KV-event protocols from the outside. It also
+# carries the emulated engine (--engine mock: GPU-less deployments, e.g. the
+# manifests of `launch --emit k8s --engine mock` on a CPU Kubernetes cluster),
+# which ships KV over Mooncake TCP (libibverbs1: Mooncake's engine links it).
 #
-#   docker build -f docker/control-plane.Dockerfile -t prfaas-sglang/control-plane .
+#   docker build -f docker/control-plane.Dockerfile -t prfaas-sglang/control-plane:0.1.0 .
 #   docker run --network host prfaas-sglang/control-plane --role router --config /etc/prfaas/topology.yaml --node router
 ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE}
@@ -12,7 +15,8 @@ COPY pyproject.toml README.md ./
 COPY prfaas_sglang ./prfaas_sglang
 COPY patches ./patches
 COPY launch /etc/prfaas/examples
-RUN python3 -m pip install --no-cache-dir ".[router]" && rm -rf /src
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/* \
+ && python3 -m pip install --no-cache-dir ".[router,mock]" && rm -rf /src
 WORKDIR /
 ENTRYPOINT ["python3", "-m", "prfaas_sglang.launch"]
 CMD ["--help"]

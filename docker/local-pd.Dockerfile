@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # Image for the local PD cluster: short prefills (--role pd-prefill) and all decoding (--role pd-decode).
 #
-#   docker build -f docker/local-pd.Dockerfile -t prfaas-sglang/local-pd .
+#   docker build -f docker/local-pd.Dockerfile -t prfaas-sglang/local-pd:0.1.0 .
 #   docker run --gpus all --network host prfaas-sglang/local-pd --role pd-decode --model-path /models/m
 #
 # Build context: the repository root. The SGLang base image must carry the

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # Image for the PrfaaS prefill cluster: long uncached prefills, KV shipped to the PD cluster over Mooncake TCP.
 #
-#   docker build -f docker/prfaas-prefill.Dockerfile -t prfaas-sglang/prfaas-prefill .
+#   docker build -f docker/prfaas-prefill.Dockerfile -t prfaas-sglang/prfaas-prefill:0.1.0 .
 #   docker run --gpus all --network host prfaas-sglang/prfaas-prefill --model-path /models/m
 #
 # Build context: the repository root. The SGLang base image must carry the

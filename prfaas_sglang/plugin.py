@@ -368,6 +368,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.publish",
              "(self, events: sglang.srt.disaggregation.kv_events.EventBatch) -> None"),
             ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher._socket_setup", "(self) -> None"),
+            ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.shutdown", "(self) -> None"),
         ),
         subject="[cache] KV-event batches carry the cache's state events (wire v2, ignored by v1 consumers)",
         why=(
@@ -378,8 +379,8 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "SGLang's ZmqEventPublisher (same sockets, sequence numbers and replay), publishing each batch "
             "with the cache's state events as a 4th array element, which msgspec decoders of the 3-element "
             "batch skip. Its PUB socket always binds the configured host (upstream connects unless the "
-            "endpoint is a wildcard) and, with PRFAAS_SECRET_FILE, is a CURVE server admitting only the "
-            "deployment's subscribers."
+            "endpoint is a wildcard) and, with PRFAAS_SECRET_FILE, it and the replay socket are CURVE servers "
+            "admitting only the deployment's clients (their context closed at shutdown)."
         ),
         upstream_status="vendor-specific (upstream 0.5.23 puts component events in the event list instead)",
         removal="with prfaas-hybrid",

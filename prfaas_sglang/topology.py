@@ -53,10 +53,24 @@ Schema (version 1; every field marked optional may be left out)::
     emulation:                   # optional: emulated engines (--engine mock) run this scaled
       speedup: 20                #   durations / speedup
       kv_scale: 0.01             #   KV bytes shipped = S_kv(l) * kv_scale
+    kubernetes:                  # optional: only `launch --emit k8s` reads it (launch/k8s.py)
+      namespaces: {<cluster>: ns}  # default: the cluster's name
+      images: {prfaas: IMG, pd: IMG, control: IMG}  # default: the images docker/*.Dockerfile build
+      secret: prfaas-deployment  # Secret with keys deployment-secret (PRFAAS_SECRET_FILE) and admin-token
+      gpu_resource: nvidia.com/gpu
+      model_claim: models        # a PersistentVolumeClaim (the model directory) mounted read-only at model.path
+      external_hosts: {<node>: dns-or-ip}  # how nodes of other clusters reach this node (another
+                                 #   Kubernetes cluster); default: its pod's DNS name in-cluster
+      peer_cidrs: {<cluster>: [10.2.0.0/16]}  # NetworkPolicies admit a cluster living in another
+                                 #   Kubernetes cluster by these CIDRs (default: by namespace)
+      cluster_domain: cluster.local
+      monitoring_namespace: monitoring  # Prometheus's namespace (admitted to every /metrics port)
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -145,6 +159,24 @@ class Emulation:
 
 
 @dataclass(frozen=True)
+class KubernetesSpec:
+    """``kubernetes:``: how ``launch --emit k8s`` maps the topology onto Kubernetes (all optional)."""
+
+    namespaces: dict[str, str] = field(default_factory=dict)  # cluster -> namespace (default: its name)
+    images: dict[str, str] = field(default_factory=dict)  # prfaas | pd | control -> image
+    secret: str = "prfaas-deployment"
+    gpu_resource: str = "nvidia.com/gpu"
+    model_claim: str | None = None
+    external_hosts: dict[str, str] = field(default_factory=dict)  # node -> address other clusters use
+    peer_cidrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # cluster -> CIDRs
+    cluster_domain: str = "cluster.local"
+    monitoring_namespace: str = "monitoring"
+
+    def namespace(self, cluster: str) -> str:
+        return self.namespaces.get(cluster, cluster)
+
+
+@dataclass(frozen=True)
 class Topology:
     version: int
     nodes: tuple[Node, ...]
@@ -155,6 +187,7 @@ class Topology:
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     emulation: Emulation | None = None
     base_dir: Path | None = None  # the file's directory: relative paths resolve against it
+    kubernetes: KubernetesSpec = field(default_factory=KubernetesSpec)
 
     def nodes_of(self, *roles: Role) -> list[Node]:
         return [n for n in self.nodes if n.role in roles]
@@ -275,7 +308,7 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     (the topology file's directory) when it is given.
     """
     top = _mapping(data, source)
-    _check_keys(top, {"version", "model", "clusters", "links", "scheduler", "emulation"}, "")
+    _check_keys(top, {"version", "model", "clusters", "links", "scheduler", "emulation", "kubernetes"}, "")
     version = top.get("version")
     if version not in SUPPORTED_VERSIONS:
         raise ConfigError("version", f"must be one of {SUPPORTED_VERSIONS}, got {version!r}")
@@ -335,7 +368,8 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
             raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
         links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True)))
     return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
-                    _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir)
+                    _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir,
+                    _parse_kubernetes(top.get("kubernetes", {}), kinds, {n.name for n in nodes}))
 
 
 def _parse_model(model: dict) -> ModelSpec:
@@ -372,6 +406,64 @@ def _parse_emulation(raw: Any) -> Emulation | None:
     _check_keys(obj, {"speedup", "kv_scale"}, "emulation")
     kv_scale = number(obj, "kv_scale", "emulation", default=1.0, positive=True, at_most=1.0)
     return Emulation(number(obj, "speedup", "emulation", default=1.0, positive=True), kv_scale)
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+IMAGE_KINDS = ("prfaas", "pd", "control")
+
+
+def dns_label(value: Any, path: str) -> str:
+    """``value`` if it is an RFC 1123 label (a Kubernetes namespace or object name), else ConfigError."""
+    if not isinstance(value, str) or not _DNS_LABEL.fullmatch(value):
+        raise ConfigError(path, f"must be a DNS label (lower-case letters, digits and '-', at most 63), got {value!r}")
+    return value
+
+
+def _str_map(obj: dict, key: str, path: str, keys: set[str] | tuple[str, ...], what: str) -> dict[str, str]:
+    raw = _mapping(obj.get(key, {}), f"{path}.{key}")
+    for name, value in raw.items():
+        if name not in keys:
+            raise ConfigError(f"{path}.{key}.{name}", f"unknown {what} (known: {', '.join(sorted(keys))})")
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{path}.{key}.{name}", "must be a non-empty string")
+    return dict(raw)
+
+
+def _parse_kubernetes(raw: Any, kinds: dict[str, str], node_names: set[str]) -> KubernetesSpec:
+    obj = _mapping(raw, "kubernetes")
+    path = "kubernetes"
+    _check_keys(obj, {"namespaces", "images", "secret", "gpu_resource", "model_claim", "external_hosts", "peer_cidrs",
+                      "cluster_domain", "monitoring_namespace"}, path)
+    namespaces = _str_map(obj, "namespaces", path, set(kinds), "cluster")
+    for cluster, ns in namespaces.items():
+        dns_label(ns, f"{path}.namespaces.{cluster}")
+    cidrs: dict[str, tuple[str, ...]] = {}
+    for cluster, values in _mapping(obj.get("peer_cidrs", {}), f"{path}.peer_cidrs").items():
+        if cluster not in kinds:
+            raise ConfigError(f"{path}.peer_cidrs.{cluster}", f"unknown cluster (clusters: {', '.join(kinds)})")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{path}.peer_cidrs.{cluster}", "must be a non-empty list of CIDRs")
+        for i, cidr in enumerate(values):
+            try:
+                ipaddress.ip_network(str(cidr))
+            except ValueError:
+                raise ConfigError(f"{path}.peer_cidrs.{cluster}[{i}]", f"not a CIDR: {cidr!r}") from None
+        cidrs[cluster] = tuple(str(c) for c in values)
+    defaults = KubernetesSpec()
+    secret = dns_label(obj.get("secret", defaults.secret), f"{path}.secret")
+    claim = obj.get("model_claim")
+    return KubernetesSpec(
+        namespaces=namespaces,
+        images=_str_map(obj, "images", path, IMAGE_KINDS, "image kind"),
+        secret=secret,
+        gpu_resource=_opt_str(obj, "gpu_resource", path) or defaults.gpu_resource,
+        model_claim=None if claim is None else dns_label(claim, f"{path}.model_claim"),
+        external_hosts=_str_map(obj, "external_hosts", path, node_names, "node"),
+        peer_cidrs=cidrs,
+        cluster_domain=_opt_str(obj, "cluster_domain", path) or defaults.cluster_domain,
+        monitoring_namespace=dns_label(obj.get("monitoring_namespace", defaults.monitoring_namespace),
+                                       f"{path}.monitoring_namespace"),
+    )
 
 
 def load_topology(path: Path) -> Topology:

@@ -114,18 +114,39 @@ class CurveServer:
         self.ctx.term()
 
 
+def bind_socket(kind: int, endpoint: str, server: CurveServer | None, *, hwm: int | None = None,
+                linger_ms: int | None = None) -> zmq.Socket:
+    """A ``kind`` socket (``zmq.PUB``, ``zmq.ROUTER``, ...) bound at ``endpoint``. With ``server``
+    it is made in the server's context and is a CURVE server admitting only the deployment's
+    subscribers; without, in the process's shared context. The caller closes the socket, and only
+    then ``server``. Raises ``zmq.ZMQError`` when the endpoint cannot be bound (the socket closed)."""
+    sock = (server.ctx if server is not None else zmq.Context.instance()).socket(kind)
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+    if linger_ms is not None:
+        sock.setsockopt(zmq.LINGER, linger_ms)
+    if server is not None:
+        server.secure(sock)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 class ZmqPublisher:
     """A PUB socket bound at ``endpoint`` (give the configured interface, not ``*``, unless all
     interfaces are meant); with ``curve``, a CURVE server (see the module's docstring)."""
 
     def __init__(self, endpoint: str, topic: str, hwm: int = 100_000, curve: CurveKeys | None = None):
         self._server = CurveServer(curve) if curve is not None else None
-        self._ctx = self._server.ctx if self._server else zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        if self._server:
-            self._server.secure(self._pub)
-        self._pub.bind(endpoint)
+        try:
+            self._pub = bind_socket(zmq.PUB, endpoint, self._server, hwm=hwm)
+        except zmq.ZMQError:
+            if self._server:
+                self._server.close()
+            raise
         self._topic = topic.encode()
         self._seq = 0
 

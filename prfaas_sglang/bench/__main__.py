@@ -18,6 +18,7 @@ Benchmarks:
   chaos          mixed load while each worker, the router and the PrfaaS link fail (seeded; root):
                  hung / truncated / typed errors, leaks at rest, time to recover, router RSS
   api-fuzz       schemathesis against the router's /openapi.json: server errors, survivors
+  dashboard      the Grafana dashboard (launch --emit k8s) drawn from a live emulated run's /metrics
   gpu-bundle     build and verify the carry bundle for the lent GPU machine (SGLang, sglang-kernel,
                  Mooncake CUDA 13, what the server imports) and the tiny hybrid model
   gpu-e2e        on the GPU machine: every role through our launcher, seven checks (PASS/FAIL lines)
@@ -136,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     sm.add_argument("--seeds", type=int, default=3)
     sm.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
     sm.add_argument("--json", action="store_true")
+    db = sub.add_parser("dashboard", help="the Grafana dashboard drawn from a live emulated run's /metrics (PNG)")
+    db.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (the second half at 3x --rate)")
+    db.add_argument("--rate", type=float, default=0.6, help="case-study arrivals per second (first half)")
+    db.add_argument("--out", type=Path, default=Path("docs/dashboard.png"))
+    db.add_argument("--seed", type=int, default=0)
+    db.add_argument("--json", action="store_true")
     gb = sub.add_parser("gpu-bundle", help="build and verify the GPU carry bundle (SGLang and what it imports, tiny model)")
     gb.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
     gb.add_argument("--python-version", default=None, help="the GPU machine's Python (default 3.12)")
@@ -243,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
 
         result = bench.run(args.aiperf, args.load, args.duration, seed=args.seed)
         header = f"<!-- python -m prfaas_sglang.bench aiperf-check --load {args.load:g} --duration {args.duration:g}; {stamp} -->"
+    elif args.name == "dashboard":
+        from prfaas_sglang.bench import dashboard as bench
+
+        if args.duration <= 0 or args.rate <= 0:
+            parser.error("--duration and --rate must be > 0")
+        result = bench.run(args.duration, args.rate, args.out, seed=args.seed)
+        header = (f"<!-- python -m prfaas_sglang.bench dashboard --duration {args.duration:g} --rate {args.rate:g} "
+                  f"--seed {args.seed} --out {args.out}; {stamp} -->")
     elif args.name == "router-overhead":
         from prfaas_sglang.bench import router as bench
 

@@ -233,33 +233,37 @@ def to_wire_batch(batch: EventBatch) -> KVEventBatch:
 
 
 class StateEventsZmqPublisher(ZmqEventPublisher):
-    """SGLang's ZMQ publisher (same sockets, sequence numbers, replay) writing wire v2 batches
-    (:func:`to_wire_batch`). Its PUB socket binds the endpoint's host (our consumers connect;
-    upstream would connect for a non-wildcard host) and, when the deployment has a secret, is a
-    CURVE server in its own context that admits only the deployment's subscribers."""
+    """SGLang's ZMQ publisher (same sequence numbers, replay buffer and thread) writing wire v2
+    batches (:func:`to_wire_batch`). Its PUB socket binds the endpoint's host (our consumers
+    connect; upstream would connect for a non-wildcard host); when the deployment has a secret,
+    the PUB and the replay ROUTER are both CURVE servers in one context of their own that admit
+    only the deployment's clients, and :meth:`shutdown` closes that context after the sockets."""
+
+    _curve_server = None  # adapters.zmq.CurveServer, when the deployment has a secret
 
     def publish(self, events: EventBatch) -> None:
         super().publish(to_wire_batch(events))
 
     def _socket_setup(self) -> None:
+        import zmq
+
+        from prfaas_sglang.adapters.zmq import CurveKeys, CurveServer, bind_socket
+        from prfaas_sglang.security import load_keys
+
         if self._pub is None:
-            import zmq
-
-            from prfaas_sglang.adapters.zmq import CurveKeys, CurveServer
-            from prfaas_sglang.security import load_keys
-
             keys = load_keys()
-            server = CurveServer(CurveKeys.from_deployment(keys)) if keys is not None else None
-            if server is not None:
-                self._ctx = server.ctx  # its ZAP handler belongs to this context
-                self._curve_server = server
-            pub = self._ctx.socket(zmq.PUB)
-            pub.set_hwm(self._hwm)
-            if server is not None:
-                server.secure(pub)
-            pub.bind(self._endpoint)
-            self._pub = pub
-        super()._socket_setup()  # the replay socket, if configured
+            self._curve_server = CurveServer(CurveKeys.from_deployment(keys)) if keys is not None else None
+            if self._curve_server is not None:
+                self._ctx = self._curve_server.ctx  # its ZAP handler belongs to this context
+            self._pub = bind_socket(zmq.PUB, self._endpoint, self._curve_server, hwm=self._hwm)
+        if self._replay_endpoint is not None and self._replay is None:
+            self._replay = bind_socket(zmq.ROUTER, self._replay_endpoint, self._curve_server)
+
+    def shutdown(self) -> None:
+        super().shutdown()  # closes the PUB and replay sockets
+        if self._curve_server is not None:
+            self._curve_server.close()
+            self._curve_server = None
 
 
 def register_backends() -> list[str]:

@@ -28,6 +28,7 @@ import time
 
 from prfaas_sglang.adapters.tcpinfo import read_own_kv_connections
 from prfaas_sglang.envs import envs
+from prfaas_sglang.hosts import is_wildcard, zmq_bind_host
 from prfaas_sglang.transport.meter import LinkMeter, with_tcp_view
 from prfaas_sglang.transport.tcpstate import TcpCongestion
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
@@ -47,7 +48,7 @@ class LinkTelemetry:
         self.meter = LinkMeter(window_s=1.0)
         self.worker = worker
         self.port = port
-        self.bind_host = f"[{bind_host}]" if ":" in bind_host else bind_host
+        self.bind_host = zmq_bind_host(bind_host)
         self.curve = curve
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -88,19 +89,13 @@ class LinkTelemetry:
     def _run(self) -> None:
         import zmq
 
-        from prfaas_sglang.adapters.zmq import CurveServer
+        from prfaas_sglang.adapters.zmq import CurveServer, bind_socket
 
         server = CurveServer(self.curve) if self.curve is not None else None
-        pub = (server.ctx if server else zmq.Context.instance()).socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, 1000)
-        pub.setsockopt(zmq.LINGER, 0)
-        if server is not None:
-            server.secure(pub)
         try:
-            pub.bind(f"tcp://{self.bind_host}:{self.port}")
+            pub = bind_socket(zmq.PUB, f"tcp://{self.bind_host}:{self.port}", server, hwm=1000, linger_ms=0)
         except zmq.ZMQError as err:
             logger.error("prfaas_sglang: link telemetry cannot bind %s:%s: %s", self.bind_host, self.port, err)
-            pub.close()
             if server is not None:
                 server.close()
             return
@@ -131,7 +126,7 @@ def start_link_telemetry(result, manager, args, disaggregation_mode, server_args
     from prfaas_sglang.security import load_keys
 
     bind = getattr(server_args, "host", None) or "127.0.0.1"  # SGLang's --host: the configured interface
-    host = bind if bind not in ("0.0.0.0", "::") else socket.gethostname()
+    host = socket.gethostname() if is_wildcard(bind) else bind
     keys = load_keys()
     telemetry = LinkTelemetry(int(port), f"{host}:{getattr(server_args, 'port', '')}@pid{os.getpid()}", bind,
                               CurveKeys.from_deployment(keys))

@@ -10,6 +10,7 @@ answers:
 
     POST /match   {"input_ids": [...]}  ->  {"total_tokens", "by_worker": {name: tokens}, "by_cluster": {...}}
     GET  /status  workers, blocks indexed, resets, per-subscription frame counts
+    GET  /metrics Prometheus text: prfaas_kvindex_blocks{worker,cluster}, resets, frames (no key needed)
     GET  /health
 
 The router embeds the same :class:`KvIndex` in process; this service is for
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None, help="default: the topology's kv-index node")
     p.add_argument("--page-size", type=int, default=None, help="block size for workers that do not report theirs")
+    p.add_argument("--wait-workers-s", type=float, default=300.0,
+                   help="wait this long for every worker to report its block size before failing (workers and "
+                        "the kv-index start together on Kubernetes)")
     p.add_argument("--dense", action="store_true", help="the model has no linear/SWA state (no checkpoint rule); "
                                                         "default: what the topology's cost model says")
     return p
@@ -52,26 +56,28 @@ def _block_size(url: str, fallback: int | None, headers: dict | None = None) -> 
     return (size if isinstance(size, int) and size > 0 else fallback), events
 
 
+def _wait_block_size(url: str, fallback: int | None, headers: dict | None, wait_s: float) -> tuple[int | None, dict | None]:
+    """:func:`_block_size`, asked again every second for up to ``wait_s`` while the worker does not answer."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        size, events = _block_size(url, None, headers)
+        if size is not None or time.monotonic() >= deadline:
+            return (size if size is not None else fallback), events
+        time.sleep(1.0)
+
+
 def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     """``workers``: name -> (cluster, ZMQ endpoint, topic). With ``keys`` (the deployment's), the
     KV-event streams are CURVE clients and every endpoint but /health needs the worker API key
     (what it serves is derived from prompts)."""
     from aiohttp import web
 
+    from prfaas_sglang.adapters.http_auth import bearer_middleware
     from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
     from prfaas_sglang.kvindex.feed import kv_event_handler
     from prfaas_sglang.wire import kv_snapshot
-    from prfaas_sglang.wire.auth import AuthError, check_bearer
 
-    @web.middleware
-    async def api_key(request, handler):
-        if keys is not None and request.path != "/health":
-            try:
-                check_bearer(keys.worker_api_key, request.headers.get("Authorization"))
-            except AuthError as err:
-                return error(401, str(err))
-        return await handler(request)
-
+    api_key = bearer_middleware(keys.worker_api_key if keys else None, lambda err: error(401, str(err)))
     app = web.Application(client_max_size=64 << 20, middlewares=[api_key])
     sub_key = web.AppKey("subscriber", ZmqSubscriber)
 
@@ -114,6 +120,10 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     async def health(request):
         return web.Response(text="OK")
 
+    async def metrics(request):
+        return web.Response(text=render_metrics(index, request.app[sub_key].stats(time.monotonic())),
+                            content_type="text/plain")
+
     async def snapshot(request):  # what a restarted router starts from (wire/kv_snapshot.py)
         return web.Response(body=kv_snapshot.encode(index.export()), content_type="application/json")
 
@@ -121,7 +131,28 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     app.router.add_post("/match", match)
     app.router.add_get("/status", status)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     return app
+
+
+def render_metrics(index, subscriptions: dict[str, dict]) -> str:
+    """The kv-index's Prometheus text (pure): blocks and resets per worker, frames per subscription."""
+    rows = [("prfaas_kvindex_blocks", "gauge", "Blocks the index holds for a worker"),
+            ("prfaas_kvindex_resets_total", "counter", "Times a worker's blocks were dropped (cache cleared, gap)"),
+            ("prfaas_kvindex_frames_total", "counter", "KV-event frames received per subscription"),
+            ("prfaas_kvindex_bad_frames_total", "counter", "Frames that did not decode (dropped)"),
+            ("prfaas_kvindex_auth_failures_total", "counter", "Publishers refused (no deployment key)")]
+    workers = index.workers()
+    values = {"prfaas_kvindex_blocks": [(f'worker="{w}",cluster="{c}"', index.block_count(w)) for w, c in sorted(workers.items())],
+              "prfaas_kvindex_resets_total": [(f'worker="{w}",cluster="{c}"', index.resets(w)) for w, c in sorted(workers.items())],
+              "prfaas_kvindex_frames_total": [(f'source="{n}"', s["frames"]) for n, s in sorted(subscriptions.items())],
+              "prfaas_kvindex_bad_frames_total": [(f'source="{n}"', s["bad_frames"]) for n, s in sorted(subscriptions.items())],
+              "prfaas_kvindex_auth_failures_total": [(f'source="{n}"', s["auth_failures"]) for n, s in sorted(subscriptions.items())]}
+    text = []
+    for name, kind, help_text in rows:
+        text += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        text += [f"{name}{{{labels}}} {value}" for labels, value in values[name]]
+    return "\n".join(text) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.page_size is not None and args.page_size < 1:
             raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
+        if not args.wait_workers_s >= 0:
+            raise ConfigError("--wait-workers-s", f"must be >= 0, got {args.wait_workers_s}")
         keys = load_keys()
         warn_if_open(keys, "kv-index")
         topology = load_topology(args.config)
@@ -146,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             if not ROLE_SPECS[n.role].is_engine_role or n.port is None:
                 continue
             host = n.host or "127.0.0.1"
-            size, events = _block_size(f"http://{host}:{n.port}", args.page_size, keys.bearer() if keys else None)
+            size, events = _wait_block_size(f"http://{host}:{n.port}", args.page_size, keys.bearer() if keys else None,
+                                            args.wait_workers_s if n.kv_events_port is not None else 0.0)
             port = n.kv_events_port or (events or {}).get("endpoint_port_base")
             if port is None:
                 continue

@@ -7,6 +7,7 @@ Examples::
     python -m prfaas_sglang.launch --config launch/local-two-cluster.yaml            # the router node
     python -m prfaas_sglang.launch --config launch/local-two-cluster.yaml --node router --threshold 20000
     python -m prfaas_sglang.launch --role pd-decode --model-path /models/m -- --mem-fraction-static 0.3
+    python -m prfaas_sglang.launch --emit k8s --config launch/paper-case-study.yaml --out deploy/   # manifests
 
 With ``--config`` and no ``--node`` the topology's router node starts (or, with
 no single router node, the error lists the nodes to choose from). For the
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "measured profile YAML (default with --config: the topology's cost model)")
     mock.add_argument("--speedup", type=float, help="divide emulated durations by this (default: the topology's emulation)")
     mock.add_argument("--kv-scale", type=float, help="real KV bytes shipped = S_kv(l) * kv_scale (default: the topology's)")
+    parser.add_argument("--emit", choices=("k8s",), help="write Kubernetes manifests for --config's topology "
+                                                         "(one directory per cluster, plus monitoring/) and exit")
+    parser.add_argument("--out", type=Path, help="with --emit: the output directory (default: k8s-<topology name>)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
     parser.add_argument("--json", action="store_true", help="with --dry-run: print the command as JSON")
     return parser
@@ -261,6 +265,8 @@ def _model_args(topology: Topology | None, node: Node) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     ours, extra = _split_passthrough(list(sys.argv[1:] if argv is None else argv))
     args, unknown = build_parser().parse_known_args(ours)
+    if args.emit:
+        return _emit(args, unknown, extra)
     try:
         command = make_command(args, extra, unknown)
     except PrfaasError as err:
@@ -276,13 +282,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # not reached
 
 
+def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) -> int:
+    """``--emit k8s``: the manifests of launch/k8s.py, written under ``--out``."""
+    import yaml
+
+    from prfaas_sglang.launch import dashboard, k8s
+
+    try:
+        if not args.config:
+            raise ConfigError("--config", "--emit needs the topology to deploy")
+        stray = [flag for flag, value in (("--node", args.node), ("--role", args.role), ("--dry-run", args.dry_run))
+                 if value] + list(unknown) + (["--"] if extra else [])
+        if stray:
+            raise ConfigError(stray[0], "does not apply to --emit (the manifests cover every node of the topology)")
+        try:
+            engine = Engine(args.engine or "sglang")
+        except ValueError:
+            raise ConfigError("--engine", f"unknown engine {args.engine!r} (expected sglang or mock)") from None
+        topology = load_topology(args.config)
+        raw = yaml.safe_load(Path(args.config).read_text())
+        files = k8s.render(raw, topology, engine, dashboard.build_json())
+        out = args.out or Path(f"k8s-{Path(args.config).stem}")
+        for rel, text in files.items():
+            path = out / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    except PrfaasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except OSError as err:
+        print(f"error: --out: {err}", file=sys.stderr)
+        return 2
+    clusters = sorted({rel.split("/")[0] for rel in files} - {"monitoring"})
+    print(f"wrote {len(files)} files under {out}/ ({', '.join(clusters)}, monitoring); "
+          f"apply with: kubectl apply -k {out}/<cluster>")
+    return 0
+
+
 def _run_supervisor(args: argparse.Namespace, extra: tuple[str, ...], unknown: list[str], command: LaunchCommand) -> int:
+    from prfaas_sglang.hosts import bracketed, local_host
     from prfaas_sglang.launch.supervisor import supervise
     from prfaas_sglang.security import load_keys
 
     node = command.node
     host = node.host or "127.0.0.1"
-    url_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    url_host = bracketed(local_host(host))
     try:
         keys = load_keys()
     except PrfaasError as err:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.hosts import is_wildcard, zmq_bind_host
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role
 from prfaas_sglang.topology import Node, Topology
 from prfaas_sglang.transport.wan_defaults import WanLink, mooncake_env
@@ -91,12 +92,8 @@ _EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
 def kv_events_config(port: int, host: str | None = None) -> str:
     """SGLang's ``--kv-events-config`` for our ZMQ publisher on ``host:port`` (the node's interface;
     ``*``, all interfaces, only without a host). Our publisher binds whatever the host."""
-    bind = "*" if not host or host in WILDCARD_HOSTS else f"[{host}]" if ":" in host else host
-    return json.dumps({"publisher": EVENT_PUBLISHER, "endpoint": f"tcp://{bind}:{port}", "topic": KV_EVENTS_TOPIC},
+    return json.dumps({"publisher": EVENT_PUBLISHER, "endpoint": f"tcp://{zmq_bind_host(host)}:{port}", "topic": KV_EVENTS_TOPIC},
                       separators=(",", ":"))
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 
 
 def peer_hosts(topology: Topology | None) -> str | None:
@@ -107,10 +104,9 @@ def peer_hosts(topology: Topology | None) -> str | None:
     hosts = set()
     for node in topology.nodes:
         if ROLE_SPECS[node.role].is_engine_role:
-            host = node.host or "127.0.0.1"
-            if host in WILDCARD_HOSTS:
+            if node.host is not None and is_wildcard(node.host):
                 return None
-            hosts.add(host.lower())
+            hosts.add((node.host or "127.0.0.1").lower())
     return ",".join(sorted(hosts)) or None
 
 
@@ -193,7 +189,9 @@ def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCo
 
 
 def _server_argv(node: Node, python: str) -> list[str]:
-    """``sglang.launch_server`` with the node's model, address and tensor parallelism."""
+    """``sglang.launch_server`` with the node's model, address and tensor parallelism, and SGLang's
+    Prometheus metrics on (``/metrics``: the dashboard's per-worker panels) unless the node's own
+    flags mention them."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", node.model_path]
     if node.host:
         argv += ["--host", node.host]
@@ -201,6 +199,8 @@ def _server_argv(node: Node, python: str) -> list[str]:
         argv += ["--port", str(node.port)]
     if node.tp_size is not None:
         argv += ["--tp-size", str(node.tp_size)]
+    if not any(arg.startswith("--enable-metrics") for arg in node.extra_args):
+        argv.append("--enable-metrics")
     return argv
 
 

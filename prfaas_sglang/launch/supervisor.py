@@ -33,11 +33,12 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
+from prfaas_sglang.adapters.http_auth import bearer_middleware
 from prfaas_sglang.envs import envs
 from prfaas_sglang.launch.command import LaunchCommand
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.router.workers import FactsError, parse_loads
-from prfaas_sglang.wire.auth import AuthError, DeploymentKeys, check_bearer
+from prfaas_sglang.wire.auth import AuthError, DeploymentKeys
 from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
 
 logger = logging.getLogger("prfaas.supervisor")
@@ -141,18 +142,17 @@ class Supervisor:
             return RoleSwitchReply(True, f"restarted as {new_mode}", old, new_mode)
 
     def app(self, session_key: web.AppKey) -> web.Application:
-        app = web.Application(client_max_size=1 << 16)
+        def reject(err: AuthError) -> web.Response:
+            return web.json_response(RoleSwitchReply(False, str(err), self.mode).to_json(), status=401)
+
+        app = web.Application(client_max_size=1 << 16,
+                              middlewares=[bearer_middleware(self.keys.worker_api_key if self.keys else None, reject)])
 
         async def health(request):
             alive = self.child is not None and self.child.returncode is None and self.unhealthy is None
             return web.json_response({"role": self.role.value, "unhealthy": self.unhealthy}, status=200 if alive else 503)
 
         async def role_switch(request):
-            if self.keys is not None:
-                try:
-                    check_bearer(self.keys.worker_api_key, request.headers.get("Authorization"))
-                except AuthError as err:
-                    return web.json_response(RoleSwitchReply(False, str(err), self.mode).to_json(), status=401)
             try:
                 wanted = RoleSwitchRequest.decode(await request.read())
             except ValueError as err:

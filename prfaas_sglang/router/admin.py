@@ -14,7 +14,6 @@ Every error is JSON with a one-line message; nothing changes on an error.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import math
@@ -26,6 +25,7 @@ from aiohttp import web
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.router.workers import WorkerRecord
+from prfaas_sglang.wire.auth import AuthError, check_bearer
 
 
 def _err(status: int, message: str) -> web.Response:
@@ -36,8 +36,9 @@ def _authorized(request: web.Request) -> web.Response | None:
     token = envs.ADMIN_TOKEN.get()
     if not token:
         return _err(403, "admin API disabled: set PRFAAS_ADMIN_TOKEN for the router")
-    given = request.headers.get("Authorization", "")
-    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+    try:
+        check_bearer(token, request.headers.get("Authorization"))  # constant time, as every bearer check of ours
+    except AuthError:
         return _err(401, "missing or wrong bearer token")
     return None
 

@@ -12,6 +12,10 @@ import bisect
 import collections
 from dataclasses import dataclass, field
 
+# Causes exported at 0 before they first happen (a dashboard's rate() then has a series to read)
+REJECT_CAUSES = ("bad_request", "no_decode_room", "no_worker", "queue_full", "too_large", "ttft_estimate",
+                 "unknown_model", "worker_4xx")
+FAIL_CAUSES = ("decode", "prefill")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -67,8 +71,10 @@ class RouterCounters:
                  ("prfaas_router_restored_blocks_total", "counter", "", self.restored_blocks),
                  ("prfaas_router_spilled_total", "counter", "", self.spilled),
                  ("prfaas_router_probes_total", "counter", "", self.probes)]
-        rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.rejected.items())]
-        rows += [("prfaas_router_failed_total", "counter", f'{{cause="{c}"}}', n) for c, n in sorted(self.failed.items())]
+        rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', self.rejected[c])
+                 for c in sorted(set(REJECT_CAUSES) | set(self.rejected))]
+        rows += [("prfaas_router_failed_total", "counter", f'{{cause="{c}"}}', self.failed[c])
+                 for c in sorted(set(FAIL_CAUSES) | set(self.failed))]
         rows += [("prfaas_router_cache_moves_total", "counter", f'{{outcome="{c}"}}', n)
                  for c, n in sorted(self.cache_moves.items())]
         text, typed = [], set()

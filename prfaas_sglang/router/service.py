@@ -354,6 +354,8 @@ class RouterService:
         gauges.append(("prfaas_router_telemetry_discarded_late", "", self.link.discarded))
         gauges += [("prfaas_router_kv_free_tokens", f'{{worker="{w.name}"}}', w.kv_free_tokens or 0)
                    for w in self.workers.values() if w.role == "decode"]
+        gauges += [("prfaas_router_kv_index_blocks", f'{{worker="{w}"}}', self.index.block_count(w))
+                   for w in sorted(self.index.workers())]
         return gauges
 
 

@@ -37,6 +37,7 @@ PURE = (
     "prfaas_sglang.transport.tcpstate", "prfaas_sglang.transport.kv_send",
     "prfaas_sglang.launch.command", "prfaas_sglang.engine.mock.prefix_cache", "prfaas_sglang.engine.mock.timing",
     "prfaas_sglang.engine.mock.scheduler", "prfaas_sglang.gpu.bundle",
+    "prfaas_sglang.hosts", "prfaas_sglang.launch.k8s", "prfaas_sglang.launch.dashboard", "prfaas_sglang.bench.promql_lite",
 )
 IO_MODULES = {"socket", "ssl", "http", "urllib", "asyncio", "threading", "multiprocessing", "subprocess", "selectors",
               "signal", "concurrent", "time", "aiohttp", "requests", "zmq", "uvloop", "mooncake", "sglang", "torch",

@@ -265,6 +265,48 @@ def test_sglangs_publisher_binds_the_configured_host_with_curve_for_a_deployment
         publisher.shutdown()
 
 
+def test_sglangs_replay_socket_is_a_curve_server_too_and_shutdown_closes_its_context(tmp_path, monkeypatch):
+    """Issue #16 review: the replay ROUTER was made in the CURVE context but without CURVE (anyone
+    could read back every buffered batch, i.e. prompts), and the CURVE context was never closed."""
+    from sglang.srt.disaggregation.kv_events import EventBatch
+
+    from prfaas_sglang.adapters.zmq import CurveKeys
+    from prfaas_sglang.hooks import hybrid_cache
+
+    secret = tmp_path / "s"
+    secret.write_bytes(b"0123456789abcdef-unit-test-secret")
+    monkeypatch.setenv("PRFAAS_SECRET_FILE", str(secret))
+    port, replay_port = _port(), _port()
+    publisher = hybrid_cache.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv-events",
+                                                     replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    curve = CurveKeys.from_deployment(KEYS)
+
+    def replay_client(keys):
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        if keys:
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = (
+                keys.client_secret, keys.client_public, keys.server_public)
+        sock.connect(f"tcp://127.0.0.1:{replay_port}")
+        sock.send((0).to_bytes(8, "big"))
+        return sock
+
+    server = publisher._curve_server
+    try:
+        publisher.publish(EventBatch(ts=time.time(), events=[]))
+        plain, ours = replay_client(None), replay_client(curve)
+        assert ours.poll(5000), "the deployment's replay client got nothing"
+        seq, _payload = ours.recv_multipart()
+        assert int.from_bytes(seq, "big") == 0
+        assert not plain.poll(500)  # no handshake without the deployment's key: nothing replayed
+        plain.close()
+        ours.close()
+    finally:
+        publisher.shutdown()
+    assert server is not None and server.ctx.closed  # the ZAP thread and its context are gone
+    assert publisher._curve_server is None
+
+
 def test_the_worker_api_key_hook_sets_sglangs_key_and_refuses_a_contradicting_one(tmp_path, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 

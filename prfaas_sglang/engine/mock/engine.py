@@ -53,6 +53,7 @@ from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransf
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
+from prfaas_sglang.hosts import local_host
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.security import check_peer
@@ -103,7 +104,7 @@ class MockConfig:
 
     @property
     def advertise_host(self) -> str:
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return local_host(self.host)
 
     @property
     def mode(self) -> str:

@@ -34,6 +34,7 @@ import time
 
 from aiohttp import web
 
+from prfaas_sglang.adapters.http_auth import bearer_middleware
 from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine
 from prfaas_sglang.protocol import (
     SSE_DONE,
@@ -44,7 +45,7 @@ from prfaas_sglang.protocol import (
     stream_error,
     usage_chunk,
 )
-from prfaas_sglang.wire.auth import AUTH_HEADER, AuthError, check_bearer
+from prfaas_sglang.wire.auth import AUTH_HEADER, AuthError
 from prfaas_sglang.wire.blocks import HASH_SCHEME
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport
 from prfaas_sglang.wire.handoff import KvReady, Registration
@@ -90,17 +91,11 @@ def api_key_middleware(engine: MockEngine):
     """SGLang's ``--api-key`` rule: all but /health* and /metrics need the bearer key."""
     keys = engine.config.keys
 
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if keys is not None and request.method != "OPTIONS" and not request.path.startswith(("/health", "/metrics")):
-            try:
-                check_bearer(keys.worker_api_key, request.headers.get("Authorization"))
-            except AuthError as err:
-                engine.stats.auth_rejected[err.reason] += 1
-                return error_response(401, str(err))
-        return await handler(request)
+    def reject(err: AuthError) -> web.Response:
+        engine.stats.auth_rejected[err.reason] += 1
+        return error_response(401, str(err))
 
-    return check
+    return bearer_middleware(keys.worker_api_key if keys else None, reject)
 
 
 def _info(engine: MockEngine) -> dict:

@@ -1,0 +1,150 @@
+"""What is deployed is what is tested: the manifests of ``launch --emit k8s --engine mock`` for
+launch/local-two-cluster.yaml, run here as Kubernetes would run them (each pod's container
+command, arguments and environment, the ConfigMap's topology, the Secret's files), with pod DNS
+names and ports mapped onto loopback. The deployment serves requests on both clusters, every port
+a Service or probe names is open, and every metric the dashboard queries is exported."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from prfaas_sglang.bench.promql_lite import metric_names
+from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
+from prfaas_sglang.launch import dashboard, k8s
+from prfaas_sglang.roles import Engine
+from prfaas_sglang.topology import parse_topology
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 4096  # prfaas-tiny-chatml's
+
+
+def _pods(files: dict[str, str]):
+    for rel, text in sorted(files.items()):
+        for doc in yaml.safe_load_all(text) if rel.endswith(".yaml") and "/" in rel else ():
+            if isinstance(doc, dict) and doc.get("kind") == "StatefulSet":
+                for i in range(doc["spec"]["replicas"]):
+                    yield rel.split("/")[0], f"{doc['metadata']['name']}-{i}", doc["spec"]["template"]["spec"]["containers"][0]
+
+
+def _loopback(view: dict, ports: dict[tuple[str, str], int]) -> dict:
+    """The ConfigMap's topology with every host on loopback and every port a free one (one mapping
+    for the whole deployment, so clusters still agree on each other's addresses)."""
+    for cluster in view["clusters"].values():
+        for node in cluster["nodes"]:
+            node["host"] = "127.0.0.1"
+            for key in k8s.PORT_NAMES:
+                if key in node:
+                    node[key] = ports[(node["name"], key)]
+    return view
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("k8s")
+    raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
+    topology = parse_topology(raw, "local-two-cluster.yaml", REPO / "launch")
+    files = k8s.render(raw, topology, Engine.MOCK, dashboard.build_json())
+    pick = PortPicker()
+    ports = {(n["name"], key): pick() for c in raw["clusters"].values() for n in c["nodes"] for key in k8s.PORT_NAMES if key in n}
+    # the Secret, as README "Deploying on Kubernetes" creates it
+    secret_dir = tmp / "secret"
+    secret_dir.mkdir()
+    (secret_dir / k8s.SECRET_KEY).write_bytes(secrets.token_bytes(32))
+    os.chmod(secret_dir / k8s.SECRET_KEY, 0o400)
+    admin_token = secrets.token_hex(16)
+    group = ProcessGroup(tmp / "logs")
+    pods: dict[str, dict] = {}
+    try:
+        for cluster, pod, container in _pods(files):
+            config = tmp / cluster / "topology.yaml"
+            if not config.exists():  # the ConfigMap's file, as mounted at /etc/prfaas/topology.yaml
+                config.parent.mkdir()
+                view = yaml.safe_load(yaml.safe_load(files[f"{cluster}/topology.yaml"])["data"]["topology.yaml"])
+                config.write_text(yaml.safe_dump(_loopback(view, ports)))
+            env = {}
+            for e in container["env"]:
+                if e["name"] == "POD_NAME":
+                    env[e["name"]] = pod
+                elif e["name"] == "PRFAAS_SECRET_FILE":
+                    env[e["name"]] = str(secret_dir / k8s.SECRET_KEY)
+                elif e["name"] == "PRFAAS_ADMIN_TOKEN":
+                    env[e["name"]] = admin_token
+                else:
+                    env[e["name"]] = e["value"]
+            assert container["command"] == ["python3", "-m", "prfaas_sglang.launch"]
+            argv = [sys.executable, "-m", "prfaas_sglang.launch"] + [
+                a.replace("$(POD_NAME)", pod).replace(k8s.CONFIG_MOUNT, str(config)) for a in container["args"]]
+            node = argv[argv.index("--node") + 1]
+            group.start(pod, argv, env=env)
+            url = f"http://127.0.0.1:{ports[(node, 'port')]}"
+            pods[pod] = {"node": node, "container": container, "url": url}
+        for pod, info in pods.items():  # all at once, as StatefulSets start: router and kv-index wait for workers
+            group.wait_healthy(info["url"] + "/health", next(p for p in group.procs if p.name == pod), timeout_s=90)
+        yield {"pods": pods, "ports": ports, "router": pods["router-0"]["url"], "files": files, "group": group}
+    finally:
+        group.stop()
+
+
+def _wait_routable(url: str, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        workers = requests.get(url + "/status", timeout=5).json()["workers"]
+        if sum(bool(w["healthy"] and w["page_size"]) for w in workers.values()) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"router never saw {n} routable workers: {workers}")
+
+
+def test_the_deployed_manifests_serve_requests_on_both_clusters(deployment):
+    url = deployment["router"]
+    _wait_routable(url, 3)
+    threshold = requests.get(url + "/status", timeout=5).json()["threshold_tokens"]
+    routes = []
+    for k, n in enumerate((300, 900, int(threshold) + 4096, int(threshold) + 8192)):
+        ids = [(7919 * (k * 100_000 + i)) % VOCAB for i in range(n)]
+        resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4},
+                                                      "stream": k % 2 == 1}, timeout=120)
+        assert resp.status_code == 200, resp.text[:300]
+        routes.append(resp.headers["x-prfaas-route"].split("/")[0])
+    assert routes == ["pd", "pd", "prfaas", "prfaas"]  # short ones local, long ones over the PrfaaS -> PD-D path
+    resp = requests.post(url + "/v1/chat/completions", json={"model": "tiny-hybrid", "max_tokens": 4,
+                                                             "messages": [{"role": "user", "content": "hello there"}]},
+                         timeout=60)
+    assert resp.status_code == 200, resp.text[:300]
+
+
+def test_every_port_a_service_or_probe_names_is_open(deployment):
+    checked = 0
+    for pod, info in deployment["pods"].items():
+        for port in info["container"]["ports"]:
+            key = next(k for k, name in k8s.PORT_NAMES.items() if name == port["name"])
+            with socket.create_connection(("127.0.0.1", deployment["ports"][(info["node"], key)]), timeout=2):
+                checked += 1
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe in info["container"]:
+                get = info["container"][probe]["httpGet"]
+                with urllib.request.urlopen(info["url"] + get["path"], timeout=5) as resp:
+                    assert resp.status == 200, (pod, probe)
+    assert checked >= 10
+
+
+def test_every_metric_the_dashboard_queries_is_exported(deployment):
+    test_the_deployed_manifests_serve_requests_on_both_clusters(deployment)  # some traffic first (histograms)
+    exported: set[str] = set()
+    for info in deployment["pods"].values():
+        text = requests.get(info["url"] + "/metrics", timeout=5).text
+        exported |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    wanted = {name for q in dashboard.queries() for name in metric_names(q)}
+    assert wanted, "the dashboard queries nothing"
+    assert wanted <= exported, sorted(wanted - exported)
