@@ -43,6 +43,10 @@ SECRET_KEY = "deployment-secret"  # the deployment secret (PRFAAS_SECRET_FILE): 
 ADMIN_TOKEN_KEY = "admin-token"  # the router's admin API token (PRFAAS_ADMIN_TOKEN)
 TOPOLOGY_CONFIGMAP = "prfaas-topology"
 MOONCAKE_PORTS = (15000, 17000)  # MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, set on every engine pod
+# SGLang's PD control channel: each KV manager binds a ZMQ PULL on a random port of pyzmq's
+# bind_to_random_port range (sglang/srt/utils/network.py get_zmq_socket_on_host), advertised through
+# the bootstrap server; prefill and decode push their transfer status to each other there.
+SGLANG_PD_ZMQ_PORTS = (49152, 65535)
 DEFAULT_IMAGES = {  # the tags docker/*.Dockerfile's build lines give (push them to your registry; kubernetes.images)
     "prfaas": "prfaas-sglang/prfaas-prefill:0.1.0",
     "pd": "prfaas-sglang/local-pd:0.1.0",
@@ -254,11 +258,11 @@ ENGINE_ROLES = {r for r, s in ROLE_SPECS.items() if s.is_engine_role}
 CONTROL_ROLES = {Role.ROUTER, Role.KV_INDEX}
 
 
-def network_policies(topology: Topology, loads: list[Workload], cluster: str) -> list[dict]:
+def network_policies(topology: Topology, loads: list[Workload], cluster: str, engine: Engine) -> list[dict]:
     """Default-deny ingress for ``cluster``'s namespace, then per workload what the data paths need:
     clients -> router; router -> worker HTTP and role switches; engines -> engine HTTP (hand-offs),
-    bootstrap and Mooncake ports; router and kv-index -> KV-event and telemetry publishers;
-    Prometheus -> every /metrics port. Egress is left open."""
+    bootstrap and Mooncake ports (and, for SGLang, its PD control channel's ZMQ ports); router and
+    kv-index -> KV-event and telemetry publishers; Prometheus -> every /metrics port. Egress is left open."""
     spec = topology.kubernetes
     ns = spec.namespace(cluster)
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.monitoring_namespace}}}]
@@ -280,6 +284,9 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str) ->
                 rules.append({"from": engines, "ports": [{"port": ports["bootstrap"], "protocol": "TCP"}]})
             rules.append({"from": engines, "ports": [{"port": MOONCAKE_PORTS[0], "endPort": MOONCAKE_PORTS[1],
                                                       "protocol": "TCP"}]})
+            if engine is Engine.SGLANG:
+                rules.append({"from": engines, "ports": [{"port": SGLANG_PD_ZMQ_PORTS[0], "endPort": SGLANG_PD_ZMQ_PORTS[1],
+                                                          "protocol": "TCP"}]})
             streams = [{"port": ports[k], "protocol": "TCP"} for k in ("kv-events", "telemetry") if k in ports]
             if streams:
                 rules.append({"from": control, "ports": streams})
@@ -364,7 +371,7 @@ def render(raw: dict, topology: Topology, engine: Engine, dashboard_json: str | 
                                                     "data": {"topology.yaml": view}}])
         for w in mine:
             files[f"{cluster}/{w.name}.yaml"] = _dump(workload_manifests(topology, w, engine))
-        files[f"{cluster}/networkpolicy.yaml"] = _dump(network_policies(topology, loads, cluster))
+        files[f"{cluster}/networkpolicy.yaml"] = _dump(network_policies(topology, loads, cluster, engine))
         resources = ["namespace.yaml", "topology.yaml", *(f"{w.name}.yaml" for w in mine), "networkpolicy.yaml"]
         files[f"{cluster}/kustomization.yaml"] = yaml.safe_dump(
             {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": ns,

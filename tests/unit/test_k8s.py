@@ -31,6 +31,12 @@ def _switchable() -> dict:
 
     doc = local_topology(pd_prefill=2, pd_decode=2, role_switch="restart")
     doc["model"] = {"path": "/models/m"}
+    fixed = iter(range(20000, 21000))  # its free ports, renumbered: none in SGLang's random ZMQ range
+    for cluster in doc["clusters"].values():
+        for node in cluster["nodes"]:
+            for key in k8s.PORT_NAMES:
+                if key in node:
+                    node[key] = next(fixed)
     return doc
 
 
@@ -172,6 +178,16 @@ def test_network_policies_admit_only_the_topologys_paths():
     assert _allowed(control["router-ingress"], 8000)[0] == {} or {} in _allowed(control["router-ingress"], 8000)
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in _allowed(decode, 30300)
     assert _components(_allowed(control["kv-index-ingress"], 8001)) == {("control", "router"), ("control", "kv-index")}
+
+
+def test_sglangs_pd_control_channel_is_admitted_between_engine_pods_only_for_sglang():
+    """SGLang's prefill and decode push transfer status to each other over ZMQ on a random port in
+    49152-65535 (advertised through the bootstrap server); the emulated engine uses HTTP instead."""
+    sglang = _policies(emit("paper-case-study.yaml", Engine.SGLANG), "pd-h20")["pd-d-ingress"]
+    assert ("prfaas-h200", "prfaas") in _components(_allowed(sglang, 50000))
+    assert ("control", "router") not in _components(_allowed(sglang, 50000))
+    mock = _policies(emit("paper-case-study.yaml", Engine.MOCK), "pd-h20")["pd-d-ingress"]
+    assert _allowed(mock, 50000) == []
 
 
 def test_clusters_in_other_kubernetes_clusters_by_external_hosts_and_cidrs():
