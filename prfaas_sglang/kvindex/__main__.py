@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="default: the topology's kv-index node")
     p.add_argument("--page-size", type=int, default=None, help="block size for workers that do not report theirs")
     p.add_argument("--wait-workers-s", type=float, default=300.0,
-                   help="wait this long for every worker to report its block size before failing (workers and "
-                        "the kv-index start together on Kubernetes)")
+                   help="without --page-size: wait this long for every worker to report its block size before "
+                        "failing (workers and the kv-index start together on Kubernetes)")
     p.add_argument("--dense", action="store_true", help="the model has no linear/SWA state (no checkpoint rule); "
                                                         "default: what the topology's cost model says")
     return p
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             host = n.host or "127.0.0.1"
             size, events = _wait_block_size(f"http://{host}:{n.port}", args.page_size, keys.bearer() if keys else None,
-                                            args.wait_workers_s if n.kv_events_port is not None else 0.0)
+                                            args.wait_workers_s if n.kv_events_port is not None and args.page_size is None
+                                            else 0.0)  # --page-size: no waiting, the fallback serves
             port = n.kv_events_port or (events or {}).get("endpoint_port_base")
             if port is None:
                 continue

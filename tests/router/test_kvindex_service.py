@@ -103,3 +103,34 @@ def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_
         assert recent["cached_tokens"] == 4_608  # routed on the restored prefix
     finally:
         group.stop()
+
+
+def test_the_kv_index_waits_for_a_worker_that_starts_after_it(tmp_path):
+    """On Kubernetes the kv-index and the workers start together: a worker not answering yet is
+    asked again (``--wait-workers-s``) instead of failing the kv-index at once; past the wait it
+    fails with the worker named."""
+    group = ProcessGroup(tmp_path / "logs")
+    pick_port, events_port, index_port, boot = free_port(), free_port(), free_port(), free_port()
+    topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {"a": {"kind": "pd", "nodes": [
+        {"name": "pp0", "role": "pd-prefill", "host": "127.0.0.1", "port": pick_port, "bootstrap_port": boot,
+         "kv_events_port": events_port},
+        {"name": "d0", "role": "pd-decode", "host": "127.0.0.1", "port": free_port()}]}}}  # no events: not waited for
+    config = tmp_path / "t.yaml"
+    config.write_text(yaml.safe_dump(topology))
+    try:
+        late = group.start("kv-index-late", [sys.executable, "-m", "prfaas_sglang.kvindex", "--config", str(config),
+                                             "--port", str(index_port), "--wait-workers-s", "1"])
+        assert late.wait(timeout=30) == 2  # nobody answered within 1 s: a typed error, the worker named
+        assert "nodes.pp0" in (tmp_path / "logs" / "kv-index-late.log").read_text()
+        proc = group.start("kv-index", [sys.executable, "-m", "prfaas_sglang.kvindex", "--config", str(config),
+                                        "--port", str(index_port), "--wait-workers-s", "60"])
+        time.sleep(2.0)
+        assert proc.poll() is None  # still waiting for pp0
+        group.start("pp0", [sys.executable, "-m", "prfaas_sglang.engine.mock", "--role", "pd-prefill", "--host", "127.0.0.1",
+                            "--port", str(pick_port), "--bootstrap-port", str(boot), "--kv-events-port", str(events_port),
+                            "--profile", "kimi-linear-1t-hybrid@h20x8", *EXTRA])
+        group.wait_healthy(f"http://127.0.0.1:{index_port}/health", proc, timeout_s=60)
+        status = requests.get(f"http://127.0.0.1:{index_port}/status", timeout=5).json()
+        assert status["workers"]["pp0"]["blocks"] == 0 and "pp0" in status["subscriptions"]
+    finally:
+        group.stop()
