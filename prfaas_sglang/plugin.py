@@ -335,24 +335,37 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.mem_cache.common.maybe_cache_unfinished_req", "(req: 'Req', tree_cache: 'BasePrefixCache', **kwargs)"),
             ("sglang.srt.mem_cache.common.release_kv_cache",
              "(req: 'Req', tree_cache: 'BasePrefixCache', is_insert: 'bool' = True)"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.__init__", "(self, params: 'CacheInitParams')"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset", "(self) -> 'None'"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._compact_single_child_chain",
+             "(self, node: 'TreeNode') -> 'None'"),
+            ("sglang.srt.mem_cache.swa_radix_cache.LRUList.__init__", "(self, is_swa_list: 'bool' = False)"),
+            ("sglang.srt.mem_cache.swa_radix_cache.LRUList.insert_mru", "(self, node)"),
+            ("sglang.srt.mem_cache.swa_radix_cache.LRUList.remove_node", "(self, node: 'TreeNode')"),
+            ("sglang.srt.mem_cache.swa_radix_cache.LRUList.in_list", "(self, node: 'Optional[TreeNode]')"),
         ),
-        subject=("[cache] Hybrid models' Mamba state checkpoints are published as KV events; a PrfaaS "
-                 "worker keeps only shared prefixes"),
+        subject=("[cache] Hybrid models' Mamba state checkpoints and sliding-window pages are published as KV "
+                 "events; a PrfaaS worker keeps only shared prefixes"),
         why=(
             "MambaRadixCache publishes pages only: storing or evicting a prefix's linear-attention state emits "
             "nothing, yet it decides how much of the prefix a hybrid model reuses, so a KV index either "
-            "guesses checkpoints or overstates hits after every state eviction."
+            "guesses checkpoints or overstates hits after every state eviction. SWARadixCache likewise frees a "
+            "page's sliding-window KV (a tombstone) without an event."
         ),
         how=(
             "A radix-cache backend (hooks/hybrid_cache.py): SGLang's default selection chain, with a "
             "MambaRadixCache subclass that records StateStored when an insert leaves a state at the key's end "
             "and StateRemoved when a node is tombstoned or an evicted leaf takes its state along; "
-            "take_events() hands them to the publisher inside the list SGLang passes on. With "
+            "take_events() hands them to the publisher inside the list SGLang passes on. For sliding-window "
+            "models, an SWARadixCache subclass publishes per page whether it still holds its window KV "
+            "(\"swa\" StateStored/StateRemoved with the window; its SWA LRU list notes every node whose window "
+            "KV came or went), so the kv-index applies SGLang's window rule. With "
             "PRFAAS_PREFILL_CACHE (the launcher sets shared for the prfaas role) each request is decided at its "
             "first match: a transfer-cache request takes SGLang's no-insert path for its chunks and finishes "
             "with is_insert=False, so its KV is freed once its transfer completes."
         ),
-        upstream_status="backport of the shape of SGLang 0.5.23's component KV events (--enable-kv-events-component-types)",
+        upstream_status="the shape of upstream's component-typed KV events (main's --enable-kv-events-component-types, "
+                        "sglang PR #32514; not in the 0.5.23 wheel)",
         removal="when the pin reaches a release with component KV events and the kv-index reads them",
         tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
         upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),

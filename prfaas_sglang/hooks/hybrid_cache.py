@@ -33,8 +33,11 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from sglang.srt.disaggregation.kv_events import BlockRemoved as SglBlockRemoved
 from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.swa_radix_cache import LRUList as SwaLRUList
+from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
 from prfaas_sglang.kvindex.admission import PrefixAdmission
@@ -169,6 +172,119 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         return n
 
 
+class _TouchedLRUList(SwaLRUList):
+    """SGLang's SWA LRU list, noting every node it gains or loses. A node is in this list exactly
+    when it holds its sliding-window KV (``SWARadixCache``'s invariant, its ``sanity_check``), so
+    the nodes noted are all whose SWA presence may have changed."""
+
+    def __init__(self, cache: Any):
+        super().__init__(is_swa_list=True)
+        self._cache = cache
+
+    def insert_mru(self, node: Any) -> None:
+        super().insert_mru(node)
+        if self._cache.enable_kv_cache_events:
+            self._cache._touched.append(node)
+
+    def remove_node(self, node: Any) -> None:
+        super().remove_node(node)
+        if self._cache.enable_kv_cache_events:
+            self._cache._touched.append(node)
+
+
+class StateEventsSWARadixCache(SWARadixCache):
+    """``SWARadixCache`` that reports, per page, where the sliding-window KV is held.
+
+    SGLang's tree keeps a node's full-attention KV after freeing its window KV (a *tombstone*,
+    silent in its events), and a prefix is resumable only where the window before it is held, so
+    its ``BlockStored`` events overstate what matches. Here every page's SWA presence is
+    published as ``"swa"`` state events (:class:`~prfaas_sglang.wire.kv_events.StateStored` with
+    ``window_tokens``): at ``take_events`` the nodes the SWA LRU list gained or lost since the last
+    batch are compared with what was published: a node still in the tree and in the list holds
+    its pages; a tombstone, or a node that left the tree, does not (a page merged or split into
+    another node keeps what that node says). Splits and merges thus publish nothing. Records only
+    while KV events are enabled; reset clears all (``AllBlocksCleared``)."""
+
+    def reset(self) -> None:  # also run by SWARadixCache.__init__
+        super().reset()
+        self._touched: list = []
+        self._published: dict[int, int] = {}  # page hash -> num_tokens published as holding its window
+        self.swa_lru_list = _TouchedLRUList(self)  # the empty list reset() made, noting changes
+
+    def take_events(self):
+        """This batch's block events and the pages whose window KV came or went (:class:`EventsWithState`)."""
+        events = super().take_events()
+        for event in events:  # a consumer forgets a removed page's state with it (a page stored again is new)
+            if isinstance(event, SglBlockRemoved):
+                for page in event.block_hashes:
+                    self._published.pop(page, None)
+        return EventsWithState(events, self._swa_changes())
+
+    def _compact_single_child_chain(self, node: Any) -> None:
+        super()._compact_single_child_chain(node)  # the child's pages now belong to ``node``
+        if self.enable_kv_cache_events:
+            self._touched.append(node)
+
+    def _swa_changes(self) -> list:
+        touched, self._touched = self._touched, []
+        if not touched:
+            return []
+        held: dict[int, tuple[bool, int]] = {}
+        gone: list[int] = []
+        for node in {id(n): n for n in touched}.values():
+            if self._in_tree(node):
+                start, in_list = self._prefix_len(node.parent), self.swa_lru_list.in_list(node)
+                for i, page in enumerate(self._page_hashes(node)):
+                    held[page] = (in_list, start + (i + 1) * self.page_size)
+            elif node.hash_value is not None:  # left the tree (deleted, or merged into its parent)
+                gone += (hash_str_to_int64(h) for h in node.hash_value)
+        for page in gone:
+            held.setdefault(page, (False, 0))
+        out: list = []
+        for page, (holds, num_tokens) in held.items():
+            if holds and page not in self._published:
+                self._published[page] = num_tokens
+                out.append(StateStored(page, num_tokens, "swa", MEDIUM, self.sliding_window_size))
+            elif not holds and page in self._published:
+                out.append(StateRemoved(page, self._published.pop(page), "swa", MEDIUM))
+        return out
+
+    def _in_tree(self, node: Any) -> bool:
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            node = parent
+        return True
+
+    def _page_hashes(self, node: Any) -> list[int]:
+        if node.hash_value is None:
+            node.hash_value = compute_node_hash_values(node, self.page_size)
+        return [hash_str_to_int64(h) for h in node.hash_value]
+
+    def _prefix_len(self, node: Any) -> int:
+        n = 0
+        while node is not None and node is not self.root_node:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+
+def default_builds_swa_radix_cache(ctx: Any) -> bool:
+    """Whether SGLang 0.5.15's ``default_radix_cache_factory`` builds an ``SWARadixCache`` for
+    ``ctx`` (its selection chain, in its order; a drift test compares the two)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.utils.tensor_bridge import use_mlx
+
+    if ctx.effective_chunked_prefill_size is not None and ctx.disable_radix_cache:
+        return False  # a chunk cache
+    if envs.SGLANG_EXPERIMENTAL_CPP_RADIX_TREE.get() or envs.SGLANG_ENABLE_UNIFIED_RADIX_TREE.get() or use_mlx():
+        return False
+    if ctx.enable_hierarchical_cache:
+        return False
+    return bool(ctx.is_hybrid_swa) and ctx.full_tokens_per_layer != 0  # 0: PureSWARadixCache
+
+
 def default_builds_mamba_radix_cache(ctx: Any) -> bool:
     """Whether SGLang 0.5.15's ``default_radix_cache_factory`` builds a ``MambaRadixCache`` for
     ``ctx`` (its selection chain, in its order; a drift test compares the two)."""
@@ -186,11 +302,13 @@ def default_builds_mamba_radix_cache(ctx: Any) -> bool:
 
 def build_tree_cache(ctx: Any):
     """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
-    Mamba cache in place of ``MambaRadixCache``."""
+    caches in place of ``MambaRadixCache`` and ``SWARadixCache``."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     if default_builds_mamba_radix_cache(ctx):
         return StateEventsMambaRadixCache(ctx.params, admission_from_env(), chunk_checkpoints_from_env())
+    if default_builds_swa_radix_cache(ctx):
+        return StateEventsSWARadixCache(params=ctx.params)
     return default_radix_cache_factory(ctx)
 
 

@@ -23,6 +23,14 @@ block that holds one. Where the checkpoints come from, per worker:
 A worker that switches between the two (a restart with another publisher)
 is dropped and rebuilt from its new events.
 
+Sliding-window (SWA) models. A worker whose cache is SGLang's ``SWARadixCache`` (our backend)
+reports, per page, whether the page still holds its sliding-window KV (``"swa"`` state events,
+with the model's window). Its usable hit is SGLang's rule: the deepest matched block ``L`` whose
+last ``ceil(window / block_size)`` blocks all hold it, or all of whose blocks from the root do.
+Such a worker is matched by that rule only (SGLang builds the SWA tree, not the Mamba one, for a
+model that has both). Without these events (SGLang's own publisher) its full-attention match is
+taken as is, an overstatement after window evictions, like an inferred hybrid one.
+
 Block sizes. Each worker hashes at its own page size (``/server_info``'s
 ``kv_events.block_size``, given to :meth:`add_worker`, or learnt from its
 first event). Events with another size, or a size below 1, are refused whole
@@ -65,6 +73,8 @@ class _WorkerState:
     last_seq: int | None = None
     resets: int = 0
     reports_state: bool = False  # checkpoints come from the worker's state events, not inferred
+    swa_pages: set[int] = field(default_factory=set)  # pages holding their sliding-window KV ("swa" events)
+    swa_window_tokens: int | None = None  # set: a sliding-window worker, matched by the window rule
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,8 @@ class KvIndex:
     def export(self) -> dict[str, WorkerSnapshot]:
         """Every worker's blocks, their depths and the expected checkpoints; pure read."""
         return {w: WorkerSnapshot(s.cluster, s.block_size, tuple((b, s.depth.get(b, 1)) for b in s.blocks),
-                                  tuple(s.checkpoints), s.reports_state) for w, s in self._workers.items()}
+                                  tuple(s.checkpoints), s.reports_state, tuple(s.swa_pages), s.swa_window_tokens)
+                for w, s in self._workers.items()}
 
     def restore(self, worker: str, snap: WorkerSnapshot) -> int:
         """Add ``snap``'s blocks to ``worker`` (added first, same cluster and block size; else
@@ -153,6 +164,9 @@ class KvIndex:
                 added += 1
         if take_checkpoints:
             state.checkpoints.update(b for b in snap.checkpoints if b in state.blocks)
+            state.swa_pages.update(b for b in snap.swa_pages if b in state.blocks)
+            if snap.swa_window_tokens is not None:
+                state.swa_window_tokens = snap.swa_window_tokens
         state.last_seq = None
         return added
 
@@ -175,6 +189,14 @@ class KvIndex:
             state.reports_state = reports_state
         self._apply_blocks(worker, state, events)
         for event in state_events or ():
+            if event.component_type == "swa":
+                if isinstance(event, StateStored):
+                    state.swa_window_tokens = event.window_tokens
+                    if event.block_hash in state.blocks:
+                        state.swa_pages.add(event.block_hash)
+                else:
+                    state.swa_pages.discard(event.block_hash)
+                continue
             if event.component_type != "mamba":
                 continue
             if isinstance(event, StateStored):
@@ -198,6 +220,10 @@ class KvIndex:
                 raise InvalidEvents(f"{worker}: {type(event).__name__} among state events")
             if isinstance(event.num_tokens, bool) or not isinstance(event.num_tokens, int) or event.num_tokens < 1:
                 raise InvalidEvents(f"{worker}: {type(event).__name__} with num_tokens {event.num_tokens!r}")
+            if isinstance(event, StateStored) and event.component_type == "swa":
+                window = event.window_tokens
+                if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                    raise InvalidEvents(f"{worker}: an swa StateStored with window_tokens {window!r}")
 
     def _apply_blocks(self, worker: str, state: _WorkerState, events: list) -> None:
         infer = self.hybrid and not state.reports_state  # expect checkpoints where SGLang takes them
@@ -235,6 +261,7 @@ class KvIndex:
         state = self._workers[worker]
         state.blocks.discard(block)
         state.checkpoints.discard(block)
+        state.swa_pages.discard(block)
         state.depth.pop(block, None)
         holders = self._holders.get(block)
         if holders is not None:
@@ -249,6 +276,7 @@ class KvIndex:
         for block in list(state.blocks):
             self._forget(worker, block)
         state.checkpoints.clear()
+        state.swa_pages.clear()
 
     # --- queries ------------------------------------------------------------------------
 
@@ -283,12 +311,20 @@ class KvIndex:
             digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
         alive: set[str] | None = None
         best: dict[str, int] = {}
+        windowed: dict[str, int] = {}  # sliding-window workers: pages in a row holding their window KV
         for depth, block in enumerate(ids, 1):
             holders = self._holders.get(block, set())
             alive = (holders & members) if alive is None else alive & holders
             if not alive:
                 break
             for w in alive:
-                if not self.hybrid or block in self._workers[w].checkpoints:
+                st = self._workers[w]
+                if st.swa_window_tokens is not None:
+                    # SWARadixCache.match_prefix: resumable where the window before it is held, or
+                    # where nothing from the root was ever dropped
+                    run = windowed[w] = windowed.get(w, 0) + 1 if block in st.swa_pages else 0
+                    if run == depth or run * size >= st.swa_window_tokens:
+                        best[w] = depth * size
+                elif not self.hybrid or block in st.checkpoints:
                     best[w] = depth * size
         return best

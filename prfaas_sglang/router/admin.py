@@ -5,7 +5,8 @@
     POST   /admin/workers/{name}/role     {"new_role": "prefill" | "decode", "drain_timeout_s"?: 300}
                                           drain, switch, follow (router/conversion.py); 200 with what happened,
                                           404/409 refused, 504 not drained in time, 502 the switch failed
-    POST   /admin/workers            {name, url, cluster, role, bootstrap_port?, kv_events_port?, telemetry_port?}
+    POST   /admin/workers            {name, url, cluster, role, bootstrap_port?, kv_events_port?, telemetry_port?,
+                                      switch_url?}  (switch_url: where /pd_role_switch is served, PD workers only)
     DELETE /admin/workers/{name}
 
 Without a configured token the API answers 403; a missing or wrong token, 401.
@@ -132,12 +133,22 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
             ports[key] = value
         if role == "prefill" and ports["bootstrap_port"] is None:
             return _err(400, "a prefill worker needs bootstrap_port")
+        switch_url = body.get("switch_url")
+        if switch_url is not None:  # the worker itself (in-place) or its launcher's supervisor (restart)
+            if cluster != "pd":
+                return _err(400, "only PD-cluster workers switch roles: switch_url is for cluster pd")
+            if (problem := _worker_url_problem(str(switch_url))) is not None:
+                return _err(400, f"switch_url: {problem}")
+            if ports["bootstrap_port"] is None:
+                return _err(400, "a switchable worker needs bootstrap_port (it serves it while it is prefill)")
+            switch_url = str(switch_url).rstrip("/")
         if name in service.workers:
             return _err(409, f"worker {name!r} is already registered")
         host = parsed.hostname
         record = WorkerRecord(name, url.rstrip("/"), cluster, role, host, ports["bootstrap_port"],
                               f"tcp://{host}:{ports['kv_events_port']}" if ports["kv_events_port"] else None,
-                              f"tcp://{host}:{ports['telemetry_port']}" if ports["telemetry_port"] else None)
+                              f"tcp://{host}:{ports['telemetry_port']}" if ports["telemetry_port"] else None,
+                              switch_url)
         service.workers[name] = record
         on_register(request.app, record)
         return web.json_response({"registered": name}, status=201)

@@ -78,7 +78,8 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
         "cluster": {"type": "string", "enum": ["prfaas", "pd"]}, "role": {"type": "string", "enum": ["prefill", "decode"]},
         "bootstrap_port": {"type": "integer", "minimum": 1, "maximum": 65535},
         "kv_events_port": {"type": "integer", "minimum": 1, "maximum": 65535},
-        "telemetry_port": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+        "telemetry_port": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "switch_url": {"type": "string", "format": "uri"}}}
     text = {"200": {"description": "ok", "content": {"text/plain": {"schema": {"type": "string"}}}}}
     return {
         "openapi": "3.0.3",

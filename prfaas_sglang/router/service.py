@@ -321,7 +321,7 @@ class RouterService:
                 "cluster": w.cluster, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
                 "page_size": w.facts.page_size if w.facts else None,
                 "outstanding_prefill_s": w.outstanding_prefill_s, "reserved_tokens": w.reserved_tokens,
-                "open_legs": self.open_legs(w.name),
+                "open_legs": self.open_legs(w.name), "switchable": w.switch_url is not None,
                 "kv_free_tokens": w.kv_free_tokens if w.role == "decode" else None,
                 "running": w.load.running if w.load else None,
                 "index_blocks": self.index.block_count(w.name) if w.name in self.index.workers() else None,

@@ -18,10 +18,12 @@ empty, so its presence says "this worker reports state")::
 msgspec ignores trailing elements of an ``array_like`` struct, so SGLang's own
 ``KVEventBatch`` and every consumer that decodes 0.5.15 batches read such a
 batch as before and never see the state (tested against SGLang's class). The
-events follow upstream's component events (0.5.23,
-``--enable-kv-events-component-types``): one event per state checkpoint,
+events follow the component-typed KV events upstream is moving to (in upstream's
+main source behind ``--enable-kv-events-component-types``; not in the 0.5.23
+wheel, which has neither the flag nor the types; sglang PR #32514 proposes
+``component_types`` per stored page): one event per state checkpoint,
 anchored to the chained hash of the prefix's last page, labelled with its
-component (``"mamba"``; ``"swa"`` is reserved), plus the prefix length in
+component (``"mamba"``, or ``"swa"``: per page, see :class:`StateStored`), plus the prefix length in
 tokens, which upstream leaves to the consumer's block depth.
 
 Contract of ``state_events``: it reports every change of the cache's state
@@ -32,6 +34,9 @@ Wire history (ours follows upstream's; bump if upstream changes):
   1: SGLang 0.5.15 BlockStored / BlockRemoved / AllBlocksCleared.
   2: + the batch's 4th element ``state_events`` (StateStored / StateRemoved);
      a v1 batch decodes with ``state_events`` None.
+  3: StateStored may carry ``window_tokens`` (trailing, optional): ``"swa"`` events, one per
+     page that holds (StateStored) or lost (StateRemoved) its sliding-window KV; v2 decoders
+     ignore the field.
   Read, not written: SGLang 0.5.23 writes events as tagged maps (``{"type": "BlockStored",
   ...}``, optional fields omitted, new ones such as ``cache_salt``) in the same batch array;
   :func:`decode_batch` takes those too, so a kv-index of this pin reads a newer worker.
@@ -43,7 +48,7 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 # The topic our launcher configures (``--kv-events-config``) and the emulated engine
 # publishes on; a worker's ``/server_info["kv_events"]["topic"]`` says which one it uses.
 KV_EVENTS_TOPIC = "kv-events"
@@ -80,16 +85,23 @@ class AllBlocksCleared(KVCacheEvent):
 
 class StateStored(KVCacheEvent):
     """A state checkpoint now exists for the prefix ending at page ``block_hash``
-    (``num_tokens`` long): a hybrid model can resume there."""
+    (``num_tokens`` long): a hybrid model can resume there.
+
+    ``component_type="swa"``: page ``block_hash`` holds its sliding-window KV (``num_tokens``: the
+    prefix length at the page's end), and ``window_tokens`` is the model's window (v3). A prefix
+    is resumable at L when every page of its last ``window_tokens`` tokens, or of all of it,
+    holds it (SGLang's ``SWARadixCache.match_prefix``)."""
 
     block_hash: int
     num_tokens: int
     component_type: str = "mamba"
     medium: str | None = None
+    window_tokens: int | None = None
 
 
 class StateRemoved(KVCacheEvent):
-    """The state checkpoint at page ``block_hash`` is gone (evicted alone, or with its pages)."""
+    """The state checkpoint at page ``block_hash`` is gone (evicted alone, or with its pages);
+    ``"swa"``: the page's sliding-window KV is gone (a tombstone, or the page itself)."""
 
     block_hash: int
     num_tokens: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -216,7 +217,7 @@ class TestSnapshot:
         assert live.resets("w") == 0
 
     @pytest.mark.parametrize("payload, message", [
-        (b'{"v": 3, "workers": {}}', "version"),
+        (b'{"v": 4, "workers": {}}', "version"),
         (b'{"v": true, "workers": {}}', "version"),
         (b'{"v": 2, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": []}}}', "exactly"),
         (b'{"v": 2, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": [], '
@@ -229,6 +230,10 @@ class TestSnapshot:
         (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [[18446744073709551616, 1]], '
          b'"checkpoints": []}}}', "64-bit"),
         (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [1], "checkpoints": []}}}', "pairs"),
+        (b'{"v": 3, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": [], '
+         b'"reports_state": true, "swa_pages": [], "swa_window_tokens": 0}}}', "swa_window_tokens"),
+        (b'{"v": 3, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": [], '
+         b'"reports_state": true, "swa_pages": 5, "swa_window_tokens": null}}}', "swa_pages"),
         (b"[]", "object"),
     ])
     def test_bad_snapshots_are_refused(self, payload, message):
@@ -256,8 +261,11 @@ class TestReportedState:
         assert index.match(prompt[:4 * PAGE + 1]).by_worker["w"] == 2 * PAGE
         index.apply("w", 1, [], [StateRemoved(blocks[4], 5 * PAGE)])  # a tombstone: pages stay, state goes
         assert index.block_count("w") == 6 and index.match(prompt).by_worker["w"] == 2 * PAGE
-        index.apply("w", 2, [], [StateStored(blocks[5], 6 * PAGE, "swa")])  # not a component this index uses
+        index.apply("w", 2, [], [StateStored(blocks[5], 6 * PAGE, "lightning")])  # not a component this index knows
         assert index.match(prompt).by_worker["w"] == 2 * PAGE
+        with pytest.raises(InvalidEvents):  # an swa page without its window: refused whole
+            index.apply("w", 3, [], [StateStored(blocks[5], 6 * PAGE, "swa")])
+
 
     def test_a_state_is_held_only_where_its_page_is(self):
         index = KvIndex(hybrid=True)
@@ -336,3 +344,60 @@ def test_a_newer_sglangs_map_encoded_events_are_read():
     assert batch.ts == 2.5 and batch.attn_dp_rank == 0 and batch.state_events is None
     with pytest.raises(msgspec.ValidationError):
         decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nonsense"}]]))
+
+
+class TestSlidingWindowState:
+    """``"swa"`` state events: per page, whether it still holds its window KV (SWARadixCache)."""
+
+    @staticmethod
+    def worker(pages: int, window_tokens: int, held: set[int]):
+        index = KvIndex(hybrid=False)
+        index.add_worker("w", "pd")
+        prompt = list(range(pages * PAGE + 1))
+        blocks = index.block_ids(prompt, PAGE)[:pages]
+        stored = [BlockStored([b], blocks[i - 1] if i else None, prompt[i * PAGE:(i + 1) * PAGE], PAGE, None)
+                  for i, b in enumerate(blocks)]
+        index.apply("w", 0, stored, [StateStored(blocks[i], (i + 1) * PAGE, "swa", "GPU", window_tokens) for i in held])
+        return index, prompt, blocks
+
+    def test_all_held_from_the_root_matches_whatever_the_window(self):
+        index, prompt, _ = self.worker(6, window_tokens=100 * PAGE, held=set(range(6)))
+        assert index.match(prompt).by_worker["w"] == 6 * PAGE
+
+    def test_a_dropped_window_stops_the_hit_until_a_whole_window_is_held_again(self):
+        # pages 0-1 held, 2 dropped (a tombstone), 3-5 held; window = 2 pages
+        index, prompt, blocks = self.worker(6, window_tokens=2 * PAGE, held={0, 1, 3, 4, 5})
+        assert index.match(prompt).by_worker["w"] == 6 * PAGE  # pages 4-5 hold the window before 6
+        assert index.match(prompt[:4 * PAGE + 1]).by_worker["w"] == 2 * PAGE  # before 4: only page 3 held after the gap
+        assert index.match(prompt[:5 * PAGE + 1]).by_worker["w"] == 5 * PAGE  # pages 3-4
+        index.apply("w", 1, [], [StateRemoved(blocks[4], 5 * PAGE, "swa")])
+        assert index.match(prompt).by_worker["w"] == 2 * PAGE
+        # a window not a whole number of pages needs the pages that cover it
+        index, prompt, _ = self.worker(6, window_tokens=PAGE + 1, held={0, 2, 3, 4, 5})
+        assert index.match(prompt[:3 * PAGE + 1]).by_worker["w"] == 1 * PAGE  # page 2 alone covers PAGE tokens
+        assert index.match(prompt).by_worker["w"] == 6 * PAGE
+
+    def test_a_page_removed_takes_its_window_state_along(self):
+        from prfaas_sglang.wire.kv_events import BlockRemoved
+
+        index, prompt, blocks = self.worker(3, window_tokens=PAGE, held={0, 1, 2})
+        index.apply("w", 1, [BlockRemoved([blocks[2]])], [])
+        index.apply("w", 2, [BlockStored([blocks[2]], blocks[1], prompt[2 * PAGE:3 * PAGE], PAGE, None)], [])
+        assert index.match(prompt).by_worker["w"] == 2 * PAGE  # page 2 back without its window KV
+
+    def test_a_snapshot_keeps_a_window_workers_pages_and_window(self):
+        from prfaas_sglang.wire import kv_snapshot
+
+        index, prompt, _ = self.worker(6, window_tokens=2 * PAGE, held={0, 1, 3, 4})
+        assert index.match(prompt).by_worker["w"] == 5 * PAGE
+        snap = kv_snapshot.decode(kv_snapshot.encode(index.export()))["w"]
+        assert snap.swa_window_tokens == 2 * PAGE and len(snap.swa_pages) == 4
+        restored = KvIndex(hybrid=False)
+        restored.add_worker("w", "pd")
+        restored.restore("w", snap)
+        assert restored.match(prompt).by_worker["w"] == 5 * PAGE  # not 6: page 5 never held its window
+        v2 = json.loads(kv_snapshot.encode(index.export()))
+        v2["v"] = 2
+        for w in v2["workers"].values():
+            del w["swa_pages"], w["swa_window_tokens"]
+        assert kv_snapshot.decode(json.dumps(v2))["w"].swa_window_tokens is None  # an older service's snapshot

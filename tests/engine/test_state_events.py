@@ -504,3 +504,171 @@ def test_an_import_that_does_not_fit_is_refused_and_allocates_nothing():
                     prefix_transfer.encode(msgspec.structs.replace(transfer, token_ids=[]))):
         with pytest.raises(PrefixTransferError):
             prefix_transfer.decode(payload)
+
+
+# --- sliding-window (SWA) models: SGLang's SWARadixCache -------------------------------------
+
+SWA_FULL_TOKENS, SWA_TOKENS = 160, 64
+
+
+class RealSwaCache:
+    """SGLang's real SWA pools (``SWAKVPool``, ``SWATokenToKVPoolAllocator``) on CPU and our
+    ``StateEventsSWARadixCache`` over them; an insert may arrive with its first pages' window KV
+    already freed (``swa_evicted_seqlen``: what a long decode does, ``free_swa_out_of_window_slots``)."""
+
+    def __init__(self, page_size: int, window_tokens: int, events: bool = True):
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        pool = SWAKVPool(size=SWA_FULL_TOKENS, size_swa=SWA_TOKENS, page_size=page_size, dtype=torch.bfloat16, head_num=1,
+                         head_dim=4, swa_attention_layer_ids=[0, 1], full_attention_layer_ids=[2], device="cpu")
+        self.alloc = SWATokenToKVPoolAllocator(size=SWA_FULL_TOKENS, size_swa=SWA_TOKENS, page_size=page_size,
+                                               dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+        self.params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False),
+                                      token_to_kv_pool_allocator=self.alloc, page_size=page_size,
+                                      enable_kv_cache_events=events, sliding_window_size=window_tokens)
+        self.cache = hybrid_cache.StateEventsSWARadixCache(params=self.params)
+        self.page_size = page_size
+
+    def _alloc(self, n: int):
+        if self.page_size == 1:
+            return self.alloc.alloc(n)
+        full = self.alloc.full_attn_allocator.alloc(n)  # SWATokenToKVPoolAllocator.alloc is page-1 only
+        swa = self.alloc.swa_attn_allocator.alloc(n) if full is not None else None
+        if swa is None:
+            if full is not None:
+                self.alloc.full_attn_allocator.free(full)
+            return None
+        self.alloc.set_full_to_swa_mapping(full, swa)
+        return full
+
+    def insert(self, tokens: list[int], window_dropped_pages: int = 0) -> bool:
+        n = len(tokens)
+        if n == 0 or n % self.page_size:
+            return False
+        if self.alloc.full_available_size() < n:
+            self.cache.evict(EvictParams(num_tokens=n - self.alloc.full_available_size()))
+        if self.alloc.swa_available_size() < n:
+            self.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=n - self.alloc.swa_available_size()))
+        value = self._alloc(n)
+        if value is None:
+            return False
+        dropped = min(window_dropped_pages, n // self.page_size - 1) * self.page_size
+        if dropped:
+            self.alloc.free_swa(value[:dropped])
+        self.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=value, swa_evicted_seqlen=dropped))
+        return True
+
+    def match(self, tokens: list[int]) -> int:
+        return len(self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).device_indices)
+
+
+def swa_index_for(page_size: int) -> KvIndex:
+    index = KvIndex(hybrid=False)  # a sliding-window model: no linear-attention state
+    index.add_worker("w", "pd", block_size=page_size)
+    return index
+
+
+def test_a_dropped_window_stops_the_hit_in_the_index_as_in_the_cache():
+    """SGLang's own events say nothing when a page's window KV is freed (the page stays, a
+    tombstone), so the full-attention match overstates; the swa events make the index exact."""
+    real, index = RealSwaCache(page_size=1, window_tokens=4), swa_index_for(1)
+    wire = Wire(index)
+    real.insert(list(range(1, 9)))
+    real.insert(list(range(1, 7)) + [90, 91, 92, 93, 94])  # splits [1..8] at 6
+    wire.flush(real.cache)
+    real.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=6))  # window KV of the LRU side first
+    events = real.cache.take_events()
+    assert any(isinstance(e, StateRemoved) and e.component_type == "swa" for e in events.state_events)
+    wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"),
+                 msgspec.msgpack.encode(hybrid_cache.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
+    wire.seq += 1
+    for key in ([1, 2, 3], list(range(1, 7)) + [90], list(range(1, 7)) + [90, 91, 92, 93, 94]):
+        assert index.match(key + [0]).by_worker["w"] == real.match(key), key
+    assert real.match(list(range(1, 7)) + [90]) == 0 and index.block_count("w") >= 6  # pages held, hit 0
+    # an insert whose first pages' window was freed during its decode: a tombstone, then live pages
+    real.insert(list(range(200, 216)), window_dropped_pages=10)
+    wire.flush(real.cache)
+    for n in (5, 10, 13, 14, 16):
+        key = list(range(200, 200 + n))
+        assert index.match(key + [0]).by_worker["w"] == real.match(key), n
+    assert real.match(list(range(200, 213))) == 0 and real.match(list(range(200, 214))) == 14
+
+
+SWA_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.integers(0, 3), min_size=1, max_size=8), st.integers(0, 4)),
+        st.tuples(st.just("evict_full"), st.integers(1, 12), st.just(0)),
+        st.tuples(st.just("evict_swa"), st.integers(1, 12), st.just(0)),
+        st.tuples(st.just("match"), st.lists(st.integers(0, 3), min_size=1, max_size=8), st.just(0)),
+    ),
+    min_size=1, max_size=14,
+)
+
+
+@pytest.mark.parametrize("page_size,window_tokens", [(1, 3), (4, 6), (4, 8)])
+@settings(max_examples=700, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=SWA_OPS)
+def test_the_index_hit_equals_the_real_swa_caches_match_prefix(page_size, window_tokens, ops):
+    """Randomized insert (some with their first pages' window KV already freed) / evict full /
+    evict window / match sequences on the real SWARadixCache: after every operation, for every key
+    inserted so far and the operation's own, the kv-index fed only the published batches predicts
+    exactly the length ``SWARadixCache.match_prefix`` returns."""
+    real, index = RealSwaCache(page_size, window_tokens), swa_index_for(page_size)
+    wire = Wire(index)
+    seen: list[list[int]] = []
+    for op, arg, dropped in ops:
+        if op in ("insert", "match"):
+            key = [t for t in arg for _ in range(page_size)]
+            if op == "insert" and real.insert(key, dropped):
+                seen.append(key)
+            seen_now = seen + [key]
+        elif op == "evict_full":
+            real.cache.evict(EvictParams(num_tokens=arg * page_size))
+            seen_now = seen
+        else:
+            real.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=arg * page_size))
+            seen_now = seen
+        wire.flush(real.cache)
+        for key in seen_now:
+            assert index.match(key + [0]).by_worker["w"] == real.match(key), (key, ops)
+        real.cache.take_events()  # match_prefix splits nodes: no events, nothing may be pending
+        assert not real.cache.take_events()
+    real.cache.sanity_check()
+
+
+def test_without_kv_events_the_swa_cache_records_nothing():
+    real = RealSwaCache(page_size=1, window_tokens=4, events=False)
+    real.insert(list(range(1, 9)), window_dropped_pages=2)
+    real.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=4))
+    assert real.cache._touched == [] and real.cache._published == {}
+
+
+def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cache():
+    """``prfaas-hybrid`` puts the state-reporting SWA cache where SGLang's default chain builds an
+    ``SWARadixCache``, and ``default_builds_swa_radix_cache`` predicts the chain (drift check)."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
+
+    real = RealSwaCache(page_size=1, window_tokens=4)
+
+    def ctx(**kw):
+        base = dict(server_args=SimpleNamespace(enable_lmcache=False), params=real.params, is_hybrid_swa=True,
+                    is_hybrid_ssm=False, full_tokens_per_layer=SWA_FULL_TOKENS, enable_hierarchical_cache=False,
+                    disable_radix_cache=False, effective_chunked_prefill_size=None, tp_worker=None, model_config=None,
+                    tp_size=1, tp_rank=0, tp_group=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    for kw in ({}, {"is_hybrid_ssm": True}, {"full_tokens_per_layer": 0},
+               {"disable_radix_cache": True, "effective_chunked_prefill_size": 64}):
+        c = ctx(**kw)
+        default = default_radix_cache_factory(c)
+        assert hybrid_cache.default_builds_swa_radix_cache(c) == (type(default) is SWARadixCache), kw
+        assert not hybrid_cache.default_builds_mamba_radix_cache(c)  # SWA comes first in the chain
+        ours = hybrid_cache.build_tree_cache(c)
+        if type(default) is SWARadixCache:
+            assert type(ours) is hybrid_cache.StateEventsSWARadixCache
+        else:
+            assert type(ours) is type(default)

@@ -90,8 +90,10 @@ def test_pd_prefill_becomes_decode_under_load_with_no_request_lost(tmp_path):
         # the worker itself, the router's record and the kv-index follow
         info = requests.get(dep.workers[victim].url + "/server_info", timeout=5).json()
         assert info["disaggregation_mode"] == "decode"
+        # re-adopted, and its decode KV room polled (until then the policy counts it as 0 free tokens)
         status = _wait(lambda: (lambda s: s if s["workers"][victim]["healthy"] and s["workers"][victim]["page_size"]
-                                else None)(_status(url)), what="the converted worker re-adopted")
+                                and s["workers"][victim]["kv_free_tokens"] else None)(_status(url)),
+                       what="the converted worker re-adopted with its KV room known")
         record = status["workers"][victim]
         assert record["role"] == "decode" and not record["draining"]
         assert not record["index_blocks"]  # its prefix blocks left the index

@@ -188,6 +188,15 @@ def test_admin_register_and_deregister(deployment):
     for bad in ({**worker, "name": "x", "url": "ftp://h"}, {**worker, "name": "y", "role": "chef"},
                 {k: v for k, v in worker.items() if k != "url"}, {**worker, "name": "z", "bootstrap_port": None}):
         assert requests.post(url + "/admin/workers", json=bad, headers=AUTH, timeout=5).status_code == 400
+    assert requests.get(url + "/status", timeout=5).json()["workers"]["pp0-alias"]["switchable"] is False
+    # a worker the long-term scheduler may convert: where its /pd_role_switch is served
+    switchable = {**worker, "name": "pp0-switch", "switch_url": pp0.url + "/"}
+    for bad in ({**switchable, "switch_url": "http://169.254.169.254:80"}, {**switchable, "switch_url": "ftp://h"},
+                {**switchable, "cluster": "prfaas"}, {**switchable, "role": "decode", "bootstrap_port": None}):
+        assert requests.post(url + "/admin/workers", json=bad, headers=AUTH, timeout=5).status_code == 400, bad
+    assert requests.post(url + "/admin/workers", json=switchable, headers=AUTH, timeout=5).status_code == 201
+    assert requests.get(url + "/status", timeout=5).json()["workers"]["pp0-switch"]["switchable"] is True
+    assert requests.delete(url + "/admin/workers/pp0-switch", headers=AUTH, timeout=5).status_code == 200
     assert requests.delete(url + "/admin/workers/pp0-alias", headers=AUTH, timeout=5).status_code == 200
     assert requests.delete(url + "/admin/workers/pp0-alias", headers=AUTH, timeout=5).status_code == 404
     assert requests.delete(url + f"/admin/workers/{D0}", headers=AUTH, timeout=5).status_code == 409  # the only decode worker
