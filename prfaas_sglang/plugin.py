@@ -337,6 +337,9 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
              "(req: 'Req', tree_cache: 'BasePrefixCache', is_insert: 'bool' = True)"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.__init__", "(self, params: 'CacheInitParams')"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset", "(self) -> 'None'"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._add_new_node",
+             "(self, parent: 'TreeNode', key: 'RadixKey', value: 'torch.Tensor', swa_tombstone: 'bool' = False) "
+             "-> 'TreeNode'"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._compact_single_child_chain",
              "(self, node: 'TreeNode') -> 'None'"),
             ("sglang.srt.mem_cache.swa_radix_cache.LRUList.__init__", "(self, is_swa_list: 'bool' = False)"),
@@ -357,9 +360,9 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "MambaRadixCache subclass that records StateStored when an insert leaves a state at the key's end "
             "and StateRemoved when a node is tombstoned or an evicted leaf takes its state along; "
             "take_events() hands them to the publisher inside the list SGLang passes on. For sliding-window "
-            "models, an SWARadixCache subclass publishes per page whether it still holds its window KV "
-            "(\"swa\" StateStored/StateRemoved with the window; its SWA LRU list notes every node whose window "
-            "KV came or went), so the kv-index applies SGLang's window rule. With "
+            "models, an SWARadixCache subclass publishes which stored pages lose their window KV and get it "
+            "back (\"swa\" StateRemoved/StateStored with the window; its SWA LRU list notes every node whose "
+            "window KV came or went), so the kv-index applies SGLang's window rule. With "
             "PRFAAS_PREFILL_CACHE (the launcher sets shared for the prfaas role) each request is decided at its "
             "first match: a transfer-cache request takes SGLang's no-insert path for its chunks and finishes "
             "with is_insert=False, so its KV is freed once its transfer completes."

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     se.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
     se.add_argument("--requests", type=int, default=200)
     se.add_argument("--page-sizes", default="1,64", help="comma list (1: no_buffer; > 1: extra_buffer)")
+    se.add_argument("--cache", choices=("mamba", "swa"), default="mamba",
+                    help="mamba: MambaRadixCache vs ours; swa: SWARadixCache vs ours (per-page window events)")
+    se.add_argument("--window-tokens", type=int, default=4096, help="--cache swa: the sliding window")
     se.add_argument("--json", action="store_true")
     ro = sub.add_parser("router-overhead", help="latency added by the router")
     ro.add_argument("--rate", type=float, default=None, help="requests/s (default: 200, or 5 for prompts over 1K tokens)")
@@ -298,9 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--page-sizes must be a comma list of integers")
         if args.requests < 1 or any(p < 1 for p in pages):
             parser.error("--requests and every page size must be >= 1")
-        result = bench.run(trace, args.requests, pages)
+        if args.window_tokens < 1:
+            parser.error("--window-tokens must be >= 1")
+        result = bench.run(trace, args.requests, pages, cache=args.cache, window_tokens=args.window_tokens)
         header = (f"<!-- python -m prfaas_sglang.bench state-events --requests {args.requests} "
-                  f"--page-sizes {args.page_sizes}; {stamp} -->")
+                  f"--page-sizes {args.page_sizes} --cache {args.cache}"
+                  f"{f' --window-tokens {args.window_tokens}' if args.cache == 'swa' else ''}; {stamp} -->")
     elif args.name == "chaos":
         from prfaas_sglang.bench import chaos as bench
         from prfaas_sglang.demo.netns import available

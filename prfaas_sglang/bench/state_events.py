@@ -1,4 +1,9 @@
-"""What state events cost: SGLang's MambaRadixCache vs ours (``hooks/hybrid_cache.py``) on one stream.
+"""What state events cost: SGLang's MambaRadixCache (or SWARadixCache) vs ours (``hooks/hybrid_cache.py``) on one stream.
+
+``cache="swa"``: SGLang's ``SWARadixCache`` and ours (``"swa"`` events, one per page whose window
+KV comes or goes) on SWA pools whose window pool is ``swa_ratio`` of the full pool (SGLang's
+``--swa-full-tokens-ratio`` default), a ``window_tokens`` window; window KV is evicted when short,
+as the scheduler does. Everything else as below.
 
 The Mooncake conversation trace's first ``requests`` requests, in order, each prompt built from
 its ``hash_ids`` (512 tokens per id, so shared ids share tokens) and clipped to its
@@ -60,15 +65,71 @@ def _step(side, tokens: list[int]) -> tuple[int, float]:
     return hit, time.perf_counter() - t0
 
 
+SWA_RATIO = 0.8  # SGLang's --swa-full-tokens-ratio default
+
+
+def _swa_side(cache_cls, page_size: int, kv_tokens: int, window_tokens: int):
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    swa_tokens = int(kv_tokens * SWA_RATIO) // page_size * page_size
+    pool = SWAKVPool(size=kv_tokens, size_swa=swa_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=1,
+                     head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+    alloc = SWATokenToKVPoolAllocator(size=kv_tokens, size_swa=swa_tokens, page_size=page_size, dtype=torch.bfloat16,
+                                      device="cpu", kvcache=pool, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 1 << 18, "cpu", False),
+                             token_to_kv_pool_allocator=alloc, page_size=page_size, enable_kv_cache_events=True,
+                             sliding_window_size=window_tokens)
+    return cache_cls(params=params), alloc, None
+
+
+def _swa_step(side, tokens: list[int]) -> tuple[int, float]:
+    """match_prefix, evict full and window KV when short, insert: (hit, seconds)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    cache, alloc, _ = side
+    n = len(tokens)
+    t0 = time.perf_counter()
+    hit = len(cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices)
+    if alloc.full_available_size() < n:
+        cache.evict(EvictParams(num_tokens=n - alloc.full_available_size()))
+    if alloc.swa_available_size() < n:
+        cache.evict(EvictParams(num_tokens=0, swa_num_tokens=n - alloc.swa_available_size()))
+    if cache.page_size == 1:
+        value = alloc.alloc(n)
+    else:  # SWATokenToKVPoolAllocator.alloc is page-1 only: both pools, then the mapping, as alloc_extend does
+        value = alloc.full_attn_allocator.alloc(n)
+        swa = alloc.swa_attn_allocator.alloc(n) if value is not None else None
+        if swa is not None:
+            alloc.set_full_to_swa_mapping(value, swa)
+        else:
+            value = None
+    if value is not None:
+        cache.insert(InsertParams(key=RadixKey(tokens), value=value))
+    return hit, time.perf_counter() - t0
+
+
 def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 64), kv_tokens: int = 1 << 20,
-        mamba_slots: int = 256) -> dict:
+        mamba_slots: int = 256, cache: str = "mamba", window_tokens: int = 4096) -> dict:
     import msgspec
     from sglang.srt.disaggregation.kv_events import KVEventBatch as SglangBatch
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+    from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 
     from prfaas_sglang.demo.workloads import trace_records
-    from prfaas_sglang.hooks.hybrid_cache import StateEventsMambaRadixCache, to_wire_batch
+    from prfaas_sglang.hooks.hybrid_cache import (
+        StateEventsMambaRadixCache,
+        StateEventsSWARadixCache,
+        to_wire_batch,
+    )
     from prfaas_sglang.wire.kv_events import StateRemoved
+
+    if cache not in ("mamba", "swa"):
+        raise ValueError(f"cache must be mamba or swa, got {cache!r}")
 
     records = []
     for rec in trace_records(trace_path):
@@ -79,8 +140,14 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
     encoder = msgspec.msgpack.Encoder()
     rows = []
     for page in page_sizes:
-        stock, ours = _side(MambaRadixCache, page, kv_tokens, mamba_slots), _side(StateEventsMambaRadixCache, page,
-                                                                                 kv_tokens, mamba_slots)
+        if cache == "swa":
+            stock, ours = (_swa_side(SWARadixCache, page, kv_tokens, window_tokens),
+                           _swa_side(StateEventsSWARadixCache, page, kv_tokens, window_tokens))
+            step = _swa_step
+        else:
+            stock, ours = _side(MambaRadixCache, page, kv_tokens, mamba_slots), _side(StateEventsMambaRadixCache, page,
+                                                                                     kv_tokens, mamba_slots)
+            step = _step
         totals = {"stock": [0, 0, 0.0, 0.0], "ours": [0, 0, 0.0, 0.0]}  # events, bytes, cache s, encode s
         states = {"stored": 0, "removed": 0}
         ratios, hits_equal, hit_tokens = [], True, 0
@@ -95,7 +162,7 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
                 gc.collect()  # a collection lands on whichever side allocates when it triggers: not in the timings
                 gc.disable()
                 try:
-                    hit, cache_s = _step(side, tokens)
+                    hit, cache_s = step(side, tokens)
                     events = side[0].take_events()
                     t0 = time.perf_counter()
                     batch = SglangBatch(ts=time.time(), events=events)
@@ -131,13 +198,15 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
             "time_ratio_median": statistics.median(ratios),
             "time_ratio_total": (totals["ours"][2] + totals["ours"][3]) / (totals["stock"][2] + totals["stock"][3]),
         })
-    return {"trace_span_s": span_s, "kv_tokens": kv_tokens, "mamba_slots": mamba_slots, "rows": rows}
+    return {"trace_span_s": span_s, "kv_tokens": kv_tokens, "mamba_slots": mamba_slots, "cache": cache,
+            "window_tokens": window_tokens if cache == "swa" else None, "rows": rows}
 
 
 def render_markdown(result: dict) -> str:
+    pools = (f"{result['mamba_slots']} Mamba slots" if result.get("cache", "mamba") == "mamba" else
+             f"a window pool of {SWA_RATIO:g} x that, a {result['window_tokens']}-token window (SWARadixCache)")
     lines = [
-        f"Trace span {result['trace_span_s']:.0f} s; pools: {result['kv_tokens']} KV tokens, "
-        f"{result['mamba_slots']} Mamba slots.",
+        f"Trace span {result['trace_span_s']:.0f} s; pools: {result['kv_tokens']} KV tokens, {pools}.",
         "",
         "| page | requests | hits equal | events stock / ours | state events (stored / removed) | bytes stock / ours "
         "| hit tokens | state events/s, bytes/s | KB/s stock / ours | cache + encode ms per request stock / ours "

@@ -193,22 +193,24 @@ class _TouchedLRUList(SwaLRUList):
 
 
 class StateEventsSWARadixCache(SWARadixCache):
-    """``SWARadixCache`` that reports, per page, where the sliding-window KV is held.
+    """``SWARadixCache`` that reports which stored pages lack their sliding-window KV.
 
     SGLang's tree keeps a node's full-attention KV after freeing its window KV (a *tombstone*,
     silent in its events), and a prefix is resumable only where the window before it is held, so
-    its ``BlockStored`` events overstate what matches. Here every page's SWA presence is
-    published as ``"swa"`` state events (:class:`~prfaas_sglang.wire.kv_events.StateStored` with
-    ``window_tokens``): at ``take_events`` the nodes the SWA LRU list gained or lost since the last
-    batch are compared with what was published: a node still in the tree and in the list holds
-    its pages; a tombstone, or a node that left the tree, does not (a page merged or split into
-    another node keeps what that node says). Splits and merges thus publish nothing. Records only
-    while KV events are enabled; reset clears all (``AllBlocksCleared``)."""
+    its ``BlockStored`` events overstate what matches. Here a stored page holds its window KV
+    unless told otherwise: ``"swa"`` :class:`~prfaas_sglang.wire.kv_events.StateRemoved` when a
+    page still in the tree loses it (tombstoned, or inserted without it after a long decode),
+    ``StateStored`` when it gets it back; a page that leaves the tree takes its mark along with
+    its ``BlockRemoved``. At ``take_events`` the nodes the SWA LRU list gained or lost since the
+    last batch are compared with what was published: a node in the tree and in the list holds its
+    pages; a tombstone does not; a page merged or split into another node keeps what that node
+    says, so splits and merges publish nothing. Events scale with window evictions, not with
+    stored pages. Records only while KV events are enabled; reset clears all (``AllBlocksCleared``)."""
 
     def reset(self) -> None:  # also run by SWARadixCache.__init__
         super().reset()
         self._touched: list = []
-        self._published: dict[int, int] = {}  # page hash -> num_tokens published as holding its window
+        self._missing: dict[int, int] = {}  # page hash -> num_tokens, published as lacking its window KV
         self.swa_lru_list = _TouchedLRUList(self)  # the empty list reset() made, noting changes
 
     def take_events(self):
@@ -217,8 +219,14 @@ class StateEventsSWARadixCache(SWARadixCache):
         for event in events:  # a consumer forgets a removed page's state with it (a page stored again is new)
             if isinstance(event, SglBlockRemoved):
                 for page in event.block_hashes:
-                    self._published.pop(page, None)
+                    self._missing.pop(page, None)
         return EventsWithState(events, self._swa_changes())
+
+    def _add_new_node(self, parent: Any, key: Any, value: Any, swa_tombstone: bool = False) -> Any:
+        node = super()._add_new_node(parent, key, value, swa_tombstone)
+        if swa_tombstone and self.enable_kv_cache_events:  # stored without its window KV: never in the SWA list
+            self._touched.append(node)
+        return node
 
     def _compact_single_child_chain(self, node: Any) -> None:
         super()._compact_single_child_chain(node)  # the child's pages now belong to ``node``
@@ -239,14 +247,16 @@ class StateEventsSWARadixCache(SWARadixCache):
             elif node.hash_value is not None:  # left the tree (deleted, or merged into its parent)
                 gone += (hash_str_to_int64(h) for h in node.hash_value)
         for page in gone:
-            held.setdefault(page, (False, 0))
+            if page not in held:  # deleted: its BlockRemoved takes the mark along
+                self._missing.pop(page, None)
         out: list = []
+        window = self.sliding_window_size
         for page, (holds, num_tokens) in held.items():
-            if holds and page not in self._published:
-                self._published[page] = num_tokens
-                out.append(StateStored(page, num_tokens, "swa", MEDIUM, self.sliding_window_size))
-            elif not holds and page in self._published:
-                out.append(StateRemoved(page, self._published.pop(page), "swa", MEDIUM))
+            if not holds and page not in self._missing:
+                self._missing[page] = num_tokens
+                out.append(StateRemoved(page, num_tokens, "swa", MEDIUM, window))
+            elif holds and page in self._missing:
+                out.append(StateStored(page, self._missing.pop(page), "swa", MEDIUM, window))
         return out
 
     def _in_tree(self, node: Any) -> bool:

@@ -24,9 +24,10 @@ A worker that switches between the two (a restart with another publisher)
 is dropped and rebuilt from its new events.
 
 Sliding-window (SWA) models. A worker whose cache is SGLang's ``SWARadixCache`` (our backend)
-reports, per page, whether the page still holds its sliding-window KV (``"swa"`` state events,
-with the model's window). Its usable hit is SGLang's rule: the deepest matched block ``L`` whose
-last ``ceil(window / block_size)`` blocks all hold it, or all of whose blocks from the root do.
+reports which stored pages lost their sliding-window KV (``"swa"`` StateRemoved, StateStored when
+it comes back, with the model's window). Its usable hit is SGLang's rule: the deepest matched
+block ``L`` whose last ``ceil(window / block_size)`` blocks all hold it, or all of whose blocks
+from the root do (before the first such event every stored page holds it).
 Such a worker is matched by that rule only (SGLang builds the SWA tree, not the Mamba one, for a
 model that has both). Without these events (SGLang's own publisher) its full-attention match is
 taken as is, an overstatement after window evictions, like an inferred hybrid one.
@@ -73,7 +74,7 @@ class _WorkerState:
     last_seq: int | None = None
     resets: int = 0
     reports_state: bool = False  # checkpoints come from the worker's state events, not inferred
-    swa_pages: set[int] = field(default_factory=set)  # pages holding their sliding-window KV ("swa" events)
+    swa_missing: set[int] = field(default_factory=set)  # stored pages without their sliding-window KV ("swa" events)
     swa_window_tokens: int | None = None  # set: a sliding-window worker, matched by the window rule
 
 
@@ -136,7 +137,7 @@ class KvIndex:
     def export(self) -> dict[str, WorkerSnapshot]:
         """Every worker's blocks, their depths and the expected checkpoints; pure read."""
         return {w: WorkerSnapshot(s.cluster, s.block_size, tuple((b, s.depth.get(b, 1)) for b in s.blocks),
-                                  tuple(s.checkpoints), s.reports_state, tuple(s.swa_pages), s.swa_window_tokens)
+                                  tuple(s.checkpoints), s.reports_state, tuple(s.swa_missing), s.swa_window_tokens)
                 for w, s in self._workers.items()}
 
     def restore(self, worker: str, snap: WorkerSnapshot) -> int:
@@ -164,7 +165,7 @@ class KvIndex:
                 added += 1
         if take_checkpoints:
             state.checkpoints.update(b for b in snap.checkpoints if b in state.blocks)
-            state.swa_pages.update(b for b in snap.swa_pages if b in state.blocks)
+            state.swa_missing.update(b for b in snap.swa_missing if b in state.blocks)
             if snap.swa_window_tokens is not None:
                 state.swa_window_tokens = snap.swa_window_tokens
         state.last_seq = None
@@ -190,12 +191,11 @@ class KvIndex:
         self._apply_blocks(worker, state, events)
         for event in state_events or ():
             if event.component_type == "swa":
+                state.swa_window_tokens = event.window_tokens
                 if isinstance(event, StateStored):
-                    state.swa_window_tokens = event.window_tokens
-                    if event.block_hash in state.blocks:
-                        state.swa_pages.add(event.block_hash)
-                else:
-                    state.swa_pages.discard(event.block_hash)
+                    state.swa_missing.discard(event.block_hash)
+                elif event.block_hash in state.blocks:  # marks a stored page only
+                    state.swa_missing.add(event.block_hash)
                 continue
             if event.component_type != "mamba":
                 continue
@@ -220,10 +220,10 @@ class KvIndex:
                 raise InvalidEvents(f"{worker}: {type(event).__name__} among state events")
             if isinstance(event.num_tokens, bool) or not isinstance(event.num_tokens, int) or event.num_tokens < 1:
                 raise InvalidEvents(f"{worker}: {type(event).__name__} with num_tokens {event.num_tokens!r}")
-            if isinstance(event, StateStored) and event.component_type == "swa":
+            if event.component_type == "swa":
                 window = event.window_tokens
                 if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-                    raise InvalidEvents(f"{worker}: an swa StateStored with window_tokens {window!r}")
+                    raise InvalidEvents(f"{worker}: an swa {type(event).__name__} with window_tokens {window!r}")
 
     def _apply_blocks(self, worker: str, state: _WorkerState, events: list) -> None:
         infer = self.hybrid and not state.reports_state  # expect checkpoints where SGLang takes them
@@ -261,7 +261,7 @@ class KvIndex:
         state = self._workers[worker]
         state.blocks.discard(block)
         state.checkpoints.discard(block)
-        state.swa_pages.discard(block)
+        state.swa_missing.discard(block)
         state.depth.pop(block, None)
         holders = self._holders.get(block)
         if holders is not None:
@@ -276,7 +276,7 @@ class KvIndex:
         for block in list(state.blocks):
             self._forget(worker, block)
         state.checkpoints.clear()
-        state.swa_pages.clear()
+        state.swa_missing.clear()
 
     # --- queries ------------------------------------------------------------------------
 
@@ -322,7 +322,7 @@ class KvIndex:
                 if st.swa_window_tokens is not None:
                     # SWARadixCache.match_prefix: resumable where the window before it is held, or
                     # where nothing from the root was ever dropped
-                    run = windowed[w] = windowed.get(w, 0) + 1 if block in st.swa_pages else 0
+                    run = windowed[w] = 0 if block in st.swa_missing else windowed.get(w, 0) + 1
                     if run == depth or run * size >= st.swa_window_tokens:
                         best[w] = depth * size
                 elif not self.hybrid or block in st.checkpoints:

@@ -23,7 +23,7 @@ main source behind ``--enable-kv-events-component-types``; not in the 0.5.23
 wheel, which has neither the flag nor the types; sglang PR #32514 proposes
 ``component_types`` per stored page): one event per state checkpoint,
 anchored to the chained hash of the prefix's last page, labelled with its
-component (``"mamba"``, or ``"swa"``: per page, see :class:`StateStored`), plus the prefix length in
+component (``"mamba"``, or ``"swa"``: a page's window KV, see :class:`StateStored`), plus the prefix length in
 tokens, which upstream leaves to the consumer's block depth.
 
 Contract of ``state_events``: it reports every change of the cache's state
@@ -34,9 +34,9 @@ Wire history (ours follows upstream's; bump if upstream changes):
   1: SGLang 0.5.15 BlockStored / BlockRemoved / AllBlocksCleared.
   2: + the batch's 4th element ``state_events`` (StateStored / StateRemoved);
      a v1 batch decodes with ``state_events`` None.
-  3: StateStored may carry ``window_tokens`` (trailing, optional): ``"swa"`` events, one per
-     page that holds (StateStored) or lost (StateRemoved) its sliding-window KV; v2 decoders
-     ignore the field.
+  3: StateStored and StateRemoved may carry ``window_tokens`` (trailing, optional; v2 decoders
+     ignore it): ``"swa"`` events, sent only when a stored page loses its sliding-window KV
+     (StateRemoved) or gets it back (StateStored).
   Read, not written: SGLang 0.5.23 writes events as tagged maps (``{"type": "BlockStored",
   ...}``, optional fields omitted, new ones such as ``cache_salt``) in the same batch array;
   :func:`decode_batch` takes those too, so a kv-index of this pin reads a newer worker.
@@ -87,10 +87,11 @@ class StateStored(KVCacheEvent):
     """A state checkpoint now exists for the prefix ending at page ``block_hash``
     (``num_tokens`` long): a hybrid model can resume there.
 
-    ``component_type="swa"``: page ``block_hash`` holds its sliding-window KV (``num_tokens``: the
-    prefix length at the page's end), and ``window_tokens`` is the model's window (v3). A prefix
-    is resumable at L when every page of its last ``window_tokens`` tokens, or of all of it,
-    holds it (SGLang's ``SWARadixCache.match_prefix``)."""
+    ``component_type="swa"`` (v3): page ``block_hash`` holds its sliding-window KV again after a
+    :class:`StateRemoved` (``num_tokens``: the prefix length at the page's end; ``window_tokens``:
+    the model's window). A stored page holds it unless a StateRemoved said otherwise, so only
+    changes are sent. A prefix is resumable at L when every page of its last ``window_tokens``
+    tokens, or of all of it, holds it (SGLang's ``SWARadixCache.match_prefix``)."""
 
     block_hash: int
     num_tokens: int
@@ -101,12 +102,14 @@ class StateStored(KVCacheEvent):
 
 class StateRemoved(KVCacheEvent):
     """The state checkpoint at page ``block_hash`` is gone (evicted alone, or with its pages);
-    ``"swa"``: the page's sliding-window KV is gone (a tombstone, or the page itself)."""
+    ``"swa"`` (v3): the page stays but without its sliding-window KV (a tombstone, or stored
+    without it), ``window_tokens`` the model's window. A removed page takes either along."""
 
     block_hash: int
     num_tokens: int
     component_type: str = "mamba"
     medium: str | None = None
+    window_tokens: int | None = None
 
 
 StateEvent = StateStored | StateRemoved

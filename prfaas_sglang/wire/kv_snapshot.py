@@ -4,20 +4,20 @@
 
     {"v": 3, "workers": {name: {"cluster": str, "block_size": int | null,
                                 "blocks": [[block, depth], ...], "checkpoints": [block, ...],
-                                "reports_state": bool, "swa_pages": [block, ...],
+                                "reports_state": bool, "swa_missing": [block, ...],
                                 "swa_window_tokens": int | null}}}
 
 ``block`` is SGLang's signed 64-bit page hash (``wire/blocks.py``); ``depth`` its distance from
 the root in blocks (>= 1); ``checkpoints`` the blocks where the index expects a hybrid state;
 ``reports_state`` whether those came from the worker's state events (wire/kv_events.py v2)
-rather than inferred; ``swa_pages`` the blocks holding their sliding-window KV and
+rather than inferred; ``swa_missing`` the blocks stored without their sliding-window KV and
 ``swa_window_tokens`` the window of a sliding-window worker (null: none; wire/kv_events.py v3).
 A snapshot says what a worker held when it was taken: events after it are the subscriber's.
 
 History:
   v1: first version.
   v2: + ``reports_state`` (a v1 snapshot decodes with it false).
-  v3: + ``swa_pages``, ``swa_window_tokens`` (older snapshots decode with none).
+  v3: + ``swa_missing``, ``swa_window_tokens`` (older snapshots decode with none).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ class WorkerSnapshot:
     blocks: tuple[tuple[int, int], ...]  # (block, depth)
     checkpoints: tuple[int, ...]
     reports_state: bool = False
-    swa_pages: tuple[int, ...] = ()
+    swa_missing: tuple[int, ...] = ()
     swa_window_tokens: int | None = None
 
 
 def encode(workers: dict[str, WorkerSnapshot]) -> bytes:
     return json.dumps({"v": SNAPSHOT_VERSION, "workers": {
         name: {"cluster": w.cluster, "block_size": w.block_size, "blocks": [list(b) for b in w.blocks],
-               "checkpoints": list(w.checkpoints), "reports_state": w.reports_state, "swa_pages": list(w.swa_pages),
+               "checkpoints": list(w.checkpoints), "reports_state": w.reports_state, "swa_missing": list(w.swa_missing),
                "swa_window_tokens": w.swa_window_tokens} for name, w in workers.items()}}, separators=(",", ":")).encode()
 
 
@@ -63,7 +63,7 @@ def decode(payload: bytes | str | dict) -> dict[str, WorkerSnapshot]:
     if version not in (1, 2, SNAPSHOT_VERSION) or isinstance(version, bool):
         raise ValueError(f"unsupported kv snapshot version {version!r}")
     keys = ({"cluster", "block_size", "blocks", "checkpoints"} | ({"reports_state"} if version >= 2 else set())
-            | ({"swa_pages", "swa_window_tokens"} if version >= 3 else set()))
+            | ({"swa_missing", "swa_window_tokens"} if version >= 3 else set()))
     workers = obj.get("workers")
     if not isinstance(workers, dict):
         raise ValueError("workers must be an object")
@@ -90,11 +90,11 @@ def decode(payload: bytes | str | dict) -> dict[str, WorkerSnapshot]:
                 raise ValueError(f"workers[{name!r}]: a depth must be a positive integer, got {depth!r}")
             blocks.append((_block(pair[0], f"workers[{name!r}] block"), depth))
         checkpoints = tuple(_block(b, f"workers[{name!r}] checkpoint") for b in w["checkpoints"])
-        swa_pages, window = w.get("swa_pages", []), w.get("swa_window_tokens")
-        if not isinstance(swa_pages, list) or len(swa_pages) > MAX_BLOCKS_PER_WORKER:
-            raise ValueError(f"workers[{name!r}].swa_pages must be a list of at most {MAX_BLOCKS_PER_WORKER} blocks")
+        swa_missing, window = w.get("swa_missing", []), w.get("swa_window_tokens")
+        if not isinstance(swa_missing, list) or len(swa_missing) > MAX_BLOCKS_PER_WORKER:
+            raise ValueError(f"workers[{name!r}].swa_missing must be a list of at most {MAX_BLOCKS_PER_WORKER} blocks")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"workers[{name!r}].swa_window_tokens must be a positive integer or null")
         out[name] = WorkerSnapshot(w["cluster"], size, tuple(blocks), checkpoints, reports_state,
-                                   tuple(_block(b, f"workers[{name!r}] swa page") for b in swa_pages), window)
+                                   tuple(_block(b, f"workers[{name!r}] swa page") for b in swa_missing), window)
     return out

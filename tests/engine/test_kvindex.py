@@ -231,9 +231,9 @@ class TestSnapshot:
          b'"checkpoints": []}}}', "64-bit"),
         (b'{"v": 1, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [1], "checkpoints": []}}}', "pairs"),
         (b'{"v": 3, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": [], '
-         b'"reports_state": true, "swa_pages": [], "swa_window_tokens": 0}}}', "swa_window_tokens"),
+         b'"reports_state": true, "swa_missing": [], "swa_window_tokens": 0}}}', "swa_window_tokens"),
         (b'{"v": 3, "workers": {"w": {"cluster": "pd", "block_size": 4, "blocks": [], "checkpoints": [], '
-         b'"reports_state": true, "swa_pages": 5, "swa_window_tokens": null}}}', "swa_pages"),
+         b'"reports_state": true, "swa_missing": 5, "swa_window_tokens": null}}}', "swa_missing"),
         (b"[]", "object"),
     ])
     def test_bad_snapshots_are_refused(self, payload, message):
@@ -357,7 +357,8 @@ class TestSlidingWindowState:
         blocks = index.block_ids(prompt, PAGE)[:pages]
         stored = [BlockStored([b], blocks[i - 1] if i else None, prompt[i * PAGE:(i + 1) * PAGE], PAGE, None)
                   for i, b in enumerate(blocks)]
-        index.apply("w", 0, stored, [StateStored(blocks[i], (i + 1) * PAGE, "swa", "GPU", window_tokens) for i in held])
+        index.apply("w", 0, stored, [StateRemoved(blocks[i], (i + 1) * PAGE, "swa", "GPU", window_tokens)
+                                     for i in range(pages) if i not in held])
         return index, prompt, blocks
 
     def test_all_held_from_the_root_matches_whatever_the_window(self):
@@ -370,8 +371,11 @@ class TestSlidingWindowState:
         assert index.match(prompt).by_worker["w"] == 6 * PAGE  # pages 4-5 hold the window before 6
         assert index.match(prompt[:4 * PAGE + 1]).by_worker["w"] == 2 * PAGE  # before 4: only page 3 held after the gap
         assert index.match(prompt[:5 * PAGE + 1]).by_worker["w"] == 5 * PAGE  # pages 3-4
-        index.apply("w", 1, [], [StateRemoved(blocks[4], 5 * PAGE, "swa")])
+        index.apply("w", 1, [], [StateRemoved(blocks[4], 5 * PAGE, "swa", "GPU", 2 * PAGE)])
         assert index.match(prompt).by_worker["w"] == 2 * PAGE
+        index.apply("w", 2, [], [StateStored(blocks[4], 5 * PAGE, "swa", "GPU", 2 * PAGE),  # back again
+                                 StateStored(blocks[2], 3 * PAGE, "swa", "GPU", 2 * PAGE)])
+        assert index.match(prompt).by_worker["w"] == 6 * PAGE
         # a window not a whole number of pages needs the pages that cover it
         index, prompt, _ = self.worker(6, window_tokens=PAGE + 1, held={0, 2, 3, 4, 5})
         assert index.match(prompt[:3 * PAGE + 1]).by_worker["w"] == 1 * PAGE  # page 2 alone covers PAGE tokens
@@ -380,10 +384,13 @@ class TestSlidingWindowState:
     def test_a_page_removed_takes_its_window_state_along(self):
         from prfaas_sglang.wire.kv_events import BlockRemoved
 
-        index, prompt, blocks = self.worker(3, window_tokens=PAGE, held={0, 1, 2})
+        index, prompt, blocks = self.worker(3, window_tokens=PAGE, held={0, 1})
+        assert index.match(prompt).by_worker["w"] == 2 * PAGE
         index.apply("w", 1, [BlockRemoved([blocks[2]])], [])
         index.apply("w", 2, [BlockStored([blocks[2]], blocks[1], prompt[2 * PAGE:3 * PAGE], PAGE, None)], [])
-        assert index.match(prompt).by_worker["w"] == 2 * PAGE  # page 2 back without its window KV
+        assert index.match(prompt).by_worker["w"] == 3 * PAGE  # page 2 stored afresh: with its window KV
+        index.apply("w", 3, [], [StateRemoved(12345, PAGE, "swa", "GPU", PAGE)])  # a page never stored: no mark
+        assert 12345 not in index._workers["w"].swa_missing
 
     def test_a_snapshot_keeps_a_window_workers_pages_and_window(self):
         from prfaas_sglang.wire import kv_snapshot
@@ -391,7 +398,7 @@ class TestSlidingWindowState:
         index, prompt, _ = self.worker(6, window_tokens=2 * PAGE, held={0, 1, 3, 4})
         assert index.match(prompt).by_worker["w"] == 5 * PAGE
         snap = kv_snapshot.decode(kv_snapshot.encode(index.export()))["w"]
-        assert snap.swa_window_tokens == 2 * PAGE and len(snap.swa_pages) == 4
+        assert snap.swa_window_tokens == 2 * PAGE and len(snap.swa_missing) == 2
         restored = KvIndex(hybrid=False)
         restored.add_worker("w", "pd")
         restored.restore("w", snap)
@@ -399,5 +406,5 @@ class TestSlidingWindowState:
         v2 = json.loads(kv_snapshot.encode(index.export()))
         v2["v"] = 2
         for w in v2["workers"].values():
-            del w["swa_pages"], w["swa_window_tokens"]
+            del w["swa_missing"], w["swa_window_tokens"]
         assert kv_snapshot.decode(json.dumps(v2))["w"].swa_window_tokens is None  # an older service's snapshot

@@ -643,7 +643,7 @@ def test_without_kv_events_the_swa_cache_records_nothing():
     real = RealSwaCache(page_size=1, window_tokens=4, events=False)
     real.insert(list(range(1, 9)), window_dropped_pages=2)
     real.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=4))
-    assert real.cache._touched == [] and real.cache._published == {}
+    assert real.cache._touched == [] and real.cache._missing == {}
 
 
 def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cache():
