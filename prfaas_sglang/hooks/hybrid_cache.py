@@ -160,16 +160,27 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         return node
 
     def _last_page_hash(self, node: Any) -> int:
-        if node.hash_value is None:
-            node.hash_value = compute_node_hash_values(node, self.page_size)
-        return hash_str_to_int64(node.hash_value[-1])
+        return hash_str_to_int64(_hash_values(node, self.page_size)[-1])
 
     def _prefix_len(self, node: Any) -> int:
-        n = 0
-        while node is not None and node is not self.root_node:
-            n += len(node.key)
-            node = node.parent
-        return n
+        return _prefix_len(node, self.root_node)
+
+
+def _hash_values(node: Any, page_size: int) -> list[str]:
+    """A tree node's page hashes (SGLang's strings; ``hash_str_to_int64`` gives the events' ints),
+    computed once and kept on the node, as SGLang's own events do."""
+    if node.hash_value is None:
+        node.hash_value = compute_node_hash_values(node, page_size)
+    return node.hash_value
+
+
+def _prefix_len(node: Any, root: Any) -> int:
+    """Tokens from the root to ``node``'s end (a walk up its parents)."""
+    n = 0
+    while node is not None and node is not root:
+        n += len(node.key)
+        node = node.parent
+    return n
 
 
 class _TouchedLRUList(SwaLRUList):
@@ -241,8 +252,8 @@ class StateEventsSWARadixCache(SWARadixCache):
         gone: list[int] = []
         for node in {id(n): n for n in touched}.values():
             if self._in_tree(node):
-                start, in_list = self._prefix_len(node.parent), self.swa_lru_list.in_list(node)
-                for i, page in enumerate(self._page_hashes(node)):
+                start, in_list = _prefix_len(node.parent, self.root_node), self.swa_lru_list.in_list(node)
+                for i, page in enumerate(map(hash_str_to_int64, _hash_values(node, self.page_size))):
                     held[page] = (in_list, start + (i + 1) * self.page_size)
             elif node.hash_value is not None:  # left the tree (deleted, or merged into its parent)
                 gone += (hash_str_to_int64(h) for h in node.hash_value)
@@ -267,17 +278,6 @@ class StateEventsSWARadixCache(SWARadixCache):
             node = parent
         return True
 
-    def _page_hashes(self, node: Any) -> list[int]:
-        if node.hash_value is None:
-            node.hash_value = compute_node_hash_values(node, self.page_size)
-        return [hash_str_to_int64(h) for h in node.hash_value]
-
-    def _prefix_len(self, node: Any) -> int:
-        n = 0
-        while node is not None and node is not self.root_node:
-            n += len(node.key)
-            node = node.parent
-        return n
 
 
 def default_builds_swa_radix_cache(ctx: Any) -> bool:

@@ -140,20 +140,24 @@ def test_the_index_hit_equals_the_real_caches_match_prefix(page_size, ops):
     """Randomized insert / evict / match sequences on the real cache: after every operation, for
     every prefix inserted so far and the operation's own key, the kv-index fed only the published
     batches predicts exactly the length ``MambaRadixCache.match_prefix`` returns."""
-    real, index = RealCache(page_size), index_for(page_size)
+    replay_and_compare(RealCache(page_size), index_for(page_size), ops, page_size,
+                       lambda n: EvictParams(num_tokens=0, mamba_num=n))
+
+
+def replay_and_compare(real, index: KvIndex, ops, page_size: int, evict_state) -> None:
+    """Run ``ops`` (insert / match a key of whole pages, evict full KV or state: ``evict_state(n)``)
+    on the real cache, publishing a batch after each; then, for every key inserted so far and the
+    operation's own, the index's hit must equal the cache's ``match_prefix``."""
     wire = Wire(index)
     seen: list[list[int]] = []
-    for op, arg in ops:
+    for op, arg, *extra in ops:
         if op in ("insert", "match"):
             key = [t for t in arg for _ in range(page_size)]  # whole pages, with sharing between keys
-            if op == "insert" and real.insert(key):
+            if op == "insert" and real.insert(key, *extra):
                 seen.append(key)
             seen_now = seen + [key]
-        elif op == "evict_full":
-            real.cache.evict(EvictParams(num_tokens=arg * page_size))
-            seen_now = seen
         else:
-            real.cache.evict(EvictParams(num_tokens=0, mamba_num=arg))
+            real.cache.evict(EvictParams(num_tokens=arg * page_size) if op == "evict_full" else evict_state(arg))
             seen_now = seen
         wire.flush(real.cache)
         for key in seen_now:
@@ -601,7 +605,7 @@ SWA_OPS = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.lists(st.integers(0, 3), min_size=1, max_size=8), st.integers(0, 4)),
         st.tuples(st.just("evict_full"), st.integers(1, 12), st.just(0)),
-        st.tuples(st.just("evict_swa"), st.integers(1, 12), st.just(0)),
+        st.tuples(st.just("evict_state"), st.integers(1, 12), st.just(0)),
         st.tuples(st.just("match"), st.lists(st.integers(0, 3), min_size=1, max_size=8), st.just(0)),
     ),
     min_size=1, max_size=14,
@@ -616,26 +620,10 @@ def test_the_index_hit_equals_the_real_swa_caches_match_prefix(page_size, window
     evict window / match sequences on the real SWARadixCache: after every operation, for every key
     inserted so far and the operation's own, the kv-index fed only the published batches predicts
     exactly the length ``SWARadixCache.match_prefix`` returns."""
-    real, index = RealSwaCache(page_size, window_tokens), swa_index_for(page_size)
-    wire = Wire(index)
-    seen: list[list[int]] = []
-    for op, arg, dropped in ops:
-        if op in ("insert", "match"):
-            key = [t for t in arg for _ in range(page_size)]
-            if op == "insert" and real.insert(key, dropped):
-                seen.append(key)
-            seen_now = seen + [key]
-        elif op == "evict_full":
-            real.cache.evict(EvictParams(num_tokens=arg * page_size))
-            seen_now = seen
-        else:
-            real.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=arg * page_size))
-            seen_now = seen
-        wire.flush(real.cache)
-        for key in seen_now:
-            assert index.match(key + [0]).by_worker["w"] == real.match(key), (key, ops)
-        real.cache.take_events()  # match_prefix splits nodes: no events, nothing may be pending
-        assert not real.cache.take_events()
+    real = RealSwaCache(page_size, window_tokens)
+    replay_and_compare(real, swa_index_for(page_size), [(op, arg, dropped) if op == "insert" else (op, arg)
+                                                         for op, arg, dropped in ops], page_size,
+                       lambda n: EvictParams(num_tokens=0, swa_num_tokens=n * page_size))
     real.cache.sanity_check()
 
 
