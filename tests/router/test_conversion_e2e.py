@@ -140,18 +140,21 @@ def test_supervisor_restarts_the_engine_in_the_other_role(tmp_path):
     group, dep = _deploy(tmp_path, "restart")
     url = dep.router.url
     try:
-        victim = dep.workers["pd-prefill-1"]
-        pid_before = requests.get(victim.url + "/server_info", timeout=5).json()
-        assert pid_before["disaggregation_mode"] == "prefill"
-        supervisor = f"http://127.0.0.1:{victim.switch_port}"
-        assert requests.get(supervisor + "/health", timeout=5).json()["role"] == "pd-prefill"
-        # the engine itself has no in-place switch here (as SGLang 0.5.15): the supervisor is the adapter
-        assert requests.post(victim.url + "/pd_role_switch", json={"new_role": "decode"}, timeout=5).status_code == 400
-        assert requests.post(supervisor + "/pd_role_switch", json={"new_role": "sideways"}, timeout=5).status_code == 400
+        for worker in (dep.workers["pd-prefill-0"], dep.workers["pd-prefill-1"]):
+            assert requests.get(worker.url + "/server_info", timeout=5).json()["disaggregation_mode"] == "prefill"
+            supervisor = f"http://127.0.0.1:{worker.switch_port}"
+            assert requests.get(supervisor + "/health", timeout=5).json()["role"] == "pd-prefill"
+            # the engine itself has no in-place switch here (as SGLang 0.5.15): the supervisor is the adapter
+            assert requests.post(worker.url + "/pd_role_switch", json={"new_role": "decode"}, timeout=5).status_code == 400
+            assert requests.post(supervisor + "/pd_role_switch", json={"new_role": "sideways"}, timeout=5).status_code == 400
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = _load(url, 24, 5_000, pool)
-            _wait(lambda: _status(url)["workers"][victim.name]["open_legs"], what=f"a request in flight on {victim.name}")
+            # convert whichever PD-P worker is busy when looked at (the policy decides which gets the load)
+            busy = _wait(lambda: next((n for n in ("pd-prefill-1", "pd-prefill-0") if _status(url)["workers"][n]["open_legs"]),
+                                      None), timeout_s=40, what="a request in flight on a PD-P worker")
+            victim = dep.workers[busy]
+            supervisor = f"http://127.0.0.1:{victim.switch_port}"
             reply = _convert(url, victim.name, "decode", timeout_s=90)
             futures += _load(url, 8, 6_000, pool)
             statuses = [f.result().status_code for f in futures]
