@@ -214,7 +214,7 @@ def _transport(value: Any, path: str) -> KvTransport | None:
 
 _NODE_KEYS = {"name", "role", "host", "port", "bootstrap_port", "kv_events_port", "telemetry_port", "role_switch",
               "switch_port", "tp_size", "model_path", "extra_args"}
-_PORT_KEYS = ("port", "bootstrap_port", "kv_events_port", "telemetry_port", "switch_port")
+PORT_KEYS = ("port", "bootstrap_port", "kv_events_port", "telemetry_port", "switch_port")
 
 
 def _role_switch(obj: dict, path: str, role: Role, bootstrap_port: int | None) -> tuple[str | None, int | None]:
@@ -291,7 +291,7 @@ def _check_unique_endpoints(nodes: list[Node], paths: dict[str, str]) -> None:
             raise ConfigError(f"{path}.name", f"node name {node.name!r} is used twice")
         names.add(node.name)
         host = node.host or "127.0.0.1"
-        for key in _PORT_KEYS:
+        for key in PORT_KEYS:
             port = getattr(node, key)
             if port is None:
                 continue

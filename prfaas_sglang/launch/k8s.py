@@ -35,7 +35,7 @@ import yaml
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.roles import ROLE_SPECS, Engine, Role
-from prfaas_sglang.topology import KubernetesSpec, Node, Topology, dns_label
+from prfaas_sglang.topology import PORT_KEYS, KubernetesSpec, Node, Topology, dns_label
 
 CONFIG_MOUNT = "/etc/prfaas/topology.yaml"
 SECRET_DIR = "/etc/prfaas/secret"
@@ -52,8 +52,9 @@ DEFAULT_IMAGES = {  # the tags docker/*.Dockerfile's build lines give (push them
     "pd": "prfaas-sglang/local-pd:0.1.0",
     "control": "prfaas-sglang/control-plane:0.1.0",
 }
-PORT_NAMES = {"port": "http", "bootstrap_port": "bootstrap", "kv_events_port": "kv-events",
-              "telemetry_port": "telemetry", "switch_port": "role-switch"}
+# Every port a topology node may have (topology.PORT_KEYS), as a container port name (<= 15 chars).
+PORT_NAMES = {key: {"port": "http", "switch_port": "role-switch"}.get(key, key.removesuffix("_port").replace("_", "-"))
+              for key in PORT_KEYS}
 LABEL_APP = "app.kubernetes.io/name"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
