@@ -543,20 +543,45 @@ def _watch_worker(service: RouterService, worker: WorkerRecord, sub: ZmqSubscrib
         sub.watch(f"link:{worker.name}", worker.telemetry_endpoint, TELEMETRY_TOPIC, on_sample)
 
 
+async def poll_health(service: RouterService, session: aiohttp.ClientSession, sub: ZmqSubscriber | None,
+                      worker: WorkerRecord) -> None:
+    """One health check of ``worker`` (``/health``; ``/server_info`` while it has no facts). An answer
+    that left the worker before a role change (``worker.epoch`` moved meanwhile) is dropped."""
+    epoch = worker.epoch
+    try:
+        async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            healthy = resp.status == 200
+        if healthy and worker.facts is None:
+            info = await _get_json(session, worker.url + "/server_info")
+            if not worker.poll_is_current(epoch):
+                return
+            problem = adopt_facts(service, worker, info, sub)
+            if problem:
+                logger.error("refusing worker %s: %s", worker.name, problem)
+    except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
+        healthy = False
+    if worker.poll_is_current(epoch):
+        worker.healthy = healthy
+
+
+async def poll_load(session: aiohttp.ClientSession, worker: WorkerRecord) -> None:
+    """One ``/v1/loads`` read of ``worker`` into ``worker.load`` (None when it cannot be read). An
+    answer that left the worker before a role change is dropped: a prefill worker's load read as a
+    decode worker's would make its KV room look like the old role's cache size until the next poll."""
+    epoch = worker.epoch
+    try:
+        load = parse_loads(await _get_json(session, worker.url + "/v1/loads", 1.0))
+    except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
+        load = None
+    if worker.poll_is_current(epoch):
+        worker.load = load
+
+
 async def _health_loop(app: web.Application) -> None:
     service, session, sub = app[SERVICE_KEY], app[SESSION_KEY], app[SUB_KEY]
     while True:
         for worker in list(service.workers.values()):
-            try:
-                async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                    healthy = resp.status == 200
-                if healthy and worker.facts is None:
-                    problem = adopt_facts(service, worker, await _get_json(session, worker.url + "/server_info"), sub)
-                    if problem:
-                        logger.error("refusing worker %s: %s", worker.name, problem)
-                worker.healthy = healthy
-            except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
-                worker.healthy = False
+            await poll_health(service, session, sub, worker)
         await asyncio.sleep(service.config.health_interval_s)
 
 
@@ -564,12 +589,8 @@ async def _load_loop(app: web.Application) -> None:
     service, session, room = app[SERVICE_KEY], app[SESSION_KEY], app[ROOM_KEY]
     while True:
         for worker in list(service.workers.values()):
-            if not worker.healthy:
-                continue
-            try:
-                worker.load = parse_loads(await _get_json(session, worker.url + "/v1/loads", 1.0))
-            except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
-                worker.load = None
+            if worker.healthy:
+                await poll_load(session, worker)
         service.poll_stages(time.monotonic())
         async with room:
             room.notify_all()

@@ -255,6 +255,7 @@ class RouterService:
         ``t`` or None (unchanged, or a split the model cannot hold)."""
         worker = self.workers[name]
         worker.role, worker.facts, worker.load, worker.draining = new_role, None, None, False
+        worker.epoch += 1  # polls in flight describe the old role: the loops drop their answers
         worker.outstanding_prefill_s, worker.prefill_requests = 0.0, 0
         if name in self.index.workers():
             self.index.remove_worker(name)

@@ -156,6 +156,13 @@ class WorkerRecord:
     prefill_requests: int = 0  # prefill legs dispatched here and not ended
     failures: int = 0
     refused: str | None = None  # why the facts were refused (never routed to then)
+    epoch: int = 0  # bumped when the worker changes role: a poll begun before then is stale (see poll_is_current)
+
+    def poll_is_current(self, epoch: int) -> bool:
+        """Whether a poll begun at ``epoch`` (this record's ``epoch`` then) may still be written: a
+        ``/v1/loads`` or ``/server_info`` answer that left the worker before a role change describes
+        the old role (a prefill worker's cache size read as a decode worker's KV room)."""
+        return epoch == self.epoch
 
     @property
     def routable(self) -> bool:

@@ -129,6 +129,66 @@ def test_convert_waits_for_the_ledgers_then_restores_or_quarantines():
     assert service.workers["pd-decode-0"].role == "prefill"
 
 
+def test_a_poll_answered_before_the_role_change_is_not_written_after_it():
+    """The load and health loops await the worker while a conversion may finish: an answer from the
+    old role (a prefill worker's 2M-token cache read as a decode worker's KV room) is dropped, so the
+    policy never sees the converted worker through its old role's numbers."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from prfaas_sglang.router.server import poll_health, poll_load
+
+    service = _service()
+    worker = service.workers["pd-prefill-0"]
+
+    async def scenario():
+        answered, release = asyncio.Event(), asyncio.Event()
+
+        async def loads(request):
+            answered.set()
+            await release.wait()  # the answer is the old role's; the conversion lands meanwhile
+            return web.json_response({"loads": [{"num_running_reqs": 0, "num_used_tokens": 4096,
+                                                 "max_total_num_tokens": 2_097_152}]})
+
+        async def health(request):
+            answered.set()
+            await release.wait()
+            return web.Response(status=503)  # mid-switch
+
+        app = web.Application()
+        app.router.add_get("/v1/loads", loads)
+        app.router.add_get("/health", health)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            worker.url = str(server.make_url("")).rstrip("/")
+            results = {}
+            for name, poll in (("load", lambda: poll_load(session, worker)),
+                               ("health", lambda: poll_health(service, session, None, worker))):
+                for convert_meanwhile in (False, True):
+                    worker.healthy, worker.load = True, None
+                    answered.clear(), release.clear()
+                    task = asyncio.create_task(poll())
+                    await answered.wait()
+                    if convert_meanwhile:
+                        worker.epoch += 1  # what service.converted() does
+                    release.set()
+                    await task
+                    results[name, convert_meanwhile] = (worker.load, worker.healthy)
+            return results
+
+    results = _run(scenario())
+    assert results["load", False][0].max_total_tokens == 2_097_152  # a current answer is written
+    assert results["load", True][0] is None  # a stale one is not
+    assert results["health", False][1] is False and results["health", True][1] is True
+    # and converted() is what moves the epoch
+    before = worker.epoch
+    worker.draining = True
+    service.converted("pd-prefill-0", "decode", 1.0)
+    assert worker.epoch == before + 1
+
+
 def _launch_args(config, node, engine="mock"):
     return argparse.Namespace(role=None, engine=engine, config=config, node=node, model_path="/models/x", host=None,
                               port=None, bootstrap_port=None, kv_events_port=None, kv_transport=None, kv_profile="wan",
