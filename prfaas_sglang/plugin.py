@@ -335,6 +335,10 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.mem_cache.common.maybe_cache_unfinished_req", "(req: 'Req', tree_cache: 'BasePrefixCache', **kwargs)"),
             ("sglang.srt.mem_cache.common.release_kv_cache",
              "(req: 'Req', tree_cache: 'BasePrefixCache', is_insert: 'bool' = True)"),
+            ("sglang.srt.mem_cache.radix_cache.RadixCache.__init__", "(self, params: 'CacheInitParams')"),
+            ("sglang.srt.mem_cache.radix_cache.RadixCache.match_prefix", "(self, params: 'MatchPrefixParams') -> 'MatchResult'"),
+            ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req", "(self, req: 'Req', chunked=False)"),
+            ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req", "(self, req: 'Req', is_insert: 'bool' = True)"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.__init__", "(self, params: 'CacheInitParams')"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset", "(self) -> 'None'"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._add_new_node",
@@ -365,7 +369,9 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "window KV came or went), so the kv-index applies SGLang's window rule. With "
             "PRFAAS_PREFILL_CACHE (the launcher sets shared for the prfaas role) each request is decided at its "
             "first match: a transfer-cache request takes SGLang's no-insert path for its chunks and finishes "
-            "with is_insert=False, so its KV is freed once its transfer completes."
+            "with is_insert=False, so its KV is freed once its transfer completes; in the Mamba cache and, for "
+            "full-attention models, in a RadixCache subclass built where the default chain builds a RadixCache "
+            "(the SWA cache keeps every prefill yet)."
         ),
         upstream_status="the shape of upstream's component-typed KV events (main's --enable-kv-events-component-types, "
                         "sglang PR #32514; not in the 0.5.23 wheel)",

@@ -15,10 +15,12 @@ of the prefix a hybrid model can reuse. Two registered parts fix that:
   batch's state events as its 4th element (wire v2), which SGLang 0.5.15's
   own decoder and every v1 consumer skip.
 
-The same cache applies a PrfaaS prefill worker's admission policy
-(:mod:`prfaas_sglang.kvindex.admission`, ``PRFAAS_PREFILL_CACHE``): a request whose prefill is
-*transfer cache* is never inserted (neither its chunks nor its end), so its pages and state
-slot go back to the pools when SGLang releases it after its KV transfer.
+The same backend applies a PrfaaS prefill worker's admission policy
+(:mod:`prfaas_sglang.kvindex.admission`, ``PRFAAS_PREFILL_CACHE``) in the Mamba cache and, for
+full-attention models, in :class:`AdmissionRadixCache` (SGLang's ``RadixCache``): a request whose
+prefill is *transfer cache* is never inserted (neither its chunks nor its end), so its pages
+and state slot go back to the pools when SGLang releases it after its KV transfer. (SGLang's
+``SWARadixCache`` has no admission yet: every prefill is kept there.)
 
 The cache hands its state events to the publisher inside the list
 ``take_events()`` returns (:class:`EventsWithState`), which SGLang passes on
@@ -36,6 +38,7 @@ import torch
 from sglang.srt.disaggregation.kv_events import BlockRemoved as SglBlockRemoved
 from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.swa_radix_cache import LRUList as SwaLRUList
 from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
@@ -61,7 +64,59 @@ class EventsWithState(list):
         return bool(len(self) or self.state_events)
 
 
-class StateEventsMambaRadixCache(MambaRadixCache):
+class _PrefillAdmission:
+    """Mixin for a radix cache (before it in the bases): a PrfaaS prefill worker's admission
+    policy (:mod:`prfaas_sglang.kvindex.admission`). Each request is decided once, at its first
+    ``match_prefix`` (the scheduler's, which passes the request). A *transfer-cache* request then
+    takes SGLang's no-insert path in ``cache_unfinished_req`` (its chunks stay its own, as in
+    ``ChunkCache``) and finishes with ``is_insert=False``: everything beyond its cached prefix
+    goes back to the pools when SGLang releases the request after its KV transfer."""
+
+    admission: PrefixAdmission | None
+
+    def _init_admission(self, admission: PrefixAdmission | None) -> None:
+        self.admission = admission
+        self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> transfer cache? (decided, not finished)
+
+    def match_prefix(self, params: Any):
+        result = super().match_prefix(params)
+        req = params.req
+        if self.admission is not None and req is not None and req.rid not in self._transfer_only:
+            key = params.key
+            keep = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices)).keep
+            self._transfer_only[req.rid] = not keep
+            while len(self._transfer_only) > MAX_PENDING_DECISIONS:
+                self._transfer_only.popitem(last=False)
+        return result
+
+    def _inserts_chunks(self, req: Any) -> bool:
+        """Whether ``req``'s finished chunks go into the tree (SGLang's behaviour)."""
+        return not self._transfer_only.get(req.rid, False)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        if self._inserts_chunks(req):
+            return super().cache_unfinished_req(req, chunked=chunked)
+        # SGLang's own no-insert path (MambaRadixCache's _skip_cache_unfinished_req, ChunkCache's):
+        # the request keeps its chunks' KV; the next chunk's prefix is what it computed so far.
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
+        req.prefix_indices = kv_indices.to(dtype=torch.int64, copy=True)
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        transfer_only = self._transfer_only.pop(req.rid, False)
+        super().cache_finished_req(req, is_insert=is_insert and not transfer_only)
+
+
+class AdmissionRadixCache(_PrefillAdmission, RadixCache):
+    """SGLang's ``RadixCache`` (full-attention models) with the prefill admission policy; built by
+    the ``prfaas-hybrid`` backend where SGLang would build a ``RadixCache`` and
+    ``PRFAAS_PREFILL_CACHE`` is set (the launcher sets it for the prfaas role)."""
+
+    def __init__(self, params: Any, admission: PrefixAdmission | None):
+        self._init_admission(admission)
+        super().__init__(params)
+
+
+class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
     """``MambaRadixCache`` that records where Mamba state is stored and evicted.
 
     A node's state sits at the node's end: the prefix up to its last page. Stored
@@ -71,18 +126,15 @@ class StateEventsMambaRadixCache(MambaRadixCache):
     no state: the state stays on the child, whose last page is unchanged. Reset
     clears all (``AllBlocksCleared``). Records only while KV events are enabled.
 
-    With an ``admission`` policy, each request is decided once, at its first ``match_prefix``
-    (the scheduler's, which passes the request): a transfer-cache request then takes SGLang's
-    no-insert path in ``cache_unfinished_req`` (its chunks stay its own) and finishes with
-    ``is_insert=False`` (everything beyond its cached prefix is freed).
+    With an ``admission`` policy: :class:`_PrefillAdmission`. With ``chunk_checkpoints`` off, no
+    request's chunks are inserted (a state only at a request's end).
     """
 
     def __init__(self, params: Any, admission: PrefixAdmission | None = None, chunk_checkpoints: bool = True):
-        self.admission = admission
+        self._init_admission(admission)
         # False: a state checkpoint only at a request's end, none at its chunk boundaries
         # (each is a state slot: ~74 MiB for Qwen3-Next-80B), PRFAAS_STATE_CHECKPOINTS=end.
         self.chunk_checkpoints = chunk_checkpoints
-        self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> transfer cache? (decided, not finished)
         super().__init__(params)
 
     def reset(self) -> None:  # also run by MambaRadixCache.__init__
@@ -96,28 +148,8 @@ class StateEventsMambaRadixCache(MambaRadixCache):
         states, self._state_queue = self._state_queue, []
         return EventsWithState(events, states)
 
-    def match_prefix(self, params: Any):
-        result = super().match_prefix(params)
-        req = params.req
-        if self.admission is not None and req is not None and req.rid not in self._transfer_only:
-            key = params.key
-            keep = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices)).keep
-            self._transfer_only[req.rid] = not keep
-            while len(self._transfer_only) > MAX_PENDING_DECISIONS:
-                self._transfer_only.popitem(last=False)
-        return result
-
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if self.chunk_checkpoints and not self._transfer_only.get(req.rid, False):
-            return super().cache_unfinished_req(req, chunked=chunked)
-        # SGLang's own no-insert path (MambaRadixCache's _skip_cache_unfinished_req): the request
-        # keeps its chunks' KV; the next chunk's prefix is what it computed so far.
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
-        req.prefix_indices = kv_indices.to(dtype=torch.int64, copy=True)
-
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        transfer_only = self._transfer_only.pop(req.rid, False)
-        super().cache_finished_req(req, is_insert=is_insert and not transfer_only)
+    def _inserts_chunks(self, req: Any) -> bool:
+        return self.chunk_checkpoints and super()._inserts_chunks(req)
 
     def _insert_helper(self, node: Any, key: Any, value: Any, mamba_value: Any, chunked: bool = False,
                        prev_prefix_len: int = 0):
@@ -295,6 +327,21 @@ def default_builds_swa_radix_cache(ctx: Any) -> bool:
     return bool(ctx.is_hybrid_swa) and ctx.full_tokens_per_layer != 0  # 0: PureSWARadixCache
 
 
+def default_builds_radix_cache(ctx: Any) -> bool:
+    """Whether SGLang 0.5.15's ``default_radix_cache_factory`` builds a plain ``RadixCache`` for
+    ``ctx`` (the chain's last branch; a drift test compares the two)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.utils.tensor_bridge import use_mlx
+
+    if ctx.effective_chunked_prefill_size is not None and ctx.disable_radix_cache:
+        return False  # a chunk cache
+    if envs.SGLANG_EXPERIMENTAL_CPP_RADIX_TREE.get() or envs.SGLANG_ENABLE_UNIFIED_RADIX_TREE.get() or use_mlx():
+        return False
+    if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        return False
+    return not ctx.server_args.enable_lmcache
+
+
 def default_builds_mamba_radix_cache(ctx: Any) -> bool:
     """Whether SGLang 0.5.15's ``default_radix_cache_factory`` builds a ``MambaRadixCache`` for
     ``ctx`` (its selection chain, in its order; a drift test compares the two)."""
@@ -319,6 +366,8 @@ def build_tree_cache(ctx: Any):
         return StateEventsMambaRadixCache(ctx.params, admission_from_env(), chunk_checkpoints_from_env())
     if default_builds_swa_radix_cache(ctx):
         return StateEventsSWARadixCache(params=ctx.params)
+    if default_builds_radix_cache(ctx) and (admission := admission_from_env()) is not None:
+        return AdmissionRadixCache(ctx.params, admission)
     return default_radix_cache_factory(ctx)
 
 

@@ -123,17 +123,21 @@ def with_peer_hosts(command: LaunchCommand, topology: Topology | None, environ: 
 
 def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
     """``--kv-events-config`` and, unless the node's own flags choose another cache, our cache
-    backend (its state events are what make a hybrid model's KV-index hits exact); with notes."""
-    if node.kv_events_port is None:
-        return [], ()
-    argv = ["--kv-events-config", kv_events_config(node.kv_events_port, node.host)]
+    backend: its state events make a hybrid model's KV-index hits exact, and on a PrfaaS node
+    (with or without events) it applies the prefill admission policy (``PRFAAS_PREFILL_CACHE``).
+    Returns (argv, notes)."""
+    argv = [] if node.kv_events_port is None else ["--kv-events-config", kv_events_config(node.kv_events_port, node.host)]
+    if node.kv_events_port is None and node.role is not Role.PRFAAS:
+        return argv, ()
     flags = {arg.split("=", 1)[0] for arg in node.extra_args}
-    if "--radix-cache-backend" in flags:
-        return argv, ("--radix-cache-backend given: no state events, the kv-index infers hybrid checkpoints",)
-    excluded = [f for f in _EXCLUDES_CACHE_BACKEND if f in flags]
-    if excluded:
-        return argv, (f"{excluded[0]} excludes a radix-cache backend: no state events, the kv-index infers "
-                      "hybrid checkpoints",)
+    given = "--radix-cache-backend" if "--radix-cache-backend" in flags else next(
+        (f for f in _EXCLUDES_CACHE_BACKEND if f in flags), None)
+    if given is not None:
+        lost = [what for what, applies in (("no state events, the kv-index infers hybrid checkpoints", node.kv_events_port),
+                                           ("no prefill admission, every prefill is kept", node.role is Role.PRFAAS))
+                if applies]
+        why = "given" if given == "--radix-cache-backend" else "excludes a radix-cache backend"
+        return argv, (f"{given} {why}: {'; '.join(lost)}",)
     return argv + ["--radix-cache-backend", RADIX_CACHE_BACKEND], ()
 
 

@@ -266,6 +266,46 @@ def test_scheduler_publisher_over_zmq_to_the_kv_index():
         publisher.kv_event_publisher.shutdown()
 
 
+def test_the_registered_factory_puts_admission_where_sglang_builds_a_plain_radix_cache(monkeypatch):
+    """A full-attention model on a PrfaaS worker: with ``PRFAAS_PREFILL_CACHE`` set, ``prfaas-hybrid``
+    builds ``AdmissionRadixCache`` where SGLang's chain builds a ``RadixCache``; unset, SGLang's own.
+    ``default_builds_radix_cache`` predicts the chain (drift check)."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    from prfaas_sglang.bench.sglang_cpu import cpu_radix_cache
+
+    built = cpu_radix_cache(RadixCache, 1, KV_TOKENS)
+
+    def ctx(**kw):
+        base = dict(server_args=SimpleNamespace(enable_lmcache=False), params=built.params, is_hybrid_swa=False,
+                    is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
+                    effective_chunked_prefill_size=None, tp_worker=None, model_config=None, tp_size=1, tp_rank=0,
+                    tp_group=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    for env in (None, "shared"):
+        if env is None:
+            monkeypatch.delenv("PRFAAS_PREFILL_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("PRFAAS_PREFILL_CACHE", env)
+        for kw in ({}, {"disable_radix_cache": True, "effective_chunked_prefill_size": 64}):
+            c = ctx(**kw)
+            default = default_radix_cache_factory(c)
+            assert hybrid_cache.default_builds_radix_cache(c) == (type(default) is RadixCache), kw
+            ours = hybrid_cache.build_tree_cache(c)
+            if type(default) is RadixCache and env is not None:
+                assert type(ours) is hybrid_cache.AdmissionRadixCache and ours.admission.mode == env
+            else:
+                assert type(ours) is type(default)
+    for kw in ({"is_hybrid_ssm": True}, {"server_args": SimpleNamespace(enable_lmcache=True)},
+               {"enable_hierarchical_cache": True}):
+        assert not hybrid_cache.default_builds_radix_cache(ctx(**kw)), kw  # other branches of the chain
+    monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "sometimes")
+    with pytest.raises(ValueError, match="all, shared, none"):
+        hybrid_cache.build_tree_cache(ctx())
+
+
 # --- prefix cache vs transfer cache (kvindex/admission.py) on SGLang's own request flows -------------
 
 
@@ -274,21 +314,35 @@ class Flows:
     match), pool allocation, chunked prefill with ``maybe_cache_unfinished_req``, and
     ``release_kv_cache`` once the KV transfer is done (what SGLang's PD prefill does)."""
 
-    def __init__(self, mode: str | None, min_shared_tokens: int = 8, chunk_checkpoints: bool = True):
+    def __init__(self, mode: str | None, min_shared_tokens: int = 8, chunk_checkpoints: bool = True,
+                 kind: str = "mamba"):
+        """``kind``: ``mamba`` (a hybrid model's StateEventsMambaRadixCache) or ``radix`` (a
+        full-attention model's AdmissionRadixCache over SGLang's plain pools)."""
+        from prfaas_sglang.bench.sglang_cpu import cpu_radix_cache
         from prfaas_sglang.kvindex.admission import PrefixAdmission
 
-        self.real = RealCache(page_size=1)
-        self.real.cache.admission = None if mode is None else PrefixAdmission(mode, min_shared_tokens)
-        self.real.cache.chunk_checkpoints = chunk_checkpoints
+        admission = None if mode is None else PrefixAdmission(mode, min_shared_tokens)
+        self.kind = kind
+        if kind == "mamba":
+            self.real = RealCache(page_size=1)
+            self.real.cache.admission = admission
+            self.real.cache.chunk_checkpoints = chunk_checkpoints
+        else:
+            self.real = cpu_radix_cache(lambda params: hybrid_cache.AdmissionRadixCache(params, admission), 1, KV_TOKENS)
         self.in_flight: list = []
+
+    def tree_tokens(self) -> int:
+        size = self.real.cache.total_size()
+        return size[0] if self.kind == "mamba" else size
 
     def check_accounting(self) -> None:
         """Every KV slot is free, in the tree, or held by a request beyond its cached prefix."""
-        cache, kv = self.real.cache, self.real.kv
+        kv = self.real.kv
         held = sum(req.done - req.cache_protected_len for req in self.in_flight)
-        assert kv.available_size() + cache.total_size()[0] + held == KV_TOKENS
-        mamba = self.real.req_pool.mamba_allocator
-        assert mamba.available_size() + cache.total_size()[1] + len(self.in_flight) == MAMBA_SLOTS
+        assert kv.available_size() + self.tree_tokens() + held == KV_TOKENS
+        if self.kind == "mamba":
+            mamba = self.real.req_pool.mamba_allocator
+            assert mamba.available_size() + self.real.cache.total_size()[1] + len(self.in_flight) == MAMBA_SLOTS
 
     def start(self, rid: str, ids: list[int]):
         from array import array
@@ -300,7 +354,7 @@ class Flows:
                   sampling_params=SamplingParams(max_new_tokens=1))
         req.init_next_round_input(self.real.cache)
         self.real.cache.inc_lock_ref(req.last_node)
-        if self.real.req_pool.mamba_allocator.available_size() == 0:
+        if self.kind == "mamba" and self.real.req_pool.mamba_allocator.available_size() == 0:
             self.real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
         self.real.req_pool.alloc([req])
         req.done = len(req.prefix_indices)
@@ -337,12 +391,13 @@ class Flows:
         self.in_flight.remove(req)
 
 
-def test_unique_long_prompts_are_transfer_cache_and_leave_the_tree_empty():
+@pytest.mark.parametrize("kind", ["mamba", "radix"])
+def test_unique_long_prompts_are_transfer_cache_and_leave_the_tree_empty(kind):
     """The PrfaaS worker's bulk traffic: one-off long prompts. With ``shared`` nothing of them is
     inserted (neither chunks nor ends) and every page and state slot is back once sent; SGLang's
-    behaviour (``all``) fills the tree with them."""
+    behaviour (``all``) fills the tree with them. A hybrid model's cache and a full-attention one's."""
     for mode, tree_after in (("shared", 0), ("none", 0), (None, 1), ("all", 1)):
-        flows = Flows(mode)
+        flows = Flows(mode, kind=kind)
         for n in range(6):
             req = flows.start(f"r{n}", [1000 * (n + 1) + i for i in range(40)])
             while not flows.chunk(req, 16):
@@ -350,17 +405,19 @@ def test_unique_long_prompts_are_transfer_cache_and_leave_the_tree_empty():
             flows.check_accounting()
             flows.transferred(req)
             flows.check_accounting()
-        tokens, states = flows.real.cache.total_size()
-        assert (tokens > 0) == bool(tree_after), (mode, tokens, states)
+        tokens = flows.tree_tokens()
+        assert (tokens > 0) == bool(tree_after), (mode, tokens)
         if not tree_after:
-            assert flows.real.kv.available_size() == KV_TOKENS and states == 0
+            assert flows.real.kv.available_size() == KV_TOKENS
+            assert kind == "radix" or flows.real.cache.total_size()[1] == 0
         if mode is not None:
             stats = flows.real.cache.admission.stats
             assert stats.kept_requests + stats.transfer_requests == 6
 
 
-def test_a_prefix_seen_twice_is_kept_and_then_reused():
-    flows = Flows("shared")
+@pytest.mark.parametrize("kind", ["mamba", "radix"])
+def test_a_prefix_seen_twice_is_kept_and_then_reused(kind):
+    flows = Flows("shared", kind=kind)
     shared = list(range(500, 532))
     for rid, tail in (("first", [1, 2, 3]), ("second", [4, 5, 6]), ("third", [7, 8, 9])):
         req = flows.start(rid, shared + tail)
@@ -406,11 +463,13 @@ def test_checkpoints_at_the_request_end_only():
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["shared", "none", "all"]), chunk_checkpoints=st.booleans(),
+       kind=st.sampled_from(["mamba", "radix"]),
        prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(4, 16)), min_size=1, max_size=8))
-def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_checkpoints, prompts):
+def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_checkpoints, kind, prompts):
     """free + tree + held = total (KV) and free + tree + requests = total (Mamba slots) after every
-    chunk, insert and release, two prefills interleaved, under every mode and checkpoint placement."""
-    flows = Flows(mode, chunk_checkpoints=chunk_checkpoints)
+    chunk, insert and release, two prefills interleaved, under every mode and checkpoint placement,
+    in a hybrid model's cache and a full-attention one's."""
+    flows = Flows(mode, chunk_checkpoints=chunk_checkpoints, kind=kind)
     pending = []
     for n, (stem, tail, chunk) in enumerate(prompts):
         ids = [stem] * 10 + [100 + n] * tail  # three shared stems, unique tails
@@ -424,7 +483,7 @@ def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_
                         flows.transferred(req)
                         pending.remove(item)
                     flows.check_accounting()
-    assert flows.real.kv.available_size() + flows.real.cache.total_size()[0] == KV_TOKENS
+    assert flows.real.kv.available_size() + flows.tree_tokens() == KV_TOKENS
 
 
 # --- a prefix moved between clusters (hooks/cache_import.py, wire/prefix_transfer.py) -----------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -168,6 +169,19 @@ class TestPlan:
         plan = sglang_command(node, "python", {})
         assert list(plan.argv).count("--radix-cache-backend") == 0 and flag in plan.argv
         assert any("kv-index infers hybrid checkpoints" in note for note in plan.notes)
+
+    def test_a_prfaas_node_gets_the_admission_cache_with_or_without_kv_events(self):
+        """The prefill admission policy lives in the prfaas-hybrid backend: a PrfaaS node gets it even
+        without a KV-event port (other roles then keep SGLang's cache); a node that names its own
+        cache keeps it and is told what it loses."""
+        bare = Node("p0", "prfaas", Role.PRFAAS, bootstrap_port=8998, model_path="/m")
+        argv = list(sglang_command(bare, "python", {}).argv)
+        assert argv[argv.index("--radix-cache-backend") + 1] == "prfaas-hybrid" and "--kv-events-config" not in argv
+        pd = Node("x", "pd", Role.PD_PREFILL, bootstrap_port=8999, model_path="/m")
+        assert "--radix-cache-backend" not in sglang_command(pd, "python", {}).argv
+        own = sglang_command(dataclasses.replace(bare, extra_args=("--radix-cache-backend", "mine")), "python", {})
+        assert list(own.argv).count("--radix-cache-backend") == 1
+        assert any("no prefill admission" in note and "state events" not in note for note in own.notes)
 
     def test_plan_arguments_parse_with_sglang_own_parser(self):
         """Every flag we emit exists in sglang 0.5.15's argument parser with the value we give."""

@@ -6,8 +6,8 @@ model (linear attention / SWA state), only up to the longest *state
 checkpoint* inside that match, because recurrent state can only be resumed at
 the exact length where it was saved (SGLang's MambaRadixCache does the same).
 Checkpoints are taken where the engine would save state: at every
-``checkpoint_interval_tokens`` boundary of a prefill and at the prompt's
-last full page.
+``checkpoint_interval_tokens`` boundary of a prefill (SGLang's chunk ends;
+None with ``PRFAAS_STATE_CHECKPOINTS=end``) and at the prompt's last full page.
 
 Every mutation returns the KV events it causes (BlockStored / BlockRemoved),
 in the order SGLang would emit them, and for a hybrid model the state events
@@ -49,9 +49,13 @@ class _Block:
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, capacity_blocks: int, hybrid: bool, checkpoint_interval_tokens: int = 8192):
+    def __init__(self, page_size: int, capacity_blocks: int, hybrid: bool, checkpoint_interval_tokens: int | None = 8192):
+        """``checkpoint_interval_tokens``: a state checkpoint every so many tokens of a prefill (its
+        chunk size) besides the one at its last full page; None: the last full page only."""
         if page_size <= 0 or capacity_blocks <= 0:
             raise ValueError("page_size and capacity_blocks must be positive")
+        if checkpoint_interval_tokens is not None and checkpoint_interval_tokens <= 0:
+            raise ValueError("checkpoint_interval_tokens must be positive or None")
         self.page_size = page_size
         self.capacity_blocks = capacity_blocks
         self.hybrid = hybrid
@@ -86,7 +90,8 @@ class PrefixCache:
         ids = self._ids(token_ids)
         if not ids:
             return []
-        interval_blocks = max(self.checkpoint_interval_tokens // self.page_size, 1)
+        interval = self.checkpoint_interval_tokens
+        interval_blocks = max(interval // self.page_size, 1) if interval is not None else len(ids)
         events: list[KVCacheEvent] = []
         states: list[KVCacheEvent] = []
         for i, block_id in enumerate(ids):
