@@ -8,6 +8,8 @@ Benchmarks:
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   state-events   what state events cost: SGLang's MambaRadixCache vs ours on the conversation
                  trace (events, bytes per second of trace, CPU time of cache calls + encoding)
+  prefill-cache  a PrfaaS worker's prefix cache under each admission mode (all / shared / none) on
+                 the trace's long requests: prefill tokens saved, tokens inserted, evictions
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
   aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
@@ -58,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="mamba: MambaRadixCache vs ours; swa: SWARadixCache vs ours (per-page window events)")
     se.add_argument("--window-tokens", type=int, default=4096, help="--cache swa: the sliding window")
     se.add_argument("--json", action="store_true")
+    pc = sub.add_parser("prefill-cache", help="a PrfaaS worker's prefix cache per admission mode on the trace's long requests")
+    pc.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
+    pc.add_argument("--min-tokens", type=int, default=16_384, help="the requests a length threshold sends to PrfaaS")
+    pc.add_argument("--cache-tokens", default="262144,1048576,4194304,16777216", help="comma list of capacities, tokens")
+    pc.add_argument("--requests", type=int, default=None, help="stop after this many long requests")
+    pc.add_argument("--json", action="store_true")
     ro = sub.add_parser("router-overhead", help="latency added by the router")
     ro.add_argument("--rate", type=float, default=None, help="requests/s (default: 200, or 5 for prompts over 1K tokens)")
     ro.add_argument("--duration", type=float, default=10.0)
@@ -291,10 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}; {stamp} -->")
     elif args.name == "state-events":
         from prfaas_sglang.bench import state_events as bench
-        from prfaas_sglang.envs import envs
 
-        trace = args.trace or envs.TRACE_PATH.get() or str(Path(__file__).resolve().parents[2].parent / "shared" / "data"
-                                                           / "mooncake_conversation_trace.jsonl")
+        trace = _trace_path(args.trace)
         try:
             pages = tuple(int(p) for p in args.page_sizes.split(","))
         except ValueError:
@@ -307,6 +313,21 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"<!-- python -m prfaas_sglang.bench state-events --requests {args.requests} "
                   f"--page-sizes {args.page_sizes} --cache {args.cache}"
                   f"{f' --window-tokens {args.window_tokens}' if args.cache == 'swa' else ''}; {stamp} -->")
+    elif args.name == "prefill-cache":
+        from prfaas_sglang.bench import prefill_cache as bench
+
+        try:
+            caps = tuple(int(c) for c in args.cache_tokens.split(","))
+        except ValueError:
+            parser.error("--cache-tokens must be a comma list of integers")
+        if args.min_tokens < 1 or any(c < 512 for c in caps) or (args.requests is not None and args.requests < 1):
+            parser.error("--min-tokens and --requests must be >= 1 and every capacity >= 512")
+        try:
+            result = bench.run(_trace_path(args.trace), args.min_tokens, caps, args.requests)
+        except ValueError as err:
+            parser.error(str(err))
+        header = (f"<!-- python -m prfaas_sglang.bench prefill-cache --min-tokens {args.min_tokens} "
+                  f"--cache-tokens {args.cache_tokens}{f' --requests {args.requests}' if args.requests else ''}; {stamp} -->")
     elif args.name == "chaos":
         from prfaas_sglang.bench import chaos as bench
         from prfaas_sglang.demo.netns import available
@@ -367,5 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
+def _trace_path(given: str | None) -> str:
+    """``--trace``, else ``PRFAAS_TRACE_PATH``, else the shared data directory's conversation trace."""
+    from prfaas_sglang.envs import envs
+
+    return given or envs.TRACE_PATH.get() or str(Path(__file__).resolve().parents[2].parent / "shared" / "data"
+                                                 / "mooncake_conversation_trace.jsonl")
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -328,8 +328,9 @@ def _smg_ready(url: str, wanted: set[str]) -> bool:
 
 def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, extra: list[str],
                       events: bool = False, host: str = "127.0.0.1", python: str = sys.executable,
-                      telemetry: bool = False) -> Worker:
-    """One emulated worker on free ports, started directly (no topology); returns when it answers /health."""
+                      telemetry: bool = False, env: dict[str, str] | None = None) -> Worker:
+    """One emulated worker on free ports, started directly (no topology), ``env`` added to its
+    environment; returns when it answers /health."""
     pick = PortPicker()
     port = pick(host)
     bootstrap = pick(host) if role != "pd-decode" else None
@@ -342,7 +343,7 @@ def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, e
         argv += ["--kv-events-port", str(kv_events)]
     if telemetry_port is not None:
         argv += ["--telemetry-port", str(telemetry_port)]
-    proc = group.start(name, argv)
+    proc = group.start(name, argv, env)
     url = f"http://{host}:{port}"
     group.wait_healthy(url + "/health", proc)
     return Worker(name, url, port, bootstrap, kv_events, telemetry_port)

@@ -211,7 +211,8 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
         # The topology's extra_args are SGLang flags; the emulated engine takes only `--` arguments.
         if node.role_switch == "in-place":
             mock_args += ("--enable-pd-role-switch",)
-        command = mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra)
+        command = mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra,
+                               os.environ)
         return with_peer_hosts(_supervised(command), topology, os.environ)
     if node.role_switch == "in-place":
         raise ConfigError(f"nodes.{node.name}.role_switch", "SGLang 0.5.15 has no /pd_role_switch; use role_switch: restart "

@@ -220,11 +220,15 @@ def wan_link(topology: Topology | None, node: Node) -> WanLink | None:
     return None
 
 
-def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = ()) -> LaunchCommand:
+def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = (),
+                 environ: Mapping[str, str] | None = None) -> LaunchCommand:
     """The emulated worker's command (``python -m prfaas_sglang.engine.mock``) for an engine ``node``.
 
-    The emulated engine ships KV over Mooncake TCP whatever the node's transport says.
+    The emulated engine ships KV over Mooncake TCP whatever the node's transport says. A PrfaaS
+    node's prefix cache keeps shared prefixes only, as an SGLang one's (unless ``environ`` names
+    another ``PRFAAS_PREFILL_CACHE``: kept, and shown).
     """
+    environ = {} if environ is None else environ
     spec = ROLE_SPECS[node.role]
     if not spec.is_engine_role:
         raise ConfigError("--role", f"{node.role.value} is not an engine role")
@@ -242,7 +246,10 @@ def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ..
         argv += ["--telemetry-port", str(node.telemetry_port)]
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
-    return LaunchCommand(node, Engine.MOCK, tuple(argv), env)
+    kept: dict[str, str] = {}
+    if node.role is Role.PRFAAS:  # the same cache policy as an SGLang PrfaaS worker's (kvindex/admission.py)
+        (kept if environ.get(envs.PREFILL_CACHE.name) else env)[envs.PREFILL_CACHE.name] = PREFILL_CACHE_DEFAULT
+    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, kept)
 
 
 def control_command(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchCommand:

@@ -14,8 +14,9 @@ PREFILL_PROFILE = "kimi-linear-1t-hybrid@h200x8"
 DECODE_PROFILE = "kimi-linear-1t-hybrid@h20x8"
 
 
-def start_worker(procs: ProcessGroup, role: str, profile: str, *extra: str, events: bool = False):
-    return start_mock_worker(procs, f"{role}-{len(procs.procs)}", role, profile, list(extra), events=events)
+def start_worker(procs: ProcessGroup, role: str, profile: str, *extra: str, events: bool = False,
+                 env: dict[str, str] | None = None):
+    return start_mock_worker(procs, f"{role}-{len(procs.procs)}", role, profile, list(extra), events=events, env=env)
 
 
 

@@ -68,6 +68,44 @@ def test_repeated_prompt_reuses_its_cached_prefix(pair):
     assert second.json()["meta_info"]["cached_tokens"] == (8_000 // 512) * 512
 
 
+def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pair, module_procs):
+    """PRFAAS_PREFILL_CACHE=shared (what the launcher sets for the prfaas role; the same policy
+    object as the SGLang cache backend's): one-off long prompts are transfer cache (not cached, no
+    KV events), a prefix seen twice is kept and the third sighting reuses it."""
+    _, decode = pair
+    prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE),
+                           "--context-tokens", "65536", "--bootstrap-timeout-s", "2", events=True,
+                           env={"PRFAAS_PREFILL_CACHE": "shared"})
+    info = requests.get(prefill.url + "/server_info", timeout=5).json()
+    assert info["prfaas"]["prefill_cache"] == "shared"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{prefill.kv_events_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 1500)
+    import time
+
+    time.sleep(0.3)  # the slow joiner
+    try:
+        for n in range(4):  # unique long prompts: the bulk of a PrfaaS worker's traffic
+            p, d = pd_request(prefill, decode, {"input_ids": [50_000 + n] * 6_000, "sampling_params": {"max_new_tokens": 1}})
+            assert p.status_code == 200 and d.status_code == 200
+        with pytest.raises(zmq.Again):
+            sub.recv_multipart()  # nothing was inserted, nothing published
+        assert metric(prefill, "prfaas:prefill_transfer_only_total") == 4 and metric(prefill, "prfaas:prefill_kept_total") == 0
+        shared = [9] * 8_192  # one chunk: the profile is hybrid, so a state checkpoint ends it
+        hits = []
+        for tail in (1, 2, 3):
+            p, _ = pd_request(prefill, decode, {"input_ids": shared + [tail] * 600, "sampling_params": {"max_new_tokens": 1}})
+            hits.append(p.json()["meta_info"]["cached_tokens"])
+        assert hits == [0, 0, 8_192]  # one-off, seen before (kept), then reused
+        assert metric(prefill, "prfaas:prefill_kept_total") == 2
+        assert sub.recv_multipart()  # the kept prefill was published
+    finally:
+        sub.close(linger=0)
+    with pytest.raises(Exception):  # noqa: B017 - the worker refuses a bad policy at start-up
+        start_worker(module_procs, "prfaas", PREFILL_PROFILE, env={"PRFAAS_PREFILL_CACHE": "sometimes"})
+
+
 def test_kv_events_decode_with_sglang_classes(pair):
     from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
 

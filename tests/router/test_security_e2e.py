@@ -66,10 +66,11 @@ def secured(tmp_path_factory):
 def test_requests_flow_with_signed_hand_offs_and_authenticated_event_streams(secured):
     _, d, _ = secured
     ids = list(range(3_000_000, 3_000_000 + 16 * PAGE))
-    r = requests.post(d.router.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}},
-                      timeout=120)
-    assert r.status_code == 200, r.text[:300]
-    assert r.headers["x-prfaas-route"].startswith("prfaas/")
+    for _ in range(2):  # the PrfaaS cache keeps (and reports) a prefix seen twice, not a one-off prompt
+        r = requests.post(d.router.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}},
+                          timeout=120)
+        assert r.status_code == 200, r.text[:300]
+        assert r.headers["x-prfaas-route"].startswith("prfaas/")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         status = requests.get(d.router.url + "/status", timeout=5).json()

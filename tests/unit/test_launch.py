@@ -13,7 +13,7 @@ from helpers import REPO_ROOT, run_py
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.launch.__main__ import main as launch_main
-from prfaas_sglang.launch.command import sglang_command
+from prfaas_sglang.launch.command import mock_command, sglang_command
 from prfaas_sglang.roles import KvTransport, Role
 from prfaas_sglang.topology import Node, load_topology, parse_topology
 from prfaas_sglang.transport.wan_defaults import (
@@ -147,8 +147,15 @@ class TestPlan:
         own = sglang_command(prfaas, "python", {"PRFAAS_PREFILL_CACHE": "all"})
         assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept == {**own.env_kept, "PRFAAS_PREFILL_CACHE": "shared"}
         for role in (Role.PD_PREFILL, Role.PD_DECODE):
-            node = Node("x", "pd", role, bootstrap_port=8999 if role is Role.PD_PREFILL else None, model_path="/m")
+            node = Node("x", "pd", role, bootstrap_port=8999 if role is Role.PD_PREFILL else None, model_path="/m",
+                        port=30001)
             assert "PRFAAS_PREFILL_CACHE" not in sglang_command(node, "python", {}).env
+            assert "PRFAAS_PREFILL_CACHE" not in mock_command(node, "python", "h20x8").env
+        # the emulated engine follows the same policy (its cache uses the same PrefixAdmission)
+        emulated = mock_command(dataclasses.replace(prfaas, port=30000), "python", "h200x8")
+        assert emulated.env["PRFAAS_PREFILL_CACHE"] == "shared"
+        own = mock_command(dataclasses.replace(prfaas, port=30000), "python", "h200x8", environ={"PRFAAS_PREFILL_CACHE": "all"})
+        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept["PRFAAS_PREFILL_CACHE"] == "shared"
         import os
 
         saved = os.environ.get("PRFAAS_PREFILL_CACHE")

@@ -78,6 +78,7 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--enable-pd-role-switch", "and --disaggregation-decode-enable-radix-cache do not combine yet")
     if args.disaggregation_decode_enable_radix_cache and spec.disaggregation_mode != "decode":
         raise ConfigError("--disaggregation-decode-enable-radix-cache", f"is for decode roles, not {role.value}")
+    prefill_cache, min_shared, chunk_checkpoints = _cache_policy_from_env()
     return MockConfig(
         role=role, host=args.host, port=args.port, profile=args.profile,
         served_model_name=args.served_model_name or args.profile.split("@", 1)[0],
@@ -90,7 +91,28 @@ def config_from_args(args: argparse.Namespace):
         enable_pd_role_switch=args.enable_pd_role_switch,
         chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
         keys=load_keys(), peer_hosts=peer_hosts(),
+        prefill_cache=prefill_cache, prefill_cache_min_shared_tokens=min_shared, chunk_checkpoints=chunk_checkpoints,
     )
+
+
+def _cache_policy_from_env() -> tuple[str, int, bool]:
+    """What the prefix cache keeps, from the variables the SGLang cache backend reads
+    (``PRFAAS_PREFILL_CACHE``, ``_MIN_SHARED_TOKENS``, ``PRFAAS_STATE_CHECKPOINTS``): (mode, min
+    shared tokens, a checkpoint per chunk). Raises ConfigError naming the variable."""
+    from prfaas_sglang.envs import envs
+    from prfaas_sglang.kvindex.admission import AdmissionConfigError, PrefixAdmission
+
+    mode = envs.PREFILL_CACHE.get() or "all"
+    raw = envs.PREFILL_CACHE_MIN_SHARED_TOKENS.get()
+    try:
+        PrefixAdmission(mode, int(raw))
+    except (AdmissionConfigError, ValueError) as err:
+        name = envs.PREFILL_CACHE.name if "mode" in str(err) else envs.PREFILL_CACHE_MIN_SHARED_TOKENS.name
+        raise ConfigError(name, str(err)) from None
+    placement = envs.STATE_CHECKPOINTS.get()
+    if placement not in ("chunks", "end"):
+        raise ConfigError(envs.STATE_CHECKPOINTS.name, f"must be chunks or end, got {placement!r}")
+    return mode, int(raw), placement == "chunks"
 
 
 async def _run(config, timing, tokenizer) -> None:

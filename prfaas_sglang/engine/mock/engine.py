@@ -54,6 +54,7 @@ from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.hosts import local_host
+from prfaas_sglang.kvindex.admission import PrefixAdmission
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.security import check_peer
@@ -97,6 +98,9 @@ class MockConfig:
     kv_buffer_bytes: int = 1 << 30  # decode landing buffer
     bootstrap_timeout_s: float = 300.0  # SGLang's SGLANG_DISAGGREGATION_{BOOTSTRAP,WAITING}_TIMEOUT
     decode_radix_cache: bool = False  # SGLang's --disaggregation-decode-enable-radix-cache (decode role)
+    prefill_cache: str = "all"  # prefill roles: which prefills the cache keeps (kvindex/admission.py; PRFAAS_PREFILL_CACHE)
+    prefill_cache_min_shared_tokens: int = 1024  # PRFAAS_PREFILL_CACHE_MIN_SHARED_TOKENS
+    chunk_checkpoints: bool = True  # hybrid: a state checkpoint per chunk, not only at the end (PRFAAS_STATE_CHECKPOINTS)
     tokenizer: str | None = None  # what the tokenizer was loaded from, for /server_info
     enable_pd_role_switch: bool = False  # serve /pd_role_switch (SGLang 0.5.23's --enable-pd-role-switch)
     keys: DeploymentKeys | None = None  # the deployment secret's keys (security.load_keys); None: no authentication
@@ -154,7 +158,12 @@ class MockEngine:
 
     def __init__(self, config: MockConfig, timing: EngineTiming, tokenizer=None):
         self.config, self.timing, self.tokenizer = config, timing, tokenizer
-        self.cache = PrefixCache(config.page_size, max(config.cache_tokens // config.page_size, 1), timing.hybrid)
+        # State checkpoints where SGLang takes them: each chunk's end (with chunked prefill), and the prompt's end.
+        interval = config.chunked_prefill_size if config.chunk_checkpoints else None
+        self.cache = PrefixCache(config.page_size, max(config.cache_tokens // config.page_size, 1), timing.hybrid,
+                                 checkpoint_interval_tokens=interval)
+        # Which prefills the cache keeps (the same policy object as the SGLang cache backend's).
+        self.admission = PrefixAdmission(config.prefill_cache, config.prefill_cache_min_shared_tokens)
         self.stats = Stats()
         self.kv: KvEndpoint | None = None
         self.publisher = None
@@ -432,10 +441,14 @@ class MockEngine:
             # The last prompt token is always computed (its logits give the first output
             # token), so an exact repeat reuses at most the pages before it.
             match = self.cache.match(req.input_ids[:-1])
+            # Prefix cache or transfer cache (decided at the match, as the SGLang backend does): a
+            # transfer-cache prefill is never inserted; its KV is the request's until shipped.
+            keep = self.admission.decide(req.input_ids, match.cached_tokens).keep
             await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens))
-            events, states = split_state_events(self.cache.insert(req.input_ids))
-            if self.publisher:  # a hybrid model's cache reports its state checkpoints (wire v2)
-                self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
+            if keep:
+                events, states = split_state_events(self.cache.insert(req.input_ids))
+                if self.publisher:  # a hybrid model's cache reports its state checkpoints (wire v2)
+                    self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
             try:
                 registration: Registration = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:

@@ -125,7 +125,7 @@ def _info(engine: MockEngine) -> dict:
         "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup,
                    "kv_scale": cfg.kv_scale, "block_hash": HASH_SCHEME, "hybrid": engine.timing.hybrid,
                    "telemetry_port": cfg.telemetry_port, "cache_import": cfg.mode == "prefill",
-                   "role_switch": cfg.enable_pd_role_switch},
+                   "role_switch": cfg.enable_pd_role_switch, "prefill_cache": cfg.prefill_cache},
         "version": "0.5.15",
     }
 
@@ -156,6 +156,9 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:open_rooms", "gauge", engine.open_rooms),
         ("prfaas:prefix_imported_tokens_total", "counter", s.prefix_imported_tokens),
         ("prfaas:prefix_export_bytes_total", "counter", s.prefix_export_bytes),
+        # prefill roles: prefills the cache kept (prefix cache) and did not (transfer cache), kvindex/admission.py
+        ("prfaas:prefill_kept_total", "counter", engine.admission.stats.kept_requests),
+        ("prfaas:prefill_transfer_only_total", "counter", engine.admission.stats.transfer_requests),
     ]
     text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
     text += "# TYPE prfaas:auth_rejected_total counter\n"
