@@ -16,7 +16,7 @@ request (a cache-aware router may send a follow-up turn to where its prefix is c
 
 from __future__ import annotations
 
-from prfaas_sglang.bench.state_events import BLOCK_TOKENS, _prompt
+from prfaas_sglang.bench.state_events import BLOCK_TOKENS, prompt_from_hash_ids
 
 MODES = ("all", "shared", "none")
 
@@ -26,6 +26,7 @@ def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...]
     from prfaas_sglang.demo.workloads import trace_records
     from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
     from prfaas_sglang.kvindex.admission import PrefixAdmission
+    from prfaas_sglang.wire.kv_events import BlockRemoved
 
     cells = {(mode, cap): {"cache": PrefixCache(BLOCK_TOKENS, max(cap // BLOCK_TOKENS, 1), hybrid=True),
                            "admission": PrefixAdmission(mode, min_shared_tokens),
@@ -35,7 +36,7 @@ def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...]
     for rec in trace_records(trace_path):
         if rec.input_length < min_tokens:
             continue
-        tokens = _prompt(rec.hash_ids, rec.input_length)
+        tokens = prompt_from_hash_ids(rec.hash_ids, rec.input_length)
         seen += 1
         prompt_tokens += len(tokens)
         for cell in cells.values():
@@ -45,7 +46,7 @@ def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...]
             if cell["admission"].decide(tokens, hit).keep:
                 before = len(cache)
                 events = cache.insert(tokens)
-                removed = sum(len(e.block_hashes) for e in events if type(e).__name__ == "BlockRemoved")
+                removed = sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
                 cell["evicted_blocks"] += removed
                 cell["inserted_tokens"] += (len(cache) - before + removed) * BLOCK_TOKENS
             cell["occupancy_sum"] += len(cache) * BLOCK_TOKENS / (cache.capacity_blocks * BLOCK_TOKENS)

@@ -27,7 +27,7 @@ BLOCK_TOKENS = 512
 VOCAB = 32_000
 
 
-def _prompt(hash_ids, input_length: int) -> list[int]:
+def prompt_from_hash_ids(hash_ids, input_length: int) -> list[int]:
     tokens: list[int] = []
     for h in hash_ids:
         tokens += [(h * 7919 + i * 31) % VOCAB for i in range(BLOCK_TOKENS)]
@@ -152,7 +152,7 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
         states = {"stored": 0, "removed": 0}
         ratios, hits_equal, hit_tokens = [], True, 0
         for i, rec in enumerate(records):
-            tokens = _prompt(rec.hash_ids, rec.input_length)
+            tokens = prompt_from_hash_ids(rec.hash_ids, rec.input_length)
             tokens = tokens[: len(tokens) // page * page]
             if not tokens:
                 continue

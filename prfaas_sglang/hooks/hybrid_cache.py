@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
 from prfaas_sglang.kvindex.admission import PrefixAdmission
+from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
 from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
 
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
@@ -369,37 +370,6 @@ def build_tree_cache(ctx: Any):
     if default_builds_radix_cache(ctx) and (admission := admission_from_env()) is not None:
         return AdmissionRadixCache(ctx.params, admission)
     return default_radix_cache_factory(ctx)
-
-
-CHECKPOINT_PLACEMENTS = ("chunks", "end")
-
-
-def chunk_checkpoints_from_env() -> bool:
-    """``PRFAAS_STATE_CHECKPOINTS``: ``chunks`` (SGLang's: a state at every chunk boundary and at
-    the end) or ``end`` (at a request's end only). A bad value raises ValueError at start-up."""
-    from prfaas_sglang.envs import envs
-
-    placement = envs.STATE_CHECKPOINTS.get()
-    if placement not in CHECKPOINT_PLACEMENTS:
-        raise ValueError(f"PRFAAS_STATE_CHECKPOINTS must be one of {', '.join(CHECKPOINT_PLACEMENTS)}, got {placement!r}")
-    return placement == "chunks"
-
-
-def admission_from_env() -> PrefixAdmission | None:
-    """``PRFAAS_PREFILL_CACHE`` (unset: None, SGLang's behaviour); a bad value raises
-    AdmissionConfigError, which stops the server at start-up."""
-    from prfaas_sglang.envs import envs
-    from prfaas_sglang.kvindex.admission import AdmissionConfigError
-
-    mode = envs.PREFILL_CACHE.get()
-    if mode is None:
-        return None
-    raw = envs.PREFILL_CACHE_MIN_SHARED_TOKENS.get()
-    try:
-        min_shared = int(raw)
-    except ValueError:
-        raise AdmissionConfigError(f"PRFAAS_PREFILL_CACHE_MIN_SHARED_TOKENS must be an integer, got {raw!r}") from None
-    return PrefixAdmission(mode, min_shared)
 
 
 def to_wire_batch(batch: EventBatch) -> KVEventBatch:

@@ -121,6 +121,18 @@ def with_peer_hosts(command: LaunchCommand, topology: Topology | None, environ: 
     return replace(command, env={**command.env, name: peers})
 
 
+def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str, str]) -> dict[str, str]:
+    """A PrfaaS node's prefix cache keeps shared prefixes only (kvindex/admission.py), SGLang or
+    emulated: sets ``PRFAAS_PREFILL_CACHE`` in ``env``, or, when ``environ`` has one, leaves it and
+    returns the default as kept (shown by --dry-run)."""
+    if node.role is not Role.PRFAAS:
+        return {}
+    if environ.get(envs.PREFILL_CACHE.name):
+        return {envs.PREFILL_CACHE.name: PREFILL_CACHE_DEFAULT}
+    env[envs.PREFILL_CACHE.name] = PREFILL_CACHE_DEFAULT
+    return {}
+
+
 def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
     """``--kv-events-config`` and, unless the node's own flags choose another cache, our cache
     backend: its state events make a hybrid model's KV-index hits exact, and on a PrfaaS node
@@ -169,9 +181,7 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
     if node.telemetry_port is not None:
         env["PRFAAS_TELEMETRY_PORT"] = str(node.telemetry_port)  # the kv-telemetry hook publishes there
-    kept: dict[str, str] = {}
-    if node.role is Role.PRFAAS:  # one-off long prompts are transfer cache (kvindex/admission.py)
-        (kept if environ.get(envs.PREFILL_CACHE.name) else env)[envs.PREFILL_CACHE.name] = PREFILL_CACHE_DEFAULT
+    kept = _prefill_cache_default(node, environ, env)
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
         for default in mooncake_env(node.role, link) if wan_profile else ():  # the cross-cluster leg's profile, by role
@@ -246,10 +256,7 @@ def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ..
         argv += ["--telemetry-port", str(node.telemetry_port)]
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
-    kept: dict[str, str] = {}
-    if node.role is Role.PRFAAS:  # the same cache policy as an SGLang PrfaaS worker's (kvindex/admission.py)
-        (kept if environ.get(envs.PREFILL_CACHE.name) else env)[envs.PREFILL_CACHE.name] = PREFILL_CACHE_DEFAULT
-    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, kept)
+    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, _prefill_cache_default(node, environ, env))
 
 
 def control_command(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchCommand:

@@ -96,23 +96,22 @@ def config_from_args(args: argparse.Namespace):
 
 
 def _cache_policy_from_env() -> tuple[str, int, bool]:
-    """What the prefix cache keeps, from the variables the SGLang cache backend reads
-    (``PRFAAS_PREFILL_CACHE``, ``_MIN_SHARED_TOKENS``, ``PRFAAS_STATE_CHECKPOINTS``): (mode, min
-    shared tokens, a checkpoint per chunk). Raises ConfigError naming the variable."""
+    """What the prefix cache keeps, read as the SGLang cache backend reads it
+    (``kvindex/admission_env.py``): (mode, min shared tokens, a checkpoint per chunk); unset mode
+    is SGLang's ``all``. Raises ConfigError naming the variable."""
     from prfaas_sglang.envs import envs
-    from prfaas_sglang.kvindex.admission import AdmissionConfigError, PrefixAdmission
+    from prfaas_sglang.kvindex.admission import PrefixAdmission
+    from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
 
-    mode = envs.PREFILL_CACHE.get() or "all"
-    raw = envs.PREFILL_CACHE_MIN_SHARED_TOKENS.get()
     try:
-        PrefixAdmission(mode, int(raw))
-    except (AdmissionConfigError, ValueError) as err:
-        name = envs.PREFILL_CACHE.name if "mode" in str(err) else envs.PREFILL_CACHE_MIN_SHARED_TOKENS.name
-        raise ConfigError(name, str(err)) from None
-    placement = envs.STATE_CHECKPOINTS.get()
-    if placement not in ("chunks", "end"):
-        raise ConfigError(envs.STATE_CHECKPOINTS.name, f"must be chunks or end, got {placement!r}")
-    return mode, int(raw), placement == "chunks"
+        admission = admission_from_env() or PrefixAdmission("all")
+    except ValueError as err:
+        raise ConfigError(envs.PREFILL_CACHE.name, str(err)) from None
+    try:
+        chunk_checkpoints = chunk_checkpoints_from_env()
+    except ValueError as err:
+        raise ConfigError(envs.STATE_CHECKPOINTS.name, str(err)) from None
+    return admission.mode, admission.min_shared_tokens, chunk_checkpoints
 
 
 async def _run(config, timing, tokenizer) -> None:
