@@ -111,9 +111,10 @@ class Envs:
         "PRFAAS_PREFILL_CACHE",
         None,
         "SGLang prefill worker with the prfaas-hybrid cache backend: which finished prefills its radix "
-        "tree keeps (kvindex/admission.py): all | shared | none. Unset: SGLang's behaviour (all). "
-        "The launcher sets shared for the prfaas role: one-off long prompts are transfer cache, "
-        "freed once sent; a prefix seen twice is kept.",
+        "tree keeps (kvindex/admission.py): all | shared | auto | none. Unset: SGLang's behaviour "
+        "(all). shared: one-off long prompts are transfer cache, freed once sent; a prefix seen "
+        "twice is kept. auto (the launcher's default for the prfaas role): shared, but one-off "
+        "prompts are kept too while most returning prefixes come back within the cache's reach.",
     )
     PREFILL_CACHE_MIN_SHARED_TOKENS = EnvVar(
         "PRFAAS_PREFILL_CACHE_MIN_SHARED_TOKENS",

@@ -341,6 +341,16 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req", "(self, req: 'Req', is_insert: 'bool' = True)"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.__init__", "(self, params: 'CacheInitParams')"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset", "(self) -> 'None'"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.match_prefix",
+             "(self, params: 'MatchPrefixParams') -> 'MatchResult'"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.cache_unfinished_req",
+             "(self, req: 'Req', chunked=False) -> 'None'"),
+            ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.cache_finished_req",
+             "(self, req: 'Req', is_insert: 'bool' = True) -> 'None'"),
+            ("sglang.srt.mem_cache.common.free_swa_out_of_window_slots",
+             "(req: 'Req', pre_len: 'int', *, sliding_window_size: 'int', page_size: 'int', "
+             "req_to_token_pool: 'ReqToTokenPool', token_to_kv_pool_allocator: 'BaseTokenToKVPoolAllocator', "
+             "is_chunk_cache: 'bool' = False) -> 'None'"),
             ("sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._add_new_node",
              "(self, parent: 'TreeNode', key: 'RadixKey', value: 'torch.Tensor', swa_tombstone: 'bool' = False) "
              "-> 'TreeNode'"),
@@ -352,7 +362,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             ("sglang.srt.mem_cache.swa_radix_cache.LRUList.in_list", "(self, node: 'Optional[TreeNode]')"),
         ),
         subject=("[cache] Hybrid models' Mamba state checkpoints and sliding-window pages are published as KV "
-                 "events; a PrfaaS worker keeps only shared prefixes"),
+                 "events; a PrfaaS worker keeps only prefixes worth keeping"),
         why=(
             "MambaRadixCache publishes pages only: storing or evicting a prefix's linear-attention state emits "
             "nothing, yet it decides how much of the prefix a hybrid model reuses, so a KV index either "
@@ -367,11 +377,12 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "models, an SWARadixCache subclass publishes which stored pages lose their window KV and get it "
             "back (\"swa\" StateRemoved/StateStored with the window; its SWA LRU list notes every node whose "
             "window KV came or went), so the kv-index applies SGLang's window rule. With "
-            "PRFAAS_PREFILL_CACHE (the launcher sets shared for the prfaas role) each request is decided at its "
+            "PRFAAS_PREFILL_CACHE (the launcher sets auto for the prfaas role) each request is decided at its "
             "first match: a transfer-cache request takes SGLang's no-insert path for its chunks and finishes "
-            "with is_insert=False, so its KV is freed once its transfer completes; in the Mamba cache and, for "
-            "full-attention models, in a RadixCache subclass built where the default chain builds a RadixCache "
-            "(the SWA cache keeps every prefill yet)."
+            "with is_insert=False, so its KV is freed once its transfer completes; in the Mamba cache, in the "
+            "SWA cache (whose transfer-cache requests free their own out-of-window KV per chunk, as SGLang's "
+            "chunk cache does) and, for full-attention models, in a RadixCache subclass built where the "
+            "default chain builds a RadixCache."
         ),
         upstream_status="the shape of upstream's component-typed KV events (main's --enable-kv-events-component-types, "
                         "sglang PR #32514; not in the 0.5.23 wheel)",

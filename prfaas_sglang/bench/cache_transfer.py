@@ -92,7 +92,7 @@ def _one(url: str, rng: random.Random, length: int, suffix: int) -> dict:
     suffix; what the router decided."""
     prompt = [rng.randrange(1, 1 << 31) for _ in range(length)]
     before = requests.get(url + "/status", timeout=5).json()["workers"]["prfaas-0"]["index_blocks"] or 0
-    # Twice: the PrfaaS worker's cache keeps a prefix seen twice (PRFAAS_PREFILL_CACHE=shared), not a one-off.
+    # Twice: the PrfaaS worker's cache keeps a prefix seen twice, and not always a one-off (PRFAAS_PREFILL_CACHE=auto).
     for _ in range(2):
         warm = requests.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
                              timeout=600)

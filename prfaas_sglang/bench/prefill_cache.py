@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from prfaas_sglang.bench.state_events import BLOCK_TOKENS, prompt_from_hash_ids
 
-MODES = ("all", "shared", "none")
+MODES = ("all", "shared", "auto", "none")
 
 
 def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...] = (262_144, 1_048_576, 4_194_304, 16_777_216),
@@ -29,7 +29,7 @@ def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...]
     from prfaas_sglang.wire.kv_events import BlockRemoved
 
     cells = {(mode, cap): {"cache": PrefixCache(BLOCK_TOKENS, max(cap // BLOCK_TOKENS, 1), hybrid=True),
-                           "admission": PrefixAdmission(mode, min_shared_tokens),
+                           "admission": PrefixAdmission(mode, min_shared_tokens, capacity_tokens=cap),
                            "hit_tokens": 0, "inserted_tokens": 0, "evicted_blocks": 0, "occupancy_sum": 0}
              for mode in MODES for cap in cache_tokens}
     seen = prompt_tokens = 0

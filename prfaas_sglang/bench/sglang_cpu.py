@@ -83,3 +83,25 @@ def cpu_radix_cache(cache_cls, page_size: int, kv_tokens: int, events: bool = Tr
     params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
                              page_size=page_size, enable_kv_cache_events=events)
     return CpuHybridCache(cache_cls(params), kv, req_pool, None, params, page_size)
+
+
+def cpu_swa_cache(cache_cls, page_size: int, full_tokens: int, swa_tokens: int, window_tokens: int,
+                  events: bool = True, req_slots: int = 4, max_context_len: int = 256) -> CpuHybridCache:
+    """``cache_cls`` (``SWARadixCache`` or a subclass: a sliding-window model's cache) over SGLang's
+    SWA pools: ``full_tokens`` of full-attention KV (layer 2), ``swa_tokens`` of sliding-window KV
+    (layers 0 and 1), a ``window_tokens`` window. ``kv`` is the ``SWATokenToKVPoolAllocator``."""
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    set_global_server_args(page_size)
+    pool = SWAKVPool(size=full_tokens, size_swa=swa_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=1,
+                     head_dim=4, swa_attention_layer_ids=[0, 1], full_attention_layer_ids=[2], device="cpu")
+    kv = SWATokenToKVPoolAllocator(size=full_tokens, size_swa=swa_tokens, page_size=page_size, dtype=torch.bfloat16,
+                                   device="cpu", kvcache=pool, need_sort=False)
+    req_pool = ReqToTokenPool(size=req_slots, max_context_len=max_context_len, device="cpu", enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
+                             page_size=page_size, enable_kv_cache_events=events, sliding_window_size=window_tokens)
+    return CpuHybridCache(cache_cls(params), kv, req_pool, pool, params, page_size)

@@ -169,7 +169,7 @@ def check_kv_index(ctx: Context) -> CheckResult:
     wrong, rows = [], []
     base = prompt_ids(2048, ctx.vocab_size or 4096, 777)
     # Three sightings: a PrfaaS worker keeps a prefill only once its prefix was seen before
-    # (PRFAAS_PREFILL_CACHE=shared), so the second is inserted and the third hits.
+    # (PRFAAS_PREFILL_CACHE=shared; auto may keep the first), so the second is inserted and the third hits.
     more = extended(base, 1024, ctx.vocab_size or 4096, 778)
     for label, ids in (("first", base), ("second", base), ("repeat", base), ("extend", more)):
         time.sleep(1.0)  # KV events are published after the request; let them land

@@ -17,10 +17,10 @@ of the prefix a hybrid model can reuse. Two registered parts fix that:
 
 The same backend applies a PrfaaS prefill worker's admission policy
 (:mod:`prfaas_sglang.kvindex.admission`, ``PRFAAS_PREFILL_CACHE``) in the Mamba cache and, for
-full-attention models, in :class:`AdmissionRadixCache` (SGLang's ``RadixCache``): a request whose
-prefill is *transfer cache* is never inserted (neither its chunks nor its end), so its pages
-and state slot go back to the pools when SGLang releases it after its KV transfer. (SGLang's
-``SWARadixCache`` has no admission yet: every prefill is kept there.)
+full-attention models, in :class:`AdmissionRadixCache` (SGLang's ``RadixCache``), and for
+sliding-window models in :class:`StateEventsSWARadixCache`: a request whose prefill is *transfer
+cache* is never inserted (neither its chunks nor its end), so its pages and state slot go back to
+the pools when SGLang releases it after its KV transfer.
 
 The cache hands its state events to the publisher inside the list
 ``take_events()`` returns (:class:`EventsWithState`), which SGLang passes on
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from sglang.srt.disaggregation.kv_events import BlockRemoved as SglBlockRemoved
 from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
+from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.swa_radix_cache import LRUList as SwaLRUList
@@ -236,7 +237,7 @@ class _TouchedLRUList(SwaLRUList):
             self._cache._touched.append(node)
 
 
-class StateEventsSWARadixCache(SWARadixCache):
+class StateEventsSWARadixCache(_PrefillAdmission, SWARadixCache):
     """``SWARadixCache`` that reports which stored pages lack their sliding-window KV.
 
     SGLang's tree keeps a node's full-attention KV after freeing its window KV (a *tombstone*,
@@ -249,7 +250,26 @@ class StateEventsSWARadixCache(SWARadixCache):
     last batch are compared with what was published: a node in the tree and in the list holds its
     pages; a tombstone does not; a page merged or split into another node keeps what that node
     says, so splits and merges publish nothing. Events scale with window evictions, not with
-    stored pages. Records only while KV events are enabled; reset clears all (``AllBlocksCleared``)."""
+    stored pages. Records only while KV events are enabled; reset clears all (``AllBlocksCleared``).
+
+    With an ``admission`` policy: :class:`_PrefillAdmission`. A transfer-cache request's chunks
+    are its own, outside the tree, so no tree eviction frees their window KV: each chunk's end
+    frees the request's sliding-window KV older than the window before that chunk's start, as
+    SGLang does for a chunk cache (``free_swa_out_of_window_slots``). The chunk just computed may
+    still run under overlap scheduling; it reads nothing older. The full-attention KV stays until
+    the transfer completes."""
+
+    def __init__(self, params: Any, admission: PrefixAdmission | None = None):
+        self._init_admission(admission)
+        super().__init__(params)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        super().cache_unfinished_req(req, chunked=chunked)
+        if not self._inserts_chunks(req) and not self.disable:
+            free_swa_out_of_window_slots(
+                req, req.extend_range.start, sliding_window_size=self.sliding_window_size, page_size=self.page_size,
+                req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+                is_chunk_cache=True)
 
     def reset(self) -> None:  # also run by SWARadixCache.__init__
         super().reset()
@@ -358,16 +378,25 @@ def default_builds_mamba_radix_cache(ctx: Any) -> bool:
     return bool(ctx.is_hybrid_ssm)
 
 
+def cache_capacity(params: Any) -> tuple[int, int | None]:
+    """(KV tokens, state slots or None) a tree built from SGLang's ``CacheInitParams`` can fill:
+    the token allocator's size (full-attention KV for a sliding-window model: a resumable prefix
+    needs only a window of the other), and the Mamba state pool's slots for a hybrid model."""
+    allocator = params.token_to_kv_pool_allocator
+    mamba_pool = getattr(params.req_to_token_pool, "mamba_pool", None)
+    return int(getattr(allocator, "size_full", allocator.size)), None if mamba_pool is None else int(mamba_pool.size)
+
+
 def build_tree_cache(ctx: Any):
     """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
     caches in place of ``MambaRadixCache`` and ``SWARadixCache``."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     if default_builds_mamba_radix_cache(ctx):
-        return StateEventsMambaRadixCache(ctx.params, admission_from_env(), chunk_checkpoints_from_env())
+        return StateEventsMambaRadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)), chunk_checkpoints_from_env())
     if default_builds_swa_radix_cache(ctx):
-        return StateEventsSWARadixCache(params=ctx.params)
-    if default_builds_radix_cache(ctx) and (admission := admission_from_env()) is not None:
+        return StateEventsSWARadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)))
+    if default_builds_radix_cache(ctx) and (admission := admission_from_env(*cache_capacity(ctx.params))) is not None:
         return AdmissionRadixCache(ctx.params, admission)
     return default_radix_cache_factory(ctx)
 

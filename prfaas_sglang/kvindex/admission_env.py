@@ -19,9 +19,10 @@ def chunk_checkpoints_from_env() -> bool:
     return placement == "chunks"
 
 
-def admission_from_env() -> PrefixAdmission | None:
-    """``PRFAAS_PREFILL_CACHE`` (unset: None, SGLang's behaviour); a bad value raises
-    AdmissionConfigError (a ValueError), which stops the server at start-up."""
+def admission_from_env(capacity_tokens: int | None = None, capacity_states: int | None = None) -> PrefixAdmission | None:
+    """``PRFAAS_PREFILL_CACHE`` (unset: None, SGLang's behaviour) for a cache of ``capacity_tokens``
+    KV tokens and ``capacity_states`` state slots (None: not bounded by states), which ``auto``
+    needs; a bad value raises AdmissionConfigError (a ValueError), which stops the server at start-up."""
     mode = envs.PREFILL_CACHE.get()
     if mode is None:
         return None
@@ -30,4 +31,4 @@ def admission_from_env() -> PrefixAdmission | None:
         min_shared = int(raw)
     except ValueError:
         raise AdmissionConfigError(f"PRFAAS_PREFILL_CACHE_MIN_SHARED_TOKENS must be an integer, got {raw!r}") from None
-    return PrefixAdmission(mode, min_shared)
+    return PrefixAdmission(mode, min_shared, capacity_tokens=capacity_tokens, capacity_states=capacity_states)

@@ -84,7 +84,7 @@ def _refuse_owned_flags(extra_args: tuple[str, ...]) -> None:
 # state-reporting MambaRadixCache. Names only: the launcher does not import SGLang.
 EVENT_PUBLISHER = "prfaas-zmq"
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
-PREFILL_CACHE_DEFAULT = "shared"  # what a PrfaaS prefill worker's tree keeps (envs.PREFILL_CACHE)
+PREFILL_CACHE_DEFAULT = "auto"  # what a PrfaaS prefill worker's tree keeps (envs.PREFILL_CACHE)
 # Upstream refuses --radix-cache-backend together with these (server_args: not int8-aware).
 _EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
 
@@ -122,7 +122,8 @@ def with_peer_hosts(command: LaunchCommand, topology: Topology | None, environ: 
 
 
 def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str, str]) -> dict[str, str]:
-    """A PrfaaS node's prefix cache keeps shared prefixes only (kvindex/admission.py), SGLang or
+    """A PrfaaS node's prefix cache keeps shared prefixes, and one-off prompts only where the cache
+    is large enough to hold them until they come back (``auto``, kvindex/admission.py), SGLang or
     emulated: sets ``PRFAAS_PREFILL_CACHE`` in ``env``, or, when ``environ`` has one, leaves it and
     returns the default as kept (shown by --dry-run)."""
     if node.role is not Role.PRFAAS:

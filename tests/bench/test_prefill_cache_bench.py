@@ -52,3 +52,24 @@ def test_cli_prints_a_table_and_refuses_bad_input(tmp_path):
     for bad in (["--cache-tokens", "x"], ["--cache-tokens", "100"], ["--min-tokens", "0"], ["--min-tokens", "999999"]):
         r = run_py(["-m", "prfaas_sglang.bench", "prefill-cache", "--trace", trace, *bad])
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr[-300:])
+
+
+def test_auto_follows_all_in_a_cache_that_holds_a_turn_until_the_next_and_shared_in_one_that_does_not(tmp_path):
+    """Conversations (a 16K-token turn, back 2 steps later as a 20K-token turn) and a 10K-token
+    system prompt with unique 10K-token tails. 400 pages hold a turn until the next one: keeping
+    every prefill (``all``) hits every second turn, ``shared`` misses them. 64 pages do not: there
+    ``all`` thrashes and ``shared`` keeps the system prompt. ``auto`` does the better in each."""
+    def conversation(c: int, blocks: int) -> list[int]:
+        return [100_000 + 100 * c + j for j in range(blocks)]
+
+    records = []
+    for i in range(40):
+        records.append((32 * 512, conversation(i, 32)))
+        if i >= 2:
+            records.append((40 * 512, conversation(i - 2, 40)))
+        records.append((40 * 512, list(range(20)) + [50_000 + 20 * i + j for j in range(20)]))
+    result = prefill_cache.run(_trace(tmp_path, records), min_tokens=16_384, cache_tokens=(64 * 512, 400 * 512))
+    hits = {(r["cache_tokens"] // 512, r["mode"]): r["hit_fraction"] for r in result["rows"]}
+    assert hits[400, "all"] > 2 * hits[400, "shared"] and hits[400, "auto"] == hits[400, "all"]
+    assert hits[64, "shared"] > 20 * hits[64, "all"]
+    assert hits[64, "auto"] >= 0.9 * hits[64, "shared"]  # less only by what it kept before it had measured

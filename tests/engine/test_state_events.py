@@ -32,6 +32,7 @@ from prfaas_sglang.hooks import hybrid_cache  # noqa: E402
 
 MAMBA_SLOTS = 6
 KV_TOKENS = 96
+FLOW_SWA_TOKENS, FLOW_WINDOW_TOKENS = 56, 8  # Flows("swa"): two 40-token prompts in flight need 80 without window freeing
 
 
 class RealCache:
@@ -187,9 +188,10 @@ def test_without_kv_events_nothing_is_recorded():
     assert not events and events.state_events == []
 
 
-def test_the_registered_factory_builds_ours_where_sglang_builds_a_mamba_radix_cache():
+def test_the_registered_factory_builds_ours_where_sglang_builds_a_mamba_radix_cache(monkeypatch):
     """``prfaas-hybrid`` = SGLang's default chain with our subclass in MambaRadixCache's place, and
-    ``default_builds_mamba_radix_cache`` predicts the default chain (drift check)."""
+    ``default_builds_mamba_radix_cache`` predicts the default chain (drift check). With ``auto``
+    admission the policy gets the pools' real capacity: KV tokens and state slots."""
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
@@ -211,6 +213,11 @@ def test_the_registered_factory_builds_ours_where_sglang_builds_a_mamba_radix_ca
             assert type(ours) is hybrid_cache.StateEventsMambaRadixCache
         else:
             assert type(ours) is type(default)
+    monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "auto")
+    ours = hybrid_cache.build_tree_cache(ctx())
+    assert ours.admission.mode == "auto"
+    assert ours.admission.capacity_tokens == real.kv.size == KV_TOKENS
+    assert ours.admission.capacity_states == real.req_pool.mamba_pool.size == MAMBA_SLOTS
 
 
 def test_scheduler_publisher_over_zmq_to_the_kv_index():
@@ -284,7 +291,7 @@ def test_the_registered_factory_puts_admission_where_sglang_builds_a_plain_radix
                     tp_group=None)
         return SimpleNamespace(**{**base, **kw})
 
-    for env in (None, "shared"):
+    for env in (None, "shared", "auto"):
         if env is None:
             monkeypatch.delenv("PRFAAS_PREFILL_CACHE", raising=False)
         else:
@@ -296,13 +303,15 @@ def test_the_registered_factory_puts_admission_where_sglang_builds_a_plain_radix
             ours = hybrid_cache.build_tree_cache(c)
             if type(default) is RadixCache and env is not None:
                 assert type(ours) is hybrid_cache.AdmissionRadixCache and ours.admission.mode == env
+                # the token pool bounds a full-attention tree; no state slots
+                assert (ours.admission.capacity_tokens, ours.admission.capacity_states) == (KV_TOKENS, None)
             else:
                 assert type(ours) is type(default)
     for kw in ({"is_hybrid_ssm": True}, {"server_args": SimpleNamespace(enable_lmcache=True)},
                {"enable_hierarchical_cache": True}):
         assert not hybrid_cache.default_builds_radix_cache(ctx(**kw)), kw  # other branches of the chain
     monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "sometimes")
-    with pytest.raises(ValueError, match="all, shared, none"):
+    with pytest.raises(ValueError, match="all, shared, auto, none"):
         hybrid_cache.build_tree_cache(ctx())
 
 
@@ -316,30 +325,44 @@ class Flows:
 
     def __init__(self, mode: str | None, min_shared_tokens: int = 8, chunk_checkpoints: bool = True,
                  kind: str = "mamba"):
-        """``kind``: ``mamba`` (a hybrid model's StateEventsMambaRadixCache) or ``radix`` (a
-        full-attention model's AdmissionRadixCache over SGLang's plain pools)."""
-        from prfaas_sglang.bench.sglang_cpu import cpu_radix_cache
+        """``kind``: ``mamba`` (a hybrid model's StateEventsMambaRadixCache), ``radix`` (a
+        full-attention model's AdmissionRadixCache over SGLang's plain pools) or ``swa`` (a
+        sliding-window model's StateEventsSWARadixCache over SGLang's SWA pools: FLOW_SWA_TOKENS of
+        window KV, less than two prompts in flight need unless out-of-window KV is freed)."""
+        from prfaas_sglang.bench.sglang_cpu import cpu_radix_cache, cpu_swa_cache
         from prfaas_sglang.kvindex.admission import PrefixAdmission
 
-        admission = None if mode is None else PrefixAdmission(mode, min_shared_tokens)
+        admission = None if mode is None else PrefixAdmission(mode, min_shared_tokens, capacity_tokens=KV_TOKENS)
         self.kind = kind
         if kind == "mamba":
             self.real = RealCache(page_size=1)
             self.real.cache.admission = admission
             self.real.cache.chunk_checkpoints = chunk_checkpoints
+        elif kind == "swa":
+            self.real = cpu_swa_cache(lambda params: hybrid_cache.StateEventsSWARadixCache(params, admission), 1,
+                                      KV_TOKENS, FLOW_SWA_TOKENS, FLOW_WINDOW_TOKENS)
         else:
             self.real = cpu_radix_cache(lambda params: hybrid_cache.AdmissionRadixCache(params, admission), 1, KV_TOKENS)
         self.in_flight: list = []
 
     def tree_tokens(self) -> int:
         size = self.real.cache.total_size()
-        return size[0] if self.kind == "mamba" else size
+        return size if self.kind == "radix" else size[0]
+
+    def free_tokens(self) -> int:
+        """Free full-attention KV slots."""
+        kv = self.real.kv
+        return kv.full_available_size() if self.kind == "swa" else kv.available_size()
 
     def check_accounting(self) -> None:
-        """Every KV slot is free, in the tree, or held by a request beyond its cached prefix."""
+        """Every KV slot is free, in the tree, or held by a request beyond its cached prefix (for
+        window KV: beyond its cached prefix and what it freed out of the window)."""
         kv = self.real.kv
         held = sum(req.done - req.cache_protected_len for req in self.in_flight)
-        assert kv.available_size() + self.tree_tokens() + held == KV_TOKENS
+        assert self.free_tokens() + self.tree_tokens() + held == KV_TOKENS
+        if self.kind == "swa":
+            held_swa = sum(req.done - max(req.cache_protected_len, req.swa_evicted_seqlen) for req in self.in_flight)
+            assert kv.swa_available_size() + self.real.cache.total_size()[1] + held_swa == FLOW_SWA_TOKENS
         if self.kind == "mamba":
             mamba = self.real.req_pool.mamba_allocator
             assert mamba.available_size() + self.real.cache.total_size()[1] + len(self.in_flight) == MAMBA_SLOTS
@@ -353,7 +376,7 @@ class Flows:
         req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids),
                   sampling_params=SamplingParams(max_new_tokens=1))
         req.init_next_round_input(self.real.cache)
-        self.real.cache.inc_lock_ref(req.last_node)
+        req.swa_uuid_for_lock = self.real.cache.inc_lock_ref(req.last_node).swa_uuid_for_lock  # as PrefillAdder does
         if self.kind == "mamba" and self.real.req_pool.mamba_allocator.available_size() == 0:
             self.real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
         self.real.req_pool.alloc([req])
@@ -368,8 +391,11 @@ class Flows:
 
         end = min(req.done + size, len(req.origin_input_ids))
         kv, cache = self.real.kv, self.real.cache
-        if kv.available_size() < end - req.done:
-            cache.evict(EvictParams(num_tokens=end - req.done - kv.available_size()))
+        free = self.free_tokens()
+        if free < end - req.done:
+            cache.evict(EvictParams(num_tokens=end - req.done - free))
+        if self.kind == "swa" and kv.swa_available_size() < end - req.done:
+            cache.evict(EvictParams(num_tokens=0, swa_num_tokens=end - req.done - kv.swa_available_size()))
         loc = kv.alloc(end - req.done)
         assert loc is not None, "the test's pools are sized so that a prompt always fits"
         self.real.req_pool.write((req.req_pool_idx, slice(req.done, end)), loc)
@@ -391,11 +417,12 @@ class Flows:
         self.in_flight.remove(req)
 
 
-@pytest.mark.parametrize("kind", ["mamba", "radix"])
+@pytest.mark.parametrize("kind", ["mamba", "radix", "swa"])
 def test_unique_long_prompts_are_transfer_cache_and_leave_the_tree_empty(kind):
     """The PrfaaS worker's bulk traffic: one-off long prompts. With ``shared`` nothing of them is
     inserted (neither chunks nor ends) and every page and state slot is back once sent; SGLang's
-    behaviour (``all``) fills the tree with them. A hybrid model's cache and a full-attention one's."""
+    behaviour (``all``) fills the tree with them. A hybrid model's cache, a full-attention one's and
+    a sliding-window one's."""
     for mode, tree_after in (("shared", 0), ("none", 0), (None, 1), ("all", 1)):
         flows = Flows(mode, kind=kind)
         for n in range(6):
@@ -408,14 +435,17 @@ def test_unique_long_prompts_are_transfer_cache_and_leave_the_tree_empty(kind):
         tokens = flows.tree_tokens()
         assert (tokens > 0) == bool(tree_after), (mode, tokens)
         if not tree_after:
-            assert flows.real.kv.available_size() == KV_TOKENS
+            if kind == "swa":
+                assert (flows.real.kv.full_available_size(), flows.real.kv.swa_available_size()) == (KV_TOKENS, FLOW_SWA_TOKENS)
+            else:
+                assert flows.real.kv.available_size() == KV_TOKENS
             assert kind == "radix" or flows.real.cache.total_size()[1] == 0
         if mode is not None:
             stats = flows.real.cache.admission.stats
             assert stats.kept_requests + stats.transfer_requests == 6
 
 
-@pytest.mark.parametrize("kind", ["mamba", "radix"])
+@pytest.mark.parametrize("kind", ["mamba", "radix", "swa"])
 def test_a_prefix_seen_twice_is_kept_and_then_reused(kind):
     flows = Flows("shared", kind=kind)
     shared = list(range(500, 532))
@@ -462,8 +492,8 @@ def test_checkpoints_at_the_request_end_only():
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(["shared", "none", "all"]), chunk_checkpoints=st.booleans(),
-       kind=st.sampled_from(["mamba", "radix"]),
+@given(mode=st.sampled_from(["shared", "auto", "none", "all"]), chunk_checkpoints=st.booleans(),
+       kind=st.sampled_from(["mamba", "radix", "swa"]),
        prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 30), st.integers(4, 16)), min_size=1, max_size=8))
 def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_checkpoints, kind, prompts):
     """free + tree + held = total (KV) and free + tree + requests = total (Mamba slots) after every
@@ -483,7 +513,7 @@ def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_
                         flows.transferred(req)
                         pending.remove(item)
                     flows.check_accounting()
-    assert flows.real.kv.available_size() + flows.tree_tokens() == KV_TOKENS
+    assert flows.free_tokens() + flows.tree_tokens() == KV_TOKENS
 
 
 # --- a prefix moved between clusters (hooks/cache_import.py, wire/prefix_transfer.py) -----------------
@@ -580,20 +610,11 @@ class RealSwaCache:
     already freed (``swa_evicted_seqlen``: what a long decode does, ``free_swa_out_of_window_slots``)."""
 
     def __init__(self, page_size: int, window_tokens: int, events: bool = True):
-        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+        from prfaas_sglang.bench.sglang_cpu import cpu_swa_cache
 
-        pool = SWAKVPool(size=SWA_FULL_TOKENS, size_swa=SWA_TOKENS, page_size=page_size, dtype=torch.bfloat16, head_num=1,
-                         head_dim=4, swa_attention_layer_ids=[0, 1], full_attention_layer_ids=[2], device="cpu")
-        self.alloc = SWATokenToKVPoolAllocator(size=SWA_FULL_TOKENS, size_swa=SWA_TOKENS, page_size=page_size,
-                                               dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
-        self.params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(4, 256, "cpu", False),
-                                      token_to_kv_pool_allocator=self.alloc, page_size=page_size,
-                                      enable_kv_cache_events=events, sliding_window_size=window_tokens)
-        self.cache = hybrid_cache.StateEventsSWARadixCache(params=self.params)
-        self.page_size = page_size
+        built = cpu_swa_cache(hybrid_cache.StateEventsSWARadixCache, page_size, SWA_FULL_TOKENS, SWA_TOKENS,
+                              window_tokens, events)
+        self.alloc, self.params, self.cache, self.page_size = built.kv, built.params, built.cache, page_size
 
     def _alloc(self, n: int):
         if self.page_size == 1:
@@ -693,9 +714,10 @@ def test_without_kv_events_the_swa_cache_records_nothing():
     assert real.cache._touched == [] and real.cache._missing == {}
 
 
-def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cache():
+def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cache(monkeypatch):
     """``prfaas-hybrid`` puts the state-reporting SWA cache where SGLang's default chain builds an
-    ``SWARadixCache``, and ``default_builds_swa_radix_cache`` predicts the chain (drift check)."""
+    ``SWARadixCache``, and ``default_builds_swa_radix_cache`` predicts the chain (drift check); with
+    ``PRFAAS_PREFILL_CACHE`` the admission policy, sized by the full-attention pool."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
     from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 
@@ -716,6 +738,10 @@ def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cac
         assert not hybrid_cache.default_builds_mamba_radix_cache(c)  # SWA comes first in the chain
         ours = hybrid_cache.build_tree_cache(c)
         if type(default) is SWARadixCache:
-            assert type(ours) is hybrid_cache.StateEventsSWARadixCache
+            assert type(ours) is hybrid_cache.StateEventsSWARadixCache and ours.admission is None
         else:
             assert type(ours) is type(default)
+    monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "auto")
+    ours = hybrid_cache.build_tree_cache(ctx())
+    assert ours.admission.mode == "auto"
+    assert (ours.admission.capacity_tokens, ours.admission.capacity_states) == (SWA_FULL_TOKENS, None)

@@ -136,16 +136,16 @@ class TestPlan:
         assert config.publisher in EventPublisherFactory._registry
         assert get_radix_cache_factory(argv[argv.index("--radix-cache-backend") + 1]) is not None
 
-    def test_only_the_prfaas_role_keeps_shared_prefixes_only(self):
-        """PRFAAS_PREFILL_CACHE=shared for the prfaas role (kvindex/admission.py); an operator's own
+    def test_only_the_prfaas_role_gets_the_auto_admission_policy(self):
+        """PRFAAS_PREFILL_CACHE=auto for the prfaas role (kvindex/admission.py); an operator's own
         value is kept and shown; other roles keep SGLang's behaviour."""
         from prfaas_sglang.hooks.hybrid_cache import admission_from_env
 
         prfaas = Node("p0", "prfaas", Role.PRFAAS, bootstrap_port=8998, kv_events_port=5557, model_path="/m")
         plan = sglang_command(prfaas, "python", {})
-        assert plan.env["PRFAAS_PREFILL_CACHE"] == "shared"
+        assert plan.env["PRFAAS_PREFILL_CACHE"] == "auto"
         own = sglang_command(prfaas, "python", {"PRFAAS_PREFILL_CACHE": "all"})
-        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept == {**own.env_kept, "PRFAAS_PREFILL_CACHE": "shared"}
+        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept == {**own.env_kept, "PRFAAS_PREFILL_CACHE": "auto"}
         for role in (Role.PD_PREFILL, Role.PD_DECODE):
             node = Node("x", "pd", role, bootstrap_port=8999 if role is Role.PD_PREFILL else None, model_path="/m",
                         port=30001)
@@ -153,17 +153,19 @@ class TestPlan:
             assert "PRFAAS_PREFILL_CACHE" not in mock_command(node, "python", "h20x8").env
         # the emulated engine follows the same policy (its cache uses the same PrefixAdmission)
         emulated = mock_command(dataclasses.replace(prfaas, port=30000), "python", "h200x8")
-        assert emulated.env["PRFAAS_PREFILL_CACHE"] == "shared"
+        assert emulated.env["PRFAAS_PREFILL_CACHE"] == "auto"
         own = mock_command(dataclasses.replace(prfaas, port=30000), "python", "h200x8", environ={"PRFAAS_PREFILL_CACHE": "all"})
-        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept["PRFAAS_PREFILL_CACHE"] == "shared"
+        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept["PRFAAS_PREFILL_CACHE"] == "auto"
         import os
 
         saved = os.environ.get("PRFAAS_PREFILL_CACHE")
         try:
             os.environ["PRFAAS_PREFILL_CACHE"] = plan.env["PRFAAS_PREFILL_CACHE"]
-            assert admission_from_env().mode == "shared"
+            assert admission_from_env(capacity_tokens=1 << 20).mode == "auto"
+            with pytest.raises(ValueError, match="capacity"):  # auto needs the cache's size
+                admission_from_env()
             os.environ["PRFAAS_PREFILL_CACHE"] = "most"
-            with pytest.raises(ValueError, match="all, shared, none"):
+            with pytest.raises(ValueError, match="all, shared, auto, none"):
                 admission_from_env()
         finally:
             os.environ.pop("PRFAAS_PREFILL_CACHE", None)

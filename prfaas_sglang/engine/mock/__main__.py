@@ -78,7 +78,7 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--enable-pd-role-switch", "and --disaggregation-decode-enable-radix-cache do not combine yet")
     if args.disaggregation_decode_enable_radix_cache and spec.disaggregation_mode != "decode":
         raise ConfigError("--disaggregation-decode-enable-radix-cache", f"is for decode roles, not {role.value}")
-    prefill_cache, min_shared, chunk_checkpoints = _cache_policy_from_env()
+    prefill_cache, min_shared, chunk_checkpoints = _cache_policy_from_env(args.cache_tokens)
     return MockConfig(
         role=role, host=args.host, port=args.port, profile=args.profile,
         served_model_name=args.served_model_name or args.profile.split("@", 1)[0],
@@ -95,8 +95,8 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
-def _cache_policy_from_env() -> tuple[str, int, bool]:
-    """What the prefix cache keeps, read as the SGLang cache backend reads it
+def _cache_policy_from_env(cache_tokens: int) -> tuple[str, int, bool]:
+    """What a prefix cache of ``cache_tokens`` keeps, read as the SGLang cache backend reads it
     (``kvindex/admission_env.py``): (mode, min shared tokens, a checkpoint per chunk); unset mode
     is SGLang's ``all``. Raises ConfigError naming the variable."""
     from prfaas_sglang.envs import envs
@@ -104,7 +104,7 @@ def _cache_policy_from_env() -> tuple[str, int, bool]:
     from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
 
     try:
-        admission = admission_from_env() or PrefixAdmission("all")
+        admission = admission_from_env(cache_tokens) or PrefixAdmission("all")
     except ValueError as err:
         raise ConfigError(envs.PREFILL_CACHE.name, str(err)) from None
     try:

@@ -163,7 +163,8 @@ class MockEngine:
         self.cache = PrefixCache(config.page_size, max(config.cache_tokens // config.page_size, 1), timing.hybrid,
                                  checkpoint_interval_tokens=interval)
         # Which prefills the cache keeps (the same policy object as the SGLang cache backend's).
-        self.admission = PrefixAdmission(config.prefill_cache, config.prefill_cache_min_shared_tokens)
+        self.admission = PrefixAdmission(config.prefill_cache, config.prefill_cache_min_shared_tokens,
+                                         capacity_tokens=self.cache.capacity_blocks * config.page_size)
         self.stats = Stats()
         self.kv: KvEndpoint | None = None
         self.publisher = None
