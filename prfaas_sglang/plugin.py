@@ -382,7 +382,9 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "with is_insert=False, so its KV is freed once its transfer completes; in the Mamba cache, in the "
             "SWA cache (whose transfer-cache requests free their own out-of-window KV per chunk, as SGLang's "
             "chunk cache does) and, for full-attention models, in a RadixCache subclass built where the "
-            "default chain builds a RadixCache."
+            "default chain builds a RadixCache. A request's custom_params.prfaas_checkpoint_tokens (a router's "
+            "checkpoint hint) becomes the Mamba match's mamba_branching_seqlen where SGLang found none, so its "
+            "extra-buffer scheduling keeps a state there."
         ),
         upstream_status="the shape of upstream's component-typed KV events (main's --enable-kv-events-component-types, "
                         "sglang PR #32514; not in the 0.5.23 wheel)",

@@ -33,6 +33,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from prfaas_sglang.tokenizer import PromptTokenizer
 
 MAX_TOKEN_ID = 2**31 - 1
+# A state checkpoint asked for at this prompt length (tokens), in SGLang's pass-through
+# ``custom_params`` (``sampling_params.custom_params`` on /generate, top-level on the OpenAI
+# endpoints): the router sets it on a prefill leg, a client may set it too; SGLang keeps
+# custom_params on the request untouched, our cache backend reads it (hooks/hybrid_cache.py).
+CHECKPOINT_PARAM = "prfaas_checkpoint_tokens"
 # Where a body's token ids sit, per endpoint kind (chat has none): what parse_request reads.
 ID_KEYS = {"generate": "input_ids", "completions": "prompt"}
 Detokenize = Callable[[Sequence[int]], str]
@@ -65,6 +70,7 @@ class EngineRequest:
     bootstrap: Bootstrap | None
     include_usage: bool = False  # stream_options.include_usage (OpenAI kinds)
     created: int = 0  # unix seconds, stamped by the adapter that parsed it
+    checkpoint_tokens: int | None = None  # custom_params.prfaas_checkpoint_tokens: a state checkpoint asked for there
 
     @property
     def kv_tokens(self) -> int:
@@ -232,7 +238,37 @@ def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer:
     model = body.get("model")
     rid_value = _rid(body.get("rid"))
     return EngineRequest(kind, ids if isinstance(ids, JsonIds) else tuple(ids), max_new, stream, rid_value or rid,
-                         model if isinstance(model, str) else None, _bootstrap(body), include_usage, created_s)
+                         model if isinstance(model, str) else None, _bootstrap(body), include_usage, created_s,
+                         _checkpoint_tokens(custom_params(kind, body)))
+
+
+def custom_params(kind: str, body: dict) -> dict | None:
+    """SGLang's ``custom_params`` of a request body (where ``kind``'s endpoint takes them), or None.
+    Raises BadRequest when they are there but not an object."""
+    holder = body.get("sampling_params") if kind == "generate" else body
+    value = holder.get("custom_params") if isinstance(holder, dict) else None
+    if value is not None and not isinstance(value, dict):
+        raise BadRequest(400, "custom_params must be an object")
+    return value
+
+
+def with_checkpoint(kind: str, body: dict, checkpoint_tokens: int) -> dict:
+    """The top-level members that set ``custom_params.prfaas_checkpoint_tokens`` on ``body`` (the
+    client's other custom and sampling params kept): appended to a leg's JSON, they replace the
+    client's (``router.server.leg_bytes``)."""
+    params = {**(custom_params(kind, body) or {}), CHECKPOINT_PARAM: checkpoint_tokens}
+    if kind == "generate":
+        return {"sampling_params": {**(body.get("sampling_params") or {}), "custom_params": params}}
+    return {"custom_params": params}
+
+
+def _checkpoint_tokens(params: dict | None) -> int | None:
+    value = None if params is None else params.get(CHECKPOINT_PARAM)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKEN_ID:
+        raise BadRequest(400, f"custom_params.{CHECKPOINT_PARAM} must be a positive integer (a prompt length in tokens)")
+    return value
 
 
 def _chat_as_text(messages: list) -> str:

@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     cs.add_argument("--fuzz-requests", type=int, default=200)
     cs.add_argument("--rounds", type=int, default=None, help="every fault this many times (default: one per 200 s, at least 1)")
     cs.add_argument("--seed", type=int, default=0)
+    cs.add_argument("--faults", default=None,
+                    help="comma list of the faults to inject (default: all; e.g. all but kill-router to follow one "
+                         "router process's memory over the whole run)")
     cs.add_argument("--json", action="store_true")
     af = sub.add_parser("api-fuzz", help="schemathesis against the router's /openapi.json on an emulated deployment")
     af.add_argument("--max-examples", type=int, default=250, help="cases per operation")
@@ -336,13 +339,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--duration must be >= 20, --rate and --down-s > 0, --fuzz-requests >= 0")
         if (why := available()) is not None:
             parser.error(f"the PrfaaS link's namespace {why}")
+        faults = bench.FAULTS if args.faults is None else tuple(f.strip() for f in args.faults.split(",") if f.strip())
+        if not faults or set(faults) - set(bench.FAULTS):
+            parser.error(f"--faults must name some of {', '.join(bench.FAULTS)}")
         rounds = args.rounds or max(int(args.duration // 200), 1)
-        if rounds < 1 or args.duration / (rounds * len(bench.FAULTS)) < args.down_s + 2:
-            parser.error(f"--rounds must be >= 1, with room for each fault (--duration / (rounds x {len(bench.FAULTS)}) "
+        if rounds < 1 or args.duration / (rounds * len(faults)) < args.down_s + 2:
+            parser.error(f"--rounds must be >= 1, with room for each fault (--duration / (rounds x {len(faults)}) "
                          f">= --down-s + 2)")
-        result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, rounds=rounds)
+        result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, faults=faults,
+                           rounds=rounds)
         header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
-                  f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}; {stamp} -->")
+                  f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}"
+                  f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}; {stamp} -->")
     elif args.name == "api-fuzz":
         from prfaas_sglang.bench import api_fuzz as bench
 

@@ -31,6 +31,7 @@ state, which is how a consumer tells reported checkpoints from none.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -46,6 +47,7 @@ from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int
 
 from prfaas_sglang.kvindex.admission import PrefixAdmission
 from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
+from prfaas_sglang.protocol import CHECKPOINT_PARAM
 from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
 
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
@@ -85,7 +87,8 @@ class _PrefillAdmission:
         req = params.req
         if self.admission is not None and req is not None and req.rid not in self._transfer_only:
             key = params.key
-            keep = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices)).keep
+            keep = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices),
+                                         shared_hint=checkpoint_hint(req) is not None).keep
             self._transfer_only[req.rid] = not keep
             while len(self._transfer_only) > MAX_PENDING_DECISIONS:
                 self._transfer_only.popitem(last=False)
@@ -106,6 +109,15 @@ class _PrefillAdmission:
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
         transfer_only = self._transfer_only.pop(req.rid, False)
         super().cache_finished_req(req, is_insert=is_insert and not transfer_only)
+
+
+def checkpoint_hint(req: Any) -> int | None:
+    """The state checkpoint a request asks for (``custom_params.prfaas_checkpoint_tokens``, which
+    SGLang keeps on the request untouched), or None when absent or not a positive integer (the
+    router and the emulated engine refuse those with a 400; here one is only ignored)."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    value = params.get(CHECKPOINT_PARAM) if isinstance(params, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 class AdmissionRadixCache(_PrefillAdmission, RadixCache):
@@ -138,6 +150,23 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
         # (each is a state slot: ~74 MiB for Qwen3-Next-80B), PRFAAS_STATE_CHECKPOINTS=end.
         self.chunk_checkpoints = chunk_checkpoints
         super().__init__(params)
+
+    def match_prefix(self, params: Any):
+        """SGLang's match; where the request asks for a state checkpoint (:func:`checkpoint_hint`)
+        and SGLang found no branching point of its own, that point becomes the match's
+        ``mamba_branching_seqlen``: SGLang's extra-buffer scheduling then tracks the state there
+        during the prefill and the tree keeps it (the mechanism SGLang uses for its own branching
+        points). Rounded down to a multiple of the page and of the Mamba chunk size, and used only
+        between the reused prefix and the prompt's end. Without the extra buffer SGLang keeps
+        states at chunk ends only, and the hint changes nothing there."""
+        result = super().match_prefix(params)
+        at = checkpoint_hint(params.req)
+        if at is not None and result.mamba_branching_seqlen is None:
+            step = math.lcm(self.page_size, self.mamba_cache_chunk_size)
+            branch = at // step * step
+            if len(result.device_indices) < branch < len(params.key):
+                result = result._replace(mamba_branching_seqlen=branch)
+        return result
 
     def reset(self) -> None:  # also run by MambaRadixCache.__init__
         super().reset()

@@ -8,7 +8,8 @@ publishes them (the node's ``kv_events_port``, else the worker's
 ``/server_info``; ``--page-size`` only for workers that do not answer), and
 answers:
 
-    POST /match   {"input_ids": [...]}  ->  {"total_tokens", "by_worker": {name: tokens}, "by_cluster": {...}}
+    POST /match   {"input_ids": [...]}  ->  {"total_tokens", "by_worker": {name: tokens}, "by_cluster": {...},
+                                              "shared_tokens"}
     GET  /status  workers, blocks indexed, resets, per-subscription frame counts
     GET  /metrics Prometheus text: prfaas_kvindex_blocks{worker,cluster}, resets, frames (no key needed)
     GET  /health
@@ -104,7 +105,8 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in ids):
             return error(400, "input_ids must be a list of token ids (0 <= id < 2^32)")
         result = index.match(ids)
-        return web.json_response({"total_tokens": result.total_tokens, "by_worker": result.by_worker, "by_cluster": result.by_cluster})
+        return web.json_response({"total_tokens": result.total_tokens, "by_worker": result.by_worker,
+                                  "by_cluster": result.by_cluster, "shared_tokens": result.shared_tokens})
 
     async def status(request):
         subs = request.app[sub_key].stats(time.monotonic())

@@ -73,7 +73,7 @@ class AdmissionStats:
 @dataclass(frozen=True)
 class Decision:
     keep: bool
-    reason: str  # "mode-all" | "mode-none" | "reused-prefix" | "seen-prefix" | "one-off" | "one-off-in-reach"
+    reason: str  # "mode-all" | "mode-none" | "reused-prefix" | "seen-prefix" | "checkpoint-hint" | "one-off" | "one-off-in-reach"
 
 
 class PrefixAdmission:
@@ -123,9 +123,10 @@ class PrefixAdmission:
             done, length = length, length * 2
         return out
 
-    def decide(self, token_ids: Sequence[int], hit_tokens: int) -> Decision:
+    def decide(self, token_ids: Sequence[int], hit_tokens: int, shared_hint: bool = False) -> Decision:
         """Whether the prefill of ``token_ids`` (``hit_tokens`` of it already cached) is kept; records
-        the prompt as seen and counts the decision."""
+        the prompt as seen and counts the decision. ``shared_hint``: the request asks for a state
+        checkpoint (a router saw its prefix on some worker): it is shared, keep it."""
         if self.mode == "all":
             decision = Decision(True, "mode-all")
         elif self.mode == "none":
@@ -140,6 +141,8 @@ class PrefixAdmission:
                 decision = Decision(True, "reused-prefix")
             elif last_seen:
                 decision = Decision(True, "seen-prefix")
+            elif shared_hint:
+                decision = Decision(True, "checkpoint-hint")
             elif self.mode == "auto" and self.reuse_in_reach():
                 decision = Decision(True, "one-off-in-reach")
             else:

@@ -85,6 +85,9 @@ class PrefixMatch:
     total_tokens: int
     by_worker: dict[str, int]
     by_cluster: dict[str, int]
+    # The longest prefix some worker holds as full-attention blocks, state or not: a prefix shared
+    # with earlier requests (for a hybrid model, where a state checkpoint would make it reusable).
+    shared_tokens: int = 0
 
     def best_worker(self, cluster: str) -> tuple[str | None, int]:
         candidates = [(n, w) for w, n in self.by_worker.items() if self._cluster_of.get(w) == cluster]
@@ -295,28 +298,35 @@ class KvIndex:
         A caller that already hashed them passes ``block_ids[block_size]``.
         """
         by_worker = {w: 0 for w in self._workers}
+        shared = 0
         if len(token_ids) > 1:
             for size in sorted(self.block_sizes()):
                 members = {w for w, st in self._workers.items() if st.block_size == size}
-                by_worker.update(self._match_size(token_ids, size, members, (block_ids or {}).get(size)))
+                best, blocks_tokens = self._match_size(token_ids, size, members, (block_ids or {}).get(size))
+                by_worker.update(best)
+                shared = max(shared, blocks_tokens)
         by_cluster: dict[str, int] = {}
         for w, n in by_worker.items():
             cluster = self._workers[w].cluster
             by_cluster[cluster] = max(by_cluster.get(cluster, 0), n)
-        return PrefixMatch(len(token_ids), by_worker, by_cluster, {w: s.cluster for w, s in self._workers.items()})
+        return PrefixMatch(len(token_ids), by_worker, by_cluster, shared, {w: s.cluster for w, s in self._workers.items()})
 
-    def _match_size(self, token_ids: Sequence[int], size: int, members: set[str], given=None) -> dict[str, int]:
+    def _match_size(self, token_ids: Sequence[int], size: int, members: set[str],
+                    given=None) -> tuple[dict[str, int], int]:
+        """(reusable tokens per member, the longest full-attention block match of any member)."""
         # Hash lazily: the walk stops at the first block no member holds.
         ids = iter(given) if given is not None else (
             digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
         alive: set[str] | None = None
         best: dict[str, int] = {}
         windowed: dict[str, int] = {}  # sliding-window workers: pages in a row holding their window KV
+        matched = 0
         for depth, block in enumerate(ids, 1):
             holders = self._holders.get(block, set())
             alive = (holders & members) if alive is None else alive & holders
             if not alive:
                 break
+            matched = depth
             for w in alive:
                 st = self._workers[w]
                 if st.swa_window_tokens is not None:
@@ -327,4 +337,4 @@ class KvIndex:
                         best[w] = depth * size
                 elif not self.hybrid or block in st.checkpoints:
                     best[w] = depth * size
-        return best
+        return best, matched * size

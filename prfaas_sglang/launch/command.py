@@ -15,7 +15,7 @@ from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.hosts import is_wildcard, zmq_bind_host
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role
-from prfaas_sglang.topology import Node, Topology
+from prfaas_sglang.topology import PORT_KEYS, Node, Topology
 from prfaas_sglang.transport.wan_defaults import WanLink, mooncake_env
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
@@ -84,6 +84,11 @@ def _refuse_owned_flags(extra_args: tuple[str, ...]) -> None:
 # state-reporting MambaRadixCache. Names only: the launcher does not import SGLang.
 EVENT_PUBLISHER = "prfaas-zmq"
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
+MOONCAKE_PORTS = (15000, 17000)  # MC_MIN_RPC_PORT..MC_MAX_RPC_PORT: Mooncake's handshake and data ports
+# SGLang's PD control channel: each KV manager binds a ZMQ PULL on a random port of pyzmq's
+# bind_to_random_port range (sglang/srt/utils/network.py get_zmq_socket_on_host), advertised through
+# the bootstrap server; prefill and decode push their transfer status to each other there.
+SGLANG_PD_ZMQ_PORTS = (49152, 65535)
 PREFILL_CACHE_DEFAULT = "auto"  # what a PrfaaS prefill worker's tree keeps (envs.PREFILL_CACHE)
 # Upstream refuses --radix-cache-backend together with these (server_args: not int8-aware).
 _EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
@@ -154,6 +159,23 @@ def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
     return argv + ["--radix-cache-backend", RADIX_CACHE_BACKEND], ()
 
 
+def port_range_notes(node: Node, sglang_pd: bool) -> tuple[str, ...]:
+    """A note for each of ``node``'s topology ports inside a range the engine binds ports in at
+    random on the same host (Mooncake's; with ``sglang_pd``, SGLang's PD ZMQ channel too): the two
+    can collide at start-up, so that one launch in many fails to bind."""
+    ranges = [("Mooncake's handshake and data ports", MOONCAKE_PORTS)]
+    if sglang_pd:
+        ranges.append(("SGLang's PD ZMQ channel (random ports)", SGLANG_PD_ZMQ_PORTS))
+    notes = []
+    for key in PORT_KEYS:
+        value = getattr(node, key)
+        for what, (low, high) in ranges:
+            if value is not None and low <= value <= high:
+                notes.append(f"{key} {value} lies in {what} range {low}-{high} on the same host: a start-up may "
+                             f"fail to bind; choose a port outside it")
+    return tuple(notes)
+
+
 def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: tuple[str, ...] = (),
                    link: WanLink | None = None, wan_profile: bool = True) -> LaunchCommand:
     """The ``sglang.launch_server`` command and environment for an engine ``node``; without
@@ -177,7 +199,7 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
         argv += ["--disaggregation-bootstrap-port", str(node.bootstrap_port)]
     events_argv, events_notes = _kv_events_args(node)
     argv += events_argv + list(node.extra_args)
-    notes = notes + events_notes
+    notes = notes + events_notes + port_range_notes(node, sglang_pd=True)
 
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
     if node.telemetry_port is not None:
@@ -236,8 +258,8 @@ def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ..
     """The emulated worker's command (``python -m prfaas_sglang.engine.mock``) for an engine ``node``.
 
     The emulated engine ships KV over Mooncake TCP whatever the node's transport says. A PrfaaS
-    node's prefix cache keeps shared prefixes only, as an SGLang one's (unless ``environ`` names
-    another ``PRFAAS_PREFILL_CACHE``: kept, and shown).
+    node's prefix cache applies the same admission policy as an SGLang one's (unless ``environ``
+    names another ``PRFAAS_PREFILL_CACHE``: kept, and shown).
     """
     environ = {} if environ is None else environ
     spec = ROLE_SPECS[node.role]
@@ -257,7 +279,8 @@ def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ..
         argv += ["--telemetry-port", str(node.telemetry_port)]
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
-    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, _prefill_cache_default(node, environ, env))
+    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, _prefill_cache_default(node, environ, env),
+                         port_range_notes(node, sglang_pd=False))
 
 
 def control_command(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchCommand:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import yaml
 
 from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.launch.command import MOONCAKE_PORTS, SGLANG_PD_ZMQ_PORTS
 from prfaas_sglang.roles import ROLE_SPECS, Engine, Role
 from prfaas_sglang.topology import PORT_KEYS, KubernetesSpec, Node, Topology, dns_label
 
@@ -42,11 +43,6 @@ SECRET_DIR = "/etc/prfaas/secret"
 SECRET_KEY = "deployment-secret"  # the deployment secret (PRFAAS_SECRET_FILE): MAC, worker API and ZMQ keys derive from it
 ADMIN_TOKEN_KEY = "admin-token"  # the router's admin API token (PRFAAS_ADMIN_TOKEN)
 TOPOLOGY_CONFIGMAP = "prfaas-topology"
-MOONCAKE_PORTS = (15000, 17000)  # MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, set on every engine pod
-# SGLang's PD control channel: each KV manager binds a ZMQ PULL on a random port of pyzmq's
-# bind_to_random_port range (sglang/srt/utils/network.py get_zmq_socket_on_host), advertised through
-# the bootstrap server; prefill and decode push their transfer status to each other there.
-SGLANG_PD_ZMQ_PORTS = (49152, 65535)
 DEFAULT_IMAGES = {  # the tags docker/*.Dockerfile's build lines give (push them to your registry; kubernetes.images)
     "prfaas": "prfaas-sglang/prfaas-prefill:0.1.0",
     "pd": "prfaas-sglang/local-pd:0.1.0",

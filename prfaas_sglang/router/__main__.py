@@ -67,6 +67,10 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--admission-timeout-s", type=float, default=60.0,
                    help="longest a request waits in the router for decode KV room before 503")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for decode room; more get 429")
+    p.add_argument("--checkpoint-min-tokens", type=int, default=1024,
+                   help="hybrid models: ask the prefill worker for a state checkpoint at the end of a prefix some "
+                        "worker holds (custom_params.prfaas_checkpoint_tokens) when it adds at least this many "
+                        "tokens of reuse; 0: never")
     p.add_argument("--health-interval-s", type=float, default=2.0,
                    help="how often each worker's /health is polled (a failed leg marks its worker down at once)")
     p.add_argument("--load-interval-s", type=float, default=0.5, help="how often each worker's /v1/loads is polled")
@@ -174,6 +178,8 @@ def make_service(args: argparse.Namespace):
                         ("--long-term-drain-timeout-s", args.long_term_drain_timeout_s)):
         if not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
+    if args.checkpoint_min_tokens < 0:
+        raise ConfigError("--checkpoint-min-tokens", f"must be >= 0 (0: never), got {args.checkpoint_min_tokens}")
     longterm = longterm_settings(args) if args.long_term else None  # checked before waiting for workers
     keys = load_keys()
     warn_if_open(keys, "router")
@@ -189,7 +195,7 @@ def make_service(args: argparse.Namespace):
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
-                          cache_transfer=args.cache_transfer)
+                          cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None)
     adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)

@@ -54,6 +54,7 @@ class RouterCounters:
     restored_blocks: int = 0  # blocks taken from the kv-index service's snapshot at start-up
     spilled: int = 0  # the rule's cluster had no usable prefill worker
     probes: int = 0
+    checkpoint_hints: int = 0  # prefill legs asked for a state checkpoint (policy.checkpoint_at)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     failed: collections.Counter = field(default_factory=collections.Counter)
     ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
@@ -70,7 +71,8 @@ class RouterCounters:
         rows += [("prfaas_router_redispatched_total", "counter", "", self.redispatched),
                  ("prfaas_router_restored_blocks_total", "counter", "", self.restored_blocks),
                  ("prfaas_router_spilled_total", "counter", "", self.spilled),
-                 ("prfaas_router_probes_total", "counter", "", self.probes)]
+                 ("prfaas_router_probes_total", "counter", "", self.probes),
+                 ("prfaas_router_checkpoint_hints_total", "counter", "", self.checkpoint_hints)]
         rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', self.rejected[c])
                  for c in sorted(set(REJECT_CAUSES) | set(self.rejected))]
         rows += [("prfaas_router_failed_total", "counter", f'{{cause="{c}"}}', self.failed[c])

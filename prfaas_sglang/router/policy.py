@@ -107,6 +107,7 @@ class RouteInput:
     total_tokens: int  # prompt length
     decode_tokens: int  # KV the request may hold on its decode worker (prompt + max new tokens)
     by_worker: Mapping[str, int]  # reusable prefix per worker (the KV index)
+    shared_tokens: int = 0  # the longest prefix some worker holds as full-attention blocks, state or not
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,28 @@ class RouteDecision:
     transfer: CacheTransfer | None
     probe: bool
     reason: str
+    checkpoint_tokens: int | None = None  # a state checkpoint asked of the prefill worker there (checkpoint_at)
+
+
+def checkpoint_at(total_tokens: int, shared_tokens: int, cached_tokens: int, min_tokens: int) -> int | None:
+    """Where to ask the prefill worker of a hybrid model for a state checkpoint, or None. Pure.
+
+    A hybrid model resumes only where a state was saved. A prefix some worker holds as
+    full-attention blocks (``shared_tokens``) was computed for an earlier request, so later ones
+    are likely to share it too (a system prompt, a document, a conversation); unless the chosen
+    worker already resumes there (``cached_tokens``), a state saved at its end makes the next one
+    on that worker a hit. Asked only when the checkpoint adds at least ``min_tokens`` of reuse and
+    the prompt goes on at least ``min_tokens`` past it (its end gets a checkpoint anyway), since
+    each is a state slot (~74 MiB for Qwen3-Next-80B).
+
+        prompt:  |<------------- total_tokens ------------->|
+        reused:  |<- cached ->|
+        shared:  |<------ shared_tokens ------>|
+                              ^ >= min_tokens  ^ checkpoint  ^ >= min_tokens to the end
+    """
+    if shared_tokens - cached_tokens >= min_tokens and total_tokens - shared_tokens >= min_tokens:
+        return shared_tokens
+    return None
 
 
 def refuse_early(decision: RouteDecision, max_ttft_s: float | None) -> bool:

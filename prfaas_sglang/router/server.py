@@ -39,7 +39,14 @@ from prfaas_sglang import __version__
 from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents
-from prfaas_sglang.protocol import ID_KEYS, BadRequest, EngineRequest, parse_request, stream_failure
+from prfaas_sglang.protocol import (
+    ID_KEYS,
+    BadRequest,
+    EngineRequest,
+    parse_request,
+    stream_failure,
+    with_checkpoint,
+)
 from prfaas_sglang.router.admin import add_admin_routes
 from prfaas_sglang.router.conversion import RoleSwitchClient, convert
 from prfaas_sglang.router.longterm import pick_nodes
@@ -430,8 +437,11 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
                "Server-Timing": timing}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
-    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, None, {**bootstrap, "stream": False}),
-                                                    timeout))
+    prefill_extra = {**bootstrap, "stream": False}
+    if decision.checkpoint_tokens is not None and req.checkpoint_tokens is None:  # a client's own hint stands
+        prefill_extra.update(with_checkpoint(req.kind, body.obj, decision.checkpoint_tokens))
+        service.counters.checkpoint_hints += 1
+    prefill_task = asyncio.create_task(_prefill_leg(session, prefill, path, leg_bytes(body, None, prefill_extra), timeout))
     prefill_task.add_done_callback(lambda _t: service.prefill_done(lease))
     # A non-streamed decode answers (even its headers) only once the KV has arrived; a streamed
     # one answers 200 at once (SGLang) and its first event says whether the KV came. Until then
@@ -568,13 +578,13 @@ async def poll_load(session: aiohttp.ClientSession, worker: WorkerRecord) -> Non
     """One ``/v1/loads`` read of ``worker`` into ``worker.load`` (None when it cannot be read). An
     answer that left the worker before a role change is dropped: a prefill worker's load read as a
     decode worker's would make its KV room look like the old role's cache size until the next poll."""
-    epoch = worker.epoch
+    epoch, since_poll = worker.epoch, worker.reserved_since_poll_tokens
     try:
         load = parse_loads(await _get_json(session, worker.url + "/v1/loads", 1.0))
     except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
         load = None
     if worker.poll_is_current(epoch):
-        worker.load = load
+        worker.take_load(load, since_poll)
 
 
 async def _health_loop(app: web.Application) -> None:

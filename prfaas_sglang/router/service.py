@@ -18,7 +18,7 @@ Every ``control_interval_s`` the loop calls :meth:`control_tick`: the link view
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.protocol import BadRequest, EngineRequest
@@ -33,6 +33,7 @@ from prfaas_sglang.router.policy import (
     Link,
     RouteDecision,
     RouteInput,
+    checkpoint_at,
     route,
 )
 from prfaas_sglang.router.threshold import ControllerSettings, QueueView, ThresholdController
@@ -62,6 +63,9 @@ class RouterConfig:
     # import one, the cost model deciding; "off"; "always" / "never" move whenever possible / never
     # (benchmarks and ablations: the same routing, the move forced either way).
     cache_transfer: str = "auto"
+    # Hybrid models: ask the prefill worker for a state checkpoint at the end of a prefix other
+    # requests computed (policy.checkpoint_at) when it adds at least this many tokens of reuse; None: never.
+    checkpoint_min_tokens: int | None = 1024
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
 
@@ -165,19 +169,26 @@ class RouterService:
 
     def route_input(self, req: EngineRequest) -> RouteInput:
         """The request as the policy sees it: its lengths and the KV index's prefix match (hashes the prompt)."""
-        return RouteInput(len(req.input_ids), req.kv_tokens, self.index.match(req.input_ids).by_worker)
+        match = self.index.match(req.input_ids)
+        return RouteInput(len(req.input_ids), req.kv_tokens, match.by_worker, match.shared_tokens)
 
     def decide(self, request: RouteInput, exclude: set[str], now_s: float) -> RouteDecision:
         """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now. Cheap: a
-        request waiting for decode room calls it again on every wake-up with the same ``request``."""
-        return route(request, self.snapshot(exclude, now_s))
+        request waiting for decode room calls it again on every wake-up with the same ``request``.
+        For a hybrid model, the decision may ask for a state checkpoint (``checkpoint_tokens``)."""
+        decision = route(request, self.snapshot(exclude, now_s))
+        min_tokens = self.config.checkpoint_min_tokens
+        if min_tokens is not None and self.index.hybrid:
+            at = checkpoint_at(request.total_tokens, request.shared_tokens, decision.cached_tokens, min_tokens)
+            if at is not None:
+                decision = replace(decision, checkpoint_tokens=at)
+        return decision
 
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
         prefill.outstanding_prefill_s += decision.estimated_prefill_s
         prefill.prefill_requests += 1
-        decode.reserved_tokens += req.kv_tokens
-        decode.reserved_requests += 1
+        decode.reserve(req.kv_tokens)
         self.counters.routed[decision.cluster] += 1
         if decision.probe:
             self.counters.probes += 1
@@ -210,8 +221,7 @@ class RouterService:
             lease.decode_open = False
             worker = self.workers.get(lease.decision.decode)
             if worker is not None:
-                worker.reserved_tokens = max(worker.reserved_tokens - lease.decode_tokens, 0)
-                worker.reserved_requests = max(worker.reserved_requests - 1, 0)
+                worker.release(lease.decode_tokens)
             self.stage_meter.complete("pd-decode")
 
     # --- P/D conversion (the long-term scheduler's actuator; router/conversion.py drives it) ---

@@ -10,8 +10,11 @@ from ``/v1/loads``), and two ledgers the router keeps as it dispatches:
   requests whose prefill leg has not ended (the engines' time unit): the queue
   signal of the threshold controller and the TTFT estimate;
 * decode workers: ``reserved_tokens``, the KV (prompt + max new tokens) of
-  requests dispatched and not finished. Free KV is the reported pool size
-  minus the larger of that and what the worker reports in use.
+  requests dispatched and not finished, and ``reserved_since_poll_tokens``, the
+  part of it dispatched since the last ``/v1/loads`` answer was sent. Free KV is
+  the reported pool size minus the larger of the reservations and what the
+  worker reported in use plus what was dispatched to it since: a burst between
+  two polls counts against the worker it lands on, so it spreads.
 
 :func:`check_facts` refuses facts that contradict the deployment (a page size
 that differs inside a cluster, another block-hash scheme, a wrong PD mode, an
@@ -152,6 +155,7 @@ class WorkerRecord:
     load: WorkerLoad | None = None
     outstanding_prefill_s: float = 0.0
     reserved_tokens: int = 0
+    reserved_since_poll_tokens: int = 0  # of reserved_tokens: dispatched after the last load answer left the worker
     reserved_requests: int = 0
     prefill_requests: int = 0  # prefill legs dispatched here and not ended
     failures: int = 0
@@ -174,8 +178,27 @@ class WorkerRecord:
         pool = (self.load.max_total_tokens if self.load else None) or (self.facts.max_total_tokens if self.facts else None)
         if pool is None:
             return None
-        used = max(self.reserved_tokens, self.load.used_tokens if self.load else 0)
+        used = self.reserved_tokens
+        if self.load is not None:
+            used = max(used, self.load.used_tokens + self.reserved_since_poll_tokens)
         return max(pool - used, 0)
+
+    def reserve(self, kv_tokens: int) -> None:
+        """A request's decode KV dispatched here (until :meth:`release`)."""
+        self.reserved_tokens += kv_tokens
+        self.reserved_requests += 1
+        self.reserved_since_poll_tokens += kv_tokens
+
+    def release(self, kv_tokens: int) -> None:
+        self.reserved_tokens = max(self.reserved_tokens - kv_tokens, 0)
+        self.reserved_requests = max(self.reserved_requests - 1, 0)
+        self.reserved_since_poll_tokens = min(self.reserved_since_poll_tokens, self.reserved_tokens)
+
+    def take_load(self, load: WorkerLoad | None, since_poll_at_send: int) -> None:
+        """A ``/v1/loads`` answer (None: unreadable). ``since_poll_at_send``: ``reserved_since_poll_tokens``
+        when the request left; what was dispatched after that is not in the answer and still counts."""
+        self.load = load
+        self.reserved_since_poll_tokens = max(self.reserved_since_poll_tokens - since_poll_at_send, 0)
 
     @property
     def kv_events_url(self) -> str | None:

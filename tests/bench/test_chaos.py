@@ -49,3 +49,12 @@ def test_the_verdict_names_each_kind_of_failure():
     for words in ("1 hung", "2 truncated", "3 reset_outside_router_faults", "untyped", "rooms open", "landing-buffer bytes",
                   "kill-router: not recovered", "http-fuzz: answered 500"):
         assert words in problems, (words, problems)
+
+
+def test_faults_are_chosen_by_name_and_a_bad_choice_is_refused():
+    from helpers import run_py
+
+    for bad in (["--faults", "kill-everything"], ["--faults", ","], ["--faults", "http-fuzz", "--duration", "20",
+                                                                   "--rounds", "9"]):
+        r = run_py(["-m", "prfaas_sglang.bench", "chaos", *bad])
+        assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr[-300:])

@@ -267,6 +267,23 @@ class TestReportedState:
             index.apply("w", 3, [], [StateStored(blocks[5], 6 * PAGE, "swa")])
 
 
+    def test_shared_tokens_is_the_longest_block_match_of_any_worker_state_or_not(self):
+        """What a router asks a state checkpoint for (policy.checkpoint_at): the blocks some worker
+        holds, though its states (here: none past the second page on ``a``) make less reusable."""
+        index = KvIndex(hybrid=True)
+        index.add_worker("a", "pd")
+        index.add_worker("b", "prfaas")
+        prompt = list(range(100))
+        blocks = index.block_ids(prompt, PAGE)[:6]
+        stored = [BlockStored([b], blocks[i - 1] if i else None, prompt[i * PAGE:(i + 1) * PAGE], PAGE, None)
+                  for i, b in enumerate(blocks)]
+        index.apply("a", 0, stored, [StateStored(blocks[1], 2 * PAGE)])
+        index.apply("b", 0, stored[:3], [])
+        match = index.match(prompt)
+        assert match.by_worker == {"a": 2 * PAGE, "b": 0} and match.shared_tokens == 6 * PAGE
+        assert index.match(prompt[:3 * PAGE + 1]).shared_tokens == 3 * PAGE  # only full pages before the last token
+        assert index.match(list(range(500, 600))).shared_tokens == 0
+
     def test_a_state_is_held_only_where_its_page_is(self):
         index = KvIndex(hybrid=True)
         index.add_worker("w", "pd")

@@ -745,3 +745,40 @@ def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cac
     ours = hybrid_cache.build_tree_cache(ctx())
     assert ours.admission.mode == "auto"
     assert (ours.admission.capacity_tokens, ours.admission.capacity_states) == (SWA_FULL_TOKENS, None)
+
+
+def test_a_checkpoint_hint_becomes_sglangs_branching_point():
+    """``custom_params.prfaas_checkpoint_tokens`` on a real ``Req``: our Mamba cache's match gives
+    SGLang's extra-buffer scheduling the hint as its ``mamba_branching_seqlen`` (rounded down to the
+    page and the Mamba chunk size), which ``Req.init_next_round_input`` takes, so the prefill tracks
+    and the tree keeps a state there. SGLang's own branching point wins where it has one; a hint
+    at or before the reused prefix, or at the prompt's end, is ignored. The admission policy takes
+    a hinted prompt as shared."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache
+    from prfaas_sglang.kvindex.admission import PrefixAdmission
+
+    page = 64  # > 1: SGLang's extra buffer (bench/sglang_cpu.py); Mamba chunk size 64
+    built = cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, page, 1024, MAMBA_SLOTS)
+    built.cache.admission = PrefixAdmission("shared", 64)
+
+    def branching(ids, hint):
+        params = SamplingParams(max_new_tokens=1, custom_params=None if hint is None else {"prfaas_checkpoint_tokens": hint})
+        req = Req(rid=f"r{len(ids)}-{hint}", origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params)
+        req.init_next_round_input(built.cache)
+        return req.mamba_branching_seqlen
+
+    prompt = list(range(1, 6 * page + 1))
+    assert branching(prompt, 3 * page + 10) == 3 * page  # an empty tree: SGLang has no branching point
+    assert built.cache.admission.stats.reasons == {"checkpoint-hint": 1}  # a first sighting, kept
+    assert branching(prompt, None) is None
+    assert branching(prompt, page - 1) is None and branching(prompt, 6 * page) is None
+    # the tree holds 4 pages of another prompt sharing the first 4 pages, with a state only at its end
+    other = prompt[: 4 * page] + [9_999] * (2 * page)
+    slot = built.req_pool.mamba_allocator.alloc(1)
+    built.cache.insert(InsertParams(key=RadixKey(array("q", other)), value=built.kv.alloc(len(other)), mamba_value=slot))
+    assert branching(prompt, 2 * page) == 4 * page  # SGLang's own: the end of the full-attention match

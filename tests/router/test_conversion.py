@@ -228,3 +228,33 @@ def test_an_operators_conversion_moves_the_long_term_controllers_split_too():
     service.longterm.runtime = service.longterm.runtime.with_split(2)  # a decision whose conversion then failed
     service.sync_longterm()
     assert service.longterm.runtime.n_prefill == 1
+
+
+def test_a_burst_between_two_load_polls_spreads_over_the_decode_workers():
+    """Between two ``/v1/loads`` answers the router's own dispatches are all it knows of a decode
+    worker's use. They count on top of the polled use, so a burst alternates between two workers
+    of nearly equal room instead of landing whole on the one that looked roomier at the last poll
+    (before: ``max(reserved, polled)`` left the polled figure unchanged until the reservations
+    outgrew it). An answer counts what was dispatched before it left the worker, not after."""
+    from prfaas_sglang.protocol import EngineRequest
+    from prfaas_sglang.router.workers import WorkerLoad
+
+    service = _service(pd_decode=2)
+    d0, d1 = service.workers["pd-decode-0"], service.workers["pd-decode-1"]
+    d0.take_load(WorkerLoad(0, 0, 40_000, 100_000), 0)  # 60K free
+    d1.take_load(WorkerLoad(0, 0, 42_000, 100_000), 0)  # 58K free
+    chosen = []
+    for n in range(6):
+        req = EngineRequest("generate", tuple(range(1_000 + n, 4_000 + n)), 1_000, False, f"r{n}", None, None)
+        decision = service.decide(service.route_input(req), set(), 0.0)
+        service.begin(req, decision, 0.0, 0)
+        chosen.append(decision.decode)
+    assert chosen.count("pd-decode-0") == chosen.count("pd-decode-1") == 3, chosen
+    assert d0.kv_free_tokens == 60_000 - 3 * 4_000 and d0.reserved_since_poll_tokens == 12_000
+    # a poll sent after two of these left and answered after the third: the third still counts
+    d0.take_load(WorkerLoad(2, 0, 48_000, 100_000), since_poll_at_send=8_000)
+    assert d0.reserved_since_poll_tokens == 4_000 and d0.kv_free_tokens == 100_000 - 52_000
+    # finished requests give their room back; what is left since the poll never exceeds what is reserved
+    for _ in range(3):
+        d0.release(4_000)
+    assert (d0.reserved_tokens, d0.reserved_since_poll_tokens, d0.kv_free_tokens) == (0, 0, 52_000)

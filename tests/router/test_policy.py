@@ -16,6 +16,7 @@ from prfaas_sglang.router.policy import (
     NoHealthyWorker,
     RouteInput,
     WorkerState,
+    checkpoint_at,
     refuse_early,
     route,
 )
@@ -383,3 +384,18 @@ def test_early_rejection_refuses_waiting_not_length():
     assert not refuse_early(decision(4.0, 1.0), 5.0)
     assert not refuse_early(decision(15.0, 8.0), 5.0)  # long alone, little waiting: served
     assert refuse_early(decision(17.0, 8.0), 5.0)
+
+
+class TestCheckpointHint:
+    """Where a hybrid model's prefill worker is asked for a state checkpoint (policy.checkpoint_at)."""
+
+    @pytest.mark.parametrize("total, shared, cached, expected", [
+        (8_000, 4_096, 0, 4_096),      # a prefix some worker holds, none reused here: ask for it
+        (8_000, 4_096, 4_096, None),   # the chosen worker already resumes there
+        (8_000, 4_096, 3_584, None),   # less than min_tokens of reuse to gain
+        (4_600, 4_096, 0, None),       # the prompt ends within min_tokens: its end checkpoint serves
+        (8_000, 0, 0, None),           # nothing shared
+        (8_000, 2_048, 4_096, None),   # the worker reuses more than is shared elsewhere
+    ])
+    def test_table(self, total, shared, cached, expected):
+        assert checkpoint_at(total, shared, cached, min_tokens=1024) == expected

@@ -95,3 +95,16 @@ def test_settings_that_cannot_work_are_refused_with_a_typed_error():
     # the ghost remembers sightings beyond the cache's reach: twice its capacity in shortest prefixes
     assert PrefixAdmission("auto", MIN_SHARED, capacity_tokens=1 << 24).ghost_entries == 2 * (1 << 24) // MIN_SHARED
     assert PrefixAdmission("shared", MIN_SHARED).ghost_entries == 4096
+
+
+def test_a_checkpoint_hint_marks_a_prompt_shared():
+    """A request that asks for a state checkpoint (a router saw its prefix on some worker) is kept,
+    where ``shared`` and ``auto`` would otherwise take it for a one-off; ``none`` still keeps nothing."""
+    for mode in ("shared", "auto"):
+        admission = PrefixAdmission(mode, MIN_SHARED, capacity_tokens=1000)
+        for k in range(MIN_REUSE_SAMPLES + 2):  # auto: a cache too small for any reuse, so one-offs are refused
+            admission.decide(_prompt(k, k), 0)
+            admission.decide(_prompt(k, k + 100), 0)
+        assert admission.decide(_prompt(500, 1), 0).reason == "one-off"
+        assert admission.decide(_prompt(501, 2), 0, shared_hint=True).reason == "checkpoint-hint"
+    assert not PrefixAdmission("none").decide(_prompt(1, 1), 0, shared_hint=True).keep

@@ -457,3 +457,20 @@ class TestUsability:
         assert argv[argv.index("--tokenizer-path") + 1].endswith("tokenizer/data/prfaas-tiny-chatml")
         assert argv[argv.index("--served-model-name") + 1] == "tiny-hybrid"
         assert "--skip-tokenizer-init" not in argv and "--speedup" not in argv
+
+
+def test_a_topology_port_inside_a_range_the_engine_binds_at_random_is_noted():
+    """Mooncake binds its handshake and data ports in 15000-17000, SGLang's PD ZMQ channel at random
+    in 49152-65535: a topology port there can collide at start-up. Noted (shown by --dry-run), not
+    refused: a port outside them gets no note."""
+    from prfaas_sglang.launch.command import port_range_notes
+
+    prfaas = Node("p0", "prfaas", Role.PRFAAS, port=30000, bootstrap_port=8998, kv_events_port=5557, model_path="/m")
+    assert port_range_notes(prfaas, sglang_pd=True) == ()
+    assert sglang_command(prfaas, "python", {}).notes == ()
+    risky = dataclasses.replace(prfaas, bootstrap_port=50000, telemetry_port=16000)
+    notes = sglang_command(risky, "python", {}).notes
+    assert len(notes) == 2 and "bootstrap_port 50000" in notes[0] and "49152-65535" in notes[0]
+    assert "telemetry_port 16000" in notes[1] and "15000-17000" in notes[1]
+    # the emulated engine binds Mooncake's ports, not SGLang's ZMQ channel
+    assert [n.split(" ")[0] for n in mock_command(risky, "python", "h200x8").notes] == ["telemetry_port"]

@@ -84,18 +84,21 @@ class PrefixCache:
             self._blocks.move_to_end(block_id)
         return Match(matched, best * self.page_size)
 
-    def insert(self, token_ids: Sequence[int], medium: str = "GPU") -> list[KVCacheEvent]:
+    def insert(self, token_ids: Sequence[int], medium: str = "GPU", checkpoints_at: Sequence[int] = ()) -> list[KVCacheEvent]:
         """Cache every full page of a prefilled prompt; returns its block events, then (hybrid)
-        its state events (the order a v2 batch applies them in)."""
+        its state events (the order a v2 batch applies them in). ``checkpoints_at``: prefix lengths
+        (tokens) where a state was asked for besides the usual places (a router's hint), each at
+        the page boundary at or below it."""
         ids = self._ids(token_ids)
         if not ids:
             return []
         interval = self.checkpoint_interval_tokens
         interval_blocks = max(interval // self.page_size, 1) if interval is not None else len(ids)
+        asked = {n // self.page_size - 1 for n in checkpoints_at if n >= self.page_size}
         events: list[KVCacheEvent] = []
         states: list[KVCacheEvent] = []
         for i, block_id in enumerate(ids):
-            checkpoint = self.hybrid and ((i + 1) % interval_blocks == 0 or i == len(ids) - 1)
+            checkpoint = self.hybrid and ((i + 1) % interval_blocks == 0 or i == len(ids) - 1 or i in asked)
             block = self._blocks.get(block_id)
             if block is None:
                 parent = ids[i - 1] if i else None
