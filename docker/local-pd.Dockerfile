@@ -24,9 +24,12 @@ RUN python3 -m pip wheel --no-deps -w /wheels . \
 # dependency set), add Mooncake's CUDA 13 transfer engine and this package.
 FROM ${SGLANG_IMAGE}
 COPY --from=builder /wheels /wheels
+# The bind shim (Mooncake's listeners on the node's address) is compiled here, not at start.
+ENV PRFAAS_NATIVE_DIR=/opt/prfaas/native
 RUN python3 -m pip install --no-deps --force-reinstall /wheels/sglang-*+prfaas.*.whl \
  && python3 -m pip install mooncake-transfer-engine-cuda13 /wheels/prfaas_sglang-*.whl \
  && python3 -m prfaas_sglang.patches check \
+ && python3 -m prfaas_sglang.native build \
  && rm -rf /wheels
 # Cross-datacenter KV: prefer BBR on the host (sysctl net.ipv4.tcp_congestion_control=bbr);
 # the Mooncake TCP WAN defaults are set by the launcher (prfaas_sglang/transport/wan_defaults.py).

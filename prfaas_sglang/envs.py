@@ -129,6 +129,31 @@ class Envs:
         "end) or end (the request's end only; each checkpoint is a state slot, ~74 MiB for "
         "Qwen3-Next-80B).",
     )
+    BIND_SHIM = EnvVar(
+        "PRFAAS_BIND_SHIM",
+        "auto",
+        "Launcher, engine nodes with a host: preload the bind shim (prfaas_sglang/native/bindshim.c) "
+        "so Mooncake's listeners bind the node's address instead of all interfaces: auto (when it "
+        "can be built, else a note), require (refuse to start without it), off.",
+    )
+    BIND_HOST = EnvVar(
+        "PRFAAS_BIND_HOST",
+        None,
+        "Read by the bind shim (C) in an engine process, set by the launcher: the address a wildcard "
+        "bind to a port in PRFAAS_BIND_PORTS becomes.",
+    )
+    BIND_PORTS = EnvVar(
+        "PRFAAS_BIND_PORTS",
+        None,
+        "Read by the bind shim (C), set by the launcher: LO-HI[,LO-HI...], the ports whose wildcard "
+        "binds are rewritten (Mooncake's MC_MIN_RPC_PORT..MC_MAX_RPC_PORT).",
+    )
+    NATIVE_DIR = EnvVar(
+        "PRFAAS_NATIVE_DIR",
+        None,
+        "Where native helpers are built (default ~/.cache/prfaas-sglang/native); engine images "
+        "build them there ahead of time.",
+    )
     SECRET_FILE = EnvVar(
         "PRFAAS_SECRET_FILE",
         None,

@@ -37,6 +37,15 @@ if ! dpkg -s libssl-dev >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libssl-dev >/dev/null
 fi
 
+# 1c. A C compiler: the launcher builds the bind shim (prfaas_sglang/native/bindshim.c) with it,
+#     and SGLang's extension above needs one too.
+if ! command -v cc >/dev/null 2>&1; then
+  log "installing gcc (apt)"
+  SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
+fi
+
 # 2. The virtual environment and the CPU test requirements.
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"

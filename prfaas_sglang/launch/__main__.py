@@ -34,12 +34,14 @@ from pathlib import Path
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import ConfigError, PrfaasError, RoleNotAvailableError
+from prfaas_sglang.hosts import is_wildcard
 from prfaas_sglang.launch.command import (
     LaunchCommand,
     control_command,
     mock_command,
     sglang_command,
     wan_link,
+    with_bind_shim,
     with_peer_hosts,
 )
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role, parse_role
@@ -213,7 +215,7 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
             mock_args += ("--enable-pd-role-switch",)
         command = mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra,
                                os.environ)
-        return with_peer_hosts(_supervised(command), topology, os.environ)
+        return with_peer_hosts(_supervised(_bound(command)), topology, os.environ)
     if node.role_switch == "in-place":
         raise ConfigError(f"nodes.{node.name}.role_switch", "SGLang 0.5.15 has no /pd_role_switch; use role_switch: restart "
                                                             "(the launcher restarts the engine in the other role)")
@@ -231,11 +233,52 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
             raise
         notes = (f"patch series NOT verified ({type(err).__name__}): {err}",)
     node = dataclasses.replace(node, extra_args=node.extra_args + _model_args(topology, node) + extra)
-    command = _supervised(sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node),
-                                         wan_profile=args.kv_profile == "wan"))
+    command = _supervised(_bound(sglang_command(node, sys.executable, os.environ, notes, wan_link(topology, node),
+                                                wan_profile=args.kv_profile == "wan")))
     if not args.dry_run and _looks_local(node.model_path) and not Path(node.model_path).expanduser().is_dir():
         raise ConfigError("--model-path", f"{node.model_path} is not a directory")
     return with_peer_hosts(command, topology, os.environ)
+
+
+def _bound(command: LaunchCommand) -> LaunchCommand:
+    """An engine's command with the bind shim (``PRFAAS_BIND_SHIM``: auto | require | off) when its
+    node names a host: built here if needed, the host resolved to the address to bind. A node that
+    binds all interfaces by configuration gets nothing. Raises ConfigError under ``require`` when
+    the shim cannot be had."""
+    mode = (envs.BIND_SHIM.get() or "auto").strip().lower()
+    if mode not in ("auto", "require", "off"):
+        raise ConfigError(envs.BIND_SHIM.name, f"expected auto, require or off, got {mode!r}")
+    host = command.node.host or "127.0.0.1"
+    if is_wildcard(host):
+        return command  # configured to listen on every interface
+    if mode == "off":
+        return with_bind_shim(command, os.environ, None, None, f"{envs.BIND_SHIM.name}=off")
+    from prfaas_sglang.native import NativeBuildError, build_bind_shim
+
+    try:
+        ip = _resolve(host)
+        shim = str(build_bind_shim())
+    except (NativeBuildError, OSError) as err:
+        if mode == "require":
+            raise ConfigError(envs.BIND_SHIM.name, f"require: {err}") from None
+        return with_bind_shim(command, os.environ, None, None, str(err))
+    return with_bind_shim(command, os.environ, shim, ip)
+
+
+def _resolve(host: str) -> str:
+    """``host`` as an address literal (a name resolved, IPv4 first). Raises OSError when it does not resolve."""
+    import ipaddress
+    import socket
+
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    if not infos:
+        raise OSError(f"{host} does not resolve")
+    return infos[0][4][0]
 
 
 def _supervised(command: LaunchCommand) -> LaunchCommand:

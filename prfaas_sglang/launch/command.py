@@ -159,6 +159,24 @@ def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
     return argv + ["--radix-cache-backend", RADIX_CACHE_BACKEND], ()
 
 
+def with_bind_shim(command: LaunchCommand, environ: Mapping[str, str], shim: str | None, bind_ip: str | None,
+                   why_not: str | None = None) -> LaunchCommand:
+    """``command`` with the bind shim preloaded (prfaas_sglang/native/bindshim.c): Mooncake's
+    wildcard listeners, in ``MC_MIN_RPC_PORT..MC_MAX_RPC_PORT`` (default 15000-17000), bind
+    ``bind_ip``. ``shim`` None: unchanged but for a note saying Mooncake binds all interfaces and
+    ``why_not``. A preload the environment already has is kept after ours."""
+    if shim is None or bind_ip is None:
+        return replace(command, notes=command.notes + (f"Mooncake's listeners bind all interfaces: {why_not}",))
+    env = dict(command.env)
+    low = environ.get("MC_MIN_RPC_PORT") or command.env.get("MC_MIN_RPC_PORT") or str(MOONCAKE_PORTS[0])
+    high = environ.get("MC_MAX_RPC_PORT") or command.env.get("MC_MAX_RPC_PORT") or str(MOONCAKE_PORTS[1])
+    preload = environ.get("LD_PRELOAD")
+    env.update({"LD_PRELOAD": f"{shim}:{preload}" if preload else shim,
+                envs.BIND_HOST.name: bind_ip, envs.BIND_PORTS.name: f"{low}-{high}"})
+    note = f"Mooncake's listeners bind {bind_ip} (ports {low}-{high}; bind shim {shim})"
+    return replace(command, env=env, notes=command.notes + (note,))
+
+
 def port_range_notes(node: Node, sglang_pd: bool) -> tuple[str, ...]:
     """A note for each of ``node``'s topology ports inside a range the engine binds ports in at
     random on the same host (Mooncake's; with ``sglang_pd``, SGLang's PD ZMQ channel too): the two

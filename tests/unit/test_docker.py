@@ -107,6 +107,8 @@ def test_installed_wheel_finds_its_packaged_series(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
     assert (site / "prfaas_sglang" / "_patches" / "series").read_text() == (REPO_ROOT / "patches" / "series").read_text()
+    # the images build the bind shim from the installed package's source
+    assert (site / "prfaas_sglang" / "native" / "bindshim.c").read_bytes() == (REPO_ROOT / "prfaas_sglang" / "native" / "bindshim.c").read_bytes()
     out = subprocess.run(
         [sys.executable, "-c", "from prfaas_sglang.patches.tree import default_patches_dir, is_checkout; "
          "print(is_checkout(), default_patches_dir())"],
