@@ -384,7 +384,8 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "chunk cache does) and, for full-attention models, in a RadixCache subclass built where the "
             "default chain builds a RadixCache. A request's custom_params.prfaas_checkpoint_tokens (a router's "
             "checkpoint hint) becomes the Mamba match's mamba_branching_seqlen where SGLang found none, so its "
-            "extra-buffer scheduling keeps a state there."
+            "extra-buffer scheduling keeps a state there; a prefill not kept otherwise is inserted only at "
+            "that forward (its prefix and state), the rest freed once sent."
         ),
         upstream_status="the shape of upstream's component-typed KV events (main's --enable-kv-events-component-types, "
                         "sglang PR #32514; not in the 0.5.23 wheel)",

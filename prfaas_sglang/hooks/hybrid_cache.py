@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.swa_radix_cache import LRUList as SwaLRUList
 from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
-from prfaas_sglang.kvindex.admission import PrefixAdmission
+from prfaas_sglang.kvindex.admission import Decision, PrefixAdmission
 from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
 from prfaas_sglang.protocol import CHECKPOINT_PARAM
 from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
@@ -74,32 +74,53 @@ class _PrefillAdmission:
     ``match_prefix`` (the scheduler's, which passes the request). A *transfer-cache* request then
     takes SGLang's no-insert path in ``cache_unfinished_req`` (its chunks stay its own, as in
     ``ChunkCache``) and finishes with ``is_insert=False``: everything beyond its cached prefix
-    goes back to the pools when SGLang releases the request after its KV transfer."""
+    goes back to the pools when SGLang releases the request after its KV transfer.
+
+    A request kept only up to its checkpoint (``Decision.keep_tokens``; only in a cache that can
+    stop there, :meth:`_checkpoint`) is inserted once, at the forward that tracked the state at
+    that length (``req.mamba_last_track_seqlen``), and otherwise takes the no-insert path: the
+    prefix and its state stay in the tree, the rest is freed once sent."""
 
     admission: PrefixAdmission | None
 
     def _init_admission(self, admission: PrefixAdmission | None) -> None:
         self.admission = admission
-        self._transfer_only: OrderedDict[str, bool] = OrderedDict()  # rid -> transfer cache? (decided, not finished)
+        self._decided: OrderedDict[str, Decision] = OrderedDict()  # rid -> decision (decided, not finished)
 
     def match_prefix(self, params: Any):
-        result = super().match_prefix(params)
+        result, checkpoint = self._checkpoint(super().match_prefix(params), params)
         req = params.req
-        if self.admission is not None and req is not None and req.rid not in self._transfer_only:
+        if self.admission is not None and req is not None and req.rid not in self._decided:
             key = params.key
-            keep = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices),
-                                         shared_hint=checkpoint_hint(req) is not None).keep
-            self._transfer_only[req.rid] = not keep
-            while len(self._transfer_only) > MAX_PENDING_DECISIONS:
-                self._transfer_only.popitem(last=False)
+            self._decided[req.rid] = self.admission.decide(key.token_ids[: len(key)], len(result.device_indices),
+                                                           checkpoint)
+            while len(self._decided) > MAX_PENDING_DECISIONS:
+                self._decided.popitem(last=False)
         return result
 
+    def _checkpoint(self, result: Any, params: Any) -> tuple[Any, int | None]:
+        """SGLang's match and the length at which this prefill will leave a state the tree can keep
+        on its own, for a request with a checkpoint hint; None where this cache cannot stop a
+        prefill there (here: never; the Mamba cache with SGLang's extra buffer can)."""
+        return result, None
+
+    def _keeps_whole(self, req: Any) -> bool:
+        """Whether ``req``'s whole prefill is prefix cache (SGLang's behaviour; undecided requests too)."""
+        decision = self._decided.get(req.rid)
+        return decision is None or (decision.keep and decision.keep_tokens is None)
+
     def _inserts_chunks(self, req: Any) -> bool:
-        """Whether ``req``'s finished chunks go into the tree (SGLang's behaviour)."""
-        return not self._transfer_only.get(req.rid, False)
+        """Whether ``req``'s finished chunks go into the tree."""
+        return self._keeps_whole(req)
+
+    def _at_kept_prefix(self, req: Any) -> bool:
+        """Whether ``req`` is kept up to its checkpoint only and its last forward tracked the state there."""
+        decision = self._decided.get(req.rid)
+        return (decision is not None and decision.keep_tokens is not None
+                and getattr(req, "mamba_last_track_seqlen", None) == decision.keep_tokens)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        if self._inserts_chunks(req):
+        if self._inserts_chunks(req) or self._at_kept_prefix(req):
             return super().cache_unfinished_req(req, chunked=chunked)
         # SGLang's own no-insert path (MambaRadixCache's _skip_cache_unfinished_req, ChunkCache's):
         # the request keeps its chunks' KV; the next chunk's prefix is what it computed so far.
@@ -107,8 +128,9 @@ class _PrefillAdmission:
         req.prefix_indices = kv_indices.to(dtype=torch.int64, copy=True)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        transfer_only = self._transfer_only.pop(req.rid, False)
-        super().cache_finished_req(req, is_insert=is_insert and not transfer_only)
+        insert = self._keeps_whole(req) or self._at_kept_prefix(req)
+        self._decided.pop(req.rid, None)
+        super().cache_finished_req(req, is_insert=is_insert and insert)
 
 
 def checkpoint_hint(req: Any) -> int | None:
@@ -151,22 +173,24 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
         self.chunk_checkpoints = chunk_checkpoints
         super().__init__(params)
 
-    def match_prefix(self, params: Any):
-        """SGLang's match; where the request asks for a state checkpoint (:func:`checkpoint_hint`)
-        and SGLang found no branching point of its own, that point becomes the match's
-        ``mamba_branching_seqlen``: SGLang's extra-buffer scheduling then tracks the state there
-        during the prefill and the tree keeps it (the mechanism SGLang uses for its own branching
-        points). Rounded down to a multiple of the page and of the Mamba chunk size, and used only
-        between the reused prefix and the prompt's end. Without the extra buffer SGLang keeps
-        states at chunk ends only, and the hint changes nothing there."""
-        result = super().match_prefix(params)
+    def _checkpoint(self, result: Any, params: Any) -> tuple[Any, int | None]:
+        """Where the request asks for a state checkpoint (:func:`checkpoint_hint`) and SGLang found
+        no branching point of its own, that point becomes the match's ``mamba_branching_seqlen``:
+        SGLang's extra-buffer scheduling then tracks the state there during the prefill (the
+        mechanism SGLang uses for its own branching points). Rounded down to a multiple of the page
+        and of the Mamba chunk size, and used only between the reused prefix and the prompt's end.
+        With a hint, the branching point that will be tracked (the hint's or SGLang's) is where the
+        prefill can be kept to. Without the extra buffer SGLang keeps states at chunk ends only:
+        the hint changes nothing there."""
         at = checkpoint_hint(params.req)
-        if at is not None and result.mamba_branching_seqlen is None:
+        if at is None:
+            return result, None
+        if result.mamba_branching_seqlen is None:
             step = math.lcm(self.page_size, self.mamba_cache_chunk_size)
             branch = at // step * step
             if len(result.device_indices) < branch < len(params.key):
                 result = result._replace(mamba_branching_seqlen=branch)
-        return result
+        return result, result.mamba_branching_seqlen if self.enable_mamba_extra_buffer else None
 
     def reset(self) -> None:  # also run by MambaRadixCache.__init__
         super().reset()
@@ -181,6 +205,7 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
 
     def _inserts_chunks(self, req: Any) -> bool:
         return self.chunk_checkpoints and super()._inserts_chunks(req)
+
 
     def _insert_helper(self, node: Any, key: Any, value: Any, mamba_value: Any, chunked: bool = False,
                        prev_prefix_len: int = 0):

@@ -7,7 +7,10 @@ long prompts fills the tree and evicts what is shared. This policy splits the bl
 
 * *prefix cache*: a prefill whose prefix is known to be shared is inserted, as SGLang does;
 * *transfer cache*: any other prefill is not inserted at all (not its chunks either); its
-  pages and its state slot are freed as soon as its transfer has completed.
+  pages and its state slot are freed as soon as its transfer has completed;
+* both, split at a checkpoint hint: a prompt that would be transfer cache but asks for a state
+  checkpoint (a router saw that prefix on some worker, ``router/policy.checkpoint_at``) keeps
+  the prefix up to the checkpoint, with its state, and frees the rest once sent.
 
 Modes (``PRFAAS_PREFILL_CACHE``; the launcher sets ``auto`` for the prfaas role):
 
@@ -73,7 +76,10 @@ class AdmissionStats:
 @dataclass(frozen=True)
 class Decision:
     keep: bool
-    reason: str  # "mode-all" | "mode-none" | "reused-prefix" | "seen-prefix" | "checkpoint-hint" | "one-off" | "one-off-in-reach"
+    reason: str  # "mode-all" | "mode-none" | "reused-prefix" | "seen-prefix" | "one-off-in-reach" | "checkpoint-prefix" | "one-off"
+    # With ``keep``: None, the whole prefill is prefix cache; a length, only the prompt's first so
+    # many tokens are (a checkpoint hint's prefix), the rest is transfer cache.
+    keep_tokens: int | None = None
 
 
 class PrefixAdmission:
@@ -123,10 +129,11 @@ class PrefixAdmission:
             done, length = length, length * 2
         return out
 
-    def decide(self, token_ids: Sequence[int], hit_tokens: int, shared_hint: bool = False) -> Decision:
+    def decide(self, token_ids: Sequence[int], hit_tokens: int, checkpoint_tokens: int | None = None) -> Decision:
         """Whether the prefill of ``token_ids`` (``hit_tokens`` of it already cached) is kept; records
-        the prompt as seen and counts the decision. ``shared_hint``: the request asks for a state
-        checkpoint (a router saw its prefix on some worker): it is shared, keep it."""
+        the prompt as seen and counts the decision. ``checkpoint_tokens``: where the request asks for
+        a state checkpoint (a router saw that prefix on some worker): a prompt not kept otherwise
+        keeps that prefix, and only that (``Decision.keep_tokens``)."""
         if self.mode == "all":
             decision = Decision(True, "mode-all")
         elif self.mode == "none":
@@ -141,10 +148,10 @@ class PrefixAdmission:
                 decision = Decision(True, "reused-prefix")
             elif last_seen:
                 decision = Decision(True, "seen-prefix")
-            elif shared_hint:
-                decision = Decision(True, "checkpoint-hint")
             elif self.mode == "auto" and self.reuse_in_reach():
                 decision = Decision(True, "one-off-in-reach")
+            elif checkpoint_tokens is not None and 0 < checkpoint_tokens < len(token_ids):
+                decision = Decision(True, "checkpoint-prefix", checkpoint_tokens)
             else:
                 decision = Decision(False, "one-off")
             now = (self._tokens_decided + len(token_ids), self._requests_decided + 1)  # clocks after it
@@ -156,12 +163,11 @@ class PrefixAdmission:
         self._tokens_decided += len(token_ids)
         self._requests_decided += 1
         stats = self.stats
-        if decision.keep:
-            stats.kept_requests += 1
-            stats.kept_tokens += len(token_ids)
-        else:
-            stats.transfer_requests += 1
-            stats.transfer_tokens += len(token_ids)
+        kept = (len(token_ids) if decision.keep_tokens is None else decision.keep_tokens) if decision.keep else 0
+        stats.kept_requests += decision.keep
+        stats.kept_tokens += kept
+        stats.transfer_requests += not decision.keep
+        stats.transfer_tokens += len(token_ids) - kept
         stats.reasons[decision.reason] = stats.reasons.get(decision.reason, 0) + 1
         return decision
 

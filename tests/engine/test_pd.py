@@ -69,9 +69,9 @@ def test_repeated_prompt_reuses_its_cached_prefix(pair):
 
 
 def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pair, module_procs):
-    """PRFAAS_PREFILL_CACHE=shared (what the launcher sets for the prfaas role; the same policy
-    object as the SGLang cache backend's): one-off long prompts are transfer cache (not cached, no
-    KV events), a prefix seen twice is kept and the third sighting reuses it."""
+    """PRFAAS_PREFILL_CACHE=shared (the same policy object as the SGLang cache backend's): one-off
+    long prompts are transfer cache (not cached, no KV events), a prefix seen twice is kept and the
+    third sighting reuses it; a one-off with a checkpoint hint keeps its prefix up to the hint only."""
     _, decode = pair
     prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE),
                            "--context-tokens", "65536", "--bootstrap-timeout-s", "2", events=True,
@@ -100,6 +100,14 @@ def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pai
         assert hits == [0, 0, 8_192]  # one-off, seen before (kept), then reused
         assert metric(prefill, "prfaas:prefill_kept_total") == 2
         assert sub.recv_multipart()  # the kept prefill was published
+        # A one-off asking for a state checkpoint (a router's hint): its prefix up to there is kept
+        # with that state, its tail is not: a later prompt sharing the whole first prompt reuses 4,096.
+        stem, tail = [70_000] * 4_096, [70_001] * 4_096
+        hinted = {"max_new_tokens": 1, "custom_params": {"prfaas_checkpoint_tokens": 4_096}}
+        p, _ = pd_request(prefill, decode, {"input_ids": stem + tail, "sampling_params": hinted})
+        assert p.status_code == 200 and metric(prefill, "prfaas:prefill_kept_total") == 3
+        p, _ = pd_request(prefill, decode, {"input_ids": stem + tail + [5] * 100, "sampling_params": {"max_new_tokens": 1}})
+        assert p.json()["meta_info"]["cached_tokens"] == 4_096
     finally:
         sub.close(linger=0)
     with pytest.raises(Exception):  # noqa: B017 - the worker refuses a bad policy at start-up

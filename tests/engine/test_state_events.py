@@ -774,7 +774,7 @@ def test_a_checkpoint_hint_becomes_sglangs_branching_point():
 
     prompt = list(range(1, 6 * page + 1))
     assert branching(prompt, 3 * page + 10) == 3 * page  # an empty tree: SGLang has no branching point
-    assert built.cache.admission.stats.reasons == {"checkpoint-hint": 1}  # a first sighting, kept
+    assert built.cache.admission.stats.reasons == {"checkpoint-prefix": 1}  # a first sighting: its prefix is kept
     assert branching(prompt, None) is None
     assert branching(prompt, page - 1) is None and branching(prompt, 6 * page) is None
     # the tree holds 4 pages of another prompt sharing the first 4 pages, with a state only at its end
@@ -782,3 +782,52 @@ def test_a_checkpoint_hint_becomes_sglangs_branching_point():
     slot = built.req_pool.mamba_allocator.alloc(1)
     built.cache.insert(InsertParams(key=RadixKey(array("q", other)), value=built.kv.alloc(len(other)), mamba_value=slot))
     assert branching(prompt, 2 * page) == 4 * page  # SGLang's own: the end of the full-attention match
+
+
+@pytest.mark.parametrize("mode, hint, tree_after", [
+    ("shared", 130, (128, 1)),  # a one-off asking for a checkpoint: the prefix to it and that state, nothing more
+    ("shared", None, (0, 0)),  # a one-off: transfer cache, all freed once sent
+    ("all", 130, (320, 3)),  # SGLang's behaviour: every tracked point (the hint's, then chunk ends) and the end
+])
+def test_sglangs_extra_buffer_flow_keeps_a_hinted_one_off_up_to_its_checkpoint_only(mode, hint, tree_after):
+    """A real ``Req`` through SGLang's extra-buffer flow on CPU pools (page 64, Mamba chunk 64): the
+    match (with the hint as branching point), the request pool's ping-pong buffers, three chunks with
+    ``maybe_cache_unfinished_req`` and ``release_kv_cache``. The forward's track step (GPU code) is
+    played as SGLang's ``prepare_for_extend`` does it: swap the ping-pong index, record the tracked
+    length (the branching point in the forward that holds it, else the chunk-aligned end)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.common import maybe_cache_unfinished_req, release_kv_cache
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache
+    from prfaas_sglang.kvindex.admission import PrefixAdmission
+
+    page, kv_tokens = 64, 1024
+    built = cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, page, kv_tokens, MAMBA_SLOTS)
+    cache, pool = built.cache, built.req_pool
+    cache.admission = PrefixAdmission(mode, 64)
+    prompt = list(range(1, 5 * page + 1))
+    params = SamplingParams(max_new_tokens=1, custom_params=None if hint is None else {"prfaas_checkpoint_tokens": hint})
+    req = Req(rid="r", origin_input_text="", origin_input_ids=array("q", prompt), sampling_params=params)
+    req.init_next_round_input(cache)
+    cache.inc_lock_ref(req.last_node)
+    pool.alloc([req])
+    assert req.mamba_branching_seqlen == (None if hint is None else 2 * page)
+    done = 0
+    for end in (2 * page, 4 * page, 5 * page):
+        loc = built.kv.alloc(end - done)
+        pool.write((req.req_pool_idx, slice(done, end)), loc)
+        req.set_extend_range(done, end)
+        req.kv_committed_len = req.kv_allocated_len = end
+        req.mamba_next_track_idx = pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+        branch = req.mamba_branching_seqlen
+        req.mamba_last_track_seqlen = branch if branch is not None and done < branch <= end else end
+        done = end
+        if end < len(prompt):
+            maybe_cache_unfinished_req(req, cache, chunked=True)
+    release_kv_cache(req, cache)
+    assert cache.total_size() == tree_after
+    assert built.kv.available_size() + tree_after[0] == kv_tokens  # the rest went back once "sent"
+    assert pool.mamba_allocator.available_size() + tree_after[1] == MAMBA_SLOTS

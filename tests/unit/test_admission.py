@@ -97,14 +97,23 @@ def test_settings_that_cannot_work_are_refused_with_a_typed_error():
     assert PrefixAdmission("shared", MIN_SHARED).ghost_entries == 4096
 
 
-def test_a_checkpoint_hint_marks_a_prompt_shared():
-    """A request that asks for a state checkpoint (a router saw its prefix on some worker) is kept,
-    where ``shared`` and ``auto`` would otherwise take it for a one-off; ``none`` still keeps nothing."""
+def test_a_one_off_with_a_checkpoint_hint_keeps_that_prefix_only():
+    """A request that asks for a state checkpoint (a router saw that prefix on some worker): where
+    the prompt would be transfer cache, its prefix up to the checkpoint is kept and the rest is not;
+    where it is kept anyway (seen before, or ``auto`` with the cache's reach), it is kept whole."""
     for mode in ("shared", "auto"):
         admission = PrefixAdmission(mode, MIN_SHARED, capacity_tokens=1000)
         for k in range(MIN_REUSE_SAMPLES + 2):  # auto: a cache too small for any reuse, so one-offs are refused
             admission.decide(_prompt(k, k), 0)
             admission.decide(_prompt(k, k + 100), 0)
         assert admission.decide(_prompt(500, 1), 0).reason == "one-off"
-        assert admission.decide(_prompt(501, 2), 0, shared_hint=True).reason == "checkpoint-hint"
-    assert not PrefixAdmission("none").decide(_prompt(1, 1), 0, shared_hint=True).keep
+        before = (admission.stats.kept_tokens, admission.stats.transfer_tokens)
+        decision = admission.decide(_prompt(501, 2), 0, checkpoint_tokens=2048)
+        assert (decision.keep, decision.reason, decision.keep_tokens) == (True, "checkpoint-prefix", 2048)
+        assert (admission.stats.kept_tokens - before[0], admission.stats.transfer_tokens - before[1]) == (2048, 2048)
+        seen = admission.decide(_prompt(501, 3), 0, checkpoint_tokens=2048)  # the stem again: kept whole
+        assert (seen.reason, seen.keep_tokens) == ("seen-prefix", None)
+        assert admission.decide(_prompt(502, 4), 0, checkpoint_tokens=4096).reason == "one-off"  # not inside the prompt
+    roomy = PrefixAdmission("auto", MIN_SHARED, capacity_tokens=1 << 30)
+    assert roomy.decide(_prompt(1, 1), 0, checkpoint_tokens=2048).keep_tokens is None  # in reach: the whole prompt
+    assert not PrefixAdmission("none").decide(_prompt(1, 1), 0, checkpoint_tokens=2048).keep

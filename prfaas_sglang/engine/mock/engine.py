@@ -444,11 +444,12 @@ class MockEngine:
             match = self.cache.match(req.input_ids[:-1])
             # Prefix cache or transfer cache (decided at the match, as the SGLang backend does): a
             # transfer-cache prefill is never inserted; its KV is the request's until shipped.
-            keep = self.admission.decide(req.input_ids, match.cached_tokens, req.checkpoint_tokens is not None).keep
+            decision = self.admission.decide(req.input_ids, match.cached_tokens, req.checkpoint_tokens)
             await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens))
-            if keep:  # a state also where the request asked for one (a router's checkpoint hint)
+            if decision.keep:  # a state also where the request asked for one (a router's checkpoint hint)
                 asked = () if req.checkpoint_tokens is None else (req.checkpoint_tokens,)
-                events, states = split_state_events(self.cache.insert(req.input_ids, checkpoints_at=asked))
+                kept = req.input_ids if decision.keep_tokens is None else req.input_ids[: decision.keep_tokens]
+                events, states = split_state_events(self.cache.insert(kept, checkpoints_at=asked))
                 if self.publisher:  # a hybrid model's cache reports its state checkpoints (wire v2)
                     self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
             try:
