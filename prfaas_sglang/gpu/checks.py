@@ -169,7 +169,7 @@ def check_kv_index(ctx: Context) -> CheckResult:
     wrong, rows = [], []
     base = prompt_ids(2048, ctx.vocab_size or 4096, 777)
     # Three sightings: a PrfaaS worker keeps a prefill only once its prefix was seen before
-    # (PRFAAS_PREFILL_CACHE=shared; auto may keep the first), so the second is inserted and the third hits.
+    # (PRFAAS_PREFILL_CACHE=shared, pinned by e2e.run), so the second is inserted and the third hits.
     more = extended(base, 1024, ctx.vocab_size or 4096, 778)
     for label, ids in (("first", base), ("second", base), ("repeat", base), ("extend", more)):
         time.sleep(1.0)  # KV events are published after the request; let them land
@@ -194,8 +194,8 @@ def _index_worker(index: str, name: str) -> dict:
 
 def check_state_events(ctx: Context) -> CheckResult:
     """Issue #15 on real SGLang: both prefill workers report their Mamba state checkpoints (the
-    ``prfaas-hybrid`` cache and ``prfaas-zmq`` publisher are live); a PrfaaS worker keeps no
-    one-off long prompt (transfer cache: no page of it is published as stored) and keeps a prompt
+    ``prfaas-hybrid`` cache and ``prfaas-zmq`` publisher are live); a PrfaaS worker (pinned to
+    ``PRFAAS_PREFILL_CACHE=shared`` by ``e2e.run``) keeps no one-off long prompt (transfer cache: no page of it is published as stored) and keeps a prompt
     seen twice, which a third sending then hits."""
     router, index = ctx.dep.url("router"), ctx.dep.url("kv-index")
     vocab, wrong, data = ctx.vocab_size or 4096, [], {}

@@ -434,7 +434,9 @@ def run(bundle_dir: Path, model_config: Path | None, checks: tuple[str, ...], lo
         log(f"[gpu-e2e] versions: {facts['versions']}")
         ctx = impl.Context(root, checkout, model_dir, procs, work, log)
         ctx.reference = start_reference(root, checkout, model_dir, procs)
-        ctx.dep = start_deployment(root, checkout, model_dir, procs, work)
+        # The prfaas node's prefix cache pinned to `shared` (the launcher's default is `auto`, which
+        # keeps one-offs while it has seen too few re-sightings): state-events checks transfer cache.
+        ctx.dep = start_deployment(root, checkout, model_dir, procs, work, prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"})
         for name in checks:
             started = time.monotonic()
             try:

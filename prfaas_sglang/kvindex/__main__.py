@@ -21,6 +21,7 @@ other consumers (a second router, schedulers, dashboards).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import sys
 import time
@@ -177,13 +178,19 @@ def main(argv: list[str] | None = None) -> int:
         hybrid = False if args.dense else runtime.from_topology(topology).hybrid
         index = KvIndex(hybrid=hybrid)
         workers = {}
-        for n in topology.nodes:
-            if not ROLE_SPECS[n.role].is_engine_role or n.port is None:
-                continue
+        engines = [n for n in topology.nodes if ROLE_SPECS[n.role].is_engine_role and n.port is not None]
+        bearer = keys.bearer() if keys else None
+
+        def facts(n):
+            return _wait_block_size(f"http://{n.host or '127.0.0.1'}:{n.port}", args.page_size, bearer,
+                                    args.wait_workers_s if n.kv_events_port is not None and args.page_size is None
+                                    else 0.0)  # --page-size: no waiting, the fallback serves
+
+        # Every worker is waited for at once: N late workers cost one wait, not N in a row.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(len(engines), 1)) as pool:
+            answers = list(pool.map(facts, engines))
+        for n, (size, events) in zip(engines, answers, strict=True):
             host = n.host or "127.0.0.1"
-            size, events = _wait_block_size(f"http://{host}:{n.port}", args.page_size, keys.bearer() if keys else None,
-                                            args.wait_workers_s if n.kv_events_port is not None and args.page_size is None
-                                            else 0.0)  # --page-size: no waiting, the fallback serves
             port = n.kv_events_port or (events or {}).get("endpoint_port_base")
             if port is None:
                 continue

@@ -134,3 +134,31 @@ def test_the_kv_index_waits_for_a_worker_that_starts_after_it(tmp_path):
         assert status["workers"]["pp0"]["blocks"] == 0 and "pp0" in status["subscriptions"]
     finally:
         group.stop()
+
+
+def test_the_kv_index_waits_for_its_workers_at_once_not_one_after_another(tmp_path, monkeypatch):
+    """Two workers that answer only once both are being asked: waited for one after another, the
+    first wait would never end (the barrier breaks); waited for at once, both answer."""
+    import threading
+
+    from prfaas_sglang.kvindex import __main__ as kvindex_main
+
+    topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {"a": {"kind": "pd", "nodes": [
+        {"name": "pp0", "role": "pd-prefill", "host": "127.0.0.1", "port": 1, "bootstrap_port": 2, "kv_events_port": 3},
+        {"name": "pp1", "role": "pd-prefill", "host": "127.0.0.1", "port": 4, "bootstrap_port": 5, "kv_events_port": 6},
+        {"name": "d0", "role": "pd-decode", "host": "127.0.0.1", "port": 7}]}}}
+    config = tmp_path / "t.yaml"
+    config.write_text(yaml.safe_dump(topology))
+    both_asked = threading.Barrier(3, timeout=10)  # pp0, pp1 and d0 (asked without waiting)
+    asked = []
+
+    def answer(url, fallback, headers, wait_s):
+        asked.append(url)
+        both_asked.wait()
+        return 64, None
+
+    served = {}
+    monkeypatch.setattr(kvindex_main, "_wait_block_size", answer)
+    monkeypatch.setattr("aiohttp.web.run_app", lambda app, **kw: served.update(kw))
+    assert kvindex_main.main(["--config", str(config), "--port", "9"]) == 0
+    assert sorted(asked) == ["http://127.0.0.1:1", "http://127.0.0.1:4", "http://127.0.0.1:7"] and served["port"] == 9
