@@ -206,7 +206,6 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
     def _inserts_chunks(self, req: Any) -> bool:
         return self.chunk_checkpoints and super()._inserts_chunks(req)
 
-
     def _insert_helper(self, node: Any, key: Any, value: Any, mamba_value: Any, chunked: bool = False,
                        prev_prefix_len: int = 0):
         result = super()._insert_helper(node, key, value, mamba_value, chunked, prev_prefix_len)
