@@ -239,7 +239,7 @@ def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer:
     rid_value = _rid(body.get("rid"))
     return EngineRequest(kind, ids if isinstance(ids, JsonIds) else tuple(ids), max_new, stream, rid_value or rid,
                          model if isinstance(model, str) else None, _bootstrap(body), include_usage, created_s,
-                         _checkpoint_tokens(custom_params(kind, body)))
+                         checkpoint_tokens(custom_params(kind, body)))
 
 
 def custom_params(kind: str, body: dict) -> dict | None:
@@ -252,17 +252,19 @@ def custom_params(kind: str, body: dict) -> dict | None:
     return value
 
 
-def with_checkpoint(kind: str, body: dict, checkpoint_tokens: int) -> dict:
+def with_checkpoint(kind: str, body: dict, at_tokens: int) -> dict:
     """The top-level members that set ``custom_params.prfaas_checkpoint_tokens`` on ``body`` (the
     client's other custom and sampling params kept): appended to a leg's JSON, they replace the
     client's (``router.server.leg_bytes``)."""
-    params = {**(custom_params(kind, body) or {}), CHECKPOINT_PARAM: checkpoint_tokens}
+    params = {**(custom_params(kind, body) or {}), CHECKPOINT_PARAM: at_tokens}
     if kind == "generate":
         return {"sampling_params": {**(body.get("sampling_params") or {}), "custom_params": params}}
     return {"custom_params": params}
 
 
-def _checkpoint_tokens(params: dict | None) -> int | None:
+def checkpoint_tokens(params: dict | None) -> int | None:
+    """The checkpoint hint in a request's ``custom_params`` (None: none). Raises BadRequest when it is
+    not a positive integer."""
     value = None if params is None else params.get(CHECKPOINT_PARAM)
     if value is None:
         return None

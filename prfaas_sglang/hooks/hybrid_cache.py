@@ -47,7 +47,7 @@ from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int
 
 from prfaas_sglang.kvindex.admission import Decision, PrefixAdmission
 from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
-from prfaas_sglang.protocol import CHECKPOINT_PARAM
+from prfaas_sglang.protocol import BadRequest, checkpoint_tokens
 from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
 
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
@@ -138,8 +138,10 @@ def checkpoint_hint(req: Any) -> int | None:
     SGLang keeps on the request untouched), or None when absent or not a positive integer (the
     router and the emulated engine refuse those with a 400; here one is only ignored)."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    value = params.get(CHECKPOINT_PARAM) if isinstance(params, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    try:
+        return checkpoint_tokens(params) if isinstance(params, dict) else None
+    except BadRequest:
+        return None
 
 
 class AdmissionRadixCache(_PrefillAdmission, RadixCache):

@@ -16,7 +16,7 @@ from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.hosts import is_wildcard, zmq_bind_host
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role
 from prfaas_sglang.topology import PORT_KEYS, Node, Topology
-from prfaas_sglang.transport.wan_defaults import WanLink, mooncake_env
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS, WanLink, mooncake_env
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
 # Flags the launcher derives from the role and node; passing them again after
@@ -84,7 +84,6 @@ def _refuse_owned_flags(extra_args: tuple[str, ...]) -> None:
 # state-reporting MambaRadixCache. Names only: the launcher does not import SGLang.
 EVENT_PUBLISHER = "prfaas-zmq"
 RADIX_CACHE_BACKEND = "prfaas-hybrid"
-MOONCAKE_PORTS = (15000, 17000)  # MC_MIN_RPC_PORT..MC_MAX_RPC_PORT: Mooncake's handshake and data ports
 # SGLang's PD control channel: each KV manager binds a ZMQ PULL on a random port of pyzmq's
 # bind_to_random_port range (sglang/srt/utils/network.py get_zmq_socket_on_host), advertised through
 # the bootstrap server; prefill and decode push their transfer status to each other there.
@@ -168,8 +167,8 @@ def with_bind_shim(command: LaunchCommand, environ: Mapping[str, str], shim: str
     if shim is None or bind_ip is None:
         return replace(command, notes=command.notes + (f"Mooncake's listeners bind all interfaces: {why_not}",))
     env = dict(command.env)
-    low = environ.get("MC_MIN_RPC_PORT") or command.env.get("MC_MIN_RPC_PORT") or str(MOONCAKE_PORTS[0])
-    high = environ.get("MC_MAX_RPC_PORT") or command.env.get("MC_MAX_RPC_PORT") or str(MOONCAKE_PORTS[1])
+    low = environ.get("MC_MIN_RPC_PORT") or command.env.get("MC_MIN_RPC_PORT") or str(MOONCAKE_RPC_PORTS[0])
+    high = environ.get("MC_MAX_RPC_PORT") or command.env.get("MC_MAX_RPC_PORT") or str(MOONCAKE_RPC_PORTS[1])
     preload = environ.get("LD_PRELOAD")
     env.update({"LD_PRELOAD": f"{shim}:{preload}" if preload else shim,
                 envs.BIND_HOST.name: bind_ip, envs.BIND_PORTS.name: f"{low}-{high}"})
@@ -181,7 +180,7 @@ def port_range_notes(node: Node, sglang_pd: bool) -> tuple[str, ...]:
     """A note for each of ``node``'s topology ports inside a range the engine binds ports in at
     random on the same host (Mooncake's; with ``sglang_pd``, SGLang's PD ZMQ channel too): the two
     can collide at start-up, so that one launch in many fails to bind."""
-    ranges = [("Mooncake's handshake and data ports", MOONCAKE_PORTS)]
+    ranges = [("Mooncake's handshake and data ports", MOONCAKE_RPC_PORTS)]
     if sglang_pd:
         ranges.append(("SGLang's PD ZMQ channel (random ports)", SGLANG_PD_ZMQ_PORTS))
     notes = []

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 import yaml
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.launch.command import MOONCAKE_PORTS, SGLANG_PD_ZMQ_PORTS
+from prfaas_sglang.launch.command import SGLANG_PD_ZMQ_PORTS
 from prfaas_sglang.roles import ROLE_SPECS, Engine, Role
 from prfaas_sglang.topology import PORT_KEYS, KubernetesSpec, Node, Topology, dns_label
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS
 
 CONFIG_MOUNT = "/etc/prfaas/topology.yaml"
 SECRET_DIR = "/etc/prfaas/secret"
@@ -168,8 +169,8 @@ def _container(topology: Topology, w: Workload, engine: Engine) -> dict:
               {"name": "deployment-secret", "mountPath": SECRET_DIR, "readOnly": True}]
     resources: dict = {"requests": {"cpu": "500m", "memory": "1Gi"}}
     if engine_role:
-        env += [{"name": "MC_MIN_RPC_PORT", "value": str(MOONCAKE_PORTS[0])},
-                {"name": "MC_MAX_RPC_PORT", "value": str(MOONCAKE_PORTS[1])}]
+        env += [{"name": "MC_MIN_RPC_PORT", "value": str(MOONCAKE_RPC_PORTS[0])},
+                {"name": "MC_MAX_RPC_PORT", "value": str(MOONCAKE_RPC_PORTS[1])}]
         if engine is Engine.SGLANG:
             gpus = str(w.nodes[0].tp_size or 1)
             resources = {"requests": {spec.gpu_resource: gpus}, "limits": {spec.gpu_resource: gpus}}
@@ -279,7 +280,7 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str, en
             rules.append({"from": routers + engines, "ports": [{"port": ports["http"], "protocol": "TCP"}]})
             if "bootstrap" in ports:
                 rules.append({"from": engines, "ports": [{"port": ports["bootstrap"], "protocol": "TCP"}]})
-            rules.append({"from": engines, "ports": [{"port": MOONCAKE_PORTS[0], "endPort": MOONCAKE_PORTS[1],
+            rules.append({"from": engines, "ports": [{"port": MOONCAKE_RPC_PORTS[0], "endPort": MOONCAKE_RPC_PORTS[1],
                                                       "protocol": "TCP"}]})
             if engine is Engine.SGLANG:
                 rules.append({"from": engines, "ports": [{"port": SGLANG_PD_ZMQ_PORTS[0], "endPort": SGLANG_PD_ZMQ_PORTS[1],

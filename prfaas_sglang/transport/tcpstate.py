@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS
 from prfaas_sglang.wire.telemetry import TcpView
 
 
@@ -174,7 +175,7 @@ class TcpCongestion:
 
 
 def kv_connections(conns: list[TcpConn], inodes: set[int], peer_ips: set[str] | None = None,
-                   port_range: tuple[int, int] = (15000, 17000)) -> list[TcpConn]:
+                   port_range: tuple[int, int] = MOONCAKE_RPC_PORTS) -> list[TcpConn]:
     """The connections among ``conns`` whose socket inode is in ``inodes`` (one process's sockets)
     that go to Mooncake ports (RPC and data ports are drawn from ``MC_MIN_RPC_PORT..MC_MAX_RPC_PORT``,
     15000..17000 by default), optionally only to ``peer_ips``."""

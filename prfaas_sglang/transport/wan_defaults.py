@@ -28,6 +28,10 @@ from dataclasses import dataclass
 
 from prfaas_sglang.roles import Role
 
+# Mooncake's MC_MIN_RPC_PORT..MC_MAX_RPC_PORT defaults: it draws its handshake and TCP data ports
+# from this range (the launcher's bind shim, the k8s NetworkPolicy and the TCP-state reader use it).
+MOONCAKE_RPC_PORTS = (15000, 17000)
+
 SLICE_BYTES = 1 << 20
 STALL_FLOOR_S = 5  # a live connection makes progress well within this on any link the profile is for
 MAX_BATCH_BYTES = 1 << 30  # the largest synchronous batch SGLang sends (one chunk's KV), for the total timeout
