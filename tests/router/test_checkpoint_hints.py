@@ -118,3 +118,13 @@ def test_end_to_end_the_second_sighting_leaves_a_state_at_the_shared_prefix(tmp_
             assert _cached(third) == 0 and hinted == 0
     finally:
         group.stop()
+
+
+def test_a_negative_checkpoint_minimum_is_refused(tmp_path):
+    import yaml
+    from helpers import run_py
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(local_topology()))
+    proc = run_py(["-m", "prfaas_sglang.router", "--config", str(path), "--checkpoint-min-tokens", "-1"])
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --checkpoint-min-tokens: must be >= 0 (0: never), got -1"
