@@ -578,13 +578,13 @@ async def poll_load(session: aiohttp.ClientSession, worker: WorkerRecord) -> Non
     """One ``/v1/loads`` read of ``worker`` into ``worker.load`` (None when it cannot be read). An
     answer that left the worker before a role change is dropped: a prefill worker's load read as a
     decode worker's would make its KV room look like the old role's cache size until the next poll."""
-    epoch, since_poll = worker.epoch, worker.reserved_since_poll_tokens
+    epoch, covers = worker.epoch, worker.last_ticket
     try:
         load = parse_loads(await _get_json(session, worker.url + "/v1/loads", 1.0))
     except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
         load = None
     if worker.poll_is_current(epoch):
-        worker.take_load(load, since_poll)
+        worker.take_load(load, covers)
 
 
 async def _health_loop(app: web.Application) -> None:

@@ -76,6 +76,7 @@ class Lease:
     rid: str
     decision: RouteDecision
     decode_tokens: int
+    decode_ticket: int  # the decode worker's reservation (WorkerRecord.reserve)
     prefill_open: bool = True
     decode_open: bool = True
 
@@ -188,7 +189,7 @@ class RouterService:
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
         prefill.outstanding_prefill_s += decision.estimated_prefill_s
         prefill.prefill_requests += 1
-        decode.reserve(req.kv_tokens)
+        ticket = decode.reserve(req.kv_tokens)
         self.counters.routed[decision.cluster] += 1
         if decision.probe:
             self.counters.probes += 1
@@ -202,7 +203,7 @@ class RouterService:
         self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
                             "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt})
-        return Lease(req.rid, decision, req.kv_tokens)
+        return Lease(req.rid, decision, req.kv_tokens, ticket)
 
     def prefill_done(self, lease: Lease) -> None:
         """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""
@@ -221,7 +222,7 @@ class RouterService:
             lease.decode_open = False
             worker = self.workers.get(lease.decision.decode)
             if worker is not None:
-                worker.release(lease.decode_tokens)
+                worker.release(lease.decode_ticket)
             self.stage_meter.complete("pd-decode")
 
     # --- P/D conversion (the long-term scheduler's actuator; router/conversion.py drives it) ---
@@ -267,6 +268,7 @@ class RouterService:
         worker.role, worker.facts, worker.load, worker.draining = new_role, None, None, False
         worker.epoch += 1  # polls in flight describe the old role: the loops drop their answers
         worker.outstanding_prefill_s, worker.prefill_requests = 0.0, 0
+        worker.forget_reservations()
         if name in self.index.workers():
             self.index.remove_worker(name)
         n_prefill, n_decode = self.pd_split()

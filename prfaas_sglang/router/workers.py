@@ -10,11 +10,18 @@ from ``/v1/loads``), and two ledgers the router keeps as it dispatches:
   requests whose prefill leg has not ended (the engines' time unit): the queue
   signal of the threshold controller and the TTFT estimate;
 * decode workers: ``reserved_tokens``, the KV (prompt + max new tokens) of
-  requests dispatched and not finished, and ``reserved_since_poll_tokens``, the
-  part of it dispatched since the last ``/v1/loads`` answer was sent. Free KV is
-  the reported pool size minus the larger of the reservations and what the
-  worker reported in use plus what was dispatched to it since: a burst between
-  two polls counts against the worker it lands on, so it spreads.
+  requests dispatched and not finished, each under a ticket (dispatch order).
+  A ``/v1/loads`` answer covers the tickets issued before it was sent. Free KV is
+  the reported pool size minus the larger of the reservations and the last
+  answer's use corrected by what happened since: plus what was dispatched after
+  the answer was sent (``reserved_since_poll_tokens``: a burst between two polls
+  counts against the worker it lands on, so it spreads), minus what the answer
+  counted and has ended since it arrived (``released_since_poll_tokens``: a worker
+  that just finished a burst does not look full until the next poll)::
+
+      tickets  1 .. covers                 | covers+1 .. last
+               in the answer's used tokens | dispatched after it was sent
+               ended since it arrived: -   | still open: +
 
 :func:`check_facts` refuses facts that contradict the deployment (a page size
 that differs inside a cluster, another block-hash scheme, a wrong PD mode, an
@@ -23,7 +30,7 @@ emulated engine scaled differently from the topology's ``emulation:``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prfaas_sglang.errors import ConfigError
@@ -155,12 +162,16 @@ class WorkerRecord:
     load: WorkerLoad | None = None
     outstanding_prefill_s: float = 0.0
     reserved_tokens: int = 0
-    reserved_since_poll_tokens: int = 0  # of reserved_tokens: dispatched after the last load answer left the worker
+    reserved_since_poll_tokens: int = 0  # of reserved_tokens: dispatched after the last load answer was sent
+    released_since_poll_tokens: int = 0  # counted by the last load answer, ended after it arrived
     reserved_requests: int = 0
+    last_ticket: int = 0  # the last decode reservation's ticket (see reserve)
+    load_covers_ticket: int = 0  # the last load answer counts reservations up to this ticket
     prefill_requests: int = 0  # prefill legs dispatched here and not ended
     failures: int = 0
     refused: str | None = None  # why the facts were refused (never routed to then)
     epoch: int = 0  # bumped when the worker changes role: a poll begun before then is stale (see poll_is_current)
+    _open: dict[int, int] = field(default_factory=dict, repr=False)  # ticket -> reserved decode tokens
 
     def poll_is_current(self, epoch: int) -> bool:
         """Whether a poll begun at ``epoch`` (this record's ``epoch`` then) may still be written: a
@@ -180,25 +191,45 @@ class WorkerRecord:
             return None
         used = self.reserved_tokens
         if self.load is not None:
-            used = max(used, self.load.used_tokens + self.reserved_since_poll_tokens)
+            since = self.load.used_tokens + self.reserved_since_poll_tokens - self.released_since_poll_tokens
+            used = max(used, since)
         return max(pool - used, 0)
 
-    def reserve(self, kv_tokens: int) -> None:
-        """A request's decode KV dispatched here (until :meth:`release`)."""
+    def reserve(self, kv_tokens: int) -> int:
+        """A request's decode KV dispatched here. Returns its ticket, for :meth:`release`."""
+        self.last_ticket += 1
         self.reserved_tokens += kv_tokens
         self.reserved_requests += 1
         self.reserved_since_poll_tokens += kv_tokens
+        self._open[self.last_ticket] = kv_tokens
+        return self.last_ticket
 
-    def release(self, kv_tokens: int) -> None:
+    def release(self, ticket: int) -> None:
+        """The request under ``ticket`` ended: its reservation goes (an unknown ticket, e.g. one issued
+        before a role change, is ignored)."""
+        kv_tokens = self._open.pop(ticket, None)
+        if kv_tokens is None:
+            return
         self.reserved_tokens = max(self.reserved_tokens - kv_tokens, 0)
         self.reserved_requests = max(self.reserved_requests - 1, 0)
-        self.reserved_since_poll_tokens = min(self.reserved_since_poll_tokens, self.reserved_tokens)
+        if ticket > self.load_covers_ticket:
+            self.reserved_since_poll_tokens = max(self.reserved_since_poll_tokens - kv_tokens, 0)
+        elif self.load is not None:
+            self.released_since_poll_tokens += kv_tokens
 
-    def take_load(self, load: WorkerLoad | None, since_poll_at_send: int) -> None:
-        """A ``/v1/loads`` answer (None: unreadable). ``since_poll_at_send``: ``reserved_since_poll_tokens``
-        when the request left; what was dispatched after that is not in the answer and still counts."""
-        self.load = load
-        self.reserved_since_poll_tokens = max(self.reserved_since_poll_tokens - since_poll_at_send, 0)
+    def take_load(self, load: WorkerLoad | None, covers_ticket: int) -> None:
+        """A ``/v1/loads`` answer (None: unreadable). ``covers_ticket``: :attr:`last_ticket` when the
+        request was sent; what was dispatched after that is not in the answer and still counts.
+        What ended between sending and the answer may be in it: nothing is subtracted for that."""
+        self.load, self.load_covers_ticket = load, covers_ticket
+        self.reserved_since_poll_tokens = sum(n for t, n in self._open.items() if t > covers_ticket)
+        self.released_since_poll_tokens = 0
+
+    def forget_reservations(self) -> None:
+        """The worker changed role: reservations of its old role can no longer be released here."""
+        self._open.clear()
+        self.reserved_tokens = self.reserved_requests = 0
+        self.reserved_since_poll_tokens = self.released_since_poll_tokens = 0
 
     @property
     def kv_events_url(self) -> str | None:

@@ -243,18 +243,62 @@ def test_a_burst_between_two_load_polls_spreads_over_the_decode_workers():
     d0, d1 = service.workers["pd-decode-0"], service.workers["pd-decode-1"]
     d0.take_load(WorkerLoad(0, 0, 40_000, 100_000), 0)  # 60K free
     d1.take_load(WorkerLoad(0, 0, 42_000, 100_000), 0)  # 58K free
-    chosen = []
+    chosen, leases = [], []
     for n in range(6):
         req = EngineRequest("generate", tuple(range(1_000 + n, 4_000 + n)), 1_000, False, f"r{n}", None, None)
         decision = service.decide(service.route_input(req), set(), 0.0)
-        service.begin(req, decision, 0.0, 0)
+        leases.append(service.begin(req, decision, 0.0, 0))
         chosen.append(decision.decode)
     assert chosen.count("pd-decode-0") == chosen.count("pd-decode-1") == 3, chosen
     assert d0.kv_free_tokens == 60_000 - 3 * 4_000 and d0.reserved_since_poll_tokens == 12_000
     # a poll sent after two of these left and answered after the third: the third still counts
-    d0.take_load(WorkerLoad(2, 0, 48_000, 100_000), since_poll_at_send=8_000)
+    first_two = sorted(lease.decode_ticket for lease in leases if lease.decision.decode == "pd-decode-0")[1]
+    d0.take_load(WorkerLoad(2, 0, 48_000, 100_000), covers_ticket=first_two)
     assert d0.reserved_since_poll_tokens == 4_000 and d0.kv_free_tokens == 100_000 - 52_000
     # finished requests give their room back; what is left since the poll never exceeds what is reserved
-    for _ in range(3):
-        d0.release(4_000)
-    assert (d0.reserved_tokens, d0.reserved_since_poll_tokens, d0.kv_free_tokens) == (0, 0, 52_000)
+    for lease in leases:
+        service.finish(lease)
+    assert (d0.reserved_tokens, d0.reserved_since_poll_tokens) == (0, 0)
+    # the two the answer counted ended after it arrived: their room is back before the next poll
+    assert d0.released_since_poll_tokens == 8_000 and d0.kv_free_tokens == 100_000 - 40_000
+
+
+def test_a_worker_that_finished_its_requests_since_the_last_poll_does_not_look_full():
+    """A ``/v1/loads`` answer taken while a burst was open counts that burst's KV. When the burst
+    ends before the next poll, the worker must not look fuller than a peer that was polled idle:
+    the next burst spreads over both instead of landing whole on the peer (a converted worker
+    received no requests for a whole poll period this way). What ended between sending the poll
+    and its answer is not subtracted (the answer may or may not count it), nor a reservation the
+    answer never saw, and a role change forgets the old role's reservations."""
+    from prfaas_sglang.protocol import EngineRequest
+    from prfaas_sglang.router.workers import WorkerLoad
+
+    service = _service(pd_decode=2)
+    d0, d1 = service.workers["pd-decode-0"], service.workers["pd-decode-1"]
+    burst = [d0.reserve(5_000) for _ in range(4)]
+    d0.take_load(WorkerLoad(4, 0, 20_000, 100_000), covers_ticket=d0.last_ticket)  # the burst, in use
+    d1.take_load(WorkerLoad(0, 0, 1_000, 100_000), covers_ticket=d1.last_ticket)
+    for ticket in burst:
+        d0.release(ticket)
+    assert d0.kv_free_tokens == 100_000 and d1.kv_free_tokens == 99_000
+    chosen = []
+    for n in range(4):
+        req = EngineRequest("generate", tuple(range(n, 2_000 + n)), 500, False, f"r{n}", None, None)
+        decision = service.decide(service.route_input(req), set(), 0.0)
+        service.begin(req, decision, 0.0, 0)
+        chosen.append(decision.decode)
+    assert chosen.count("pd-decode-0") == chosen.count("pd-decode-1") == 2, chosen
+
+    # ended between sending a poll and its answer: the answer may still count it, so nothing is subtracted
+    ticket = d1.reserve(3_000)
+    covers = d1.last_ticket
+    d1.release(ticket)
+    d1.take_load(WorkerLoad(2, 0, 9_000, 100_000), covers_ticket=covers)
+    assert d1.released_since_poll_tokens == 0 and d1.kv_free_tokens == 100_000 - 9_000
+
+    # a role change forgets the reservations of the old role; releasing one later changes nothing
+    open_before = d0.reserved_tokens
+    assert open_before > 0
+    d0.forget_reservations()
+    d0.release(d0.last_ticket)
+    assert (d0.reserved_tokens, d0.reserved_requests, d0.released_since_poll_tokens) == (0, 0, 0)
