@@ -8,7 +8,7 @@ STAMP := $(VENV)/.prfaas-env-stamp
 
 env: $(STAMP)
 
-$(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_sglang/_pin.py
+$(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_sglang/_pin.py patches/series $(wildcard patches/*.patch)
 	VENV=$(VENV) bash scripts/setup-env.sh
 	touch $(STAMP)
 

@@ -8,7 +8,7 @@ Upstream catches and *logs* both a plugin that raises and a hook that fails to
 apply, then carries on with stock behaviour. We do not accept that: a
 PrfaaS server running without its hooks is silently wrong. So ``register()``
 
-1. checks the installed SGLang is the pinned release,
+1. checks the installed SGLang is the pinned release with every patch of ``patches/series`` applied,
 2. registers every hook in :data:`HOOKS` with SGLang's ``HookRegistry``,
 3. applies them immediately (``HookRegistry.apply_hooks`` is idempotent per
    target, so the later call in ``load_plugins`` skips them),
@@ -289,6 +289,28 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="when SGLang calls its vocabulary check on every request",
         tests="tests/unit/test_security.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="decode-state-slot",
+        target="sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc",
+        hook="prfaas_sglang.hooks.decode_radix:make_room_for_state",
+        hook_type="before",
+        expected_signature=("(self, req: 'Req', prefix_indices: 'Optional[torch.Tensor]' = None, prefix_len: "
+                            "'Optional[int]' = None, total_prefix_len: 'Optional[int]' = None) -> 'torch.Tensor'"),
+        subject="[cache] A decode request's state slot evicts a cached state when the pool has none free",
+        why=(
+            "With the decode radix cache on a hybrid model (patch 0001), finished requests donate their state "
+            "slots to the tree, from the pool decode requests take theirs from; DecodePreallocQueue._pre_alloc "
+            "takes a slot without evicting, and the allocator asserts once the tree holds the free ones."
+        ),
+        how=(
+            "BEFORE hook on _pre_alloc: with the prfaas-hybrid decode cache (DecodeMambaRadixCache) and no free "
+            "state slot, evict the least recently used unlocked state (EvictParams(mamba_num=1)), as SGLang's "
+            "colocated admission does in alloc_req_slots. Anything else: nothing."
+        ),
+        upstream_status="not-yet (upstream's fix in sgl-project/sglang#38634 allocates through alloc_req_slots)",
+        removal="with patch 0001, when the pinned SGLang has the decode radix cache for Mamba/SSM models",
+        tests="tests/engine/test_decode_radix_hybrid.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 
@@ -520,8 +542,11 @@ def install_registrations() -> None:
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group; see the module docstring."""
+    from prfaas_sglang.patches import verify_installed
+
     try:
         require_pinned(installed_sglang_version(), "this environment")
+        verify_installed()  # the seams the hooks and backends call into (patches/series) are in place
         install_hooks(HOOKS)
         install_registrations()
     except PrfaasError as err:

@@ -72,4 +72,9 @@ fi
 # 4. This project, editable, with the test extra.
 log "installing prfaas-sglang (editable, [test])"
 "${PIP[@]}" -e '.[test]'
+
+# 5. The patch series (patches/series) onto the installed SGLang; idempotent. A
+#    patch that does not apply stops here, naming the patch and hunk.
+log "applying the patch series"
+"$VENV/bin/python" -m prfaas_sglang.patches apply
 log "done: $VENV"

@@ -64,6 +64,34 @@ def cpu_hybrid_cache(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int
     return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, page_size)
 
 
+def cpu_decode_hybrid_cache(cache_cls, kv_tokens: int, max_running: int, pre_alloc: int,
+                            events: bool = True) -> CpuHybridCache:
+    """A decode worker's pools for a hybrid model (page 1, ``no_buffer``): SGLang's
+    ``HybridMambaDecodeReqToTokenPool`` with ``max_running`` request slots plus ``pre_alloc`` for
+    requests receiving KV (one state slot each, the decode pool's own sizing), a
+    ``HybridLinearKVPool`` of ``kv_tokens`` with KV buffers, and ``cache_cls`` over them."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    set_global_server_args(1)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
+                                    state_size=4, conv_kernel=4)
+    req_pool = HybridMambaDecodeReqToTokenPool(
+        size=max_running, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0], speculative_num_draft_tokens=None,
+        enable_mamba_extra_buffer=False, pre_alloc_size=pre_alloc, enable_overlap_schedule=False)
+    kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,
+                                 full_attention_layer_ids=[1], device="cpu", mamba_pool=req_pool.mamba_pool)
+    kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
+                             page_size=1, enable_kv_cache_events=events, enable_mamba_extra_buffer=False)
+    return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, 1)
+
+
 def cpu_radix_cache(cache_cls, page_size: int, kv_tokens: int, events: bool = True) -> CpuHybridCache:
     """``cache_cls`` (``RadixCache`` or a subclass: a full-attention model's cache) over a fresh
     request pool and a token allocator of ``kv_tokens`` tokens (no KV buffers; ``kv_pool`` None)."""

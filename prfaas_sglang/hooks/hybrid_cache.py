@@ -444,10 +444,15 @@ def cache_capacity(params: Any) -> tuple[int, int | None]:
 
 def build_tree_cache(ctx: Any):
     """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
-    caches in place of ``MambaRadixCache`` and ``SWARadixCache``."""
+    caches in place of ``MambaRadixCache`` and ``SWARadixCache`` (on a decode worker with the decode
+    radix cache, :class:`~prfaas_sglang.hooks.decode_radix.DecodeMambaRadixCache`)."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     if default_builds_mamba_radix_cache(ctx):
+        if ctx.server_args.disaggregation_mode == "decode":  # the decode radix cache (patch 0001)
+            from prfaas_sglang.hooks.decode_radix import DecodeMambaRadixCache
+
+            return DecodeMambaRadixCache(ctx.params)
         return StateEventsMambaRadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)), chunk_checkpoints_from_env())
     if default_builds_swa_radix_cache(ctx):
         return StateEventsSWARadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)))

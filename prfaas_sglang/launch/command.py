@@ -89,6 +89,7 @@ RADIX_CACHE_BACKEND = "prfaas-hybrid"
 # the bootstrap server; prefill and decode push their transfer status to each other there.
 SGLANG_PD_ZMQ_PORTS = (49152, 65535)
 PREFILL_CACHE_DEFAULT = "auto"  # what a PrfaaS prefill worker's tree keeps (envs.PREFILL_CACHE)
+DECODE_RADIX_FLAG = "--disaggregation-decode-enable-radix-cache"  # SGLang's; ours serves it for hybrids
 # Upstream refuses --radix-cache-backend together with these (server_args: not int8-aware).
 _EXCLUDES_CACHE_BACKEND = ("--enable-int8-mamba-checkpoint",)
 
@@ -140,18 +141,21 @@ def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str
 
 def _kv_events_args(node: Node) -> tuple[list[str], tuple[str, ...]]:
     """``--kv-events-config`` and, unless the node's own flags choose another cache, our cache
-    backend: its state events make a hybrid model's KV-index hits exact, and on a PrfaaS node
-    (with or without events) it applies the prefill admission policy (``PRFAAS_PREFILL_CACHE``).
-    Returns (argv, notes)."""
+    backend: its state events make a hybrid model's KV-index hits exact, on a PrfaaS node (with or
+    without events) it applies the prefill admission policy (``PRFAAS_PREFILL_CACHE``), and on a
+    decode node with SGLang's ``--disaggregation-decode-enable-radix-cache`` it serves that cache
+    for a linear-attention hybrid (patch 0001, ``hooks/decode_radix``). Returns (argv, notes)."""
     argv = [] if node.kv_events_port is None else ["--kv-events-config", kv_events_config(node.kv_events_port, node.host)]
-    if node.kv_events_port is None and node.role is not Role.PRFAAS:
-        return argv, ()
     flags = {arg.split("=", 1)[0] for arg in node.extra_args}
+    decode_radix = DECODE_RADIX_FLAG in flags
+    if node.kv_events_port is None and node.role is not Role.PRFAAS and not decode_radix:
+        return argv, ()
     given = "--radix-cache-backend" if "--radix-cache-backend" in flags else next(
         (f for f in _EXCLUDES_CACHE_BACKEND if f in flags), None)
     if given is not None:
         lost = [what for what, applies in (("no state events, the kv-index infers hybrid checkpoints", node.kv_events_port),
-                                           ("no prefill admission, every prefill is kept", node.role is Role.PRFAAS))
+                                           ("no prefill admission, every prefill is kept", node.role is Role.PRFAAS),
+                                           ("SGLang refuses the decode radix cache for a Mamba/SSM model", decode_radix))
                 if applies]
         why = "given" if given == "--radix-cache-backend" else "excludes a radix-cache backend"
         return argv, (f"{given} {why}: {'; '.join(lost)}",)

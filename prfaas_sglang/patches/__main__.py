@@ -133,6 +133,8 @@ def cmd_rebase_check(series: Series, args) -> int:
         version = wheel_version(wheel)
         tree = unpack_wheel(wheel, Path(tmp))
         report = evaluate_tree(series, tree)
+        patch_upstream = {pr.patch.name: upstream_api.marker_found(tree.root, pr.patch.upstream_marker)
+                          for pr in report.patches}
         pinned = installed_tree().root
         hooks = []
         for spec in HOOKS + REGISTRATIONS:
@@ -154,6 +156,7 @@ def cmd_rebase_check(series: Series, args) -> int:
             "status": pr.status.value,
             "offsets": pr.offsets(),
             "failures": pr.failure_lines(),
+            "upstream_has_it": patch_upstream[pr.patch.name],
         }
         for pr in report.patches
     ]
@@ -163,13 +166,14 @@ def cmd_rebase_check(series: Series, args) -> int:
                           "patches": rows, "hooks": hooks}, indent=2))
     else:
         print(f"rebase-check: series {series.directory} ({len(rows)} patch(es)) onto sglang {version}")
-        print(f"| patch | sglang {version} | detail |")
-        print("|---|---|---|")
+        print(f"| patch | sglang {version} | upstream does it itself | detail |")
+        print("|---|---|---|---|")
         for row in rows:
             detail = "; ".join(row["failures"] or row["offsets"]) or "-"
-            print(f"| {row['patch']} | {row['status']} | {detail} |")
+            print(f"| {row['patch']} | {row['status']} | {'yes: retire it' if row['upstream_has_it'] else 'no'} "
+                  f"| {detail} |")
         if not rows:
-            print("| (series is empty) | - | nothing to rebase |")
+            print("| (series is empty) | - | - | nothing to rebase |")
         print()
         print(f"| hook or registered backend | sglang {version} | upstream does it itself | what moved |")
         print("|---|---|---|---|")

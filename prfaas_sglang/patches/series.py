@@ -14,6 +14,9 @@ Every patch starts with a header of trailer-style fields before its first
     Upstream-Base:    sglang 0.5.15
     Removal:          when this patch can be dropped
     Tests:            tests that exercise it (paths)
+
+Optional: ``Upstream-Marker: <file under site-packages> :: <text>``, text whose presence in a newer
+SGLang says it does this itself (``rebase-check`` reports it as "upstream does it itself").
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ class Patch:
     header: dict[str, str]
     files: tuple[FilePatch, ...]
     text: str
+
+    @property
+    def upstream_marker(self) -> tuple[str, str] | None:
+        """(file, text) from the optional ``Upstream-Marker`` field; None when absent or malformed
+        (``lint`` names a malformed one)."""
+        file, sep, text = self.header.get("Upstream-Marker", "").partition(" :: ")
+        return (file.strip(), text.strip()) if sep and file.strip() and text.strip() else None
 
     @property
     def subject(self) -> str:
@@ -166,6 +176,9 @@ def lint(directory: Path, repo_root: Path | None = None) -> list[str]:
         for key in REQUIRED_FIELDS:
             if not header.get(key):
                 problems.append(f"{name}: header field {key!r} is missing or empty")
+        marker = header.get("Upstream-Marker")
+        if marker is not None and Patch(name, path, header, (), text).upstream_marker is None:
+            problems.append(f"{name}: Upstream-Marker must read '<file> :: <text>'")
         status = header.get("Upstream-Status", "")
         if status and not status.startswith(UPSTREAM_STATUS_PREFIXES):
             problems.append(

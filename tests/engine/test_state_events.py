@@ -198,7 +198,7 @@ def test_the_registered_factory_builds_ours_where_sglang_builds_a_mamba_radix_ca
     real = RealCache(page_size=1)
 
     def ctx(**kw):
-        base = dict(server_args=SimpleNamespace(enable_lmcache=False), params=real.params,
+        base = dict(server_args=SimpleNamespace(enable_lmcache=False, disaggregation_mode="prefill"), params=real.params,
                     is_hybrid_swa=False, is_hybrid_ssm=True, enable_hierarchical_cache=False, disable_radix_cache=False,
                     effective_chunked_prefill_size=None, tp_worker=None, model_config=None, tp_size=1, tp_rank=0,
                     tp_group=None)

@@ -192,6 +192,19 @@ class TestPlan:
         assert list(own.argv).count("--radix-cache-backend") == 1
         assert any("no prefill admission" in note and "state events" not in note for note in own.notes)
 
+    def test_a_decode_node_with_sglangs_decode_radix_cache_gets_the_backend_that_serves_it_for_hybrids(self):
+        """SGLang 0.5.15 refuses the decode radix cache for a Mamba/SSM model unless the
+        prfaas-hybrid backend serves it (patch 0001): a decode node asking for it gets the backend
+        even without a KV-event port; one that names its own cache keeps it and is told."""
+        node = Node("d0", "pd", Role.PD_DECODE, model_path="/m", extra_args=("--disaggregation-decode-enable-radix-cache",))
+        argv = list(sglang_command(node, "python", {}).argv)
+        assert argv[argv.index("--radix-cache-backend") + 1] == "prfaas-hybrid"
+        plain = dataclasses.replace(node, extra_args=())
+        assert "--radix-cache-backend" not in sglang_command(plain, "python", {}).argv
+        own = sglang_command(dataclasses.replace(node, extra_args=node.extra_args + ("--radix-cache-backend=mine",)),
+                             "python", {})
+        assert any("decode radix cache for a Mamba/SSM model" in note for note in own.notes)
+
     def test_plan_arguments_parse_with_sglang_own_parser(self):
         """Every flag we emit exists in sglang 0.5.15's argument parser with the value we give."""
         import argparse

@@ -129,12 +129,12 @@ async def _run(config, timing, tokenizer) -> None:
 
 
 def check_decode_radix_cache(config, timing) -> None:
-    """SGLang 0.5.15 refuses a decode-side radix cache for hybrid SWA/SSM models
-    (``mem_cache/kv_cache_builder.py``: their pools do not support prefix-match-and-lock); so does the emulator."""
-    if config.decode_radix_cache and timing.hybrid:
+    """SGLang 0.5.15 refuses a decode-side radix cache for sliding-window models
+    (``mem_cache/kv_cache_builder.py``), and so does the emulator; linear-attention hybrids have it
+    through patch 0001 and ``hooks/decode_radix`` (full-attention KV reused, the state always shipped)."""
+    if config.decode_radix_cache and timing.model is not None and timing.model.sliding_window is not None:
         raise ConfigError("--disaggregation-decode-enable-radix-cache",
-                          f"is incompatible with hybrid (SWA / linear-attention) models such as {config.profile} "
-                          "in SGLang 0.5.15")
+                          f"is incompatible with sliding-window models such as {config.profile} in SGLang 0.5.15")
 
 
 def main(argv: list[str] | None = None) -> int:

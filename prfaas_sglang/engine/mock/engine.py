@@ -673,7 +673,7 @@ class MockEngine:
         if room in self._pending:
             raise BadRequest(409, f"bootstrap room {room} is already in use on this decode worker")
         # The last prompt token's KV always comes from the prefill (its logits give the first token).
-        held = self.cache.match(req.input_ids[:-1]).cached_tokens if self.config.decode_radix_cache else 0
+        held = self.cache.decode_reusable_tokens(req.input_ids[:-1]) if self.config.decode_radix_cache else 0
         length = self.timing.kv_bytes_beyond(len(req.input_ids), held)
         if length > self.kv.arena.size:
             raise BadRequest(400, f"KV of {length} bytes exceeds the landing buffer ({self.kv.arena.size} bytes)")

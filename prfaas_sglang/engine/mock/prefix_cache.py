@@ -84,6 +84,18 @@ class PrefixCache:
             self._blocks.move_to_end(block_id)
         return Match(matched, best * self.page_size)
 
+    def decode_reusable_tokens(self, token_ids: Sequence[int]) -> int:
+        """What a decode worker's cache supplies of ``token_ids`` (``hooks/decode_radix``'s rule: a
+        decode worker never resumes a state, its request's state always ships): the matched
+        full-attention pages whatever their checkpoints, for a hybrid model a page short of a
+        checkpoint the match would end at (SGLang would pin that state with the match's lock)."""
+        reusable = self.match(token_ids).matched_blocks
+        if self.hybrid:
+            ids = self._ids(token_ids)
+            while reusable and self._blocks[ids[reusable - 1]].checkpoint:
+                reusable -= 1
+        return reusable * self.page_size
+
     def insert(self, token_ids: Sequence[int], medium: str = "GPU", checkpoints_at: Sequence[int] = ()) -> list[KVCacheEvent]:
         """Cache every full page of a prefilled prompt; returns its block events, then (hybrid)
         its state events (the order a v2 batch applies them in). ``checkpoints_at``: prefix lengths
