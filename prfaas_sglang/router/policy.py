@@ -202,7 +202,9 @@ def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
     roomy = [w for w in decodes if w.kv_free_tokens is None or w.kv_free_tokens >= request.decode_tokens]
     if not roomy:
         raise NoDecodeRoom(f"no decode worker has KV room for {request.decode_tokens} tokens now")
-    cluster_of = {w.name: w.cluster for w in snap.workers}
+    # What a cluster can resume from is what its prefill workers hold: a decode worker's own cache
+    # (SGLang's decode radix cache, in the index when it publishes events) saves shipping, not prefill.
+    cluster_of = {w.name: w.cluster for w in snap.workers if w.role == "prefill"}
     by_cluster: dict[str, int] = {}
     for name, n in by_worker.items():
         c = cluster_of.get(name)

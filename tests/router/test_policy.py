@@ -102,6 +102,15 @@ class TestThresholdRule:
         d = decide(30_000, {"d0": 28_000, "p0": 25_000}, mode=BandwidthMode.ABUNDANT, transfer=True)
         assert d.transfer is None or d.transfer.source == "p0"
 
+    @pytest.mark.parametrize("mode", [BandwidthMode.SCARCE, BandwidthMode.ABUNDANT])
+    def test_a_decode_workers_cache_credits_no_cluster(self, mode):
+        """A decode worker holding 28K of a 30K prompt (its decode radix cache, in the index) saves
+        shipping, not prefill: no PD prefill worker can resume from it, so the long prompt is still
+        30K uncached on PD and goes to PrfaaS, as with nothing cached."""
+        d = decide(30_000, {"d0": 28_000}, mode=mode, transfer=True)
+        assert d.cluster == "prfaas" and d.cached_tokens == 0 and d.transfer is None
+        assert d == decide(30_000, {}, mode=mode, transfer=True)
+
     def test_queue_moves_work_to_the_idle_worker(self):
         busy = [w if w.name != "pp0" else WorkerState("pp0", "pd", "prefill", queue_s=5.0) for w in WORKERS]
         assert decide(8_000, {}, workers=busy).prefill == "pp1"
