@@ -13,6 +13,8 @@ Benchmarks:
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
   aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
+  decode-affinity  conversations with and without decode affinity (emulated hybrid workers, decode radix
+                 cache): KV the decode workers receive, the part over the PrfaaS link, latency
   compare        goodput: our router vs homogeneous, naive, sglang-router (two settings) and smg,
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
   transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
@@ -129,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     ct.add_argument("--speedup", type=float, default=4.0)
     ct.add_argument("--seed", type=int, default=0)
     ct.add_argument("--json", action="store_true")
+    da = sub.add_parser("decode-affinity", help="conversations with and without decode affinity: KV the decode workers "
+                                                "receive (and over the PrfaaS link), latency; emulated, same arrivals")
+    da.add_argument("--seeds", type=int, default=3)
+    da.add_argument("--conversations", type=int, default=6)
+    da.add_argument("--turns", type=int, default=4)
+    da.add_argument("--decode-workers", type=int, default=2)
+    da.add_argument("--json", action="store_true")
     cs = sub.add_parser("chaos", help="mixed load while workers, the router and the PrfaaS link fail (seeded faults; root)")
     cs.add_argument("--duration", type=float, default=60.0, help="load window, seconds (the faults spread over it)")
     cs.add_argument("--rate", type=float, default=2.0, help="requests/s")
@@ -258,6 +267,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(header)
             print(bench.render_markdown(result))
+            return 0
+    elif args.name == "decode-affinity":
+        from prfaas_sglang.bench import decode_affinity as bench
+
+        if min(args.seeds, args.conversations, args.turns) < 1 or args.decode_workers < 2:
+            parser.error("--seeds, --conversations and --turns must be >= 1, --decode-workers >= 2")
+        result = bench.run(args.seeds, args.conversations, args.turns, args.decode_workers)
+        header = (f"<!-- python -m prfaas_sglang.bench decode-affinity --seeds {args.seeds} --conversations "
+                  f"{args.conversations} --turns {args.turns} --decode-workers {args.decode_workers}; {stamp} -->")
+        if not args.json:
+            print(header)
+            print(bench.markdown(result))
             return 0
     elif args.name == "aiperf-check":
         from prfaas_sglang.bench import aiperf_check as bench

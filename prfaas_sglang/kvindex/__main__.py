@@ -9,7 +9,7 @@ publishes them (the node's ``kv_events_port``, else the worker's
 answers:
 
     POST /match   {"input_ids": [...]}  ->  {"total_tokens", "by_worker": {name: tokens}, "by_cluster": {...},
-                                              "shared_tokens"}
+                                              "shared_tokens", "held_by_worker": {name: tokens}}
     GET  /status  workers, blocks indexed, resets, per-subscription frame counts
     GET  /metrics Prometheus text: prfaas_kvindex_blocks{worker,cluster}, resets, frames (no key needed)
     GET  /health
@@ -107,7 +107,8 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
             return error(400, "input_ids must be a list of token ids (0 <= id < 2^32)")
         result = index.match(ids)
         return web.json_response({"total_tokens": result.total_tokens, "by_worker": result.by_worker,
-                                  "by_cluster": result.by_cluster, "shared_tokens": result.shared_tokens})
+                                  "by_cluster": result.by_cluster, "shared_tokens": result.shared_tokens,
+                                  "held_by_worker": result.held_by_worker})
 
     async def status(request):
         subs = request.app[sub_key].stats(time.monotonic())

@@ -88,6 +88,10 @@ class PrefixMatch:
     # The longest prefix some worker holds as full-attention blocks, state or not: a prefix shared
     # with earlier requests (for a hybrid model, where a state checkpoint would make it reusable).
     shared_tokens: int = 0
+    # What a decode worker's own cache supplies (SGLang's decode radix cache, hooks/decode_radix's
+    # rule): the full-attention blocks a worker holds, state or not, for a hybrid model a page short
+    # of a state checkpoint the match would end at. Every worker with a nonzero hold is listed.
+    held_by_worker: dict[str, int] = field(default_factory=dict)
 
     def best_worker(self, cluster: str) -> tuple[str | None, int]:
         candidates = [(n, w) for w, n in self.by_worker.items() if self._cluster_of.get(w) == cluster]
@@ -298,28 +302,34 @@ class KvIndex:
         A caller that already hashed them passes ``block_ids[block_size]``.
         """
         by_worker = {w: 0 for w in self._workers}
+        held: dict[str, int] = {}
         shared = 0
         if len(token_ids) > 1:
             for size in sorted(self.block_sizes()):
                 members = {w for w, st in self._workers.items() if st.block_size == size}
-                best, blocks_tokens = self._match_size(token_ids, size, members, (block_ids or {}).get(size))
+                best, blocks_tokens, holds = self._match_size(token_ids, size, members, (block_ids or {}).get(size))
                 by_worker.update(best)
+                held.update(holds)
                 shared = max(shared, blocks_tokens)
         by_cluster: dict[str, int] = {}
         for w, n in by_worker.items():
             cluster = self._workers[w].cluster
             by_cluster[cluster] = max(by_cluster.get(cluster, 0), n)
-        return PrefixMatch(len(token_ids), by_worker, by_cluster, shared, {w: s.cluster for w, s in self._workers.items()})
+        return PrefixMatch(len(token_ids), by_worker, by_cluster, shared, held,
+                           {w: s.cluster for w, s in self._workers.items()})
 
     def _match_size(self, token_ids: Sequence[int], size: int, members: set[str],
-                    given=None) -> tuple[dict[str, int], int]:
-        """(reusable tokens per member, the longest full-attention block match of any member)."""
+                    given=None) -> tuple[dict[str, int], int, dict[str, int]]:
+        """(reusable tokens per member, the longest full-attention block match of any member, the
+        tokens each member holds for a decode (``PrefixMatch.held_by_worker``))."""
         # Hash lazily: the walk stops at the first block no member holds.
         ids = iter(given) if given is not None else (
             digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
         alive: set[str] | None = None
         best: dict[str, int] = {}
         windowed: dict[str, int] = {}  # sliding-window workers: pages in a row holding their window KV
+        held_blocks: dict[str, int] = {}  # blocks in a row from the root each member holds
+        state_ends: dict[str, set[int]] = {}  # depths at which a member holds a state checkpoint
         matched = 0
         for depth, block in enumerate(ids, 1):
             holders = self._holders.get(block, set())
@@ -337,4 +347,13 @@ class KvIndex:
                         best[w] = depth * size
                 elif not self.hybrid or block in st.checkpoints:
                     best[w] = depth * size
-        return best, matched * size
+                held_blocks[w] = held_blocks.get(w, 0) + 1
+                if self.hybrid and block in st.checkpoints:
+                    state_ends.setdefault(w, set()).add(depth)
+        holds = {}
+        for w, n in held_blocks.items():
+            while self.hybrid and n and n in state_ends.get(w, ()):
+                n -= 1  # a page short of a state the match would end at (its lock would pin the state)
+            if n:
+                holds[w] = n * size
+        return best, matched * size, holds

@@ -71,6 +71,10 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                    help="hybrid models: ask the prefill worker for a state checkpoint at the end of a prefix some "
                         "worker holds (custom_params.prfaas_checkpoint_tokens) when it adds at least this many "
                         "tokens of reuse; 0: never")
+    p.add_argument("--decode-affinity-slack", type=float, default=0.1,
+                   help="prefer the decode worker whose own cache (SGLang's --disaggregation-decode-enable-radix-cache, "
+                        "its KV events in the index) holds the prompt's prefix while its free KV is at least "
+                        "(1 - this) of the roomiest decode worker's; 0..1, negative: off (always the roomiest)")
     p.add_argument("--health-interval-s", type=float, default=2.0,
                    help="how often each worker's /health is polled (a failed leg marks its worker down at once)")
     p.add_argument("--load-interval-s", type=float, default=0.5, help="how often each worker's /v1/loads is polled")
@@ -180,6 +184,8 @@ def make_service(args: argparse.Namespace):
             raise ConfigError(flag, f"must be > 0, got {value}")
     if args.checkpoint_min_tokens < 0:
         raise ConfigError("--checkpoint-min-tokens", f"must be >= 0 (0: never), got {args.checkpoint_min_tokens}")
+    if not args.decode_affinity_slack <= 1:  # also refuses NaN
+        raise ConfigError("--decode-affinity-slack", f"must be <= 1 (negative: off), got {args.decode_affinity_slack}")
     longterm = longterm_settings(args) if args.long_term else None  # checked before waiting for workers
     keys = load_keys()
     warn_if_open(keys, "router")
@@ -195,7 +201,8 @@ def make_service(args: argparse.Namespace):
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
-                          cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None)
+                          cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None,
+                          decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None)
     adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)

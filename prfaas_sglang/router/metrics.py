@@ -55,6 +55,7 @@ class RouterCounters:
     spilled: int = 0  # the rule's cluster had no usable prefill worker
     probes: int = 0
     checkpoint_hints: int = 0  # prefill legs asked for a state checkpoint (policy.checkpoint_at)
+    decode_held_tokens: int = 0  # prompt tokens the chosen decode workers' own caches held (not shipped)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     failed: collections.Counter = field(default_factory=collections.Counter)
     ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
@@ -72,7 +73,8 @@ class RouterCounters:
                  ("prfaas_router_restored_blocks_total", "counter", "", self.restored_blocks),
                  ("prfaas_router_spilled_total", "counter", "", self.spilled),
                  ("prfaas_router_probes_total", "counter", "", self.probes),
-                 ("prfaas_router_checkpoint_hints_total", "counter", "", self.checkpoint_hints)]
+                 ("prfaas_router_checkpoint_hints_total", "counter", "", self.checkpoint_hints),
+                 ("prfaas_router_decode_held_tokens_total", "counter", "", self.decode_held_tokens)]
         rows += [("prfaas_router_rejected_total", "counter", f'{{cause="{c}"}}', self.rejected[c])
                  for c in sorted(set(REJECT_CAUSES) | set(self.rejected))]
         rows += [("prfaas_router_failed_total", "counter", f'{{cause="{c}"}}', self.failed[c])

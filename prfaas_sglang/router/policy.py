@@ -34,7 +34,11 @@ no usable prefill worker the request *spills* to the other one (the reason
 says so); with none anywhere, :class:`NoHealthyWorker`. Decode: among usable
 decode workers whose free KV holds ``decode_tokens``, the most free KV, then
 the fewest running; when none has room, :class:`NoDecodeRoom` (the caller
-waits or rejects; a decode leg is never sent where it cannot fit).
+waits or rejects; a decode leg is never sent where it cannot fit). A decode
+worker that already holds the prompt's prefix in its own cache (SGLang's decode
+radix cache: that KV is not shipped again) is preferred while its free KV is
+within ``decode_affinity_slack`` (a fraction) of the roomiest's, as
+sglang-router's ``cache_aware`` prefers a cache hit until the load is too uneven.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class RouteInput:
     decode_tokens: int  # KV the request may hold on its decode worker (prompt + max new tokens)
     by_worker: Mapping[str, int]  # reusable prefix per worker (the KV index)
     shared_tokens: int = 0  # the longest prefix some worker holds as full-attention blocks, state or not
+    held_by_worker: Mapping[str, int] | None = None  # what each decode worker's own cache supplies (not shipped)
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,9 @@ class ClusterSnapshot:
     transfer_override: bool | None = None  # True: move whenever the other cluster's cache is longer; False: never
     probe_budget_bytes: float | None = None
     max_ttft_s: float | None = None  # early rejection's bound (observed seconds); None: off
+    # A decode worker holding the prefix wins while its free KV is at least (1 - slack) of the
+    # roomiest's; None: the roomiest always (no decode affinity).
+    decode_affinity_slack: float | None = 0.1
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,7 @@ class RouteDecision:
     probe: bool
     reason: str
     checkpoint_tokens: int | None = None  # a state checkpoint asked of the prefill worker there (checkpoint_at)
+    decode_held_tokens: int = 0  # of the prompt, what the decode worker's own cache supplies (not shipped)
 
 
 def checkpoint_at(total_tokens: int, shared_tokens: int, cached_tokens: int, min_tokens: int) -> int | None:
@@ -274,6 +283,28 @@ def _place(request: RouteInput, snap: ClusterSnapshot, cluster: str, credited: i
 
     prefill = min(in_cluster, key=lambda w: (ttft(w), w.name))
     cached = cached_on(prefill)
-    decode = max(roomy, key=lambda w: (w.kv_free_tokens if w.kv_free_tokens is not None else 0, -w.running, w.name))
+    decode, held = pick_decode(roomy, request.held_by_worker or {}, snap.decode_affinity_slack)
     return RouteDecision(prefill.name, decode.name, cluster, cached, total - cached, ttft(prefill),
-                         profile.prefill_s(max(total - cached, 1)), transfer, probe, reason)
+                         profile.prefill_s(max(total - cached, 1)), transfer, probe, reason, decode_held_tokens=held)
+
+
+def pick_decode(roomy: Sequence[WorkerState], held_by_worker: Mapping[str, int],
+                slack: float | None) -> tuple[WorkerState, int]:
+    """The decode worker (and what its own cache supplies of the prompt): the one holding the most
+    of the prompt, while its free KV is at least ``(1 - slack)`` of the roomiest worker's; else the
+    roomiest (most free KV, then fewest running). ``roomy`` is non-empty. Pure.
+
+    The held prefix is KV the prefill worker does not ship (over the PrfaaS link when the prefill
+    was remote). It does not change the room the request takes: SGLang counts a decode tree's
+    evictable KV as free, and locks the held part when the request takes it. The slack bounds the
+    imbalance affinity may cause, relative to what is free, so it tightens as the pools fill."""
+    def free(w: WorkerState) -> int:
+        return w.kv_free_tokens if w.kv_free_tokens is not None else 0
+
+    roomiest = max(roomy, key=lambda w: (free(w), -w.running, w.name))
+    if slack is None or not held_by_worker:
+        return roomiest, held_by_worker.get(roomiest.name, 0)
+    holder = max(roomy, key=lambda w: (held_by_worker.get(w.name, 0), free(w), -w.running, w.name))
+    if held_by_worker.get(holder.name, 0) > held_by_worker.get(roomiest.name, 0) and free(holder) >= (1 - slack) * free(roomiest):
+        return holder, held_by_worker[holder.name]
+    return roomiest, held_by_worker.get(roomiest.name, 0)

@@ -66,6 +66,9 @@ class RouterConfig:
     # Hybrid models: ask the prefill worker for a state checkpoint at the end of a prefix other
     # requests computed (policy.checkpoint_at) when it adds at least this many tokens of reuse; None: never.
     checkpoint_min_tokens: int | None = 1024
+    # A decode worker whose own cache holds the prompt's prefix (SGLang's decode radix cache, its
+    # events in the index) wins while its free KV is at least (1 - this) of the roomiest's; None: off.
+    decode_affinity_slack: float | None = 0.1
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
 
@@ -159,7 +162,8 @@ class RouterService:
             prefill_cost={PRFAAS: self.runtime.prefill_cost(PRFAAS), PD: self.runtime.prefill_cost(PD)},
             link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
             transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
-            probe_budget_bytes=self.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s)
+            probe_budget_bytes=self.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s,
+            decode_affinity_slack=self.config.decode_affinity_slack)
 
     def transfer_supported(self) -> bool:
         """Whether a cached prefix can move: not turned off, and every prefill worker imports (the
@@ -171,7 +175,7 @@ class RouterService:
     def route_input(self, req: EngineRequest) -> RouteInput:
         """The request as the policy sees it: its lengths and the KV index's prefix match (hashes the prompt)."""
         match = self.index.match(req.input_ids)
-        return RouteInput(len(req.input_ids), req.kv_tokens, match.by_worker, match.shared_tokens)
+        return RouteInput(len(req.input_ids), req.kv_tokens, match.by_worker, match.shared_tokens, match.held_by_worker)
 
     def decide(self, request: RouteInput, exclude: set[str], now_s: float) -> RouteDecision:
         """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now. Cheap: a
@@ -190,6 +194,7 @@ class RouterService:
         prefill.outstanding_prefill_s += decision.estimated_prefill_s
         prefill.prefill_requests += 1
         ticket = decode.reserve(req.kv_tokens)
+        self.counters.decode_held_tokens += decision.decode_held_tokens
         self.counters.routed[decision.cluster] += 1
         if decision.probe:
             self.counters.probes += 1
@@ -202,7 +207,8 @@ class RouterService:
                 self.longterm.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
         self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
-                            "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt})
+                            "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt,
+                            "decode_held_tokens": decision.decode_held_tokens})
         return Lease(req.rid, decision, req.kv_tokens, ticket)
 
     def prefill_done(self, lease: Lease) -> None:

@@ -59,6 +59,27 @@ def test_index_agrees_with_the_worker_cache_dense_and_hybrid():
             seq += 1
 
 
+def test_what_a_decode_worker_holds_agrees_with_its_own_cache_dense_and_hybrid():
+    """``held_by_worker``, fed a decode worker's events: exactly what its decode cache supplies
+    (``PrefixCache.decode_reusable_tokens``, hooks/decode_radix's rule: full-attention pages
+    whatever their states, a page short of a state the match would end at)."""
+    rng = random.Random(5)
+    for hybrid in (False, True):
+        cache = PrefixCache(PAGE, capacity_blocks=40, hybrid=hybrid, checkpoint_interval_tokens=8)
+        index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
+        index.add_worker("d", "pd")
+        stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+        differ = 0
+        for seq in range(200):
+            prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            match = index.match(prompt)
+            actual = cache.decode_reusable_tokens(prompt[:-1])
+            assert match.held_by_worker.get("d", 0) == actual, (hybrid, prompt)
+            differ += actual != match.by_worker["d"]
+            insert_into(index, "d", seq, cache, prompt)
+        assert (differ > 0) == hybrid  # only a hybrid decode rule differs from a prefill's reuse
+
+
 def test_per_cluster_best_and_worker_choice():
     index = KvIndex(hybrid=False)
     caches = {}

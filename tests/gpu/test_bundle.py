@@ -208,12 +208,24 @@ def _wheel(house: Path, name: str, version: str, files: dict[str, bytes], tag: s
     (house / f"{dist}-{tag}.whl").write_bytes(_zip(members))
 
 
+def _pristine_sglang_files() -> dict[str, bytes]:
+    """The files the patch series edits, as the pinned wheel has them (the build applies the series)."""
+    from prfaas_sglang._pin import PINNED_SGLANG_VERSION
+    from prfaas_sglang.patches.series import load_series
+    from prfaas_sglang.patches.tree import default_patches_dir, find_or_download_wheel
+
+    paths = {f.old_path for p in load_series(default_patches_dir()).patches for f in p.files if f.old_path}
+    with zipfile.ZipFile(find_or_download_wheel(PINNED_SGLANG_VERSION)) as whl:
+        return {path: whl.read(path) for path in paths}
+
+
 @pytest.fixture
 def wheelhouse(tmp_path) -> Path:
     house = tmp_path / "wheels"
     house.mkdir()
     sglang_files = {"sglang/__init__.py": b"", "sglang/srt/sampler.py": b"if _is_cuda:\n    from flashinfer.sampling import f\n    from sgl_kernel import ops\n",
-                    "sglang/srt/native.cpython-312-x86_64-linux-gnu.so": b"\x7fELF", "sglang/multimodal_gen/big.py": b"#" * 1000}
+                    "sglang/srt/native.cpython-312-x86_64-linux-gnu.so": b"\x7fELF", "sglang/multimodal_gen/big.py": b"#" * 1000,
+                    **_pristine_sglang_files()}
     _wheel(house, "sglang", "0.5.15", sglang_files, "cp312-cp312-manylinux_2_34_x86_64")
     _wheel(house, "sglang-kernel", "0.4.4", {"sgl_kernel/__init__.py": b"import torch\nfrom sgl_kernel import ops\n",
                                              "sgl_kernel/flash_ops.abi3.so": b"\0" * 5000}, "cp310-abi3-manylinux2014_x86_64")
@@ -273,6 +285,11 @@ def test_build_from_a_wheelhouse_verifies_packs_and_records(tmp_path, wheelhouse
     assert not {"site/sgl_kernel/flash_ops.abi3.so", "site/mooncake/libmooncake_pg.so",
                 "site/sglang/multimodal_gen/big.py"} & names
     assert json.loads((out / "manifest.json").read_text())["packed_bytes"] == (out / "bundle.tar.xz").stat().st_size
+    # the patch series is applied to the bundle's SGLang, and recorded
+    assert manifest["patches"] == ["0001-cache-ask-before-refusing-hybrid-decode-radix.patch"]
+    with tarfile.open(out / "bundle.tar.xz") as tar:
+        patched = tar.extractfile("site/sglang/srt/mem_cache/kv_cache_builder.py").read().decode()
+    assert "if is_hybrid_ssm and not allows_hybrid_decode_radix(server_args):  # PrfaaS(0001)" in patched
 
 
 def test_build_fails_naming_a_loaded_file_the_bundle_lacks(tmp_path, wheelhouse):

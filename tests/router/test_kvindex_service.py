@@ -48,7 +48,9 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         prompt = list(range(5_000))
         prefill_through(pp0, d0, prompt, 77, url, 9)
         match = requests.post(url + "/match", json={"input_ids": prompt + [1, 2, 3]}, timeout=5).json()
-        assert match == {"total_tokens": 5_003, "by_worker": {"pp0": 4_608}, "by_cluster": {"pd": 4_608}, "shared_tokens": 4_608}
+        # held_by_worker: what a decode worker's own cache would supply, a page short of the state at 4,608
+        assert match == {"total_tokens": 5_003, "by_worker": {"pp0": 4_608}, "by_cluster": {"pd": 4_608}, "shared_tokens": 4_608,
+                         "held_by_worker": {"pp0": 4_096}}
         assert requests.post(url + "/match", json={"input_ids": ["x"]}, timeout=5).status_code == 400
         assert requests.post(url + "/match", data="{", timeout=5).status_code == 400
         status = requests.get(url + "/status", timeout=5).json()

@@ -17,6 +17,7 @@ from prfaas_sglang.router.policy import (
     RouteInput,
     WorkerState,
     checkpoint_at,
+    pick_decode,
     refuse_early,
     route,
 )
@@ -46,10 +47,10 @@ KV = lambda tokens: 1000.0 * tokens  # noqa: E731 - 1 KB of KV per token
 
 
 def decide(total, by_worker, t=10_000, mode=BandwidthMode.SCARCE, workers=WORKERS, link=FAT, transfer=False,
-           probe=None, decode_tokens=None, max_ttft_s=None):
+           probe=None, decode_tokens=None, max_ttft_s=None, held=None, slack=0.1):
     snap = ClusterSnapshot(workers, t, mode, COST, link, KV, transfer_supported=transfer, probe_budget_bytes=probe,
-                           max_ttft_s=max_ttft_s)
-    return route(RouteInput(total, decode_tokens or total + 16, by_worker), snap)
+                           max_ttft_s=max_ttft_s, decode_affinity_slack=slack)
+    return route(RouteInput(total, decode_tokens or total + 16, by_worker, held_by_worker=held), snap)
 
 
 class TestThresholdRule:
@@ -130,6 +131,37 @@ class TestThresholdRule:
         assert decide(8_000, {}, decode_tokens=608_000).decode == "d1"
         with pytest.raises(NoDecodeRoom):
             decide(8_000, {}, decode_tokens=1_000_000)
+
+
+class TestDecodeAffinity:
+    """A decode worker holding the prompt's prefix in its own cache (SGLang's decode radix cache)
+    is preferred while its free KV is within the slack of the roomiest's (pick_decode)."""
+
+    def d(self, name, free, running=0):
+        return WorkerState(name, "pd", "decode", kv_free_tokens=free, running=running)
+
+    @pytest.mark.parametrize("frees, held, slack, expected", [
+        ((900_000, 880_000), {}, 0.1, ("d0", 0)),                        # nothing held: the roomiest
+        ((900_000, 880_000), {"d1": 20_000}, 0.1, ("d1", 20_000)),        # held, within 10%: affinity
+        ((900_000, 500_000), {"d1": 20_000}, 0.1, ("d0", 0)),             # held but too loaded: the roomiest
+        ((90_000, 80_000), {"d1": 20_000}, 0.1, ("d0", 0)),               # the same 10K gap binds when pools are full
+        ((900_000, 880_000), {"d0": 4_000, "d1": 20_000}, 0.1, ("d1", 20_000)),  # the longer hold
+        ((900_000, 880_000), {"d0": 20_000, "d1": 20_000}, 0.1, ("d0", 20_000)),  # equal holds: the roomier
+        ((900_000, 880_000), {"d1": 20_000}, None, ("d0", 0)),            # affinity off
+    ])
+    def test_table(self, frees, held, slack, expected):
+        workers = [self.d("d0", frees[0]), self.d("d1", frees[1])]
+        chosen, tokens = pick_decode(workers, held, slack)
+        assert (chosen.name, tokens) == expected
+
+    def test_the_decision_reports_what_the_decode_worker_holds_and_the_prefill_side_is_unchanged(self):
+        held = {"d0": 6_000}  # d0: 500K free vs d1's 900K: beyond the slack
+        assert decide(8_000, {}, held=held).decode == "d1"
+        near = [w for w in WORKERS if w.name != "d0"] + [WorkerState("d0", "pd", "decode", kv_free_tokens=850_000)]
+        d = decide(8_000, {"pp1": 4_000}, workers=near, held=held)
+        assert (d.decode, d.decode_held_tokens) == ("d0", 6_000)
+        assert (d.prefill, d.cached_tokens) == ("pp1", 4_000)  # the prefill side does not see decode holdings
+        assert decide(8_000, {"pp1": 4_000}, workers=near) == dataclasses.replace(d, decode="d1", decode_held_tokens=0)
 
 
 class TestProbe:

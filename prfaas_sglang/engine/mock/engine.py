@@ -20,12 +20,14 @@ the decode worker keeps finished sequences (prompt + output) in its own prefix
 cache, matches each new prompt there at step 1 and registers the match as
 ``decode_prefix_len``; the prefill worker then ships only the KV beyond it
 (``EngineTiming.kv_bytes_beyond``: later pages plus the whole recurrent state).
-As in SGLang 0.5.15, full-attention models only: the launcher refuses the flag
-for a hybrid profile. Simplifications: that cache has its own capacity (``cache_tokens``) instead of
-sharing the pool (SGLang evicts cached pages on demand, so admission is the
-same while eviction is free), and it publishes no KV events (a router would
-otherwise credit the decode worker's cluster with prefixes its prefill workers
-do not hold).
+For a linear-attention hybrid it follows ``hooks/decode_radix`` (patch 0001): full-attention pages
+whatever their checkpoints, a page short of one the match would end at
+(``PrefixCache.decode_reusable_tokens``); sliding-window profiles are refused, as SGLang 0.5.15
+refuses them. The decode cache publishes its KV events like SGLang's decode tree (the router
+prefers the decode worker holding a prompt's prefix; a decode worker's holdings credit no
+cluster's prefill). Simplification: that cache has its own capacity (``cache_tokens``) instead of
+sharing the pool (SGLang evicts cached pages on demand, so admission is the same while eviction
+is free).
 
 Decode KV is accounted in tokens, as SGLang's pool is: a sequence holds
 ``prompt + max_new_tokens`` from step 1 until :meth:`MockEngine.finish`. A
@@ -746,7 +748,10 @@ class MockEngine:
             self.stats.requests_ok += ok
             self.stats.requests_failed += not ok
             if ok and self.config.decode_radix_cache:  # SGLang caches a finished request's prompt + output
-                self.cache.insert(list(seq.req.input_ids) + seq.tokens)
+                events, states = split_state_events(self.cache.insert(list(seq.req.input_ids) + seq.tokens,
+                                                                      chunk_checkpoints=False))
+                if self.publisher:  # as SGLang's decode tree does with KV events on: the router can find it
+                    self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
             self.stats.prompt_tokens += len(seq.req.input_ids)
             self.stats.cached_tokens += seq.ready.cached_tokens if seq.ready else 0
 

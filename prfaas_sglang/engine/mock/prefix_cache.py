@@ -96,15 +96,17 @@ class PrefixCache:
                 reusable -= 1
         return reusable * self.page_size
 
-    def insert(self, token_ids: Sequence[int], medium: str = "GPU", checkpoints_at: Sequence[int] = ()) -> list[KVCacheEvent]:
+    def insert(self, token_ids: Sequence[int], medium: str = "GPU", checkpoints_at: Sequence[int] = (),
+               chunk_checkpoints: bool = True) -> list[KVCacheEvent]:
         """Cache every full page of a prefilled prompt; returns its block events, then (hybrid)
         its state events (the order a v2 batch applies them in). ``checkpoints_at``: prefix lengths
         (tokens) where a state was asked for besides the usual places (a router's hint), each at
-        the page boundary at or below it."""
+        the page boundary at or below it. ``chunk_checkpoints`` False: no state at chunk boundaries
+        (a decode worker's finished sequence: SGLang donates its state at the end only)."""
         ids = self._ids(token_ids)
         if not ids:
             return []
-        interval = self.checkpoint_interval_tokens
+        interval = self.checkpoint_interval_tokens if chunk_checkpoints else None
         interval_blocks = max(interval // self.page_size, 1) if interval is not None else len(ids)
         asked = {n // self.page_size - 1 for n in checkpoints_at if n >= self.page_size}
         events: list[KVCacheEvent] = []
