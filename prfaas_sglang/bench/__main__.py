@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     da.add_argument("--conversations", type=int, default=6)
     da.add_argument("--turns", type=int, default=4)
     da.add_argument("--decode-workers", type=int, default=2)
+    da.add_argument("--models", default="kimi-linear-1t-hybrid,qwen3-235b-a22b", help="cost models, comma list")
     da.add_argument("--json", action="store_true")
     cs = sub.add_parser("chaos", help="mixed load while workers, the router and the PrfaaS link fail (seeded faults; root)")
     cs.add_argument("--duration", type=float, default=60.0, help="load window, seconds (the faults spread over it)")
@@ -273,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if min(args.seeds, args.conversations, args.turns) < 1 or args.decode_workers < 2:
             parser.error("--seeds, --conversations and --turns must be >= 1, --decode-workers >= 2")
-        result = bench.run(args.seeds, args.conversations, args.turns, args.decode_workers)
+        result = bench.run(args.seeds, args.conversations, args.turns, args.decode_workers, tuple(args.models.split(",")))
         header = (f"<!-- python -m prfaas_sglang.bench decode-affinity --seeds {args.seeds} --conversations "
-                  f"{args.conversations} --turns {args.turns} --decode-workers {args.decode_workers}; {stamp} -->")
+                  f"{args.conversations} --turns {args.turns} --decode-workers {args.decode_workers} "
+                  f"--models {args.models}; {stamp} -->")
         if not args.json:
             print(header)
             print(bench.markdown(result))

@@ -31,6 +31,9 @@ from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, scrape_metr
 SPEEDUP, KV_SCALE, THRESHOLD = 20.0, 0.002, 6_000
 ARGS = ("--bootstrap-timeout-s", "20", "--context-tokens", "131072")
 ROWS = {"affinity": ("--decode-affinity-slack", "0.1"), "free-KV only": ("--decode-affinity-slack", "-1")}
+# A linear-attention hybrid (its state ships with every transfer, held prefix or not) and a
+# full-attention model (nothing ships but KV), both served with SGLang's decode radix cache.
+MODELS = ("kimi-linear-1t-hybrid", "qwen3-235b-a22b")
 
 
 def _lengths(seed: int, conversations: int, turns: int) -> list[list[int]]:
@@ -62,11 +65,12 @@ def _drive(url: str, lengths: list[list[int]], seed: int) -> list[float]:
         return [x for row in pool.map(conversation, range(len(lengths))) for x in row]
 
 
-def run_row(row: str, seed: int, conversations: int, turns: int, decode_workers: int) -> dict:
+def run_row(row: str, seed: int, conversations: int, turns: int, decode_workers: int, model: str) -> dict:
     group = ProcessGroup(Path(tempfile.mkdtemp(prefix="prfaas-decode-affinity-")))
     try:
         doc = local_topology(pd_prefill=1, pd_decode=decode_workers, speedup=SPEEDUP, kv_scale=KV_SCALE,
                              threshold_tokens=THRESHOLD, telemetry=False, decode_events=True)
+        doc["model"] = {**doc.get("model", {}), "cost_model": model}
         engine_args = {"prfaas": ARGS, "pd-prefill": ARGS,
                        "pd-decode": ARGS + ("--disaggregation-decode-enable-radix-cache",)}
         dep = start_deployment(group, doc, *ROWS[row], engine_args=engine_args)
@@ -78,7 +82,7 @@ def run_row(row: str, seed: int, conversations: int, turns: int, decode_workers:
         prompt_tokens = sum(scrape_metric(w.url, "sglang:prompt_tokens_total") for w in decodes)
     finally:
         group.stop()
-    return {"row": row, "seed": seed, "requests": len(latencies),
+    return {"model": model, "row": row, "seed": seed, "requests": len(latencies),
             "decode_kv_bytes": received / KV_SCALE, "wan_kv_bytes": wan / KV_SCALE,
             "decode_held_fraction": held / prompt_tokens if prompt_tokens else 0.0,
             "latency_p50_s": statistics.median(latencies), "latency_p90_s": _p90(latencies)}
@@ -89,27 +93,31 @@ def _p90(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.9 * len(xs)))]
 
 
-def run(seeds: int = 3, conversations: int = 6, turns: int = 4, decode_workers: int = 2) -> dict:
-    results = [run_row(row, seed, conversations, turns, decode_workers) for seed in range(seeds) for row in ROWS]
-    by_seed = {s: {r["row"]: r for r in results if r["seed"] == s} for s in range(seeds)}
-    ratios = {key: [by_seed[s]["affinity"][key] / by_seed[s]["free-KV only"][key] for s in range(seeds)
-                    if by_seed[s]["free-KV only"][key]]
-              for key in ("decode_kv_bytes", "wan_kv_bytes", "latency_p50_s")}
+def run(seeds: int = 3, conversations: int = 6, turns: int = 4, decode_workers: int = 2,
+        models: tuple[str, ...] = MODELS) -> dict:
+    results = [run_row(row, seed, conversations, turns, decode_workers, model)
+               for model in models for seed in range(seeds) for row in ROWS]
+    ratios = {}
+    for model in models:
+        pairs = [{r["row"]: r for r in results if r["model"] == model and r["seed"] == s} for s in range(seeds)]
+        ratios[model] = {key: [p["affinity"][key] / p["free-KV only"][key] for p in pairs if p["free-KV only"][key]]
+                         for key in ("decode_kv_bytes", "wan_kv_bytes", "latency_p50_s")}
     return {"setup": {"seeds": seeds, "conversations": conversations, "turns": turns, "decode_workers": decode_workers,
-                      "speedup": SPEEDUP, "kv_scale": KV_SCALE, "threshold_tokens": THRESHOLD},
+                      "speedup": SPEEDUP, "kv_scale": KV_SCALE, "threshold_tokens": THRESHOLD, "models": list(models)},
             "rows": results, "ratios_affinity_over_free_kv": ratios}
 
 
 def markdown(result: dict) -> str:
-    lines = ["| seed | row | requests | decode KV received (modelled GB) | over the PrfaaS link (GB) | "
-             "prompt held by the decode worker | latency p50 / p90 (s) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | seed | row | requests | decode KV received (modelled GB) | over the PrfaaS link (GB) | "
+             "prompt held by the decode worker | latency p50 / p90 (s) |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['seed']} | {r['row']} | {r['requests']} | {r['decode_kv_bytes'] / 1e9:.2f} | "
+        lines.append(f"| {r['model']} | {r['seed']} | {r['row']} | {r['requests']} | {r['decode_kv_bytes'] / 1e9:.2f} | "
                      f"{r['wan_kv_bytes'] / 1e9:.2f} | {100 * r['decode_held_fraction']:.1f}% | "
                      f"{r['latency_p50_s']:.2f} / {r['latency_p90_s']:.2f} |")
     lines.append("")
-    for key, values in result["ratios_affinity_over_free_kv"].items():
-        if values:
-            lines.append(f"- affinity / free-KV only, {key}: median {statistics.median(values):.3f} "
-                         f"(min {min(values):.3f}, max {max(values):.3f}) over {len(values)} seeds")
+    for model, ratios in result["ratios_affinity_over_free_kv"].items():
+        for key, values in ratios.items():
+            if values:
+                lines.append(f"- {model}, affinity / free-KV only, {key}: median {statistics.median(values):.3f} "
+                             f"(min {min(values):.3f}, max {max(values):.3f}) over {len(values)} seeds")
     return "\n".join(lines)
