@@ -42,42 +42,25 @@ def feed(index: KvIndex, worker: str, cache: PrefixCache, prompts, seq0: int = 0
 
 def test_index_agrees_with_the_worker_cache_dense_and_hybrid():
     """Fed a worker's events, the index predicts exactly what the worker's own cache reuses, for a
-    dense model and, with its state events, for a hybrid one."""
+    dense model and, with its state events, for a hybrid one; and (``held_by_worker``) what that
+    cache would supply a decode (``PrefixCache.decode_reusable_tokens``, hooks/decode_radix's rule:
+    full-attention pages whatever their states, a page short of a state the match would end at)."""
     rng = random.Random(3)
     for hybrid in (False, True):
         cache = PrefixCache(PAGE, capacity_blocks=40, hybrid=hybrid, checkpoint_interval_tokens=8)
         index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
         index.add_worker("w", "pd")
         stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
-        seq = 0
-        for _ in range(200):
-            prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
-            predicted = index.match(prompt).by_worker["w"]
-            actual = cache.match(prompt[:-1]).cached_tokens
-            assert predicted == actual, (hybrid, prompt)
-            insert_into(index, "w", seq, cache, prompt)
-            seq += 1
-
-
-def test_what_a_decode_worker_holds_agrees_with_its_own_cache_dense_and_hybrid():
-    """``held_by_worker``, fed a decode worker's events: exactly what its decode cache supplies
-    (``PrefixCache.decode_reusable_tokens``, hooks/decode_radix's rule: full-attention pages
-    whatever their states, a page short of a state the match would end at)."""
-    rng = random.Random(5)
-    for hybrid in (False, True):
-        cache = PrefixCache(PAGE, capacity_blocks=40, hybrid=hybrid, checkpoint_interval_tokens=8)
-        index = KvIndex(hybrid=hybrid, checkpoint_interval_tokens=8)
-        index.add_worker("d", "pd")
-        stems = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
         differ = 0
         for seq in range(200):
             prompt = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
             match = index.match(prompt)
-            actual = cache.decode_reusable_tokens(prompt[:-1])
-            assert match.held_by_worker.get("d", 0) == actual, (hybrid, prompt)
-            differ += actual != match.by_worker["d"]
-            insert_into(index, "d", seq, cache, prompt)
-        assert (differ > 0) == hybrid  # only a hybrid decode rule differs from a prefill's reuse
+            assert match.by_worker["w"] == cache.match(prompt[:-1]).cached_tokens, (hybrid, prompt)
+            held = cache.decode_reusable_tokens(prompt[:-1])
+            assert match.held_by_worker.get("w", 0) == held, (hybrid, prompt)
+            differ += held != match.by_worker["w"]
+            insert_into(index, "w", seq, cache, prompt)
+        assert (differ > 0) == hybrid  # only for a hybrid model does a decode's rule differ from a prefill's
 
 
 def test_per_cluster_best_and_worker_choice():
