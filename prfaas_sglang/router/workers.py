@@ -164,7 +164,6 @@ class WorkerRecord:
     reserved_tokens: int = 0
     reserved_since_poll_tokens: int = 0  # of reserved_tokens: dispatched after the last load answer was sent
     released_since_poll_tokens: int = 0  # counted by the last load answer, ended after it arrived
-    reserved_requests: int = 0
     last_ticket: int = 0  # the last decode reservation's ticket (see reserve)
     load_covers_ticket: int = 0  # the last load answer counts reservations up to this ticket
     prefill_requests: int = 0  # prefill legs dispatched here and not ended
@@ -172,6 +171,11 @@ class WorkerRecord:
     refused: str | None = None  # why the facts were refused (never routed to then)
     epoch: int = 0  # bumped when the worker changes role: a poll begun before then is stale (see poll_is_current)
     _open: dict[int, int] = field(default_factory=dict, repr=False)  # ticket -> reserved decode tokens
+
+    @property
+    def reserved_requests(self) -> int:
+        """Requests whose decode KV is reserved here (dispatched, not ended)."""
+        return len(self._open)
 
     def poll_is_current(self, epoch: int) -> bool:
         """Whether a poll begun at ``epoch`` (this record's ``epoch`` then) may still be written: a
@@ -199,7 +203,6 @@ class WorkerRecord:
         """A request's decode KV dispatched here. Returns its ticket, for :meth:`release`."""
         self.last_ticket += 1
         self.reserved_tokens += kv_tokens
-        self.reserved_requests += 1
         self.reserved_since_poll_tokens += kv_tokens
         self._open[self.last_ticket] = kv_tokens
         return self.last_ticket
@@ -211,7 +214,6 @@ class WorkerRecord:
         if kv_tokens is None:
             return
         self.reserved_tokens = max(self.reserved_tokens - kv_tokens, 0)
-        self.reserved_requests = max(self.reserved_requests - 1, 0)
         if ticket > self.load_covers_ticket:
             self.reserved_since_poll_tokens = max(self.reserved_since_poll_tokens - kv_tokens, 0)
         elif self.load is not None:
@@ -228,7 +230,7 @@ class WorkerRecord:
     def forget_reservations(self) -> None:
         """The worker changed role: reservations of its old role can no longer be released here."""
         self._open.clear()
-        self.reserved_tokens = self.reserved_requests = 0
+        self.reserved_tokens = 0
         self.reserved_since_poll_tokens = self.released_since_poll_tokens = 0
 
     @property
