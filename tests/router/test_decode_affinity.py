@@ -100,3 +100,15 @@ def test_without_affinity_the_router_still_knows_what_each_decode_worker_holds(t
     held_total = next(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("prfaas_router_decode_held_tokens_total"))
     assert held_total == sum(t["held"] for t in turns)
+
+
+def test_a_decode_affinity_slack_above_one_or_not_a_number_is_refused(tmp_path):
+    import yaml
+    from helpers import run_py
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(local_topology()))
+    for value in ("1.5", "nan"):
+        proc = run_py(["-m", "prfaas_sglang.router", "--config", str(path), "--decode-affinity-slack", value])
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == f"error: --decode-affinity-slack: must be <= 1 (negative: off), got {float(value)}"
