@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import pkgutil
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -311,6 +312,73 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="with patch 0001, when the pinned SGLang has the decode radix cache for Mamba/SSM models",
         tests="tests/engine/test_decode_radix_hybrid.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="cache-move-routes",
+        target="sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+        hook="prfaas_sglang.hooks.cache_move:add_routes",
+        hook_type="before",
+        expected_signature=(
+            "(server_args: sglang.srt.server_args.ServerArgs, tokenizer_manager, template_manager, port_args: "
+            "sglang.srt.server_args.PortArgs, scheduler_infos: List[Dict], subprocess_watchdog: "
+            "Optional[sglang.srt.utils.watchdog.SubprocessWatchdog], execute_warmup_func: Callable = "
+            "<function _execute_server_warmup>, launch_callback: Optional[Callable[[], NoneType]] = None)"),
+        subject="[cache] A prefill server takes cache moves: POST /prfaas/cache/import and /export",
+        why=(
+            "The router moves a prefix cached in the other cluster to the chosen prefill worker before "
+            "its prefill (RouteDecision.transfer); SGLang has no endpoint that imports or exports a "
+            "cached prefix."
+        ),
+        how=(
+            "BEFORE hook on the function that starts the HTTP server: with PRFAAS_ROLE prfaas or "
+            "pd-prefill, add the two routes (wire.cache_move) to SGLang's FastAPI app, behind its "
+            "--api-key middleware; they forward the body over ZMQ to the scheduler's agent "
+            "(hooks/cache_move). An export must carry the deployment's hand-off signature. A server that "
+            "cannot move (tp/pp/dp > 1, not prefill, not Mooncake) answers 501 with the reason."
+        ),
+        upstream_status="vendor-specific (upstream has no cross-cluster cache import)",
+        removal="never: cache moves between PrfaaS and PD clusters are this distribution's",
+        tests="tests/engine/test_cache_move.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="cache-move-agent",
+        target="sglang.srt.managers.scheduler.Scheduler.__init__",
+        hook="prfaas_sglang.hooks.cache_move:start_agent",
+        hook_type="after",
+        expected_signature=(
+            "(self, server_args: sglang.srt.server_args.ServerArgs, port_args: sglang.srt.server_args.PortArgs, "
+            "gpu_id: int, tp_rank: int, moe_ep_rank: int, pp_rank: int, attn_cp_rank: int, moe_dp_rank: int, "
+            "dp_rank: Optional[int])"),
+        subject="[cache] A prefill scheduler runs the cache-move agent",
+        why=(
+            "A cache move reads or fills the scheduler's tree and pools, which only the scheduler's "
+            "thread may touch, and waits on HTTP and Mooncake, which it must not."
+        ),
+        how=(
+            "AFTER hook on the scheduler's constructor: on a prefill server that can move (the routes' "
+            "rule), start a CacheMoveAgent (ZMQ ROUTER beside SGLang's scheduler socket, a small thread "
+            "pool for HTTP and Mooncake writes through the prefill queue's Mooncake engine)."
+        ),
+        upstream_status="vendor-specific",
+        removal="with cache-move-routes",
+        tests="tests/engine/test_cache_move.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="cache-move-steps",
+        target="sglang.srt.managers.scheduler.Scheduler.process_input_requests",
+        hook="prfaas_sglang.hooks.cache_move:run_steps",
+        hook_type="after",
+        expected_signature="(self, recv_reqs: List)",
+        subject="[cache] The scheduler runs cache-move steps between forward passes",
+        why="Export copies out of, and import inserts into, the scheduler's tree and pools.",
+        how=(
+            "AFTER hook on process_input_requests (every loop iteration, before scheduling the next "
+            "batch): run the agent's queued steps (export_prefix, import_prefix, a match). Without an "
+            "agent: nothing."
+        ),
+        upstream_status="vendor-specific",
+        removal="with cache-move-routes",
+        tests="tests/engine/test_cache_move.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 
@@ -514,6 +582,9 @@ def install_hooks(specs: Sequence[HookSpec]) -> None:
         logger.info("prfaas_sglang: hook %s installed on %s", spec.name, spec.target)
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def signature_drift(specs: Sequence[HookSpec | RegistrationSpec] = HOOKS + REGISTRATIONS) -> list[str]:
     """Targets (a hook's, or what a registered backend overrides) whose signature differs from
     the one recorded at the pin (empty: none)."""
@@ -522,7 +593,7 @@ def signature_drift(specs: Sequence[HookSpec | RegistrationSpec] = HOOKS + REGIS
         pairs = spec.overrides if isinstance(spec, RegistrationSpec) else ((spec.target, spec.expected_signature),)
         for target_path, expected in pairs:
             original = inspect.unwrap(resolve_target(target_path))
-            found = str(inspect.signature(original))
+            found = _ADDRESS.sub("", str(inspect.signature(original)))  # a default that is a function
             if found != expected:
                 drift.append(f"{target_path}: expected {expected}, found {found}")
     return drift

@@ -92,25 +92,29 @@ def cpu_decode_hybrid_cache(cache_cls, kv_tokens: int, max_running: int, pre_all
     return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, 1)
 
 
-def cpu_radix_cache(cache_cls, page_size: int, kv_tokens: int, events: bool = True) -> CpuHybridCache:
+def cpu_radix_cache(cache_cls, page_size: int, kv_tokens: int, events: bool = True,
+                    kv_buffers: bool = False) -> CpuHybridCache:
     """``cache_cls`` (``RadixCache`` or a subclass: a full-attention model's cache) over a fresh
-    request pool and a token allocator of ``kv_tokens`` tokens (no KV buffers; ``kv_pool`` None)."""
+    request pool and a token allocator of ``kv_tokens`` tokens; ``kv_buffers`` adds an
+    ``MHATokenToKVPool`` of two layers (else ``kv_pool`` is None)."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
     set_global_server_args(page_size)
     req_pool = ReqToTokenPool(size=4, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                               layer_num=2, device="cpu", enable_memory_saver=False) if kv_buffers else None
     if page_size > 1:
         kv = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu",
-                                         kvcache=None, need_sort=False)
+                                         kvcache=kv_pool, need_sort=False)
     else:
-        kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=False)
+        kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
                              page_size=page_size, enable_kv_cache_events=events)
-    return CpuHybridCache(cache_cls(params), kv, req_pool, None, params, page_size)
+    return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, page_size)
 
 
 def cpu_swa_cache(cache_cls, page_size: int, full_tokens: int, swa_tokens: int, window_tokens: int,

@@ -3,8 +3,10 @@
 Works on SGLang's own pools (the token-to-KV pool behind the allocator, the request pool's
 Mamba state pool) and the state-reporting ``MambaRadixCache`` of
 :mod:`prfaas_sglang.hooks.hybrid_cache`, so an import is announced to the kv-index like any
-insert (``BlockStored`` per page, then ``StateStored``). Wire format:
-:mod:`prfaas_sglang.wire.prefix_transfer`.
+insert (``BlockStored`` per page, then ``StateStored``); or a full-attention model's
+``RadixCache`` (no state: the message's state list is empty). Wire format:
+:mod:`prfaas_sglang.wire.prefix_transfer`; served in an SGLang server by
+:mod:`prfaas_sglang.hooks.cache_move`.
 
 Contract, both sides: called on the scheduler's thread, between forward passes (the cache and
 the pools are the scheduler's). ``export_prefix`` holds a lock on the matched node while it
@@ -41,9 +43,34 @@ def _kv_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def _state_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
-    """(name, buffer with the slot on dim 1) for each Mamba state tensor."""
-    state = cache.req_to_token_pool.mamba_pool.mamba_cache
+    """(name, buffer with the slot on dim 1) for each Mamba state tensor; none for a
+    full-attention model's cache (no state: any page-aligned prefix resumes)."""
+    mamba_pool = getattr(cache.req_to_token_pool, "mamba_pool", None)
+    if mamba_pool is None:
+        return []
+    state = mamba_pool.mamba_cache
     return [(f"conv{i}", t) for i, t in enumerate(state.conv)] + [("temporal", state.temporal)]
+
+
+def usable_prefix_tokens(cache: Any, token_ids: list[int]) -> int:
+    """Tokens of ``token_ids`` this cache would reuse now (its own ``match_prefix``: for a hybrid
+    model, up to the last state checkpoint). Moves the match to the front of the LRU, nothing else."""
+    return len(cache.match_prefix(MatchPrefixParams(key=RadixKey(list(token_ids)))).device_indices)
+
+
+# msgpack framing: per message, its header and up to 5 bytes per token id; per blob, its name,
+# dtype, shape (up to 8 ints) and the bin header. Generous: the bound sizes a landing buffer.
+_MESSAGE_OVERHEAD_BYTES, _TOKEN_ID_BYTES, _BLOB_OVERHEAD_BYTES = 64, 5, 160
+
+
+def message_bound_bytes(cache: Any, num_tokens: int) -> int:
+    """The most bytes an encoded :class:`PrefixTransfer` of ``num_tokens`` tokens exported by a
+    worker with this cache's layout can take (the landing buffer an importer offers)."""
+    kv, state = _kv_buffers(cache), _state_buffers(cache)
+    kv_bytes = sum(num_tokens * buf[0].numel() * buf.element_size() for _, buf in kv)
+    state_bytes = sum(buf[:, 0].numel() * buf.element_size() for _, buf in state)
+    framing = _MESSAGE_OVERHEAD_BYTES + _TOKEN_ID_BYTES * num_tokens + _BLOB_OVERHEAD_BYTES * (len(kv) + len(state))
+    return kv_bytes + state_bytes + framing
 
 
 def _blob(name: str, tensor: torch.Tensor) -> TensorBlob:
@@ -68,13 +95,14 @@ def export_prefix(cache: Any, token_ids: list[int]) -> PrefixTransfer | None:
     a state checkpoint), as a message; None when nothing is cached."""
     match = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(token_ids))))
     indices, node = match.device_indices, match.last_device_node
-    if len(indices) == 0 or node.mamba_value is None:
+    state_buffers = _state_buffers(cache)
+    if len(indices) == 0 or (state_buffers and node.mamba_value is None):
         return None
     cache.inc_lock_ref(node)
     try:
-        slot = int(node.mamba_value[0])
         kv = [_blob(name, buf[indices]) for name, buf in _kv_buffers(cache)]
-        state = [_blob(name, buf[:, slot]) for name, buf in _state_buffers(cache)]
+        slot = int(node.mamba_value[0]) if state_buffers else None
+        state = [_blob(name, buf[:, slot]) for name, buf in state_buffers]
     finally:
         cache.dec_lock_ref(node)
     return PrefixTransfer(PREFIX_TRANSFER_VERSION, list(token_ids[: len(indices)]), cache.page_size, kv, state)
@@ -96,7 +124,7 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     kv = [_tensor(blob, buf, (n, *buf.shape[1:])) for blob, (_, buf) in zip(transfer.kv, kv_buffers, strict=True)]
     state = [_tensor(blob, buf, (buf.shape[0], *buf.shape[2:])) for blob, (_, buf) in zip(transfer.state, state_buffers, strict=True)]
     key = RadixKey(list(transfer.token_ids))
-    held = len(cache.match_prefix(MatchPrefixParams(key=key)).device_indices)
+    held = usable_prefix_tokens(cache, transfer.token_ids)
     if held >= n:
         return 0
     allocator = cache.token_to_kv_pool_allocator
@@ -105,6 +133,12 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     indices = allocator.alloc(n)
     if indices is None:
         raise PrefixTransferError(f"no room for {n} tokens of KV")
+    for tensor, (_, buf) in zip(kv, kv_buffers, strict=True):
+        buf[indices] = tensor
+    if not state_buffers:  # full attention: SGLang's RadixCache leaves the pages it already had to the caller
+        result = cache.insert(InsertParams(key=key, value=indices))
+        allocator.free(indices[:result.prefix_len])
+        return n - held
     mamba = cache.req_to_token_pool.mamba_allocator
     slot = mamba.alloc(1)
     if slot is None:
@@ -113,11 +147,9 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     if slot is None:
         allocator.free(indices)
         raise PrefixTransferError("no free state slot")
-    for tensor, (_, buf) in zip(kv, kv_buffers, strict=True):
-        buf[indices] = tensor
     for tensor, (_, buf) in zip(state, state_buffers, strict=True):
         buf[:, slot[0]] = tensor
-    result = cache.insert(InsertParams(key=key, value=indices, mamba_value=slot))
+    result = cache.insert(InsertParams(key=key, value=indices, mamba_value=slot))  # frees duplicate pages itself
     if result.mamba_exist:
         mamba.free(slot)
     return n - held

@@ -1,0 +1,281 @@
+"""Cache moves in the real SGLang path (``hooks/cache_move.py``), on CPU.
+
+Two worker processes (``cache_move_worker.py``: SGLang's pools and radix cache, SGLang's Mooncake
+transfer engine over TCP, the agent and routes our hooks install, SGLang's ``--api-key``
+middleware, uvicorn) with one deployment secret; the router's own ``_move_cache`` drives the move
+as it does for emulated workers. The full-attention variant and the pieces without sockets run in
+this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from prfaas_sglang.demo.cluster import PortPicker
+from prfaas_sglang.wire.auth import AUTH_HEADER, DeploymentKeys, sign
+from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+
+WORKER = Path(__file__).with_name("cache_move_worker.py")
+SECRET = b"a deployment secret for the cache-move tests, long enough"
+SHORT = list(range(100, 108))  # cached with a state at its end
+LONG = SHORT + list(range(108, 112))  # extends it: states at 8 and 12
+KEYS = DeploymentKeys.from_secret(SECRET)
+
+
+def _start(port: int, tmp: Path, seed_prefixes: list[list[int]]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_"))}
+    env.update(PROBE_PORT=str(port), PROBE_IPC_DIR=str(tmp), PRFAAS_ROLE="pd-prefill",
+               PRFAAS_SECRET_FILE=str(tmp / "secret"), PROBE_SEED_PREFIXES=json.dumps(seed_prefixes), PROBE_SEED="7")
+    log = open(tmp / f"worker-{port}.log", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline_s: float = 180.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.post(url + "/probe/held", json={"tokens": [1]}, headers=KEYS.bearer(), timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"worker not ready:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """(source URL, target URL): the source caches SHORT and LONG, the target nothing."""
+    tmp = tmp_path_factory.mktemp("cache-move")
+    (tmp / "secret").write_bytes(SECRET)
+    os.chmod(tmp / "secret", 0o600)
+    pick = PortPicker()
+    ports = pick(), pick()
+    procs = [_start(ports[0], tmp, [SHORT, LONG]), _start(ports[1], tmp, [])]
+    urls = tuple(f"http://127.0.0.1:{p}" for p in ports)
+    try:
+        for url, proc, port in zip(urls, procs, ports, strict=True):
+            _wait_ready(url, proc, tmp / f"worker-{port}.log")
+        yield urls
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def held(url: str, tokens: list[int]) -> dict:
+    r = requests.post(url + "/probe/held", json={"tokens": tokens}, headers=KEYS.bearer(), timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def accounting_holds(answer: dict) -> bool:
+    """Pool free + cached = total, for KV tokens and state slots (no page or slot leaked)."""
+    return (answer["free_plus_cached"] == answer["total"]
+            and answer.get("state_free_plus_cached") == answer.get("state_total"))
+
+
+def router_move(source: str, target: str, prompt: list[int], tokens: int) -> dict:
+    """The router's own ``_move_cache`` for a decision to move ``tokens`` of ``prompt`` from
+    ``source`` to ``target``; returns its outcome counters."""
+    import aiohttp
+
+    from prfaas_sglang.router.metrics import RouterCounters
+    from prfaas_sglang.router.policy import CacheTransfer
+    from prfaas_sglang.router.server import SERVICE_KEY, SESSION_KEY, _move_cache
+
+    async def run():
+        service = SimpleNamespace(
+            workers={"src": SimpleNamespace(name="src", url=source), "dst": SimpleNamespace(name="dst", url=target)},
+            config=SimpleNamespace(phase_timeout_s=30.0), counters=RouterCounters())
+        async with aiohttp.ClientSession(headers=KEYS.bearer()) as session:  # as the router's, with a secret
+            app = {SERVICE_KEY: service, SESSION_KEY: session}
+            decision = SimpleNamespace(prefill="dst", transfer=CacheTransfer("src", tokens, 0.5))
+            await _move_cache(app, SimpleNamespace(input_ids=prompt), decision)
+        return service.counters.cache_moves
+
+    return asyncio.run(run())
+
+
+
+def test_the_routers_move_lands_the_prefix_in_the_target_with_the_sources_bytes(workers):
+    """A prefix cached only in the source's SGLang cache: the router's move makes the target fetch it
+    (Mooncake TCP into a landing buffer, then an insert on the scheduler thread); the target then
+    reuses it with the source's usable length, and its KV rows and state are the source's, bit for
+    bit. Asked again, it moves nothing. No page or state slot leaks on either side."""
+    source, target = workers
+    prompt = LONG + [7, 7, 7]
+    before = held(source, prompt)
+    assert before["held"] == len(LONG) and held(target, prompt)["held"] == 0
+    assert router_move(source, target, prompt, len(LONG)) == {"ok": 1}
+    after = held(target, prompt)
+    assert after["held"] == len(LONG) and after["digest"] == before["digest"]
+    assert accounting_holds(after) and accounting_holds(held(source, prompt))
+    again = requests.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout=30,
+                          json=CacheImport(prompt, len(LONG), source, 10.0).to_json())
+    assert again.status_code == 200
+    assert CacheImported.decode(again.json()) == CacheImported(0, len(LONG), 0, None)
+
+
+def test_a_move_the_source_can_no_longer_serve_is_a_409_and_the_router_recomputes(workers):
+    source, target = workers
+    prompt = list(range(500, 520))
+    assert router_move(source, target, prompt, 16) == {"source_lost": 1}
+    after = held(target, prompt)
+    assert after["held"] == 0 and accounting_holds(after)
+
+
+def test_an_unreachable_source_fails_the_move_promptly_and_allocates_nothing(workers):
+    _, target = workers
+    dead = f"http://127.0.0.1:{PortPicker()()}"
+    started = time.monotonic()
+    r = requests.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout=30,
+                      json=CacheImport(list(range(900, 913)), 12, dead, 10.0).to_json())
+    assert r.status_code == 502 and "cannot fetch the prefix" in r.json()["error"]["message"]
+    assert time.monotonic() - started < 5.0
+    assert accounting_holds(held(target, [1]))
+
+
+def _export_body(num_tokens: int, length: int) -> bytes:
+    return json.dumps(CacheExport(LONG, num_tokens, "127.0.0.1:1", 4096, length).to_json()).encode()
+
+
+def _signed(body: bytes, key: bytes = KEYS.handoff_key) -> dict:
+    return {**KEYS.bearer(), "Content-Type": "application/json",
+            AUTH_HEADER: sign(key, "POST", "/prfaas/cache/export", body, time.time())}
+
+
+def test_moves_need_the_worker_key_and_an_export_a_fresh_signature(workers):
+    source, target = workers
+    body = CacheImport(LONG + [1], len(LONG), source, 10.0).to_json()
+    assert requests.post(target + "/prfaas/cache/import", json=body, timeout=10).status_code == 401  # SGLang's middleware
+    export = _export_body(len(LONG), 10)
+    assert requests.post(source + "/prfaas/cache/export", data=export, timeout=10,
+                         headers={**KEYS.bearer(), "Content-Type": "application/json"}).status_code == 401
+    other = DeploymentKeys.from_secret(b"another deployment's secret, also long enough").handoff_key
+    assert requests.post(source + "/prfaas/cache/export", data=export, headers=_signed(export, other), timeout=10).status_code == 401
+    headers = _signed(export)
+    first = requests.post(source + "/prfaas/cache/export", data=export, headers=headers, timeout=10)
+    assert first.status_code == 400 and "smaller than the prefix" in first.json()["error"]["message"]  # signed: reaches the agent
+    assert requests.post(source + "/prfaas/cache/export", data=export, headers=headers, timeout=10).status_code == 401  # replay
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[]", b'{"v": 1}', json.dumps(
+    {"v": 1, "token_ids": [1 << 32], "num_tokens": 1, "source_url": "http://x", "timeout_s": 1}).encode(),
+    json.dumps({"v": 9, "token_ids": [1], "num_tokens": 1, "source_url": "http://x", "timeout_s": 1}).encode()])
+def test_a_malformed_import_is_a_400_with_a_reason(workers, body):
+    _, target = workers
+    r = requests.post(target + "/prfaas/cache/import", data=body, timeout=10,
+                      headers={**KEYS.bearer(), "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert accounting_holds(held(target, [1]))
+
+
+# --- in this process -------------------------------------------------------------------------------
+
+
+def test_a_step_the_scheduler_has_not_started_by_the_deadline_is_cancelled_and_never_runs():
+    from prfaas_sglang.hooks.cache_move import MoveRefused, SchedulerSteps
+
+    steps, ran = SchedulerSteps(), []
+    with pytest.raises(MoveRefused) as err:
+        steps.call(lambda: ran.append(1), 0.05)
+    assert err.value.status == 504
+    assert steps.run_pending() == 0 and ran == []
+
+
+def test_servers_that_cannot_move_answer_501_with_the_reason(monkeypatch):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from sglang.srt.server_args import ServerArgs
+
+    from prfaas_sglang.hooks.cache_move import install_routes, unsupported_reason
+
+    fields = set(ServerArgs.__dataclass_fields__)
+    assert {"disaggregation_mode", "disaggregation_transfer_backend", "tp_size", "pp_size", "dp_size", "api_key"} <= fields
+    port_args = SimpleNamespace(scheduler_input_ipc_name="ipc:///tmp/x")
+    args = SimpleNamespace(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake_tcp",
+                           tp_size=2, pp_size=1, dp_size=1)
+    assert unsupported_reason(SimpleNamespace(**{**vars(args), "tp_size": 1}), port_args, "prfaas") is None
+    assert "tp, pp and dp size 1" in unsupported_reason(args, port_args, "prfaas")
+    assert "prefill worker" in unsupported_reason(args, port_args, "pd-decode")
+    assert "ipc" in unsupported_reason(SimpleNamespace(**{**vars(args), "tp_size": 1}),
+                                       SimpleNamespace(scheduler_input_ipc_name="tcp://10.0.0.1:5"), "prfaas")
+    app = FastAPI()
+    install_routes(app, args, port_args, "prfaas")
+    r = TestClient(app).post("/prfaas/cache/import", json={})
+    assert r.status_code == 501 and "tp, pp and dp size 1" in r.json()["error"]["message"]
+
+
+def test_the_routes_hook_adds_them_to_sglangs_app_for_prefill_roles_only(monkeypatch):
+    from sglang.srt.entrypoints import http_server
+
+    from prfaas_sglang.hooks.cache_move import add_routes
+
+    def paths():
+        return [r.path for r in http_server.app.routes if getattr(r, "path", "").startswith("/prfaas/cache/")]
+
+    monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))  # undone after
+    args = SimpleNamespace(disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", tp_size=1, pp_size=1, dp_size=1)
+    port_args = SimpleNamespace(scheduler_input_ipc_name="ipc:///tmp/x")
+    monkeypatch.setenv("PRFAAS_ROLE", "pd-decode")
+    monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
+    add_routes(args, None, None, port_args)
+    assert paths() == []
+    monkeypatch.setenv("PRFAAS_ROLE", "pd-prefill")
+    add_routes(args, None, None, port_args)
+    assert paths() == ["/prfaas/cache/import", "/prfaas/cache/export"]
+
+
+def test_a_full_attention_prefix_moves_with_its_bytes_and_a_partly_held_one_frees_its_duplicates():
+    """SGLang's own RadixCache (page 4, two MHA layers): no state travels; a target that already
+    holds the first page keeps it and takes the rest, with no page leaked."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    from prfaas_sglang.bench.sglang_cpu import cpu_radix_cache
+    from prfaas_sglang.hooks.cache_import import export_prefix, import_prefix, message_bound_bytes
+    from prfaas_sglang.wire import prefix_transfer
+
+    def build():
+        return cpu_radix_cache(RadixCache, 4, 64, events=False, kv_buffers=True)
+
+    def cache_with_data(built, tokens, seed):
+        gen = torch.Generator().manual_seed(seed)
+        indices = built.kv.alloc(len(tokens))
+        for buf in built.kv_pool.k_buffer + built.kv_pool.v_buffer:
+            buf[indices] = torch.randn(buf[indices].shape, generator=gen).to(buf.dtype)
+        built.cache.insert(InsertParams(key=RadixKey(tokens), value=indices))
+
+    def rows(built, tokens):
+        idx = built.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices
+        return len(idx), [buf[idx].clone() for buf in built.kv_pool.k_buffer + built.kv_pool.v_buffer]
+
+    source, target = build(), build()
+    tokens = list(range(10, 22))  # three pages
+    cache_with_data(source, tokens, seed=1)
+    transfer = export_prefix(source.cache, tokens + [5])
+    assert transfer.token_ids == tokens and transfer.state == []
+    payload = prefix_transfer.encode(transfer)
+    assert len(payload) <= message_bound_bytes(target.cache, len(tokens))
+    cache_with_data(target, tokens[:4], seed=2)  # the target holds the first page already (other bytes)
+    assert import_prefix(target.cache, prefix_transfer.decode(payload)) == 8
+    n_src, rows_src = rows(source, tokens)
+    n_dst, rows_dst = rows(target, tokens)
+    assert n_src == n_dst == 12
+    assert all(torch.equal(a[4:], b[4:]) for a, b in zip(rows_src, rows_dst, strict=True))  # the moved pages
+    assert target.kv.available_size() + target.cache.total_size() == 64
