@@ -337,7 +337,7 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         upstream_status="vendor-specific (upstream has no cross-cluster cache import)",
         removal="never: cache moves between PrfaaS and PD clusters are this distribution's",
-        tests="tests/engine/test_cache_move.py tests/drift/test_hook_targets.py",
+        tests="tests/engine/test_cache_move_sglang.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
         name="cache-move-agent",
@@ -360,7 +360,7 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         upstream_status="vendor-specific",
         removal="with cache-move-routes",
-        tests="tests/engine/test_cache_move.py tests/drift/test_hook_targets.py",
+        tests="tests/engine/test_cache_move_sglang.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
         name="cache-move-steps",
@@ -377,7 +377,7 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         upstream_status="vendor-specific",
         removal="with cache-move-routes",
-        tests="tests/engine/test_cache_move.py tests/drift/test_hook_targets.py",
+        tests="tests/engine/test_cache_move_sglang.py tests/drift/test_hook_targets.py",
     ),
 )
 

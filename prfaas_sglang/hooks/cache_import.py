@@ -32,6 +32,10 @@ from prfaas_sglang.wire.prefix_transfer import (
 )
 
 
+class NoRoomError(PrefixTransferError):
+    """The receiver has no room for the prefix (KV pages or a state slot) even after evicting."""
+
+
 def _kv_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
     """(name, token-major buffer) per full-attention layer, keys then values."""
     kvcache = cache.token_to_kv_pool_allocator.get_kvcache()
@@ -132,7 +136,7 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
         cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
     indices = allocator.alloc(n)
     if indices is None:
-        raise PrefixTransferError(f"no room for {n} tokens of KV")
+        raise NoRoomError(f"no room for {n} tokens of KV")
     for tensor, (_, buf) in zip(kv, kv_buffers, strict=True):
         buf[indices] = tensor
     if not state_buffers:  # full attention: SGLang's RadixCache leaves the pages it already had to the caller
@@ -146,7 +150,7 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
         slot = mamba.alloc(1)
     if slot is None:
         allocator.free(indices)
-        raise PrefixTransferError("no free state slot")
+        raise NoRoomError("no free state slot")
     for tensor, (_, buf) in zip(state, state_buffers, strict=True):
         buf[:, slot[0]] = tensor
     result = cache.insert(InsertParams(key=key, value=indices, mamba_value=slot))  # frees duplicate pages itself

@@ -59,8 +59,23 @@ logger = logging.getLogger(__name__)
 
 PREFILL_ROLES = ("prfaas", "pd-prefill")
 ENDPOINT_SUFFIX = "-prfaas-cache-move"
+SERVER_INFO_KEY = "prfaas_cache_move"  # in /server_info: what router/workers.py reads
 ROUTE_WAIT_MARGIN_S = 5.0  # the route waits for the agent this much past the move's own deadline
 DEFAULT_TIMEOUT_S = 60.0  # an export's deadline (its message carries none; the importer's HTTP timeout bounds it)
+
+
+def landing_grace_s() -> float:
+    """How long a landing buffer stays registered after its source stopped answering: the source
+    may still be waiting for its scheduler step (at most DEFAULT_TIMEOUT_S) and then writing (at
+    most Mooncake's MC_TRANSFER_TIMEOUT); freeing it sooner could let that write land in memory
+    reused for something else."""
+    import os
+
+    try:
+        transfer_timeout_s = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
+    except ValueError:
+        transfer_timeout_s = 30.0
+    return DEFAULT_TIMEOUT_S + max(transfer_timeout_s, 5.0) + 5.0
 
 
 class MoveRefused(PrfaasError):
@@ -189,6 +204,8 @@ class CacheMoveAgent:
         self._wake = f"inproc://prfaas-cache-move-wake-{id(self)}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._quarantine: list[tuple[float, int, Any]] = []  # (release at, addr, buffer): see _fetch
+        self._quarantine_lock = threading.Lock()
         self.stats = {"imports": 0, "exports": 0, "imported_tokens": 0, "bytes_in": 0, "bytes_out": 0, "refused": 0}
 
     def run_pending(self) -> int:
@@ -211,6 +228,7 @@ class CacheMoveAgent:
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        self._release_quarantined(time.monotonic(), everything=True)
 
     def _poke(self) -> None:
         s = self._ctx.socket(zmq.PUSH)
@@ -275,9 +293,12 @@ class CacheMoveAgent:
     # Target side.
     def _import(self, msg: CacheImport) -> CacheImported:
         """Fetch ``msg``'s prefix (page-aligned) from its source into a landing buffer, then insert it.
-        The landing buffer is deregistered and dropped on every path; nothing is allocated in the
-        pools before the message arrived intact (``import_prefix`` allocates and inserts in one step)."""
+        Nothing is allocated in the pools before the message arrived intact (``import_prefix``
+        allocates and inserts in one step). The landing buffer is deregistered and dropped once the
+        source answered or provably never got the request; otherwise it is kept registered for
+        :func:`landing_grace_s` (the source may still write) and released by a later move or ``close``."""
         from prfaas_sglang.hooks.cache_import import (
+            NoRoomError,
             import_prefix,
             message_bound_bytes,
             usable_prefix_tokens,
@@ -305,8 +326,10 @@ class CacheMoveAgent:
             raise MoveRefused(502, f"the source sent {got} tokens that are not a page-aligned prefix of the request")
         try:
             imported = self.steps.call(lambda: import_prefix(self.cache, transfer), deadline - time.monotonic())
-        except PrefixTransferError as err:
-            raise MoveRefused(409 if "no room" in str(err) or "no free state" in str(err) else 502, str(err)) from None
+        except NoRoomError as err:
+            raise MoveRefused(503, str(err)) from None
+        except PrefixTransferError as err:  # the source's layout is not this worker's
+            raise MoveRefused(502, str(err)) from None
         self.stats["imports"] += 1
         self.stats["imported_tokens"] += imported
         self.stats["bytes_in"] += len(payload)
@@ -318,9 +341,11 @@ class CacheMoveAgent:
         import requests
         import torch
 
+        self._release_quarantined(time.monotonic())
         landing = torch.zeros(export.length, dtype=torch.uint8)
         addr = landing.data_ptr()
         self.engine.register(addr, export.length)
+        answered = False  # the source's outcome is known: it wrote, or it will not write
         try:
             url = source_url.rstrip("/") + "/prfaas/cache/export"
             body = json.dumps(CacheExport(export.token_ids, export.num_tokens, export.session, addr, export.length).to_json()).encode()
@@ -333,7 +358,9 @@ class CacheMoveAgent:
             try:
                 resp = self._http.post(url, data=body, headers=headers, timeout=remaining)
             except requests.RequestException as err:
+                answered = _never_sent(err)
                 raise MoveRefused(502, f"cannot fetch the prefix from {source_url}: {type(err).__name__}: {err}") from None
+            answered = True
             try:
                 answer = resp.json()
             except ValueError:
@@ -348,7 +375,23 @@ class CacheMoveAgent:
             transfer_s = answer.get("transfer_s")
             return landing[:nbytes].numpy().tobytes(), transfer_s if isinstance(transfer_s, float) else None
         finally:
+            if answered:
+                self.engine.deregister(addr)
+            else:  # the source may still write into it: keep it registered and alive for a while
+                with self._quarantine_lock:
+                    self._quarantine.append((time.monotonic() + landing_grace_s(), addr, landing))
+
+    def _release_quarantined(self, now: float, everything: bool = False) -> None:
+        with self._quarantine_lock:
+            due = [q for q in self._quarantine if everything or q[0] <= now]
+            self._quarantine = [q for q in self._quarantine if q not in due]
+        for _, addr, _buffer in due:
             self.engine.deregister(addr)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        with self._quarantine_lock:
+            return sum(int(buf.numel()) for _, _, buf in self._quarantine)
 
     # Source side.
     def _export(self, msg: CacheExport) -> dict:
@@ -380,6 +423,18 @@ class CacheMoveAgent:
         self.stats["exports"] += 1
         self.stats["bytes_out"] += len(payload)
         return {"bytes": len(payload), "transfer_s": transfer_s, "tokens": len(transfer.token_ids)}
+
+
+def _never_sent(err: Exception) -> bool:
+    """Whether a failed request provably never reached the source (no connection was made), so
+    that it cannot be writing: a connect timeout or a refused or unresolvable connection."""
+    import requests
+    from urllib3.exceptions import NewConnectionError
+
+    if isinstance(err, requests.ConnectTimeout):
+        return True
+    reason = getattr(err.args[0], "reason", None) if err.args else None
+    return isinstance(err, requests.ConnectionError) and isinstance(reason, NewConnectionError)
 
 
 def _decode(cls, body: bytes):
@@ -487,15 +542,21 @@ def _wait_s(kind: str, raw: bytes) -> float:
 # --- the hooks ------------------------------------------------------------------------------------
 
 
-def add_routes(server_args, tokenizer_manager, template_manager, port_args, *args, **kwargs):
+def add_routes(server_args, tokenizer_manager, template_manager, port_args, scheduler_infos=None, *args, **kwargs):
     """BEFORE hook on ``http_server._setup_and_run_http_server``: the cache-move routes on SGLang's
-    app (a prefill role only; other servers keep SGLang's routes unchanged)."""
+    app (a prefill role only; other servers keep SGLang's routes unchanged), announced in
+    ``/server_info`` (which merges the first scheduler's info) under :data:`SERVER_INFO_KEY`:
+    ``{"v": 1, "served": bool, "reason": str | None}``; the router moves caches only between
+    workers that say ``served``."""
     role = envs.ROLE.get()
     if role not in PREFILL_ROLES:
         return None
     from sglang.srt.entrypoints import http_server
 
     install_routes(http_server.app, server_args, port_args, role, load_keys())
+    if scheduler_infos:
+        reason = unsupported_reason(server_args, port_args, role)
+        scheduler_infos[0][SERVER_INFO_KEY] = {"v": 1, "served": reason is None, "reason": reason}
     return None
 
 

@@ -166,8 +166,8 @@ class RouterService:
             decode_affinity_slack=self.config.decode_affinity_slack)
 
     def transfer_supported(self) -> bool:
-        """Whether a cached prefix can move: not turned off, and every prefill worker imports (the
-        emulated engine does; SGLang 0.5.15 servers have no import endpoint yet)."""
+        """Whether a cached prefix can move: not turned off, and every prefill worker serves the moves
+        (the emulated engine; an SGLang prefill server with the cache-move hooks and one scheduler)."""
         prefills = [w for w in self.workers.values() if w.role == "prefill"]
         return (self.config.cache_transfer != "off" and bool(prefills)
                 and all(w.facts is not None and w.facts.cache_import for w in prefills))

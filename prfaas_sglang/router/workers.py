@@ -64,11 +64,7 @@ class WorkerFacts:
     tokenizer_path: str | None
     emulated: dict | None  # the emulated engine's "prfaas" section (speedup, kv_scale, profile, ...)
     version: str | None
-
-    @property
-    def cache_import(self) -> bool:
-        """Serves ``/prfaas/cache/import`` and ``/export`` (``wire.cache_move``)."""
-        return bool(self.emulated and self.emulated.get("cache_import") is True)
+    cache_import: bool = False  # serves /prfaas/cache/import and /export (wire.cache_move)
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,17 @@ def parse_server_info(info: Any) -> WorkerFacts:
         tokenizer_path=info.get("tokenizer_path") if isinstance(info.get("tokenizer_path"), str) else None,
         emulated=emulated,
         version=str(info["version"]) if info.get("version") is not None else None,
+        cache_import=_serves_cache_moves(info, emulated),
     )
+
+
+def _serves_cache_moves(info: dict, emulated: dict | None) -> bool:
+    """The emulated engine says so in its ``prfaas`` section; an SGLang server with our
+    ``cache-move-routes`` hook in ``prfaas_cache_move`` (``hooks/cache_move.SERVER_INFO_KEY``)."""
+    if emulated is not None:
+        return emulated.get("cache_import") is True
+    section = info.get("prfaas_cache_move")
+    return isinstance(section, dict) and section.get("v") == 1 and section.get("served") is True
 
 
 def parse_loads(body: Any) -> WorkerLoad:

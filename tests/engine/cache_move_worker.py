@@ -1,4 +1,4 @@
-"""One SGLang prefill worker's cache-move side on CPU, as a process (tests/engine/test_cache_move.py).
+"""One SGLang prefill worker's cache-move side on CPU, as a process (tests/engine/test_cache_move_sglang.py).
 
 Real: SGLang's pools and radix cache (our state-reporting ``MambaRadixCache``, or SGLang's own
 ``RadixCache`` for a full-attention model), SGLang's Mooncake transfer engine over TCP, the agent
@@ -51,6 +51,7 @@ from prfaas_sglang.security import load_keys  # noqa: E402
 KV_TOKENS, STATE_SLOTS = 256, 8
 PORT = int(os.environ["PROBE_PORT"])
 MODEL = os.environ.get("PROBE_MODEL", "hybrid")
+AGENT: list = []  # the started agent
 
 
 def build():
@@ -105,6 +106,8 @@ def held(built, tokens: list[int]) -> dict:
     cached_tokens = size if MODEL == "full" else size[0]
     out = {"held": len(idx), "digest": digest.hexdigest(), "total": KV_TOKENS,
            "free_plus_cached": built.kv.available_size() + cached_tokens}
+    if AGENT:
+        out["quarantined_bytes"] = AGENT[0].quarantined_bytes
     if MODEL != "full":
         out["state_free_plus_cached"] = built.req_pool.mamba_allocator.available_size() + size[1]
         out["state_total"] = STATE_SLOTS
@@ -127,6 +130,7 @@ def main() -> None:
         disagg_prefill_bootstrap_queue=types.SimpleNamespace(kv_manager=types.SimpleNamespace(engine=get_mooncake_transfer_engine())))
     start_agent(None, scheduler, server_args, port_args)
     agent = scheduler.prfaas_cache_move
+    AGENT.append(agent)
 
     def scheduler_loop() -> None:  # the scheduler's event loop, as far as the hook sees it
         while True:

@@ -54,6 +54,30 @@ def test_real_server_info_parses_to_the_facts_the_router_uses(sglang_server_info
                                                          facts=facts).kv_events_url == "tcp://h:5559"
 
 
+def test_an_sglang_worker_serves_cache_moves_only_when_its_server_info_says_so(sglang_server_info, monkeypatch):
+    """What the cache-move-routes hook adds to the first scheduler's info (merged into /server_info)
+    is what the router reads; a stock server, or one that cannot move, is not asked to."""
+    from types import SimpleNamespace
+
+    from sglang.srt.entrypoints import http_server
+
+    from prfaas_sglang.hooks.cache_move import add_routes
+
+    assert parse_server_info(sglang_server_info).cache_import is False  # a stock SGLang server
+    monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))  # undone after
+    monkeypatch.setenv("PRFAAS_ROLE", "pd-prefill")
+    monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
+    port_args = SimpleNamespace(scheduler_input_ipc_name="ipc:///tmp/x")
+    for tp_size, served in ((1, True), (2, False)):
+        args = SimpleNamespace(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake_tcp",
+                               tp_size=tp_size, pp_size=1, dp_size=1)
+        scheduler_infos = [{"max_total_num_tokens": 123456}]
+        add_routes(args, None, None, port_args, scheduler_infos, None)
+        info = {**sglang_server_info, **scheduler_infos[0]}  # as /server_info merges them
+        assert parse_server_info(info).cache_import is served
+    assert parse_server_info({**sglang_server_info, "prfaas_cache_move": {"v": 2, "served": True}}).cache_import is False
+
+
 def test_real_loads_parse():
     """The body SGLang's /v1/loads builds: LoadSnapshot.from_get_loads_output(...).to_dict(include) per DP rank."""
     from sglang.srt.managers.io_struct import GetLoadsReqOutput

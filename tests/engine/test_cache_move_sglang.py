@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -147,7 +148,24 @@ def test_an_unreachable_source_fails_the_move_promptly_and_allocates_nothing(wor
                       json=CacheImport(list(range(900, 913)), 12, dead, 10.0).to_json())
     assert r.status_code == 502 and "cannot fetch the prefix" in r.json()["error"]["message"]
     assert time.monotonic() - started < 5.0
-    assert accounting_holds(held(target, [1]))
+    after = held(target, [1])
+    assert accounting_holds(after) and after["quarantined_bytes"] == 0  # never asked: its buffer is gone
+
+
+def test_a_source_that_takes_the_request_and_goes_silent_times_out_and_its_landing_buffer_stays_registered(workers):
+    """A source that accepted the export but never answered may still write: the target answers by
+    the move's deadline, allocates nothing in its pools, and keeps the landing buffer registered
+    (released after the grace period) instead of freeing memory a late write could land in."""
+    _, target = workers
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        r = requests.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout=30,
+                          json=CacheImport(list(range(700, 713)), 12, url, 1.0).to_json())
+        elapsed = time.monotonic() - started
+    assert r.status_code in (502, 504) and elapsed < 4.0
+    after = held(target, [1])
+    assert accounting_holds(after) and after["quarantined_bytes"] > 0
 
 
 def _export_body(num_tokens: int, length: int) -> bytes:
@@ -234,11 +252,13 @@ def test_the_routes_hook_adds_them_to_sglangs_app_for_prefill_roles_only(monkeyp
     port_args = SimpleNamespace(scheduler_input_ipc_name="ipc:///tmp/x")
     monkeypatch.setenv("PRFAAS_ROLE", "pd-decode")
     monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
-    add_routes(args, None, None, port_args)
-    assert paths() == []
+    infos = [{}]
+    add_routes(args, None, None, port_args, infos, None)
+    assert paths() == [] and infos == [{}]
     monkeypatch.setenv("PRFAAS_ROLE", "pd-prefill")
-    add_routes(args, None, None, port_args)
+    add_routes(args, None, None, port_args, infos, None)
     assert paths() == ["/prfaas/cache/import", "/prfaas/cache/export"]
+    assert infos[0]["prfaas_cache_move"]["served"] is False and "prefill" in infos[0]["prfaas_cache_move"]["reason"]
 
 
 def test_a_full_attention_prefix_moves_with_its_bytes_and_a_partly_held_one_frees_its_duplicates():
