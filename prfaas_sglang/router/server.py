@@ -12,8 +12,8 @@ Faults: when the prefill leg fails before anything was streamed, the decode
 leg is aborted (its connection closed, so the worker frees its KV), the
 prefill worker is marked unhealthy and the request is routed again with a new
 room (``redispatched``); after that it fails with 502. A stream that breaks
-after it started ends there (the client sees a truncated stream, never a
-second response).
+after it started ends with an error event (``{"error": {"code": 502, ...}}``)
+and ``[DONE]``, never a second response.
 
 Background loops: health + facts (``/health``, ``/server_info``) every
 ``health_interval_s``; load (``/v1/loads``) every ``load_interval_s``; the
@@ -415,6 +415,18 @@ async def _read_first_event(content: aiohttp.StreamReader) -> bytes:
     return buf
 
 
+async def _end_stream_with_error(stream: web.StreamResponse, status: int, message: str, at_event_end: bool) -> None:
+    """End a started SSE stream with an error event (SGLang's and OpenAI's shape) and ``[DONE]``.
+    A partly written event is closed first (its data line then ends the event as it was: the
+    client drops it as malformed or keeps what it holds). A client that left is not an error."""
+    event = b"data: " + orjson.dumps({"error": {"message": message, "code": status, "type": "stream_failed"}}) + b"\n\n"
+    try:
+        await stream.write((b"" if at_event_end else b"\n\n") + event + b"data: [DONE]\n\n")
+        await stream.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass
+
+
 async def _chain(first: bytes, rest):
     if first:
         yield first
@@ -451,6 +463,7 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     decode_task = asyncio.create_task(decode_cm.__aenter__())
     resp = None
     stream = None
+    at_event_end = True  # what the client got of the stream so far ends at an event boundary
     try:
         done, _ = await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task in done:
@@ -491,6 +504,9 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
                 service.counters.tbt.observe(now - last)
             last = now
             await stream.write(data)
+            at_event_end = data.endswith((b"\n\n", b"\r\n\r\n"))
+        if not at_event_end:  # the worker closed its stream cleanly in the middle of an event
+            raise aiohttp.ClientPayloadError("the decode stream ended inside an event")
         await stream.write_eof()
         service.counters.e2e.observe(time.perf_counter() - started)
         return stream
@@ -501,9 +517,11 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
             # nothing reached the client and the decode worker never answered: route again
             raise DecodeUnreachable(f"decode worker {decode.name} unreachable: {err or type(err).__name__}") from None
         service.counters.failed["decode"] += 1
-        if stream is not None:  # the client already has a 200 and part of a stream: end it, do not answer twice
+        message = f"decode worker {decode.name} failed: {err or type(err).__name__}"
+        if stream is not None:  # the client already has a 200 and part of a stream: end it, never answer twice
+            await _end_stream_with_error(stream, 502, message, at_event_end)
             return stream
-        return _error(502, f"decode worker {decode.name} failed: {err or type(err).__name__}")
+        return _error(502, message)
     finally:
         for task in (decode_task, prefill_task):
             if not task.done():

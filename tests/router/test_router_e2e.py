@@ -513,6 +513,38 @@ def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path
         group.stop()
 
 
+def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
+    """Issue #16: after tokens streamed, a decode failure must end the stream with a well-formed
+    error event, not a bare end of stream (nor a second response). The decode worker runs in real
+    time (speedup 1, ~200 tokens) and is killed once the first tokens arrived."""
+    import json
+
+    group = ProcessGroup(tmp_path / "logs")
+    slow = ["--speedup", "1", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
+    try:
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", slow)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", slow)
+        topology = {"version": 1, "emulation": {"speedup": 1, "kv_scale": 0.002}, "clusters": {
+            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
+                                          {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
+        url = start_router(group, topology, "--no-early-rejection").url
+        resp = generate(url, list(range(3_000_000, 3_000_300)), stream=True, max_new=400)
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith(b"data: "))
+        assert b"error" not in first
+        proc = next(p for p in group.procs if p.name == "d0")
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith(b"data: ")]
+        assert rest[-1] == b"data: [DONE]", rest[-3:]
+        error = json.loads(rest[-2][len(b"data: "):])["error"]
+        assert error["code"] == 502 and "d0" in error["message"]
+        assert all(b"error" not in line for line in rest[:-2])  # tokens before it, then the one error event
+        assert requests.get(url + "/status", timeout=5).json()["failed"] == {"decode": 1}
+    finally:
+        group.stop()
+
+
 BAD_BODIES = (  # issue #16's data-plane findings (500s then), and neighbours of them
     b"[" * 1200 + b"]" * 1200,
     b'{"input_ids": [' + b"9" * 5000 + b"]}",
