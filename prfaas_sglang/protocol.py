@@ -360,6 +360,15 @@ def stream_error(req: EngineRequest, status: int, message: str) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def stream_failed_event(status: int, message: str, at_event_end: bool = True) -> bytes:
+    """What ends an SSE stream that broke after it started (the router's decode leg, the front's
+    relay): an error event in SGLang's shape, then ``[DONE]``. ``at_event_end`` False: the bytes
+    sent so far stop inside an event, which is closed first (its partial data line then ends as
+    it was; a client drops it as malformed)."""
+    event = "data: " + json.dumps({"error": {"message": message, "code": status, "type": "stream_failed"}}) + "\n\n"
+    return (b"" if at_event_end else b"\n\n") + event.encode() + b"data: [DONE]\n\n"
+
+
 def stream_failure(event: bytes) -> int | None:
     """The HTTP status an SSE event reports a failure with, or None for an ordinary event.
 

@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     cs.add_argument("--faults", default=None,
                     help="comma list of the faults to inject (default: all; e.g. all but kill-router to follow one "
                          "router process's memory over the whole run)")
+    cs.add_argument("--front", action="store_true",
+                    help="clients reach the router through its front (python -m prfaas_sglang.router.front), which "
+                         "a router kill leaves running")
     cs.add_argument("--json", action="store_true")
     af = sub.add_parser("api-fuzz", help="schemathesis against the router's /openapi.json on an emulated deployment")
     af.add_argument("--max-examples", type=int, default=250, help="cases per operation")
@@ -370,10 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--rounds must be >= 1, with room for each fault (--duration / (rounds x {len(faults)}) "
                          f">= --down-s + 2)")
         result = bench.run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, faults=faults,
-                           rounds=rounds)
+                           rounds=rounds, front=args.front)
         header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
                   f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}"
-                  f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}; {stamp} -->")
+                  f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}{' --front' if args.front else ''}; "
+                  f"{stamp} -->")
     elif args.name == "api-fuzz":
         from prfaas_sglang.bench import api_fuzz as bench
 

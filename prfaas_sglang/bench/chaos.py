@@ -189,10 +189,12 @@ async def _garbage(port: int, host: str, seconds: float, seed: int) -> int:
 class Chaos:
     """The deployment, its processes' argv for restarts, and the fault actions."""
 
-    def __init__(self, group, deployment, config: Path, net, engine_args: dict, router_args: tuple[str, ...]):
+    def __init__(self, group, deployment, config: Path, net, engine_args: dict, router_args: tuple[str, ...],
+                 front_url: str | None = None):
         self.group, self.d, self.config, self.net = group, deployment, config, net
         self.engine_args, self.router_args = engine_args, router_args
         self.procs = {p.name: p for p in group.procs}
+        self.url = front_url or deployment.router.url  # where clients send: the front, when one runs
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
@@ -259,7 +261,7 @@ async def _inject(chaos: Chaos, fault: str, down_s: float, seed: int, state: dic
         await asyncio.sleep(2 * down_s)
         chaos.net.throttle(rate_mbit)
     elif fault == "http-fuzz":
-        record["statuses"] = await _fuzz(chaos.d.router.url, fuzz_requests, seed)
+        record["statuses"] = await _fuzz(chaos.url, fuzz_requests, seed)
     record["ended_s"] = time.monotonic() - state["t0"]
     return record
 
@@ -280,7 +282,7 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
                       rate_mbit: float, faults: tuple[str, ...], rounds: int) -> dict:
     import aiohttp
 
-    url = chaos.d.router.url
+    url = chaos.url
     state = {"t0": time.monotonic(), "router_down": False}
     tally, records, rss = Tally(), [], []
     stop = asyncio.Event()
@@ -306,10 +308,15 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
             async with session.get(w.url + "/metrics") as resp:
                 text = await resp.text()
             leaks[name] = _leak_view(text)
+        front_counters = None
+        if url != chaos.d.router.url:
+            async with session.get(url + "/front/health") as resp:
+                front_counters = await resp.json()
     stop.set()
     await sampler
     return {"tally": vars(tally), "faults": records, "leaks": leaks, "router_rss": _rss_summary(rss),
-            "duration_s": duration_s, "rate_rps": rate, "seed": seed, "rounds": rounds, "down_s": down_s}
+            "duration_s": duration_s, "rate_rps": rate, "seed": seed, "rounds": rounds, "down_s": down_s,
+            "front": url != chaos.d.router.url, "front_counters": front_counters}
 
 
 def _leak_view(metrics: str) -> dict:
@@ -339,8 +346,11 @@ def _rss_summary(samples: list) -> dict:
 
 
 def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: float = 3.0, fuzz_requests: int = 200,
-        rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, rounds: int = 1, log_dir: Path | None = None) -> dict:
-    """One run; ``rounds``: how many times every fault is injected (the slots shrink to fit)."""
+        rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, rounds: int = 1, log_dir: Path | None = None,
+        front: bool = False) -> dict:
+    """One run; ``rounds``: how many times every fault is injected (the slots shrink to fit); ``front``:
+    clients reach the router through ``router/front.py`` (its retry window 20 s), which ``kill-router``
+    leaves running."""
     from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
     from prfaas_sglang.demo.netns import Netns
 
@@ -356,7 +366,8 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
             doc = local_topology(hosts={"prfaas": net.inner_ip}, host=net.outer_ip, link_gbps=rate_mbit / 1000,
                                  speedup=50, kv_scale=0.002, threshold_tokens=6000, output_tokens=8)
             d = start_deployment(group, doc, *router_args, wrap={"prfaas": net.wrap}, engine_args=engine_args, name="chaos")
-            chaos = Chaos(group, d, d.config, net, engine_args, router_args)
+            front_url = _start_front(group, d.router.url) if front else None
+            chaos = Chaos(group, d, d.config, net, engine_args, router_args, front_url)
             result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults, rounds))
             result["logs"] = str(log_dir)
             return result
@@ -364,10 +375,24 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
             group.stop()
 
 
+def _start_front(group, router_url: str) -> str:
+    import sys
+
+    from prfaas_sglang.demo.cluster import free_port
+
+    port = free_port()
+    proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router_url,
+                                 "--port", str(port), "--retry-window-s", "20"])
+    url = f"http://127.0.0.1:{port}"
+    group.wait_healthy(url + "/front/health", proc, 30)
+    return url
+
+
 def verdict(result: dict) -> list[str]:
-    """The acceptance checks that do not depend on timing; an empty list is a pass."""
+    """The acceptance checks that do not depend on timing; an empty list is a pass. Behind the
+    front no connection may break at all, a router kill included."""
     t, problems = result["tally"], []
-    for kind in ("hung", "truncated", "reset_outside_router_faults"):
+    for kind in ("hung", "truncated", "reset" if result.get("front") else "reset_outside_router_faults"):
         if t[kind]:
             problems.append(f"{t[kind]} {kind}")
     if t["untyped_errors"]:
@@ -390,7 +415,7 @@ def verdict(result: dict) -> list[str]:
 
 def render_markdown(result: dict) -> str:
     t = result["tally"]
-    lines = [f"{t['sent']} requests: {t['ok']} ok, {t['error']} typed errors {t['errors_by_status']}, {t['reset']} reset "
+    lines = [("Clients behind the router front. " if result.get("front") else "") + f"{t['sent']} requests: {t['ok']} ok, {t['error']} typed errors {t['errors_by_status']}, {t['reset']} reset "
              f"({t['reset_outside_router_faults']} outside router kills), {t['truncated']} truncated, {t['hung']} hung.", "",
              "| fault | at s | ended s | recovered after s | notes |", "|---|---|---|---|---|"]
     for r in result["faults"]:
@@ -404,5 +429,6 @@ def render_markdown(result: dict) -> str:
               "Held at rest: " + "; ".join(f"{n}: rooms {v.get('prfaas:open_rooms', 0):.0f}, pool tokens "
                                             f"{v.get('prfaas:kv_pool_used_tokens', 0):.0f}, KV bytes {v['leaked_kv_bytes']:.0f}"
                                             for n, v in result["leaks"].items()),
+              *([f"Front: {result['front_counters']}"] if result.get("front_counters") else []),
               "Verdict: " + ("; ".join(verdict(result)) or "pass")]
     return "\n".join(lines)

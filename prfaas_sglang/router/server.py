@@ -44,6 +44,7 @@ from prfaas_sglang.protocol import (
     BadRequest,
     EngineRequest,
     parse_request,
+    stream_failed_event,
     stream_failure,
     with_checkpoint,
 )
@@ -416,12 +417,10 @@ async def _read_first_event(content: aiohttp.StreamReader) -> bytes:
 
 
 async def _end_stream_with_error(stream: web.StreamResponse, status: int, message: str, at_event_end: bool) -> None:
-    """End a started SSE stream with an error event (SGLang's and OpenAI's shape) and ``[DONE]``.
-    A partly written event is closed first (its data line then ends the event as it was: the
-    client drops it as malformed or keeps what it holds). A client that left is not an error."""
-    event = b"data: " + orjson.dumps({"error": {"message": message, "code": status, "type": "stream_failed"}}) + b"\n\n"
+    """End a started SSE stream with :func:`~prfaas_sglang.protocol.stream_failed_event`. A client
+    that left meanwhile is not an error."""
     try:
-        await stream.write((b"" if at_event_end else b"\n\n") + event + b"data: [DONE]\n\n")
+        await stream.write(stream_failed_event(status, message, at_event_end))
         await stream.write_eof()
     except (ConnectionError, RuntimeError):
         pass

@@ -36,11 +36,26 @@ def test_sixty_seconds_of_chaos_leave_nothing_hung_truncated_or_held():
     assert len(result["router_rss"]["processes"]) == 2  # the router was killed once: two processes
 
 
+def test_behind_the_front_a_router_kill_breaks_no_connection():
+    """Issue #16: a killed router reset its clients' connections. Behind the front (router/front.py)
+    the same kill leaves every request answered or a typed error, and no connection broken."""
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "chaos", "--duration", "30", "--front",
+                           "--faults", "kill-router,kill-pd-decode-0", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)["result"]
+    assert result["front"] is True and chaos.verdict(result) == [], chaos.render_markdown(result)
+    assert result["tally"]["reset"] == 0 and sorted(r["fault"] for r in result["faults"]) == ["kill-pd-decode-0", "kill-router"]
+    assert len(result["router_rss"]["processes"]) == 2  # the router was killed and restarted behind the front
+
+
 def test_the_verdict_names_each_kind_of_failure():
     clean = {"tally": {"hung": 0, "truncated": 0, "reset_outside_router_faults": 0, "untyped_errors": []},
              "leaks": {"w": {"prfaas:open_rooms": 0.0, "prfaas:kv_pool_used_tokens": 0.0, "leaked_kv_bytes": 0.0}},
              "faults": [{"fault": "http-fuzz", "recovery_s": 0.1, "statuses": {"400": 3, "503": 1}}]}
     assert chaos.verdict(clean) == []
+    fronted = {**json.loads(json.dumps(clean)), "front": True}
+    fronted["tally"]["reset"] = 2  # behind the front, even a router kill may break no connection
+    assert chaos.verdict(fronted) == ["2 reset"] and chaos.verdict({**fronted, "front": False}) == []
     bad = json.loads(json.dumps(clean))
     bad["tally"].update(hung=1, truncated=2, reset_outside_router_faults=3, untyped_errors=["502: <html>"])
     bad["leaks"]["w"].update({"prfaas:open_rooms": 1.0, "leaked_kv_bytes": 4096.0})
