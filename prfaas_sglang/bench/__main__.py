@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--prompt-tokens", type=int, default=16)
     ro.add_argument("--prompt", choices=("ids", "text", "both"), default=None,
                     help="input_ids, /generate text, or both (default: ids, or both for prompts over 1K tokens)")
+    ro.add_argument("--front", action="store_true", help="also a path through the router's front (router/front.py)")
     ro.add_argument("--json", action="store_true")
     cmp_ = sub.add_parser("compare", help="goodput: our router vs every baseline, identical arrivals, several seeds, shaped link")
     cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
@@ -306,10 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {"both": ("ids", "text"), None: ("ids", "text") if long else ("ids",)}.get(args.prompt, (args.prompt,))
         if args.prompt_tokens < 1 or rate <= 0:
             parser.error("--prompt-tokens must be >= 1 and --rate > 0")
-        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind) for kind in kinds}
+        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind, front=args.front) for kind in kinds}
         result = result[kinds[0]] if len(kinds) == 1 else result
         header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
-                  f"--duration {args.duration:g}; {stamp} -->")
+                  f"--duration {args.duration:g}{' --front' if args.front else ''}; {stamp} -->")
     elif args.name == "transport":
         from prfaas_sglang.bench import transport as bench
         from prfaas_sglang.transport.linkem import unavailable

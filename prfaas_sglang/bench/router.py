@@ -61,7 +61,7 @@ async def _drive(rate: float, duration_s: float, *senders) -> list[tuple[list[fl
     return [(latencies[k], failures[k]) for k in range(len(senders))]
 
 
-async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str) -> dict:
+async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str, front: bool = False) -> dict:
     group = ProcessGroup(log_dir)
     try:
         extra = ["--speedup", "1000", "--kv-scale", "0.0005", "--context-tokens", str(prompt_tokens + 64)]
@@ -75,6 +75,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
         if prompt == "text":
             topology["model"] = {"tokenizer": SHIPPED}
         router_url = (await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")).url
+        front_url = await asyncio.to_thread(_start_front, group, router_url) if front else None
         rng = random.Random(11)
         if prompt == "text":
             body = {"text": TextSource(PromptTokenizer.load(SHIPPED)).text(rng, prompt_tokens)}
@@ -114,13 +115,26 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
                         paired.append(waited_ms - timings["legs"])
                     return resp.status == 200
 
-            await _drive(rate, 1.0, direct, via_router)  # warm both paths
+            async def via_front(i: int) -> bool:
+                async with session.post(front_url + "/generate", data=raw, headers=JSON) as resp:
+                    await resp.read()
+                    return resp.status == 200
+
+            senders = (direct, via_router, via_front) if front else (direct, via_router)
+            await _drive(rate, 1.0, *senders)  # warm every path
             for values in (*own.values(), paired):
                 values.clear()
-            (d_lat, d_fail), (r_lat, r_fail) = await _drive(rate, duration_s, direct, via_router)
+            (d_lat, d_fail), (r_lat, r_fail), *fronted = await _drive(rate, duration_s, *senders)
     finally:
         group.stop()
-    return {
+    extra = {}
+    if fronted:
+        f_lat, f_fail = fronted[0]
+        extra = {"front": {"requests": len(f_lat), "failed": f_fail, "p50_ms": percentile(f_lat, 0.5) * 1e3,
+                           "p99_ms": percentile(f_lat, 0.99) * 1e3},
+                 "front_added_p50_ms": (percentile(f_lat, 0.5) - percentile(r_lat, 0.5)) * 1e3,
+                 "front_added_p99_ms": (percentile(f_lat, 0.99) - percentile(r_lat, 0.99)) * 1e3}
+    return {**extra,
         "rate_rps": rate, "duration_s": duration_s, "prompt_tokens": prompt_tokens, "prompt": prompt,
         "direct": {"requests": len(d_lat), "failed": d_fail, "p50_ms": percentile(d_lat, 0.5) * 1e3, "p99_ms": percentile(d_lat, 0.99) * 1e3},
         "router": {"requests": len(r_lat), "failed": r_fail, "p50_ms": percentile(r_lat, 0.5) * 1e3, "p99_ms": percentile(r_lat, 0.99) * 1e3},
@@ -142,6 +156,18 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
     }
 
 
+def _start_front(group: ProcessGroup, router_url: str) -> str:
+    import sys
+
+    from prfaas_sglang.demo.cluster import free_port
+
+    port = free_port()
+    proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router_url, "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    group.wait_healthy(url + "/front/health", proc, 30)
+    return url
+
+
 def server_timing(header: str) -> dict[str, float]:
     """``Server-Timing: parse;dur=0.41, route;dur=0.12`` -> {"parse": 0.41, "route": 0.12} (ms)."""
     out = {}
@@ -157,9 +183,10 @@ def server_timing(header: str) -> dict[str, float]:
     return out
 
 
-def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids") -> dict:
+def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids", front: bool = False) -> dict:
+    """``front``: a third path, through the router's front (router/front.py) to the same router."""
     with tempfile.TemporaryDirectory(prefix="prfaas-overhead-") as tmp:
-        return asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt))
+        return asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front))
 
 
 def render_markdown(r: dict) -> str:
@@ -179,4 +206,8 @@ def render_markdown(r: dict) -> str:
           if r.get("legs_ms") else []),
         *([f"| **added per request (wait - legs)** | | | **{r['added_per_request_ms']['p50']:.2f} ms** | "
            f"**{r['added_per_request_ms']['p99']:.2f} ms** |"] if r.get("added_per_request_ms") else []),
+        *([f"| through the front, then the router | {r['front']['requests']} | {r['front']['failed']} | "
+           f"{r['front']['p50_ms']:.2f} ms | {r['front']['p99_ms']:.2f} ms |",
+           f"| **added by the front (front - router)** | | | **{r['front_added_p50_ms']:.2f} ms** | "
+           f"**{r['front_added_p99_ms']:.2f} ms** |"] if r.get("front") else []),
     ])

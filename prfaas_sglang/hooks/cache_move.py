@@ -171,7 +171,7 @@ class SchedulerSteps:
             ran += 1
             try:
                 future.set_result(step())
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            except Exception as err:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(err)
 
 
