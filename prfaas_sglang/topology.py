@@ -65,6 +65,9 @@ Schema (version 1; every field marked optional may be left out)::
                                  #   Kubernetes cluster by these CIDRs (default: by namespace)
       cluster_domain: cluster.local
       monitoring_namespace: monitoring  # Prometheus's namespace (admitted to every /metrics port)
+      router_front_port: 8099    # the router pod's front (router/front.py), which the router's client
+                                 #   Service targets, so clients keep their connections when the
+                                 #   router container restarts; null: clients reach the router directly
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ class KubernetesSpec:
     peer_cidrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # cluster -> CIDRs
     cluster_domain: str = "cluster.local"
     monitoring_namespace: str = "monitoring"
+    router_front_port: int | None = 8099  # None: no front in the router pod
 
     def namespace(self, cluster: str) -> str:
         return self.namespaces.get(cluster, cluster)
@@ -433,7 +437,11 @@ def _parse_kubernetes(raw: Any, kinds: dict[str, str], node_names: set[str]) -> 
     obj = _mapping(raw, "kubernetes")
     path = "kubernetes"
     _check_keys(obj, {"namespaces", "images", "secret", "gpu_resource", "model_claim", "external_hosts", "peer_cidrs",
-                      "cluster_domain", "monitoring_namespace"}, path)
+                      "cluster_domain", "monitoring_namespace", "router_front_port"}, path)
+    front_port = obj.get("router_front_port", KubernetesSpec.router_front_port)
+    if front_port is not None and (isinstance(front_port, bool) or not isinstance(front_port, int)
+                                   or not 1 <= front_port <= 65535):
+        raise ConfigError(f"{path}.router_front_port", f"must be a port number or null, got {front_port!r}")
     namespaces = _str_map(obj, "namespaces", path, set(kinds), "cluster")
     for cluster, ns in namespaces.items():
         dns_label(ns, f"{path}.namespaces.{cluster}")
@@ -463,6 +471,7 @@ def _parse_kubernetes(raw: Any, kinds: dict[str, str], node_names: set[str]) -> 
         cluster_domain=_opt_str(obj, "cluster_domain", path) or defaults.cluster_domain,
         monitoring_namespace=dns_label(obj.get("monitoring_namespace", defaults.monitoring_namespace),
                                        f"{path}.monitoring_namespace"),
+        router_front_port=front_port,
     )
 
 

@@ -5,7 +5,8 @@ One directory per topology cluster, kustomize-ready::
     OUT/<cluster>/kustomization.yaml   namespace + the files below
     OUT/<cluster>/namespace.yaml
     OUT/<cluster>/topology.yaml        ConfigMap prfaas-topology: the topology as this cluster sees it
-    OUT/<cluster>/<workload>.yaml      StatefulSet + headless Service (+ the router's client Service)
+    OUT/<cluster>/<workload>.yaml      StatefulSet + headless Service (+ the router's client Service,
+                                       which targets the front beside the router: router/front.py)
     OUT/<cluster>/networkpolicy.yaml   default deny, then what the topology's data paths need
     OUT/monitoring/...                 ServiceMonitor, a plain Prometheus scrape config, the dashboard
 
@@ -196,6 +197,35 @@ def _container(topology: Topology, w: Workload, engine: Engine) -> dict:
     return container
 
 
+def front_port(topology: Topology, w: Workload) -> int | None:
+    """The port of the router pod's front, or None (not a router, or the front is off). Raises
+    ConfigError when it is one of the router's own ports."""
+    port = topology.kubernetes.router_front_port
+    if w.role is not Role.ROUTER or port is None:
+        return None
+    if port in w.ports.values():
+        raise ConfigError("kubernetes.router_front_port", f"{port} is one of router {w.name}'s own ports")
+    return port
+
+
+def _front_container(topology: Topology, w: Workload, port: int) -> dict:
+    """The front (router/front.py) beside the router in its pod: it holds the clients' connections
+    and resends what the router never answered, so a router container's restart (kubelet) breaks
+    none of them. Same image; both bind the pod's IP (the router its pod DNS name, the same address)."""
+    return {
+        "name": "front",
+        "image": _image(topology, w, Engine.MOCK),
+        "command": ["python3", "-m", "prfaas_sglang.router.front"],
+        "args": ["--router", f"http://$(POD_IP):{w.ports['http']}", "--host", "$(POD_IP)", "--port", str(port),
+                 "--retry-window-s", "30"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],  # not every interface
+        "ports": [{"name": "client", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": _probe("/front/health", 5, 3, "client"),
+        "livenessProbe": _probe("/front/health", 10, 6, "client"),
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
+    }
+
+
 def _volumes(topology: Topology, w: Workload, engine: Engine) -> list[dict]:
     spec = topology.kubernetes
     volumes = [{"name": "topology", "configMap": {"name": TOPOLOGY_CONFIGMAP}},
@@ -214,22 +244,25 @@ def workload_manifests(topology: Topology, w: Workload, engine: Engine) -> list[
     selector = {LABEL_APP: APP, LABEL_INSTANCE: w.name}
     service_ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in w.ports.items()]
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(w.ports["http"]), "prometheus.io/path": "/metrics"}
+    front = front_port(topology, w)
+    containers = [_container(topology, w, engine)] + ([_front_container(topology, w, front)] if front else [])
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": w.name, "namespace": ns, "labels": labels},
            "spec": {"serviceName": w.name, "replicas": len(w.nodes), "podManagementPolicy": "Parallel",
                     "selector": {"matchLabels": selector},
                     "template": {"metadata": {"labels": labels, "annotations": annotations},
                                  "spec": {"terminationGracePeriodSeconds": 30,
-                                          "containers": [_container(topology, w, engine)],
+                                          "containers": containers,
                                           "volumes": _volumes(topology, w, engine)}}}}
     headless = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": w.name, "namespace": ns, "labels": labels},
                 "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
                          "ports": service_ports}}
     out = [sts, headless]
-    if w.role in (Role.ROUTER, Role.KV_INDEX):  # a stable address for clients (router) and consumers (kv-index)
+    if w.role in (Role.ROUTER, Role.KV_INDEX):  # a stable address for clients (router: its front) and consumers (kv-index)
         out.append({"apiVersion": "v1", "kind": "Service",
                     "metadata": {"name": f"{w.name}-api", "namespace": ns, "labels": labels},
                     "spec": {"type": "ClusterIP", "selector": selector,
-                             "ports": [{"name": "http", "port": w.ports["http"], "targetPort": "http", "protocol": "TCP"}]}})
+                             "ports": [{"name": "http", "port": w.ports["http"], "targetPort": "client" if front else "http",
+                                        "protocol": "TCP"}]}})
     return out
 
 
@@ -274,6 +307,8 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str, en
         rules: list[dict] = []
         if w.role is Role.ROUTER:
             rules.append({"ports": [{"port": ports["http"], "protocol": "TCP"}]})  # clients: anywhere
+            if (front := front_port(topology, w)) is not None:
+                rules.append({"ports": [{"port": front, "protocol": "TCP"}]})  # and its front
         elif w.role is Role.KV_INDEX:
             rules.append({"from": routers + control, "ports": [{"port": ports["http"], "protocol": "TCP"}]})
         else:

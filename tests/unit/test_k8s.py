@@ -217,6 +217,8 @@ def test_clusters_in_other_kubernetes_clusters_by_external_hosts_and_cidrs():
     ({"external_hosts": {"ghost": "h"}}, "kubernetes.external_hosts.ghost"),
     ({"images": {"gpu": "x"}}, "kubernetes.images.gpu"),
     ({"secrets": "x"}, "kubernetes.secrets"),
+    ({"router_front_port": 70000}, "kubernetes.router_front_port"),
+    ({"router_front_port": "8099"}, "kubernetes.router_front_port"),
 ])
 def test_bad_kubernetes_fields_are_refused_with_their_path(section, path):
     raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
@@ -235,6 +237,39 @@ def test_undeployable_topologies_are_refused_with_their_path():
     with pytest.raises(ConfigError) as err:
         emit("local-two-cluster.yaml", Engine.MOCK, raw)
     assert err.value.field == "clusters.pd-a.nodes[0].name"
+
+
+def test_the_router_pod_has_its_front_and_the_client_service_goes_through_it():
+    """Clients keep their connections when kubelet restarts the router container: the router pod
+    runs the front (router/front.py) beside it, the client Service targets the front, and the
+    front's command parses. ``router_front_port: null`` leaves the router alone; a port of the
+    router's own is refused."""
+    from prfaas_sglang.router import front as front_cli
+
+    files = emit("local-two-cluster.yaml", Engine.MOCK)
+    found = {d["kind"] + "/" + d["metadata"]["name"]: d for _, d in docs(files)}
+    pod = found["StatefulSet/router"]["spec"]["template"]["spec"]
+    router, front = pod["containers"]
+    assert front["name"] == "front" and front["command"] == ["python3", "-m", "prfaas_sglang.router.front"]
+    args = dict(zip(front["args"][::2], front["args"][1::2], strict=True))
+    router_port = next(p["containerPort"] for p in router["ports"] if p["name"] == "http")
+    assert args["--router"] == f"http://$(POD_IP):{router_port}" and args["--port"] == "8099" and args["--host"] == "$(POD_IP)"
+    assert front["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    with pytest.raises(SystemExit) as parsed:  # the front's own parser accepts them, $(POD_IP) expanded
+        front_cli.main([a.replace("$(POD_IP)", "10.0.0.7") for a in front["args"]] + ["--help"])
+    assert parsed.value.code == 0
+    assert found["Service/router-api"]["spec"]["ports"][0]["targetPort"] == "client"
+    assert front["ports"] == [{"name": "client", "containerPort": 8099, "protocol": "TCP"}]
+    assert {} in _allowed(_policies(files, "control")["router-ingress"], 8099)  # clients: anywhere, as to the router
+    raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
+    raw["kubernetes"] = {"router_front_port": None}
+    found = {d["kind"] + "/" + d["metadata"]["name"]: d for _, d in docs(emit("local-two-cluster.yaml", Engine.MOCK, raw))}
+    assert len(found["StatefulSet/router"]["spec"]["template"]["spec"]["containers"]) == 1
+    assert found["Service/router-api"]["spec"]["ports"][0]["targetPort"] == "http"
+    raw["kubernetes"] = {"router_front_port": router_port}
+    with pytest.raises(ConfigError) as err:
+        emit("local-two-cluster.yaml", Engine.MOCK, raw)
+    assert err.value.field == "kubernetes.router_front_port"
 
 
 def test_a_restarting_node_stays_alive_for_kubernetes_while_its_engine_restarts():
