@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     cs.add_argument("--faults", default=None,
                     help="comma list of the faults to inject (default: all; e.g. all but kill-router to follow one "
                          "router process's memory over the whole run)")
-    cs.add_argument("--front", action="store_true",
-                    help="clients reach the router through its front (python -m prfaas_sglang.router.front), which "
-                         "a router kill leaves running")
+    cs.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
+                    help="clients reach the router through its front (python -m prfaas_sglang.router.front), which a "
+                         "router kill leaves running, as in the Kubernetes deployment (default); --no-front: directly")
     cs.add_argument("--json", action="store_true")
     af = sub.add_parser("api-fuzz", help="schemathesis against the router's /openapi.json on an emulated deployment")
     af.add_argument("--max-examples", type=int, default=250, help="cases per operation")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                            rounds=rounds, front=args.front)
         header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
                   f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}"
-                  f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}{' --front' if args.front else ''}; "
+                  f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}{'' if args.front else ' --no-front'}; "
                   f"{stamp} -->")
     elif args.name == "api-fuzz":
         from prfaas_sglang.bench import api_fuzz as bench

@@ -347,7 +347,7 @@ def _rss_summary(samples: list) -> dict:
 
 def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: float = 3.0, fuzz_requests: int = 200,
         rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, rounds: int = 1, log_dir: Path | None = None,
-        front: bool = False) -> dict:
+        front: bool = True) -> dict:
     """One run; ``rounds``: how many times every fault is injected (the slots shrink to fit); ``front``:
     clients reach the router through ``router/front.py`` (its retry window 20 s), which ``kill-router``
     leaves running."""
