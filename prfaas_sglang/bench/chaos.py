@@ -351,7 +351,12 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
     """One run; ``rounds``: how many times every fault is injected (the slots shrink to fit); ``front``:
     clients reach the router through ``router/front.py`` (its retry window 20 s), which ``kill-router``
     leaves running."""
-    from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+    from prfaas_sglang.demo.cluster import (
+        ProcessGroup,
+        local_topology,
+        start_deployment,
+        start_front,
+    )
     from prfaas_sglang.demo.netns import Netns
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-chaos-"))
@@ -366,26 +371,13 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
             doc = local_topology(hosts={"prfaas": net.inner_ip}, host=net.outer_ip, link_gbps=rate_mbit / 1000,
                                  speedup=50, kv_scale=0.002, threshold_tokens=6000, output_tokens=8)
             d = start_deployment(group, doc, *router_args, wrap={"prfaas": net.wrap}, engine_args=engine_args, name="chaos")
-            front_url = _start_front(group, d.router.url) if front else None
+            front_url = start_front(group, d.router.url) if front else None
             chaos = Chaos(group, d, d.config, net, engine_args, router_args, front_url)
             result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults, rounds))
             result["logs"] = str(log_dir)
             return result
         finally:
             group.stop()
-
-
-def _start_front(group, router_url: str) -> str:
-    import sys
-
-    from prfaas_sglang.demo.cluster import free_port
-
-    port = free_port()
-    proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router_url,
-                                 "--port", str(port), "--retry-window-s", "20"])
-    url = f"http://127.0.0.1:{port}"
-    group.wait_healthy(url + "/front/health", proc, 30)
-    return url
 
 
 def verdict(result: dict) -> list[str]:

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from prfaas_sglang.bench.stats import percentile
-from prfaas_sglang.demo.cluster import ProcessGroup, start_mock_worker, start_router
+from prfaas_sglang.demo.cluster import ProcessGroup, start_front, start_mock_worker, start_router
 from prfaas_sglang.demo.workloads import TextSource
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 
@@ -75,7 +75,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
         if prompt == "text":
             topology["model"] = {"tokenizer": SHIPPED}
         router_url = (await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")).url
-        front_url = await asyncio.to_thread(_start_front, group, router_url) if front else None
+        front_url = await asyncio.to_thread(start_front, group, router_url) if front else None
         rng = random.Random(11)
         if prompt == "text":
             body = {"text": TextSource(PromptTokenizer.load(SHIPPED)).text(rng, prompt_tokens)}
@@ -154,18 +154,6 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
                                  "max": max(paired)} if paired else None,
         "legs_ms": {"p50": percentile(own["legs"], 0.5), "p99": percentile(own["legs"], 0.99)} if own.get("legs") else None,
     }
-
-
-def _start_front(group: ProcessGroup, router_url: str) -> str:
-    import sys
-
-    from prfaas_sglang.demo.cluster import free_port
-
-    port = free_port()
-    proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router_url, "--port", str(port)])
-    url = f"http://127.0.0.1:{port}"
-    group.wait_healthy(url + "/front/health", proc, 30)
-    return url
 
 
 def server_timing(header: str) -> dict[str, float]:

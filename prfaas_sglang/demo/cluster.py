@@ -349,6 +349,16 @@ def start_mock_worker(group: ProcessGroup, name: str, role: str, profile: str, e
     return Worker(name, url, port, bootstrap, kv_events, telemetry_port)
 
 
+def start_front(group: ProcessGroup, router_url: str, retry_window_s: float = 20.0, name: str = "front") -> str:
+    """Start ``python -m prfaas_sglang.router.front`` before ``router_url`` on a free port; returns its URL."""
+    port = free_port()
+    proc = group.start(name, [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router_url,
+                              "--port", str(port), "--retry-window-s", f"{retry_window_s:g}"])
+    url = f"http://127.0.0.1:{port}"
+    group.wait_healthy(url + "/front/health", proc, timeout_s=30)
+    return url
+
+
 def start_router(group: ProcessGroup, topology: dict, *args: str, name: str = "router",
                  env: dict[str, str] | None = None, python: str = sys.executable) -> RouterHandle:
     """Write ``topology`` next to the logs and start ``python -m prfaas_sglang.router`` for it on a free port."""

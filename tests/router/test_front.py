@@ -9,14 +9,19 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker, start_router
+from prfaas_sglang.demo.cluster import (
+    ProcessGroup,
+    free_port,
+    start_front,
+    start_mock_worker,
+    start_router,
+)
 from prfaas_sglang.router.front import may_resend
 
 VOCAB = 4096
@@ -39,11 +44,7 @@ def deployment(tmp_path_factory):
             "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
                                           {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
         router = start_router(group, topology, "--no-early-rejection", "--health-interval-s", "0.5")
-        port = free_port()
-        proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router.url,
-                                     "--port", str(port), "--retry-window-s", "20"])
-        front = f"http://127.0.0.1:{port}"
-        group.wait_healthy(front + "/front/health", proc, 30)
+        front = start_front(group, router.url, retry_window_s=20)
         yield {"group": group, "front": front, "router": router}
     finally:
         group.stop()
@@ -92,11 +93,8 @@ def test_requests_in_flight_and_arriving_while_the_router_is_dead_are_answered_o
 def test_a_router_that_stays_down_is_a_typed_503_after_the_retry_window(tmp_path):
     group = ProcessGroup(tmp_path / "logs")
     try:
-        port, dead = free_port(), free_port()
-        proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router",
-                                     f"http://127.0.0.1:{dead}", "--port", str(port), "--retry-window-s", "1"])
-        url = f"http://127.0.0.1:{port}"
-        group.wait_healthy(url + "/front/health", proc, 30)
+        url = start_front(group, f"http://127.0.0.1:{free_port()}", retry_window_s=1)
+        port = int(url.rsplit(":", 1)[1])
         started = time.monotonic()
         r = requests.post(url + "/admin/workers", json={}, timeout=30)  # never reached the router: resent too
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
@@ -127,12 +125,7 @@ def test_a_request_the_router_dropped_is_not_sent_again_unless_it_is_the_data_pl
     with socket.create_server(("127.0.0.1", 0)) as listener:
         threading.Thread(target=drop_everything, args=(listener,), daemon=True).start()
         try:
-            port = free_port()
-            proc = group.start("front", [sys.executable, "-m", "prfaas_sglang.router.front", "--router",
-                                         f"http://127.0.0.1:{listener.getsockname()[1]}", "--port", str(port),
-                                         "--retry-window-s", "1"])
-            url = f"http://127.0.0.1:{port}"
-            group.wait_healthy(url + "/front/health", proc, 30)
+            url = start_front(group, f"http://127.0.0.1:{listener.getsockname()[1]}", retry_window_s=1)
             admin = requests.post(url + "/admin/threshold", json={"threshold_tokens": 1}, timeout=30)
             assert admin.status_code == 502 and admin.json()["error"]["type"] == "router_failed"
             assert seen.count([b"POST", b"/admin/threshold"]) == 1
