@@ -21,3 +21,16 @@ def run_py(args: list[str], env: dict[str, str] | None = None, timeout: float = 
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
     )
+
+
+def start_real_time_pd_pair(group) -> dict:
+    """An emulated PD-P ``pp0`` and PD-D ``d0`` (Kimi-Linear on H20) running in real time (speedup 1),
+    so a request is still streaming when a test kills something; returns their topology."""
+    from prfaas_sglang.demo.cluster import start_mock_worker
+
+    slow = ["--speedup", "1", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
+    pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", slow)
+    d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", slow)
+    return {"version": 1, "emulation": {"speedup": 1, "kv_scale": 0.002}, "clusters": {
+        "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
+                                      {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}

@@ -14,12 +14,12 @@ import time
 
 import pytest
 import requests
+from helpers import start_real_time_pd_pair
 
 from prfaas_sglang.demo.cluster import (
     ProcessGroup,
     free_port,
     start_front,
-    start_mock_worker,
     start_router,
 )
 from prfaas_sglang.router.front import may_resend
@@ -36,13 +36,8 @@ def deployment(tmp_path_factory):
     """PD-P and PD-D (real time, so requests are in flight when the router dies), the router, and
     the front before it (retry window 20 s)."""
     group = ProcessGroup(tmp_path_factory.mktemp("front") / "logs")
-    slow = ["--speedup", "1", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
     try:
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", slow)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", slow)
-        topology = {"version": 1, "emulation": {"speedup": 1, "kv_scale": 0.002}, "clusters": {
-            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
-                                          {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
+        topology = start_real_time_pd_pair(group)
         router = start_router(group, topology, "--no-early-rejection", "--health-interval-s", "0.5")
         front = start_front(group, router.url, retry_window_s=20)
         yield {"group": group, "front": front, "router": router}

@@ -519,15 +519,11 @@ def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_event(t
     time (speedup 1, ~200 tokens) and is killed once the first tokens arrived."""
     import json
 
+    from helpers import start_real_time_pd_pair
+
     group = ProcessGroup(tmp_path / "logs")
-    slow = ["--speedup", "1", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
     try:
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", slow)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", slow)
-        topology = {"version": 1, "emulation": {"speedup": 1, "kv_scale": 0.002}, "clusters": {
-            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
-                                          {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
-        url = start_router(group, topology, "--no-early-rejection").url
+        url = start_router(group, start_real_time_pd_pair(group), "--no-early-rejection").url
         resp = generate(url, list(range(3_000_000, 3_000_300)), stream=True, max_new=400)
         assert resp.status_code == 200
         lines = resp.iter_lines()
