@@ -360,6 +360,17 @@ def stream_error(req: EngineRequest, status: int, message: str) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def error_body(status: int, message: str) -> dict:
+    """An error answer in SGLang's shape (the emulated engine's, and the cache-move routes')."""
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def ends_event(data: bytes) -> bool:
+    """Whether bytes of an SSE stream end at an event boundary (a blank line)."""
+    return data.endswith((b"\n\n", b"\r\n\r\n"))
+
+
 def stream_failed_event(status: int, message: str, at_event_end: bool = True) -> bytes:
     """What ends an SSE stream that broke after it started (the router's decode leg, the front's
     relay): an error event in SGLang's shape, then ``[DONE]``. ``at_event_end`` False: the bytes

@@ -49,6 +49,7 @@ import zmq
 
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import PrfaasError
+from prfaas_sglang.protocol import error_body
 from prfaas_sglang.security import check_peer, load_keys, peer_hosts
 from prfaas_sglang.wire import prefix_transfer
 from prfaas_sglang.wire.auth import AUTH_HEADER, AuthError, ReplayGuard, sign, verify
@@ -67,15 +68,11 @@ DEFAULT_TIMEOUT_S = 60.0  # an export's deadline (its message carries none; the 
 def landing_grace_s() -> float:
     """How long a landing buffer stays registered after its source stopped answering: the source
     may still be waiting for its scheduler step (at most DEFAULT_TIMEOUT_S) and then writing (at
-    most Mooncake's MC_TRANSFER_TIMEOUT); freeing it sooner could let that write land in memory
-    reused for something else."""
-    import os
+    most Mooncake's bound for a synchronous call); freeing it sooner could let that write land in
+    memory reused for something else."""
+    from prfaas_sglang.hooks.kv_send import mooncake_wait_bound_s
 
-    try:
-        transfer_timeout_s = float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
-    except ValueError:
-        transfer_timeout_s = 30.0
-    return DEFAULT_TIMEOUT_S + max(transfer_timeout_s, 5.0) + 5.0
+    return DEFAULT_TIMEOUT_S + mooncake_wait_bound_s() + 5.0
 
 
 class MoveRefused(PrfaasError):
@@ -98,12 +95,6 @@ class MoveReply:
     def decode(cls, raw: bytes) -> MoveReply:
         obj = json.loads(raw)
         return cls(int(obj["status"]), obj["body"])
-
-
-def error_body(status: int, message: str) -> dict:
-    """SGLang's error shape (and the emulated engine's)."""
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalServerError"
-    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 # --- where it applies ---------------------------------------------------------------------------

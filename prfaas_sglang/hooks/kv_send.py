@@ -227,7 +227,7 @@ def _rooms_on(transfer_infos: dict, session: str) -> set[int]:
     return {room for room, infos in dict(transfer_infos).items() if session in infos}
 
 
-def _wait_bound_s() -> float:
+def mooncake_wait_bound_s() -> float:
     """How long a barrier or a full window may wait: Mooncake's total bound for a synchronous
     call (the PrfaaS profile scales it to the link); its stall bound ends a stuck write sooner."""
     try:
@@ -246,7 +246,7 @@ def start_async_sender(result, manager, args, disaggregation_mode, server_args, 
         logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
                        "single writes; sending synchronously")
         return None
-    sender = AsyncKvSender(manager, engine, _wait_bound_s())
+    sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s())
     setattr(manager, _ATTR, sender)
     if envs.KV_LAYERWISE.get():
         layerwise.attach(manager, sender)

@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from prfaas_sglang.protocol import stream_failed_event
+from prfaas_sglang.protocol import ends_event, stream_failed_event
 from prfaas_sglang.router.service import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Front:
         try:
             async for data in resp.content.iter_any():
                 await stream.write(data)
-                at_event_end = data.endswith((b"\n\n", b"\r\n\r\n"))
+                at_event_end = ends_event(data)
             if not at_event_end:
                 raise aiohttp.ClientPayloadError("the router's stream ended inside an event")
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:

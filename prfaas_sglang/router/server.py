@@ -43,6 +43,7 @@ from prfaas_sglang.protocol import (
     ID_KEYS,
     BadRequest,
     EngineRequest,
+    ends_event,
     parse_request,
     stream_failed_event,
     stream_failure,
@@ -503,7 +504,7 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
                 service.counters.tbt.observe(now - last)
             last = now
             await stream.write(data)
-            at_event_end = data.endswith((b"\n\n", b"\r\n\r\n"))
+            at_event_end = ends_event(data)
         if not at_event_end:  # the worker closed its stream cleanly in the middle of an event
             raise aiohttp.ClientPayloadError("the decode stream ended inside an event")
         await stream.write_eof()

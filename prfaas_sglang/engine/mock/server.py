@@ -39,6 +39,7 @@ from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine
 from prfaas_sglang.protocol import (
     SSE_DONE,
     BadRequest,
+    error_body,
     full_response,
     parse_request,
     stream_chunk,
@@ -62,8 +63,7 @@ def pseudo_tokenize(text: str) -> list[int]:
 
 
 def error_response(status: int, message: str) -> web.Response:
-    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError" if status in (503, 504) else "InternalServerError"
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response(error_body(status, message), status=status)
 
 
 async def _json_body(request: web.Request):
