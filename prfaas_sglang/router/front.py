@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--router must be an http(s) URL")
     if not 0 < args.retry_window_s <= 600:
         parser.error("--retry-window-s must be in (0, 600]")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     web.run_app(build_app(FrontConfig(args.router, args.retry_window_s)), host=args.host, port=args.port,
                 access_log=None, print=None)

@@ -128,3 +128,16 @@ def test_a_request_the_router_dropped_is_not_sent_again_unless_it_is_the_data_pl
             assert gen.status_code == 503 and seen.count([b"POST", b"/generate"]) >= 2
         finally:
             group.stop()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--router", "ftp://x", "--port", "1"], "http(s) URL"),
+    (["--router", "http://x", "--port", "1", "--retry-window-s", "nan"], "--retry-window-s"),
+    (["--router", "http://x", "--port", "99999"], "--port must be in 1..65535"),
+])
+def test_a_bad_command_line_is_refused_with_the_flag_named(argv, words, capsys):
+    from prfaas_sglang.router.front import main
+
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2 and words in capsys.readouterr().err
