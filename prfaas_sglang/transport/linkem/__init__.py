@@ -2,14 +2,17 @@
 
 This kernel has no ``netem`` (only ``tbf``/``htb``), so delay and loss come from
 ``linkem.c``: a small C forwarder between a TUN device in each namespace, built here
-with the system's C compiler on first use (cached by the source's hash). Traffic stays
+with the system's C compiler on first use (cached by the source's hash). The TUN devices
+take TCP segmentation offload, so linkem moves superpackets of up to 64 KiB and applies
+rate, loss and the queue limit per wire segment (it cuts a superpacket that loses one):
+0.15 of a core for one stream at 1 Gbit/s, where forwarding every 1500-byte packet took 0.75. Traffic stays
 inside the two namespaces this object creates; both are removed on exit, and the
 forwarder ends when its stdin closes (so it dies with its owner).
 
     with EmulatedLink(tag=1, rate_mbit=1000, rtt_ms=20, loss=0.001) as link:
         link.wrap_a + ("python", "-m", ...)   # run a process in namespace A (address link.ip_a)
         link.set(rate_mbit=100)                # a 10x drop, mid-transfer
-        link.stats()                           # packets delivered, lost, dropped by the queue
+        link.stats()                           # wire segments delivered, lost, dropped by the queue
 
 The bottleneck queue holds ``queue_ms`` of serialisation (default: one RTT, at least
 5 ms), tail-dropping beyond it, like a router buffer sized to the path's BDP.
@@ -161,7 +164,8 @@ class EmulatedLink:
         self._send("".join(line + "\n" for line in lines))
 
     def stats(self) -> dict:
-        """Per direction (``ab``: A to B, ``ba``): packets and bytes delivered, lost, overflowed, blackholed."""
+        """Per direction (``ab``: A to B, ``ba``): wire segments (``pkts``) and bytes delivered, segments lost,
+        overflowed and blackholed; superpackets delivered ``whole`` and ``cut`` into their surviving segments."""
         self._send("stats\n")
         return json.loads(self._proc.stdout.readline())
 
