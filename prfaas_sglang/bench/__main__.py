@@ -19,6 +19,8 @@ Benchmarks:
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
   transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
+  kv-runs        the request sizes SGLang's Mooncake sender makes once its allocators have served a
+                 trace a while (SGLang's allocators and grouping on CPU), and the goodput they allow
   chaos          mixed load while each worker, the router and the PrfaaS link fail (seeded; root):
                  hung / truncated / typed errors, leaks at rest, time to recover, router RSS
   api-fuzz       schemathesis against the router's /openapi.json: server errors, survivors
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--prompt", choices=("ids", "text", "both"), default=None,
                     help="input_ids, /generate text, or both (default: ids, or both for prompts over 1K tokens)")
     ro.add_argument("--front", action="store_true", help="also a path through the router's front (router/front.py)")
+    ro.add_argument("--router-cpu", type=int, default=None,
+                    help="pin the router to this CPU and the workers and client to the others (its own core, as deployed)")
     ro.add_argument("--json", action="store_true")
     cmp_ = sub.add_parser("compare", help="goodput: our router vs every baseline, identical arrivals, several seeds, shaped link")
     cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
@@ -109,12 +113,29 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--payload-mib", type=int, default=256)
     tr.add_argument("--request-mib", type=float, default=16.0, help="our coalesced request size (a 64 MiB chunk over 4 lanes)")
     tr.add_argument("--default-request-kib", type=int, default=128, help="SGLang's request on a fragmented pool")
+    tr.add_argument("--lanes", type=int, default=None,
+                    help="our lanes per peer, 1..16 (default: what the WAN profile gives this link)")
     tr.add_argument("--conditions", default="clean,lossy", help="comma list of: clean, lossy, lossy-cubic, lossy-bbr")
     tr.add_argument("--repeats", type=int, default=3)
     tr.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
     tr.add_argument("--no-slow-start-after-idle", action="store_true",
                     help="net.ipv4.tcp_slow_start_after_idle=0 on both ends: connections keep their window across idle gaps")
     tr.add_argument("--json", action="store_true")
+    kr = sub.add_parser("kv-runs", help="request sizes of SGLang's Mooncake sender on pools in steady state")
+    kr.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
+    kr.add_argument("--duration", type=float, default=600.0, help="seconds of the trace replayed")
+    kr.add_argument("--warmup", type=float, default=120.0, help="seconds before requests are measured")
+    kr.add_argument("--page-sizes", default="1,64")
+    kr.add_argument("--decode-pool-tokens", type=int, default=1 << 20)
+    kr.add_argument("--prefill-pool-tokens", type=int, default=1 << 19)
+    kr.add_argument("--prefill-inflight", type=int, default=2, help="requests whose pages the PrfaaS worker still holds")
+    kr.add_argument("--step-ms", type=float, default=30.0, help="one decode step (every running request, one token)")
+    kr.add_argument("--bytes-per-token-layer", type=int, default=2048,
+                    help="K (or V) of one token in one layer (2048: 8 KV heads of dim 128, bf16)")
+    kr.add_argument("--lanes", type=int, default=4)
+    kr.add_argument("--rtt-ms", type=float, default=20.0)
+    kr.add_argument("--rate-gbps", type=float, default=1.0)
+    kr.add_argument("--json", action="store_true")
     lw = sub.add_parser("layerwise", help="SGLang's Mooncake path on CPU over a shaped loopback: when the decode has the "
                                           "KV, layer-wise streaming off vs on (root)")
     lw.add_argument("--rate-mbit", type=float, default=400.0)
@@ -307,10 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {"both": ("ids", "text"), None: ("ids", "text") if long else ("ids",)}.get(args.prompt, (args.prompt,))
         if args.prompt_tokens < 1 or rate <= 0:
             parser.error("--prompt-tokens must be >= 1 and --rate > 0")
-        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind, front=args.front) for kind in kinds}
+        if args.router_cpu is not None and (why := bench.router_cpu_problem(args.router_cpu)):
+            parser.error(f"--router-cpu: {why}")
+        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind, front=args.front,
+                                  router_cpu=args.router_cpu) for kind in kinds}
         result = result[kinds[0]] if len(kinds) == 1 else result
         header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
-                  f"--duration {args.duration:g}{' --front' if args.front else ''}; {stamp} -->")
+                  f"--duration {args.duration:g}{' --front' if args.front else ''}"
+                  f"{f' --router-cpu {args.router_cpu}' if args.router_cpu is not None else ''}; {stamp} -->")
     elif args.name == "transport":
         from prfaas_sglang.bench import transport as bench
         from prfaas_sglang.transport.linkem import unavailable
@@ -320,13 +345,36 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(bench.CONDITIONS)}")
         if args.rate_mbit <= 0 or args.payload_mib < 1 or args.repeats < 1 or args.request_mib <= 0 or args.default_request_kib < 1:
             parser.error("--rate-mbit, --payload-mib, --repeats, --request-mib and --default-request-kib must be positive")
+        if args.lanes is not None and not 1 <= args.lanes <= 16:
+            parser.error("--lanes must be in 1..16 (Mooncake's range for MC_TCP_LANES_PER_PEER)")
         if (why := unavailable()) is not None:
             parser.error(f"the emulated link {why}")
         result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
-                           args.repeats, not args.no_table, not args.no_slow_start_after_idle)
+                           args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes)
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
+                  f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
                   f"--conditions {args.conditions} --repeats {args.repeats}"
                   f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}; {stamp} -->")
+    elif args.name == "kv-runs":
+        from prfaas_sglang.bench import kv_runs as bench
+
+        try:
+            pages = tuple(int(p) for p in args.page_sizes.split(","))
+        except ValueError:
+            parser.error("--page-sizes must be a comma list of integers")
+        if (min(pages) < 1 or args.duration <= 0 or args.warmup < 0 or args.step_ms <= 0 or args.lanes < 1
+                or min(args.decode_pool_tokens, args.prefill_pool_tokens, args.prefill_inflight,
+                       args.bytes_per_token_layer) < 1 or args.rtt_ms < 0 or args.rate_gbps <= 0):
+            parser.error("kv-runs: sizes, counts, --duration, --step-ms and --rate-gbps must be positive")
+        trace = _trace_path(args.trace)
+        result = bench.run(Path(trace), pages, args.duration, decode_pool_tokens=args.decode_pool_tokens,
+                           prefill_pool_tokens=args.prefill_pool_tokens, step_s=args.step_ms / 1e3,
+                           prefill_inflight=args.prefill_inflight, warmup_s=args.warmup,
+                           bytes_per_token_layer=args.bytes_per_token_layer,
+                           model=(args.lanes, args.rtt_ms, args.rate_gbps))
+        header = (f"<!-- python -m prfaas_sglang.bench kv-runs --duration {args.duration:g} --warmup {args.warmup:g} "
+                  f"--page-sizes {args.page_sizes} --step-ms {args.step_ms:g} --decode-pool-tokens {args.decode_pool_tokens} "
+                  f"--prefill-pool-tokens {args.prefill_pool_tokens}; {stamp} -->")
     elif args.name == "state-events":
         from prfaas_sglang.bench import state_events as bench
 

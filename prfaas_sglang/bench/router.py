@@ -12,11 +12,17 @@ both alike. Added latency = router - direct, per percentile, from that run.
 shipped tokenizer, which workers and router load: directly, both workers
 tokenize it; through the router, the router tokenizes it once (to route on the
 ids) and sends the workers the ids, so its tokenization is part of what it adds.
+
+``router_cpu`` pins the router (every thread) to that CPU and everything else (the
+workers, the client) to the other CPUs, as a deployment gives the router its own
+cores: on a 2-core machine it separates what the router's code and hop cost from
+time spent waiting for a core that the client and both workers also want.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import tempfile
 import time
@@ -61,8 +67,46 @@ async def _drive(rate: float, duration_s: float, *senders) -> list[tuple[list[fl
     return [(latencies[k], failures[k]) for k in range(len(senders))]
 
 
-async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str, front: bool = False) -> dict:
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo.extend(children.get(out[-1], ()))
+    return out
+
+
+def pin(pid: int, cpus: set[int]) -> int:
+    """Every thread of ``pid`` and of its descendants onto ``cpus`` (``sched_setaffinity`` applies to one
+    thread; threads and processes made later inherit their creator's). Returns how many threads moved."""
+    moved = 0
+    for proc in _descendants(pid):
+        try:
+            tids = os.listdir(f"/proc/{proc}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+                moved += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    return moved
+
+
+async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str, front: bool = False,
+               router_cpu: int | None = None) -> dict:
     group = ProcessGroup(log_dir)
+    affinity_before = os.sched_getaffinity(0)
     try:
         extra = ["--speedup", "1000", "--kv-scale", "0.0005", "--context-tokens", str(prompt_tokens + 64)]
         if prompt == "text":
@@ -74,8 +118,16 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
             {"name": "dd", "role": "pd-decode", "port": dd.port}]}}}
         if prompt == "text":
             topology["model"] = {"tokenizer": SHIPPED}
-        router_url = (await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")).url
+        router = await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")
+        router_url = router.url
         front_url = await asyncio.to_thread(start_front, group, router_url) if front else None
+        if router_cpu is not None:
+            rest = affinity_before - {router_cpu}
+            for proc in group.procs:
+                pin(proc.pid, rest)
+            pin(router.proc.pid, {router_cpu})  # after the group: the router is one of its processes
+            for tid in os.listdir("/proc/self/task"):  # the client: this process, every thread
+                os.sched_setaffinity(int(tid), rest)
         rng = random.Random(11)
         if prompt == "text":
             body = {"text": TextSource(PromptTokenizer.load(SHIPPED)).text(rng, prompt_tokens)}
@@ -127,7 +179,9 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
             (d_lat, d_fail), (r_lat, r_fail), *fronted = await _drive(rate, duration_s, *senders)
     finally:
         group.stop()
-    extra = {}
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), affinity_before)
+    extra = {"router_cpu": router_cpu}
     if fronted:
         f_lat, f_fail = fronted[0]
         extra = {"front": {"requests": len(f_lat), "failed": f_fail, "p50_ms": percentile(f_lat, 0.5) * 1e3,
@@ -171,10 +225,24 @@ def server_timing(header: str) -> dict[str, float]:
     return out
 
 
-def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids", front: bool = False) -> dict:
-    """``front``: a third path, through the router's front (router/front.py) to the same router."""
+def router_cpu_problem(cpu: int) -> str | None:
+    """None when the router can have ``cpu`` to itself with at least one CPU left for the rest, else why not."""
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        return f"CPU {cpu} is not one this process may run on ({sorted(allowed)})"
+    if not allowed - {cpu}:
+        return f"pinning the router to CPU {cpu} leaves no other CPU for the workers and the client"
+    return None
+
+
+def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids", front: bool = False,
+        router_cpu: int | None = None) -> dict:
+    """``front``: a third path, through the router's front (router/front.py) to the same router.
+    ``router_cpu``: the router alone on that CPU, the rest on the others (ValueError if that leaves none)."""
+    if router_cpu is not None and (why := router_cpu_problem(router_cpu)):
+        raise ValueError(why)
     with tempfile.TemporaryDirectory(prefix="prfaas-overhead-") as tmp:
-        return asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front))
+        return asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front, router_cpu))
 
 
 def render_markdown(r: dict) -> str:

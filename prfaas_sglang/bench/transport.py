@@ -22,7 +22,7 @@ one transfer per sender of up to 64 MiB that opens its lanes and ramps its conge
 reported apart as ``first_transfer``, since a deployment's persistent lanes pay it once);
 ``tcp_reference_fraction`` is the same for one plain TCP stream of the payload over the same
 link in the same run: what the link, the emulator and the kernel give at best (TCP/IP headers
-alone cost 3.5% of a 1500-byte MTU; the emulator forwards in user space on this machine).
+alone cost 3.5% of a 1500-byte MTU, and one fresh connection pays slow start).
 The size x lanes table (64 MiB per cell, our profile otherwise) finds the knee: a lane
 carries one request at a time and waits an RTT for its acknowledgement, so throughput
 follows about lanes x size / (RTT + size / rate) until the link binds.
@@ -105,7 +105,8 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 
 
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
-                  default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True) -> dict:
+                  default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
+                  lanes: int | None = None) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
@@ -120,7 +121,7 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
             tcp_recv = json.loads(tcp_proc.stdout.readline())
             runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": []}
             wan = WanLink(rate_mbit * 1e6, cond.rtt_ms / 1e3)
-            senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan)), "default": _Sender(link, recv, buffer_mib, default_env()),
+            senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan, lanes)), "default": _Sender(link, recv, buffer_mib, default_env()),
                        "tcp": _Sender(link, tcp_recv, buffer_mib, default_env())}
             senders["ours_per_chunk"] = senders["ours"]
             ours_request = int(request_mib * (1 << 20))
@@ -147,6 +148,9 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    "default_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["default"]),
                    "per_chunk_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_per_chunk"]),
                    "tcp_reference_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp"]),
+                   # [min, max] over the repeats, per row: the spread behind each median
+                   "fraction_range": {name: [round(min(f), 3), round(max(f), 3)] for name, f in
+                                      ((name, [_fraction(r, payload, rate_mbit) for r in rs]) for name, rs in runs.items())},
                    "runs": runs, "first_transfer": first}
             if table:
                 out["table"] = _size_lanes_table(link, recv, buffer_mib, rate_mbit, wan)
@@ -192,13 +196,14 @@ CONDITIONS = {
 
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
         conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
-        slow_start_after_idle: bool = True) -> dict:
+        slow_start_after_idle: bool = True, lanes: int | None = None) -> dict:
+    """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own."""
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
-                                     default_request_kib, repeats, table and i == 0, slow_start_after_idle))
+                                     default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes))
     first = results[0]
-    return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib,
+    return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib, "lanes": lanes,
             "default_request_kib": default_request_kib, "chunk_mib": CHUNK_BYTES >> 20,
             "goodput_fraction": first["goodput_fraction"], "default_goodput_fraction": first["default_goodput_fraction"],
             "conditions": results}
@@ -210,12 +215,16 @@ def render_markdown(r: dict) -> str:
              "Mooncake's settings.", "",
              "| condition | congestion control | ours (pipelined) | ours, one sync batch per chunk | default | one plain TCP stream |",
              "|---|---|---|---|---|---|"]
+    def cell(c: dict, key: str, row: str) -> str:
+        low, high = c["fraction_range"][row]
+        return f"{c[key]:.3f} [{low:.3f}, {high:.3f}]"
+
     for c in r["conditions"]:
         lines.append(f"| {c['condition']} (RTT {c['rtt_ms']:g} ms, loss {c['loss'] * 100:g}%) | {c['congestion_control']} "
-                     f"| **{c['goodput_fraction']:.3f}** | {c['per_chunk_goodput_fraction']:.3f} | {c['default_goodput_fraction']:.3f} "
-                     f"| {c['tcp_reference_fraction']:.3f} |")
+                     f"| **{cell(c, 'goodput_fraction', 'ours')}** | {cell(c, 'per_chunk_goodput_fraction', 'ours_per_chunk')} "
+                     f"| {cell(c, 'default_goodput_fraction', 'default')} | {cell(c, 'tcp_reference_fraction', 'tcp')} |")
     lines.append("")
-    lines.append("(goodput / shaped rate, median of the repeats)")
+    lines.append("(goodput / shaped rate: median [min, max] of the repeats)")
     for c in r["conditions"]:
         if "table" in c:
             lines += ["", f"Goodput / rate by request size x lanes ({c['condition']}, 64 MiB, WAN profile otherwise):", "",

@@ -148,3 +148,6 @@ def test_bench_transport_smoke():
     for key in ("goodput_fraction", "per_chunk_goodput_fraction", "default_goodput_fraction", "tcp_reference_fraction"):
         assert 0 < cond[key] < 1.05, (key, cond[key])  # goodput never beats the shaped rate (bursts aside)
     assert result["goodput_fraction"] == cond["goodput_fraction"]
+    assert set(cond["fraction_range"]) == set(cond["runs"])
+    low, high = cond["fraction_range"]["ours"]
+    assert low <= round(cond["goodput_fraction"], 3) <= high  # the median lies in the spread reported beside it

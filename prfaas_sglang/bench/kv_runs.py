@@ -1,0 +1,221 @@
+"""How large are the requests SGLang's Mooncake sender makes, once the pools have been serving a while?
+
+SGLang 0.5.15's Mooncake path writes one request per layer (K and V apart) per run of pages that
+is contiguous on *both* sides (``group_concurrent_contiguous``: the prefill's source pages and the
+decode's destination pages), and a Mooncake TCP lane carries one request at a time, waiting an RTT
+for its acknowledgement. So on a WAN what bounds a transfer's goodput is the length of those runs,
+which the allocators' history decides, not the model. This replays a Mooncake-format trace through
+SGLang's own allocators on CPU (``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator``,
+``need_sort=True`` as SGLang sets it for disaggregation), and for each request after a warm-up
+groups its source and destination pages with SGLang's own ``group_concurrent_contiguous``:
+
+* decode side: a request's prompt pages are allocated when it arrives (waiting while the pool is
+  full), one new page per request whenever its generated tokens cross a page boundary, allocated for
+  the whole batch at once each step as SGLang's decode does, and all freed when it has generated
+  its ``output_length`` tokens (``--step-ms`` per decode step);
+* prefill side (the PrfaaS worker): a request's pages are fresh (a transfer cache, nothing kept in a
+  radix tree, which could only shorten runs) and freed once ``--prefill-inflight`` later requests
+  have arrived.
+
+Reported, bytes-weighted (a request's share of the KV it carries): the request size quantiles, the
+share of bytes in requests under 1 and 4 MiB, and a lane model of the goodput those sizes allow:
+``lanes`` lanes each carrying its requests one after another, each costing an RTT plus its bytes at
+``rate / lanes``. The model is optimistic (0.17 of 1 Gbit/s at 128 KiB, where ``bench transport``
+measured 0.14; 0.96 at 16 MiB, measured 0.87-0.89), so read it as an upper bound.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+@dataclass
+class _Running:
+    pages: list  # tensors of token indices (page-aligned), freed together
+    remaining: int  # tokens still to generate
+    next_pos: int  # the position of the next token: a new page is needed when it is a page's first
+
+
+@dataclass
+class Sizes:
+    """Request sizes (bytes) and how many requests of each, accumulated over requests."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+
+    def add(self, size_bytes: int, n: int = 1) -> None:
+        self.counts[size_bytes] = self.counts.get(size_bytes, 0) + n
+
+    def weighted_quantile(self, q: float) -> int:
+        """The size below which a fraction ``q`` of the bytes travels."""
+        total = sum(s * n for s, n in self.counts.items())
+        acc = 0
+        for s in sorted(self.counts):
+            acc += s * self.counts[s]
+            if acc >= q * total:
+                return s
+        return max(self.counts)
+
+    def share_below(self, limit_bytes: int) -> float:
+        total = sum(s * n for s, n in self.counts.items())
+        return sum(s * n for s, n in self.counts.items() if s < limit_bytes) / total if total else 0.0
+
+    def lane_model_fraction(self, lanes: int, rtt_s: float, rate_bps: float) -> float:
+        """Goodput / rate if ``lanes`` lanes carry these requests, each an RTT plus its bytes at rate/lanes."""
+        total_bytes = sum(s * n for s, n in self.counts.items())
+        lane_s = sum(n * (rtt_s + s * 8 * lanes / rate_bps) for s, n in self.counts.items()) / lanes
+        return total_bytes * 8 / rate_bps / lane_s if lane_s else 0.0
+
+
+def _allocator(tokens: int, page_size: int):
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    if page_size == 1:
+        return TokenToKVPoolAllocator(size=tokens, dtype=torch.int64, device="cpu", kvcache=None, need_sort=True)
+    return PagedTokenToKVPoolAllocator(size=tokens, page_size=page_size, dtype=torch.int64, device="cpu", kvcache=None,
+                                       need_sort=True)
+
+
+def _pages(indices, page_size: int):
+    """Token indices (page-aligned allocations) -> the page ids SGLang's sender groups."""
+    return indices[::page_size] // page_size
+
+
+def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 << 20, prefill_pool_tokens: int = 1 << 19,
+             step_s: float = 0.03, prefill_inflight: int = 2, warmup_s: float = 120.0, bytes_per_token_layer: int = 2048,
+             max_input_tokens: int | None = None) -> dict:
+    """Replay ``rows`` (``timestamp`` ms, ``input_length``, ``output_length``) through both allocators; see
+    the module docstring. Requests longer than either pool (or ``max_input_tokens``) are left out."""
+    import numpy as np
+    import torch
+    from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+
+    decode, prefill = _allocator(decode_pool_tokens, page_size), _allocator(prefill_pool_tokens, page_size)
+    limit = min(decode_pool_tokens, prefill_pool_tokens) // 2
+    if max_input_tokens is not None:
+        limit = min(limit, max_input_tokens)
+    t0 = rows[0]["timestamp"] / 1e3
+    arrivals = deque((r["timestamp"] / 1e3 - t0, r) for r in rows if 0 < r["input_length"] <= limit)
+    waiting: deque[tuple[float, dict]] = deque()
+    running: list[_Running] = []
+    in_prefill: deque = deque()
+    sizes, runs_per_request, measured, left_out = Sizes(), [], 0, len(rows) - len(arrivals)
+    decode_page_misses = 0  # steps' new pages the decode pool had no room for (SGLang would retract)
+    waited_s: list[float] = []
+    now = 0.0
+
+    def round_up(n: int) -> int:
+        return -(-n // page_size) * page_size
+
+    def admit(arrived_s: float, row: dict) -> bool:
+        nonlocal measured
+        need = round_up(row["input_length"])
+        dst = decode.alloc(need)
+        if dst is None:
+            return False
+        src = prefill.alloc(need)
+        while src is None and in_prefill:
+            prefill.free(in_prefill.popleft())
+            src = prefill.alloc(need)
+        if src is None:
+            decode.free(dst)
+            return False
+        in_prefill.append(src)
+        while len(in_prefill) > prefill_inflight:
+            prefill.free(in_prefill.popleft())
+        if arrived_s >= warmup_s:
+            src_groups, _ = group_concurrent_contiguous(_pages(src, page_size).numpy(), _pages(dst, page_size).numpy())
+            runs_per_request.append(len(src_groups))
+            for g in src_groups:
+                sizes.add(len(g) * page_size * bytes_per_token_layer)
+            measured += 1
+            waited_s.append(now - arrived_s)
+        running.append(_Running([dst], max(1, row["output_length"]), row["input_length"]))
+        return True
+
+    while arrivals or waiting or running:
+        while arrivals and arrivals[0][0] <= now:
+            waiting.append(arrivals.popleft())
+        while waiting and admit(*waiting[0]):
+            waiting.popleft()
+        # one decode step: a new page for each request whose next token crosses a page boundary, for the
+        # batch at once (consecutive free pages, in batch order), as SGLang's decode allocates
+        crossing = [r for r in running if r.next_pos % page_size == 0]
+        if crossing:
+            fresh = decode.alloc(page_size * len(crossing))
+            decode_page_misses += fresh is None
+            if fresh is not None:
+                for i, r in enumerate(crossing):
+                    r.pages.append(fresh[i * page_size:(i + 1) * page_size])
+        still = []
+        for r in running:
+            r.next_pos += 1
+            r.remaining -= 1
+            if r.remaining > 0:
+                still.append(r)
+            else:
+                decode.free(torch.cat(r.pages))
+        running = still
+        if not running and not waiting and arrivals:
+            now = max(now + step_s, arrivals[0][0])  # idle: jump to the next arrival
+        else:
+            now += step_s
+    return {"page_size": page_size, "decode_pool_tokens": decode_pool_tokens, "prefill_pool_tokens": prefill_pool_tokens,
+            "step_s": step_s, "prefill_inflight": prefill_inflight, "warmup_s": warmup_s,
+            "bytes_per_token_layer": bytes_per_token_layer, "requests_measured": measured, "requests_left_out": left_out,
+            "runs_per_request_median": float(np.median(runs_per_request)) if runs_per_request else None,
+            "admission_wait_s_p90": float(np.quantile(waited_s, 0.9)) if waited_s else None,
+            "decode_page_misses": decode_page_misses,
+            "sizes": sizes}
+
+
+def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: float = 1.0) -> dict:
+    sizes: Sizes = result.pop("sizes")
+    if not sizes.counts:
+        return {**result, "requests": 0}
+    return {**result, "requests_per_layer": sum(sizes.counts.values()),
+            "size_bytes_weighted_p10": sizes.weighted_quantile(0.1),
+            "size_bytes_weighted_p50": sizes.weighted_quantile(0.5),
+            "size_bytes_weighted_p90": sizes.weighted_quantile(0.9),
+            "bytes_share_below_1mib": round(sizes.share_below(MIB), 3),
+            "bytes_share_below_4mib": round(sizes.share_below(4 * MIB), 3),
+            "lane_model": {"lanes": lanes, "rtt_ms": rtt_ms, "rate_gbps": rate_gbps,
+                           "fraction": round(sizes.lane_model_fraction(lanes, rtt_ms / 1e3, rate_gbps * 1e9), 3),
+                           "fraction_if_16mib": round(Sizes({16 * MIB: 1}).lane_model_fraction(lanes, rtt_ms / 1e3,
+                                                                                                rate_gbps * 1e9), 3)}}
+
+
+def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 600.0,
+        model: tuple[int, float, float] = (4, 20.0, 1.0), **kwargs) -> dict:
+    """The first ``duration_s`` of ``trace`` per page size; ``model`` = (lanes, RTT ms, Gbit/s) of the lane model."""
+    rows = []
+    with open(trace) as f:
+        for line in f:
+            row = json.loads(line)
+            if rows and (row["timestamp"] - rows[0]["timestamp"]) / 1e3 > duration_s:
+                break
+            rows.append(row)
+    return {"trace": str(trace), "duration_s": duration_s, "requests": len(rows),
+            "by_page_size": [summarize(simulate(rows, page_size=p, **kwargs), *model) for p in page_sizes]}
+
+
+def render_markdown(r: dict) -> str:
+    lines = [f"Trace {Path(r['trace']).name}, first {r['duration_s']:g} s ({r['requests']} requests).", "",
+             "| page size | requests measured | runs per request (median) | request size p10 / p50 / p90 (bytes-weighted) "
+             "| bytes in requests < 1 MiB / < 4 MiB | lane model: goodput / rate (16 MiB requests) |",
+             "|---|---|---|---|---|---|"]
+    for x in r["by_page_size"]:
+        if not x.get("requests_per_layer"):
+            continue
+        lm = x["lane_model"]
+        lines.append(f"| {x['page_size']} | {x['requests_measured']} | {x['runs_per_request_median']:g} | "
+                     f"{x['size_bytes_weighted_p10'] / 1024:,.0f} / {x['size_bytes_weighted_p50'] / 1024:,.0f} / "
+                     f"{x['size_bytes_weighted_p90'] / 1024:,.0f} KiB | {x['bytes_share_below_1mib']:.2f} / "
+                     f"{x['bytes_share_below_4mib']:.2f} | {lm['fraction']:.2f} ({lm['fraction_if_16mib']:.2f}) |")
+    return "\n".join(lines)
