@@ -99,6 +99,14 @@ class Envs:
         "being prefilled as soon as the forward wrote it, instead of the whole chunk after the forward "
         "(the kv-layerwise hooks). Off by default; linear and SWA state still go once at the end.",
     )
+    DECODE_CONTIGUOUS_KV = EnvBool(
+        "PRFAAS_DECODE_CONTIGUOUS_KV",
+        None,
+        "PD decode worker (SGLang, page size 1): pre-allocate each prompt's KV as one run of consecutive "
+        "free slots where the pool has one (best fit), so SGLang's Mooncake sender writes one request per "
+        "layer instead of one per hole left by finished decodes (the decode-contiguous-kv hook). Set by "
+        "the launcher for the pd-decode role (0 turns it off).",
+    )
     KV_ASYNC_SEND = EnvBool(
         "PRFAAS_KV_ASYNC_SEND",
         None,

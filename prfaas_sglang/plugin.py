@@ -313,6 +313,31 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/engine/test_decode_radix_hybrid.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
+        name="decode-contiguous-kv",
+        target="sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc",
+        hook="prfaas_sglang.hooks.contiguous_alloc:contiguous_prealloc",
+        hook_type="around",
+        expected_signature=("(self, req: 'Req', prefix_indices: 'Optional[torch.Tensor]' = None, prefix_len: "
+                            "'Optional[int]' = None, total_prefix_len: 'Optional[int]' = None) -> 'torch.Tensor'"),
+        subject="[transport] A decode worker takes a prompt's KV slots in one run where it can",
+        why=(
+            "SGLang's Mooncake sender writes one request per layer per run of slots contiguous on both "
+            "sides, and a Mooncake TCP lane carries one request per RTT. SGLang's page-1 allocator gives a "
+            "prompt the first free slots of its sorted list: once the pool has turned over, the "
+            "single-slot holes interleaved decode steps left, so a transfer over the WAN splits into "
+            "~190 requests per layer on the conversation trace and the link idles (bench kv-runs)."
+        ),
+        how=(
+            "AROUND hook on _pre_alloc: with PRFAAS_DECODE_CONTIGUOUS_KV (the launcher's decode profile) "
+            "and a page-1 TokenToKVPoolAllocator with a sorted free list, the pre-allocation's one alloc "
+            "takes the smallest run of consecutive free slots that holds the prompt (after SGLang's own "
+            "merge_and_sort_free if needed), else SGLang's choice. Other page sizes, SWA and HiSparse: unchanged."
+        ),
+        upstream_status="vendor-specific (an allocation policy for TCP transfers; not proposed)",
+        removal="when SGLang's Mooncake sender stages a transfer into one request, or Mooncake TCP pipelines requests per lane",
+        tests="tests/engine/test_contiguous_alloc.py tests/bench/test_kv_runs.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
         name="cache-move-routes",
         target="sglang.srt.entrypoints.http_server._setup_and_run_http_server",
         hook="prfaas_sglang.hooks.cache_move:add_routes",

@@ -7,7 +7,9 @@ for its acknowledgement. So on a WAN what bounds a transfer's goodput is the len
 which the allocators' history decides, not the model. This replays a Mooncake-format trace through
 SGLang's own allocators on CPU (``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator``,
 ``need_sort=True`` as SGLang sets it for disaggregation), and for each request after a warm-up
-groups its source and destination pages with SGLang's own ``group_concurrent_contiguous``:
+groups its source and destination pages with SGLang's own ``group_concurrent_contiguous``; at page
+size 1 also with the decode's prompt allocation as the ``decode-contiguous-kv`` hook makes it
+(:func:`~prfaas_sglang.hooks.contiguous_alloc.alloc_contiguous`), on the same arrivals:
 
 * decode side: a request's prompt pages are allocated when it arrives (waiting while the pool is
   full), one new page per request whenever its generated tokens cross a page boundary, allocated for
@@ -89,9 +91,10 @@ def _pages(indices, page_size: int):
 
 def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 << 20, prefill_pool_tokens: int = 1 << 19,
              step_s: float = 0.03, prefill_inflight: int = 2, warmup_s: float = 120.0, bytes_per_token_layer: int = 2048,
-             max_input_tokens: int | None = None) -> dict:
+             max_input_tokens: int | None = None, contiguous: bool = False) -> dict:
     """Replay ``rows`` (``timestamp`` ms, ``input_length``, ``output_length``) through both allocators; see
-    the module docstring. Requests longer than either pool (or ``max_input_tokens``) are left out."""
+    the module docstring. Requests longer than either pool (or ``max_input_tokens``) are left out.
+    ``contiguous``: the decode takes each prompt's pages as ``hooks.contiguous_alloc`` does (best-fit run)."""
     import numpy as np
     import torch
     from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
@@ -113,10 +116,17 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     def round_up(n: int) -> int:
         return -(-n // page_size) * page_size
 
+    def prompt_pages(need: int):
+        if contiguous:
+            from prfaas_sglang.hooks.contiguous_alloc import alloc_contiguous
+
+            return alloc_contiguous(decode, need)
+        return decode.alloc(need)
+
     def admit(arrived_s: float, row: dict) -> bool:
         nonlocal measured
         need = round_up(row["input_length"])
-        dst = decode.alloc(need)
+        dst = prompt_pages(need)
         if dst is None:
             return False
         src = prefill.alloc(need)
@@ -166,7 +176,8 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
             now = max(now + step_s, arrivals[0][0])  # idle: jump to the next arrival
         else:
             now += step_s
-    return {"page_size": page_size, "decode_pool_tokens": decode_pool_tokens, "prefill_pool_tokens": prefill_pool_tokens,
+    return {"page_size": page_size, "decode_alloc": "contiguous" if contiguous else "sglang",
+            "decode_pool_tokens": decode_pool_tokens, "prefill_pool_tokens": prefill_pool_tokens,
             "step_s": step_s, "prefill_inflight": prefill_inflight, "warmup_s": warmup_s,
             "bytes_per_token_layer": bytes_per_token_layer, "requests_measured": measured, "requests_left_out": left_out,
             "runs_per_request_median": float(np.median(runs_per_request)) if runs_per_request else None,
@@ -193,7 +204,9 @@ def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: flo
 
 def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 600.0,
         model: tuple[int, float, float] = (4, 20.0, 1.0), **kwargs) -> dict:
-    """The first ``duration_s`` of ``trace`` per page size; ``model`` = (lanes, RTT ms, Gbit/s) of the lane model."""
+    """The first ``duration_s`` of ``trace`` per page size, SGLang's decode allocation and, at page size 1
+    (where the ``decode-contiguous-kv`` hook acts), the hook's, side by side on the same arrivals;
+    ``model`` = (lanes, RTT ms, Gbit/s) of the lane model."""
     rows = []
     with open(trace) as f:
         for line in f:
@@ -202,19 +215,20 @@ def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 
                 break
             rows.append(row)
     return {"trace": str(trace), "duration_s": duration_s, "requests": len(rows),
-            "by_page_size": [summarize(simulate(rows, page_size=p, **kwargs), *model) for p in page_sizes]}
+            "by_page_size": [summarize(simulate(rows, page_size=p, contiguous=c, **kwargs), *model)
+                             for p in page_sizes for c in ((False, True) if p == 1 else (False,))]}
 
 
 def render_markdown(r: dict) -> str:
     lines = [f"Trace {Path(r['trace']).name}, first {r['duration_s']:g} s ({r['requests']} requests).", "",
-             "| page size | requests measured | runs per request (median) | request size p10 / p50 / p90 (bytes-weighted) "
+             "| page size | decode allocation | requests measured | runs per request (median) | request size p10 / p50 / p90 (bytes-weighted) "
              "| bytes in requests < 1 MiB / < 4 MiB | lane model: goodput / rate (16 MiB requests) |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|"]
     for x in r["by_page_size"]:
         if not x.get("requests_per_layer"):
             continue
         lm = x["lane_model"]
-        lines.append(f"| {x['page_size']} | {x['requests_measured']} | {x['runs_per_request_median']:g} | "
+        lines.append(f"| {x['page_size']} | {x['decode_alloc']} | {x['requests_measured']} | {x['runs_per_request_median']:g} | "
                      f"{x['size_bytes_weighted_p10'] / 1024:,.0f} / {x['size_bytes_weighted_p50'] / 1024:,.0f} / "
                      f"{x['size_bytes_weighted_p90'] / 1024:,.0f} KiB | {x['bytes_share_below_1mib']:.2f} / "
                      f"{x['bytes_share_below_4mib']:.2f} | {lm['fraction']:.2f} ({lm['fraction_if_16mib']:.2f}) |")

@@ -104,6 +104,10 @@ def receiver_profile(link: WanLink) -> tuple[EnvDefault, ...]:
     return (
         EnvDefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(stall_timeout_s(link)),
                    "the receiving end of a WAN transfer gives up on a stall within the same bound as the sender"),
+        EnvDefault("PRFAAS_DECODE_CONTIGUOUS_KV", "1",
+                   "each prompt's KV in one run of free slots where there is one: SGLang's sender then writes one "
+                   "request per layer, not one per hole finished decodes left (page size 1: ~190 requests per "
+                   "layer per transfer -> ~10 on the conversation trace, bench kv-runs)"),
     )
 
 

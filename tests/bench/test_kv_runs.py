@@ -65,7 +65,8 @@ def test_bench_kv_runs_cli_on_a_small_trace(tmp_path):
     proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)["result"]
-    assert [x["page_size"] for x in result["by_page_size"]] == [1, 16]
+    assert [(x["page_size"], x["decode_alloc"]) for x in result["by_page_size"]] == [
+        (1, "sglang"), (1, "contiguous"), (16, "sglang")]
     for x in result["by_page_size"]:
         assert x["requests_measured"] > 100 and x["requests_per_layer"] >= x["requests_measured"]
         assert 0 < x["lane_model"]["fraction"] <= x["lane_model"]["fraction_if_16mib"]
