@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     kr.add_argument("--lanes", type=int, default=4)
     kr.add_argument("--rtt-ms", type=float, default=20.0)
     kr.add_argument("--rate-gbps", type=float, default=1.0)
+    kr.add_argument("--measure", type=int, default=0,
+                    help="also send N sampled requests' transfers (page 1, both allocations) over real Mooncake TCP "
+                         "on an emulated link of --rate-gbps and --rtt-ms (root, linkem)")
+    kr.add_argument("--seed", type=int, default=0, help="which transfers --measure samples")
     kr.add_argument("--json", action="store_true")
     lw = sub.add_parser("layerwise", help="SGLang's Mooncake path on CPU over a shaped loopback: when the decode has the "
                                           "KV, layer-wise streaming off vs on (root)")
@@ -366,15 +370,26 @@ def main(argv: list[str] | None = None) -> int:
                 or min(args.decode_pool_tokens, args.prefill_pool_tokens, args.prefill_inflight,
                        args.bytes_per_token_layer) < 1 or args.rtt_ms < 0 or args.rate_gbps <= 0):
             parser.error("kv-runs: sizes, counts, --duration, --step-ms and --rate-gbps must be positive")
+        if args.measure < 0:
+            parser.error("--measure must be >= 0")
+        if args.measure and 1 not in pages:
+            parser.error("--measure compares the allocations at page size 1: include 1 in --page-sizes")
+        if args.measure:
+            from prfaas_sglang.transport.linkem import unavailable
+
+            if (why := unavailable()) is not None:
+                parser.error(f"--measure: the emulated link {why}")
         trace = _trace_path(args.trace)
-        result = bench.run(Path(trace), pages, args.duration, decode_pool_tokens=args.decode_pool_tokens,
+        result = bench.run(Path(trace), pages, args.duration, measure_transfers=args.measure, seed=args.seed,
+                           decode_pool_tokens=args.decode_pool_tokens,
                            prefill_pool_tokens=args.prefill_pool_tokens, step_s=args.step_ms / 1e3,
                            prefill_inflight=args.prefill_inflight, warmup_s=args.warmup,
                            bytes_per_token_layer=args.bytes_per_token_layer,
                            model=(args.lanes, args.rtt_ms, args.rate_gbps))
         header = (f"<!-- python -m prfaas_sglang.bench kv-runs --duration {args.duration:g} --warmup {args.warmup:g} "
                   f"--page-sizes {args.page_sizes} --step-ms {args.step_ms:g} --decode-pool-tokens {args.decode_pool_tokens} "
-                  f"--prefill-pool-tokens {args.prefill_pool_tokens}; {stamp} -->")
+                  f"--prefill-pool-tokens {args.prefill_pool_tokens}"
+                  f"{f' --measure {args.measure} --seed {args.seed}' if args.measure else ''}; {stamp} -->")
     elif args.name == "state-events":
         from prfaas_sglang.bench import state_events as bench
 

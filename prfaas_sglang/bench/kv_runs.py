@@ -109,6 +109,7 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     running: list[_Running] = []
     in_prefill: deque = deque()
     sizes, runs_per_request, measured, left_out = Sizes(), [], 0, len(rows) - len(arrivals)
+    transfers: dict[int, list[int]] = {}  # per measured request (keyed by its row's id): its request sizes, one layer
     decode_page_misses = 0  # steps' new pages the decode pool had no room for (SGLang would retract)
     waited_s: list[float] = []
     now = 0.0
@@ -142,8 +143,10 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
         if arrived_s >= warmup_s:
             src_groups, _ = group_concurrent_contiguous(_pages(src, page_size).numpy(), _pages(dst, page_size).numpy())
             runs_per_request.append(len(src_groups))
-            for g in src_groups:
-                sizes.add(len(g) * page_size * bytes_per_token_layer)
+            one = [len(g) * page_size * bytes_per_token_layer for g in src_groups]
+            transfers[id(row)] = one
+            for n in one:
+                sizes.add(n)
             measured += 1
             waited_s.append(now - arrived_s)
         running.append(_Running([dst], max(1, row["output_length"]), row["input_length"]))
@@ -183,11 +186,12 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
             "runs_per_request_median": float(np.median(runs_per_request)) if runs_per_request else None,
             "admission_wait_s_p90": float(np.quantile(waited_s, 0.9)) if waited_s else None,
             "decode_page_misses": decode_page_misses,
-            "sizes": sizes}
+            "sizes": sizes, "transfers": transfers}
 
 
 def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: float = 1.0) -> dict:
     sizes: Sizes = result.pop("sizes")
+    result.pop("transfers", None)
     if not sizes.counts:
         return {**result, "requests": 0}
     return {**result, "requests_per_layer": sum(sizes.counts.values()),
@@ -203,7 +207,8 @@ def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: flo
 
 
 def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 600.0,
-        model: tuple[int, float, float] = (4, 20.0, 1.0), **kwargs) -> dict:
+        model: tuple[int, float, float] = (4, 20.0, 1.0), measure_transfers: int = 0, seed: int = 0,
+        max_measured_mib: int = 16, measure_layers: int = 8, **kwargs) -> dict:
     """The first ``duration_s`` of ``trace`` per page size, SGLang's decode allocation and, at page size 1
     (where the ``decode-contiguous-kv`` hook acts), the hook's, side by side on the same arrivals;
     ``model`` = (lanes, RTT ms, Gbit/s) of the lane model."""
@@ -214,9 +219,75 @@ def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 
             if rows and (row["timestamp"] - rows[0]["timestamp"]) / 1e3 > duration_s:
                 break
             rows.append(row)
-    return {"trace": str(trace), "duration_s": duration_s, "requests": len(rows),
-            "by_page_size": [summarize(simulate(rows, page_size=p, contiguous=c, **kwargs), *model)
-                             for p in page_sizes for c in ((False, True) if p == 1 else (False,))]}
+    results = {(p, c): simulate(rows, page_size=p, contiguous=c, **kwargs)
+               for p in page_sizes for c in ((False, True) if p == 1 else (False,))}
+    out = {"trace": str(trace), "duration_s": duration_s, "requests": len(rows)}
+    if measure_transfers and (1, False) in results:
+        import random
+
+        theirs, ours = results[(1, False)]["transfers"], results[(1, True)]["transfers"]
+        pairs = [(theirs[key], ours[key]) for key in theirs  # the same requests under both allocations
+                 if key in ours and sum(theirs[key]) <= max_measured_mib * MIB]
+        picked = random.Random(seed).sample(pairs, min(measure_transfers, len(pairs)))
+        out["measured"] = measure(picked, model[2] * 1e3, model[1], measure_layers)
+        out["measured"]["lane_model"] = {mode: round(Sizes(_counts(x for pair in picked for x in pair[i]))
+                                                     .lane_model_fraction(model[0], model[1] / 1e3, model[2] * 1e9), 3)
+                                         for i, mode in enumerate(("sglang", "contiguous"))}
+    out["by_page_size"] = [summarize(r, *model) for r in results.values()]
+    return out
+
+
+def _counts(sizes) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for n in sizes:
+        counts[n] = counts.get(n, 0) + 1
+    return counts
+
+
+def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: float, layers: int = 8,
+            tag: int = 230) -> dict:
+    """Real Mooncake TCP over an emulated link (``EmulatedLink``, the launcher's WAN profile for it, root):
+    each pair is one request's transfer of one layer as SGLang's sender would split it under SGLang's
+    decode allocation and under the hook's; sent for ``layers`` buffers (K and V of ``layers / 2``
+    layers: SGLang's sender makes every layer's requests, which Mooncake spreads over the lanes, one
+    request per lane at a time) back to back by a pipelined sender (all requests queued, as the kv-send
+    hooks submit them), the two in turns. Returns per mode the goodput fraction (bytes / elapsed / rate)
+    over all its transfers, and per transfer."""
+    import subprocess
+
+    from prfaas_sglang.bench.transport import PEER, _Sender, default_env, ours_env
+    from prfaas_sglang.transport.linkem import EmulatedLink
+    from prfaas_sglang.transport.wan_defaults import WanLink
+
+    buffer_mib = max(64, -(-max(max(sum(a), sum(b)) for a, b in pairs) * layers // MIB))
+    out: dict = {"sglang": [], "contiguous": []}
+    with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link:
+        recv_proc = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(buffer_mib)),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=default_env())
+        try:
+            recv = json.loads(recv_proc.stdout.readline())
+            sender = _Sender(link, recv, buffer_mib, ours_env(WanLink(rate_mbit * 1e6, rtt_ms / 1e3)))
+            try:
+                sender.run(32 * MIB, 16 * MIB, pipeline=True)  # open the lanes first
+                for sglangs, hooks in pairs:
+                    for mode, sizes in (("sglang", sglangs), ("contiguous", hooks)):
+                        r = sender.run(0, 0, sizes=sizes * layers, inflight=1024)
+                        out[mode].append({"bytes": sum(sizes) * layers, "requests": len(sizes) * layers,
+                                          "elapsed_s": r["elapsed_s"], "ok": r["ok"]})
+            finally:
+                sender.close()
+        finally:
+            recv_proc.stdin.close()
+            recv_proc.wait(timeout=10)
+    summary = {}
+    for mode, runs in out.items():
+        total_bytes, total_s = sum(r["bytes"] for r in runs), sum(r["elapsed_s"] for r in runs)
+        summary[mode] = {"transfers": len(runs), "failed": sum(not r["ok"] for r in runs),
+                         "requests": sum(r["requests"] for r in runs),
+                         "goodput_fraction": round(total_bytes * 8 / total_s / (rate_mbit * 1e6), 3) if total_s else None,
+                         "per_transfer": runs}
+    return {"rate_mbit": rate_mbit, "rtt_ms": rtt_ms, "layers": layers, **summary}
 
 
 def render_markdown(r: dict) -> str:
@@ -232,4 +303,13 @@ def render_markdown(r: dict) -> str:
                      f"{x['size_bytes_weighted_p10'] / 1024:,.0f} / {x['size_bytes_weighted_p50'] / 1024:,.0f} / "
                      f"{x['size_bytes_weighted_p90'] / 1024:,.0f} KiB | {x['bytes_share_below_1mib']:.2f} / "
                      f"{x['bytes_share_below_4mib']:.2f} | {lm['fraction']:.2f} ({lm['fraction_if_16mib']:.2f}) |")
+    if m := r.get("measured"):
+        lines += ["", f"Measured over Mooncake TCP on an emulated {m['rate_mbit']:g} Mbit/s, {m['rtt_ms']:g} ms link "
+                  f"({m['sglang']['transfers']} requests' transfers, {m['layers']} KV buffers each, page size 1, same requests "
+                  "both ways):", "",
+                  "| decode allocation | requests sent | failed | goodput / rate measured | lane model, same requests |",
+                  "|---|---|---|---|---|"]
+        for mode in ("sglang", "contiguous"):
+            lines.append(f"| {mode} | {m[mode]['requests']} | {m[mode]['failed']} | **{m[mode]['goodput_fraction']}** | "
+                         f"{m['lane_model'][mode]} |")
     return "\n".join(lines)

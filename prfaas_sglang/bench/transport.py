@@ -80,9 +80,13 @@ class _Sender:
         if not self.proc.stdout.readline():
             raise RuntimeError("transport sender did not start")
 
-    def run(self, payload_bytes: int, request_bytes: int, chunk_bytes: int = CHUNK_BYTES, pipeline: bool = False) -> dict:
+    def run(self, payload_bytes: int, request_bytes: int, chunk_bytes: int = CHUNK_BYTES, pipeline: bool = False,
+            sizes: list[int] | None = None, inflight: int = 8) -> dict:
+        """One transfer; ``sizes`` (pipelined only): these request sizes back to back instead of
+        ``payload_bytes`` in ``request_bytes`` pieces."""
         self.proc.stdin.write(json.dumps({"payload_bytes": payload_bytes, "request_bytes": request_bytes,
-                                          "chunk_bytes": chunk_bytes, "pipeline": pipeline, "inflight": 8}) + "\n")
+                                          "chunk_bytes": chunk_bytes, "pipeline": pipeline or bool(sizes),
+                                          "inflight": inflight, "sizes": sizes}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:

@@ -63,12 +63,23 @@ def pipeline_job(engine, base: int, session: str, peer_addr: int, job: dict, pol
     completions polled with a sleep: no barrier at chunk ends, no thread spinning in a sync call."""
     payload, request, inflight = int(job["payload_bytes"]), int(job["request_bytes"]), int(job.get("inflight", 8))
     pending: list[int] = []
-    offsets = iter(range(0, payload, request))
+    if job.get("sizes"):  # given request sizes, back to back (``bench kv-runs --measure``)
+        sizes = [int(n) for n in job["sizes"]]
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + n)
+        payload = sum(sizes)
+        size_at = dict(zip(starts, sizes, strict=True))
+        offsets = iter(starts)
+    else:
+        size_at = None
+        offsets = iter(range(0, payload, request))
     requests = 0
     started = time.perf_counter()
     while True:
         while len(pending) < inflight and (off := next(offsets, None)) is not None:
-            batch = engine.transfer_submit_write(session, base + off, peer_addr + off, min(request, payload - off))
+            length = size_at[off] if size_at is not None else min(request, payload - off)
+            batch = engine.transfer_submit_write(session, base + off, peer_addr + off, length)
             if batch <= 0:
                 return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests, "failed_at_bytes": off}
             pending.append(batch)
