@@ -23,12 +23,14 @@ Reported, bytes-weighted (a request's share of the KV it carries): the request s
 share of bytes in requests under 1 and 4 MiB, and a lane model of the goodput those sizes allow:
 ``lanes`` lanes each carrying its requests one after another, each costing an RTT plus its bytes at
 ``rate / lanes``. The model is optimistic (0.17 of 1 Gbit/s at 128 KiB, where ``bench transport``
-measured 0.14; 0.96 at 16 MiB, measured 0.87-0.89), so read it as an upper bound.
+measured 0.14; 0.96 at 16 MiB, measured 0.87-0.94), so read it as an upper bound; ``--measure`` sends
+sampled transfers over real Mooncake TCP instead (:func:`measure`).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,15 @@ class Sizes:
     """Request sizes (bytes) and how many requests of each, accumulated over requests."""
 
     counts: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, transfers) -> Sizes:
+        """The sizes of every request of ``transfers`` (lists of request sizes)."""
+        sizes = cls()
+        for one in transfers:
+            for n in one:
+                sizes.add(n)
+        return sizes
 
     def add(self, size_bytes: int, n: int = 1) -> None:
         self.counts[size_bytes] = self.counts.get(size_bytes, 0) + n
@@ -95,9 +106,10 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     """Replay ``rows`` (``timestamp`` ms, ``input_length``, ``output_length``) through both allocators; see
     the module docstring. Requests longer than either pool (or ``max_input_tokens``) are left out.
     ``contiguous``: the decode takes each prompt's pages as ``hooks.contiguous_alloc`` does (best-fit run)."""
-    import numpy as np
     import torch
     from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+
+    from prfaas_sglang.hooks.contiguous_alloc import alloc_contiguous
 
     decode, prefill = _allocator(decode_pool_tokens, page_size), _allocator(prefill_pool_tokens, page_size)
     limit = min(decode_pool_tokens, prefill_pool_tokens) // 2
@@ -108,7 +120,7 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     waiting: deque[tuple[float, dict]] = deque()
     running: list[_Running] = []
     in_prefill: deque = deque()
-    sizes, runs_per_request, measured, left_out = Sizes(), [], 0, len(rows) - len(arrivals)
+    left_out = len(rows) - len(arrivals)
     transfers: dict[int, list[int]] = {}  # per measured request (keyed by its row's id): its request sizes, one layer
     decode_page_misses = 0  # steps' new pages the decode pool had no room for (SGLang would retract)
     waited_s: list[float] = []
@@ -117,17 +129,9 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     def round_up(n: int) -> int:
         return -(-n // page_size) * page_size
 
-    def prompt_pages(need: int):
-        if contiguous:
-            from prfaas_sglang.hooks.contiguous_alloc import alloc_contiguous
-
-            return alloc_contiguous(decode, need)
-        return decode.alloc(need)
-
     def admit(arrived_s: float, row: dict) -> bool:
-        nonlocal measured
         need = round_up(row["input_length"])
-        dst = prompt_pages(need)
+        dst = alloc_contiguous(decode, need) if contiguous else decode.alloc(need)
         if dst is None:
             return False
         src = prefill.alloc(need)
@@ -142,12 +146,7 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
             prefill.free(in_prefill.popleft())
         if arrived_s >= warmup_s:
             src_groups, _ = group_concurrent_contiguous(_pages(src, page_size).numpy(), _pages(dst, page_size).numpy())
-            runs_per_request.append(len(src_groups))
-            one = [len(g) * page_size * bytes_per_token_layer for g in src_groups]
-            transfers[id(row)] = one
-            for n in one:
-                sizes.add(n)
-            measured += 1
+            transfers[id(row)] = [len(g) * page_size * bytes_per_token_layer for g in src_groups]
             waited_s.append(now - arrived_s)
         running.append(_Running([dst], max(1, row["output_length"]), row["input_length"]))
         return True
@@ -182,11 +181,12 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     return {"page_size": page_size, "decode_alloc": "contiguous" if contiguous else "sglang",
             "decode_pool_tokens": decode_pool_tokens, "prefill_pool_tokens": prefill_pool_tokens,
             "step_s": step_s, "prefill_inflight": prefill_inflight, "warmup_s": warmup_s,
-            "bytes_per_token_layer": bytes_per_token_layer, "requests_measured": measured, "requests_left_out": left_out,
-            "runs_per_request_median": float(np.median(runs_per_request)) if runs_per_request else None,
-            "admission_wait_s_p90": float(np.quantile(waited_s, 0.9)) if waited_s else None,
+            "bytes_per_token_layer": bytes_per_token_layer, "requests_measured": len(transfers),
+            "requests_left_out": left_out,
+            "runs_per_request_median": statistics.median(map(len, transfers.values())) if transfers else None,
+            "admission_wait_s_p90": statistics.quantiles(waited_s, n=10)[-1] if len(waited_s) > 1 else None,
             "decode_page_misses": decode_page_misses,
-            "sizes": sizes, "transfers": transfers}
+            "sizes": Sizes.of(transfers.values()), "transfers": transfers}
 
 
 def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: float = 1.0) -> dict:
@@ -230,18 +230,11 @@ def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 
                  if key in ours and sum(theirs[key]) <= max_measured_mib * MIB]
         picked = random.Random(seed).sample(pairs, min(measure_transfers, len(pairs)))
         out["measured"] = measure(picked, model[2] * 1e3, model[1], measure_layers)
-        out["measured"]["lane_model"] = {mode: round(Sizes(_counts(x for pair in picked for x in pair[i]))
+        out["measured"]["lane_model"] = {mode: round(Sizes.of(pair[i] for pair in picked)
                                                      .lane_model_fraction(model[0], model[1] / 1e3, model[2] * 1e9), 3)
                                          for i, mode in enumerate(("sglang", "contiguous"))}
     out["by_page_size"] = [summarize(r, *model) for r in results.values()]
     return out
-
-
-def _counts(sizes) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for n in sizes:
-        counts[n] = counts.get(n, 0) + 1
-    return counts
 
 
 def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: float, layers: int = 8,
