@@ -52,6 +52,8 @@
 struct pkt {
     uint64_t due_ns;
     uint32_t len;          /* bytes at data: a virtio_net_hdr, then the IP packet */
+    uint32_t segs;         /* wire segments it stands for (1 unless a superpacket) */
+    uint64_t wire_bytes;   /* their bytes on the wire, headers of each included */
     unsigned char *data;   /* malloc'd, freed when delivered */
 };
 
@@ -164,7 +166,8 @@ static uint32_t cut(const unsigned char *pkt, const struct gso *g, int i, unsign
     return VNET + total;
 }
 
-static int enqueue(struct dir *d, const unsigned char *buf, uint32_t n, uint64_t due) {
+static int enqueue(struct dir *d, const unsigned char *buf, uint32_t n, uint32_t segs, uint64_t wire_bytes,
+                   uint64_t due) {
     if (d->count == RING) return 0;
     unsigned char *copy = malloc(n);
     if (!copy) return 0;
@@ -174,6 +177,8 @@ static int enqueue(struct dir *d, const unsigned char *buf, uint32_t n, uint64_t
     struct pkt *p = &d->ring[(d->head + d->count) % RING];
     p->due_ns = due;
     p->len = n;
+    p->segs = segs;
+    p->wire_bytes = wire_bytes;
     p->data = copy;
     d->count++;
     return 1;
@@ -200,7 +205,7 @@ static void arrive(struct dir *d, uint64_t t) {
         if (g.nseg == 0) { /* one wire packet */
             uint64_t left;
             if (d->count == RING) { d->overflow++; continue; }
-            if (admit(d, t, (uint32_t)(n - VNET), &left)) enqueue(d, buf, (uint32_t)n, left + delay_ns);
+            if (admit(d, t, (uint32_t)(n - VNET), &left)) enqueue(d, buf, (uint32_t)n, 1, (uint64_t)(n - VNET), left + delay_ns);
             continue;
         }
         uint64_t left[MAX_SEGS];
@@ -213,12 +218,16 @@ static void arrive(struct dir *d, uint64_t t) {
             kept += ok[i];
         }
         if (kept == g.nseg) { /* all crossed: deliver it whole when its last segment has */
-            d->whole += (uint64_t)enqueue(d, buf, (uint32_t)n, left[g.nseg - 1] + delay_ns);
+            uint64_t wire = (uint64_t)(n - VNET) + (uint64_t)(g.nseg - 1) * g.hdrs;
+            d->whole += (uint64_t)enqueue(d, buf, (uint32_t)n, (uint32_t)g.nseg, wire, left[g.nseg - 1] + delay_ns);
             continue;
         }
         d->cut += kept > 0;
         for (int i = 0; i < g.nseg; i++) /* some lost: the survivors, one by one */
-            if (ok[i]) enqueue(d, seg, cut(buf + VNET, &g, i, seg), left[i] + delay_ns);
+            if (ok[i]) {
+                uint32_t len = cut(buf + VNET, &g, i, seg);
+                enqueue(d, seg, len, 1, len - VNET, left[i] + delay_ns);
+            }
     }
 }
 
@@ -226,10 +235,8 @@ static void deliver(struct dir *d, uint64_t t) {
     while (d->count > 0 && d->ring[d->head].due_ns <= t) {
         struct pkt *p = &d->ring[d->head];
         if (write(d->out_fd, p->data, p->len) == (ssize_t)p->len) {
-            const struct virtio_net_hdr *vh = (const struct virtio_net_hdr *)p->data;
-            struct gso g = layout(p->data + VNET, (ssize_t)p->len - VNET, vh);
-            d->sent_pkts += g.nseg ? (uint64_t)g.nseg : 1;
-            d->sent_bytes += p->len - VNET + (g.nseg ? (uint64_t)(g.nseg - 1) * g.hdrs : 0);
+            d->sent_pkts += p->segs;
+            d->sent_bytes += p->wire_bytes;
         }
         free(p->data);
         d->head = (d->head + 1) % RING;
