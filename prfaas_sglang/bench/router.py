@@ -88,18 +88,22 @@ def _descendants(pid: int) -> list[int]:
 def pin(pid: int, cpus: set[int]) -> int:
     """Every thread of ``pid`` and of its descendants onto ``cpus`` (``sched_setaffinity`` applies to one
     thread; threads and processes made later inherit their creator's). Returns how many threads moved."""
+    return sum(_pin_threads(proc, cpus) for proc in _descendants(pid))
+
+
+def _pin_threads(pid: int, cpus: set[int]) -> int:
+    """Every thread of ``pid`` alone (not its children) onto ``cpus``; how many moved."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
     moved = 0
-    for proc in _descendants(pid):
+    for tid in tids:
         try:
-            tids = os.listdir(f"/proc/{proc}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-                moved += 1
-            except (ProcessLookupError, PermissionError):
-                pass
+            os.sched_setaffinity(int(tid), cpus)
+            moved += 1
+        except (ProcessLookupError, PermissionError):
+            pass
     return moved
 
 
@@ -126,8 +130,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
             for proc in group.procs:
                 pin(proc.pid, rest)
             pin(router.proc.pid, {router_cpu})  # after the group: the router is one of its processes
-            for tid in os.listdir("/proc/self/task"):  # the client: this process, every thread
-                os.sched_setaffinity(int(tid), rest)
+            _pin_threads(os.getpid(), rest)  # the client: this process, not its children
         rng = random.Random(11)
         if prompt == "text":
             body = {"text": TextSource(PromptTokenizer.load(SHIPPED)).text(rng, prompt_tokens)}
@@ -179,8 +182,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
             (d_lat, d_fail), (r_lat, r_fail), *fronted = await _drive(rate, duration_s, *senders)
     finally:
         group.stop()
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), affinity_before)
+        _pin_threads(os.getpid(), affinity_before)
     extra = {"router_cpu": router_cpu}
     if fronted:
         f_lat, f_fail = fronted[0]

@@ -18,6 +18,7 @@ The Mooncake settings are the process's ``MC_*`` environment, read once at engin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -64,21 +65,16 @@ def pipeline_job(engine, base: int, session: str, peer_addr: int, job: dict, pol
     payload, request, inflight = int(job["payload_bytes"]), int(job["request_bytes"]), int(job.get("inflight", 8))
     pending: list[int] = []
     if job.get("sizes"):  # given request sizes, back to back (``bench kv-runs --measure``)
-        sizes = [int(n) for n in job["sizes"]]
-        starts = [0]
-        for n in sizes[:-1]:
-            starts.append(starts[-1] + n)
-        payload = sum(sizes)
-        size_at = dict(zip(starts, sizes, strict=True))
-        offsets = iter(starts)
+        lengths = [int(n) for n in job["sizes"]]
     else:
-        size_at = None
-        offsets = iter(range(0, payload, request))
+        lengths = [min(request, payload - off) for off in range(0, payload, request)]
+    # (offset, length) in order; accumulate(initial=0) yields one more item, the total, which zip drops
+    pieces = iter(zip(itertools.accumulate(lengths, initial=0), lengths, strict=False))
     requests = 0
     started = time.perf_counter()
     while True:
-        while len(pending) < inflight and (off := next(offsets, None)) is not None:
-            length = size_at[off] if size_at is not None else min(request, payload - off)
+        while len(pending) < inflight and (piece := next(pieces, None)) is not None:
+            off, length = piece
             batch = engine.transfer_submit_write(session, base + off, peer_addr + off, length)
             if batch <= 0:
                 return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests, "failed_at_bytes": off}
