@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import orjson
 
-_COMMA, _ZERO = ord(","), ord("0")
+_COMMA, _ZERO, _NINE = np.uint8(ord(",")), np.uint8(ord("0")), np.uint8(ord("9"))
 _WHITESPACE = np.zeros(256, dtype=bool)
 _WHITESPACE[[ord(" "), ord("\t"), ord("\n"), ord("\r")]] = True
 MAX_DIGITS = 9  # every id of at most 9 digits is <= MAX_TOKEN_ID (2**31 - 1); 10 digits go to the full parse
@@ -98,7 +98,7 @@ def scan_ids(text: bytes) -> JsonIds | None:
     if not text:
         return None
     b = np.frombuffer(text, dtype=np.uint8)
-    digit = (b - _ZERO) < 10  # uint8 wrap-around: everything below '0' is large
+    digit = (b >= _ZERO) & (b <= _NINE)  # comparisons with uint8 scalars: one fast pass each
     comma = b == _COMMA
     if not (digit | comma).all():
         space = _WHITESPACE[b]
@@ -120,17 +120,32 @@ def _numbers_between_commas(b: np.ndarray, digit: np.ndarray, comma: np.ndarray)
     n = len(b)
     if n == 0 or comma[0] or comma[-1] or (n > 1 and (comma[1:] & comma[:-1]).any()):
         return False  # an empty element
-    if n > MAX_DIGITS:  # MAX_DIGITS + 1 digits in a row anywhere
-        window = digit[MAX_DIGITS:].copy()
-        for k in range(1, MAX_DIGITS + 1):
-            window &= digit[MAX_DIGITS - k : n - k]
-        if window.any():
-            return False
+    if n > MAX_DIGITS and _has_run(digit, MAX_DIGITS + 1):
+        return False  # MAX_DIGITS + 1 digits in a row somewhere
     if n > 1 and b[0] == _ZERO and digit[1]:
         return False  # the first number has a leading zero
     if n > 2 and ((b[1:-1] == _ZERO) & comma[:-2] & digit[2:]).any():
         return False  # a later one does
     return True
+
+
+def _has_run(mask: np.ndarray, length: int) -> bool:
+    """Whether ``mask`` holds ``length`` (>= 1) true values in a row. By doubling: ``runs[i]`` says
+    whether ``mask[i : i + w]`` is all true, for ``w`` = 1, 2, 4, ... and then ``length``, so it
+    costs about log2(length) passes rather than ``length``::
+
+        runs_w:   i ... i+w-1            (w true in a row from i)
+        runs_2w:  runs_w[i] & runs_w[i + w]
+        runs_len: runs_w[i] & runs_w[i + length - w]   (w <= length <= 2w: the windows overlap)
+    """
+    runs, width = mask, 1
+    while 2 * width <= length:
+        runs = runs[:-width] & runs[width:] if width < len(runs) else runs[:0]
+        width *= 2
+    if width < length:
+        shift = length - width
+        runs = runs[:-shift] & runs[shift:] if shift < len(runs) else runs[:0]
+    return bool(runs.any())
 
 
 def _skip_whitespace(raw: bytes, i: int) -> int:

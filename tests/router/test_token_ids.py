@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import orjson
 import pytest
 from helpers import run_py
@@ -18,7 +19,7 @@ from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.protocol import BadRequest, parse_request
 from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
 from prfaas_sglang.wire.kv_events import BlockStored
-from prfaas_sglang.wire.token_ids import JsonIds, split_ids
+from prfaas_sglang.wire.token_ids import MAX_DIGITS, JsonIds, _has_run, split_ids
 
 
 def full_parse(raw: bytes, key: str):
@@ -102,6 +103,24 @@ def test_the_cut_is_exact_or_absent(raw):
     obj, got = cut
     assert list(got) == ids, raw
     assert {k: v for k, v in obj.items() if k != "input_ids"} == {k: v for k, v in body.items() if k != "input_ids"}
+
+
+def test_ids_of_every_width_up_to_nine_digits_take_the_cut():
+    """The cut is not only exact but taken: ids of 1 to MAX_DIGITS digits, side by side and
+    alone, at the array's ends and inside it (a run check one digit short would send them all
+    to the full parse, which the exactness test cannot see)."""
+    widest = [int("9" * w) for w in range(1, MAX_DIGITS + 1)] + [10 ** (w - 1) for w in range(1, MAX_DIGITS + 1)]
+    for ids in (widest, widest[::-1], [widest[-1]], [0, widest[-1], 0]):
+        cut = split_ids(orjson.dumps({"input_ids": ids}), "input_ids")
+        assert cut is not None and list(cut[1]) == ids, ids
+
+
+@given(st.lists(st.booleans(), max_size=40), st.integers(1, 16))
+@settings(max_examples=400, deadline=None)
+def test_run_check_by_doubling_matches_a_plain_scan(mask, length):
+    """_has_run (log2 passes) against the definition: some window of ``length`` all true."""
+    expected = any(all(mask[i : i + length]) for i in range(len(mask) - length + 1))
+    assert _has_run(np.array(mask, dtype=bool), length) == expected
 
 
 def test_completions_prompt_ids_take_the_cut_too():
