@@ -1,14 +1,17 @@
-"""Global KV index: event ingest rate and prefix-match latency (pure, in process)."""
+"""Global KV index: event ingest rate and prefix-match latency (pure, in process); and what an index
+of millions of blocks costs the process that holds it (:func:`held`)."""
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 import statistics
 import time
 
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.kvindex.index import KvIndex
-from prfaas_sglang.wire.kv_events import split_state_events
+from prfaas_sglang.wire.kv_events import BlockStored, split_state_events
 
 PAGE = 512
 
@@ -63,7 +66,68 @@ def run(workers: int = 8, prompts_per_worker: int = 150, match_runs: int = 200, 
     }
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def held(blocks: int = 2_000_000, workers: int = 4, chain_blocks: int = 4096, shared: float = 0.5, seed: int = 0,
+         collections: int = 5) -> dict:
+    """An index holding ``blocks`` blocks at page size 1 (a hybrid model's SGLang pages: one block
+    per token), spread over ``workers`` in chains of ``chain_blocks``, a ``shared`` fraction of the
+    chains held by two workers. Reports what holding it costs the router's process: the garbage
+    collector's full-collection pause (median of ``collections``), the objects it tracks for the
+    index, and resident memory; plus ingest rate and a lookup of one held chain."""
+    rng = random.Random(seed)
+    index = KvIndex(hybrid=True)
+    names = [f"w{w}" for w in range(workers)]
+    for name in names:
+        index.add_worker(name, "pd", block_size=1)
+    gc.collect()
+    tracked_before, rss_before = len(gc.get_objects()), _rss_bytes()
+    seqs = dict.fromkeys(names, 0)
+    stored, ingest_s, probe = 0, 0.0, None
+    while stored < blocks:
+        hashes = [rng.getrandbits(63) for _ in range(min(chain_blocks, blocks - stored))]
+        event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[0] * len(hashes), block_size=1, lora_id=None)
+        holders = rng.sample(names, 2 if rng.random() < shared and workers > 1 else 1)
+        start = time.perf_counter()
+        for name in holders:
+            index.apply(name, seqs[name], [event])
+            seqs[name] += 1
+        ingest_s += time.perf_counter() - start
+        stored += len(hashes)
+        probe = probe or hashes
+    pauses = []
+    for _ in range(collections):
+        start = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - start)
+    tracked = len(gc.get_objects()) - tracked_before
+    rss = _rss_bytes() - rss_before
+    lookups = []
+    for _ in range(50):
+        start = time.perf_counter()
+        index.match([0] * (len(probe) + 1), {1: probe})
+        lookups.append(time.perf_counter() - start)
+    return {"blocks": stored, "workers": workers, "ingest_blocks_per_s": sum(index.block_count(n) for n in names) / ingest_s,
+            "gc_full_ms": statistics.median(pauses) * 1e3, "gc_tracked_objects": tracked, "rss_mib": rss / 2**20,
+            "lookup_blocks": len(probe), "lookup_p50_ms": statistics.median(lookups) * 1e3}
+
+
+def render_held(r: dict) -> str:
+    return "\n".join([
+        "| blocks held (page 1) | workers | ingest | full GC pause | objects tracked for the index | resident memory | "
+        "lookup of a held chain |",
+        "|---|---|---|---|---|---|---|",
+        f"| {r['blocks']:,} | {r['workers']} | {r['ingest_blocks_per_s']:,.0f} blocks/s | {r['gc_full_ms']:.1f} ms | "
+        f"{r['gc_tracked_objects']:,} | {r['rss_mib']:,.0f} MiB | {r['lookup_p50_ms']:.2f} ms ({r['lookup_blocks']:,} blocks) |",
+    ])
+
+
 def render_markdown(r: dict) -> str:
+    if "gc_full_ms" in r:
+        return render_held(r)
     return "\n".join([
         "| workers | events ingested | ingest rate | match 128K (hash + lookup) p50 / p99 | lookup only p50 / p99 |",
         "|---|---|---|---|---|",

@@ -66,15 +66,20 @@ class InvalidEvents(ValueError):
 
 @dataclass
 class _WorkerState:
+    """One worker's blocks. Every per-block collection is a plain dict of ints (``None`` values for a
+    set): CPython keeps such a dict out of garbage collection, so millions of blocks (page size 1,
+    a hybrid model's, is one block per token) add nothing to a collection's pause. A ``set`` is
+    always tracked and walked element by element."""
+
     cluster: str
+    bit: int  # this worker's bit in KvIndex's holder masks
     block_size: int | None = None
-    blocks: set[int] = field(default_factory=set)
-    checkpoints: set[int] = field(default_factory=set)
-    depth: dict[int, int] = field(default_factory=dict)  # block -> blocks from the root
+    depth: dict[int, int] = field(default_factory=dict)  # block -> blocks from the root; its keys are the blocks held
+    checkpoints: dict[int, None] = field(default_factory=dict)
     last_seq: int | None = None
     resets: int = 0
     reports_state: bool = False  # checkpoints come from the worker's state events, not inferred
-    swa_missing: set[int] = field(default_factory=set)  # stored pages without their sliding-window KV ("swa" events)
+    swa_missing: dict[int, None] = field(default_factory=dict)  # stored pages without their sliding-window KV ("swa" events)
     swa_window_tokens: int | None = None  # set: a sliding-window worker, matched by the window rule
 
 
@@ -108,12 +113,19 @@ class KvIndex:
         self.hybrid = hybrid
         self.checkpoint_interval_tokens = checkpoint_interval_tokens
         self._workers: dict[str, _WorkerState] = {}
-        self._holders: dict[int, set[str]] = {}  # block hash -> workers holding it
+        # block hash -> the workers holding it, one bit each (_WorkerState.bit): ints, not sets,
+        # so the garbage collector never walks the index (see _WorkerState)
+        self._holders: dict[int, int] = {}
+        self._names: dict[int, tuple[str, ...]] = {}  # holder mask -> its workers' names (a cache)
 
     # --- membership ----------------------------------------------------------------
 
     def add_worker(self, worker: str, cluster: str, block_size: int | None = None) -> None:
-        state = self._workers.setdefault(worker, _WorkerState(cluster))
+        state = self._workers.get(worker)
+        if state is None:
+            taken = {s.bit for s in self._workers.values()}
+            state = self._workers[worker] = _WorkerState(cluster, bit=min(set(range(len(taken) + 1)) - taken))
+            self._names.clear()
         if block_size is not None:
             if block_size < 1:
                 raise InvalidEvents(f"block size of {worker} must be >= 1, got {block_size}")
@@ -122,14 +134,15 @@ class KvIndex:
             state.block_size = block_size
 
     def remove_worker(self, worker: str) -> None:
-        self._drop(worker)
+        self._drop(worker)  # clears the worker's bit from every mask before another worker may take it
         self._workers.pop(worker, None)
+        self._names.clear()
 
     def workers(self) -> dict[str, str]:
         return {w: s.cluster for w, s in self._workers.items()}
 
     def block_count(self, worker: str) -> int:
-        return len(self._workers[worker].blocks)
+        return len(self._workers[worker].depth)
 
     def resets(self, worker: str) -> int:
         return self._workers[worker].resets
@@ -143,7 +156,7 @@ class KvIndex:
 
     def export(self) -> dict[str, WorkerSnapshot]:
         """Every worker's blocks, their depths and the expected checkpoints; pure read."""
-        return {w: WorkerSnapshot(s.cluster, s.block_size, tuple((b, s.depth.get(b, 1)) for b in s.blocks),
+        return {w: WorkerSnapshot(s.cluster, s.block_size, tuple(s.depth.items()),
                                   tuple(s.checkpoints), s.reports_state, tuple(s.swa_missing), s.swa_window_tokens)
                 for w, s in self._workers.items()}
 
@@ -164,15 +177,15 @@ class KvIndex:
         if take_checkpoints:
             state.reports_state = snap.reports_state
         added = 0
+        holders, bit = self._holders, 1 << state.bit
         for block, depth in snap.blocks:
-            if block not in state.blocks:
-                state.blocks.add(block)
+            if block not in state.depth:
                 state.depth[block] = depth
-                self._holders.setdefault(block, set()).add(worker)
+                holders[block] = holders.get(block, 0) | bit
                 added += 1
         if take_checkpoints:
-            state.checkpoints.update(b for b in snap.checkpoints if b in state.blocks)
-            state.swa_missing.update(b for b in snap.swa_missing if b in state.blocks)
+            state.checkpoints.update((b, None) for b in snap.checkpoints if b in state.depth)
+            state.swa_missing.update((b, None) for b in snap.swa_missing if b in state.depth)
             if snap.swa_window_tokens is not None:
                 state.swa_window_tokens = snap.swa_window_tokens
         state.last_seq = None
@@ -200,17 +213,17 @@ class KvIndex:
             if event.component_type == "swa":
                 state.swa_window_tokens = event.window_tokens
                 if isinstance(event, StateStored):
-                    state.swa_missing.discard(event.block_hash)
-                elif event.block_hash in state.blocks:  # marks a stored page only
-                    state.swa_missing.add(event.block_hash)
+                    state.swa_missing.pop(event.block_hash, None)
+                elif event.block_hash in state.depth:  # marks a stored page only
+                    state.swa_missing[event.block_hash] = None
                 continue
             if event.component_type != "mamba":
                 continue
             if isinstance(event, StateStored):
-                if event.block_hash in state.blocks:  # a state is held at most where its page is
-                    state.checkpoints.add(event.block_hash)
+                if event.block_hash in state.depth:  # a state is held at most where its page is
+                    state.checkpoints[event.block_hash] = None
             else:
-                state.checkpoints.discard(event.block_hash)
+                state.checkpoints.pop(event.block_hash, None)
 
     @staticmethod
     def _check(worker: str, state: _WorkerState, events: list, state_events: list | None) -> None:
@@ -241,20 +254,20 @@ class KvIndex:
                 interval = max(self.checkpoint_interval_tokens // event.block_size, 1)
                 parent = event.parent_block_hash
                 if infer and run_end is not None and parent != run_end:
-                    state.checkpoints.add(run_end)  # the previous prompt's end
+                    state.checkpoints[run_end] = None  # the previous prompt's end
+                holders, bit = self._holders, 1 << state.bit
                 for block in event.block_hashes:
                     # Absolute depth from the root; an unknown parent (lost to a reset) restarts at 1.
                     depth = state.depth.get(parent, 0) + 1 if parent is not None else 1
                     state.depth[block] = depth
-                    state.blocks.add(block)
-                    self._holders.setdefault(block, set()).add(worker)
+                    holders[block] = holders.get(block, 0) | bit
                     if infer and depth % interval == 0:
-                        state.checkpoints.add(block)
+                        state.checkpoints[block] = None
                     parent = block
                 run_end = parent
                 continue
             if infer and run_end is not None:
-                state.checkpoints.add(run_end)
+                state.checkpoints[run_end] = None
             run_end = None
             if isinstance(event, BlockRemoved):
                 for block in event.block_hashes:
@@ -262,25 +275,25 @@ class KvIndex:
             elif isinstance(event, AllBlocksCleared):
                 self._drop(worker)
         if infer and run_end is not None:
-            state.checkpoints.add(run_end)
+            state.checkpoints[run_end] = None
 
     def _forget(self, worker: str, block: int) -> None:
         state = self._workers[worker]
-        state.blocks.discard(block)
-        state.checkpoints.discard(block)
-        state.swa_missing.discard(block)
-        state.depth.pop(block, None)
-        holders = self._holders.get(block)
-        if holders is not None:
-            holders.discard(worker)
-            if not holders:
-                del self._holders[block]
+        state.checkpoints.pop(block, None)
+        state.swa_missing.pop(block, None)
+        if state.depth.pop(block, None) is None:
+            return
+        mask = self._holders.get(block, 0) & ~(1 << state.bit)
+        if mask:
+            self._holders[block] = mask
+        else:
+            self._holders.pop(block, None)
 
     def _drop(self, worker: str) -> None:
         state = self._workers.get(worker)
         if state is None:
             return
-        for block in list(state.blocks):
+        for block in list(state.depth):
             self._forget(worker, block)
         state.checkpoints.clear()
         state.swa_missing.clear()
@@ -318,6 +331,23 @@ class KvIndex:
         return PrefixMatch(len(token_ids), by_worker, by_cluster, shared, held,
                            {w: s.cluster for w, s in self._workers.items()})
 
+    def _mask(self, workers) -> int:
+        """The holder mask of these (known) workers."""
+        mask = 0
+        for w in workers:
+            mask |= 1 << self._workers[w].bit
+        return mask
+
+    def _names_of(self, mask: int) -> tuple[str, ...]:
+        """The workers whose bits ``mask`` sets (cached per mask; the cache is emptied whenever a
+        worker is added or removed, and kept small)."""
+        names = self._names.get(mask)
+        if names is None:
+            if len(self._names) >= 4096:
+                self._names.clear()
+            names = self._names[mask] = tuple(w for w, s in self._workers.items() if mask >> s.bit & 1)
+        return names
+
     def _match_size(self, token_ids: Sequence[int], size: int, members: set[str],
                     given=None) -> tuple[dict[str, int], int, dict[str, int]]:
         """(reusable tokens per member, the longest full-attention block match of any member, the
@@ -325,19 +355,20 @@ class KvIndex:
         # Hash lazily: the walk stops at the first block no member holds.
         ids = iter(given) if given is not None else (
             digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
-        alive: set[str] | None = None
+        holders, members_mask = self._holders, self._mask(members)
+        alive: int | None = None  # bit mask of the members holding every block so far
         best: dict[str, int] = {}
         windowed: dict[str, int] = {}  # sliding-window workers: pages in a row holding their window KV
         held_blocks: dict[str, int] = {}  # blocks in a row from the root each member holds
         state_ends: dict[str, set[int]] = {}  # depths at which a member holds a state checkpoint
         matched = 0
         for depth, block in enumerate(ids, 1):
-            holders = self._holders.get(block, set())
-            alive = (holders & members) if alive is None else alive & holders
+            mask = holders.get(block, 0)
+            alive = mask & members_mask if alive is None else alive & mask
             if not alive:
                 break
             matched = depth
-            for w in alive:
+            for w in self._names_of(alive):
                 st = self._workers[w]
                 if st.swa_window_tokens is not None:
                     # SWARadixCache.match_prefix: resumable where the window before it is held, or
