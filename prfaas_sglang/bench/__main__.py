@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                           help="saturate each stage of a small deployment; throughput vs the planner's Theta, TTFT at 50/80%%")
     fidelity.add_argument("--json", action="store_true")
     kvi = sub.add_parser("kvindex", help="KV index ingest rate and match latency")
+    kvi.add_argument("--held-blocks", type=int, default=None,
+                     help="instead: an index holding this many page-1 blocks; its GC pause, tracked objects, memory")
+    kvi.add_argument("--workers", type=int, default=4, help="with --held-blocks: workers holding them")
     kvi.add_argument("--json", action="store_true")
     se = sub.add_parser("state-events", help="state events' overhead: stock vs our hybrid cache on a trace")
     se.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--prompt", choices=("ids", "text", "both"), default=None,
                     help="input_ids, /generate text, or both (default: ids, or both for prompts over 1K tokens)")
     ro.add_argument("--front", action="store_true", help="also a path through the router's front (router/front.py)")
+    ro.add_argument("--peers", default="", help="comma list of PyPI PD routers to route the same requests too "
+                                                "(sglang-router, smg): what a compiled proxy adds on this machine")
+    ro.add_argument("--wakeup-samples", type=int, default=0,
+                    help="also measure this machine's cost of waking a process, this many round trips (0: not)")
     ro.add_argument("--router-cpu", type=int, default=None,
                     help="pin the router to this CPU and the workers and client to the others (its own core, as deployed)")
     ro.add_argument("--json", action="store_true")
@@ -334,11 +341,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--prompt-tokens must be >= 1 and --rate > 0")
         if args.router_cpu is not None and (why := bench.router_cpu_problem(args.router_cpu)):
             parser.error(f"--router-cpu: {why}")
-        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind, front=args.front,
-                                  router_cpu=args.router_cpu) for kind in kinds}
+        peers = tuple(p for p in args.peers.split(",") if p)
+        if unknown := set(peers) - set(bench.PEER_ROUTERS):
+            parser.error(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(bench.PEER_ROUTERS)}")
+        if args.wakeup_samples < 0:
+            parser.error("--wakeup-samples must be >= 0")
+        result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind, front=args.front, router_cpu=args.router_cpu,
+                                  peers=peers, wakeup_samples=args.wakeup_samples) for kind in kinds}
         result = result[kinds[0]] if len(kinds) == 1 else result
         header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
                   f"--duration {args.duration:g}{' --front' if args.front else ''}"
+                  f"{f' --peers {args.peers}' if peers else ''}"
+                  f"{f' --wakeup-samples {args.wakeup_samples}' if args.wakeup_samples else ''}"
                   f"{f' --router-cpu {args.router_cpu}' if args.router_cpu is not None else ''}; {stamp} -->")
     elif args.name == "transport":
         from prfaas_sglang.bench import transport as bench
@@ -463,8 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 
-        result = bench.run()
-        header = f"<!-- python -m prfaas_sglang.bench kvindex; {stamp} -->"
+        if args.held_blocks is not None:
+            if args.held_blocks < 1 or args.workers < 1:
+                parser.error("--held-blocks and --workers must be >= 1")
+            result = bench.held(args.held_blocks, args.workers)
+            header = f"<!-- python -m prfaas_sglang.bench kvindex --held-blocks {args.held_blocks} --workers {args.workers}; {stamp} -->"
+        else:
+            result = bench.run()
+            header = f"<!-- python -m prfaas_sglang.bench kvindex; {stamp} -->"
     else:
         if not args.speedup > 0 or not 0 < args.kv_scale <= 1:
             parser.error("--speedup must be > 0 and --kv-scale in (0, 1]")

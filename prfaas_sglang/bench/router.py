@@ -13,6 +13,14 @@ shipped tokenizer, which workers and router load: directly, both workers
 tokenize it; through the router, the router tokenizes it once (to route on the
 ids) and sends the workers the ids, so its tokenization is part of what it adds.
 
+``peers`` adds paths through PyPI PD routers (``sglang-router``, ``smg``; compiled, in
+Rust) over the same two workers, taking turns with the others: what a proxy in the
+router's place adds on this machine when its code is not Python. Next to them the
+bench can measure what this machine charges for a hop after an idle gap
+(:func:`idle_rtt`): a proxy adds two wake-ups per request (the request in, the
+answer back) and handles the body once more, and on a virtual machine whose idle
+vCPUs halt, the same work costs more after a gap than back to back.
+
 ``router_cpu`` pins the router (every thread) to that CPU and everything else (the
 workers, the client) to the other CPUs, as a deployment gives the router its own
 cores: on a 2-core machine it separates what the router's code and hop cost from
@@ -32,7 +40,14 @@ import aiohttp
 import orjson
 
 from prfaas_sglang.bench.stats import percentile
-from prfaas_sglang.demo.cluster import ProcessGroup, start_front, start_mock_worker, start_router
+from prfaas_sglang.demo.cluster import (
+    PEER_ROUTERS,
+    ProcessGroup,
+    start_front,
+    start_mock_worker,
+    start_peer_router,
+    start_router,
+)
 from prfaas_sglang.demo.workloads import TextSource
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 
@@ -85,6 +100,53 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+ECHO_CHILD = """
+import socket, sys, orjson
+conn, size, parse = socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]), sys.argv[3] == "1"
+while True:
+    buf = b""
+    while len(buf) < size:
+        data = conn.recv(1 << 20)
+        if not data:
+            sys.exit(0)
+        buf += data
+    if parse:
+        orjson.loads(buf)
+    conn.sendall(b"x")
+"""
+
+
+def idle_rtt(payload: bytes, parse: bool, samples: int, idle_s: float) -> list[float]:
+    """Round trips (ms): ``payload`` over a local socket to a child process, which reads it all (and
+    parses it with ``orjson`` if ``parse``) and answers one byte. Each holds two wake-ups and, with a
+    payload, the work a hop does on a body. ``idle_s`` apart: 0 keeps the CPUs busy; the gap the
+    bench's requests leave lets them go idle first, and on a virtual machine an idle vCPU may give
+    its core (and caches) away. Blocking: call it outside the event loop."""
+    import socket
+    import subprocess
+    import sys
+
+    mine, theirs = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", ECHO_CHILD, str(theirs.fileno()), str(len(payload)), str(int(parse))],
+                             pass_fds=[theirs.fileno()])
+    theirs.close()
+    out: list[float] = []
+    try:
+        for i in range(samples + 20):  # the first 20 warm up
+            if idle_s:
+                time.sleep(idle_s)
+            start = time.perf_counter()
+            mine.sendall(payload)
+            if not mine.recv(1):
+                raise RuntimeError("the echo child exited")
+            if i >= 20:
+                out.append((time.perf_counter() - start) * 1e3)
+    finally:
+        mine.close()
+        child.wait(timeout=10)
+    return out
+
+
 def pin(pid: int, cpus: set[int]) -> int:
     """Every thread of ``pid`` and of its descendants onto ``cpus`` (``sched_setaffinity`` applies to one
     thread; threads and processes made later inherit their creator's). Returns how many threads moved."""
@@ -108,7 +170,7 @@ def _pin_threads(pid: int, cpus: set[int]) -> int:
 
 
 async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str, front: bool = False,
-               router_cpu: int | None = None) -> dict:
+               router_cpu: int | None = None, peers: tuple[str, ...] = ()) -> dict:
     group = ProcessGroup(log_dir)
     affinity_before = os.sched_getaffinity(0)
     try:
@@ -125,6 +187,10 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
         router = await asyncio.to_thread(start_router, group, topology, "--threshold", "1000000")
         router_url = router.url
         front_url = await asyncio.to_thread(start_front, group, router_url) if front else None
+        # One prefill and one decode: a policy has nothing to choose, so the cheapest (round_robin) is
+        # each peer's strongest setting for this measurement.
+        peer_urls = {kind: await asyncio.to_thread(start_peer_router, group, kind, [pp], [dd], prefill_policy="round_robin",
+                                                   decode_policy="round_robin") for kind in peers}
         if router_cpu is not None:
             rest = affinity_before - {router_cpu}
             for proc in group.procs:
@@ -175,18 +241,32 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
                     await resp.read()
                     return resp.status == 200
 
-            senders = (direct, via_router, via_front) if front else (direct, via_router)
+            def via_peer(url: str):
+                async def send(i: int) -> bool:
+                    async with session.post(url + "/generate", data=raw, headers=JSON) as resp:
+                        await resp.read()
+                        return resp.status == 200
+                return send
+
+            senders = (direct, via_router, *(via_peer(url) for url in peer_urls.values()), *((via_front,) if front else ()))
             await _drive(rate, 1.0, *senders)  # warm every path
             for values in (*own.values(), paired):
                 values.clear()
-            (d_lat, d_fail), (r_lat, r_fail), *fronted = await _drive(rate, duration_s, *senders)
+            (d_lat, d_fail), (r_lat, r_fail), *others = await _drive(rate, duration_s, *senders)
+            peered, fronted = others[:len(peer_urls)], others[len(peer_urls):]
     finally:
         group.stop()
         _pin_threads(os.getpid(), affinity_before)
     extra = {"router_cpu": router_cpu}
+    if peered:
+        extra["peers"] = {kind: {"requests": len(lat), "failed": fail, "p50_ms": percentile(lat, 0.5) * 1e3,
+                                 "p99_ms": percentile(lat, 0.99) * 1e3,
+                                 "added_p50_ms": (percentile(lat, 0.5) - percentile(d_lat, 0.5)) * 1e3,
+                                 "added_p99_ms": (percentile(lat, 0.99) - percentile(d_lat, 0.99)) * 1e3}
+                          for kind, (lat, fail) in zip(peer_urls, peered, strict=True)}
     if fronted:
         f_lat, f_fail = fronted[0]
-        extra = {"front": {"requests": len(f_lat), "failed": f_fail, "p50_ms": percentile(f_lat, 0.5) * 1e3,
+        extra |= {"front": {"requests": len(f_lat), "failed": f_fail, "p50_ms": percentile(f_lat, 0.5) * 1e3,
                            "p99_ms": percentile(f_lat, 0.99) * 1e3},
                  "front_added_p50_ms": (percentile(f_lat, 0.5) - percentile(r_lat, 0.5)) * 1e3,
                  "front_added_p99_ms": (percentile(f_lat, 0.99) - percentile(r_lat, 0.99)) * 1e3}
@@ -238,13 +318,27 @@ def router_cpu_problem(cpu: int) -> str | None:
 
 
 def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids", front: bool = False,
-        router_cpu: int | None = None) -> dict:
-    """``front``: a third path, through the router's front (router/front.py) to the same router.
-    ``router_cpu``: the router alone on that CPU, the rest on the others (ValueError if that leaves none)."""
+        router_cpu: int | None = None, peers: tuple[str, ...] = (), wakeup_samples: int = 0) -> dict:
+    """``front``: a path through the router's front (router/front.py) to the same router.
+    ``peers``: a path through each of these PyPI routers (keys of ``PEER_ROUTERS``).
+    ``router_cpu``: the router alone on that CPU, the rest on the others (ValueError if that leaves none).
+    ``wakeup_samples``: also measure :func:`idle_rtt` (one byte; the body, parsed) back to back and
+    after the gap the bench's paths leave between requests, this many round trips each (``wakeup``)."""
     if router_cpu is not None and (why := router_cpu_problem(router_cpu)):
         raise ValueError(why)
+    if unknown := set(peers) - set(PEER_ROUTERS):
+        raise ValueError(f"unknown peer routers {sorted(unknown)}; choose from {', '.join(PEER_ROUTERS)}")
     with tempfile.TemporaryDirectory(prefix="prfaas-overhead-") as tmp:
-        return asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front, router_cpu))
+        result = asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front, router_cpu, tuple(peers)))
+    if wakeup_samples:
+        gap_s = 1.0 / (rate * (2 + len(peers) + int(front)))  # between one request and the next, any path
+        body = orjson.dumps({"input_ids": [random.Random(11).randrange(4096) for _ in range(prompt_tokens)]})
+        result["wakeup"] = {"gap_s": gap_s, "body_bytes": len(body)}
+        for name, payload, parse in (("byte", b"x", False), ("body_parsed", body, True)):
+            for when, idle_s in (("busy", 0.0), ("after_gap", gap_s)):
+                v = idle_rtt(payload, parse, wakeup_samples, idle_s)
+                result["wakeup"][f"{name}_{when}_ms"] = {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99)}
+    return result
 
 
 def render_markdown(r: dict) -> str:
@@ -264,6 +358,13 @@ def render_markdown(r: dict) -> str:
           if r.get("legs_ms") else []),
         *([f"| **added per request (wait - legs)** | | | **{r['added_per_request_ms']['p50']:.2f} ms** | "
            f"**{r['added_per_request_ms']['p99']:.2f} ms** |"] if r.get("added_per_request_ms") else []),
+        *(f"| through {kind} (compiled peer) | {v['requests']} | {v['failed']} | {v['p50_ms']:.2f} ms | {v['p99_ms']:.2f} ms |\n"
+          f"| **added by {kind}** | | | **{v['added_p50_ms']:.2f} ms** | **{v['added_p99_ms']:.2f} ms** |"
+          for kind, v in r.get("peers", {}).items()),
+        *(f"| machine: a local round trip, {what}, back to back / after a {r['wakeup']['gap_s'] * 1e3:.0f} ms gap | | | "
+          f"{r['wakeup'][f'{key}_busy_ms']['p50']:.2f} / {r['wakeup'][f'{key}_after_gap_ms']['p50']:.2f} ms | "
+          f"{r['wakeup'][f'{key}_busy_ms']['p99']:.2f} / {r['wakeup'][f'{key}_after_gap_ms']['p99']:.2f} ms |"
+          for key, what in (("byte", "one byte"), ("body_parsed", "the body, parsed (orjson)")) if r.get("wakeup")),
         *([f"| through the front, then the router | {r['front']['requests']} | {r['front']['failed']} | "
            f"{r['front']['p50_ms']:.2f} ms | {r['front']['p99_ms']:.2f} ms |",
            f"| **added by the front (front - router)** | | | **{r['front_added_p50_ms']:.2f} ms** | "

@@ -67,3 +67,20 @@ def test_bench_router_overhead_smoke_with_the_router_on_its_own_cpu():
     added = result["added_per_request_ms"]
     assert added is not None and 0 < added["p50"] <= added["p99"] <= added["max"]
     assert result["legs_ms"]["p50"] > 0
+
+
+def test_bench_router_overhead_routes_the_same_requests_through_a_compiled_peer():
+    """``--peers``: the same body, interleaved with the other paths, through smg (PD mode over the
+    same two workers), every request answered; ``--wakeup-samples``: the machine's local round
+    trips, back to back and after the bench's gap, for a byte and for the parsed body."""
+    result = bench.run(rate=10.0, duration_s=2.0, prompt_tokens=256, prompt="ids", peers=("smg",), wakeup_samples=20)
+    smg = result["peers"]["smg"]
+    assert smg["requests"] >= 15 and smg["failed"] == 0, smg
+    assert smg["p50_ms"] > 0 and smg["added_p50_ms"] == pytest.approx(smg["p50_ms"] - result["direct"]["p50_ms"])
+    wake = result["wakeup"]
+    assert wake["gap_s"] == pytest.approx(1 / 30) and wake["body_bytes"] > 256
+    for key in ("byte_busy_ms", "byte_after_gap_ms", "body_parsed_busy_ms", "body_parsed_after_gap_ms"):
+        assert 0 < wake[key]["p50"] <= wake[key]["p99"], key
+    assert "through smg (compiled peer)" in bench.render_markdown(result)
+    with pytest.raises(ValueError, match="unknown peer routers"):
+        bench.run(peers=("nginx",))
