@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     kvi.add_argument("--held-blocks", type=int, default=None,
                      help="instead: an index holding this many page-1 blocks; its GC pause, tracked objects, memory")
     kvi.add_argument("--workers", type=int, default=4, help="with --held-blocks: workers holding them")
+    kvi.add_argument("--page-sizes", default=None,
+                     help="instead: one match's cost per worker page size (comma list), a 32K-token prompt held and new")
     kvi.add_argument("--json", action="store_true")
     se = sub.add_parser("state-events", help="state events' overhead: stock vs our hybrid cache on a trace")
     se.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
@@ -477,7 +479,16 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "kvindex":
         from prfaas_sglang.bench import kvindex as bench
 
-        if args.held_blocks is not None:
+        if args.page_sizes is not None:
+            try:
+                sizes = tuple(int(x) for x in args.page_sizes.split(","))
+            except ValueError:
+                parser.error("--page-sizes: a comma list of integers")
+            if not sizes or min(sizes) < 1:
+                parser.error("--page-sizes must be >= 1")
+            result = bench.by_page_size(sizes)
+            header = f"<!-- python -m prfaas_sglang.bench kvindex --page-sizes {args.page_sizes}; {stamp} -->"
+        elif args.held_blocks is not None:
             if args.held_blocks < 1 or args.workers < 1:
                 parser.error("--held-blocks and --workers must be >= 1")
             result = bench.held(args.held_blocks, args.workers)

@@ -115,6 +115,41 @@ def held(blocks: int = 2_000_000, workers: int = 4, chain_blocks: int = 4096, sh
             "lookup_blocks": len(probe), "lookup_p50_ms": statistics.median(lookups) * 1e3}
 
 
+def by_page_size(page_sizes=(1, 16, 64, 512), prompt_tokens: int = 32_768, runs: int = 20, seed: int = 0) -> dict:
+    """What one ``match`` costs per worker page size, for a ``prompt_tokens`` prompt one worker
+    holds whole (every page hashed with SGLang's chained SHA-256 and looked up) and for a new one
+    (stops at its first page), the held one the first time (every page hashed) and again (the
+    index's memo has its ids). SGLang runs Kimi Linear (no_buffer Mamba state) at page size 1, so
+    its events name one block per token."""
+    from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(32_000) for _ in range(prompt_tokens + 1)]
+    fresh = [rng.randrange(32_000) for _ in range(prompt_tokens + 1)]
+    rows = []
+    for size in page_sizes:
+        index = KvIndex(hybrid=False)
+        index.add_worker("w", "pd", block_size=size)
+        hashes = [digest_to_int64(d) for d in page_digests(prompt[:-1], size)]
+        index.apply("w", 0, [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[: len(hashes) * size],
+                                         block_size=size, lora_id=None)])
+        start = time.perf_counter()
+        index.match(prompt)  # the first time: every page hashed
+        first_ms = (time.perf_counter() - start) * 1e3
+        cached, new = [], []
+        for _ in range(runs):
+            start = time.perf_counter()
+            held_tokens = index.match(prompt).by_worker["w"]
+            cached.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            index.match(fresh)
+            new.append(time.perf_counter() - start)
+        rows.append({"page_size": size, "blocks": len(hashes), "matched_tokens": held_tokens,
+                     "cached_first_ms": first_ms, "cached_p50_ms": statistics.median(cached) * 1e3,
+                     "new_p50_ms": statistics.median(new) * 1e3})
+    return {"prompt_tokens": prompt_tokens, "rows": rows}
+
+
 def render_held(r: dict) -> str:
     return "\n".join([
         "| blocks held (page 1) | workers | ingest | full GC pause | objects tracked for the index | resident memory | "
@@ -128,6 +163,12 @@ def render_held(r: dict) -> str:
 def render_markdown(r: dict) -> str:
     if "gc_full_ms" in r:
         return render_held(r)
+    if "rows" in r:
+        return "\n".join([f"| page size | blocks per {r['prompt_tokens']:,}-token prompt | match, prompt held whole: first / "
+                          "again (p50) | match, new prompt (p50) |", "|---|---|---|---|",
+                          *(f"| {x['page_size']} | {x['blocks']:,} | {x['cached_first_ms']:.2f} / {x['cached_p50_ms']:.2f} ms | "
+                            f"{x['new_p50_ms']:.2f} ms |"
+                            for x in r["rows"])])
     return "\n".join([
         "| workers | events ingested | ingest rate | match 128K (hash + lookup) p50 / p99 | lookup only p50 / p99 |",
         "|---|---|---|---|---|",

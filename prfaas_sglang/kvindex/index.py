@@ -46,10 +46,13 @@ empties the worker.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, compress, islice, repeat, takewhile
+from operator import and_
 
-from prfaas_sglang.wire.blocks import digest_to_int64, iter_page_digests
+from prfaas_sglang.wire.blocks import PageIdMemo, digest_to_int64, iter_page_digests
 from prfaas_sglang.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -109,8 +112,12 @@ class PrefixMatch:
 
 
 class KvIndex:
-    def __init__(self, hybrid: bool, checkpoint_interval_tokens: int = 8192):
+    def __init__(self, hybrid: bool, checkpoint_interval_tokens: int = 8192, memo: PageIdMemo | None = None):
+        """``memo``: where ``match`` keeps the block ids of prompts it hashed, for workers whose
+        pages are smaller than its segments (page size 1: a SHA-256 per token); None: a default one
+        (64K segments of 64 tokens, about 40 MB when full at page size 1)."""
         self.hybrid = hybrid
+        self.memo = memo if memo is not None else PageIdMemo()
         self.checkpoint_interval_tokens = checkpoint_interval_tokens
         self._workers: dict[str, _WorkerState] = {}
         # block hash -> the workers holding it, one bit each (_WorkerState.bit): ints, not sets,
@@ -308,7 +315,8 @@ class KvIndex:
         return [digest_to_int64(d) for d in iter_page_digests(token_ids, block_size, max_tokens=len(token_ids) - 1)]
 
     def match(self, token_ids: Sequence[int], block_ids: dict[int, Sequence[int]] | None = None) -> PrefixMatch:
-        """Reusable prefix of ``token_ids`` on every worker, in tokens; pure read.
+        """Reusable prefix of ``token_ids`` on every worker, in tokens. Reads the index; records
+        the prompt's block ids in :attr:`memo` (small pages only), which changes no answer.
 
         The last token is never reusable (it is always recomputed), so only the full
         pages of ``token_ids[:-1]`` are looked up, at each worker's own block size.
@@ -351,40 +359,62 @@ class KvIndex:
     def _match_size(self, token_ids: Sequence[int], size: int, members: set[str],
                     given=None) -> tuple[dict[str, int], int, dict[str, int]]:
         """(reusable tokens per member, the longest full-attention block match of any member, the
-        tokens each member holds for a decode (``PrefixMatch.held_by_worker``))."""
-        # Hash lazily: the walk stops at the first block no member holds.
-        ids = iter(given) if given is not None else (
-            digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
-        holders, members_mask = self._holders, self._mask(members)
-        alive: int | None = None  # bit mask of the members holding every block so far
-        best: dict[str, int] = {}
-        windowed: dict[str, int] = {}  # sliding-window workers: pages in a row holding their window KV
-        held_blocks: dict[str, int] = {}  # blocks in a row from the root each member holds
-        state_ends: dict[str, set[int]] = {}  # depths at which a member holds a state checkpoint
-        matched = 0
-        for depth, block in enumerate(ids, 1):
-            mask = holders.get(block, 0)
-            alive = mask & members_mask if alive is None else alive & mask
-            if not alive:
+        tokens each member holds for a decode (``PrefixMatch.held_by_worker``)).
+
+        The walk runs in C (``map``, ``accumulate``) over batches of blocks that double in size,
+        so a new prompt costs a page or so of hashing and a held one no Python step per block (at
+        page size 1, a block per token): first which members hold every block so far, then per
+        member how far it holds and, for a hybrid model, which of those blocks are its checkpoints::
+
+            blocks:   b1   b2   b3   b4   b5        (the prompt's pages, hashed as the walk reads them)
+            alive:    ABC  AB   AB   A    A         (members holding b1..bk; it only shrinks)
+            held(A) = 5, held(B) = 3, held(C) = 1   (leading blocks while in alive)
+        """
+        # Hash lazily: the walk stops in the first batch where no member holds a block.
+        if given is not None:
+            ids = iter(given)
+        elif size < self.memo.segment_tokens:  # a SHA-256 call per few tokens: skip what was hashed before
+            ids = chain.from_iterable(self.memo.segments(token_ids, size, max_tokens=len(token_ids) - 1))
+        else:
+            ids = (digest_to_int64(d) for d in iter_page_digests(token_ids, size, max_tokens=len(token_ids) - 1))
+        holders, alive = self._holders, self._mask(members)
+        blocks: list[int] = []
+        alives: list[int] = []  # alives[k]: the members holding blocks[0..k]
+        batch_len = 1
+        while alive:
+            batch = list(islice(ids, batch_len))
+            if not batch:
                 break
-            matched = depth
-            for w in self._names_of(alive):
-                st = self._workers[w]
-                if st.swa_window_tokens is not None:
-                    # SWARadixCache.match_prefix: resumable where the window before it is held, or
-                    # where nothing from the root was ever dropped
-                    run = windowed[w] = 0 if block in st.swa_missing else windowed.get(w, 0) + 1
-                    if run == depth or run * size >= st.swa_window_tokens:
+            run = list(takewhile(bool, accumulate(map(holders.get, batch, repeat(0)), and_, initial=alive)))[1:]
+            blocks += batch[: len(run)]
+            alives += run
+            if len(run) < len(batch):
+                break
+            alive, batch_len = run[-1], batch_len * 2
+        best: dict[str, int] = {}
+        holds: dict[str, int] = {}
+        for w in self._names_of(self._mask(members) & (alives[0] if alives else 0)):
+            st = self._workers[w]
+            bit = 1 << st.bit
+            n = bisect_left(alives, True, key=lambda a, bit=bit: not a & bit)  # blocks w holds from the root
+            mine = blocks[:n]
+            state_ends = set()
+            if self.hybrid:
+                state_ends = set(compress(range(1, n + 1), map(st.checkpoints.__contains__, mine)))
+            if st.swa_window_tokens is not None:
+                # SWARadixCache.match_prefix: resumable where the window before it is held, or
+                # where nothing from the root was ever dropped
+                window_run = 0
+                for depth, block in enumerate(mine, 1):
+                    window_run = 0 if block in st.swa_missing else window_run + 1
+                    if window_run == depth or window_run * size >= st.swa_window_tokens:
                         best[w] = depth * size
-                elif not self.hybrid or block in st.checkpoints:
-                    best[w] = depth * size
-                held_blocks[w] = held_blocks.get(w, 0) + 1
-                if self.hybrid and block in st.checkpoints:
-                    state_ends.setdefault(w, set()).add(depth)
-        holds = {}
-        for w, n in held_blocks.items():
-            while self.hybrid and n and n in state_ends.get(w, ()):
+            elif not self.hybrid:
+                best[w] = n * size
+            elif state_ends:
+                best[w] = max(state_ends) * size
+            while n and n in state_ends:
                 n -= 1  # a page short of a state the match would end at (its lock would pin the state)
             if n:
                 holds[w] = n * size
-        return best, matched * size, holds
+        return best, len(blocks) * size, holds

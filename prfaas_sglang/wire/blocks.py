@@ -60,6 +60,86 @@ def _packed_pages(token_ids: Sequence[int], page_size: int, num_pages: int) -> I
         yield packed[k * step : (k + 1) * step]
 
 
+class PageIdMemo:
+    """Block ids of prompt segments already hashed, so a prompt sharing a prefix with one hashed
+    before skips SHA-256 over that prefix (pure; bounded, least recently used goes first).
+
+    At page size 1 (SGLang's for Kimi Linear) a block is a token: a 32K-token prompt is 32,768
+    chained SHA-256 calls (about 17 ms), each a Python call for 4 bytes. The memo keys segments
+    of ``segment_tokens`` by a cheap chained fingerprint of their tokens from the prompt's start
+    (Python's ``hash``, keyed per process) and keeps each segment's ids with the digest it ends
+    on, where hashing resumes after a miss::
+
+        prompt:   | seg 1 | seg 2 | seg 3 | seg 4 |rest|     (full segments only; rest hashed plainly)
+        key k:    fp_k = hash((fp_{k-1}, seg_k bytes)), fp_0 = page size
+        value k:  seg k's block ids (int64, packed) + the digest after seg k
+
+    A fingerprint collision (64 bits, random per process) would hand the walk another prefix's
+    ids: a wrong prefix estimate for one request, never a wrong output (SGLang matches tokens).
+    Values are bytes and keys ints, so the garbage collector never walks the memo.
+    """
+
+    def __init__(self, max_segments: int = 1 << 16, segment_tokens: int = 64):
+        if max_segments < 1 or segment_tokens < 1:
+            raise ValueError("max_segments and segment_tokens must be >= 1")
+        self.max_segments = max_segments
+        self.segment_tokens = segment_tokens
+        self._entries: dict[int, bytes] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def segments(self, token_ids: Sequence[int], page_size: int, max_tokens: int | None = None) -> Iterator[Sequence[int]]:
+        """The block ids of ``token_ids[:max_tokens]``'s full pages (as :func:`iter_page_digests`
+        and :func:`digest_to_int64` give them), a segment at a time: stop early to hash less.
+        Records the segments it hashed; refreshes those it found."""
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        usable = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        num_pages = usable // page_size
+        per_segment = max(1, self.segment_tokens // page_size)
+        step, segment_bytes = page_size * 4, per_segment * page_size * 4
+        source = getattr(token_ids, "packed_prefix", None)  # ids still in their JSON text: parse as read
+        packed = memoryview(b"") if source is not None else memoryview(array("I", token_ids).tobytes())
+        entries, fingerprint, prior = self._entries, page_size, None
+        num_segments = num_pages // per_segment
+        for k in range(num_segments + 1):
+            end = (k + 1) * segment_bytes if k < num_segments else num_pages * step
+            if len(packed) < end:
+                packed = memoryview(source(end // 4))
+            segment = packed[k * segment_bytes : end]  # read-only bytes: hashed without a copy
+            if k == num_segments:  # the pages after the last full segment: hashed, not kept
+                if segment:
+                    yield _chain_ids(segment, step, prior)[0]
+                return
+            fingerprint = hash((fingerprint, segment))
+            value = entries.pop(fingerprint, None)
+            if value is None:
+                self.misses += 1
+                ids, prior = _chain_ids(segment, step, prior)
+                value = ids.tobytes() + prior
+                if len(entries) >= self.max_segments:
+                    del entries[next(iter(entries))]
+            else:
+                self.hits += 1
+                prior = value[-32:]
+            entries[fingerprint] = value  # (re)inserted last: the most recently used
+            yield memoryview(value)[:-32].cast("q")
+
+
+def _chain_ids(packed: memoryview, step: int, prior: bytes | None) -> tuple[array, bytes | None]:
+    """The block ids of ``packed``'s pages of ``step`` bytes, chained from ``prior``, and the last digest."""
+    ids = array("q")
+    for at in range(0, len(packed), step):
+        h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
+        h.update(packed[at : at + step])
+        prior = h.digest()
+        ids.append(digest_to_int64(prior))
+    return ids, prior
+
+
 def page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
     """One 32-byte digest per *full* page of ``token_ids``; a trailing partial page is not hashed."""
     return list(iter_page_digests(token_ids, page_size, prior))

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from itertools import chain
 
 import numpy as np
 import orjson
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.protocol import BadRequest, parse_request
-from prfaas_sglang.wire.blocks import digest_to_int64, page_digests
+from prfaas_sglang.wire.blocks import PageIdMemo, digest_to_int64, page_digests
 from prfaas_sglang.wire.kv_events import BlockStored
 from prfaas_sglang.wire.token_ids import MAX_DIGITS, JsonIds, _has_run, split_ids
 
@@ -142,10 +143,13 @@ def test_a_cold_prompt_is_parsed_one_page_deep():
 
     held = [digest_to_int64(d) for d in page_digests(IDS[:1024], page)]
     index.apply("w", 0, [BlockStored(held, None, IDS[:1024], page, None)])
-    _, warm = split_ids(orjson.dumps({"input_ids": IDS}), "input_ids")
+    long_ids = IDS * 4
+    _, warm = split_ids(orjson.dumps({"input_ids": long_ids}), "input_ids")
     assert index.match(warm).by_worker["w"] == 1024
-    assert 1024 < warm.num_parsed <= 2 * 1088  # the page after the hit is read, not the whole prompt
-    assert [digest_to_int64(d) for d in page_digests(warm, page)] == [digest_to_int64(d) for d in page_digests(IDS, page)]
+    # The walk reads batches that double (1, 2, 4, ... pages) and the ids parse at least double
+    # what they have: past the hit's 17 pages, not the whole 12,000-token prompt.
+    assert 1024 < warm.num_parsed <= 4 * 1088
+    assert [digest_to_int64(d) for d in page_digests(warm, page)] == [digest_to_int64(d) for d in page_digests(long_ids, page)]
 
 
 def test_the_router_keeps_request_buffers_in_its_heap_unless_told_otherwise():
@@ -156,3 +160,53 @@ def test_the_router_keeps_request_buffers_in_its_heap_unless_told_otherwise():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "MALLOC_TRIM_THRESHOLD_": "1000000"})
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=300), st.sampled_from([1, 2, 5, 16, 64, 100]),
+       st.integers(0, 40), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_the_page_id_memo_gives_the_ids_hashing_gives(ids, page, extra, as_json):
+    """Whatever the memo holds (a tiny one, so segments are evicted), the ids it gives are SGLang's
+    chained ids of the same pages, for a prompt, the same prompt again, and a longer one sharing its
+    start; from a list or from ids still in their JSON text; cut at ``max_tokens``."""
+    memo = PageIdMemo(max_segments=3, segment_tokens=8)
+    rng = random.Random(len(ids))
+    longer = ids + [rng.randrange(1000) for _ in range(extra)]
+    for prompt in (ids, ids, longer, ids):
+        cut = split_ids(orjson.dumps({"input_ids": prompt}), "input_ids") if as_json and prompt else None
+        source = cut[1] if cut is not None else prompt  # 10-digit ids are not cut: the list then
+        for max_tokens in (None, max(len(prompt) - 1, 0)):
+            want = [digest_to_int64(d) for d in page_digests(prompt[:max_tokens], page)]
+            assert list(chain.from_iterable(memo.segments(source, page, max_tokens))) == want
+            assert len(memo) <= 3
+
+
+def test_a_prompt_seen_before_is_not_hashed_again_and_a_longer_one_only_past_it():
+    memo = PageIdMemo(segment_tokens=64)
+    prompt = IDS[:2000]
+    list(chain.from_iterable(memo.segments(prompt, 1)))
+    assert (memo.hits, memo.misses) == (0, 2000 // 64)
+    list(chain.from_iterable(memo.segments(prompt, 1)))
+    assert (memo.hits, memo.misses) == (31, 31)
+    list(chain.from_iterable(memo.segments(prompt + IDS[:200], 1)))  # 2200 tokens: 34 segments, 31 known
+    assert (memo.hits, memo.misses) == (62, 34)
+    first = next(memo.segments(IDS[:64], 4))  # another page size keys its own chain
+    assert memo.misses == 35 and list(first) == [digest_to_int64(d) for d in page_digests(IDS[:64], 4)]
+
+
+def test_the_kv_index_walks_a_page_one_prompt_from_its_memo_without_tracking_objects():
+    """Page size 1 through the index: the same answer hashed or from the memo, and neither the memo
+    nor the index gives the garbage collector objects to walk."""
+    import gc
+
+    prompt = IDS + IDS[:100]
+    index = KvIndex(hybrid=False)
+    index.add_worker("w", "pd", block_size=1)
+    held = [digest_to_int64(d) for d in page_digests(prompt[:2500], 1)]
+    index.apply("w", 0, [BlockStored(held, None, prompt[:2500], 1, None)])
+    gc.collect()
+    before = len(gc.get_objects())
+    answers = [index.match(prompt).by_worker["w"] for _ in range(3)]
+    gc.collect()
+    assert answers == [2500, 2500, 2500] and index.memo.hits >= 2 * (2500 // 64)
+    assert len(gc.get_objects()) - before < 50
