@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--front", action="store_true", help="also a path through the router's front (router/front.py)")
     ro.add_argument("--peers", default="", help="comma list of PyPI PD routers to route the same requests too "
                                                 "(sglang-router, smg): what a compiled proxy adds on this machine")
+    ro.add_argument("--page-size", type=int, default=None,
+                    help="the workers' page size (default: the emulated engine's 512; SGLang runs Kimi Linear at 1)")
     ro.add_argument("--wakeup-samples", type=int, default=0,
                     help="also measure this machine's cost of waking a process, this many round trips (0: not)")
     ro.add_argument("--router-cpu", type=int, default=None,
@@ -348,13 +350,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(bench.PEER_ROUTERS)}")
         if args.wakeup_samples < 0:
             parser.error("--wakeup-samples must be >= 0")
+        if args.page_size is not None and args.page_size < 1:
+            parser.error("--page-size must be >= 1")
         result = {kind: bench.run(rate, args.duration, args.prompt_tokens, kind, front=args.front, router_cpu=args.router_cpu,
-                                  peers=peers, wakeup_samples=args.wakeup_samples) for kind in kinds}
+                                  peers=peers, wakeup_samples=args.wakeup_samples, page_size=args.page_size) for kind in kinds}
         result = result[kinds[0]] if len(kinds) == 1 else result
         header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
                   f"--duration {args.duration:g}{' --front' if args.front else ''}"
                   f"{f' --peers {args.peers}' if peers else ''}"
                   f"{f' --wakeup-samples {args.wakeup_samples}' if args.wakeup_samples else ''}"
+                  f"{f' --page-size {args.page_size}' if args.page_size is not None else ''}"
                   f"{f' --router-cpu {args.router_cpu}' if args.router_cpu is not None else ''}; {stamp} -->")
     elif args.name == "transport":
         from prfaas_sglang.bench import transport as bench

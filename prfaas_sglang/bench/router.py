@@ -170,15 +170,19 @@ def _pin_threads(pid: int, cpus: set[int]) -> int:
 
 
 async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int, prompt: str, front: bool = False,
-               router_cpu: int | None = None, peers: tuple[str, ...] = ()) -> dict:
+               router_cpu: int | None = None, peers: tuple[str, ...] = (), page_size: int | None = None) -> dict:
     group = ProcessGroup(log_dir)
     affinity_before = os.sched_getaffinity(0)
     try:
         extra = ["--speedup", "1000", "--kv-scale", "0.0005", "--context-tokens", str(prompt_tokens + 64)]
+        if page_size is not None:
+            extra += ["--page-size", str(page_size)]
         if prompt == "text":
             extra += ["--tokenizer", SHIPPED]
-        pp = await asyncio.to_thread(start_mock_worker, group, "pd-prefill", "pd-prefill", PROFILE, extra)
-        dd = await asyncio.to_thread(start_mock_worker, group, "pd-decode", "pd-decode", PROFILE, extra)
+        # KV events on: the router's index holds what the workers cache, so a prompt sent again is
+        # matched whole (every page hashed and looked up), as a deployment's repeated prefixes are.
+        pp = await asyncio.to_thread(start_mock_worker, group, "pd-prefill", "pd-prefill", PROFILE, extra, events=True)
+        dd = await asyncio.to_thread(start_mock_worker, group, "pd-decode", "pd-decode", PROFILE, extra, events=True)
         topology = {"version": 1, "emulation": {"speedup": 1000, "kv_scale": 0.0005}, "clusters": {"a": {"kind": "pd", "nodes": [
             {"name": "pp", "role": "pd-prefill", "port": pp.port, "bootstrap_port": pp.bootstrap_port},
             {"name": "dd", "role": "pd-decode", "port": dd.port}]}}}
@@ -257,7 +261,7 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
     finally:
         group.stop()
         _pin_threads(os.getpid(), affinity_before)
-    extra = {"router_cpu": router_cpu}
+    extra = {"router_cpu": router_cpu, "page_size": page_size}
     if peered:
         extra["peers"] = {kind: {"requests": len(lat), "failed": fail, "p50_ms": percentile(lat, 0.5) * 1e3,
                                  "p99_ms": percentile(lat, 0.99) * 1e3,
@@ -318,10 +322,13 @@ def router_cpu_problem(cpu: int) -> str | None:
 
 
 def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, prompt: str = "ids", front: bool = False,
-        router_cpu: int | None = None, peers: tuple[str, ...] = (), wakeup_samples: int = 0) -> dict:
+        router_cpu: int | None = None, peers: tuple[str, ...] = (), wakeup_samples: int = 0,
+        page_size: int | None = None) -> dict:
     """``front``: a path through the router's front (router/front.py) to the same router.
     ``peers``: a path through each of these PyPI routers (keys of ``PEER_ROUTERS``).
     ``router_cpu``: the router alone on that CPU, the rest on the others (ValueError if that leaves none).
+    ``page_size``: the workers' page size (None: the emulated engine's default, 512); SGLang runs
+    Kimi Linear at 1, a block per token for the router's index to hash and look up.
     ``wakeup_samples``: also measure :func:`idle_rtt` (one byte; the body, parsed) back to back and
     after the gap the bench's paths leave between requests, this many round trips each (``wakeup``)."""
     if router_cpu is not None and (why := router_cpu_problem(router_cpu)):
@@ -329,7 +336,8 @@ def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, 
     if unknown := set(peers) - set(PEER_ROUTERS):
         raise ValueError(f"unknown peer routers {sorted(unknown)}; choose from {', '.join(PEER_ROUTERS)}")
     with tempfile.TemporaryDirectory(prefix="prfaas-overhead-") as tmp:
-        result = asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front, router_cpu, tuple(peers)))
+        result = asyncio.run(_run(rate, duration_s, Path(tmp), prompt_tokens, prompt, front, router_cpu, tuple(peers),
+                                  page_size))
     if wakeup_samples:
         gap_s = 1.0 / (rate * (2 + len(peers) + int(front)))  # between one request and the next, any path
         body = orjson.dumps({"input_ids": [random.Random(11).randrange(4096) for _ in range(prompt_tokens)]})

@@ -399,7 +399,14 @@ class KvIndex:
             n = bisect_left(alives, True, key=lambda a, bit=bit: not a & bit)  # blocks w holds from the root
             mine = blocks[:n]
             state_ends = set()
-            if self.hybrid:
+            if self.hybrid and len(st.checkpoints) < n:
+                # Fewer checkpoints than path blocks: go from each checkpoint's depth to the path's
+                # block there. A block stored under a parent lost to a reset has too small a depth
+                # and is missed here: a smaller estimate, never a larger one.
+                depth_of = st.depth
+                state_ends = {d for d in map(depth_of.get, st.checkpoints) if d is not None and d <= n
+                              and st.checkpoints.get(mine[d - 1], False) is None}
+            elif self.hybrid:  # many: look each of the path's blocks up
                 state_ends = set(compress(range(1, n + 1), map(st.checkpoints.__contains__, mine)))
             if st.swa_window_tokens is not None:
                 # SWARadixCache.match_prefix: resumable where the window before it is held, or
