@@ -101,6 +101,10 @@ class PageIdMemo:
         num_pages = usable // page_size
         per_segment = max(1, self.segment_tokens // page_size)
         step, segment_bytes = page_size * 4, per_segment * page_size * 4
+        text_of = getattr(token_ids, "text_between", None)  # ids still in compact JSON text
+        if num_pages and text_of is not None and text_of(0, 1) is not None:
+            yield from self._text_segments(token_ids, page_size, per_segment, num_pages)
+            return
         source = getattr(token_ids, "packed_prefix", None)  # ids still in their JSON text: parse as read
         packed = memoryview(b"") if source is not None else memoryview(array("I", token_ids).tobytes())
         entries, fingerprint, prior = self._entries, page_size, None
@@ -127,6 +131,41 @@ class PageIdMemo:
                 prior = value[-32:]
             entries[fingerprint] = value  # (re)inserted last: the most recently used
             yield memoryview(value)[:-32].cast("q")
+
+
+    def _text_segments(self, token_ids, page_size: int, per_segment: int, num_pages: int) -> Iterator[Sequence[int]]:
+        """:meth:`segments` for ids still in their JSON text (:meth:`JsonIds.text_between`): keyed by
+        the segments' text, so a prompt sent again is neither parsed nor hashed (a chain of its own:
+        the same ids written otherwise are other keys, the same ids all the same). A miss parses
+        through the ids' own ``packed_prefix``, which at least doubles what it parsed."""
+        entries, fingerprint, prior = self._entries, -page_size, None
+        step, segment_tokens = page_size * 4, per_segment * page_size
+        num_segments = num_pages // per_segment
+        packed = memoryview(b"")
+
+        def packed_pages(start_tokens: int, stop_tokens: int) -> memoryview:
+            nonlocal packed
+            if len(packed) < stop_tokens * 4:
+                packed = memoryview(token_ids.packed_prefix(stop_tokens))
+            return packed[start_tokens * 4 : stop_tokens * 4]
+
+        for k in range(num_segments):
+            text = token_ids.text_between(k * segment_tokens, (k + 1) * segment_tokens)
+            fingerprint = hash((fingerprint, text))
+            value = entries.pop(fingerprint, None)
+            if value is None:
+                self.misses += 1
+                ids, prior = _chain_ids(packed_pages(k * segment_tokens, (k + 1) * segment_tokens), step, prior)
+                value = ids.tobytes() + prior
+                if len(entries) >= self.max_segments:
+                    del entries[next(iter(entries))]
+            else:
+                self.hits += 1
+                prior = value[-32:]
+            entries[fingerprint] = value
+            yield memoryview(value)[:-32].cast("q")
+        if num_pages > num_segments * per_segment:  # the pages after the last full segment: hashed, not kept
+            yield _chain_ids(packed_pages(num_segments * segment_tokens, num_pages * page_size), step, prior)[0]
 
 
 def _chain_ids(packed: memoryview, step: int, prior: bytes | None) -> tuple[array, bytes | None]:

@@ -39,13 +39,31 @@ class JsonIds(Sequence[int]):
     iteration parse all of them, once. Built only by :func:`scan_ids`.
     """
 
-    __slots__ = ("_text", "_count", "_parsed", "_parsed_end")
+    __slots__ = ("_text", "_count", "_parsed", "_parsed_end", "_compact", "_commas")
 
-    def __init__(self, text: bytes, count: int):
+    def __init__(self, text: bytes, count: int, compact: bool = False):
         self._text = text
         self._count = count
         self._parsed = array("I")
         self._parsed_end = 0  # text[:_parsed_end] holds the parsed ids; it ends before a comma or at the end
+        self._compact = compact  # digits and commas only (no whitespace): id k's text is found by its commas
+        self._commas: np.ndarray | None = None
+
+    def text_between(self, start: int, stop: int) -> memoryview | None:
+        """The JSON text of ids ``start .. stop - 1`` (``0 <= start < stop <= len(self)``), read-only
+        and uncopied, without parsing them; None unless the text is compact (digits and commas, as
+        orjson and most clients write it)::
+
+            text:   12,7,431,9,88        commas at 2, 4, 8, 10
+            ids 1..3 -> text[3:10] = "7,431,9"   (after comma 0, up to comma 3)
+        """
+        if not self._compact:
+            return None
+        if self._commas is None:
+            self._commas = np.flatnonzero(np.frombuffer(self._text, dtype=np.uint8) == _COMMA)
+        begin = 0 if start == 0 else int(self._commas[start - 1]) + 1
+        end = len(self._text) if stop == self._count else int(self._commas[stop - 1])
+        return memoryview(self._text)[begin:end]
 
     def __len__(self) -> int:
         return self._count
@@ -111,7 +129,7 @@ def scan_ids(text: bytes) -> JsonIds | None:
         b, digit, comma = b[keep], digit[keep], comma[keep]
     if not _numbers_between_commas(b, digit, comma):
         return None
-    return JsonIds(text, int(np.count_nonzero(comma)) + 1)
+    return JsonIds(text, int(np.count_nonzero(comma)) + 1, compact=len(b) == len(text))
 
 
 def _numbers_between_commas(b: np.ndarray, digit: np.ndarray, comma: np.ndarray) -> bool:
