@@ -210,3 +210,17 @@ def test_the_kv_index_walks_a_page_one_prompt_from_its_memo_without_tracking_obj
     gc.collect()
     assert answers == [2500, 2500, 2500] and index.memo.hits >= 2 * (2500 // 64)
     assert len(gc.get_objects()) - before < 50
+
+
+@given(st.lists(st.integers(0, 999_999_999), min_size=1, max_size=60), st.data())
+@settings(max_examples=300, deadline=None)
+def test_text_between_is_the_text_of_exactly_those_ids(ids, data):
+    _, cut = split_ids(orjson.dumps({"input_ids": ids}), "input_ids")
+    start = data.draw(st.integers(0, len(ids) - 1))
+    stop = data.draw(st.integers(start + 1, len(ids)))
+    text = cut.text_between(start, stop)
+    assert orjson.loads(b"[" + bytes(text) + b"]") == ids[start:stop]
+    assert cut.num_parsed == 0  # found by its commas, nothing parsed
+    if len(ids) > 1:
+        spaced = split_ids(json.dumps({"input_ids": ids}).encode(), "input_ids")[1]  # ", " between ids
+        assert spaced.text_between(start, stop) is None
