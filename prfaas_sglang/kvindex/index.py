@@ -115,7 +115,7 @@ class KvIndex:
     def __init__(self, hybrid: bool, checkpoint_interval_tokens: int = 8192, memo: PageIdMemo | None = None):
         """``memo``: where ``match`` keeps the block ids of prompts it hashed, for workers whose
         pages are smaller than its segments (page size 1: a SHA-256 per token); None: a default one
-        (64K segments of 64 tokens, about 40 MB when full at page size 1)."""
+        (32K segments of 256 tokens, about 70 MB when full at page size 1)."""
         self.hybrid = hybrid
         self.memo = memo if memo is not None else PageIdMemo()
         self.checkpoint_interval_tokens = checkpoint_interval_tokens

@@ -79,7 +79,7 @@ class PageIdMemo:
     Values are bytes and keys ints, so the garbage collector never walks the memo.
     """
 
-    def __init__(self, max_segments: int = 1 << 16, segment_tokens: int = 64):
+    def __init__(self, max_segments: int = 1 << 15, segment_tokens: int = 256):
         if max_segments < 1 or segment_tokens < 1:
             raise ValueError("max_segments and segment_tokens must be >= 1")
         self.max_segments = max_segments

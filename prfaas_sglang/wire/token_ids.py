@@ -59,10 +59,20 @@ class JsonIds(Sequence[int]):
         """
         if not self._compact:
             return None
-        if self._commas is None:
-            self._commas = np.flatnonzero(np.frombuffer(self._text, dtype=np.uint8) == _COMMA)
-        begin = 0 if start == 0 else int(self._commas[start - 1]) + 1
-        end = len(self._text) if stop == self._count else int(self._commas[stop - 1])
+        commas = self._commas
+        need = max(start, stop if stop < self._count else 0)  # commas start - 1 and stop - 1 are read
+        if need and (commas is None or len(commas) < need):
+            # Commas found in a prefix of the text that at least doubles: a new prompt's first page
+            # reads a few KB, not the whole body.
+            scanned = max(8 * need + 64, 2 * (int(commas[-1]) + 1 if commas is not None and len(commas) else 0))
+            while True:
+                commas = np.flatnonzero(np.frombuffer(self._text, dtype=np.uint8, count=min(scanned, len(self._text))) == _COMMA)
+                if len(commas) >= need or scanned >= len(self._text):
+                    break
+                scanned *= 2
+            self._commas = commas
+        begin = 0 if start == 0 else int(commas[start - 1]) + 1
+        end = len(self._text) if stop == self._count else int(commas[stop - 1])
         return memoryview(self._text)[begin:end]
 
     def __len__(self) -> int:

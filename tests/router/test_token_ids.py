@@ -139,7 +139,8 @@ def test_a_cold_prompt_is_parsed_one_page_deep():
     index.add_worker("w", "pd", block_size=page)
     _, cold = split_ids(orjson.dumps({"input_ids": IDS}), "input_ids")
     assert index.match(cold).by_worker["w"] == 0
-    assert page <= cold.num_parsed <= 2 * page
+    # one page or one of the memo's segments (the ids of JSON text are parsed a segment at a time)
+    assert page <= cold.num_parsed <= 2 * max(page, index.memo.segment_tokens)
 
     held = [digest_to_int64(d) for d in page_digests(IDS[:1024], page)]
     index.apply("w", 0, [BlockStored(held, None, IDS[:1024], page, None)])
@@ -208,7 +209,7 @@ def test_the_kv_index_walks_a_page_one_prompt_from_its_memo_without_tracking_obj
     before = len(gc.get_objects())
     answers = [index.match(prompt).by_worker["w"] for _ in range(3)]
     gc.collect()
-    assert answers == [2500, 2500, 2500] and index.memo.hits >= 2 * (2500 // 64)
+    assert answers == [2500, 2500, 2500] and index.memo.hits >= 2 * (2500 // index.memo.segment_tokens)
     assert len(gc.get_objects()) - before < 50
 
 
