@@ -101,8 +101,7 @@ class PageIdMemo:
         num_pages = usable // page_size
         per_segment = max(1, self.segment_tokens // page_size)
         step, segment_bytes = page_size * 4, per_segment * page_size * 4
-        text_of = getattr(token_ids, "text_between", None)  # ids still in compact JSON text
-        if num_pages and text_of is not None and text_of(0, 1) is not None:
+        if num_pages and getattr(token_ids, "compact", False):  # ids still in compact JSON text
             yield from self._text_segments(token_ids, page_size, per_segment, num_pages)
             return
         source = getattr(token_ids, "packed_prefix", None)  # ids still in their JSON text: parse as read

@@ -49,6 +49,11 @@ class JsonIds(Sequence[int]):
         self._compact = compact  # digits and commas only (no whitespace): id k's text is found by its commas
         self._commas: np.ndarray | None = None
 
+    @property
+    def compact(self) -> bool:
+        """Whether the text is digits and commas only, so :meth:`text_between` can cut it."""
+        return self._compact
+
     def text_between(self, start: int, stop: int) -> memoryview | None:
         """The JSON text of ids ``start .. stop - 1`` (``0 <= start < stop <= len(self)``), read-only
         and uncopied, without parsing them; None unless the text is compact (digits and commas, as
@@ -62,14 +67,14 @@ class JsonIds(Sequence[int]):
         commas = self._commas
         need = max(start, stop if stop < self._count else 0)  # commas start - 1 and stop - 1 are read
         if need and (commas is None or len(commas) < need):
-            # Commas found in a prefix of the text that at least doubles: a new prompt's first page
-            # reads a few KB, not the whole body.
-            scanned = max(8 * need + 64, 2 * (int(commas[-1]) + 1 if commas is not None and len(commas) else 0))
-            while True:
-                commas = np.flatnonzero(np.frombuffer(self._text, dtype=np.uint8, count=min(scanned, len(self._text))) == _COMMA)
-                if len(commas) >= need or scanned >= len(self._text):
-                    break
-                scanned *= 2
+            # The first time, commas in a prefix of the text (a new prompt's first page reads a few
+            # KB, not the whole body); after that, in all of it (one pass: finding commas costs by
+            # the comma, so passes over growing prefixes would cost more).
+            scanned = 8 * need + 64 if commas is None else len(self._text)
+            text = np.frombuffer(self._text, dtype=np.uint8, count=min(scanned, len(self._text)))
+            commas = np.flatnonzero(text == _COMMA)
+            if len(commas) < need:
+                commas = np.flatnonzero(np.frombuffer(self._text, dtype=np.uint8) == _COMMA)
             self._commas = commas
         begin = 0 if start == 0 else int(commas[start - 1]) + 1
         end = len(self._text) if stop == self._count else int(commas[stop - 1])
