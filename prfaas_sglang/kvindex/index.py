@@ -373,7 +373,7 @@ class KvIndex:
         # Hash lazily: the walk stops in the first batch where no member holds a block.
         if given is not None:
             ids = iter(given)
-        elif size < self.memo.segment_tokens or hasattr(token_ids, "text_between"):
+        elif size < self.memo.segment_tokens or getattr(token_ids, "compact", False):
             # Small pages (a SHA-256 call per few tokens) or ids still in their JSON text (parsed
             # only on a miss): skip what was hashed before.
             ids = chain.from_iterable(self.memo.segments(token_ids, size, max_tokens=len(token_ids) - 1))

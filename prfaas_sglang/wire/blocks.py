@@ -71,7 +71,8 @@ class PageIdMemo:
     on, where hashing resumes after a miss::
 
         prompt:   | seg 1 | seg 2 | seg 3 | seg 4 |rest|     (full segments only; rest hashed plainly)
-        key k:    fp_k = hash((fp_{k-1}, seg_k bytes)), fp_0 = page size
+        key k:    fp_k = hash((fp_{k-1}, seg_k as uint32 bytes)), fp_0 = page size
+                  (ids still in JSON text: seg_k's text, fp_0 = -page size)
         value k:  seg k's block ids (int64, packed) + the digest after seg k
 
     A fingerprint collision (64 bits, random per process) would hand the walk another prefix's
@@ -94,34 +95,38 @@ class PageIdMemo:
     def segments(self, token_ids: Sequence[int], page_size: int, max_tokens: int | None = None) -> Iterator[Sequence[int]]:
         """The block ids of ``token_ids[:max_tokens]``'s full pages (as :func:`iter_page_digests`
         and :func:`digest_to_int64` give them), a segment at a time: stop early to hash less.
-        Records the segments it hashed; refreshes those it found."""
+        Records the segments it hashed; refreshes those it found.
+
+        Ids still in compact JSON text (:class:`~prfaas_sglang.wire.token_ids.JsonIds`) are keyed
+        by their text, so a prompt sent again is neither parsed nor hashed (a chain of keys of its
+        own: the same ids written otherwise are other keys, giving the same ids); they are parsed,
+        through their own doubling parse, only where a segment is missing."""
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         usable = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
         num_pages = usable // page_size
-        per_segment = max(1, self.segment_tokens // page_size)
-        step, segment_bytes = page_size * 4, per_segment * page_size * 4
-        if num_pages and getattr(token_ids, "compact", False):  # ids still in compact JSON text
-            yield from self._text_segments(token_ids, page_size, per_segment, num_pages)
-            return
-        source = getattr(token_ids, "packed_prefix", None)  # ids still in their JSON text: parse as read
-        packed = memoryview(b"") if source is not None else memoryview(array("I", token_ids).tobytes())
-        entries, fingerprint, prior = self._entries, page_size, None
-        num_segments = num_pages // per_segment
-        for k in range(num_segments + 1):
-            end = (k + 1) * segment_bytes if k < num_segments else num_pages * step
-            if len(packed) < end:
-                packed = memoryview(source(end // 4))
-            segment = packed[k * segment_bytes : end]  # read-only bytes: hashed without a copy
-            if k == num_segments:  # the pages after the last full segment: hashed, not kept
-                if segment:
-                    yield _chain_ids(segment, step, prior)[0]
-                return
-            fingerprint = hash((fingerprint, segment))
+        segment_tokens = max(1, self.segment_tokens // page_size) * page_size
+        step = page_size * 4
+        parse = getattr(token_ids, "packed_prefix", None)
+        packed = memoryview(b"") if parse is not None else memoryview(array("I", token_ids).tobytes())
+
+        def packed_between(start: int, stop: int) -> memoryview:  # tokens [start, stop) as uint32 bytes
+            nonlocal packed
+            if len(packed) < stop * 4:
+                packed = memoryview(parse(stop))
+            return packed[start * 4 : stop * 4]  # read-only bytes: hashable without a copy
+
+        by_text = bool(num_pages) and getattr(token_ids, "compact", False)
+        key_of = token_ids.text_between if by_text else packed_between
+        entries, fingerprint, prior = self._entries, -page_size if by_text else page_size, None
+        num_segments = num_pages // (segment_tokens // page_size)
+        for k in range(num_segments):
+            start, stop = k * segment_tokens, (k + 1) * segment_tokens
+            fingerprint = hash((fingerprint, key_of(start, stop)))
             value = entries.pop(fingerprint, None)
             if value is None:
                 self.misses += 1
-                ids, prior = _chain_ids(segment, step, prior)
+                ids, prior = _chain_ids(packed_between(start, stop), step, prior)
                 value = ids.tobytes() + prior
                 if len(entries) >= self.max_segments:
                     del entries[next(iter(entries))]
@@ -130,41 +135,8 @@ class PageIdMemo:
                 prior = value[-32:]
             entries[fingerprint] = value  # (re)inserted last: the most recently used
             yield memoryview(value)[:-32].cast("q")
-
-
-    def _text_segments(self, token_ids, page_size: int, per_segment: int, num_pages: int) -> Iterator[Sequence[int]]:
-        """:meth:`segments` for ids still in their JSON text (:meth:`JsonIds.text_between`): keyed by
-        the segments' text, so a prompt sent again is neither parsed nor hashed (a chain of its own:
-        the same ids written otherwise are other keys, the same ids all the same). A miss parses
-        through the ids' own ``packed_prefix``, which at least doubles what it parsed."""
-        entries, fingerprint, prior = self._entries, -page_size, None
-        step, segment_tokens = page_size * 4, per_segment * page_size
-        num_segments = num_pages // per_segment
-        packed = memoryview(b"")
-
-        def packed_pages(start_tokens: int, stop_tokens: int) -> memoryview:
-            nonlocal packed
-            if len(packed) < stop_tokens * 4:
-                packed = memoryview(token_ids.packed_prefix(stop_tokens))
-            return packed[start_tokens * 4 : stop_tokens * 4]
-
-        for k in range(num_segments):
-            text = token_ids.text_between(k * segment_tokens, (k + 1) * segment_tokens)
-            fingerprint = hash((fingerprint, text))
-            value = entries.pop(fingerprint, None)
-            if value is None:
-                self.misses += 1
-                ids, prior = _chain_ids(packed_pages(k * segment_tokens, (k + 1) * segment_tokens), step, prior)
-                value = ids.tobytes() + prior
-                if len(entries) >= self.max_segments:
-                    del entries[next(iter(entries))]
-            else:
-                self.hits += 1
-                prior = value[-32:]
-            entries[fingerprint] = value
-            yield memoryview(value)[:-32].cast("q")
-        if num_pages > num_segments * per_segment:  # the pages after the last full segment: hashed, not kept
-            yield _chain_ids(packed_pages(num_segments * segment_tokens, num_pages * page_size), step, prior)[0]
+        if num_pages * page_size > num_segments * segment_tokens:  # pages past the last full segment: hashed, not kept
+            yield _chain_ids(packed_between(num_segments * segment_tokens, num_pages * page_size), step, prior)[0]
 
 
 def _chain_ids(packed: memoryview, step: int, prior: bytes | None) -> tuple[array, bytes | None]:
