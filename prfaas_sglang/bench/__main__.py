@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ro.add_argument("--router-cpu", type=int, default=None,
                     help="pin the router to this CPU and the workers and client to the others (its own core, as deployed)")
     ro.add_argument("--json", action="store_true")
+    rg = sub.add_parser("router-gc", help="a full GC collection's pause in a router process, before and after freezing start-up objects")
+    rg.add_argument("--no-tokenizer", action="store_true", help="without the shipped tokenizer loaded")
+    rg.add_argument("--json", action="store_true")
     cmp_ = sub.add_parser("compare", help="goodput: our router vs every baseline, identical arrivals, several seeds, shaped link")
     cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
     cmp_.add_argument("--seeds", type=int, default=5)
@@ -361,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f' --wakeup-samples {args.wakeup_samples}' if args.wakeup_samples else ''}"
                   f"{f' --page-size {args.page_size}' if args.page_size is not None else ''}"
                   f"{f' --router-cpu {args.router_cpu}' if args.router_cpu is not None else ''}; {stamp} -->")
+    elif args.name == "router-gc":
+        from prfaas_sglang.bench import router as bench
+
+        result = bench.gc_pause(None if args.no_tokenizer else bench.SHIPPED)
+        header = f"<!-- python -m prfaas_sglang.bench router-gc{' --no-tokenizer' if args.no_tokenizer else ''}; {stamp} -->"
     elif args.name == "transport":
         from prfaas_sglang.bench import transport as bench
         from prfaas_sglang.transport.linkem import unavailable

@@ -296,6 +296,53 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
     }
 
 
+GC_PROBE = """
+import gc, json, statistics, sys, time
+import prfaas_sglang.router.__main__, prfaas_sglang.router.server  # what a router process imports
+from prfaas_sglang.procgc import freeze_startup_objects
+held = None
+if sys.argv[1]:
+    from prfaas_sglang.tokenizer import PromptTokenizer
+    held = PromptTokenizer.load(sys.argv[1])
+def pause_ms(n):
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        gc.collect()
+        out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(out)
+n = int(sys.argv[2])
+before = {"full_collection_ms": pause_ms(n), "tracked_objects": len(gc.get_objects())}
+frozen = freeze_startup_objects()
+after = {"full_collection_ms": pause_ms(n), "tracked_objects": len(gc.get_objects())}
+print(json.dumps({"before": before, "after": after, "frozen_objects": frozen}))
+"""
+
+
+def gc_pause(tokenizer: str | None = SHIPPED, collections: int = 7) -> dict:
+    """A full collection's pause (median of ``collections``) in a fresh process holding what a router
+    holds (its modules, and ``tokenizer`` loaded unless None), before and after
+    :func:`~prfaas_sglang.procgc.freeze_startup_objects`, as the router calls it before serving."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", GC_PROBE, tokenizer or "", str(collections)], capture_output=True,
+                          text=True, timeout=300, check=True)
+    return {"tokenizer": tokenizer, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def render_gc(r: dict) -> str:
+    b, a = r["before"], r["after"]
+    return "\n".join([
+        f"router process{' with its tokenizer' if r['tokenizer'] else ''}: full collection, objects tracked",
+        "", "| | full collection (median) | objects the collector tracks |", "|---|---|---|",
+        f"| as started | {b['full_collection_ms']:.2f} ms | {b['tracked_objects']:,} |",
+        f"| after freeze_startup_objects() | {a['full_collection_ms']:.2f} ms | {a['tracked_objects']:,} "
+        f"({r['frozen_objects']:,} frozen) |",
+    ])
+
+
 def server_timing(header: str) -> dict[str, float]:
     """``Server-Timing: parse;dur=0.41, route;dur=0.12`` -> {"parse": 0.41, "route": 0.12} (ms)."""
     out = {}
@@ -350,7 +397,9 @@ def run(rate: float = 200.0, duration_s: float = 10.0, prompt_tokens: int = 16, 
 
 
 def render_markdown(r: dict) -> str:
-    """One table per prompt kind (``{"ids": ..., "text": ...}``) or for one result."""
+    """One table per prompt kind (``{"ids": ..., "text": ...}``) or for one result (``router-gc``'s too)."""
+    if "frozen_objects" in r:
+        return render_gc(r)
     if "router" not in r:
         return "\n\n".join(f"{kind} prompt of {x['prompt_tokens']:,} tokens at {x['rate_rps']:g} req/s:\n\n" + render_markdown(x)
                             for kind, x in r.items())

@@ -211,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     from aiohttp import web
 
-    web.run_app(build_app(index, workers, keys), host=host, port=port, access_log=None, print=None)
+    from prfaas_sglang.procgc import freeze_startup_objects
+
+    app = build_app(index, workers, keys)
+    freeze_startup_objects()
+    web.run_app(app, host=host, port=port, access_log=None, print=None)
     return 0
 
 

@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from aiohttp import web
 
+    from prfaas_sglang.procgc import freeze_startup_objects
     from prfaas_sglang.router.server import build_app
 
     try:  # uvloop when installed (it is with the engine and mock environments): a faster event loop
@@ -310,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     from prfaas_sglang.router.server import LongTermOptions
 
     options = LongTermOptions(drain_timeout_s=args.long_term_drain_timeout_s)
-    web.run_app(build_app(service, kv_index_url, keys, options), host=args.host, port=args.port, access_log=None, print=None,
+    app = build_app(service, kv_index_url, keys, options)
+    freeze_startup_objects()  # the tokenizer's ~370K objects: out of every full collection
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None,
                 handler_cancellation=True, ssl_context=ssl_context)
     return 0
 

@@ -39,6 +39,7 @@ from prfaas_sglang import __version__
 from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import InvalidEvents
+from prfaas_sglang.procgc import gc_status
 from prfaas_sglang.protocol import (
     ID_KEYS,
     BadRequest,
@@ -737,6 +738,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         body = service.status(now)
         body["threshold_history"] = [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in service.controller.history]
         body["subscriptions"] = request.app[SUB_KEY].stats(now)
+        body["gc"] = gc_status()
         return web.json_response(body)
 
     async def metrics(request):

@@ -130,6 +130,8 @@ def test_worker_facts_come_from_the_workers(deployment):
     decode = status["workers"][D0]
     assert decode["kv_free_tokens"] > 0 and decode["running"] == 0
     assert status["served_models"] == ["m"] and status["tokenizer"].endswith("prfaas-tiny-chatml")
+    # what start-up loaded (the tokenizer and the modules under it) is frozen, out of every collection
+    assert status["gc"]["frozen_objects"] > 100_000 and len(status["gc"]["collections"]) == 3
 
 
 def test_bad_input(deployment):

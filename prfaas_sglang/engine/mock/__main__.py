@@ -117,8 +117,11 @@ def _cache_policy_from_env(cache_tokens: int) -> tuple[str, int, bool]:
 async def _run(config, timing, tokenizer) -> None:
     from prfaas_sglang.engine.mock.engine import MockEngine
     from prfaas_sglang.engine.mock.server import serve
+    from prfaas_sglang.procgc import freeze_startup_objects
 
-    task = asyncio.create_task(serve(config, MockEngine(config, timing, tokenizer)))
+    engine = MockEngine(config, timing, tokenizer)
+    freeze_startup_objects()  # a loaded tokenizer's objects: out of every full collection (emulated timings)
+    task = asyncio.create_task(serve(config, engine))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
