@@ -15,6 +15,8 @@ import sys
 from array import array
 from collections.abc import Iterator, Sequence
 
+import orjson
+
 # The block-id scheme of SGLang 0.5.15's KV events, as a name: workers that state one
 # (the emulated engine, in /server_info["prfaas"]["block_hash"]) must state this one;
 # SGLang itself states none and uses it.
@@ -99,8 +101,9 @@ class PageIdMemo:
 
         Ids still in compact JSON text (:class:`~prfaas_sglang.wire.token_ids.JsonIds`) are keyed
         by their text, so a prompt sent again is neither parsed nor hashed (a chain of keys of its
-        own: the same ids written otherwise are other keys, giving the same ids); they are parsed,
-        through their own doubling parse, only where a segment is missing."""
+        own: the same ids written otherwise are other keys, giving the same ids); they are parsed
+        only where a segment is missing: through their own doubling parse while it has reached the
+        segment, else (the memo had what comes before) that segment's text alone."""
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         usable = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
@@ -113,6 +116,9 @@ class PageIdMemo:
         def packed_between(start: int, stop: int) -> memoryview:  # tokens [start, stop) as uint32 bytes
             nonlocal packed
             if len(packed) < stop * 4:
+                if by_text and len(packed) < start * 4:  # past segments found in the memo, never parsed:
+                    text = token_ids.text_between(start, stop)  # parse these alone, not all before them
+                    return memoryview(array("I", orjson.loads(b"[" + text + b"]")).tobytes())
                 packed = memoryview(parse(stop))
             return packed[start * 4 : stop * 4]  # read-only bytes: hashable without a copy
 

@@ -146,10 +146,13 @@ def test_a_cold_prompt_is_parsed_one_page_deep():
     index.apply("w", 0, [BlockStored(held, None, IDS[:1024], page, None)])
     long_ids = IDS * 4
     _, warm = split_ids(orjson.dumps({"input_ids": long_ids}), "input_ids")
+    looked_up = index.memo.hits + index.memo.misses
     assert index.match(warm).by_worker["w"] == 1024
-    # The walk reads batches that double (1, 2, 4, ... pages) and the ids parse at least double
-    # what they have: past the hit's 17 pages, not the whole 12,000-token prompt.
-    assert 1024 < warm.num_parsed <= 4 * 1088
+    # The walk reads batches that double (1, 2, 4, ... pages): past the hit's 17 pages, not the
+    # whole 12,000-token prompt (47 of the memo's 256-token segments), and parses no more.
+    segments = index.memo.hits + index.memo.misses - looked_up
+    assert 1088 // index.memo.segment_tokens < segments <= 2 * 1088 // index.memo.segment_tokens + 2
+    assert warm.num_parsed <= 4 * 1088
     assert [digest_to_int64(d) for d in page_digests(warm, page)] == [digest_to_int64(d) for d in page_digests(long_ids, page)]
 
 
