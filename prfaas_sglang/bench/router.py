@@ -240,19 +240,15 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
                         paired.append(waited_ms - timings["legs"])
                     return resp.status == 200
 
-            async def via_front(i: int) -> bool:
-                async with session.post(front_url + "/generate", data=raw, headers=JSON) as resp:
-                    await resp.read()
-                    return resp.status == 200
-
-            def via_peer(url: str):
+            def via(url: str):
+                """The client's body as is, to another proxy (a peer router, the front)."""
                 async def send(i: int) -> bool:
                     async with session.post(url + "/generate", data=raw, headers=JSON) as resp:
                         await resp.read()
                         return resp.status == 200
                 return send
 
-            senders = (direct, via_router, *(via_peer(url) for url in peer_urls.values()), *((via_front,) if front else ()))
+            senders = (direct, via_router, *(via(url) for url in peer_urls.values()), *((via(front_url),) if front else ()))
             await _drive(rate, 1.0, *senders)  # warm every path
             for values in (*own.values(), paired):
                 values.clear()
@@ -263,23 +259,15 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
         _pin_threads(os.getpid(), affinity_before)
     extra = {"router_cpu": router_cpu, "page_size": page_size}
     if peered:
-        extra["peers"] = {kind: {"requests": len(lat), "failed": fail, "p50_ms": percentile(lat, 0.5) * 1e3,
-                                 "p99_ms": percentile(lat, 0.99) * 1e3,
-                                 "added_p50_ms": (percentile(lat, 0.5) - percentile(d_lat, 0.5)) * 1e3,
-                                 "added_p99_ms": (percentile(lat, 0.99) - percentile(d_lat, 0.99)) * 1e3}
+        extra["peers"] = {kind: {**_path(lat, fail), **{f"added_{k}": v for k, v in _added(lat, d_lat).items()}}
                           for kind, (lat, fail) in zip(peer_urls, peered, strict=True)}
     if fronted:
         f_lat, f_fail = fronted[0]
-        extra |= {"front": {"requests": len(f_lat), "failed": f_fail, "p50_ms": percentile(f_lat, 0.5) * 1e3,
-                           "p99_ms": percentile(f_lat, 0.99) * 1e3},
-                 "front_added_p50_ms": (percentile(f_lat, 0.5) - percentile(r_lat, 0.5)) * 1e3,
-                 "front_added_p99_ms": (percentile(f_lat, 0.99) - percentile(r_lat, 0.99)) * 1e3}
+        extra |= {"front": _path(f_lat, f_fail), **{f"front_added_{k}": v for k, v in _added(f_lat, r_lat).items()}}
     return {**extra,
         "rate_rps": rate, "duration_s": duration_s, "prompt_tokens": prompt_tokens, "prompt": prompt,
-        "direct": {"requests": len(d_lat), "failed": d_fail, "p50_ms": percentile(d_lat, 0.5) * 1e3, "p99_ms": percentile(d_lat, 0.99) * 1e3},
-        "router": {"requests": len(r_lat), "failed": r_fail, "p50_ms": percentile(r_lat, 0.5) * 1e3, "p99_ms": percentile(r_lat, 0.99) * 1e3},
-        "added_p50_ms": (percentile(r_lat, 0.5) - percentile(d_lat, 0.5)) * 1e3,
-        "added_p99_ms": (percentile(r_lat, 0.99) - percentile(d_lat, 0.99)) * 1e3,
+        "direct": _path(d_lat, d_fail), "router": _path(r_lat, r_fail),
+        **{f"added_{k}": v for k, v in _added(r_lat, d_lat).items()},
         # The router's own time before the legs, from its Server-Timing header: the part of the
         # added latency that is its code, apart from the extra hop of the body and the reply.
         "router_own_ms": {name: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99)}
@@ -341,6 +329,17 @@ def render_gc(r: dict) -> str:
         f"| after freeze_startup_objects() | {a['full_collection_ms']:.2f} ms | {a['tracked_objects']:,} "
         f"({r['frozen_objects']:,} frozen) |",
     ])
+
+
+def _path(latencies_s: list[float], failed: int) -> dict:
+    """One path's requests, failures and p50 / p99 (ms)."""
+    return {"requests": len(latencies_s), "failed": failed, "p50_ms": percentile(latencies_s, 0.5) * 1e3,
+            "p99_ms": percentile(latencies_s, 0.99) * 1e3}
+
+
+def _added(path_s: list[float], base_s: list[float]) -> dict:
+    """``path`` minus ``base`` per percentile (ms): ``p50_ms``, ``p99_ms``."""
+    return {f"p{q}_ms": (percentile(path_s, q / 100) - percentile(base_s, q / 100)) * 1e3 for q in (50, 99)}
 
 
 def server_timing(header: str) -> dict[str, float]:

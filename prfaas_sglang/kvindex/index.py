@@ -123,7 +123,6 @@ class KvIndex:
         # block hash -> the workers holding it, one bit each (_WorkerState.bit): ints, not sets,
         # so the garbage collector never walks the index (see _WorkerState)
         self._holders: dict[int, int] = {}
-        self._names: dict[int, tuple[str, ...]] = {}  # holder mask -> its workers' names (a cache)
 
     # --- membership ----------------------------------------------------------------
 
@@ -132,7 +131,6 @@ class KvIndex:
         if state is None:
             taken = {s.bit for s in self._workers.values()}
             state = self._workers[worker] = _WorkerState(cluster, bit=min(set(range(len(taken) + 1)) - taken))
-            self._names.clear()
         if block_size is not None:
             if block_size < 1:
                 raise InvalidEvents(f"block size of {worker} must be >= 1, got {block_size}")
@@ -143,7 +141,6 @@ class KvIndex:
     def remove_worker(self, worker: str) -> None:
         self._drop(worker)  # clears the worker's bit from every mask before another worker may take it
         self._workers.pop(worker, None)
-        self._names.clear()
 
     def workers(self) -> dict[str, str]:
         return {w: s.cluster for w, s in self._workers.items()}
@@ -346,16 +343,6 @@ class KvIndex:
             mask |= 1 << self._workers[w].bit
         return mask
 
-    def _names_of(self, mask: int) -> tuple[str, ...]:
-        """The workers whose bits ``mask`` sets (cached per mask; the cache is emptied whenever a
-        worker is added or removed, and kept small)."""
-        names = self._names.get(mask)
-        if names is None:
-            if len(self._names) >= 4096:
-                self._names.clear()
-            names = self._names[mask] = tuple(w for w, s in self._workers.items() if mask >> s.bit & 1)
-        return names
-
     def _match_size(self, token_ids: Sequence[int], size: int, members: set[str],
                     given=None) -> tuple[dict[str, int], int, dict[str, int]]:
         """(reusable tokens per member, the longest full-attention block match of any member, the
@@ -395,9 +382,11 @@ class KvIndex:
             alive, batch_len = run[-1], batch_len * 2
         best: dict[str, int] = {}
         holds: dict[str, int] = {}
-        for w in self._names_of(self._mask(members) & (alives[0] if alives else 0)):
+        for w in members:
             st = self._workers[w]
             bit = 1 << st.bit
+            if not alives or not alives[0] & bit:
+                continue  # holds not even the first block
             n = bisect_left(alives, True, key=lambda a, bit=bit: not a & bit)  # blocks w holds from the root
             mine = blocks[:n]
             state_ends = set()

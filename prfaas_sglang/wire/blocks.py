@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import orjson
 
@@ -38,7 +38,12 @@ def iter_page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | N
     if page_size <= 0:
         raise ValueError("page_size must be positive")
     usable = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-    for page in _packed_pages(token_ids, page_size, usable // page_size):
+    yield from _chain(_packed_pages(token_ids, page_size, usable // page_size), prior)
+
+
+def _chain(pages: Iterable[memoryview], prior: bytes | None) -> Iterator[bytes]:
+    """SGLang's chained digests of these packed pages, the first chained to ``prior`` (None: none)."""
+    for page in pages:
         h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
         h.update(page)
         prior = h.digest()
@@ -147,13 +152,8 @@ class PageIdMemo:
 
 def _chain_ids(packed: memoryview, step: int, prior: bytes | None) -> tuple[array, bytes | None]:
     """The block ids of ``packed``'s pages of ``step`` bytes, chained from ``prior``, and the last digest."""
-    ids = array("q")
-    for at in range(0, len(packed), step):
-        h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
-        h.update(packed[at : at + step])
-        prior = h.digest()
-        ids.append(digest_to_int64(prior))
-    return ids, prior
+    digests = list(_chain((packed[at : at + step] for at in range(0, len(packed), step)), prior))
+    return array("q", map(digest_to_int64, digests)), digests[-1] if digests else prior
 
 
 def page_digests(token_ids: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
