@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
     tr.add_argument("--no-slow-start-after-idle", action="store_true",
                     help="net.ipv4.tcp_slow_start_after_idle=0 on both ends: connections keep their window across idle gaps")
+    tr.add_argument("--tcp-buffer-mib", type=int, default=None,
+                    help="TCP buffers autotune up to this (net.ipv4.tcp_wmem/tcp_rmem max) on both ends, every row "
+                         "(default: the host's)")
     tr.add_argument("--json", action="store_true")
     kr = sub.add_parser("kv-runs", help="request sizes of SGLang's Mooncake sender on pools in steady state")
     kr.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
@@ -380,14 +383,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--rate-mbit, --payload-mib, --repeats, --request-mib and --default-request-kib must be positive")
         if args.lanes is not None and not 1 <= args.lanes <= 16:
             parser.error("--lanes must be in 1..16 (Mooncake's range for MC_TCP_LANES_PER_PEER)")
+        if args.tcp_buffer_mib is not None and not 1 <= args.tcp_buffer_mib <= 1024:
+            parser.error("--tcp-buffer-mib must be in 1..1024")
         if (why := unavailable()) is not None:
             parser.error(f"the emulated link {why}")
         result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
-                           args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes)
+                           args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes,
+                           args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None)
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
                   f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
                   f"--conditions {args.conditions} --repeats {args.repeats}"
-                  f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}; {stamp} -->")
+                  f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}"
+                  f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}; {stamp} -->")
     elif args.name == "kv-runs":
         from prfaas_sglang.bench import kv_runs as bench
 

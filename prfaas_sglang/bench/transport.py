@@ -21,8 +21,14 @@ in a fresh sender process, alternating, in the same run over the same link:
 one transfer per sender of up to 64 MiB that opens its lanes and ramps its congestion window:
 reported apart as ``first_transfer``, since a deployment's persistent lanes pay it once);
 ``tcp_reference_fraction`` is the same for one plain TCP stream of the payload over the same
-link in the same run: what the link, the emulator and the kernel give at best (TCP/IP headers
-alone cost 3.5% of a 1500-byte MTU, and one fresh connection pays slow start).
+link in the same run, on a new connection per transfer (it pays connect and slow start each
+time); ``tcp_warm_fraction`` for one TCP connection kept open across transfers, like a lane:
+the strongest plain-TCP baseline, what the link, the emulator and the kernel give one flow
+(TCP/IP headers alone cost 3.5% of a 1500-byte MTU; the last byte's acknowledgement one RTT).
+``lane_spread_ms``: how far apart our lanes' last requests completed (median), i.e. how long the
+transfer waited on its slowest flow. ``--tcp-buffer-mib`` raises the TCP buffers' autotuning limit
+(``net.ipv4.tcp_wmem`` / ``tcp_rmem`` max) in both namespaces for every row: one flow needs
+about 2 x BDP of send buffer to fill the link, and the host default (4 MiB) holds less.
 The size x lanes table (64 MiB per cell, our profile otherwise) finds the knee: a lane
 carries one request at a time and waits an RTT for its acknowledgement, so throughput
 follows about lanes x size / (RTT + size / rate) until the link binds.
@@ -69,12 +75,14 @@ def default_env() -> dict[str, str]:
 
 
 class _Sender:
-    def __init__(self, link: EmulatedLink, recv: dict, buffer_mib: int, env: dict[str, str]):
-        if "port" in recv:  # the plain-TCP reference
-            argv = (*link.wrap_a, *PEER, "tcp-send", "--host", link.ip_a, "--peer", f"{link.ip_b}:{recv['port']}")
+    def __init__(self, link: EmulatedLink, recv: dict, buffer_mib: int, env: dict[str, str], warm: bool = False):
+        if "port" in recv:  # the plain-TCP reference (``warm``: one connection for every job)
+            argv = (*link.wrap_a, *PEER, "tcp-send", "--host", link.ip_a, "--peer", f"{link.ip_b}:{recv['port']}",
+                    *(("--warm",) if warm else ()))
         else:
             argv = (*link.wrap_a, *PEER, "send", "--host", link.ip_a, "--buffer-mib", str(buffer_mib),
                     "--peer", recv["session"], "--addr", str(recv["addr"]))
+        self.env = env
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         if not self.proc.stdout.readline():
@@ -102,6 +110,13 @@ class _Sender:
             self.proc.wait()
 
 
+def _lane_spread_ms(runs: list[dict], lanes: int) -> float | None:
+    """How far apart the lanes' flows finished, median over the transfers: the last request's completion
+    after the ``lanes``-th from last (with equal requests taken in order, each lane's last one)."""
+    spreads = [r["done_s"][-1] - r["done_s"][-min(lanes, len(r["done_s"]))] for r in runs if r["ok"] and r.get("done_s")]
+    return round(1e3 * statistics.median(spreads), 1) if spreads else None
+
+
 def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
     if not result["ok"]:
         return 0.0
@@ -110,11 +125,12 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
                   default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
-                  lanes: int | None = None) -> dict:
+                  lanes: int | None = None, tcp_buffer_bytes: int | None = None) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
-                      congestion_control=cond.congestion_control, slow_start_after_idle=slow_start_after_idle) as link:
+                      congestion_control=cond.congestion_control, slow_start_after_idle=slow_start_after_idle,
+                      tcp_buffer_bytes=tcp_buffer_bytes) as link:
         recv_proc = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(buffer_mib)),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=default_env())
@@ -123,14 +139,15 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
         try:
             recv = json.loads(recv_proc.stdout.readline())
             tcp_recv = json.loads(tcp_proc.stdout.readline())
-            runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": []}
+            runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": [], "tcp_warm": []}
             wan = WanLink(rate_mbit * 1e6, cond.rtt_ms / 1e3)
             senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan, lanes)), "default": _Sender(link, recv, buffer_mib, default_env()),
-                       "tcp": _Sender(link, tcp_recv, buffer_mib, default_env())}
+                       "tcp": _Sender(link, tcp_recv, buffer_mib, default_env()),
+                       "tcp_warm": _Sender(link, tcp_recv, buffer_mib, default_env(), warm=True)}
             senders["ours_per_chunk"] = senders["ours"]
             ours_request = int(request_mib * (1 << 20))
             jobs = {"ours": (ours_request, True), "ours_per_chunk": (ours_request, False),
-                    "default": (default_request_kib << 10, False), "tcp": (payload, False)}
+                    "default": (default_request_kib << 10, False), "tcp": (payload, False), "tcp_warm": (payload, False)}
             first: dict[str, dict] = {}
             try:
                 # One transfer per sender first, reported apart: it opens the lanes and ramps the
@@ -152,6 +169,9 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    "default_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["default"]),
                    "per_chunk_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_per_chunk"]),
                    "tcp_reference_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp"]),
+                   "tcp_warm_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp_warm"]),
+                   "lane_spread_ms": _lane_spread_ms(runs["ours"], int(senders["ours"].env["MC_TCP_LANES_PER_PEER"])),
+                   "tcp_buffer_bytes": tcp_buffer_bytes,
                    # [min, max] over the repeats, per row: the spread behind each median
                    "fraction_range": {name: [round(min(f), 3), round(max(f), 3)] for name, f in
                                       ((name, [_fraction(r, payload, rate_mbit) for r in rs]) for name, rs in runs.items())},
@@ -200,25 +220,30 @@ CONDITIONS = {
 
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
         conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
-        slow_start_after_idle: bool = True, lanes: int | None = None) -> dict:
-    """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own."""
+        slow_start_after_idle: bool = True, lanes: int | None = None, tcp_buffer_bytes: int | None = None) -> dict:
+    """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own.
+    ``tcp_buffer_bytes``: the TCP buffers' autotuning limit in both namespaces, for every row (None: the host's)."""
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
-                                     default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes))
+                                     default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes,
+                                     tcp_buffer_bytes))
     first = results[0]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib, "lanes": lanes,
+            "tcp_buffer_bytes": tcp_buffer_bytes,
             "default_request_kib": default_request_kib, "chunk_mib": CHUNK_BYTES >> 20,
             "goodput_fraction": first["goodput_fraction"], "default_goodput_fraction": first["default_goodput_fraction"],
             "conditions": results}
 
 
 def render_markdown(r: dict) -> str:
+    buffers = f"TCP buffers up to {r['tcp_buffer_bytes'] >> 20} MiB" if r.get("tcp_buffer_bytes") else "host TCP buffers"
     lines = [f"Link {r['rate_mbit']:g} Mbit/s, payload {r['payload_mib']} MiB in {r['chunk_mib']} MiB chunks; "
              f"ours: {r['request_mib']:g} MiB requests, WAN profile; default: {r['default_request_kib']} KiB requests, "
-             "Mooncake's settings.", "",
-             "| condition | congestion control | ours (pipelined) | ours, one sync batch per chunk | default | one plain TCP stream |",
-             "|---|---|---|---|---|---|"]
+             f"Mooncake's settings; {buffers}.", "",
+             "| condition | congestion control | ours (pipelined) | ours, one sync batch per chunk | default "
+             "| one plain TCP stream | one warm TCP stream |",
+             "|---|---|---|---|---|---|---|"]
     def cell(c: dict, key: str, row: str) -> str:
         low, high = c["fraction_range"][row]
         return f"{c[key]:.3f} [{low:.3f}, {high:.3f}]"
@@ -226,7 +251,8 @@ def render_markdown(r: dict) -> str:
     for c in r["conditions"]:
         lines.append(f"| {c['condition']} (RTT {c['rtt_ms']:g} ms, loss {c['loss'] * 100:g}%) | {c['congestion_control']} "
                      f"| **{cell(c, 'goodput_fraction', 'ours')}** | {cell(c, 'per_chunk_goodput_fraction', 'ours_per_chunk')} "
-                     f"| {cell(c, 'default_goodput_fraction', 'default')} | {cell(c, 'tcp_reference_fraction', 'tcp')} |")
+                     f"| {cell(c, 'default_goodput_fraction', 'default')} | {cell(c, 'tcp_reference_fraction', 'tcp')} "
+                     f"| {cell(c, 'tcp_warm_fraction', 'tcp_warm')} |")
     lines.append("")
     lines.append("(goodput / shaped rate: median [min, max] of the repeats)")
     for c in r["conditions"]:

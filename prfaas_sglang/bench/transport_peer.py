@@ -4,9 +4,10 @@
         registers an N MiB landing buffer, prints {"session", "addr"} and waits for stdin to close.
     python -m prfaas_sglang.bench.transport_peer send --host IP --buffer-mib N --peer SESSION --addr ADDR
         reads one job per stdin line ({"payload_bytes", "request_bytes", "chunk_bytes"}) and answers
-        {"elapsed_s", "ok", "requests"} per job.
-    python -m prfaas_sglang.bench.transport_peer tcp-recv --host IP   /   tcp-send --host IP --peer IP:PORT
-        the reference: one plain TCP stream of the same payload over the same link (1 MiB writes);
+        {"elapsed_s", "ok", "requests"} per job (pipelined jobs add "done_s": each request's completion).
+    python -m prfaas_sglang.bench.transport_peer tcp-recv --host IP   /   tcp-send --host IP --peer IP:PORT [--warm]
+        the reference: one plain TCP stream of the same payload over the same link (1 MiB writes), on a
+        new connection per job or (--warm) on one connection kept open, like a persistent lane;
         tcp-recv prints its port, tcp-send answers {"elapsed_s", "ok"} per job like send.
 
 A job sends ``payload_bytes`` as SGLang 0.5.15's Mooncake backend does: one synchronous batch
@@ -71,6 +72,7 @@ def pipeline_job(engine, base: int, session: str, peer_addr: int, job: dict, pol
     # (offset, length) in order; accumulate(initial=0) yields one more item, the total, which zip drops
     pieces = iter(zip(itertools.accumulate(lengths, initial=0), lengths, strict=False))
     requests = 0
+    done_s: list[float] = []  # each request's completion, seconds after the first submit
     started = time.perf_counter()
     while True:
         while len(pending) < inflight and (piece := next(pieces, None)) is not None:
@@ -81,18 +83,45 @@ def pipeline_job(engine, base: int, session: str, peer_addr: int, job: dict, pol
             pending.append(batch)
             requests += 1
         if not pending:
-            return {"elapsed_s": time.perf_counter() - started, "ok": True, "requests": requests}
-        status = engine.transfer_check_status(pending[0])
-        if status == 1:
-            pending.pop(0)
-        elif status < 0:
-            return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests, "status": status}
-        else:
+            return {"elapsed_s": time.perf_counter() - started, "ok": True, "requests": requests, "done_s": done_s}
+        still: list[int] = []
+        for batch in pending:
+            status = engine.transfer_check_status(batch)
+            if status == 1:
+                done_s.append(round(time.perf_counter() - started, 4))
+            elif status < 0:
+                return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": requests, "status": status}
+            else:
+                still.append(batch)
+        if len(still) == len(pending):
             time.sleep(poll_s)
+        pending = still
+
+
+def _recv_exactly(conn, n: int, buf: bytearray) -> bool:
+    """Read and drop ``n`` bytes; False if the peer closed first."""
+    view = memoryview(buf)
+    while n:
+        got = conn.recv_into(view[: min(n, len(buf))])
+        if not got:
+            return False
+        n -= got
+    return True
 
 
 def _tcp_recv(host: str) -> int:
+    """Every connection carries jobs as frames (8-byte big-endian length, then the payload), each
+    answered with one byte once its last byte is read; a fresh-connection sender sends one frame."""
     import socket
+    import threading
+
+    def serve(conn) -> None:
+        buf = bytearray(1 << 20)
+        with conn:
+            while (head := conn.recv(8, socket.MSG_WAITALL)) and len(head) == 8:
+                if not _recv_exactly(conn, int.from_bytes(head, "big"), buf):
+                    return
+                conn.sendall(b"k")  # the sender times until the last byte is read
 
     with socket.socket() as server:
         server.bind((host, 0))
@@ -100,28 +129,32 @@ def _tcp_recv(host: str) -> int:
         print(json.dumps({"port": server.getsockname()[1]}), flush=True)
         while True:
             conn, _ = server.accept()
-            with conn:
-                while conn.recv(1 << 20):
-                    pass
-                conn.sendall(b"k")  # the sender times until the last byte is read
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
-def _tcp_send(peer: str) -> int:
+def _tcp_send(peer: str, warm: bool) -> int:
+    """``warm``: one connection for every job (opened before the first), like a persistent lane;
+    otherwise a new connection per job, its connect and slow start timed with it."""
     import socket
 
     host, port = peer.rsplit(":", 1)
     block = bytes(1 << 20)
+    conn = socket.create_connection((host, int(port))) if warm else None
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         payload = int(json.loads(line)["payload_bytes"])
         started = time.perf_counter()
-        with socket.create_connection((host, int(port))) as conn:
+        sock = conn or socket.create_connection((host, int(port)))
+        try:
+            sock.sendall(payload.to_bytes(8, "big"))
             for off in range(0, payload, len(block)):
-                conn.sendall(block[: min(len(block), payload - off)])
-            conn.shutdown(socket.SHUT_WR)
-            ok = conn.recv(1) == b"k"
+                sock.sendall(block[: min(len(block), payload - off)])
+            ok = sock.recv(1) == b"k"
+        finally:
+            if sock is not conn:
+                sock.close()
         print(json.dumps({"elapsed_s": time.perf_counter() - started, "ok": ok, "requests": 1}), flush=True)
     return 0
 
@@ -133,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-mib", type=int, default=64)
     parser.add_argument("--peer")
     parser.add_argument("--addr", type=int)
+    parser.add_argument("--warm", action="store_true", help="tcp-send: one persistent connection for every job")
     args = parser.parse_args(argv)
     if args.mode == "tcp-recv":
         return _tcp_recv(args.host)
     if args.mode == "tcp-send":
-        return _tcp_send(args.peer)
+        return _tcp_send(args.peer, args.warm)
     engine, buffer = _engine(args.host, args.buffer_mib << 20)
     if args.mode == "recv":
         print(json.dumps({"session": f"{args.host}:{engine.get_rpc_port()}", "addr": buffer.ctypes.data}), flush=True)

@@ -15,6 +15,10 @@ An operator's own value in the environment always wins. Measured with
 (BENCHMARKS.md, "KV transport over an emulated WAN link"): large requests matter most
 (a lane carries one request at a time and waits an RTT for its acknowledgement), and
 4 lanes beat 16 once requests are large (16 BBR flows overflow the bottleneck queue).
+The profile assumes the host's TCP buffer limit (``net.ipv4.tcp_wmem`` max, 4 MiB): raised to
+32 MiB, the four lanes gain nothing and finish further apart (64 MiB lossy 0.884 against
+0.881-0.904; ``bench transport --tcp-buffer-mib``). One lane with large buffers comes within 2% of
+one warm TCP flow, but waits an RTT per request, and SGLang sends one per layer.
 
 History: the first profile (issue #5) set 16 lanes and a flat ``MC_TRANSFER_TIMEOUT=300``
 for every TCP role; a stalled transfer then took Mooncake's 30 s progress timeout to fail,

@@ -176,3 +176,16 @@ def test_slow_start_after_idle_is_set_per_namespace_only():
         assert value(link.wrap_a) == "1"
     assert subprocess.run(("sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"), capture_output=True,
                           text=True).stdout.strip() == host
+
+
+def test_tcp_buffer_limit_is_set_per_namespace_only():
+    def limits(wrap=()) -> list[str]:
+        return [subprocess.run((*wrap, "sysctl", "-n", f"net.ipv4.{name}"), capture_output=True, text=True,
+                               check=True).stdout.split()[-1] for name in ("tcp_wmem", "tcp_rmem")]
+
+    host = limits()
+    with EmulatedLink(tag=242, rate_mbit=100, tcp_buffer_bytes=24 << 20) as link:
+        assert limits(link.wrap_a) == limits(link.wrap_b) == [str(24 << 20)] * 2
+    assert limits() == host
+    with pytest.raises(ValueError):
+        EmulatedLink(tag=242, rate_mbit=100, tcp_buffer_bytes=4096)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -145,9 +146,24 @@ def test_bench_transport_smoke():
     (cond,) = result["conditions"]
     assert all(run["ok"] for runs in cond["runs"].values() for run in runs)
     assert set(cond["first_transfer"]) == set(cond["runs"]) and all(r["ok"] for r in cond["first_transfer"].values())
-    for key in ("goodput_fraction", "per_chunk_goodput_fraction", "default_goodput_fraction", "tcp_reference_fraction"):
+    for key in ("goodput_fraction", "per_chunk_goodput_fraction", "default_goodput_fraction", "tcp_reference_fraction",
+                "tcp_warm_fraction"):
         assert 0 < cond[key] < 1.05, (key, cond[key])  # goodput never beats the shaped rate (bursts aside)
     assert result["goodput_fraction"] == cond["goodput_fraction"]
     assert set(cond["fraction_range"]) == set(cond["runs"])
     low, high = cond["fraction_range"]["ours"]
     assert low <= round(cond["goodput_fraction"], 3) <= high  # the median lies in the spread reported beside it
+    # every pipelined request's completion is reported, in order
+    (ours,) = cond["runs"]["ours"]
+    assert len(ours["done_s"]) == ours["requests"] and ours["done_s"] == sorted(ours["done_s"])
+    assert cond["lane_spread_ms"] == round(1e3 * (ours["done_s"][-1] - ours["done_s"][0]), 1)  # fewer requests than lanes
+
+
+def test_lane_spread_is_measured_over_each_lanes_last_request():
+    from prfaas_sglang.bench.transport import _lane_spread_ms
+
+    runs = [{"ok": True, "done_s": [0.1, 0.2, 0.5, 0.52, 0.55, 0.60]},  # 4 lanes: the last four finished 0.5..0.6
+            {"ok": True, "done_s": [0.58, 0.62]},  # fewer requests than lanes: first to last
+            {"ok": False, "done_s": [0.1, 0.9]}]  # a failed transfer says nothing about the lanes
+    assert _lane_spread_ms(runs, 4) == round(1e3 * statistics.median([0.1, 0.04]), 1) == 70.0
+    assert _lane_spread_ms([{"ok": False}], 4) is None

@@ -81,7 +81,7 @@ class EmulatedLink:
 
     def __init__(self, tag: int, rate_mbit: float, rtt_ms: float = 0.0, loss: float = 0.0,
                  queue_ms: float | None = None, congestion_control: str | None = None,
-                 slow_start_after_idle: bool = True):
+                 slow_start_after_idle: bool = True, tcp_buffer_bytes: int | None = None):
         if not 0 <= tag < 256:
             raise ValueError("tag must be in 0..255")
         if rate_mbit <= 0 or rtt_ms < 0 or not 0 <= loss < 1:
@@ -95,6 +95,11 @@ class EmulatedLink:
         # False: net.ipv4.tcp_slow_start_after_idle=0 in both namespaces (a connection keeps its
         # congestion window across idle gaps instead of restarting slow start after an idle RTO)
         self.slow_start_after_idle = slow_start_after_idle
+        # not None: the most a TCP socket's send and receive buffers autotune to in both namespaces
+        # (net.ipv4.tcp_wmem / tcp_rmem max, the usual long-fat-network host tuning); None: the host's
+        if tcp_buffer_bytes is not None and tcp_buffer_bytes < 65536:
+            raise ValueError("tcp_buffer_bytes must be at least 64 KiB")
+        self.tcp_buffer_bytes = tcp_buffer_bytes
         self._proc: subprocess.Popen | None = None
         self._allowed_before: str | None = None  # the host's allowed congestion controls, when we widened them
 
@@ -129,6 +134,10 @@ class EmulatedLink:
                     _sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion_control}")
                 if not self.slow_start_after_idle:
                     _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+                if self.tcp_buffer_bytes is not None:
+                    for name, default in (("tcp_wmem", 16384), ("tcp_rmem", 131072)):
+                        _sh("ip", "netns", "exec", ns, "sysctl", "-qw",
+                            f"net.ipv4.{name}=4096 {default} {self.tcp_buffer_bytes}")
         except BaseException:
             self.__exit__(None, None, None)
             raise
