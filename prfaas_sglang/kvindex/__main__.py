@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-workers-s", type=float, default=300.0,
                    help="without --page-size: wait this long for every worker to report its block size before "
                         "failing (workers and the kv-index start together on Kubernetes)")
+    p.add_argument("--memo-mib", type=float, default=64.0,
+                   help="memory for the page-id memo (block ids of prompts already hashed; at page size 1 about "
+                        "2.1 KiB per 256 tokens held); 0: keep none")
     p.add_argument("--dense", action="store_true", help="the model has no linear/SWA state (no checkpoint rule); "
                                                         "default: what the topology's cost model says")
     return p
@@ -119,7 +122,8 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
             "subscriptions": subs,
             "events_applied_frames": sum(s["frames"] - s["bad_frames"] - s["handler_errors"] for s in subs.values()),
             "bad_frames": sum(s["bad_frames"] for s in subs.values()),
-            "auth_failures": sum(s["auth_failures"] for s in subs.values())})
+            "auth_failures": sum(s["auth_failures"] for s in subs.values()),
+            "memo": index.memo.stats()})
 
     async def health(request):
         return web.Response(text="OK")
@@ -167,17 +171,20 @@ def main(argv: list[str] | None = None) -> int:
         from prfaas_sglang.roles import ROLE_SPECS, Role
         from prfaas_sglang.security import load_keys, warn_if_open
         from prfaas_sglang.topology import load_topology
+        from prfaas_sglang.wire.blocks import PageIdMemo
         from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
         if args.page_size is not None and args.page_size < 1:
             raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
+        if not 0 <= args.memo_mib <= 1 << 20:  # also refuses NaN
+            raise ConfigError("--memo-mib", f"must be in 0..{1 << 20}, got {args.memo_mib}")
         if not args.wait_workers_s >= 0:
             raise ConfigError("--wait-workers-s", f"must be >= 0, got {args.wait_workers_s}")
         keys = load_keys()
         warn_if_open(keys, "kv-index")
         topology = load_topology(args.config)
         hybrid = False if args.dense else runtime.from_topology(topology).hybrid
-        index = KvIndex(hybrid=hybrid)
+        index = KvIndex(hybrid=hybrid, memo=PageIdMemo(max_segments=None, max_bytes=int(args.memo_mib * (1 << 20))))
         workers = {}
         engines = [n for n in topology.nodes if ROLE_SPECS[n.role].is_engine_role and n.port is not None]
         bearer = keys.bearer() if keys else None

@@ -75,6 +75,10 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                    help="prefer the decode worker whose own cache (SGLang's --disaggregation-decode-enable-radix-cache, "
                         "its KV events in the index) holds the prompt's prefix while its free KV is at least "
                         "(1 - this) of the roomiest decode worker's; 0..1, negative: off (always the roomiest)")
+    p.add_argument("--kv-memo-mib", type=float, default=64.0,
+                   help="memory for the KV index's page-id memo (the block ids of prompts already hashed, so a "
+                        "prompt sharing a prefix skips SHA-256 over it; at page size 1 about 2.1 KiB per 256 "
+                        "tokens held); 0: keep none")
     p.add_argument("--health-interval-s", type=float, default=2.0,
                    help="how often each worker's /health is polled (a failed leg marks its worker down at once)")
     p.add_argument("--load-interval-s", type=float, default=0.5, help="how often each worker's /v1/loads is polled")
@@ -184,6 +188,8 @@ def make_service(args: argparse.Namespace):
             raise ConfigError(flag, f"must be > 0, got {value}")
     if args.checkpoint_min_tokens < 0:
         raise ConfigError("--checkpoint-min-tokens", f"must be >= 0 (0: never), got {args.checkpoint_min_tokens}")
+    if not 0 <= args.kv_memo_mib <= 1 << 20:  # also refuses NaN
+        raise ConfigError("--kv-memo-mib", f"must be in 0..{1 << 20}, got {args.kv_memo_mib}")
     if not args.decode_affinity_slack <= 1:  # also refuses NaN
         raise ConfigError("--decode-affinity-slack", f"must be <= 1 (negative: off), got {args.decode_affinity_slack}")
     longterm = longterm_settings(args) if args.long_term else None  # checked before waiting for workers
@@ -202,7 +208,8 @@ def make_service(args: argparse.Namespace):
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
                           cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None,
-                          decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None)
+                          decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None,
+                          kv_memo_bytes=int(args.kv_memo_mib * (1 << 20)))
     adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)

@@ -739,6 +739,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         body["threshold_history"] = [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in service.controller.history]
         body["subscriptions"] = request.app[SUB_KEY].stats(now)
         body["gc"] = gc_status()
+        body["kv_memo"] = service.index.memo.stats()
         return web.json_response(body)
 
     async def metrics(request):

@@ -40,6 +40,7 @@ from prfaas_sglang.router.threshold import ControllerSettings, QueueView, Thresh
 from prfaas_sglang.router.workers import WorkerRecord
 from prfaas_sglang.runtime import RuntimeModel
 from prfaas_sglang.topology import Emulation
+from prfaas_sglang.wire.blocks import PageIdMemo
 
 MIN_BODY_BYTES = 4 << 20
 MAX_BODY_BYTES = 64 << 20  # the HTTP server's own cap, whatever the context
@@ -69,6 +70,9 @@ class RouterConfig:
     # A decode worker whose own cache holds the prompt's prefix (SGLang's decode radix cache, its
     # events in the index) wins while its free KV is at least (1 - this) of the roomiest's; None: off.
     decode_affinity_slack: float | None = 0.1
+    # The KV index's page-id memo (block ids of prompts already hashed; what page size 1 needs): its
+    # memory bound, in bytes. 0: nothing kept, every prompt hashed afresh.
+    kv_memo_bytes: int = 64 << 20
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
 
@@ -384,4 +388,5 @@ def new_service(config: RouterConfig, runtime: RuntimeModel, workers: dict[str, 
     controller = ThresholdController(runtime.research, runtime.prior, runtime.link_bps, runtime.step_tokens,
                                      config.threshold_tokens if config.threshold_tokens is not None else runtime.operator_threshold_tokens,
                                      config.controller)
-    return RouterService(config, runtime, workers, KvIndex(hybrid=runtime.hybrid), controller, tokenizer, emulation_spec)
+    index = KvIndex(hybrid=runtime.hybrid, memo=PageIdMemo(max_segments=None, max_bytes=config.kv_memo_bytes))
+    return RouterService(config, runtime, workers, index, controller, tokenizer, emulation_spec)

@@ -67,6 +67,11 @@ def _packed_pages(token_ids: Sequence[int], page_size: int, num_pages: int) -> I
         yield packed[k * step : (k + 1) * step]
 
 
+# A memo entry's cost beside its value's bytes (CPython 3.11, 64-bit: the key int, the bytes object's
+# header, the dict's slot and index), so that ``max_bytes`` tracks the process's memory.
+MEMO_ENTRY_OVERHEAD_BYTES = 100
+
+
 class PageIdMemo:
     """Block ids of prompt segments already hashed, so a prompt sharing a prefix with one hashed
     before skips SHA-256 over that prefix (pure; bounded, least recently used goes first).
@@ -87,17 +92,41 @@ class PageIdMemo:
     Values are bytes and keys ints, so the garbage collector never walks the memo.
     """
 
-    def __init__(self, max_segments: int = 1 << 15, segment_tokens: int = 256):
-        if max_segments < 1 or segment_tokens < 1:
+    def __init__(self, max_segments: int | None = 1 << 15, segment_tokens: int = 256, max_bytes: int | None = None):
+        """Holds at most ``max_segments`` segments (None: no count bound) and, where ``max_bytes`` is
+        given, at most that many bytes (each segment: its ids and digest, plus
+        :data:`MEMO_ENTRY_OVERHEAD_BYTES`; 256 tokens at page size 1: 2,180 bytes, at page 64: 164),
+        evicting the least recently used first; a segment bigger than ``max_bytes`` is not kept."""
+        if (max_segments is not None and max_segments < 1) or segment_tokens < 1:
             raise ValueError("max_segments and segment_tokens must be >= 1")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
         self.max_segments = max_segments
+        self.max_bytes = max_bytes
         self.segment_tokens = segment_tokens
         self._entries: dict[int, bytes] = {}
+        self.nbytes = 0  # what the segments held cost, as max_bytes counts it
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def stats(self) -> dict[str, int | None]:
+        """What the memo holds and how it served: for a ``/status``."""
+        return {"segments": len(self._entries), "bytes": self.nbytes, "max_segments": self.max_segments,
+                "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses}
+
+    def _keep(self, key: int, value: bytes) -> None:
+        """Insert ``value`` last (the most recently used), evicting from the front to stay in bounds."""
+        entries, cost = self._entries, len(value) + MEMO_ENTRY_OVERHEAD_BYTES
+        count, budget = self.max_segments or float("inf"), self.max_bytes
+        if budget is not None and cost > budget:
+            return
+        while entries and (len(entries) >= count or (budget is not None and self.nbytes + cost > budget)):
+            self.nbytes -= len(entries.pop(next(iter(entries)))) + MEMO_ENTRY_OVERHEAD_BYTES
+        entries[key] = value
+        self.nbytes += cost
 
     def segments(self, token_ids: Sequence[int], page_size: int, max_tokens: int | None = None) -> Iterator[Sequence[int]]:
         """The block ids of ``token_ids[:max_tokens]``'s full pages (as :func:`iter_page_digests`
@@ -139,12 +168,11 @@ class PageIdMemo:
                 self.misses += 1
                 ids, prior = _chain_ids(packed_between(start, stop), step, prior)
                 value = ids.tobytes() + prior
-                if len(entries) >= self.max_segments:
-                    del entries[next(iter(entries))]
             else:
+                self.nbytes -= len(value) + MEMO_ENTRY_OVERHEAD_BYTES
                 self.hits += 1
                 prior = value[-32:]
-            entries[fingerprint] = value  # (re)inserted last: the most recently used
+            self._keep(fingerprint, value)  # (re)inserted last: the most recently used
             yield memoryview(value)[:-32].cast("q")
         if num_pages * page_size > num_segments * segment_tokens:  # pages past the last full segment: hashed, not kept
             yield _chain_ids(packed_between(num_segments * segment_tokens, num_pages * page_size), step, prior)[0]

@@ -55,6 +55,7 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         assert requests.post(url + "/match", data="{", timeout=5).status_code == 400
         status = requests.get(url + "/status", timeout=5).json()
         assert status["subscriptions"]["pp0"]["frames"] >= 1 and status["bad_frames"] == 0
+        assert status["memo"]["max_bytes"] == 64 << 20 and status["memo"]["bytes"] <= status["memo"]["max_bytes"]
         # The emulated hybrid worker reports its state checkpoints (wire v2): one, at the prompt's last page.
         assert (status["workers"]["pp0"]["checkpoints"], status["workers"]["pp0"]["checkpoints_from"]) == (1, "reported")
     finally:

@@ -132,6 +132,7 @@ def test_worker_facts_come_from_the_workers(deployment):
     assert status["served_models"] == ["m"] and status["tokenizer"].endswith("prfaas-tiny-chatml")
     # what start-up loaded (the tokenizer and the modules under it) is frozen, out of every collection
     assert status["gc"]["frozen_objects"] > 100_000 and len(status["gc"]["collections"]) == 3
+    assert status["kv_memo"]["max_bytes"] == 64 << 20 and status["kv_memo"]["max_segments"] is None
 
 
 def test_bad_input(deployment):

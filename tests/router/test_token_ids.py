@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 
 from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.protocol import BadRequest, parse_request
-from prfaas_sglang.wire.blocks import PageIdMemo, digest_to_int64, page_digests
+from prfaas_sglang.wire.blocks import (
+    MEMO_ENTRY_OVERHEAD_BYTES,
+    PageIdMemo,
+    digest_to_int64,
+    page_digests,
+)
 from prfaas_sglang.wire.kv_events import BlockStored
 from prfaas_sglang.wire.token_ids import MAX_DIGITS, JsonIds, _has_run, split_ids
 
@@ -167,13 +172,13 @@ def test_the_router_keeps_request_buffers_in_its_heap_unless_told_otherwise():
 
 
 @given(st.lists(st.integers(0, 2**31 - 1), max_size=300), st.sampled_from([1, 2, 5, 16, 64, 100]),
-       st.integers(0, 40), st.booleans())
+       st.integers(0, 40), st.booleans(), st.sampled_from([None, 0, 150, 250, 500]))
 @settings(max_examples=300, deadline=None)
-def test_the_page_id_memo_gives_the_ids_hashing_gives(ids, page, extra, as_json):
-    """Whatever the memo holds (a tiny one, so segments are evicted), the ids it gives are SGLang's
-    chained ids of the same pages, for a prompt, the same prompt again, and a longer one sharing its
-    start; from a list or from ids still in their JSON text; cut at ``max_tokens``."""
-    memo = PageIdMemo(max_segments=3, segment_tokens=8)
+def test_the_page_id_memo_gives_the_ids_hashing_gives(ids, page, extra, as_json, max_bytes):
+    """Whatever the memo holds (a tiny one, so segments are evicted; by count, or by bytes), the ids it
+    gives are SGLang's chained ids of the same pages, for a prompt, the same prompt again, and a longer
+    one sharing its start; from a list or from ids still in their JSON text; cut at ``max_tokens``."""
+    memo = PageIdMemo(max_segments=3, segment_tokens=8, max_bytes=max_bytes)
     rng = random.Random(len(ids))
     longer = ids + [rng.randrange(1000) for _ in range(extra)]
     for prompt in (ids, ids, longer, ids):
@@ -183,6 +188,26 @@ def test_the_page_id_memo_gives_the_ids_hashing_gives(ids, page, extra, as_json)
             want = [digest_to_int64(d) for d in page_digests(prompt[:max_tokens], page)]
             assert list(chain.from_iterable(memo.segments(source, page, max_tokens))) == want
             assert len(memo) <= 3
+            assert memo.nbytes == sum(len(v) + MEMO_ENTRY_OVERHEAD_BYTES for v in memo._entries.values())
+            assert max_bytes is None or memo.nbytes <= max_bytes
+
+
+def test_a_byte_bounded_memo_evicts_the_least_recently_used_segments():
+    """At page size 1 a 64-token segment costs 64 ids x 8 bytes + its 32-byte digest + the entry's overhead."""
+    one = 64 * 8 + 32 + MEMO_ENTRY_OVERHEAD_BYTES
+    memo = PageIdMemo(max_segments=None, segment_tokens=64, max_bytes=3 * one)
+    a, b = list(range(128)), list(range(1000, 1128))  # two segments each
+    list(chain.from_iterable(memo.segments(a, 1)))
+    assert (len(memo), memo.nbytes) == (2, 2 * one)
+    list(chain.from_iterable(memo.segments(b, 1)))  # room for one more: a's first segment goes
+    assert (len(memo), memo.nbytes) == (3, 3 * one)
+    list(chain.from_iterable(memo.segments(b, 1)))
+    assert memo.hits == 2
+    list(chain.from_iterable(memo.segments(a, 1)))  # a's first is gone, so its chain misses throughout
+    assert (memo.hits, memo.misses) == (2, 6) and memo.stats()["bytes"] == 3 * one <= memo.stats()["max_bytes"]
+    tiny = PageIdMemo(segment_tokens=64, max_bytes=one - 1)  # smaller than one segment: nothing is kept
+    assert list(chain.from_iterable(tiny.segments(a, 1))) == [digest_to_int64(d) for d in page_digests(a, 1)]
+    assert (len(tiny), tiny.nbytes) == (0, 0)
 
 
 def test_a_prompt_seen_before_is_not_hashed_again_and_a_longer_one_only_past_it():
@@ -228,3 +253,18 @@ def test_text_between_is_the_text_of_exactly_those_ids(ids, data):
     if len(ids) > 1:
         spaced = split_ids(json.dumps({"input_ids": ids}).encode(), "input_ids")[1]  # ", " between ids
         assert spaced.text_between(start, stop) is None
+
+
+def test_a_memo_budget_below_zero_or_not_a_number_is_refused(tmp_path):
+    """The router's ``--kv-memo-mib`` and the kv-index's ``--memo-mib``: a typed error naming the flag."""
+    import yaml
+
+    from prfaas_sglang.demo.cluster import local_topology
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(local_topology()))
+    for module, flag in (("prfaas_sglang.router", "--kv-memo-mib"), ("prfaas_sglang.kvindex", "--memo-mib")):
+        for value in ("-1", "nan"):
+            proc = run_py(["-m", module, "--config", str(path), flag, value])
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr.strip() == f"error: {flag}: must be in 0..{1 << 20}, got {float(value)}"
