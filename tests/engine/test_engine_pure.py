@@ -64,8 +64,79 @@ class TestPrefixCache:
         assert cache.insert(list(range(8))) == []
 
 
-@settings(max_examples=200, deadline=None)
+class _PlainPrefixCache(PrefixCache):
+    """The cache as first written: one Python step per page in match and insert (the reference)."""
+
+    def match(self, token_ids):
+        from prfaas_sglang.engine.mock.prefix_cache import Match
+
+        ids = self._ids(token_ids)
+        matched = best = 0
+        for i, block_id in enumerate(ids):
+            block = self._blocks.get(block_id)
+            if block is None:
+                break
+            matched = i + 1
+            if not self.hybrid or block.checkpoint:
+                best = matched
+        for block_id in reversed(ids[:matched]):
+            self._blocks.move_to_end(block_id)
+        return Match(matched, best * self.page_size)
+
+    def insert(self, token_ids, medium="GPU", checkpoints_at=(), chunk_checkpoints=True):
+        from prfaas_sglang.engine.mock.prefix_cache import _Block
+        from prfaas_sglang.wire.kv_events import StateStored
+
+        ids = self._ids(token_ids)
+        if not ids:
+            return []
+        interval = self.checkpoint_interval_tokens if chunk_checkpoints else None
+        interval_blocks = max(interval // self.page_size, 1) if interval is not None else len(ids)
+        asked = {n // self.page_size - 1 for n in checkpoints_at if n >= self.page_size}
+        events, states = [], []
+        for i, block_id in enumerate(ids):
+            checkpoint = self.hybrid and ((i + 1) % interval_blocks == 0 or i == len(ids) - 1 or i in asked)
+            block = self._blocks.get(block_id)
+            if block is None:
+                parent = ids[i - 1] if i else None
+                block = self._blocks[block_id] = _Block(parent, False, (i + 1) * self.page_size)
+                events.append(BlockStored([block_id], parent, list(token_ids[i * self.page_size : (i + 1) * self.page_size]),
+                                          self.page_size, None, medium))
+            if checkpoint and not block.checkpoint:
+                block.checkpoint = True
+                states.append(StateStored(block_id, (i + 1) * self.page_size, "mamba", medium))
+        for block_id in reversed(ids):
+            self._blocks.move_to_end(block_id)
+        evicted, lost_states = self._evict(medium)
+        return events + evicted + states + lost_states
+
+
+_PROMPT = st.lists(st.integers(0, 3), min_size=0, max_size=40)  # few distinct tokens: prompts share prefixes
+_OP = st.one_of(st.tuples(st.just("match"), _PROMPT),
+                st.tuples(st.just("insert"), _PROMPT, st.lists(st.integers(0, 44), max_size=3), st.booleans()))
+
+
+@given(st.lists(_OP, max_size=25), st.booleans(), st.sampled_from([1, 2, 4]), st.sampled_from([None, 4, 8]),
+       st.integers(3, 40))
+@settings(max_examples=300, deadline=None)
+def test_the_prefix_cache_answers_and_emits_what_the_per_page_loop_does(ops, hybrid, page, interval, capacity):
+    """Matching and inserting skip the pages already held (a walk in C); every answer, every event
+    and its order, and the cache's recency order stay those of the plain per-page loop."""
+    fast = PrefixCache(page, capacity, hybrid, interval)
+    plain = _PlainPrefixCache(page, capacity, hybrid, interval)
+    for op in ops:
+        if op[0] == "match":
+            assert fast.match(op[1]) == plain.match(op[1])
+            assert fast.decode_reusable_tokens(op[1]) == plain.decode_reusable_tokens(op[1])
+        else:
+            _, prompt, asked, chunks = op
+            assert fast.insert(prompt, checkpoints_at=asked, chunk_checkpoints=chunks) == \
+                plain.insert(prompt, checkpoints_at=asked, chunk_checkpoints=chunks)
+        assert list(fast._blocks.items()) == list(plain._blocks.items())
+
+
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 50_000)), max_size=40))
+@settings(max_examples=200, deadline=None)
 def test_arena_never_overlaps_and_frees_everything(ops):
     arena = KvArena(1 << 20)
     live: list[tuple[int, int]] = []

@@ -19,10 +19,10 @@ parents are always more recent than their children, so leaves go first.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, takewhile
 
 from prfaas_sglang.wire.blocks import PageIdMemo
 from prfaas_sglang.wire.kv_events import (
@@ -75,20 +75,24 @@ class PrefixCache:
     def _ids(self, token_ids: Sequence[int]) -> list[int]:
         return list(chain.from_iterable(self._memo.segments(token_ids, self.page_size)))
 
+    def _held(self, ids: list[int]) -> int:
+        """How many of ``ids`` from the start this cache holds (the walk in C: a cached 32K-token
+        prompt at page size 1 is 32K lookups)."""
+        return len(list(takewhile(self._blocks.__contains__, ids)))
+
+    def _touch(self, ids: Sequence[int]) -> None:
+        """Mark ``ids`` (a chain, parents first) recently used, children first so parents end up most recent."""
+        deque(map(self._blocks.move_to_end, reversed(ids)), maxlen=0)
+
     def match(self, token_ids: Sequence[int]) -> Match:
         """Reusable prefix of ``token_ids``. Marks the matched blocks recently used; no events."""
         ids = self._ids(token_ids)
-        matched = 0
-        best = 0
-        for i, block_id in enumerate(ids):
-            block = self._blocks.get(block_id)
-            if block is None:
-                break
-            matched = i + 1
-            if not self.hybrid or block.checkpoint:
-                best = matched
-        for block_id in reversed(ids[:matched]):  # children first: parents end up most recent
-            self._blocks.move_to_end(block_id)
+        matched = self._held(ids)
+        best = matched
+        if self.hybrid:  # back to the last checkpoint inside the match
+            while best and not self._blocks[ids[best - 1]].checkpoint:
+                best -= 1
+        self._touch(ids[:matched])
         return Match(matched, best * self.page_size)
 
     def decode_reusable_tokens(self, token_ids: Sequence[int]) -> int:
@@ -118,8 +122,17 @@ class PrefixCache:
         asked = {n // self.page_size - 1 for n in checkpoints_at if n >= self.page_size}
         events: list[KVCacheEvent] = []
         states: list[KVCacheEvent] = []
-        for i, block_id in enumerate(ids):
-            checkpoint = self.hybrid and ((i + 1) % interval_blocks == 0 or i == len(ids) - 1 or i in asked)
+        held = self._held(ids)
+        #   ids:  | held: already cached, only checkpoints to add | new: a block (and event) per page |
+        #         0                                              held                               len(ids)
+        wanted = (set(range(interval_blocks - 1, len(ids), interval_blocks)) | {len(ids) - 1} | asked) if self.hybrid else set()
+        for i in sorted(i for i in wanted if i < held):
+            block = self._blocks[ids[i]]
+            if not block.checkpoint:
+                block.checkpoint = True
+                states.append(StateStored(ids[i], (i + 1) * self.page_size, "mamba", medium))
+        for i in range(held, len(ids)):
+            block_id = ids[i]
             block = self._blocks.get(block_id)
             if block is None:
                 parent = ids[i - 1] if i else None
@@ -127,11 +140,10 @@ class PrefixCache:
                 page = list(token_ids[i * self.page_size : (i + 1) * self.page_size])
                 # One BlockStored per page, as SGLang's KVCacheEventMixin emits them.
                 events.append(BlockStored([block_id], parent, page, self.page_size, None, medium))
-            if checkpoint and not block.checkpoint:
+            if i in wanted and not block.checkpoint:
                 block.checkpoint = True
                 states.append(StateStored(block_id, (i + 1) * self.page_size, "mamba", medium))
-        for block_id in reversed(ids):
-            self._blocks.move_to_end(block_id)
+        self._touch(ids)
         evicted, lost_states = self._evict(medium)
         return events + evicted + states + lost_states
 
