@@ -171,20 +171,22 @@ def main(argv: list[str] | None = None) -> int:
         from prfaas_sglang.roles import ROLE_SPECS, Role
         from prfaas_sglang.security import load_keys, warn_if_open
         from prfaas_sglang.topology import load_topology
-        from prfaas_sglang.wire.blocks import PageIdMemo
+        from prfaas_sglang.wire.blocks import PageIdMemo, memo_bytes_from_mib
         from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
         if args.page_size is not None and args.page_size < 1:
             raise ConfigError("--page-size", f"must be >= 1, got {args.page_size}")
-        if not 0 <= args.memo_mib <= 1 << 20:  # also refuses NaN
-            raise ConfigError("--memo-mib", f"must be in 0..{1 << 20}, got {args.memo_mib}")
+        try:
+            memo_bytes = memo_bytes_from_mib(args.memo_mib)
+        except ValueError as e:
+            raise ConfigError("--memo-mib", str(e)) from None
         if not args.wait_workers_s >= 0:
             raise ConfigError("--wait-workers-s", f"must be >= 0, got {args.wait_workers_s}")
         keys = load_keys()
         warn_if_open(keys, "kv-index")
         topology = load_topology(args.config)
         hybrid = False if args.dense else runtime.from_topology(topology).hybrid
-        index = KvIndex(hybrid=hybrid, memo=PageIdMemo(max_segments=None, max_bytes=int(args.memo_mib * (1 << 20))))
+        index = KvIndex(hybrid=hybrid, memo=PageIdMemo(max_segments=None, max_bytes=memo_bytes))
         workers = {}
         engines = [n for n in topology.nodes if ROLE_SPECS[n.role].is_engine_role and n.port is not None]
         bearer = keys.bearer() if keys else None

@@ -172,6 +172,7 @@ def make_service(args: argparse.Namespace):
     from prfaas_sglang.router.workers import is_emulated, workers_from_topology
     from prfaas_sglang.security import load_keys, warn_if_open
     from prfaas_sglang.topology import load_topology
+    from prfaas_sglang.wire.blocks import memo_bytes_from_mib
 
     try:
         mode = BandwidthMode(args.bandwidth_mode)
@@ -188,8 +189,10 @@ def make_service(args: argparse.Namespace):
             raise ConfigError(flag, f"must be > 0, got {value}")
     if args.checkpoint_min_tokens < 0:
         raise ConfigError("--checkpoint-min-tokens", f"must be >= 0 (0: never), got {args.checkpoint_min_tokens}")
-    if not 0 <= args.kv_memo_mib <= 1 << 20:  # also refuses NaN
-        raise ConfigError("--kv-memo-mib", f"must be in 0..{1 << 20}, got {args.kv_memo_mib}")
+    try:
+        kv_memo_bytes = memo_bytes_from_mib(args.kv_memo_mib)
+    except ValueError as e:
+        raise ConfigError("--kv-memo-mib", str(e)) from None
     if not args.decode_affinity_slack <= 1:  # also refuses NaN
         raise ConfigError("--decode-affinity-slack", f"must be <= 1 (negative: off), got {args.decode_affinity_slack}")
     longterm = longterm_settings(args) if args.long_term else None  # checked before waiting for workers
@@ -209,7 +212,7 @@ def make_service(args: argparse.Namespace):
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
                           cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None,
                           decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None,
-                          kv_memo_bytes=int(args.kv_memo_mib * (1 << 20)))
+                          kv_memo_bytes=kv_memo_bytes)
     adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)

@@ -72,6 +72,17 @@ def _packed_pages(token_ids: Sequence[int], page_size: int, num_pages: int) -> I
 MEMO_ENTRY_OVERHEAD_BYTES = 100
 
 
+MAX_MEMO_MIB = 1 << 20  # the largest memo budget a flag accepts (1 TiB)
+
+
+def memo_bytes_from_mib(mib: float) -> int:
+    """A flag's memo budget in MiB as :class:`PageIdMemo`'s ``max_bytes``; ValueError (with the
+    message a CLI shows after the flag's name) outside 0..:data:`MAX_MEMO_MIB`, NaN included."""
+    if not 0 <= mib <= MAX_MEMO_MIB:
+        raise ValueError(f"must be in 0..{MAX_MEMO_MIB}, got {mib}")
+    return int(mib * (1 << 20))
+
+
 class PageIdMemo:
     """Block ids of prompt segments already hashed, so a prompt sharing a prefix with one hashed
     before skips SHA-256 over that prefix (pure; bounded, least recently used goes first).

@@ -86,7 +86,9 @@ class PrefixCache:
 
     def match(self, token_ids: Sequence[int]) -> Match:
         """Reusable prefix of ``token_ids``. Marks the matched blocks recently used; no events."""
-        ids = self._ids(token_ids)
+        return self._match(self._ids(token_ids))
+
+    def _match(self, ids: list[int]) -> Match:
         matched = self._held(ids)
         best = matched
         if self.hybrid:  # back to the last checkpoint inside the match
@@ -100,9 +102,9 @@ class PrefixCache:
         decode worker never resumes a state, its request's state always ships): the matched
         full-attention pages whatever their checkpoints, for a hybrid model a page short of a
         checkpoint the match would end at (SGLang would pin that state with the match's lock)."""
-        reusable = self.match(token_ids).matched_blocks
+        ids = self._ids(token_ids)
+        reusable = self._match(ids).matched_blocks
         if self.hybrid:
-            ids = self._ids(token_ids)
             while reusable and self._blocks[ids[reusable - 1]].checkpoint:
                 reusable -= 1
         return reusable * self.page_size
