@@ -14,6 +14,7 @@ outlives the owner.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prfaas_sglang.errors import PrfaasError
+
+logger = logging.getLogger(__name__)
 
 
 class StartupError(PrfaasError):
@@ -283,6 +286,7 @@ def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_a
 
 
 PEER_ROUTERS = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router"}
+PEER_PORT_ATTEMPTS = 3  # starts of a peer router whose picked port another process took first
 
 
 def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], decode: list[Worker], *,
@@ -295,17 +299,24 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
     waited for until ``GET /workers`` shows every worker ready: it lists a model after the first."""
     decode_policy = decode_policy or ("power_of_two" if len(decode) >= 2 else "round_robin")
     pick = PortPicker()
-    port = pick(host)
-    argv = [sys.executable, "-m", PEER_ROUTERS[kind], "--pd-disaggregation"]
-    for w in prefill:
-        argv += ["--prefill", w.url, str(w.bootstrap_port)]
-    for w in decode:
-        argv += ["--decode", w.url]
-    argv += ["--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
-             "--prometheus-port", str(pick(host))]
-    proc = group.start(name or kind, argv)
-    url = f"http://{host}:{port}"
-    group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)
+    workers = [arg for w in prefill for arg in ("--prefill", w.url, str(w.bootstrap_port))]
+    workers += [arg for w in decode for arg in ("--decode", w.url)]
+    for attempt in range(PEER_PORT_ATTEMPTS):
+        # The ports are free when picked, not when the router binds them: another process's outgoing
+        # connection can take one in between (the router then exits "Address already in use").
+        port = pick(host)
+        argv = [sys.executable, "-m", PEER_ROUTERS[kind], "--pd-disaggregation", *workers,
+                "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
+                "--prometheus-port", str(pick(host))]
+        proc = group.start(name or kind, argv)
+        url = f"http://{host}:{port}"
+        try:
+            group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)
+            break
+        except StartupError as e:
+            if "Address already in use" not in str(e) or attempt == PEER_PORT_ATTEMPTS - 1:
+                raise
+            logger.warning("%s: a picked port was taken before it bound one (%s); new ports", name or kind, e)
     deadline = time.monotonic() + timeout_s
     wanted = {w.url for w in prefill + decode}
     while time.monotonic() < deadline:

@@ -78,3 +78,32 @@ def test_router_spreads_nothing_it_should_not(router):
     _, decode = router
     text = requests.get(decode.url + "/metrics", timeout=5).text
     assert "prfaas:open_rooms{" in text and 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' in text
+
+
+def test_a_peer_router_whose_picked_port_was_taken_starts_again_on_new_ports(module_procs, monkeypatch):
+    """A port picked free can be taken before the peer router binds it (CI saw sglang-router exit with
+    "Address already in use" for its Prometheus port): it is started again on new ports, not failed."""
+    import socket
+
+    from prfaas_sglang.demo import cluster
+
+    prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20")
+    decode = start_worker(module_procs, "pd-decode", DECODE_PROFILE, "--speedup", "20")
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        taken, picks = held.getsockname()[1], []
+        real_pick = cluster.PortPicker.__call__
+
+        def pick(self, host="127.0.0.1"):  # the first start's second pick (its Prometheus port) is taken
+            picks.append(taken if len(picks) == 1 else real_pick(self, host))
+            return picks[-1]
+
+        monkeypatch.setattr(cluster.PortPicker, "__call__", pick)
+        url = start_peer_router(module_procs, "sglang-router", [prefill], [decode], name="peer-port-race",
+                                decode_policy="round_robin")
+    starts = [p for p in module_procs.procs if p.name == "peer-port-race"]
+    assert len(starts) == 2 and starts[0].returncode not in (None, 0) and starts[1].poll() is None
+    assert url == f"http://127.0.0.1:{picks[2]}" and taken not in picks[2:]
+    r = requests.post(url + "/generate", json={"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
