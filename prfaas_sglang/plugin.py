@@ -135,10 +135,10 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         how=(
             "AROUND hook on the one place SGLang's Mooncake manager submits a chunk's KV: with an "
-            "AsyncKvSender (PRFAAS_KV_ASYNC_SEND, prefill), merge adjacent entries, submit them as "
-            "asynchronous single writes (at most 2 chunks in flight per decode session) and return at "
-            "once, or -1 once a write to that session failed; otherwise the original synchronous batch. "
-            "Either way the manager's link meter records it. Never raises."
+            "AsyncKvSender (PRFAAS_KV_ASYNC_SEND, prefill), merge adjacent entries, queue them in the "
+            "sender (at most 8 chunks per decode session), whose thread hands the engine a write per lane "
+            "at a time, and return at once, or -1 once a write to that session failed; otherwise the "
+            "original synchronous batch. Either way the manager's link meter records it. Never raises."
         ),
         upstream_status="vendor-specific (upstream: synchronous batches, sglang 0.5.15)",
         removal="when SGLang's Mooncake backend submits asynchronously and reports per-transfer progress",
@@ -152,11 +152,12 @@ HOOKS: tuple[HookSpec, ...] = (
         expected_signature=("(self, args: 'KVArgs', disaggregation_mode: 'DisaggregationMode', "
                             "server_args: 'ServerArgs', is_mla_backend: 'Optional[bool]' = False)"),
         subject="[transport] A PrfaaS prefill manager gets an asynchronous KV sender",
-        why="The kv-send hooks need per-manager state: the writes in flight per decode session.",
+        why="The kv-send hooks need per-manager state: the writes queued and in flight per decode session.",
         how=(
             "AFTER hook on the Mooncake KV manager's constructor: in a prefill manager of a process "
             "with PRFAAS_KV_ASYNC_SEND=1 (the launcher sets it for the prfaas role) whose transfer "
-            "engine has transfer_submit_write / transfer_check_status, attach an AsyncKvSender."
+            "engine has transfer_submit_write / transfer_check_status, attach an AsyncKvSender (lanes "
+            "from MC_TCP_LANES_PER_PEER; its connections to the decode peers reset on close)."
         ),
         upstream_status="vendor-specific",
         removal="with kv-send",

@@ -243,8 +243,8 @@ def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: 
     each pair is one request's transfer of one layer as SGLang's sender would split it under SGLang's
     decode allocation and under the hook's; sent for ``layers`` buffers (K and V of ``layers / 2``
     layers: SGLang's sender makes every layer's requests, which Mooncake spreads over the lanes, one
-    request per lane at a time) back to back by a pipelined sender (all requests queued, as the kv-send
-    hooks submit them), the two in turns. Returns per mode the goodput fraction (bytes / elapsed / rate)
+    request per lane at a time) back to back by the kv-send hooks' own sender (``ProductSender``: a
+    write per lane in the engine, the rest queued in the sender), the two in turns. Returns per mode the goodput fraction (bytes / elapsed / rate)
     over all its transfers, and per transfer."""
     import subprocess
 
@@ -265,7 +265,7 @@ def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: 
                 sender.run(32 * MIB, 16 * MIB, pipeline=True)  # open the lanes first
                 for sglangs, hooks in pairs:
                     for mode, sizes in (("sglang", sglangs), ("contiguous", hooks)):
-                        r = sender.run(0, 0, sizes=sizes * layers, inflight=1024)
+                        r = sender.run(0, 0, sizes=sizes * layers, product=True)
                         out[mode].append({"bytes": sum(sizes) * layers, "requests": len(sizes) * layers,
                                           "elapsed_s": r["elapsed_s"], "ok": r["ok"]})
             finally:

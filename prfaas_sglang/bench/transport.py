@@ -12,8 +12,13 @@ in a fresh sender process, alternating, in the same run over the same link:
   of one layer's K of a model with 8 KV heads of dim 128 in bf16);
 * ``ours``: the WAN profile the launcher gives cross-cluster legs
   (:func:`~prfaas_sglang.transport.wan_defaults.sender_profile` for this link), KV coalesced
-  into ``--request-mib`` requests, each submitted as soon as it exists (up to 8 outstanding,
-  completions polled with a sleep): no barrier at chunk ends, no thread spinning in a sync call;
+  into ``--request-mib`` requests, sent by the ``kv-send`` hooks' own
+  :class:`~prfaas_sglang.hooks.kv_send.AsyncKvSender` (``transport_peer.ProductSender``): each chunk
+  queued as soon as it exists, at most a write per lane in the engine, completions polled with a
+  sleep: no barrier at chunk ends, no thread spinning in a sync call;
+* ``ours_engine_queued`` (``engine_queued``, off by default): the same requests all handed to the
+  engine at once (up to 8 outstanding), as the hooks did before they kept the queue themselves
+  (which let a failed room's queued writes go out after an outage): what keeping it costs;
 * ``ours_per_chunk``: the same profile and requests, sent SGLang's way (one sync batch per
   chunk), to separate the two mechanisms.
 
@@ -89,12 +94,12 @@ class _Sender:
             raise RuntimeError("transport sender did not start")
 
     def run(self, payload_bytes: int, request_bytes: int, chunk_bytes: int = CHUNK_BYTES, pipeline: bool = False,
-            sizes: list[int] | None = None, inflight: int = 8) -> dict:
-        """One transfer; ``sizes`` (pipelined only): these request sizes back to back instead of
-        ``payload_bytes`` in ``request_bytes`` pieces."""
+            sizes: list[int] | None = None, inflight: int = 8, product: bool = False) -> dict:
+        """One transfer; ``sizes`` (pipelined or product only): these request sizes back to back instead of
+        ``payload_bytes`` in ``request_bytes`` pieces; ``product``: through the kv-send hooks' sender."""
         self.proc.stdin.write(json.dumps({"payload_bytes": payload_bytes, "request_bytes": request_bytes,
                                           "chunk_bytes": chunk_bytes, "pipeline": pipeline or bool(sizes),
-                                          "inflight": inflight, "sizes": sizes}) + "\n")
+                                          "inflight": inflight, "sizes": sizes, "product": product}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -125,7 +130,7 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
                   default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
-                  lanes: int | None = None, tcp_buffer_bytes: int | None = None) -> dict:
+                  lanes: int | None = None, tcp_buffer_bytes: int | None = None, engine_queued: bool = False) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
@@ -140,25 +145,33 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
             recv = json.loads(recv_proc.stdout.readline())
             tcp_recv = json.loads(tcp_proc.stdout.readline())
             runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": [], "tcp_warm": []}
+            if engine_queued:
+                runs["ours_engine_queued"] = []
             wan = WanLink(rate_mbit * 1e6, cond.rtt_ms / 1e3)
             senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan, lanes)), "default": _Sender(link, recv, buffer_mib, default_env()),
                        "tcp": _Sender(link, tcp_recv, buffer_mib, default_env()),
                        "tcp_warm": _Sender(link, tcp_recv, buffer_mib, default_env(), warm=True)}
             senders["ours_per_chunk"] = senders["ours"]
+            if engine_queued:  # lanes of its own: each row's lanes then sit idle alike between its turns
+                senders["ours_engine_queued"] = _Sender(link, recv, buffer_mib, ours_env(wan, lanes))
             ours_request = int(request_mib * (1 << 20))
-            jobs = {"ours": (ours_request, True), "ours_per_chunk": (ours_request, False),
-                    "default": (default_request_kib << 10, False), "tcp": (payload, False), "tcp_warm": (payload, False)}
+            # name -> (request bytes, how: "product" the hooks' sender, "pipeline" all handed to the engine, "sync" per chunk)
+            jobs = {"ours": (ours_request, "product"), "ours_per_chunk": (ours_request, "sync"),
+                    "ours_engine_queued": (ours_request, "pipeline"), "default": (default_request_kib << 10, "sync"),
+                    "tcp": (payload, "sync"), "tcp_warm": (payload, "sync")}
             first: dict[str, dict] = {}
             try:
                 # One transfer per sender first, reported apart: it opens the lanes and ramps the
                 # congestion window, which a deployment's persistent lanes pay once, not per request.
                 for name in runs:
-                    request, pipeline = jobs[name]
-                    first[name] = senders[name].run(min(payload, WARMUP_BYTES), request, pipeline=pipeline)
+                    request, how = jobs[name]
+                    first[name] = senders[name].run(min(payload, WARMUP_BYTES), request, pipeline=how == "pipeline",
+                                                    product=how == "product")
                 for _ in range(repeats):  # take turns, so drift hits all alike
                     for name in runs:
-                        request, pipeline = jobs[name]
-                        runs[name].append(senders[name].run(payload, request, pipeline=pipeline))
+                        request, how = jobs[name]
+                        runs[name].append(senders[name].run(payload, request, pipeline=how == "pipeline",
+                                                            product=how == "product"))
             finally:
                 for sender in {id(x): x for x in senders.values()}.values():
                     sender.close()
@@ -170,6 +183,8 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    "per_chunk_goodput_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_per_chunk"]),
                    "tcp_reference_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp"]),
                    "tcp_warm_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp_warm"]),
+                   "engine_queued_fraction": (statistics.median(_fraction(r, payload, rate_mbit)
+                                                                for r in runs["ours_engine_queued"]) if engine_queued else None),
                    "lane_spread_ms": _lane_spread_ms(runs["ours"], int(senders["ours"].env["MC_TCP_LANES_PER_PEER"])),
                    "tcp_buffer_bytes": tcp_buffer_bytes,
                    # [min, max] over the repeats, per row: the spread behind each median
@@ -220,14 +235,16 @@ CONDITIONS = {
 
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
         conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
-        slow_start_after_idle: bool = True, lanes: int | None = None, tcp_buffer_bytes: int | None = None) -> dict:
+        slow_start_after_idle: bool = True, lanes: int | None = None, tcp_buffer_bytes: int | None = None,
+        engine_queued: bool = False) -> dict:
     """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own.
-    ``tcp_buffer_bytes``: the TCP buffers' autotuning limit in both namespaces, for every row (None: the host's)."""
+    ``tcp_buffer_bytes``: the TCP buffers' autotuning limit in both namespaces, for every row (None: the host's).
+    ``engine_queued``: add the ``ours_engine_queued`` row."""
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
                                      default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes,
-                                     tcp_buffer_bytes))
+                                     tcp_buffer_bytes, engine_queued))
     first = results[0]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib, "lanes": lanes,
             "tcp_buffer_bytes": tcp_buffer_bytes,
@@ -241,7 +258,7 @@ def render_markdown(r: dict) -> str:
     lines = [f"Link {r['rate_mbit']:g} Mbit/s, payload {r['payload_mib']} MiB in {r['chunk_mib']} MiB chunks; "
              f"ours: {r['request_mib']:g} MiB requests, WAN profile; default: {r['default_request_kib']} KiB requests, "
              f"Mooncake's settings; {buffers}.", "",
-             "| condition | congestion control | ours (pipelined) | ours, one sync batch per chunk | default "
+             "| condition | congestion control | ours (the kv-send hooks' sender) | ours, one sync batch per chunk | default "
              "| one plain TCP stream | one warm TCP stream |",
              "|---|---|---|---|---|---|---|"]
     def cell(c: dict, key: str, row: str) -> str:
@@ -249,8 +266,11 @@ def render_markdown(r: dict) -> str:
         return f"{c[key]:.3f} [{low:.3f}, {high:.3f}]"
 
     for c in r["conditions"]:
+        queued = (f" (all in the engine: {cell(c, 'engine_queued_fraction', 'ours_engine_queued')})"
+                  if c.get("engine_queued_fraction") is not None else "")
         lines.append(f"| {c['condition']} (RTT {c['rtt_ms']:g} ms, loss {c['loss'] * 100:g}%) | {c['congestion_control']} "
-                     f"| **{cell(c, 'goodput_fraction', 'ours')}** | {cell(c, 'per_chunk_goodput_fraction', 'ours_per_chunk')} "
+                     f"| **{cell(c, 'goodput_fraction', 'ours')}**{queued} "
+                     f"| {cell(c, 'per_chunk_goodput_fraction', 'ours_per_chunk')} "
                      f"| {cell(c, 'default_goodput_fraction', 'default')} | {cell(c, 'tcp_reference_fraction', 'tcp')} "
                      f"| {cell(c, 'tcp_warm_fraction', 'tcp_warm')} |")
     lines.append("")

@@ -23,7 +23,9 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
+import types
 
 import numpy as np
 
@@ -41,7 +43,62 @@ def _engine(host: str, buffer_bytes: int):
     return engine, buffer
 
 
-def send_job(engine, base: int, session: str, peer_addr: int, job: dict) -> dict:
+def _lengths(job: dict) -> list[int]:
+    """The job's request sizes: ``sizes`` as given, else ``payload_bytes`` in ``request_bytes`` pieces."""
+    if job.get("sizes"):
+        return [int(n) for n in job["sizes"]]
+    payload, request = int(job["payload_bytes"]), int(job["request_bytes"])
+    return [min(request, payload - off) for off in range(0, payload, request)]
+
+
+class ProductSender:
+    """The ``kv-send`` hooks' :class:`~prfaas_sglang.hooks.kv_send.AsyncKvSender`, as a PrfaaS prefill
+    worker runs it (lanes from ``MC_TCP_LANES_PER_PEER``, connections reset on close, fast failures
+    handed again), in front of this process's engine. What SGLang's manager would give it is empty here:
+    no rooms (nothing to taint), no blacklist. Each job's requests go as chunks of up to ``chunk_bytes``,
+    submitted as SGLang's transfer thread submits them (a third chunk waits for the first to land), then
+    the aux barrier. Destinations are laid out mirrored (the first request lands last), so no two requests
+    continue each other on both sides and ``coalesce`` keeps each one whole."""
+
+    def __init__(self, engine):
+        from prfaas_sglang.adapters.sockopts import ResetOnClose
+        from prfaas_sglang.hooks.kv_send import AsyncKvSender, mooncake_lanes_per_peer
+
+        manager = types.SimpleNamespace(transfer_infos={}, request_status={}, session_lock=threading.Lock(),
+                                        failed_sessions=set())
+        self.sender = AsyncKvSender(manager, engine, wait_bound_s=600.0, lanes=mooncake_lanes_per_peer(),
+                                    resets=ResetOnClose())
+        self._done: list[float] = []
+        record = self.sender._record
+
+        def timed(ended, telemetry) -> None:  # each write's end, for the bench's lane spread
+            self._done.append(time.perf_counter())
+            record(ended, telemetry)
+
+        self.sender._record = timed
+
+    def run(self, base: int, session: str, peer_addr: int, job: dict) -> dict:
+        lengths, chunk = _lengths(job), int(job.get("chunk_bytes") or (64 << 20))
+        total = sum(lengths)
+        self._done.clear()
+        started = time.perf_counter()
+        entries: list[tuple[int, int, int]] = []
+        in_chunk = 0
+        for off, length in zip(itertools.accumulate(lengths, initial=0), lengths, strict=False):
+            entries.append((base + off, peer_addr + total - off - length, length))
+            in_chunk += length
+            if in_chunk >= chunk or off + length == total:
+                if self.sender.submit(session, entries) != 0:
+                    return {"elapsed_s": time.perf_counter() - started, "ok": False, "requests": len(lengths)}
+                entries, in_chunk = [], 0
+        ok = self.sender.barrier(session, 0)
+        return {"elapsed_s": time.perf_counter() - started, "ok": ok, "requests": len(lengths),
+                "done_s": [round(t - started, 4) for t in self._done]}
+
+
+def send_job(engine, base: int, session: str, peer_addr: int, job: dict, product: ProductSender | None = None) -> dict:
+    if job.get("product"):
+        return product.run(base, session, peer_addr, job)
     if job.get("pipeline"):
         return pipeline_job(engine, base, session, peer_addr, job)
     payload, request, chunk = int(job["payload_bytes"]), int(job["request_bytes"]), int(job["chunk_bytes"])
@@ -63,12 +120,9 @@ def send_job(engine, base: int, session: str, peer_addr: int, job: dict) -> dict
 def pipeline_job(engine, base: int, session: str, peer_addr: int, job: dict, poll_s: float = 0.001) -> dict:
     """Each request submitted as soon as its KV exists (here: at once), at most ``inflight`` outstanding,
     completions polled with a sleep: no barrier at chunk ends, no thread spinning in a sync call."""
-    payload, request, inflight = int(job["payload_bytes"]), int(job["request_bytes"]), int(job.get("inflight", 8))
+    inflight = int(job.get("inflight", 8))
     pending: list[int] = []
-    if job.get("sizes"):  # given request sizes, back to back (``bench kv-runs --measure``)
-        lengths = [int(n) for n in job["sizes"]]
-    else:
-        lengths = [min(request, payload - off) for off in range(0, payload, request)]
+    lengths = _lengths(job)
     # (offset, length) in order; accumulate(initial=0) yields one more item, the total, which zip drops
     pieces = iter(zip(itertools.accumulate(lengths, initial=0), lengths, strict=False))
     requests = 0
@@ -178,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdin.read()
         return 0
     print(json.dumps({"ready": True}), flush=True)
+    product = ProductSender(engine)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(send_job(engine, buffer.ctypes.data, args.peer, args.addr, json.loads(line))), flush=True)
+            print(json.dumps(send_job(engine, buffer.ctypes.data, args.peer, args.addr, json.loads(line), product)),
+                  flush=True)
     return 0
 
 

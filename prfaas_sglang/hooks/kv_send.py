@@ -10,29 +10,42 @@ manager gets an :class:`AsyncKvSender` and three hooks change how it sends:
 
 * ``kv-send-start`` (AFTER ``MooncakeKVManager.__init__``): attach the sender;
 * ``kv-send`` (AROUND ``_transfer_data``): a chunk's entries, adjacent ones merged
-  (:func:`~prfaas_sglang.transport.kv_send.coalesce`), become single-entry asynchronous
-  writes and the call returns 0 at once; at most :data:`MAX_BATCHES_IN_FLIGHT` chunks
-  per decode session are in flight (a new one waits, sleeping). The call returns -1 when
-  a write to that session already failed, so SGLang fails the room and blacklists the
-  session as it does for a failed synchronous batch. Without a sender (or inside the aux
-  barrier below) the original synchronous batch runs, metered as before;
+  (:func:`~prfaas_sglang.transport.kv_send.coalesce`), are queued in the sender and the call
+  returns 0 at once; at most :data:`MAX_BATCHES_IN_FLIGHT` chunks per decode session are queued
+  or on the wire (a new one waits, sleeping). The sender's thread hands the engine one write per
+  lane at a time, as lanes free up. The call returns -1 when a write to that session already
+  failed, so SGLang fails the room and blacklists the session as it does for a failed synchronous
+  batch. Without a sender (or inside the aux barrier below) the original synchronous batch runs,
+  metered as before;
 * ``kv-send-aux-barrier`` (AROUND ``send_aux``, the last chunk's, after any linear or SWA
-  state): first wait, sleeping, until no write to that session is in flight; when one of
-  them failed, or the room was in flight on a session when a write to it failed, return
-  -1 before sending the aux, so the decode never hears Success for KV that did not land.
+  state): first wait, sleeping, until nothing to that session is queued or in flight; when a
+  write failed, or the room was in flight on a session when a write to it failed, return -1
+  before sending the aux, so the decode never hears Success for KV that did not land.
 
 A failed write is found by polling (``transfer_check_status``: 1 done, 0 pending, -1
 failed, -2 timed out; Mooncake's stall bound ends a stuck write). It taints every room then
 in flight on that session (SGLang's ``transfer_infos``) and blacklists the session in
 SGLang's ``failed_sessions`` at once, which is what SGLang does after one failed batch;
-SGLang's probe (on in the PrfaaS profile) takes it back.
+SGLang's probe (on in the PrfaaS profile) takes it back. A write the engine fails within
+:data:`RETRY_WITHIN_S` of taking it never had a connection (after an outage Mooncake 0.3.13
+fails a peer's first requests before it connects) and is handed once more after its reconnect
+cooldown.
 
-Known hazard, shared with upstream: a write may land after its room was reported failed or
-aborted, into decode pages SGLang then frees. SGLang acknowledges a decode's abort at once, and
-Mooncake 0.3.13 cannot cancel a request: when a lane times out, the writes queued behind it are
-sent again on a new connection once the link returns, seconds later
-(tests/transport/test_sglang_session_recovery.py shows it with SGLang's synchronous batches).
-Upstream, one chunk's batch is exposed; here up to :data:`MAX_BATCHES_IN_FLIGHT` chunks.
+No KV lands after its room failed. Mooncake 0.3.13 cannot cancel a request, and after an outage
+it delivered a failed room's KV into decode pages SGLang had freed
+(tests/transport/test_sglang_session_recovery.py, with SGLang's own sender), two ways:
+
+* requests still queued in the engine when the link went dark are sent on a reconnected lane
+  once it returns. Here the engine holds at most a write per lane (``MC_TCP_LANES_PER_PEER``),
+  each of which goes straight onto a lane; the rest wait in the sender and are dropped, unsent,
+  when their session fails;
+* a lane the engine closes on its stall timeout leaves the request it was sending to the kernel,
+  which retransmits it as an orphan socket for about 100 s; the peer's session, which never times
+  out, writes what arrives. Here the sender's connections to its decode peers are reset on close
+  (``SO_LINGER`` 0, :class:`~prfaas_sglang.adapters.sockopts.ResetOnClose`): nothing is retransmitted.
+
+Left as upstream: a decode that aborts a room (a client abort) frees its pages at once, while the
+prefill side may still be sending the room's KV into them.
 ``PRFAAS_KV_ASYNC_SEND=0`` restores SGLang's sending.
 """
 
@@ -43,47 +56,72 @@ import os
 import threading
 import time
 
+from prfaas_sglang.adapters.sockopts import ResetOnClose
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
 from prfaas_sglang.transport.kv_send import Ended, SendLedger, coalesce
+from prfaas_sglang.transport.wan_defaults import MOONCAKE_DEFAULT_LANES, lanes_per_peer
 
 logger = logging.getLogger(__name__)
 _ATTR = "_prfaas_sender"
-MAX_BATCHES_IN_FLIGHT = 2  # chunks per decode session on the wire at once
-POLL_MIN_S, POLL_MAX_S = 0.0002, 0.005
+MAX_BATCHES_IN_FLIGHT = 8  # chunks per decode session queued or on the wire at once (a bound on the queue)
+POLL_MIN_S, POLL_MAX_S = 0.0002, 0.001  # the pump's sleep while writes are in flight: a lane waits this long at most
+RESET_SCAN_S = 0.5
+# A write the engine fails this soon after taking it never had a connection (a real send fails after an
+# RTT at least, a stall after the stall bound): it is handed again once, after Mooncake's 1 s reconnect
+# cooldown (``SendLedger``).
+RETRY_WITHIN_S, RETRY_AFTER_S = 0.25, 1.2
 
 
 class AsyncKvSender:
-    """One prefill manager's asynchronous writes. Thread-safe (one lock around the ledger);
-    every wait sleeps. ``engine`` is Mooncake's ``TransferEngine``; ``manager`` the SGLang
-    ``MooncakeKVManager`` whose ``transfer_infos``, ``failed_sessions`` and ``session_lock``
-    it reads and (on a failure) writes."""
+    """One prefill manager's asynchronous writes. Thread-safe (one lock around the ledger); every
+    wait sleeps. ``engine`` is Mooncake's ``TransferEngine``; ``manager`` the SGLang
+    ``MooncakeKVManager`` whose ``transfer_infos``, ``failed_sessions`` and ``session_lock`` it reads
+    and (on a failure) writes. ``lanes``: the engine's TCP lanes per peer, the most writes to one
+    decode session handed to the engine at once (the rest wait in the ledger, so that none waits in
+    the engine's own queue, from where it could be sent after its room failed). ``retry_within_s``:
+    a write the engine fails this fast is handed once more (:class:`SendLedger`; None: never).
 
-    def __init__(self, manager, engine, wait_bound_s: float):
+    A daemon thread (the pump) submits queued entries as lanes free up, reads the writes' statuses,
+    and every :data:`RESET_SCAN_S` while writes are in flight gives the engine's connections to the
+    decode peers a reset on close (:class:`~prfaas_sglang.adapters.sockopts.ResetOnClose`); a
+    ``resets`` of None leaves them alone."""
+
+    def __init__(self, manager, engine, wait_bound_s: float, lanes: int = MOONCAKE_DEFAULT_LANES,
+                 resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S):
+        if lanes < 1:
+            raise ValueError("lanes must be at least 1")
         self.manager = manager
         self.engine = engine
         self.wait_bound_s = wait_bound_s
-        self.ledger = SendLedger()
+        self.lanes = lanes
+        self.resets = resets
+        self.ledger = SendLedger(retry_within_s=retry_within_s, retry_after_s=RETRY_AFTER_S)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when something is queued or ends
         self._tainted: dict[str, set[int]] = {}  # session -> rooms to fail at their next chunk or aux
         self._sync = threading.local()  # inside the aux barrier: _transfer_data runs synchronously
+        self._peer_ips: set[str] = set()
+        self._next_reset_scan = 0.0
         self.writes_submitted = 0
         self.writes_failed = 0
         self.batches_submitted = 0
+        self.max_writes_in_flight = 0  # the most writes to one session the engine held at once
+        self._pump = threading.Thread(target=self._run, name="prfaas-kv-send", daemon=True)
+        self._pump.start()
 
     # --- called from SGLang's transfer threads -----------------------------------------------
 
     def submit(self, session: str, blocks, streamer=None) -> int:
-        """Submit one chunk's entries to ``session``; 0, or -1 once a write to it failed. Like SGLang's
+        """Queue one chunk's entries to ``session``; 0, or -1 once a write to it failed. Like SGLang's
         synchronous batch, which fails as soon as one of its writes does, this does not wait for the
-        session's other writes: Mooncake cannot cancel them (see the module's hazard note). With a
-        layer ``streamer``, blocks it already sent are dropped first."""
+        session's other writes: Mooncake cannot cancel those in flight (see the module's hazard note).
+        With a layer ``streamer``, blocks it already sent are dropped first."""
         if streamer is not None:
             with self._lock:
                 blocks = streamer.settle(session, blocks)
                 if not blocks:  # every layer streamed: report a failure among them, else done
-                    self._reap(session)
                     return self._report(session) if self.ledger.failed(session) else 0
         entries = coalesce(blocks)
         if not entries:
@@ -94,53 +132,30 @@ class AsyncKvSender:
         with self._lock:
             if self.ledger.failed(session):
                 return self._report(session)
-        writes, meter_id = self._write(session, entries)
-        with self._lock:
-            if self._record_batch(session, entries, writes, meter_id):
-                return 0
-            self._note_failure(session)
-            return self._report(session)
+            self._queue(session, entries)
+            return 0
 
     def submit_locked(self, session: str, blocks) -> None:
-        """Submit streamed blocks to ``session`` now, outside the per-session window (the caller holds
-        ``self._lock``). Nothing goes to a session whose write already failed; a refused submission
-        marks it failed, reported at its next chunk or aux."""
+        """Queue streamed blocks to ``session`` now, outside the per-session window (the caller holds
+        ``self._lock``). Nothing goes to a session whose write already failed."""
         if self.ledger.failed(session):
             return
         entries = coalesce(blocks)
-        if not entries:
-            return
-        writes, meter_id = self._write(session, entries)
-        if not self._record_batch(session, entries, writes, meter_id):
-            self.ledger.fail(session)
-            self._note_failure(session)
+        if entries:
+            self._queue(session, entries)
 
-    def _write(self, session: str, entries: list[tuple[int, int, int]]) -> tuple[dict[int, int], int | None]:
-        """Submit ``entries`` as single asynchronous writes, stopping at the first the engine refuses
-        (id 0: unknown session, no route); the engine ids submitted (-> bytes) and the meter handle."""
+    def _queue(self, session: str, entries: list[tuple[int, int, int]]) -> None:
+        """Under ``self._lock``: one chunk (one metered transfer) into the ledger, for the pump."""
         telemetry = getattr(self.manager, "_prfaas_link", None)
         meter_id = telemetry.begin(sum(n for _, _, n in entries), session) if telemetry is not None else None
-        writes: dict[int, int] = {}
-        for src, dst, length in entries:
-            write_id = self.engine.transfer_submit_write(session, src, dst, length)
-            if not write_id:
-                break
-            writes[write_id] = length
-        return writes, meter_id
-
-    def _record_batch(self, session: str, entries, writes: dict[int, int], meter_id: int | None) -> bool:
-        """Under ``self._lock``: put what was submitted in the ledger (one batch); whether all of it was."""
-        self.writes_submitted += len(writes)
+        self.ledger.add(session, entries, meter_id)
         self.batches_submitted += 1
-        if writes:
-            self.ledger.add(session, writes, meter_id)
-        elif meter_id is not None:
-            self.manager._prfaas_link.end(meter_id, False)
-        return len(writes) == len(entries)
+        self._peer_ips.add(session.rsplit(":", 1)[0].strip("[]"))
+        self._changed.notify_all()
 
     def barrier(self, session: str, room: int) -> bool:
-        """Wait, sleeping, until nothing is in flight to ``session`` or a write to it failed; False if
-        one failed while ``room`` was in flight there, or the wait ran past its bound."""
+        """Wait, sleeping, until nothing is queued or in flight to ``session`` or a write to it failed;
+        False if one failed while ``room`` was in flight there, or the wait ran past its bound."""
         if not self._wait(session, lambda: self.ledger.failed(session)):
             return False
         with self._lock:
@@ -153,25 +168,25 @@ class AsyncKvSender:
             return True
 
     def _wait(self, session: str | None, done, bound_s: float | None = None) -> bool:
-        """Sleep until nothing awaited is in flight to ``session`` (None: nothing at all, abandoned
-        writes included) or ``done()`` (read under the lock); False if the bound passed first."""
+        """Sleep until nothing awaited is queued or in flight to ``session`` (None: nothing at all,
+        abandoned writes included) or ``done()`` (read under the lock); False if the bound passed first."""
         bound_s = self.wait_bound_s if bound_s is None else bound_s
         deadline = time.monotonic() + bound_s
-        delay = POLL_MIN_S
-        while True:
-            with self._lock:
-                self._reap(None)
+        with self._lock:
+            while True:
                 idle = not self.ledger.batches if session is None else not self.ledger.pending(session)
                 if idle or done():
                     return True
-            if time.monotonic() > deadline:
-                logger.error("prfaas_sglang: KV writes to %s still in flight after %.0f s", session or "any peer", bound_s)
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay, POLL_MAX_S)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.error("prfaas_sglang: KV writes to %s still in flight after %.0f s", session or "any peer",
+                                 bound_s)
+                    return False
+                self._changed.wait(left)
 
     def settle(self, timeout_s: float) -> bool:
-        """Wait, sleeping, until no write to any session is in flight (shutdown, tests); False on timeout."""
+        """Wait, sleeping, until no write to any session is queued or in flight (shutdown, tests);
+        False on timeout."""
         return self._wait(None, lambda: False, timeout_s)
 
     @property
@@ -181,15 +196,76 @@ class AsyncKvSender:
     def set_synchronous(self, on: bool) -> None:
         self._sync.on = on
 
+    # --- the pump ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = POLL_MIN_S
+        while True:
+            try:
+                with self._lock:
+                    while not self.ledger.batches:
+                        self._changed.wait()
+                    progressed = self._step()
+                self._scan_resets()
+            except Exception:  # noqa: BLE001 - the pump must outlive one bad step
+                logger.exception("prfaas_sglang: KV send pump step failed")
+                progressed = False
+            delay = POLL_MIN_S if progressed else min(2 * delay, POLL_MAX_S)
+            time.sleep(delay)
+
+    def _step(self) -> bool:
+        """Under ``self._lock``: read the statuses, then hand the engine what the lanes can take;
+        whether anything ended or was submitted."""
+        ended = self._reap()
+        submitted = refused = 0
+        now_s = time.monotonic()
+        for session in self.ledger.sessions_to_feed(now_s):
+            taken = self.ledger.take(session, self.lanes, now_s)
+            for i, (batch, entry, attempt) in enumerate(taken):
+                write_id = self.engine.transfer_submit_write(session, *entry)
+                if not write_id:  # unknown session, no route: its chunks fail as a synchronous batch would
+                    logger.warning("prfaas_sglang: the transfer engine refused a KV write to %s", session)
+                    for failed in {id(b): b for b, _, _ in taken[i:]}.values():
+                        self.ledger.refused(failed)
+                        self._end_meter(failed)
+                    self._note_failure(session)
+                    refused += 1
+                    break
+                self.ledger.started(batch, write_id, entry, now_s, attempt)
+                self.writes_submitted += 1
+                submitted += 1
+            self.max_writes_in_flight = max(self.max_writes_in_flight, self.ledger.writes_in_flight(session))
+        if ended or submitted or refused:
+            self._changed.notify_all()
+        return bool(ended or submitted or refused)
+
+    def _scan_resets(self) -> None:
+        """Give new connections to the decode peers a reset on close, at most every RESET_SCAN_S, while
+        writes are in flight. A lane is closed for a stall only after the stall bound (>= 5 s), so
+        every lane that carried a write is seen before it can be closed with bytes unacknowledged."""
+        if self.resets is None or time.monotonic() < self._next_reset_scan:
+            return
+        with self._lock:
+            busy = bool(self.ledger.batches)
+            peers = set(self._peer_ips)
+        if busy:
+            self.resets.scan(peers)
+            self._next_reset_scan = time.monotonic() + RESET_SCAN_S
+
     # --- under self._lock ---------------------------------------------------------------------
 
-    def _reap(self, session: str | None) -> None:
-        ended = self.ledger.reap(self.engine.transfer_check_status, session)
+    def _reap(self) -> int:
+        retried = self.ledger.retried
+        ended = self.ledger.reap(self.engine.transfer_check_status, time.monotonic())
+        if self.ledger.retried > retried:
+            logger.warning("prfaas_sglang: %d KV writes failed before they had a connection; handing them to the "
+                           "engine again in %.1f s", self.ledger.retried - retried, self.ledger.retry_after_s)
         telemetry = getattr(self.manager, "_prfaas_link", None)
         for e in ended:
             self._record(e, telemetry)
         for session in {e.batch.session for e in ended if e.delivered_bytes == 0 and not e.batch.abandoned}:
             self._note_failure(session)
+        return len(ended)
 
     def _record(self, e: Ended, telemetry) -> None:
         """Meter a write's end: its bytes; the batch (one chunk, one metered transfer) ends at its
@@ -201,8 +277,13 @@ class AsyncKvSender:
         if e.delivered_bytes:
             telemetry.progress(e.batch.meter_id, e.delivered_bytes)
         if e.batch.failed or e.batch_done:
-            e.batch.reported = True
-            telemetry.end(e.batch.meter_id, not e.batch.failed)
+            self._end_meter(e.batch)
+
+    def _end_meter(self, batch) -> None:
+        telemetry = getattr(self.manager, "_prfaas_link", None)
+        if telemetry is not None and batch.meter_id is not None and not batch.reported:
+            batch.reported = True
+            telemetry.end(batch.meter_id, not batch.failed)
 
     def _note_failure(self, session: str) -> None:
         """A write to ``session`` failed: taint the rooms in flight there now (each fails at its
@@ -214,10 +295,15 @@ class AsyncKvSender:
 
     def _report(self, session: str) -> int:
         """Hand ``session``'s failure to SGLang (it blacklists the session on -1) and start afresh: the
-        batches then in flight belong to failed rooms and hold up no later room."""
+        batches then queued are dropped, those in flight belong to failed rooms and hold up no later room."""
+        for batch in self.ledger.batches:
+            if batch.session == session and not batch.abandoned:
+                batch.failed = True
+                self._end_meter(batch)
         self.ledger.forget(session)
         with self.manager.session_lock:
             self.manager.failed_sessions.add(session)
+        self._changed.notify_all()
         return -1
 
 
@@ -236,6 +322,11 @@ def mooncake_wait_bound_s() -> float:
         return 30.0
 
 
+def mooncake_lanes_per_peer() -> int:
+    """The lanes per peer this process's Mooncake engine opens (from its environment, as Mooncake reads it)."""
+    return lanes_per_peer(os.environ)
+
+
 def start_async_sender(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
     """AFTER hook on ``MooncakeKVManager.__init__``: a prefill manager in a process with
     ``PRFAAS_KV_ASYNC_SEND`` set sends asynchronously."""
@@ -246,12 +337,12 @@ def start_async_sender(result, manager, args, disaggregation_mode, server_args, 
         logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
                        "single writes; sending synchronously")
         return None
-    sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s())
+    sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose())
     setattr(manager, _ATTR, sender)
     if envs.KV_LAYERWISE.get():
         layerwise.attach(manager, sender)
-    logger.info("prfaas_sglang: KV sent asynchronously (at most %d chunks in flight per decode session)",
-                MAX_BATCHES_IN_FLIGHT)
+    logger.info("prfaas_sglang: KV sent asynchronously (at most %d chunks queued per decode session, %d writes "
+                "in the engine at once)", MAX_BATCHES_IN_FLIGHT, sender.lanes)
     return None
 
 
@@ -279,6 +370,9 @@ def aux_barrier(original, manager, req, prefill_aux_index, dst_aux_ptrs):
         logger.exception("prfaas_sglang: waiting for KV writes failed")
         landed = False
     if not landed:
+        # SGLang records no reason when the aux fails; give the room the one its chunk failure would have
+        manager.record_failure(req.room, f"Failed to send kv chunk of {req.room} to "
+                                         f"{getattr(req, 'endpoint', '?')}:{getattr(req, 'dst_port', '?')}")
         return -1
     sender.set_synchronous(True)
     try:

@@ -4,36 +4,50 @@ SGLang's Mooncake sender hands us each chunk's KV as ``(src, dst, length)`` entr
 (one per layer, K and V, per run of contiguous pages). :func:`coalesce` merges
 entries that continue each other on both sides, so the transfer engine gets fewer,
 larger requests (a TCP lane carries one request at a time and waits an RTT for its
-acknowledgement). A :class:`SendLedger` then remembers, per decode session, the
-asynchronous writes still in flight: each chunk is one *batch* (one metered transfer)
-of single-entry writes, identified by the engine's ids. The ledger never talks to the
-engine: :meth:`SendLedger.reap` takes the engine's status function as an argument, and
-times come in as arguments.
+acknowledgement). A :class:`SendLedger` then keeps, per decode session, each chunk as
+one *batch* (one metered transfer): its entries queued here, then its single-entry
+asynchronous writes in flight, identified by the engine's ids. The ledger never talks
+to the engine: :meth:`SendLedger.take` says what to submit, :meth:`SendLedger.reap`
+takes the engine's status function as an argument, and times come in as arguments.
+
+Why entries wait here rather than in the engine: Mooncake 0.3.13 cannot cancel a request.
+A request queued in its per-peer FIFO when the link goes dark stays queued through the
+lanes' stall timeout and is sent on a reconnected lane once the link returns, seconds or
+minutes after its room was failed on both sides and its decode pages freed (measured:
+tests/transport/test_sglang_session_recovery.py). So the ledger hands the engine at most
+``limit`` writes per session at once (``limit`` = the engine's lanes per peer: each write
+then goes straight onto a lane, and none waits in the engine's queue), and a failed
+session's queued entries are dropped here, never sent.
 
 Statuses (Mooncake's ``transfer_check_status``): 1 done, 0 pending, -1 failed,
 -2 timed out. A status function must be called at most once per id after that id is
 done, as Mooncake frees a batch once it reports its end.
 
-Contract: ``add`` after a successful submission; ``reap`` whenever convenient (it only
-reads statuses and drops what ended); ``failed`` says whether any write to a session has
-failed since the last :meth:`SendLedger.forget`, which also abandons the session's batches
-then in flight (their rooms fail; a later failure of theirs is not a new one); ``pending``
-and ``in_flight`` count what is still awaited. The caller serialises access (one lock).
+Contract: ``add`` a chunk's entries; ``take`` what may be submitted now and report each
+submission with ``started`` (or ``refused``, which fails the session); ``reap`` whenever
+convenient (it only reads statuses and drops what ended); ``failed`` says whether any write
+to a session has failed since the last :meth:`SendLedger.forget`, which also abandons the
+session's batches then queued or in flight (their rooms fail; their queued entries are
+dropped; a later failure of their writes in flight is not a new one); ``pending`` and
+``in_flight`` count what is still awaited. The caller serialises access (one lock).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 DONE, PENDING, FAILED, TIMED_OUT = 1, 0, -1, -2
 
+Entry = tuple[int, int, int]  # (src, dst, length)
 
-def coalesce(blocks: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+
+def coalesce(blocks: Iterable[tuple[int, int, int]]) -> list[Entry]:
     """``(src, dst, length)`` entries with each one that continues the previous on both
     sides (``src + length`` and ``dst + length`` are the next entry's) merged into it;
     order kept, lengths summed. Zero-length entries are dropped."""
-    out: list[tuple[int, int, int]] = []
+    out: list[Entry] = []
     for src, dst, length in blocks:
         src, dst, length = int(src), int(dst), int(length)
         if length <= 0:
@@ -47,18 +61,42 @@ def coalesce(blocks: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int
     return out
 
 
+@dataclass(frozen=True)
+class Write:
+    """One entry handed to the engine: what it writes, when, and how many times it was handed before."""
+
+    entry: Entry
+    started_s: float
+    attempt: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.entry[2]
+
+
 @dataclass
 class Batch:
-    """One chunk's writes to one session: engine ids -> bytes, and its meter handle."""
+    """One chunk's writes to one session: entries not yet submitted, engine ids -> writes still in
+    flight, entries to hand again later, and its meter handle."""
 
     session: str
-    writes: dict[int, int]  # engine id -> bytes, still in flight
+    queued: deque[Entry]
     total_bytes: int
     meter_id: int | None = None
+    writes: dict[int, Write] = field(default_factory=dict)  # engine id -> write, submitted and still in flight
+    retries: list[tuple[float, Entry]] = field(default_factory=list)  # (not before, entry): failed fast, handed again
     delivered_bytes: int = 0
     failed: bool = False
     reported: bool = False  # the caller recorded its outcome (at its first failure or its end)
     abandoned: bool = False  # its session's failure was handed on: its rooms are failed, nobody waits for it
+
+    @property
+    def ended(self) -> bool:
+        return not self.writes and not self.queued and not self.retries
+
+    def drop_unsent(self) -> None:
+        self.queued.clear()
+        self.retries.clear()
 
 
 @dataclass
@@ -72,46 +110,114 @@ class Ended:
 
 @dataclass
 class SendLedger:
+    """``retry_within_s``: a write that fails within this long of being handed to the engine is handed
+    once more, ``retry_after_s`` later, before it counts as failed (None: never). A failure that fast
+    is the engine's, before the write had a connection: Mooncake 0.3.13 fails every request at once
+    when all of a peer's lanes have died and each was tried in the current connect round (as after an
+    outage), and only starts a new round after its 1 s cooldown. Writing the same bytes to the same
+    place again is harmless; the room is still live (a failed session drops its retries)."""
+
+    retry_within_s: float | None = None
+    retry_after_s: float = 1.2
     batches: list[Batch] = field(default_factory=list)
     _failed_sessions: set[str] = field(default_factory=set)
+    retried: int = 0  # writes handed again
 
-    def add(self, session: str, writes: dict[int, int], meter_id: int | None = None) -> Batch:
-        batch = Batch(session, dict(writes), sum(writes.values()), meter_id)
+    def add(self, session: str, entries: Iterable[Entry], meter_id: int | None = None) -> Batch:
+        """Queue one chunk's entries to ``session`` as a batch (sent in order by :meth:`take`)."""
+        queued = deque(entries)
+        batch = Batch(session, queued, sum(n for _, _, n in queued), meter_id)
         self.batches.append(batch)
         return batch
 
-    def reap(self, status: Callable[[int], int], session: str | None = None) -> list[Ended]:
-        """Read the status of every write in flight (of ``session``, or all), drop those that
-        ended, and return what ended (a failed or timed-out write marks its batch and session
-        failed). Each id is read until it reports its end, never after."""
+    def take(self, session: str, limit: int, now_s: float) -> list[tuple[Batch, Entry, int]]:
+        """``(batch, entry, attempt)`` to submit now to ``session``, retries that are due first, then
+        the oldest batch's entries, so that at most ``limit`` of its writes are in flight (abandoned
+        ones included: they still occupy the engine's lanes). Each comes off its batch: report it with
+        :meth:`started` or :meth:`refused`. Nothing goes to a session whose write failed until the
+        failure is handed on (:meth:`forget`)."""
+        if session in self._failed_sessions:
+            return []
+        mine = [b for b in self.batches if b.session == session]
+        room = limit - sum(len(b.writes) for b in mine)
+        out: list[tuple[Batch, Entry, int]] = []
+        for batch in mine:
+            for due in [r for r in batch.retries if r[0] <= now_s][:max(room, 0)]:
+                batch.retries.remove(due)
+                out.append((batch, due[1], 1))
+                room -= 1
+        for batch in mine:
+            while room > 0 and batch.queued and not batch.abandoned:
+                out.append((batch, batch.queued.popleft(), 0))
+                room -= 1
+        return out
+
+    def next_retry_s(self) -> float | None:
+        """When the earliest retry falls due (None: none waits)."""
+        return min((t for b in self.batches for t, _ in b.retries), default=None)
+
+    def started(self, batch: Batch, write_id: int, entry: Entry, now_s: float, attempt: int = 0) -> None:
+        batch.writes[write_id] = Write(entry, now_s, attempt)
+
+    def refused(self, batch: Batch) -> None:
+        """The engine refused one of ``batch``'s entries (id 0: unknown session, no route): the batch
+        and its session have failed, and its entries not yet sent are dropped."""
+        batch.failed = True
+        batch.drop_unsent()
+        self._failed_sessions.add(batch.session)
+        self._drop_ended()
+
+    def sessions_to_feed(self, now_s: float) -> list[str]:
+        """Sessions with entries queued or retries due."""
+        return list(dict.fromkeys(b.session for b in self.batches
+                                  if b.queued or any(t <= now_s for t, _ in b.retries)))
+
+    def reap(self, status: Callable[[int], int], now_s: float, session: str | None = None) -> list[Ended]:
+        """Read the status of every write in flight (of ``session``, or all) and drop those that ended;
+        return what ended. A write that failed fast, the first time, waits to be handed again instead
+        (see the class). Any other failed or timed-out write marks its batch and session failed and
+        drops its batch's entries not yet sent; the session's other batches keep theirs, unsent, until
+        :meth:`forget`. Each id is read until it reports its end, never after."""
         ended: list[Ended] = []
         for batch in list(self.batches):
             if session is not None and batch.session != session:
                 continue
-            for write_id, nbytes in list(batch.writes.items()):
+            for write_id, write in list(batch.writes.items()):
                 code = status(write_id)
                 if code == PENDING:
                     continue
                 del batch.writes[write_id]
-                ok = code == DONE
-                if ok:
-                    batch.delivered_bytes += nbytes
-                else:
-                    batch.failed = True
-                    if not batch.abandoned:
-                        self._failed_sessions.add(batch.session)
-                ended.append(Ended(batch, nbytes if ok else 0, not batch.writes))
-            if not batch.writes:
-                self.batches.remove(batch)
+                if code == DONE:
+                    batch.delivered_bytes += write.length
+                    ended.append(Ended(batch, write.length, batch.ended))
+                    continue
+                fast = self.retry_within_s is not None and now_s - write.started_s <= self.retry_within_s
+                if fast and write.attempt == 0 and not batch.abandoned and batch.session not in self._failed_sessions:
+                    batch.retries.append((now_s + self.retry_after_s, write.entry))
+                    self.retried += 1
+                    continue
+                batch.failed = True
+                batch.drop_unsent()
+                if not batch.abandoned:
+                    self._failed_sessions.add(batch.session)
+                ended.append(Ended(batch, 0, batch.ended))
+        self._drop_ended()
         return ended
 
+    def _drop_ended(self) -> None:
+        self.batches = [b for b in self.batches if not b.ended]
+
     def pending(self, session: str) -> bool:
-        """Whether a write to ``session`` that somebody waits for is in flight (abandoned ones aside)."""
-        return any(b.session == session and b.writes and not b.abandoned for b in self.batches)
+        """Whether a write to ``session`` that somebody waits for is queued or in flight (abandoned ones aside)."""
+        return any(b.session == session and not b.ended and not b.abandoned for b in self.batches)
 
     def in_flight(self, session: str) -> int:
-        """Batches to ``session`` in flight, abandoned ones aside."""
+        """Batches to ``session`` queued or in flight, abandoned ones aside."""
         return sum(b.session == session and not b.abandoned for b in self.batches)
+
+    def writes_in_flight(self, session: str) -> int:
+        """Writes to ``session`` the engine holds now, abandoned ones included."""
+        return sum(len(b.writes) for b in self.batches if b.session == session)
 
     def failed(self, session: str) -> bool:
         return session in self._failed_sessions
@@ -121,12 +227,17 @@ class SendLedger:
         self._failed_sessions.add(session)
 
     def forget(self, session: str) -> None:
-        """Hand ``session``'s failure on: clear it and abandon its batches in flight (their rooms
-        are failed; Mooncake cannot cancel their writes, which are still read until they end)."""
+        """Hand ``session``'s failure on: clear it and abandon its batches (their rooms are failed):
+        entries not yet sent are dropped, never sent; writes in flight (Mooncake cannot cancel them)
+        are still read until they end."""
         self._failed_sessions.discard(session)
         for batch in self.batches:
             if batch.session == session:
                 batch.abandoned = True
+                batch.drop_unsent()
+        self._drop_ended()
 
     def in_flight_bytes(self) -> int:
-        return sum(sum(b.writes.values()) for b in self.batches)
+        """Bytes queued here, waiting for a retry, or in flight in the engine."""
+        return sum(sum(w.length for w in b.writes.values()) + sum(n for _, _, n in b.queued)
+                   + sum(e[2] for _, e in b.retries) for b in self.batches)

@@ -28,6 +28,7 @@ and the in-cluster leg got WAN settings too.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prfaas_sglang.roles import Role
@@ -56,6 +57,19 @@ class WanLink:
 
     rate_bps: float | None = None
     rtt_s: float | None = None
+
+
+MOONCAKE_DEFAULT_LANES, MOONCAKE_MAX_LANES = 4, 16
+
+
+def lanes_per_peer(env: Mapping[str, str]) -> int:
+    """The TCP lanes per peer a Mooncake 0.3.13 engine started with ``env`` opens, read as it reads them
+    (``parseBoundedTcpSetting``): ``MC_TCP_LANES_PER_PEER``, else the deprecated
+    ``MC_TCP_MAX_CONNECTIONS_PER_PEER``; decimal digits only, in 1..16, anything else the default 4."""
+    text = env.get("MC_TCP_LANES_PER_PEER", env.get("MC_TCP_MAX_CONNECTIONS_PER_PEER"))
+    if text and text.isascii() and text.isdigit() and 1 <= int(text) <= MOONCAKE_MAX_LANES:
+        return int(text)
+    return MOONCAKE_DEFAULT_LANES
 
 
 def stall_timeout_s(link: WanLink) -> int:

@@ -130,7 +130,8 @@ def main() -> dict:
     return {"requests": results, "success": int(KVPoll.Success), "failed": int(KVPoll.Failed), "samples": samples,
             "async": None if async_sender is None else {
                 "batches": async_sender.batches_submitted, "writes": async_sender.writes_submitted,
-                "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes()},
+                "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes(),
+                "lanes": async_sender.lanes, "max_writes_in_flight": async_sender.max_writes_in_flight},
             "failed_sessions": sorted(prefill.failed_sessions),
             "prefill_rooms_left": sorted(prefill.request_status), "decode_rooms_left": sorted(decode.request_status),
             "transfer_infos_left": sorted(prefill.transfer_infos),

@@ -216,6 +216,7 @@ class Prefill:
         with m.session_lock:
             failed, failures = sorted(m.failed_sessions), dict(m.session_failures)
         link = getattr(m, "_prfaas_link", None)
+        sender = getattr(m, "_prfaas_sender", None)  # the kv-send hooks' (PRFAAS_KV_ASYNC_SEND)
         return {
             "failed_sessions": failed, "session_failures": failures,
             "request_status": sorted(m.request_status), "transfer_infos": sorted(m.transfer_infos),
@@ -226,6 +227,9 @@ class Prefill:
             "events": list(self.events), "probes": list(self.probes),
             "metered_failed": link.failed_total if link else None,
             "metered_transfers": link.transfers_total if link else None,
+            "lanes": sender.lanes if sender else None,
+            "max_writes_in_flight": sender.max_writes_in_flight if sender else None,
+            "lanes_reset": sender.resets.sockets_reset if sender and sender.resets else None,
         }
 
 

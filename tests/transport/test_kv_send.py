@@ -11,9 +11,16 @@ SGLang's synchronous batches, and the next request goes through; the meter sees 
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+import types
+
 from sglang_cpu import run_probe
 
+from prfaas_sglang.adapters.sockopts import ResetOnClose, linger_reset
 from prfaas_sglang.demo.cluster import PortPicker
+from prfaas_sglang.hooks.kv_send import AsyncKvSender
 from prfaas_sglang.transport.kv_send import DONE, FAILED, PENDING, TIMED_OUT, SendLedger, coalesce
 
 CHUNKS, REQUESTS, BUFFERS, PAGES_PER_CHUNK = 3, 3, 8, 64
@@ -28,6 +35,16 @@ def test_coalesce_merges_only_what_continues_on_both_sides():
     assert coalesce([(1, 2, 3)] * 1) == [(1, 2, 3)]
 
 
+def _submit_all(ledger: SendLedger, session: str, limit: int, ids, now_s: float = 0.0) -> list[int]:
+    """Take what ``limit`` allows and report each as started under the next id from ``ids``."""
+    out = []
+    for batch, entry, attempt in ledger.take(session, limit, now_s):
+        write_id = next(ids)
+        ledger.started(batch, write_id, entry, now_s, attempt)
+        out.append(write_id)
+    return out
+
+
 class TestSendLedger:
     def test_a_write_is_read_until_it_ends_and_never_after(self):
         script = {1: [PENDING, DONE], 2: [PENDING, PENDING, FAILED], 3: [TIMED_OUT]}
@@ -37,33 +54,237 @@ class TestSendLedger:
             reads.append(write_id)
             return script[write_id].pop(0)
 
-        ledger = SendLedger()
-        a = ledger.add("d0", {1: 100, 2: 50})
-        ledger.add("d1", {3: 10})
-        assert ledger.reap(status, "d0") == [] and ledger.pending("d0") and ledger.pending("d1")
-        ended = ledger.reap(status)
+        ledger, ids = SendLedger(), iter(range(1, 100))
+        a = ledger.add("d0", [(0, 0, 100), (100, 500, 50)])
+        ledger.add("d1", [(0, 0, 10)])
+        assert _submit_all(ledger, "d0", 4, ids) == [1, 2] and _submit_all(ledger, "d1", 4, ids) == [3]
+        assert ledger.reap(status, 1.0, "d0") == [] and ledger.pending("d0") and ledger.pending("d1")
+        ended = ledger.reap(status, 2.0)
         assert [(e.delivered_bytes, e.batch_done) for e in ended] == [(100, False), (0, True)]  # write 1; write 3 timed out
         assert ledger.failed("d1") and not ledger.failed("d0") and not ledger.pending("d1")
-        ended = ledger.reap(status)
+        ended = ledger.reap(status, 3.0)
         assert [(e.batch is a, e.delivered_bytes, e.batch_done) for e in ended] == [(True, 0, True)]
         assert a.failed and a.delivered_bytes == 100 and ledger.failed("d0") and ledger.batches == []
-        assert ledger.reap(status) == [] and reads == [1, 2, 1, 2, 3, 2]  # nothing read after its end
+        assert ledger.reap(status, 4.0) == [] and reads == [1, 2, 1, 2, 3, 2]  # nothing read after its end
         ledger.forget("d0")
         assert not ledger.failed("d0") and ledger.in_flight_bytes() == 0
 
-    def test_a_handed_on_failure_abandons_what_is_in_flight(self):
-        script = {1: [FAILED], 2: [PENDING, FAILED], 3: [PENDING, DONE]}
-        ledger = SendLedger()
-        ledger.add("d0", {1: 10, 2: 10})
-        ledger.add("d0", {3: 10})
-        ledger.reap(lambda i: script[i].pop(0))
-        assert ledger.failed("d0") and ledger.in_flight("d0") == 2 and ledger.pending("d0")
+    def test_at_most_limit_writes_per_session_are_handed_out_oldest_chunk_first(self):
+        ledger, ids = SendLedger(), iter(range(1, 100))
+        first = ledger.add("d0", [(i, i, 10) for i in range(0, 30, 10)])
+        second = ledger.add("d0", [(i, i, 10) for i in range(100, 130, 10)])
+        ledger.add("d1", [(0, 0, 7)])
+        taken = ledger.take("d0", 4, 0.0)
+        assert [b for b, _, _ in taken] == [first] * 3 + [second]  # in order, across chunks, up to the limit
+        for batch, entry, attempt in taken:
+            ledger.started(batch, next(ids), entry, 0.0, attempt)
+        assert ledger.take("d0", 4, 0.0) == [] and ledger.writes_in_flight("d0") == 4
+        assert _submit_all(ledger, "d1", 4, ids) == [5]  # another session's lanes are its own
+        ledger.reap(lambda i: DONE if i == 2 else PENDING, 1.0)
+        assert _submit_all(ledger, "d0", 4, ids) == [6] and list(second.queued) == [(120, 120, 10)]  # one lane free
+        assert ledger.in_flight_bytes() == 4 * 10 + 7 + 10  # in flight in the engine, and queued here
+
+    def test_a_failure_stops_the_sessions_queue_and_forget_drops_it_unsent(self):
+        ledger, ids = SendLedger(), iter(range(1, 100))
+        a = ledger.add("d0", [(i, i, 10) for i in range(0, 60, 10)])
+        b = ledger.add("d0", [(100, 100, 10)])
+        assert _submit_all(ledger, "d0", 2, ids) == [1, 2]
+        ended = ledger.reap(lambda i: FAILED if i == 1 else PENDING, 5.0)
+        assert [(e.batch is a, e.batch_done) for e in ended] == [(True, False)]  # write 2 still on its lane
+        assert ledger.failed("d0") and not a.queued and ledger.take("d0", 10, 5.0) == []  # nothing more goes out
+        assert list(b.queued) == [(100, 100, 10)] and ledger.pending("d0")
         ledger.forget("d0")  # SGLang failed the rooms and blacklisted the session
-        assert not ledger.pending("d0") and ledger.in_flight("d0") == 0  # a later room waits for none of it
-        assert ledger.in_flight_bytes() == 20  # still read until it ends
-        ended = ledger.reap(lambda i: script[i].pop(0))
-        assert {e.delivered_bytes for e in ended} == {0, 10} and not ledger.failed("d0")  # not a new failure
-        assert ledger.batches == []
+        assert not b.queued and b not in ledger.batches and not ledger.pending("d0") and ledger.in_flight("d0") == 0
+        assert ledger.writes_in_flight("d0") == 1 and ledger.take("d0", 2, 5.0) == []  # its lane is still taken ...
+        assert ledger.in_flight_bytes() == 10  # ... and still read until it ends
+        ended = ledger.reap(lambda i: DONE, 6.0)
+        assert [e.delivered_bytes for e in ended] == [10] and not ledger.failed("d0") and ledger.batches == []
+
+    def test_a_refused_entry_fails_its_chunk_and_session(self):
+        ledger, ids = SendLedger(), iter(range(1, 100))
+        a = ledger.add("d0", [(0, 0, 10), (10, 10, 10), (20, 20, 10)])
+        batch, _, _ = ledger.take("d0", 1, 0.0)[0]
+        ledger.refused(batch)
+        assert a.failed and ledger.failed("d0") and a not in ledger.batches and ledger.take("d0", 4, 0.0) == []
+        ledger.forget("d0")
+        assert _submit_all(ledger, "d0", 4, ids) == [] and not ledger.failed("d0")
+        ledger.add("d0", [(0, 0, 10)])
+        assert _submit_all(ledger, "d0", 4, ids) == [1]  # the next chunk goes
+
+    def test_a_write_that_fails_fast_is_handed_again_once_after_the_cooldown(self):
+        ledger, ids = SendLedger(retry_within_s=0.25, retry_after_s=1.2), iter(range(1, 100))
+        a = ledger.add("d0", [(0, 0, 10), (10, 10, 10), (20, 20, 10)])
+        assert _submit_all(ledger, "d0", 2, ids, now_s=10.0) == [1, 2]
+        assert ledger.reap(lambda i: FAILED if i == 1 else PENDING, 10.01) == []  # no failure yet
+        assert not ledger.failed("d0") and ledger.pending("d0") and ledger.next_retry_s() == 10.01 + 1.2
+        assert _submit_all(ledger, "d0", 4, ids, now_s=10.5) == [3]  # not due: the queue goes on
+        assert _submit_all(ledger, "d0", 4, ids, now_s=11.3) == [4]  # due: handed again
+        assert ledger.in_flight_bytes() == 30 and ledger.retried == 1
+        ended = ledger.reap(lambda i: FAILED if i == 4 else DONE, 11.31)  # failed fast again: now it counts
+        assert ledger.failed("d0") and a.failed and sorted(e.delivered_bytes for e in ended) == [0, 10, 10]
+
+    def test_a_slow_failure_is_not_retried_nor_one_of_a_failed_session(self):
+        ledger, ids = SendLedger(retry_within_s=0.25), iter(range(1, 100))
+        ledger.add("d0", [(0, 0, 10), (10, 10, 10), (20, 20, 10)])
+        assert _submit_all(ledger, "d0", 1, ids, now_s=0.0) == [1]
+        ledger.reap(lambda i: PENDING, 1.0)
+        assert _submit_all(ledger, "d0", 2, ids, now_s=1.0) == [2]
+        ledger.reap(lambda i: FAILED, 1.1)  # write 1 stalled (slow); write 2 failed fast, on a failed session
+        assert ledger.failed("d0") and ledger.retried == 0 and ledger.next_retry_s() is None
+
+
+class FakeEngine:
+    """Mooncake's asynchronous single writes, scripted: every write stays pending until the test ends it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.status: dict[int, int] = {}
+        self.submitted: list[tuple[str, int, int, int]] = []
+        self.most_held: dict[str, int] = {}
+        self._session_of: dict[int, str] = {}
+
+    def transfer_submit_write(self, session, src, dst, length):
+        with self.lock:
+            write_id = len(self.submitted) + 1
+            self.submitted.append((session, src, dst, length))
+            self.status[write_id] = PENDING
+            self._session_of[write_id] = session
+            held = sum(self._session_of[i] == session and v == PENDING for i, v in self.status.items())
+            self.most_held[session] = max(self.most_held.get(session, 0), held)
+            return write_id
+
+    def transfer_check_status(self, write_id):
+        with self.lock:
+            return self.status[write_id]
+
+    def end(self, code: int, session: str | None = None) -> list[int]:
+        """End every pending write (of ``session``) with ``code``; the ids ended."""
+        with self.lock:
+            ids = [i for i, v in self.status.items() if v == PENDING and session in (None, self._session_of[i])]
+            for i in ids:
+                self.status[i] = code
+            return ids
+
+
+def _until(predicate, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.002)
+
+
+def _manager(rooms: dict[int, str]):
+    return types.SimpleNamespace(transfer_infos={room: {session: object()} for room, session in rooms.items()},
+                                 request_status=dict.fromkeys(rooms, 0), session_lock=threading.Lock(),
+                                 failed_sessions=set())
+
+
+def _blocks(base: int, n: int, size: int = 4096) -> list[tuple[int, int, int]]:
+    """``n`` entries that continue each other on neither side (each stays one write)."""
+    return [(base + 2 * i * size, base + 3 * i * size, size) for i in range(n)]
+
+
+class TestAsyncKvSender:
+    def test_the_engine_holds_at_most_a_lane_per_write_and_gets_the_rest_as_lanes_free(self):
+        engine = FakeEngine()
+        sender = AsyncKvSender(_manager({1: "d:1"}), engine, wait_bound_s=10.0, lanes=3)
+        assert sender.submit("d:1", _blocks(0, 10)) == 0 and sender.submit("d:1", _blocks(1 << 30, 5)) == 0
+        _until(lambda: len(engine.submitted) == 3)
+        while len(engine.submitted) < 15:  # each completion frees a lane for the next queued write
+            held = len(engine.submitted)
+            engine.end(DONE)
+            _until(lambda held=held: len(engine.submitted) > held)
+        engine.end(DONE)
+        assert sender.barrier("d:1", 1) and engine.most_held["d:1"] == 3 == sender.max_writes_in_flight
+        assert [e[1:] for e in engine.submitted] == _blocks(0, 10) + _blocks(1 << 30, 5)  # every entry, in order, once
+        assert sender.ledger.batches == [] and sender.writes_failed == 0
+
+    def test_after_a_failed_write_nothing_queued_for_that_session_reaches_the_engine(self):
+        engine = FakeEngine()
+        manager = _manager({1: "d:1", 2: "d:2"})
+        sender = AsyncKvSender(manager, engine, wait_bound_s=10.0, lanes=2, retry_within_s=None)
+        assert sender.submit("d:1", _blocks(0, 8)) == 0 and sender.submit("d:2", _blocks(1 << 30, 3)) == 0
+        _until(lambda: len(engine.submitted) == 4)  # two lanes each
+        engine.end(FAILED, "d:1")  # the link to d:1 stalled: both its writes fail
+        _until(lambda: sender.ledger.failed("d:1"))
+        for _ in range(20):  # lanes are free, yet d:1's six queued entries stay unsent
+            engine.end(DONE, "d:2")
+            time.sleep(0.002)
+        assert [e[0] for e in engine.submitted].count("d:1") == 2
+        assert not sender.barrier("d:1", 1) and "d:1" in manager.failed_sessions  # the room fails, SGLang's blacklist
+        assert sender.submit("d:1", _blocks(0, 1)) == 0  # the failure is handed on; a later room starts afresh ...
+        _until(lambda: [e[0] for e in engine.submitted].count("d:1") == 3)  # ... with its own entry only
+        engine.end(DONE)
+        assert sender.settle(10.0) and sender.barrier("d:2", 2)
+        assert [e[0] for e in engine.submitted].count("d:2") == 3
+
+    def test_a_refused_write_fails_the_room_and_nothing_else_of_its_chunk_is_sent(self):
+        engine = FakeEngine()
+        engine.transfer_submit_write = lambda *a: 0  # unknown session
+        manager = _manager({7: "gone:1"})
+        sender = AsyncKvSender(manager, engine, wait_bound_s=10.0, lanes=4)
+        assert sender.submit("gone:1", _blocks(0, 6)) == 0
+        assert not sender.barrier("gone:1", 7) and manager.failed_sessions == {"gone:1"}
+        assert sender.writes_submitted == 0 and sender.ledger.batches == []
+
+
+    def test_writes_the_engine_fails_at_once_are_handed_again_and_the_room_goes_through(self):
+        """As after an outage: Mooncake fails a peer's first requests before connecting (every lane
+        was tried in the current round), and takes them after its reconnect cooldown."""
+        engine = FakeEngine()
+        sender = AsyncKvSender(_manager({1: "d:1"}), engine, wait_bound_s=10.0, lanes=4)
+        assert sender.submit("d:1", _blocks(0, 6)) == 0
+        _until(lambda: len(engine.submitted) == 4)
+        engine.end(FAILED)  # at once
+        _until(lambda: sender.ledger.retried == 4 and len(engine.submitted) == 6)  # the queue goes on meanwhile
+        engine.end(DONE)
+        _until(lambda: len(engine.submitted) == 10)  # the four, handed again after the cooldown
+        engine.end(DONE)
+        assert sender.barrier("d:1", 1) and sender.writes_failed == 0
+        assert sorted(e[1:] for e in engine.submitted) == sorted(_blocks(0, 6) + _blocks(0, 4))
+
+
+def _listener(tmp_ports: list[int]) -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    tmp_ports.append(server.getsockname()[1])
+    return server
+
+
+class TestResetOnClose:
+    def test_only_connections_to_the_peers_ports_get_it(self):
+        ports: list[int] = []
+        with _listener(ports) as kv, _listener(ports) as other:
+            resets = ResetOnClose(port_range=(ports[0], ports[0]))
+            with socket.create_connection(("127.0.0.1", ports[0])) as lane, \
+                    socket.create_connection(("127.0.0.1", ports[1])) as elsewhere:
+                assert resets.scan(set()) == 0 and not linger_reset(lane)  # not a peer of ours (yet)
+                assert resets.scan({"127.0.0.1"}) == 1 and linger_reset(lane)
+                assert not linger_reset(elsewhere) and not linger_reset(kv) and not linger_reset(other)
+                assert resets.scan({"127.0.0.1"}) == 0 and resets.sockets_reset == 1  # once per socket
+
+    def test_a_closed_lane_resets_and_its_unread_bytes_never_arrive(self):
+        """What the option is for: bytes a lane had sent but the peer had not yet taken are dropped at
+        close (a reset), where a plain close leaves them to arrive later."""
+        ports: list[int] = []
+        with _listener(ports) as server:
+            for reset in (False, True):
+                lane = socket.create_connection(("127.0.0.1", ports[0]))
+                peer, _ = server.accept()
+                if reset:
+                    assert ResetOnClose(port_range=(ports[0], ports[0])).scan({"127.0.0.1"}) == 1
+                lane.sendall(b"k" * 65536)  # unread by the peer when the lane closes
+                lane.close()
+                got = bytearray()
+                try:
+                    while chunk := peer.recv(1 << 16):
+                        got += chunk
+                    outcome = len(got)
+                except ConnectionResetError:
+                    outcome = "reset"
+                peer.close()
+                assert outcome == ("reset" if reset else 65536)
 
 
 def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
@@ -75,6 +296,7 @@ def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
     # Random pages: nothing continues on both sides, so one write per page and buffer (K and V of 4 layers).
     assert sent["writes"] == REQUESTS * CHUNKS * PAGES_PER_CHUNK * BUFFERS and sent["writes_failed"] == 0
     assert sent["in_flight_bytes"] == 0
+    assert sent["max_writes_in_flight"] == sent["lanes"] == 4  # the engine got a write per lane, never more
     per_request = out["kv_bytes_per_request"] + out["aux_bytes_per_request"]
     assert out["metered_bytes"] == REQUESTS * per_request  # the meter saw every byte land
     assert out["metered_transfers"] == REQUESTS * (CHUNKS + 1)

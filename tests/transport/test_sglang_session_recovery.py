@@ -19,9 +19,11 @@ bound and SGLang blacklists the decode's Mooncake session (``failed_sessions``).
   "Decode instance could be dead ... is not alive";
 * with a longer outage the decode side gives the prefill server up and concludes the request (in
   SGLang: frees its pages) while the link is still dark; request 3 re-registers the decode's KV
-  args, which is what lifts the blacklist without the probe. Once the link is back, request 2's
-  failed chunk is still written into the decode's pages: Mooncake sends the rest of a failed batch
-  on new connections, and the lanes its stall timeout closed deliver what they had queued.
+  args, which is what lifts the blacklist without the probe. Once the link is back, nothing of
+  request 2 is written into the decode's pages by our sender (it handed Mooncake only a write per
+  lane and reset its lanes on close), while with SGLang's own sender request 2's failed chunk still
+  is: Mooncake sends the rest of a failed batch on new connections, and the lanes its stall
+  timeout closed deliver what they had queued.
 
 After every failure neither manager keeps per-room state (prefill: ``request_status``,
 ``transfer_infos``, ``req_to_decode_prefix_len``, ``failure_records``; decode: ``request_status``,
@@ -57,14 +59,21 @@ LINK = WanLink(RATE_MBIT * 1e6, RTT_MS / 1e3)
 PROBE_VARS = ("SGLANG_ENABLE_FAILED_SESSION_PROBE", "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S")
 HANDSHAKE_CONNECT_TIMEOUT_S = 5  # Mooncake's MC_HANDSHAKE_CONNECT_TIMEOUT default: bounds one send_probe on a dark link
 EXTRA_DARK_S = 0.5  # the link stays dark this long after the transfer failed
+LATE_WINDOW_S = 25  # late writes are looked for this long after the link returns: TCP's SYN and
+# retransmission backoff (measured: a queued write landed 0.6-0.8 s after the link came back, an
+# orphaned lane's bytes 3.8 s after)
 
 
-def launcher_env(role: Role, probe: bool = True, telemetry_port: int | None = None) -> dict[str, str]:
+def launcher_env(role: Role, probe: bool = True, telemetry_port: int | None = None,
+                 async_send: bool = True) -> dict[str, str]:
     """The environment the launcher gives an SGLang server of ``role`` whose KV crosses this link;
-    ``probe=False`` leaves SGLang's failed-session probe at its default (off)."""
+    ``probe=False`` leaves SGLang's failed-session probe at its default (off), ``async_send=False``
+    SGLang's own synchronous sender (``PRFAAS_KV_ASYNC_SEND=0``)."""
     node = Node(name=role.value, cluster="c", role=role, model_path="unused", telemetry_port=telemetry_port)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_", "SGLANG_"))}
     env.update(sglang_command(node, sys.executable, {}, link=LINK).env)
+    if role is Role.PRFAAS and not async_send:
+        env["PRFAAS_KV_ASYNC_SEND"] = "0"
     return {k: v for k, v in env.items() if probe or k not in PROBE_VARS}
 
 
@@ -125,11 +134,12 @@ class Pair:
     the environment the launcher gives a PrfaaS prefill worker (with a telemetry port) and a PD
     decode worker (``probe=False``: the PrfaaS worker without the two failed-session probe variables)."""
 
-    def __init__(self, link: EmulatedLink, tmp: Path, probe: bool, peers: list[Peer]):
+    def __init__(self, link: EmulatedLink, tmp: Path, probe: bool, peers: list[Peer], async_send: bool = True):
         self.link = link
         pick = PortPicker()
         common = {"PREFILL_IP": link.ip_a, "BOOT_PORT": str(pick())}
-        prefill_env = {**launcher_env(Role.PRFAAS, probe, telemetry_port=pick()), **common, "PEER_IP": link.ip_a}
+        prefill_env = {**launcher_env(Role.PRFAAS, probe, telemetry_port=pick(), async_send=async_send), **common,
+                       "PEER_IP": link.ip_a}
         decode_env = {**launcher_env(Role.PD_DECODE), **common, "PEER_IP": link.ip_b}
         self.prefill = Peer("prefill", (*link.wrap_a, sys.executable, str(PROBE), "prefill"), prefill_env,
                             tmp / "prefill.log")
@@ -174,11 +184,11 @@ class Pair:
 def make_pair(tmp_path):
     """Makes the link and the two processes; everything is torn down however the test ends."""
     with contextlib.ExitStack() as stack:
-        def make(tag: int, probe: bool) -> Pair:
+        def make(tag: int, probe: bool, async_send: bool = True) -> Pair:
             link = stack.enter_context(EmulatedLink(tag=tag, rate_mbit=RATE_MBIT, rtt_ms=RTT_MS))
             peers: list[Peer] = []
             stack.callback(lambda: [peer.close() for peer in peers])  # before the link goes
-            return Pair(link, tmp_path, probe, peers)
+            return Pair(link, tmp_path, probe, peers, async_send)
 
         yield make
 
@@ -319,36 +329,26 @@ def test_with_sglang_defaults_the_session_stays_blacklisted_and_the_next_request
     assert prefill_leaks(prefill) == {} and decode_leaks(decode) == {}, (prefill, decode)
 
 
-def test_after_a_longer_outage_a_heartbeat_failover_clears_the_blacklist_and_the_failed_kv_lands_late(make_pair):
-    """SGLang's defaults, the link dark until the decode side's heartbeat gives the prefill server up:
-    the decode concludes request 2 while the link is dark (SGLang would free its pages), yet once the
-    link is back request 2's KV is written into them; request 3's re-registration lifts the blacklist."""
-    pair = make_pair(248, probe=False)
-    sent, received = pair.request(1)
-    assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
-
-    sent, dark_at, _ = fail_on_a_black_hole(pair, 2, hold_dark=True)
-    check_stalled_transfer_failed(pair, sent, dark_at, 2)
+def outlive_the_decode(pair: Pair, room: int) -> float:
+    """Black-hole the link while ``room``'s KV goes and hold it dark until the decode side's heartbeat
+    gives the prefill server up and concludes the request (SGLang would then free its pages, and
+    other requests take them); zero the decode's pages, as their new owners would overwrite them,
+    and bring the link back. Returns when it came back."""
+    sent, dark_at, _ = fail_on_a_black_hole(pair, room, hold_dark=True)
+    check_stalled_transfer_failed(pair, sent, dark_at, room)
     decode = poll(lambda: pair.decode.ask("state"), lambda s: not s["prefill_info_table"], 20, every_s=0.5)
     assert decode["prefill_info_table"] == [] and decode["connection_pool"] == [], decode
-    received = pair.received(2)
+    received = pair.received(room)
     assert pair.is_failed(received) and "Lost connection with prefill instance" in received["reason"], received
     _, decode = pair.state()
     assert decode_leaks(decode) == {}, decode  # concluded: SGLang would hand the pages to other requests
     pair.decode.ask("zero")
     pair.link.set(blackhole=False)
-    restored_at = time.monotonic()
+    return time.monotonic()
 
-    late, first_at = late_writes(pair, 2, timeout_s=25)  # waits out TCP's SYN/retransmission backoff
-    assert late > 0 and first_at is not None, "no KV of the failed request arrived after the link came back"
-    print(f"\nfailover {time.monotonic() - dark_at:.1f} s after the link went dark; {late} slots of the failed "
-          f"request's KV written {first_at - restored_at:.2f} s after the link came back")
 
-    # Upstream leak: the prefill's Failed notice for room 2 arrives after the receiver concluded and
-    # re-creates failure_records[2], which nothing pops again.
-    decode = poll(lambda: pair.decode.ask("state"), lambda s: s["failure_records"], 25)
-    assert decode["failure_records"] == [2], decode
-
+def check_the_next_request_goes_after_re_registration(pair: Pair) -> None:
+    """SGLang's defaults (no probe): request 3's re-registration of the decode's KV args lifts the blacklist."""
     prefill, _ = pair.state()
     assert prefill["failed_sessions"] == [pair.session], prefill  # nothing probed it
     opened_at = time.monotonic()
@@ -359,3 +359,43 @@ def test_after_a_longer_outage_a_heartbeat_failover_clears_the_blacklist_and_the
     assert removed and removed[0]["t"] >= opened_at, prefill["events"]  # re-registration, by request 3
     assert not [p for p in prefill["probes"] if p["origin"] == "sglang"]
     assert prefill_leaks(prefill) == {}, prefill
+
+
+def test_after_a_longer_outage_no_kv_of_the_failed_request_lands_in_the_freed_pages(make_pair):
+    """Our sender (the launcher's PrfaaS profile, SGLang's probe off): the link dark until the decode
+    concludes request 2, then back. Nothing of request 2 is written into the decode's pages afterwards:
+    the engine held only a write per lane (none queued, to be sent on a reconnected lane), and its
+    lanes to the decode were closed with a reset (no orphaned bytes retransmitted). Then a
+    heartbeat failover and request 3's re-registration lift the blacklist, as upstream."""
+    pair = make_pair(248, probe=False)
+    sent, received = pair.request(1)
+    assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
+
+    restored_at = outlive_the_decode(pair, 2)
+    late, first_at = late_writes(pair, 2, timeout_s=LATE_WINDOW_S)
+    assert late == 0, f"{late} slots of the failed request's KV written {first_at - restored_at:.2f} s after the link came back"
+    assert pair.decode.ask("scan")["other"] == 0  # nor anything else
+    prefill = pair.prefill.ask("state")
+    assert prefill["lanes_reset"] >= 1 and prefill["max_writes_in_flight"] <= prefill["lanes"], prefill
+    check_the_next_request_goes_after_re_registration(pair)
+
+
+def test_with_sglangs_own_sender_the_failed_kv_lands_late(make_pair):
+    """The same outage with SGLang's synchronous sender (``PRFAAS_KV_ASYNC_SEND=0``): once the link is
+    back, request 2's KV is still written into the pages the decode freed: Mooncake sends the rest of a
+    failed batch on new connections, and the lanes its stall timeout closed deliver what they had
+    queued. (The upstream hazard, and the check that this harness sees late writes when they happen.)"""
+    pair = make_pair(249, probe=False, async_send=False)
+    sent, received = pair.request(1)
+    assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
+
+    restored_at = outlive_the_decode(pair, 2)
+    late, first_at = late_writes(pair, 2, timeout_s=LATE_WINDOW_S)
+    assert late > 0 and first_at is not None, "no KV of the failed request arrived after the link came back"
+    print(f"\n{late} slots of the failed request's KV written {first_at - restored_at:.2f} s after the link came back")
+
+    # Upstream leak: the prefill's Failed notice for room 2 arrives after the receiver concluded and
+    # re-creates failure_records[2], which nothing pops again.
+    decode = poll(lambda: pair.decode.ask("state"), lambda s: s["failure_records"], 25)
+    assert decode["failure_records"] == [2], decode
+    check_the_next_request_goes_after_re_registration(pair)

@@ -19,6 +19,7 @@ from prfaas_sglang.topology import Node, load_topology, parse_topology
 from prfaas_sglang.transport.wan_defaults import (
     MOONCAKE_TCP_WAN_DEFAULTS,
     WanLink,
+    lanes_per_peer,
     mooncake_env,
     stall_timeout_s,
 )
@@ -87,6 +88,19 @@ class TestWanProfile:
         env = lambda link: {d.name: int(d.value) for d in mooncake_env(Role.PRFAAS, link) if d.name.endswith("TIMEOUT")}  # noqa: E731
         assert env(fast)["MC_TRANSFER_TIMEOUT"] == 35 and env(slow)["MC_TRANSFER_TIMEOUT"] > 3000
         assert env(WanLink())["MC_TRANSFER_TIMEOUT"] == 300  # no link stated: the old flat bound
+
+    @pytest.mark.parametrize(("env", "lanes"), [
+        ({}, 4), ({"MC_TCP_LANES_PER_PEER": "8"}, 8), ({"MC_TCP_LANES_PER_PEER": "16"}, 16),
+        ({"MC_TCP_LANES_PER_PEER": "0"}, 4), ({"MC_TCP_LANES_PER_PEER": "17"}, 4),  # out of range: Mooncake's default
+        ({"MC_TCP_LANES_PER_PEER": " 8"}, 4), ({"MC_TCP_LANES_PER_PEER": "+8"}, 4), ({"MC_TCP_LANES_PER_PEER": ""}, 4),
+        ({"MC_TCP_LANES_PER_PEER": "\u0668"}, 4),  # a digit to str.isdigit, not to Mooncake
+        ({"MC_TCP_MAX_CONNECTIONS_PER_PEER": "2"}, 2),  # the deprecated name, when the new one is unset
+        ({"MC_TCP_LANES_PER_PEER": "3", "MC_TCP_MAX_CONNECTIONS_PER_PEER": "2"}, 3),
+    ])
+    def test_lanes_per_peer_reads_the_environment_as_mooncake_does(self, env, lanes):
+        """The kv-send hooks hand Mooncake at most this many writes per decode session: a figure above
+        the engine's own would queue writes inside it, where a failed room's could go out late."""
+        assert lanes_per_peer(env) == lanes
 
     def test_the_launcher_reads_the_link_from_the_topology(self, tmp_path):
         doc = {"version": 1, "clusters": {
