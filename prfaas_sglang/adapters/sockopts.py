@@ -17,13 +17,12 @@ is acknowledged or has failed.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import struct
 
+from prfaas_sglang.adapters.tcpinfo import own_sockets
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS
 
-_SOCKET = re.compile(r"socket:\[(\d+)\]")
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
 
@@ -47,24 +46,16 @@ class ResetOnClose:
     def scan(self, peer_ips: set[str]) -> int:
         """Look at the sockets this process holds now; how many were given the option by this call.
         Costs a ``readlink`` per descriptor and a few system calls per new socket."""
-        current: set[int] = set()
+        current = own_sockets()
         count = 0
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                match = _SOCKET.fullmatch(os.readlink(f"/proc/self/fd/{name}"))
-            except OSError:  # closed meanwhile
-                continue
-            if not match:
-                continue
-            inode = int(match.group(1))
-            current.add(inode)
+        for inode, fd in current.items():
             if inode in self._settled:
                 continue
-            verdict = self._examine(int(name), inode, peer_ips)
+            verdict = self._examine(fd, inode, peer_ips)
             if verdict is not None:
                 self._settled.add(inode)
                 count += verdict
-        self._settled &= current
+        self._settled &= current.keys()
         self.sockets_reset += count
         return count
 

@@ -20,17 +20,23 @@ _SOCKET = re.compile(r"socket:\[(\d+)\]")
 SS_ARGS = ("-tineH", "state", "established")
 
 
-def own_socket_inodes() -> set[int]:
-    """Inodes of the sockets this process holds open now."""
-    inodes = set()
+def own_sockets() -> dict[int, int]:
+    """The sockets this process holds open now: inode -> a descriptor of it (valid when read; it may be
+    closed or reused at any time after, so check the inode behind it before relying on it)."""
+    sockets: dict[int, int] = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             match = _SOCKET.fullmatch(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:  # closed meanwhile
             continue
         if match:
-            inodes.add(int(match.group(1)))
-    return inodes
+            sockets.setdefault(int(match.group(1)), int(fd))
+    return sockets
+
+
+def own_socket_inodes() -> set[int]:
+    """Inodes of the sockets this process holds open now."""
+    return set(own_sockets())
 
 
 def available() -> bool:
