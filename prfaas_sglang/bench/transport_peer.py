@@ -56,7 +56,7 @@ class ProductSender:
     worker runs it (lanes from ``MC_TCP_LANES_PER_PEER``, connections reset on close, fast failures
     handed again), in front of this process's engine. What SGLang's manager would give it is empty here:
     no rooms (nothing to taint), no blacklist. Each job's requests go as chunks of up to ``chunk_bytes``,
-    submitted as SGLang's transfer thread submits them (a third chunk waits for the first to land), then
+    submitted as SGLang's transfer thread submits them (within the hooks' window of queued chunks), then
     the aux barrier. Destinations are laid out mirrored (the first request lands last), so no two requests
     continue each other on both sides and ``coalesce`` keeps each one whole."""
 

@@ -81,7 +81,6 @@ class Batch:
 
     session: str
     queued: deque[Entry]
-    total_bytes: int
     meter_id: int | None = None
     writes: dict[int, Write] = field(default_factory=dict)  # engine id -> write, submitted and still in flight
     retries: list[tuple[float, Entry]] = field(default_factory=list)  # (not before, entry): failed fast, handed again
@@ -125,8 +124,7 @@ class SendLedger:
 
     def add(self, session: str, entries: Iterable[Entry], meter_id: int | None = None) -> Batch:
         """Queue one chunk's entries to ``session`` as a batch (sent in order by :meth:`take`)."""
-        queued = deque(entries)
-        batch = Batch(session, queued, sum(n for _, _, n in queued), meter_id)
+        batch = Batch(session, deque(entries), meter_id)
         self.batches.append(batch)
         return batch
 
@@ -221,10 +219,6 @@ class SendLedger:
 
     def failed(self, session: str) -> bool:
         return session in self._failed_sessions
-
-    def fail(self, session: str) -> None:
-        """A write to ``session`` could not even be submitted: the session has failed."""
-        self._failed_sessions.add(session)
 
     def forget(self, session: str) -> None:
         """Hand ``session``'s failure on: clear it and abandon its batches (their rooms are failed):
