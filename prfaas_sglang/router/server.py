@@ -607,10 +607,16 @@ async def poll_load(session: aiohttp.ClientSession, worker: WorkerRecord) -> Non
 
 
 async def _health_loop(app: web.Application) -> None:
+    """Every ``health_interval_s``, one health check of each worker. The first pass asks only the
+    workers the startup preflight did not adopt (it has just checked the others), so what the router
+    knows of an adopted worker one interval after start comes from that preflight or a failed leg."""
     service, session, sub = app[SERVICE_KEY], app[SESSION_KEY], app[SUB_KEY]
+    first_pass = True
     while True:
         for worker in list(service.workers.values()):
-            await poll_health(service, session, sub, worker)
+            if not (first_pass and worker.healthy):
+                await poll_health(service, session, sub, worker)
+        first_pass = False
         await asyncio.sleep(service.config.health_interval_s)
 
 

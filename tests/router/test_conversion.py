@@ -189,6 +189,51 @@ def test_a_poll_answered_before_the_role_change_is_not_written_after_it():
     assert worker.epoch == before + 1
 
 
+def test_the_first_health_pass_asks_only_the_workers_the_preflight_did_not_adopt():
+    """Preflight has just checked the workers it adopted: the health loop's first pass asks only the
+    others, so a worker that dies right after startup is learned of from the leg that fails on it
+    (re-dispatched, counted), not from a pass racing the first requests (CI flake of
+    test_a_dead_decode_worker_is_routed_around_before_anything_streamed). The next pass asks all."""
+    import asyncio
+    import dataclasses
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from prfaas_sglang.router.server import SERVICE_KEY, SESSION_KEY, SUB_KEY, _health_loop
+
+    service = _service()
+    service.config = dataclasses.replace(service.config, health_interval_s=0.3)
+    names = sorted(service.workers)
+    late = service.workers[names[0]]
+    late.healthy = False  # not up at preflight
+
+    async def scenario():
+        asked: list[str] = []
+
+        async def health(request):
+            asked.append(request.match_info["name"])
+            return web.Response(text="OK")
+
+        app = web.Application()
+        app.router.add_get("/{name}/health", health)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            for name, worker in service.workers.items():
+                worker.url = str(server.make_url(f"/{name}")).rstrip("/")
+            loop = asyncio.create_task(_health_loop({SERVICE_KEY: service, SESSION_KEY: session, SUB_KEY: None}))
+            await asyncio.sleep(0.15)
+            first = list(asked)
+            await asyncio.sleep(0.3)
+            loop.cancel()
+            return first, asked
+
+    first, asked = _run(scenario())
+    assert first == [late.name]
+    assert late.healthy
+    assert sorted(set(asked)) == names
+
+
 def _launch_args(config, node, engine="mock"):
     return argparse.Namespace(role=None, engine=engine, config=config, node=node, model_path="/models/x", host=None,
                               port=None, bootstrap_port=None, kv_events_port=None, kv_transport=None, kv_profile="wan",
