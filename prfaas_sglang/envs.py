@@ -115,6 +115,14 @@ class Envs:
         "busy-waiting synchronous batch per chunk (the kv-send hooks). Set by the launcher for the "
         "prfaas role (0 turns it off).",
     )
+    KV_KEEPALIVE = EnvVar(
+        "PRFAAS_KV_KEEPALIVE",
+        None,
+        "SGLang worker whose KV crosses the WAN link: TCP keepalive on its Mooncake connections, as "
+        "'idle_s,interval_s,probes' (the kv-lane-keepalive hook). Ends the receiver's sessions of lanes "
+        "the sender closed while the link was dark, and keeps idle lanes' NAT entries. Set by the "
+        "launcher for the prfaas and pd-decode roles; a malformed value stops startup.",
+    )
     PREFILL_CACHE = EnvVar(
         "PRFAAS_PREFILL_CACHE",
         None,

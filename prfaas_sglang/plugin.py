@@ -164,6 +164,28 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
+        name="kv-lane-keepalive",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__",
+        hook="prfaas_sglang.hooks.lane_keepalive:start_lane_keepalive",
+        hook_type="after",
+        expected_signature=("(self, args: 'KVArgs', disaggregation_mode: 'DisaggregationMode', "
+                            "server_args: 'ServerArgs', is_mla_backend: 'Optional[bool]' = False)"),
+        subject="[transport] TCP keepalive on the Mooncake connections of a WAN worker",
+        why=(
+            "Mooncake 0.3.13 sets no keepalive and its server session only reads: a lane the sender "
+            "closed while the link was dark (the reset lost) stays open on the decode until the "
+            "process ends, 4 per outage measured; an idle lane through a NAT dies silently."
+        ),
+        how=(
+            "AFTER hook on the Mooncake KV manager's constructor: with PRFAAS_KV_KEEPALIVE set (the "
+            "launcher sets it for the prfaas and pd-decode roles), a thread gives every new connection "
+            "to or from a Mooncake port SO_KEEPALIVE with the given idle, interval and probe count."
+        ),
+        upstream_status="not yet proposed (Mooncake: keepalive on TCP transport sockets)",
+        removal="when Mooncake's TCP transport sets keepalive itself",
+        tests="tests/transport/test_kv_send.py tests/transport/test_sglang_session_recovery.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
         name="kv-send-aux-barrier",
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux",
         hook="prfaas_sglang.hooks.kv_send:aux_barrier",

@@ -1,4 +1,4 @@
-"""A reset, not a graceful close, for this process's Mooncake connections (I/O adapter).
+"""Socket options on this process's Mooncake connections: a reset on close, keepalive (I/O adapter).
 
 Mooncake 0.3.13 closes a failed TCP lane (its stall timeout, a status timeout) with a plain
 ``close()``. The kernel then keeps the unacknowledged bytes of the request the lane was sending
@@ -12,6 +12,14 @@ A socket option belongs to the socket, not to a descriptor: it is set here on a 
 Mooncake's descriptor (checked to be the same socket by its inode) and outlives the duplicate.
 On a connection that works nothing changes: Mooncake closes a lane only once the request on it
 is acknowledged or has failed.
+
+Keepalive (:class:`KeepAlive`) is for the connections nothing else would ever end. The reset a
+lane's close sends on a dark link is lost, and the receiving side's session reads, never writes:
+it keeps its socket ESTABLISHED until the process ends, one per lane per outage. Keepalive
+probes find the peer gone (a reset from its host once the link is back, or no answer) and end it.
+On an idle lane across a NAT or a load balancer, probes also keep the middlebox's flow entry
+(cloud NATs drop idle flows after 4-6 minutes), so the next transfer does not stall on a lane
+that silently went dead.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prfaas_sglang.adapters.tcpinfo import own_sockets
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS
@@ -32,36 +42,41 @@ def linger_reset(sock: socket.socket) -> bool:
     return bool(onoff) and seconds == 0
 
 
-class ResetOnClose:
-    """Sets ``SO_LINGER`` {on, 0} on every TCP socket of this process connected to a port in
-    ``port_range`` (Mooncake's handshake and data ports) of one of the ``peer_ips`` given to
-    :meth:`scan`. Each socket is looked at until its answer is final (connected, or not a TCP
-    client), then never again. Not thread-safe: one caller."""
+def _peer_of(sock: socket.socket) -> tuple[str, int] | None:
+    """``sock``'s peer (host without the IPv4-mapped prefix, port); None while not connected."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return None
+    return host.removeprefix("::ffff:"), port
 
-    def __init__(self, port_range: tuple[int, int] = MOONCAKE_RPC_PORTS):
-        self.port_range = port_range
+
+class _SocketScan:
+    """Looks at the TCP sockets this process holds, each until ``decide`` gives a final answer
+    (True: changed, False: left alone), then never again. Not thread-safe: one caller."""
+
+    def __init__(self):
         self._settled: set[int] = set()  # inodes with a final answer
-        self.sockets_reset = 0  # sockets given the option, in all
 
-    def scan(self, peer_ips: set[str]) -> int:
-        """Look at the sockets this process holds now; how many were given the option by this call.
-        Costs a ``readlink`` per descriptor and a few system calls per new socket."""
+    def _scan(self, decide: Callable[[socket.socket], bool | None]) -> int:
+        """Sockets ``decide`` changed in this call. Costs a ``readlink`` per descriptor and a few
+        system calls per socket not yet settled."""
         current = own_sockets()
         count = 0
         for inode, fd in current.items():
             if inode in self._settled:
                 continue
-            verdict = self._examine(fd, inode, peer_ips)
+            verdict = self._examine(fd, inode, decide)
             if verdict is not None:
                 self._settled.add(inode)
                 count += verdict
         self._settled &= current.keys()
-        self.sockets_reset += count
         return count
 
-    def _examine(self, fd: int, inode: int, peer_ips: set[str]) -> bool | None:
-        """True: given the option; False: final, left alone; None: look again later (not connected
-        yet, or to no peer of ours yet)."""
+    @staticmethod
+    def _examine(fd: int, inode: int, decide: Callable[[socket.socket], bool | None]) -> bool | None:
+        """``decide`` on a connected TCP socket; False (final) for anything else; None: look again
+        later (not connected yet, or the descriptor went meanwhile)."""
         try:
             dup = os.dup(fd)
         except OSError:
@@ -80,13 +95,122 @@ class ResetOnClose:
             try:
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     return False  # a listener
-                host, port = sock.getpeername()[:2]
-            except OSError:  # not connected (yet)
+            except OSError:
                 return None
-            lo, hi = self.port_range
-            if not lo <= port <= hi:
+            return decide(sock)
+
+
+class ResetOnClose(_SocketScan):
+    """Sets ``SO_LINGER`` {on, 0} on every TCP socket of this process connected to a port in
+    ``port_range`` (Mooncake's handshake and data ports) of one of the ``peer_ips`` given to
+    :meth:`scan`. Each socket is looked at until its answer is final (connected, or not a TCP
+    client), then never again. Not thread-safe: one caller."""
+
+    def __init__(self, port_range: tuple[int, int] = MOONCAKE_RPC_PORTS):
+        super().__init__()
+        self.port_range = port_range
+        self.sockets_reset = 0  # sockets given the option, in all
+
+    def scan(self, peer_ips: set[str]) -> int:
+        """Look at the sockets this process holds now; how many were given the option by this call."""
+        lo, hi = self.port_range
+
+        def decide(sock: socket.socket) -> bool | None:
+            peer = _peer_of(sock)
+            if peer is None:
+                return None  # not connected (yet)
+            if not lo <= peer[1] <= hi:
                 return False
-            if host.removeprefix("::ffff:") not in peer_ips:
-                return None
+            if peer[0] not in peer_ips:
+                return None  # to no peer of ours yet
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
             return True
+
+        count = self._scan(decide)
+        self.sockets_reset += count
+        return count
+
+
+@dataclass(frozen=True)
+class KeepAliveSettings:
+    """TCP keepalive: the first probe after ``idle_s`` without traffic, then every ``interval_s``;
+    the connection ends after ``probes`` unanswered ones (or at once on a reset). A dead peer of an
+    idle connection is found within ``idle_s + probes * interval_s``."""
+
+    idle_s: int
+    interval_s: int
+    probes: int
+
+    @classmethod
+    def parse(cls, text: str) -> KeepAliveSettings:
+        """``"idle_s,interval_s,probes"``, whole seconds (``PRFAAS_KV_KEEPALIVE``). Raises ValueError
+        naming what is wrong."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
+            raise ValueError(f"{text!r}: expected three whole numbers 'idle_s,interval_s,probes'")
+        idle_s, interval_s, probes = (int(p) for p in parts)
+        # Linux bounds: TCP_KEEPIDLE and TCP_KEEPINTVL 1..32767 s, TCP_KEEPCNT 1..127
+        if not (1 <= idle_s <= 32767 and 1 <= interval_s <= 32767 and 1 <= probes <= 127):
+            raise ValueError(f"{text!r}: idle_s and interval_s must be 1..32767 s, probes 1..127")
+        return cls(idle_s, interval_s, probes)
+
+    def bound_s(self) -> int:
+        return self.idle_s + self.probes * self.interval_s
+
+
+def keepalive_of(sock: socket.socket) -> KeepAliveSettings | None:
+    """``sock``'s keepalive settings; None when keepalive is off."""
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE):
+        return None
+    return KeepAliveSettings(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                             sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                             sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+
+
+class KeepAlive(_SocketScan):
+    """Turns TCP keepalive on, with ``settings``, for every TCP connection of this process whose local
+    or remote port is in ``port_range`` (Mooncake's handshake and data ports: the lanes it opened and
+    the ones its server accepted). Not thread-safe: one caller."""
+
+    def __init__(self, settings: KeepAliveSettings, port_range: tuple[int, int] = MOONCAKE_RPC_PORTS):
+        super().__init__()
+        self.settings, self.port_range = settings, port_range
+        self.sockets_set = 0  # sockets given keepalive, in all
+
+    def scan(self) -> int:
+        """Look at the sockets this process holds now; how many got keepalive by this call."""
+        lo, hi = self.port_range
+
+        def decide(sock: socket.socket) -> bool | None:
+            peer = _peer_of(sock)
+            if peer is None:
+                return None
+            if not (lo <= peer[1] <= hi or lo <= sock.getsockname()[1] <= hi):
+                return False
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.settings.idle_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.settings.interval_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.settings.probes)
+            return True
+
+        count = self._scan(decide)
+        self.sockets_set += count
+        return count
+
+
+def mooncake_connections(port_range: tuple[int, int] = MOONCAKE_RPC_PORTS) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """This process's connected TCP sockets with a local or remote port in ``port_range``, as
+    ((local host, port), (remote host, port)), hosts without the IPv4-mapped prefix."""
+    lo, hi = port_range
+    found = []
+
+    def note(sock: socket.socket) -> bool:
+        peer = _peer_of(sock)
+        if peer is not None:
+            host, port = sock.getsockname()[:2]
+            if lo <= peer[1] <= hi or lo <= port <= hi:
+                found.append(((host.removeprefix("::ffff:"), port), peer))
+        return False
+
+    _SocketScan()._scan(note)
+    return found

@@ -5,8 +5,8 @@ process, so the launcher gives them by role (:func:`mooncake_env`):
 
 * ``prfaas`` (the sender on the WAN leg): the whole profile below, with SGLang's probe of
   blacklisted decode sessions on, so a peer that was unreachable for a while takes KV again;
-* ``pd-decode`` (receives from the PrfaaS cluster and from PD-P): only the stall bound,
-  which both ends of a connection enforce;
+* ``pd-decode`` (receives from the PrfaaS cluster and from PD-P): the stall bound, which
+  both ends of a connection enforce, keepalive, and the contiguous KV allocation;
 * ``pd-prefill`` (in-cluster PD-P -> PD-D): nothing; SGLang's defaults, or RDMA where the
   deployment has it.
 
@@ -42,6 +42,10 @@ STALL_FLOOR_S = 5  # a live connection makes progress well within this on any li
 MAX_BATCH_BYTES = 1 << 30  # the largest synchronous batch SGLang sends (one chunk's KV), for the total timeout
 TRANSFER_TIMEOUT_FLOOR_S = 30  # Mooncake's own default
 SESSION_PROBE_INTERVAL_S = 2  # a peer back on the link takes new KV within about this (SGLang's probe: 30 s)
+# TCP keepalive on WAN lanes (PRFAAS_KV_KEEPALIVE, idle_s,interval_s,probes): an idle lane is probed
+# after 60 s, well inside the idle timeouts of cloud NATs and load balancers (240-350 s), and a lane
+# whose peer is gone ends within 2 minutes
+KEEPALIVE = "60,10,6"
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,9 @@ def sender_profile(link: WanLink) -> tuple[EnvDefault, ...]:
         EnvDefault("PRFAAS_KV_ASYNC_SEND", "1",
                    "each chunk's KV as asynchronous writes, waited for (sleeping) before the last chunk's aux, "
                    "instead of one busy-waiting synchronous batch per chunk (the kv-send hooks)"),
+        EnvDefault("PRFAAS_KV_KEEPALIVE", KEEPALIVE,
+                   "TCP keepalive on the Mooncake lanes (Mooncake sets none): an idle lane keeps its NAT entry "
+                   "instead of stalling the next transfer (the kv-lane-keepalive hook)"),
         EnvDefault("SGLANG_ENABLE_FAILED_SESSION_PROBE", "1",
                    "SGLang blacklists a decode peer's session after one failed transfer and, with this off "
                    "(its default), only a re-registration (a restarted decode) clears it: one stall on the "
@@ -126,6 +133,9 @@ def receiver_profile(link: WanLink) -> tuple[EnvDefault, ...]:
                    "each prompt's KV in one run of free slots where there is one: SGLang's sender then writes one "
                    "request per layer, not one per hole finished decodes left (page size 1: ~190 requests per "
                    "layer per transfer -> ~10 on the conversation trace, bench kv-runs)"),
+        EnvDefault("PRFAAS_KV_KEEPALIVE", KEEPALIVE,
+                   "TCP keepalive on the Mooncake connections: a lane the sender closed while the link was dark "
+                   "(its reset lost) is otherwise held open, idle, until the process ends (the kv-lane-keepalive hook)"),
     )
 
 

@@ -50,6 +50,7 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 
 import numpy as np  # noqa: E402
 
+from prfaas_sglang.adapters.sockopts import mooncake_connections  # noqa: E402
 from prfaas_sglang.bench.layerwise import make_kv_args  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
@@ -304,6 +305,11 @@ class Decode:
         }
 
 
+def connections() -> dict:
+    """This process's connections to or from a Mooncake port: [[local host, port], [remote host, port]]."""
+    return {"connections": mooncake_connections()}
+
+
 def serve(side) -> None:
     OUT.write(json.dumps({"ready": True, "session": side.mgr.engine.get_session_id(), "pid": os.getpid(),
                           "success": int(KVPoll.Success), "failed": int(KVPoll.Failed),
@@ -312,7 +318,7 @@ def serve(side) -> None:
         cmd = json.loads(line)
         op = cmd.pop("op")
         try:
-            answer = getattr(side, op)(**cmd)
+            answer = connections() if op == "connections" else getattr(side, op)(**cmd)
         except Exception as err:  # noqa: BLE001 - report, keep serving
             answer = {"error": f"{type(err).__name__}: {err}"}
         OUT.write(json.dumps(answer) + "\n")

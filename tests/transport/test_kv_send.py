@@ -16,9 +16,17 @@ import threading
 import time
 import types
 
+import pytest
 from sglang_cpu import run_probe
 
-from prfaas_sglang.adapters.sockopts import ResetOnClose, linger_reset
+from prfaas_sglang.adapters.sockopts import (
+    KeepAlive,
+    KeepAliveSettings,
+    ResetOnClose,
+    keepalive_of,
+    linger_reset,
+    mooncake_connections,
+)
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.hooks.kv_send import AsyncKvSender
 from prfaas_sglang.transport.kv_send import DONE, FAILED, PENDING, TIMED_OUT, SendLedger, coalesce
@@ -285,6 +293,66 @@ class TestResetOnClose:
                     outcome = "reset"
                 peer.close()
                 assert outcome == ("reset" if reset else 65536)
+
+
+class TestKeepAlive:
+    SETTINGS = KeepAliveSettings(idle_s=7, interval_s=3, probes=4)
+
+    def test_connections_to_or_from_the_port_range_get_it_once(self):
+        """Both ends of a Mooncake connection in one process: the lane it opened (remote port in the
+        range) and the one its server accepted (local port in the range); nothing else."""
+        ports: list[int] = []
+        with _listener(ports) as kv, _listener(ports) as other:
+            keepalive = KeepAlive(self.SETTINGS, port_range=(ports[0], ports[0]))
+            with socket.create_connection(("127.0.0.1", ports[0])) as lane, \
+                    socket.create_connection(("127.0.0.1", ports[1])) as elsewhere:
+                accepted, _ = kv.accept()
+                with accepted:
+                    assert keepalive.scan() == 2
+                    assert keepalive_of(lane) == keepalive_of(accepted) == self.SETTINGS
+                    assert keepalive_of(elsewhere) is None and keepalive_of(kv) is None and keepalive_of(other) is None
+                    assert keepalive.scan() == 0 and keepalive.sockets_set == 2  # once per socket
+                    local, remote = ("127.0.0.1", lane.getsockname()[1]), ("127.0.0.1", ports[0])
+                    found = mooncake_connections(port_range=(ports[0], ports[0]))
+                    assert sorted(found) == sorted([(local, remote), (remote, local)])
+
+    @pytest.mark.parametrize("text", ["", "60,10", "60,10,6,1", "60,x,6", "0,10,6", "60,10,128", "-1,10,6", "60, 10 ,six"])
+    def test_a_malformed_setting_is_refused_by_name(self, text, monkeypatch):
+        from prfaas_sglang.errors import ConfigError
+        from prfaas_sglang.hooks.lane_keepalive import start_lane_keepalive
+
+        with pytest.raises(ValueError, match="idle_s"):
+            KeepAliveSettings.parse(text)
+        monkeypatch.setenv("PRFAAS_KV_KEEPALIVE", text or ",")
+        manager = types.SimpleNamespace()
+        with pytest.raises(ConfigError, match="PRFAAS_KV_KEEPALIVE"):  # stops the worker's startup
+            start_lane_keepalive(None, manager, None, None, None)
+        assert not hasattr(manager, "_prfaas_keepalive")
+
+    def test_the_hook_starts_a_thread_that_reaches_new_lanes(self, monkeypatch):
+        from prfaas_sglang.hooks import lane_keepalive
+
+        manager = types.SimpleNamespace()
+        monkeypatch.delenv("PRFAAS_KV_KEEPALIVE", raising=False)
+        lane_keepalive.start_lane_keepalive(None, manager, None, None, None)
+        assert not hasattr(manager, "_prfaas_keepalive")  # unset: nothing starts
+        assert KeepAliveSettings.parse(" 60, 10,6") == KeepAliveSettings(60, 10, 6)
+        monkeypatch.setenv("PRFAAS_KV_KEEPALIVE", "7,3,4")
+        monkeypatch.setattr(lane_keepalive, "SCAN_INTERVAL_S", 0.05)
+        monkeypatch.setattr(lane_keepalive, "KeepAlive", lambda settings: KeepAlive(settings, port_range=(ports[0], ports[0])))
+        ports: list[int] = []
+        with _listener(ports):
+            lane_keepalive.start_lane_keepalive(None, manager, None, None, None)
+            keeper = manager._prfaas_keepalive
+            try:
+                with socket.create_connection(("127.0.0.1", ports[0])) as lane:  # opened after the hook ran
+                    deadline = time.monotonic() + 5
+                    while keepalive_of(lane) is None and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    assert keepalive_of(lane) == self.SETTINGS
+            finally:
+                keeper.stop()
+        assert keeper.scan_errors == 0
 
 
 def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():

@@ -23,7 +23,8 @@ bound and SGLang blacklists the decode's Mooncake session (``failed_sessions``).
   request 2 is written into the decode's pages by our sender (it handed Mooncake only a write per
   lane and reset its lanes on close), while with SGLang's own sender request 2's failed chunk still
   is: Mooncake sends the rest of a failed batch on new connections, and the lanes its stall
-  timeout closed deliver what they had queued.
+  timeout closed deliver what they had queued. The resets our sender sent while the link was
+  dark are lost: keepalive (the profile's, shortened) ends the decode's sessions of those lanes.
 
 After every failure neither manager keeps per-room state (prefill: ``request_status``,
 ``transfer_infos``, ``req_to_decode_prefix_len``, ``failure_records``; decode: ``request_status``,
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from prfaas_sglang.adapters.sockopts import KeepAliveSettings
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.launch.command import sglang_command
 from prfaas_sglang.roles import Role
@@ -59,6 +61,8 @@ LINK = WanLink(RATE_MBIT * 1e6, RTT_MS / 1e3)
 PROBE_VARS = ("SGLANG_ENABLE_FAILED_SESSION_PROBE", "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S")
 HANDSHAKE_CONNECT_TIMEOUT_S = 5  # Mooncake's MC_HANDSHAKE_CONNECT_TIMEOUT default: bounds one send_probe on a dark link
 EXTRA_DARK_S = 0.5  # the link stays dark this long after the transfer failed
+# the profile's keepalive, shortened so that this test need not wait its 2 minutes
+KEEPALIVE = KeepAliveSettings(idle_s=2, interval_s=1, probes=2)
 LATE_WINDOW_S = 25  # late writes are looked for this long after the link returns: TCP's SYN and
 # retransmission backoff (measured: a queued write landed 0.6-0.8 s after the link came back, an
 # orphaned lane's bytes 3.8 s after)
@@ -72,6 +76,9 @@ def launcher_env(role: Role, probe: bool = True, telemetry_port: int | None = No
     node = Node(name=role.value, cluster="c", role=role, model_path="unused", telemetry_port=telemetry_port)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_", "SGLANG_"))}
     env.update(sglang_command(node, sys.executable, {}, link=LINK).env)
+    if "PRFAAS_KV_KEEPALIVE" in env:
+        k = KEEPALIVE
+        env["PRFAAS_KV_KEEPALIVE"] = f"{k.idle_s},{k.interval_s},{k.probes}"
     if role is Role.PRFAAS and not async_send:
         env["PRFAAS_KV_ASYNC_SEND"] = "0"
     return {k: v for k, v in env.items() if probe or k not in PROBE_VARS}
@@ -366,7 +373,8 @@ def test_after_a_longer_outage_no_kv_of_the_failed_request_lands_in_the_freed_pa
     concludes request 2, then back. Nothing of request 2 is written into the decode's pages afterwards:
     the engine held only a write per lane (none queued, to be sent on a reconnected lane), and its
     lanes to the decode were closed with a reset (no orphaned bytes retransmitted). Then a
-    heartbeat failover and request 3's re-registration lift the blacklist, as upstream."""
+    heartbeat failover and request 3's re-registration lift the blacklist, as upstream, and the
+    decode holds no connection of the reset lanes (4 without keepalive)."""
     pair = make_pair(248, probe=False)
     sent, received = pair.request(1)
     assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
@@ -378,6 +386,17 @@ def test_after_a_longer_outage_no_kv_of_the_failed_request_lands_in_the_freed_pa
     prefill = pair.prefill.ask("state")
     assert prefill["lanes_reset"] >= 1 and prefill["max_writes_in_flight"] <= prefill["lanes"], prefill
     check_the_next_request_goes_after_re_registration(pair)
+    # The lanes the prefill reset while the link was dark (the resets lost): the decode's Mooncake
+    # sessions of them end on keepalive, so it holds no connection the prefill does not hold.
+    stale = poll(lambda: stale_decode_connections(pair), lambda found: not found, KEEPALIVE.bound_s() + 2, every_s=0.5)
+    assert stale == [], f"the decode still holds {len(stale)} connections the prefill has closed: {stale}"
+
+
+def stale_decode_connections(pair: Pair) -> list:
+    """The decode's connections with the prefill's address that the prefill holds no end of."""
+    prefill = {(tuple(a), tuple(b)) for a, b in pair.prefill.ask("connections")["connections"]}
+    decode = [(tuple(a), tuple(b)) for a, b in pair.decode.ask("connections")["connections"]]
+    return [c for c in decode if c[1][0] == pair.link.ip_a and (c[1], c[0]) not in prefill]
 
 
 def test_with_sglangs_own_sender_the_failed_kv_lands_late(make_pair):

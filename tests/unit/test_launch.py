@@ -78,8 +78,10 @@ class TestWanProfile:
         names = lambda role: {d.name for d in mooncake_env(role, WanLink(1e9, 0.02))}  # noqa: E731
         assert {"MC_TCP_LANES_PER_PEER", "MC_TCP_SLICE_SIZE", "MC_TCP_PROGRESS_TIMEOUT_SEC",
                 "SGLANG_ENABLE_FAILED_SESSION_PROBE"} <= names(Role.PRFAAS)  # a blacklisted peer is probed back
-        # it receives the WAN leg: the stall bound, and each prompt's KV slots in one run (decode-contiguous-kv)
-        assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC", "PRFAAS_DECODE_CONTIGUOUS_KV"}
+        # it receives the WAN leg: the stall bound, each prompt's KV slots in one run (decode-contiguous-kv),
+        # and keepalive on its Mooncake connections (kv-lane-keepalive), as the sender has
+        assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC", "PRFAAS_DECODE_CONTIGUOUS_KV", "PRFAAS_KV_KEEPALIVE"}
+        assert "PRFAAS_KV_KEEPALIVE" in names(Role.PRFAAS)
         assert names(Role.PD_PREFILL) == set()  # in-cluster: SGLang's defaults
 
     def test_bounds_scale_with_the_link(self):
