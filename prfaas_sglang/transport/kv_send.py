@@ -137,7 +137,7 @@ class SendLedger:
         if session in self._failed_sessions:
             return []
         mine = [b for b in self.batches if b.session == session]
-        room = limit - sum(len(b.writes) for b in mine)
+        room = limit - self.writes_in_flight(session)
         out: list[tuple[Batch, Entry, int]] = []
         for batch in mine:
             for due in [r for r in batch.retries if r[0] <= now_s][:max(room, 0)]:
