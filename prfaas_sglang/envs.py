@@ -123,6 +123,15 @@ class Envs:
         "the sender closed while the link was dark, and keeps idle lanes' NAT entries. Set by the "
         "launcher for the prfaas and pd-decode roles; a malformed value stops startup.",
     )
+    KV_LANE_PACING = EnvVar(
+        "PRFAAS_KV_LANE_PACING",
+        None,
+        "PrfaaS prefill worker (SGLang, with PRFAAS_KV_ASYNC_SEND): the WAN link as 'rate_bps,rtt_s'. "
+        "While a batch of equal large writes is all in flight, one per lane, each lane is paced at an "
+        "equal share of the rate plus 10%, so the lanes end together (transport/lane_pacing.py). Set by "
+        "the launcher for the prfaas role where the topology states the link; a malformed value stops "
+        "startup.",
+    )
     PREFILL_CACHE = EnvVar(
         "PRFAAS_PREFILL_CACHE",
         None,

@@ -157,7 +157,9 @@ HOOKS: tuple[HookSpec, ...] = (
             "AFTER hook on the Mooncake KV manager's constructor: in a prefill manager of a process "
             "with PRFAAS_KV_ASYNC_SEND=1 (the launcher sets it for the prfaas role) whose transfer "
             "engine has transfer_submit_write / transfer_check_status, attach an AsyncKvSender (lanes "
-            "from MC_TCP_LANES_PER_PEER; its connections to the decode peers reset on close)."
+            "from MC_TCP_LANES_PER_PEER; its connections to the decode peers reset on close; with "
+            "PRFAAS_KV_LANE_PACING, an even batch's lanes paced alike). A malformed PRFAAS_KV_LANE_PACING "
+            "stops startup."
         ),
         upstream_status="vendor-specific",
         removal="with kv-send",

@@ -34,6 +34,8 @@ from prfaas_sglang.adapters.tcpinfo import own_sockets
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux; Python 3.11 does not name it
+_PACING_UNLIMITED = 0xFFFFFFFFFFFFFFFF  # ~0UL: no cap
 
 
 def linger_reset(sock: socket.socket) -> bool:
@@ -196,6 +198,34 @@ class KeepAlive(_SocketScan):
         count = self._scan(decide)
         self.sockets_set += count
         return count
+
+
+def max_pacing_rate(sock: socket.socket) -> int | None:
+    """``sock``'s pacing cap in bytes per second; None when it has none."""
+    (rate,) = struct.unpack("Q", sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8))
+    return None if rate in (_PACING_UNLIMITED, 0xFFFFFFFF) else rate
+
+
+def set_lane_pacing(bytes_per_s: int | None, peer_ips: set[str],
+                    port_range: tuple[int, int] = MOONCAKE_RPC_PORTS) -> int:
+    """Give every TCP connection of this process to a port in ``port_range`` of one of ``peer_ips``
+    (Mooncake's lanes to those peers) the pacing cap ``bytes_per_s`` (``SO_MAX_PACING_RATE``; None
+    lifts it); how many connections were set. The kernel paces each socket at no more than its cap,
+    whatever its congestion control computes. Raises OSError where the option is not supported."""
+    lo, hi = port_range
+    value = struct.pack("Q", _PACING_UNLIMITED if bytes_per_s is None else bytes_per_s)
+    count = 0
+
+    def decide(sock: socket.socket) -> bool:
+        nonlocal count
+        peer = _peer_of(sock)
+        if peer is not None and lo <= peer[1] <= hi and peer[0] in peer_ips:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, value)
+            count += 1
+        return False
+
+    _SocketScan()._scan(decide)
+    return count
 
 
 def mooncake_connections(port_range: tuple[int, int] = MOONCAKE_RPC_PORTS) -> list[tuple[tuple[str, int], tuple[str, int]]]:

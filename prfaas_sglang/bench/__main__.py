@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--engine-queued-row", action="store_true",
                     help="add a row with every request handed to the engine at once (the kv-send hooks before they "
                          "kept the queue): what keeping it costs")
+    tr.add_argument("--unpaced-row", action="store_true",
+                    help="add a row of ours without lane pacing (PRFAAS_KV_LANE_PACING unset): what keeping the "
+                         "lanes level buys")
     tr.add_argument("--json", action="store_true")
     kr = sub.add_parser("kv-runs", help="request sizes of SGLang's Mooncake sender on pools in steady state")
     kr.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
@@ -392,13 +395,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"the emulated link {why}")
         result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
                            args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes,
-                           args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None, args.engine_queued_row)
+                           args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None, args.engine_queued_row,
+                           args.unpaced_row)
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
                   f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
                   f"--conditions {args.conditions} --repeats {args.repeats}"
                   f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}"
                   f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}"
-                  f"{' --engine-queued-row' if args.engine_queued_row else ''}; {stamp} -->")
+                  f"{' --engine-queued-row' if args.engine_queued_row else ''}"
+                  f"{' --unpaced-row' if args.unpaced_row else ''}; {stamp} -->")
     elif args.name == "kv-runs":
         from prfaas_sglang.bench import kv_runs as bench
 

@@ -19,6 +19,8 @@ in a fresh sender process, alternating, in the same run over the same link:
 * ``ours_engine_queued`` (``engine_queued``, off by default): the same requests all handed to the
   engine at once (up to 8 outstanding), as the hooks did before they kept the queue themselves
   (which let a failed room's queued writes go out after an outage): what keeping it costs;
+* ``ours_unpaced`` (``unpaced``, off by default): ``ours`` without ``PRFAAS_KV_LANE_PACING``, in a
+  sender of its own: what keeping the lanes level (:mod:`~prfaas_sglang.transport.lane_pacing`) buys;
 * ``ours_per_chunk``: the same profile and requests, sent SGLang's way (one sync batch per
   chunk), to separate the two mechanisms.
 
@@ -130,7 +132,8 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
                   default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
-                  lanes: int | None = None, tcp_buffer_bytes: int | None = None, engine_queued: bool = False) -> dict:
+                  lanes: int | None = None, tcp_buffer_bytes: int | None = None, engine_queued: bool = False,
+                  unpaced: bool = False) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
@@ -147,6 +150,8 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
             runs: dict[str, list[dict]] = {"ours": [], "ours_per_chunk": [], "default": [], "tcp": [], "tcp_warm": []}
             if engine_queued:
                 runs["ours_engine_queued"] = []
+            if unpaced:
+                runs["ours_unpaced"] = []
             wan = WanLink(rate_mbit * 1e6, cond.rtt_ms / 1e3)
             senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan, lanes)), "default": _Sender(link, recv, buffer_mib, default_env()),
                        "tcp": _Sender(link, tcp_recv, buffer_mib, default_env()),
@@ -154,9 +159,14 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
             senders["ours_per_chunk"] = senders["ours"]
             if engine_queued:  # lanes of its own: each row's lanes then sit idle alike between its turns
                 senders["ours_engine_queued"] = _Sender(link, recv, buffer_mib, ours_env(wan, lanes))
+            if unpaced:
+                env = ours_env(wan, lanes)
+                env.pop("PRFAAS_KV_LANE_PACING", None)
+                senders["ours_unpaced"] = _Sender(link, recv, buffer_mib, env)
             ours_request = int(request_mib * (1 << 20))
             # name -> (request bytes, how: "product" the hooks' sender, "pipeline" all handed to the engine, "sync" per chunk)
-            jobs = {"ours": (ours_request, "product"), "ours_per_chunk": (ours_request, "sync"),
+            jobs = {"ours": (ours_request, "product"), "ours_unpaced": (ours_request, "product"),
+                    "ours_per_chunk": (ours_request, "sync"),
                     "ours_engine_queued": (ours_request, "pipeline"), "default": (default_request_kib << 10, "sync"),
                     "tcp": (payload, "sync"), "tcp_warm": (payload, "sync")}
             first: dict[str, dict] = {}
@@ -185,7 +195,14 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    "tcp_warm_fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["tcp_warm"]),
                    "engine_queued_fraction": (statistics.median(_fraction(r, payload, rate_mbit)
                                                                 for r in runs["ours_engine_queued"]) if engine_queued else None),
+                   "unpaced_fraction": (statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_unpaced"])
+                                        if unpaced else None),
                    "lane_spread_ms": _lane_spread_ms(runs["ours"], int(senders["ours"].env["MC_TCP_LANES_PER_PEER"])),
+                   "unpaced_lane_spread_ms": (_lane_spread_ms(runs["ours_unpaced"], int(senders["ours"].env["MC_TCP_LANES_PER_PEER"]))
+                                              if unpaced else None),
+                   # how often ours changed its lanes' pacing cap per transfer (capped, re-capped as writes
+                   # ended, freed; 0: never capped), median over the repeats
+                   "pacing_changes": statistics.median(r.get("pacing_changes", 0) for r in runs["ours"]),
                    "tcp_buffer_bytes": tcp_buffer_bytes,
                    # [min, max] over the repeats, per row: the spread behind each median
                    "fraction_range": {name: [round(min(f), 3), round(max(f), 3)] for name, f in
@@ -236,15 +253,15 @@ CONDITIONS = {
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
         conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
         slow_start_after_idle: bool = True, lanes: int | None = None, tcp_buffer_bytes: int | None = None,
-        engine_queued: bool = False) -> dict:
+        engine_queued: bool = False, unpaced: bool = False) -> dict:
     """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own.
     ``tcp_buffer_bytes``: the TCP buffers' autotuning limit in both namespaces, for every row (None: the host's).
-    ``engine_queued``: add the ``ours_engine_queued`` row."""
+    ``engine_queued``: add the ``ours_engine_queued`` row; ``unpaced``: the ``ours_unpaced`` row."""
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
                                      default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes,
-                                     tcp_buffer_bytes, engine_queued))
+                                     tcp_buffer_bytes, engine_queued, unpaced))
     first = results[0]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib, "lanes": lanes,
             "tcp_buffer_bytes": tcp_buffer_bytes,
@@ -268,6 +285,8 @@ def render_markdown(r: dict) -> str:
     for c in r["conditions"]:
         queued = (f" (all in the engine: {cell(c, 'engine_queued_fraction', 'ours_engine_queued')})"
                   if c.get("engine_queued_fraction") is not None else "")
+        if c.get("unpaced_fraction") is not None:
+            queued += f" (lanes not paced: {cell(c, 'unpaced_fraction', 'ours_unpaced')})"
         lines.append(f"| {c['condition']} (RTT {c['rtt_ms']:g} ms, loss {c['loss'] * 100:g}%) | {c['congestion_control']} "
                      f"| **{cell(c, 'goodput_fraction', 'ours')}**{queued} "
                      f"| {cell(c, 'per_chunk_goodput_fraction', 'ours_per_chunk')} "

@@ -62,12 +62,16 @@ class ProductSender:
 
     def __init__(self, engine):
         from prfaas_sglang.adapters.sockopts import ResetOnClose
-        from prfaas_sglang.hooks.kv_send import AsyncKvSender, mooncake_lanes_per_peer
+        from prfaas_sglang.hooks.kv_send import (
+            AsyncKvSender,
+            lane_pacing_from_env,
+            mooncake_lanes_per_peer,
+        )
 
         manager = types.SimpleNamespace(transfer_infos={}, request_status={}, session_lock=threading.Lock(),
                                         failed_sessions=set())
         self.sender = AsyncKvSender(manager, engine, wait_bound_s=600.0, lanes=mooncake_lanes_per_peer(),
-                                    resets=ResetOnClose())
+                                    resets=ResetOnClose(), pacing=lane_pacing_from_env())
         self._done: list[float] = []
         record = self.sender._record
 
@@ -81,6 +85,7 @@ class ProductSender:
         lengths, chunk = _lengths(job), int(job.get("chunk_bytes") or (64 << 20))
         total = sum(lengths)
         self._done.clear()
+        changes = self.sender.pacing_changes
         started = time.perf_counter()
         entries: list[tuple[int, int, int]] = []
         in_chunk = 0
@@ -93,7 +98,8 @@ class ProductSender:
                 entries, in_chunk = [], 0
         ok = self.sender.barrier(session, 0)
         return {"elapsed_s": time.perf_counter() - started, "ok": ok, "requests": len(lengths),
-                "done_s": [round(t - started, 4) for t in self._done]}
+                "done_s": [round(t - started, 4) for t in self._done],
+                "pacing_changes": self.sender.pacing_changes - changes}
 
 
 def send_job(engine, base: int, session: str, peer_addr: int, job: dict, product: ProductSender | None = None) -> dict:

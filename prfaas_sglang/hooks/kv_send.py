@@ -44,6 +44,12 @@ it delivered a failed room's KV into decode pages SGLang had freed
   out, writes what arrives. Here the sender's connections to its decode peers are reset on close
   (``SO_LINGER`` 0, :class:`~prfaas_sglang.adapters.sockopts.ResetOnClose`): nothing is retransmitted.
 
+Lanes kept level. With ``PRFAAS_KV_LANE_PACING`` set (the launcher sets the topology's link for
+the prfaas role), a batch of equal large writes that is all in flight, one per lane, has each lane
+paced at an equal share of the link (:mod:`~prfaas_sglang.transport.lane_pacing`): the lanes end
+together instead of the batch waiting on the flow that got the least. Otherwise the lanes are not
+capped. A malformed value stops startup (:class:`~prfaas_sglang.errors.ConfigError`).
+
 Left as upstream: a decode that aborts a room (a client abort) frees its pages at once, while the
 prefill side may still be sending the room's KV into them.
 ``PRFAAS_KV_ASYNC_SEND=0`` restores SGLang's sending.
@@ -56,11 +62,13 @@ import os
 import threading
 import time
 
-from prfaas_sglang.adapters.sockopts import ResetOnClose
+from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
 from prfaas_sglang.envs import envs
+from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
 from prfaas_sglang.transport.kv_send import Ended, SendLedger, coalesce
+from prfaas_sglang.transport.lane_pacing import LanePacing
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_DEFAULT_LANES, lanes_per_peer
 
 logger = logging.getLogger(__name__)
@@ -86,10 +94,13 @@ class AsyncKvSender:
     A daemon thread (the pump) submits queued entries as lanes free up, reads the writes' statuses,
     and every :data:`RESET_SCAN_S` while writes are in flight gives the engine's connections to the
     decode peers a reset on close (:class:`~prfaas_sglang.adapters.sockopts.ResetOnClose`); a
-    ``resets`` of None leaves them alone."""
+    ``resets`` of None leaves them alone. With ``pacing``, it also caps the lanes' pacing rate as
+    :meth:`LanePacing.cap` says for the writes in flight, whenever that answer changes (and again
+    every :data:`RESET_SCAN_S` while a cap holds, for lanes opened since)."""
 
     def __init__(self, manager, engine, wait_bound_s: float, lanes: int = MOONCAKE_DEFAULT_LANES,
-                 resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S):
+                 resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S,
+                 pacing: LanePacing | None = None):
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
         self.manager = manager
@@ -97,6 +108,10 @@ class AsyncKvSender:
         self.wait_bound_s = wait_bound_s
         self.lanes = lanes
         self.resets = resets
+        self.pacing = pacing
+        self.lane_cap: int | None = None  # the pacing cap the lanes were last given (None: none)
+        self.pacing_changes = 0
+        self._next_pace_scan = 0.0
         self.ledger = SendLedger(retry_within_s=retry_within_s, retry_after_s=RETRY_AFTER_S)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when something is queued or ends
@@ -207,6 +222,7 @@ class AsyncKvSender:
                         self._changed.wait()
                     progressed = self._step()
                 self._scan_resets()
+                self._pace()
             except Exception:  # noqa: BLE001 - the pump must outlive one bad step
                 logger.exception("prfaas_sglang: KV send pump step failed")
                 progressed = False
@@ -251,6 +267,28 @@ class AsyncKvSender:
         if busy:
             self.resets.scan(peers)
             self._next_reset_scan = time.monotonic() + RESET_SCAN_S
+
+    def _pace(self) -> None:
+        """Give the lanes the pacing cap the policy answers for the writes now in flight, when it
+        differs from the last one given, and again every RESET_SCAN_S while a cap holds. Where the
+        kernel refuses the option, pacing is turned off (logged once)."""
+        if self.pacing is None:
+            return
+        with self._lock:
+            cap = self.pacing.cap([(w.length, w.started_s) for w in self.ledger.all_writes()], self.ledger.waiting())
+            peers = set(self._peer_ips)
+        now_s = time.monotonic()
+        if cap == self.lane_cap and (cap is None or now_s < self._next_pace_scan):
+            return
+        try:
+            set_lane_pacing(cap, peers)
+        except OSError as err:
+            logger.warning("prfaas_sglang: cannot pace the Mooncake lanes (%s); lane pacing off", err)
+            self.pacing = None
+            return
+        if cap != self.lane_cap:
+            self.pacing_changes += 1
+        self.lane_cap, self._next_pace_scan = cap, now_s + RESET_SCAN_S
 
     # --- under self._lock ---------------------------------------------------------------------
 
@@ -327,22 +365,36 @@ def mooncake_lanes_per_peer() -> int:
     return lanes_per_peer(os.environ)
 
 
+def lane_pacing_from_env() -> LanePacing | None:
+    """``PRFAAS_KV_LANE_PACING`` parsed; None when unset. Raises ConfigError when malformed."""
+    text = envs.KV_LANE_PACING.get()
+    if text is None:
+        return None
+    try:
+        return LanePacing.parse(text)
+    except ValueError as err:
+        raise ConfigError(envs.KV_LANE_PACING.name, str(err)) from None
+
+
 def start_async_sender(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
     """AFTER hook on ``MooncakeKVManager.__init__``: a prefill manager in a process with
     ``PRFAAS_KV_ASYNC_SEND`` set sends asynchronously."""
     if not envs.KV_ASYNC_SEND.get() or getattr(disaggregation_mode, "value", None) != "prefill":
         return None
+    pacing = lane_pacing_from_env()  # a malformed value stops startup here
     engine = getattr(getattr(manager, "engine", None), "engine", None)
     if engine is None or not hasattr(engine, "transfer_submit_write") or not hasattr(engine, "transfer_check_status"):
         logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
                        "single writes; sending synchronously")
         return None
-    sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose())
+    sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose(),
+                           pacing=pacing)
     setattr(manager, _ATTR, sender)
     if envs.KV_LAYERWISE.get():
         layerwise.attach(manager, sender)
     logger.info("prfaas_sglang: KV sent asynchronously (at most %d chunks queued per decode session, %d writes "
-                "in the engine at once)", MAX_BATCHES_IN_FLIGHT, sender.lanes)
+                "in the engine at once; lane pacing %s)", MAX_BATCHES_IN_FLIGHT, sender.lanes,
+                f"for {sender.pacing.rate_bps / 1e9:g} Gbit/s, {sender.pacing.rtt_s * 1e3:g} ms" if sender.pacing else "off")
     return None
 
 

@@ -217,6 +217,14 @@ class SendLedger:
         """Writes to ``session`` the engine holds now, abandoned ones included."""
         return sum(len(b.writes) for b in self.batches if b.session == session)
 
+    def all_writes(self) -> list[Write]:
+        """Every write the engine holds now, to any session, abandoned ones included."""
+        return [w for b in self.batches for w in b.writes.values()]
+
+    def waiting(self) -> bool:
+        """Whether any entry, to any session, is queued here or waits to be handed again."""
+        return any(b.queued or b.retries for b in self.batches)
+
     def failed(self, session: str) -> bool:
         return session in self._failed_sessions
 

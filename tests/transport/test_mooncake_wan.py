@@ -139,7 +139,8 @@ def test_a_transfer_after_a_long_idle_gap_succeeds(peers):
 def test_bench_transport_smoke():
     """The benchmark's CLI end to end on a small payload: every row ran and the fields are there."""
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "transport", "--rate-mbit", "200", "--payload-mib", "16",
-                           "--conditions", "clean", "--repeats", "1", "--no-table", "--engine-queued-row", "--json"],
+                           "--request-mib", "4", "--conditions", "clean", "--repeats", "1", "--no-table", "--engine-queued-row",
+                           "--unpaced-row", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)["result"]
@@ -147,13 +148,17 @@ def test_bench_transport_smoke():
     assert all(run["ok"] for runs in cond["runs"].values() for run in runs)
     assert set(cond["first_transfer"]) == set(cond["runs"]) and all(r["ok"] for r in cond["first_transfer"].values())
     for key in ("goodput_fraction", "per_chunk_goodput_fraction", "default_goodput_fraction", "tcp_reference_fraction",
-                "tcp_warm_fraction", "engine_queued_fraction"):
+                "tcp_warm_fraction", "engine_queued_fraction", "unpaced_fraction"):
         assert 0 < cond[key] < 1.05, (key, cond[key])  # goodput never beats the shaped rate (bursts aside)
     assert result["goodput_fraction"] == cond["goodput_fraction"]
     assert set(cond["fraction_range"]) == set(cond["runs"])
     low, high = cond["fraction_range"]["ours"]
     assert low <= round(cond["goodput_fraction"], 3) <= high  # the median lies in the spread reported beside it
     assert "ours_engine_queued" in cond["runs"]
+    # four 4 MiB writes, one per lane, nothing behind: ours paced its lanes (PRFAAS_KV_LANE_PACING from the
+    # profile) and freed them; the unpaced row never did
+    assert all(r["pacing_changes"] >= 1 for r in cond["runs"]["ours"]) and cond["pacing_changes"] >= 1
+    assert all(r["pacing_changes"] == 0 for r in cond["runs"]["ours_unpaced"])
     # every request's completion is reported, in order (ours: the kv-send hooks' sender)
     (ours,) = cond["runs"]["ours"]
     assert len(ours["done_s"]) == ours["requests"] and ours["done_s"] == sorted(ours["done_s"])

@@ -16,6 +16,7 @@ from prfaas_sglang.launch.__main__ import main as launch_main
 from prfaas_sglang.launch.command import mock_command, sglang_command
 from prfaas_sglang.roles import KvTransport, Role
 from prfaas_sglang.topology import Node, load_topology, parse_topology
+from prfaas_sglang.transport.lane_pacing import LanePacing
 from prfaas_sglang.transport.wan_defaults import (
     MOONCAKE_TCP_WAN_DEFAULTS,
     WanLink,
@@ -83,6 +84,14 @@ class TestWanProfile:
         assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC", "PRFAAS_DECODE_CONTIGUOUS_KV", "PRFAAS_KV_KEEPALIVE"}
         assert "PRFAAS_KV_KEEPALIVE" in names(Role.PRFAAS)
         assert names(Role.PD_PREFILL) == set()  # in-cluster: SGLang's defaults
+
+    def test_lane_pacing_gets_the_stated_link_and_only_a_stated_one(self):
+        def pacing(link):
+            return {d.name: d.value for d in mooncake_env(Role.PRFAAS, link)}.get("PRFAAS_KV_LANE_PACING")
+
+        assert LanePacing.parse(pacing(WanLink(1e9, 0.02))) == LanePacing(1e9, 0.02)  # what the sender reads back
+        assert LanePacing.parse(pacing(WanLink(25e9, 0.0035))) == LanePacing(25e9, 0.0035)
+        assert pacing(WanLink()) is None and pacing(WanLink(1e9, None)) is None and pacing(WanLink(None, 0.02)) is None
 
     def test_bounds_scale_with_the_link(self):
         fast, slow = WanLink(1e9, 0.02), WanLink(10e6, 0.2)

@@ -34,7 +34,7 @@ PURE = (
     "prfaas_sglang.wire.role_switch",
     "prfaas_sglang.runtime", "prfaas_sglang.topology", "prfaas_sglang.roles", "prfaas_sglang.configcheck",
     "prfaas_sglang.errors", "prfaas_sglang.protocol", "prfaas_sglang.transport.meter", "prfaas_sglang.transport.wan_defaults",
-    "prfaas_sglang.transport.tcpstate", "prfaas_sglang.transport.kv_send",
+    "prfaas_sglang.transport.tcpstate", "prfaas_sglang.transport.kv_send", "prfaas_sglang.transport.lane_pacing",
     "prfaas_sglang.launch.command", "prfaas_sglang.engine.mock.prefix_cache", "prfaas_sglang.engine.mock.timing",
     "prfaas_sglang.engine.mock.scheduler", "prfaas_sglang.gpu.bundle",
     "prfaas_sglang.hosts", "prfaas_sglang.launch.k8s", "prfaas_sglang.launch.dashboard", "prfaas_sglang.bench.promql_lite",
