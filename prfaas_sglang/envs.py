@@ -12,7 +12,13 @@ launcher.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+from prfaas_sglang.errors import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,17 @@ class EnvVar:
 
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name))
+
+    def parse(self, parser: Callable[[str], T]) -> T | None:
+        """The value read by ``parser``; None when unset. A ValueError from ``parser`` becomes a
+        :class:`ConfigError` naming this variable (it stops a worker's startup)."""
+        text = self.get()
+        if text is None:
+            return None
+        try:
+            return parser(text)
+        except ValueError as err:
+            raise ConfigError(self.name, str(err)) from None
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,6 @@ import time
 
 from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
 from prfaas_sglang.envs import envs
-from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
 from prfaas_sglang.transport.kv_send import Ended, SendLedger, coalesce
@@ -367,13 +366,7 @@ def mooncake_lanes_per_peer() -> int:
 
 def lane_pacing_from_env() -> LanePacing | None:
     """``PRFAAS_KV_LANE_PACING`` parsed; None when unset. Raises ConfigError when malformed."""
-    text = envs.KV_LANE_PACING.get()
-    if text is None:
-        return None
-    try:
-        return LanePacing.parse(text)
-    except ValueError as err:
-        raise ConfigError(envs.KV_LANE_PACING.name, str(err)) from None
+    return envs.KV_LANE_PACING.parse(LanePacing.parse)
 
 
 def start_async_sender(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):

@@ -21,7 +21,6 @@ import threading
 
 from prfaas_sglang.adapters.sockopts import KeepAlive, KeepAliveSettings
 from prfaas_sglang.envs import envs
-from prfaas_sglang.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 # A new lane gets keepalive within this. A scan costs a readlink per descriptor the process holds
@@ -59,13 +58,7 @@ class LaneKeepAlive:
 
 def settings_from_env() -> KeepAliveSettings | None:
     """``PRFAAS_KV_KEEPALIVE`` parsed; None when unset. Raises ConfigError when malformed."""
-    text = envs.KV_KEEPALIVE.get()
-    if text is None:
-        return None
-    try:
-        return KeepAliveSettings.parse(text)
-    except ValueError as err:
-        raise ConfigError(envs.KV_KEEPALIVE.name, str(err)) from None
+    return envs.KV_KEEPALIVE.parse(KeepAliveSettings.parse)
 
 
 def start_lane_keepalive(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
