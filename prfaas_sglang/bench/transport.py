@@ -117,6 +117,17 @@ class _Sender:
             self.proc.wait()
 
 
+def _with_drops(link: EmulatedLink, sender: _Sender, *args, **kwargs) -> dict:
+    """``sender.run(*args, **kwargs)`` with ``drops``: the data direction's (A to B) segments linkem
+    dropped meanwhile, at its queue (``overflow``) and at random (``lost``). Rows take turns, so each
+    count is one row's transfer alone on the link."""
+    before = link.stats()["ab"]
+    result = sender.run(*args, **kwargs)
+    after = link.stats()["ab"]
+    result["drops"] = {key: after[key] - before[key] for key in ("overflow", "lost")}
+    return result
+
+
 def _lane_spread_ms(runs: list[dict], lanes: int) -> float | None:
     """How far apart the lanes' flows finished, median over the transfers: the last request's completion
     after the ``lanes``-th from last (with equal requests taken in order, each lane's last one)."""
@@ -175,13 +186,13 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                 # congestion window, which a deployment's persistent lanes pay once, not per request.
                 for name in runs:
                     request, how = jobs[name]
-                    first[name] = senders[name].run(min(payload, WARMUP_BYTES), request, pipeline=how == "pipeline",
-                                                    product=how == "product")
+                    first[name] = _with_drops(link, senders[name], min(payload, WARMUP_BYTES), request,
+                                              pipeline=how == "pipeline", product=how == "product")
                 for _ in range(repeats):  # take turns, so drift hits all alike
                     for name in runs:
                         request, how = jobs[name]
-                        runs[name].append(senders[name].run(payload, request, pipeline=how == "pipeline",
-                                                            product=how == "product"))
+                        runs[name].append(_with_drops(link, senders[name], payload, request,
+                                                      pipeline=how == "pipeline", product=how == "product"))
             finally:
                 for sender in {id(x): x for x in senders.values()}.values():
                     sender.close()
@@ -204,6 +215,10 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    # ended, freed; 0: never capped), median over the repeats
                    "pacing_changes": statistics.median(r.get("pacing_changes", 0) for r in runs["ours"]),
                    "tcp_buffer_bytes": tcp_buffer_bytes,
+                   # segments of the data direction linkem dropped per transfer, median per row: at its
+                   # bottleneck queue (the senders together overran it) and at random (the condition's loss)
+                   "queue_drops": {name: statistics.median(r["drops"]["overflow"] for r in rs) for name, rs in runs.items()},
+                   "random_drops": {name: statistics.median(r["drops"]["lost"] for r in rs) for name, rs in runs.items()},
                    # [min, max] over the repeats, per row: the spread behind each median
                    "fraction_range": {name: [round(min(f), 3), round(max(f), 3)] for name, f in
                                       ((name, [_fraction(r, payload, rate_mbit) for r in rs]) for name, rs in runs.items())},

@@ -1,11 +1,13 @@
 """Equal pacing of the lanes of one coalesced batch (pure).
 
 Why: a batch that fits in one write per lane (a 64 MiB chunk as four 16 MiB writes) ends when its
-slowest lane does. Four BBR flows started together do not share a link equally: one gets less for
-most of the transfer, and when the others end its BBR takes several probe cycles (8 RTTs each) to
-claim the freed rate. Measured on 1 Gbit/s, 20 ms (``bench transport``): the lanes' last writes end
-40-70 ms apart and the batch loses 2-4% of the link. Capping each lane at an equal share of the
-link, plus headroom (``SO_MAX_PACING_RATE``), keeps them level: they end within 10-20 ms.
+slowest lane does. Four BBR flows started together overrun the bottleneck queue (on 1 Gbit/s, 20 ms,
+``bench transport``: 12-13% of a 64 MiB transfer's segments dropped there), unevenly, so they do not
+share the link equally; when the others end, the one left behind takes several BBR probe cycles
+(8 RTTs each) to claim the freed rate. The lanes' last writes ended 33-115 ms apart. Capping each
+lane at an equal share of the link plus headroom (``SO_MAX_PACING_RATE``) keeps the queue from
+overflowing most of the time (2-3% dropped) and the lanes level: they end 11-32 ms apart, and the
+batch gets 0.01-0.05 more of the link.
 
 When it would hurt, nothing is capped:
 * writes queued behind those in flight: Mooncake's per-peer FIFO hands the next write to whichever

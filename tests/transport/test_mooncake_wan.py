@@ -159,6 +159,12 @@ def test_bench_transport_smoke():
     # profile) and freed them; the unpaced row never did
     assert all(r["pacing_changes"] >= 1 for r in cond["runs"]["ours"]) and cond["pacing_changes"] >= 1
     assert all(r["pacing_changes"] == 0 for r in cond["runs"]["ours_unpaced"])
+    # linkem's drops, per transfer, each row's alone on the link: none at random on a clean link
+    runs = [r for rs in cond["runs"].values() for r in rs] + list(cond["first_transfer"].values())
+    assert all(r["drops"]["lost"] == 0 and r["drops"]["overflow"] >= 0 for r in runs)
+    # and they add up to the link's own count: nothing crossed the link outside a counted transfer
+    assert sum(r["drops"]["overflow"] for r in runs) == cond["link"]["ab"]["overflow"]
+    assert set(cond["queue_drops"]) == set(cond["runs"]) == set(cond["random_drops"])
     # every request's completion is reported, in order (ours: the kv-send hooks' sender)
     (ours,) = cond["runs"]["ours"]
     assert len(ours["done_s"]) == ours["requests"] and ours["done_s"] == sorted(ours["done_s"])
