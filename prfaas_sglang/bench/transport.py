@@ -196,6 +196,7 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
             finally:
                 for sender in {id(x): x for x in senders.values()}.values():
                     sender.close()
+            our_lanes = int(senders["ours"].env["MC_TCP_LANES_PER_PEER"])
             out = {"condition": cond.name, "rtt_ms": cond.rtt_ms, "loss": cond.loss,
                    "congestion_control": cond.congestion_control or _host_cc(),
                    "slow_start_after_idle": slow_start_after_idle,
@@ -208,9 +209,8 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                                                                 for r in runs["ours_engine_queued"]) if engine_queued else None),
                    "unpaced_fraction": (statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_unpaced"])
                                         if unpaced else None),
-                   "lane_spread_ms": _lane_spread_ms(runs["ours"], int(senders["ours"].env["MC_TCP_LANES_PER_PEER"])),
-                   "unpaced_lane_spread_ms": (_lane_spread_ms(runs["ours_unpaced"], int(senders["ours"].env["MC_TCP_LANES_PER_PEER"]))
-                                              if unpaced else None),
+                   "lane_spread_ms": _lane_spread_ms(runs["ours"], our_lanes),
+                   "unpaced_lane_spread_ms": _lane_spread_ms(runs["ours_unpaced"], our_lanes) if unpaced else None,
                    # how often ours changed its lanes' pacing cap per transfer (capped, re-capped as writes
                    # ended, freed; 0: never capped), median over the repeats
                    "pacing_changes": statistics.median(r.get("pacing_changes", 0) for r in runs["ours"]),

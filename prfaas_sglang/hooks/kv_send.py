@@ -109,6 +109,7 @@ class AsyncKvSender:
         self.resets = resets
         self.pacing = pacing
         self.lane_cap: int | None = None  # the pacing cap the lanes were last given (None: none)
+        self._wanted_cap: int | None = None  # the policy's answer at the pump's last step
         self.pacing_changes = 0
         self._next_pace_scan = 0.0
         self.ledger = SendLedger(retry_within_s=retry_within_s, retry_after_s=RETRY_AFTER_S)
@@ -250,6 +251,9 @@ class AsyncKvSender:
                 self.writes_submitted += 1
                 submitted += 1
             self.max_writes_in_flight = max(self.max_writes_in_flight, self.ledger.writes_in_flight(session))
+        if self.pacing is not None:  # what the lanes should carry now, applied by _pace outside the lock
+            self._wanted_cap = self.pacing.cap([(w.length, w.started_s) for w in self.ledger.all_writes()],
+                                               self.ledger.waiting())
         if ended or submitted or refused:
             self._changed.notify_all()
         return bool(ended or submitted or refused)
@@ -268,17 +272,16 @@ class AsyncKvSender:
             self._next_reset_scan = time.monotonic() + RESET_SCAN_S
 
     def _pace(self) -> None:
-        """Give the lanes the pacing cap the policy answers for the writes now in flight, when it
-        differs from the last one given, and again every RESET_SCAN_S while a cap holds. Where the
-        kernel refuses the option, pacing is turned off (logged once)."""
+        """Give the lanes the pacing cap the policy answered at the pump's last step (for the writes then
+        in flight), when it differs from the last one given, and again every RESET_SCAN_S while a cap
+        holds. Pump thread only. Where the kernel refuses the option, pacing is turned off (logged once)."""
         if self.pacing is None:
             return
-        with self._lock:
-            cap = self.pacing.cap([(w.length, w.started_s) for w in self.ledger.all_writes()], self.ledger.waiting())
-            peers = set(self._peer_ips)
-        now_s = time.monotonic()
+        cap, now_s = self._wanted_cap, time.monotonic()
         if cap == self.lane_cap and (cap is None or now_s < self._next_pace_scan):
             return
+        with self._lock:
+            peers = set(self._peer_ips)
         try:
             set_lane_pacing(cap, peers)
         except OSError as err:
