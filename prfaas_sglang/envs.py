@@ -130,7 +130,8 @@ class Envs:
         "PrfaaS prefill worker (SGLang): submit each chunk's KV as asynchronous writes (adjacent "
         "entries merged) and wait, sleeping, only before the last chunk's aux, instead of one "
         "busy-waiting synchronous batch per chunk (the kv-send hooks). Set by the launcher for the "
-        "prfaas role (0 turns it off).",
+        "prfaas role (0 turns it off). The emulated engine's prefill sends through the same sender "
+        "when this is set, and where it is unset in the prfaas role; 0 makes it send SGLang's way.",
     )
     KV_KEEPALIVE = EnvVar(
         "PRFAAS_KV_KEEPALIVE",
@@ -147,7 +148,7 @@ class Envs:
         "While a batch of equal large writes is all in flight, one per lane, each lane is paced at an "
         "equal share of the rate plus 10%, so the lanes end together (transport/lane_pacing.py). Set by "
         "the launcher for the prfaas role where the topology states the link; a malformed value stops "
-        "startup.",
+        "startup. The emulated engine's PrfaaS worker also sizes its writes from the rate.",
     )
     PREFILL_CACHE = EnvVar(
         "PRFAAS_PREFILL_CACHE",

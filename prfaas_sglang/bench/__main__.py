@@ -144,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a row of ours without lane pacing (PRFAAS_KV_LANE_PACING unset): what keeping the "
                          "lanes level buys")
     tr.add_argument("--json", action="store_true")
+    mk = sub.add_parser("mock-kv", help="the emulated engine's KV over an emulated WAN link: the hooks' sender vs "
+                                        "SGLang's way")
+    mk.add_argument("--rate-mbit", type=float, default=1000.0)
+    mk.add_argument("--rtt-ms", type=float, default=20.0)
+    mk.add_argument("--losses", default="0,0.001", help="comma list of random loss rates, one condition each")
+    mk.add_argument("--payload-mib", type=int, default=64)
+    mk.add_argument("--repeats", type=int, default=5)
+    mk.add_argument("--json", action="store_true")
     kr = sub.add_parser("kv-runs", help="request sizes of SGLang's Mooncake sender on pools in steady state")
     kr.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
     kr.add_argument("--duration", type=float, default=600.0, help="seconds of the trace replayed")
@@ -404,6 +412,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}"
                   f"{' --engine-queued-row' if args.engine_queued_row else ''}"
                   f"{' --unpaced-row' if args.unpaced_row else ''}; {stamp} -->")
+    elif args.name == "mock-kv":
+        from prfaas_sglang.bench import mock_kv as bench
+        from prfaas_sglang.transport.linkem import unavailable
+
+        try:
+            losses = tuple(float(x) for x in args.losses.split(","))
+        except ValueError:
+            parser.error("--losses must be a comma list of numbers")
+        if args.rate_mbit <= 0 or args.rtt_ms < 0 or args.payload_mib < 1 or args.repeats < 1 or not all(0 <= x < 1 for x in losses):
+            parser.error("--rate-mbit, --payload-mib and --repeats must be positive, --rtt-ms >= 0, losses in [0, 1)")
+        if (why := unavailable()) is not None:
+            parser.error(f"the emulated link {why}")
+        result = bench.run(args.rate_mbit, args.rtt_ms, losses, args.payload_mib, args.repeats)
+        header = (f"<!-- python -m prfaas_sglang.bench mock-kv --rate-mbit {args.rate_mbit:g} --rtt-ms {args.rtt_ms:g} "
+                  f"--losses {args.losses} --payload-mib {args.payload_mib} --repeats {args.repeats}; {stamp} -->")
     elif args.name == "kv-runs":
         from prfaas_sglang.bench import kv_runs as bench
 

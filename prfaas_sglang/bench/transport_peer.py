@@ -23,9 +23,7 @@ import itertools
 import json
 import os
 import sys
-import threading
 import time
-import types
 
 import numpy as np
 
@@ -64,13 +62,12 @@ class ProductSender:
         from prfaas_sglang.adapters.sockopts import ResetOnClose
         from prfaas_sglang.hooks.kv_send import (
             AsyncKvSender,
+            DetachedManager,
             lane_pacing_from_env,
             mooncake_lanes_per_peer,
         )
 
-        manager = types.SimpleNamespace(transfer_infos={}, request_status={}, session_lock=threading.Lock(),
-                                        failed_sessions=set())
-        self.sender = AsyncKvSender(manager, engine, wait_bound_s=600.0, lanes=mooncake_lanes_per_peer(),
+        self.sender = AsyncKvSender(DetachedManager(), engine, wait_bound_s=600.0, lanes=mooncake_lanes_per_peer(),
                                     resets=ResetOnClose(), pacing=lane_pacing_from_env())
         self._done: list[float] = []
         record = self.sender._record

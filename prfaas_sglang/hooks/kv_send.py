@@ -50,6 +50,11 @@ paced at an equal share of the link (:mod:`~prfaas_sglang.transport.lane_pacing`
 together instead of the batch waiting on the flow that got the least. Otherwise the lanes are not
 capped. A malformed value stops startup (:class:`~prfaas_sglang.errors.ConfigError`).
 
+Outside SGLang. The emulated engine's PrfaaS worker and ``bench transport`` run the same sender in
+front of a bare Mooncake engine (:func:`detached_sender`, :class:`DetachedManager`): a batch goes in
+as given (:meth:`AsyncKvSender.send`), a listener hears each write's bytes and the batch's outcome,
+and a session's failure is handed on at once.
+
 Left as upstream: a decode that aborts a room (a client abort) frees its pages at once, while the
 prefill side may still be sending the room's KV into them.
 ``PRFAAS_KV_ASYNC_SEND=0`` restores SGLang's sending.
@@ -66,7 +71,7 @@ from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
-from prfaas_sglang.transport.kv_send import Ended, SendLedger, coalesce
+from prfaas_sglang.transport.kv_send import Batch, Ended, SendLedger, coalesce
 from prfaas_sglang.transport.lane_pacing import LanePacing
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_DEFAULT_LANES, lanes_per_peer
 
@@ -95,11 +100,16 @@ class AsyncKvSender:
     decode peers a reset on close (:class:`~prfaas_sglang.adapters.sockopts.ResetOnClose`); a
     ``resets`` of None leaves them alone. With ``pacing``, it also caps the lanes' pacing rate as
     :meth:`LanePacing.cap` says for the writes in flight, whenever that answer changes (and again
-    every :data:`RESET_SCAN_S` while a cap holds, for lanes opened since)."""
+    every :data:`RESET_SCAN_S` while a cap holds, for lanes opened since).
+
+    A failed write fails its session (SGLang blacklists a session after one failed batch); SGLang's
+    transfer thread hears of it at the session's next chunk or aux. With ``hand_on_failures`` (a
+    sender outside SGLang, :func:`detached_sender`) it is handed on at once instead: the session's
+    other batches fail with it, their listeners told, and the next batch starts afresh."""
 
     def __init__(self, manager, engine, wait_bound_s: float, lanes: int = MOONCAKE_DEFAULT_LANES,
                  resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S,
-                 pacing: LanePacing | None = None):
+                 pacing: LanePacing | None = None, hand_on_failures: bool = False):
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
         self.manager = manager
@@ -108,6 +118,7 @@ class AsyncKvSender:
         self.lanes = lanes
         self.resets = resets
         self.pacing = pacing
+        self.hand_on_failures = hand_on_failures
         self.lane_cap: int | None = None  # the pacing cap the lanes were last given (None: none)
         self._wanted_cap: int | None = None  # the policy's answer at the pump's last step
         self.pacing_changes = 0
@@ -123,6 +134,7 @@ class AsyncKvSender:
         self.writes_failed = 0
         self.batches_submitted = 0
         self.max_writes_in_flight = 0  # the most writes to one session the engine held at once
+        self._closed = False
         self._pump = threading.Thread(target=self._run, name="prfaas-kv-send", daemon=True)
         self._pump.start()
 
@@ -159,14 +171,63 @@ class AsyncKvSender:
         if entries:
             self._queue(session, entries)
 
-    def _queue(self, session: str, entries: list[tuple[int, int, int]]) -> None:
+    def _queue(self, session: str, entries: list[tuple[int, int, int]]) -> Batch:
         """Under ``self._lock``: one chunk (one metered transfer) into the ledger, for the pump."""
         telemetry = getattr(self.manager, "_prfaas_link", None)
         meter_id = telemetry.begin(sum(n for _, _, n in entries), session) if telemetry is not None else None
-        self.ledger.add(session, entries, meter_id)
+        batch = self.ledger.add(session, entries, meter_id)
         self.batches_submitted += 1
         self._peer_ips.add(session.rsplit(":", 1)[0].strip("[]"))
         self._changed.notify_all()
+        return batch
+
+    # --- called by a sender outside SGLang (the emulated engine, bench transport) ----------------
+
+    def send(self, session: str, entries: list[tuple[int, int, int]], listener=None) -> Batch:
+        """Queue ``entries`` to ``session`` as one batch, as given (not merged: see
+        :func:`~prfaas_sglang.transport.kv_send.split_even`), and return it. A failure of an earlier
+        write to ``session``, which its own batch's listener was told, is handed on first (the session
+        starts afresh). Waits, sleeping, while :data:`MAX_BATCHES_IN_FLIGHT` batches to ``session`` are
+        queued or in flight; raises TimeoutError past the wait bound.
+
+        ``listener`` (optional) is called on the pump thread, under the sender's lock, so it must only
+        hand off (e.g. ``loop.call_soon_threadsafe``): ``listener.delivered(nbytes)`` as each write lands,
+        then ``listener.ended(ok)`` exactly once, True when every write landed, False at the batch's first
+        failed write, on its session's failure, or on :meth:`close`."""
+        if not self._wait(session, lambda: self.ledger.failed(session)
+                          or self.ledger.in_flight(session) < MAX_BATCHES_IN_FLIGHT):
+            raise TimeoutError(f"{MAX_BATCHES_IN_FLIGHT} KV batches to {session} still in flight after "
+                               f"{self.wait_bound_s:.0f} s")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the KV sender is closed")
+            if self.ledger.failed(session):
+                self._report(session)
+            batch = self._queue(session, entries)
+            batch.listener = listener
+            return batch
+
+    def counters(self) -> dict[str, int]:
+        """A snapshot for metrics: writes handed to the engine, failed, and handed again; batches;
+        lane-pacing changes; bytes queued or in flight now."""
+        with self._lock:
+            return {"writes_submitted": self.writes_submitted, "writes_failed": self.writes_failed,
+                    "writes_retried": self.ledger.retried, "batches_submitted": self.batches_submitted,
+                    "pacing_changes": self.pacing_changes, "in_flight_bytes": self.ledger.in_flight_bytes()}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the pump (within ``timeout_s``). Batches not ended are failed (their listeners told);
+        writes the engine still holds are left to it. Idempotent."""
+        with self._lock:
+            self._closed = True
+            for batch in self.ledger.batches:
+                if not batch.reported:
+                    batch.failed = True
+                    batch.drop_unsent()
+                    self._end_meter(batch)
+            self._changed.notify_all()
+        if threading.current_thread() is not self._pump:
+            self._pump.join(timeout_s)
 
     def barrier(self, session: str, room: int) -> bool:
         """Wait, sleeping, until nothing is queued or in flight to ``session`` or a write to it failed;
@@ -218,8 +279,10 @@ class AsyncKvSender:
         while True:
             try:
                 with self._lock:
-                    while not self.ledger.batches:
+                    while not self.ledger.batches and not self._closed:
                         self._changed.wait()
+                    if self._closed:
+                        return
                     progressed = self._step()
                 self._scan_resets()
                 self._pace()
@@ -241,6 +304,7 @@ class AsyncKvSender:
                 write_id = self.engine.transfer_submit_write(session, *entry)
                 if not write_id:  # unknown session, no route: its chunks fail as a synchronous batch would
                     logger.warning("prfaas_sglang: the transfer engine refused a KV write to %s", session)
+                    self.writes_failed += 1
                     for failed in {id(b): b for b, _, _ in taken[i:]}.values():
                         self.ledger.refused(failed)
                         self._end_meter(failed)
@@ -312,18 +376,33 @@ class AsyncKvSender:
         first failed write, as a synchronous batch would, or when its last write lands."""
         if e.delivered_bytes == 0:
             self.writes_failed += 1
-        if telemetry is None or e.batch.meter_id is None or e.batch.reported:
+        if e.batch.reported:
             return
         if e.delivered_bytes:
-            telemetry.progress(e.batch.meter_id, e.delivered_bytes)
+            if telemetry is not None and e.batch.meter_id is not None:
+                telemetry.progress(e.batch.meter_id, e.delivered_bytes)
+            self._tell(e.batch, "delivered", e.delivered_bytes)
         if e.batch.failed or e.batch_done:
             self._end_meter(e.batch)
 
     def _end_meter(self, batch) -> None:
+        """The batch's outcome, once: to the meter and to its listener."""
+        if batch.reported:
+            return
+        batch.reported = True
         telemetry = getattr(self.manager, "_prfaas_link", None)
-        if telemetry is not None and batch.meter_id is not None and not batch.reported:
-            batch.reported = True
+        if telemetry is not None and batch.meter_id is not None:
             telemetry.end(batch.meter_id, not batch.failed)
+        self._tell(batch, "ended", not batch.failed)
+
+    @staticmethod
+    def _tell(batch, what: str, value) -> None:
+        if batch.listener is None:
+            return
+        try:
+            getattr(batch.listener, what)(value)
+        except Exception:  # noqa: BLE001 - a listener's fault must not stop the pump
+            logger.exception("prfaas_sglang: a KV batch listener failed")
 
     def _note_failure(self, session: str) -> None:
         """A write to ``session`` failed: taint the rooms in flight there now (each fails at its
@@ -332,6 +411,8 @@ class AsyncKvSender:
         known = self._tainted.setdefault(session, set())
         known.intersection_update(self.manager.request_status.keys())  # forget rooms SGLang is done with
         known.update(rooms)
+        if self.hand_on_failures:
+            self._report(session)
 
     def _report(self, session: str) -> int:
         """Hand ``session``'s failure to SGLang (it blacklists the session on -1) and start afresh: the
@@ -345,6 +426,29 @@ class AsyncKvSender:
             self.manager.failed_sessions.add(session)
         self._changed.notify_all()
         return -1
+
+
+class DetachedManager:
+    """What a sender outside SGLang gives :class:`AsyncKvSender` in place of SGLang's
+    ``MooncakeKVManager``: no rooms (nothing to taint), a blacklist nobody reads (a failure reaches
+    the batch's listener instead), and optional link ``telemetry`` (``begin``/``progress``/``end``,
+    as :class:`~prfaas_sglang.hooks.kv_telemetry.LinkTelemetry`)."""
+
+    def __init__(self, telemetry=None):
+        self.transfer_infos: dict = {}
+        self.request_status: dict = {}
+        self.session_lock = threading.Lock()
+        self.failed_sessions: set[str] = set()
+        if telemetry is not None:
+            self._prfaas_link = telemetry
+
+
+def detached_sender(engine, telemetry=None) -> AsyncKvSender:
+    """The kv-send hooks' sender in front of a bare Mooncake ``engine``, configured from this process's
+    environment as a PrfaaS prefill worker's is (lanes, wait bound, lane pacing; connections to the
+    peers reset on close). Raises ConfigError on a malformed ``PRFAAS_KV_LANE_PACING``."""
+    return AsyncKvSender(DetachedManager(telemetry), engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(),
+                         ResetOnClose(), pacing=lane_pacing_from_env(), hand_on_failures=True)
 
 
 def _rooms_on(transfer_infos: dict, session: str) -> set[int]:

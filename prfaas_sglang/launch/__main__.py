@@ -214,7 +214,7 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
         if node.role_switch == "in-place":
             mock_args += ("--enable-pd-role-switch",)
         command = mock_command(dataclasses.replace(node, extra_args=()), sys.executable, profile, mock_args + extra,
-                               os.environ)
+                               os.environ, wan_link(topology, node), wan_profile=args.kv_profile == "wan")
         return with_peer_hosts(_supervised(_bound(command)), topology, os.environ)
     if node.role_switch == "in-place":
         raise ConfigError(f"nodes.{node.name}.role_switch", "SGLang 0.5.15 has no /pd_role_switch; use role_switch: restart "

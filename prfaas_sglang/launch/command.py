@@ -16,7 +16,12 @@ from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.hosts import is_wildcard, zmq_bind_host
 from prfaas_sglang.roles import ROLE_SPECS, Engine, KvTransport, Role
 from prfaas_sglang.topology import PORT_KEYS, Node, Topology
-from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS, WanLink, mooncake_env
+from prfaas_sglang.transport.wan_defaults import (
+    MOONCAKE_RPC_PORTS,
+    EnvDefault,
+    WanLink,
+    mooncake_env,
+)
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 
 # Flags the launcher derives from the role and node; passing them again after
@@ -228,12 +233,18 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     kept = _prefill_cache_default(node, environ, env)
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
-        for default in mooncake_env(node.role, link) if wan_profile else ():  # the cross-cluster leg's profile, by role
-            if environ.get(default.name):
-                kept[default.name] = default.value
-            else:
-                env[default.name] = default.value
+        if wan_profile:  # the cross-cluster leg's profile, by role
+            _set_defaults(mooncake_env(node.role, link), environ, env, kept)
     return LaunchCommand(node, Engine.SGLANG, tuple(argv), env, kept, notes)
+
+
+def _set_defaults(defaults, environ: Mapping[str, str], env: dict[str, str], kept: dict[str, str]) -> None:
+    """Each default into ``env``, or into ``kept`` where ``environ`` already has a value (it wins)."""
+    for default in defaults:
+        if environ.get(default.name):
+            kept[default.name] = default.value
+        else:
+            env[default.name] = default.value
 
 
 def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCommand:
@@ -274,13 +285,21 @@ def wan_link(topology: Topology | None, node: Node) -> WanLink | None:
     return None
 
 
+# What of the WAN profile the emulated engine honours: Mooncake's own settings, and its PrfaaS worker's
+# sender (the kv-send hooks' AsyncKvSender); the rest configures SGLang's hooks, which it does not run.
+_MOCK_PROFILE = ("PRFAAS_KV_ASYNC_SEND", "PRFAAS_KV_LANE_PACING")
+
+
 def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = (),
-                 environ: Mapping[str, str] | None = None) -> LaunchCommand:
+                 environ: Mapping[str, str] | None = None, link: WanLink | None = None,
+                 wan_profile: bool = True) -> LaunchCommand:
     """The emulated worker's command (``python -m prfaas_sglang.engine.mock``) for an engine ``node``.
 
-    The emulated engine ships KV over Mooncake TCP whatever the node's transport says. A PrfaaS
-    node's prefix cache applies the same admission policy as an SGLang one's (unless ``environ``
-    names another ``PRFAAS_PREFILL_CACHE``: kept, and shown).
+    The emulated engine ships KV over Mooncake TCP whatever the node's transport says, with the
+    cross-cluster leg's profile for its role and ``link`` as an SGLang worker gets it (unless
+    ``wan_profile`` is off), the part of it that applies to the emulated engine: ``MC_*`` and the
+    PrfaaS worker's sender. A PrfaaS node's prefix cache applies the same admission policy as an
+    SGLang one's. A variable ``environ`` already sets is kept, and shown.
     """
     environ = {} if environ is None else environ
     spec = ROLE_SPECS[node.role]
@@ -300,8 +319,13 @@ def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ..
         argv += ["--telemetry-port", str(node.telemetry_port)]
     argv += list(mock_args) + list(node.extra_args)
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": KvTransport.TCP.value, "MC_FORCE_TCP": "1"}
-    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, _prefill_cache_default(node, environ, env),
-                         port_range_notes(node, sglang_pd=False))
+    kept = _prefill_cache_default(node, environ, env)
+    if wan_profile:
+        _set_defaults([d for d in mooncake_env(node.role, link) if d.name.startswith("MC_") or d.name in _MOCK_PROFILE],
+                      environ, env, kept)
+    elif node.role is Role.PRFAAS:  # its default is the hooks' sender; upstream is SGLang's synchronous batches
+        _set_defaults([EnvDefault("PRFAAS_KV_ASYNC_SEND", "0", "SGLang's own sending")], environ, env, kept)
+    return LaunchCommand(node, Engine.MOCK, tuple(argv), env, kept, port_range_notes(node, sglang_pd=False))
 
 
 def control_command(node: Node, python: str, config_path: str, extra: tuple[str, ...] = ()) -> LaunchCommand:

@@ -39,6 +39,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 DONE, PENDING, FAILED, TIMED_OUT = 1, 0, -1, -2
+MAX_WRITE_BYTES = 16 << 20  # split_even: a 64 MiB chunk as one write per lane on 4 lanes (bench transport's ours)
+MIN_WRITE_BYTES = 1 << 20  # split_even: below this a lane's RTT of idle per write dominates (1 MiB: 0.69 of 1 Gbit/s)
+WRITE_S = 0.1  # timed_write_bytes: how long one write should take at its lane's share of the link
 
 Entry = tuple[int, int, int]  # (src, dst, length)
 
@@ -59,6 +62,47 @@ def coalesce(blocks: Iterable[tuple[int, int, int]]) -> list[Entry]:
                 continue
         out.append((src, dst, length))
     return out
+
+
+def split_even(src: int, dst: int, length: int, lanes: int, max_write_bytes: int = MAX_WRITE_BYTES,
+               min_write_bytes: int = MIN_WRITE_BYTES) -> list[Entry]:
+    """One region contiguous on both sides as writes of near-equal size, in order, covering it
+    exactly (lengths differ by at most one byte)::
+
+        [src, src + length)  ->  | w0 | w1 | ... | w(n-1) |    each w_i to dst + (w_i's offset)
+
+    n is a multiple of ``lanes`` (every lane carries a write of each round, so the lanes end
+    together: :mod:`~prfaas_sglang.transport.lane_pacing` can keep them level), as few rounds as keep
+    each write at most ``max_write_bytes``; a region under ``lanes * min_write_bytes`` goes as fewer
+    writes of at least ``min_write_bytes`` (one when it is smaller). The writes continue each other on
+    both sides: hand them to the engine as they are, not through :func:`coalesce`."""
+    if lanes < 1 or min_write_bytes < 1 or max_write_bytes < min_write_bytes:
+        raise ValueError("need lanes >= 1 and 1 <= min_write_bytes <= max_write_bytes")
+    if length <= 0:
+        return []
+    per_round = max(1, min(lanes, length // min_write_bytes))
+    n = per_round * -(-length // (per_round * max_write_bytes))
+    size, extra = divmod(length, n)
+    out: list[Entry] = []
+    off = 0
+    for i in range(n):
+        w = size + (i < extra)
+        out.append((src + off, dst + off, w))
+        off += w
+    return out
+
+
+def timed_write_bytes(rate_bps: float | None, lanes: int, write_s: float = WRITE_S) -> int:
+    """The write size for a sender whose transfer meter must see the link (the emulated engine's
+    ``LinkMeter`` counts a write's bytes when it lands): what one lane carries in ``write_s`` at an
+    equal share of ``rate_bps``, within [MIN_WRITE_BYTES, MAX_WRITE_BYTES]; MIN_WRITE_BYTES when the
+    rate is not known. Larger writes would lose less to the RTT each costs its lane (at 1 Gbit/s,
+    20 ms: 3 MiB writes idle a lane about a sixth of the time, 16 MiB ones a twenty-fifth), but
+    the meter would then see nothing for longer than its window, and report a stall."""
+    if rate_bps is None or rate_bps <= 0:
+        return MIN_WRITE_BYTES
+    share = rate_bps / 8 / max(lanes, 1) * write_s
+    return int(min(MAX_WRITE_BYTES, max(MIN_WRITE_BYTES, share)))
 
 
 @dataclass(frozen=True)
@@ -88,6 +132,7 @@ class Batch:
     failed: bool = False
     reported: bool = False  # the caller recorded its outcome (at its first failure or its end)
     abandoned: bool = False  # its session's failure was handed on: its rooms are failed, nobody waits for it
+    listener: object | None = None  # the submitter's, not the ledger's: told its bytes and outcome (AsyncKvSender.send)
 
     @property
     def ended(self) -> bool:

@@ -23,9 +23,9 @@ never read from a clock here. ``sample`` summarises a sliding window::
 
 A saturated or throttled link is busy ~100% of the time whatever its nominal
 capacity, and delivers ``capacity_bps`` while busy: that pair is what the
-router's threshold controller reads. Senders that report progress per slice
-(the emulated engine writes its KV in slices) make a drop visible within one
-slice instead of one whole transfer.
+router's threshold controller reads. Senders that report progress per write
+(the emulated engine's writes last about 0.1 s at a lane's share of the link)
+make a drop visible within one write instead of one whole transfer.
 """
 
 from __future__ import annotations

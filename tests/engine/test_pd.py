@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 
 import msgspec
@@ -13,6 +14,8 @@ from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
 
 from prfaas_sglang.demo.cluster import scrape_metric
 from prfaas_sglang.engine.mock.timing import load_timing
+from prfaas_sglang.transport.kv_send import split_even, timed_write_bytes
+from prfaas_sglang.transport.wan_defaults import lanes_per_peer
 
 KV_SCALE = 0.01
 _rooms = itertools.count(1000)
@@ -47,7 +50,8 @@ def test_decode_receives_exactly_s_kv_times_scale(pair):
     prefill, decode = pair
     timing = load_timing(DECODE_PROFILE, 1.0, KV_SCALE, None)
     before = metric(decode, "prfaas:kv_bytes_received_total")
-    expected_total = 0
+    writes_before = metric(prefill, "prfaas:kv_writes_submitted_total")  # a PrfaaS worker: the kv-send hooks' sender
+    expected_total = expected_writes = 0
     for n in (1_000, 8_000, 32_000):
         p, d = pd_request(prefill, decode, {"input_ids": list(range(n)), "sampling_params": {"max_new_tokens": 3}})
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
@@ -56,7 +60,11 @@ def test_decode_receives_exactly_s_kv_times_scale(pair):
         assert p.json()["meta_info"]["prfaas"]["kv_bytes"] == expected
         assert len(d.json()["output_ids"]) == 3
         expected_total += expected
+        lanes = lanes_per_peer(os.environ)  # no link stated here: writes of 1 MiB (timed_write_bytes)
+        expected_writes += len(split_even(0, 0, expected, lanes, max_write_bytes=timed_write_bytes(None, lanes)))
     assert metric(decode, "prfaas:kv_bytes_received_total") - before == expected_total
+    assert metric(prefill, "prfaas:kv_writes_submitted_total") - writes_before == expected_writes
+    assert metric(prefill, "prfaas:kv_writes_failed_total") == 0 and metric(prefill, "prfaas:kv_send_in_flight_bytes") == 0
 
 
 def test_repeated_prompt_reuses_its_cached_prefix(pair):

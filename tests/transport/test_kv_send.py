@@ -28,8 +28,17 @@ from prfaas_sglang.adapters.sockopts import (
     mooncake_connections,
 )
 from prfaas_sglang.demo.cluster import PortPicker
-from prfaas_sglang.hooks.kv_send import AsyncKvSender
-from prfaas_sglang.transport.kv_send import DONE, FAILED, PENDING, TIMED_OUT, SendLedger, coalesce
+from prfaas_sglang.hooks.kv_send import AsyncKvSender, DetachedManager
+from prfaas_sglang.transport.kv_send import (
+    DONE,
+    FAILED,
+    PENDING,
+    TIMED_OUT,
+    SendLedger,
+    coalesce,
+    split_even,
+    timed_write_bytes,
+)
 
 CHUNKS, REQUESTS, BUFFERS, PAGES_PER_CHUNK = 3, 3, 8, 64
 
@@ -41,6 +50,43 @@ def test_coalesce_merges_only_what_continues_on_both_sides():
     assert coalesce(blocks) == [(100, 1000, 15), (115, 2000, 5), (120, 2006, 7), (300, 3000, 1)]
     assert coalesce([]) == []
     assert coalesce([(1, 2, 3)] * 1) == [(1, 2, 3)]
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("length", [1, 4095, MiB - 1, MiB, 3 * MiB + 7, 4 * MiB, 17 * MiB, 64 * MiB, 64 * MiB + 1,
+                                    120 * MiB, 1 << 30])
+@pytest.mark.parametrize("lanes", [1, 3, 4, 16])
+def test_split_even_covers_the_region_in_near_equal_writes_a_multiple_of_the_lanes(length, lanes):
+    writes = split_even(1000, 5000, length, lanes, max_write_bytes=16 * MiB, min_write_bytes=MiB)
+    offsets = [src - 1000 for src, _, _ in writes]
+    assert [dst - src for src, dst, _ in writes] == [4000] * len(writes)  # each lands where its bytes are
+    assert offsets == [sum(n for _, _, n in writes[:i]) for i in range(len(writes))]  # in order, no gap, no overlap
+    assert sum(n for _, _, n in writes) == length
+    sizes = [n for _, _, n in writes]
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) <= 16 * MiB
+    if length >= lanes * MiB:  # every lane gets a write in every round
+        assert len(writes) % lanes == 0 and min(sizes) >= MiB
+    else:  # a small region: fewer, larger writes, none below the floor unless it is one
+        assert len(writes) == max(1, length // MiB) and (len(writes) == 1 or min(sizes) >= MiB)
+
+
+def test_split_even_examples_and_bad_arguments():
+    assert [n for _, _, n in split_even(0, 0, 64 * MiB, 4)] == [16 * MiB] * 4  # one write per lane: pacing's shape
+    assert [n for _, _, n in split_even(0, 0, 256 * MiB, 4)] == [16 * MiB] * 16
+    assert len(split_even(0, 0, 65 * MiB, 4)) == 8  # two rounds rather than one write above 16 MiB
+    assert split_even(0, 0, 0, 4) == []
+    for bad in ({"lanes": 0}, {"lanes": 4, "min_write_bytes": 0}, {"lanes": 4, "max_write_bytes": 1, "min_write_bytes": 2}):
+        with pytest.raises(ValueError):
+            split_even(0, 0, MiB, **bad)
+
+
+def test_a_metered_senders_writes_last_about_a_tenth_of_a_second_at_a_lanes_share():
+    assert timed_write_bytes(1e9, 4) == int(1e9 / 8 / 4 * 0.1)  # ~3 MiB: 0.1 s at 250 Mbit/s
+    assert timed_write_bytes(100e9, 4) == 16 * MiB  # a fast link: capped, the RTT per write weighs little there
+    assert timed_write_bytes(40e6, 4) == MiB  # a slow link: the floor
+    assert timed_write_bytes(None, 4) == MiB == timed_write_bytes(0.0, 4)  # no stated link
 
 
 def _submit_all(ledger: SendLedger, session: str, limit: int, ids, now_s: float = 0.0) -> list[int]:
@@ -250,6 +296,97 @@ class TestAsyncKvSender:
         engine.end(DONE)
         assert sender.barrier("d:1", 1) and sender.writes_failed == 0
         assert sorted(e[1:] for e in engine.submitted) == sorted(_blocks(0, 6) + _blocks(0, 4))
+
+
+class Heard:
+    """A batch's listener: what the pump told it, in order."""
+
+    def __init__(self):
+        self.events: list[tuple[str, object]] = []
+
+    def delivered(self, nbytes):
+        self.events.append(("delivered", nbytes))
+
+    def ended(self, ok):
+        self.events.append(("ended", ok))
+
+    @property
+    def outcome(self):
+        return [v for k, v in self.events if k == "ended"]
+
+
+class TestDetachedSender:
+    """The sender outside SGLang (the emulated engine, bench transport): batches as given, each with
+    its own listener, a session's failure handed on at once."""
+
+    def _sender(self, engine, lanes=2):
+        return AsyncKvSender(DetachedManager(), engine, wait_bound_s=10.0, lanes=lanes, retry_within_s=None,
+                             hand_on_failures=True)
+
+    def test_each_batch_hears_its_own_bytes_and_its_end_once_without_waiting_for_the_others(self):
+        engine = FakeEngine()
+        sender = self._sender(engine)
+        first, second = Heard(), Heard()
+        sender.send("d:1", split_even(0, 1 << 30, 4 * MiB, 2), first)  # two writes, continuing each other: kept apart
+        sender.send("d:1", _blocks(1 << 20, 1), second)
+        _until(lambda: len(engine.submitted) == 2)
+        engine.end(DONE)  # the first batch's two writes
+        _until(lambda: first.outcome == [True])
+        assert first.events == [("delivered", 2 * MiB), ("delivered", 2 * MiB), ("ended", True)]
+        assert second.events == []  # still in flight: nobody waits for the session to go idle
+        _until(lambda: len(engine.submitted) == 3)
+        engine.end(DONE)
+        _until(lambda: second.outcome == [True])
+        assert [e[3] for e in engine.submitted] == [2 * MiB, 2 * MiB, 4096]
+
+    def test_a_failed_write_fails_every_batch_of_its_session_at_once_and_the_next_starts_afresh(self):
+        engine = FakeEngine()
+        sender = self._sender(engine)
+        a, b, other = Heard(), Heard(), Heard()
+        sender.send("d:1", _blocks(0, 2), a)
+        sender.send("d:1", _blocks(1 << 30, 3), b)  # queued behind a's two writes
+        sender.send("d:2", _blocks(1 << 31, 1), other)
+        _until(lambda: len(engine.submitted) == 3)
+        engine.end(FAILED, "d:1")
+        _until(lambda: a.outcome == [False] and b.outcome == [False])  # b's writes were never sent
+        assert [e[0] for e in engine.submitted].count("d:1") == 2 and other.outcome == []
+        assert not sender.ledger.failed("d:1")  # handed on already: nothing waits for a next submit
+        again = Heard()
+        sender.send("d:1", _blocks(0, 1), again)
+        _until(lambda: len(engine.submitted) == 4)
+        engine.end(DONE)
+        _until(lambda: again.outcome == [True] and other.outcome == [True])
+        assert sender.counters()["writes_failed"] == 2 and sender.counters()["in_flight_bytes"] == 0
+
+    def test_close_fails_what_is_left_once_and_stops_the_pump(self):
+        engine = FakeEngine()
+        sender = self._sender(engine)
+        left = Heard()
+        sender.send("d:1", _blocks(0, 3), left)
+        _until(lambda: len(engine.submitted) == 2)
+        sender.close()
+        assert left.outcome == [False] and not sender._pump.is_alive()
+        engine.end(DONE)
+        time.sleep(0.05)
+        assert left.outcome == [False]  # told once
+        with pytest.raises(RuntimeError):
+            sender.send("d:1", _blocks(0, 1), Heard())
+        sender.close()  # again: nothing happens
+
+    def test_a_failing_listener_does_not_stop_the_pump(self):
+        engine = FakeEngine()
+        sender = self._sender(engine)
+
+        class Broken(Heard):
+            def delivered(self, nbytes):
+                raise ValueError("listener bug")
+
+        broken, fine = Broken(), Heard()
+        sender.send("d:1", _blocks(0, 1), broken)
+        sender.send("d:2", _blocks(1 << 30, 1), fine)
+        _until(lambda: len(engine.submitted) == 2)
+        engine.end(DONE)
+        _until(lambda: broken.outcome == [True] and fine.outcome == [True])
 
 
 def _listener(tmp_ports: list[int]) -> socket.socket:

@@ -19,8 +19,9 @@ import time
 import pytest
 
 from prfaas_sglang.bench.transport import default_env, ours_env
+from prfaas_sglang.transport.kv_send import split_even, timed_write_bytes
 from prfaas_sglang.transport.linkem import EmulatedLink
-from prfaas_sglang.transport.wan_defaults import WanLink, stall_timeout_s
+from prfaas_sglang.transport.wan_defaults import WanLink, sender_profile, stall_timeout_s
 
 PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
 RATE_MBIT, RTT_MS = 200.0, 20.0
@@ -179,3 +180,24 @@ def test_lane_spread_is_measured_over_each_lanes_last_request():
             {"ok": False, "done_s": [0.1, 0.9]}]  # a failed transfer says nothing about the lanes
     assert _lane_spread_ms(runs, 4) == round(1e3 * statistics.median([0.1, 0.04]), 1) == 70.0
     assert _lane_spread_ms([{"ok": False}], 4) is None
+
+
+def test_bench_mock_kv_smoke():
+    """The emulated engine's benchmark end to end, started as the launcher starts its workers: both
+    rows delivered every request, and the sender row sent it as the launcher's profile for the stated
+    link says (writes of 0.1 s of a lane's share, a multiple of the lanes), the other row without a sender."""
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "mock-kv", "--rate-mbit", "800", "--rtt-ms", "10",
+                           "--losses", "0", "--payload-mib", "8", "--repeats", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (cond,) = json.loads(proc.stdout)["result"]["conditions"]
+    for row in ("sender", "sync"):
+        (run,) = cond["runs"][row]
+        assert run["ok"] and run["kv_bytes"] > 0 and cond[row]["failed"] == 0, run
+        assert 0 < cond[row]["goodput_fraction"] < 1.05 and cond[row]["cpu_s_per_gib"] >= 0
+    (run,) = cond["runs"]["sender"]
+    lanes = int({d.name: d.value for d in sender_profile(WanLink(800e6, 0.01))}["MC_TCP_LANES_PER_PEER"])
+    expected = split_even(0, 0, run["kv_bytes"], lanes, max_write_bytes=timed_write_bytes(800e6, lanes))
+    unstated = split_even(0, 0, run["kv_bytes"], lanes, max_write_bytes=timed_write_bytes(None, lanes))
+    assert run["writes"] == len(expected) == cond["sender"]["writes_per_request"] < len(unstated)  # the link reached it
+    assert cond["runs"]["sync"][0]["writes"] is None and cond["sync"]["writes_per_request"] is None

@@ -93,6 +93,27 @@ class TestWanProfile:
         assert LanePacing.parse(pacing(WanLink(25e9, 0.0035))) == LanePacing(25e9, 0.0035)
         assert pacing(WanLink()) is None and pacing(WanLink(1e9, None)) is None and pacing(WanLink(None, 0.02)) is None
 
+    def test_the_emulated_engine_gets_the_part_of_the_profile_it_honours(self):
+        """Mooncake's settings and the PrfaaS worker's sender, by role, as SGLang's worker gets them;
+        with ``--kv-profile upstream`` its PrfaaS worker sends SGLang's way; the environment wins."""
+        link = WanLink(1e9, 0.02)
+        node = lambda role, **kw: Node("n", "c", role, port=30000, bootstrap_port=8998, **kw)  # noqa: E731
+        prfaas = mock_command(node(Role.PRFAAS), "python", "h200x8", link=link).env
+        assert prfaas["PRFAAS_KV_ASYNC_SEND"] == "1" and prfaas["MC_TCP_LANES_PER_PEER"] == "4"
+        assert LanePacing.parse(prfaas["PRFAAS_KV_LANE_PACING"]) == LanePacing(1e9, 0.02)
+        sglang = {d.name: d.value for d in mooncake_env(Role.PRFAAS, link)}
+        assert {k: v for k, v in sglang.items() if k.startswith("MC_")}.items() <= prfaas.items()
+        assert not any(k.startswith("SGLANG_") or k == "PRFAAS_KV_KEEPALIVE" for k in prfaas)  # SGLang's hooks only
+        decode = mock_command(node(Role.PD_DECODE), "python", "h20x8", link=link).env
+        assert decode["MC_TCP_PROGRESS_TIMEOUT_SEC"] == sglang["MC_TCP_PROGRESS_TIMEOUT_SEC"]
+        assert "PRFAAS_DECODE_CONTIGUOUS_KV" not in decode
+        in_cluster = mock_command(node(Role.PD_PREFILL), "python", "h20x8", link=link).env
+        assert not {k for k in in_cluster if k.startswith("MC_")} - {"MC_FORCE_TCP"} and "PRFAAS_KV_ASYNC_SEND" not in in_cluster
+        upstream = mock_command(node(Role.PRFAAS), "python", "h200x8", link=link, wan_profile=False).env
+        assert upstream["PRFAAS_KV_ASYNC_SEND"] == "0" and "MC_TCP_LANES_PER_PEER" not in upstream
+        own = mock_command(node(Role.PRFAAS), "python", "h200x8", environ={"MC_TCP_LANES_PER_PEER": "8"}, link=link)
+        assert "MC_TCP_LANES_PER_PEER" not in own.env and own.env_kept["MC_TCP_LANES_PER_PEER"] == "4"
+
     def test_bounds_scale_with_the_link(self):
         fast, slow = WanLink(1e9, 0.02), WanLink(10e6, 0.2)
         assert stall_timeout_s(fast) == 5 < stall_timeout_s(slow)  # 1 MiB at 10 Mbit/s is 0.84 s a slice

@@ -55,6 +55,7 @@ from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransf
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
+from prfaas_sglang.envs import envs
 from prfaas_sglang.hosts import local_host
 from prfaas_sglang.kvindex.admission import PrefixAdmission
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
@@ -115,6 +116,13 @@ class MockConfig:
     @property
     def mode(self) -> str:
         return ROLE_SPECS[self.role].disaggregation_mode
+
+
+def async_send(role: Role) -> bool:
+    """Whether a prefill worker of ``role`` sends KV through the kv-send hooks' sender: a PrfaaS
+    worker does, as the launcher has SGLang's do; the in-cluster prefill keeps SGLang's way.
+    ``PRFAAS_KV_ASYNC_SEND`` decides where it is set."""
+    return envs.KV_ASYNC_SEND.get() if envs.KV_ASYNC_SEND.is_set() else role is Role.PRFAAS
 
 
 @dataclass
@@ -189,7 +197,7 @@ class MockEngine:
         self.fail_role_switch = False  # fault injection: the next role switch fails while rebuilding
         self.unhealthy: str | None = None  # why a failed role switch left this worker unusable until restarted
         self._switching = False
-        self.meter = LinkMeter(window_s=1.0)  # 1 MiB slices: a shorter window sees too few of them at 40 Mbit/s
+        self.meter = LinkMeter(window_s=1.0)  # writes of ~0.1 s: a shorter window sees too few of them on a slow link
         self._transfer_ids = itertools.count()
         self._replay = ReplayGuard()
         if tokenizer is not None:
@@ -241,7 +249,7 @@ class MockEngine:
         cfg = self.config
         if cfg.mode == "prefill":
             source = self.timing.kv_bytes(cfg.context_tokens)
-            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, source)
+            self.kv = await asyncio.to_thread(KvEndpoint, cfg.advertise_host, source, source, async_send(cfg.role))
             self._tasks.append(asyncio.create_task(self._prefill_loop(), name="prefill-loop"))
             if cfg.telemetry_port is not None:
                 from prfaas_sglang.adapters.zmq import ZmqPublisher

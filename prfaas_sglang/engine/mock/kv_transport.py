@@ -9,10 +9,21 @@ address each other as ``ip:rpc_port``) and one registered host buffer:
   have been checked (``MockEngine.decode`` frees it then); what the request
   holds afterwards is accounted in tokens, like a GPU KV pool.
 
-A transfer is written in ``SLICE_BYTES`` slices, one synchronous batch each,
-on a small thread pool (Mooncake's sync calls busy-spin and release the GIL),
-and each delivered slice is reported to ``on_progress`` on the event loop, so
-link telemetry sees a rate change within one slice.
+A transfer goes one of two ways:
+
+* ``async_send`` (a PrfaaS worker's default, as the launcher gives SGLang's; ``PRFAAS_KV_ASYNC_SEND``
+  decides where set): through the kv-send hooks' own sender, the one a PrfaaS SGLang worker runs
+  (:func:`~prfaas_sglang.hooks.kv_send.detached_sender`: lanes, lane pacing and the wait bound from
+  this process's ``MC_*`` / ``PRFAAS_*`` environment, connections to the peers reset on close). The
+  region goes as near-equal writes, a multiple of the lanes
+  (:func:`~prfaas_sglang.transport.kv_send.split_even`), each about 0.1 s of a lane's share of the
+  link the launcher stated (``PRFAAS_KV_LANE_PACING``; 1 MiB when none is stated), so that the
+  link telemetry's meter, which counts a write when it lands, still sees the link several times a
+  second (:func:`~prfaas_sglang.transport.kv_send.timed_write_bytes`). No thread waits on a
+  transfer; each write's bytes reach ``on_progress`` on the event loop as it lands;
+* otherwise in ``SLICE_BYTES`` slices, one synchronous batch each, on a small thread pool
+  (Mooncake's sync calls busy-spin and release the GIL), each delivered slice reported to
+  ``on_progress``: SGLang's own way of sending, for the in-cluster roles.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from prfaas_sglang.transport.kv_send import split_even, timed_write_bytes
 
 PATTERN = 0xA5
 SLICE_BYTES = 1 << 20
@@ -78,7 +91,7 @@ class KvEndpoint:
     (what this worker sends), then ``landing_bytes`` of zeros carved by ``arena`` (what it receives:
     a decode worker's KV, a prefill worker's imported prefixes)."""
 
-    def __init__(self, hostname: str, source_bytes: int, landing_bytes: int):
+    def __init__(self, hostname: str, source_bytes: int, landing_bytes: int, async_send: bool = False):
         os.environ.setdefault("MC_FORCE_TCP", "1")
         from mooncake.engine import TransferEngine
 
@@ -96,6 +109,14 @@ class KvEndpoint:
             raise KvTransferError(f"mooncake register_memory returned {rc}")
         self.arena = KvArena(landing_bytes, start=source_bytes)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv")
+        self.sender = None
+        self.write_bytes = SLICE_BYTES
+        if async_send:
+            from prfaas_sglang.hooks.kv_send import detached_sender
+
+            self.sender = detached_sender(self.engine)
+            rate_bps = self.sender.pacing.rate_bps if self.sender.pacing is not None else None
+            self.write_bytes = timed_write_bytes(rate_bps, self.sender.lanes)
 
     def _write_sync(self, peer_session: str, peer_addr: int, length: int, report: Callable[[int], None]) -> None:
         for off in range(0, length, SLICE_BYTES):
@@ -107,16 +128,63 @@ class KvEndpoint:
 
     async def write(self, peer_session: str, peer_addr: int, length: int, on_progress: Callable[[int], None]) -> None:
         """Copy ``length`` bytes of the source buffer to ``peer_addr``; ``on_progress(n)`` runs on the
-        loop after each delivered slice."""
+        loop after each delivered write or slice. Raises KvTransferError when a write fails (with the
+        sender: within its stall bound, or when the sender's wait bound passes first)."""
         loop = asyncio.get_running_loop()
 
-        def report(n: int) -> None:
-            loop.call_soon_threadsafe(on_progress, n)
+        if self.sender is None:
+            def report(n: int) -> None:
+                loop.call_soon_threadsafe(on_progress, n)
 
-        await loop.run_in_executor(self._pool, self._write_sync, peer_session, peer_addr, length, report)
+            await loop.run_in_executor(self._pool, self._write_sync, peer_session, peer_addr, length, report)
+            return
+        listener = _Landing(loop, on_progress)
+        entries = split_even(self.base, peer_addr, length, self.sender.lanes, max_write_bytes=self.write_bytes)
+        try:
+            await loop.run_in_executor(self._pool, self.sender.send, peer_session, entries, listener)
+        except (TimeoutError, RuntimeError) as err:
+            raise KvTransferError(f"transfer of {length} bytes to {peer_session}: {err}") from None
+        # Mooncake fails a stalled write within its stall bound; this is the last resort behind it: the
+        # wait bound (Mooncake's total bound for one request) per round of writes, and one round ahead.
+        bound_s = self.sender.wait_bound_s * (1 + -(-len(entries) // self.sender.lanes))
+        try:
+            ok = await asyncio.wait_for(listener.outcome, bound_s)
+        except asyncio.TimeoutError:
+            raise KvTransferError(f"transfer of {length} bytes to {peer_session} still in flight after "
+                                  f"{bound_s:.0f} s") from None
+        if not ok:
+            raise KvTransferError(f"transfer of {length} bytes to {peer_session} failed "
+                                  f"({len(entries)} writes; the session's writes fail together)")
 
     def region(self, offset: int, length: int) -> np.ndarray:
         return self.buffer[offset : offset + length]
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Landing:
+    """A batch's listener (:meth:`AsyncKvSender.send`): runs on the sender's pump thread and only hands
+    off to the event loop, bytes to ``report`` as each write lands, the outcome to ``outcome``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, report: Callable[[int], None]):
+        self.loop, self.report = loop, report
+        self.outcome: asyncio.Future[bool] = loop.create_future()
+
+    def delivered(self, nbytes: int) -> None:
+        self._post(self.report, nbytes)
+
+    def ended(self, ok: bool) -> None:
+        self._post(self._settle, ok)
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    def _settle(self, ok: bool) -> None:
+        if not self.outcome.done():
+            self.outcome.set_result(ok)

@@ -160,6 +160,14 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:prefill_kept_total", "counter", engine.admission.stats.kept_requests),
         ("prfaas:prefill_transfer_only_total", "counter", engine.admission.stats.transfer_requests),
     ]
+    sender = engine.kv.sender if engine.kv else None
+    if sender is not None:  # a PrfaaS worker's KV sender (the kv-send hooks' own)
+        c = sender.counters()
+        rows += [("prfaas:kv_writes_submitted_total", "counter", c["writes_submitted"]),
+                 ("prfaas:kv_writes_failed_total", "counter", c["writes_failed"]),
+                 ("prfaas:kv_writes_retried_total", "counter", c["writes_retried"]),
+                 ("prfaas:kv_lane_pacing_changes_total", "counter", c["pacing_changes"]),
+                 ("prfaas:kv_send_in_flight_bytes", "gauge", c["in_flight_bytes"])]
     text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
     text += "# TYPE prfaas:auth_rejected_total counter\n"
     for reason in ("missing", "malformed", "stale", "bad_mac", "replayed", "bad_key", "unknown_peer"):
