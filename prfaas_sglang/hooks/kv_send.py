@@ -205,6 +205,8 @@ class AsyncKvSender:
                 self._report(session)
             batch = self._queue(session, entries)
             batch.listener = listener
+            if batch.ended:  # nothing to send: done now (the pump never sees it)
+                self._end_meter(batch)
             return batch
 
     def counters(self) -> dict[str, int]:

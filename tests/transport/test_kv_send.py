@@ -373,6 +373,12 @@ class TestDetachedSender:
             sender.send("d:1", _blocks(0, 1), Heard())
         sender.close()  # again: nothing happens
 
+    def test_an_empty_batch_ends_at_once(self):
+        sender = self._sender(FakeEngine())
+        heard = Heard()
+        sender.send("d:1", [], heard)
+        assert heard.events == [("ended", True)]
+
     def test_a_failing_listener_does_not_stop_the_pump(self):
         engine = FakeEngine()
         sender = self._sender(engine)
