@@ -191,7 +191,8 @@ class AsyncKvSender:
         queued or in flight; raises TimeoutError past the wait bound.
 
         ``listener`` (optional) is called on the pump thread, under the sender's lock, so it must only
-        hand off (e.g. ``loop.call_soon_threadsafe``): ``listener.delivered(nbytes)`` as each write lands,
+        hand off (e.g. ``loop.call_soon_threadsafe``): ``listener.delivered(nbytes, started_s)`` as each
+        write lands (``started_s``: when it was handed to the engine, on ``time.monotonic()``),
         then ``listener.ended(ok)`` exactly once, True when every write landed, False at the batch's first
         failed write, on its session's failure, or on :meth:`close`."""
         if not self._wait(session, lambda: self.ledger.failed(session)
@@ -382,8 +383,8 @@ class AsyncKvSender:
             return
         if e.delivered_bytes:
             if telemetry is not None and e.batch.meter_id is not None:
-                telemetry.progress(e.batch.meter_id, e.delivered_bytes)
-            self._tell(e.batch, "delivered", e.delivered_bytes)
+                telemetry.progress(e.batch.meter_id, e.delivered_bytes, e.started_s)
+            self._tell(e.batch, "delivered", e.delivered_bytes, e.started_s)
         if e.batch.failed or e.batch_done:
             self._end_meter(e.batch)
 
@@ -398,11 +399,11 @@ class AsyncKvSender:
         self._tell(batch, "ended", not batch.failed)
 
     @staticmethod
-    def _tell(batch, what: str, value) -> None:
+    def _tell(batch, what: str, *args) -> None:
         if batch.listener is None:
             return
         try:
-            getattr(batch.listener, what)(value)
+            getattr(batch.listener, what)(*args)
         except Exception:  # noqa: BLE001 - a listener's fault must not stop the pump
             logger.exception("prfaas_sglang: a KV batch listener failed")
 

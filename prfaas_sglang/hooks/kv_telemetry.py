@@ -68,10 +68,11 @@ class LinkTelemetry:
             self.meter.start(transfer_id, time.monotonic(), nbytes, peer)
         return transfer_id
 
-    def progress(self, transfer_id: int, nbytes: int) -> None:
-        """``nbytes`` more of the transfer landed (asynchronous sends report each write)."""
+    def progress(self, transfer_id: int, nbytes: int, since_s: float | None = None) -> None:
+        """``nbytes`` more of the transfer landed (asynchronous sends report each write, with
+        ``since_s``, its start on ``time.monotonic()``)."""
         with self._lock:
-            self.meter.progress(transfer_id, time.monotonic(), nbytes)
+            self.meter.progress(transfer_id, time.monotonic(), nbytes, since_s)
             self.delivered_bytes_total += nbytes
 
     def end(self, transfer_id: int, ok: bool) -> None:

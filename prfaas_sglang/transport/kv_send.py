@@ -150,6 +150,7 @@ class Ended:
     batch: Batch
     delivered_bytes: int
     batch_done: bool
+    started_s: float | None = None  # when the write was handed to the engine (the caller's clock)
 
 
 @dataclass
@@ -232,7 +233,7 @@ class SendLedger:
                 del batch.writes[write_id]
                 if code == DONE:
                     batch.delivered_bytes += write.length
-                    ended.append(Ended(batch, write.length, batch.ended))
+                    ended.append(Ended(batch, write.length, batch.ended, write.started_s))
                     continue
                 fast = self.retry_within_s is not None and now_s - write.started_s <= self.retry_within_s
                 if fast and write.attempt == 0 and not batch.abandoned and batch.session not in self._failed_sessions:

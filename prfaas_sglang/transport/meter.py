@@ -7,8 +7,10 @@ never read from a clock here. ``sample`` summarises a sliding window::
     window           [now - window_s, now]
     busy_fraction    share of the window with at least one transfer in flight
     egress_bps       bits delivered in the window / window_s (a slice's bits are spread
-                     over the time since its transfer's previous delivery, and
-                     only the part inside the window counts)
+                     over the time since its transfer's previous delivery, or since
+                     its own write started where the sender says (writes of one
+                     transfer on parallel lanes), and only the part inside the
+                     window counts)
     offered_bps      bits of transfers *requested* in the window / window_s (demand)
     capacity_bps     bits delivered in the window / busy time that led to them
                      (each transfer's busy time counts up to its last delivery,
@@ -65,12 +67,19 @@ class LinkMeter:
         self._inflight[transfer_id] = _Transfer(now_s, nbytes, peer)
         self._requested.append((now_s, nbytes, peer))
 
-    def progress(self, transfer_id: int, now_s: float, nbytes: int) -> None:
-        """``nbytes`` more of the transfer reached the peer."""
+    def progress(self, transfer_id: int, now_s: float, nbytes: int, since_s: float | None = None) -> None:
+        """``nbytes`` more of the transfer reached the peer; ``since_s``: when the write that carried
+        them started (its bits are spread over [since_s, now_s]); None: since the transfer's previous
+        delivery, as for one write after another. A transfer's writes on parallel lanes land close
+        together, each after its own whole duration: without ``since_s`` the later ones would count as
+        sent in the moment after the first, and overstate the rate."""
         transfer = self._inflight.get(transfer_id)
         if transfer is None or nbytes <= 0:
             return
-        since = transfer.last_progress_s if transfer.last_progress_s is not None else transfer.start_s
+        if since_s is not None:
+            since = min(max(since_s, transfer.start_s), now_s)
+        else:
+            since = transfer.last_progress_s if transfer.last_progress_s is not None else transfer.start_s
         transfer.delivered_bytes += nbytes
         transfer.last_progress_s = now_s
         self._delivered.append((since, now_s, nbytes, transfer.peer))

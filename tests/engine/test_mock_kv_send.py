@@ -50,7 +50,7 @@ def _send(src: KvEndpoint, dst: KvEndpoint, length: int, session: str | None = N
     region = dst.region(offset, length)
     region[:] = 0
     progress: list[int] = []
-    asyncio.run(src.write(session or dst.session, dst.base + offset, length, progress.append))
+    asyncio.run(src.write(session or dst.session, dst.base + offset, length, lambda n, since_s: progress.append(n)))
     dst.arena.free(offset, length)
     return progress, region
 

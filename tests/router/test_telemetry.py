@@ -48,6 +48,25 @@ def test_a_rate_drop_shows_within_a_slice_not_a_whole_transfer():
     assert s.capacity_bps == pytest.approx(1e7, rel=0.3)
 
 
+def test_writes_on_parallel_lanes_count_over_their_own_spans():
+    """One transfer as writes on 4 lanes of a 40 Mbit/s link (10 Mbit/s each, 1.25 MB: 1 s a write),
+    landing 10 ms apart each round. Spread from each write's own start (``since_s``), the rate is the
+    link's; spread from the transfer's previous delivery, the later writes of a round count as sent in
+    the moment after the first, and the rate reads 1.6x too high."""
+    def meter(with_since: bool) -> LinkMeter:
+        m = LinkMeter(window_s=1.0)
+        m.start(1, 0.0, 16 * 1_250_000)
+        for r in range(3):
+            for lane in range(4):
+                started, landed = r * 1.03 + 0.0, r * 1.03 + 1.0 + 0.01 * lane
+                m.progress(1, landed, 1_250_000, started if with_since else None)
+        return m
+
+    exact, lumped = (meter(w).sample("w", 3.5, 0.0).capacity_bps for w in (True, False))
+    assert exact == pytest.approx(40e6, rel=0.1)
+    assert lumped > 1.4 * 40e6
+
+
 def test_a_stall_reads_as_zero_capacity():
     m = LinkMeter(window_s=1.0)
     m.start(1, 0.0, 5_000_000)

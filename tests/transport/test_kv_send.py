@@ -304,7 +304,8 @@ class Heard:
     def __init__(self):
         self.events: list[tuple[str, object]] = []
 
-    def delivered(self, nbytes):
+    def delivered(self, nbytes, started_s):
+        assert isinstance(started_s, float)  # when the write went to the engine, for the meter
         self.events.append(("delivered", nbytes))
 
     def ended(self, ok):
@@ -384,7 +385,7 @@ class TestDetachedSender:
         sender = self._sender(engine)
 
         class Broken(Heard):
-            def delivered(self, nbytes):
+            def delivered(self, nbytes, started_s):
                 raise ValueError("listener bug")
 
         broken, fine = Broken(), Heard()

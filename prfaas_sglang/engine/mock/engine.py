@@ -519,7 +519,7 @@ class MockEngine:
                     self.fail_kv_transfers -= 1
                     raise KvTransferError("injected fault: the KV transfer failed (POST /prfaas/faults)")
                 await self.kv.write(registration.session, registration.addr, length,
-                                    lambda n, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n))
+                                    lambda n, since_s, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n, since_s))
                 transfer_s = time.perf_counter() - start
             except KvTransferError as err:
                 error = str(err)
@@ -565,7 +565,7 @@ class MockEngine:
                 self.fail_kv_transfers -= 1
                 raise KvTransferError("injected fault: the KV transfer failed (POST /prfaas/faults)")
             await self.kv.write(msg.session, msg.addr, length,
-                                lambda n, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n))
+                                lambda n, since_s, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n, since_s))
             ok = True
         except KvTransferError as err:
             raise BadRequest(502, f"exporting {msg.num_tokens} prefix tokens failed: {err}") from None

@@ -126,15 +126,17 @@ class KvEndpoint:
                 raise KvTransferError(f"transfer of {length} bytes to {peer_session} returned {rc} at offset {off}")
             report(n)
 
-    async def write(self, peer_session: str, peer_addr: int, length: int, on_progress: Callable[[int], None]) -> None:
-        """Copy ``length`` bytes of the source buffer to ``peer_addr``; ``on_progress(n)`` runs on the
-        loop after each delivered write or slice. Raises KvTransferError when a write fails (with the
+    async def write(self, peer_session: str, peer_addr: int, length: int,
+                    on_progress: Callable[[int, float | None], None]) -> None:
+        """Copy ``length`` bytes of the source buffer to ``peer_addr``; ``on_progress(n, started_s)`` runs on
+        the loop after each delivered write (``started_s``: when it went to the engine, on
+        ``time.monotonic()``) or slice (None: one slice after another). Raises KvTransferError when a write fails (with the
         sender: within its stall bound, or when the sender's wait bound passes first)."""
         loop = asyncio.get_running_loop()
 
         if self.sender is None:
             def report(n: int) -> None:
-                loop.call_soon_threadsafe(on_progress, n)
+                loop.call_soon_threadsafe(on_progress, n, None)
 
             await loop.run_in_executor(self._pool, self._write_sync, peer_session, peer_addr, length, report)
             return
@@ -169,12 +171,12 @@ class _Landing:
     """A batch's listener (:meth:`AsyncKvSender.send`): runs on the sender's pump thread and only hands
     off to the event loop, bytes to ``report`` as each write lands, the outcome to ``outcome``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, report: Callable[[int], None]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, report: Callable[[int, float | None], None]):
         self.loop, self.report = loop, report
         self.outcome: asyncio.Future[bool] = loop.create_future()
 
-    def delivered(self, nbytes: int) -> None:
-        self._post(self.report, nbytes)
+    def delivered(self, nbytes: int, started_s: float | None = None) -> None:
+        self._post(self.report, nbytes, started_s)
 
     def ended(self, ok: bool) -> None:
         self._post(self._settle, ok)
