@@ -90,6 +90,15 @@ class TestDockerfile:
         assert "patches apply --wheel-out" in text and "patches check" in text
 
 
+@pytest.mark.parametrize("name", ["prfaas-prefill.Dockerfile", "control-plane.Dockerfile"])
+def test_images_that_publish_link_telemetry_carry_ss(name):
+    """A PrfaaS worker's telemetry reads its Mooncake lanes' TCP state with ``ss`` (adapters/tcpinfo.py);
+    the images that run one (SGLang's, and the emulated engine's) install it."""
+    runs = " ".join(args for word, args in instructions(REPO_ROOT / "docker" / name) if word == "RUN")
+    installs = re.findall(r"apt-get install[^&]*", runs)
+    assert any(re.search(r"\biproute2\b", cmd) for cmd in installs), installs
+
+
 def test_dockerignore_keeps_local_environments_out():
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".cache" in ignored
