@@ -444,6 +444,20 @@ def test_mock_plan_runs_the_emulated_engine_parser():
     assert config.bootstrap_port == 8998 and config.kv_events_port == 5557 and config.speedup == 5.0
 
 
+def test_the_emulated_prefill_refuses_a_malformed_link_by_name(monkeypatch):
+    """Its KV sender sizes writes from PRFAAS_KV_LANE_PACING: a bad value is a one-line config error."""
+    from prfaas_sglang.engine.mock.__main__ import build_parser, config_from_args
+    from prfaas_sglang.launch.command import mock_command
+
+    node = Node("p0", "prfaas", Role.PRFAAS, host="127.0.0.1", port=30000, bootstrap_port=8998)
+    argv = list(mock_command(node, "python", "kimi-linear-1t-hybrid@h200x8").argv)[3:]
+    monkeypatch.setenv("PRFAAS_KV_LANE_PACING", "bogus")
+    with pytest.raises(ConfigError, match="PRFAAS_KV_LANE_PACING"):
+        config_from_args(build_parser().parse_args(argv))
+    monkeypatch.setenv("PRFAAS_KV_LANE_PACING", "1e9,0.02")
+    assert config_from_args(build_parser().parse_args(argv)).role is Role.PRFAAS
+
+
 @pytest.mark.parametrize("node, module", [("router", "prfaas_sglang.router"), ("kv-index", "prfaas_sglang.kvindex")])
 def test_control_plane_plans(capsys, node, module):
     rc = launch_main(["--config", str(REPO_ROOT / "launch" / "local-two-cluster.yaml"), "--node", node, "--dry-run", "--json"])

@@ -79,6 +79,11 @@ def config_from_args(args: argparse.Namespace):
     if args.disaggregation_decode_enable_radix_cache and spec.disaggregation_mode != "decode":
         raise ConfigError("--disaggregation-decode-enable-radix-cache", f"is for decode roles, not {role.value}")
     prefill_cache, min_shared, chunk_checkpoints = _cache_policy_from_env(args.cache_tokens)
+    if spec.disaggregation_mode == "prefill":  # its KV sender reads the link at start: refuse a bad one here, by name
+        from prfaas_sglang.envs import envs
+        from prfaas_sglang.transport.lane_pacing import LanePacing
+
+        envs.KV_LANE_PACING.parse(LanePacing.parse)
     return MockConfig(
         role=role, host=args.host, port=args.port, profile=args.profile,
         served_model_name=args.served_model_name or args.profile.split("@", 1)[0],
