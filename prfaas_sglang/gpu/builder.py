@@ -222,6 +222,9 @@ def build(out: Path, python_version: str = spec.PYTHON_VERSION, wheelhouse: Path
 
     fetched[spec.PROJECT] = _add_project(source, site, out, tags, log)
     patches = _apply_patches(site)
+    for path, old, new in spec.REWRITES:
+        target = site / path
+        target.write_text(spec.rewrite(target.read_text(), old, new, path))
     stripped_bytes = _strip_debug(site, log)
     files = _site_files(site)
     cuda_imports = _cuda_modules(site, traced["dists"])
@@ -242,7 +245,7 @@ def build(out: Path, python_version: str = spec.PYTHON_VERSION, wheelhouse: Path
         "dists": dict(sorted(fetched.items())),
         "preinstalled_expected": {name: entry["version"] for name, entry in sorted(traced["dists"].items())
                                   if spec.is_preinstalled(name)},
-        "patches": patches, "extra_dirs": list(extra_dirs), "files": len(files), "debug_info_stripped_bytes": stripped_bytes, "packed_bytes": size, "budget_bytes": budget_bytes,
+        "patches": patches, "rewrites": [path for path, _, _ in spec.REWRITES], "extra_dirs": list(extra_dirs), "files": len(files), "debug_info_stripped_bytes": stripped_bytes, "packed_bytes": size, "budget_bytes": budget_bytes,
         "verified_files": verdict.checked_files, "cuda_imports": verdict.cuda_imports,
         "problems": verdict.problems, "ok": verdict.ok, "build_s": round(time.monotonic() - started, 1),
     }

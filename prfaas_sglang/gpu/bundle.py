@@ -68,10 +68,14 @@ ENTRY_MODULES = (
 )
 
 # Distributions the lent machine has (shared/notes/gpu.md, [RUN]): its CUDA torch stack and
-# transformers with their dependencies. ``bench gpu-e2e`` checks them before it starts anything.
+# transformers' dependencies. ``bench gpu-e2e`` checks them before it starts anything. Not
+# transformers, nor the tokenizers and huggingface-hub it checks at import: the bundle carries the
+# CPU environment's (the trace's pins), since the
+# machine's (5.17 on 2026-11-26) already registers configs SGLang 0.5.15 registers again at import
+# (``qwen3_asr``), which stopped every server at ``sglang.srt.configs``.
 PREINSTALLED = frozenset({
     "torch", "triton", "torchvision", "cuda-bindings", "cuda-pathfinder", "cuda-toolkit",
-    "transformers", "tokenizers", "huggingface-hub", "hf-xet", "safetensors",
+    "hf-xet", "safetensors",
     "numpy", "filelock", "fsspec", "jinja2", "markupsafe", "sympy", "mpmath", "networkx",
     "typing-extensions", "packaging", "pyyaml", "regex", "tqdm", "setuptools",
 })
@@ -79,7 +83,7 @@ PREINSTALLED_PREFIXES = ("nvidia-cu", "nvidia-nccl", "nvidia-nvjitlink", "nvidia
                          "nvidia-cusparse", "nvidia-cufile", "nvidia-curand", "nvidia-cufft")
 # Import names of the preinstalled distributions, for modules imported only under CUDA.
 PREINSTALLED_MODULES = frozenset({
-    "torch", "triton", "torchvision", "cuda", "transformers", "tokenizers", "huggingface_hub", "safetensors",
+    "torch", "triton", "torchvision", "cuda", "safetensors",
     "numpy", "filelock", "fsspec", "jinja2", "markupsafe", "sympy", "mpmath", "networkx", "typing_extensions",
     "packaging", "yaml", "regex", "tqdm", "setuptools", "pkg_resources", "nvidia",
 })
@@ -128,6 +132,25 @@ DROP = {
 _EXT_RE = re.compile(r"\.(?:cpython-\d+[a-z]*-[^./]+|abi3|cp\d+-[^./]+)?\.so$")
 _LIBS_DIR_RE = re.compile(r"^[^/]+\.libs/")  # auditwheel's vendored libraries: <dist>.libs/
 _LIBS_HASH_RE = re.compile(r"-[0-9a-f]{8}(?=\.so)")  # and the hash it puts in their names
+
+
+# Edits to carried files, each (path in site/, exact text, replacement), applied once the wheels are
+# unpacked; a text not found exactly once fails the build. sgl_kernel's RMSNorm family calls
+# flashinfer's norm kernels whenever `flashinfer.norm` imports, and flashinfer builds those by JIT
+# from the sources DROP leaves out (seen on the lent H200, 2026-11-26: every server's first forward
+# failed in ninja on flashinfer/data/csrc/norm.cu); sgl_kernel's own ahead-of-time kernels remain.
+REWRITES = (
+    ("sgl_kernel/elementwise.py", "    _has_flashinfer = True\n",
+     "    _has_flashinfer = False  # prfaas gpu-bundle: no flashinfer JIT sources carried (gpu/bundle.py REWRITES)\n"),
+)
+
+
+def rewrite(text: str, old: str, new: str, path: str) -> str:
+    """``text`` with ``old`` replaced by ``new``; raises :class:`BundleError` unless ``old`` occurs once."""
+    if (count := text.count(old)) != 1:
+        raise BundleError(f"{path}: expected the text {old.strip()!r} once, found it {count} times "
+                          "(the carried wheel changed; revisit gpu/bundle.py REWRITES)")
+    return text.replace(old, new)
 
 
 def normalize(name: str) -> str:

@@ -14,9 +14,14 @@ from pathlib import Path
 
 from prfaas_sglang.gpu.e2e import (
     ADMIN_TOKEN,
+    DEPLOYMENT,
     LONG_TOKENS,
     SERVER_FLAGS,
     SHAPED_RATE_MBIT,
+    SHAPED_REPEATS,
+    SHAPED_REQUEST_TIMEOUT_S,
+    SHAPED_RTT_MS,
+    SHAPED_STARTUP_TIMEOUT_S,
     CheckResult,
     Processes,
     RunningDeployment,
@@ -33,6 +38,7 @@ from prfaas_sglang.gpu.e2e import (
     request_body,
     request_cases,
     start_deployment,
+    wait_healthy,
 )
 
 MODEL_NAME = "tiny-hybrid"
@@ -61,6 +67,7 @@ def preflight(root: Path, checkout: Path) -> dict:
     """Versions of what the servers will import, from the bundle's environment; raises when any fails."""
     code = ("import json, importlib.metadata as m, torch\n"
             "import sglang, sgl_kernel, mooncake.engine, flashinfer.sampling, prfaas_sglang.plugin\n"
+            "import sglang.srt.server_args, sglang.srt.entrypoints.http_server  # what a server imports first\n"
             "v = {d: m.version(d) for d in ('torch', 'transformers', 'sglang', 'sglang-kernel', "
             "'mooncake-transfer-engine-cuda13', 'flashinfer-python', 'prfaas-sglang')}\n"
             "v['cuda'] = torch.version.cuda; v['gpu'] = torch.cuda.get_device_name(0)\n"
@@ -272,37 +279,102 @@ def check_failover(ctx: Context) -> CheckResult:
     return CheckResult("failover", not problems, "; ".join(problems), data)
 
 
+SHAPED_PROFILES = (("upstream", "upstream", None), ("wan", "wan", None),
+                   ("wan-layerwise", "wan", {"PRFAAS_KV_LAYERWISE": "1"}))
+
+
+def _reference_answer(ctx: Context, case: dict, ids: list[int]) -> dict:
+    """The plain server's answer (greedy-equal's when it ran), the unshaped truth to compare to."""
+    known = (ctx.answers or {}).get(case["name"])
+    if known is not None:
+        return known
+    wait_healthy(ctx.reference + "/health", ctx.procs.procs["reference"])
+    return _ask(ctx.reference, case, ids, None)[0]
+
+
+def _ttft_s(router: str, ids: list[int]) -> tuple[float, int, str | None]:
+    """(seconds to the whole one-token answer, HTTP status, route) of a streamed ``max_tokens: 1``
+    completion: the prefill, the KV's crossing and the first decode step."""
+    case = {"name": "ttft", "endpoint": "/v1/completions", "stream": True}
+    started = time.monotonic()
+    status, headers, _ = http("POST", router + "/v1/completions", {**request_body(case, ids, None, MODEL_NAME),
+                                                                   "max_tokens": 1}, timeout_s=SHAPED_REQUEST_TIMEOUT_S)
+    return time.monotonic() - started, status, headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
+
+
+def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict | None) -> tuple[list[dict], list[str]]:
+    """One deployment with PrfaaS behind the shaped link: a warm-up prompt per length (kernels
+    compile on first use), :data:`SHAPED_REPEATS` fresh prompts per length timed, then the
+    seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
+    rows, problems = [], []
+    procs = Processes(ctx.work / f"logs-shaped-{profile}")
+    try:
+        started = time.monotonic()
+        # Each side's KV endpoint pinned to its end of the veth (SGLang's own address lookup could
+        # pick another local address; the KV would still cross the shaper, but the logs would not say so).
+        dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile,
+                               prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip,
+                               prfaas_env={**(env or {}), "SGLANG_HOST_IP": ns.inner_ip},
+                               pd_env={"SGLANG_HOST_IP": ns.host_ip},
+                               link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS), startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S)
+        ctx.log(f"[shaped-link] {profile}: deployment healthy after {time.monotonic() - started:.1f} s")
+        router, vocab = dep.url("router"), ctx.vocab_size or 4096
+        for num_tokens in LONG_TOKENS:
+            warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens))
+            for k in range(SHAPED_REPEATS):
+                ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k))
+                row = {"profile": profile, "tokens": num_tokens, "repeat": k, "ttft_s": round(ttft_s, 3),
+                       "warmup_s": round(warm_s, 3), "status": status, "route": route}
+                ctx.log(f"[shaped-link] {json.dumps(row)}")
+                rows.append(row)
+                if status != 200 or not (route or "").startswith("prfaas-b/"):
+                    problems.append(f"{profile} {num_tokens}: status {status}, route {route!r} (want prfaas-b/...)")
+            case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
+            ids = prompt_ids(num_tokens, vocab, num_tokens)
+            ours, _ = _ask(router, case, ids, None)
+            if why := output_mismatch(ours, _reference_answer(ctx, case, ids)):
+                problems.append(f"{profile} {num_tokens}: {why}")
+    except Exception as err:  # noqa: BLE001 - one profile's failure is reported; the others still run
+        problems.append(f"{profile}: {type(err).__name__}: {err}")
+        ctx.log(f"[shaped-link] {profile} failed: {type(err).__name__}: {err}")
+    finally:
+        procs.stop()
+    return rows, problems
+
+
+def shaped_medians(rows: list[dict]) -> dict:
+    """``{profile: {tokens: median TTFT s}}`` and each profile's ratio to ``upstream`` (pure)."""
+    import statistics
+
+    medians: dict = {}
+    for row in rows:
+        if row["status"] == 200:
+            medians.setdefault(row["profile"], {}).setdefault(row["tokens"], []).append(row["ttft_s"])
+    medians = {p: {t: round(statistics.median(v), 3) for t, v in by.items()} for p, by in medians.items()}
+    base = medians.get("upstream", {})
+    ratios = {p: {t: round(v / base[t], 3) for t, v in by.items() if base.get(t)} for p, by in medians.items()}
+    return {"median_ttft_s": medians, "ratio_to_upstream": ratios}
+
+
 def check_shaped_link(ctx: Context) -> CheckResult:
+    """TTFT over a rate-shaped veth for SGLang's Mooncake settings, our WAN profile, and ours with
+    layer-wise streaming; outputs identical to the unshaped reference. Stops the shared deployment
+    first if it runs (the reference stays)."""
     from prfaas_sglang.gpu.netlink import shaped_namespace
 
-    ctx.procs.stop()
+    ctx.procs.stop([n for n in DEPLOYMENT if n in ctx.procs.procs])
+    ctx.dep = None
+    ctx.vocab_size = ctx.vocab_size or len(ctx.tokenizer())
     rows, problems = [], []
     with shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT) as ns:
-        # SGLang's Mooncake settings; our WAN profile; the same with layer-wise streaming.
-        for profile, kv_profile, env in (("upstream", "upstream", None), ("wan", "wan", None),
-                                         ("wan-layerwise", "wan", {"PRFAAS_KV_LAYERWISE": "1"})):
-            procs = Processes(ctx.work / f"logs-shaped-{profile}")
-            try:
-                dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile,
-                                       prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip, prfaas_env=env)
-                for num_tokens in LONG_TOKENS:
-                    case = {"name": f"shaped-{num_tokens}", "endpoint": "/v1/completions", "stream": True}
-                    ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)
-                    started = time.monotonic()
-                    status, headers, payload = http("POST", dep.url("router") + "/v1/completions",
-                                                    {**request_body(case, ids, None, MODEL_NAME), "max_tokens": 1})
-                    ttft_s = time.monotonic() - started
-                    rows.append({"profile": profile, "tokens": num_tokens, "ttft_s": round(ttft_s, 3), "status": status,
-                                 "route": headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")})
-                    full, _ = _ask(dep.url("router"), {**case, "name": f"completions-{num_tokens}-stream"}, ids, None)
-                    ref = (ctx.answers or {}).get(f"completions-{num_tokens}-stream")
-                    if ref is not None and (why := output_mismatch(full, ref)):
-                        problems.append(f"{profile} {num_tokens}: {why}")
-            finally:
-                procs.stop()
-    if any(r["status"] != 200 for r in rows):
-        problems.append(f"non-200 answers: {[r for r in rows if r['status'] != 200]}")
-    return CheckResult("shaped-link", not problems, "; ".join(problems), {"rate_mbit": SHAPED_RATE_MBIT, "rows": rows})
+        for profile, kv_profile, env in SHAPED_PROFILES:
+            got, wrong = _shaped_profile(ctx, ns, profile, kv_profile, env)
+            rows += got
+            problems += wrong
+    data = {"rate_mbit": SHAPED_RATE_MBIT, "stated_rtt_ms": SHAPED_RTT_MS, "repeats": SHAPED_REPEATS, "rows": rows,
+            **shaped_medians(rows)}
+    ctx.log(f"[shaped-link] {json.dumps(shaped_medians(rows))}")
+    return CheckResult("shaped-link", not problems, "; ".join(problems), data)
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Context], CheckResult]] = {

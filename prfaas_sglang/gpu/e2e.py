@@ -49,9 +49,15 @@ from pathlib import Path
 CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link")
 # Flags every SGLang server gets (shared/notes/gpu.md): paths a slimmed sglang-kernel has, random
 # weights with one seed (greedy outputs then compare across servers), cached_tokens reported.
+# Pools of a fixed size: SGLang sizes them from the memory free at its profiling step less a share
+# of what was free before its model loaded, so servers starting together on one GPU see each
+# other's pools appear in between and fail (seen on the H200, 2026-11-26: "max_mamba_cache_size=-815").
+# A high fraction leaves that difference positive; the caps set what is allocated (KV for 512K
+# tokens of the tiny model is 256 MiB; 128 Mamba slots, 50 MB).
 SERVER_FLAGS = ("--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
                 "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
-                "--mem-fraction-static", "0.17", "--log-level", "info")
+                "--mem-fraction-static", "0.6", "--max-total-tokens", "524288", "--max-mamba-cache-size", "128",
+                "--max-running-requests", "32", "--log-level", "info")
 THRESHOLD_TOKENS = 4096  # pinned through the admin API: shorter prompts to PD-P, longer to PrfaaS
 SHORT_TOKENS = (64, 1024)
 LONG_TOKENS = (8192, 32768)
@@ -59,6 +65,10 @@ MAX_NEW_TOKENS = 16
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 300.0
 SHAPED_RATE_MBIT = 200.0  # binds for a 32K prompt's KV on the tiny model, lets an 8K one pass in a second
+SHAPED_RTT_MS = 1.0  # what the topology states for the shaped link: a veth has no delay (no netem there)
+SHAPED_REPEATS = 3  # timed prompts per length and profile, each a fresh one (no cache hit)
+SHAPED_STARTUP_TIMEOUT_S = 300.0
+SHAPED_REQUEST_TIMEOUT_S = 120.0
 
 
 # --- pure helpers ------------------------------------------------------------------------------
@@ -156,9 +166,10 @@ def output_mismatch(ours: dict, reference: dict) -> str | None:
 
 
 def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0.1",
-                 prfaas_host: str | None = None) -> dict:
+                 prfaas_host: str | None = None, link: tuple[float, float] = (1.0, 20.0)) -> dict:
     """The topology the check starts: one PrfaaS node, one PD prefill, one PD decode, router and
-    kv-index, the model's tokenizer in the router, every SGLang server with :data:`SERVER_FLAGS`."""
+    kv-index, the model's tokenizer in the router, every SGLang server with :data:`SERVER_FLAGS`;
+    ``link`` = (Gbit/s, RTT ms) stated for PrfaaS -> PD (the WAN profile is sized from it)."""
     def engine(name: str, role: str, prefill: bool, at: str = host) -> dict:
         node = {"name": name, "role": role, "host": at, "port": ports(), "kv_events_port": ports()}
         if prefill:
@@ -179,7 +190,7 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
             "control": {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": ports()},
                                                      {"name": "kv-index", "role": "kv-index", "host": host, "port": ports()}]},
         },
-        "links": [{"from": "prfaas-b", "to": "pd-a", "bandwidth_gbps": 1, "rtt_ms": 20}],
+        "links": [{"from": "prfaas-b", "to": "pd-a", "bandwidth_gbps": link[0], "rtt_ms": link[1]}],
         "scheduler": {"workload": {"kind": "lognormal", "mu": 9.9, "sigma": 1.0, "min_tokens": 128, "max_tokens": 40960},
                       "output_tokens": MAX_NEW_TOKENS, "slo_tokens_per_s": 1, "ttft_slo_s": 600},
     }
@@ -251,7 +262,8 @@ def bundle_env(root: Path, checkout: Path, base: dict[str, str] | None = None) -
     hub access; none of this shell's PRFAAS_* or MC_* settings."""
     env = {k: v for k, v in (base if base is not None else os.environ).items() if not k.startswith(("PRFAAS_", "MC_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(root / "site")])
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    # SGLang's own flashinfer paths off too (the bundle carries no flashinfer JIT sources; bundle.REWRITES)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", SGLANG_IS_FLASHINFER_AVAILABLE="false")
     return env
 
 
@@ -291,9 +303,11 @@ class Processes:
             except subprocess.TimeoutExpired:
                 pass
 
-    def stop(self) -> list[str]:
-        """Kill every group (TERM, then KILL after 10 s); the names that had to be KILLed."""
-        for proc in self.procs.values():
+    def stop(self, names: Iterable[str] | None = None) -> list[str]:
+        """Kill every group, or those of ``names`` (TERM, then KILL after 10 s); the names that had
+        to be KILLed. A stopped name is forgotten, so it can be started again."""
+        chosen = {n: p for n, p in self.procs.items() if names is None or n in set(names)}
+        for proc in chosen.values():
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, 15)
@@ -301,7 +315,7 @@ class Processes:
                     pass
         deadline = time.monotonic() + 10
         killed = []
-        for name, proc in self.procs.items():
+        for name, proc in chosen.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -310,6 +324,8 @@ class Processes:
                 os.killpg(proc.pid, 9)
             except ProcessLookupError:
                 pass
+            if names is not None:
+                del self.procs[name]
         return killed
 
 
@@ -337,6 +353,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TI
             pass
         time.sleep(2)
     raise RuntimeError(f"{url} not healthy after {timeout_s:g} s")
+
+
+def log_tail(text: str, lines: int = 3, width: int = 300) -> str:
+    """The last ``lines`` lines of a server log worth reading (SGLang's per-model import notices and
+    repeated health-check lines skipped), each cut to ``width``, joined with `` | ``."""
+    noise = ("Ignore import error", "Health check failed", "warnings.warn", "return _create_error_response")
+    kept = [line.strip()[:width] for line in text.splitlines() if line.strip() and not any(n in line for n in noise)]
+    return " | ".join(kept[-lines:]) or "(empty)"
 
 
 def metric_sum(text: str, name: str, label: str = "") -> float:
@@ -374,14 +398,22 @@ class RunningDeployment:
         return f"http://{node['host']}:{node['port']}"
 
 
+DEPLOYMENT = ("prfaas-0", "pd-prefill-0", "pd-decode-0", "kv-index", "router")
+
+
 def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Processes, work: Path,
                      kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None,
-                     prfaas_env: dict[str, str] | None = None) -> RunningDeployment:
+                     prfaas_env: dict[str, str] | None = None, link: tuple[float, float] = (1.0, 20.0),
+                     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                     pd_env: dict[str, str] | None = None) -> RunningDeployment:
+    """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises when any
+    does not become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
+    PrfaaS server's / the PD servers' environment."""
     import yaml
 
     from prfaas_sglang.demo.cluster import PortPicker
 
-    topology = e2e_topology(model_dir, PortPicker(), prfaas_host=prfaas_host)
+    topology = e2e_topology(model_dir, PortPicker(), prfaas_host=prfaas_host, link=link)
     config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}{'-env' if prfaas_env else ''}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
     env = bundle_env(root, checkout)
@@ -389,11 +421,14 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
         extra = ["--kv-profile", kv_profile] if name == "prfaas-0" else []
-        node_env = {**env, **(prfaas_env or {})} if name == "prfaas-0" else env
+        node_env = {**env, **(prfaas_env or {})} if name == "prfaas-0" else {**env, **(pd_env or {})}
         procs.start(name, [*launch, "--node", name, *extra], {**node_env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
                     preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
-        wait_healthy(dep.url(name) + "/health", procs.procs[name])
+        try:
+            wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=startup_timeout_s)
+        except RuntimeError as err:  # the server's last words: a GPU run's output shows the cause
+            raise RuntimeError(f"{name}: {err}; its log ends: {log_tail(procs.log(name))}") from None
     procs.start("kv-index", [*launch, "--node", "kv-index"], env)
     procs.start("router", [*launch, "--node", "router"], {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
     for name in ("kv-index", "router"):
@@ -405,7 +440,9 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
     return dep
 
 
-def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes) -> str:
+def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes, wait: bool = True) -> str:
+    """Start the plain server (``reference`` in ``procs``); its URL, healthy unless ``wait`` is False
+    (then :func:`wait_healthy` before asking it)."""
     from prfaas_sglang.demo.cluster import free_port
 
     port = free_port()
@@ -413,8 +450,16 @@ def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processe
                               str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *SERVER_FLAGS],
                 {**bundle_env(root, checkout), "PRFAAS_HOOK_REPORT": str(hook_report(procs.log_dir.parent, "reference"))})
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url + "/health", procs.procs["reference"])
+    if wait:
+        wait_healthy(url + "/health", procs.procs["reference"])
     return url
+
+
+def run_order(checks: Iterable[str]) -> list[str]:
+    """``shaped-link`` first (it starts and stops its own deployments, so it runs before the shared
+    one exists and costs no restart), then the others in the order asked."""
+    checks = list(checks)
+    return [c for c in checks if c == "shaped-link"] + [c for c in checks if c != "shaped-link"]
 
 
 def run(bundle_dir: Path, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None]) -> dict:
@@ -433,11 +478,14 @@ def run(bundle_dir: Path, model_config: Path | None, checks: tuple[str, ...], lo
         facts["versions"] = impl.preflight(root, checkout)
         log(f"[gpu-e2e] versions: {facts['versions']}")
         ctx = impl.Context(root, checkout, model_dir, procs, work, log)
-        ctx.reference = start_reference(root, checkout, model_dir, procs)
-        # The prfaas node's prefix cache pinned to `shared` (the launcher's default is `auto`, which
-        # keeps one-offs while it has seen too few re-sightings): state-events checks transfer cache.
-        ctx.dep = start_deployment(root, checkout, model_dir, procs, work, prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"})
-        for name in checks:
+        ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False)
+        for name in run_order(checks):
+            if name != "shaped-link" and ctx.dep is None:  # shaped-link starts its own deployments
+                wait_healthy(ctx.reference + "/health", procs.procs["reference"])
+                # The prfaas node's prefix cache pinned to `shared` (the launcher's default is `auto`, which
+                # keeps one-offs while it has seen too few re-sightings): state-events checks transfer cache.
+                ctx.dep = start_deployment(root, checkout, model_dir, procs, work,
+                                           prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"})
             started = time.monotonic()
             try:
                 result = impl.CHECK_FUNCTIONS[name](ctx)

@@ -219,6 +219,11 @@ def _pristine_sglang_files() -> dict[str, bytes]:
         return {path: whl.read(path) for path in paths}
 
 
+# sglang-kernel 0.4.4's sgl_kernel/elementwise.py opens so
+SGL_KERNEL_ELEMENTWISE = (b"try:\n    import flashinfer.norm as _flashinfer_norm\n\n    _has_flashinfer = True\n"
+                          b"except ImportError:\n    _has_flashinfer = False\n")
+
+
 @pytest.fixture
 def wheelhouse(tmp_path) -> Path:
     house = tmp_path / "wheels"
@@ -228,6 +233,7 @@ def wheelhouse(tmp_path) -> Path:
                     **_pristine_sglang_files()}
     _wheel(house, "sglang", "0.5.15", sglang_files, "cp312-cp312-manylinux_2_34_x86_64")
     _wheel(house, "sglang-kernel", "0.4.4", {"sgl_kernel/__init__.py": b"import torch\nfrom sgl_kernel import ops\n",
+                                             "sgl_kernel/elementwise.py": SGL_KERNEL_ELEMENTWISE,
                                              "sgl_kernel/flash_ops.abi3.so": b"\0" * 5000}, "cp310-abi3-manylinux2014_x86_64")
     _wheel(house, "prfaas-sglang", "0.1.0", {"prfaas_sglang/__init__.py": b"",
                                               "prfaas_sglang-0.1.0.dist-info/entry_points.txt": b"[sglang.srt.plugins]\n"})
@@ -290,6 +296,20 @@ def test_build_from_a_wheelhouse_verifies_packs_and_records(tmp_path, wheelhouse
     with tarfile.open(out / "bundle.tar.xz") as tar:
         patched = tar.extractfile("site/sglang/srt/mem_cache/kv_cache_builder.py").read().decode()
     assert "if is_hybrid_ssm and not allows_hybrid_decode_radix(server_args):  # PrfaaS(0001)" in patched
+    # sgl_kernel's norms stay on its own kernels: flashinfer's would be built from sources not carried
+    assert manifest["rewrites"] == ["sgl_kernel/elementwise.py"]
+    with tarfile.open(out / "bundle.tar.xz") as tar:
+        elementwise = tar.extractfile("site/sgl_kernel/elementwise.py").read().decode()
+    namespace: dict = {}
+    exec(elementwise.replace("import flashinfer.norm as _flashinfer_norm", "pass"), namespace)
+    assert namespace["_has_flashinfer"] is False
+
+
+def test_a_rewrite_whose_text_moved_fails_naming_the_file():
+    assert spec.rewrite("a\nb\n", "b\n", "c\n", "x.py") == "a\nc\n"
+    for text in ("a\n", "b\nb\n"):
+        with pytest.raises(spec.BundleError, match=r"x\.py: expected the text 'b' once"):
+            spec.rewrite(text, "b\n", "c\n", "x.py")
 
 
 def test_build_fails_naming_a_loaded_file_the_bundle_lacks(tmp_path, wheelhouse):

@@ -125,6 +125,50 @@ def test_stop_kills_children_that_outlive_their_parent(tmp_path):
         pytest.fail("the orphaned child survived stop()")
 
 
+def test_stop_by_name_leaves_the_others_running_and_forgets_the_stopped(tmp_path):
+    procs = e2e.Processes(tmp_path / "logs")
+    for name in ("reference", "router"):
+        procs.start(name, [sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ))
+    try:
+        assert procs.stop(["router"]) == []
+        assert set(procs.procs) == {"reference"} and procs.procs["reference"].poll() is None
+    finally:
+        procs.stop()
+    assert procs.procs["reference"].poll() is not None
+
+
+def test_a_failed_start_reports_the_servers_last_words():
+    log = ("[t] Ignore import error when loading sglang.srt.models.x: No module named 'cutlass'\n"
+           "[t] Scheduler hit an exception\nRuntimeError: Not enough GPU memory\n\n"
+           "[t] Health check failed. Server couldn't get a response\n" + "x" * 500 + "\n")
+    assert e2e.log_tail(log, width=20) == "[t] Scheduler hit an | RuntimeError: Not en | " + "x" * 20
+    assert e2e.log_tail("") == "(empty)"
+
+
+def test_shaped_link_runs_first_and_the_others_keep_their_order():
+    assert e2e.run_order(["hooks", "shaped-link", "routing"]) == ["shaped-link", "hooks", "routing"]
+    assert e2e.run_order(["routing", "hooks"]) == ["routing", "hooks"]
+
+
+def test_the_shaped_link_topology_states_the_shaped_rate(tmp_path):
+    from prfaas_sglang.demo.cluster import PortPicker
+
+    doc = e2e.e2e_topology(tmp_path, PortPicker(), link=(e2e.SHAPED_RATE_MBIT / 1000, e2e.SHAPED_RTT_MS))
+    assert doc["links"] == [{"from": "prfaas-b", "to": "pd-a", "bandwidth_gbps": 0.2, "rtt_ms": 1.0}]
+
+
+def test_shaped_medians_take_answered_rows_and_compare_to_upstream():
+    from prfaas_sglang.gpu.checks import shaped_medians
+
+    rows = [{"profile": p, "tokens": 8192, "ttft_s": t, "status": st}
+            for p, t, st in (("upstream", 2.0, 200), ("upstream", 4.0, 200), ("upstream", 3.0, 200),
+                             ("wan", 1.0, 200), ("wan", 1.5, 200), ("wan", 99.0, 503))]
+    out = shaped_medians(rows)
+    assert out["median_ttft_s"] == {"upstream": {8192: 3.0}, "wan": {8192: 1.25}}
+    assert out["ratio_to_upstream"] == {"upstream": {8192: 1.0}, "wan": {8192: 0.417}}
+    assert shaped_medians([{"profile": "wan", "tokens": 1, "ttft_s": 1.0, "status": 200}])["ratio_to_upstream"] == {"wan": {}}
+
+
 def test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading(tmp_path):
     site = e2e.broken_hook_site(tmp_path / "broken")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)])}
