@@ -9,7 +9,10 @@
 * ``check_bootstrap_peer`` (BEFORE ``TokenizerManager._validate_one_request``): with
   ``PRFAAS_PEER_HOSTS`` set (the launcher sets it from the topology), a request whose
   ``bootstrap_host`` is not a peer is refused with SGLang's 400 for invalid input, before a
-  decode worker contacts that host.
+  decode worker contacts that host. SGLang's own marker ``FAKE_BOOTSTRAP_HOST`` passes: its
+  ``/health`` probe and start-up warm-up of a PD worker carry it, and no worker contacts it (the
+  prefill skips the transfer, the decode fakes the hand-off). Refusing it left every PD worker
+  unhealthy for good (seen on the lent H200, 2026-11-26).
 
 * ``check_ids_in_vocab`` (BEFORE the same method, every worker): a prompt id outside
   ``[0, vocab_size)`` is refused with SGLang's 400. SGLang 0.5.15 defines this check
@@ -55,8 +58,10 @@ def check_bootstrap_peer(tokenizer_manager, obj, input_ids=None, *args, **kwargs
     allowed = peer_hosts()
     if allowed is None:
         return None
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
     for one in host if isinstance(host, list) else [host]:
-        if one is None:
+        if one is None or one == FAKE_BOOTSTRAP_HOST:
             continue
         try:
             check_peer(allowed, str(one), "bootstrap_host")

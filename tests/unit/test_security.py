@@ -343,6 +343,31 @@ def test_the_bootstrap_peer_hook_refuses_a_host_outside_the_topology(monkeypatch
     assert check_bootstrap_peer(None, GenerateReqInput(input_ids=[1]), [1]) is None  # not a PD request
 
 
+def test_the_bootstrap_peer_hook_lets_sglangs_own_health_probe_and_warmup_through(monkeypatch):
+    """SGLang's /health and PD warm-up send ``FAKE_BOOTSTRAP_HOST`` (a host no worker contacts):
+    refused, a PD worker with peers configured never turned healthy (seen on a GPU)."""
+    import inspect
+
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from prfaas_sglang.hooks.deployment_auth import check_bootstrap_peer
+
+    monkeypatch.setenv("PRFAAS_PEER_HOSTS", "10.0.0.1,10.0.0.2")
+    health = GenerateReqInput(input_ids=[0], bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=0)
+    warmup = GenerateReqInput(input_ids=[[0], [0]], bootstrap_host=[FAKE_BOOTSTRAP_HOST] * 2, bootstrap_room=[0, 1])
+    assert check_bootstrap_peer(None, health, [0]) is None
+    assert check_bootstrap_peer(None, warmup, [[0], [0]]) is None
+    mixed = GenerateReqInput(input_ids=[[0], [0]], bootstrap_host=[FAKE_BOOTSTRAP_HOST, "10.9.9.9"], bootstrap_room=[0, 1])
+    with pytest.raises(ValueError, match="'10.9.9.9' is not a peer"):
+        check_bootstrap_peer(None, mixed, [[0], [0]])
+    # the marker is still what SGLang's probe and warm-up send (else this allowance is stale)
+    source = inspect.getsource(http_server)
+    assert "gri.bootstrap_host = FAKE_BOOTSTRAP_HOST" in source
+    assert '"bootstrap_host": [FAKE_BOOTSTRAP_HOST] * server_args.dp_size' in source
+
+
 # --- the launcher ---------------------------------------------------------------------------
 
 
