@@ -71,7 +71,7 @@ from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
-from prfaas_sglang.transport.kv_send import Batch, Ended, SendLedger, coalesce
+from prfaas_sglang.transport.kv_send import SENDER_METRICS, Batch, Ended, SendLedger, coalesce
 from prfaas_sglang.transport.lane_pacing import LanePacing
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_DEFAULT_LANES, lanes_per_peer
 
@@ -80,10 +80,44 @@ _ATTR = "_prfaas_sender"
 MAX_BATCHES_IN_FLIGHT = 8  # chunks per decode session queued or on the wire at once (a bound on the queue)
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.001  # the pump's sleep while writes are in flight: a lane waits this long at most
 RESET_SCAN_S = 0.5
+METRICS_PUBLISH_S = 1.0  # how often the pump brings SenderMetrics up to date while it works
 # A write the engine fails this soon after taking it never had a connection (a real send fails after an
 # RTT at least, a stall after the stall bound): it is handed again once, after Mooncake's 1 s reconnect
 # cooldown (``SendLedger``).
 RETRY_WITHIN_S, RETRY_AFTER_S = 0.25, 1.2
+
+
+class SenderMetrics:
+    """An :class:`AsyncKvSender`'s counters in a real SGLang worker's ``/metrics``, under the names the
+    emulated engine's ``/metrics`` uses (``transport.kv_send.SENDER_METRICS``).
+
+    Made with prometheus_client in the scheduler process; SGLang (``--enable-metrics``) runs it in
+    multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, inherited from the launching process), and its
+    HTTP server's ``/metrics`` collects every process's values, so these appear beside ``sglang:*``.
+    The in-flight gauge is summed over live processes. :meth:`publish` is called by the sender's
+    pump only (one thread): it adds to each counter what grew since the previous call."""
+
+    def __init__(self, labels: dict[str, str]):
+        from prometheus_client import Counter, Gauge
+
+        names = sorted(labels)
+        self._metrics = {}
+        for key, name, kind, doc in SENDER_METRICS:
+            if kind == "counter":  # prometheus_client adds the _total suffix itself
+                metric = Counter(name.removesuffix("_total"), doc, names)
+            else:
+                metric = Gauge(name, doc, names, multiprocess_mode="livesum")
+            self._metrics[key] = (kind, metric.labels(**labels))
+        self._published: dict[str, int] = {}
+
+    def publish(self, counters: dict[str, int]) -> None:
+        for key, (kind, metric) in self._metrics.items():
+            value = counters[key]
+            if kind == "gauge":
+                metric.set(value)
+            elif (grown := value - self._published.get(key, 0)) > 0:
+                metric.inc(grown)
+            self._published[key] = value
 
 
 class AsyncKvSender:
@@ -109,7 +143,8 @@ class AsyncKvSender:
 
     def __init__(self, manager, engine, wait_bound_s: float, lanes: int = MOONCAKE_DEFAULT_LANES,
                  resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S,
-                 pacing: LanePacing | None = None, hand_on_failures: bool = False):
+                 pacing: LanePacing | None = None, hand_on_failures: bool = False,
+                 metrics: SenderMetrics | None = None):
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
         self.manager = manager
@@ -134,6 +169,8 @@ class AsyncKvSender:
         self.writes_failed = 0
         self.batches_submitted = 0
         self.max_writes_in_flight = 0  # the most writes to one session the engine held at once
+        self.metrics = metrics
+        self._next_publish_s = 0.0
         self._closed = False
         self._pump = threading.Thread(target=self._run, name="prfaas-kv-send", daemon=True)
         self._pump.start()
@@ -277,10 +314,20 @@ class AsyncKvSender:
 
     # --- the pump ------------------------------------------------------------------------------
 
+    def _publish(self) -> None:
+        """Bring :attr:`metrics` up to date: every METRICS_PUBLISH_S while batches are open, and at
+        once when none is (so the last write's counts and an empty queue show)."""
+        now_s = time.monotonic()
+        if self.metrics is None or (self.ledger.batches and now_s < self._next_publish_s):
+            return
+        self._next_publish_s = now_s + METRICS_PUBLISH_S
+        self.metrics.publish(self.counters())
+
     def _run(self) -> None:
         delay = POLL_MIN_S
         while True:
             try:
+                self._publish()
                 with self._lock:
                     while not self.ledger.batches and not self._closed:
                         self._changed.wait()
@@ -490,8 +537,11 @@ def start_async_sender(result, manager, args, disaggregation_mode, server_args, 
         logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
                        "single writes; sending synchronously")
         return None
+    metrics = None
+    if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics then shows the sender's counters too
+        metrics = SenderMetrics({"model_name": str(server_args.served_model_name or server_args.model_path)})
     sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose(),
-                           pacing=pacing)
+                           pacing=pacing, metrics=metrics)
     setattr(manager, _ATTR, sender)
     if envs.KV_LAYERWISE.get():
         layerwise.attach(manager, sender)

@@ -48,6 +48,15 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("KV bytes sent per worker", "Bps",
                   (("sum by (pod) (rate(prfaas:kv_bytes_sent_total[1m]))", "{{pod}}"),),
                   description="Emulated engines; SGLang's Mooncake backend exports no byte counter."),
+        PanelSpec("KV writes per PrfaaS worker (sender)", "ops",
+                  (("sum by (pod) (rate(prfaas:kv_writes_submitted_total[1m]))", "{{pod}} submitted"),
+                   ("sum by (pod) (rate(prfaas:kv_writes_failed_total[1m]))", "{{pod}} failed"),
+                   ("sum by (pod) (rate(prfaas:kv_writes_retried_total[1m]))", "{{pod}} retried")),
+                  width=12, description="The kv-send hooks' asynchronous sender, on SGLang (--enable-metrics) and "
+                                        "emulated workers alike."),
+        PanelSpec("KV queued or in flight per PrfaaS worker", "bytes",
+                  (("sum by (pod) (prfaas:kv_send_in_flight_bytes)", "{{pod}}"),), width=12,
+                  description="Grows while the link carries less than the prefills produce."),
     )),
     ("Latency", (
         PanelSpec("TTFT", "s",

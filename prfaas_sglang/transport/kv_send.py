@@ -46,6 +46,17 @@ WRITE_S = 0.1  # timed_write_bytes: how long one write should take at its lane's
 Entry = tuple[int, int, int]  # (src, dst, length)
 
 
+# The sender's counters as metrics, one table for every /metrics that shows them (the emulated
+# engine's text and a real SGLang worker's prometheus_client): counters() key -> (name, type, help).
+SENDER_METRICS = (
+    ("writes_submitted", "prfaas:kv_writes_submitted_total", "counter", "KV writes handed to the transfer engine"),
+    ("writes_failed", "prfaas:kv_writes_failed_total", "counter", "KV writes that failed or the engine refused"),
+    ("writes_retried", "prfaas:kv_writes_retried_total", "counter", "KV writes handed to the engine again"),
+    ("pacing_changes", "prfaas:kv_lane_pacing_changes_total", "counter", "changes of the lanes' pacing cap"),
+    ("in_flight_bytes", "prfaas:kv_send_in_flight_bytes", "gauge", "KV bytes queued or on the wire now"),
+)
+
+
 def coalesce(blocks: Iterable[tuple[int, int, int]]) -> list[Entry]:
     """``(src, dst, length)`` entries with each one that continues the previous on both
     sides (``src + length`` and ``dst + length`` are the next entry's) merged into it;

@@ -58,7 +58,9 @@ BOOT_PORT = int(os.environ["BOOT_PORT"])
 SERVER_ARGS = types.SimpleNamespace(
     host="127.0.0.1", port=30000, disaggregation_bootstrap_port=BOOT_PORT, dist_init_addr=None, nnodes=1,
     enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
-    enable_trace=False, chunked_prefill_size=8192)
+    enable_trace=False, chunked_prefill_size=8192,
+    # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
+    enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ, served_model_name="probe", model_path="/m")
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
 DEAD_SESSION = "127.0.0.1:1"
 
@@ -128,6 +130,7 @@ def main() -> dict:
     if async_sender is not None:  # let the last writes' completions be read (they are, at the latest, by the aux barrier)
         async_sender.settle(10.0)
     return {"requests": results, "success": int(KVPoll.Success), "failed": int(KVPoll.Failed), "samples": samples,
+            "metrics": collected_metrics(async_sender),
             "async": None if async_sender is None else {
                 "batches": async_sender.batches_submitted, "writes": async_sender.writes_submitted,
                 "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes(),
@@ -139,6 +142,27 @@ def main() -> dict:
             "metered_transfers": telemetry.transfers_total if telemetry else None,
             "kv_bytes_per_request": 192 * PAGE_BYTES * 2 * NUM_LAYERS, "aux_bytes_per_request": AUX_BYTES,
             "decode_has_telemetry": hasattr(decode, "_prfaas_link")}
+
+
+def collected_metrics(async_sender) -> dict | None:
+    """``{metric line name: value}`` of every ``prfaas:`` sample, collected from the multiprocess
+    directory as SGLang's /metrics does, once the pump has published the sender's final counts."""
+    if not SERVER_ARGS.enable_metrics:
+        return None
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    samples: dict = {}
+    deadline = time.time() + 5.0
+    while time.time() < deadline:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                   for line in generate_latest(registry).decode().splitlines() if line.startswith("prfaas:")}
+        if async_sender is None or samples.get('prfaas:kv_writes_submitted_total{model_name="probe"}') == async_sender.writes_submitted:
+            break
+        time.sleep(0.05)
+    return samples
 
 
 def main_layerwise() -> dict:

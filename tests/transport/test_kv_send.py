@@ -11,7 +11,13 @@ SGLang's synchronous batches, and the next request goes through; the meter sees 
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import threading
 import time
 import types
@@ -513,6 +519,45 @@ def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
     assert out["metered_bytes"] == REQUESTS * per_request  # the meter saw every byte land
     assert out["metered_transfers"] == REQUESTS * (CHUNKS + 1)
     assert out["prefill_rooms_left"] == out["decode_rooms_left"] == out["transfer_infos_left"] == []
+
+
+def test_with_enable_metrics_sglangs_metrics_show_the_senders_counters(tmp_path):
+    """SGLang's --enable-metrics (multiprocess prometheus_client): the scheduler-side sender's counters
+    are collected from the shared directory, as the HTTP server's /metrics collects them."""
+    out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    sent, shown = out["async"], out["metrics"]
+    label = '{model_name="probe"}'
+    assert shown[f"prfaas:kv_writes_submitted_total{label}"] == sent["writes"] > 0
+    assert shown[f"prfaas:kv_writes_failed_total{label}"] == 0 == sent["writes_failed"]
+    assert shown[f"prfaas:kv_writes_retried_total{label}"] == 0
+    assert shown[f"prfaas:kv_lane_pacing_changes_total{label}"] == 0
+    assert shown[f"prfaas:kv_send_in_flight_bytes{label}"] == 0
+    assert run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1")["metrics"] is None  # metrics off: none made
+
+
+def test_sender_metrics_add_what_grew_and_set_the_gauge():
+    """SenderMetrics in a fresh interpreter in multiprocess mode, collected as SGLang collects."""
+    code = textwrap.dedent("""
+        import json
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+        from prfaas_sglang.hooks.kv_send import SenderMetrics
+        m = SenderMetrics({"model_name": "m"})
+        base = {"writes_submitted": 3, "writes_failed": 1, "writes_retried": 0, "pacing_changes": 0, "in_flight_bytes": 4096}
+        m.publish(base)
+        m.publish({**base, "writes_submitted": 10, "in_flight_bytes": 0})
+        m.publish({**base, "writes_submitted": 10, "in_flight_bytes": 0})  # nothing grew: nothing added
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        print(json.dumps([l for l in generate_latest(registry).decode().splitlines() if l.startswith("prfaas:")]))
+    """)
+    with tempfile.TemporaryDirectory() as directory:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": directory})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert {'prfaas:kv_writes_submitted_total{model_name="m"} 10.0', 'prfaas:kv_writes_failed_total{model_name="m"} 1.0',
+            'prfaas:kv_writes_retried_total{model_name="m"} 0.0', 'prfaas:kv_send_in_flight_bytes{model_name="m"} 0.0'} <= lines
 
 
 def test_a_refused_transfer_fails_the_request_on_both_sides_and_the_next_one_succeeds():

@@ -46,6 +46,7 @@ from prfaas_sglang.protocol import (
     stream_error,
     usage_chunk,
 )
+from prfaas_sglang.transport.kv_send import SENDER_METRICS
 from prfaas_sglang.wire.auth import AUTH_HEADER, AuthError
 from prfaas_sglang.wire.blocks import HASH_SCHEME
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport
@@ -163,11 +164,7 @@ def _metrics(engine: MockEngine) -> str:
     sender = engine.kv.sender if engine.kv else None
     if sender is not None:  # a PrfaaS worker's KV sender (the kv-send hooks' own)
         c = sender.counters()
-        rows += [("prfaas:kv_writes_submitted_total", "counter", c["writes_submitted"]),
-                 ("prfaas:kv_writes_failed_total", "counter", c["writes_failed"]),
-                 ("prfaas:kv_writes_retried_total", "counter", c["writes_retried"]),
-                 ("prfaas:kv_lane_pacing_changes_total", "counter", c["pacing_changes"]),
-                 ("prfaas:kv_send_in_flight_bytes", "gauge", c["in_flight_bytes"])]
+        rows += [(name, kind, c[key]) for key, name, kind, _ in SENDER_METRICS]
     text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
     text += "# TYPE prfaas:auth_rejected_total counter\n"
     for reason in ("missing", "malformed", "stale", "bad_mac", "replayed", "bad_key", "unknown_peer"):
