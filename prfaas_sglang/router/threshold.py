@@ -20,6 +20,13 @@ queue-balance bias::
   exceeds ``rise_ratio`` of it for ``confirm_s`` (back to nominal once within
   ``recovered_ratio`` of it). A capacity change re-searches ``model_t`` and
   resets ``bias`` to 1 (the queues it answered belonged to the old link).
+  A drop is taken at the sample that confirmed it, often one of the transition
+  (writes begun at the old rate land late) and low by a fifth; the rise rule
+  cannot correct that. So while constrained, the busy samples that are neither a
+  drop nor a rise are averaged (``track_gain`` per sample), and once that average
+  is ``min_relative_change`` away from the estimate it becomes the estimate: a
+  refinement of the same link, which keeps ``bias`` and moves ``t`` under the
+  usual rule.
   Any other change of ``t`` smaller than ``min_relative_change`` is not made:
   ``t`` settles.
 * ``bias`` (starts at 1) answers the queues: the outstanding prefill seconds per
@@ -80,12 +87,15 @@ class ControllerSettings:
     prior_weight: float = 100.0
     probe_interval_s: float = 2.0
     probe_max_s: float = 8.0
+    track_gain: float = 0.25  # while constrained: weight of each busy sample in the refined capacity
 
     def __post_init__(self):
         if not 0 < self.busy_hold <= self.busy_high <= 1:
             raise ValueError("need 0 < busy_hold <= busy_high <= 1")
         if not 0 < self.drop_ratio < 1 < self.rise_ratio or not 0 < self.recovered_ratio <= 1:
             raise ValueError("need 0 < drop_ratio < 1 < rise_ratio and 0 < recovered_ratio <= 1")
+        if not 0 < self.track_gain <= 1:
+            raise ValueError("need 0 < track_gain <= 1")
         if not 0 < self.probe_interval_s <= self.probe_max_s:
             raise ValueError("need 0 < probe_interval_s <= probe_max_s")
         if not 0 < self.queue_low_s < self.queue_high_s or self.step_factor <= 1 or self.time_scale <= 0:
@@ -139,6 +149,7 @@ class ThresholdController:
         self._capacity_reason = ""
         self._drop_since: float | None = None
         self._rise_since: float | None = None
+        self._tracked_bps: float | None = None  # busy samples' average while constrained
         self._last_adjust_s = -math.inf
         self._last_step: tuple[int, float] | None = None  # (direction, the queue it answered, engine s)
         self._idle_since: float | None = None
@@ -165,9 +176,11 @@ class ThresholdController:
             self._last_progress_s = now_s
         capacity_changed = False
         if link is not None and link.capacity_bps is not None:
-            capacity_changed = bool(self._update_capacity(now_s, link))
-            if capacity_changed:
+            event = self._update_capacity(now_s, link)
+            if event is not None:
                 reasons.append(self._capacity_reason)
+            if event == "changed":  # another link: the queues bias answered belonged to the old one
+                capacity_changed = True
                 self.bias, self._last_adjust_s, self._idle_since = 1.0, now_s, None
         if now_s - self._last_research_s >= s.research_every_s:
             self._last_research_s = now_s
@@ -232,7 +245,9 @@ class ThresholdController:
 
     # --- internals ---------------------------------------------------------------------
 
-    def _update_capacity(self, now_s: float, link: LinkView) -> list[str]:
+    def _update_capacity(self, now_s: float, link: LinkView) -> str | None:
+        """``"changed"`` (a drop or a rise confirmed), ``"refined"`` (the same constrained link, its
+        estimate corrected by its busy samples), or None; ``_capacity_reason`` says why."""
         s, m, est = self.settings, link.capacity_bps, self.capacity_est_bps
         busy = link.busy_fraction >= (s.busy_high if self._drop_since is None else s.busy_hold)
         if m < s.drop_ratio * est and busy:
@@ -240,21 +255,31 @@ class ThresholdController:
             self._drop_since = self._drop_since if self._drop_since is not None else now_s
             if now_s - self._drop_since >= s.confirm_s:
                 self._drop_since = None
-                self.capacity_est_bps = max(m, 1e-3 * self.nominal_bps)
+                self.capacity_est_bps = self._tracked_bps = max(m, 1e-3 * self.nominal_bps)
                 self._capacity_reason = f"link delivers {m / 1e6:.1f} Mbit/s while busy {link.busy_fraction:.2f}"
-                return [self._capacity_reason]
-            return []
+                return "changed"
+            return None
         self._drop_since = None
         if m > s.rise_ratio * est:
             self._rise_since = self._rise_since if self._rise_since is not None else now_s
             if now_s - self._rise_since >= s.confirm_s:
                 self._rise_since = None
                 self.capacity_est_bps = self.nominal_bps if m >= s.recovered_ratio * self.nominal_bps else min(m, self.nominal_bps)
+                self._tracked_bps = self.capacity_est_bps
                 self._capacity_reason = f"link capacity back to {self.capacity_est_bps / 1e6:.1f} Mbit/s"
-                return [self._capacity_reason]
-            return []
+                return "changed"
+            return None
         self._rise_since = None
-        return []
+        if not self.constrained or link.busy_fraction < s.busy_high:
+            return None
+        tracked = m if self._tracked_bps is None else self._tracked_bps + s.track_gain * (m - self._tracked_bps)
+        self._tracked_bps = tracked
+        if abs(tracked - est) < s.min_relative_change * est:
+            return None
+        self.capacity_est_bps = min(tracked, self.nominal_bps)
+        self._capacity_reason = (f"link delivers {tracked / 1e6:.1f} Mbit/s while busy (estimate refined from "
+                                 f"{est / 1e6:.1f})")
+        return "refined"
 
     def _refresh_workload(self, now_s: float) -> bool:
         s = self.settings

@@ -266,6 +266,43 @@ class TestThresholdController:
         changes = [c.observe(k * 0.25, busy_link(40 + (k % 5)), IDLE) for k in range(400)]  # 100 s, noisy 40-44 Mbit/s
         assert sum(x is not None for x in changes) == 1
 
+    def test_a_drop_taken_at_a_low_transition_sample_is_refined_by_the_busy_samples_after_it(self):
+        """The confirming sample of a drop is often a transition's (writes begun at the old rate land
+        late): here 30 Mbit/s on a link that then delivers 41.5 while busy, within the rise rule's 1.4x,
+        so that rule never corrects it. The busy samples do, keeping bias, and t follows."""
+        c = controller(min_relative_change=0.05)  # the stand-in planner moves t 10% for these 30%
+        c.observe(0.0, busy_link(30), IDLE)
+        dropped = c.observe(0.6, busy_link(30), IDLE)
+        assert dropped is not None and c.capacity_est_bps == 30e6
+        changes = [c.observe(1.0 + 0.25 * k, busy_link(41.5), IDLE) for k in range(20)]
+        assert 0.9 * 41.5e6 <= c.capacity_est_bps <= 41.5e6 and c.constrained
+        assert "while busy (estimate refined from" in c.history[-1][2]
+        assert c.threshold_tokens < dropped and sum(x is not None for x in changes) >= 1
+        settled = c.threshold_tokens
+        assert all(c.observe(6.0 + 0.25 * k, busy_link(40 + k % 3), IDLE) is None for k in range(40))  # then it holds
+        assert c.threshold_tokens == settled
+        stepped = controller()
+        stepped.observe(0.0, busy_link(30), IDLE)
+        stepped.observe(0.6, busy_link(30), IDLE)
+        stepped.bias = 1.25  # as if PrfaaS had backed up meanwhile: a refinement is the same link, so it stays
+        for k in range(20):
+            stepped.observe(1.0 + 0.25 * k, busy_link(41.5), IDLE)
+        assert stepped.capacity_est_bps > 0.9 * 41.5e6 and stepped.bias == 1.25
+
+    def test_only_busy_samples_refine_and_only_while_constrained(self):
+        c = controller()
+        c.observe(0.0, busy_link(30), IDLE)
+        c.observe(0.6, busy_link(30), IDLE)
+        for k in range(20):  # a partly idle link's rate says little about its capacity
+            c.observe(1.0 + 0.25 * k, LinkView(38e6, 0.6, 20e6, 20e6, 0), IDLE)
+        assert c.capacity_est_bps == 30e6
+        fresh = controller()
+        for k in range(20):  # a healthy link: busy samples within the band leave the nominal estimate alone
+            fresh.observe(0.25 * k, busy_link(350), IDLE)
+        assert fresh.capacity_est_bps == NOMINAL and not fresh.constrained
+        with pytest.raises(ValueError, match="track_gain"):
+            ControllerSettings(track_gain=0.0)
+
     def test_recovery_returns_to_the_baseline(self):
         c = controller()
         baseline = c.threshold_tokens
