@@ -67,6 +67,7 @@ import os
 import threading
 import time
 
+from prfaas_sglang.adapters.prom import ProcessMetrics, worker_labels
 from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hooks import layerwise
@@ -80,44 +81,11 @@ _ATTR = "_prfaas_sender"
 MAX_BATCHES_IN_FLIGHT = 8  # chunks per decode session queued or on the wire at once (a bound on the queue)
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.001  # the pump's sleep while writes are in flight: a lane waits this long at most
 RESET_SCAN_S = 0.5
-METRICS_PUBLISH_S = 1.0  # how often the pump brings SenderMetrics up to date while it works
+METRICS_PUBLISH_S = 1.0  # how often the pump brings its ProcessMetrics up to date while it works
 # A write the engine fails this soon after taking it never had a connection (a real send fails after an
 # RTT at least, a stall after the stall bound): it is handed again once, after Mooncake's 1 s reconnect
 # cooldown (``SendLedger``).
 RETRY_WITHIN_S, RETRY_AFTER_S = 0.25, 1.2
-
-
-class SenderMetrics:
-    """An :class:`AsyncKvSender`'s counters in a real SGLang worker's ``/metrics``, under the names the
-    emulated engine's ``/metrics`` uses (``transport.kv_send.SENDER_METRICS``).
-
-    Made with prometheus_client in the scheduler process; SGLang (``--enable-metrics``) runs it in
-    multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, inherited from the launching process), and its
-    HTTP server's ``/metrics`` collects every process's values, so these appear beside ``sglang:*``.
-    The in-flight gauge is summed over live processes. :meth:`publish` is called by the sender's
-    pump only (one thread): it adds to each counter what grew since the previous call."""
-
-    def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Counter, Gauge
-
-        names = sorted(labels)
-        self._metrics = {}
-        for key, name, kind, doc in SENDER_METRICS:
-            if kind == "counter":  # prometheus_client adds the _total suffix itself
-                metric = Counter(name.removesuffix("_total"), doc, names)
-            else:
-                metric = Gauge(name, doc, names, multiprocess_mode="livesum")
-            self._metrics[key] = (kind, metric.labels(**labels))
-        self._published: dict[str, int] = {}
-
-    def publish(self, counters: dict[str, int]) -> None:
-        for key, (kind, metric) in self._metrics.items():
-            value = counters[key]
-            if kind == "gauge":
-                metric.set(value)
-            elif (grown := value - self._published.get(key, 0)) > 0:
-                metric.inc(grown)
-            self._published[key] = value
 
 
 class AsyncKvSender:
@@ -144,7 +112,7 @@ class AsyncKvSender:
     def __init__(self, manager, engine, wait_bound_s: float, lanes: int = MOONCAKE_DEFAULT_LANES,
                  resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S,
                  pacing: LanePacing | None = None, hand_on_failures: bool = False,
-                 metrics: SenderMetrics | None = None):
+                 metrics: ProcessMetrics | None = None):
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
         self.manager = manager
@@ -315,8 +283,9 @@ class AsyncKvSender:
     # --- the pump ------------------------------------------------------------------------------
 
     def _publish(self) -> None:
-        """Bring :attr:`metrics` up to date: every METRICS_PUBLISH_S while batches are open, and at
-        once when none is (so the last write's counts and an empty queue show)."""
+        """Bring :attr:`metrics` (``transport.kv_send.SENDER_METRICS`` in SGLang's /metrics) up to
+        date: every METRICS_PUBLISH_S while batches are open, and at once when none is (so the last
+        write's counts and an empty queue show)."""
         now_s = time.monotonic()
         if self.metrics is None or (self.ledger.batches and now_s < self._next_publish_s):
             return
@@ -539,7 +508,7 @@ def start_async_sender(result, manager, args, disaggregation_mode, server_args, 
         return None
     metrics = None
     if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics then shows the sender's counters too
-        metrics = SenderMetrics({"model_name": str(server_args.served_model_name or server_args.model_path)})
+        metrics = ProcessMetrics(SENDER_METRICS, worker_labels(server_args))
     sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose(),
                            pacing=pacing, metrics=metrics)
     setattr(manager, _ATTR, sender)

@@ -35,6 +35,13 @@ from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC
 
 logger = logging.getLogger(__name__)
 INTERVAL_S = 0.25
+# What a PrfaaS SGLang worker with --enable-metrics adds to its /metrics (adapters.prom), under the
+# emulated engine's name where it has one: the dashboard's "KV bytes sent per worker" reads both.
+LINK_METRICS = (
+    ("delivered_bytes", "prfaas:kv_bytes_sent_total", "counter", "KV bytes delivered to decode peers"),
+    ("transfers", "prfaas:kv_transfers_total", "counter", "KV transfers (chunks and aux) ended"),
+    ("transfers_failed", "prfaas:kv_transfers_failed_total", "counter", "KV transfers ended undelivered"),
+)
 _ATTR = "_prfaas_link"  # the manager's LinkTelemetry, set by start_link_telemetry
 
 
@@ -42,9 +49,10 @@ class LinkTelemetry:
     """One prefill manager's meter and publisher thread. Thread-safe: transfer threads record,
     the publisher samples."""
 
-    def __init__(self, port: int, worker: str, bind_host: str = "*", curve=None):
+    def __init__(self, port: int, worker: str, bind_host: str = "*", curve=None, metrics=None):
         """Publishes on ``tcp://bind_host:port``; ``curve`` (``adapters.zmq.CurveKeys``) makes it a
-        CURVE server admitting only the deployment's subscribers."""
+        CURVE server admitting only the deployment's subscribers; ``metrics``
+        (``adapters.prom.ProcessMetrics`` of :data:`LINK_METRICS`) is brought up to date with each sample."""
         self.meter = LinkMeter(window_s=1.0)
         self.worker = worker
         self.port = port
@@ -57,6 +65,7 @@ class LinkTelemetry:
         self.delivered_bytes_total = 0
         self.transfers_total = 0
         self.failed_total = 0
+        self.metrics = metrics
         self._thread = threading.Thread(target=self._run, name="prfaas-link-telemetry", daemon=True)
 
     def start(self) -> None:
@@ -108,11 +117,19 @@ class LinkTelemetry:
                     sample = self.meter.sample(self.worker, time.monotonic(), time.time())
                 pub.send_multipart([TELEMETRY_TOPIC, with_tcp_view(sample, interval).encode()], flags=zmq.NOBLOCK)
                 self.samples_sent += 1
+                if self.metrics is not None:
+                    self.metrics.publish(self.totals())
             except Exception:  # noqa: BLE001 - telemetry must never take the worker down
                 logger.exception("prfaas_sglang: link telemetry sample failed")
         pub.close()
         if server is not None:
             server.close()
+
+    def totals(self) -> dict[str, int]:
+        """The counters :data:`LINK_METRICS` shows: KV bytes delivered, transfers ended, failed."""
+        with self._lock:
+            return {"delivered_bytes": self.delivered_bytes_total, "transfers": self.transfers_total,
+                    "transfers_failed": self.failed_total}
 
     def stop(self) -> None:
         self._stop.set()
@@ -129,8 +146,13 @@ def start_link_telemetry(result, manager, args, disaggregation_mode, server_args
     bind = getattr(server_args, "host", None) or "127.0.0.1"  # SGLang's --host: the configured interface
     host = socket.gethostname() if is_wildcard(bind) else bind
     keys = load_keys()
+    metrics = None
+    if getattr(server_args, "enable_metrics", False):
+        from prfaas_sglang.adapters.prom import ProcessMetrics, worker_labels
+
+        metrics = ProcessMetrics(LINK_METRICS, worker_labels(server_args))
     telemetry = LinkTelemetry(int(port), f"{host}:{getattr(server_args, 'port', '')}@pid{os.getpid()}", bind,
-                              CurveKeys.from_deployment(keys))
+                              CurveKeys.from_deployment(keys), metrics)
     setattr(manager, _ATTR, telemetry)
     telemetry.start()
     logger.info("prfaas_sglang: link telemetry on tcp://%s:%s%s", bind, port, " (CURVE)" if keys else "")

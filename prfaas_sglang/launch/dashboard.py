@@ -47,7 +47,8 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                    ("max(prfaas_router_link_capacity_estimate_bps)", "capacity estimate"))),
         PanelSpec("KV bytes sent per worker", "Bps",
                   (("sum by (pod) (rate(prfaas:kv_bytes_sent_total[1m]))", "{{pod}}"),),
-                  description="Emulated engines; SGLang's Mooncake backend exports no byte counter."),
+                  description="Emulated engines, and PrfaaS SGLang workers with --enable-metrics (our link "
+                              "telemetry's count; SGLang's in-cluster Mooncake backend exports none)."),
         PanelSpec("KV writes per PrfaaS worker (sender)", "ops",
                   (("sum by (pod) (rate(prfaas:kv_writes_submitted_total[1m]))", "{{pod}} submitted"),
                    ("sum by (pod) (rate(prfaas:kv_writes_failed_total[1m]))", "{{pod}} failed"),

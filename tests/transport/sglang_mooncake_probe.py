@@ -130,7 +130,7 @@ def main() -> dict:
     if async_sender is not None:  # let the last writes' completions be read (they are, at the latest, by the aux barrier)
         async_sender.settle(10.0)
     return {"requests": results, "success": int(KVPoll.Success), "failed": int(KVPoll.Failed), "samples": samples,
-            "metrics": collected_metrics(async_sender),
+            "metrics": collected_metrics(async_sender, prefill),
             "async": None if async_sender is None else {
                 "batches": async_sender.batches_submitted, "writes": async_sender.writes_submitted,
                 "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes(),
@@ -144,7 +144,7 @@ def main() -> dict:
             "decode_has_telemetry": hasattr(decode, "_prfaas_link")}
 
 
-def collected_metrics(async_sender) -> dict | None:
+def collected_metrics(async_sender, prefill_manager) -> dict | None:
     """``{metric line name: value}`` of every ``prfaas:`` sample, collected from the multiprocess
     directory as SGLang's /metrics does, once the pump has published the sender's final counts."""
     if not SERVER_ARGS.enable_metrics:
@@ -159,7 +159,12 @@ def collected_metrics(async_sender) -> dict | None:
         MultiProcessCollector(registry)
         samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                    for line in generate_latest(registry).decode().splitlines() if line.startswith("prfaas:")}
-        if async_sender is None or samples.get('prfaas:kv_writes_submitted_total{model_name="probe"}') == async_sender.writes_submitted:
+        telemetry = getattr(prefill_manager, "_prfaas_link", None)
+        sender_done = async_sender is None or samples.get(
+            'prfaas:kv_writes_submitted_total{model_name="probe"}') == async_sender.writes_submitted
+        link_done = telemetry is None or samples.get(
+            'prfaas:kv_bytes_sent_total{model_name="probe"}') == telemetry.delivered_bytes_total
+        if sender_done and link_done:
             break
         time.sleep(0.05)
     return samples

@@ -524,7 +524,8 @@ def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
 def test_with_enable_metrics_sglangs_metrics_show_the_senders_counters(tmp_path):
     """SGLang's --enable-metrics (multiprocess prometheus_client): the scheduler-side sender's counters
     are collected from the shared directory, as the HTTP server's /metrics collects them."""
-    out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1", PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+                    PRFAAS_TELEMETRY_PORT=str(PortPicker()()))
     sent, shown = out["async"], out["metrics"]
     label = '{model_name="probe"}'
     assert shown[f"prfaas:kv_writes_submitted_total{label}"] == sent["writes"] > 0
@@ -532,17 +533,23 @@ def test_with_enable_metrics_sglangs_metrics_show_the_senders_counters(tmp_path)
     assert shown[f"prfaas:kv_writes_retried_total{label}"] == 0
     assert shown[f"prfaas:kv_lane_pacing_changes_total{label}"] == 0
     assert shown[f"prfaas:kv_send_in_flight_bytes{label}"] == 0
+    # the link telemetry's totals too (PRFAAS_TELEMETRY_PORT given): every byte the meter saw land
+    assert shown[f"prfaas:kv_bytes_sent_total{label}"] == out["metered_bytes"] > 0
+    assert shown[f"prfaas:kv_transfers_total{label}"] == out["metered_transfers"]
+    assert shown[f"prfaas:kv_transfers_failed_total{label}"] == 0
     assert run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1")["metrics"] is None  # metrics off: none made
 
 
 def test_sender_metrics_add_what_grew_and_set_the_gauge():
-    """SenderMetrics in a fresh interpreter in multiprocess mode, collected as SGLang collects."""
+    """ProcessMetrics of the sender's table in a fresh interpreter in multiprocess mode, collected as
+    SGLang collects."""
     code = textwrap.dedent("""
         import json
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
-        from prfaas_sglang.hooks.kv_send import SenderMetrics
-        m = SenderMetrics({"model_name": "m"})
+        from prfaas_sglang.adapters.prom import ProcessMetrics
+        from prfaas_sglang.transport.kv_send import SENDER_METRICS
+        m = ProcessMetrics(SENDER_METRICS, {"model_name": "m"})
         base = {"writes_submitted": 3, "writes_failed": 1, "writes_retried": 0, "pacing_changes": 0, "in_flight_bytes": 4096}
         m.publish(base)
         m.publish({**base, "writes_submitted": 10, "in_flight_bytes": 0})
