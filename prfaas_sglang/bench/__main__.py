@@ -235,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     gb.add_argument("--model-config", type=Path, default=None, help="a hybrid config.json (or its directory) instead of the tiny model's")
     gb.add_argument("--json", action="store_true")
     ge = sub.add_parser("gpu-e2e", help="on the GPU machine: real SGLang in every role behind our router; seven checks")
-    ge.add_argument("--bundle", type=Path, required=True, help="the gpu-bundle output directory (bundle.tar.xz inside)")
+    ge.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (bundle.tar.xz inside)")
     ge.add_argument("--model-config", type=Path, default=None, help="a hybrid model directory instead of the bundle's tiny model")
     ge.add_argument("--checks", default=None, help="comma list (default: all)")
+    ge.add_argument("--engine", choices=("sglang", "mock"), default="sglang",
+                    help="mock: the harness's own dry run on CPU with emulated engines (shaped-link; needs "
+                         "--model-config, root for the namespace); it checks the harness, not SGLang")
     ge.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: every benchmark stops its processes and removes its namespaces in finally

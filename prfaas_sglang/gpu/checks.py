@@ -46,13 +46,14 @@ MODEL_NAME = "tiny-hybrid"
 
 @dataclass
 class Context:
-    root: Path
+    root: Path | None  # the unpacked bundle; None for the emulated dry run
     checkout: Path
     model_dir: Path
     procs: Processes
     work: Path
     log: Callable[[str], None]
-    reference: str = ""
+    engine: str = "sglang"  # or "mock": the harness's dry run on emulated engines
+    reference: str = ""  # the plain server's URL; empty in the dry run
     dep: RunningDeployment | None = None
     vocab_size: int = 0
     answers: dict | None = None  # greedy-equal's router answers, for shaped-link's comparison
@@ -153,8 +154,8 @@ def check_routing(ctx: Context) -> CheckResult:
         ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, 1000 + i)
         _, headers = _ask(router, case, ids, None)
         route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
-        want = "prfaas-b" if num_tokens >= 4096 else "pd-a"
-        sent["prfaas" if want == "prfaas-b" else "pd"] += 1
+        want = "prfaas" if num_tokens >= 4096 else "pd"  # the route header and metrics name the cluster kind
+        sent[want] += 1
         if not route.startswith(want + "/"):
             wrong.append(f"{num_tokens} tokens went to {route!r}, the threshold says {want}")
     after = {n: http("GET", ctx.dep.url(n) + "/metrics")[2].decode() for n in before}
@@ -162,8 +163,8 @@ def check_routing(ctx: Context) -> CheckResult:
     served = {n: metric_sum(after[n], "sglang:num_requests_total") - metric_sum(before[n], "sglang:num_requests_total")
               for n in before}
     routed = {c: metric_sum(router_after, "prfaas_router_routed_total", f'cluster="{c}"')
-              - metric_sum(router_before, "prfaas_router_routed_total", f'cluster="{c}"') for c in ("prfaas-b", "pd-a")}
-    if routed != {"prfaas-b": sent["prfaas"], "pd-a": sent["pd"]}:
+              - metric_sum(router_before, "prfaas_router_routed_total", f'cluster="{c}"') for c in ("prfaas", "pd")}
+    if routed != sent:
         wrong.append(f"router counters {routed} != sent {sent}")
     if served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"] or served["pd-decode-0"] != 4:
         wrong.append(f"engine request counters {served} disagree with sent {sent} (decode serves all)")
@@ -283,10 +284,11 @@ SHAPED_PROFILES = (("upstream", "upstream", None), ("wan", "wan", None),
                    ("wan-layerwise", "wan", {"PRFAAS_KV_LAYERWISE": "1"}))
 
 
-def _reference_answer(ctx: Context, case: dict, ids: list[int]) -> dict:
-    """The plain server's answer (greedy-equal's when it ran), the unshaped truth to compare to."""
+def _reference_answer(ctx: Context, case: dict, ids: list[int]) -> dict | None:
+    """The plain server's answer (greedy-equal's when it ran), the unshaped truth to compare to;
+    None in the dry run until a first profile answered (its answer is then the reference)."""
     known = (ctx.answers or {}).get(case["name"])
-    if known is not None:
+    if known is not None or not ctx.reference:
         return known
     wait_healthy(ctx.reference + "/health", ctx.procs.procs["reference"])
     return _ask(ctx.reference, case, ids, None)[0]
@@ -310,13 +312,15 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
     procs = Processes(ctx.work / f"logs-shaped-{profile}")
     try:
         started = time.monotonic()
-        # Each side's KV endpoint pinned to its end of the veth (SGLang's own address lookup could
-        # pick another local address; the KV would still cross the shaper, but the logs would not say so).
-        dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile,
+        # Every node on its end of the veth: PrfaaS inside, the rest on the host side (10.78.0.1, not
+        # loopback, which inside the namespace is the namespace's own). SGLang's KV endpoints pinned
+        # there too (its own address lookup could pick another local address).
+        dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile, host=ns.host_ip,
                                prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip,
                                prfaas_env={**(env or {}), "SGLANG_HOST_IP": ns.inner_ip},
                                pd_env={"SGLANG_HOST_IP": ns.host_ip},
-                               link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS), startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S)
+                               link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS), startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S,
+                               engine=ctx.engine)
         ctx.log(f"[shaped-link] {profile}: deployment healthy after {time.monotonic() - started:.1f} s")
         router, vocab = dep.url("router"), ctx.vocab_size or 4096
         for num_tokens in LONG_TOKENS:
@@ -327,12 +331,15 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
                        "warmup_s": round(warm_s, 3), "status": status, "route": route}
                 ctx.log(f"[shaped-link] {json.dumps(row)}")
                 rows.append(row)
-                if status != 200 or not (route or "").startswith("prfaas-b/"):
-                    problems.append(f"{profile} {num_tokens}: status {status}, route {route!r} (want prfaas-b/...)")
+                if status != 200 or not (route or "").startswith("prfaas/"):  # {cluster kind}/{prefill}/{decode}
+                    problems.append(f"{profile} {num_tokens}: status {status}, route {route!r} (want prfaas/...)")
             case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
             ids = prompt_ids(num_tokens, vocab, num_tokens)
             ours, _ = _ask(router, case, ids, None)
-            if why := output_mismatch(ours, _reference_answer(ctx, case, ids)):
+            reference = _reference_answer(ctx, case, ids)
+            if reference is None:
+                ctx.answers = {**(ctx.answers or {}), case["name"]: ours}
+            elif why := output_mismatch(ours, reference):
                 problems.append(f"{profile} {num_tokens}: {why}")
     except Exception as err:  # noqa: BLE001 - one profile's failure is reported; the others still run
         problems.append(f"{profile}: {type(err).__name__}: {err}")

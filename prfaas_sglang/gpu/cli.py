@@ -36,17 +36,25 @@ def bundle_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from prfaas_sglang.gpu.e2e import CHECKS, gpu_unavailable, run
+    from prfaas_sglang.gpu.e2e import CHECKS, MOCK_CHECKS, gpu_unavailable, run
 
-    checks = tuple(args.checks.split(",")) if args.checks else CHECKS
+    mock = args.engine == "mock"
+    checks = tuple(args.checks.split(",")) if args.checks else (MOCK_CHECKS if mock else CHECKS)
     if unknown := [c for c in checks if c not in CHECKS]:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
-    if (why := gpu_unavailable()) is not None:
-        print(f"gpu-e2e: {why}", file=sys.stderr)
-        return 2
-    if not args.bundle.is_dir():
-        parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    if mock:  # the harness's dry run on CPU: emulated engines, no bundle
+        if wrong := [c for c in checks if c not in MOCK_CHECKS]:
+            parser.error(f"--engine mock runs {', '.join(MOCK_CHECKS)} only, not {wrong}")
+        if args.model_config is None or not (args.model_config / "tokenizer.json").is_file():
+            parser.error("--engine mock needs --model-config DIR, a model directory with its tokenizer "
+                         "(bench gpu-bundle writes one to OUT/model)")
+    else:
+        if (why := gpu_unavailable()) is not None:
+            print(f"gpu-e2e: {why}", file=sys.stderr)
+            return 2
+        if args.bundle is None or not args.bundle.is_dir():
+            parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
-    result = run(args.bundle, args.model_config, checks, log)
+    result = run(args.bundle, args.model_config, checks, log, engine=args.engine)
     print(json.dumps(result, indent=2) if args.json else json.dumps({k: result[k] for k in ("ok", "passed", "failed")}))
     return 0 if result["ok"] else 1

@@ -69,6 +69,10 @@ SHAPED_RTT_MS = 1.0  # what the topology states for the shaped link: a veth has 
 SHAPED_REPEATS = 3  # timed prompts per length and profile, each a fresh one (no cache hit)
 SHAPED_STARTUP_TIMEOUT_S = 300.0
 SHAPED_REQUEST_TIMEOUT_S = 120.0
+# ``--engine mock``: the harness's own dry run on CPU (emulated engines, no reference server):
+# what it checks is the harness (namespaces, launcher, router, timing), not SGLang.
+MOCK_CHECKS = ("shaped-link",)
+MOCK_EMULATION = {"speedup": 10.0, "kv_scale": 0.01}
 
 
 # --- pure helpers ------------------------------------------------------------------------------
@@ -166,7 +170,8 @@ def output_mismatch(ours: dict, reference: dict) -> str | None:
 
 
 def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0.1",
-                 prfaas_host: str | None = None, link: tuple[float, float] = (1.0, 20.0)) -> dict:
+                 prfaas_host: str | None = None, link: tuple[float, float] = (1.0, 20.0),
+                 emulation: dict | None = None) -> dict:
     """The topology the check starts: one PrfaaS node, one PD prefill, one PD decode, router and
     kv-index, the model's tokenizer in the router, every SGLang server with :data:`SERVER_FLAGS`;
     ``link`` = (Gbit/s, RTT ms) stated for PrfaaS -> PD (the WAN profile is sized from it)."""
@@ -178,7 +183,7 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
             node["telemetry_port"] = ports()
         return node
 
-    return {
+    doc = {
         "version": 1,
         "model": {"path": str(model_dir), "served_name": "tiny-hybrid", "tokenizer": str(model_dir),
                   "cost_model": "kimi-linear-1t-hybrid", "extra_args": list(SERVER_FLAGS)},
@@ -194,6 +199,9 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
         "scheduler": {"workload": {"kind": "lognormal", "mu": 9.9, "sigma": 1.0, "min_tokens": 128, "max_tokens": 40960},
                       "output_tokens": MAX_NEW_TOKENS, "slo_tokens_per_s": 1, "ttft_slo_s": 600},
     }
+    if emulation is not None:  # emulated engines (the dry run) scale time and KV bytes so
+        doc["emulation"] = dict(emulation)
+    return doc
 
 
 def summary(results: Iterable[CheckResult], facts: dict) -> dict:
@@ -257,11 +265,12 @@ def unpack(bundle_dir: Path) -> Path:
     return root
 
 
-def bundle_env(root: Path, checkout: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment every process gets: the checkout, then the bundle's site, on PYTHONPATH; no
-    hub access; none of this shell's PRFAAS_* or MC_* settings."""
+def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every process gets: the checkout, then the bundle's site (none for the
+    emulated dry run: ``root`` None), on PYTHONPATH; no hub access; none of this shell's PRFAAS_* or
+    MC_* settings."""
     env = {k: v for k, v in (base if base is not None else os.environ).items() if not k.startswith(("PRFAAS_", "MC_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(root / "site")])
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout)] + ([str(root / "site")] if root is not None else []))
     # SGLang's own flashinfer paths off too (the bundle carries no flashinfer JIT sources; bundle.REWRITES)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", SGLANG_IS_FLASHINFER_AVAILABLE="false")
     return env
@@ -405,7 +414,8 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
                      kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None,
                      prfaas_env: dict[str, str] | None = None, link: tuple[float, float] = (1.0, 20.0),
                      startup_timeout_s: float = STARTUP_TIMEOUT_S,
-                     pd_env: dict[str, str] | None = None) -> RunningDeployment:
+                     pd_env: dict[str, str] | None = None, engine: str = "sglang",
+                     host: str = "127.0.0.1") -> RunningDeployment:
     """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises when any
     does not become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
     PrfaaS server's / the PD servers' environment."""
@@ -413,14 +423,15 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
 
     from prfaas_sglang.demo.cluster import PortPicker
 
-    topology = e2e_topology(model_dir, PortPicker(), prfaas_host=prfaas_host, link=link)
+    topology = e2e_topology(model_dir, PortPicker(), host=host, prfaas_host=prfaas_host, link=link,
+                            emulation=MOCK_EMULATION if engine == "mock" else None)
     config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}{'-env' if prfaas_env else ''}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
     env = bundle_env(root, checkout)
     dep = RunningDeployment(topology, config, env, procs)
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
-        extra = ["--kv-profile", kv_profile] if name == "prfaas-0" else []
+        extra = (["--kv-profile", kv_profile] if name == "prfaas-0" else []) + (["--engine", engine] if engine != "sglang" else [])
         node_env = {**env, **(prfaas_env or {})} if name == "prfaas-0" else {**env, **(pd_env or {})}
         procs.start(name, [*launch, "--node", name, *extra], {**node_env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
                     preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
@@ -462,23 +473,27 @@ def run_order(checks: Iterable[str]) -> list[str]:
     return [c for c in checks if c == "shaped-link"] + [c for c in checks if c != "shaped-link"]
 
 
-def run(bundle_dir: Path, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None]) -> dict:
+def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
+        engine: str = "sglang") -> dict:
+    """Run ``checks``; ``engine="mock"``: the harness's dry run on emulated engines (``model_config``
+    the model directory, no bundle, no reference server, :data:`MOCK_CHECKS` only)."""
     from prfaas_sglang.gpu import checks as impl
 
     checkout = Path(__file__).resolve().parents[2]
-    root = unpack(bundle_dir)
-    if str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...) from the bundle
+    root = unpack(bundle_dir) if engine == "sglang" else None
+    if root is not None and str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...)
         sys.path.append(str(root / "site"))
     model_dir = model_config or (root / "model")
     work = Path(tempfile.mkdtemp(prefix="prfaas-gpu-e2e-"))
     procs = Processes(work / "logs")
     results: list[CheckResult] = []
-    facts: dict = {"work_dir": str(work), "model": str(model_dir)}
+    facts: dict = {"work_dir": str(work), "model": str(model_dir), "engine": engine}
     try:
-        facts["versions"] = impl.preflight(root, checkout)
-        log(f"[gpu-e2e] versions: {facts['versions']}")
-        ctx = impl.Context(root, checkout, model_dir, procs, work, log)
-        ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False)
+        ctx = impl.Context(root, checkout, model_dir, procs, work, log, engine=engine)
+        if engine == "sglang":
+            facts["versions"] = impl.preflight(root, checkout)
+            log(f"[gpu-e2e] versions: {facts['versions']}")
+            ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False)
         for name in run_order(checks):
             if name != "shaped-link" and ctx.dep is None:  # shaped-link starts its own deployments
                 wait_healthy(ctx.reference + "/health", procs.procs["reference"])

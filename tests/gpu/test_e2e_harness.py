@@ -277,3 +277,36 @@ def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
     partial = json.dumps({"pid": 1, "hooks": names[:1]})
     assert "did not verify" in e2e.hook_report_problems([lines[0], partial], names)[0]
     assert "unreadable" in e2e.hook_report_problems(["{", *lines], names)[0]
+
+
+@pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
+def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path):
+    """The harness's dry run (--engine mock): the same namespace, launcher, router, kv-index and timing
+    as on the GPU, emulated engines in place of SGLang. It found, before any GPU time was spent on
+    them, that loopback is the namespace's own (the PD side now sits on the veth's host end) and that
+    the route header names the cluster kind, not the cluster."""
+    from prfaas_sglang.gpu.model import make_model
+
+    make_model(tmp_path / "model", log=lambda _line: None)
+    lines: list[str] = []
+    result = e2e.run(None, tmp_path / "model", ("shaped-link",), lines.append, engine="mock")
+    assert result["ok"], result["failed"]
+    rows = result["checks"]["shaped-link"]["rows"]
+    assert {(r["profile"], r["tokens"]) for r in rows} == {(p, n) for p in ("upstream", "wan", "wan-layerwise")
+                                                           for n in e2e.LONG_TOKENS}
+    assert len(rows) == 3 * len(e2e.LONG_TOKENS) * e2e.SHAPED_REPEATS
+    assert all(r["status"] == 200 and r["route"].startswith("prfaas/prfaas-0/") and r["ttft_s"] > 0 for r in rows)
+    assert set(result["checks"]["shaped-link"]["median_ttft_s"]) == {"upstream", "wan", "wan-layerwise"}
+    assert sum("deployment healthy" in line for line in lines) == 3
+
+
+def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "gpu-e2e", "--engine", "mock", *extra],
+                              capture_output=True, text=True, timeout=60)
+
+    no_model = run()
+    assert no_model.returncode == 2 and "--engine mock needs --model-config" in no_model.stderr
+    (tmp_path / "tokenizer.json").write_text("{}")
+    wrong = run("--model-config", str(tmp_path), "--checks", "hooks")
+    assert wrong.returncode == 2 and "runs shaped-link only" in wrong.stderr
