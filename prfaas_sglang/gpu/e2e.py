@@ -71,7 +71,7 @@ SHAPED_STARTUP_TIMEOUT_S = 300.0
 SHAPED_REQUEST_TIMEOUT_S = 120.0
 # ``--engine mock``: the harness's own dry run on CPU (emulated engines, no reference server):
 # what it checks is the harness (namespaces, launcher, router, timing), not SGLang.
-MOCK_CHECKS = ("shaped-link",)
+MOCK_CHECKS = ("shaped-link", "routing", "failover")  # kv-index, state-events: SGLang's cache reports, not emulated
 MOCK_EMULATION = {"speedup": 10.0, "kv_scale": 0.01}
 
 
@@ -496,11 +496,12 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
             ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False)
         for name in run_order(checks):
             if name != "shaped-link" and ctx.dep is None:  # shaped-link starts its own deployments
-                wait_healthy(ctx.reference + "/health", procs.procs["reference"])
+                if ctx.reference:
+                    wait_healthy(ctx.reference + "/health", procs.procs["reference"])
                 # The prfaas node's prefix cache pinned to `shared` (the launcher's default is `auto`, which
                 # keeps one-offs while it has seen too few re-sightings): state-events checks transfer cache.
                 ctx.dep = start_deployment(root, checkout, model_dir, procs, work,
-                                           prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"})
+                                           prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"}, engine=engine)
             started = time.monotonic()
             try:
                 result = impl.CHECK_FUNCTIONS[name](ctx)

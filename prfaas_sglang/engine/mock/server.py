@@ -144,6 +144,7 @@ def _metrics(engine: MockEngine) -> str:
         ("sglang:cache_hit_rate", "gauge", hit_rate),
         ("sglang:prompt_tokens_total", "counter", s.prompt_tokens),
         ("sglang:generation_tokens_total", "counter", s.generation_tokens),
+        ("sglang:num_requests_total", "counter", s.requests_ok + s.requests_failed),  # SGLang: each finished request
         ("prfaas:kv_bytes_sent_total", "counter", s.kv_bytes_sent),
         ("prfaas:kv_bytes_received_total", "counter", s.kv_bytes_received),
         ("prfaas:decode_prefix_tokens_total", "counter", s.decode_prefix_tokens),
