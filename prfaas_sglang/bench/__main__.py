@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ge.add_argument("--model-config", type=Path, default=None, help="a hybrid model directory instead of the bundle's tiny model")
     ge.add_argument("--checks", default=None, help="comma list (default: all)")
     ge.add_argument("--engine", choices=("sglang", "mock"), default="sglang",
-                    help="mock: the harness's own dry run on CPU with emulated engines (shaped-link, routing, failover; needs "
+                    help="mock: the harness's own dry run on CPU with emulated engines (shaped-link, routing, kv-index, failover; needs "
                          "--model-config, root for the namespace); it checks the harness, not SGLang")
     ge.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

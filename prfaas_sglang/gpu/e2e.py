@@ -12,7 +12,7 @@ SGLang server (role ``single``) as the reference, then runs the checks:
     routing       each request lands where the threshold says (route header, router counters),
                   and the engines' own request counters agree
     kv-index      the kv-index's predicted reusable length equals the engine's cached_tokens
-                  for repeated and extended prompts
+                  for repeated and extended prompts, and the extension hits
     state-events  both prefill servers report their Mamba state checkpoints (issue #15); the
                   PrfaaS server inserts no one-off long prompt and reuses one sent three times
     failover      the PrfaaS server is killed mid-run: every request completes via PD-P or fails
@@ -71,7 +71,7 @@ SHAPED_STARTUP_TIMEOUT_S = 300.0
 SHAPED_REQUEST_TIMEOUT_S = 120.0
 # ``--engine mock``: the harness's own dry run on CPU (emulated engines, no reference server):
 # what it checks is the harness (namespaces, launcher, router, timing), not SGLang.
-MOCK_CHECKS = ("shaped-link", "routing", "failover")  # kv-index, state-events: SGLang's cache reports, not emulated
+MOCK_CHECKS = ("shaped-link", "routing", "kv-index", "failover")  # state-events: SGLang's cache reports, not emulated
 MOCK_EMULATION = {"speedup": 10.0, "kv_scale": 0.01}
 
 

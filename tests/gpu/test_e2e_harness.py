@@ -281,7 +281,7 @@ def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
 
 @pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
 def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path):
-    """The harness's dry run (--engine mock: shaped-link, routing, failover): the same namespace,
+    """The harness's dry run (--engine mock: shaped-link, routing, kv-index, failover): the same namespace,
     launcher, router, kv-index and timing as on the GPU, emulated engines in place of SGLang. It found, before any GPU time was spent on
     them, that loopback is the namespace's own (the PD side now sits on the veth's host end) and that
     the route header names the cluster kind, not the cluster."""
@@ -291,7 +291,9 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path):
     lines: list[str] = []
     result = e2e.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock")
     assert result["ok"], result["failed"]
-    assert result["passed"] == ["shaped-link", "routing", "failover"]  # the link first, then the shared deployment
+    assert result["passed"] == ["shaped-link", "routing", "kv-index", "failover"]  # the link first, then the shared deployment
+    kv_rows = {r["prompt"]: r for r in result["checks"]["kv-index"]["rows"]}
+    assert kv_rows["extend"]["cached_tokens"] == kv_rows["extend"]["predicted"] > 0
     assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
     rows = result["checks"]["shaped-link"]["rows"]
     assert {(r["profile"], r["tokens"]) for r in rows} == {(p, n) for p in ("upstream", "wan", "wan-layerwise")
@@ -311,4 +313,4 @@ def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
     assert no_model.returncode == 2 and "--engine mock needs --model-config" in no_model.stderr
     (tmp_path / "tokenizer.json").write_text("{}")
     wrong = run("--model-config", str(tmp_path), "--checks", "hooks")
-    assert wrong.returncode == 2 and "runs shaped-link, routing, failover only" in wrong.stderr
+    assert wrong.returncode == 2 and "runs shaped-link, routing, kv-index, failover only" in wrong.stderr
