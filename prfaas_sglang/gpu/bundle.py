@@ -70,9 +70,9 @@ ENTRY_MODULES = (
 # Distributions the lent machine has (shared/notes/gpu.md, [RUN]): its CUDA torch stack and
 # transformers' dependencies. ``bench gpu-e2e`` checks them before it starts anything. Not
 # transformers, nor the tokenizers and huggingface-hub it checks at import: the bundle carries the
-# CPU environment's (the trace's pins), since the
-# machine's (5.17 on 2026-11-26) already registers configs SGLang 0.5.15 registers again at import
-# (``qwen3_asr``), which stopped every server at ``sglang.srt.configs``.
+# CPU environment's (the trace's pins), since the machine's (5.17 on 2026-11-26) already registers
+# configs SGLang 0.5.15 registers again at import (``qwen3_asr``), which stopped every server at
+# ``sglang.srt.configs``.
 PREINSTALLED = frozenset({
     "torch", "triton", "torchvision", "cuda-bindings", "cuda-pathfinder", "cuda-toolkit",
     "hf-xet", "safetensors",

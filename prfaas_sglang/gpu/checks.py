@@ -382,9 +382,10 @@ def check_shaped_link(ctx: Context) -> CheckResult:
             got, wrong = _shaped_profile(ctx, ns, profile, kv_profile, env)
             rows += got
             problems += wrong
+    medians = shaped_medians(rows)
+    ctx.log(f"[shaped-link] {json.dumps(medians)}")
     data = {"rate_mbit": SHAPED_RATE_MBIT, "stated_rtt_ms": SHAPED_RTT_MS, "repeats": SHAPED_REPEATS, "rows": rows,
-            **shaped_medians(rows)}
-    ctx.log(f"[shaped-link] {json.dumps(shaped_medians(rows))}")
+            **medians}
     return CheckResult("shaped-link", not problems, "; ".join(problems), data)
 
 

@@ -199,7 +199,7 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
         "scheduler": {"workload": {"kind": "lognormal", "mu": 9.9, "sigma": 1.0, "min_tokens": 128, "max_tokens": 40960},
                       "output_tokens": MAX_NEW_TOKENS, "slo_tokens_per_s": 1, "ttft_slo_s": 600},
     }
-    if emulation is not None:  # emulated engines (the dry run) scale time and KV bytes so
+    if emulation is not None:  # emulated engines (the dry run): how they scale time and KV bytes
         doc["emulation"] = dict(emulation)
     return doc
 
@@ -315,7 +315,8 @@ class Processes:
     def stop(self, names: Iterable[str] | None = None) -> list[str]:
         """Kill every group, or those of ``names`` (TERM, then KILL after 10 s); the names that had
         to be KILLed. A stopped name is forgotten, so it can be started again."""
-        chosen = {n: p for n, p in self.procs.items() if names is None or n in set(names)}
+        wanted = None if names is None else set(names)
+        chosen = {n: p for n, p in self.procs.items() if wanted is None or n in wanted}
         for proc in chosen.values():
             if proc.poll() is None:
                 try:
