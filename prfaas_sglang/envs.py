@@ -133,6 +133,15 @@ class Envs:
         "prfaas role (0 turns it off). The emulated engine's prefill sends through the same sender "
         "when this is set, and where it is unset in the prfaas role; 0 makes it send SGLang's way.",
     )
+    KV_STAGING_MIB = EnvVar(
+        "PRFAAS_KV_STAGING_MIB",
+        None,
+        "PrfaaS prefill worker (SGLang, with PRFAAS_KV_ASYNC_SEND): MiB of a staging buffer on the KV's "
+        "device, registered with the transfer engine. A chunk's KV pages that are scattered on the prefill "
+        "side but contiguous on the decode side are gathered into it and sent as one write per "
+        "destination run (hooks/kv_stage.py); runs it has no room for go as they are. Set by the "
+        "launcher for the prfaas role; 0 turns it off; a malformed value stops startup.",
+    )
     KV_KEEPALIVE = EnvVar(
         "PRFAAS_KV_KEEPALIVE",
         None,

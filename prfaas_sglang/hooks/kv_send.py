@@ -71,8 +71,10 @@ from prfaas_sglang.adapters.prom import ProcessMetrics, worker_labels
 from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hooks import layerwise
+from prfaas_sglang.hooks.kv_stage import KvStager
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
 from prfaas_sglang.transport.kv_send import SENDER_METRICS, Batch, Ended, SendLedger, coalesce
+from prfaas_sglang.transport.kv_stage import runs_by_destination
 from prfaas_sglang.transport.lane_pacing import LanePacing
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_DEFAULT_LANES, lanes_per_peer
 
@@ -81,6 +83,8 @@ _ATTR = "_prfaas_sender"
 MAX_BATCHES_IN_FLIGHT = 8  # chunks per decode session queued or on the wire at once (a bound on the queue)
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.001  # the pump's sleep while writes are in flight: a lane waits this long at most
 RESET_SCAN_S = 0.5
+STAGED_AHEAD = 2  # entries per lane a session keeps prepared (staged) ahead of its lanes: a region is held
+#                   only from shortly before its write starts
 METRICS_PUBLISH_S = 1.0  # how often the pump brings its ProcessMetrics up to date while it works
 # A write the engine fails this soon after taking it never had a connection (a real send fails after an
 # RTT at least, a stall after the stall bound): it is handed again once, after Mooncake's 1 s reconnect
@@ -112,7 +116,7 @@ class AsyncKvSender:
     def __init__(self, manager, engine, wait_bound_s: float, lanes: int = MOONCAKE_DEFAULT_LANES,
                  resets: ResetOnClose | None = None, retry_within_s: float | None = RETRY_WITHIN_S,
                  pacing: LanePacing | None = None, hand_on_failures: bool = False,
-                 metrics: ProcessMetrics | None = None):
+                 metrics: ProcessMetrics | None = None, stager: KvStager | None = None):
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
         self.manager = manager
@@ -138,6 +142,8 @@ class AsyncKvSender:
         self.batches_submitted = 0
         self.max_writes_in_flight = 0  # the most writes to one session the engine held at once
         self.metrics = metrics
+        self.stager = stager
+        self._staged: set[int] = set()  # staging regions (offsets) whose entries are queued, in flight or to retry
         self._next_publish_s = 0.0
         self._closed = False
         self._pump = threading.Thread(target=self._run, name="prfaas-kv-send", daemon=True)
@@ -155,8 +161,7 @@ class AsyncKvSender:
                 blocks = streamer.settle(session, blocks)
                 if not blocks:  # every layer streamed: report a failure among them, else done
                     return self._report(session) if self.ledger.failed(session) else 0
-        entries = coalesce(blocks)
-        if not entries:
+        if not any(n > 0 for _, _, n in blocks):
             return 0
         if not self._wait(session, lambda: self.ledger.failed(session)
                           or self.ledger.in_flight(session) < MAX_BATCHES_IN_FLIGHT):
@@ -164,7 +169,10 @@ class AsyncKvSender:
         with self._lock:
             if self.ledger.failed(session):
                 return self._report(session)
-            self._queue(session, entries)
+            if self.stager is None:
+                self._queue(session, coalesce(blocks))
+            else:  # the pump stages its runs when they are next to go (_prepare)
+                self._queue(session, [], runs_by_destination(blocks))
             return 0
 
     def submit_locked(self, session: str, blocks) -> None:
@@ -176,11 +184,13 @@ class AsyncKvSender:
         if entries:
             self._queue(session, entries)
 
-    def _queue(self, session: str, entries: list[tuple[int, int, int]]) -> Batch:
-        """Under ``self._lock``: one chunk (one metered transfer) into the ledger, for the pump."""
+    def _queue(self, session: str, entries: list[tuple[int, int, int]], runs=()) -> Batch:
+        """Under ``self._lock``: one chunk (one metered transfer) into the ledger, for the pump: its
+        entries, or its destination runs for the pump to stage."""
         telemetry = getattr(self.manager, "_prfaas_link", None)
-        meter_id = telemetry.begin(sum(n for _, _, n in entries), session) if telemetry is not None else None
-        batch = self.ledger.add(session, entries, meter_id)
+        nbytes = sum(n for _, _, n in entries) + sum(r.length for r in runs)
+        meter_id = telemetry.begin(nbytes, session) if telemetry is not None else None
+        batch = self.ledger.add(session, entries, meter_id, runs)
         self.batches_submitted += 1
         self._peer_ips.add(session.rsplit(":", 1)[0].strip("[]"))
         self._changed.notify_all()
@@ -217,11 +227,13 @@ class AsyncKvSender:
 
     def counters(self) -> dict[str, int]:
         """A snapshot for metrics: writes handed to the engine, failed, and handed again; batches;
-        lane-pacing changes; bytes queued or in flight now."""
+        lane-pacing changes; bytes queued or in flight now; bytes sent from the staging buffer."""
+        staged = self.stager.counters() if self.stager is not None else {}
         with self._lock:
             return {"writes_submitted": self.writes_submitted, "writes_failed": self.writes_failed,
                     "writes_retried": self.ledger.retried, "batches_submitted": self.batches_submitted,
-                    "pacing_changes": self.pacing_changes, "in_flight_bytes": self.ledger.in_flight_bytes()}
+                    "pacing_changes": self.pacing_changes, "in_flight_bytes": self.ledger.in_flight_bytes(),
+                    "staged_bytes": staged.get("staged_bytes", 0)}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the pump (within ``timeout_s``). Batches not ended are failed (their listeners told);
@@ -315,6 +327,7 @@ class AsyncKvSender:
         """Under ``self._lock``: read the statuses, then hand the engine what the lanes can take;
         whether anything ended or was submitted."""
         ended = self._reap()
+        self._prepare()
         submitted = refused = 0
         now_s = time.monotonic()
         for session in self.ledger.sessions_to_feed(now_s):
@@ -337,6 +350,7 @@ class AsyncKvSender:
         if self.pacing is not None:  # what the lanes should carry now, applied by _pace outside the lock
             self._wanted_cap = self.pacing.cap([(w.length, w.started_s) for w in self.ledger.all_writes()],
                                                self.ledger.waiting())
+        self._release_ended()
         if ended or submitted or refused:
             self._changed.notify_all()
         return bool(ended or submitted or refused)
@@ -376,6 +390,51 @@ class AsyncKvSender:
         self.lane_cap, self._next_pace_scan = cap, now_s + RESET_SCAN_S
 
     # --- under self._lock ---------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """Stage the runs that are next to go: per session, held runs in batch order, until the session has
+        :data:`STAGED_AHEAD` entries per lane queued, as far as the staging buffer has room (a run that must
+        wait for room stops its session there; other sessions go on). Staged or not, a run's entries join
+        its batch's queue; the copies are waited for before anything is taken."""
+        if self.stager is None:
+            return
+        queued: dict[str, int] = {}
+        for batch in self.ledger.batches:
+            queued[batch.session] = queued.get(batch.session, 0) + len(batch.queued)
+        stopped: set[str] = set()
+        for batch in self.ledger.batches:
+            session = batch.session
+            if not batch.held or batch.abandoned or session in stopped:
+                continue
+            while batch.held and queued[session] < STAGED_AHEAD * self.lanes:
+                staged = self.stager.stage_run(batch.held[0])
+                if staged is None:  # no room now: wait for regions in use
+                    break
+                entries, region = staged
+                batch.held.popleft()
+                batch.queued.extend(entries)
+                queued[session] += len(entries)
+                if region is not None:
+                    self._staged.add(region)
+            if batch.held:
+                stopped.add(session)
+        self.stager.ready()
+
+    def _release_ended(self) -> None:
+        """Free the staging regions whose write is over: landed, failed for good, or dropped unsent. A
+        region stays while its entry is queued, waits to be handed again, or is held by the engine (a
+        failed or abandoned batch's writes in flight included: Mooncake may still read the region)."""
+        if not self._staged:
+            return
+        live = set()
+        for batch in self.ledger.batches:
+            live.update(src for src, _, _ in batch.queued)
+            live.update(w.entry[0] for w in batch.writes.values())
+            live.update(entry[0] for _, entry in batch.retries)
+        over = [offset for offset in self._staged if self.stager.base_ptr + offset not in live]
+        if over:
+            self._staged.difference_update(over)
+            self.stager.release(over)
 
     def _reap(self) -> int:
         retried = self.ledger.retried
@@ -441,6 +500,7 @@ class AsyncKvSender:
                 batch.failed = True
                 self._end_meter(batch)
         self.ledger.forget(session)
+        self._release_ended()
         with self.manager.session_lock:
             self.manager.failed_sessions.add(session)
         self._changed.notify_all()
@@ -495,12 +555,53 @@ def lane_pacing_from_env() -> LanePacing | None:
     return envs.KV_LANE_PACING.parse(LanePacing.parse)
 
 
+def staging_mib_from_env() -> int:
+    """``PRFAAS_KV_STAGING_MIB`` parsed (0 when unset). Raises ConfigError when malformed or negative."""
+    def parse(text: str) -> int:
+        mib = int(text)
+        if mib < 0:
+            raise ValueError(f"must be a whole number of MiB >= 0, not {text!r}")
+        return mib
+
+    return envs.KV_STAGING_MIB.parse(parse) or 0
+
+
+def kv_device(manager, server_args) -> str:
+    """Where the manager's KV buffers live: SGLang's ``--device`` (cuda with the worker's GPU), else
+    cuda when torch sees one, else cpu."""
+    import torch
+
+    device = getattr(server_args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        return f"cuda:{getattr(manager.kv_args, 'gpu_id', 0)}"
+    return device
+
+
+def stager_for(manager, engine, server_args) -> KvStager | None:
+    """A :class:`KvStager` over the manager's KV buffers when ``PRFAAS_KV_STAGING_MIB`` > 0, its buffer
+    registered with ``engine`` (Mooncake's ``register_memory``); None otherwise. Raises ConfigError on a
+    malformed value; a buffer that cannot be allocated or registered stops startup (it was asked for)."""
+    mib = staging_mib_from_env()
+    if mib == 0:
+        return None
+    device = kv_device(manager, server_args)
+    if device != "cpu" and not device.startswith("cuda"):
+        logger.warning("prfaas_sglang: PRFAAS_KV_STAGING_MIB set but the KV is on %s; sending unstaged", device)
+        return None
+    args = manager.kv_args
+    stager = KvStager(zip(args.kv_data_ptrs, args.kv_data_lens, strict=True), mib << 20, device, engine.register_memory)
+    logger.info("prfaas_sglang: KV staging buffer of %d MiB on %s: scattered prefill pages go as one write per "
+                "destination run", mib, device)
+    return stager
+
+
 def start_async_sender(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
     """AFTER hook on ``MooncakeKVManager.__init__``: a prefill manager in a process with
     ``PRFAAS_KV_ASYNC_SEND`` set sends asynchronously."""
     if not envs.KV_ASYNC_SEND.get() or getattr(disaggregation_mode, "value", None) != "prefill":
         return None
     pacing = lane_pacing_from_env()  # a malformed value stops startup here
+    staging_mib_from_env()  # and here
     engine = getattr(getattr(manager, "engine", None), "engine", None)
     if engine is None or not hasattr(engine, "transfer_submit_write") or not hasattr(engine, "transfer_check_status"):
         logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
@@ -510,7 +611,7 @@ def start_async_sender(result, manager, args, disaggregation_mode, server_args, 
     if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics then shows the sender's counters too
         metrics = ProcessMetrics(SENDER_METRICS, worker_labels(server_args))
     sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose(),
-                           pacing=pacing, metrics=metrics)
+                           pacing=pacing, metrics=metrics, stager=stager_for(manager, engine, server_args))
     setattr(manager, _ATTR, sender)
     if envs.KV_LAYERWISE.get():
         layerwise.attach(manager, sender)

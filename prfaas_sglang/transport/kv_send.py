@@ -54,6 +54,8 @@ SENDER_METRICS = (
     ("writes_retried", "prfaas:kv_writes_retried_total", "counter", "KV writes handed to the engine again"),
     ("pacing_changes", "prfaas:kv_lane_pacing_changes_total", "counter", "changes of the lanes' pacing cap"),
     ("in_flight_bytes", "prfaas:kv_send_in_flight_bytes", "gauge", "KV bytes queued or on the wire now"),
+    ("staged_bytes", "prfaas:kv_staged_bytes_total", "counter",
+     "KV bytes gathered into the staging buffer and sent as one write per destination run"),
 )
 
 
@@ -132,11 +134,14 @@ class Write:
 @dataclass
 class Batch:
     """One chunk's writes to one session: entries not yet submitted, engine ids -> writes still in
-    flight, entries to hand again later, and its meter handle."""
+    flight, entries to hand again later, and its meter handle. ``held``: what the sender has yet to turn
+    into entries (in order, each with a ``length`` in bytes; e.g. KV runs waiting for room in a staging
+    buffer); the ledger only counts it, and drops it with the unsent entries."""
 
     session: str
     queued: deque[Entry]
     meter_id: int | None = None
+    held: deque = field(default_factory=deque)
     writes: dict[int, Write] = field(default_factory=dict)  # engine id -> write, submitted and still in flight
     retries: list[tuple[float, Entry]] = field(default_factory=list)  # (not before, entry): failed fast, handed again
     delivered_bytes: int = 0
@@ -147,11 +152,12 @@ class Batch:
 
     @property
     def ended(self) -> bool:
-        return not self.writes and not self.queued and not self.retries
+        return not self.writes and not self.queued and not self.retries and not self.held
 
     def drop_unsent(self) -> None:
         self.queued.clear()
         self.retries.clear()
+        self.held.clear()
 
 
 @dataclass
@@ -179,9 +185,10 @@ class SendLedger:
     _failed_sessions: set[str] = field(default_factory=set)
     retried: int = 0  # writes handed again
 
-    def add(self, session: str, entries: Iterable[Entry], meter_id: int | None = None) -> Batch:
-        """Queue one chunk's entries to ``session`` as a batch (sent in order by :meth:`take`)."""
-        batch = Batch(session, deque(entries), meter_id)
+    def add(self, session: str, entries: Iterable[Entry], meter_id: int | None = None, held: Iterable = ()) -> Batch:
+        """Queue one chunk's entries to ``session`` as a batch (sent in order by :meth:`take`), and what
+        the sender will turn into more of them (``held``, see :class:`Batch`)."""
+        batch = Batch(session, deque(entries), meter_id, deque(held))
         self.batches.append(batch)
         return batch
 
@@ -280,7 +287,7 @@ class SendLedger:
 
     def waiting(self) -> bool:
         """Whether any entry, to any session, is queued here or waits to be handed again."""
-        return any(b.queued or b.retries for b in self.batches)
+        return any(b.queued or b.retries or b.held for b in self.batches)
 
     def failed(self, session: str) -> bool:
         return session in self._failed_sessions
@@ -297,6 +304,6 @@ class SendLedger:
         self._drop_ended()
 
     def in_flight_bytes(self) -> int:
-        """Bytes queued here, waiting for a retry, or in flight in the engine."""
+        """Bytes held or queued here, waiting for a retry, or in flight in the engine."""
         return sum(sum(w.length for w in b.writes.values()) + sum(n for _, _, n in b.queued)
-                   + sum(e[2] for _, e in b.retries) for b in self.batches)
+                   + sum(e[2] for _, e in b.retries) + sum(h.length for h in b.held) for b in self.batches)

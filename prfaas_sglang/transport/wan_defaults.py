@@ -46,6 +46,9 @@ SESSION_PROBE_INTERVAL_S = 2  # a peer back on the link takes new KV within abou
 # after 60 s, well inside the idle timeouts of cloud NATs and load balancers (240-350 s), and a lane
 # whose peer is gone ends within 2 minutes
 KEEPALIVE = "60,10,6"
+# The PrfaaS worker's KV staging buffer (MiB, on the KV's device): four 64 MiB chunks' worth of scattered
+# runs in flight at once; beyond that, runs go unstaged (hooks/kv_stage.py)
+STAGING_MIB = 256
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,9 @@ def sender_profile(link: WanLink) -> tuple[EnvDefault, ...]:
         EnvDefault("PRFAAS_KV_ASYNC_SEND", "1",
                    "each chunk's KV as asynchronous writes, waited for (sleeping) before the last chunk's aux, "
                    "instead of one busy-waiting synchronous batch per chunk (the kv-send hooks)"),
+        EnvDefault("PRFAAS_KV_STAGING_MIB", str(STAGING_MIB),
+                   "a chunk's scattered prefill pages gathered into a staging buffer and sent as one write per "
+                   "destination run, not one per run contiguous on both sides (the kv-send hooks' KvStager)"),
         EnvDefault("PRFAAS_KV_KEEPALIVE", KEEPALIVE,
                    "TCP keepalive on the Mooncake lanes (Mooncake sets none): an idle lane keeps its NAT entry "
                    "instead of stalling the next transfer (the kv-lane-keepalive hook)"),

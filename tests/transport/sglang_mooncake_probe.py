@@ -8,7 +8,8 @@ process's Mooncake engine (``init_mooncake_transfer_engine``). Prints one JSON l
 
 Environment: PRFAAS_ROLE / PRFAAS_TELEMETRY_PORT / PRFAAS_KV_ASYNC_SEND / PRFAAS_KV_LAYERWISE as the
 launcher or an operator sets them; PROBE_LAYERWISE=1 runs :func:`main_layerwise` instead of :func:`main`;
-BOOT_PORT; FAIL_ROOM (optional): that room's KV is sent to a Mooncake session nobody listens on
+BOOT_PORT; PROBE_DST=contiguous: each room's decode pages are one run (else random, as the source's);
+FAIL_ROOM (optional): that room's KV is sent to a Mooncake session nobody listens on
 (``127.0.0.1:1``, with the real decode's registration), so the transfer engine refuses it; SGLang
 then fails the room on both sides and blacklists that session, not the real one.
 """
@@ -105,6 +106,8 @@ def main() -> dict:
             d[:] = 0
         src = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
         dst = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
+        if os.environ.get("PROBE_DST") == "contiguous":  # as the decode-contiguous-kv hook pre-allocates
+            dst = np.arange(32, 32 + 192, dtype=np.int32)
         sender, receiver = open_room(prefill, decode, addr, room, dst)
         if room == fail_room:  # a session nobody listens on, with the real decode's registration
             for real, info in prefill.transfer_infos[room].items():
@@ -134,7 +137,8 @@ def main() -> dict:
             "async": None if async_sender is None else {
                 "batches": async_sender.batches_submitted, "writes": async_sender.writes_submitted,
                 "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes(),
-                "lanes": async_sender.lanes, "max_writes_in_flight": async_sender.max_writes_in_flight},
+                "lanes": async_sender.lanes, "max_writes_in_flight": async_sender.max_writes_in_flight,
+                "staging": async_sender.stager.counters() if async_sender.stager is not None else None},
             "failed_sessions": sorted(prefill.failed_sessions),
             "prefill_rooms_left": sorted(prefill.request_status), "decode_rooms_left": sorted(decode.request_status),
             "transfer_infos_left": sorted(prefill.transfer_infos),

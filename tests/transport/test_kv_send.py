@@ -550,7 +550,8 @@ def test_sender_metrics_add_what_grew_and_set_the_gauge():
         from prfaas_sglang.adapters.prom import ProcessMetrics
         from prfaas_sglang.transport.kv_send import SENDER_METRICS
         m = ProcessMetrics(SENDER_METRICS, {"model_name": "m"})
-        base = {"writes_submitted": 3, "writes_failed": 1, "writes_retried": 0, "pacing_changes": 0, "in_flight_bytes": 4096}
+        base = {"writes_submitted": 3, "writes_failed": 1, "writes_retried": 0, "pacing_changes": 0, "in_flight_bytes": 4096,
+                "staged_bytes": 0}
         m.publish(base)
         m.publish({**base, "writes_submitted": 10, "in_flight_bytes": 0})
         m.publish({**base, "writes_submitted": 10, "in_flight_bytes": 0})  # nothing grew: nothing added
