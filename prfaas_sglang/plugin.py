@@ -135,14 +135,17 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         how=(
             "AROUND hook on the one place SGLang's Mooncake manager submits a chunk's KV: with an "
-            "AsyncKvSender (PRFAAS_KV_ASYNC_SEND, prefill), merge adjacent entries, queue them in the "
+            "AsyncKvSender (PRFAAS_KV_ASYNC_SEND, prefill), merge adjacent entries (or, with a staging "
+            "buffer, PRFAAS_KV_STAGING_MIB, group them by destination run, each run of scattered sources "
+            "gathered into one write), queue them in the "
             "sender (at most 8 chunks per decode session), whose thread hands the engine a write per lane "
             "at a time, and return at once, or -1 once a write to that session failed; otherwise the "
             "original synchronous batch. Either way the manager's link meter records it. Never raises."
         ),
         upstream_status="vendor-specific (upstream: synchronous batches, sglang 0.5.15)",
         removal="when SGLang's Mooncake backend submits asynchronously and reports per-transfer progress",
-        tests="tests/transport/test_sglang_mooncake_cpu.py tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
+        tests=("tests/transport/test_sglang_mooncake_cpu.py tests/transport/test_kv_send.py "
+               "tests/transport/test_kv_stage.py tests/drift/test_hook_targets.py"),
     ),
     HookSpec(
         name="kv-send-start",
@@ -158,8 +161,10 @@ HOOKS: tuple[HookSpec, ...] = (
             "with PRFAAS_KV_ASYNC_SEND=1 (the launcher sets it for the prfaas role) whose transfer "
             "engine has transfer_submit_write / transfer_check_status, attach an AsyncKvSender (lanes "
             "from MC_TCP_LANES_PER_PEER; its connections to the decode peers reset on close; with "
-            "PRFAAS_KV_LANE_PACING, an even batch's lanes paced alike). A malformed PRFAAS_KV_LANE_PACING "
-            "stops startup."
+            "PRFAAS_KV_LANE_PACING, an even batch's lanes paced alike; with PRFAAS_KV_STAGING_MIB, a "
+            "staging buffer on the KV's device registered with the engine). A malformed "
+            "PRFAAS_KV_LANE_PACING or PRFAAS_KV_STAGING_MIB, or a staging buffer that cannot be allocated "
+            "or registered, stops startup."
         ),
         upstream_status="vendor-specific",
         removal="with kv-send",

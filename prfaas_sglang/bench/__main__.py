@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     kr.add_argument("--decode-pool-tokens", type=int, default=1 << 20)
     kr.add_argument("--prefill-pool-tokens", type=int, default=1 << 19)
     kr.add_argument("--prefill-inflight", type=int, default=2, help="requests whose pages the PrfaaS worker still holds")
+    kr.add_argument("--prefill-cache", action="store_true",
+                    help="the PrfaaS worker keeps prompts in SGLang's radix cache (LRU eviction when short), so its "
+                         "pages fragment too, instead of fresh pages freed after --prefill-inflight requests")
     kr.add_argument("--step-ms", type=float, default=30.0, help="one decode step (every running request, one token)")
     kr.add_argument("--bytes-per-token-layer", type=int, default=2048,
                     help="K (or V) of one token in one layer (2048: 8 KV heads of dim 128, bf16)")
@@ -455,9 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                            decode_pool_tokens=args.decode_pool_tokens,
                            prefill_pool_tokens=args.prefill_pool_tokens, step_s=args.step_ms / 1e3,
                            prefill_inflight=args.prefill_inflight, warmup_s=args.warmup,
-                           bytes_per_token_layer=args.bytes_per_token_layer,
+                           bytes_per_token_layer=args.bytes_per_token_layer, prefill_cache=args.prefill_cache,
                            model=(args.lanes, args.rtt_ms, args.rate_gbps))
-        header = (f"<!-- python -m prfaas_sglang.bench kv-runs --duration {args.duration:g} --warmup {args.warmup:g} "
+        header = (f"<!-- python -m prfaas_sglang.bench kv-runs{' --prefill-cache' if args.prefill_cache else ''} "
+                  f"--duration {args.duration:g} --warmup {args.warmup:g} "
                   f"--page-sizes {args.page_sizes} --step-ms {args.step_ms:g} --decode-pool-tokens {args.decode_pool_tokens} "
                   f"--prefill-pool-tokens {args.prefill_pool_tokens}"
                   f"{f' --measure {args.measure} --seed {args.seed}' if args.measure else ''}; {stamp} -->")

@@ -19,6 +19,12 @@ size 1 also with the decode's prompt allocation as the ``decode-contiguous-kv`` 
   radix tree, which could only shorten runs) and freed once ``--prefill-inflight`` later requests
   have arrived.
 
+Each transfer is also sized as the PrfaaS worker's staging sender sends it (``PRFAAS_KV_STAGING_MIB``,
+``hooks/kv_stage.py``): SGLang's blocks grouped by destination run with the product's own
+:func:`~prfaas_sglang.transport.kv_stage.runs_by_destination`, a run worth staging one request, any other
+as its blocks (the ``staged`` sender; the other is ``adjacent``, blocks merged only where both sides
+continue). The staging buffer's size is not modelled: a run waits for room, it never goes unstaged.
+
 Reported, bytes-weighted (a request's share of the KV it carries): the request size quantiles, the
 share of bytes in requests under 1 and 4 MiB, and a lane model of the goodput those sizes allow:
 ``lanes`` lanes each carrying its requests one after another, each costing an RTT plus its bytes at
@@ -100,18 +106,79 @@ def _pages(indices, page_size: int):
     return indices[::page_size] // page_size
 
 
+class _CachedPrefill:
+    """A PrfaaS worker's pool behind SGLang's own ``RadixCache`` (page ``page_size``, the allocator SGLang
+    builds for disaggregation): a request's source pages are its cached prefix's (wherever the tree holds
+    them) and fresh ones for the rest, taken after evicting least-recently-used leaves when the pool is
+    short; the whole prompt then stays in the tree (SGLang's behaviour, ``PRFAAS_PREFILL_CACHE=all``)."""
+
+    def __init__(self, pool_tokens: int, page_size: int):
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        from prfaas_sglang.bench.sglang_cpu import set_global_server_args
+
+        set_global_server_args(page_size)
+        self.page_size = page_size
+        self.kv = _allocator(pool_tokens, page_size)
+        self.cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                                token_to_kv_pool_allocator=self.kv, page_size=page_size))
+        self.hit_tokens = self.prompt_tokens = 0
+
+    def take(self, tokens: list[int]):
+        """The prompt's source token indices (prefix hit, then fresh), or None when the pool cannot hold it."""
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+        hit, node = match.device_indices, match.last_device_node
+        self.cache.inc_lock_ref(node)  # the prefix is the request's while it runs: not evicted under it
+        try:
+            need = len(tokens) - len(hit)
+            if self.kv.available_size() < need:
+                self.cache.evict(EvictParams(num_tokens=need - self.kv.available_size()))
+            fresh = self.kv.alloc(need) if need else hit.new_empty(0)
+        finally:
+            self.cache.dec_lock_ref(node)
+        if fresh is None:
+            return None
+        src = torch.cat([hit.to(fresh.dtype), fresh])
+        result = self.cache.insert(InsertParams(key=RadixKey(tokens), value=src))
+        if result.prefix_len > len(hit):  # already in the tree after all: the duplicates go back, as SGLang does
+            self.kv.free(src[len(hit):result.prefix_len])
+        self.hit_tokens += len(hit)
+        self.prompt_tokens += len(tokens)
+        return src
+
+
+def _prompt(row: dict, index: int, page_size: int) -> list[int]:
+    """Row ``index``'s prompt from its ``hash_ids`` (shared ids share tokens), padded with tokens of its own
+    (beyond the shared vocabulary, a range per row) to ``input_length`` rounded up to a page."""
+    from prfaas_sglang.bench.state_events import VOCAB, prompt_from_hash_ids
+
+    n = -(-row["input_length"] // page_size) * page_size
+    tokens = prompt_from_hash_ids(row.get("hash_ids") or [], n)
+    own = VOCAB + index * (1 << 24)
+    return tokens + list(range(own + len(tokens), own + n))
+
+
 def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 << 20, prefill_pool_tokens: int = 1 << 19,
              step_s: float = 0.03, prefill_inflight: int = 2, warmup_s: float = 120.0, bytes_per_token_layer: int = 2048,
-             max_input_tokens: int | None = None, contiguous: bool = False) -> dict:
+             max_input_tokens: int | None = None, contiguous: bool = False, prefill_cache: bool = False) -> dict:
     """Replay ``rows`` (``timestamp`` ms, ``input_length``, ``output_length``) through both allocators; see
     the module docstring. Requests longer than either pool (or ``max_input_tokens``) are left out.
-    ``contiguous``: the decode takes each prompt's pages as ``hooks.contiguous_alloc`` does (best-fit run)."""
+    ``contiguous``: the decode takes each prompt's pages as ``hooks.contiguous_alloc`` does (best-fit run).
+    ``prefill_cache``: the PrfaaS side keeps prompts in SGLang's radix cache (:class:`_CachedPrefill`)
+    instead of freeing them after ``prefill_inflight`` later requests."""
     import torch
     from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
 
     from prfaas_sglang.hooks.contiguous_alloc import alloc_contiguous
 
     decode, prefill = _allocator(decode_pool_tokens, page_size), _allocator(prefill_pool_tokens, page_size)
+    cached = _CachedPrefill(prefill_pool_tokens, page_size) if prefill_cache else None
+    index_of = {id(r): i for i, r in enumerate(rows)}
     limit = min(decode_pool_tokens, prefill_pool_tokens) // 2
     if max_input_tokens is not None:
         limit = min(limit, max_input_tokens)
@@ -122,6 +189,7 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
     in_prefill: deque = deque()
     left_out = len(rows) - len(arrivals)
     transfers: dict[int, list[int]] = {}  # per measured request (keyed by its row's id): its request sizes, one layer
+    staged: dict[int, list[int]] = {}  # the same, as the staging sender sends them
     decode_page_misses = 0  # steps' new pages the decode pool had no room for (SGLang would retract)
     waited_s: list[float] = []
     now = 0.0
@@ -134,19 +202,27 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
         dst = alloc_contiguous(decode, need) if contiguous else decode.alloc(need)
         if dst is None:
             return False
-        src = prefill.alloc(need)
-        while src is None and in_prefill:
-            prefill.free(in_prefill.popleft())
+        if cached is not None:
+            src = cached.take(_prompt(row, index_of[id(row)], page_size))
+        else:
             src = prefill.alloc(need)
+            while src is None and in_prefill:
+                prefill.free(in_prefill.popleft())
+                src = prefill.alloc(need)
         if src is None:
             decode.free(dst)
             return False
-        in_prefill.append(src)
-        while len(in_prefill) > prefill_inflight:
-            prefill.free(in_prefill.popleft())
+        if cached is None:
+            in_prefill.append(src)
+            while len(in_prefill) > prefill_inflight:
+                prefill.free(in_prefill.popleft())
         if arrived_s >= warmup_s:
-            src_groups, _ = group_concurrent_contiguous(_pages(src, page_size).numpy(), _pages(dst, page_size).numpy())
-            transfers[id(row)] = [len(g) * page_size * bytes_per_token_layer for g in src_groups]
+            src_groups, dst_groups = group_concurrent_contiguous(_pages(src, page_size).numpy(),
+                                                                 _pages(dst, page_size).numpy())
+            page_bytes = page_size * bytes_per_token_layer
+            transfers[id(row)] = [len(g) * page_bytes for g in src_groups]
+            staged[id(row)] = staged_sizes([(int(a[0]) * page_bytes, int(b[0]) * page_bytes, len(a) * page_bytes)
+                                            for a, b in zip(src_groups, dst_groups, strict=True)])
             waited_s.append(now - arrived_s)
         running.append(_Running([dst], max(1, row["output_length"]), row["input_length"]))
         return True
@@ -179,6 +255,8 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
         else:
             now += step_s
     return {"page_size": page_size, "decode_alloc": "contiguous" if contiguous else "sglang",
+            "prefill_side": "radix cache" if cached else "fresh pages",
+            "prefill_hit_share": round(cached.hit_tokens / cached.prompt_tokens, 3) if cached and cached.prompt_tokens else None,
             "decode_pool_tokens": decode_pool_tokens, "prefill_pool_tokens": prefill_pool_tokens,
             "step_s": step_s, "prefill_inflight": prefill_inflight, "warmup_s": warmup_s,
             "bytes_per_token_layer": bytes_per_token_layer, "requests_measured": len(transfers),
@@ -186,12 +264,31 @@ def simulate(rows: list[dict], page_size: int = 64, decode_pool_tokens: int = 1 
             "runs_per_request_median": statistics.median(map(len, transfers.values())) if transfers else None,
             "admission_wait_s_p90": statistics.quantiles(waited_s, n=10)[-1] if len(waited_s) > 1 else None,
             "decode_page_misses": decode_page_misses,
-            "sizes": Sizes.of(transfers.values()), "transfers": transfers}
+            "sizes": Sizes.of(transfers.values()), "transfers": transfers, "staged": staged}
 
 
-def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: float = 1.0) -> dict:
-    sizes: Sizes = result.pop("sizes")
+def staged_sizes(blocks: list[tuple[int, int, int]]) -> list[int]:
+    """The request sizes the staging sender makes of one layer's ``(src, dst, length)`` blocks: per
+    destination run, one request when it is worth staging, else its blocks merged where both sides continue."""
+    from prfaas_sglang.transport.kv_stage import runs_by_destination
+
+    out: list[int] = []
+    for run in runs_by_destination(blocks):
+        out += [run.length] if run.worth_staging() else [n for _, _, n in run.direct()]
+    return out
+
+
+def summarize(result: dict, lanes: int = 4, rtt_ms: float = 20.0, rate_gbps: float = 1.0,
+              sender: str = "adjacent") -> dict:
+    """One table row: ``result`` (from :func:`simulate`) as the ``sender`` (adjacent | staged) sends it."""
+    result = dict(result)
+    transfers = result.pop("transfers") if sender == "adjacent" else result.pop("staged")
     result.pop("transfers", None)
+    result.pop("staged", None)
+    sizes: Sizes = result.pop("sizes") if sender == "adjacent" else Sizes.of(transfers.values())
+    result.pop("sizes", None)
+    result["sender"] = sender
+    result["runs_per_request_median"] = statistics.median(map(len, transfers.values())) if transfers else None
     if not sizes.counts:
         return {**result, "requests": 0}
     return {**result, "requests_per_layer": sum(sizes.counts.values()),
@@ -226,25 +323,32 @@ def run(trace: Path, page_sizes: tuple[int, ...] = (1, 64), duration_s: float = 
         import random
 
         theirs, ours = results[(1, False)]["transfers"], results[(1, True)]["transfers"]
-        pairs = [(theirs[key], ours[key]) for key in theirs  # the same requests under both allocations
+        staged = results[(1, True)]["staged"]
+        pairs = [(theirs[key], ours[key], staged[key]) for key in theirs  # the same requests every way
                  if key in ours and sum(theirs[key]) <= max_measured_mib * MIB]
         picked = random.Random(seed).sample(pairs, min(measure_transfers, len(pairs)))
         out["measured"] = measure(picked, model[2] * 1e3, model[1], measure_layers)
         out["measured"]["lane_model"] = {mode: round(Sizes.of(pair[i] for pair in picked)
                                                      .lane_model_fraction(model[0], model[1] / 1e3, model[2] * 1e9), 3)
-                                         for i, mode in enumerate(("sglang", "contiguous"))}
-    out["by_page_size"] = [summarize(r, *model) for r in results.values()]
+                                         for i, mode in enumerate(MEASURED_MODES)}
+    out["by_page_size"] = [summarize(r, *model, sender=sender) for r in results.values()
+                           for sender in ("adjacent", "staged")]
     return out
 
 
-def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: float, layers: int = 8,
+# The measured ways to send one request's KV: SGLang's decode allocation (adjacent entries merged), the
+# decode-contiguous-kv hook's, and the hook's with the PrfaaS worker's staging buffer.
+MEASURED_MODES = ("sglang", "contiguous", "contiguous+staged")
+
+
+def measure(pairs: list[tuple[list[int], ...]], rate_mbit: float, rtt_ms: float, layers: int = 8,
             tag: int = 230) -> dict:
     """Real Mooncake TCP over an emulated link (``EmulatedLink``, the launcher's WAN profile for it, root):
-    each pair is one request's transfer of one layer as SGLang's sender would split it under SGLang's
-    decode allocation and under the hook's; sent for ``layers`` buffers (K and V of ``layers / 2``
+    each tuple is one request's transfer of one layer, its request sizes in each of :data:`MEASURED_MODES`
+    (SGLang's decode allocation, the hook's, the hook's with staging); sent for ``layers`` buffers (K and V of ``layers / 2``
     layers: SGLang's sender makes every layer's requests, which Mooncake spreads over the lanes, one
     request per lane at a time) back to back by the kv-send hooks' own sender (``ProductSender``: a
-    write per lane in the engine, the rest queued in the sender), the two in turns. Returns per mode the goodput fraction (bytes / elapsed / rate)
+    write per lane in the engine, the rest queued in the sender), the modes in turns. Returns per mode the goodput fraction (bytes / elapsed / rate)
     over all its transfers, and per transfer."""
     import subprocess
 
@@ -252,8 +356,8 @@ def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: 
     from prfaas_sglang.transport.linkem import EmulatedLink
     from prfaas_sglang.transport.wan_defaults import WanLink
 
-    buffer_mib = max(64, -(-max(max(sum(a), sum(b)) for a, b in pairs) * layers // MIB))
-    out: dict = {"sglang": [], "contiguous": []}
+    buffer_mib = max(64, -(-max(max(map(sum, sizes)) for sizes in pairs) * layers // MIB))
+    out: dict = {mode: [] for mode in MEASURED_MODES}
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link:
         recv_proc = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(buffer_mib)),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -263,8 +367,8 @@ def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: 
             sender = _Sender(link, recv, buffer_mib, ours_env(WanLink(rate_mbit * 1e6, rtt_ms / 1e3)))
             try:
                 sender.run(32 * MIB, 16 * MIB, pipeline=True)  # open the lanes first
-                for sglangs, hooks in pairs:
-                    for mode, sizes in (("sglang", sglangs), ("contiguous", hooks)):
+                for ways in pairs:
+                    for mode, sizes in zip(MEASURED_MODES, ways, strict=True):
                         r = sender.run(0, 0, sizes=sizes * layers, product=True)
                         out[mode].append({"bytes": sum(sizes) * layers, "requests": len(sizes) * layers,
                                           "elapsed_s": r["elapsed_s"], "ok": r["ok"]})
@@ -285,24 +389,26 @@ def measure(pairs: list[tuple[list[int], list[int]]], rate_mbit: float, rtt_ms: 
 
 def render_markdown(r: dict) -> str:
     lines = [f"Trace {Path(r['trace']).name}, first {r['duration_s']:g} s ({r['requests']} requests).", "",
-             "| page size | decode allocation | requests measured | runs per request (median) | request size p10 / p50 / p90 (bytes-weighted) "
+             "| page size | decode allocation | sender | requests measured | requests per transfer per layer (median) "
+             "| request size p10 / p50 / p90 (bytes-weighted) "
              "| bytes in requests < 1 MiB / < 4 MiB | lane model: goodput / rate (16 MiB requests) |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for x in r["by_page_size"]:
         if not x.get("requests_per_layer"):
             continue
         lm = x["lane_model"]
-        lines.append(f"| {x['page_size']} | {x['decode_alloc']} | {x['requests_measured']} | {x['runs_per_request_median']:g} | "
+        lines.append(f"| {x['page_size']} | {x['decode_alloc']} | {x['sender']} | {x['requests_measured']} | "
+                     f"{x['runs_per_request_median']:g} | "
                      f"{x['size_bytes_weighted_p10'] / 1024:,.0f} / {x['size_bytes_weighted_p50'] / 1024:,.0f} / "
                      f"{x['size_bytes_weighted_p90'] / 1024:,.0f} KiB | {x['bytes_share_below_1mib']:.2f} / "
                      f"{x['bytes_share_below_4mib']:.2f} | {lm['fraction']:.2f} ({lm['fraction_if_16mib']:.2f}) |")
     if m := r.get("measured"):
         lines += ["", f"Measured over Mooncake TCP on an emulated {m['rate_mbit']:g} Mbit/s, {m['rtt_ms']:g} ms link "
                   f"({m['sglang']['transfers']} requests' transfers, {m['layers']} KV buffers each, page size 1, same requests "
-                  "both ways):", "",
-                  "| decode allocation | requests sent | failed | goodput / rate measured | lane model, same requests |",
+                  "every way):", "",
+                  "| decode allocation (+ sender) | requests sent | failed | goodput / rate measured | lane model, same requests |",
                   "|---|---|---|---|---|"]
-        for mode in ("sglang", "contiguous"):
+        for mode in MEASURED_MODES:
             lines.append(f"| {mode} | {m[mode]['requests']} | {m[mode]['failed']} | **{m[mode]['goodput_fraction']}** | "
                          f"{m['lane_model'][mode]} |")
     return "\n".join(lines)

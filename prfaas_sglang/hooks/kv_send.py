@@ -10,7 +10,9 @@ manager gets an :class:`AsyncKvSender` and three hooks change how it sends:
 
 * ``kv-send-start`` (AFTER ``MooncakeKVManager.__init__``): attach the sender;
 * ``kv-send`` (AROUND ``_transfer_data``): a chunk's entries, adjacent ones merged
-  (:func:`~prfaas_sglang.transport.kv_send.coalesce`), are queued in the sender and the call
+  (:func:`~prfaas_sglang.transport.kv_send.coalesce`) or, with a staging buffer
+  (``PRFAAS_KV_STAGING_MIB``, :mod:`~prfaas_sglang.hooks.kv_stage`), grouped by destination run and
+  each run of scattered small sources gathered into one write as it comes up, are queued in the sender and the call
   returns 0 at once; at most :data:`MAX_BATCHES_IN_FLIGHT` chunks per decode session are queued
   or on the wire (a new one waits, sleeping). The sender's thread hands the engine one write per
   lane at a time, as lanes free up. The call returns -1 when a write to that session already

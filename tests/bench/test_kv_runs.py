@@ -49,6 +49,17 @@ def test_pages_freed_by_interleaved_decodes_split_the_next_prompt_into_runs(page
     assert roomy["runs_per_request_median"] == 1
 
 
+def test_the_staging_sender_makes_one_request_per_destination_run_of_small_sources():
+    page = 2048
+    # one layer: destination pages 10..17 one run, sources scattered (two of them continue each other)
+    blocks = [(s * page, (10 + i) * page, page) for i, s in enumerate([40, 3, 4, 90, 7, 60, 61, 2])]
+    grouped = [(40 * page, 10 * page, page), (3 * page, 11 * page, page), (4 * page, 12 * page, page)]
+    assert kv_runs.staged_sizes(blocks) == [8 * page]
+    assert kv_runs.staged_sizes(grouped + [(0, 50 * page, page)]) == [3 * page, page]  # a run per destination run
+    big = [(0, 0, 8 << 20), (64 << 20, 8 << 20, 8 << 20)]  # already large: as they are
+    assert kv_runs.staged_sizes(big) == [8 << 20, 8 << 20]
+
+
 def test_bench_kv_runs_cli_on_a_small_trace(tmp_path):
     import json
     import random
@@ -65,10 +76,15 @@ def test_bench_kv_runs_cli_on_a_small_trace(tmp_path):
     proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)["result"]
-    assert [(x["page_size"], x["decode_alloc"]) for x in result["by_page_size"]] == [
-        (1, "sglang"), (1, "contiguous"), (16, "sglang")]
+    assert [(x["page_size"], x["decode_alloc"], x["sender"]) for x in result["by_page_size"]] == [
+        (1, "sglang", "adjacent"), (1, "sglang", "staged"), (1, "contiguous", "adjacent"),
+        (1, "contiguous", "staged"), (16, "sglang", "adjacent"), (16, "sglang", "staged")]
+    rows = {(x["page_size"], x["decode_alloc"], x["sender"]): x for x in result["by_page_size"]}
     for x in result["by_page_size"]:
         assert x["requests_measured"] > 100 and x["requests_per_layer"] >= x["requests_measured"]
+    for (page, alloc, sender), x in rows.items():  # staging never makes more requests, on the same transfers
+        if sender == "staged":
+            assert x["requests_per_layer"] <= rows[(page, alloc, "adjacent")]["requests_per_layer"]
         assert 0 < x["lane_model"]["fraction"] <= x["lane_model"]["fraction_if_16mib"]
         assert x["size_bytes_weighted_p10"] <= x["size_bytes_weighted_p50"] <= x["size_bytes_weighted_p90"]
     bad = subprocess.run([*argv[:-4], "--page-sizes", "0"], capture_output=True, text=True, timeout=60)
@@ -82,10 +98,12 @@ def test_measure_sends_each_allocations_requests_over_real_mooncake():
 
     assert unavailable() is None, unavailable()  # this project's machines and CI run as root with a compiler
     holes, run = [64 << 10] * 10, [640 << 10]
-    out = kv_runs.measure([(holes, run), (holes[:4], [256 << 10])], rate_mbit=200, rtt_ms=4, layers=2, tag=231)
+    out = kv_runs.measure([(holes, holes[:5] + [320 << 10], run), (holes[:4], [256 << 10], [256 << 10])],
+                          rate_mbit=200, rtt_ms=4, layers=2, tag=231)
     assert out["layers"] == 2
-    assert out["sglang"]["requests"] == 2 * 14 and out["contiguous"]["requests"] == 2 * 2
-    for mode in ("sglang", "contiguous"):
+    assert out["sglang"]["requests"] == 2 * 14 and out["contiguous"]["requests"] == 2 * 7
+    assert out["contiguous+staged"]["requests"] == 2 * 2
+    for mode in kv_runs.MEASURED_MODES:
         assert out[mode]["transfers"] == 2 and out[mode]["failed"] == 0
         assert [r["bytes"] for r in out[mode]["per_transfer"]] == [2 * 640 << 10, 2 * 256 << 10]
         assert 0 < out[mode]["goodput_fraction"] < 1.05
