@@ -128,7 +128,11 @@ class _CachedPrefill:
     def take(self, tokens: list[int]):
         """The prompt's source token indices (prefix hit, then fresh), or None when the pool cannot hold it."""
         import torch
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.base_prefix_cache import (
+            EvictParams,
+            InsertParams,
+            MatchPrefixParams,
+        )
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
