@@ -142,6 +142,15 @@ class Envs:
         "destination run (hooks/kv_stage.py); runs it has no room for go as they are. Set by the "
         "launcher for the prfaas role; 0 turns it off; a malformed value stops startup.",
     )
+    DECODE_STAGING_TOKENS = EnvVar(
+        "PRFAAS_DECODE_STAGING_TOKENS",
+        None,
+        "PD decode worker (SGLang, Mooncake): tokens of KV pool set aside at startup as one run (the "
+        "reserve, at most an eighth of the pool). A prompt whose pages are scattered receives its KV "
+        "there in one run and has it copied to its own pages once it landed (hooks/decode_stage.py), "
+        "so the prefill writes one request per KV buffer instead of one per run. Set by the launcher "
+        "for the pd-decode role; 0 turns it off; a malformed value stops startup.",
+    )
     KV_KEEPALIVE = EnvVar(
         "PRFAAS_KV_KEEPALIVE",
         None,

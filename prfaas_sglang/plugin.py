@@ -368,6 +368,72 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/engine/test_contiguous_alloc.py tests/bench/test_kv_runs.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
+        name="decode-staging-start",
+        target="sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__",
+        hook="prfaas_sglang.hooks.decode_stage:start_decode_staging",
+        hook_type="after",
+        expected_signature=(
+            "(self, req_to_token_pool: 'ReqToTokenPool', token_to_kv_pool_allocator: 'BaseTokenToKVPoolAllocator', "
+            "draft_token_to_kv_pool: 'Optional[KVCache]', req_to_metadata_buffer_idx_allocator: "
+            "'ReqToMetadataIdxAllocator', metadata_buffers: 'MetadataBuffers', scheduler: 'Scheduler', "
+            "transfer_queue: 'DecodeTransferQueue', tree_cache: 'BasePrefixCache', gloo_group: 'ProcessGroup', "
+            "tp_rank: 'int', tp_size: 'int', dp_size: 'int', gpu_id: 'int', bootstrap_port: 'int', "
+            "max_total_num_tokens: 'int', pp_rank: 'int', num_reserved_decode_tokens: 'int', "
+            "transfer_backend: 'TransferBackend')"),
+        subject="[transport] A decode worker sets a run of KV pages aside to receive scattered prompts in",
+        why=(
+            "When the decode pool has no free run for a prompt, its pages are scattered and the prefill "
+            "writes a request per run over the WAN (a lane idles an RTT per request); with the pool near "
+            "full that is ~1,000 requests per transfer on the conversation trace (bench kv-runs)."
+        ),
+        how=(
+            "AFTER hook on the decode's pre-allocation queue: with PRFAAS_DECODE_STAGING_TOKENS > 0 (the "
+            "launcher's decode profile) and a Mooncake KV manager, take that many tokens from the fresh pool "
+            "as one run of pages (SGLang's allocator never hands them out again) and attach a DecodeStaging "
+            "to the manager. A malformed value stops startup; a pool that cannot give one run runs without."
+        ),
+        upstream_status="vendor-specific",
+        removal="when SGLang's Mooncake backend stages same-TP transfers (its heterogeneous-TP staging buffer, "
+                "SGLANG_DISAGG_STAGING_BUFFER, does for unequal TP)",
+        tests="tests/transport/test_decode_stage.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="decode-staging-redirect",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver.send_metadata",
+        hook="prfaas_sglang.hooks.decode_stage:redirect_metadata",
+        hook_type="around",
+        expected_signature=("(self, kv_indices: 'npt.NDArray[np.int32]', aux_index: 'Optional[int]' = None, "
+                            "state_indices: 'Optional[List]' = None, decode_prefix_len: 'Optional[int]' = None)"),
+        subject="[transport] A scattered prompt's KV is written into the decode's reserve in one run",
+        why="See decode-staging-start: the prefill writes one request per run of the pages the decode names.",
+        how=(
+            "AROUND hook on the receiver's metadata send: with a DecodeStaging on the manager and the "
+            "prompt's KV pages in several small runs, name a run of reserve pages of the same length "
+            "instead (when the reserve has room; otherwise the prompt's own). State indices unchanged."
+        ),
+        upstream_status="vendor-specific",
+        removal="with decode-staging-start",
+        tests="tests/transport/test_decode_stage.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="decode-staging-land",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver.poll",
+        hook="prfaas_sglang.hooks.decode_stage:land_on_poll",
+        hook_type="around",
+        expected_signature="(self) -> 'KVPoll'",
+        subject="[transport] A redirected room's KV is copied home before the decode uses it",
+        why="See decode-staging-redirect: the KV landed in the reserve, and the request reads its own pages.",
+        how=(
+            "AROUND hook on the receiver's poll: when a redirected room reports Success, copy its pages from "
+            "the reserve to its own (every KV buffer, one index_copy each, waited for) and free the reserve "
+            "pages, before SGLang sees Success; on Failed, free them after the stall bound (a write may still "
+            "land). A copy that fails fails the room."
+        ),
+        upstream_status="vendor-specific",
+        removal="with decode-staging-start",
+        tests="tests/transport/test_decode_stage.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
         name="cache-move-routes",
         target="sglang.srt.entrypoints.http_server._setup_and_run_http_server",
         hook="prfaas_sglang.hooks.cache_move:add_routes",

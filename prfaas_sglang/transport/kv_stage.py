@@ -131,3 +131,33 @@ class StagingArena:
     @property
     def regions_taken(self) -> int:
         return len(self._taken)
+
+
+# --- the decode side -----------------------------------------------------------------------------------
+#
+# A decode whose pool has no free run long enough for a prompt takes its pages scattered, and the
+# prefill then writes a request per run. With a reserve (a run of pages set aside at startup), the
+# decode tells the prefill reserve pages instead, receives the KV there in one run, and copies it to
+# the request's own pages once it has landed:
+#
+#     request's pages    [p9] [p40 p41] [p3] [p77]          (4 runs: 4 requests per layer on the wire)
+#     told the prefill   reserve [r0 r1 r2 r3 r4]           (1 run: 1 request per layer)
+#     once landed        p9 <- r0, p40 <- r1, p41 <- r2, p3 <- r3, p77 <- r4   (per KV buffer)
+
+
+def page_runs(pages) -> int:
+    """How many maximal runs of consecutive ids ``pages`` (in order) has; 0 when empty."""
+    runs, last = 0, None
+    for page in pages:
+        page = int(page)
+        if last is None or page != last + 1:
+            runs += 1
+        last = page
+    return runs
+
+
+def worth_redirecting(pages, page_bytes: int, stage_below_bytes: int = STAGE_BELOW_BYTES) -> bool:
+    """Whether receiving ``pages`` through the reserve pays: more than one run, and those small on
+    average (``page_bytes``: one page of one KV buffer)."""
+    runs = page_runs(pages)
+    return runs > 1 and len(pages) * page_bytes / runs < stage_below_bytes

@@ -49,6 +49,9 @@ KEEPALIVE = "60,10,6"
 # The PrfaaS worker's KV staging buffer (MiB, on the KV's device): four 64 MiB chunks' worth of scattered
 # runs in flight at once; beyond that, runs go unstaged (hooks/kv_stage.py)
 STAGING_MIB = 256
+# The decode's KV reserve (tokens; hooks/decode_stage.py caps it at an eighth of the pool): room for a few
+# scattered prompts' KV in flight at once; a prompt that does not fit goes to its own pages as before
+DECODE_STAGING_TOKENS = 65536
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,9 @@ def receiver_profile(link: WanLink) -> tuple[EnvDefault, ...]:
                    "each prompt's KV in one run of free slots where there is one: SGLang's sender then writes one "
                    "request per layer, not one per hole finished decodes left (page size 1: ~190 requests per "
                    "layer per transfer -> ~10 on the conversation trace, bench kv-runs)"),
+        EnvDefault("PRFAAS_DECODE_STAGING_TOKENS", str(DECODE_STAGING_TOKENS),
+                   "a run of KV pages set aside: a prompt whose pages are scattered (no free run held it) receives "
+                   "its KV there in one run and has it copied home once landed (the decode-staging hooks)"),
         EnvDefault("PRFAAS_KV_KEEPALIVE", KEEPALIVE,
                    "TCP keepalive on the Mooncake connections: a lane the sender closed while the link was dark "
                    "(its reset lost) is otherwise held open, idle, until the process ends (the kv-lane-keepalive hook)"),

@@ -8,7 +8,7 @@ process's Mooncake engine (``init_mooncake_transfer_engine``). Prints one JSON l
 
 Environment: PRFAAS_ROLE / PRFAAS_TELEMETRY_PORT / PRFAAS_KV_ASYNC_SEND / PRFAAS_KV_LAYERWISE as the
 launcher or an operator sets them; PROBE_LAYERWISE=1 runs :func:`main_layerwise` instead of :func:`main`;
-BOOT_PORT; PROBE_DST=contiguous: each room's decode pages are one run (else random, as the source's);
+BOOT_PORT; PROBE_DECODE_RESERVE_PAGES (see below); PROBE_DST=contiguous: each room's decode pages are one run (else random, as the source's);
 FAIL_ROOM (optional): that room's KV is sent to a Mooncake session nobody listens on
 (``127.0.0.1:1``, with the real decode's registration), so the transfer engine refuses it; SGLang
 then fails the room on both sides and blacklists that session, not the real one.
@@ -63,6 +63,10 @@ SERVER_ARGS = types.SimpleNamespace(
     # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
     enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ, served_model_name="probe", model_path="/m")
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
+# PROBE_DECODE_RESERVE_PAGES=N: N more pages per buffer, the decode's KV reserve (hooks/decode_stage.py), as
+# the decode-staging-start hook would set aside from a fresh pool; rooms draw their pages from the first 256
+RESERVE_PAGES = int(os.environ.get("PROBE_DECODE_RESERVE_PAGES", "0"))
+USED_PAGES, NUM_PAGES = NUM_PAGES, NUM_PAGES + RESERVE_PAGES
 DEAD_SESSION = "127.0.0.1:1"
 
 
@@ -97,6 +101,13 @@ def main() -> dict:
     d_args, d_bufs, d_aux = kv_args(False)
     prefill = MooncakeKVManager(p_args, DisaggregationMode.PREFILL, SERVER_ARGS, False)
     decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
+    reserve = None
+    if RESERVE_PAGES:
+        from prfaas_sglang.hooks.decode_stage import DecodeStaging, attach
+
+        reserve = DecodeStaging(zip(d_args.kv_data_ptrs, d_args.kv_data_lens, d_args.kv_item_lens, strict=True),
+                                USED_PAGES, RESERVE_PAGES, "cpu")
+        attach(decode, reserve)
     addr = f"127.0.0.1:{BOOT_PORT}"
     rng = np.random.default_rng(3)
     fail_room = int(os.environ.get("FAIL_ROOM", "0"))
@@ -104,8 +115,8 @@ def main() -> dict:
     for room in range(1, 4):
         for d in d_bufs:
             d[:] = 0
-        src = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
-        dst = rng.permutation(NUM_PAGES)[:192].astype(np.int32)
+        src = rng.permutation(USED_PAGES)[:192].astype(np.int32)
+        dst = rng.permutation(USED_PAGES)[:192].astype(np.int32)
         if os.environ.get("PROBE_DST") == "contiguous":  # as the decode-contiguous-kv hook pre-allocates
             dst = np.arange(32, 32 + 192, dtype=np.int32)
         sender, receiver = open_room(prefill, decode, addr, room, dst)
@@ -118,6 +129,9 @@ def main() -> dict:
             sender.send(src[start:start + 64])
         states = (wait(sender, (KVPoll.Success, KVPoll.Failed)), wait(receiver, (KVPoll.Success, KVPoll.Failed)))
         intact = all((d[dst] == p[src]).all() for p, d in zip(p_bufs, d_bufs, strict=True))
+        if reserve is not None:  # and nothing else of the decode's own pages written
+            others = np.setdiff1d(np.arange(USED_PAGES), dst)
+            intact = intact and not any(d[others].any() for d in d_bufs)
         results.append({"room": room, "sender": int(states[0]), "receiver": int(states[1]), "kv_intact": bool(intact),
                         "aux_intact": bool((d_aux[room % N_AUX] == p_aux[1]).all())})
         sender.clear()
@@ -139,6 +153,7 @@ def main() -> dict:
                 "writes_failed": async_sender.writes_failed, "in_flight_bytes": async_sender.ledger.in_flight_bytes(),
                 "lanes": async_sender.lanes, "max_writes_in_flight": async_sender.max_writes_in_flight,
                 "staging": async_sender.stager.counters() if async_sender.stager is not None else None},
+            "decode_staging": reserve.counters() if reserve is not None else None,
             "failed_sessions": sorted(prefill.failed_sessions),
             "prefill_rooms_left": sorted(prefill.request_status), "decode_rooms_left": sorted(decode.request_status),
             "transfer_infos_left": sorted(prefill.transfer_infos),

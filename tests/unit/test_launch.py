@@ -80,9 +80,11 @@ class TestWanProfile:
         assert {"MC_TCP_LANES_PER_PEER", "MC_TCP_SLICE_SIZE", "MC_TCP_PROGRESS_TIMEOUT_SEC",
                 "SGLANG_ENABLE_FAILED_SESSION_PROBE"} <= names(Role.PRFAAS)  # a blacklisted peer is probed back
         # it receives the WAN leg: the stall bound, each prompt's KV slots in one run (decode-contiguous-kv),
-        # and keepalive on its Mooncake connections (kv-lane-keepalive), as the sender has
-        assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC", "PRFAAS_DECODE_CONTIGUOUS_KV", "PRFAAS_KV_KEEPALIVE"}
-        assert "PRFAAS_KV_KEEPALIVE" in names(Role.PRFAAS)
+        # a reserve for prompts without one (decode-staging-*), and keepalive on its Mooncake connections
+        # (kv-lane-keepalive), as the sender has
+        assert names(Role.PD_DECODE) == {"MC_TCP_PROGRESS_TIMEOUT_SEC", "PRFAAS_DECODE_CONTIGUOUS_KV",
+                                         "PRFAAS_DECODE_STAGING_TOKENS", "PRFAAS_KV_KEEPALIVE"}
+        assert {"PRFAAS_KV_KEEPALIVE", "PRFAAS_KV_STAGING_MIB"} <= names(Role.PRFAAS)
         assert names(Role.PD_PREFILL) == set()  # in-cluster: SGLang's defaults
 
     def test_lane_pacing_gets_the_stated_link_and_only_a_stated_one(self):
