@@ -21,6 +21,8 @@ Benchmarks:
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
   kv-runs        the request sizes SGLang's Mooncake sender makes once its allocators have served a
                  trace a while (SGLang's allocators and grouping on CPU), and the goodput they allow
+  kv-staging     SGLang's Mooncake path on CPU across an emulated WAN link (netns + linkem; root), pages
+                 scattered on both sides: adjacent entries vs the staging buffer vs the decode's reserve
   chaos          mixed load while each worker, the router and the PrfaaS link fail (seeded; root):
                  hung / truncated / typed errors, leaks at rest, time to recover, router RSS
   api-fuzz       schemathesis against the router's /openapi.json: server errors, survivors
@@ -174,6 +176,19 @@ def main(argv: list[str] | None = None) -> int:
                          "on an emulated link of --rate-gbps and --rtt-ms (root, linkem)")
     kr.add_argument("--seed", type=int, default=0, help="which transfers --measure samples")
     kr.add_argument("--json", action="store_true")
+    ks = sub.add_parser("kv-staging", help="SGLang's Mooncake path on CPU across an emulated WAN link, pages scattered "
+                                           "on both sides: adjacent entries vs staging on either side (root)")
+    ks.add_argument("--rate-mbit", type=float, default=1000.0)
+    ks.add_argument("--rtt-ms", type=float, default=20.0)
+    ks.add_argument("--requests", type=int, default=3, help="measured requests per mode and repeat")
+    ks.add_argument("--repeats", type=int, default=3)
+    ks.add_argument("--layers", type=int, default=4)
+    ks.add_argument("--request-pages", type=int, default=4096)
+    ks.add_argument("--page-bytes", type=int, default=2048, help="one page of one KV buffer (page 1, 8 heads of 128, bf16)")
+    ks.add_argument("--mean-run", type=int, default=64, help="mean length of a run of consecutive pages, either side")
+    ks.add_argument("--chunks", type=int, default=4)
+    ks.add_argument("--staging-mib", type=int, default=256)
+    ks.add_argument("--json", action="store_true")
     lw = sub.add_parser("layerwise", help="SGLang's Mooncake path on CPU over a shaped loopback: when the decode has the "
                                           "KV, layer-wise streaming off vs on (root)")
     lw.add_argument("--rate-mbit", type=float, default=400.0)
@@ -315,6 +330,23 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run(args.rate_mbit, args.forward_s, args.tokens, args.tokens, args.layers, repeats=args.repeats)
         header = (f"<!-- python -m prfaas_sglang.bench layerwise --rate-mbit {args.rate_mbit:g} --forward-s {args.forward_s:g} "
                   f"--tokens {args.tokens} --layers {args.layers} --repeats {args.repeats}; {stamp} -->")
+    elif args.name == "kv-staging":
+        from prfaas_sglang.bench import kv_staging as bench
+        from prfaas_sglang.transport.linkem import unavailable
+
+        if (args.rate_mbit <= 0 or args.rtt_ms < 0 or min(args.requests, args.repeats, args.layers, args.chunks,
+                                                           args.mean_run + 1, args.staging_mib) < 1
+                or args.request_pages < args.chunks or args.page_bytes < 64):
+            parser.error("kv-staging: --rate-mbit > 0, --rtt-ms >= 0, counts >= 1, --mean-run >= 0, "
+                         "--request-pages >= --chunks, --page-bytes >= 64")
+        if (why := unavailable()) is not None:
+            parser.error(f"the emulated link {why}")
+        result = bench.run(args.rate_mbit, args.rtt_ms, args.requests, args.repeats, args.layers, args.request_pages,
+                           args.page_bytes, args.mean_run, args.chunks, args.staging_mib)
+        header = (f"<!-- python -m prfaas_sglang.bench kv-staging --rate-mbit {args.rate_mbit:g} --rtt-ms {args.rtt_ms:g} "
+                  f"--requests {args.requests} --repeats {args.repeats} --layers {args.layers} --request-pages "
+                  f"{args.request_pages} --page-bytes {args.page_bytes} --mean-run {args.mean_run} --chunks {args.chunks} "
+                  f"--staging-mib {args.staging_mib}; {stamp} -->")
     elif args.name == "cache-transfer":
         from prfaas_sglang.bench import cache_transfer as bench
         from prfaas_sglang.demo.netns import available
