@@ -434,6 +434,26 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/transport/test_decode_stage.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
+        name="metrics-route-path",
+        target="sglang.srt.utils.common._get_fastapi_request_path",
+        hook="prfaas_sglang.hooks.http_metrics:route_path",
+        hook_type="around",
+        expected_signature="(request) -> 'Tuple[str, bool]'",
+        subject="[compat] SGLang's HTTP metrics middleware names routes of included routers",
+        why=(
+            "With --enable-metrics (the launcher's default) SGLang labels each request with its route's "
+            ".path; FastAPI 0.165 lists an included router as one route without .path, so every request to "
+            "one (GET /v1/loads, which our router polls) failed with HTTP 500 (real SGLang on CPU)."
+        ),
+        how=(
+            "AROUND hook on the path lookup: SGLang's answer where it has one; where the matching route has "
+            "no .path, the request's own path."
+        ),
+        upstream_status="to propose (sglang.srt.utils.common assumes every route has .path)",
+        removal="when SGLang's middleware handles routes without .path, or FastAPI is pinned below 0.165",
+        tests="tests/unit/test_http_metrics.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
         name="cache-move-routes",
         target="sglang.srt.entrypoints.http_server._setup_and_run_http_server",
         hook="prfaas_sglang.hooks.cache_move:add_routes",

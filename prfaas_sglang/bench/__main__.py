@@ -256,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ge.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (bundle.tar.xz inside)")
     ge.add_argument("--model-config", type=Path, default=None, help="a hybrid model directory instead of the bundle's tiny model")
     ge.add_argument("--checks", default=None, help="comma list (default: all)")
-    ge.add_argument("--engine", choices=("sglang", "mock"), default="sglang",
-                    help="mock: the harness's own dry run on CPU with emulated engines (shaped-link, routing, kv-index, failover; needs "
-                         "--model-config, root for the namespace); it checks the harness, not SGLang")
+    ge.add_argument("--engine", choices=("sglang", "sglang-cpu", "mock"), default="sglang",
+                    help="sglang-cpu: real SGLang on this machine's CPU (a tiny Llama unless --model-config; every check but "
+                         "state-events, which needs a hybrid; root for shaped-link); mock: the harness's own dry run with "
+                         "emulated engines (shaped-link, routing, kv-index, failover; needs --model-config, root); it checks "
+                         "the harness, not SGLang")
     ge.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: every benchmark stops its processes and removes its namespaces in finally

@@ -15,8 +15,7 @@ from pathlib import Path
 from prfaas_sglang.gpu.e2e import (
     ADMIN_TOKEN,
     DEPLOYMENT,
-    LONG_TOKENS,
-    SERVER_FLAGS,
+    GPU_PROFILE,
     SHAPED_RATE_MBIT,
     SHAPED_REPEATS,
     SHAPED_REQUEST_TIMEOUT_S,
@@ -25,6 +24,7 @@ from prfaas_sglang.gpu.e2e import (
     CheckResult,
     Processes,
     RunningDeployment,
+    ServerProfile,
     broken_hook_site,
     bundle_env,
     extended,
@@ -41,8 +41,6 @@ from prfaas_sglang.gpu.e2e import (
     wait_healthy,
 )
 
-MODEL_NAME = "tiny-hybrid"
-
 
 @dataclass
 class Context:
@@ -52,7 +50,8 @@ class Context:
     procs: Processes
     work: Path
     log: Callable[[str], None]
-    engine: str = "sglang"  # or "mock": the harness's dry run on emulated engines
+    engine: str = "sglang"  # or "mock": the harness's dry run on emulated engines; "sglang-cpu": real SGLang on CPU
+    profile: ServerProfile = GPU_PROFILE  # the servers' flags and the prompts' lengths
     reference: str = ""  # the plain server's URL; empty in the dry run
     dep: RunningDeployment | None = None
     vocab_size: int = 0
@@ -84,8 +83,8 @@ def preflight(root: Path, checkout: Path) -> dict:
     return versions
 
 
-def _ask(url: str, case: dict, ids: list[int], text: str | None) -> tuple[dict, dict]:
-    status, headers, payload = http("POST", url + case["endpoint"], request_body(case, ids, text, MODEL_NAME))
+def _ask(url: str, case: dict, ids: list[int], text: str | None, *, model: str) -> tuple[dict, dict]:
+    status, headers, payload = http("POST", url + case["endpoint"], request_body(case, ids, text, model))
     if status != 200:
         raise RuntimeError(f"{case['name']} at {url}: HTTP {status} {payload[:300]!r}")
     return parse_answer(case["endpoint"], case["stream"], payload), headers
@@ -103,12 +102,12 @@ def check_hooks(ctx: Context) -> CheckResult:
     if missing:
         return CheckResult("hooks", False, f"hook reports: {missing}")
     site = broken_hook_site(ctx.work / "broken-hook")
-    env = bundle_env(ctx.root, ctx.checkout)
+    env = bundle_env(ctx.root, ctx.checkout, profile=ctx.profile)
     env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     from prfaas_sglang.demo.cluster import free_port
 
     proc = ctx.procs.start("broken-hook", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
-                                           str(ctx.model_dir), "--port", str(free_port()), "--", *SERVER_FLAGS], env)
+                                           str(ctx.model_dir), "--port", str(free_port()), "--", *ctx.profile.flags], env)
     try:
         code = proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
@@ -126,11 +125,11 @@ def check_greedy_equal(ctx: Context) -> CheckResult:
     ctx.vocab_size = len(tok)
     router = ctx.dep.url("router")
     failures, routes, answers = [], {}, {}
-    for case in request_cases(ctx.vocab_size):
+    for case in request_cases(ctx.vocab_size, ctx.profile):
         ids = prompt_ids(case["num_tokens"], ctx.vocab_size, case["seed"])
         text = tok.decode(ids)
-        ref, _ = _ask(ctx.reference, case, ids, text)
-        ours, headers = _ask(router, case, ids, text)
+        ref, _ = _ask(ctx.reference, case, ids, text, model=ctx.profile.served_name)
+        ours, headers = _ask(router, case, ids, text, model=ctx.profile.served_name)
         answers[case["name"]] = ours
         routes[case["name"]] = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
         why = output_mismatch(ours, ref)
@@ -149,12 +148,12 @@ def check_routing(ctx: Context) -> CheckResult:
     router_before = http("GET", router + "/metrics")[2].decode()
     wrong = []
     sent = {"prfaas": 0, "pd": 0}
-    for i, num_tokens in enumerate((256, 2048, 8192, 16384)):
+    for i, num_tokens in enumerate(ctx.profile.short_tokens + ctx.profile.long_tokens):
         case = {"name": f"route-{num_tokens}", "endpoint": "/v1/completions", "stream": False}
         ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, 1000 + i)
-        _, headers = _ask(router, case, ids, None)
+        _, headers = _ask(router, case, ids, None, model=ctx.profile.served_name)
         route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
-        want = "prfaas" if num_tokens >= 4096 else "pd"  # the route header and metrics name the cluster kind
+        want = "prfaas" if num_tokens >= ctx.profile.threshold_tokens else "pd"  # the header and metrics name the kind
         sent[want] += 1
         if not route.startswith(want + "/"):
             wrong.append(f"{num_tokens} tokens went to {route!r}, the threshold says {want}")
@@ -166,7 +165,7 @@ def check_routing(ctx: Context) -> CheckResult:
               - metric_sum(router_before, "prfaas_router_routed_total", f'cluster="{c}"') for c in ("prfaas", "pd")}
     if routed != sent:
         wrong.append(f"router counters {routed} != sent {sent}")
-    if served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"] or served["pd-decode-0"] != 4:
+    if served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"] or served["pd-decode-0"] != sum(sent.values()):
         wrong.append(f"engine request counters {served} disagree with sent {sent} (decode serves all)")
     data = {"routed": routed, "engines": served}
     return CheckResult("routing", not wrong, "; ".join(wrong), data)
@@ -184,7 +183,7 @@ def check_kv_index(ctx: Context) -> CheckResult:
         time.sleep(1.0)  # KV events are published after the request; let them land
         predicted = json.loads(http("POST", index + "/match", {"input_ids": ids})[2])
         case = {"name": f"kv-{label}", "endpoint": "/v1/completions", "stream": False}
-        answer, headers = _ask(router, case, ids, None)
+        answer, headers = _ask(router, case, ids, None, model=ctx.profile.served_name)
         route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
         prefill = route.split("/")[1] if route.count("/") >= 2 else ""
         expect = predicted["by_worker"].get(prefill, 0)
@@ -212,7 +211,7 @@ def check_state_events(ctx: Context) -> CheckResult:
     router, index = ctx.dep.url("router"), ctx.dep.url("kv-index")
     vocab, wrong, data = ctx.vocab_size or 4096, [], {}
     case = {"name": "state", "endpoint": "/v1/completions", "stream": False}
-    _ask(router, case, prompt_ids(1024, vocab, 901), None)  # to PD-P, whose tree keeps everything
+    _ask(router, case, prompt_ids(1024, vocab, 901), None, model=ctx.profile.served_name)  # to PD-P, whose tree keeps everything
     time.sleep(1.0)
     for name in ("prfaas-0", "pd-prefill-0"):
         data[name] = _index_worker(index, name)
@@ -222,14 +221,14 @@ def check_state_events(ctx: Context) -> CheckResult:
         wrong.append("pd-prefill-0 holds a prefilled prompt but reported no state checkpoint")
     before = _index_worker(index, "prfaas-0").get("blocks", 0)
     for i in range(3):  # one-off long prompts: transfer cache only
-        _ask(router, case, prompt_ids(LONG_TOKENS[0], vocab, 910 + i), None)
+        _ask(router, case, prompt_ids(ctx.profile.long_tokens[0], vocab, 910 + i), None, model=ctx.profile.served_name)
     time.sleep(1.0)
     after_unique = _index_worker(index, "prfaas-0").get("blocks", 0)
     if after_unique != before:
         wrong.append(f"prfaas-0 published {after_unique - before} stored blocks for 3 one-off prompts (transfer "
                      "cache must not be inserted)")
-    shared = prompt_ids(LONG_TOKENS[0], vocab, 920)
-    cached = [_ask(router, case, shared, None)[0]["cached_tokens"] for _ in range(3)]
+    shared = prompt_ids(ctx.profile.long_tokens[0], vocab, 920)
+    cached = [_ask(router, case, shared, None, model=ctx.profile.served_name)[0]["cached_tokens"] for _ in range(3)]
     time.sleep(1.0)
     data.update(blocks_before=before, blocks_after_unique=after_unique, cached_tokens_3x=cached,
                 blocks_after_shared=_index_worker(index, "prfaas-0").get("blocks", 0))
@@ -243,10 +242,10 @@ def check_failover(ctx: Context) -> CheckResult:
     long_case = {"name": "failover", "endpoint": "/v1/completions", "stream": True}
 
     def one(i: int) -> dict:
-        ids = prompt_ids(LONG_TOKENS[0], ctx.vocab_size or 4096, 5000 + i)
+        ids = prompt_ids(ctx.profile.long_tokens[0], ctx.vocab_size or 4096, 5000 + i)
         started = time.monotonic()
         try:
-            status, _, payload = http("POST", router + "/v1/completions", request_body(long_case, ids, None, MODEL_NAME),
+            status, _, payload = http("POST", router + "/v1/completions", request_body(long_case, ids, None, ctx.profile.served_name),
                                       timeout_s=180)
         except OSError as err:
             return {"ok": False, "hung": "timed out" in str(err), "why": str(err), "s": time.monotonic() - started}
@@ -295,15 +294,15 @@ def _reference_answer(ctx: Context, case: dict, ids: list[int]) -> dict | None:
     if known is not None or not ctx.reference:
         return known
     wait_healthy(ctx.reference + "/health", ctx.procs.procs["reference"])
-    return _ask(ctx.reference, case, ids, None)[0]
+    return _ask(ctx.reference, case, ids, None, model=ctx.profile.served_name)[0]
 
 
-def _ttft_s(router: str, ids: list[int]) -> tuple[float, int, str | None]:
+def _ttft_s(router: str, ids: list[int], model: str) -> tuple[float, int, str | None]:
     """(seconds to the whole one-token answer, HTTP status, route) of a streamed ``max_tokens: 1``
     completion: the prefill, the KV's crossing and the first decode step."""
     case = {"name": "ttft", "endpoint": "/v1/completions", "stream": True}
     started = time.monotonic()
-    status, headers, _ = http("POST", router + "/v1/completions", {**request_body(case, ids, None, MODEL_NAME),
+    status, headers, _ = http("POST", router + "/v1/completions", {**request_body(case, ids, None, model),
                                                                    "max_tokens": 1}, timeout_s=SHAPED_REQUEST_TIMEOUT_S)
     return time.monotonic() - started, status, headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
 
@@ -324,13 +323,14 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
                                prfaas_env={**(env or {}), "SGLANG_HOST_IP": ns.inner_ip},
                                pd_env={"SGLANG_HOST_IP": ns.host_ip},
                                link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS), startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S,
-                               engine=ctx.engine)
+                               engine=ctx.engine, profile=ctx.profile)
         ctx.log(f"[shaped-link] {profile}: deployment healthy after {time.monotonic() - started:.1f} s")
         router, vocab = dep.url("router"), ctx.vocab_size or 4096
-        for num_tokens in LONG_TOKENS:
-            warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens))
+        for num_tokens in ctx.profile.long_tokens:
+            warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens), ctx.profile.served_name)
             for k in range(SHAPED_REPEATS):
-                ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k))
+                ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k),
+                                                 ctx.profile.served_name)
                 row = {"profile": profile, "tokens": num_tokens, "repeat": k, "ttft_s": round(ttft_s, 3),
                        "warmup_s": round(warm_s, 3), "status": status, "route": route}
                 ctx.log(f"[shaped-link] {json.dumps(row)}")
@@ -339,7 +339,7 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
                     problems.append(f"{profile} {num_tokens}: status {status}, route {route!r} (want prfaas/...)")
             case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
             ids = prompt_ids(num_tokens, vocab, num_tokens)
-            ours, _ = _ask(router, case, ids, None)
+            ours, _ = _ask(router, case, ids, None, model=ctx.profile.served_name)
             reference = _reference_answer(ctx, case, ids)
             if reference is None:
                 ctx.answers = {**(ctx.answers or {}), case["name"]: ours}

@@ -36,13 +36,16 @@ def bundle_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from prfaas_sglang.gpu.e2e import CHECKS, MOCK_CHECKS, gpu_unavailable, run
+    from prfaas_sglang.gpu.e2e import CHECKS, CPU_CHECKS, MOCK_CHECKS, gpu_unavailable, run
 
-    mock = args.engine == "mock"
-    checks = tuple(args.checks.split(",")) if args.checks else (MOCK_CHECKS if mock else CHECKS)
+    mock, cpu = args.engine == "mock", args.engine == "sglang-cpu"
+    checks = tuple(args.checks.split(",")) if args.checks else (MOCK_CHECKS if mock else CPU_CHECKS if cpu else CHECKS)
     if unknown := [c for c in checks if c not in CHECKS]:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
-    if mock:  # the harness's dry run on CPU: emulated engines, no bundle
+    if cpu:  # real SGLang on CPU from this environment: no bundle, a tiny Llama unless --model-config
+        if wrong := [c for c in checks if c not in CPU_CHECKS]:
+            parser.error(f"--engine sglang-cpu runs {', '.join(CPU_CHECKS)} only, not {wrong}")
+    elif mock:  # the harness's dry run on CPU: emulated engines, no bundle
         if wrong := [c for c in checks if c not in MOCK_CHECKS]:
             parser.error(f"--engine mock runs {', '.join(MOCK_CHECKS)} only, not {wrong}")
         if args.model_config is None or not (args.model_config / "tokenizer.json").is_file():

@@ -69,6 +69,39 @@ SHAPED_RTT_MS = 1.0  # what the topology states for the shaped link: a veth has 
 SHAPED_REPEATS = 3  # timed prompts per length and profile, each a fresh one (no cache hit)
 SHAPED_STARTUP_TIMEOUT_S = 300.0
 SHAPED_REQUEST_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ServerProfile:
+    """What every SGLang server of a run gets and how long its prompts are: on the GPU machine
+    (:data:`GPU_PROFILE`, the tiny hybrid) or real SGLang on CPU (:data:`CPU_PROFILE`, a tiny Llama:
+    SGLang's CPU engine serves plain attention with torch's kernels, and lengths a 2-core machine
+    prefills in seconds)."""
+
+    flags: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    threshold_tokens: int = THRESHOLD_TOKENS
+    short_tokens: tuple[int, ...] = SHORT_TOKENS
+    long_tokens: tuple[int, ...] = LONG_TOKENS
+    served_name: str = "tiny-hybrid"
+
+
+GPU_PROFILE = ServerProfile(SERVER_FLAGS)
+CPU_PROFILE = ServerProfile(
+    ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+     "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
+     "--mem-fraction-static", "0.05", "--max-total-tokens", "65536", "--max-running-requests", "8",
+     "--chunked-prefill-size", "2048", "--log-level", "info"),
+    env=(("SGLANG_USE_CPU_ENGINE", "1"),), threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
+    served_name="tiny-llama")
+# ``--engine sglang-cpu``: real SGLang on CPU; state-events needs a hybrid's Mamba cache, which the CPU engine lacks
+CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
+
+
+def profile_for(engine: str) -> ServerProfile:
+    return CPU_PROFILE if engine == "sglang-cpu" else GPU_PROFILE
+
+
 # ``--engine mock``: the harness's own dry run on CPU (emulated engines, no reference server):
 # what it checks is the harness (namespaces, launcher, router, timing), not SGLang.
 MOCK_CHECKS = ("shaped-link", "routing", "kv-index", "failover")  # state-events: SGLang's cache reports, not emulated
@@ -106,17 +139,17 @@ def extended(ids: list[int], more: int, vocab_size: int, seed: int) -> list[int]
     return ids + prompt_ids(more, vocab_size, seed)
 
 
-def request_cases(vocab_size: int) -> list[dict]:
+def request_cases(vocab_size: int, profile: ServerProfile = GPU_PROFILE) -> list[dict]:
     """The greedy-equal cases: every length x endpoint x streaming. Completions take the prompt as
     ids; chat takes text decoded from ids (the router tokenizes it with the chat template)."""
     cases = []
-    for num_tokens in SHORT_TOKENS + LONG_TOKENS:
+    for num_tokens in profile.short_tokens + profile.long_tokens:
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
             for stream in (False, True):
                 label = "chat" if "chat" in endpoint else "completions"
                 cases.append({"name": f"{label}-{num_tokens}{'-stream' if stream else ''}",
                               "endpoint": endpoint, "num_tokens": num_tokens, "stream": stream,
-                              "seed": num_tokens, "long": num_tokens >= THRESHOLD_TOKENS})
+                              "seed": num_tokens, "long": num_tokens >= profile.threshold_tokens})
     return cases
 
 
@@ -171,9 +204,9 @@ def output_mismatch(ours: dict, reference: dict) -> str | None:
 
 def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0.1",
                  prfaas_host: str | None = None, link: tuple[float, float] = (1.0, 20.0),
-                 emulation: dict | None = None) -> dict:
+                 emulation: dict | None = None, profile: ServerProfile = GPU_PROFILE) -> dict:
     """The topology the check starts: one PrfaaS node, one PD prefill, one PD decode, router and
-    kv-index, the model's tokenizer in the router, every SGLang server with :data:`SERVER_FLAGS`;
+    kv-index, the model's tokenizer in the router, every SGLang server with ``profile``'s flags;
     ``link`` = (Gbit/s, RTT ms) stated for PrfaaS -> PD (the WAN profile is sized from it)."""
     def engine(name: str, role: str, prefill: bool, at: str = host) -> dict:
         node = {"name": name, "role": role, "host": at, "port": ports(), "kv_events_port": ports()}
@@ -185,8 +218,8 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
 
     doc = {
         "version": 1,
-        "model": {"path": str(model_dir), "served_name": "tiny-hybrid", "tokenizer": str(model_dir),
-                  "cost_model": "kimi-linear-1t-hybrid", "extra_args": list(SERVER_FLAGS)},
+        "model": {"path": str(model_dir), "served_name": profile.served_name, "tokenizer": str(model_dir),
+                  "cost_model": "kimi-linear-1t-hybrid", "extra_args": list(profile.flags)},
         "clusters": {
             "prfaas-b": {"kind": "prfaas", "kv_transport": "tcp", "accelerator": "h200x8",
                          "nodes": [engine("prfaas-0", "prfaas", True, prfaas_host or host)]},
@@ -265,14 +298,16 @@ def unpack(bundle_dir: Path) -> Path:
     return root
 
 
-def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment every process gets: the checkout, then the bundle's site (none for the
-    emulated dry run: ``root`` None), on PYTHONPATH; no hub access; none of this shell's PRFAAS_* or
-    MC_* settings."""
+def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = None,
+               profile: ServerProfile = GPU_PROFILE) -> dict[str, str]:
+    """The environment every process gets: the checkout, then the bundle's site (none on CPU:
+    ``root`` None), on PYTHONPATH; no hub access; none of this shell's PRFAAS_* or MC_* settings;
+    ``profile``'s variables."""
     env = {k: v for k, v in (base if base is not None else os.environ).items() if not k.startswith(("PRFAAS_", "MC_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(checkout)] + ([str(root / "site")] if root is not None else []))
     # SGLang's own flashinfer paths off too (the bundle carries no flashinfer JIT sources; bundle.REWRITES)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", SGLANG_IS_FLASHINFER_AVAILABLE="false")
+    env.update(profile.env)
     return env
 
 
@@ -416,7 +451,7 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
                      prfaas_env: dict[str, str] | None = None, link: tuple[float, float] = (1.0, 20.0),
                      startup_timeout_s: float = STARTUP_TIMEOUT_S,
                      pd_env: dict[str, str] | None = None, engine: str = "sglang",
-                     host: str = "127.0.0.1") -> RunningDeployment:
+                     host: str = "127.0.0.1", profile: ServerProfile = GPU_PROFILE) -> RunningDeployment:
     """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises when any
     does not become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
     PrfaaS server's / the PD servers' environment."""
@@ -425,14 +460,14 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
     from prfaas_sglang.demo.cluster import PortPicker
 
     topology = e2e_topology(model_dir, PortPicker(), host=host, prfaas_host=prfaas_host, link=link,
-                            emulation=MOCK_EMULATION if engine == "mock" else None)
+                            emulation=MOCK_EMULATION if engine == "mock" else None, profile=profile)
     config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}{'-env' if prfaas_env else ''}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
-    env = bundle_env(root, checkout)
+    env = bundle_env(root, checkout, profile=profile)
     dep = RunningDeployment(topology, config, env, procs)
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
-        extra = (["--kv-profile", kv_profile] if name == "prfaas-0" else []) + (["--engine", engine] if engine != "sglang" else [])
+        extra = (["--kv-profile", kv_profile] if name == "prfaas-0" else []) + (["--engine", engine] if engine == "mock" else [])
         node_env = {**env, **(prfaas_env or {})} if name == "prfaas-0" else {**env, **(pd_env or {})}
         procs.start(name, [*launch, "--node", name, *extra], {**node_env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
                     preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
@@ -445,22 +480,24 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
     procs.start("router", [*launch, "--node", "router"], {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
     for name in ("kv-index", "router"):
         wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=120)
-    status, _, body = http("POST", dep.url("router") + "/admin/threshold", {"threshold_tokens": THRESHOLD_TOKENS},
+    status, _, body = http("POST", dep.url("router") + "/admin/threshold", {"threshold_tokens": profile.threshold_tokens},
                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     if status != 200:
         raise RuntimeError(f"pinning the threshold failed: {status} {body[:200]!r}")
     return dep
 
 
-def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes, wait: bool = True) -> str:
+def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes, wait: bool = True,
+                    profile: ServerProfile = GPU_PROFILE) -> str:
     """Start the plain server (``reference`` in ``procs``); its URL, healthy unless ``wait`` is False
     (then :func:`wait_healthy` before asking it)."""
     from prfaas_sglang.demo.cluster import free_port
 
     port = free_port()
     procs.start("reference", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
-                              str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *SERVER_FLAGS],
-                {**bundle_env(root, checkout), "PRFAAS_HOOK_REPORT": str(hook_report(procs.log_dir.parent, "reference"))})
+                              str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *profile.flags],
+                {**bundle_env(root, checkout, profile=profile),
+                 "PRFAAS_HOOK_REPORT": str(hook_report(procs.log_dir.parent, "reference"))})
     url = f"http://127.0.0.1:{port}"
     if wait:
         wait_healthy(url + "/health", procs.procs["reference"])
@@ -477,24 +514,33 @@ def run_order(checks: Iterable[str]) -> list[str]:
 def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
         engine: str = "sglang") -> dict:
     """Run ``checks``; ``engine="mock"``: the harness's dry run on emulated engines (``model_config``
-    the model directory, no bundle, no reference server, :data:`MOCK_CHECKS` only)."""
+    the model directory, no bundle, no reference server, :data:`MOCK_CHECKS` only); ``engine="sglang-cpu"``:
+    real SGLang on CPU from this environment (no bundle; ``model_config``, else a tiny Llama made here;
+    :data:`CPU_CHECKS`)."""
     from prfaas_sglang.gpu import checks as impl
 
     checkout = Path(__file__).resolve().parents[2]
+    profile = profile_for(engine)
     root = unpack(bundle_dir) if engine == "sglang" else None
     if root is not None and str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...)
         sys.path.append(str(root / "site"))
-    model_dir = model_config or (root / "model")
     work = Path(tempfile.mkdtemp(prefix="prfaas-gpu-e2e-"))
+    if engine == "sglang-cpu" and model_config is None:
+        from prfaas_sglang.gpu.model import make_model
+
+        make_model(work / "model", cpu=True, log=log)
+        model_config = work / "model"
+    model_dir = model_config or (root / "model")
     procs = Processes(work / "logs")
     results: list[CheckResult] = []
     facts: dict = {"work_dir": str(work), "model": str(model_dir), "engine": engine}
     try:
-        ctx = impl.Context(root, checkout, model_dir, procs, work, log, engine=engine)
+        ctx = impl.Context(root, checkout, model_dir, procs, work, log, engine=engine, profile=profile)
         if engine == "sglang":
             facts["versions"] = impl.preflight(root, checkout)
             log(f"[gpu-e2e] versions: {facts['versions']}")
-            ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False)
+        if engine != "mock":
+            ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
         for name in run_order(checks):
             if name != "shaped-link" and ctx.dep is None:  # shaped-link starts its own deployments
                 if ctx.reference:
@@ -502,7 +548,7 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
                 # The prfaas node's prefix cache pinned to `shared` (the launcher's default is `auto`, which
                 # keeps one-offs while it has seen too few re-sightings): state-events checks transfer cache.
                 ctx.dep = start_deployment(root, checkout, model_dir, procs, work,
-                                           prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"}, engine=engine)
+                                           prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"}, engine=engine, profile=profile)
             started = time.monotonic()
             try:
                 result = impl.CHECK_FUNCTIONS[name](ctx)

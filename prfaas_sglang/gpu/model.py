@@ -69,6 +69,32 @@ def tiny_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
     }
 
 
+def tiny_cpu_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+    """A tiny Llama for real SGLang on CPU (``bench gpu-e2e --engine sglang-cpu``): SGLang's CPU path
+    serves plain attention (torch_native), not the hybrid's linear-attention kernels. 4 layers, 4 KV
+    heads of 64: 4 KiB of KV per token, so a 4K-token prompt's KV (16 MiB) binds a 200 Mbit/s link."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": -(-vocab_size // 64) * 64,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": CONTEXT_TOKENS,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+    }
+
+
 def check_config(config: dict, tokenizer_vocab: int) -> list[str]:
     """What is wrong with ``config`` for the GPU check (pure): [] when nothing."""
     problems = []
@@ -95,10 +121,11 @@ def _tokenizer_vocab(directory: Path) -> tuple[int, int, int]:
     return max(vocab.values()) + 1, eos, pad
 
 
-def make_model(dest: Path, config: Path | None = None, log: Callable[[str], None] = print) -> dict:
+def make_model(dest: Path, config: Path | None = None, log: Callable[[str], None] = print, cpu: bool = False) -> dict:
     """Write the model directory ``dest`` (``config.json``, tokenizer files, ``recipe.json``);
     return the recipe. ``config``: a ``config.json`` or a directory holding one (its tokenizer
-    files are taken when present). Raises ModelError."""
+    files are taken when present); else the tiny hybrid, or with ``cpu`` :func:`tiny_cpu_config`.
+    Raises ModelError."""
     source_dir = None
     if config is not None:
         config_file = config / "config.json" if config.is_dir() else config
@@ -108,7 +135,7 @@ def make_model(dest: Path, config: Path | None = None, log: Callable[[str], None
     tokenizer_dir = source_dir if source_dir is not None and (source_dir / "tokenizer.json").is_file() else DATA_DIR / SHIPPED
     vocab, eos, pad = _tokenizer_vocab(tokenizer_dir)
     if config is None:
-        hf_config = tiny_config(vocab, eos, pad)
+        hf_config = (tiny_cpu_config if cpu else tiny_config)(vocab, eos, pad)
     else:
         try:
             hf_config = json.loads(config_file.read_text())
@@ -122,7 +149,9 @@ def make_model(dest: Path, config: Path | None = None, log: Callable[[str], None
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / name, dest / name)
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": hf_config.get("eos_token_id", eos)}) + "\n")
-    recipe = {"config": str(config) if config else "tiny Qwen3-Next (prfaas_sglang.gpu.model.tiny_config)",
+    default = ("tiny Llama (prfaas_sglang.gpu.model.tiny_cpu_config)" if cpu
+               else "tiny Qwen3-Next (prfaas_sglang.gpu.model.tiny_config)")
+    recipe = {"config": str(config) if config else default,
               "architecture": hf_config["architectures"][0],
               "tokenizer": str(tokenizer_dir.name if tokenizer_dir.parent == DATA_DIR else tokenizer_dir),
               "tokenizer_vocab": vocab, "load_format": "dummy"}

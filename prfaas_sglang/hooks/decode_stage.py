@@ -3,7 +3,8 @@
 The decode side of coalescing beyond adjacent entries (the PrfaaS side gathers: ``hooks/kv_stage.py``).
 With ``PRFAAS_DECODE_STAGING_TOKENS`` > 0 (the launcher's pd-decode profile) a decode worker sets a run
 of KV pages aside at startup, its *reserve* (:class:`DecodeStaging`, hook ``decode-staging-start``,
-AFTER ``DecodePreallocQueue.__init__``: the pool is fresh, so SGLang's allocator hands out one run).
+AFTER ``DecodePreallocQueue.__init__``: the pool's top pages, still free then; the allocator and the
+scheduler's total shrink by them, so SGLang's admission, usage and leak check count a smaller pool).
 When a prompt's pages are scattered (its pool had no free run long enough: the ``decode-contiguous-kv``
 hook's fallback), the receiver tells the prefill reserve pages instead of the prompt's own (hook
 ``decode-staging-redirect``, AROUND ``MooncakeKVReceiver.send_metadata``), so the prefill writes one
@@ -22,7 +23,8 @@ is waited for before the pages are freed (a later room's KV may be written there
 profile's stall bound ends one within that). Thread-safe.
 
 The reserve is outside what the decode admits (SGLang's allocator never hands those pages out), so it
-costs the pool ``PRFAAS_DECODE_STAGING_TOKENS``. A room that is never polled to its end keeps its
+costs the pool ``PRFAAS_DECODE_STAGING_TOKENS``. Only SGLang's page-1 and paged allocators are shrunk
+this way; with any other (SWA, HiSparse) the decode runs without a reserve. A room that is never polled to its end keeps its
 reserve pages (SGLang polls every room it holds until it concludes).
 """
 
@@ -184,20 +186,33 @@ def staging_tokens_from_env() -> int:
 
 
 def reserve_pages(allocator, num_tokens: int) -> tuple[int, int] | None:
-    """Take ``num_tokens`` (rounded down to whole pages) from SGLang's allocator as one run of pages:
-    ``(first_page, num_pages)``, or None (nothing taken) when the allocator cannot give one run."""
+    """Set the top ``num_tokens`` of SGLang's allocator (rounded down to whole pages) aside for good:
+    ``(first_page, num_pages)``, or None (nothing changed) when the allocator is not SGLang's page-1 or
+    paged one or those pages are not all free. The allocator shrinks: its ``size`` (and ``num_pages``)
+    no longer count them, so ``clear()`` never hands them out again and SGLang's pool accounting stays
+    whole once the caller takes them off the scheduler's total too (:func:`start_decode_staging`)."""
+    import torch
+
+    if type(allocator).__name__ not in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"):
+        return None
     page_size = int(getattr(allocator, "page_size", 1) or 1)
     num_pages = num_tokens // page_size
-    if num_pages < 1:
+    total_pages = int(allocator.size) // page_size
+    if num_pages < 1 or num_pages >= total_pages:
         return None
-    indices = allocator.alloc(num_pages * page_size)
-    if indices is None:
+    first = total_pages - num_pages + 1  # page ids run 1..total_pages (page 0 is SGLang's padding)
+    free = allocator.free_pages
+    released = getattr(allocator, "release_pages", None)
+    pooled = torch.cat([free, released]) if released is not None and len(released) else free
+    if int((pooled >= first).sum()) != num_pages:  # some of them are in use
         return None
-    pages = (indices[::page_size] // page_size).cpu().numpy() if page_size > 1 else indices.cpu().numpy()
-    if len(pages) != num_pages or not (np.diff(pages) == 1).all():
-        allocator.free(indices)
-        return None
-    return int(pages[0]), num_pages
+    allocator.free_pages = free[free < first]
+    if released is not None and len(released):
+        allocator.release_pages = released[released < first]
+    allocator.size -= num_pages * page_size
+    if hasattr(allocator, "num_pages"):
+        allocator.num_pages -= num_pages
+    return first, num_pages
 
 
 def start_decode_staging(result, queue, *args, **kwargs):
@@ -220,8 +235,15 @@ def start_decode_staging(result, queue, *args, **kwargs):
         tokens = pool_tokens // MAX_RESERVE_SHARE
     reserve = reserve_pages(queue.token_to_kv_pool_allocator, tokens)
     if reserve is None:
-        logger.warning("prfaas_sglang: the decode pool could not set %d tokens aside in one run; no KV reserve", tokens)
+        logger.warning("prfaas_sglang: the decode pool (%s) could not set its top %d tokens aside; no KV reserve",
+                       type(queue.token_to_kv_pool_allocator).__name__, tokens)
         return None
+    taken = reserve[1] * int(getattr(queue.token_to_kv_pool_allocator, "page_size", 1) or 1)
+    # the pool is smaller by the reserve for everything SGLang counts: admission, usage, its leak check
+    queue.max_total_num_tokens -= taken
+    scheduler = getattr(queue, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "max_total_num_tokens"):
+        scheduler.max_total_num_tokens -= taken
     from prfaas_sglang.hooks.kv_send import kv_device, mooncake_wait_bound_s
 
     args = manager.kv_args

@@ -182,7 +182,15 @@ def with_bind_shim(command: LaunchCommand, environ: Mapping[str, str], shim: str
     env.update({"LD_PRELOAD": f"{shim}:{preload}" if preload else shim,
                 envs.BIND_HOST.name: bind_ip, envs.BIND_PORTS.name: f"{low}-{high}"})
     note = f"Mooncake's listeners bind {bind_ip} (ports {low}-{high}; bind shim {shim})"
-    return replace(command, env=env, notes=command.notes + (note,))
+    kept = dict(command.env_kept)
+    # SGLang advertises its KV endpoints (Mooncake session, bootstrap registration) at its own guess of
+    # the host's address (the default route's interface) unless SGLANG_HOST_IP says otherwise: with the
+    # listeners bound to bind_ip, every peer's connection to that guess would be refused
+    if environ.get("SGLANG_HOST_IP"):
+        kept["SGLANG_HOST_IP"] = bind_ip
+    elif "SGLANG_HOST_IP" not in env:
+        env["SGLANG_HOST_IP"] = bind_ip
+    return replace(command, env=env, env_kept=kept, notes=command.notes + (note,))
 
 
 def port_range_notes(node: Node, sglang_pd: bool) -> tuple[str, ...]:
@@ -213,7 +221,7 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
         raise ConfigError("--model-path", f"is required for role {node.role.value} with --engine sglang")
     _refuse_owned_flags(node.extra_args)
     if not spec.is_disaggregated:
-        return _single_command(node, python, notes)
+        return _single_command(node, python, notes, environ)
     transport = node.kv_transport or spec.default_kv_transport
     if transport not in spec.allowed_kv_transports:
         raise ConfigError("--kv-transport", f"role {node.role.value} cannot use {transport.value}")
@@ -235,7 +243,23 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
         env["MC_FORCE_TCP"] = "1"
         if wan_profile:  # the cross-cluster leg's profile, by role
             _set_defaults(mooncake_env(node.role, link), environ, env, kept)
+    _set_defaults(grpc_port_default(node), environ, env, kept)
     return LaunchCommand(node, Engine.SGLANG, tuple(argv), env, kept, notes)
+
+
+# SGLang 0.5.15 derives its native gRPC port from the HTTP port (port + 10000) even with gRPC off, and
+# refuses to start when that passes 65535 (server_args._handle_deprecated_args): a --port above 55535,
+# which a picker of free ports hands out about one time in five, needs SGLANG_GRPC_PORT set.
+GRPC_PORT_OFFSET = 10000
+
+
+def grpc_port_default(node: Node) -> tuple[EnvDefault, ...]:
+    """``SGLANG_GRPC_PORT`` for a server whose derived gRPC port would be out of range (port - 10000:
+    a valid port SGLang binds only with SGLANG_ENABLE_GRPC); nothing otherwise."""
+    if node.port is None or node.port + GRPC_PORT_OFFSET <= 65535:
+        return ()
+    return (EnvDefault("SGLANG_GRPC_PORT", str(node.port - GRPC_PORT_OFFSET),
+                       f"SGLang derives its gRPC port as --port + {GRPC_PORT_OFFSET} and refuses to start above 65535"),)
 
 
 def _set_defaults(defaults, environ: Mapping[str, str], env: dict[str, str], kept: dict[str, str]) -> None:
@@ -247,14 +271,16 @@ def _set_defaults(defaults, environ: Mapping[str, str], env: dict[str, str], kep
             env[default.name] = default.value
 
 
-def _single_command(node: Node, python: str, notes: tuple[str, ...]) -> LaunchCommand:
+def _single_command(node: Node, python: str, notes: tuple[str, ...], environ: Mapping[str, str]) -> LaunchCommand:
     """A plain SGLang server (role ``single``): no disaggregation, no KV transport."""
     if node.bootstrap_port is not None:
         raise ConfigError("--bootstrap-port", f"role {node.role.value} runs no bootstrap server")
     argv = _server_argv(node, python)
     events_argv, events_notes = _kv_events_args(node)
     argv += events_argv + list(node.extra_args)
-    return LaunchCommand(node, Engine.SGLANG, tuple(argv), {"PRFAAS_ROLE": node.role.value}, {}, notes + events_notes)
+    env, kept = {"PRFAAS_ROLE": node.role.value}, {}
+    _set_defaults(grpc_port_default(node), environ, env, kept)
+    return LaunchCommand(node, Engine.SGLANG, tuple(argv), env, kept, notes + events_notes)
 
 
 def _server_argv(node: Node, python: str) -> list[str]:

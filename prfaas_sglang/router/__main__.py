@@ -81,6 +81,12 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                         "tokens held); 0: keep none")
     p.add_argument("--health-interval-s", type=float, default=2.0,
                    help="how often each worker's /health is polled (a failed leg marks its worker down at once)")
+    p.add_argument("--health-timeout-s", type=float, default=5.0,
+                   help="how long a /health answer may take (SGLang's runs a one-token generate and answers on a 1 s "
+                        "poll); a worker is taken out after --health-misses-to-down checks in a row without one")
+    p.add_argument("--health-misses-to-down", type=int, default=2,
+                   help="health checks in a row without an answer before a worker is taken out (a refusal or a "
+                        "non-200 answer takes it out at once)")
     p.add_argument("--load-interval-s", type=float, default=0.5, help="how often each worker's /v1/loads is polled")
     p.add_argument("--startup-timeout-s", type=float, default=30.0, help="how long to wait for workers' facts at start")
     p.add_argument("--tls-cert-file", default=None, help="serve HTTPS (clients and the admin API) with this certificate (PEM)")
@@ -117,7 +123,7 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
     while pending:
         for name, worker in list(pending.items()):
             try:
-                urllib.request.urlopen(worker.url + "/health", timeout=2).read()
+                urllib.request.urlopen(worker.url + "/health", timeout=config.health_timeout_s).read()
                 info = _fetch(worker.url + "/server_info", headers=headers)
             except (urllib.error.URLError, OSError, ValueError):
                 continue
@@ -183,6 +189,7 @@ def make_service(args: argparse.Namespace):
             raise ConfigError(flag, f"must be > 0, got {value}")
     for flag, value in (("--admission-timeout-s", args.admission_timeout_s), ("--phase-timeout-s", args.phase_timeout_s),
                         ("--max-waiting", args.max_waiting), ("--health-interval-s", args.health_interval_s),
+                        ("--health-timeout-s", args.health_timeout_s), ("--health-misses-to-down", args.health_misses_to_down),
                         ("--load-interval-s", args.load_interval_s),
                         ("--long-term-drain-timeout-s", args.long_term_drain_timeout_s)):
         if not value > 0:
@@ -209,6 +216,7 @@ def make_service(args: argparse.Namespace):
     config = RouterConfig(mode=mode, phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
+                          health_timeout_s=args.health_timeout_s, health_misses_to_down=args.health_misses_to_down,
                           served_models=frozenset(args.served_model_name or ()), threshold_tokens=args.threshold,
                           cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None,
                           decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None,

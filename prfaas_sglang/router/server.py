@@ -574,23 +574,30 @@ def _watch_worker(service: RouterService, worker: WorkerRecord, sub: ZmqSubscrib
 
 async def poll_health(service: RouterService, session: aiohttp.ClientSession, sub: ZmqSubscriber | None,
                       worker: WorkerRecord) -> None:
-    """One health check of ``worker`` (``/health``; ``/server_info`` while it has no facts). An answer
-    that left the worker before a role change (``worker.epoch`` moved meanwhile) is dropped."""
-    epoch = worker.epoch
+    """One health check of ``worker`` (``/health``; ``/server_info`` while it has no facts), recorded
+    with :meth:`WorkerRecord.note_health`: no answer within ``health_timeout_s`` is a miss, and only
+    ``health_misses_to_down`` misses in a row take the worker out. An answer that left the worker
+    before a role change (``worker.epoch`` moved meanwhile) is dropped."""
+    epoch, config = worker.epoch, service.config
     try:
-        async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-            healthy = resp.status == 200
-        if healthy and worker.facts is None:
+        async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=config.health_timeout_s)) as resp:
+            answer = "ok" if resp.status == 200 else "down"
+        if answer == "ok" and worker.facts is None:
             info = await _get_json(session, worker.url + "/server_info")
             if not worker.poll_is_current(epoch):
                 return
             problem = adopt_facts(service, worker, info, sub)
             if problem:
                 logger.error("refusing worker %s: %s", worker.name, problem)
-    except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
-        healthy = False
+    except asyncio.TimeoutError:
+        answer = "timeout"
+    except (aiohttp.ClientError, FactsError, ValueError):
+        answer = "down"
     if worker.poll_is_current(epoch):
-        worker.healthy = healthy
+        was = worker.healthy
+        worker.note_health(answer, config.health_misses_to_down)
+        if was and not worker.healthy:
+            logger.warning("worker %s is down (health check: %s)", worker.name, answer)
 
 
 async def poll_load(session: aiohttp.ClientSession, worker: WorkerRecord) -> None:

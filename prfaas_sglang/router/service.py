@@ -52,6 +52,12 @@ class RouterConfig:
     mode: BandwidthMode = BandwidthMode.SCARCE
     phase_timeout_s: float = 600.0
     health_interval_s: float = 2.0
+    # SGLang's /health runs a one-token generate and answers on a 1 s poll once the scheduler has
+    # answered anything, so a busy worker takes a forward plus up to a second: a timeout this long,
+    # and this many in a row, before a worker that answers nothing is taken out (a refusal, a non-200
+    # answer or a failed leg takes it out at once)
+    health_timeout_s: float = 5.0
+    health_misses_to_down: int = 2
     load_interval_s: float = 0.5
     control_interval_s: float = 0.25
     telemetry_stale_s: float = 2.0

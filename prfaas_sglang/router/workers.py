@@ -174,6 +174,7 @@ class WorkerRecord:
     load_covers_ticket: int = 0  # the last load answer counts reservations up to this ticket
     prefill_requests: int = 0  # prefill legs dispatched here and not ended
     failures: int = 0
+    health_misses: int = 0  # health checks in a row that got no answer in time (see note_health)
     refused: str | None = None  # why the facts were refused (never routed to then)
     epoch: int = 0  # bumped when the worker changes role: a poll begun before then is stale (see poll_is_current)
     _open: dict[int, int] = field(default_factory=dict, repr=False)  # ticket -> reserved decode tokens
@@ -188,6 +189,20 @@ class WorkerRecord:
         ``/v1/loads`` or ``/server_info`` answer that left the worker before a role change describes
         the old role (a prefill worker's cache size read as a decode worker's KV room)."""
         return epoch == self.epoch
+
+    def note_health(self, answer: str, misses_to_down: int) -> None:
+        """One health check's outcome: ``"ok"`` (200), ``"down"`` (refused, or any other status), or
+        ``"timeout"`` (no answer in time). A worker is taken out at once when down, and after
+        ``misses_to_down`` timeouts in a row (a busy SGLang worker answers late, a hung one never);
+        until then it keeps its state."""
+        if answer == "ok":
+            self.healthy, self.health_misses = True, 0
+        elif answer == "timeout":
+            self.health_misses += 1
+            if self.health_misses >= misses_to_down:
+                self.healthy = False
+        else:
+            self.healthy, self.health_misses = False, 0
 
     @property
     def routable(self) -> bool:

@@ -86,7 +86,7 @@ def test_the_reserve_never_waits_and_a_failed_rooms_pages_come_back_after_the_qu
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_the_reserve_comes_from_sglangs_fresh_pool_as_one_run_and_a_fragmented_one_gives_none(page_size):
+def test_the_reserve_is_the_fresh_pools_top_pages_and_sglangs_allocator_shrinks_by_them(page_size):
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
@@ -99,15 +99,17 @@ def test_the_reserve_comes_from_sglangs_fresh_pool_as_one_run_and_a_fragmented_o
     fresh = allocator()
     before = fresh.available_size()
     first, num = reserve_pages(fresh, 1000)
-    assert num == 1000 // page_size and fresh.available_size() == before - num * page_size
-    taken = {int(i) for i in fresh.alloc(before - num * page_size)} if fresh.available_size() else set()
-    reserved_tokens = {p * page_size + k for p in range(first, first + num) for k in range(page_size)}
-    assert not taken & reserved_tokens  # SGLang's allocator never hands the reserve out
-    holey = allocator()
-    every = holey.alloc(holey.available_size())
-    holey.free(every[::2 * page_size] if page_size == 1 else every.view(-1, page_size)[::2].reshape(-1))
-    left = holey.available_size()
-    assert reserve_pages(holey, 4 * page_size) is None and holey.available_size() == left  # nothing taken
+    assert num == 1000 // page_size and first + num - 1 == 8192 // page_size  # the top pages, one run
+    assert fresh.available_size() == before - num * page_size == fresh.size  # accounted: a smaller pool
+    for _ in range(2):  # never handed out, not even after SGLang's clear()
+        taken = fresh.alloc(fresh.available_size())
+        pages = set((taken[::page_size] // page_size).tolist() if page_size > 1 else taken.tolist())
+        assert pages and max(pages) < first
+        fresh.clear()
+    used = allocator()
+    used.alloc(used.available_size() - page_size)  # every page in use but the first
+    left = used.available_size()
+    assert reserve_pages(used, 4 * page_size) is None and used.available_size() == left  # nothing taken
 
 
 def test_a_malformed_reserve_size_stops_startup(monkeypatch):

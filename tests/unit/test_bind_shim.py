@@ -95,6 +95,11 @@ def test_the_launcher_preloads_it_for_an_engine_with_a_host(monkeypatch):
     assert (bound.env["PRFAAS_BIND_HOST"], bound.env["PRFAAS_BIND_PORTS"]) == ("10.0.0.5", "16000-17000")
     unbound = with_bind_shim(command, {}, None, None, "no C compiler")
     assert "LD_PRELOAD" not in unbound.env and unbound.notes[-1].endswith("bind all interfaces: no C compiler")
+    # SGLang then advertises the bound address, not its guess of the host's (the default route's
+    # interface), where every peer's KV connection was refused (real SGLang on CPU, bench gpu-e2e)
+    assert bound.env["SGLANG_HOST_IP"] == "10.0.0.5" and "SGLANG_HOST_IP" not in unbound.env
+    told = with_bind_shim(command, {"SGLANG_HOST_IP": "10.0.0.9"}, "/x/shim.so", "10.0.0.5")
+    assert "SGLANG_HOST_IP" not in told.env and told.env_kept["SGLANG_HOST_IP"] == "10.0.0.5"  # the operator's wins
 
     from prfaas_sglang.launch.__main__ import _bound
 

@@ -550,3 +550,17 @@ def test_a_topology_port_inside_a_range_the_engine_binds_at_random_is_noted():
     assert "telemetry_port 16000" in notes[1] and "15000-17000" in notes[1]
     # the emulated engine binds Mooncake's ports, not SGLang's ZMQ channel
     assert [n.split(" ")[0] for n in mock_command(risky, "python", "h200x8").notes] == ["telemetry_port"]
+
+
+def test_a_port_above_55535_gets_a_grpc_port_sglang_accepts():
+    """SGLang 0.5.15 derives its gRPC port as --port + 10000 with gRPC off too, and refuses to start
+    above 65535 (found by the harness on real SGLang on CPU: a free-port picker's 60669 killed a
+    PrfaaS worker at start-up). The launcher sets SGLANG_GRPC_PORT then; the environment wins."""
+    low = Node("p0", "prfaas", Role.PRFAAS, port=30000, bootstrap_port=8998, model_path="/m")
+    high = dataclasses.replace(low, port=60669)
+    assert "SGLANG_GRPC_PORT" not in sglang_command(low, "python", {}).env
+    assert sglang_command(high, "python", {}).env["SGLANG_GRPC_PORT"] == "50669"
+    single = Node("s0", "single", Role.SINGLE, port=60669, model_path="/m")
+    assert sglang_command(single, "python", {}).env["SGLANG_GRPC_PORT"] == "50669"
+    given = sglang_command(high, "python", {"SGLANG_GRPC_PORT": "40000"})
+    assert "SGLANG_GRPC_PORT" not in given.env and given.env_kept["SGLANG_GRPC_PORT"] == "50669"
