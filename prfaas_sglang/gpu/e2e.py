@@ -98,6 +98,9 @@ CPU_PROFILE = ServerProfile(
 CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
 
 
+NEED_REFERENCE = {"hooks", "greedy-equal", "shaped-link"}  # the plain server: its hook report, its answers
+
+
 def profile_for(engine: str) -> ServerProfile:
     return CPU_PROFILE if engine == "sglang-cpu" else GPU_PROFILE
 
@@ -539,7 +542,7 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
         if engine == "sglang":
             facts["versions"] = impl.preflight(root, checkout)
             log(f"[gpu-e2e] versions: {facts['versions']}")
-        if engine != "mock":
+        if engine != "mock" and set(checks) & NEED_REFERENCE:
             ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
         for name in run_order(checks):
             if name != "shaped-link" and ctx.dep is None:  # shaped-link starts its own deployments

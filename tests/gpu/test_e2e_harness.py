@@ -314,3 +314,15 @@ def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     wrong = run("--model-config", str(tmp_path), "--checks", "hooks")
     assert wrong.returncode == 2 and "runs shaped-link, routing, kv-index, failover only" in wrong.stderr
+
+
+def test_real_sglang_on_cpu_serves_both_routes_through_the_launcher():
+    """Real SGLang 0.5.15 servers on this CPU (``--engine sglang-cpu``: a tiny Llama, SGLang's CPU engine)
+    started by our launcher in every role, behind our router: short prompts prefilled on PD-P, long ones
+    on PrfaaS with their KV over Mooncake TCP through the kv-send hooks (staging buffer and decode reserve
+    on, as the profiles set them). Its first runs found five faults no emulated engine shows (README,
+    "Real SGLang on CPU")."""
+    lines: list[str] = []
+    result = e2e.run(None, None, ("routing",), lines.append, engine="sglang-cpu")
+    assert result["ok"], result["failed"]
+    assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
