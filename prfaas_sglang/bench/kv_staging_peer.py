@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import time
-import types
 
 OUT = os.fdopen(os.dup(1), "w", buffering=1)  # answers only; anything native writes to fd 1 goes to stderr
 os.dup2(2, 1)
@@ -42,13 +41,11 @@ RESERVE_PAGES = int(os.environ.get("RESERVE_PAGES", "0"))
 
 import numpy as np  # noqa: E402
 
-from prfaas_sglang.bench.layerwise import make_kv_args  # noqa: E402
+from prfaas_sglang.bench.layerwise import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()
 
-import sglang.srt.distributed.parallel_state as ps  # noqa: E402
-import sglang.srt.layers.dp_attention as dpa  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import (  # noqa: E402
     MooncakeKVBootstrapServer,
@@ -61,13 +58,8 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
     init_mooncake_transfer_engine,
 )
 
-group = types.SimpleNamespace(world_size=1, rank_in_group=0)
-ps._ATTN_TP = ps._ATTN_CP = ps._PP = group
-dpa._ATTN_DP_RANK, dpa._ATTN_DP_SIZE = 0, 1
-SERVER_ARGS = types.SimpleNamespace(
-    host=PREFILL_IP, port=30000, disaggregation_bootstrap_port=BOOT_PORT, dist_init_addr=None, nnodes=1,
-    enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
-    enable_trace=False, chunked_prefill_size=8192, device="cpu")
+single_rank_state()
+SERVER_ARGS = manager_server_args(PREFILL_IP, BOOT_PORT, device="cpu")
 BOOTSTRAP_ADDR = f"{PREFILL_IP}:{BOOT_PORT}"
 
 

@@ -51,6 +51,26 @@ def make_kv_args(kv_ptrs: list[int], kv_lens: list[int], kv_item_lens: list[int]
     return a
 
 
+def single_rank_state() -> None:
+    """What a model runner sets up and SGLang's Mooncake managers read: parallel groups of one rank
+    (attention TP, CP and PP) and attention DP rank 0 of 1. Imports SGLang."""
+    import sglang.srt.distributed.parallel_state as ps
+    import sglang.srt.layers.dp_attention as dpa
+
+    group = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    ps._ATTN_TP = ps._ATTN_CP = ps._PP = group
+    dpa._ATTN_DP_RANK, dpa._ATTN_DP_SIZE = 0, 1
+
+
+def manager_server_args(host: str, boot_port: int, **extra):
+    """The server arguments SGLang's Mooncake KV managers read, for one rank whose bootstrap server is
+    ``host:boot_port`` (``extra`` adds or overrides)."""
+    return types.SimpleNamespace(**{
+        "host": host, "port": 30000, "disaggregation_bootstrap_port": boot_port, "dist_init_addr": None, "nnodes": 1,
+        "enable_dp_attention": False, "dp_size": 1, "pp_size": 1, "kv_cache_dtype": "auto",
+        "load_balance_method": "round_robin", "enable_trace": False, "chunked_prefill_size": 8192, **extra})
+
+
 def _kv_args(pool, aux: np.ndarray):
     return make_kv_args(*pool.get_contiguous_buf_infos(), aux)
 
@@ -210,20 +230,13 @@ def _probe_main() -> None:
         from prfaas_sglang.plugin import register
 
         register()
-        import sglang.srt.distributed.parallel_state as ps
-        import sglang.srt.layers.dp_attention as dpa
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
             init_mooncake_transfer_engine,
         )
 
-        group = types.SimpleNamespace(world_size=1, rank_in_group=0)
-        ps._ATTN_TP = ps._ATTN_CP = ps._PP = group
-        dpa._ATTN_DP_RANK, dpa._ATTN_DP_SIZE = 0, 1
+        single_rank_state()
         init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
-        server_args = types.SimpleNamespace(
-            host="127.0.0.1", port=30000, disaggregation_bootstrap_port=opts["boot_port"], dist_init_addr=None, nnodes=1,
-            enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
-            enable_trace=False, chunked_prefill_size=8192)
+        server_args = manager_server_args("127.0.0.1", opts["boot_port"])
         out = rounds(opts["boot_port"], server_args, opts["requests"], opts["tokens"], opts["chunk"], opts["layers"],
                      opts["heads"], opts["head_dim"], opts["forward_s"], fragmented=False)
         print(json.dumps(out), flush=True)

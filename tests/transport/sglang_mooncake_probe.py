@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-import types
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
@@ -31,13 +30,16 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from prfaas_sglang.bench.layerwise import make_kv_args, open_room  # noqa: E402
+from prfaas_sglang.bench.layerwise import (  # noqa: E402
+    make_kv_args,
+    manager_server_args,
+    open_room,
+    single_rank_state,
+)
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()  # what SGLang's plugin loader does in every server process; raises if a hook fails
 
-import sglang.srt.distributed.parallel_state as ps  # noqa: E402
-import sglang.srt.layers.dp_attention as dpa  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import (  # noqa: E402
     MooncakeKVBootstrapServer,
@@ -50,18 +52,13 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
 
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample  # noqa: E402
 
-group = types.SimpleNamespace(world_size=1, rank_in_group=0)
-ps._ATTN_TP = ps._ATTN_CP = ps._PP = group
-dpa._ATTN_DP_RANK, dpa._ATTN_DP_SIZE = 0, 1
+single_rank_state()
 init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
 
 BOOT_PORT = int(os.environ["BOOT_PORT"])
-SERVER_ARGS = types.SimpleNamespace(
-    host="127.0.0.1", port=30000, disaggregation_bootstrap_port=BOOT_PORT, dist_init_addr=None, nnodes=1,
-    enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
-    enable_trace=False, chunked_prefill_size=8192,
-    # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
-    enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ, served_model_name="probe", model_path="/m")
+SERVER_ARGS = manager_server_args(  # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
+    "127.0.0.1", BOOT_PORT, enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ, served_model_name="probe",
+    model_path="/m")
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
 # PROBE_DECODE_RESERVE_PAGES=N: N more pages per buffer, the decode's KV reserve (hooks/decode_stage.py), as
 # the decode-staging-start hook would set aside from a fresh pool; rooms draw their pages from the first 256

@@ -36,7 +36,6 @@ import os
 import sys
 import threading
 import time
-import types
 
 OUT = os.fdopen(os.dup(1), "w", buffering=1)  # answers only; anything native writes to fd 1 goes to stderr
 os.dup2(2, 1)
@@ -51,13 +50,11 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 import numpy as np  # noqa: E402
 
 from prfaas_sglang.adapters.sockopts import mooncake_connections  # noqa: E402
-from prfaas_sglang.bench.layerwise import make_kv_args  # noqa: E402
+from prfaas_sglang.bench.layerwise import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()
 
-import sglang.srt.distributed.parallel_state as ps  # noqa: E402
-import sglang.srt.layers.dp_attention as dpa  # noqa: E402
 from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
 from sglang.srt.disaggregation.mooncake.conn import (  # noqa: E402
     MooncakeKVBootstrapServer,
@@ -70,14 +67,9 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
     init_mooncake_transfer_engine,
 )
 
-group = types.SimpleNamespace(world_size=1, rank_in_group=0)
-ps._ATTN_TP = ps._ATTN_CP = ps._PP = group
-dpa._ATTN_DP_RANK, dpa._ATTN_DP_SIZE = 0, 1
+single_rank_state()
 
-SERVER_ARGS = types.SimpleNamespace(
-    host=PREFILL_IP, port=30000, disaggregation_bootstrap_port=BOOT_PORT, dist_init_addr=None, nnodes=1,
-    enable_dp_attention=False, dp_size=1, pp_size=1, kv_cache_dtype="auto", load_balance_method="round_robin",
-    enable_trace=False, chunked_prefill_size=8192)
+SERVER_ARGS = manager_server_args(PREFILL_IP, BOOT_PORT)
 BOOTSTRAP_ADDR = f"{PREFILL_IP}:{BOOT_PORT}"
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 2, 128, 64 << 10, 4, 64  # 32 MiB of KV per side
 PAGES_PER_REQUEST, CHUNKS = 48, 4  # 12 MiB per request (~0.5 s at 200 Mbit/s), in four chunks
