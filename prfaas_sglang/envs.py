@@ -46,6 +46,14 @@ class EnvVar:
             raise ConfigError(self.name, str(err)) from None
 
 
+def non_negative_int(text: str) -> int:
+    """A parser for :meth:`EnvVar.parse`: a whole number >= 0 (ValueError otherwise)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be a whole number >= 0, not {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvBool(EnvVar):
     def get(self) -> bool:  # type: ignore[override]

@@ -174,15 +174,9 @@ def attach(manager, staging: DecodeStaging) -> None:
 
 def staging_tokens_from_env() -> int:
     """``PRFAAS_DECODE_STAGING_TOKENS`` parsed (0 when unset). Raises ConfigError when malformed or negative."""
-    from prfaas_sglang.envs import envs
+    from prfaas_sglang.envs import envs, non_negative_int
 
-    def parse(text: str) -> int:
-        tokens = int(text)
-        if tokens < 0:
-            raise ValueError(f"must be a whole number of tokens >= 0, not {text!r}")
-        return tokens
-
-    return envs.DECODE_STAGING_TOKENS.parse(parse) or 0
+    return envs.DECODE_STAGING_TOKENS.parse(non_negative_int) or 0
 
 
 def reserve_pages(allocator, num_tokens: int) -> tuple[int, int] | None:

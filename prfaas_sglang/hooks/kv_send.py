@@ -71,7 +71,7 @@ import time
 
 from prfaas_sglang.adapters.prom import ProcessMetrics, worker_labels
 from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
-from prfaas_sglang.envs import envs
+from prfaas_sglang.envs import envs, non_negative_int
 from prfaas_sglang.hooks import layerwise
 from prfaas_sglang.hooks.kv_stage import KvStager
 from prfaas_sglang.hooks.kv_telemetry import meter_transfer
@@ -352,7 +352,8 @@ class AsyncKvSender:
         if self.pacing is not None:  # what the lanes should carry now, applied by _pace outside the lock
             self._wanted_cap = self.pacing.cap([(w.length, w.started_s) for w in self.ledger.all_writes()],
                                                self.ledger.waiting())
-        self._release_ended()
+        if ended or refused:  # a staged write can only be over once something ended or was dropped
+            self._release_ended()
         if ended or submitted or refused:
             self._changed.notify_all()
         return bool(ended or submitted or refused)
@@ -559,13 +560,7 @@ def lane_pacing_from_env() -> LanePacing | None:
 
 def staging_mib_from_env() -> int:
     """``PRFAAS_KV_STAGING_MIB`` parsed (0 when unset). Raises ConfigError when malformed or negative."""
-    def parse(text: str) -> int:
-        mib = int(text)
-        if mib < 0:
-            raise ValueError(f"must be a whole number of MiB >= 0, not {text!r}")
-        return mib
-
-    return envs.KV_STAGING_MIB.parse(parse) or 0
+    return envs.KV_STAGING_MIB.parse(non_negative_int) or 0
 
 
 def kv_device(manager, server_args) -> str:
