@@ -434,6 +434,27 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/transport/test_decode_stage.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
+        name="abort-notify-nonblocking",
+        target="sglang.srt.disaggregation.common.conn.CommonKVReceiver._send_abort_notification",
+        hook="prfaas_sglang.hooks.abort_notify:notify_without_blocking",
+        hook_type="around",
+        expected_signature="(self)",
+        subject="[fault] A decode's abort notice to a dead prefill does not block its scheduler",
+        why=(
+            "SGLang sends the best-effort abort notice on the receiver's cached ZMQ PUSH socket "
+            "(RECONNECT_IVL -1, no send timeout) from the decode scheduler's main thread; once that prefill "
+            "died the socket has no peer and the send blocks forever, hanging every request on the decode "
+            "(real SGLang on CPU, gpu-e2e --checks failover: 8 of 8 long requests hung)."
+        ),
+        how=(
+            "AROUND hook on the notice: SGLang's own code, with this call's send_multipart made with "
+            "zmq.NOBLOCK; to a dead peer it raises zmq.Again at once and SGLang's own except logs it."
+        ),
+        upstream_status="to report (sglang.srt.disaggregation.common.conn: abort notice blocks on a dead peer)",
+        removal="when SGLang's abort notice sends without blocking or its receiver sockets get a send timeout",
+        tests="tests/transport/test_abort_notify.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
         name="metrics-route-path",
         target="sglang.srt.utils.common._get_fastapi_request_path",
         hook="prfaas_sglang.hooks.http_metrics:route_path",
@@ -451,6 +472,28 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         upstream_status="to propose (sglang.srt.utils.common assumes every route has .path)",
         removal="when SGLang's middleware handles routes without .path, or FastAPI is pinned below 0.165",
+        tests="tests/unit/test_http_metrics.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="metrics-multiproc-values",
+        target="sglang.srt.utils.common.set_prometheus_multiproc_dir",
+        hook="prfaas_sglang.hooks.http_metrics:multiprocess_values",
+        hook_type="after",
+        expected_signature="()",
+        subject="[compat] SGLang's tokenizer metrics reach /metrics although our plugin loads prometheus_client early",
+        why=(
+            "prometheus_client chooses in-process or multiprocess values once, at its first import; our plugin "
+            "resolves its hook targets at load, before SGLang sets PROMETHEUS_MULTIPROC_DIR, and SGLang's "
+            "mooncake.conn imports prometheus_client at module level, so the HTTP process's metrics "
+            "(sglang:num_requests_total, TTFT and latency histograms) were missing from /metrics (real SGLang on CPU)."
+        ),
+        how=(
+            "AFTER hook on SGLang's setting of the multiprocess directory: prometheus_client's value class is "
+            "chosen again (values.get_value_class()), so the collectors SGLang builds next write there."
+        ),
+        upstream_status="vendor-specific (a consequence of resolving hook targets at plugin load)",
+        removal="when the plugin no longer imports sglang.srt.disaggregation.mooncake.conn at load, or SGLang "
+                "sets the directory before loading plugins",
         tests="tests/unit/test_http_metrics.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(

@@ -166,12 +166,15 @@ def check_routing(ctx: Context) -> CheckResult:
               - metric_sum(router_before, "prfaas_router_routed_total", f'cluster="{c}"') for c in ("prfaas", "pd")}
     if routed != sent:
         wrong.append(f"router counters {routed} != sent {sent}")
-    # SGLang's own request counter is its tokenizer manager's: real SGLang 0.5.15 on CPU exported none
-    # (only the schedulers' series; health checks, which those count too, make them no substitute)
-    if exported and (served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"]
-                     or served["pd-decode-0"] != sum(sent.values())):
+    # SGLang's own request counter is its tokenizer manager's (health checks not counted); it was missing
+    # while our plugin's early prometheus_client import kept that process's metrics in-process
+    # (hook metrics-multiproc-values)
+    if not exported:
+        wrong.append("no engine exports sglang:num_requests_total (its HTTP process's metrics do not reach /metrics)")
+    elif (served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"]
+          or served["pd-decode-0"] != sum(sent.values())):
         wrong.append(f"engine request counters {served} disagree with sent {sent} (decode serves all)")
-    data = {"routed": routed, "engines": served if exported else "sglang:num_requests_total not exported"}
+    data = {"routed": routed, "engines": served if exported else None}
     return CheckResult("routing", not wrong, "; ".join(wrong), data)
 
 

@@ -84,6 +84,10 @@ class ServerProfile:
     short_tokens: tuple[int, ...] = SHORT_TOKENS
     long_tokens: tuple[int, ...] = LONG_TOKENS
     served_name: str = "tiny-hybrid"
+    # The topology's cost model: its attention kinds tell the kv-index whether prefix reuse stops at
+    # state checkpoints (hybrid) or not; it must match the served model's (a dense model under a
+    # hybrid cost model: the index predicts no reuse where SGLang reuses the whole prefix).
+    cost_model: str = "kimi-linear-1t-hybrid"
 
 
 GPU_PROFILE = ServerProfile(SERVER_FLAGS)
@@ -93,7 +97,7 @@ CPU_PROFILE = ServerProfile(
      "--mem-fraction-static", "0.05", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--log-level", "info"),
     env=(("SGLANG_USE_CPU_ENGINE", "1"),), threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
-    served_name="tiny-llama")
+    served_name="tiny-llama", cost_model="qwen3-235b-a22b")  # a dense model's: the tiny Llama has no linear state
 # ``--engine sglang-cpu``: real SGLang on CPU; state-events needs a hybrid's Mamba cache, which the CPU engine lacks
 CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
 
@@ -177,8 +181,7 @@ def parse_answer(endpoint: str, stream: bool, payload: bytes) -> dict:
         text = choice.get("text") if kind == "text" else (choice.get("message") or {}).get("content")
         usage = obj.get("usage") or {}
         return {"text": text or "", "finish_reason": choice.get("finish_reason"),
-                "cached_tokens": ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")),
-                "prompt_tokens": usage.get("prompt_tokens")}
+                "cached_tokens": _cached_tokens(usage), "prompt_tokens": usage.get("prompt_tokens")}
     parts, finish, usage = [], None, {}
     for line in payload.decode().splitlines():
         if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -192,8 +195,16 @@ def parse_answer(endpoint: str, stream: bool, payload: bytes) -> dict:
             finish = choice.get("finish_reason") or finish
         usage = obj.get("usage") or usage
     return {"text": "".join(parts), "finish_reason": finish,
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "prompt_tokens": usage.get("prompt_tokens")}
+            "cached_tokens": _cached_tokens(usage), "prompt_tokens": usage.get("prompt_tokens")}
+
+
+def _cached_tokens(usage: dict) -> int | None:
+    """The answer's reused prompt tokens; None where it reports no usage. SGLang (with
+    ``--enable-cache-report``) leaves ``prompt_tokens_details`` out when nothing was reused
+    (``usage_processor``: details only for a count above 0), so usage without it means 0."""
+    if usage.get("prompt_tokens") is None:
+        return None
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def output_mismatch(ours: dict, reference: dict) -> str | None:
@@ -222,7 +233,7 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
     doc = {
         "version": 1,
         "model": {"path": str(model_dir), "served_name": profile.served_name, "tokenizer": str(model_dir),
-                  "cost_model": "kimi-linear-1t-hybrid", "extra_args": list(profile.flags)},
+                  "cost_model": profile.cost_model, "extra_args": list(profile.flags)},
         "clusters": {
             "prfaas-b": {"kind": "prfaas", "kv_transport": "tcp", "accelerator": "h200x8",
                          "nodes": [engine("prfaas-0", "prfaas", True, prfaas_host or host)]},

@@ -28,3 +28,26 @@ def route_path(original, request):
         if match == Match.FULL:
             return getattr(route, "path", None) or request.url.path, True
     return request.url.path, False
+
+
+def multiprocess_values(result, *args, **kwargs):
+    """AFTER ``sglang.srt.utils.common.set_prometheus_multiproc_dir``: metrics created from here on in
+    this process write to the multiprocess directory SGLang just set.
+
+    ``prometheus_client`` picks its value class (in-process, or files in ``PROMETHEUS_MULTIPROC_DIR``)
+    once, when first imported. SGLang sets that directory in ``_set_envs_and_config``, after plugins
+    load, and imports ``prometheus_client`` only later, on purpose. Our plugin resolves its hook
+    targets at load, and ``sglang.srt.disaggregation.mooncake.conn`` imports ``prometheus_client`` at
+    module level, so in the HTTP server's process the class was already chosen, in-process: the
+    tokenizer manager's metrics (``sglang:num_requests_total``, TTFT and end-to-end latency
+    histograms, ...) were never written where ``/metrics`` reads (SGLang's ``MultiProcessCollector``),
+    and vanished from it (seen with real SGLang servers on CPU). Choose the class again, now that the
+    directory is set. Metrics created before keep theirs (none of SGLang's in that process: its
+    collectors are built after this call); scheduler processes inherit the directory and were right.
+    """
+    import sys
+
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:  # not imported yet: its own import will choose right
+        values.ValueClass = values.get_value_class()
+    return result

@@ -61,6 +61,10 @@ def test_answers_parse_the_same_streamed_or_not():
     assert e2e.parse_answer("/v1/completions", True, stream) == want
     chat = b"data: " + json.dumps({"choices": [{"delta": {"content": "ab"}, "finish_reason": "stop"}]}).encode() + b"\n\n"
     assert e2e.parse_answer("/v1/chat/completions", True, chat)["text"] == "ab"
+    assert e2e.parse_answer("/v1/chat/completions", True, chat)["cached_tokens"] is None  # no usage: unknown
+    nothing_reused = json.dumps({"choices": [{"text": "ab", "finish_reason": "length"}],
+                                 "usage": {"prompt_tokens": 9, "prompt_tokens_details": None}}).encode()
+    assert e2e.parse_answer("/v1/completions", False, nothing_reused)["cached_tokens"] == 0  # SGLang omits a 0
     with pytest.raises(ValueError, match="stream error"):
         e2e.parse_answer("/v1/completions", True, b'data: {"error": {"message": "KV transfer failed"}}\n\n')
     assert e2e.output_mismatch(want, dict(want)) is None
@@ -86,6 +90,22 @@ def test_the_topology_loads_and_every_engine_gets_the_gpu_flags(tmp_path):
     argv = json.loads(proc.stdout)["argv"]
     joined = " ".join(argv)
     assert "--load-format dummy" in joined and "--enable-cache-report" in joined and "--disaggregation-mode prefill" in joined
+
+
+@pytest.mark.parametrize(("profile", "hybrid"), [(e2e.GPU_PROFILE, True), (e2e.CPU_PROFILE, False)])
+def test_the_kv_index_is_told_the_served_models_kind(tmp_path, profile, hybrid):
+    """The kv-index applies the checkpoint rule (reuse stops at a linear-state checkpoint) only for a
+    hybrid cost model: the tiny hybrid on the GPU, not the CPU's tiny Llama, whose repeated prompt
+    SGLang reuses whole (a hybrid cost model there made the index predict 0 for 2,047 reused tokens)."""
+    import yaml
+
+    from prfaas_sglang import runtime
+    from prfaas_sglang.demo.cluster import PortPicker
+    from prfaas_sglang.topology import load_topology
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(e2e.e2e_topology(tmp_path / "model", PortPicker(), profile=profile)))
+    assert runtime.from_topology(load_topology(path)).hybrid is hybrid
 
 
 def test_the_single_role_is_a_plain_server_and_the_upstream_profile_sets_nothing():
@@ -295,6 +315,8 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path):
     kv_rows = {r["prompt"]: r for r in result["checks"]["kv-index"]["rows"]}
     assert kv_rows["extend"]["cached_tokens"] == kv_rows["extend"]["predicted"] > 0
     assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
+    # SGLang's own counters agree: each prefill served its route's two, the decode all four
+    assert result["checks"]["routing"]["engines"] == {"prfaas-0": 2, "pd-prefill-0": 2, "pd-decode-0": 4}
     rows = result["checks"]["shaped-link"]["rows"]
     assert {(r["profile"], r["tokens"]) for r in rows} == {(p, n) for p in ("upstream", "wan", "wan-layerwise")
                                                            for n in e2e.LONG_TOKENS}
@@ -320,9 +342,24 @@ def test_real_sglang_on_cpu_serves_both_routes_through_the_launcher():
     """Real SGLang 0.5.15 servers on this CPU (``--engine sglang-cpu``: a tiny Llama, SGLang's CPU engine)
     started by our launcher in every role, behind our router: short prompts prefilled on PD-P, long ones
     on PrfaaS with their KV over Mooncake TCP through the kv-send hooks (staging buffer and decode reserve
-    on, as the profiles set them). Its first runs found five faults no emulated engine shows (README,
-    "Real SGLang on CPU")."""
+    on, as the profiles set them). Its first runs found faults no emulated engine shows (README,
+    "Real SGLang on CPU"); three checks keep them found:
+
+    * routing: the threshold's routes, and SGLang's own request counters agree (they were missing
+      from /metrics: hook ``metrics-multiproc-values``);
+    * kv-index: its predicted reuse equals SGLang's ``cached_tokens`` for a prompt's first, second and
+      third sighting and an extension (the PrfaaS worker keeps a prefix once seen twice);
+    * failover: the PrfaaS server killed with long requests in flight; each completes (re-run on PD-P)
+      or fails with a clear error, none hangs (all hung on SGLang's blocking abort notice to the dead
+      prefill: hook ``abort-notify-nonblocking``)."""
     lines: list[str] = []
-    result = e2e.run(None, None, ("routing",), lines.append, engine="sglang-cpu")
+    result = e2e.run(None, None, ("routing", "kv-index", "failover"), lines.append, engine="sglang-cpu")
     assert result["ok"], result["failed"]
     assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
+    # SGLang's own counters agree: each prefill served its route's two, the decode all four
+    assert result["checks"]["routing"]["engines"] == {"prfaas-0": 2, "pd-prefill-0": 2, "pd-decode-0": 4}
+    rows = {row["prompt"]: row for row in result["checks"]["kv-index"]["rows"]}
+    assert rows["repeat"]["cached_tokens"] > 0 and rows["extend"]["cached_tokens"] > 0  # a cache that hits
+    failover = result["checks"]["failover"]
+    assert failover["completed"] + failover["failed"] == 24 and failover["prfaas_healthy"] is False
+    assert failover["redispatched"] >= 1  # the kill caught requests in flight, re-run on PD-P

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
@@ -39,3 +43,18 @@ def test_a_request_to_an_included_routers_endpoint_is_counted_not_failed():
     assert client.get("/health").status_code == 200
     assert client.get("/nowhere").status_code == 404
     assert seen == [("/v1/loads/all", True), ("/health", True), ("/nowhere", False)]
+
+
+def _probe(mode: str) -> str:
+    probe = Path(__file__).with_name("metrics_multiproc_probe.py")
+    proc = subprocess.run([sys.executable, str(probe), mode], capture_output=True, text=True, timeout=180)
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+
+
+def test_the_http_processs_request_metrics_reach_metrics_although_the_plugin_imports_prometheus_first():
+    """``metrics-multiproc-values``: with only the early import our plugin's load makes, SGLang's
+    ``sglang:num_requests_total`` never reaches the multiprocess collector ``/metrics`` serves (the fault,
+    so the test can fail); with the plugin registered, it does. Fresh processes: prometheus_client's
+    choice is per process."""
+    assert _probe("stock") == "MISSING"
+    assert _probe("hooked") == "EXPORTED"

@@ -1,0 +1,46 @@
+"""Probe for ``test_http_metrics.py``: does SGLang's tokenizer metrics collector, built the way an HTTP
+server process builds it, reach what ``/metrics`` reads (a ``MultiProcessCollector``)?
+``sys.argv[1]``: ``hooked`` (our plugin registered first, as SGLang's plugin loader does before it sets
+``PROMETHEUS_MULTIPROC_DIR``) or ``stock`` (only the import our plugin's load makes). Prints EXPORTED
+or MISSING."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+
+def server_args_defaults():
+    """ServerArgs' field defaults, without its __post_init__ (which loads a model config)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return types.SimpleNamespace(**{
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(ServerArgs)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING})
+
+
+def main() -> None:
+    if sys.argv[1] == "hooked":
+        from prfaas_sglang.plugin import register
+
+        register()
+    else:
+        import sglang.srt.disaggregation.mooncake.conn  # noqa: F401 - what resolving our hook targets imports
+    assert "prometheus_client" in sys.modules
+    from sglang.srt.utils import common
+
+    common.set_prometheus_multiproc_dir()  # what SGLang's _set_envs_and_config does with --enable-metrics
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    from sglang.srt.observability.metrics_collector import TokenizerMetricsCollector
+
+    collector = TokenizerMetricsCollector(server_args=server_args_defaults(), labels={"model_name": "m"})
+    collector.num_requests_total.labels(model_name="m").inc()
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    print("EXPORTED" if b"sglang:num_requests_total" in generate_latest(registry) else "MISSING")
+
+
+if __name__ == "__main__":
+    main()
