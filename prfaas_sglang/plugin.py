@@ -436,7 +436,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="abort-notify-nonblocking",
         target="sglang.srt.disaggregation.common.conn.CommonKVReceiver._send_abort_notification",
-        hook="prfaas_sglang.hooks.abort_notify:notify_without_blocking",
+        hook="prfaas_sglang.hooks.receiver_sends:notify_without_blocking",
         hook_type="around",
         expected_signature="(self)",
         subject="[fault] A decode's abort notice to a dead prefill does not block its scheduler",
@@ -452,7 +452,29 @@ HOOKS: tuple[HookSpec, ...] = (
         ),
         upstream_status="to report (sglang.srt.disaggregation.common.conn: abort notice blocks on a dead peer)",
         removal="when SGLang's abort notice sends without blocking or its receiver sockets get a send timeout",
-        tests="tests/transport/test_abort_notify.py tests/drift/test_hook_targets.py",
+        tests="tests/transport/test_receiver_sends.py tests/drift/test_hook_targets.py",
+    ),
+    HookSpec(
+        name="metadata-send-nonblocking",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver.send_metadata",
+        hook="prfaas_sglang.hooks.receiver_sends:send_metadata_without_blocking",
+        hook_type="around",
+        expected_signature=("(self, kv_indices: 'npt.NDArray[np.int32]', aux_index: 'Optional[int]' = None, "
+                            "state_indices: 'Optional[List]' = None, decode_prefix_len: 'Optional[int]' = None)"),
+        subject="[fault] A decode's metadata to a dead prefill fails the room instead of blocking its scheduler",
+        why=(
+            "See abort-notify-nonblocking: the decode's cached PUSH socket to a prefill that died blocks every "
+            "send until the heartbeat drops it (~10 s); a request whose prefill leg went there in that window "
+            "sends its metadata on it and hangs the decode."
+        ),
+        how=(
+            "AROUND hook on the receiver's metadata send: SGLang's own code (and decode-staging-redirect's) "
+            "with this call's sends made with zmq.NOBLOCK; zmq.Again records the room failed, as SGLang does "
+            "for a prefill it could not reach at bootstrap."
+        ),
+        upstream_status="to report (with abort-notify-nonblocking)",
+        removal="with abort-notify-nonblocking",
+        tests="tests/transport/test_receiver_sends.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
         name="metrics-route-path",

@@ -8,16 +8,25 @@ The lent GPU machine has no ``ip`` or ``tc``; pyroute2 talks netlink directly. L
 
 A process started with ``preexec_fn=ns.enter`` runs inside NAME: what it sends (a PrfaaS
 server's KV) crosses the shaped link; what it receives does not. Needs root.
+
+NAME reaches no DNS server, so a name lookup there waits out the resolver's timeouts: torch's
+TCPStore (SGLang's rank-0 rendezvous, with itself) timed out that way, and SGLang never started
+inside (real SGLang on CPU, 2026-11-26). ``enter`` therefore also gives the child its own mount
+namespace with ``/dev/null`` bound over ``/etc/resolv.conf``: a resolv.conf that names no server, so
+glibc asks 127.0.0.1, nothing answers there, and a lookup fails at once. The host's is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 HOST_IP, INNER_IP, PREFIX = "10.78.0.1", "10.78.0.2", 30
 HOST_IF, INNER_IF = "pfe2e0", "pfe2e1"
+NO_DNS_SERVER = "/dev/null"  # as resolv.conf: empty, so glibc asks 127.0.0.1
 
 
 @dataclass(frozen=True)
@@ -26,12 +35,30 @@ class ShapedNamespace:
     host_ip: str
     inner_ip: str
     rate_mbit: float
+    resolv_conf: str | None = None  # bound over /etc/resolv.conf in the child (see the module)
 
     def enter(self) -> None:
-        """``preexec_fn``: move the child into the namespace before it execs."""
+        """``preexec_fn``: move the child into the namespace (and, with ``resolv_conf``, a mount
+        namespace of its own with that file as ``/etc/resolv.conf``) before it execs."""
         from pyroute2 import netns
 
         netns.setns(self.name)
+        if self.resolv_conf is not None:
+            private_resolv_conf(self.resolv_conf)
+
+
+_CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x00020000, 4096, 1 << 14, 1 << 18
+
+
+def private_resolv_conf(path: str) -> None:
+    """In this process: a mount namespace of its own, where ``path`` is ``/etc/resolv.conf``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for call, what in ((lambda: libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)"),
+                       (lambda: libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private"),
+                       (lambda: libc.mount(path.encode(), b"/etc/resolv.conf", None, _MS_BIND, None), "bind resolv.conf")):
+        if call() != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def tbf_burst_bytes(rate_mbit: float) -> int:
@@ -65,7 +92,7 @@ def shaped_namespace(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
                 netns.remove(name)
             netns.create(name)
             _wire(name, rate_mbit)
-        yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit)
+        yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit, NO_DNS_SERVER)
     finally:
         with asyncio_default_loops():
             _unwire(name)

@@ -115,7 +115,11 @@ class LayerStreamer:
         sender = getattr(req, "disagg_kv_sender", None)
         if sender is None or getattr(sender, "kv_mgr", None) is not self.manager or getattr(req, "pending_bootstrap", False):
             return []
-        room = sender.bootstrap_room
+        # SGLang's own warm-up request (and any with a fake bootstrap host) holds a FakeKVSender on the
+        # same manager: no room, nothing to send. It crashed the prefill's first forward on CPU.
+        room = getattr(sender, "bootstrap_room", None)
+        if room is None:
+            return []
         infos = self.manager.transfer_infos.get(room)
         extend = getattr(req, "extend_range", None)
         if not infos or extend is None:

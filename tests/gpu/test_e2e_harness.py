@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO_ROOT
@@ -252,6 +253,26 @@ def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
     assert "prfaas-test-shaped" not in netns.listnetns()
     with asyncio_default_loops(), IPRoute() as ipr:  # pyroute2 under SGLang's uvloop policy: see netlink.py
         assert ipr.link_lookup(ifname=HOST_IF) == []
+
+
+@pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
+def test_inside_the_shaped_namespace_torchs_rendezvous_with_itself_completes():
+    """The namespace reaches no DNS server; torch's TCPStore (SGLang's rank-0 rendezvous) timed out
+    connecting to itself there, waiting on name lookups, and SGLang never started inside. A child
+    started with ``ns.enter`` sees a resolv.conf that names no server (lookups fail at once); the
+    host's is untouched."""
+    from prfaas_sglang.gpu.netlink import shaped_namespace
+
+    host_resolv = Path("/etc/resolv.conf").read_text()
+    code = ("import datetime, torch.distributed as dist\n"
+            "dist.TCPStore('{ip}', 0, 1, True, timeout=datetime.timedelta(seconds=4)).set('k', 'v')\n"
+            "print(open('/etc/resolv.conf').read().strip())\n")
+    with shaped_namespace("prfaas-test-dns", 40.0) as ns:
+        proc = subprocess.run([sys.executable, "-c", code.format(ip=ns.inner_ip)], preexec_fn=ns.enter, timeout=120,
+                              capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert "nameserver" not in proc.stdout  # the child's resolv.conf is the namespace's
+    assert Path("/etc/resolv.conf").read_text() == host_resolv
 
 
 @pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))

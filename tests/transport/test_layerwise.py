@@ -239,6 +239,37 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
     assert streamer.ledger.open_chunks() == 0
 
 
+def test_a_request_with_sglangs_fake_sender_is_not_streamed():
+    """SGLang's disaggregation warm-up request (a fake bootstrap host) holds a ``FakeKVSender`` on the
+    prefill's own manager, without a bootstrap room: the plan skips it (it crashed the prefill's first
+    forward, real SGLang on CPU with PRFAAS_KV_LAYERWISE=1), and a real request beside it is planned."""
+    import torch
+    from sglang.srt.disaggregation.fake.conn import FakeKVSender
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    from prfaas_sglang.hooks.layerwise import attach
+
+    page_size, total = 4, 16
+    pool = MHATokenToKVPool(8 * page_size, page_size, torch.bfloat16, 1, HEAD_DIM, NUM_LAYERS, "cpu", False)
+    decode_pool = MHATokenToKVPool(8 * page_size, page_size, torch.bfloat16, 1, HEAD_DIM, NUM_LAYERS, "cpu", False)
+    req_pool = ReqToTokenPool(2, total, "cpu", False)
+    req_pool.req_to_token[0, :total] = torch.arange(page_size, page_size + total, dtype=torch.int32)
+    room, session = 7, "10.0.0.2:1234"
+    mgr = _manager(pool, decode_pool, room, session, np.arange(1, 5, dtype=np.int32))
+    streamer = attach(mgr, types.SimpleNamespace(_lock=threading.Lock(), submit_locked=lambda s, blocks: None))
+
+    def req(sender):
+        return types.SimpleNamespace(disagg_kv_sender=sender, pending_bootstrap=False, req_pool_idx=0, start_send_idx=0,
+                                     origin_input_ids=list(range(total)), extend_range=types.SimpleNamespace(end=total))
+
+    fake = req(FakeKVSender(mgr, "2.2.2.2:8998", 0, [0], 0))
+    real = req(Sender(mgr, room, session, on_send=lambda *_: None))
+    sched = _scheduler(mgr, pool, req_pool, page_size)
+    fwd = streamer.begin(sched, types.SimpleNamespace(reqs=[fake, real]))
+    assert fwd is not None and len(fwd.chunks) == 1  # the real request's chunk only
+    assert streamer.begin(sched, types.SimpleNamespace(reqs=[fake])) is None
+
+
 def test_sglang_streams_layers_as_the_forward_writes_them():
     """Real Mooncake TCP, SGLang's managers, sender and receiver, real KV pools on both sides: each
     layer of a chunk is on the decode's pages before the next layer is written, SGLang's own sends
