@@ -12,8 +12,8 @@ server's KV) crosses the shaped link; what it receives does not. Needs root.
 NAME reaches no DNS server, so a name lookup there waits out the resolver's timeouts: torch's
 TCPStore (SGLang's rank-0 rendezvous, with itself) timed out that way, and SGLang never started
 inside (real SGLang on CPU, 2026-11-26). ``enter`` therefore also gives the child its own mount
-namespace with ``/dev/null`` bound over ``/etc/resolv.conf``: a resolv.conf that names no server, so
-glibc asks 127.0.0.1, nothing answers there, and a lookup fails at once. The host's is untouched.
+namespace with a resolv.conf bound over ``/etc/resolv.conf`` that names no server: glibc asks
+127.0.0.1, nothing answers there, and a lookup fails at once. The host's is untouched.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 HOST_IP, INNER_IP, PREFIX = "10.78.0.1", "10.78.0.2", 30
 HOST_IF, INNER_IF = "pfe2e0", "pfe2e1"
-NO_DNS_SERVER = "/dev/null"  # as resolv.conf: empty, so glibc asks 127.0.0.1
 
 
 @dataclass(frozen=True)
@@ -86,16 +85,34 @@ def shaped_namespace(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
     """Create the namespace, veth and shaper; remove them on exit (also on error)."""
     from pyroute2 import netns
 
+    resolv, owner = _write_no_dns_resolv_conf(name), os.getpid()
     try:
         with asyncio_default_loops():
             if name in netns.listnetns():
                 netns.remove(name)
             netns.create(name)
             _wire(name, rate_mbit)
-        yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit, NO_DNS_SERVER)
+        yield ShapedNamespace(name, HOST_IP, INNER_IP, rate_mbit, resolv)
     finally:
-        with asyncio_default_loops():
-            _unwire(name)
+        if os.getpid() == owner:  # a forked child that unwinds through here must not undo them
+            with asyncio_default_loops():
+                _unwire(name)
+            with contextlib.suppress(OSError):
+                os.remove(resolv)
+
+
+def _write_no_dns_resolv_conf(name: str) -> str:
+    """A regular file for ``/etc/resolv.conf`` in the namespace, naming no server. Not ``/dev/null``:
+    with that bound there SGLang's rank-0 rendezvous still failed (a plain TCPStore did not; cause
+    not pinned down). Not in a ``tempfile`` directory either: that file vanished under a running
+    check (cause not pinned down; cleanup run by a child forked meanwhile is one candidate), so this
+    one is removed only by the process that made it."""
+    directory = "/run/prfaas-netns"
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.resolv.conf")
+    with open(path, "w") as f:
+        f.write("# no DNS server is reachable from this network namespace: lookups fail at once\n")
+    return path
 
 
 def _wire(name: str, rate_mbit: float) -> None:
