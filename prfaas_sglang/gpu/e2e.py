@@ -88,6 +88,7 @@ class ServerProfile:
     # state checkpoints (hybrid) or not; it must match the served model's (a dense model under a
     # hybrid cost model: the index predicts no reuse where SGLang reuses the whole prefix).
     cost_model: str = "kimi-linear-1t-hybrid"
+    router_args: tuple[str, ...] = ()  # the router's own flags (after the launcher's ``--``)
 
 
 GPU_PROFILE = ServerProfile(SERVER_FLAGS)
@@ -97,7 +98,10 @@ CPU_PROFILE = ServerProfile(
      "--mem-fraction-static", "0.05", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--log-level", "info"),
     env=(("SGLANG_USE_CPU_ENGINE", "1"),), threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
-    served_name="tiny-llama", cost_model="qwen3-235b-a22b")  # a dense model's: the tiny Llama has no linear state
+    served_name="tiny-llama", cost_model="qwen3-235b-a22b",  # a dense model's: the tiny Llama has no linear state
+    # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
+    # prompt prefills for 5-10 s, and two 5 s misses took the PrfaaS server out of routing mid-check
+    router_args=("--health-timeout-s", "30"))
 # ``--engine sglang-cpu``: real SGLang on CPU; state-events needs a hybrid's Mamba cache, which the CPU engine lacks
 CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
 
@@ -491,7 +495,8 @@ def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Process
         except RuntimeError as err:  # the server's last words: a GPU run's output shows the cause
             raise RuntimeError(f"{name}: {err}; its log ends: {log_tail(procs.log(name))}") from None
     procs.start("kv-index", [*launch, "--node", "kv-index"], env)
-    procs.start("router", [*launch, "--node", "router"], {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
+    procs.start("router", [*launch, "--node", "router", *(("--", *profile.router_args) if profile.router_args else ())],
+                {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
     for name in ("kv-index", "router"):
         wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=120)
     status, _, body = http("POST", dep.url("router") + "/admin/threshold", {"threshold_tokens": profile.threshold_tokens},
