@@ -338,6 +338,7 @@ class Processes:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
+        self._owner_pid = os.getpid()  # a forked copy of this object (not exec'd yet) must not stop them
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], env: dict[str, str], preexec_fn=None) -> subprocess.Popen:
@@ -355,7 +356,7 @@ class Processes:
 
     def kill(self, name: str, sig: int = 9) -> None:
         proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
+        if proc is not None and os.getpid() == self._owner_pid and proc.poll() is None:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -368,6 +369,8 @@ class Processes:
     def stop(self, names: Iterable[str] | None = None) -> list[str]:
         """Kill every group, or those of ``names`` (TERM, then KILL after 10 s); the names that had
         to be KILLed. A stopped name is forgotten, so it can be started again."""
+        if os.getpid() != self._owner_pid:  # a fork of the harness that unwinds: they are not its own
+            return []
         wanted = None if names is None else set(names)
         chosen = {n: p for n, p in self.procs.items() if wanted is None or n in wanted}
         for proc in chosen.values():
@@ -405,7 +408,9 @@ def http(method: str, url: str, body: dict | None = None, timeout_s: float = REQ
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Poll ``url`` until it answers 200 (every 0.25 s, backing off to 1 s); raises RuntimeError when
+    ``proc`` exits first or ``timeout_s`` passes."""
+    deadline, pause_s = time.monotonic() + timeout_s, 0.25
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"exited with {proc.returncode} before {url} answered")
@@ -414,7 +419,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TI
                 return
         except OSError:
             pass
-        time.sleep(2)
+        time.sleep(pause_s)
+        pause_s = min(1.5 * pause_s, 1.0)
     raise RuntimeError(f"{url} not healthy after {timeout_s:g} s")
 
 

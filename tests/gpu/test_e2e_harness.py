@@ -158,6 +158,27 @@ def test_stop_by_name_leaves_the_others_running_and_forgets_the_stopped(tmp_path
     assert procs.procs["reference"].poll() is not None
 
 
+def test_a_forked_copy_of_the_harness_stops_none_of_its_servers(tmp_path):
+    """A child forked from the harness (pyroute2's netns helpers are) that unwinds through the harness's
+    ``finally`` must not stop the servers: they are its parent's."""
+    procs = e2e.Processes(tmp_path / "logs")
+    server = procs.start("reference", [sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ))
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's exit status is the assertion
+            try:
+                procs.kill("reference")
+                os._exit(0 if procs.stop() == [] else 3)
+            finally:
+                os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert server.poll() is None, "the forked copy killed its parent's server"
+    finally:
+        procs.stop()
+    assert server.poll() is not None
+
+
 def test_a_failed_start_reports_the_servers_last_words():
     log = ("[t] Ignore import error when loading sglang.srt.models.x: No module named 'cutlass'\n"
            "[t] Scheduler hit an exception\nRuntimeError: Not enough GPU memory\n\n"
