@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -48,15 +49,43 @@ def get_json(url: str, timeout_s: float = 5.0):
         return json.loads(resp.read())
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+OWN_PORTS_FROM = 20000  # above Mooncake's random RPC and data ports (MC_MIN/MAX_RPC_PORT, 15000-17000)
+
+
+def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The ports the kernel hands to ``bind(0)`` and ``connect()`` (Linux's default where unreadable)."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port free on ``host`` now, for a server started later. Picked at random in
+    [``OWN_PORTS_FROM``, the kernel's ephemeral range): no ``bind(0)`` or ``connect()`` of any process
+    here is handed it meanwhile. One picked by ``bind(0)`` was: a real SGLang server's own
+    ``get_free_port`` took it between our pick and the kv-events publisher's bind (``Address already
+    in use``, CI's real-SGLang test). Where that range is empty, a port the kernel picks."""
+    rng = rng or random.SystemRandom()
+    top = ephemeral_port_range()[0]
+    for _ in range(64 if top > OWN_PORTS_FROM else 0):
+        port = rng.randrange(OWN_PORTS_FROM, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class PortPicker:
-    """Free ports that are also distinct from each other: the kernel may hand out a just-closed
-    ephemeral port again, and one topology (or one worker) needs each of its ports once."""
+    """Free ports (:func:`free_port`) that are also distinct from each other: one topology (or one
+    worker) needs each of its ports once, and nothing holds a picked port until its server binds it."""
 
     def __init__(self) -> None:
         self._taken: set[int] = set()
