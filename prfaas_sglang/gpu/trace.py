@@ -16,6 +16,7 @@ reported, not raised.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -26,13 +27,20 @@ import warnings
 
 
 def _owners() -> dict[str, tuple[str, str, str]]:
-    """Absolute file path -> (dist name, version, path relative to its site directory)."""
+    """Absolute file path (symlinks resolved, as ``os.path.realpath`` gives it) -> (dist name, version,
+    path relative to its site directory). Each directory is resolved once and each file only when it
+    is a link itself, and each distribution's metadata is parsed once (``dist.version`` parses it
+again on every call: per file, that was most of a 30-s trace)."""
+    real_dir = functools.lru_cache(maxsize=None)(os.path.realpath)
     owners: dict[str, tuple[str, str, str]] = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
+        name, version = dist.metadata["Name"], dist.version
         for rel in dist.files or ():
-            path = os.path.realpath(dist.locate_file(rel))
-            owners[path] = (name, dist.version, str(rel))
+            head, tail = os.path.split(str(dist.locate_file(rel)))
+            path = os.path.join(real_dir(head), tail)
+            if os.path.islink(path):
+                path = os.path.realpath(path)
+            owners[path] = (name, version, str(rel))
     return owners
 
 
