@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--tcp-buffer-mib", type=int, default=None,
                     help="TCP buffers autotune up to this (net.ipv4.tcp_wmem/tcp_rmem max) on both ends, every row "
                          "(default: the host's)")
+    tr.add_argument("--no-tcp-timestamps", action="store_true",
+                    help="net.ipv4.tcp_timestamps=0 on both ends, every row: 12 more payload bytes per segment "
+                         "(host advice, with its caveats: README)")
     tr.add_argument("--engine-queued-row", action="store_true",
                     help="add a row with every request handed to the engine at once (the kv-send hooks before they "
                          "kept the queue): what keeping it costs")
@@ -462,12 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
                            args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes,
                            args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None, args.engine_queued_row,
-                           args.unpaced_row)
+                           args.unpaced_row, not args.no_tcp_timestamps)
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
                   f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
                   f"--conditions {args.conditions} --repeats {args.repeats}"
                   f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}"
                   f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}"
+                  f"{' --no-tcp-timestamps' if args.no_tcp_timestamps else ''}"
                   f"{' --engine-queued-row' if args.engine_queued_row else ''}"
                   f"{' --unpaced-row' if args.unpaced_row else ''}; {stamp} -->")
     elif args.name == "mock-kv":

@@ -144,12 +144,12 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
                   default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
                   lanes: int | None = None, tcp_buffer_bytes: int | None = None, engine_queued: bool = False,
-                  unpaced: bool = False) -> dict:
+                  unpaced: bool = False, tcp_timestamps: bool = True) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
                       congestion_control=cond.congestion_control, slow_start_after_idle=slow_start_after_idle,
-                      tcp_buffer_bytes=tcp_buffer_bytes) as link:
+                      tcp_buffer_bytes=tcp_buffer_bytes, tcp_timestamps=tcp_timestamps) as link:
         recv_proc = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(buffer_mib)),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=default_env())
@@ -214,7 +214,7 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                    # how often ours changed its lanes' pacing cap per transfer (capped, re-capped as writes
                    # ended, freed; 0: never capped), median over the repeats
                    "pacing_changes": statistics.median(r.get("pacing_changes", 0) for r in runs["ours"]),
-                   "tcp_buffer_bytes": tcp_buffer_bytes,
+                   "tcp_buffer_bytes": tcp_buffer_bytes, "tcp_timestamps": tcp_timestamps,
                    # segments of the data direction linkem dropped per transfer, median per row: at its
                    # bottleneck queue (the senders together overran it) and at random (the condition's loss)
                    "queue_drops": {name: statistics.median(r["drops"]["overflow"] for r in rs) for name, rs in runs.items()},
@@ -268,18 +268,20 @@ CONDITIONS = {
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
         conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
         slow_start_after_idle: bool = True, lanes: int | None = None, tcp_buffer_bytes: int | None = None,
-        engine_queued: bool = False, unpaced: bool = False) -> dict:
+        engine_queued: bool = False, unpaced: bool = False, tcp_timestamps: bool = True) -> dict:
     """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own.
     ``tcp_buffer_bytes``: the TCP buffers' autotuning limit in both namespaces, for every row (None: the host's).
-    ``engine_queued``: add the ``ours_engine_queued`` row; ``unpaced``: the ``ours_unpaced`` row."""
+    ``engine_queued``: add the ``ours_engine_queued`` row; ``unpaced``: the ``ours_unpaced`` row.
+    ``tcp_timestamps`` False: ``net.ipv4.tcp_timestamps=0`` in both namespaces, for every row (each
+    segment then carries 1460 payload bytes, not 1448)."""
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
                                      default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes,
-                                     tcp_buffer_bytes, engine_queued, unpaced))
+                                     tcp_buffer_bytes, engine_queued, unpaced, tcp_timestamps))
     first = results[0]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib, "lanes": lanes,
-            "tcp_buffer_bytes": tcp_buffer_bytes,
+            "tcp_buffer_bytes": tcp_buffer_bytes, "tcp_timestamps": tcp_timestamps,
             "default_request_kib": default_request_kib, "chunk_mib": CHUNK_BYTES >> 20,
             "goodput_fraction": first["goodput_fraction"], "default_goodput_fraction": first["default_goodput_fraction"],
             "conditions": results}
@@ -287,6 +289,8 @@ def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 
 
 def render_markdown(r: dict) -> str:
     buffers = f"TCP buffers up to {r['tcp_buffer_bytes'] >> 20} MiB" if r.get("tcp_buffer_bytes") else "host TCP buffers"
+    if r.get("tcp_timestamps") is False:
+        buffers += ", TCP timestamps off"
     lines = [f"Link {r['rate_mbit']:g} Mbit/s, payload {r['payload_mib']} MiB in {r['chunk_mib']} MiB chunks; "
              f"ours: {r['request_mib']:g} MiB requests, WAN profile; default: {r['default_request_kib']} KiB requests, "
              f"Mooncake's settings; {buffers}.", "",

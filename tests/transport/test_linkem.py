@@ -189,3 +189,24 @@ def test_tcp_buffer_limit_is_set_per_namespace_only():
     assert limits() == host
     with pytest.raises(ValueError):
         EmulatedLink(tag=242, rate_mbit=100, tcp_buffer_bytes=4096)
+
+
+TIMESTAMP_OPTION = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+info = c.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+print(info[5] & 1)  # tcpi_options & TCPI_OPT_TIMESTAMPS: the option was negotiated
+"""
+
+
+def test_tcp_timestamps_off_leaves_the_option_out_of_the_links_connections_only(served):
+    def negotiated(link: EmulatedLink, port: int) -> str:
+        return subprocess.run((*link.wrap_a, sys.executable, "-c", TIMESTAMP_OPTION, link.ip_b, str(port)),
+                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+    host = subprocess.run(("sysctl", "-n", "net.ipv4.tcp_timestamps"), capture_output=True, text=True).stdout.strip()
+    with EmulatedLink(tag=242, rate_mbit=100, tcp_timestamps=False) as link:
+        assert negotiated(link, served(link)) == "0"
+    with EmulatedLink(tag=242, rate_mbit=100) as link:
+        assert negotiated(link, served(link)) == "1"
+    assert subprocess.run(("sysctl", "-n", "net.ipv4.tcp_timestamps"), capture_output=True, text=True).stdout.strip() == host

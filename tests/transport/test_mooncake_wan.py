@@ -141,7 +141,7 @@ def test_bench_transport_smoke():
     """The benchmark's CLI end to end on a small payload: every row ran and the fields are there."""
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "transport", "--rate-mbit", "200", "--payload-mib", "16",
                            "--request-mib", "4", "--conditions", "clean", "--repeats", "1", "--no-table", "--engine-queued-row",
-                           "--unpaced-row", "--json"],
+                           "--unpaced-row", "--no-tcp-timestamps", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)["result"]
@@ -152,6 +152,7 @@ def test_bench_transport_smoke():
                 "tcp_warm_fraction", "engine_queued_fraction", "unpaced_fraction"):
         assert 0 < cond[key] < 1.05, (key, cond[key])  # goodput never beats the shaped rate (bursts aside)
     assert result["goodput_fraction"] == cond["goodput_fraction"]
+    assert result["tcp_timestamps"] is False and cond["tcp_timestamps"] is False
     assert set(cond["fraction_range"]) == set(cond["runs"])
     low, high = cond["fraction_range"]["ours"]
     assert low <= round(cond["goodput_fraction"], 3) <= high  # the median lies in the spread reported beside it

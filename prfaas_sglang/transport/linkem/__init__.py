@@ -81,7 +81,8 @@ class EmulatedLink:
 
     def __init__(self, tag: int, rate_mbit: float, rtt_ms: float = 0.0, loss: float = 0.0,
                  queue_ms: float | None = None, congestion_control: str | None = None,
-                 slow_start_after_idle: bool = True, tcp_buffer_bytes: int | None = None):
+                 slow_start_after_idle: bool = True, tcp_buffer_bytes: int | None = None,
+                 tcp_timestamps: bool = True):
         if not 0 <= tag < 256:
             raise ValueError("tag must be in 0..255")
         if rate_mbit <= 0 or rtt_ms < 0 or not 0 <= loss < 1:
@@ -100,6 +101,8 @@ class EmulatedLink:
         if tcp_buffer_bytes is not None and tcp_buffer_bytes < 65536:
             raise ValueError("tcp_buffer_bytes must be at least 64 KiB")
         self.tcp_buffer_bytes = tcp_buffer_bytes
+        # False: net.ipv4.tcp_timestamps=0 in both namespaces (no 12-byte timestamp option per segment)
+        self.tcp_timestamps = tcp_timestamps
         self._proc: subprocess.Popen | None = None
         self._allowed_before: str | None = None  # the host's allowed congestion controls, when we widened them
 
@@ -134,6 +137,8 @@ class EmulatedLink:
                     _sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion_control}")
                 if not self.slow_start_after_idle:
                     _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
+                if not self.tcp_timestamps:
+                    _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_timestamps=0")
                 if self.tcp_buffer_bytes is not None:
                     for name, default in (("tcp_wmem", 16384), ("tcp_rmem", 131072)):
                         _sh("ip", "netns", "exec", ns, "sysctl", "-qw",
