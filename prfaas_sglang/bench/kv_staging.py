@@ -40,15 +40,22 @@ MODES = ("adjacent", "prefill-staged", "both-staged", "contiguous")
 
 
 class _Peer:
+    """One end, started at construction; :meth:`ready` waits for its start line (so both ends of a
+    mode import SGLang at once), and the caller closes it whatever happens."""
+
     def __init__(self, wrap: tuple[str, ...], role: str, env: dict[str, str], log: Path):
+        self.role, self.log_path = role, log
         self.log = open(log, "a")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen((*wrap, *PEER, role), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, bufsize=1)
-        ready = self.proc.stdout.readline()
-        if not ready.startswith("{"):
-            self.close()
-            raise RuntimeError(f"kv-staging {role} peer did not start; see {log}")
-        self.success = json.loads(ready)["success"]
+        self.success: int | None = None
+
+    def ready(self) -> _Peer:
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            raise RuntimeError(f"kv-staging {self.role} peer did not start; see {self.log_path}")
+        self.success = json.loads(line)["success"]
+        return self
 
     def ask(self, op: str, **args) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
@@ -100,6 +107,7 @@ def run(rate_mbit: float = 1000.0, rtt_ms: float = 20.0, requests: int = 3, repe
                 decode = None
                 try:
                     decode = _Peer(link.wrap_b, "decode", decode_env, log_dir / f"{mode}-decode.log")
+                    prefill.ready(), decode.ready()
                     rooms = [1000 * (repeat + 1)] + [1000 * (repeat + 1) + i for i in range(1, requests + 1)]
                     writes_before = 0
                     for i, room in enumerate(rooms):  # the first warms the lanes up
