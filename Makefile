@@ -13,7 +13,7 @@ $(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_s
 	touch $(STAMP)
 
 test: env
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 lint: env
 	$(VENV)/bin/ruff check .
