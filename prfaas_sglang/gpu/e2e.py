@@ -97,7 +97,11 @@ CPU_PROFILE = ServerProfile(
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
      "--mem-fraction-static", "0.05", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--log-level", "info"),
-    env=(("SGLANG_USE_CPU_ENGINE", "1"),), threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
+    # SGLang's /health answers 503 when its scheduler has said nothing for SGLANG_HEALTH_CHECK_TIMEOUT
+    # (20 s), and the router takes a worker out at once on a 503: a server's first CPU prefill took 33 s,
+    # and the next long prompt went to PD-P. Here SGLang waits longer than the router does, so a slow
+    # forward is a tolerated miss (below), not a refusal.
+    env=(("SGLANG_USE_CPU_ENGINE", "1"), ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")), threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
     served_name="tiny-llama", cost_model="qwen3-235b-a22b",  # a dense model's: the tiny Llama has no linear state
     # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
     # prompt prefills for 5-10 s, and two 5 s misses took the PrfaaS server out of routing mid-check

@@ -179,6 +179,16 @@ def test_a_forked_copy_of_the_harness_stops_none_of_its_servers(tmp_path):
     assert server.poll() is not None
 
 
+def test_on_cpu_sglangs_own_health_check_outwaits_the_routers():
+    """A slow CPU forward must look like a late /health answer (a miss the router tolerates), not SGLang's
+    503 after its own 20 s (the router takes a worker out at once on that)."""
+    env = e2e.bundle_env(None, REPO_ROOT, base={}, profile=e2e.CPU_PROFILE)
+    args = e2e.CPU_PROFILE.router_args
+    router_timeout_s = float(args[args.index("--health-timeout-s") + 1])
+    assert float(env["SGLANG_HEALTH_CHECK_TIMEOUT"]) > 2 * router_timeout_s
+    assert "SGLANG_HEALTH_CHECK_TIMEOUT" not in e2e.bundle_env(None, REPO_ROOT, base={}, profile=e2e.GPU_PROFILE)
+
+
 def test_a_failed_start_reports_the_servers_last_words():
     log = ("[t] Ignore import error when loading sglang.srt.models.x: No module named 'cutlass'\n"
            "[t] Scheduler hit an exception\nRuntimeError: Not enough GPU memory\n\n"
