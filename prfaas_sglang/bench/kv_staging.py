@@ -107,7 +107,8 @@ def run(rate_mbit: float = 1000.0, rtt_ms: float = 20.0, requests: int = 3, repe
                 decode = None
                 try:
                     decode = _Peer(link.wrap_b, "decode", decode_env, log_dir / f"{mode}-decode.log")
-                    prefill.ready(), decode.ready()
+                    prefill.ready()
+                    decode.ready()
                     rooms = [1000 * (repeat + 1)] + [1000 * (repeat + 1) + i for i in range(1, requests + 1)]
                     writes_before = 0
                     for i, room in enumerate(rooms):  # the first warms the lanes up

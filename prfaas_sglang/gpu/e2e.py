@@ -101,7 +101,8 @@ CPU_PROFILE = ServerProfile(
     # (20 s), and the router takes a worker out at once on a 503: a server's first CPU prefill took 33 s,
     # and the next long prompt went to PD-P. Here SGLang waits longer than the router does, so a slow
     # forward is a tolerated miss (below), not a refusal.
-    env=(("SGLANG_USE_CPU_ENGINE", "1"), ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")), threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
+    env=(("SGLANG_USE_CPU_ENGINE", "1"), ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")),
+    threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
     served_name="tiny-llama", cost_model="qwen3-235b-a22b",  # a dense model's: the tiny Llama has no linear state
     # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
     # prompt prefills for 5-10 s, and two 5 s misses took the PrfaaS server out of routing mid-check
@@ -342,8 +343,13 @@ class Processes:
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
-        self._owner_pid = os.getpid()  # a forked copy of this object (not exec'd yet) must not stop them
+        self._owner_pid = os.getpid()  # see _owned_here
         log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _owned_here(self) -> bool:
+        """False in a forked copy of the harness (e.g. a pyroute2 helper that unwinds): the processes
+        are its parent's, and it neither kills nor stops them."""
+        return os.getpid() == self._owner_pid
 
     def start(self, name: str, argv: list[str], env: dict[str, str], preexec_fn=None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
@@ -360,7 +366,7 @@ class Processes:
 
     def kill(self, name: str, sig: int = 9) -> None:
         proc = self.procs.get(name)
-        if proc is not None and os.getpid() == self._owner_pid and proc.poll() is None:
+        if proc is not None and self._owned_here() and proc.poll() is None:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -373,7 +379,7 @@ class Processes:
     def stop(self, names: Iterable[str] | None = None) -> list[str]:
         """Kill every group, or those of ``names`` (TERM, then KILL after 10 s); the names that had
         to be KILLed. A stopped name is forgotten, so it can be started again."""
-        if os.getpid() != self._owner_pid:  # a fork of the harness that unwinds: they are not its own
+        if not self._owned_here():
             return []
         wanted = None if names is None else set(names)
         chosen = {n: p for n, p in self.procs.items() if wanted is None or n in wanted}

@@ -105,8 +105,9 @@ def _write_no_dns_resolv_conf(name: str) -> str:
     """A regular file for ``/etc/resolv.conf`` in the namespace, naming no server. Not ``/dev/null``:
     with that bound there SGLang's rank-0 rendezvous still failed (a plain TCPStore did not; cause
     not pinned down). Not in a ``tempfile`` directory either: that file vanished under a running
-    check. The cause was a forked pyroute2 helper that unwound through the directory's cleanup (fixed
-    in ``bench.__main__.exit_on_sigterm``). This one is removed only by the process that made it."""
+    check, very likely removed by a forked pyroute2 helper that unwound through the directory's cleanup
+    (not reproduced; fixed by ``bench.__main__.exit_on_sigterm``). This one is removed only by the
+    process that made it."""
     directory = "/run/prfaas-netns"
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{name}.resolv.conf")

@@ -30,7 +30,7 @@ def _owners() -> dict[str, tuple[str, str, str]]:
     """Absolute file path (symlinks resolved, as ``os.path.realpath`` gives it) -> (dist name, version,
     path relative to its site directory). Each directory is resolved once and each file only when it
     is a link itself, and each distribution's metadata is parsed once (``dist.version`` parses it
-again on every call: per file, that was most of a 30-s trace)."""
+    again on every call: per file, that was most of a 30-s trace)."""
     real_dir = functools.lru_cache(maxsize=None)(os.path.realpath)
     owners: dict[str, tuple[str, str, str]] = {}
     for dist in importlib.metadata.distributions():
