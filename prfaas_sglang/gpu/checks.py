@@ -39,6 +39,7 @@ from prfaas_sglang.gpu.e2e import (
     request_cases,
     start_deployment,
     wait_healthy,
+    wait_routable,
 )
 
 
@@ -335,6 +336,8 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
         router, vocab = dep.url("router"), ctx.vocab_size or 4096
         for num_tokens in ctx.profile.long_tokens:
             warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens), ctx.profile.served_name)
+            if (waited_s := wait_routable(router)) > 1.0:  # the warm-up's compile outlasted a health check
+                ctx.log(f"[shaped-link] {profile}: waited {waited_s:.1f} s for the router to route to every worker")
             for k in range(SHAPED_REPEATS):
                 ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k),
                                                  ctx.profile.served_name)

@@ -91,7 +91,10 @@ class ServerProfile:
     router_args: tuple[str, ...] = ()  # the router's own flags (after the launcher's ``--``)
 
 
-GPU_PROFILE = ServerProfile(SERVER_FLAGS)
+# SGLang's /health answers 503 once its scheduler has said nothing for SGLANG_HEALTH_CHECK_TIMEOUT (20 s),
+# and the router takes a worker out at once on a 503; a process's first forward on the GPU compiles
+# Triton kernels for ~60 s (H200, 2026-11-26). SGLang waits longer than that here.
+GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(("SGLANG_HEALTH_CHECK_TIMEOUT", "120"),))
 CPU_PROFILE = ServerProfile(
     ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
@@ -432,6 +435,31 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TI
         time.sleep(pause_s)
         pause_s = min(1.5 * pause_s, 1.0)
     raise RuntimeError(f"{url} not healthy after {timeout_s:g} s")
+
+
+def unroutable(status: dict) -> list[str]:
+    """The workers a router's ``/status`` body shows it would not route to now (pure): down, refused,
+    draining, or with the link to them marked down; ``[]`` when every one is routable."""
+    down = set(status.get("link_down_workers") or ())
+    return sorted(name for name, w in (status.get("workers") or {}).items()
+                  if not w.get("healthy") or w.get("refused") or w.get("draining") or name in down)
+
+
+def wait_routable(router: str, timeout_s: float = 60.0) -> float:
+    """Poll the router's ``/status`` until :func:`unroutable` is empty; the seconds waited. A worker's
+    first forward (Triton JIT on a GPU) can outlast the router's health timeout, and a timed request
+    sent while the router holds that worker down would measure the other cluster. Raises
+    RuntimeError naming the workers still unroutable after ``timeout_s``."""
+    started, left = time.monotonic(), ["?"]
+    while time.monotonic() - started < timeout_s:
+        try:
+            status, _, body = http("GET", router + "/status", timeout_s=5)
+            if status == 200 and not (left := unroutable(json.loads(body))):
+                return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"router still holds {left} unroutable after {timeout_s:g} s")
 
 
 def log_tail(text: str, lines: int = 3, width: int = 300) -> str:
