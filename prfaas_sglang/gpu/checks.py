@@ -263,6 +263,10 @@ def _state_reports_problems(data: dict, index: str, name: str) -> list[str]:
 
 
 def check_failover(ctx: Context) -> CheckResult:
+    """The PrfaaS server killed while long requests are in flight (at the first answer: on an H100 a
+    fixed 1.5 s came after all 16 had finished, 2026-11-26): every request completes via PD-P or
+    fails with a clear error; none hangs; the router reports the worker down. A kill that found no
+    request in flight shows nothing and fails the check."""
     router = ctx.dep.url("router")
     long_case = {"name": "failover", "endpoint": "/v1/completions", "stream": True}
 
@@ -273,19 +277,21 @@ def check_failover(ctx: Context) -> CheckResult:
             status, _, payload = http("POST", router + "/v1/completions", request_body(long_case, ids, None, ctx.profile.served_name),
                                       timeout_s=180)
         except OSError as err:
-            return {"ok": False, "hung": "timed out" in str(err), "why": str(err), "s": time.monotonic() - started}
+            return {"ok": False, "hung": "timed out" in str(err), "why": str(err), "t0": started, "t1": time.monotonic()}
         if status != 200:
             return {"ok": False, "status": status, "why": payload[:200].decode(errors="replace"),
-                    "clear": b"message" in payload, "s": time.monotonic() - started}
+                    "clear": b"message" in payload, "t0": started, "t1": time.monotonic()}
         try:
             parse_answer("/v1/completions", True, payload)
         except ValueError as err:
-            return {"ok": False, "why": str(err), "streamed_error": True, "s": time.monotonic() - started}
-        return {"ok": True, "s": time.monotonic() - started}
+            return {"ok": False, "why": str(err), "streamed_error": True, "t0": started, "t1": time.monotonic()}
+        return {"ok": True, "t0": started, "t1": time.monotonic()}
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        began = time.monotonic()
         futures = [pool.submit(one, i) for i in range(16)]
-        time.sleep(1.5)
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+        killed_at = time.monotonic()
         ctx.procs.kill("prfaas-0")
         later = [pool.submit(one, 100 + i) for i in range(8)]
         outcomes = [f.result() for f in futures + later]
@@ -293,12 +299,16 @@ def check_failover(ctx: Context) -> CheckResult:
     metrics = http("GET", router + "/metrics")[2].decode()
     hung = [o for o in outcomes if o.get("hung")]
     unclear = [o for o in outcomes if not o["ok"] and not o.get("clear")]
+    in_flight = [o for o in outcomes[:16] if o["t0"] < killed_at < o["t1"]]
     data = {"completed": sum(o["ok"] for o in outcomes), "failed": sum(not o["ok"] for o in outcomes),
+            "in_flight_at_kill": len(in_flight), "in_flight_completed": sum(o["ok"] for o in in_flight),
             "redispatched": metric_sum(metrics, "prfaas_router_redispatched_total"),
-            "max_s": round(max(o["s"] for o in outcomes), 1), "kill_after_s": 1.5,
-            "last_answer_after_kill_s": round(max(o["s"] for o in outcomes) - 1.5, 1),
+            "kill_after_s": round(killed_at - began, 2),
+            "last_answer_after_kill_s": round(max(o["t1"] for o in outcomes) - killed_at, 2),
             "prfaas_healthy": (status.get("workers") or {}).get("prfaas-0", {}).get("healthy")}
     problems = []
+    if not in_flight:
+        problems.append("no request was in flight when prfaas-0 was killed: the check shows nothing")
     if hung:
         problems.append(f"{len(hung)} request(s) hung")
     if unclear:
