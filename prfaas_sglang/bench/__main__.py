@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ge = sub.add_parser("gpu-e2e", help="on the GPU machine: real SGLang in every role behind our router; seven checks")
     ge.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (bundle.tar.xz inside)")
     ge.add_argument("--model-config", type=Path, default=None, help="a hybrid model directory instead of the bundle's tiny model")
-    ge.add_argument("--checks", default=None, help="comma list (default: all)")
+    ge.add_argument("--checks", default=None, help="comma list (default: all); wan-profile is another name for shaped-link")
     ge.add_argument("--engine", choices=("sglang", "sglang-cpu", "mock"), default="sglang",
                     help="sglang-cpu: real SGLang on this machine's CPU (a tiny Llama unless --model-config; every check but "
                          "state-events, which needs a hybrid; root for shaped-link); mock: the harness's own dry run with "

@@ -16,8 +16,8 @@ from prfaas_sglang.gpu.e2e import (
     ADMIN_TOKEN,
     DEPLOYMENT,
     GPU_PROFILE,
+    SHAPED_DELAY_RTT_MS,
     SHAPED_RATE_MBIT,
-    SHAPED_REPEATS,
     SHAPED_REQUEST_TIMEOUT_S,
     SHAPED_RTT_MS,
     SHAPED_STARTUP_TIMEOUT_S,
@@ -342,40 +342,59 @@ def _ttft_s(router: str, ids: list[int], model: str) -> tuple[float, int, str | 
     return time.monotonic() - started, status, headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
 
 
-def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict | None) -> tuple[list[dict], list[str]]:
-    """One deployment with PrfaaS behind the shaped link: a warm-up prompt per length (kernels
-    compile on first use), :data:`SHAPED_REPEATS` fresh prompts per length timed, then the
-    seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
+def _timed_prompts(ctx: Context, router: str, profile: str, link: str) -> tuple[list[dict], list[str]]:
+    """On the link as it is now (``link`` names it in the rows): a warm-up prompt per length (kernels
+    compile on first use, the lanes open), then ``ctx.profile.shaped_repeats`` fresh prompts per
+    length timed, each of which must go to PrfaaS."""
+    rows, problems, vocab = [], [], ctx.vocab_size or 4096
+    for num_tokens in ctx.profile.long_tokens:
+        warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens), ctx.profile.served_name)
+        if (waited_s := wait_routable(router)) > 1.0:  # the warm-up's compile outlasted a health check
+            ctx.log(f"[shaped-link] {profile}: waited {waited_s:.1f} s for the router to route to every worker")
+        for k in range(ctx.profile.shaped_repeats):
+            ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k),
+                                             ctx.profile.served_name)
+            row = {"profile": profile, "link": link, "tokens": num_tokens, "repeat": k, "ttft_s": round(ttft_s, 3),
+                   "warmup_s": round(warm_s, 3), "status": status, "route": route}
+            ctx.log(f"[shaped-link] {json.dumps(row)}")
+            rows.append(row)
+            if status != 200 or not (route or "").startswith("prfaas/"):  # {cluster kind}/{prefill}/{decode}
+                problems.append(f"{profile} {link} {num_tokens}: status {status}, route {route!r} (want prfaas/...)")
+    return rows, problems
+
+
+def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict | None,
+                    delay_rtt_ms: float | None) -> tuple[list[dict], list[str]]:
+    """One deployment with PrfaaS behind the shaped link: :func:`_timed_prompts` on the bare veth,
+    then, with ``delay_rtt_ms``, again with that round trip added (netem, same deployment), then
+    the seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
+    from prfaas_sglang.gpu.netlink import set_delay
+
     rows, problems = [], []
     procs = Processes(ctx.work / f"logs-shaped-{profile}")
     try:
         started = time.monotonic()
         # Every node on its end of the veth: PrfaaS inside, the rest on the host side (10.78.0.1, not
         # loopback, which inside the namespace is the namespace's own). SGLang's KV endpoints pinned
-        # there too (its own address lookup could pick another local address).
+        # there too (its own address lookup could pick another local address). The topology states the
+        # longest round trip the link will have (the WAN profile's stall bound scales with it).
         dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile, host=ns.host_ip,
                                prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip,
                                prfaas_env={**(env or {}), "SGLANG_HOST_IP": ns.inner_ip},
                                pd_env={"SGLANG_HOST_IP": ns.host_ip},
-                               link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS), startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S,
-                               engine=ctx.engine, profile=ctx.profile)
+                               link=(SHAPED_RATE_MBIT / 1000, delay_rtt_ms or SHAPED_RTT_MS),
+                               startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S, engine=ctx.engine, profile=ctx.profile)
         ctx.log(f"[shaped-link] {profile}: deployment healthy after {time.monotonic() - started:.1f} s")
-        router, vocab = dep.url("router"), ctx.vocab_size or 4096
+        router = dep.url("router")
+        links = [("veth", None)] + ([(f"rtt-{delay_rtt_ms:g}ms", delay_rtt_ms)] if delay_rtt_ms else [])
+        for link, rtt_ms in links:
+            if delay_rtt_ms:
+                set_delay(rtt_ms)
+            got, wrong = _timed_prompts(ctx, router, profile, link)
+            rows, problems = rows + got, problems + wrong
         for num_tokens in ctx.profile.long_tokens:
-            warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens), ctx.profile.served_name)
-            if (waited_s := wait_routable(router)) > 1.0:  # the warm-up's compile outlasted a health check
-                ctx.log(f"[shaped-link] {profile}: waited {waited_s:.1f} s for the router to route to every worker")
-            for k in range(SHAPED_REPEATS):
-                ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k),
-                                                 ctx.profile.served_name)
-                row = {"profile": profile, "tokens": num_tokens, "repeat": k, "ttft_s": round(ttft_s, 3),
-                       "warmup_s": round(warm_s, 3), "status": status, "route": route}
-                ctx.log(f"[shaped-link] {json.dumps(row)}")
-                rows.append(row)
-                if status != 200 or not (route or "").startswith("prfaas/"):  # {cluster kind}/{prefill}/{decode}
-                    problems.append(f"{profile} {num_tokens}: status {status}, route {route!r} (want prfaas/...)")
             case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
-            ids = prompt_ids(num_tokens, vocab, num_tokens)
+            ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)
             ours, _ = _ask(router, case, ids, None, model=ctx.profile.served_name)
             reference = _reference_answer(ctx, case, ids)
             if reference is None:
@@ -387,6 +406,8 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
         ctx.log(f"[shaped-link] {profile} failed: {type(err).__name__}: {err}")
     finally:
         procs.stop()
+        if delay_rtt_ms:
+            set_delay(None)
     return rows, problems
 
 
@@ -406,23 +427,30 @@ def shaped_medians(rows: list[dict]) -> dict:
 
 def check_shaped_link(ctx: Context) -> CheckResult:
     """TTFT over a rate-shaped veth for SGLang's Mooncake settings, our WAN profile, and ours with
-    layer-wise streaming; outputs identical to the unshaped reference. Stops the shared deployment
-    first if it runs (the reference stays)."""
-    from prfaas_sglang.gpu.netlink import shaped_namespace
+    layer-wise streaming, on the bare veth and, where the kernel has netem, with
+    :data:`SHAPED_DELAY_RTT_MS` of round trip added; outputs identical to the unshaped reference.
+    Stops the shared deployment first if it runs (the reference stays)."""
+    from prfaas_sglang.gpu.netlink import delay_unavailable, shaped_namespace
 
     ctx.procs.stop([n for n in DEPLOYMENT if n in ctx.procs.procs])
     ctx.dep = None
     ctx.vocab_size = ctx.vocab_size or len(ctx.tokenizer())
     rows, problems = [], []
     with shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT) as ns:
+        no_delay = delay_unavailable()
+        if no_delay is not None:
+            ctx.log(f"[shaped-link] the bare veth only: {no_delay}")
         for profile, kv_profile, env in SHAPED_PROFILES:
-            got, wrong = _shaped_profile(ctx, ns, profile, kv_profile, env)
+            got, wrong = _shaped_profile(ctx, ns, profile, kv_profile, env,
+                                         None if no_delay else SHAPED_DELAY_RTT_MS)
             rows += got
             problems += wrong
-    medians = shaped_medians(rows)
-    ctx.log(f"[shaped-link] {json.dumps(medians)}")
-    data = {"rate_mbit": SHAPED_RATE_MBIT, "stated_rtt_ms": SHAPED_RTT_MS, "repeats": SHAPED_REPEATS, "rows": rows,
-            **medians}
+    by_link = {link: shaped_medians([r for r in rows if r["link"] == link]) for link in dict.fromkeys(r["link"] for r in rows)}
+    ctx.log(f"[shaped-link] {json.dumps(by_link)}")
+    data = {"rate_mbit": SHAPED_RATE_MBIT, "veth_rtt_ms": SHAPED_RTT_MS,
+            "delay_rtt_ms": None if no_delay else SHAPED_DELAY_RTT_MS, "no_delay_because": no_delay,
+            "repeats": ctx.profile.shaped_repeats, "rows": rows, **by_link.get("veth", shaped_medians([])),
+            "by_link": by_link}
     return CheckResult("shaped-link", not problems, "; ".join(problems), data)
 
 

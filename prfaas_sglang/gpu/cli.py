@@ -36,10 +36,18 @@ def bundle_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from prfaas_sglang.gpu.e2e import CHECKS, CPU_CHECKS, MOCK_CHECKS, gpu_unavailable, run
+    from prfaas_sglang.gpu.e2e import (
+        CHECK_ALIASES,
+        CHECKS,
+        CPU_CHECKS,
+        MOCK_CHECKS,
+        gpu_unavailable,
+        run,
+    )
 
     mock, cpu = args.engine == "mock", args.engine == "sglang-cpu"
-    checks = tuple(args.checks.split(",")) if args.checks else (MOCK_CHECKS if mock else CPU_CHECKS if cpu else CHECKS)
+    checks = (tuple(dict.fromkeys(CHECK_ALIASES.get(c, c) for c in args.checks.split(","))) if args.checks
+              else (MOCK_CHECKS if mock else CPU_CHECKS if cpu else CHECKS))
     if unknown := [c for c in checks if c not in CHECKS]:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
     if cpu:  # real SGLang on CPU from this environment: no bundle, a tiny Llama unless --model-config

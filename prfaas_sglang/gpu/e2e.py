@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link")
+CHECK_ALIASES = {"wan-profile": "shaped-link"}  # issue #14's name for it: TTFT of the WAN profile over the shaped link
 # Flags every SGLang server gets (shared/notes/gpu.md): paths a slimmed sglang-kernel has, random
 # weights with one seed (greedy outputs then compare across servers), cached_tokens reported.
 # Pools of a fixed size: SGLang sizes them from the memory free at its profiling step less a share
@@ -65,8 +66,10 @@ MAX_NEW_TOKENS = 16
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 300.0
 SHAPED_RATE_MBIT = 200.0  # binds for a 32K prompt's KV on the tiny model, lets an 8K one pass in a second
-SHAPED_RTT_MS = 1.0  # what the topology states for the shaped link: a veth has no delay (no netem there)
-SHAPED_REPEATS = 3  # timed prompts per length and profile, each a fresh one (no cache hit)
+SHAPED_RTT_MS = 1.0  # what the topology states for the bare veth: it has no delay
+# The WAN round trip the issue names, added with netem on the veth's host end where the kernel has it
+# (not this dev machine's): the same deployments are timed again with it.
+SHAPED_DELAY_RTT_MS = 20.0
 SHAPED_STARTUP_TIMEOUT_S = 300.0
 SHAPED_REQUEST_TIMEOUT_S = 120.0
 
@@ -89,6 +92,7 @@ class ServerProfile:
     # hybrid cost model: the index predicts no reuse where SGLang reuses the whole prefix).
     cost_model: str = "kimi-linear-1t-hybrid"
     router_args: tuple[str, ...] = ()  # the router's own flags (after the launcher's ``--``)
+    shaped_repeats: int = 5  # shaped-link's timed prompts per length, link and profile, each a fresh one (no cache hit)
 
 
 # SGLang's /health answers 503 once its scheduler has said nothing for SGLANG_HEALTH_CHECK_TIMEOUT (20 s),
@@ -109,7 +113,8 @@ CPU_PROFILE = ServerProfile(
     served_name="tiny-llama", cost_model="qwen3-235b-a22b",  # a dense model's: the tiny Llama has no linear state
     # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
     # prompt prefills for 5-10 s, and two 5 s misses took the PrfaaS server out of routing mid-check
-    router_args=("--health-timeout-s", "30"))
+    router_args=("--health-timeout-s", "30"),
+    shaped_repeats=3)  # a CPU prefill of 4,096 tokens takes seconds
 # ``--engine sglang-cpu``: real SGLang on CPU; state-events needs a hybrid's Mamba cache, which the CPU engine lacks
 CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
 

@@ -5,6 +5,7 @@ The lent GPU machine has no ``ip`` or ``tc``; pyroute2 talks netlink directly. L
     root namespace                      namespace NAME
     HOST_IF 10.78.0.1/30  <-- veth -->  INNER_IF 10.78.0.2/30, default route via 10.78.0.1
                                         tbf on INNER_IF: everything leaving NAME at RATE
+    netem on HOST_IF (where the kernel has it, :func:`set_delay`): everything entering NAME delayed
 
 A process started with ``preexec_fn=ns.enter`` runs inside NAME: what it sends (a PrfaaS
 server's KV) crosses the shaped link; what it receives does not. Needs root.
@@ -134,6 +135,35 @@ def _wire(name: str, rate_mbit: float) -> None:
         ns.route("add", dst="default", gateway=HOST_IP)
         ns.tc("add", "tbf", inner, 0x10000, rate=f"{int(rate_mbit * 1000)}kbit", burst=tbf_burst_bytes(rate_mbit),
               latency="100ms")
+
+
+def set_delay(rtt_ms: float | None) -> None:
+    """Delay everything that enters the namespace (requests, the KV's acknowledgements) by ``rtt_ms``
+    with netem on the veth's host end, so that a round trip across the link takes that long; None
+    removes the delay. The KV leaving the namespace stays under the tbf alone. Raises pyroute2's
+    ``NetlinkError`` where the kernel has no netem (this dev machine's: ENOENT)."""
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    with asyncio_default_loops(), IPRoute() as ipr:
+        host = ipr.link_lookup(ifname=HOST_IF)[0]
+        with contextlib.suppress(NetlinkError):  # none there yet
+            ipr.tc("del", index=host, root=True)
+        if rtt_ms:
+            # a queue that holds a round trip of acknowledgements at any rate this harness uses
+            ipr.tc("add", "netem", host, 0x10000, delay=int(rtt_ms * 1000), limit=100_000)
+
+
+def delay_unavailable() -> str | None:
+    """None when :func:`set_delay` works here (tried, then removed), else why not."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    try:
+        set_delay(1.0)
+    except NetlinkError as err:
+        return f"no netem in this kernel ({err})"
+    set_delay(None)
+    return None
 
 
 def _unwire(name: str) -> None:

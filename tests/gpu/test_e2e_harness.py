@@ -300,6 +300,50 @@ def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
         assert ipr.link_lookup(ifname=HOST_IF) == []
 
 
+def _connect_s_from_inside(ns) -> float:
+    """The median seconds a TCP connect from inside ``ns`` to the veth's host end takes (a round trip)."""
+    server = socket.create_server((ns.host_ip, 0), backlog=16)
+    port = server.getsockname()[1]
+    probe = (f"import socket, statistics, time\nts = []\nfor _ in range(5):\n    t = time.monotonic()\n"
+             f"    socket.create_connection(('{ns.host_ip}', {port})).close()\n    ts.append(time.monotonic() - t)\n"
+             "print(statistics.median(ts))")
+    proc = subprocess.run([sys.executable, "-c", probe], preexec_fn=ns.enter, timeout=60, capture_output=True, text=True)
+    server.close()
+    assert proc.returncode == 0, proc.stderr
+    return float(proc.stdout)
+
+
+@pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
+def test_the_shaped_links_delay_adds_its_round_trip_or_says_why_not():
+    """Where the kernel has netem, set_delay adds its round trip to a connect across the veth and
+    takes it away again; where it has none (this dev machine), delay_unavailable names netem and
+    leaves no qdisc behind on the veth's host end."""
+    from pyroute2 import IPRoute
+
+    from prfaas_sglang.gpu.netlink import (
+        HOST_IF,
+        asyncio_default_loops,
+        delay_unavailable,
+        set_delay,
+        shaped_namespace,
+    )
+
+    with shaped_namespace("prfaas-test-delay", 40.0) as ns:
+        why = delay_unavailable()
+        if why is None:
+            bare_s = _connect_s_from_inside(ns)
+            set_delay(30.0)
+            delayed_s = _connect_s_from_inside(ns)
+            set_delay(None)
+            assert delayed_s > bare_s + 0.025, (bare_s, delayed_s)
+            assert _connect_s_from_inside(ns) < 0.015
+        else:
+            assert "netem" in why
+            with asyncio_default_loops(), IPRoute() as ipr:
+                host = ipr.link_lookup(ifname=HOST_IF)[0]
+                assert [q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=host)] in ([], ["noqueue"])
+
+
 @pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
 def test_inside_the_shaped_namespace_torchs_rendezvous_with_itself_completes():
     """The namespace reaches no DNS server; torch's TCPStore (SGLang's rank-0 rendezvous) timed out
@@ -366,13 +410,19 @@ def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
 
 
 @pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
-def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path):
+def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, monkeypatch):
     """The harness's dry run (--engine mock: shaped-link, routing, kv-index, failover): the same namespace,
     launcher, router, kv-index and timing as on the GPU, emulated engines in place of SGLang. It found, before any GPU time was spent on
     them, that loopback is the namespace's own (the PD side now sits on the veth's host end) and that
-    the route header names the cluster kind, not the cluster."""
+    the route header names the cluster kind, not the cluster. The delay is taken as available (this
+    kernel has no netem: test_the_shaped_links_delay_adds_its_round_trip_or_says_why_not) so the
+    second round of timed prompts runs, on the same deployments, with its delay asked for and removed."""
+    from prfaas_sglang.gpu import netlink
     from prfaas_sglang.gpu.model import make_model
 
+    delays: list[float | None] = []
+    monkeypatch.setattr(netlink, "delay_unavailable", lambda: None)
+    monkeypatch.setattr(netlink, "set_delay", delays.append)
     make_model(tmp_path / "model", log=lambda _line: None)
     lines: list[str] = []
     result = e2e.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock")
@@ -386,7 +436,9 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path):
     rows = result["checks"]["shaped-link"]["rows"]
     assert {(r["profile"], r["tokens"]) for r in rows} == {(p, n) for p in ("upstream", "wan", "wan-layerwise")
                                                            for n in e2e.LONG_TOKENS}
-    assert len(rows) == 3 * len(e2e.LONG_TOKENS) * e2e.SHAPED_REPEATS
+    assert len(rows) == 3 * len(e2e.LONG_TOKENS) * e2e.GPU_PROFILE.shaped_repeats * 2  # the bare veth, then delayed
+    assert {r["link"] for r in rows} == set(result["checks"]["shaped-link"]["by_link"]) == {"veth", "rtt-20ms"}
+    assert delays == [None, e2e.SHAPED_DELAY_RTT_MS, None] * 3  # per deployment: bare, delayed, removed
     assert all(r["status"] == 200 and r["route"].startswith("prfaas/prfaas-0/") and r["ttft_s"] > 0 for r in rows)
     assert set(result["checks"]["shaped-link"]["median_ttft_s"]) == {"upstream", "wan", "wan-layerwise"}
     assert sum("deployment healthy" in line for line in lines) == 3
