@@ -363,6 +363,16 @@ def _timed_prompts(ctx: Context, router: str, profile: str, link: str) -> tuple[
     return rows, problems
 
 
+def _link_view(router: str) -> dict | None:
+    """The router's view of the PrfaaS link from the workers' telemetry (``/status`` ``link``): the
+    capacity estimate, egress, transfers completed and failed, the congestion flag; None before any."""
+    view = json.loads(http("GET", router + "/status", timeout_s=10)[2]).get("link")
+    if view is None:
+        return None
+    keep = ("capacity_bps", "egress_bps", "busy_fraction", "congested", "transfers_completed", "transfers_failed")
+    return {k: view.get(k) for k in keep}
+
+
 def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict | None,
                     delay_rtt_ms: float | None) -> tuple[list[dict], list[str]]:
     """One deployment with PrfaaS behind the shaped link: :func:`_timed_prompts` on the bare veth,
@@ -392,6 +402,12 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
                 set_delay(rtt_ms)
             got, wrong = _timed_prompts(ctx, router, profile, link)
             rows, problems = rows + got, problems + wrong
+            view = _link_view(router)  # what the PrfaaS worker's link telemetry told the router (issue #14)
+            ctx.log(f"[shaped-link] {profile} {link}: the router's link view {json.dumps(view)}")
+            for row in got:
+                row["router_link"] = view
+            if not (view or {}).get("transfers_completed"):
+                problems.append(f"{profile} {link}: the router got no link telemetry from prfaas-0 ({view})")
         for num_tokens in ctx.profile.long_tokens:
             case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
             ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)
