@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -363,24 +365,51 @@ def _timed_prompts(ctx: Context, router: str, profile: str, link: str) -> tuple[
     return rows, problems
 
 
-def _link_view(router: str) -> dict | None:
-    """The router's view of the PrfaaS link from the workers' telemetry (``/status`` ``link``): the
-    capacity estimate, egress, transfers completed and failed, the congestion flag; None before any."""
-    view = json.loads(http("GET", router + "/status", timeout_s=10)[2]).get("link")
-    if view is None:
-        return None
-    keep = ("capacity_bps", "egress_bps", "busy_fraction", "congested", "transfers_completed", "transfers_failed")
-    return {k: view.get(k) for k in keep}
+class _LinkWatch:
+    """While open, the router's view of the PrfaaS link (``/status`` ``link``, built from the PrfaaS
+    worker's telemetry, a window of about a second) read every 0.25 s in a thread; :meth:`summary`
+    after: samples, those with a capacity measured, the peak capacity and egress, transfers seen
+    delivered and failed (summed over samples, so a transfer can count more than once), samples
+    flagged congested, and the controller's capacity estimate at the end."""
+
+    def __init__(self, router: str):
+        self.router, self.views, self._stop = router, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shaped-link-watch", daemon=True)
+
+    def __enter__(self) -> _LinkWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            with contextlib.suppress(OSError, ValueError):
+                self.views.append(json.loads(http("GET", self.router + "/status", timeout_s=5)[2]))
+
+    def summary(self) -> dict:
+        links = [v.get("link") or {} for v in self.views]
+        measured = [link["capacity_bps"] for link in links if link.get("capacity_bps")]
+        last = self.views[-1] if self.views else {}
+        return {"samples": len(links), "with_capacity": len(measured),
+                "peak_capacity_bps": max(measured, default=None),
+                "peak_egress_bps": max((link.get("egress_bps") or 0.0 for link in links), default=0.0),
+                "transfers_delivered_seen": sum(link.get("transfers_completed") or 0 for link in links),
+                "transfers_failed_seen": sum(link.get("transfers_failed") or 0 for link in links),
+                "congested_samples": sum(bool(link.get("congested")) for link in links),
+                "controller_capacity_est_bps": (last.get("controller") or {}).get("capacity_est_bps")}
 
 
 def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict | None,
-                    delay_rtt_ms: float | None) -> tuple[list[dict], list[str]]:
+                    delay_rtt_ms: float | None) -> tuple[list[dict], list[str], list[dict]]:
     """One deployment with PrfaaS behind the shaped link: :func:`_timed_prompts` on the bare veth,
     then, with ``delay_rtt_ms``, again with that round trip added (netem, same deployment), then
     the seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
     from prfaas_sglang.gpu.netlink import set_delay
 
-    rows, problems = [], []
+    rows, problems, telemetry = [], [], []
     procs = Processes(ctx.work / f"logs-shaped-{profile}")
     try:
         started = time.monotonic()
@@ -400,14 +429,14 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
         for link, rtt_ms in links:
             if delay_rtt_ms:
                 set_delay(rtt_ms)
-            got, wrong = _timed_prompts(ctx, router, profile, link)
-            rows, problems = rows + got, problems + wrong
-            view = _link_view(router)  # what the PrfaaS worker's link telemetry told the router (issue #14)
-            ctx.log(f"[shaped-link] {profile} {link}: the router's link view {json.dumps(view)}")
-            for row in got:
-                row["router_link"] = view
-            if not (view or {}).get("transfers_completed"):
-                problems.append(f"{profile} {link}: the router got no link telemetry from prfaas-0 ({view})")
+            with _LinkWatch(router) as watch:  # what the PrfaaS worker's link telemetry told the router (#14)
+                got, wrong = _timed_prompts(ctx, router, profile, link)
+            seen = {"profile": profile, "link": link, **watch.summary()}
+            ctx.log(f"[shaped-link] the router's link view: {json.dumps(seen)}")
+            rows, problems, telemetry = rows + got, problems + wrong, telemetry + [seen]
+            if not seen["with_capacity"]:
+                problems.append(f"{profile} {link}: the router measured no link capacity from prfaas-0's telemetry "
+                                f"in {seen['samples']} samples")
         for num_tokens in ctx.profile.long_tokens:
             case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
             ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)
@@ -424,7 +453,7 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
         procs.stop()
         if delay_rtt_ms:
             set_delay(None)
-    return rows, problems
+    return rows, problems, telemetry
 
 
 def shaped_medians(rows: list[dict]) -> dict:
@@ -451,22 +480,21 @@ def check_shaped_link(ctx: Context) -> CheckResult:
     ctx.procs.stop([n for n in DEPLOYMENT if n in ctx.procs.procs])
     ctx.dep = None
     ctx.vocab_size = ctx.vocab_size or len(ctx.tokenizer())
-    rows, problems = [], []
+    rows, problems, telemetry = [], [], []
     with shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT) as ns:
         no_delay = delay_unavailable()
         if no_delay is not None:
             ctx.log(f"[shaped-link] the bare veth only: {no_delay}")
         for profile, kv_profile, env in SHAPED_PROFILES:
-            got, wrong = _shaped_profile(ctx, ns, profile, kv_profile, env,
-                                         None if no_delay else SHAPED_DELAY_RTT_MS)
-            rows += got
-            problems += wrong
+            got, wrong, seen = _shaped_profile(ctx, ns, profile, kv_profile, env,
+                                               None if no_delay else SHAPED_DELAY_RTT_MS)
+            rows, problems, telemetry = rows + got, problems + wrong, telemetry + seen
     by_link = {link: shaped_medians([r for r in rows if r["link"] == link]) for link in dict.fromkeys(r["link"] for r in rows)}
     ctx.log(f"[shaped-link] {json.dumps(by_link)}")
     data = {"rate_mbit": SHAPED_RATE_MBIT, "veth_rtt_ms": SHAPED_RTT_MS,
             "delay_rtt_ms": None if no_delay else SHAPED_DELAY_RTT_MS, "no_delay_because": no_delay,
             "repeats": ctx.profile.shaped_repeats, "rows": rows, **by_link.get("veth", shaped_medians([])),
-            "by_link": by_link}
+            "by_link": by_link, "router_link_view": telemetry}
     return CheckResult("shaped-link", not problems, "; ".join(problems), data)
 
 
