@@ -73,6 +73,7 @@ class ClusterCost:
     engine_profile: str  # what ``--engine mock --profile`` takes: MODEL@ACCELERATOR or a profile file
     source: str  # where the profile came from, for /status
     hybrid: bool  # linear-attention / SWA state (the analytic model says; measured profiles: no)
+    state: str = "none"  # which: "recurrent" | "swa" | "recurrent+swa" | "none" (see :func:`state_kind`)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class RuntimeModel:
     defaults_used: tuple[str, ...]  # which inputs fell back to a default
     hybrid: bool = False  # the cost model has linear-attention / SWA state (prefix reuse stops at checkpoints)
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S  # model time
+    state: str = "none"  # the PD cost model's kind of state (:func:`state_kind`): what workers must serve
 
     @property
     def observed_ttft_slo_s(self) -> float:
@@ -226,7 +228,14 @@ def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, wo
     ref = model_ref if isinstance(model_ref, str) else model.name
     return ClusterCost(kind, InstanceClass(accel.name, accel.gpus, AnalyticPrefill(model, accel), decode),
                        f"{ref}@{accel_name}", f"{model.name}@{accel.name} (analytic)",
-                       model.recurrent is not None or model.sliding_window is not None)
+                       model.recurrent is not None or model.sliding_window is not None, state_kind(model))
+
+
+def state_kind(model) -> str:
+    """The state a model's prefix reuse stops at (pure): ``"recurrent"`` (linear attention: SGLang's
+    Mamba cache), ``"swa"`` (sliding window), ``"recurrent+swa"``, or ``"none"`` (full attention only)."""
+    kinds = [k for k, there in (("recurrent", model.recurrent), ("swa", model.sliding_window)) if there is not None]
+    return "+".join(kinds) or "none"
 
 
 def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> RuntimeModel:
@@ -279,7 +288,7 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
                             count[Role.PD_PREFILL] + count[Role.PD_DECODE], _link_bps(topology, defaults), output_tokens)
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
-                        tuple(defaults), costs["pd"].hybrid, spec.ttft_slo_s or DEFAULT_TTFT_SLO_S)
+                        tuple(defaults), costs["pd"].hybrid, spec.ttft_slo_s or DEFAULT_TTFT_SLO_S, costs["pd"].state)
 
 
 def engine_role_kind(role: Role) -> str:

@@ -110,8 +110,10 @@ def _fetch(url: str, timeout_s: float = 2.0, headers: dict | None = None):
         return json.loads(resp.read())
 
 
-def preflight(workers, topology, config, timeout_s: float, headers: dict | None = None) -> dict:
-    """Every reachable worker's facts (waiting up to ``timeout_s`` for workers still starting), checked.
+def preflight(workers, topology, config, timeout_s: float, headers: dict | None = None,
+              cost_state: str | None = None) -> dict:
+    """Every reachable worker's facts (waiting up to ``timeout_s`` for workers still starting), checked
+    (``cost_state``: the cost model's kind of state, which a worker's model must match).
 
     Facts that contradict the deployment raise :class:`ConfigError`; a worker still down
     afterwards is left to the health loop. Returns name -> facts; nothing is modified.
@@ -132,7 +134,7 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
             except FactsError as err:
                 raise ConfigError(f"worker {name}", f"bad /server_info: {err}") from None
             peers = [dataclasses.replace(workers[n], facts=f) for n, f in adopted.items()]
-            problem = check_facts(worker, facts, peers, topology.emulation)
+            problem = check_facts(worker, facts, peers, topology.emulation, cost_state)
             if problem:
                 raise ConfigError(f"worker {name}", problem)
             adopted[name] = facts
@@ -206,7 +208,7 @@ def make_service(args: argparse.Namespace):
     keys = load_keys()
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
-    runtime.from_topology(topology)  # validate the scheduler's inputs before waiting for workers
+    cost_state = runtime.from_topology(topology).state  # validates the scheduler's inputs before waiting for workers
     workers = workers_from_topology(topology)
     node = next(iter(topology.nodes_of(Role.ROUTER)), None)
     args.host = args.host or (node.host if node and node.host else "127.0.0.1")
@@ -221,7 +223,7 @@ def make_service(args: argparse.Namespace):
                           cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None,
                           decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None,
                           kv_memo_bytes=kv_memo_bytes)
-    adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None)
+    adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None, cost_state)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)
     max_ttft_s = None if args.no_early_rejection else (args.max_ttft_s or model.observed_ttft_slo_s)

@@ -549,7 +549,7 @@ def adopt_facts(service: RouterService, worker: WorkerRecord, info, sub: ZmqSubs
     except FactsError as err:
         worker.refused = f"{worker.name}: bad /server_info: {err}"
         return worker.refused
-    problem = check_facts(worker, facts, list(service.workers.values()), service.emulation_spec)
+    problem = check_facts(worker, facts, list(service.workers.values()), service.emulation_spec, service.runtime.state)
     worker.refused = problem
     if problem is None:
         worker.facts = facts

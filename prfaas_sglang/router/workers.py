@@ -65,6 +65,7 @@ class WorkerFacts:
     emulated: dict | None  # the emulated engine's "prfaas" section (speedup, kv_scale, profile, ...)
     version: str | None
     cache_import: bool = False  # serves /prfaas/cache/import and /export (wire.cache_move)
+    linear_state: bool | None = None  # SGLang's uses_mamba_radix_cache (a linear-attention model); None: not said
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,18 @@ def parse_server_info(info: Any) -> WorkerFacts:
         emulated=emulated,
         version=str(info["version"]) if info.get("version") is not None else None,
         cache_import=_serves_cache_moves(info, emulated),
+        linear_state=_linear_state(info),
     )
+
+
+def _linear_state(info: dict) -> bool | None:
+    """Whether the worker's prefix cache holds linear-attention state (SGLang 0.5.15's
+    ``uses_mamba_radix_cache``); None when it does not say, or keeps no prefix cache (a decode worker
+    by default: SGLang then reports False even for a hybrid model, and no reuse is predicted there)."""
+    uses = info.get("uses_mamba_radix_cache")
+    if not isinstance(uses, bool) or info.get("disable_radix_cache") is not False:
+        return None
+    return uses
 
 
 def _serves_cache_moves(info: dict, emulated: dict | None) -> bool:
@@ -323,8 +335,10 @@ def conversion_problem(records: dict[str, WorkerRecord], name: str, new_role: st
     return None
 
 
-def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerRecord], emulation: Emulation | None) -> str | None:
-    """Why ``facts`` cannot be right for ``record`` in this deployment (None: they can)."""
+def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerRecord], emulation: Emulation | None,
+                cost_state: str | None = None) -> str | None:
+    """Why ``facts`` cannot be right for ``record`` in this deployment (None: they can).
+    ``cost_state``: the topology's cost model's kind of state (``runtime.state_kind``); None: not checked."""
     if facts.disaggregation_mode is not None and facts.disaggregation_mode != record.role:
         return f"{record.name} runs --disaggregation-mode {facts.disaggregation_mode}, the topology says {record.role}"
     if facts.block_hash != HASH_SCHEME:
@@ -343,6 +357,23 @@ def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerReco
     for peer in peers:
         if peer.name != record.name and peer.facts is not None and is_emulated(peer.facts) != is_emulated(facts):
             return f"{record.name} and {peer.name} mix emulated and real engines in one deployment"
+    return _state_mismatch(record.name, facts.linear_state, cost_state)
+
+
+def _state_mismatch(name: str, linear_state: bool | None, cost_state: str | None) -> str | None:
+    """The served model's linear-attention state against the cost model's (the kv-index predicts reuse
+    by the cost model's): one with state where the cost model has none, or none where the cost model
+    is a linear-attention hybrid. A sliding-window cost model's workers have no Mamba cache either way."""
+    if linear_state is None or cost_state is None:
+        return None
+    if linear_state and cost_state in ("none", "swa"):
+        return (f"{name} serves a linear-attention hybrid (SGLang's uses_mamba_radix_cache) but the topology's "
+                f"cost model has no linear-attention state ({cost_state}): the kv-index would predict reuse past "
+                "the state checkpoints SGLang can resume from; set model.cost_model to the served model's family")
+    if not linear_state and cost_state == "recurrent":
+        return (f"{name} serves a model without linear-attention state but the topology's cost model is a "
+                "linear-attention hybrid: the kv-index would predict reuse only at state checkpoints where SGLang "
+                "reuses whole prefixes; set model.cost_model to the served model's family")
     return None
 
 

@@ -23,11 +23,11 @@ MODEL = REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
 # /server_info as SGLang 0.5.15's http_server builds it: asdict(server_args) + scheduler info + version +
 # describe_kv_events_publisher(). Resolving ServerArgs touches process-global state: run it in a subprocess.
 PROBE = textwrap.dedent(f"""
-    import dataclasses, json
+    import dataclasses, json, sys
     from sglang.srt.server_args import ServerArgs
-    args = ServerArgs(model_path={str(MODEL)!r}, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake_tcp",
+    args = ServerArgs(model_path={str(MODEL)!r}, disaggregation_mode=sys.argv[1], disaggregation_transfer_backend="mooncake_tcp",
                       device="cuda", load_format="dummy", mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True,
-                      served_model_name="tiny-hybrid", page_size=64,
+                      served_model_name="tiny-hybrid", page_size=int(sys.argv[2]),
                       kv_events_config=json.dumps({{"publisher": "zmq", "endpoint": "tcp://*:5559", "topic": "kv-events"}}))
     info = {{**dataclasses.asdict(args), "max_total_num_tokens": 123456, "max_req_input_len": 32767,
             "version": "0.5.15", "kv_events": args.describe_kv_events_publisher()}}
@@ -35,11 +35,15 @@ PROBE = textwrap.dedent(f"""
 """)
 
 
-@pytest.fixture(scope="module")
-def sglang_server_info() -> dict:
-    proc = run_py(["-c", PROBE], timeout=180)
+def _probe(mode: str, page_size: int = 64) -> dict:
+    proc = run_py(["-c", PROBE, mode, str(page_size)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sglang_server_info() -> dict:
+    return _probe("decode")
 
 
 def test_real_server_info_parses_to_the_facts_the_router_uses(sglang_server_info):
@@ -124,6 +128,46 @@ def record(name, cluster="pd", role="prefill", f=None):
 ])
 def test_facts_that_contradict_the_deployment_are_refused(candidate, peers, emulation, problem):
     assert problem in check_facts(record("a"), candidate, peers, emulation)
+
+
+def test_a_hybrid_sglang_worker_must_run_under_a_cost_model_with_linear_state(sglang_server_info):
+    """SGLang's own /server_info of the tiny Qwen3-Next prefill says uses_mamba_radix_cache; under a
+    cost model without linear-attention state the kv-index would predict reuse SGLang cannot give, so
+    the worker is refused, naming the setting to change. Under a linear-attention cost model it is
+    adopted. Its decode keeps no prefix cache and says False: not checked."""
+    assert sglang_server_info["disable_radix_cache"] is True and sglang_server_info["uses_mamba_radix_cache"] is False
+    assert parse_server_info(sglang_server_info).linear_state is None
+    hybrid = parse_server_info(_probe("prefill", page_size=1))  # SGLang's no_buffer Mamba cache: pages of one
+    assert hybrid.linear_state is True
+    worker = WorkerRecord("p0", "http://h:1", "pd", "prefill", "h", None, None)
+    for cost_state in ("none", "swa"):
+        assert "model.cost_model" in check_facts(worker, hybrid, [], None, cost_state)
+    for cost_state in ("recurrent", "recurrent+swa", None):
+        assert check_facts(worker, hybrid, [], None, cost_state) is None
+
+
+@pytest.mark.parametrize("linear_state, cost_state, refused", [
+    (False, "recurrent", True),  # a dense model under a linear-attention hybrid's cost model: reuse underpredicted
+    (False, "swa", False), (False, "recurrent+swa", False), (False, "none", False),  # SWA models have no Mamba cache
+    (None, "recurrent", False), (None, "none", False),  # a worker that does not say (older SGLang, emulated engine)
+])
+def test_a_worker_without_linear_state_is_refused_only_under_a_linear_attention_cost_model(linear_state, cost_state, refused):
+    info = {"page_size": 1, "disaggregation_mode": "prefill", "disable_radix_cache": False}
+    if linear_state is not None:
+        info["uses_mamba_radix_cache"] = linear_state
+    problem = check_facts(record("a"), parse_server_info(info), [], None, cost_state)
+    assert (problem is not None) == refused
+    assert problem is None or "linear-attention hybrid" in problem
+
+
+def test_the_cost_models_state_kind_comes_from_its_layers():
+    from prfaas_sglang.plan.scenario import Catalog
+    from prfaas_sglang.runtime import state_kind
+
+    catalog = Catalog()
+    assert state_kind(catalog.model("kimi-linear-1t-hybrid", "m")) == "recurrent"
+    assert state_kind(catalog.model("qwen3-235b-a22b", "m")) == "none"
+    assert state_kind(catalog.model("mimo-v2-flash", "m")) == "swa"
 
 
 def test_page_sizes_may_differ_between_clusters():
