@@ -72,8 +72,12 @@ class ClusterCost:
     instance: InstanceClass  # model units (seconds of the real accelerator, real KV bytes)
     engine_profile: str  # what ``--engine mock --profile`` takes: MODEL@ACCELERATOR or a profile file
     source: str  # where the profile came from, for /status
-    hybrid: bool  # linear-attention / SWA state (the analytic model says; measured profiles: no)
-    state: str = "none"  # which: "recurrent" | "swa" | "recurrent+swa" | "none" (see :func:`state_kind`)
+    state: str  # "recurrent" | "swa" | "recurrent+swa" | "none" (:func:`state_kind`; measured profiles: none)
+
+    @property
+    def hybrid(self) -> bool:
+        """Linear-attention or SWA state: prefix reuse stops at its checkpoints."""
+        return self.state != "none"
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,13 @@ class RuntimeModel:
     costs: dict[str, ClusterCost]  # model units
     operator_threshold_tokens: float | None
     defaults_used: tuple[str, ...]  # which inputs fell back to a default
-    hybrid: bool = False  # the cost model has linear-attention / SWA state (prefix reuse stops at checkpoints)
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S  # model time
     state: str = "none"  # the PD cost model's kind of state (:func:`state_kind`): what workers must serve
+
+    @property
+    def hybrid(self) -> bool:
+        """The cost model has linear-attention / SWA state (prefix reuse stops at checkpoints)."""
+        return self.state != "none"
 
     @property
     def observed_ttft_slo_s(self) -> float:
@@ -218,7 +226,7 @@ def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, wo
                                                        f"{path}.profile")
         if kind == "pd" and decode is None:
             raise ConfigError(f"{path}.profile", "a PD profile needs a decode section {bs_max, step_s}")
-        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), chosen.profile, chosen.profile, False)
+        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), chosen.profile, chosen.profile, "none")
     accel_name = chosen.accelerator if chosen is not None else DEFAULT_ACCELERATOR[kind]
     if chosen is None:
         defaults.append(f"{kind}.accelerator")
@@ -228,7 +236,7 @@ def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, wo
     ref = model_ref if isinstance(model_ref, str) else model.name
     return ClusterCost(kind, InstanceClass(accel.name, accel.gpus, AnalyticPrefill(model, accel), decode),
                        f"{ref}@{accel_name}", f"{model.name}@{accel.name} (analytic)",
-                       model.recurrent is not None or model.sliding_window is not None, state_kind(model))
+                       state_kind(model))
 
 
 def state_kind(model) -> str:
@@ -288,7 +296,7 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
                             count[Role.PD_PREFILL] + count[Role.PD_DECODE], _link_bps(topology, defaults), output_tokens)
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
-                        tuple(defaults), costs["pd"].hybrid, spec.ttft_slo_s or DEFAULT_TTFT_SLO_S, costs["pd"].state)
+                        tuple(defaults), spec.ttft_slo_s or DEFAULT_TTFT_SLO_S, costs["pd"].state)
 
 
 def engine_role_kind(role: Role) -> str:

@@ -96,19 +96,17 @@ class ServerProfile:
 
 
 # SGLang's /health answers 503 once its scheduler has said nothing for SGLANG_HEALTH_CHECK_TIMEOUT (20 s),
-# and the router takes a worker out at once on a 503; a process's first forward on the GPU compiles
-# Triton kernels for ~60 s (H200, 2026-11-26). SGLang waits longer than that here.
-GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(("SGLANG_HEALTH_CHECK_TIMEOUT", "120"),))
+# and the router takes a worker out at once on a 503. A slow forward must be a late answer (a miss the
+# router tolerates) instead: a first forward on the GPU compiles Triton kernels for ~60 s (H200,
+# 2026-11-26); a server's first CPU prefill took 33 s, and the next long prompt went to PD-P.
+SGLANG_HEALTH_WAIT = ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")
+GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(SGLANG_HEALTH_WAIT,))
 CPU_PROFILE = ServerProfile(
     ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
      "--mem-fraction-static", "0.05", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--log-level", "info"),
-    # SGLang's /health answers 503 when its scheduler has said nothing for SGLANG_HEALTH_CHECK_TIMEOUT
-    # (20 s), and the router takes a worker out at once on a 503: a server's first CPU prefill took 33 s,
-    # and the next long prompt went to PD-P. Here SGLang waits longer than the router does, so a slow
-    # forward is a tolerated miss (below), not a refusal.
-    env=(("SGLANG_USE_CPU_ENGINE", "1"), ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")),
+    env=(("SGLANG_USE_CPU_ENGINE", "1"), SGLANG_HEALTH_WAIT),  # SGLang outwaits the router's two 30 s misses
     threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
     served_name="tiny-llama", cost_model="qwen3-235b-a22b",  # a dense model's: the tiny Llama has no linear state
     # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
