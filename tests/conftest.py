@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,22 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _sglang_stays_stock(request):
+    """Keeps the rule above: a test that registers hooks with SGLang's HookRegistry in the test process
+    (our plugin's ``register()``, ``install_hooks``) fails, named, instead of a later test failing on
+    hooked SGLang (a decode hook reading what its test's queue lacks, depending on the order)."""
+    yield
+    registry = sys.modules.get("sglang.srt.plugins.hook_registry")
+    if registry is None:
+        return
+    hooked = sorted(registry.HookRegistry._hooks) + sorted(registry.HookRegistry._patched)
+    if hooked:
+        registry.HookRegistry.reset()  # what is already patched stays so; the next test's check starts clean
+        pytest.fail(f"{request.node.nodeid} left SGLang hooked in the test process ({', '.join(hooked[:3])}"
+                    f"{', ...' if len(hooked) > 3 else ''}); register hooks in a subprocess", pytrace=False)
 
 
 @pytest.fixture

@@ -2,11 +2,16 @@
 server process builds it, reach what ``/metrics`` reads (a ``MultiProcessCollector``)?
 ``sys.argv[1]``: ``hooked`` (our plugin registered first, as SGLang's plugin loader does before it sets
 ``PROMETHEUS_MULTIPROC_DIR``) or ``stock`` (only the import our plugin's load makes). Prints EXPORTED
-or MISSING."""
+or MISSING.
+
+``route-path``: SGLang's middleware path lookup on an app with an included router, the plugin
+registered (the ``metrics-route-path`` hook); prints what the lookup returned for each request, as
+JSON. A process of its own: ``register()`` hooks SGLang for the rest of the process."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import types
 
@@ -21,7 +26,43 @@ def server_args_defaults():
         if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING})
 
 
+def route_paths() -> None:
+    from fastapi import APIRouter, FastAPI
+    from fastapi.testclient import TestClient
+
+    from prfaas_sglang.plugin import register
+
+    register()  # what SGLang's plugin loader does in every server process
+    from sglang.srt.utils.common import _get_fastapi_request_path
+
+    app = FastAPI()
+    sub = APIRouter()
+
+    @sub.get("/v1/loads/{which}")
+    async def loads(which: str):
+        return {"which": which}
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    app.include_router(sub)
+    seen = []
+
+    @app.middleware("http")
+    async def track(request, call_next):
+        seen.append(_get_fastapi_request_path(request))
+        return await call_next(request)
+
+    client = TestClient(app)
+    statuses = [client.get(path).status_code for path in ("/v1/loads/all", "/health", "/nowhere")]
+    print(json.dumps({"statuses": statuses, "seen": seen}))
+
+
 def main() -> None:
+    if sys.argv[1] == "route-path":
+        route_paths()
+        return
     if sys.argv[1] == "hooked":
         from prfaas_sglang.plugin import register
 
