@@ -3,6 +3,7 @@ against real SGLang on CPU, the shaped namespace it builds through netlink, and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -423,6 +424,8 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     delays: list[float | None] = []
     monkeypatch.setattr(netlink, "delay_unavailable", lambda: None)
     monkeypatch.setattr(netlink, "set_delay", delays.append)
+    profile = dataclasses.replace(e2e.GPU_PROFILE, shaped_repeats=2)  # the GPU's 5 add time, not coverage, here
+    monkeypatch.setattr(e2e, "profile_for", lambda engine: profile)
     make_model(tmp_path / "model", log=lambda _line: None)
     lines: list[str] = []
     result = e2e.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock")
@@ -436,7 +439,7 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     rows = result["checks"]["shaped-link"]["rows"]
     assert {(r["profile"], r["tokens"]) for r in rows} == {(p, n) for p in ("upstream", "wan", "wan-layerwise")
                                                            for n in e2e.LONG_TOKENS}
-    assert len(rows) == 3 * len(e2e.LONG_TOKENS) * e2e.GPU_PROFILE.shaped_repeats * 2  # the bare veth, then delayed
+    assert len(rows) == 3 * len(e2e.LONG_TOKENS) * profile.shaped_repeats * 2  # the bare veth, then delayed
     assert {r["link"] for r in rows} == set(result["checks"]["shaped-link"]["by_link"]) == {"veth", "rtt-20ms"}
     assert delays == [None, e2e.SHAPED_DELAY_RTT_MS, None] * 3  # per deployment: bare, delayed, removed
     assert all(r["status"] == 200 and r["route"].startswith("prfaas/prfaas-0/") and r["ttft_s"] > 0 for r in rows)
