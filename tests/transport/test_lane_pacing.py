@@ -23,7 +23,7 @@ from prfaas_sglang.transport.lane_pacing import LanePacing
 
 MiB = 1 << 20
 LINK = LanePacing(rate_bps=1e9, rtt_s=0.02)  # 125 MB/s
-SHARE_4, SHARE_2 = 34_375_000, 68_750_000  # 125 MB/s / n lanes, plus 10%
+SHARE_4, SHARE_2 = 32_812_500, 65_625_000  # 125 MB/s / n lanes, plus 5%
 
 
 class TestPolicy:
@@ -47,8 +47,8 @@ class TestPolicy:
     def test_a_faster_link_needs_larger_writes_and_gives_larger_caps(self):
         fast = LanePacing(100e9, 0.02)
         assert fast.cap([(16 * MiB, 0.0)] * 4, queued=False) is None  # 16 MiB is 5 ms at 25 Gbit/s: under 4 RTTs
-        assert fast.cap([(1024 * MiB, 0.0)] * 4, queued=False) == 3_437_500_000
-        assert LanePacing(400e9, 0.02).cap([(4096 * MiB, 0.0)] * 4, queued=False) == 13_750_000_000  # over 32 bits
+        assert fast.cap([(1024 * MiB, 0.0)] * 4, queued=False) == 3_281_250_000
+        assert LanePacing(400e9, 0.02).cap([(4096 * MiB, 0.0)] * 4, queued=False) == 13_125_000_000  # over 32 bits
 
     @pytest.mark.parametrize("text", ["", "1e9", "1e9,0.02,1", "fast,0.02", "0,0.02", "-1e9,0.02", "1e9,-0.02",
                                       "inf,0.02", "nan,0.02", "1e9,nan"])
