@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 # Each lane may run this much over its equal share. At 0.1 the caps added up to 1.1 times the link, and
 # the bottleneck queue filled and dropped the excess (a median of 621 segments per 64 MiB transfer); at
-# 0.05 it did not fill within a transfer (median 0), and the lanes ended 12-14 ms apart instead of 23
+# 0.05 it mostly did not fill within a transfer (median 0), and the lanes ended 12-14 ms apart instead of 23
 # (bench transport, 2026-11-26). 1.2 lost the gain.
 HEADROOM = 0.05
 MIN_WRITE_RTTS = 4  # a write paced only if it lasts at least this many RTTs at its share
