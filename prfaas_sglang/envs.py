@@ -170,9 +170,10 @@ class Envs:
     KV_LANE_PACING = EnvVar(
         "PRFAAS_KV_LANE_PACING",
         None,
-        "PrfaaS prefill worker (SGLang, with PRFAAS_KV_ASYNC_SEND): the WAN link as 'rate_bps,rtt_s'. "
+        "PrfaaS prefill worker (SGLang, with PRFAAS_KV_ASYNC_SEND): the WAN link as 'rate_bps,rtt_s[,headroom]'. "
         "While a batch of equal large writes is all in flight, one per lane, each lane is paced at an "
-        "equal share of the rate plus 5%, so the lanes end together (transport/lane_pacing.py). Set by "
+        "equal share of the rate plus headroom (default 0.05: 5%), so the lanes end together "
+        "(transport/lane_pacing.py). Set by "
         "the launcher for the prfaas role where the topology states the link; a malformed value stops "
         "startup. The emulated engine's PrfaaS worker also sizes its writes from the rate.",
     )

@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--unpaced-row", action="store_true",
                     help="add a row of ours without lane pacing (PRFAAS_KV_LANE_PACING unset): what keeping the "
                          "lanes level buys")
+    tr.add_argument("--headroom-row", type=float, default=None, metavar="H",
+                    help="add a row of ours with its lanes' caps at headroom H (0..1) over the equal share, in a "
+                         "sender of its own: the profile's headroom against H in the same run")
     tr.add_argument("--json", action="store_true")
     mk = sub.add_parser("mock-kv", help="the emulated engine's KV over an emulated WAN link: the hooks' sender vs "
                                         "SGLang's way")
@@ -460,12 +463,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--lanes must be in 1..16 (Mooncake's range for MC_TCP_LANES_PER_PEER)")
         if args.tcp_buffer_mib is not None and not 1 <= args.tcp_buffer_mib <= 1024:
             parser.error("--tcp-buffer-mib must be in 1..1024")
+        if args.headroom_row is not None and not 0 <= args.headroom_row <= 1:
+            parser.error("--headroom-row must be in 0..1")
         if (why := unavailable()) is not None:
             parser.error(f"the emulated link {why}")
         result = bench.run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
                            args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes,
                            args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None, args.engine_queued_row,
-                           args.unpaced_row, not args.no_tcp_timestamps)
+                           args.unpaced_row, not args.no_tcp_timestamps, args.headroom_row)
         header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
                   f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
                   f"--conditions {args.conditions} --repeats {args.repeats}"
@@ -473,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}"
                   f"{' --no-tcp-timestamps' if args.no_tcp_timestamps else ''}"
                   f"{' --engine-queued-row' if args.engine_queued_row else ''}"
-                  f"{' --unpaced-row' if args.unpaced_row else ''}; {stamp} -->")
+                  f"{' --unpaced-row' if args.unpaced_row else ''}"
+                  f"{f' --headroom-row {args.headroom_row:g}' if args.headroom_row is not None else ''}; {stamp} -->")
     elif args.name == "mock-kv":
         from prfaas_sglang.bench import mock_kv as bench
         from prfaas_sglang.transport.linkem import unavailable

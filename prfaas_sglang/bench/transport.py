@@ -21,6 +21,9 @@ in a fresh sender process, alternating, in the same run over the same link:
   (which let a failed room's queued writes go out after an outage): what keeping it costs;
 * ``ours_unpaced`` (``unpaced``, off by default): ``ours`` without ``PRFAAS_KV_LANE_PACING``, in a
   sender of its own: what keeping the lanes level (:mod:`~prfaas_sglang.transport.lane_pacing`) buys;
+* ``ours_headroom`` (``headroom_row``, off by default): ``ours`` with its lanes' caps at another
+  headroom over the equal share (``PRFAAS_KV_LANE_PACING``'s third field), in a sender of its own:
+  the profile's headroom against another in the same run;
 * ``ours_per_chunk``: the same profile and requests, sent SGLang's way (one sync batch per
   chunk), to separate the two mechanisms.
 
@@ -144,7 +147,7 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
 def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
                   default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
                   lanes: int | None = None, tcp_buffer_bytes: int | None = None, engine_queued: bool = False,
-                  unpaced: bool = False, tcp_timestamps: bool = True) -> dict:
+                  unpaced: bool = False, tcp_timestamps: bool = True, headroom_row: float | None = None) -> dict:
     payload = payload_mib << 20
     buffer_mib = max(payload_mib, 64)
     with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=cond.rtt_ms, loss=cond.loss,
@@ -163,6 +166,8 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                 runs["ours_engine_queued"] = []
             if unpaced:
                 runs["ours_unpaced"] = []
+            if headroom_row is not None:
+                runs["ours_headroom"] = []
             wan = WanLink(rate_mbit * 1e6, cond.rtt_ms / 1e3)
             senders = {"ours": _Sender(link, recv, buffer_mib, ours_env(wan, lanes)), "default": _Sender(link, recv, buffer_mib, default_env()),
                        "tcp": _Sender(link, tcp_recv, buffer_mib, default_env()),
@@ -174,9 +179,14 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                 env = ours_env(wan, lanes)
                 env.pop("PRFAAS_KV_LANE_PACING", None)
                 senders["ours_unpaced"] = _Sender(link, recv, buffer_mib, env)
+            if headroom_row is not None:
+                env = ours_env(wan, lanes)
+                env["PRFAAS_KV_LANE_PACING"] += f",{headroom_row:g}"
+                senders["ours_headroom"] = _Sender(link, recv, buffer_mib, env)
             ours_request = int(request_mib * (1 << 20))
             # name -> (request bytes, how: "product" the hooks' sender, "pipeline" all handed to the engine, "sync" per chunk)
             jobs = {"ours": (ours_request, "product"), "ours_unpaced": (ours_request, "product"),
+                    "ours_headroom": (ours_request, "product"),
                     "ours_per_chunk": (ours_request, "sync"),
                     "ours_engine_queued": (ours_request, "pipeline"), "default": (default_request_kib << 10, "sync"),
                     "tcp": (payload, "sync"), "tcp_warm": (payload, "sync")}
@@ -211,6 +221,10 @@ def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int,
                                         if unpaced else None),
                    "lane_spread_ms": _lane_spread_ms(runs["ours"], our_lanes),
                    "unpaced_lane_spread_ms": _lane_spread_ms(runs["ours_unpaced"], our_lanes) if unpaced else None,
+                   "headroom_row": (None if headroom_row is None else {
+                       "headroom": headroom_row,
+                       "fraction": statistics.median(_fraction(r, payload, rate_mbit) for r in runs["ours_headroom"]),
+                       "lane_spread_ms": _lane_spread_ms(runs["ours_headroom"], our_lanes)}),
                    # how often ours changed its lanes' pacing cap per transfer (capped, re-capped as writes
                    # ended, freed; 0: never capped), median over the repeats
                    "pacing_changes": statistics.median(r.get("pacing_changes", 0) for r in runs["ours"]),
@@ -268,17 +282,19 @@ CONDITIONS = {
 def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 16.0, default_request_kib: int = 128,
         conditions: tuple[str, ...] = ("clean", "lossy"), repeats: int = 3, table: bool = True,
         slow_start_after_idle: bool = True, lanes: int | None = None, tcp_buffer_bytes: int | None = None,
-        engine_queued: bool = False, unpaced: bool = False, tcp_timestamps: bool = True) -> dict:
+        engine_queued: bool = False, unpaced: bool = False, tcp_timestamps: bool = True,
+        headroom_row: float | None = None) -> dict:
     """``lanes``: our rows' lanes per peer (None: the WAN profile's for this link); the table varies its own.
     ``tcp_buffer_bytes``: the TCP buffers' autotuning limit in both namespaces, for every row (None: the host's).
-    ``engine_queued``: add the ``ours_engine_queued`` row; ``unpaced``: the ``ours_unpaced`` row.
+    ``engine_queued``: add the ``ours_engine_queued`` row; ``unpaced``: the ``ours_unpaced`` row;
+    ``headroom_row``: the ``ours_headroom`` row, its lanes capped at this headroom over the equal share.
     ``tcp_timestamps`` False: ``net.ipv4.tcp_timestamps=0`` in both namespaces, for every row (each
     segment then carries 1460 payload bytes, not 1448)."""
     results = []
     for i, name in enumerate(conditions):
         results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
                                      default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes,
-                                     tcp_buffer_bytes, engine_queued, unpaced, tcp_timestamps))
+                                     tcp_buffer_bytes, engine_queued, unpaced, tcp_timestamps, headroom_row))
     first = results[0]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "request_mib": request_mib, "lanes": lanes,
             "tcp_buffer_bytes": tcp_buffer_bytes, "tcp_timestamps": tcp_timestamps,
@@ -306,6 +322,10 @@ def render_markdown(r: dict) -> str:
                   if c.get("engine_queued_fraction") is not None else "")
         if c.get("unpaced_fraction") is not None:
             queued += f" (lanes not paced: {cell(c, 'unpaced_fraction', 'ours_unpaced')})"
+        if c.get("headroom_row") is not None:
+            low, high = c["fraction_range"]["ours_headroom"]
+            queued += (f" (caps at headroom {c['headroom_row']['headroom']:g}: "
+                       f"{c['headroom_row']['fraction']:.3f} [{low:.3f}, {high:.3f}])")
         lines.append(f"| {c['condition']} (RTT {c['rtt_ms']:g} ms, loss {c['loss'] * 100:g}%) | {c['congestion_control']} "
                      f"| **{cell(c, 'goodput_fraction', 'ours')}**{queued} "
                      f"| {cell(c, 'per_chunk_goodput_fraction', 'ours_per_chunk')} "

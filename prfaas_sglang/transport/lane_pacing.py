@@ -56,19 +56,20 @@ class LanePacing:
 
     @classmethod
     def parse(cls, text: str) -> LanePacing:
-        """``"rate_bps,rtt_s"`` (``PRFAAS_KV_LANE_PACING``, e.g. ``"1e9,0.02"``). Raises ValueError
-        naming what is wrong."""
+        """``"rate_bps,rtt_s[,headroom]"`` (``PRFAAS_KV_LANE_PACING``, e.g. ``"1e9,0.02"``; ``headroom``
+        in 0..1, :data:`HEADROOM` when left out). Raises ValueError naming what is wrong."""
+        form = "'rate_bps,rtt_s[,headroom]'"
         parts = [p.strip() for p in text.split(",")]
-        if len(parts) != 2:
-            raise ValueError(f"{text!r}: expected 'rate_bps,rtt_s'")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"{text!r}: expected {form}")
         try:
-            rate_bps, rtt_s = float(parts[0]), float(parts[1])
+            numbers = [float(p) for p in parts]
         except ValueError:
-            raise ValueError(f"{text!r}: expected two numbers 'rate_bps,rtt_s'") from None
+            raise ValueError(f"{text!r}: expected numbers {form}") from None
         try:
-            return cls(rate_bps, rtt_s)
+            return cls(*numbers)
         except ValueError as err:
-            raise ValueError(f"{text!r}: {err} (expected 'rate_bps,rtt_s')") from None
+            raise ValueError(f"{text!r}: {err} (expected {form})") from None
 
     def cap(self, writes: Sequence[tuple[int, float]], queued: bool) -> int | None:
         """Each lane's pacing cap in bytes per second for the writes now in flight, ``(length_bytes,

@@ -50,10 +50,11 @@ class TestPolicy:
         assert fast.cap([(1024 * MiB, 0.0)] * 4, queued=False) == 3_281_250_000
         assert LanePacing(400e9, 0.02).cap([(4096 * MiB, 0.0)] * 4, queued=False) == 13_125_000_000  # over 32 bits
 
-    @pytest.mark.parametrize("text", ["", "1e9", "1e9,0.02,1", "fast,0.02", "0,0.02", "-1e9,0.02", "1e9,-0.02",
-                                      "inf,0.02", "nan,0.02", "1e9,nan"])
+    @pytest.mark.parametrize("text", ["", "1e9", "1e9,0.02,0.1,4", "fast,0.02", "0,0.02", "-1e9,0.02", "1e9,-0.02",
+                                      "inf,0.02", "nan,0.02", "1e9,nan", "1e9,0.02,1.5", "1e9,0.02,-0.1",
+                                      "1e9,0.02,nan", "1e9,0.02,"])
     def test_a_malformed_setting_is_refused_by_name(self, text, monkeypatch):
-        with pytest.raises(ValueError, match="rate_bps"):
+        with pytest.raises(ValueError, match="rate_bps,rtt_s"):
             LanePacing.parse(text)
         monkeypatch.setenv("PRFAAS_KV_LANE_PACING", text or ",")
         with pytest.raises(ConfigError, match="PRFAAS_KV_LANE_PACING"):
@@ -64,6 +65,11 @@ class TestPolicy:
         with pytest.raises(ConfigError, match="PRFAAS_KV_LANE_PACING"):
             start_async_sender(None, manager, None, types.SimpleNamespace(value="prefill"), None)
         assert not hasattr(manager, "_prfaas_sender")
+
+    def test_an_operator_may_state_the_headroom(self):
+        assert LanePacing.parse("1e9,0.02,0.1") == LanePacing(1e9, 0.02, 0.1)
+        assert LanePacing.parse("1e9,0.02,0.1").cap([(16 * MiB, 5.0)] * 4, queued=False) == 34_375_000  # plus 10%
+        assert LanePacing.parse("1e9,0.02,0").cap([(16 * MiB, 5.0)] * 4, queued=False) == 31_250_000  # the share
 
     def test_parse_reads_what_the_launcher_writes(self, monkeypatch):
         assert LanePacing.parse(" 1000000000, 0.02") == LINK

@@ -141,7 +141,7 @@ def test_bench_transport_smoke():
     """The benchmark's CLI end to end on a small payload: every row ran and the fields are there."""
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "transport", "--rate-mbit", "200", "--payload-mib", "16",
                            "--request-mib", "4", "--conditions", "clean", "--repeats", "1", "--no-table", "--engine-queued-row",
-                           "--unpaced-row", "--no-tcp-timestamps", "--json"],
+                           "--unpaced-row", "--headroom-row", "0.1", "--no-tcp-timestamps", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)["result"]
@@ -161,6 +161,11 @@ def test_bench_transport_smoke():
     # profile) and freed them; the unpaced row never did
     assert all(r["pacing_changes"] >= 1 for r in cond["runs"]["ours"]) and cond["pacing_changes"] >= 1
     assert all(r["pacing_changes"] == 0 for r in cond["runs"]["ours_unpaced"])
+    # the profile's caps, 200 Mbit/s over four lanes plus 5%; the headroom row's plus 10%, in the same run
+    assert [r["first_cap_bytes_per_s"] for r in cond["runs"]["ours"]] == [6_562_500]
+    assert [r["first_cap_bytes_per_s"] for r in cond["runs"]["ours_headroom"]] == [6_875_000]
+    assert cond["headroom_row"]["headroom"] == 0.1 and 0 < cond["headroom_row"]["fraction"] < 1.05
+    assert cond["runs"]["ours_unpaced"][0]["first_cap_bytes_per_s"] is None
     # linkem's drops, per transfer, each row's alone on the link: none at random on a clean link
     runs = [r for rs in cond["runs"].values() for r in rs] + list(cond["first_transfer"].values())
     assert all(r["drops"]["lost"] == 0 and r["drops"]["overflow"] >= 0 for r in runs)
