@@ -70,12 +70,13 @@ class ProductSender:
         self.sender = AsyncKvSender(DetachedManager(), engine, wait_bound_s=600.0, lanes=mooncake_lanes_per_peer(),
                                     resets=ResetOnClose(), pacing=lane_pacing_from_env())
         self._done: list[float] = []
-        self._caps: list[int | None] = []  # the lane cap at each write's end
+        self._first_cap: int | None = None  # the lanes' pacing cap when a run's first write ended
         record = self.sender._record
 
         def timed(ended, telemetry) -> None:  # each write's end, for the bench's lane spread
             self._done.append(time.perf_counter())
-            self._caps.append(self.sender.lane_cap)  # the lanes' pacing cap while that write ran (pump thread)
+            if len(self._done) == 1:  # the cap that write ran under (pump thread)
+                self._first_cap = self.sender.lane_cap
             record(ended, telemetry)
 
         self.sender._record = timed
@@ -84,7 +85,7 @@ class ProductSender:
         lengths, chunk = _lengths(job), int(job.get("chunk_bytes") or (64 << 20))
         total = sum(lengths)
         self._done.clear()
-        self._caps.clear()
+        self._first_cap = None
         changes = self.sender.pacing_changes
         started = time.perf_counter()
         entries: list[tuple[int, int, int]] = []
@@ -100,7 +101,7 @@ class ProductSender:
         return {"elapsed_s": time.perf_counter() - started, "ok": ok, "requests": len(lengths),
                 "done_s": [round(t - started, 4) for t in self._done],
                 "pacing_changes": self.sender.pacing_changes - changes,
-                "first_cap_bytes_per_s": self._caps[0] if self._caps else None}
+                "first_cap_bytes_per_s": self._first_cap}
 
 
 def send_job(engine, base: int, session: str, peer_addr: int, job: dict, product: ProductSender | None = None) -> dict:
