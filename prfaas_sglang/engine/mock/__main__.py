@@ -46,7 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "prfaas-tiny-chatml, or a directory); default: ids, or one pseudo-token per word")
     p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
                    help="how long a prefill waits for its decode partner and a decode for room or KV (SGLang: 300)")
+    truth = p.add_argument_group("service-time truth (engine/mock/truth.py: apart from the topology's cost model; "
+                                 "never reported to a router)")
+    truth.add_argument("--prefill-bias", type=float, default=1.0,
+                       help="prefill takes this times what the profile predicts (mean over requests)")
+    truth.add_argument("--decode-bias", type=float, default=1.0,
+                       help="a decode step takes this times what the profile predicts (mean over steps)")
+    truth.add_argument("--noise-sigma", type=float, default=0.0,
+                       help="log-normal noise (mean one) per request's prefill and per decode step, this sigma")
+    truth.add_argument("--noise-seed", type=int, default=0, help="the noise's random seed")
     return p
+
+
+def truth_from_args(args: argparse.Namespace):
+    """The engine's :class:`~prfaas_sglang.engine.mock.truth.ServiceTruth` (raises ConfigError naming a bad flag)."""
+    from prfaas_sglang.engine.mock.truth import ServiceTruth
+
+    return ServiceTruth(args.prefill_bias, args.decode_bias, args.noise_sigma, args.noise_seed)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -119,12 +135,12 @@ def _cache_policy_from_env(cache_tokens: int) -> tuple[str, int, bool]:
     return admission.mode, admission.min_shared_tokens, chunk_checkpoints
 
 
-async def _run(config, timing, tokenizer) -> None:
+async def _run(config, timing, tokenizer, truth) -> None:
     from prfaas_sglang.engine.mock.engine import MockEngine
     from prfaas_sglang.engine.mock.server import serve
     from prfaas_sglang.procgc import freeze_startup_objects
 
-    engine = MockEngine(config, timing, tokenizer)
+    engine = MockEngine(config, timing, tokenizer, truth)
     freeze_startup_objects()  # a loaded tokenizer's objects: out of every full collection (emulated timings)
     task = asyncio.create_task(serve(config, engine))
     loop = asyncio.get_running_loop()
@@ -151,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         from prfaas_sglang.engine.mock.timing import load_timing
 
         config = config_from_args(args)
+        truth = truth_from_args(args)
         timing = load_timing(args.profile, args.speedup, args.kv_scale, args.max_batch)
         check_decode_radix_cache(config, timing)
         from prfaas_sglang.security import warn_if_open
@@ -164,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    asyncio.run(_run(config, timing, tokenizer))
+    if not truth.exact:
+        print(f"emulated {config.role.value} worker: service-time truth {truth}", file=sys.stderr)
+    asyncio.run(_run(config, timing, tokenizer, truth))
     return 0
 
 

@@ -55,6 +55,7 @@ from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransf
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
+from prfaas_sglang.engine.mock.truth import ServiceTruth
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hosts import local_host
 from prfaas_sglang.kvindex.admission import PrefixAdmission
@@ -156,6 +157,10 @@ class Stats:
     prefix_imported_tokens: int = 0  # prefill: prefix tokens imported from another cluster's worker
     prefix_export_bytes: int = 0  # prefill: bytes of cached prefixes sent to another cluster's worker
     auth_rejected: collections.Counter = field(default_factory=collections.Counter)  # reason -> refused requests
+    # The emulation's own timing error: what the forwards and decode steps were to take (wall) and what they
+    # took (a busy event loop or machine wakes the sleeps late). Their ratio is the engine's timing error.
+    forward_intended_s: float = 0.0
+    forward_actual_s: float = 0.0
 
 
 class MockEngine:
@@ -166,8 +171,9 @@ class MockEngine:
     ids or fall back to one pseudo-token per word, and outputs read `` t<id>``.
     """
 
-    def __init__(self, config: MockConfig, timing: EngineTiming, tokenizer=None):
+    def __init__(self, config: MockConfig, timing: EngineTiming, tokenizer=None, truth: ServiceTruth | None = None):
         self.config, self.timing, self.tokenizer = config, timing, tokenizer
+        self.truth = truth or ServiceTruth()  # what it really takes, apart from the profile (never reported)
         # State checkpoints where SGLang takes them: each chunk's end (with chunked prefill), and the prompt's end.
         interval = config.chunked_prefill_size if config.chunk_checkpoints else None
         self.cache = PrefixCache(config.page_size, max(config.cache_tokens // config.page_size, 1), timing.hybrid,
@@ -182,6 +188,8 @@ class MockEngine:
         self.http: aiohttp.ClientSession | None = None
         self.ready = False
         self.running: list[Sequence] = []
+        self.prefill_inflight_reqs = 0  # prefill: requests inside the worker (queued, computing or shipping)
+        self.prefill_inflight_tokens = 0  # and their prompt tokens
         self.prefills, self.pool = self._queues()
         self._prefill_done: dict[PrefillJob, asyncio.Future] = {}
         self._prefill_wake = asyncio.Event()
@@ -336,6 +344,18 @@ class MockEngine:
         return self.prefills.remaining_tokens
 
     @property
+    def load_tokens(self) -> tuple[int, int, int]:
+        """(running requests, KV tokens in use, KV tokens in use or pending) as SGLang's ``/v1/loads``
+        counts them: a decode worker's pool; a prefill worker's requests past its waiting queue
+        (computing, or holding KV until it ships), pending = those still waiting. A prefill worker's
+        prefix cache is evictable and, as in SGLang (``pool_stats_observer``), not counted."""
+        if self.config.mode == "decode":
+            return len(self.running), self.used_tokens, self.used_tokens
+        waiting_reqs = self.prefills.waiting_jobs
+        used = max(self.prefill_inflight_tokens - self.prefills.waiting_tokens, 0)
+        return max(self.prefill_inflight_reqs - waiting_reqs, 0), used, self.prefill_inflight_tokens
+
+    @property
     def max_total_tokens(self) -> int:
         return self.pool.total_tokens
 
@@ -447,6 +467,8 @@ class MockEngine:
         room = req.bootstrap.room
         future = self._room_future(room)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        self.prefill_inflight_reqs += 1
+        self.prefill_inflight_tokens += len(req.input_ids)
         try:
             # Like SGLang, compute at once; the decode's registration is needed only to ship.
             # The last prompt token is always computed (its logits give the first output
@@ -455,7 +477,7 @@ class MockEngine:
             # Prefix cache or transfer cache (decided at the match, as the SGLang backend does): a
             # transfer-cache prefill is never inserted; its KV is the request's until shipped.
             decision = self.admission.decide(req.input_ids, match.cached_tokens, req.checkpoint_tokens)
-            await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens))
+            await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens, cost_factor=self.truth.prefill_factor()))
             if decision.keep:  # a state also where the request asked for one (a router's checkpoint hint)
                 asked = () if req.checkpoint_tokens is None else (req.checkpoint_tokens,)
                 kept = req.input_ids if decision.keep_tokens is None else req.input_ids[: decision.keep_tokens]
@@ -469,6 +491,8 @@ class MockEngine:
                                       f"{self.config.bootstrap_timeout_s:g} s") from None
             return await self._ship(req, registration, match.cached_tokens)
         finally:
+            self.prefill_inflight_reqs -= 1
+            self.prefill_inflight_tokens -= len(req.input_ids)
             if self._rooms.get(room) is future:
                 del self._rooms[room]
             if not future.done():
@@ -494,7 +518,10 @@ class MockEngine:
                 self._prefill_wake.clear()
                 await self._prefill_wake.wait()
                 continue
+            began = time.perf_counter()
             await asyncio.sleep(forward.duration_s)
+            self.stats.forward_intended_s += forward.duration_s
+            self.stats.forward_actual_s += time.perf_counter() - began
             for job in self.prefills.complete(forward):
                 done = self._prefill_done.get(job)
                 if done is not None and not done.done():
@@ -774,7 +801,11 @@ class MockEngine:
             if not self.running:
                 continue
             context = sum(len(s.req.input_ids) + len(s.tokens) for s in self.running) / len(self.running)
-            await asyncio.sleep(self.timing.decode_step_s(len(self.running), context))
+            step_s = self.timing.decode_step_s(len(self.running), context) * self.truth.decode_factor()
+            began = time.perf_counter()
+            await asyncio.sleep(step_s)
+            self.stats.forward_intended_s += step_s
+            self.stats.forward_actual_s += time.perf_counter() - began
             produced = 0
             for seq in self.running:
                 if seq.cancelled:

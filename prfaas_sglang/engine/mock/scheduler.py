@@ -44,14 +44,21 @@ DEFAULT_MAX_FORWARD_TOKENS = 16_384
 
 @dataclass(eq=False)
 class PrefillJob:
-    """One request's prefill: ``uncached_tokens`` to compute; ``done_tokens`` computed so far."""
+    """One request's prefill: ``uncached_tokens`` to compute; ``done_tokens`` computed so far.
+    ``cost_factor`` scales its cost curve (the engine's truth against its profile: ``truth.ServiceTruth``)."""
 
     uncached_tokens: int
     done_tokens: int = 0
+    cost_factor: float = 1.0
 
     def __post_init__(self):
         if self.uncached_tokens < 1:
             raise ValueError(f"a prefill computes at least one token, got {self.uncached_tokens}")
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Uncached tokens of the jobs not started yet."""
+        return sum(job.uncached_tokens for job in self._queue if job.done_tokens == 0)
 
     @property
     def remaining_tokens(self) -> int:
@@ -104,6 +111,11 @@ class ChunkedPrefill:
         return sum(job.done_tokens == 0 for job in self._queue)
 
     @property
+    def waiting_tokens(self) -> int:
+        """Uncached tokens of the jobs not started yet."""
+        return sum(job.uncached_tokens for job in self._queue if job.done_tokens == 0)
+
+    @property
     def remaining_tokens(self) -> int:
         """Uncached tokens still to compute, over every queued job: the worker's outstanding prefill work."""
         return sum(job.remaining_tokens for job in self._queue)
@@ -119,8 +131,9 @@ class ChunkedPrefill:
             return False
         return True
 
-    def _piece_cost_s(self, start: int, end: int) -> float:
-        return self.cost_s(end) - (self.cost_s(start) if start > 0 else 0.0)
+    def _piece_cost_s(self, piece: Piece) -> float:
+        start, end = piece.start, piece.end
+        return piece.job.cost_factor * (self.cost_s(end) - (self.cost_s(start) if start > 0 else 0.0))
 
     def next_forward(self) -> Forward | None:
         """The next forward's pieces (does not change the queue), or None when there is nothing to do."""
@@ -142,7 +155,7 @@ class ChunkedPrefill:
                 budget -= take
         if not pieces:
             return None
-        return Forward(tuple(pieces), sum(self._piece_cost_s(p.start, p.end) for p in pieces))
+        return Forward(tuple(pieces), sum(self._piece_cost_s(p) for p in pieces))
 
     def complete(self, forward: Forward) -> list[PrefillJob]:
         """Apply a finished forward; returns the jobs it completed. Pieces of removed jobs are ignored."""

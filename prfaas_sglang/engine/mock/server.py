@@ -134,12 +134,13 @@ def _info(engine: MockEngine) -> dict:
 def _metrics(engine: MockEngine) -> str:
     s, cfg = engine.stats, engine.config
     label = f'{{model_name="{cfg.served_model_name}"}}'
-    used = len(engine.cache) * cfg.page_size
+    running, used, _ = engine.load_tokens
+    total = engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens
     hit_rate = s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
     rows = [
-        ("sglang:num_running_reqs", "gauge", len(engine.running)),
+        ("sglang:num_running_reqs", "gauge", running),
         ("sglang:num_queue_reqs", "gauge", engine.waiting),
-        ("sglang:token_usage", "gauge", (engine.used_tokens / engine.max_total_tokens) if cfg.mode == "decode" else used / cfg.cache_tokens),
+        ("sglang:token_usage", "gauge", used / total),
         ("sglang:gen_throughput", "gauge", engine.gen_throughput()),
         ("sglang:cache_hit_rate", "gauge", hit_rate),
         ("sglang:prompt_tokens_total", "counter", s.prompt_tokens),
@@ -149,6 +150,8 @@ def _metrics(engine: MockEngine) -> str:
         ("prfaas:kv_bytes_received_total", "counter", s.kv_bytes_received),
         ("prfaas:decode_prefix_tokens_total", "counter", s.decode_prefix_tokens),
         ("prfaas:kv_transfer_seconds_total", "counter", s.kv_transfer_s),
+        ("prfaas:forward_intended_seconds_total", "counter", s.forward_intended_s),
+        ("prfaas:forward_actual_seconds_total", "counter", s.forward_actual_s),
         ("prfaas:requests_ok_total", "counter", s.requests_ok),
         ("prfaas:requests_failed_total", "counter", s.requests_failed),
         ("prfaas:kv_buffer_free_bytes", "gauge", engine.kv.arena.free_bytes if engine.kv else 0),
@@ -176,12 +179,11 @@ def _metrics(engine: MockEngine) -> str:
 def _load(engine: MockEngine) -> dict:
     """One DP rank of SGLang 0.5.15's ``/v1/loads`` (``GetLoadsReqOutput``, core fields)."""
     cfg = engine.config
-    decode = cfg.mode == "decode"
-    used = engine.used_tokens if decode else len(engine.cache) * cfg.page_size
-    total = engine.max_total_tokens if decode else cfg.cache_tokens
-    return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": len(engine.running),
+    total = engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens
+    running, used, used_or_pending = engine.load_tokens
+    return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": running,
             "num_waiting_reqs": engine.waiting, "num_waiting_uncached_tokens": engine.waiting_uncached_tokens,
-            "num_used_tokens": used, "num_total_tokens": used, "max_total_num_tokens": total,
+            "num_used_tokens": used, "num_total_tokens": used_or_pending, "max_total_num_tokens": total,
             "token_usage": used / total if total else 0.0, "gen_throughput": engine.gen_throughput(),
             "cache_hit_rate": engine.stats.cached_tokens / engine.stats.prompt_tokens if engine.stats.prompt_tokens else 0.0,
             "utilization": len(engine.running) / engine.timing.max_batch, "max_running_requests": engine.timing.max_batch,
@@ -211,7 +213,8 @@ def build_app(engine: MockEngine) -> web.Application:
         load = _load(engine)
         return web.json_response([{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
                                    "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["num_total_tokens"],
-                                   "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
+                                   "num_pending_tokens": load["num_total_tokens"] - load["num_used_tokens"],
+                                   "ts_tic": time.perf_counter()}])
 
     async def loads(request):
         return web.json_response({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -287,8 +290,10 @@ def build_app(engine: MockEngine) -> web.Application:
             if not engine.ready:
                 return error_response(503, "server is starting")
             try:
-                req = parse_request(kind, await _json_body(request), f"mock-{next(_rid_counter)}", int(time.time()),
-                                    engine.tokenizer, pseudo_tokenize)
+                # Off the event loop, as SGLang tokenizes in its tokenizer manager, apart from the scheduler:
+                # a long text prompt (~50 ms per 27K tokens) must not delay the forwards and decode steps.
+                req = await asyncio.to_thread(parse_request, kind, await _json_body(request), f"mock-{next(_rid_counter)}",
+                                              int(time.time()), engine.tokenizer, pseudo_tokenize)
                 if req.bootstrap is not None:  # before a stream starts: a refusal is a status, not an event
                     engine.check_peer(req.bootstrap.host, "bootstrap host")
                 engine.check_vocab(req)
