@@ -64,6 +64,18 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                         "exceeds max(this, 2 x its own prefill); default: the topology's scheduler.ttft_slo_s "
                         "(on the engines' clock)")
     p.add_argument("--no-early-rejection", action="store_true", help="admit whatever the estimated TTFT")
+    p.add_argument("--placement", choices=("ttft", "threshold"), default="ttft",
+                   help="ttft: the threshold's cluster unless its expected TTFT (queue + prefill + the link, calibrated) "
+                        "exceeds --ttft-target-s and the other cluster's is lower; threshold: the paper's rule alone")
+    p.add_argument("--ttft-target-s", type=float, default=0.0,
+                   help="placement by expected TTFT: the threshold's cluster keeps a request whose expected TTFT is "
+                        "within this (engines' seconds); beyond it, the cluster with the lower one wins (default 0: "
+                        "always the lower)")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="predict with the topology's cost model as it is (no online calibration from observed TTFTs)")
+    p.add_argument("--prefill-scale", action="append", default=[], metavar="CLUSTER=SCALE",
+                   help="what the model's prefill takes in CLUSTER (prfaas | pd), times, as measured beforehand: the "
+                        "calibration's starting point (repeatable; default 1)")
     p.add_argument("--admission-timeout-s", type=float, default=60.0,
                    help="longest a request waits in the router for decode KV room before 503")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for decode room; more get 429")
@@ -186,6 +198,8 @@ def make_service(args: argparse.Namespace):
         mode = BandwidthMode(args.bandwidth_mode)
     except ValueError:
         raise ConfigError("--bandwidth-mode", f"expected scarce or abundant, got {args.bandwidth_mode!r}") from None
+    if not args.ttft_target_s >= 0:
+        raise ConfigError("--ttft-target-s", f"must be >= 0, got {args.ttft_target_s}")
     for flag, value in (("--max-ttft-s", args.max_ttft_s), ("--threshold", args.threshold)):
         if value is not None and not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
@@ -205,6 +219,7 @@ def make_service(args: argparse.Namespace):
     if not args.decode_affinity_slack <= 1:  # also refuses NaN
         raise ConfigError("--decode-affinity-slack", f"must be <= 1 (negative: off), got {args.decode_affinity_slack}")
     longterm = longterm_settings(args) if args.long_term else None  # checked before waiting for workers
+    calibration = calibration_settings(args)
     keys = load_keys()
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
@@ -227,8 +242,9 @@ def make_service(args: argparse.Namespace):
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)
     max_ttft_s = None if args.no_early_rejection else (args.max_ttft_s or model.observed_ttft_slo_s)
+    ttft_target_s = args.ttft_target_s if args.placement == "ttft" else None
     config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
-                                 max_ttft_s=max_ttft_s)
+                                 max_ttft_s=max_ttft_s, ttft_target_s=ttft_target_s, calibration=calibration)
     service = new_service(config, model, workers, emulation_spec=topology.emulation)
     if longterm is not None:
         service.longterm = LongTermController(model, longterm)
@@ -246,6 +262,23 @@ def make_service(args: argparse.Namespace):
     kv_index_url = (f"http://{index_node.host or '127.0.0.1'}:{index_node.port}"
                     if index_node is not None and index_node.port is not None else None)
     return service, kv_index_url, keys
+
+
+def calibration_settings(args: argparse.Namespace):
+    """``CalibrationSettings`` from ``--no-calibration`` and ``--prefill-scale`` (ConfigError naming a bad one)."""
+    from prfaas_sglang.router.calibration import CalibrationSettings
+
+    scales = []
+    for item in args.prefill_scale:
+        cluster, _, value = item.partition("=")
+        try:
+            scales.append((cluster.strip(), float(value)))
+        except ValueError:
+            raise ConfigError("--prefill-scale", f"expected CLUSTER=SCALE (prfaas=1.2), got {item!r}") from None
+    try:
+        return CalibrationSettings(enabled=not args.no_calibration, prior_scales=tuple(scales))
+    except ValueError as err:
+        raise ConfigError("--prefill-scale", str(err)) from None
 
 
 def longterm_settings(args: argparse.Namespace):

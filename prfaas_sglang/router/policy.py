@@ -20,6 +20,15 @@ profiles); no clocks, no sockets. The output is a :class:`RouteDecision`::
                         controller asks to re-measure a constrained link), a
                         request bound for PD-P whose KV fits the budget goes
                         to PrfaaS instead, once.
+    expected TTFT:      with ``ttft_target_s`` set, the rule's cluster is the
+                        plan, not the last word: when its best worker's
+                        expected TTFT (queue + prefill + KV over the link, from
+                        the calibrated model) exceeds the target and the other
+                        cluster's is lower, the request goes there. The plan's
+                        threshold keeps the long prompts on PrfaaS and the
+                        short ones on PD-P while both meet the SLO; a queue in
+                        front of either moves only the requests it would make
+                        late, whatever admission does.
     TTFT SLO:           with ``max_ttft_s`` set, a request the chosen cluster
                         would refuse (``refuse_early``) goes to the other
                         cluster when that one meets the bound (Mooncake's
@@ -29,7 +38,9 @@ profiles); no clocks, no sockets. The output is a :class:`RouteDecision`::
 
 Within the chosen cluster the prefill worker with the lowest estimated TTFT
 wins: ``queue_s + T_prefill(l_total - cached_on_that_worker)``, plus, for
-PrfaaS, shipping ``S_kv(l_total)`` over the link. When the chosen cluster has
+PrfaaS, shipping ``S_kv(l_total)`` over the link, and never less than the
+link takes to drain what is routed toward it already and this request's KV
+(``(backlog + S_kv) / capacity``): on a busy link the KV waits for the link. When the chosen cluster has
 no usable prefill worker the request *spills* to the other one (the reason
 says so); with none anywhere, :class:`NoHealthyWorker`. Decode: among usable
 decode workers whose free KV holds ``decode_tokens``, the most free KV, then
@@ -91,6 +102,7 @@ class Link:
     capacity_bps: float
     used_bps: float = 0.0
     rtt_s: float = 0.0
+    backlog_bytes: float = 0.0  # KV routed toward the link and not yet delivered (the router's ledger)
 
     @property
     def spare_bps(self) -> float:
@@ -127,6 +139,7 @@ class ClusterSnapshot:
     transfer_override: bool | None = None  # True: move whenever the other cluster's cache is longer; False: never
     probe_budget_bytes: float | None = None
     max_ttft_s: float | None = None  # early rejection's bound (observed seconds); None: off
+    ttft_target_s: float | None = None  # placement by expected TTFT beyond this (observed seconds); None: the rule alone
     # A decode worker holding the prefix wins while its free KV is at least (1 - slack) of the
     # roomiest's; None: the roomiest always (no decode affinity).
     decode_affinity_slack: float | None = 0.1
@@ -146,6 +159,7 @@ class RouteDecision:
     reason: str
     checkpoint_tokens: int | None = None  # a state checkpoint asked of the prefill worker there (checkpoint_at)
     decode_held_tokens: int = 0  # of the prompt, what the decode worker's own cache supplies (not shipped)
+    estimated_queue_s: float = 0.0  # of estimated_ttft_s, the chosen worker's queue (the rest: prefill, then the link)
 
 
 def checkpoint_at(total_tokens: int, shared_tokens: int, cached_tokens: int, min_tokens: int) -> int | None:
@@ -234,19 +248,29 @@ def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
         cluster, probe = other, False
 
     decision = _place(request, snap, cluster, credited, in_cluster, roomy, probe, reason)
+
+    def other_cluster(why: str) -> RouteDecision | None:
+        """The best placement in the other cluster (a moved cache credited where one can move), or None."""
+        other = PD if decision.cluster == PRFAAS else PRFAAS
+        others = [w for w in prefills if w.cluster == other]
+        if not others:
+            return None
+        movable = snap.mode is BandwidthMode.ABUNDANT and snap.transfer_supported
+        alt_credited = max(by_cluster.values(), default=0) if movable else by_cluster.get(other, 0)
+        return _place(request, snap, other, alt_credited, others, roomy, False,
+                      f"{why}: {decision.cluster} estimated {decision.estimated_ttft_s:.2f} s ({decision.reason})")
+
+    if snap.ttft_target_s is not None and not probe and decision.estimated_ttft_s > snap.ttft_target_s:
+        alt = other_cluster(f"to {PD if decision.cluster == PRFAAS else PRFAAS} by expected TTFT")
+        if alt is not None and alt.estimated_ttft_s < decision.estimated_ttft_s:
+            decision = alt
     if not refuse_early(decision, snap.max_ttft_s):
         return decision
     # Mooncake's admission looks at every prefill instance before refusing: when the rule's cluster
     # would miss the SLO and the other one meets it, the request goes there instead.
-    other = PD if cluster == PRFAAS else PRFAAS
-    others = [w for w in prefills if w.cluster == other]
-    if others:
-        movable = snap.mode is BandwidthMode.ABUNDANT and snap.transfer_supported
-        alt_credited = max(by_cluster.values(), default=0) if movable else by_cluster.get(other, 0)
-        alt = _place(request, snap, other, alt_credited, others, roomy, False,
-                     f"spill to {other} within the TTFT SLO: {cluster} estimated {decision.estimated_ttft_s:.2f} s ({reason})")
-        if not refuse_early(alt, snap.max_ttft_s):
-            return alt
+    alt = other_cluster(f"spill to {PD if decision.cluster == PRFAAS else PRFAAS} within the TTFT SLO")
+    if alt is not None and not refuse_early(alt, snap.max_ttft_s):
+        return alt
     return decision
 
 
@@ -272,20 +296,23 @@ def _place(request: RouteInput, snap: ClusterSnapshot, cluster: str, credited: i
                        + ("" if cost is None else f" ({cost:.3f} s >= recompute {saved:.3f} s)"))
 
     profile = snap.prefill_cost[cluster]
-    ship_s = (transfer_s(snap.kv_bytes(total), snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0
+    own_bytes = snap.kv_bytes(total)
+    ship_s = (transfer_s(own_bytes, snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0
+    drain_s = (transfer_s(snap.link.backlog_bytes + own_bytes, snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0
 
     def cached_on(w: WorkerState) -> int:
         return credited if transfer else by_worker.get(w.name, 0)
 
     def ttft(w: WorkerState) -> float:
-        return (w.queue_s + profile.prefill_s(max(total - cached_on(w), 1)) + ship_s
-                + (transfer.estimated_s if transfer else 0.0))
+        compute = w.queue_s + profile.prefill_s(max(total - cached_on(w), 1)) + (transfer.estimated_s if transfer else 0.0)
+        return max(compute + ship_s, drain_s)
 
     prefill = min(in_cluster, key=lambda w: (ttft(w), w.name))
     cached = cached_on(prefill)
     decode, held = pick_decode(roomy, request.held_by_worker or {}, snap.decode_affinity_slack)
     return RouteDecision(prefill.name, decode.name, cluster, cached, total - cached, ttft(prefill),
-                         profile.prefill_s(max(total - cached, 1)), transfer, probe, reason, decode_held_tokens=held)
+                         profile.prefill_s(max(total - cached, 1)), transfer, probe, reason, decode_held_tokens=held,
+                         estimated_queue_s=prefill.queue_s)
 
 
 def pick_decode(roomy: Sequence[WorkerState], held_by_worker: Mapping[str, int],

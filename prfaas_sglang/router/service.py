@@ -21,7 +21,9 @@ import collections
 from dataclasses import dataclass, field, replace
 
 from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.plan.profiles import ScaledPrefill
 from prfaas_sglang.protocol import BadRequest, EngineRequest
+from prfaas_sglang.router.calibration import CalibrationSettings, OnlineCalibration
 from prfaas_sglang.router.link import LinkAggregator
 from prfaas_sglang.router.longterm import STAGES, LongTermController, StageMeter, StageSample
 from prfaas_sglang.router.metrics import RouterCounters
@@ -62,6 +64,12 @@ class RouterConfig:
     control_interval_s: float = 0.25
     telemetry_stale_s: float = 2.0
     max_ttft_s: float | None = None  # early rejection: refuse when the best route's estimate exceeds it
+    # Placement by expected TTFT (policy.route): a request whose rule-chosen cluster predicts a TTFT beyond
+    # this goes to the other cluster when that one's prediction is lower; None: the paper's rule alone.
+    ttft_target_s: float | None = None
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    # Re-solve t when a calibrated prefill scale moves this far (relative) from the one t was solved with.
+    replan_on_calibration: float = 0.15
     admission_timeout_s: float = 60.0  # how long a request may wait in the router for decode room
     max_waiting: int = 1024  # requests waiting for decode room; more are refused at once (429)
     served_models: frozenset[str] = frozenset()  # empty: the workers' name(s)
@@ -92,6 +100,16 @@ class Lease:
     decode_ticket: int  # the decode worker's reservation (WorkerRecord.reserve)
     prefill_open: bool = True
     decode_open: bool = True
+    prefill_model_s: float = 0.0  # its prefill in the ledger: the model's seconds before calibration
+    link_bytes: float = 0.0  # its KV in the link's ledger (PrfaaS legs), until the prefill leg ends
+    compute_model_s: float = 0.0  # queue + prefill at dispatch, before calibration (what calibration compares)
+    first_token_seen: bool = False
+
+    @property
+    def link_s(self) -> float:
+        """Of the predicted TTFT, the part on the link (KV shipped, a cache moved): not calibrated."""
+        d = self.decision
+        return max(d.estimated_ttft_s - d.estimated_queue_s - d.estimated_prefill_s, 0.0)
 
 
 class RouterService:
@@ -106,6 +124,9 @@ class RouterService:
         self.waiting = 0  # requests waiting for decode room now
         self.longterm: LongTermController | None = None  # the long-term scheduler, when it runs (--long-term)
         self.stage_meter = StageMeter()
+        self.calibration = OnlineCalibration(config.calibration)
+        self._planned_scales = {PRFAAS: 1.0, PD: 1.0}  # the prefill scales t was last solved with
+        self.link_backlog_bytes = 0.0  # KV of open PrfaaS legs: routed toward the link, not yet delivered
 
     # --- names ----------------------------------------------------------------------
 
@@ -161,19 +182,31 @@ class RouterService:
                 self.link.note_silence(w.name, now_s, busy=w.outstanding_prefill_s > 0)
         return self.link.down()
 
+    def prefill_cost(self, cluster: str):
+        """``T_prefill`` / ``S_kv`` of ``cluster`` as the router predicts it now: the model, calibrated."""
+        scale = self.calibration.prefill_scale(cluster)
+        profile = self.runtime.prefill_cost(cluster)
+        return profile if scale == 1.0 else ScaledPrefill(profile, scale)
+
+    def _worker_state(self, w: WorkerRecord):
+        """The worker as the policy sees it: its ledger's queue in calibrated seconds."""
+        state = w.snapshot()
+        scale = self.calibration.prefill_scale(w.cluster) if w.role == "prefill" else 1.0
+        return state if scale == 1.0 else replace(state, queue_s=state.queue_s * scale)
+
     def snapshot(self, exclude: set[str], now_s: float) -> ClusterSnapshot:
         view = self.link.view(now_s)
         capacity = self.controller.capacity_est_bps
-        link = Link(capacity, view.egress_bps if view else 0.0, 0.0)
+        link = Link(capacity, view.egress_bps if view else 0.0, 0.0, self.link_backlog_bytes)
         exclude = exclude | self.link_down(now_s)
         return ClusterSnapshot(
-            workers=[w.snapshot() for w in self.workers.values() if w.name not in exclude],
+            workers=[self._worker_state(w) for w in self.workers.values() if w.name not in exclude],
             threshold_tokens=self.controller.threshold_tokens, mode=self.config.mode,
-            prefill_cost={PRFAAS: self.runtime.prefill_cost(PRFAAS), PD: self.runtime.prefill_cost(PD)},
+            prefill_cost={PRFAAS: self.prefill_cost(PRFAAS), PD: self.prefill_cost(PD)},
             link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
             transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
             probe_budget_bytes=self.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s,
-            decode_affinity_slack=self.config.decode_affinity_slack)
+            ttft_target_s=self.config.ttft_target_s, decode_affinity_slack=self.config.decode_affinity_slack)
 
     def transfer_supported(self) -> bool:
         """Whether a cached prefix can move: not turned off, and every prefill worker serves the moves
@@ -201,7 +234,9 @@ class RouterService:
 
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
-        prefill.outstanding_prefill_s += decision.estimated_prefill_s
+        scale = self.calibration.prefill_scale(decision.cluster)
+        prefill_model_s = decision.estimated_prefill_s / scale  # the ledger keeps the model's seconds
+        prefill.outstanding_prefill_s += prefill_model_s
         prefill.prefill_requests += 1
         ticket = decode.reserve(req.kv_tokens)
         self.counters.decode_held_tokens += decision.decode_held_tokens
@@ -219,15 +254,31 @@ class RouterService:
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
                             "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt,
                             "decode_held_tokens": decision.decode_held_tokens})
-        return Lease(req.rid, decision, req.kv_tokens, ticket)
+        link_bytes = self.runtime.kv_bytes(len(req.input_ids)) if decision.cluster == PRFAAS else 0.0
+        self.link_backlog_bytes += link_bytes
+        return Lease(req.rid, decision, req.kv_tokens, ticket, prefill_model_s=prefill_model_s, link_bytes=link_bytes,
+                     compute_model_s=(decision.estimated_queue_s + decision.estimated_prefill_s) / scale)
+
+    def first_token(self, lease: Lease, observed_s: float) -> None:
+        """The request's first token reached the router ``observed_s`` after its legs were dispatched:
+        a sample for the calibration (once per lease)."""
+        if not lease.first_token_seen:
+            lease.first_token_seen = True
+            self.calibration.first_token(lease.decision.cluster, lease.compute_model_s, lease.link_s, observed_s,
+                                         lease.decision.estimated_ttft_s)
+
+    def token_gap(self, observed_s: float) -> None:
+        """Two chunks of a decode stream ``observed_s`` apart (the model's step: its decode profile's)."""
+        self.calibration.token_gap(observed_s, self.runtime.decode.step_s)
 
     def prefill_done(self, lease: Lease) -> None:
         """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""
         if lease.prefill_open:
             lease.prefill_open = False
+            self.link_backlog_bytes = max(self.link_backlog_bytes - lease.link_bytes, 0.0)
             worker = self.workers.get(lease.decision.prefill)
             if worker is not None:
-                worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.decision.estimated_prefill_s, 0.0)
+                worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.prefill_model_s, 0.0)
                 worker.prefill_requests = max(worker.prefill_requests - 1, 0)
             self.stage_meter.complete("prfaas" if lease.decision.cluster == PRFAAS else "pd-prefill")
 
@@ -312,14 +363,25 @@ class RouterService:
     # --- control ----------------------------------------------------------------------
 
     def queues(self) -> QueueView:
+        """Outstanding prefill seconds per instance of each cluster (calibrated)."""
         def per_instance(cluster: str) -> float:
             ws = [w for w in self.workers.values() if w.cluster == cluster and w.role == "prefill" and w.routable]
-            return sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
+            scale = self.calibration.prefill_scale(cluster)
+            return scale * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
 
         return QueueView(per_instance(PRFAAS), per_instance(PD))
 
     def control_tick(self, now_s: float) -> float | None:
-        """One controller step on the current link view and queues; returns a new ``t`` or None."""
+        """One controller step on the current link view and queues; returns a new ``t`` or None. A
+        calibrated prefill scale that moved ``replan_on_calibration`` from the one ``t`` was solved
+        with re-solves ``t`` on the calibrated model first."""
+        scales = {c: self.calibration.prefill_scale(c) for c in (PRFAAS, PD)}
+        moved = max(abs(scales[c] / self._planned_scales[c] - 1.0) for c in scales)
+        if moved > self.config.replan_on_calibration and self.controller.override_tokens is None:
+            self._planned_scales = scales
+            model = self.runtime.calibrated({"prfaas": 1.0 / scales[PRFAAS], "pd-prefill": 1.0 / scales[PD]})
+            self.controller.replan(now_s, model.research, "calibrated prefill scales " +
+                                   ", ".join(f"{c} {v:.2f}" for c, v in scales.items()))
         return self.controller.observe(now_s, self.link.view(now_s), self.queues())
 
     def status(self, now_s: float) -> dict:
@@ -357,6 +419,7 @@ class RouterService:
             } for w in self.workers.values()},
             "recent": list(self.recent)[-10:],
             "long_term": self.longterm.describe() if self.longterm is not None else None,
+            "calibration": self.calibration.describe(),
         }
 
     def metrics_gauges(self, now_s: float) -> list[tuple[str, str, float]]:
@@ -381,6 +444,9 @@ class RouterService:
         gauges += [("prfaas_router_link_down", f'{{worker="{w.name}"}}', int(w.name in down))
                    for w in self.workers.values() if w.cluster == PRFAAS and w.telemetry_endpoint]
         gauges.append(("prfaas_router_telemetry_discarded_late", "", self.link.discarded))
+        gauges += [("prfaas_router_prefill_scale", f'{{cluster="{c}"}}', self.calibration.prefill_scale(c)) for c in (PRFAAS, PD)]
+        gauges.append(("prfaas_router_decode_scale", "", self.calibration.decode_scale()))
+        gauges.append(("prfaas_router_link_backlog_bytes", "", self.link_backlog_bytes))
         gauges += [("prfaas_router_kv_free_tokens", f'{{worker="{w.name}"}}', w.kv_free_tokens or 0)
                    for w in self.workers.values() if w.role == "decode"]
         gauges += [("prfaas_router_kv_index_blocks", f'{{worker="{w}"}}', self.index.block_count(w))

@@ -7,7 +7,8 @@ pool, context length, served model, KV-event descriptor; :class:`WorkerLoad`
 from ``/v1/loads``), and two ledgers the router keeps as it dispatches:
 
 * prefill workers: ``outstanding_prefill_s``, the estimated prefill seconds of
-  requests whose prefill leg has not ended (the engines' time unit): the queue
+  requests whose prefill leg has not ended (the engines' time unit, the model's
+  seconds before the online calibration, which the service applies): the queue
   signal of the threshold controller and the TTFT estimate;
 * decode workers: ``reserved_tokens``, the KV (prompt + max new tokens) of
   requests dispatched and not finished, each under a ticket (dispatch order).

@@ -47,9 +47,9 @@ KV = lambda tokens: 1000.0 * tokens  # noqa: E731 - 1 KB of KV per token
 
 
 def decide(total, by_worker, t=10_000, mode=BandwidthMode.SCARCE, workers=WORKERS, link=FAT, transfer=False,
-           probe=None, decode_tokens=None, max_ttft_s=None, held=None, slack=0.1):
+           probe=None, decode_tokens=None, max_ttft_s=None, held=None, slack=0.1, target=None):
     snap = ClusterSnapshot(workers, t, mode, COST, link, KV, transfer_supported=transfer, probe_budget_bytes=probe,
-                           max_ttft_s=max_ttft_s, decode_affinity_slack=slack)
+                           max_ttft_s=max_ttft_s, decode_affinity_slack=slack, ttft_target_s=target)
     return route(RouteInput(total, decode_tokens or total + 16, by_worker, held_by_worker=held), snap)
 
 
@@ -449,6 +449,56 @@ class TestSloFallback:
     def test_no_detour_while_the_rules_choice_meets_the_slo(self):
         assert decide(30_000, {}, max_ttft_s=5.0).cluster == "prfaas"
         assert decide(8_000, {}, max_ttft_s=5.0).cluster == "pd"
+
+
+class TestExpectedTtftPlacement:
+    """With a TTFT target, the rule's cluster is the plan; a request it would make later than the target goes
+    where its expected TTFT is lower, whatever admission does."""
+
+    def busy_pd(self, queue_s: float) -> list[WorkerState]:
+        return [w if w.cluster != "pd" or w.role != "prefill" else WorkerState(w.name, "pd", "prefill", queue_s=queue_s)
+                for w in WORKERS]
+
+    def test_the_rule_stands_while_its_cluster_is_within_the_target(self):
+        d = decide(8_000, {}, workers=self.busy_pd(2.0), target=5.0)  # PD-P: 2 s queue + 0.32 s
+        assert d.cluster == "pd" and d.estimated_queue_s == pytest.approx(2.0)
+
+    def test_a_queue_beyond_the_target_moves_the_request_to_the_lower_expected_ttft(self):
+        d = decide(8_000, {}, workers=self.busy_pd(6.0), target=5.0)
+        assert d.cluster == "prfaas" and d.reason.startswith("to prfaas by expected TTFT")
+        assert d.estimated_ttft_s == pytest.approx(0.08 + 8_000 * 1000 * 8 / 100e9)
+
+    def test_target_zero_always_takes_the_lower(self):
+        d = decide(8_000, {}, target=0.0)  # idle: PrfaaS 0.08 s + shipping beats PD-P's 0.32 s
+        assert d.cluster == "prfaas"
+        assert decide(8_000, {}).cluster == "pd"  # no target: the rule alone
+
+    def test_a_long_prompt_stays_where_it_is_fastest(self):
+        busy = [dataclasses.replace(w, queue_s=0.5) if w.name == "p0" else w for w in WORKERS]
+        d = decide(30_000, {}, workers=busy, target=0.0)  # PrfaaS 0.5 + 0.3 s + shipping < PD-P 1.2 s
+        assert d.cluster == "prfaas"
+
+    def test_a_probe_is_not_moved(self):
+        d = decide(8_000, {}, probe=1e12, target=0.0, workers=self.busy_pd(0.0))
+        assert d.probe and d.cluster == "prfaas"
+
+
+class TestLinkBacklog:
+    """KV routed toward the link and not yet delivered delays the next PrfaaS request's KV."""
+
+    def test_the_backlog_bounds_the_estimate_from_below(self):
+        link = Link(capacity_bps=8e9, backlog_bytes=8e9 / 8 * 10)  # 10 s of KV ahead on the link
+        d = decide(30_000, {}, link=link)
+        assert d.cluster == "prfaas"
+        assert d.estimated_ttft_s == pytest.approx(10.0 + 30_000 * 1000 * 8 / 8e9)
+
+    def test_a_backlog_shorter_than_the_compute_costs_nothing(self):
+        link = Link(capacity_bps=8e9, backlog_bytes=1e3)
+        assert decide(30_000, {}, link=link).estimated_ttft_s == pytest.approx(decide(30_000, {}, link=Link(8e9)).estimated_ttft_s)
+
+    def test_a_long_backlog_moves_a_request_to_pd_by_expected_ttft(self):
+        link = Link(capacity_bps=8e9, backlog_bytes=8e9 / 8 * 10)
+        assert decide(30_000, {}, link=link, target=0.0).cluster == "pd"  # PD-P: 1.2 s
 
 
 def test_early_rejection_refuses_waiting_not_length():

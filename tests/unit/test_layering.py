@@ -28,6 +28,8 @@ PURE = (
     "prfaas_sglang.plan.analytic", "prfaas_sglang.plan.scenario", "prfaas_sglang.plan.report", "prfaas_sglang.plan.anchors",
     "prfaas_sglang.router.policy", "prfaas_sglang.router.threshold", "prfaas_sglang.router.longterm", "prfaas_sglang.router.link",
     "prfaas_sglang.router.workers", "prfaas_sglang.router.service", "prfaas_sglang.router.metrics",
+    "prfaas_sglang.router.calibration", "prfaas_sglang.bench.slo", "prfaas_sglang.bench.capacity_rows",
+    "prfaas_sglang.engine.mock.truth",
     "prfaas_sglang.kvindex.index", "prfaas_sglang.kvindex.feed", "prfaas_sglang.kvindex.admission",
     "prfaas_sglang.wire.kv_events", "prfaas_sglang.wire.blocks", "prfaas_sglang.wire.telemetry", "prfaas_sglang.wire.handoff",
     "prfaas_sglang.wire.token_ids", "prfaas_sglang.wire.kv_snapshot", "prfaas_sglang.wire.auth", "prfaas_sglang.router.openapi",
@@ -130,6 +132,18 @@ def test_router_and_kvindex_never_import_the_emulated_engine(prefix):
     for name in (m for m in MODULES if m.startswith(prefix)):
         reached = {m for m in closure(name) if m.startswith("prfaas_sglang.engine")}
         assert not reached, f"{name} imports {sorted(reached)}"
+
+
+def test_only_the_emulation_knows_the_engines_truth():
+    """The emulated engine's service-time truth (``engine/mock/truth.py``) is read by the engine, the
+    simulator's nodes and the benchmarks that set it; nothing the router runs reaches it."""
+    truth = "prfaas_sglang.engine.mock.truth"
+    allowed = ("prfaas_sglang.engine.mock", "prfaas_sglang.sim", "prfaas_sglang.bench")
+    for name in MODULES:
+        if truth in imports(name)[0]:
+            assert name.startswith(allowed), f"{name} imports the engines' truth"
+    for name in (m for m in MODULES if m.startswith(("prfaas_sglang.router", "prfaas_sglang.kvindex"))):
+        assert truth not in closure(name), f"{name} reaches the engines' truth"
 
 
 def test_the_emulated_engine_never_imports_the_launcher():

@@ -1,0 +1,145 @@
+"""The router's cost model, calibrated online from what it observes (pure: time comes in as arguments).
+
+The topology's profiles are a prior. A real deployment runs faster or slower than
+they predict, and the router learns by how much from what every request shows it,
+the same signals whatever the engine (SGLang or the emulated one): the time from
+dispatching a request's legs to its first token, and the gaps between its tokens.
+Nothing is read from an engine's configuration.
+
+Prefill, per cluster. At dispatch the router predicts::
+
+    TTFT = s x (queue_u + prefill_u) + link_s
+
+where ``queue_u`` and ``prefill_u`` are the model's seconds before calibration (the
+worker's outstanding prefill work and this request's), ``link_s`` the KV's time on
+the link (telemetry measures the link, so it is not calibrated here) and ``s`` the
+cluster's scale. When the first token comes after ``y`` seconds, the sample says
+``y - link_s`` seconds of compute were ``queue_u + prefill_u`` in the model. The
+scale is the ratio of sums over the cluster's last ``window`` samples, shrunk toward
+the prior scale ``s0`` (1, or what the operator measured: ``prior_scales``) by
+``prior_weight_s`` seconds of pseudo-observation (few samples move it little),
+clamped to ``[min_scale, max_scale]``::
+
+    s = (sum(y - link_s) + prior_weight_s * s0) / (sum(queue_u + prefill_u) + prior_weight_s)
+
+The queue term is the router's own ledger (every open leg's whole estimate), which
+over-counts the work left on a busy worker; fitting ``s`` on the same signal makes
+the *prediction* unbiased on average, which is what routing and admission use.
+
+Decode. Each gap between two tokens of a stream, over the gap the model predicts
+for the decode worker's batch at that moment, gives the decode scale (ratio of
+sums, the same shrinkage).
+
+Each first token also records the as-routed prediction's relative error
+``|predicted - observed| / observed``, in completion order: :meth:`describe` reports
+it in consecutive groups, so the error can be seen falling as requests complete.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+CLUSTERS = ("prfaas", "pd")
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    enabled: bool = True  # False: scales stay at the prior (the model as given), errors are still recorded
+    prior_scales: tuple[tuple[str, float], ...] = ()  # (cluster, scale) measured beforehand; others 1
+    window: int = 64  # recent samples per cluster (and of decode gaps, x 16)
+    prior_weight_s: float = 2.0  # model seconds of pseudo-observation at scale 1
+    min_scale: float = 0.25
+    max_scale: float = 4.0
+    error_group: int = 25  # requests per group of the error series
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.error_group < 1:
+            raise ValueError("window and error_group must be >= 1")
+        if not 0 < self.min_scale <= 1 <= self.max_scale:
+            raise ValueError("need 0 < min_scale <= 1 <= max_scale")
+        if self.prior_weight_s < 0:
+            raise ValueError("prior_weight_s must be >= 0")
+        for cluster, scale in self.prior_scales:
+            if cluster not in CLUSTERS or not self.min_scale <= scale <= self.max_scale:
+                raise ValueError(f"prior scale {cluster}={scale}: cluster in {CLUSTERS}, scale in "
+                                 f"[{self.min_scale:g}, {self.max_scale:g}]")
+
+
+class _Ratio:
+    """Ratio of sums over the last ``window`` (observed, modelled) pairs, shrunk toward 1."""
+
+    def __init__(self, window: int, prior_weight: float, prior_value: float = 1.0):
+        self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self.prior_weight, self.prior_value = prior_weight, prior_value
+        self.observed_sum = self.modelled_sum = 0.0
+
+    def add(self, observed: float, modelled: float) -> None:
+        if len(self.pairs) == self.pairs.maxlen:
+            old_o, old_m = self.pairs[0]
+            self.observed_sum -= old_o
+            self.modelled_sum -= old_m
+        self.pairs.append((observed, modelled))
+        self.observed_sum += observed
+        self.modelled_sum += modelled
+
+    def value(self) -> float:
+        den = self.modelled_sum + self.prior_weight
+        return (self.observed_sum + self.prior_weight * self.prior_value) / den if den > 0 else self.prior_value
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+class OnlineCalibration:
+    """Scales of the prefill cost per cluster and of the decode step, learned online."""
+
+    def __init__(self, settings: CalibrationSettings | None = None):
+        self.settings = s = settings or CalibrationSettings()
+        prior = dict(s.prior_scales)
+        self._prefill = {c: _Ratio(s.window, s.prior_weight_s, prior.get(c, 1.0)) for c in CLUSTERS}
+        self._decode = _Ratio(s.window * 16, s.prior_weight_s / 10)
+        self.errors: list[float] = []  # relative TTFT prediction error, in completion order
+        self.samples = dict.fromkeys(CLUSTERS, 0)
+
+    def _clamp(self, value: float) -> float:
+        return min(max(value, self.settings.min_scale), self.settings.max_scale)
+
+    def prefill_scale(self, cluster: str) -> float:
+        """What the model's prefill seconds in ``cluster`` take, times (the prior while disabled)."""
+        ratio = self._prefill[cluster]
+        return self._clamp(ratio.value() if self.settings.enabled else ratio.prior_value)
+
+    def decode_scale(self) -> float:
+        """What the model's decode step takes, times (1.0 while disabled)."""
+        return self._clamp(self._decode.value()) if self.settings.enabled else 1.0
+
+    def first_token(self, cluster: str, modelled_compute_s: float, link_s: float, observed_s: float,
+                    predicted_s: float) -> None:
+        """A request's first token came ``observed_s`` after dispatch. ``modelled_compute_s``: its queue
+        and prefill before calibration; ``link_s``: the KV's predicted time on the link; ``predicted_s``:
+        the TTFT predicted when it was routed (for the error series)."""
+        if observed_s <= 0 or cluster not in self._prefill:
+            return
+        self.errors.append(abs(predicted_s - observed_s) / observed_s)
+        if modelled_compute_s > 0:
+            self._prefill[cluster].add(max(observed_s - link_s, 0.0), modelled_compute_s)
+            self.samples[cluster] += 1
+
+    def token_gap(self, observed_s: float, modelled_step_s: float) -> None:
+        """Two tokens of a stream ``observed_s`` apart, where the model predicts ``modelled_step_s``."""
+        if observed_s > 0 and modelled_step_s > 0:
+            self._decode.add(observed_s, modelled_step_s)
+
+    def error_series(self) -> list[dict]:
+        """Mean relative TTFT error per consecutive group of ``error_group`` completed requests."""
+        g = self.settings.error_group
+        return [{"requests": f"{i + 1}-{i + len(chunk)}", "mean_relative_error": sum(chunk) / len(chunk)}
+                for i in range(0, len(self.errors), g) for chunk in [self.errors[i:i + g]]]
+
+    def describe(self) -> dict:
+        return {"enabled": self.settings.enabled,
+                "prefill_scale": {c: self.prefill_scale(c) for c in CLUSTERS},
+                "decode_scale": self.decode_scale(),
+                "samples": dict(self.samples), "decode_samples": len(self._decode),
+                "ttft_error_series": self.error_series()}
