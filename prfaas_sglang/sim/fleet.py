@@ -24,6 +24,7 @@ role with an empty cache. The router's runtime model and ``t`` move to the new s
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from dataclasses import dataclass, field
 import simpy
 
 from prfaas_sglang.engine.mock.timing import EngineTiming, load_timing
+from prfaas_sglang.engine.mock.truth import ServiceTruth
 from prfaas_sglang.plan.model import OperatingPoint
 from prfaas_sglang.plan.workload import MOONCAKE_BLOCK_TOKENS, Workload
+from prfaas_sglang.router.calibration import CalibrationSettings
 from prfaas_sglang.router.longterm import (
     LongTermController,
     LongTermSettings,
@@ -47,6 +50,7 @@ from prfaas_sglang.router.policy import (
     NoDecodeRoom,
     NoHealthyWorker,
     RouteInput,
+    refuse_early,
 )
 from prfaas_sglang.router.service import RouterConfig, new_service
 from prfaas_sglang.router.threshold import ControllerSettings
@@ -137,6 +141,17 @@ class SimSettings:
     admission_timeout_s: float = 60.0
     threshold: ControllerSettings = field(default_factory=ControllerSettings)
     prefix_cache_tokens: int = 2_097_152  # per prefill node (the emulated engine's --cache-tokens)
+    # The router: early rejection's bound and placement by expected TTFT (model seconds; None: off,
+    # as the live router's --no-early-rejection / --placement threshold), its online calibration.
+    max_ttft_s: float | None = None
+    ttft_target_s: float | None = None
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    # The nodes' truth apart from the router's model (engine/mock/truth.py): per cluster kind
+    # (prfaas | pd) the mean prefill and decode factors, and the per-request prefill noise.
+    prefill_bias: tuple[tuple[str, float], ...] = ()
+    decode_bias: float = 1.0
+    noise_sigma: float = 0.0
+    seed: int = 0
 
 
 class Simulation:
@@ -149,7 +164,7 @@ class Simulation:
                        for kind, cost in self.runtime.costs.items()}
         s = self.settings
         config = RouterConfig(mode=s.mode, admission_timeout_s=s.admission_timeout_s, controller=s.threshold,
-                              max_ttft_s=None)
+                              max_ttft_s=s.max_ttft_s, ttft_target_s=s.ttft_target_s, calibration=s.calibration)
         records = workers_from_topology(topology)
         self.service = new_service(config, self.runtime, records)
         self.longterm = LongTermController(self.runtime, s.longterm) if s.longterm else None
@@ -174,13 +189,17 @@ class Simulation:
     def _bring_up(self, record: WorkerRecord, role: str) -> None:
         timing = self._timing(record)
         record.role = role
+        s = self.settings
         if role == "prefill":
+            truth = ServiceTruth(dict(s.prefill_bias).get(record.cluster, 1.0), s.decode_bias, s.noise_sigma,
+                                 s.seed * 1_000_003 + zlib.crc32(record.name.encode()))
             node = PrefillNode(self.env, record.name, record.cluster, timing, self.settings.chunk_tokens,
-                               self._prefill_done, self.settings.prefix_cache_tokens // BLOCK)
+                               self._prefill_done, self.settings.prefix_cache_tokens // BLOCK, truth)
             self.service.index.add_worker(record.name, record.cluster, BLOCK)
             pool = None
         else:
-            node = DecodeNode(self.env, record.name, timing, timing.max_batch, timing.kv_pool_tokens, self._decode_done)
+            node = DecodeNode(self.env, record.name, timing, timing.max_batch, timing.kv_pool_tokens, self._decode_done,
+                              s.decode_bias)
             self.service.index.remove_worker(record.name)
             pool = timing.kv_pool_tokens
         self.nodes[record.name] = node
@@ -214,7 +233,11 @@ class Simulation:
         except NoHealthyWorker as err:
             req.rejected = f"no worker: {err}"
             return True
+        if refuse_early(decision, self.service.config.max_ttft_s):
+            req.rejected = f"estimated TTFT {decision.estimated_ttft_s:.1f} s"
+            return True
         req.lease = self.service.begin(req, decision, self.env.now, 0)
+        req.dispatched_s = self.env.now
         node = self.nodes[decision.prefill]
         held = node.cache.match(blocks, self.runtime.hybrid) * BLOCK
         req.cluster, req.prefill_node, req.decode_node = decision.cluster, decision.prefill, decision.decode
@@ -225,12 +248,12 @@ class Simulation:
     def _prefill_done(self, node: PrefillNode, req: SimRequest) -> None:
         req.prefill_done_s = self.env.now
         self._completed["prfaas" if node.cluster == PRFAAS else "pd-prefill"] += 1
-        self.service.prefill_done(req.lease)
         self._publish(node, req)
-        if node.cluster == PRFAAS:
+        if node.cluster == PRFAAS:  # the prefill leg ends when its KV has shipped, as SGLang's (and the router sees)
             req.kv_bytes = self.runtime.kv_bytes(req.input_tokens)
             self.link.send(req, req.kv_bytes, self._kv_arrived)
         else:
+            self.service.prefill_done(req.lease)
             self._kv_arrived(req)
 
     def _publish(self, node: PrefillNode, req: SimRequest) -> None:
@@ -250,11 +273,15 @@ class Simulation:
         self.service.index.apply(node.name, self._seq[node.name], events, states)
 
     def _kv_arrived(self, req: SimRequest) -> None:
+        if req.cluster == PRFAAS:
+            self.service.prefill_done(req.lease)
         req.kv_arrived_s = self.env.now
         self.nodes[req.decode_node].arrive(req)
 
     def _decode_done(self, node: DecodeNode, req: SimRequest) -> None:
         self._completed["pd-decode"] += 1
+        if req.first_token_s is not None:  # the router learns from it at the end (the live one: at the first token)
+            self.service.first_token(req.lease, req.first_token_s - req.dispatched_s)
         self.service.finish(req.lease)
         self._retry_blocked()
 

@@ -37,6 +37,7 @@ import simpy
 
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob
 from prfaas_sglang.engine.mock.timing import EngineTiming
+from prfaas_sglang.engine.mock.truth import ServiceTruth
 
 
 @dataclass(eq=False)
@@ -59,6 +60,7 @@ class SimRequest:
     finish_s: float | None = None
     rejected: str | None = None
     lease: object = None
+    dispatched_s: float | None = None  # when the router sent its legs (the router's TTFT starts here)
 
     @property
     def kv_tokens(self) -> int:  # the router's ``EngineRequest.kv_tokens``
@@ -122,8 +124,9 @@ class BlockCache:
 
 class PrefillNode:
     def __init__(self, env: simpy.Environment, name: str, cluster: str, timing: EngineTiming, chunk_tokens: int | None,
-                 on_done: Callable[[PrefillNode, SimRequest], None], cache_blocks: int):
+                 on_done: Callable[[PrefillNode, SimRequest], None], cache_blocks: int, truth: ServiceTruth | None = None):
         self.env, self.name, self.cluster, self.timing = env, name, cluster, timing
+        self.truth = truth or ServiceTruth()
         self.on_done = on_done
         self.queue = ChunkedPrefill(chunk_tokens, timing.prefill_s)
         self.cache = BlockCache(cache_blocks)
@@ -138,7 +141,7 @@ class PrefillNode:
         return not self.jobs
 
     def submit(self, req: SimRequest, uncached_tokens: int) -> None:
-        job = PrefillJob(max(uncached_tokens, 1))
+        job = PrefillJob(max(uncached_tokens, 1), cost_factor=self.truth.prefill_factor())
         self.jobs[job] = req
         self.queue.add(job)
         if not self._wake.triggered:
@@ -163,8 +166,9 @@ _FIRST_TOKEN, _DONE = 0, 1  # a first token due at the same step as a finish is 
 
 class DecodeNode:
     def __init__(self, env: simpy.Environment, name: str, timing: EngineTiming, max_batch: int, pool_tokens: int,
-                 on_finish: Callable[[DecodeNode, SimRequest], None]):
+                 on_finish: Callable[[DecodeNode, SimRequest], None], decode_bias: float = 1.0):
         self.env, self.name, self.timing, self.max_batch = env, name, timing, max_batch
+        self.decode_bias = decode_bias  # the truth's mean step factor (steps are aggregated here: no per-step noise)
         self.on_finish = on_finish
         self.pool = KvPool(pool_tokens)
         self.waiting: deque[SimRequest] = deque()
@@ -192,7 +196,7 @@ class DecodeNode:
         key = (batch, int(context_tokens) >> 10)  # 1K-token buckets of context
         cached = self._step_cache.get(key)
         if cached is None:
-            cached = self._step_cache[key] = self.timing.decode_step_s(batch, (key[1] << 10) + 512)
+            cached = self._step_cache[key] = self.timing.decode_step_s(batch, (key[1] << 10) + 512) * self.decode_bias
         return cached
 
     def _advance(self) -> None:
