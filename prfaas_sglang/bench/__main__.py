@@ -16,7 +16,9 @@ Benchmarks:
   decode-affinity  conversations with and without decode affinity (emulated hybrid workers, decode radix
                  cache): KV the decode workers receive, the part over the PrfaaS link, latency
   compare        goodput: our router vs homogeneous, naive, sglang-router (two settings) and smg,
-                 identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root)
+                 identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root);
+                 --capacity: capacity at an SLO (>= 90% / 99% of all arrivals) against every peer
+                 at its best configuration (swept), by bisection on offered load
   transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
   kv-runs        the request sizes SGLang's Mooncake sender makes once its allocators have served a
@@ -35,6 +37,7 @@ Benchmarks:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -116,16 +119,34 @@ def main(argv: list[str] | None = None) -> int:
     rg.add_argument("--no-tokenizer", action="store_true", help="without the shipped tokenizer loaded")
     rg.add_argument("--json", action="store_true")
     cmp_ = sub.add_parser("compare", help="goodput: our router vs every baseline, identical arrivals, several seeds, shaped link")
-    cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH")
-    cmp_.add_argument("--seeds", type=int, default=5)
+    cmp_.add_argument("--workload", default="case-study", help="case-study | trace:PATH (--capacity: also shift)")
+    cmp_.add_argument("--seeds", type=int, default=None, help="seeds (default: 5; --capacity: 3)")
     cmp_.add_argument("--link", choices=("abundant", "scarce"), default="abundant")
     cmp_.add_argument("--load", default="0.8",
                       help="offered load as a fraction of the planned capacity; a comma list sweeps (e.g. 0.5,1,1.5,2)")
     cmp_.add_argument("--rows", default=None, help="comma list of rows (default: all)")
     cmp_.add_argument("--duration", type=float, default=30.0, help="arrival window per seed, wall seconds")
     cmp_.add_argument("--ttft-slo-s", type=float, default=5.0, help="TTFT SLO, emulated seconds")
-    cmp_.add_argument("--speedup", type=float, default=2.0)
+    cmp_.add_argument("--speedup", type=float, default=None, help="emulated time's speedup (default 2; --capacity: 4)")
     cmp_.add_argument("--json", action="store_true")
+    cap = cmp_.add_argument_group("capacity at an SLO (--capacity; bench/capacity.py)")
+    cap.add_argument("--capacity", action="store_true", help="capacity at >= 90%% and >= 99%% attainment, every row")
+    cap.add_argument("--quick", action="store_true", help="a smoke run: one seed, few arrivals, coarse bisection, "
+                                                          "ours and sglang-router's default only (under 10 min)")
+    cap.add_argument("--families", default=None,
+                     help="peer families swept and bisected: comma list of sglang-router, smg, naive, homogeneous, "
+                          "or none (default: all)")
+    cap.add_argument("--ours", default=None, help="our rows (default: prfaas and its ablations)")
+    cap.add_argument("--peers", default=None,
+                     help="peer rows to bisect as given, one per family, without a sweep (e.g. the best another "
+                          "condition's sweep found)")
+    cap.add_argument("--link-drop", action="store_true", help="the link's capacity / 4 for one emulated minute")
+    cap.add_argument("--bias", type=float, default=None,
+                     help="the engines' prefill and decode take this x the profile (the study: ours with calibration "
+                          "on, off, and with the true scale given; no peers)")
+    cap.add_argument("--out", type=Path, default=None, help="also write the JSON result here (a piece to --merge)")
+    cap.add_argument("--merge", type=Path, nargs="+", default=None,
+                     help="merge pieces written with --out (no run) and print them")
     ap = sub.add_parser("aiperf-check", help="TTFT of one trace through our router: AIPerf vs our client")
     ap.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf", help="the aiperf executable (make aiperf-env)")
     ap.add_argument("--load", type=float, default=0.5)
@@ -324,9 +345,17 @@ def main(argv: list[str] | None = None) -> int:
             print(header)
             print(json.dumps(result, indent=2))
             return 0
+    elif args.name == "compare" and (args.capacity or args.merge):
+        from prfaas_sglang.bench import capacity as bench
+
+        result, header = _capacity(args, parser, stamp)
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1))
     elif args.name == "compare":
         from prfaas_sglang.bench import compare as bench
 
+        args.seeds = args.seeds or 5
+        args.speedup = args.speedup or 2.0
         try:
             loads = [float(x) for x in args.load.split(",")]
         except ValueError:
@@ -638,6 +667,51 @@ def main(argv: list[str] | None = None) -> int:
         print(bench.render_markdown(result))
     return 0
 
+
+
+def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser, stamp: str) -> tuple[dict, str]:
+    """``compare --capacity`` (or ``--merge``): the setting from the flags, the run, its header line."""
+    from prfaas_sglang.bench import capacity, capacity_rows
+
+    if args.merge:
+        return capacity.merge([capacity.load(p) for p in args.merge]), f"<!-- merged {len(args.merge)} pieces; {stamp} -->"
+    from prfaas_sglang.demo.netns import available
+
+    if (why := available()) is not None:
+        parser.error(f"the shaped PrfaaS link {why}")
+    if args.workload not in ("case-study", "shift") and not args.workload.startswith("trace:"):
+        parser.error("--workload: case-study, shift or trace:PATH")
+    families = capacity_rows.FAMILIES if args.families is None else tuple(f for f in args.families.split(",") if f != "none")
+    if unknown := set(families) - set(capacity_rows.FAMILIES):
+        parser.error(f"unknown families {sorted(unknown)}")
+    ours = tuple(args.ours.split(",")) if args.ours else None
+    setting = capacity.CapacitySetting(workload=args.workload, link=args.link, link_drop=args.link_drop,
+                                       speedup=args.speedup or 4.0)
+    if args.seeds is not None:
+        setting = dataclasses.replace(setting, seeds=args.seeds)
+    if args.bias is not None:
+        if not 0.1 <= args.bias <= 10:
+            parser.error("--bias must be in [0.1, 10]")
+        setting = dataclasses.replace(setting, prefill_bias=args.bias, decode_bias=args.bias)
+        families = ()
+        ours = ours or ("prfaas", "prfaas-no-calibration", capacity_rows.oracle_row(args.bias).name)
+    if args.quick:
+        setting = dataclasses.replace(setting, seeds=1, scored_per_seed=20, sweep_scored=16, warmup_s=10.0,
+                                      resolution=0.5, resolution_99=1.0, max_rounds=4)
+        families = tuple(f for f in families if f == "sglang-router")[:1]
+        ours = ours or ("prfaas",)
+    if ours and (unknown := [n for n in ours if n not in capacity_rows.ALL and not n.startswith("prfaas-measured-")]):
+        parser.error(f"unknown rows {unknown}")
+    peers = tuple(args.peers.split(",")) if args.peers else None
+    if peers and (unknown := [n for n in peers if n not in capacity_rows.ALL or capacity_rows.ALL[n].family == "ours"]):
+        parser.error(f"unknown peer rows {unknown}")
+    result = capacity.run(setting, families, ours, quick=args.quick, peers=peers,
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
+    header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
+              f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
+              f"{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
+              f"{f' --ours {args.ours}' if args.ours else ''} --seeds {setting.seeds} --speedup {setting.speedup:g}; {stamp} -->")
+    return result, header
 
 
 def _trace_path(given: str | None) -> str:

@@ -62,9 +62,11 @@ class RequestResult:
         return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else 0.0
 
 
-async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arrival) -> RequestResult:
-    """POST ``arrival`` with ``stream: true``; never raises for HTTP or connection errors."""
-    result = RequestResult(arrival.input_tokens or 0)
+async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arrival,
+                         result: RequestResult | None = None) -> RequestResult:
+    """POST ``arrival`` with ``stream: true``; never raises for HTTP or connection errors. ``result``
+    (optional) is filled as the stream goes, so a caller that cancels the task keeps what came."""
+    result = result if result is not None else RequestResult(arrival.input_tokens or 0)
     body = {**arrival.body, "stream": True}
     start = last = time.perf_counter()
     try:

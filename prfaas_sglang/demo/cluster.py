@@ -320,12 +320,14 @@ PEER_PORT_ATTEMPTS = 3  # starts of a peer router whose picked port another proc
 
 def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], decode: list[Worker], *,
                       prefill_policy: str = "cache_aware", decode_policy: str | None = None,
-                      host: str = "127.0.0.1", name: str | None = None, timeout_s: float = 90) -> str:
+                      host: str = "127.0.0.1", name: str | None = None, timeout_s: float = 90,
+                      extra_args: tuple[str, ...] = ()) -> str:
     """Start a PyPI PD router (``sglang-router`` 0.3.x or ``smg`` 1.x) over these workers; returns its URL
     once it routes (smg registers workers in the background after ``/health`` answers, so this waits
     until ``/v1/models`` lists a model). ``decode_policy`` None: ``power_of_two`` (load-aware) where there
     are two decode workers or more, else ``round_robin`` (smg refuses power_of_two over one). smg is
-    waited for until ``GET /workers`` shows every worker ready: it lists a model after the first."""
+    waited for until ``GET /workers`` shows every worker ready: it lists a model after the first.
+    ``extra_args``: more of the peer's own flags (admission knobs, balance thresholds, ...)."""
     decode_policy = decode_policy or ("power_of_two" if len(decode) >= 2 else "round_robin")
     pick = PortPicker()
     workers = [arg for w in prefill for arg in ("--prefill", w.url, str(w.bootstrap_port))]
@@ -336,7 +338,7 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
         port = pick(host)
         argv = [sys.executable, "-m", PEER_ROUTERS[kind], "--pd-disaggregation", *workers,
                 "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
-                "--prometheus-port", str(pick(host))]
+                "--prometheus-port", str(pick(host)), *extra_args]
         proc = group.start(name or kind, argv)
         url = f"http://{host}:{port}"
         try:

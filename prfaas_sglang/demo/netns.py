@@ -57,6 +57,11 @@ class Netns:
             _sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", self.inner, "root", "tbf",
                 "rate", f"{rate_mbit}mbit", "burst", f"{TBF_BURST_BYTES}b", "latency", "2000ms")
 
+    def set_rate(self, rate_mbit: float) -> None:
+        """Change the shaped rate in place (``tc qdisc replace``: the link is never unshaped meanwhile)."""
+        _sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", self.inner, "root", "tbf",
+            "rate", f"{rate_mbit}mbit", "burst", f"{TBF_BURST_BYTES}b", "latency", "2000ms")
+
     def rx_bytes(self) -> int:
         """Bytes the root namespace has received from inside (the link's egress, at the wire)."""
         return int(Path(f"/sys/class/net/{self.outer}/statistics/rx_bytes").read_text())

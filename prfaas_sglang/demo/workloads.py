@@ -14,6 +14,7 @@ the topology for the same stream, so the router plans for what it will see.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -62,7 +63,7 @@ def case_study(duration_s: float, rate: float, output_tokens: int, max_input_tok
             break
         n = int(dist.sample(rng, 1)[0])
         if text is not None:
-            out.append(completion_text(t, text.text(rng, n), output_tokens, model))
+            out.append(dataclasses.replace(completion_text(t, text.text(rng, n), output_tokens, model), input_tokens=n))
         else:
             out.append(generate_ids(t, [rng.randrange(VOCAB) for _ in range(n)], output_tokens))
     return out

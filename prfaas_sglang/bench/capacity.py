@@ -1,0 +1,753 @@
+"""Capacity at an SLO: our router against every peer at its best (``bench compare --capacity``).
+
+The yardstick is a serving expert's: per row, the highest arrival rate at which >= 90% (and,
+separately, >= 99%) of *all* arrivals meet both SLOs (TTFT, and mean time between tokens); a
+refusal, a failure or a request never served is a miss (``bench/slo.py``). Method:
+
+* **Engines apart from the router's model.** Every emulated engine runs with per-request
+  log-normal noise (sigma 0.2, mean one) and, in the bias study, a per-deployment bias
+  (``engine/mock/truth.py``); the router learns only from what it observes.
+* **Each peer at its best.** A short sweep (one seed, two loads) over each family's grid
+  (``bench/capacity_rows.py``: policies, load signals, balance and admission knobs; both
+  homogeneous splits) ranks the configurations by mean attainment; only each family's best
+  is bisected. The sweep is in the result.
+* **Bisection on offered load** (``slo.CapacitySearch``): expand by 1.5x until bracketed, then
+  geometric midpoints until ``hi / lo <= 1 + resolution``. Each probe pools ``seeds`` seeds of
+  ``scored_per_seed`` scored arrivals (>= 200 per row and probe at the defaults), after a
+  warm-up of ``warmup_s`` that is not scored and followed by a cool-down that keeps the load on
+  until the last scored request is done. Rows are interleaved per probe and seed in a random
+  order; before each run the deployment is idle and its caches flushed, and the row's router is
+  started afresh (nothing carries over between runs).
+* **Identical arrivals.** A seed is one stream of prompts at unit rate; a probe at rate
+  ``lambda`` plays it with every offset divided by ``lambda``, so rows and loads see the same
+  prompts in the same order.
+
+Units: rates and SLOs are in emulated (model) seconds; engines run ``speedup`` times faster
+than wall time and ship ``kv_scale`` of the KV bytes over a link shaped to
+``capacity x kv_scale x speedup``.
+
+Workloads: ``case-study`` (the paper's log-normal, <= 64K tokens); ``shift`` (the same, every
+prompt twice as long from the middle of the scored window on: the median doubles);
+``trace:PATH`` (a Mooncake trace: its lengths, prefix reuse and burstiness, time-compressed).
+Condition ``link_drop``: the link's capacity falls 4x for ``drop_s`` emulated seconds from the
+start of the scored window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import re
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from prfaas_sglang import runtime
+from prfaas_sglang.bench import capacity_rows as rows_mod
+from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row
+from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
+from prfaas_sglang.demo import workloads
+from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
+from prfaas_sglang.demo.cluster import (
+    LocalDeployment,
+    ProcessGroup,
+    StartupError,
+    get_json,
+    local_topology,
+    scrape_metric,
+    start_deployment,
+    start_peer_router,
+    start_router,
+)
+from prfaas_sglang.demo.netns import Netns
+from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
+from prfaas_sglang.topology import parse_topology
+
+SERVED_NAME = "prfaas-capacity"
+MAX_INPUT_TOKENS = 65_536
+LINKS_GBPS = {"abundant": 25.0, "scarce": 2.0}  # modelled capacity per PrfaaS instance
+# The TTFT SLO per link (emulated s): on an idle deployment every prompt (<= 64K tokens) can meet it.
+# At 2 Gbps a 64K prompt's KV alone takes 5.2 s on the wire (and 8.7 s to prefill on PD-P): a 5 s SLO
+# would be missed by ~14% of requests at any load, so no row could reach 90%.
+TTFT_SLO_S = {"abundant": 5.0, "scarce": 10.0}
+ACCELERATORS = ("h200x8", "h20x8")
+SWEEP_LOADS = (0.4, 0.7)  # x the planned capacity of the hetero deployment
+# The lowest load probed, x planned: a capacity below it reads 0 (a probe's scored window grows as 1 / load:
+# at 0.2x, 67 arrivals take 4 emulated minutes).
+FLOOR = 0.2
+
+
+@dataclass(frozen=True)
+class CapacitySetting:
+    workload: str = "case-study"
+    link: str = "abundant"
+    link_drop: bool = False
+    speedup: float = 4.0
+    kv_scale: float = 0.01
+    output_tokens: int = 64
+    ttft_slo_s: float | None = None  # emulated; None: TTFT_SLO_S[link]
+    tbt_tokens_per_s: float = 40.0
+    seeds: int = 3
+    scored_per_seed: int = 70
+    warmup_s: float = 15.0  # emulated
+    prefill_bias: float = 1.0
+    decode_bias: float = 1.0
+    noise_sigma: float = 0.2
+    resolution: float = 0.10  # of the 90% capacity: hi / lo <= 1.10
+    resolution_99: float = 0.20  # of the 99% capacity
+    give_up_slos: float = 2.5  # no first token by arrival + this x the TTFT SLO: the request is a miss
+    drop_s: float = 60.0  # emulated, with link_drop
+    sweep_scored: int = 50  # scored arrivals per sweep run (one seed)
+    max_rounds: int = 8
+
+    @property
+    def ttft_slo(self) -> float:
+        """The TTFT SLO (emulated s). With a bias, every SLO is in the biased hardware's time (x bias)."""
+        return (self.ttft_slo_s or TTFT_SLO_S[self.link]) * self.prefill_bias
+
+    @property
+    def tbt_slo(self) -> float:
+        return self.decode_bias / self.tbt_tokens_per_s
+
+    @property
+    def wire_mbit(self) -> float:
+        return LINKS_GBPS[self.link] * 1e3 * self.kv_scale * self.speedup
+
+    @property
+    def condition(self) -> str:
+        parts = [self.workload.split("/")[-1] if self.workload.startswith("trace:") else self.workload, self.link]
+        if self.link_drop:
+            parts.append("link-drop")
+        if self.prefill_bias != 1.0 or self.decode_bias != 1.0:
+            parts.append(f"bias-{self.prefill_bias:g}")
+        return "/".join(parts)
+
+
+# --- arrivals ------------------------------------------------------------------------------------
+
+
+def prior(setting: CapacitySetting) -> dict:
+    """The topology's ``scheduler.workload``: what the router plans for (the shift's second half is not in it)."""
+    return workloads.prior("case-study" if setting.workload == "shift" else setting.workload, MAX_INPUT_TOKENS)
+
+
+class Stream:
+    """One seed's prompts at unit rate: ``(unit_offset, n_tokens, body factory)``. Lengths and text
+    are drawn once; a probe at rate ``lam`` divides the offsets by ``lam``."""
+
+    def __init__(self, setting: CapacitySetting, seed: int, text: workloads.TextSource):
+        self.setting, self.seed, self.text = setting, seed, text
+        self._items: list[tuple[float, int, tuple[int, ...]]] = []  # unit offset, base tokens, trace blocks
+        self._texts: dict[tuple[int, int], str] = {}
+        self._rng = random.Random(seed)
+        self._t = 0.0
+        if setting.workload.startswith("trace:"):
+            self._load_trace(setting.workload[len("trace:"):], seed)
+
+    def _load_trace(self, path: str, seed: int) -> None:
+        records = list(workloads.trace_records(path))
+        start = (seed * 997) % max(len(records) - 1, 1)
+        chosen = records[start:] + records[:start]
+        span_s = max((chosen[min(len(chosen) - 1, 400)].timestamp_ms - chosen[0].timestamp_ms) / 1e3, 1e-3)
+        rate = min(len(chosen) - 1, 400) / span_s  # the trace's own mean rate over the part a run uses
+        t0 = chosen[0].timestamp_ms
+        for rec in chosen:
+            offset = (rec.timestamp_ms - t0) / 1e3 * rate
+            if rec.timestamp_ms < t0:  # wrapped around: continue after the last
+                break
+            self._items.append((offset, min(rec.input_length, MAX_INPUT_TOKENS), tuple(rec.hash_ids)))
+
+    def _grow(self, count: int) -> None:
+        dist = TruncatedLogNormal(9.90, 1.00, 128, MAX_INPUT_TOKENS)
+        while len(self._items) < count:
+            self._t += self._rng.expovariate(1.0)
+            self._items.append((self._t, int(dist.sample(self._rng, 1)[0]), ()))
+
+    def arrivals(self, lam: float, until_s: float) -> list[tuple[float, Arrival]]:
+        """(emulated offset, arrival) for every prompt before ``until_s`` emulated seconds at rate ``lam``."""
+        if not self.setting.workload.startswith("trace:"):
+            self._grow(int(lam * until_s * 1.5) + 50)
+        out = []
+        for i, (unit, n, blocks) in enumerate(self._items):
+            offset = unit / lam
+            if offset >= until_s:
+                break
+            out.append((offset, self._arrival(i, offset, n, blocks, lam)))
+        if out and out[-1][0] < until_s * 0.9 and self.setting.workload.startswith("trace:"):
+            raise ValueError(f"the trace segment ends at {out[-1][0]:.0f} s of the {until_s:.0f} s a probe needs")
+        return out
+
+    def _arrival(self, i: int, offset: float, n: int, blocks: tuple[int, ...], lam: float) -> Arrival:
+        s = self.setting
+        if s.workload == "shift" and offset >= s.warmup_s + s.scored_per_seed / lam / 2:
+            n = min(2 * n, MAX_INPUT_TOKENS)  # from the middle of the scored window: the median doubles
+        key = (i, n)
+        if key not in self._texts:
+            if blocks:  # a trace: the same text wherever a block id appears (prefix reuse)
+                used = blocks[: -(-n // workloads.BLOCK_TOKENS)]
+                self._texts[key] = "".join(self.text.text(random.Random(h), workloads.BLOCK_TOKENS) for h in used)
+            else:
+                self._texts[key] = self.text.text(random.Random(self.seed * 1_000_003 + i), n)
+        out_tokens = s.output_tokens
+        arrival = completion_text(offset / s.speedup, self._texts[key], out_tokens, SERVED_NAME)
+        return dataclasses.replace(arrival, input_tokens=n)
+
+
+def schedule(stream: Stream, setting: CapacitySetting, lam: float, scored: int) -> tuple[list[Arrival], range]:
+    """A run's arrivals (wall offsets) and which of them are scored: the warm-up, ``scored`` arrivals, and a
+    cool-down that keeps the load on until the last scored request must be done."""
+    window_s = scored / lam
+    cooldown_s = setting.give_up_slos * setting.ttft_slo + setting.output_tokens * setting.tbt_slo * 2
+    timed = stream.arrivals(lam, setting.warmup_s + window_s * 1.6 + cooldown_s + 10)
+    first = next((i for i, (t, _) in enumerate(timed) if t >= setting.warmup_s), len(timed))
+    last = min(first + scored, len(timed))
+    end_s = (timed[last - 1][0] if last > first else setting.warmup_s) + cooldown_s
+    arrivals = [a for t, a in timed if t <= end_s]
+    return arrivals, range(first, last)
+
+
+# --- deployments ---------------------------------------------------------------------------------
+
+
+def topology(setting: CapacitySetting, kind: str, net: Netns | None = None) -> dict:
+    n_prfaas, n_p, n_d = DEPLOYMENTS[kind]
+    doc = local_topology(prfaas=n_prfaas, pd_prefill=n_p, pd_decode=n_d, speedup=setting.speedup, kv_scale=setting.kv_scale,
+                         output_tokens=setting.output_tokens, workload=prior(setting), tokenizer=SHIPPED,
+                         served_name=SERVED_NAME, accelerators=ACCELERATORS, link_gbps=setting.wire_mbit / 1e3,
+                         ttft_slo_s=setting.ttft_slo, router=False,
+                         **({"hosts": {"prfaas": net.inner_ip}, "host": net.outer_ip} if net is not None else {}))
+    return doc
+
+
+def planned_capacity(setting: CapacitySetting) -> float:
+    """The hetero deployment's Lambda_max (eq. 6 at its planned t), emulated requests/s."""
+    model = runtime.from_topology(parse_topology(topology(setting, "hetero")))
+    return model.capacity_rps() / setting.speedup
+
+
+@dataclass
+class Up:
+    """A deployment that is up: its processes, its namespace (shaped ones) and its topology document."""
+
+    kind: str
+    group: ProcessGroup
+    deployment: LocalDeployment
+    doc: dict
+    net: Netns | None
+
+    def workers(self, role_prefix: str) -> list:
+        return [w for n, w in self.deployment.workers.items() if n.startswith(role_prefix)]
+
+
+class Fleet:
+    """The deployments a phase needs, started through the launcher and kept up between runs."""
+
+    def __init__(self, setting: CapacitySetting, log_dir: Path):
+        self.setting, self.log_dir = setting, log_dir
+        self.up: dict[str, Up] = {}
+
+    def get(self, kind: str) -> Up:
+        if kind not in self.up:
+            self.up[kind] = self._start(kind)
+        return self.up[kind]
+
+    def keep_only(self, kinds: set[str]) -> None:
+        for kind in list(self.up):
+            if kind not in kinds:
+                self._stop(self.up.pop(kind))
+
+    def close(self) -> None:
+        self.keep_only(set())
+
+    def _start(self, kind: str) -> Up:
+        s = self.setting
+        group = ProcessGroup(self.log_dir / kind)
+        net = None
+        if kind in SHAPED:
+            net = Netns(random.Random().randrange(16, 250)).__enter__()
+            net.throttle(s.wire_mbit)
+        try:
+            doc = topology(s, kind, net)
+            args = {role: self._engine_args(role, i) for i, role in enumerate(("prfaas", "pd-prefill", "pd-decode"))}
+            dep = start_deployment(group, doc, engine_args=args, wrap={"prfaas": net.wrap} if net else None, name=kind)
+        except BaseException:
+            group.stop()
+            if net is not None:
+                net.__exit__(None, None, None)
+            raise
+        return Up(kind, group, dep, doc, net)
+
+    def _engine_args(self, role: str, index: int) -> tuple[str, ...]:
+        s = self.setting
+        return ("--context-tokens", str(2 * MAX_INPUT_TOKENS + s.output_tokens), "--prefill-bias", f"{s.prefill_bias:g}",
+                "--decode-bias", f"{s.decode_bias:g}", "--noise-sigma", f"{s.noise_sigma:g}", "--noise-seed", str(index))
+
+    @staticmethod
+    def _stop(up: Up) -> None:
+        up.group.stop()
+        if up.net is not None:
+            up.net.__exit__(None, None, None)
+
+
+def wait_idle(up: Up, timeout_s: float = 60.0) -> bool:
+    """Every worker reports nothing running, waiting or holding KV (True), or ``timeout_s`` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            loads = [get_json(w.url + "/v1/loads")["loads"][0] for w in up.deployment.workers.values()]
+        except OSError:
+            loads = None
+        if loads and all(x["num_running_reqs"] == 0 and x["num_waiting_reqs"] == 0 and x["num_used_tokens"] == 0
+                         for x in loads):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def flush(up: Up) -> None:
+    for w in up.deployment.workers.values():
+        urllib.request.urlopen(urllib.request.Request(w.url + "/flush_cache", method="POST"), timeout=5).read()
+
+
+BUCKET_ORDER_TRIES = 6
+
+
+def start_row_router(row: Row, up: Up, group: ProcessGroup) -> str:
+    """A fresh router process for ``row`` over ``up``; returns its URL. A peer's ``bucket`` policy gives its
+    first registered prefill worker the shortest prompts, and the peers register workers in no fixed order
+    (sglang-router: a random id's; smg: its job queue's): the router is started again until its log shows
+    the PD-P worker first."""
+    if row.router == "prfaas":
+        return start_router(group, up.doc, *row.args, name=row.name).url
+    prfaas, pd_p, pd_d = up.workers("prfaas"), up.workers("pd-prefill"), up.workers("pd-decode")
+    prefill = prfaas if row.prefill == "prfaas" else pd_p + prfaas  # PD-P first: the short bucket
+    log = group.log_dir / f"{row.name}.log"
+    for _ in range(BUCKET_ORDER_TRIES):
+        offset = log.stat().st_size if log.exists() else 0
+        url = start_peer_router(group, row.router, prefill, pd_d, prefill_policy=row.prefill_policy,
+                                decode_policy=row.decode_policy, name=row.name, extra_args=row.args)
+        if row.prefill_policy != "bucket" or len(prefill) < 2 or bucket_first(log, offset, len(prefill)) == prefill[0].url:
+            return url
+        group.stop(grace_s=1.0)
+        group.procs.clear()
+    raise StartupError(f"{row.name}: the PD-P worker never came first in the bucket order ({BUCKET_ORDER_TRIES} starts)")
+
+
+BOUNDARY = re.compile(r'Init boundary:\[(.*)\]')
+BOUNDARY_URL = re.compile(r'url: "([^"]+)"')
+
+
+def bucket_first(log: Path, offset: int, workers: int, timeout_s: float = 10.0) -> str | None:
+    """The worker a peer's bucket policy gives the shortest prompts: the first url of the last ``Init boundary``
+    line naming ``workers`` workers written after ``offset`` (None if none within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with log.open("rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+        lines = [BOUNDARY_URL.findall(m.group(1)) for m in BOUNDARY.finditer(text)]
+        full = [urls for urls in lines if len(urls) == workers]
+        if full:
+            return full[-1][0]
+        time.sleep(0.2)
+    return None
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+
+async def replay_scored(url: str, arrivals: list[Arrival], scored: range, give_up_s: float,
+                        finish_s: float) -> list[RequestResult]:
+    """Send ``arrivals`` on schedule (wall offsets); return the scored ones' results. A scored request
+    without a first token ``give_up_s`` after it was sent is abandoned (a miss); one with a first token
+    gets up to ``finish_s`` more to finish. Unscored requests are cancelled once every scored one is done."""
+    results = [RequestResult(a.input_tokens or 0) for a in arrivals]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
+        start = time.perf_counter()
+        tasks: list[asyncio.Task] = []
+        for arrival, result in zip(arrivals, results, strict=True):
+            delay = start + arrival.offset_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result.sent_s = time.perf_counter() - start
+            tasks.append(asyncio.create_task(stream_request(session, url, arrival, result)))
+        for i in scored:
+            task, result = tasks[i], results[i]
+            while not task.done():
+                now = time.perf_counter() - start
+                limit = result.sent_s + give_up_s + (finish_s if result.ttft_s is not None else 0.0)
+                if now >= limit:
+                    task.cancel()
+                    break
+                await asyncio.wait([task], timeout=min(limit - now, 0.5))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return [results[i] for i in scored]
+
+
+REFUSAL_STATUSES = (408, 429, 503)  # a router's load shedding (sglang-router's queue timeout is a 408)
+
+
+def outcome(result: RequestResult, speedup: float) -> Outcome:
+    """A client's result as an :class:`Outcome` in model seconds. No first token: refused (a shedding status),
+    failed (any other answer), or unserved (no answer before the harness gave up). A stream that did not end
+    cleanly, or not in time, has an infinite mean TBT."""
+    if result.ttft_s is None:
+        refused = result.status in REFUSAL_STATUSES
+        return Outcome(result.input_tokens, None, None, refused, not refused and result.status is not None)
+    complete = result.ok and result.output_tokens > 0  # output_tokens is set when the stream ends
+    return Outcome(result.input_tokens, result.ttft_s * speedup, result.mean_tbt_s * speedup if complete else math.inf)
+
+
+def engine_timing(url: str) -> tuple[float, float]:
+    """(intended, actual) wall seconds of an emulated engine's forwards and decode steps so far."""
+    return (scrape_metric(url, "prfaas:forward_intended_seconds_total"),
+            scrape_metric(url, "prfaas:forward_actual_seconds_total"))
+
+
+class LinkDrop:
+    """The link's capacity / 4 from ``at_s`` for ``for_s`` (wall), then back (a thread)."""
+
+    def __init__(self, net: Netns | None, rate_mbit: float, at_s: float, for_s: float):
+        self.net, self.rate_mbit, self.at_s, self.for_s = net, rate_mbit, at_s, for_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        if self._stop.wait(self.at_s):
+            return
+        self.net.set_rate(self.rate_mbit / 4)
+        self._stop.wait(self.for_s)
+        self.net.set_rate(self.rate_mbit)
+
+    def __enter__(self) -> LinkDrop:
+        if self.net is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.net is not None:
+            self._thread.join()
+            self.net.set_rate(self.rate_mbit)
+
+
+class Runner:
+    """Runs one row at one load on one seed's stream, from an idle, flushed deployment and a fresh router."""
+
+    def __init__(self, setting: CapacitySetting, fleet: Fleet, log_dir: Path, log=print):
+        self.setting, self.fleet, self.log_dir, self.log = setting, fleet, log_dir, log
+        self.text = workloads.TextSource(PromptTokenizer.load(SHIPPED))
+        self.streams: dict[int, Stream] = {}
+
+    def stream(self, seed: int) -> Stream:
+        if seed not in self.streams:
+            self.streams[seed] = Stream(self.setting, seed, self.text)
+        return self.streams[seed]
+
+    def run(self, row: Row, lam: float, seed: int, scored: int) -> dict:
+        s = self.setting
+        up = self.fleet.get(row.deployment)
+        arrivals, scored_range = schedule(self.stream(seed), s, lam, scored)
+        phases = {"begin": time.monotonic()}
+        clean = wait_idle(up)
+        flush(up)
+        phases["idle"] = time.monotonic()
+        group = ProcessGroup(self.log_dir / "routers")
+        prfaas = up.workers("prfaas")
+        prefills = prfaas + up.workers("pd-prefill")
+        engines = list(up.deployment.workers.values())
+        try:
+            url = self._start_router(row, up, group)
+            phases["router_up"] = time.monotonic()
+            before = [scrape_metric(w.url, "prfaas:requests_ok_total") for w in prefills]
+            timing_before = [engine_timing(w.url) for w in engines]
+            drop_at = (arrivals[scored_range.start].offset_s if s.link_drop and len(scored_range) else math.inf)
+            give_up = s.give_up_slos * s.ttft_slo / s.speedup
+            with LinkDrop(up.net if s.link_drop else None, s.wire_mbit, drop_at, s.drop_s / s.speedup):
+                results = asyncio.run(replay_scored(url, arrivals, scored_range, give_up,
+                                                    s.output_tokens * s.tbt_slo * 4 / s.speedup))
+            phases["replayed"] = time.monotonic()
+            status = get_json(url + "/status", timeout_s=5) if row.router == "prfaas" else None
+            done = [scrape_metric(w.url, "prfaas:requests_ok_total") - b for w, b in zip(prefills, before, strict=True)]
+            timing = [(w.name.startswith("pd-decode"),) + tuple(a - b for a, b in zip(engine_timing(w.url), tb, strict=True))
+                      for w, tb in zip(engines, timing_before, strict=True)]
+        finally:
+            group.stop(grace_s=1.0)
+        phases["end"] = time.monotonic()
+        phases = {k: round(v - phases["begin"], 2) for k, v in phases.items() if k != "begin"}
+        outcomes = [outcome(r, s.speedup) for r in results]
+        remote = sum(done[: len(prfaas)])
+        return {"row": row.name, "load": lam, "seed": seed, "outcomes": outcomes, "clean_start": clean,
+                "window_s": len(scored_range) / lam, "offload_fraction": remote / sum(done) if sum(done) else 0.0,
+                "calibration": (status or {}).get("calibration"), "routed": (status or {}).get("routed"),
+                "engine_timing_s": {stage: [sum(t[i] for t in timing if t[0] == decode) for i in (1, 2)]
+                                    for stage, decode in (("prefill", False), ("decode", True))},
+                "phases_s": phases}
+
+    def _start_router(self, row: Row, up: Up, group: ProcessGroup) -> str:
+        """The row's router, started afresh; a start that fails is tried once more (a port taken meanwhile)."""
+        try:
+            return start_row_router(row, up, group)
+        except StartupError as err:
+            self.log(f"{row.name}: router did not start ({err}); again")
+            group.stop()
+            return start_row_router(row, up, group)
+
+
+# --- the search ----------------------------------------------------------------------------------
+
+
+def probe_summary(runs: list[dict], setting: CapacitySetting) -> dict:
+    """One row at one load: the pooled score over its seeds, and each seed's attainment."""
+    pooled = [o for r in runs for o in r["outcomes"]]
+    window = sum(r["window_s"] for r in runs)
+    summary = score(pooled, window, setting.ttft_slo, setting.tbt_slo).as_dict()
+    summary["per_seed_attainment"] = {str(r["seed"]): score(r["outcomes"], r["window_s"], setting.ttft_slo,
+                                                            setting.tbt_slo).attainment for r in runs}
+    summary["offload_fraction"] = statistics.fmean(r["offload_fraction"] for r in runs)
+    summary["dirty_starts"] = sum(not r["clean_start"] for r in runs)
+    summary["engine_timing_error"] = timing_error(runs)
+    calib = [r["calibration"] for r in runs if r.get("calibration")]
+    if calib:
+        summary["calibration"] = calib
+    return summary
+
+
+def timing_error(runs: list[dict]) -> dict:
+    """Per stage (prefill forwards, decode steps): actual / intended wall time - 1, over ``runs``."""
+    out = {}
+    for stage in ("prefill", "decode"):
+        intended = sum(r["engine_timing_s"][stage][0] for r in runs)
+        out[stage] = sum(r["engine_timing_s"][stage][1] for r in runs) / intended - 1 if intended else None
+    return out
+
+
+def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tuple[str, ...], log,
+          quick: bool = False) -> dict:
+    """Each family's grid at ``SWEEP_LOADS`` x planned on seed 0; the best by mean attainment (a grid of one
+    configuration is not run: it is the best)."""
+    out = {}
+    for family in families:
+        grid = rows_mod.family_rows(family)[:1] if quick else rows_mod.family_rows(family)
+        if len(grid) == 1:
+            out[family] = {"grid": [{"row": grid[0].name, "attainment": {}, "mean": None, "why": grid[0].why}],
+                           "best": grid[0].name, "loads_x_planned": []}
+            continue
+        table = []
+        for deployment in dict.fromkeys(r.deployment for r in grid):
+            runner.fleet.keep_only({deployment})
+            for row in (r for r in grid if r.deployment == deployment):
+                att = {}
+                for frac in SWEEP_LOADS:
+                    run = runner.run(row, frac * planned, 0, setting.sweep_scored)
+                    att[f"{frac:g}"] = score(run["outcomes"], run["window_s"], setting.ttft_slo, setting.tbt_slo).attainment
+                table.append({"row": row.name, "attainment": att, "mean": statistics.fmean(att.values()), "why": row.why})
+                log(f"sweep {family} {row.name}: {att}")
+        best = max(table, key=lambda x: (x["mean"], -len(x["row"])))
+        out[family] = {"grid": table, "best": best["row"], "loads_x_planned": list(SWEEP_LOADS)}
+    return out
+
+
+def start_from_sweep(family: dict) -> float:
+    """Where the bisection of a family's best starts (x planned): just above the highest sweep load it met 90% at
+    (0.9 without a sweep)."""
+    best = next(x for x in family["grid"] if x["row"] == family["best"])
+    if not best["attainment"]:
+        return 0.9
+    passed = [float(k) for k, a in best["attainment"].items() if a >= 0.9]
+    return 1.2 * max(passed) if passed else 0.7 * min(float(k) for k in best["attainment"])
+
+
+def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[Row], log, seed_rng: random.Random,
+           starts: dict[str, float] | None = None) -> dict:
+    """Capacity of each row: rounds of one probe per unresolved row, seeds and rows interleaved at random.
+    ``starts``: a row's first load, x planned (default 0.9)."""
+    starts = starts or {}
+    searches = {r.name: CapacitySearch(start=starts.get(r.name, 0.9) * planned, resolution=setting.resolution,
+                                       coarse=setting.resolution_99, floor=FLOOR * planned, ceiling=4.0 * planned)
+                for r in rows}
+    probes: dict[str, list[dict]] = {r.name: [] for r in rows}
+    runner.fleet.keep_only({r.deployment for r in rows})
+    for round_no in range(setting.max_rounds):
+        loads = {r.name: searches[r.name].next_load() for r in rows}
+        active = [r for r in rows if loads[r.name] is not None]
+        if not active:
+            break
+        runs: dict[str, list[dict]] = {r.name: [] for r in active}
+        seeds = list(range(setting.seeds))
+        seed_rng.shuffle(seeds)
+        for seed in seeds:
+            order = list(active)
+            seed_rng.shuffle(order)
+            for row in order:
+                runs[row.name].append(runner.run(row, loads[row.name], seed, setting.scored_per_seed))
+        for row in active:
+            summary = probe_summary(runs[row.name], setting)
+            summary["load_rps"] = loads[row.name]
+            summary["round"] = round_no
+            probes[row.name].append(summary)
+            searches[row.name].record(loads[row.name], summary["attainment"])
+            log(f"round {round_no} {row.name} @ {loads[row.name]:.3f}: attainment {summary['attainment']:.3f} "
+                f"(refused {summary['refused']}, unserved {summary['unserved']})")
+    return {r.name: row_result(searches[r.name], probes[r.name], setting) for r in rows}
+
+
+def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySetting) -> dict:
+    by_seed: dict[str, dict[float, float]] = {}
+    for p in probes:
+        for seed, att in p["per_seed_attainment"].items():
+            by_seed.setdefault(seed, {})[p["load_rps"]] = att
+    out = {"capacity_rps": {}, "per_seed_capacity_rps": {}, "search": search.describe(), "probes": probes}
+    for target in search.targets:
+        key = f"{target:g}"
+        out["capacity_rps"][key] = search.capacity(target)
+        out["per_seed_capacity_rps"][key] = {seed: per_seed_capacity(att, target) for seed, att in by_seed.items()}
+    at = nearest_probe(probes, search.capacity(0.9))
+    if at is not None:
+        out["at_capacity"] = {k: at[k] for k in ("load_rps", "attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                                                 "goodput_rps", "token_goodput_tps", "refused", "refused_by_bucket",
+                                                 "offload_fraction", "arrivals")}
+    return out
+
+
+def nearest_probe(probes: list[dict], load: float) -> dict | None:
+    passing = [p for p in probes if abs(p["load_rps"] - load) < 1e-9]
+    return passing[0] if passing else None
+
+
+def ratios(rows: dict, families: dict[str, str]) -> dict:
+    """Ours over each family's best, pooled and per seed; ``capacity_ratio_vs_best`` against the best of all."""
+    ours = rows.get("prfaas")
+    if ours is None:
+        return {}
+    out = {}
+    for target in ("0.9", "0.99"):
+        others = {fam: rows[name] for fam, name in families.items() if name in rows}
+        if not others:
+            continue
+        best_family = max(others, key=lambda f: others[f]["capacity_rps"][target])
+        per_family = {}
+        for fam, other in others.items():
+            theirs = other["capacity_rps"][target]
+            seeds = ours["per_seed_capacity_rps"][target]
+            per_seed = [seeds[k] / other["per_seed_capacity_rps"][target][k] for k in seeds
+                        if other["per_seed_capacity_rps"][target].get(k)]
+            per_family[fam] = {"row": families[fam], "ratio": ours["capacity_rps"][target] / theirs if theirs else None,
+                               "per_seed": spread(per_seed)}
+        out[target] = {"vs": per_family, "best_other": families[best_family],
+                       "capacity_ratio_vs_best": per_family[best_family]["ratio"],
+                       "capacity_ratio_vs_best_per_seed": per_family[best_family]["per_seed"]}
+    return out
+
+
+def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES, ours: tuple[str, ...] | None = None,
+        log_dir: Path | None = None, seed: int = 0, log=print, quick: bool = False,
+        peers: tuple[str, ...] | None = None) -> dict:
+    """The sweep, then the bisection of ours and each family's best; the result document. ``quick``: each
+    family's grid is its first configuration alone (no sweep runs). ``peers``: these peer rows are bisected
+    as each family's best, without a sweep (the best found in another condition's sweep)."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-capacity-"))
+    planned = planned_capacity(setting)
+    fleet = Fleet(setting, log_dir)
+    runner = Runner(setting, fleet, log_dir, log)
+    started = time.monotonic()
+    ours_rows = [rows_mod.row_named(n) for n in (ours if ours is not None else [r.name for r in rows_mod.OURS])]
+    try:
+        if peers is not None:
+            families = tuple(dict.fromkeys(rows_mod.ALL[p].family for p in peers))
+            swept = {rows_mod.ALL[p].family: {"grid": [{"row": p, "attainment": {}, "mean": None, "why": "given (--peers)"}],
+                                               "best": p, "loads_x_planned": []} for p in peers}
+        else:
+            swept = sweep(runner, setting, planned, families, log, quick)
+        best = {fam: swept[fam]["best"] for fam in families}
+        starts = {swept[fam]["best"]: start_from_sweep(swept[fam]) for fam in families}
+        capacity = bisect(runner, setting, planned, ours_rows + [rows_mod.ALL[n] for n in best.values()], log,
+                          random.Random(seed), starts)
+    finally:
+        fleet.close()
+    return {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
+            "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
+            "sweep": swept, "best_config": best, "rows": capacity, "ratios": ratios(capacity, best),
+            "wall_s": time.monotonic() - started, "logs": str(log_dir)}
+
+
+def merge(documents: list[dict]) -> dict:
+    """Pieces (one condition each, or already merged) into one document keyed by condition."""
+    conditions: dict[str, dict] = {}
+    for doc in documents:
+        for cond in doc.get("conditions", [doc]):
+            conditions[cond["condition"]] = cond
+    return {"conditions": list(conditions.values())}
+
+
+def load(path: Path) -> dict:
+    doc = json.loads(Path(path).read_text())
+    return doc.get("result", doc)
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _f(x, fmt="{:.3f}") -> str:
+    return "n/a" if x is None else ("inf" if isinstance(x, float) and math.isinf(x) else fmt.format(x))
+
+
+def render_markdown(result: dict) -> str:
+    """Per condition: the capacity table, the ratios, the sweep."""
+    return "\n\n".join(_render_condition(c) for c in result.get("conditions", [result]))
+
+
+def _render_condition(r: dict) -> str:
+    planned = r["planned_capacity_rps"]
+    setting = r["setting"]
+    lines = [f"**{r['condition']}**: TTFT SLO {r['ttft_slo_s']:g} s, mean TBT <= {1e3 * r['tbt_slo_s']:g} ms (emulated); "
+             f"planned capacity of the hetero deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
+             f"{setting['scored_per_seed']} scored arrivals per probe; resolution hi/lo <= {1 + setting['resolution']:g} "
+             f"(90%), {1 + setting['resolution_99']:g} (99%); speedup {setting['speedup']:g}, engine noise sigma "
+             f"{setting['noise_sigma']:g}; {r['wall_s'] / 60:.0f} min", "",
+             "| row | capacity @90% (req/s) | x planned | per seed [min, max] | @99% | attainment | TTFT p50 / p90 / p99 (s, all arrivals) "
+             "| goodput (req/s) | prompt tok/s in SLO | refused (of which >=16K) | offload | engine timing error (prefill / decode) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in r["rows"].items():
+        c90, c99 = row["capacity_rps"]["0.9"], row["capacity_rps"]["0.99"]
+        seeds = list(row["per_seed_capacity_rps"]["0.9"].values())
+        at = row.get("at_capacity") or {}
+        refused_long = sum(v[0] for k, v in (at.get("refused_by_bucket") or {}).items() if k in ("16K-32K", ">=32K"))
+        timing = next((p.get("engine_timing_error") for p in row["probes"] if p.get("engine_timing_error")), {}) or {}
+        lines.append(
+            f"| {name} | {c90:.3f} | {c90 / planned:.2f} | [{_f(min(seeds, default=None))}, {_f(max(seeds, default=None))}] "
+            f"| {c99:.3f} | {_f(at.get('attainment'))} | {_f(at.get('ttft_p50_s'), '{:.2f}')} / {_f(at.get('ttft_p90_s'), '{:.2f}')} / "
+            f"{_f(at.get('ttft_p99_s'), '{:.2f}')} | {_f(at.get('goodput_rps'))} | {_f(at.get('token_goodput_tps'), '{:.0f}')} | "
+            f"{at.get('refused', 'n/a')} ({refused_long}) | {_f(at.get('offload_fraction'), '{:.2f}')} | "
+            f"{_f(timing.get('prefill'), '{:.3f}')} / {_f(timing.get('decode'), '{:.2f}')} |")
+    for target, x in r.get("ratios", {}).items():
+        per_seed = x["capacity_ratio_vs_best_per_seed"]
+        spread_txt = (f" (per seed: median {per_seed['median']:.2f}, [{per_seed['min']:.2f}, {per_seed['max']:.2f}])"
+                      if per_seed else "")
+        versus = ", ".join(f"{fam} ({v['row']}) {_f(v['ratio'], '{:.2f}')}" for fam, v in x["vs"].items())
+        lines.append(f"\ncapacity_ratio_vs_best @{float(target):.0%}: **{_f(x['capacity_ratio_vs_best'], '{:.2f}')}** "
+                     f"vs {x['best_other']}{spread_txt}; ours / each family's best: {versus}")
+    sweep_rows = [(fam, g) for fam, x in r.get("sweep", {}).items() for g in x["grid"] if g["attainment"]]
+    if sweep_rows:
+        loads = next(x["loads_x_planned"] for x in r["sweep"].values() if x["loads_x_planned"])
+        lines += ["", "Sweep (seed 0; attainment at " + ", ".join(f"{x:g}x" for x in loads) + " planned):", "",
+                  "| family | configuration | " + " | ".join(f"{x:g}x" for x in loads) + " | chosen | why |",
+                  "|---|---|" + "---|" * len(loads) + "---|---|"]
+        for fam, g in sweep_rows:
+            chosen = "**best**" if r["sweep"][fam]["best"] == g["row"] else ""
+            lines.append(f"| {fam} | {g['row']} | " + " | ".join(_f(g["attainment"].get(f"{x:g}")) for x in loads)
+                         + f" | {chosen} | {g['why']} |")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""What `bench compare --capacity` compares: deployments, rows, and each peer's sweep grid (pure data).
+
+A *row* is a router over a deployment. Ours run in the product's default configuration and in
+the ablations that take one mechanism away. Every peer gets a grid of its own configurations,
+drawn from its documented knobs and its source (sglang-router 0.3.2, smg 1.13: the prefill
+policies, their load signals and balance thresholds, and the peer's own admission); a short
+sweep picks each family's best, and only the best is bisected. Why each grid entry is there
+is said next to it, so a reader can check that nothing the peer offers was left out.
+
+Deployments (the paper's case study in miniature, 32 H200 + 64 H20 GPUs vs 96 H20):
+
+    hetero       PrfaaS (8xH200, its egress over the shaped link) + PD-P + PD-D (8xH20)
+    naive        PrfaaS (8xH200, shaped link) + 2 PD-D: every prefill remote
+    homog-2p1d   3 x 8xH20, two prefill and one decode instance
+    homog-1p2d   3 x 8xH20, one prefill and two decode instances
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (PrfaaS, PD prefill, PD decode) instances; shaped: the PrfaaS egress crosses the link
+DEPLOYMENTS = {"hetero": (1, 1, 1), "naive": (1, 0, 2), "homog-2p1d": (0, 2, 1), "homog-1p2d": (0, 1, 2)}
+SHAPED = ("hetero", "naive")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One router over one deployment. ``router``: ``prfaas`` (ours) or a peer (``sglang-router``, ``smg``);
+    ``args``: its flags beyond the workers and policies; ``prefill``: which prefill workers a peer is given
+    (``all``: the PD-P worker first, then PrfaaS, so a length bucket puts the short prompts on PD-P; ``prfaas``:
+    the PrfaaS worker alone)."""
+
+    name: str
+    family: str  # ours | sglang-router | smg | naive | homogeneous
+    deployment: str
+    router: str
+    args: tuple[str, ...] = ()
+    prefill: str = "all"
+    prefill_policy: str = "cache_aware"
+    decode_policy: str | None = None  # None: start_peer_router's choice (power_of_two over 2+ decode workers)
+    why: str = ""
+
+
+OURS = (
+    Row("prfaas", "ours", "hetero", "prfaas", (), why="the product's defaults: placement by expected TTFT, calibration, "
+        "early rejection"),
+    Row("prfaas-routing-only", "ours", "hetero", "prfaas", ("--no-early-rejection",),
+        why="ablation: placement by expected TTFT, admission off"),
+    Row("prfaas-admission-only", "ours", "hetero", "prfaas", ("--placement", "threshold"),
+        why="ablation: the paper's threshold rule (with the SLO spill of early rejection), admission on"),
+    Row("prfaas-rule-only", "ours", "hetero", "prfaas", ("--placement", "threshold", "--no-early-rejection"),
+        why="ablation: the paper's threshold rule alone"),
+)
+
+# Every peer knob in seconds is wall time, and the emulation runs `speedup` times faster: each interval is
+# set to its smallest value, so no peer reacts slower than it could.
+# sglang-router 0.3.2. Its load signals: in-flight counts it keeps itself (cache_aware, which for a
+# streamed PD request starts counting only after the prefill answered) or /get_load polled every
+# --worker-startup-check-interval (power_of_two; default 30 s). Its admission: a token bucket of
+# --max-concurrent-requests refilled at --rate-limit-tokens-per-second, a queue, 408 on its timeout.
+SR_FLAGS_ADMISSION = ("--rate-limit-tokens-per-second", "1", "--queue-size", "256", "--queue-timeout-secs", "1")
+SGLANG_ROUTER = (
+    Row("sr-cache_aware", "sglang-router", "hetero", "sglang-router", why="its default"),
+    Row("sr-round_robin", "sglang-router", "hetero", "sglang-router", prefill_policy="round_robin",
+        why="speed-blind 50/50 split"),
+    Row("sr-power_of_two", "sglang-router", "hetero", "sglang-router", ("--worker-startup-check-interval", "1"),
+        prefill_policy="power_of_two", why="its load-aware policy, loads polled every second (default 30 s)"),
+    Row("sr-bucket", "sglang-router", "hetero", "sglang-router", ("--bucket-adjust-interval-secs", "1"),
+        prefill_policy="bucket", why="its length-aware policy: short prompts on the first worker (PD-P), long on "
+        "PrfaaS; boundaries re-balanced every second (default 5 s)"),
+    Row("sr-prfaas-only", "sglang-router", "hetero", "sglang-router", prefill="prfaas",
+        why="the fast worker does every prefill (the obvious setting of a length-blind router)"),
+    Row("sr-cache_aware-admit8", "sglang-router", "hetero", "sglang-router",
+        ("--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION), why="its admission: ~8 in flight (Little's law "
+        "at the planned capacity), a 1 s queue timeout"),
+    Row("sr-power_of_two-admit8", "sglang-router", "hetero", "sglang-router",
+        ("--worker-startup-check-interval", "1", "--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION),
+        prefill_policy="power_of_two", why="load-aware policy with its admission"),
+)
+
+# smg 1.13. Loads polled every --load-monitor-interval (default 10 s); overload protection (on by
+# default) leaves out a worker reporting >= 8 waiting requests or >= 0.8 KV usage and, when all are
+# out, bypasses the policy. --job-queue-concurrency 1 registers workers in flag order (bucket order).
+SMG_FRESH = ("--load-monitor-interval", "1", "--job-queue-concurrency", "1")
+SMG_P2_LEAST = ("--power-of-two-load-metric", "least_requests", *SMG_FRESH)
+SMG = (
+    Row("smg-cache_aware", "smg", "hetero", "smg", ("--job-queue-concurrency", "1"), why="its default"),
+    Row("smg-cache_aware-fresh", "smg", "hetero", "smg", (*SMG_FRESH, "--disable-worker-overload-protection"),
+        why="default policy, loads every second, no overload bypass"),
+    Row("smg-least_load", "smg", "hetero", "smg",
+        ("--least-load-mean-prefill-tokens", "21000", "--least-load-kv-pressure-weight", "0", *SMG_FRESH),
+        prefill_policy="least_load", why="its expected-wait policy, told the workload's mean prompt (default 1024)"),
+    Row("smg-power_of_two", "smg", "hetero", "smg", SMG_P2_LEAST, prefill_policy="power_of_two",
+        why="fewest in-flight prefill legs (exact, its own count; includes the KV's time on the link)"),
+    Row("smg-round_robin", "smg", "hetero", "smg", ("--job-queue-concurrency", "1"), prefill_policy="round_robin",
+        why="speed-blind split"),
+    Row("smg-bucket", "smg", "hetero", "smg", ("--job-queue-concurrency", "1", "--disable-worker-overload-protection",
+                                                "--bucket-adjust-interval-secs", "1"),
+        prefill_policy="bucket", why="its length-aware policy, PD-P on the short bucket, re-balanced every second "
+        "(overload protection off: with it a bucket whose worker is marked overloaded answers 503)"),
+    Row("smg-p2-inflight2", "smg", "hetero", "smg",
+        (*SMG_P2_LEAST, "--prefill-max-inflight-requests-per-worker", "2", "--prefill-queue-size", "4096"),
+        prefill_policy="power_of_two", why="a shared router queue, 2 prefill legs per worker: whichever frees first "
+        "takes the next (the fast worker takes more)"),
+    Row("smg-p2-inflight4", "smg", "hetero", "smg",
+        (*SMG_P2_LEAST, "--prefill-max-inflight-requests-per-worker", "4", "--prefill-queue-size", "4096"),
+        prefill_policy="power_of_two", why="the same, 4 legs per worker"),
+    Row("smg-p2-inflight2-timeout", "smg", "hetero", "smg",
+        (*SMG_P2_LEAST, "--prefill-max-inflight-requests-per-worker", "2", "--prefill-queue-size", "4096",
+         "--prefill-queue-timeout-secs", "1"),
+        prefill_policy="power_of_two", why="its nearest thing to early rejection: refuse what waited 1 s in its queue"),
+    Row("smg-p2-shed", "smg", "hetero", "smg", (*SMG_P2_LEAST, "--worker-overload-shed"), prefill_policy="power_of_two",
+        why="its overload protection shedding (503) instead of steering"),
+)
+
+NAIVE = (
+    Row("naive-sr-cache_aware", "naive", "naive", "sglang-router", why="sglang-router's default (power_of_two decode)"),
+    Row("naive-sr-round_robin", "naive", "naive", "sglang-router", prefill_policy="round_robin", decode_policy="round_robin",
+        why="decode split evenly"),
+    Row("naive-smg-power_of_two", "naive", "naive", "smg", SMG_P2_LEAST, prefill_policy="power_of_two",
+        decode_policy="power_of_two", why="smg, fewest in flight on both legs"),
+)
+
+HOMOGENEOUS = tuple(
+    row for split in ("2p1d", "1p2d") for row in (
+        Row(f"homog-{split}-sr-cache_aware", "homogeneous", f"homog-{split}", "sglang-router", why="the planner's "
+            "split is 2P1D; both splits swept"),
+        Row(f"homog-{split}-sr-round_robin", "homogeneous", f"homog-{split}", "sglang-router", prefill_policy="round_robin",
+            decode_policy="round_robin", why="even split"),
+        Row(f"homog-{split}-smg-power_of_two", "homogeneous", f"homog-{split}", "smg", SMG_P2_LEAST,
+            prefill_policy="power_of_two", decode_policy="power_of_two" if split == "1p2d" else "round_robin",
+            why="fewest in flight"),
+    ))
+
+# Ours with a model that disagrees with the engines (the bias study): calibration off, and the
+# operator's measured scale given up front (the model then matches the truth's mean).
+def oracle_row(bias: float) -> Row:
+    return Row(f"prfaas-measured-{bias:g}", "ours", "hetero", "prfaas",
+               ("--no-calibration", "--prefill-scale", f"prfaas={bias:g}", "--prefill-scale", f"pd={bias:g}"),
+               why=f"the model scaled by the true mean factor ({bias:g}), no online calibration")
+
+
+NO_CALIBRATION = Row("prfaas-no-calibration", "ours", "hetero", "prfaas", ("--no-calibration",),
+                     why="the topology's model as given, no online calibration")
+
+PEERS = SGLANG_ROUTER + SMG + NAIVE + HOMOGENEOUS
+ALL = {r.name: r for r in OURS + PEERS + (NO_CALIBRATION,)}
+FAMILIES = ("sglang-router", "smg", "naive", "homogeneous")
+
+
+def row_named(name: str) -> Row:
+    """A row by name (``prfaas-measured-B``: ours with the true scale B given; KeyError for an unknown one)."""
+    if name.startswith("prfaas-measured-"):
+        return oracle_row(float(name[len("prfaas-measured-"):]))
+    return ALL[name]
+
+
+def family_rows(family: str) -> tuple[Row, ...]:
+    return tuple(r for r in PEERS if r.family == family)

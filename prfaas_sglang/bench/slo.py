@@ -1,0 +1,181 @@
+"""Capacity at an SLO, measured as a serving expert measures it (pure: no clocks, no I/O).
+
+Every arrival ends in one :class:`Outcome`, in model seconds. It *meets the SLO* when it
+was served, its first token came within ``ttft_slo_s`` and its mean time between tokens
+within ``tbt_slo_s``. A refusal (429/503 before any work), a failure, or a request whose
+first token never came before the harness gave up on it is a **miss**: attainment is
+over all arrivals, so refusing work is never throughput.
+
+:func:`score` summarises one probe (one offered load, arrivals pooled over seeds)::
+
+    attainment        met / arrivals
+    ttft_p50/90/99_s  over all arrivals, a request never served counted as infinite
+    goodput_rps       met / the arrival window
+    token_goodput     prompt tokens of the requests that met the SLO / the arrival window
+    refused_by_bucket refusals per prompt-length bucket (long prompts refused show here)
+
+:class:`CapacitySearch` finds, per attainment target (0.90 and 0.99), the highest offered
+load that meets it, by expanding and then bisecting (geometric midpoints) until the
+bracket ``[lo, hi]`` satisfies ``hi / lo <= 1 + resolution``: ``lo`` passed, ``hi`` failed.
+Attainment is assumed to fall with load; a pass above a recorded failure is not credited
+(the bracket stays conservative). One probe informs every target.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prfaas_sglang.bench.stats import percentile
+
+TARGETS = (0.90, 0.99)
+LENGTH_BUCKETS = ((0, 4096, "<4K"), (4096, 16384, "4K-16K"), (16384, 32768, "16K-32K"), (32768, math.inf, ">=32K"))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One arrival, in model seconds. ``ttft_s`` None: no first token (refused, failed, or given up on)."""
+
+    input_tokens: int
+    ttft_s: float | None
+    mean_tbt_s: float | None = None
+    refused: bool = False
+    failed: bool = False
+
+    def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+        return (not self.refused and not self.failed and self.ttft_s is not None and self.ttft_s <= ttft_slo_s
+                and (self.mean_tbt_s or 0.0) <= tbt_slo_s)
+
+
+def bucket_of(input_tokens: int) -> str:
+    return next(name for lo, hi, name in LENGTH_BUCKETS if lo <= input_tokens < hi)
+
+
+@dataclass(frozen=True)
+class ProbeScore:
+    arrivals: int
+    met: int
+    refused: int
+    failed: int
+    unserved: int  # neither refused nor failed, and no first token before the harness gave up
+    attainment: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    goodput_rps: float
+    token_goodput_tps: float
+    refused_by_bucket: dict[str, list[int]]  # bucket -> [refused, arrivals]
+
+    def as_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(self).items()}
+
+
+def score(outcomes: Sequence[Outcome], window_s: float, ttft_slo_s: float, tbt_slo_s: float) -> ProbeScore:
+    """One probe's figures over ``outcomes`` (every scored arrival) in an arrival window of ``window_s``.
+    An infinite percentile is written ``None`` by :meth:`ProbeScore.as_dict` (JSON has no infinity)."""
+    if not outcomes:
+        raise ValueError("a probe needs at least one arrival")
+    met = [o for o in outcomes if o.meets(ttft_slo_s, tbt_slo_s)]
+    ttfts = [math.inf if o.ttft_s is None or o.refused or o.failed else o.ttft_s for o in outcomes]
+    by_bucket: dict[str, list[int]] = {name: [0, 0] for _, _, name in LENGTH_BUCKETS}
+    for o in outcomes:
+        cell = by_bucket[bucket_of(o.input_tokens)]
+        cell[0] += o.refused
+        cell[1] += 1
+    refused = sum(o.refused for o in outcomes)
+    failed = sum(o.failed and not o.refused for o in outcomes)
+    return ProbeScore(
+        arrivals=len(outcomes), met=len(met), refused=refused, failed=failed,
+        unserved=sum(o.ttft_s is None and not o.refused and not o.failed for o in outcomes),
+        attainment=len(met) / len(outcomes),
+        ttft_p50_s=percentile(ttfts, 0.50), ttft_p90_s=percentile(ttfts, 0.90), ttft_p99_s=percentile(ttfts, 0.99),
+        goodput_rps=len(met) / window_s, token_goodput_tps=sum(o.input_tokens for o in met) / window_s,
+        refused_by_bucket={k: v for k, v in by_bucket.items() if v[1]})
+
+
+@dataclass
+class CapacitySearch:
+    """Bisection on offered load for each attainment target. ``start``: the first load probed;
+    ``resolution``: done when ``hi / lo <= 1 + resolution`` (``coarse``: the same for the targets
+    above ``coarse_above``, whose probes cost as much for a figure read less finely); loads stay in ``[floor, ceiling]`` (a
+    target whose bracket would leave it is resolved there: capacity below ``floor`` reads 0, above
+    ``ceiling`` reads ``ceiling``); ``expand``: the factor of each step while not yet bracketed."""
+
+    start: float
+    resolution: float = 0.10
+    floor: float = 0.05
+    ceiling: float = 8.0
+    expand: float = 1.5
+    targets: tuple[float, ...] = TARGETS
+    coarse: float | None = None
+    coarse_above: float = 0.95
+    probes: dict[float, float] = field(default_factory=dict)  # load -> attainment
+
+    def resolution_of(self, target: float) -> float:
+        return self.coarse if self.coarse is not None and target > self.coarse_above else self.resolution
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor <= self.start <= self.ceiling:
+            raise ValueError(f"need 0 < floor <= start <= ceiling, got {self.floor}, {self.start}, {self.ceiling}")
+        if self.resolution <= 0 or self.expand <= 1:
+            raise ValueError("resolution must be > 0 and expand > 1")
+
+    def record(self, load: float, attainment: float) -> None:
+        self.probes[round(load, 9)] = attainment
+
+    def bracket(self, target: float) -> tuple[float | None, float | None]:
+        """(lo, hi): the lowest failing load ``hi`` and the highest passing load below it ``lo``."""
+        fails = [load for load, a in self.probes.items() if a < target]
+        hi = min(fails) if fails else None
+        passes = [load for load, a in self.probes.items() if a >= target and (hi is None or load < hi)]
+        return (max(passes) if passes else None), hi
+
+    def _next_for(self, target: float) -> float | None:
+        lo, hi = self.bracket(target)
+        if lo is None and hi is None:
+            return self.start
+        if lo is None:
+            nxt = hi / self.expand
+            return None if hi <= self.floor * (1 + 1e-9) else max(nxt, self.floor)
+        if hi is None:
+            return None if lo >= self.ceiling * (1 - 1e-9) else min(lo * self.expand, self.ceiling)
+        if hi / lo <= 1 + self.resolution_of(target):
+            return None
+        return math.sqrt(lo * hi)
+
+    def next_load(self) -> float | None:
+        """The next load to probe (the first unresolved target's), or None when every target is resolved."""
+        for target in self.targets:
+            nxt = self._next_for(target)
+            if nxt is not None:
+                return nxt
+        return None
+
+    def capacity(self, target: float) -> float:
+        """The highest load shown to meet ``target`` (0.0 if none did)."""
+        lo, _ = self.bracket(target)
+        return lo or 0.0
+
+    def describe(self) -> dict:
+        return {"probes": [{"load": load, "attainment": a} for load, a in sorted(self.probes.items())],
+                "resolution": {f"{t:g}": self.resolution_of(t) for t in self.targets},
+                "brackets": {f"{t:g}": dict(zip(("lo", "hi"), self.bracket(t), strict=True)) for t in self.targets}}
+
+
+def per_seed_capacity(attainment_by_load: Mapping[float, float], target: float) -> float:
+    """One seed's capacity on the probed loads: the highest load such that every probed load up to it
+    met ``target`` (0.0 when the lowest probe missed)."""
+    capacity = 0.0
+    for load in sorted(attainment_by_load):
+        if attainment_by_load[load] < target:
+            break
+        capacity = load
+    return capacity
+
+
+def spread(values: Iterable[float]) -> dict | None:
+    """Median, min and max (None for no values)."""
+    vs = [v for v in values if v is not None]
+    return {"median": statistics.median(vs), "min": min(vs), "max": max(vs)} if vs else None

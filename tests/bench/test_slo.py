@@ -1,0 +1,76 @@
+"""Capacity at an SLO (bench/slo.py, pure): scoring over all arrivals, and the bisection's brackets."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score
+
+TTFT, TBT = 5.0, 0.025
+
+
+def test_ttft_over_all_arrivals_counts_a_refusal_as_infinite():
+    served = [Outcome(1000, 1.0, 0.01) for _ in range(8)]
+    refused = [Outcome(40_000, None, None, refused=True), Outcome(50_000, None, None, refused=True)]
+    s = score(served + refused, window_s=10.0, ttft_slo_s=TTFT, tbt_slo_s=TBT)
+    assert s.attainment == pytest.approx(0.8) and s.refused == 2
+    assert s.ttft_p50_s == 1.0 and math.isinf(s.ttft_p90_s) and math.isinf(s.ttft_p99_s)
+    assert s.as_dict()["ttft_p90_s"] is None  # JSON has no infinity
+    # the refused are long prompts: they show in their bucket, and token goodput counts only what was served
+    assert s.refused_by_bucket[">=32K"] == [2, 2] and s.token_goodput_tps == pytest.approx(800.0)
+
+
+def test_a_miss_is_a_late_first_token_a_slow_stream_a_failure_or_no_answer():
+    outcomes = [Outcome(100, 5.0, 0.025), Outcome(100, 5.01, 0.01), Outcome(100, 1.0, 0.03), Outcome(100, 1.0, math.inf),
+                Outcome(100, None, None, failed=True), Outcome(100, None, None)]
+    s = score(outcomes, 1.0, TTFT, TBT)
+    assert s.met == 1 and s.failed == 1 and s.unserved == 1 and s.refused == 0
+
+
+def attainment(load: float, capacity: float = 1.0) -> float:
+    """A deployment whose attainment falls linearly with load, crossing 0.9 at ``capacity``."""
+    return max(0.0, 1.0 - 0.1 * load / capacity)
+
+
+@pytest.mark.parametrize("start, capacity", [(0.9, 1.0), (0.1, 2.7), (5.0, 0.3)])
+def test_the_bisection_brackets_the_capacity(start, capacity):
+    search = CapacitySearch(start=start, resolution=0.05, coarse=0.2, floor=0.01, ceiling=20.0)
+    while (load := search.next_load()) is not None:
+        search.record(load, attainment(load, capacity))
+    for target, resolution in ((0.9, 0.05), (0.99, 0.2)):
+        lo, hi = search.bracket(target)
+        assert attainment(lo, capacity) >= target > attainment(hi, capacity)
+        assert hi / lo <= 1 + resolution
+    assert search.capacity(0.9) <= capacity < search.bracket(0.9)[1]
+    assert len(search.probes) <= 24  # it ends
+
+
+def test_a_pass_above_a_failure_is_not_credited():
+    search = CapacitySearch(start=1.0)
+    for load, a in ((1.0, 0.95), (1.5, 0.85), (2.0, 0.93)):  # noise: 2.0 passed after 1.5 failed
+        search.record(load, a)
+    assert search.bracket(0.9) == (1.0, 1.5)
+
+
+def test_capacity_below_the_floor_reads_zero():
+    search = CapacitySearch(start=1.0, floor=0.1)
+    while (load := search.next_load()) is not None:
+        search.record(load, 0.5)
+    assert search.capacity(0.9) == 0.0 and search.capacity(0.99) == 0.0
+
+
+def test_noisy_attainment_still_ends_with_a_bracket():
+    rng = random.Random(0)
+    search = CapacitySearch(start=1.0, resolution=0.1)
+    while (load := search.next_load()) is not None:
+        search.record(load, min(1.0, attainment(load) + rng.gauss(0, 0.01)))
+    lo, hi = search.bracket(0.9)
+    assert lo is not None and hi is not None and lo < hi and search.probes[round(lo, 9)] >= 0.9
+
+
+def test_per_seed_capacity_stops_at_the_first_miss():
+    assert per_seed_capacity({0.5: 0.95, 0.7: 0.91, 0.8: 0.89, 0.9: 0.92}, 0.9) == 0.7
+    assert per_seed_capacity({0.5: 0.85}, 0.9) == 0.0

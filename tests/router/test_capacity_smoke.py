@@ -1,0 +1,48 @@
+"""python -m prfaas_sglang.bench compare --capacity --quick: the whole method end to end on emulated engines over
+a shaped link (fresh routers, interleaved rows, bisection, pooled scoring, ratios). No capacity figure is
+asserted (timings are not test assertions); what is asserted is that the figures are what the probes say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_py
+
+from prfaas_sglang.bench import capacity
+from prfaas_sglang.demo import netns
+
+pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"shaped link: {netns.available()}")
+
+
+def test_quick_capacity_run(tmp_path):
+    out = tmp_path / "piece.json"
+    proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--capacity", "--quick", "--json", "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)["result"]
+    assert result["condition"] == "case-study/abundant" and result["best_config"] == {"sglang-router": "sr-cache_aware"}
+    setting = capacity.CapacitySetting(**result["setting"])
+    assert set(result["rows"]) == {"prfaas", "sr-cache_aware"}
+    for name, row in result["rows"].items():
+        probes = {p["load_rps"]: p for p in row["probes"]}
+        for p in probes.values():  # every scored arrival is in the score, a refusal a miss
+            assert p["arrivals"] == setting.seeds * setting.scored_per_seed, name
+            assert p["met"] + p["refused"] + p["failed"] + p["unserved"] <= p["arrivals"]
+            assert p["attainment"] == pytest.approx(p["met"] / p["arrivals"])
+            assert p["engine_timing_error"]["prefill"] is not None
+        for target in ("0.9", "0.99"):
+            lo, hi = row["search"]["brackets"][target]["lo"], row["search"]["brackets"][target]["hi"]
+            assert row["capacity_rps"][target] == (lo or 0.0)
+            if lo is not None:
+                assert probes[lo]["attainment"] >= float(target)
+            if hi is not None:
+                assert probes[hi]["attainment"] < float(target) and (lo is None or lo < hi)
+    ours = result["rows"]["prfaas"]["probes"]
+    assert all(p.get("calibration") for p in ours), "our router reports its calibration"
+    ratio = result["ratios"]["0.9"]
+    theirs = result["rows"]["sr-cache_aware"]["capacity_rps"]["0.9"]
+    if theirs:
+        assert ratio["capacity_ratio_vs_best"] == pytest.approx(result["rows"]["prfaas"]["capacity_rps"]["0.9"] / theirs)
+    # a piece merges, and the merged document renders
+    merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out)], timeout=60)
+    assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant**") == 1, merged.stderr
