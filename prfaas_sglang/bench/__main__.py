@@ -706,6 +706,7 @@ def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser, stamp: 
     if peers and (unknown := [n for n in peers if n not in capacity_rows.ALL or capacity_rows.ALL[n].family == "ours"]):
         parser.error(f"unknown peer rows {unknown}")
     result = capacity.run(setting, families, ours, quick=args.quick, peers=peers,
+                          partial=args.out.with_suffix(".partial.json") if args.out else None,
                           log=lambda m: print(m, file=sys.stderr, flush=True))
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"

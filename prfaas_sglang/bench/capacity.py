@@ -444,6 +444,10 @@ class LinkDrop:
             self.net.set_rate(self.rate_mbit)
 
 
+class RowFailed(Exception):
+    """A row's router would not start (twice): the row is out of the comparison, and the reason recorded."""
+
+
 class Runner:
     """Runs one row at one load on one seed's stream, from an idle, flushed deployment and a fresh router."""
 
@@ -498,13 +502,18 @@ class Runner:
                 "phases_s": phases}
 
     def _start_router(self, row: Row, up: Up, group: ProcessGroup) -> str:
-        """The row's router, started afresh; a start that fails is tried once more (a port taken meanwhile)."""
+        """The row's router, started afresh; a start that fails is tried once more (a port taken meanwhile),
+        then :class:`RowFailed`."""
         try:
             return start_row_router(row, up, group)
         except StartupError as err:
             self.log(f"{row.name}: router did not start ({err}); again")
             group.stop()
-            return start_row_router(row, up, group)
+            group.procs.clear()
+            try:
+                return start_row_router(row, up, group)
+            except StartupError as again:
+                raise RowFailed(f"{row.name}: {again}") from None
 
 
 # --- the search ----------------------------------------------------------------------------------
@@ -551,9 +560,15 @@ def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tu
             runner.fleet.keep_only({deployment})
             for row in (r for r in grid if r.deployment == deployment):
                 att = {}
-                for frac in SWEEP_LOADS:
-                    run = runner.run(row, frac * planned, 0, setting.sweep_scored)
-                    att[f"{frac:g}"] = score(run["outcomes"], run["window_s"], setting.ttft_slo, setting.tbt_slo).attainment
+                try:
+                    for frac in SWEEP_LOADS:
+                        run = runner.run(row, frac * planned, 0, setting.sweep_scored)
+                        att[f"{frac:g}"] = score(run["outcomes"], run["window_s"], setting.ttft_slo,
+                                                 setting.tbt_slo).attainment
+                except RowFailed as err:
+                    table.append({"row": row.name, "attainment": {}, "mean": -1.0, "why": row.why, "error": str(err)})
+                    log(f"sweep {family} {row.name}: FAILED {err}")
+                    continue
                 table.append({"row": row.name, "attainment": att, "mean": statistics.fmean(att.values()), "why": row.why})
                 log(f"sweep {family} {row.name}: {att}")
         best = max(table, key=lambda x: (x["mean"], -len(x["row"])))
@@ -572,17 +587,19 @@ def start_from_sweep(family: dict) -> float:
 
 
 def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[Row], log, seed_rng: random.Random,
-           starts: dict[str, float] | None = None) -> dict:
+           starts: dict[str, float] | None = None, checkpoint=None) -> dict:
     """Capacity of each row: rounds of one probe per unresolved row, seeds and rows interleaved at random.
-    ``starts``: a row's first load, x planned (default 0.9)."""
+    ``starts``: a row's first load, x planned (default 0.9); ``checkpoint(rows)`` is called after each round.
+    A row whose router will not start is dropped (``failed``)."""
     starts = starts or {}
     searches = {r.name: CapacitySearch(start=starts.get(r.name, 0.9) * planned, resolution=setting.resolution,
                                        coarse=setting.resolution_99, floor=FLOOR * planned, ceiling=4.0 * planned)
                 for r in rows}
     probes: dict[str, list[dict]] = {r.name: [] for r in rows}
+    failed: dict[str, str] = {}
     runner.fleet.keep_only({r.deployment for r in rows})
     for round_no in range(setting.max_rounds):
-        loads = {r.name: searches[r.name].next_load() for r in rows}
+        loads = {r.name: None if r.name in failed else searches[r.name].next_load() for r in rows}
         active = [r for r in rows if loads[r.name] is not None]
         if not active:
             break
@@ -593,8 +610,14 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
             order = list(active)
             seed_rng.shuffle(order)
             for row in order:
-                runs[row.name].append(runner.run(row, loads[row.name], seed, setting.scored_per_seed))
-        for row in active:
+                if row.name in failed:
+                    continue
+                try:
+                    runs[row.name].append(runner.run(row, loads[row.name], seed, setting.scored_per_seed))
+                except RowFailed as err:
+                    failed[row.name] = str(err)
+                    log(f"round {round_no} {row.name}: FAILED {err}")
+        for row in (r for r in active if r.name not in failed):
             summary = probe_summary(runs[row.name], setting)
             summary["load_rps"] = loads[row.name]
             summary["round"] = round_no
@@ -602,7 +625,12 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
             searches[row.name].record(loads[row.name], summary["attainment"])
             log(f"round {round_no} {row.name} @ {loads[row.name]:.3f}: attainment {summary['attainment']:.3f} "
                 f"(refused {summary['refused']}, unserved {summary['unserved']})")
-    return {r.name: row_result(searches[r.name], probes[r.name], setting) for r in rows}
+        if checkpoint is not None:
+            checkpoint({r.name: row_result(searches[r.name], probes[r.name], setting) for r in rows})
+    out = {r.name: row_result(searches[r.name], probes[r.name], setting) for r in rows}
+    for name, why in failed.items():
+        out[name]["failed"] = why
+    return out
 
 
 def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySetting) -> dict:
@@ -655,10 +683,11 @@ def ratios(rows: dict, families: dict[str, str]) -> dict:
 
 def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES, ours: tuple[str, ...] | None = None,
         log_dir: Path | None = None, seed: int = 0, log=print, quick: bool = False,
-        peers: tuple[str, ...] | None = None) -> dict:
+        peers: tuple[str, ...] | None = None, partial: Path | None = None) -> dict:
     """The sweep, then the bisection of ours and each family's best; the result document. ``quick``: each
     family's grid is its first configuration alone (no sweep runs). ``peers``: these peer rows are bisected
-    as each family's best, without a sweep (the best found in another condition's sweep)."""
+    as each family's best, without a sweep (the best found in another condition's sweep). ``partial``: the
+    document so far is written there after the sweep and after each round (a run cut short keeps them)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-capacity-"))
     planned = planned_capacity(setting)
     fleet = Fleet(setting, log_dir)
@@ -674,14 +703,21 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
             swept = sweep(runner, setting, planned, families, log, quick)
         best = {fam: swept[fam]["best"] for fam in families}
         starts = {swept[fam]["best"]: start_from_sweep(swept[fam]) for fam in families}
+        head = {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
+                "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
+                "sweep": swept, "best_config": best, "logs": str(log_dir)}
+
+        def checkpoint(rows: dict) -> None:
+            if partial is not None:
+                partial.write_text(json.dumps({**head, "rows": rows, "partial": True,
+                                               "wall_s": time.monotonic() - started}, indent=1))
+
+        checkpoint({})
         capacity = bisect(runner, setting, planned, ours_rows + [rows_mod.ALL[n] for n in best.values()], log,
-                          random.Random(seed), starts)
+                          random.Random(seed), starts, checkpoint)
     finally:
         fleet.close()
-    return {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
-            "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
-            "sweep": swept, "best_config": best, "rows": capacity, "ratios": ratios(capacity, best),
-            "wall_s": time.monotonic() - started, "logs": str(log_dir)}
+    return {**head, "rows": capacity, "ratios": ratios(capacity, best), "wall_s": time.monotonic() - started}
 
 
 def merge(documents: list[dict]) -> dict:

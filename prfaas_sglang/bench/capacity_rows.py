@@ -118,8 +118,9 @@ NAIVE = (
     Row("naive-sr-cache_aware", "naive", "naive", "sglang-router", why="sglang-router's default (power_of_two decode)"),
     Row("naive-sr-round_robin", "naive", "naive", "sglang-router", prefill_policy="round_robin", decode_policy="round_robin",
         why="decode split evenly"),
-    Row("naive-smg-power_of_two", "naive", "naive", "smg", SMG_P2_LEAST, prefill_policy="power_of_two",
-        decode_policy="power_of_two", why="smg, fewest in flight on both legs"),
+    Row("naive-smg-power_of_two", "naive", "naive", "smg", SMG_P2_LEAST, prefill_policy="round_robin",
+        decode_policy="power_of_two", why="smg, fewest in flight on the decode leg (one prefill worker: smg "
+        "refuses power_of_two over one)"),
 )
 
 HOMOGENEOUS = tuple(
@@ -129,8 +130,9 @@ HOMOGENEOUS = tuple(
         Row(f"homog-{split}-sr-round_robin", "homogeneous", f"homog-{split}", "sglang-router", prefill_policy="round_robin",
             decode_policy="round_robin", why="even split"),
         Row(f"homog-{split}-smg-power_of_two", "homogeneous", f"homog-{split}", "smg", SMG_P2_LEAST,
-            prefill_policy="power_of_two", decode_policy="power_of_two" if split == "1p2d" else "round_robin",
-            why="fewest in flight"),
+            prefill_policy="power_of_two" if split == "2p1d" else "round_robin",
+            decode_policy="power_of_two" if split == "1p2d" else "round_robin",
+            why="fewest in flight where a leg has two workers (smg refuses power_of_two over one)"),
     ))
 
 # Ours with a model that disagrees with the engines (the bias study): calibration off, and the
