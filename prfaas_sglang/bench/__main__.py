@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="offered load as a fraction of the planned capacity; a comma list sweeps (e.g. 0.5,1,1.5,2)")
     cmp_.add_argument("--rows", default=None, help="comma list of rows (default: all)")
     cmp_.add_argument("--duration", type=float, default=30.0, help="arrival window per seed, wall seconds")
-    cmp_.add_argument("--ttft-slo-s", type=float, default=5.0, help="TTFT SLO, emulated seconds")
+    cmp_.add_argument("--ttft-slo-s", type=float, default=None,
+                      help="TTFT SLO, emulated seconds (default 5; --capacity: 5 on the abundant link, 10 on the scarce)")
     cmp_.add_argument("--speedup", type=float, default=None, help="emulated time's speedup (default 2; --capacity: 4)")
     cmp_.add_argument("--json", action="store_true")
     cap = cmp_.add_argument_group("capacity at an SLO (--capacity; bench/capacity.py)")
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.seeds = args.seeds or 5
         args.speedup = args.speedup or 2.0
+        args.ttft_slo_s = args.ttft_slo_s or 5.0
         try:
             loads = [float(x) for x in args.load.split(",")]
         except ValueError:
@@ -685,8 +687,10 @@ def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser, stamp: 
     if unknown := set(families) - set(capacity_rows.FAMILIES):
         parser.error(f"unknown families {sorted(unknown)}")
     ours = tuple(args.ours.split(",")) if args.ours else None
+    if args.ttft_slo_s is not None and not args.ttft_slo_s > 0:
+        parser.error("--ttft-slo-s must be > 0")
     setting = capacity.CapacitySetting(workload=args.workload, link=args.link, link_drop=args.link_drop,
-                                       speedup=args.speedup or 4.0)
+                                       speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s)
     if args.seeds is not None:
         setting = dataclasses.replace(setting, seeds=args.seeds)
     if args.bias is not None:
@@ -710,6 +714,7 @@ def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser, stamp: 
                           log=lambda m: print(m, file=sys.stderr, flush=True))
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
+              f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''}"
               f"{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''} --seeds {setting.seeds} --speedup {setting.speedup:g}; {stamp} -->")
     return result, header

@@ -128,6 +128,8 @@ class CapacitySetting:
         parts = [self.workload.split("/")[-1] if self.workload.startswith("trace:") else self.workload, self.link]
         if self.link_drop:
             parts.append("link-drop")
+        if self.ttft_slo_s is not None and self.ttft_slo_s != TTFT_SLO_S[self.link]:
+            parts.append(f"ttft-{self.ttft_slo_s:g}s")
         if self.prefill_bias != 1.0 or self.decode_bias != 1.0:
             parts.append(f"bias-{self.prefill_bias:g}")
         return "/".join(parts)
@@ -644,6 +646,8 @@ def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySett
         out["capacity_rps"][key] = search.capacity(target)
         out["per_seed_capacity_rps"][key] = {seed: per_seed_capacity(att, target) for seed, att in by_seed.items()}
     at = nearest_probe(probes, search.capacity(0.9))
+    if at is None and probes:  # below every probe: the lowest one shows why
+        at = min(probes, key=lambda p: p["load_rps"])
     if at is not None:
         out["at_capacity"] = {k: at[k] for k in ("load_rps", "attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
                                                  "goodput_rps", "token_goodput_tps", "refused", "refused_by_bucket",
@@ -763,9 +767,12 @@ def _render_condition(r: dict) -> str:
         at = row.get("at_capacity") or {}
         refused_long = sum(v[0] for k, v in (at.get("refused_by_bucket") or {}).items() if k in ("16K-32K", ">=32K"))
         timing = next((p.get("engine_timing_error") for p in row["probes"] if p.get("engine_timing_error")), {}) or {}
+        low = min((p["load_rps"] for p in row["probes"]), default=0.0)
+        cap90 = f"{c90:.3f}" if c90 else f"< {low:.3f}"
+        cap99 = f"{c99:.3f}" if c99 else f"< {min(low, c90 or low):.3f}"
         lines.append(
-            f"| {name} | {c90:.3f} | {c90 / planned:.2f} | [{_f(min(seeds, default=None))}, {_f(max(seeds, default=None))}] "
-            f"| {c99:.3f} | {_f(at.get('attainment'))} | {_f(at.get('ttft_p50_s'), '{:.2f}')} / {_f(at.get('ttft_p90_s'), '{:.2f}')} / "
+            f"| {name} | {cap90} | {c90 / planned:.2f} | [{_f(min(seeds, default=None))}, {_f(max(seeds, default=None))}] "
+            f"| {cap99} | {_f(at.get('attainment'))} | {_f(at.get('ttft_p50_s'), '{:.2f}')} / {_f(at.get('ttft_p90_s'), '{:.2f}')} / "
             f"{_f(at.get('ttft_p99_s'), '{:.2f}')} | {_f(at.get('goodput_rps'))} | {_f(at.get('token_goodput_tps'), '{:.0f}')} | "
             f"{at.get('refused', 'n/a')} ({refused_long}) | {_f(at.get('offload_fraction'), '{:.2f}')} | "
             f"{_f(timing.get('prefill'), '{:.3f}')} / {_f(timing.get('decode'), '{:.2f}')} |")
@@ -776,7 +783,8 @@ def _render_condition(r: dict) -> str:
         versus = ", ".join(f"{fam} ({v['row']}) {_f(v['ratio'], '{:.2f}')}" for fam, v in x["vs"].items())
         lines.append(f"\ncapacity_ratio_vs_best @{float(target):.0%}: **{_f(x['capacity_ratio_vs_best'], '{:.2f}')}** "
                      f"vs {x['best_other']}{spread_txt}; ours / each family's best: {versus}")
-    sweep_rows = [(fam, g) for fam, x in r.get("sweep", {}).items() for g in x["grid"] if g["attainment"]]
+    lines += _render_calibration(r)
+    sweep_rows = [(fam, g) for fam, x in r.get("sweep", {}).items() for g in x["grid"] if g["attainment"] or g.get("error")]
     if sweep_rows:
         loads = next(x["loads_x_planned"] for x in r["sweep"].values() if x["loads_x_planned"])
         lines += ["", "Sweep (seed 0; attainment at " + ", ".join(f"{x:g}x" for x in loads) + " planned):", "",
@@ -785,5 +793,25 @@ def _render_condition(r: dict) -> str:
         for fam, g in sweep_rows:
             chosen = "**best**" if r["sweep"][fam]["best"] == g["row"] else ""
             lines.append(f"| {fam} | {g['row']} | " + " | ".join(_f(g["attainment"].get(f"{x:g}")) for x in loads)
-                         + f" | {chosen} | {g['why']} |")
+                         + f" | {chosen} | {g.get('error') or g['why']} |")
     return "\n".join(lines)
+
+
+def _render_calibration(r: dict) -> list[str]:
+    """Our rows at their 90% capacity probe: the learned prefill scales and the TTFT prediction error per 25
+    completed requests of a run (the router starts afresh each run), median over seeds."""
+    out = []
+    for name, row in r["rows"].items():
+        at = nearest_probe(row["probes"], row["capacity_rps"]["0.9"]) or (row["probes"][0] if row["probes"] else None)
+        runs = (at or {}).get("calibration") or []
+        if not runs:
+            continue
+        scales = {c: statistics.median(x["prefill_scale"][c] for x in runs) for c in ("prfaas", "pd")}
+        groups = min(len(x["ttft_error_series"]) for x in runs)
+        series = [statistics.median(x["ttft_error_series"][i]["mean_relative_error"] for x in runs) for i in range(groups)]
+        if not out:
+            out += ["", "Our router at its capacity probe (median over seeds): learned prefill scales, and the TTFT "
+                        "prediction error |predicted - observed| / observed per 25 completed requests of a run:", ""]
+        out.append(f"- {name} @ {at['load_rps']:.3f} req/s: scale prfaas {scales['prfaas']:.2f}, pd {scales['pd']:.2f}; "
+                   f"error " + " -> ".join(f"{e:.2f}" for e in series))
+    return out

@@ -1,0 +1,101 @@
+"""The capacity harness's own arithmetic (bench/capacity.py): which arrivals a run scores, identical prompts
+across loads, the shift, what a client's result counts as, the bucket order read from a peer's log, ratios."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from prfaas_sglang.bench import capacity
+from prfaas_sglang.bench.capacity import (
+    CapacitySetting,
+    Stream,
+    bucket_first,
+    outcome,
+    ratios,
+    schedule,
+)
+from prfaas_sglang.demo.client import RequestResult
+
+
+class Words:
+    """A stand-in for the tokenizer's text source: one word per token."""
+
+    def text(self, rng, n_tokens: int) -> str:
+        return " " + " ".join(f"w{rng.randrange(1000)}" for _ in range(n_tokens))
+
+
+SETTING = CapacitySetting(speedup=4.0, scored_per_seed=30, warmup_s=10.0)
+
+
+def test_a_run_scores_the_arrivals_after_the_warm_up_and_keeps_the_load_on_after_them():
+    arrivals, scored = schedule(Stream(SETTING, 0, Words()), SETTING, 1.0, 30)
+    assert len(scored) == 30
+    offsets = [a.offset_s * SETTING.speedup for a in arrivals]  # emulated seconds
+    assert all(t < SETTING.warmup_s for t in offsets[: scored.start]) and offsets[scored.start] >= SETTING.warmup_s
+    cooldown = SETTING.give_up_slos * SETTING.ttft_slo + SETTING.output_tokens * SETTING.tbt_slo * 2
+    assert offsets[-1] == pytest.approx(offsets[scored.stop - 1] + cooldown, abs=3.0)
+
+
+def test_every_load_plays_the_same_prompts_in_the_same_order():
+    stream = Stream(SETTING, 1, Words())
+    slow, _ = schedule(stream, SETTING, 0.5, 30)
+    fast, _ = schedule(stream, SETTING, 2.0, 30)
+    n = min(len(slow), len(fast))
+    assert [a.body["prompt"] for a in slow[:n]] == [a.body["prompt"] for a in fast[:n]]
+    assert slow[5].offset_s == pytest.approx(4 * fast[5].offset_s)
+    other = Stream(SETTING, 2, Words())
+    assert schedule(other, SETTING, 0.5, 30)[0][0].body["prompt"] != slow[0].body["prompt"]
+
+
+def test_the_shift_doubles_every_prompt_from_the_middle_of_the_scored_window():
+    shift = dataclasses.replace(SETTING, workload="shift")
+    base, scored = schedule(Stream(SETTING, 3, Words()), SETTING, 1.0, 30)
+    doubled, _ = schedule(Stream(shift, 3, Words()), shift, 1.0, 30)
+    middle = SETTING.warmup_s + 15.0
+    for a, b in zip(base, doubled, strict=False):
+        expected = a.input_tokens if a.offset_s * 4 < middle else min(2 * a.input_tokens, capacity.MAX_INPUT_TOKENS)
+        assert b.input_tokens == expected
+
+
+@pytest.mark.parametrize("result, refused, failed, met", [
+    (RequestResult(100, status=503, retry_after_s=1.0), True, False, False),
+    (RequestResult(100, status=408), True, False, False),
+    (RequestResult(100, status=502, error="decode failed"), False, True, False),
+    (RequestResult(100), False, False, False),  # never answered before the harness gave up
+    (RequestResult(100, status=200, ttft_s=0.5, token_gaps_s=[0.005] * 9, output_tokens=10), False, False, True),
+    (RequestResult(100, status=200, ttft_s=0.5, token_gaps_s=[0.005] * 3), False, False, False),  # cut mid-stream
+])
+def test_what_a_clients_result_counts_as(result, refused, failed, met):
+    o = outcome(result, speedup=4.0)
+    assert (o.refused, o.failed, o.meets(5.0, 0.025)) == (refused, failed, met)
+    if result.ttft_s is not None:
+        assert o.ttft_s == pytest.approx(2.0) and (met or math.isinf(o.mean_tbt_s))
+
+
+def test_the_bucket_order_is_read_from_the_peers_log(tmp_path):
+    log = tmp_path / "peer.log"
+    old = 'Init boundary:[Boundary { url: "http://a:1", range: [0, 9] }, Boundary { url: "http://b:2", range: [10, 99] }]\n'
+    log.write_text(old)
+    offset = log.stat().st_size
+    log.write_text(old + 'Init boundary:[Boundary { url: "http://b:2", range: [0, 99] }]\n'
+                   'Init boundary:[Boundary { url: "http://b:2", range: [0, 9] }, Boundary { url: "http://a:1", range: [10, 99] }]\n')
+    assert bucket_first(log, 0, 2) == "http://b:2" and bucket_first(log, offset, 2) == "http://b:2"
+    assert bucket_first(log, log.stat().st_size, 2, timeout_s=0.1) is None
+
+
+def test_ratios_pool_and_spread_over_seeds():
+    def row(pooled, seeds):
+        return {"capacity_rps": {"0.9": pooled, "0.99": pooled / 2},
+                "per_seed_capacity_rps": {"0.9": seeds, "0.99": {k: v / 2 for k, v in seeds.items()}}}
+
+    rows = {"prfaas": row(1.0, {"0": 1.0, "1": 0.9, "2": 1.1}), "peer-a": row(0.5, {"0": 0.5, "1": 0.45, "2": 0.5}),
+            "peer-b": row(0.25, {"0": 0.25, "1": 0.0, "2": 0.3})}
+    r = ratios(rows, {"sglang-router": "peer-a", "smg": "peer-b"})["0.9"]
+    assert r["best_other"] == "peer-a" and r["capacity_ratio_vs_best"] == pytest.approx(2.0)
+    assert r["capacity_ratio_vs_best_per_seed"] == {"median": 2.0, "min": 2.0, "max": pytest.approx(2.2)}
+    # a seed where the peer met the target at no probed load has no finite ratio: it is left out of the spread
+    assert r["vs"]["smg"]["per_seed"] == {"median": pytest.approx((4.0 + 1.1 / 0.3) / 2), "min": pytest.approx(1.1 / 0.3),
+                                           "max": 4.0}
