@@ -54,6 +54,7 @@ import aiohttp
 from prfaas_sglang import runtime
 from prfaas_sglang.bench import capacity_rows as rows_mod
 from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row
+from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
@@ -74,13 +75,10 @@ from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 from prfaas_sglang.topology import parse_topology
 
 SERVED_NAME = "prfaas-capacity"
-MAX_INPUT_TOKENS = 65_536
-LINKS_GBPS = {"abundant": 25.0, "scarce": 2.0}  # modelled capacity per PrfaaS instance
 # The TTFT SLO per link (emulated s): on an idle deployment every prompt (<= 64K tokens) can meet it.
 # At 2 Gbps a 64K prompt's KV alone takes 5.2 s on the wire (and 8.7 s to prefill on PD-P): a 5 s SLO
 # would be missed by ~14% of requests at any load, so no row could reach 90%.
 TTFT_SLO_S = {"abundant": 5.0, "scarce": 10.0}
-ACCELERATORS = ("h200x8", "h20x8")
 SWEEP_LOADS = (0.4, 0.7)  # x the planned capacity of the hetero deployment
 # The lowest load probed, x planned: a capacity below it reads 0 (a probe's scored window grows as 1 / load:
 # at 0.2x, 67 arrivals take 4 emulated minutes).
