@@ -79,8 +79,9 @@ def emulated_cadence(speedup: float) -> tuple[float, ControllerSettings]:
 def simulate(spec: FleetSpec, plan: list[tuple[float, int]], duration_s: float, warmup_s: float, speedup: float,
              pin_tokens: float | None = None) -> dict:
     interval_s, controller = emulated_cadence(speedup)
+    # The live router's placement: the rule's cluster while its expected TTFT is within the SLO (its default).
     sim = Simulation(spec, SimSettings(admission_timeout_s=ADMISSION_TIMEOUT_S, control_interval_s=interval_s,
-                                       threshold=controller))
+                                       threshold=controller, ttft_target_s=spec.ttft_slo_s))
     if pin_tokens is not None:
         sim.service.controller.override(0.0, pin_tokens)
     blocks = 0

@@ -67,10 +67,11 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--placement", choices=("ttft", "threshold"), default="ttft",
                    help="ttft: the threshold's cluster unless its expected TTFT (queue + prefill + the link, calibrated) "
                         "exceeds --ttft-target-s and the other cluster's is lower; threshold: the paper's rule alone")
-    p.add_argument("--ttft-target-s", type=float, default=0.0,
+    p.add_argument("--ttft-target-s", type=float, default=None,
                    help="placement by expected TTFT: the threshold's cluster keeps a request whose expected TTFT is "
-                        "within this (engines' seconds); beyond it, the cluster with the lower one wins (default 0: "
-                        "always the lower)")
+                        "within this (engines' seconds); beyond it, the cluster with the lower one wins (default: the "
+                        "TTFT SLO, as --max-ttft-s resolves it, so the plan holds while it meets the SLO; 0: always "
+                        "the lower)")
     p.add_argument("--no-calibration", action="store_true",
                    help="predict with the topology's cost model as it is (no online calibration from observed TTFTs)")
     p.add_argument("--prefill-scale", action="append", default=[], metavar="CLUSTER=SCALE",
@@ -198,7 +199,7 @@ def make_service(args: argparse.Namespace):
         mode = BandwidthMode(args.bandwidth_mode)
     except ValueError:
         raise ConfigError("--bandwidth-mode", f"expected scarce or abundant, got {args.bandwidth_mode!r}") from None
-    if not args.ttft_target_s >= 0:
+    if args.ttft_target_s is not None and not args.ttft_target_s >= 0:
         raise ConfigError("--ttft-target-s", f"must be >= 0, got {args.ttft_target_s}")
     for flag, value in (("--max-ttft-s", args.max_ttft_s), ("--threshold", args.threshold)):
         if value is not None and not value > 0:
@@ -241,8 +242,9 @@ def make_service(args: argparse.Namespace):
     adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None, cost_state)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     model = runtime.from_topology(topology, emulated=emulated)
-    max_ttft_s = None if args.no_early_rejection else (args.max_ttft_s or model.observed_ttft_slo_s)
-    ttft_target_s = args.ttft_target_s if args.placement == "ttft" else None
+    slo_s = args.max_ttft_s or model.observed_ttft_slo_s
+    max_ttft_s = None if args.no_early_rejection else slo_s
+    ttft_target_s = None if args.placement != "ttft" else (slo_s if args.ttft_target_s is None else args.ttft_target_s)
     config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
                                  max_ttft_s=max_ttft_s, ttft_target_s=ttft_target_s, calibration=calibration)
     service = new_service(config, model, workers, emulation_spec=topology.emulation)

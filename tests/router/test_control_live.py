@@ -71,8 +71,9 @@ def test_pd_prefill_overload_lowers_t_and_the_queue_drains(tmp_path):
     try:
         doc = local_topology(speedup=5, kv_scale=0.002, link_gbps=10, workload=PRIOR_32K, output_tokens=8,
                              threshold_tokens=40_000, accelerators=("h200x8", "h20x8"))
-        # admission off: this is the controller's test (early rejection would refuse the backlog it answers)
-        url = start_deployment(group, doc, "--no-early-rejection").router.url
+        # admission and placement by expected TTFT off: this is the controller's test (early rejection would
+        # refuse the backlog it answers, and placement would move the requests the backlog makes late)
+        url = start_deployment(group, doc, "--no-early-rejection", "--placement", "threshold").router.url
         high = 10.0 / 5  # the controller's backlog mark (10 model seconds) in the engines' seconds
         arrivals = poisson(3.0, 16.0, lambda rng: rng.randint(12_000, 30_000), seed=1)
         log, series = [], []
