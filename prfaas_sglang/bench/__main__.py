@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--peers", default=None,
                      help="peer rows to bisect as given, one per family, without a sweep (e.g. the best another "
                           "condition's sweep found)")
+    cap.add_argument("--start", action="append", default=[], metavar="ROW=X",
+                     help="where ROW's bisection starts, x the planned capacity (repeatable; default: above the "
+                          "sweep's best load that met 90%%, 0.9 without one), e.g. a capacity another run found")
     cap.add_argument("--link-drop", action="store_true", help="the link's capacity / 4 for one emulated minute")
     cap.add_argument("--bias", type=float, default=None,
                      help="the engines' prefill and decode take this x the profile (the study: ours with calibration "
@@ -709,14 +712,23 @@ def _capacity(args: argparse.Namespace, parser: argparse.ArgumentParser, stamp: 
     peers = tuple(args.peers.split(",")) if args.peers else None
     if peers and (unknown := [n for n in peers if n not in capacity_rows.ALL or capacity_rows.ALL[n].family == "ours"]):
         parser.error(f"unknown peer rows {unknown}")
-    result = capacity.run(setting, families, ours, quick=args.quick, peers=peers,
+    starts = {}
+    for item in args.start:
+        name, _, value = item.partition("=")
+        try:
+            starts[name] = float(value)
+        except ValueError:
+            parser.error(f"--start: expected ROW=X, got {item!r}")
+        if name not in capacity_rows.ALL or not 0 < starts[name] <= 4:
+            parser.error(f"--start {item!r}: a known row and 0 < X <= 4")
+    result = capacity.run(setting, families, ours, quick=args.quick, peers=peers, starts=starts,
                           partial=args.out.with_suffix(".partial.json") if args.out else None,
                           log=lambda m: print(m, file=sys.stderr, flush=True))
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''}"
               f"{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
-              f"{f' --ours {args.ours}' if args.ours else ''} --seeds {setting.seeds} --speedup {setting.speedup:g}; {stamp} -->")
+              f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} --seeds {setting.seeds} --speedup {setting.speedup:g}; {stamp} -->")
     return result, header
 
 

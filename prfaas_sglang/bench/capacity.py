@@ -685,11 +685,12 @@ def ratios(rows: dict, families: dict[str, str]) -> dict:
 
 def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES, ours: tuple[str, ...] | None = None,
         log_dir: Path | None = None, seed: int = 0, log=print, quick: bool = False,
-        peers: tuple[str, ...] | None = None, partial: Path | None = None) -> dict:
+        peers: tuple[str, ...] | None = None, partial: Path | None = None, starts: dict[str, float] | None = None) -> dict:
     """The sweep, then the bisection of ours and each family's best; the result document. ``quick``: each
     family's grid is its first configuration alone (no sweep runs). ``peers``: these peer rows are bisected
     as each family's best, without a sweep (the best found in another condition's sweep). ``partial``: the
-    document so far is written there after the sweep and after each round (a run cut short keeps them)."""
+    document so far is written there after the sweep and after each round (a run cut short keeps them).
+    ``starts``: where these rows' bisections start, x planned (over the sweep's)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-capacity-"))
     planned = planned_capacity(setting)
     fleet = Fleet(setting, log_dir)
@@ -704,7 +705,7 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
         else:
             swept = sweep(runner, setting, planned, families, log, quick)
         best = {fam: swept[fam]["best"] for fam in families}
-        starts = {swept[fam]["best"]: start_from_sweep(swept[fam]) for fam in families}
+        starts = {swept[fam]["best"]: start_from_sweep(swept[fam]) for fam in families} | (starts or {})
         head = {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
                 "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
                 "sweep": swept, "best_config": best, "logs": str(log_dir)}
