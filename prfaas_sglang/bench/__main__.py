@@ -284,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     af.add_argument("--max-time", type=float, default=900.0, help="seconds")
     af.add_argument("--json", action="store_true")
     sm = sub.add_parser("sim", help="the simulator: vs the analytic model, vs the emulated deployment, vs the paper, a workload shift, "
+                             "calibration against a biased truth (bias), "
                              "its cost at scale")
-    sm.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale"), required=True)
+    sm.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale", "bias"), required=True)
     sm.add_argument("--seeds", type=int, default=3)
     sm.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
     sm.add_argument("--json", action="store_true")

@@ -1,6 +1,6 @@
 """The simulator's benchmarks: agreement with the analytic model, with the emulated deployment
 (``bench/sim_vs_emulator.py``), the paper's case study, a workload shift under the long-term
-controller, and the simulator's own cost at scale.
+controller, the simulator's own cost at scale, and the router's calibration against a biased truth.
 
 Every study runs seeded Poisson arrivals through :class:`~prfaas_sglang.sim.fleet.Simulation`
 (the product's routing policy, controllers and KV index) and reports per seed and the spread.
@@ -14,7 +14,11 @@ import statistics
 import time
 from pathlib import Path
 
+from prfaas_sglang.bench.compare import MAX_INPUT_TOKENS
+from prfaas_sglang.bench.slo import CapacitySearch
+from prfaas_sglang.router.calibration import CalibrationSettings
 from prfaas_sglang.router.longterm import LongTermSettings
+from prfaas_sglang.router.policy import BandwidthMode
 from prfaas_sglang.sim import workloads
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.report import summarize
@@ -180,6 +184,51 @@ def study_scale(trace: Path) -> list[dict]:
     return rows
 
 
+BIAS_FLEET = FleetSpec(1, 1, 1, 25.0)  # the emulated capacity benchmark's hetero deployment, abundant link
+BIAS_TTFT_SLO_S = 5.0
+
+
+def bias_attainment(bias: float, calibration: CalibrationSettings, rate_rps: float, seed: int,
+                    duration_s: float = 900.0, warmup_s: float = 120.0, noise_sigma: float = 0.2) -> float:
+    """Share of the arrivals in [warm-up, duration) that meet both SLOs, with the nodes' prefill and decode
+    ``bias`` x the router's model (per-request noise ``noise_sigma``) and both SLOs ``bias`` x (the same
+    fleet, ``bias`` times slower: an unbiased router would lose nothing). Refusals and requests never
+    finished are misses."""
+    slo_s = BIAS_TTFT_SLO_S * bias
+    sim = Simulation(BIAS_FLEET, SimSettings(mode=BandwidthMode.ABUNDANT, max_ttft_s=slo_s, ttft_target_s=slo_s,
+                                             calibration=calibration, noise_sigma=noise_sigma, seed=seed,
+                                             prefill_bias=(("prfaas", bias), ("pd", bias)), decode_bias=bias))
+    lengths = dict(workloads.CASE_STUDY, max_tokens=MAX_INPUT_TOKENS)  # the emulated benchmark's prompt cap
+    sim.run(workloads.poisson(rate_rps, duration_s, seed, sim.runtime.output_tokens, ((0.0, lengths),)), duration_s + 600)
+    window = [r for r in sim.requests if warmup_s <= r.arrival_s < duration_s]
+    tbt_slo_s = bias / sim.runtime.slo_tokens_per_s
+    met = [r for r in window if r.finish_s is not None and r.ttft_s is not None and r.ttft_s <= slo_s
+           and (r.tbt_s is None or r.tbt_s <= tbt_slo_s)]
+    return len(met) / len(window) if window else 0.0
+
+
+def study_bias(seeds: int, biases: tuple[float, ...] = (1.0, 1.4, 0.7), rounds: int = 7) -> list[dict]:
+    """Capacity at 90% (pooled over ``seeds``) per bias: the router's calibration on, off, and given the true
+    scale beforehand (``--prefill-scale``: the oracle). ``x bias`` is capacity x bias, comparable across biases."""
+    rows = []
+    lam = BIAS_FLEET.runtime().capacity_rps()
+    for bias in biases:
+        for name, cal in (("calibration on", CalibrationSettings()),
+                          ("calibration off", CalibrationSettings(enabled=False)),
+                          ("true scale given, calibration off",
+                           CalibrationSettings(enabled=False, prior_scales=(("prfaas", bias), ("pd", bias))))):
+            search = CapacitySearch(start=0.8 * lam / bias, resolution=0.05, floor=0.05 * lam / bias,
+                                    ceiling=4 * lam / bias, targets=(0.9,))
+            for _ in range(rounds):
+                load = search.next_load()
+                if load is None:
+                    break
+                search.record(load, statistics.fmean(bias_attainment(bias, cal, load, seed) for seed in range(seeds)))
+            rows.append({"bias": bias, "router": name, "capacity_rps": search.capacity(0.9),
+                         "capacity_x_bias": search.capacity(0.9) * bias, **search.describe()})
+    return rows
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
 
@@ -196,6 +245,8 @@ def run(study: str, seeds: int, trace: Path | None = None) -> dict:
         from prfaas_sglang.bench import sim_vs_emulator
 
         data = sim_vs_emulator.run(seeds)
+    elif study == "bias":
+        data = study_bias(seeds)
     else:
         data = study_scale(trace)
     return {"study": study, "seeds": seeds, "data": data, "wall_s": time.perf_counter() - started}
@@ -262,6 +313,16 @@ def render_markdown(result: dict) -> str:
         from prfaas_sglang.bench import sim_vs_emulator
 
         lines += sim_vs_emulator.render_markdown(data)
+    elif study == "bias":
+        unbiased = {r["router"]: r["capacity_x_bias"] for r in data if r["bias"] == 1.0}
+        lines += ["| bias | router | capacity @90% (req/s) | x bias | / unbiased, same router | bracket |",
+                  "|---|---|---|---|---|---|"]
+        for r in data:
+            lo, hi = r["brackets"]["0.9"]["lo"], r["brackets"]["0.9"]["hi"]
+            base = unbiased.get(r["router"])
+            rel = f"{r['capacity_x_bias'] / base:.2f}" if base else "n/a"
+            lines.append(f"| {r['bias']:g} | {r['router']} | {r['capacity_rps']:.3f} | {r['capacity_x_bias']:.3f} | {rel} | "
+                         f"[{lo or 0:.3f}, {hi or float('inf'):.3f}) |")
     else:
         lines += ["| GPUs | requests | wall (s) | offered (req/s) | goodput (req/s) | offload |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['gpus']} | {r['requests']} | {r['wall_s']:.1f} | {r['offered_rps']:.2f} | {r['goodput_rps']:.2f} | "

@@ -35,6 +35,7 @@ class Netns:
     def __init__(self, tag: int):
         self.ns, self.inner, self.outer = f"prfaas-bw{tag}", f"pbi{tag}", f"pbo{tag}"
         self.inner_ip, self.outer_ip = f"10.214.{tag}.1", f"10.214.{tag}.2"
+        self.subnet = f"10.214.{tag}.0/30"
 
     def __enter__(self) -> Netns:
         _sh("ip", "netns", "add", self.ns)
@@ -42,6 +43,9 @@ class Netns:
         _sh("ip", "link", "set", self.inner, "netns", self.ns)
         _sh("ip", "addr", "add", f"{self.outer_ip}/30", "dev", self.outer)
         _sh("ip", "link", "set", self.outer, "up")
+        # Behind the veth's own route: with the link down (the chaos bench's blackhole), traffic for the
+        # namespace is dropped here, never sent on through the default route to whatever answers there.
+        _sh("ip", "route", "replace", "blackhole", self.subnet, "metric", "65535")
         _sh("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.inner_ip}/30", "dev", self.inner)
         _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", self.inner, "up")
         _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
@@ -69,5 +73,6 @@ class Netns:
     def __exit__(self, *exc) -> None:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.outer], capture_output=True)
+        subprocess.run(["ip", "route", "del", "blackhole", self.subnet], capture_output=True)
 
 

@@ -87,3 +87,15 @@ def test_throttled_link_stretches_transfer_by_at_least_bytes_over_rate(link, wor
     assert slow_p["prfaas"]["kv_transfer_s"] >= 0.9 * floor_s
     assert fast_p["prfaas"]["kv_transfer_s"] < 0.5 * floor_s
     assert slow_d["ttft_s"] - fast_d["ttft_s"] >= 0.8 * floor_s
+
+
+def test_with_the_link_down_nothing_for_the_namespace_leaves_the_host():
+    """The chaos bench's blackhole sets the veth down; its traffic must then be dropped here, not sent
+    through the default route (a gateway there answered the router's prefill legs with 404)."""
+    import subprocess
+
+    with Netns(random.randrange(16, 250)) as net:
+        subprocess.run(["ip", "link", "set", net.outer, "down"], check=True)
+        route = subprocess.run(["ip", "route", "get", net.inner_ip], capture_output=True, text=True)
+        assert route.returncode != 0 and "via" not in route.stdout, route.stdout + route.stderr
+    assert net.subnet not in subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
