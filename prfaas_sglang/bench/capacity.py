@@ -43,7 +43,6 @@ import random
 import re
 import statistics
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ import aiohttp
 from prfaas_sglang import runtime
 from prfaas_sglang.bench import capacity_rows as rows_mod
 from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row
-from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS
+from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
@@ -417,13 +416,12 @@ def engine_timing(url: str) -> tuple[float, float]:
             scrape_metric(url, "prfaas:forward_actual_seconds_total"))
 
 
-class LinkDrop:
+class LinkDrop(LinkThread):
     """The link's capacity / 4 from ``at_s`` for ``for_s`` (wall), then back (a thread)."""
 
     def __init__(self, net: Netns | None, rate_mbit: float, at_s: float, for_s: float):
-        self.net, self.rate_mbit, self.at_s, self.for_s = net, rate_mbit, at_s, for_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(net)
+        self.rate_mbit, self.at_s, self.for_s = rate_mbit, at_s, for_s
 
     def _run(self) -> None:
         if self._stop.wait(self.at_s):
@@ -432,15 +430,9 @@ class LinkDrop:
         self._stop.wait(self.for_s)
         self.net.set_rate(self.rate_mbit)
 
-    def __enter__(self) -> LinkDrop:
-        if self.net is not None:
-            self._thread.start()
-        return self
-
     def __exit__(self, *exc) -> None:
-        self._stop.set()
+        super().__exit__(*exc)
         if self.net is not None:
-            self._thread.join()
             self.net.set_rate(self.rate_mbit)
 
 

@@ -148,22 +148,19 @@ def make_arrivals(setting: Setting, seed: int) -> list:
     return out
 
 
-class LinkSampler:
-    """Samples the veth's received bytes every ``interval_s`` in a thread (the link's egress at the wire)."""
+class LinkThread:
+    """``_run`` in a thread for the ``with`` block's duration, on a link (none: nothing runs); ``_stop``
+    is set on exit and the thread joined."""
 
-    def __init__(self, net: Netns | None, interval_s: float = 0.5):
-        self.net, self.interval_s, self.samples = net, interval_s, []
+    def __init__(self, net: Netns | None):
+        self.net = net
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            before = time.monotonic()
-            count = self.net.rx_bytes()
-            self.samples.append((before, count, time.monotonic()))  # the count lies between the two times
-            self._stop.wait(self.interval_s)
+        raise NotImplementedError
 
-    def __enter__(self) -> LinkSampler:
+    def __enter__(self):
         if self.net is not None:
             self._thread.start()
         return self
@@ -172,6 +169,21 @@ class LinkSampler:
         self._stop.set()
         if self.net is not None:
             self._thread.join()
+
+
+class LinkSampler(LinkThread):
+    """Samples the veth's received bytes every ``interval_s`` in a thread (the link's egress at the wire)."""
+
+    def __init__(self, net: Netns | None, interval_s: float = 0.5):
+        super().__init__(net)
+        self.interval_s, self.samples = interval_s, []
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = time.monotonic()
+            count = self.net.rx_bytes()
+            self.samples.append((before, count, time.monotonic()))  # the count lies between the two times
+            self._stop.wait(self.interval_s)
 
     def rates_bps(self) -> list[float]:
         """Wire bits/s per interval."""
