@@ -17,7 +17,9 @@ def test_the_published_description_is_openapi_3_and_names_the_served_model(tmp_p
 
 
 def test_schemathesis_finds_no_server_error_and_the_deployment_survives():
-    result = api_fuzz.run(max_examples=15, seed=1)
+    # One schemathesis worker: with two threads, CPython 3.11.7's ast raised a spurious "AST constructor
+    # recursion depth mismatch" inside hypothesis (python/cpython#106905, a threaded race in ast2obj).
+    result = api_fuzz.run(max_examples=15, seed=1, workers=1)
     assert result["schemathesis_exit_code"] == 0, result["schemathesis_tail"][-2000:]
     assert result["cases"] >= 400, result["responses_by_class"]
     assert result["server_errors"] == [], result["server_errors"]
