@@ -611,10 +611,9 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
                     log(f"round {round_no} {row.name}: FAILED {err}")
         for row in (r for r in active if r.name not in failed):
             summary = probe_summary(runs[row.name], setting)
-            summary["load_rps"] = round(loads[row.name], 9)  # as the search records it (its brackets name this load)
+            summary["load_rps"] = searches[row.name].record(loads[row.name], summary["attainment"])  # as its brackets name it
             summary["round"] = round_no
             probes[row.name].append(summary)
-            searches[row.name].record(loads[row.name], summary["attainment"])
             log(f"round {round_no} {row.name} @ {loads[row.name]:.3f}: attainment {summary['attainment']:.3f} "
                 f"(refused {summary['refused']}, unserved {summary['unserved']})")
         if checkpoint is not None:

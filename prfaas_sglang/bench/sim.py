@@ -14,14 +14,15 @@ import statistics
 import time
 from pathlib import Path
 
-from prfaas_sglang.bench.compare import MAX_INPUT_TOKENS
+from prfaas_sglang.bench.capacity import TTFT_SLO_S
+from prfaas_sglang.bench.compare import LINKS_GBPS, MAX_INPUT_TOKENS
 from prfaas_sglang.bench.slo import CapacitySearch
 from prfaas_sglang.router.calibration import CalibrationSettings
 from prfaas_sglang.router.longterm import LongTermSettings
 from prfaas_sglang.router.policy import BandwidthMode
 from prfaas_sglang.sim import workloads
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
-from prfaas_sglang.sim.report import summarize
+from prfaas_sglang.sim.report import meets_slo, summarize
 
 CASE_STUDY = FleetSpec(4, 3, 5)
 
@@ -184,8 +185,7 @@ def study_scale(trace: Path) -> list[dict]:
     return rows
 
 
-BIAS_FLEET = FleetSpec(1, 1, 1, 25.0)  # the emulated capacity benchmark's hetero deployment, abundant link
-BIAS_TTFT_SLO_S = 5.0
+BIAS_FLEET = FleetSpec(1, 1, 1, LINKS_GBPS["abundant"])  # the emulated capacity benchmark's hetero deployment
 
 
 def bias_attainment(bias: float, calibration: CalibrationSettings, rate_rps: float, seed: int,
@@ -194,16 +194,14 @@ def bias_attainment(bias: float, calibration: CalibrationSettings, rate_rps: flo
     ``bias`` x the router's model (per-request noise ``noise_sigma``) and both SLOs ``bias`` x (the same
     fleet, ``bias`` times slower: an unbiased router would lose nothing). Refusals and requests never
     finished are misses."""
-    slo_s = BIAS_TTFT_SLO_S * bias
+    slo_s = TTFT_SLO_S["abundant"] * bias
     sim = Simulation(BIAS_FLEET, SimSettings(mode=BandwidthMode.ABUNDANT, max_ttft_s=slo_s, ttft_target_s=slo_s,
                                              calibration=calibration, noise_sigma=noise_sigma, seed=seed,
                                              prefill_bias=(("prfaas", bias), ("pd", bias)), decode_bias=bias))
     lengths = dict(workloads.CASE_STUDY, max_tokens=MAX_INPUT_TOKENS)  # the emulated benchmark's prompt cap
     sim.run(workloads.poisson(rate_rps, duration_s, seed, sim.runtime.output_tokens, ((0.0, lengths),)), duration_s + 600)
     window = [r for r in sim.requests if warmup_s <= r.arrival_s < duration_s]
-    tbt_slo_s = bias / sim.runtime.slo_tokens_per_s
-    met = [r for r in window if r.finish_s is not None and r.ttft_s is not None and r.ttft_s <= slo_s
-           and (r.tbt_s is None or r.tbt_s <= tbt_slo_s)]
+    met = [r for r in window if meets_slo(r, slo_s, sim.runtime.slo_tokens_per_s / bias)]
     return len(met) / len(window) if window else 0.0
 
 

@@ -122,8 +122,11 @@ class CapacitySearch:
         if self.resolution <= 0 or self.expand <= 1:
             raise ValueError("resolution must be > 0 and expand > 1")
 
-    def record(self, load: float, attainment: float) -> None:
-        self.probes[round(load, 9)] = attainment
+    def record(self, load: float, attainment: float) -> float:
+        """Record a probe; returns the load as the search names it (in its brackets)."""
+        key = round(load, 9)
+        self.probes[key] = attainment
+        return key
 
     def bracket(self, target: float) -> tuple[float | None, float | None]:
         """(lo, hi): the lowest failing load ``hi`` and the highest passing load below it ``lo``."""
