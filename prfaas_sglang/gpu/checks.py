@@ -16,7 +16,6 @@ from pathlib import Path
 
 from prfaas_sglang.gpu.e2e import (
     ADMIN_TOKEN,
-    DEPLOYMENT,
     GPU_PROFILE,
     SHAPED_DELAY_RTT_MS,
     SHAPED_RATE_MBIT,
@@ -43,6 +42,7 @@ from prfaas_sglang.gpu.e2e import (
     wait_healthy,
     wait_routable,
 )
+from prfaas_sglang.gpu.netlink import ShapedNamespace
 
 
 @dataclass
@@ -59,6 +59,9 @@ class Context:
     dep: RunningDeployment | None = None
     vocab_size: int = 0
     answers: dict | None = None  # greedy-equal's router answers, for shaped-link's comparison
+    shaped: ShapedNamespace | None = None  # where PrfaaS runs when shaped-link is asked for
+    delay_unavailable: str | None = None  # why the shaped link gets no added round trip here (None: it does)
+    broken_hook: subprocess.Popen | None = None  # the server started with a broken hook (hooks)
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -98,6 +101,46 @@ def _ask(url: str, case: dict, ids: list[int], text: str | None, *, model: str) 
     return parse_answer(case["endpoint"], case["stream"], payload), headers
 
 
+def start_broken_hook(ctx: Context) -> subprocess.Popen:
+    """Start a plain server whose plugin carries a hook that cannot apply (``broken-hook`` in
+    ``ctx.procs``); it must stop at start-up, which :func:`check_hooks` reads."""
+    from prfaas_sglang.demo.cluster import free_port
+
+    site = broken_hook_site(ctx.work / "broken-hook")
+    env = bundle_env(ctx.root, ctx.checkout, profile=ctx.profile)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    ctx.broken_hook = ctx.procs.start(
+        "broken-hook", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
+                        str(ctx.model_dir), "--port", str(free_port()), "--", *ctx.profile.flags], env)
+    return ctx.broken_hook
+
+
+def start_checks_deployment(ctx: Context, stack: contextlib.ExitStack, shaped: bool) -> RunningDeployment:
+    """The one deployment every check uses. PrfaaS's prefix cache pinned to ``shared`` (the launcher's
+    default is ``auto``, which keeps one-offs while it has seen too few re-sightings): kv-index and
+    state-events check transfer cache. With ``shaped``: a namespace behind a :data:`SHAPED_RATE_MBIT`
+    veth (entered on ``stack``, removed when it closes) holds PrfaaS, every other node on the veth's
+    host end (not loopback, which inside the namespace is the namespace's own), SGLang's KV endpoints
+    pinned there too (its own address lookup could pick another local address), the topology
+    stating the longest round trip the link will have (the WAN profile's stall bound scales with it),
+    and PrfaaS starts in the first of :data:`SHAPED_PROFILES`."""
+    from prfaas_sglang.gpu.netlink import delay_unavailable, shaped_namespace
+
+    cache = {"PRFAAS_PREFILL_CACHE": "shared"}
+    if not shaped:
+        return start_deployment(ctx.root, ctx.checkout, ctx.model_dir, ctx.procs, ctx.work, prfaas_env=cache,
+                                engine=ctx.engine, profile=ctx.profile)
+    ns = ctx.shaped = stack.enter_context(shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT))
+    ctx.delay_unavailable = delay_unavailable()
+    _, kv_profile, env = SHAPED_PROFILES[0]
+    return start_deployment(ctx.root, ctx.checkout, ctx.model_dir, ctx.procs, ctx.work, kv_profile=kv_profile,
+                            host=ns.host_ip, prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip,
+                            prfaas_env={**cache, "SGLANG_HOST_IP": ns.inner_ip}, profile_env=env,
+                            pd_env={"SGLANG_HOST_IP": ns.host_ip},
+                            link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS if ctx.delay_unavailable else SHAPED_DELAY_RTT_MS),
+                            startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S, engine=ctx.engine, profile=ctx.profile)
+
+
 def check_hooks(ctx: Context) -> CheckResult:
     from prfaas_sglang.plugin import HOOKS
 
@@ -109,13 +152,7 @@ def check_hooks(ctx: Context) -> CheckResult:
             missing[name] = problems
     if missing:
         return CheckResult("hooks", False, f"hook reports: {missing}")
-    site = broken_hook_site(ctx.work / "broken-hook")
-    env = bundle_env(ctx.root, ctx.checkout, profile=ctx.profile)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
-    from prfaas_sglang.demo.cluster import free_port
-
-    proc = ctx.procs.start("broken-hook", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
-                                           str(ctx.model_dir), "--port", str(free_port()), "--", *ctx.profile.flags], env)
+    proc = ctx.broken_hook or start_broken_hook(ctx)
     try:
         code = proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
@@ -325,8 +362,9 @@ def check_failover(ctx: Context) -> CheckResult:
     return CheckResult("failover", not problems, "; ".join(problems), data)
 
 
-SHAPED_PROFILES = (("upstream", "upstream", None), ("wan", "wan", None),
-                   ("wan-layerwise", "wan", {"PRFAAS_KV_LAYERWISE": "1"}))
+# (name, --kv-profile, environment): the last is the profile the other checks run with
+SHAPED_PROFILES = (("upstream", "upstream", None), ("wan-layerwise", "wan", {"PRFAAS_KV_LAYERWISE": "1"}),
+                   ("wan", "wan", None))
 
 
 def _reference_answer(ctx: Context, case: dict, ids: list[int]) -> dict | None:
@@ -349,17 +387,18 @@ def _ttft_s(router: str, ids: list[int], model: str) -> tuple[float, int, str | 
     return time.monotonic() - started, status, _route(headers)
 
 
-def _timed_prompts(ctx: Context, router: str, profile: str, link: str) -> tuple[list[dict], list[str]]:
+def _timed_prompts(ctx: Context, router: str, profile: str, link: str, seed: int) -> tuple[list[dict], list[str]]:
     """On the link as it is now (``link`` names it in the rows): a warm-up prompt per length (kernels
     compile on first use, the lanes open), then ``ctx.profile.shaped_repeats`` fresh prompts per
-    length timed, each of which must go to PrfaaS."""
+    length timed (seeds from ``seed``: a link's prompts are none of another's, so none is a second
+    sighting the PrfaaS cache would keep), each of which must go to PrfaaS."""
     rows, problems, vocab = [], [], ctx.vocab_size or 4096
     for num_tokens in ctx.profile.long_tokens:
-        warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, 7_000_000 + num_tokens), ctx.profile.served_name)
+        warm_s, _, _ = _ttft_s(router, prompt_ids(num_tokens, vocab, seed - 1_000 + num_tokens), ctx.profile.served_name)
         if (waited_s := wait_routable(router)) > 1.0:  # the warm-up's compile outlasted a health check
             ctx.log(f"[shaped-link] {profile}: waited {waited_s:.1f} s for the router to route to every worker")
         for k in range(ctx.profile.shaped_repeats):
-            ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, 8_000_000 + num_tokens * 10 + k),
+            ttft_s, status, route = _ttft_s(router, prompt_ids(num_tokens, vocab, seed + num_tokens * 10 + k),
                                              ctx.profile.served_name)
             row = {"profile": profile, "link": link, "tokens": num_tokens, "repeat": k, "ttft_s": round(ttft_s, 3),
                    "warmup_s": round(warm_s, 3), "status": status, "route": route}
@@ -407,41 +446,34 @@ class _LinkWatch:
                 "controller_capacity_est_bps": (last.get("controller") or {}).get("capacity_est_bps")}
 
 
-def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict | None,
-                    delay_rtt_ms: float | None) -> tuple[list[dict], list[str], list[dict]]:
-    """One deployment with PrfaaS behind the shaped link: :func:`_timed_prompts` on the bare veth,
-    then, with ``delay_rtt_ms``, again with that round trip added (netem, same deployment), then
-    the seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
+def _shaped_profile(ctx: Context, profile: str, delay_rtt_ms: float | None) -> tuple[list[dict], list[str], list[dict]]:
+    """On the deployment as it runs (PrfaaS in ``profile``): :func:`_timed_prompts` on the bare veth,
+    then, with ``delay_rtt_ms``, again with that round trip added (netem), then the
+    seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
     from prfaas_sglang.gpu.netlink import set_delay
 
     rows, problems, telemetry = [], [], []
-    procs = Processes(ctx.work / f"logs-shaped-{profile}")
+    router = ctx.dep.url("router")
+    links = [("veth", None)] + ([(f"rtt-{delay_rtt_ms:g}ms", delay_rtt_ms)] if delay_rtt_ms else [])
     try:
-        started = time.monotonic()
-        # Every node on its end of the veth: PrfaaS inside, the rest on the host side (10.78.0.1, not
-        # loopback, which inside the namespace is the namespace's own). SGLang's KV endpoints pinned
-        # there too (its own address lookup could pick another local address). The topology states the
-        # longest round trip the link will have (the WAN profile's stall bound scales with it).
-        dep = start_deployment(ctx.root, ctx.checkout, ctx.model_dir, procs, ctx.work, kv_profile=kv_profile, host=ns.host_ip,
-                               prfaas_preexec=ns.enter, prfaas_host=ns.inner_ip,
-                               prfaas_env={**(env or {}), "SGLANG_HOST_IP": ns.inner_ip},
-                               pd_env={"SGLANG_HOST_IP": ns.host_ip},
-                               link=(SHAPED_RATE_MBIT / 1000, delay_rtt_ms or SHAPED_RTT_MS),
-                               startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S, engine=ctx.engine, profile=ctx.profile)
-        ctx.log(f"[shaped-link] {profile}: deployment healthy after {time.monotonic() - started:.1f} s")
-        router = dep.url("router")
-        links = [("veth", None)] + ([(f"rtt-{delay_rtt_ms:g}ms", delay_rtt_ms)] if delay_rtt_ms else [])
-        for link, rtt_ms in links:
+        for index, (link, rtt_ms) in enumerate(links):
             if delay_rtt_ms:
                 set_delay(rtt_ms)
             with _LinkWatch(router) as watch:  # what the PrfaaS worker's link telemetry told the router (#14)
-                got, wrong = _timed_prompts(ctx, router, profile, link)
+                got, wrong = _timed_prompts(ctx, router, profile, link, seed=8_000_000 + 1_000_000 * index)
             seen = {"profile": profile, "link": link, **watch.summary()}
             ctx.log(f"[shaped-link] the router's link view: {json.dumps(seen)}")
             rows, problems, telemetry = rows + got, problems + wrong, telemetry + [seen]
             if not seen["with_capacity"]:
                 problems.append(f"{profile} {link}: the router measured no link capacity from prfaas-0's telemetry "
                                 f"in {seen['samples']} samples")
+    except Exception as err:  # noqa: BLE001 - one profile's failure is reported; the others still run
+        problems.append(f"{profile}: {type(err).__name__}: {err}")
+        ctx.log(f"[shaped-link] {profile} failed: {type(err).__name__}: {err}")
+    finally:
+        if delay_rtt_ms:
+            set_delay(None)
+    try:
         for num_tokens in ctx.profile.long_tokens:
             case = {"name": f"completions-{num_tokens}-stream", "endpoint": "/v1/completions", "stream": True}
             ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, num_tokens)
@@ -451,13 +483,8 @@ def _shaped_profile(ctx: Context, ns, profile: str, kv_profile: str, env: dict |
                 ctx.answers = {**(ctx.answers or {}), case["name"]: ours}
             elif why := output_mismatch(ours, reference):
                 problems.append(f"{profile} {num_tokens}: {why}")
-    except Exception as err:  # noqa: BLE001 - one profile's failure is reported; the others still run
-        problems.append(f"{profile}: {type(err).__name__}: {err}")
-        ctx.log(f"[shaped-link] {profile} failed: {type(err).__name__}: {err}")
-    finally:
-        procs.stop()
-        if delay_rtt_ms:
-            set_delay(None)
+    except Exception as err:  # noqa: BLE001
+        problems.append(f"{profile} answers: {type(err).__name__}: {err}")
     return rows, problems, telemetry
 
 
@@ -476,30 +503,35 @@ def shaped_medians(rows: list[dict]) -> dict:
 
 
 def check_shaped_link(ctx: Context) -> CheckResult:
-    """TTFT over a rate-shaped veth for SGLang's Mooncake settings, our WAN profile, and ours with
-    layer-wise streaming, on the bare veth and, where the kernel has netem, with
+    """TTFT over a rate-shaped veth for SGLang's Mooncake settings, our WAN profile with layer-wise
+    streaming, and our WAN profile (:data:`SHAPED_PROFILES`, in that order: the last is the one the
+    other checks then use), on the bare veth and, where the kernel has netem, with
     :data:`SHAPED_DELAY_RTT_MS` of round trip added; outputs identical to the unshaped reference.
-    Stops the shared deployment first if it runs (the reference stays)."""
-    from prfaas_sglang.gpu.netlink import delay_unavailable, shaped_namespace
-
-    ctx.procs.stop([n for n in DEPLOYMENT if n in ctx.procs.procs])
-    ctx.dep = None
+    The deployment is the shared one (PrfaaS already behind the veth); a profile switch restarts
+    the PrfaaS server alone."""
+    if ctx.shaped is None or ctx.dep is None:
+        return CheckResult("shaped-link", False, "the deployment was not started behind the shaped link")
     ctx.vocab_size = ctx.vocab_size or len(ctx.tokenizer())
-    rows, problems, telemetry = [], [], []
-    with shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT) as ns:
-        no_delay = delay_unavailable()
-        if no_delay is not None:
-            ctx.log(f"[shaped-link] the bare veth only: {no_delay}")
-        for profile, kv_profile, env in SHAPED_PROFILES:
-            got, wrong, seen = _shaped_profile(ctx, ns, profile, kv_profile, env,
-                                               None if no_delay else SHAPED_DELAY_RTT_MS)
-            rows, problems, telemetry = rows + got, problems + wrong, telemetry + seen
+    if ctx.delay_unavailable is not None:
+        ctx.log(f"[shaped-link] the bare veth only: {ctx.delay_unavailable}")
+    delay_rtt_ms = None if ctx.delay_unavailable else SHAPED_DELAY_RTT_MS
+    rows, problems, telemetry, restarts_s = [], [], [], {}
+    for profile, kv_profile, env in SHAPED_PROFILES:
+        if ctx.dep.prfaas_profile != (kv_profile, tuple(sorted((env or {}).items()))):
+            try:
+                restarts_s[profile] = round(ctx.dep.restart_prfaas(kv_profile, env), 1)
+            except Exception as err:  # noqa: BLE001 - this profile is lost; the next restart tries again
+                problems.append(f"{profile}: prfaas-0 did not restart: {type(err).__name__}: {err}")
+                continue
+            ctx.log(f"[shaped-link] prfaas-0 restarted as {profile}, routable after {restarts_s[profile]} s")
+        got, wrong, seen = _shaped_profile(ctx, profile, delay_rtt_ms)
+        rows, problems, telemetry = rows + got, problems + wrong, telemetry + seen
     by_link = {link: shaped_medians([r for r in rows if r["link"] == link]) for link in dict.fromkeys(r["link"] for r in rows)}
     ctx.log(f"[shaped-link] {json.dumps(by_link)}")
-    data = {"rate_mbit": SHAPED_RATE_MBIT, "veth_rtt_ms": SHAPED_RTT_MS,
-            "delay_rtt_ms": None if no_delay else SHAPED_DELAY_RTT_MS, "no_delay_because": no_delay,
-            "repeats": ctx.profile.shaped_repeats, "rows": rows, **by_link.get("veth", shaped_medians([])),
-            "by_link": by_link, "router_link_view": telemetry}
+    data = {"rate_mbit": SHAPED_RATE_MBIT, "veth_rtt_ms": SHAPED_RTT_MS, "delay_rtt_ms": delay_rtt_ms,
+            "no_delay_because": ctx.delay_unavailable, "repeats": ctx.profile.shaped_repeats, "rows": rows,
+            **by_link.get("veth", shaped_medians([])), "by_link": by_link, "router_link_view": telemetry,
+            "prfaas_restart_s": restarts_s}
     return CheckResult("shaped-link", not problems, "; ".join(problems), data)
 
 

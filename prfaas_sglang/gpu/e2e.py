@@ -31,6 +31,7 @@ unit-tested without a GPU; the rest needs one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -101,10 +102,14 @@ class ServerProfile:
 # 2026-11-26); a server's first CPU prefill took 33 s, and the next long prompt went to PD-P.
 SGLANG_HEALTH_WAIT = ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")
 GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(SGLANG_HEALTH_WAIT,))
+# The CPU engine sizes its pool from the memory free before and after its model loaded, like the GPU's:
+# with five servers loading at once (the reference and the broken-hook one beside the deployment), 0.05
+# left "no memory for the KV cache" (2026-11-27, others' imports took 5.3% meanwhile); the pool is
+# capped by --max-total-tokens either way.
 CPU_PROFILE = ServerProfile(
     ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
-     "--mem-fraction-static", "0.05", "--max-total-tokens", "65536", "--max-running-requests", "8",
+     "--mem-fraction-static", "0.15", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--log-level", "info"),
     env=(("SGLANG_USE_CPU_ENGINE", "1"), SGLANG_HEALTH_WAIT),  # SGLang outwaits the router's two 30 s misses
     threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
@@ -495,6 +500,13 @@ class RunningDeployment:
     config: Path
     env: dict[str, str]
     procs: Processes
+    work: Path
+    prfaas_argv: list[str]  # the PrfaaS server's launch, without its ``--kv-profile``
+    prfaas_env: dict[str, str]  # its environment, without a profile's own variables
+    prfaas_preexec: Callable[[], None] | None = None
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    prfaas_profile: tuple[str, tuple[tuple[str, str], ...]] = ("wan", ())  # (kv profile, extra env) running now
+    restarts: int = 0
 
     def node(self, name: str) -> dict:
         for cluster in self.topology["clusters"].values():
@@ -507,35 +519,65 @@ class RunningDeployment:
         node = self.node(name)
         return f"http://{node['host']}:{node['port']}"
 
+    def start_prfaas(self, kv_profile: str, env: dict[str, str] | None = None) -> None:
+        """Start ``prfaas-0`` with ``kv_profile`` and ``env`` added to its own environment (not waited for)."""
+        self.procs.start("prfaas-0", [*self.prfaas_argv, "--kv-profile", kv_profile],
+                         {**self.prfaas_env, **(env or {})}, preexec_fn=self.prfaas_preexec)
+        self.prfaas_profile = (kv_profile, tuple(sorted((env or {}).items())))
+
+    def restart_prfaas(self, kv_profile: str, env: dict[str, str] | None = None) -> float:
+        """Stop ``prfaas-0`` alone and start it again with ``kv_profile`` and ``env`` (the PD servers,
+        the kv-index and the router keep running: a profile switch costs one server's start, not a
+        deployment's); the seconds until it is healthy and the router routes to every worker again.
+        Its previous log is kept as ``prfaas-0.{n}.log``."""
+        started = time.monotonic()
+        self.procs.stop(["prfaas-0"])
+        log = self.procs.log_dir / "prfaas-0.log"
+        if log.exists():
+            log.rename(self.procs.log_dir / f"prfaas-0.{self.restarts}.log")
+        self.restarts += 1
+        self.start_prfaas(kv_profile, env)
+        try:
+            wait_healthy(self.url("prfaas-0") + "/health", self.procs.procs["prfaas-0"], timeout_s=self.startup_timeout_s)
+        except RuntimeError as err:
+            raise RuntimeError(f"prfaas-0: {err}; its log ends: {log_tail(self.procs.log('prfaas-0'))}") from None
+        wait_routable(self.url("router"))
+        return time.monotonic() - started
+
 
 DEPLOYMENT = ("prfaas-0", "pd-prefill-0", "pd-decode-0", "kv-index", "router")
 
 
-def start_deployment(root: Path, checkout: Path, model_dir: Path, procs: Processes, work: Path,
+def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: Processes, work: Path,
                      kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None,
                      prfaas_env: dict[str, str] | None = None, link: tuple[float, float] = (1.0, 20.0),
                      startup_timeout_s: float = STARTUP_TIMEOUT_S,
                      pd_env: dict[str, str] | None = None, engine: str = "sglang",
-                     host: str = "127.0.0.1", profile: ServerProfile = GPU_PROFILE) -> RunningDeployment:
+                     host: str = "127.0.0.1", profile: ServerProfile = GPU_PROFILE,
+                     profile_env: dict[str, str] | None = None) -> RunningDeployment:
     """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises when any
     does not become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
-    PrfaaS server's / the PD servers' environment."""
+    PrfaaS server's / the PD servers' environment; ``kv_profile`` and ``profile_env``: the PrfaaS
+    server's KV profile and the variables that go with it (what :meth:`RunningDeployment.restart_prfaas`
+    switches)."""
     import yaml
 
     from prfaas_sglang.demo.cluster import PortPicker
 
     topology = e2e_topology(model_dir, PortPicker(), host=host, prfaas_host=prfaas_host, link=link,
                             emulation=MOCK_EMULATION if engine == "mock" else None, profile=profile)
-    config = work / f"topology-{kv_profile}{'-shaped' if prfaas_preexec else ''}{'-env' if prfaas_env else ''}.yaml"
+    config = work / f"topology{'-shaped' if prfaas_preexec else ''}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
     env = bundle_env(root, checkout, profile=profile)
-    dep = RunningDeployment(topology, config, env, procs)
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)]
-    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
-        extra = (["--kv-profile", kv_profile] if name == "prfaas-0" else []) + (["--engine", engine] if engine == "mock" else [])
-        node_env = {**env, **(prfaas_env or {})} if name == "prfaas-0" else {**env, **(pd_env or {})}
-        procs.start(name, [*launch, "--node", name, *extra], {**node_env, "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
-                    preexec_fn=prfaas_preexec if name == "prfaas-0" else None)
+    mock = ["--engine", engine] if engine == "mock" else []
+    dep = RunningDeployment(topology, config, env, procs, work, [*launch, "--node", "prfaas-0", *mock],
+                            {**env, **(prfaas_env or {}), "PRFAAS_HOOK_REPORT": str(hook_report(work, "prfaas-0"))},
+                            prfaas_preexec, startup_timeout_s)
+    dep.start_prfaas(kv_profile, profile_env)
+    for name in ("pd-prefill-0", "pd-decode-0"):
+        procs.start(name, [*launch, "--node", name, *mock],
+                    {**env, **(pd_env or {}), "PRFAAS_HOOK_REPORT": str(hook_report(work, name))})
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
         try:
             wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=startup_timeout_s)
@@ -571,10 +613,11 @@ def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processe
 
 
 def run_order(checks: Iterable[str]) -> list[str]:
-    """``shaped-link`` first (it starts and stops its own deployments, so it runs before the shared
-    one exists and costs no restart), then the others in the order asked."""
+    """``shaped-link`` first (it switches the PrfaaS server's profile, ending on the one the others
+    use), ``failover`` last (it kills the PrfaaS server), the others in the order asked."""
     checks = list(checks)
-    return [c for c in checks if c == "shaped-link"] + [c for c in checks if c != "shaped-link"]
+    first, last = [c for c in checks if c == "shaped-link"], [c for c in checks if c == "failover"]
+    return first + [c for c in checks if c not in ("shaped-link", "failover")] + last
 
 
 def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
@@ -585,7 +628,7 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
     :data:`CPU_CHECKS`)."""
     from prfaas_sglang.gpu import checks as impl
 
-    checkout = Path(__file__).resolve().parents[2]
+    checkout, began = Path(__file__).resolve().parents[2], time.monotonic()
     profile = profile_for(engine)
     root = unpack(bundle_dir) if engine == "sglang" else None
     if root is not None and str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...)
@@ -600,37 +643,41 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
     procs = Processes(work / "logs")
     results: list[CheckResult] = []
     facts: dict = {"work_dir": str(work), "model": str(model_dir), "engine": engine}
-    try:
-        ctx = impl.Context(root, checkout, model_dir, procs, work, log, engine=engine, profile=profile)
-        if engine == "sglang":
-            facts["versions"] = impl.preflight(root, checkout)
-            log(f"[gpu-e2e] versions: {facts['versions']}")
-        if engine != "mock" and set(checks) & NEED_REFERENCE:
-            ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
-        for name in run_order(checks):
-            if name != "shaped-link" and ctx.dep is None:  # shaped-link starts its own deployments
-                if ctx.reference:
-                    wait_healthy(ctx.reference + "/health", procs.procs["reference"])
-                # The prfaas node's prefix cache pinned to `shared` (the launcher's default is `auto`, which
-                # keeps one-offs while it has seen too few re-sightings): state-events checks transfer cache.
-                ctx.dep = start_deployment(root, checkout, model_dir, procs, work,
-                                           prfaas_env={"PRFAAS_PREFILL_CACHE": "shared"}, engine=engine, profile=profile)
-            started = time.monotonic()
-            try:
-                result = impl.CHECK_FUNCTIONS[name](ctx)
-            except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
-                result = CheckResult(name, False, f"{type(err).__name__}: {err}")
-            result.data["seconds"] = round(time.monotonic() - started, 1)
-            log(result.line())
-            results.append(result)
-    except Exception as err:  # noqa: BLE001 - start-up failed: every requested check fails with the cause
-        for name in checks:
-            if name not in {r.name for r in results}:
-                results.append(CheckResult(name, False, f"deployment did not start: {type(err).__name__}: {err}"))
-                log(results[-1].line())
-    finally:
-        facts["killed_after_term"] = procs.stop()
-        facts["logs"] = str(procs.log_dir)
+    with contextlib.ExitStack() as stack:  # the shaped namespace, removed after every server stopped
+        try:
+            ctx = impl.Context(root, checkout, model_dir, procs, work, log, engine=engine, profile=profile)
+            if engine == "sglang":
+                facts["versions"] = impl.preflight(root, checkout)
+                log(f"[gpu-e2e] versions: {facts['versions']}")
+            if engine != "mock" and set(checks) & NEED_REFERENCE:
+                ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
+            if engine != "mock" and "hooks" in checks:  # it stops at start-up: started now, read by the check
+                impl.start_broken_hook(ctx)
+            # One deployment for every check: with shaped-link, PrfaaS sits behind the shaped veth from
+            # the start, and that check switches its profile by restarting that server alone.
+            ctx.dep = impl.start_checks_deployment(ctx, stack, shaped="shaped-link" in checks)
+            if ctx.reference:
+                wait_healthy(ctx.reference + "/health", procs.procs["reference"])
+            facts["deployment_healthy_s"] = round(time.monotonic() - began, 1)
+            log(f"[gpu-e2e] deployment healthy after {facts['deployment_healthy_s']} s")
+            for name in run_order(checks):
+                started = time.monotonic()
+                try:
+                    result = impl.CHECK_FUNCTIONS[name](ctx)
+                except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
+                    result = CheckResult(name, False, f"{type(err).__name__}: {err}")
+                result.data["seconds"] = round(time.monotonic() - started, 1)
+                log(result.line())
+                results.append(result)
+        except Exception as err:  # noqa: BLE001 - start-up failed: every requested check fails with the cause
+            for name in checks:
+                if name not in {r.name for r in results}:
+                    results.append(CheckResult(name, False, f"deployment did not start: {type(err).__name__}: {err}"))
+                    log(results[-1].line())
+        finally:
+            facts["killed_after_term"] = procs.stop()
+            facts["logs"] = str(procs.log_dir)
+            facts["total_s"] = round(time.monotonic() - began, 1)
     if not results:
         shutil.rmtree(work, ignore_errors=True)
     return summary(results, facts)

@@ -212,8 +212,8 @@ def test_a_failed_start_reports_the_servers_last_words():
     assert e2e.log_tail("") == "(empty)"
 
 
-def test_shaped_link_runs_first_and_the_others_keep_their_order():
-    assert e2e.run_order(["hooks", "shaped-link", "routing"]) == ["shaped-link", "hooks", "routing"]
+def test_shaped_link_runs_first_failover_last_and_the_others_keep_their_order():
+    assert e2e.run_order(["failover", "hooks", "shaped-link", "routing"]) == ["shaped-link", "hooks", "routing", "failover"]
     assert e2e.run_order(["routing", "hooks"]) == ["routing", "hooks"]
 
 
@@ -441,10 +441,14 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
                                                            for n in e2e.LONG_TOKENS}
     assert len(rows) == 3 * len(e2e.LONG_TOKENS) * profile.shaped_repeats * 2  # the bare veth, then delayed
     assert {r["link"] for r in rows} == set(result["checks"]["shaped-link"]["by_link"]) == {"veth", "rtt-20ms"}
-    assert delays == [None, e2e.SHAPED_DELAY_RTT_MS, None] * 3  # per deployment: bare, delayed, removed
+    assert delays == [None, e2e.SHAPED_DELAY_RTT_MS, None] * 3  # per profile: bare, delayed, removed
     assert all(r["status"] == 200 and r["route"].startswith("prfaas/prfaas-0/") and r["ttft_s"] > 0 for r in rows)
     assert set(result["checks"]["shaped-link"]["median_ttft_s"]) == {"upstream", "wan", "wan-layerwise"}
-    assert sum("deployment healthy" in line for line in lines) == 3
+    # one deployment for every check; a profile switch restarted the PrfaaS server alone, twice
+    assert sum("deployment healthy" in line for line in lines) == 1
+    assert sum("prfaas-0 restarted as" in line for line in lines) == 2
+    assert set(result["checks"]["shaped-link"]["prfaas_restart_s"]) == {"wan-layerwise", "wan"}
+    assert (Path(result["logs"]) / "prfaas-0.0.log").is_file() and (Path(result["logs"]) / "prfaas-0.1.log").is_file()
 
 
 def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
