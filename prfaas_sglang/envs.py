@@ -111,6 +111,13 @@ class Envs:
         "{pid, role, hooks} to this file (the GPU check reads it: SGLang loads plugins before it "
         "configures logging, so the plugin's INFO lines are not printed). Unset: nothing written.",
     )
+    POOL_REPORT = EnvVar(
+        "PRFAAS_POOL_REPORT",
+        None,
+        "SGLang processes with the prfaas-hybrid cache backend: when the tree cache is built, append one "
+        "JSON line {pid, kv_bytes_per_token, state_bytes_per_request, ...} measured on the engine's own "
+        "pools to this file (bench profile reads it). Unset: nothing written.",
+    )
     TELEMETRY_PORT = EnvVar(
         "PRFAAS_TELEMETRY_PORT",
         None,

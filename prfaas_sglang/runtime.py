@@ -44,7 +44,12 @@ from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
 from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
 from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
-from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile, parse_workload
+from prfaas_sglang.plan.scenario import (
+    Catalog,
+    measured_state,
+    parse_measured_profile,
+    parse_workload,
+)
 from prfaas_sglang.plan.search import best_threshold_for_split, search
 from prfaas_sglang.plan.workload import TruncatedLogNormal, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
@@ -222,11 +227,12 @@ def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, wo
     if len({(c.profile, c.accelerator) for c in profiled}) > 1:
         raise ConfigError(f"clusters.{profiled[1].name}", f"every {kind} cluster must use the same accelerator/profile")
     if chosen is not None and chosen.profile:
-        prefill, gpus, decode = parse_measured_profile(catalog.load_yaml("profiles", chosen.profile, f"{path}.profile"),
-                                                       f"{path}.profile")
+        data = catalog.load_yaml("profiles", chosen.profile, f"{path}.profile")
+        prefill, gpus, decode = parse_measured_profile(data, f"{path}.profile")
         if kind == "pd" and decode is None:
             raise ConfigError(f"{path}.profile", "a PD profile needs a decode section {bs_max, step_s}")
-        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), chosen.profile, chosen.profile, "none")
+        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), chosen.profile, chosen.profile,
+                           measured_state(data, f"{path}.profile"))
     accel_name = chosen.accelerator if chosen is not None else DEFAULT_ACCELERATOR[kind]
     if chosen is None:
         defaults.append(f"{kind}.accelerator")

@@ -31,6 +31,7 @@ Benchmarks:
   dashboard      the Grafana dashboard (launch --emit k8s) drawn from a live emulated run's /metrics
   gpu-bundle     build and verify the carry bundle for the lent GPU machine (SGLang, sglang-kernel,
                  Mooncake CUDA 13, what the server imports) and the tiny hybrid model
+  profile        a cost profile measured on real SGLang (GPU machine, or its CPU engine here) beside the roofline
   gpu-e2e        on the GPU machine: every role through our launcher, seven checks (PASS/FAIL lines)
 """
 
@@ -313,8 +314,23 @@ def main(argv: list[str] | None = None) -> int:
                          "emulated engines (shaped-link, routing, kv-index, failover; needs --model-config, root); it checks "
                          "the harness, not SGLang")
     ge.add_argument("--json", action="store_true")
+    pf = sub.add_parser("profile", help="a cost profile measured on real SGLang (prefill, cached prefix, decode, pools) "
+                                        "beside the roofline; writes the profile file the planner, router and emulator load")
+    pf.add_argument("--engine", choices=("sglang", "sglang-cpu"), default="sglang",
+                    help="sglang: the GPU machine, from --bundle (the tiny hybrid); sglang-cpu: this CPU, a tiny Llama "
+                         "(proves the pipeline, not the numbers)")
+    pf.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (--engine sglang)")
+    pf.add_argument("--model-config", type=Path, default=None, help="a model directory instead of the tiny model")
+    pf.add_argument("--out", type=Path, required=True, help="the profile file to write (YAML)")
+    pf.add_argument("--roofline-accelerator", default="h200x8", help="the accelerator file the roofline uses (its per-GPU specs)")
+    pf.add_argument("--roofline-gpus", type=int, default=1, help="GPUs of it the roofline counts (the server's)")
+    pf.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     exit_on_sigterm()
+    if args.name == "profile":
+        from prfaas_sglang.gpu.cli import profile_main
+
+        return profile_main(args, parser)
     if args.name == "gpu-bundle":
         from prfaas_sglang.gpu.cli import bundle_main
 

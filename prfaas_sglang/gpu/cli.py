@@ -69,3 +69,27 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     result = run(args.bundle, args.model_config, checks, log, engine=args.engine)
     print(json.dumps(result, indent=2) if args.json else json.dumps({k: result[k] for k in ("ok", "passed", "failed")}))
     return 0 if result["ok"] else 1
+
+
+def profile_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from prfaas_sglang.errors import ConfigError
+    from prfaas_sglang.gpu.e2e import gpu_unavailable
+    from prfaas_sglang.gpu.profile import run
+
+    if args.engine == "sglang":
+        if (why := gpu_unavailable()) is not None:
+            print(f"profile: {why}", file=sys.stderr)
+            return 2
+        if args.bundle is None or not args.bundle.is_dir():
+            parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    if args.roofline_gpus < 1:
+        parser.error("--roofline-gpus must be >= 1")
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    try:
+        result = run(args.engine, args.bundle, args.model_config, args.out, log,
+                     roofline_accelerator=args.roofline_accelerator, roofline_gpus=args.roofline_gpus)
+    except (ConfigError, RuntimeError, ValueError, OSError) as err:
+        print(f"profile: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else f"profile: {result['profile']} ({result['seconds']} s)")
+    return 0

@@ -145,10 +145,16 @@ def parse_accelerator(data: Any, path: str = "accelerator") -> Accelerator:
     )
 
 
+MEASURED_STATES = ("none", "recurrent", "swa", "recurrent+swa")  # runtime.state_kind's names
+
+
 def parse_measured_profile(data: Any, path: str = "profile") -> tuple[TabulatedPrefill, int, DecodeProfile | None]:
-    """A measured profile file: ``{name, gpus_per_instance, points: [...], decode: {bs_max, step_s}}``."""
+    """A measured profile file: ``{name, gpus_per_instance, points: [...], decode: {bs_max, step_s}}``,
+    optionally ``state`` (:func:`measured_state`) and ``measurements`` (raw tables, not read here;
+    ``plan/measured.py`` writes both)."""
     obj = cc.mapping(data, path)
-    cc.check_keys(obj, {"name", "source", "gpus_per_instance", "points", "decode"}, path)
+    cc.check_keys(obj, {"name", "source", "gpus_per_instance", "points", "decode", "state", "measurements"}, path)
+    measured_state(obj, path)
     points = obj.get("points")
     if not isinstance(points, list):
         raise ConfigError(f"{path}.points", "must be a list of {tokens, prefill_s, kv_bytes}")
@@ -161,6 +167,14 @@ def parse_measured_profile(data: Any, path: str = "profile") -> tuple[TabulatedP
         decode = DecodeProfile(cc.number(d, "bs_max", f"{path}.decode", required=True, positive=True),
                                cc.number(d, "step_s", f"{path}.decode", required=True, positive=True))
     return prefill, gpus, decode
+
+
+def measured_state(data: Any, path: str = "profile") -> str:
+    """The state a measured profile's model stops prefix reuse at (``state``, default ``none``)."""
+    state = cc.mapping(data, path).get("state", "none")
+    if state not in MEASURED_STATES:
+        raise ConfigError(f"{path}.state", f"must be one of {', '.join(MEASURED_STATES)}, got {state!r}")
+    return state
 
 
 # --- scenarios ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.analytic import Accelerator, AnalyticPrefill, ModelConfig, decode_step_s
 from prfaas_sglang.plan.profiles import DecodeProfile, PrefillProfile
-from prfaas_sglang.plan.scenario import Catalog, parse_measured_profile
+from prfaas_sglang.plan.scenario import Catalog, measured_state, parse_measured_profile
 
 MEASURED_POOL_TOKENS_PER_SEQ = 32_768
 
@@ -94,7 +94,9 @@ def load_timing(profile: str, speedup: float, kv_scale: float, max_batch: int | 
         raise ConfigError("--profile", f"expected MODEL@ACCELERATOR or a profile file, got {profile!r}")
     import yaml
 
-    prefill, _gpus, decode = parse_measured_profile(yaml.safe_load(path.read_text()), "--profile")
+    data = yaml.safe_load(path.read_text())
+    prefill, _gpus, decode = parse_measured_profile(data, "--profile")
     if decode is None:
         raise ConfigError("--profile", f"{path} has no decode section (bs_max, step_s)")
-    return EngineTiming(prefill, speedup, kv_scale, max_batch or int(decode.bs_max), False, measured_decode=decode)
+    hybrid = measured_state(data, "--profile") != "none"
+    return EngineTiming(prefill, speedup, kv_scale, max_batch or int(decode.bs_max), hybrid, measured_decode=decode)

@@ -1,0 +1,74 @@
+"""``bench profile`` (issue #48): a cost profile measured on real SGLang. On CPU in CI (the pipeline,
+not the numbers); the lent GPU's run is in BENCHMARKS.md and ships as
+``plan/data/profiles/measured-tiny-hybrid-h200.yaml``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from prfaas_sglang.gpu.profile import CPU_GRID, decode_step
+from prfaas_sglang.plan.hf import model_from_hf_config
+from prfaas_sglang.plan.scenario import parse_measured_profile
+
+
+def test_the_decode_step_is_timed_only_while_every_request_decodes():
+    # request a's first token at 0 and b's at 1.0: before 1.0 only a decoded (batch 1)
+    a = [0.0, 0.1, 0.2, 1.0, 1.5, 2.0]
+    b = [1.0, 1.5, 2.0, 2.5]
+    step_s, intervals = decode_step([a, b])
+    assert step_s == pytest.approx(0.5) and intervals == 5
+    assert decode_step([a, []]) == (None, 0)  # a request that streamed nothing: no step
+
+
+def test_pool_geometry_reads_a_hybrids_full_attention_kv_and_its_state_slots():
+    """The layout of SGLang 0.5.15's pools for a linear-attention hybrid (HybridLinearKVPool around
+    the full-attention pool; the Mamba pool's conv list and temporal state, [layers, slots, ...])."""
+    from prfaas_sglang.hooks.hybrid_cache import pool_geometry
+
+    slots, tokens = 5, 17
+    full = SimpleNamespace(k_buffer=[torch.zeros(tokens, 2, 64, dtype=torch.bfloat16)],
+                           v_buffer=[torch.zeros(tokens, 2, 64, dtype=torch.bfloat16)])
+    kv = SimpleNamespace(full_kv_pool=full)
+    cache = SimpleNamespace(conv=[torch.zeros(3, slots, 1024, 3, dtype=torch.bfloat16)],
+                            temporal=torch.zeros(3, slots, 8, 64, 64, dtype=torch.float32))
+    params = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: kv, size=16),
+                             req_to_token_pool=SimpleNamespace(mamba_pool=SimpleNamespace(mamba_cache=cache, size=4)))
+    geometry = pool_geometry(params)
+    assert geometry["kv_bytes_per_token"] == 2 * 2 * 64 * 2  # K and V, 2 heads of 64, bf16: 512
+    assert geometry["state_bytes_per_request"] == 3 * 1024 * 3 * 2 + 3 * 8 * 64 * 64 * 4 == 411_648  # the tiny hybrid's
+    assert geometry["state_slots"] == 4 and geometry["kv_pool_tokens"] == 16
+
+
+def test_profile_on_real_sglang_on_cpu_writes_a_profile_the_planner_loads(tmp_path):
+    """The whole pipeline on SGLang's CPU engine (a tiny Llama): server through the launcher, prefill,
+    cached prefix, decode steps, the engine's own pools, the file, the roofline beside it."""
+    out = tmp_path / "cpu.yaml"
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "profile", "--engine", "sglang-cpu",
+                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    doc = yaml.safe_load(out.read_text())
+    prefill, gpus, decode = parse_measured_profile(doc)
+    assert [p[0] for p in prefill.points] == list(CPU_GRID.prefill_tokens) and gpus == 1
+    assert decode.bs_max == max(CPU_GRID.decode_batches) and decode.step_s > 0
+    assert doc["state"] == "none"  # a dense model: reuse does not stop at a state
+    # what SGLang's pools hold per token is what the served config's roofline says (4 KiB for the tiny Llama)
+    from prfaas_sglang.gpu.model import tiny_cpu_config
+
+    model = model_from_hf_config(tiny_cpu_config(4096, 2, 0))
+    assert doc["measurements"]["pool"] == {"kv_bytes_per_token": 4096, "state_bytes_per_request": 0}
+    assert all(p["kv_bytes"] == model.kv_bytes(p["tokens"]) for p in doc["points"])
+    # the prefix sent just before is reused in full; every decode point saw steps while all decoded
+    (cached,) = doc["measurements"]["cached"]
+    assert cached["cached_tokens"] == cached["prefix_tokens"] == CPU_GRID.cached[0][0]
+    assert all(d["step_s"] and d["intervals"] > 0 for d in doc["measurements"]["decode"])
+    quantities = [r["quantity"] for r in result["roofline"]]
+    assert quantities.count("prefill_s") == len(CPU_GRID.prefill_tokens) + len(CPU_GRID.cached)
+    assert all(r["ratio"] and r["ratio"] > 0 for r in result["roofline"])
