@@ -32,6 +32,7 @@ Benchmarks:
   gpu-bundle     build and verify the carry bundle for the lent GPU machine (SGLang, sglang-kernel,
                  Mooncake CUDA 13, what the server imports) and the tiny hybrid model
   profile        a cost profile measured on real SGLang (GPU machine, or its CPU engine here) beside the roofline
+  predict        the router's TTFT predictions on real SGLang: roofline vs measured profile vs 2x off + calibration
   gpu-e2e        on the GPU machine: every role through our launcher, seven checks (PASS/FAIL lines)
 """
 
@@ -325,8 +326,22 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--roofline-accelerator", default="h200x8", help="the accelerator file the roofline uses (its per-GPU specs)")
     pf.add_argument("--roofline-gpus", type=int, default=1, help="GPUs of it the roofline counts (the server's)")
     pf.add_argument("--json", action="store_true")
+    pr = sub.add_parser("predict", help="the router's TTFT predictions vs the TTFTs real SGLang shows: roofline, "
+                                        "measured, and measured x2 with online calibration")
+    pr.add_argument("--engine", choices=("sglang", "sglang-cpu"), default="sglang")
+    pr.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (--engine sglang)")
+    pr.add_argument("--measured", type=Path, required=True, help="the profile bench profile wrote for this engine")
+    pr.add_argument("--requests", type=int, default=50, help="per router, one at a time")
+    pr.add_argument("--variants", default="roofline,measured,off-2x")
+    pr.add_argument("--roofline-accelerator", default="h200x8")
+    pr.add_argument("--roofline-gpus", type=int, default=1)
+    pr.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     exit_on_sigterm()
+    if args.name == "predict":
+        from prfaas_sglang.gpu.cli import predict_main
+
+        return predict_main(args, parser)
     if args.name == "profile":
         from prfaas_sglang.gpu.cli import profile_main
 

@@ -50,6 +50,7 @@ from prfaas_sglang.demo.cluster import (
 )
 from prfaas_sglang.demo.workloads import TextSource
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
+from prfaas_sglang.wire.server_timing import server_timing
 
 PROFILE = "kimi-linear-1t-hybrid@h20x8"
 JSON = {"Content-Type": "application/json"}
@@ -235,7 +236,8 @@ async def _run(rate: float, duration_s: float, log_dir: Path, prompt_tokens: int
                     waited_ms = (time.perf_counter() - start) * 1e3
                     timings = server_timing(resp.headers.get("Server-Timing", ""))
                     for name, ms in timings.items():
-                        own.setdefault(name, []).append(ms)
+                        if name != "ttft-estimate":  # a prediction, not time the router spent
+                            own.setdefault(name, []).append(ms)
                     if resp.status == 200 and "legs" in timings:
                         paired.append(waited_ms - timings["legs"])
                     return resp.status == 200
@@ -342,19 +344,6 @@ def _added(path_s: list[float], base_s: list[float]) -> dict:
     return {f"p{q}_ms": (percentile(path_s, q / 100) - percentile(base_s, q / 100)) * 1e3 for q in (50, 99)}
 
 
-def server_timing(header: str) -> dict[str, float]:
-    """``Server-Timing: parse;dur=0.41, route;dur=0.12`` -> {"parse": 0.41, "route": 0.12} (ms)."""
-    out = {}
-    for metric in header.split(","):
-        name, _, params = metric.strip().partition(";")
-        for param in params.split(";"):
-            key, _, value = param.strip().partition("=")
-            if key == "dur" and name:
-                try:
-                    out[name] = float(value)
-                except ValueError:
-                    pass
-    return out
 
 
 def router_cpu_problem(cpu: int) -> str | None:

@@ -93,3 +93,33 @@ def profile_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return 1
     print(json.dumps(result, indent=2) if args.json else f"profile: {result['profile']} ({result['seconds']} s)")
     return 0
+
+
+def predict_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from prfaas_sglang.errors import ConfigError
+    from prfaas_sglang.gpu.e2e import gpu_unavailable
+    from prfaas_sglang.gpu.predict import VARIANTS, run
+
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.requests < 1:
+        parser.error("--requests must be >= 1")
+    if not args.measured.is_file():
+        parser.error(f"--measured {args.measured}: no such file (write one with: bench profile --out FILE)")
+    if args.engine == "sglang":
+        if (why := gpu_unavailable()) is not None:
+            print(f"predict: {why}", file=sys.stderr)
+            return 2
+        if args.bundle is None or not args.bundle.is_dir():
+            parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    try:
+        result = run(args.engine, args.bundle, args.measured, log, requests=args.requests, variants=variants,
+                     roofline_accelerator=args.roofline_accelerator, roofline_gpus=args.roofline_gpus)
+    except (ConfigError, RuntimeError, ValueError, OSError) as err:
+        print(f"predict: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2) if args.json else
+          json.dumps({k: {m: v[m] for m in v if m != "rows"} for k, v in result["variants"].items()}, indent=2))
+    return 0

@@ -172,6 +172,8 @@ def run(engine: str, bundle_dir: Path | None, model_dir: Path | None, out: Path,
     checkout, started = Path(__file__).resolve().parents[2], time.monotonic()
     profile, grid = profile_for(engine), grid or GRIDS[engine]
     root = unpack(bundle_dir) if engine == "sglang" else None
+    if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as e2e.run adds it
+        sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-profile-"))
     if model_dir is None and engine == "sglang-cpu":
         from prfaas_sglang.gpu.model import make_model

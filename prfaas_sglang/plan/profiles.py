@@ -154,14 +154,15 @@ class TabulatedPrefill(PrefillProfile):
 
 
 class ScaledPrefill(PrefillProfile):
-    """``base`` with prefill time and KV bytes scaled (what-if studies and property tests)."""
+    """``base`` with prefill time and KV bytes scaled (what-if studies, property tests, the router's
+    calibration), and ``offset_s`` added to every prefill (a per-request cost the profile lacks)."""
 
-    def __init__(self, base: PrefillProfile, time_scale: float = 1.0, kv_scale: float = 1.0):
-        self.base, self.time_scale, self.kv_scale = base, time_scale, kv_scale
-        self.name = f"{base.name}*t{time_scale:g}*kv{kv_scale:g}"
+    def __init__(self, base: PrefillProfile, time_scale: float = 1.0, kv_scale: float = 1.0, offset_s: float = 0.0):
+        self.base, self.time_scale, self.kv_scale, self.offset_s = base, time_scale, kv_scale, offset_s
+        self.name = f"{base.name}*t{time_scale:g}*kv{kv_scale:g}" + (f"+{offset_s:g}s" if offset_s else "")
 
     def prefill_s(self, tokens: float) -> float:
-        return self.base.prefill_s(tokens) * self.time_scale
+        return self.base.prefill_s(tokens) * self.time_scale + self.offset_s
 
     def kv_bytes(self, tokens: float) -> float:
         return self.base.kv_bytes(tokens) * self.kv_scale

@@ -22,6 +22,18 @@ clamped to ``[min_scale, max_scale]``::
 
     s = (sum(y - link_s) + prior_weight_s * s0) / (sum(queue_u + prefill_u) + prior_weight_s)
 
+A real engine also spends time per request that no prefill profile holds: with SGLang's PD
+disaggregation, the bootstrap handshake, the KV's hand-over to the decode worker and its first
+step (on a lent H200, 2026-11-27, tens of milliseconds against a 24 ms prefill of 8K tokens). A
+scale alone cannot fit both a short and a long prompt then. So each cluster also learns an offset
+``a``, the intercept of the least-squares line of ``y - link_s`` on ``queue_u + prefill_u`` over the
+window, shrunk toward 0 by ``offset_prior_samples`` pseudo-samples and kept within
+``[0, the smallest y - link_s seen]``; the scale is then the ratio of sums above of ``y - link_s - a``.
+With every sample at one modelled length (no spread) the offset is 0: the ratio alone. The
+prediction is::
+
+    TTFT = a + s x (queue_u + prefill_u) + link_s
+
 The queue term is the router's own ledger (every open leg's whole estimate), which
 over-counts the work left on a busy worker; fitting ``s`` on the same signal makes
 the *prediction* unbiased on average, which is what routing and admission use.
@@ -51,6 +63,8 @@ class CalibrationSettings:
     prior_weight_s: float = 2.0  # model seconds of pseudo-observation at scale 1
     min_scale: float = 0.25
     max_scale: float = 4.0
+    offset: bool = True  # learn a per-request offset beside the scale (False: the scale alone)
+    offset_prior_samples: float = 4.0  # pseudo-samples at offset 0
     error_group: int = 25  # requests per group of the error series
 
     def __post_init__(self) -> None:
@@ -91,13 +105,40 @@ class _Ratio:
         return len(self.pairs)
 
 
+class _OffsetRatio(_Ratio):
+    """:class:`_Ratio` of ``observed - a`` over ``modelled``, where ``a`` is the least-squares intercept
+    of observed on modelled over the window, shrunk toward 0 (module docstring)."""
+
+    def __init__(self, window: int, prior_weight: float, prior_value: float, offset_prior_samples: float):
+        super().__init__(window, prior_weight, prior_value)
+        self.offset_prior_samples = offset_prior_samples
+
+    def offset(self) -> float:
+        n = len(self.pairs)
+        if n < 3:
+            return 0.0
+        mean_y, mean_x = self.observed_sum / n, self.modelled_sum / n
+        sxx = sum((x - mean_x) ** 2 for _, x in self.pairs)
+        if sxx <= 1e-12 * max(mean_x * mean_x, 1e-30) * n:
+            return 0.0  # one modelled length: the intercept is not identifiable
+        slope = sum((x - mean_x) * (y - mean_y) for y, x in self.pairs) / sxx
+        intercept = (mean_y - slope * mean_x) * n / (n + self.offset_prior_samples)
+        return min(max(intercept, 0.0), min(y for y, _ in self.pairs))
+
+    def value(self) -> float:
+        den = self.modelled_sum + self.prior_weight
+        observed = self.observed_sum - len(self.pairs) * self.offset()
+        return (observed + self.prior_weight * self.prior_value) / den if den > 0 else self.prior_value
+
+
 class OnlineCalibration:
     """Scales of the prefill cost per cluster and of the decode step, learned online."""
 
     def __init__(self, settings: CalibrationSettings | None = None):
         self.settings = s = settings or CalibrationSettings()
         prior = dict(s.prior_scales)
-        self._prefill = {c: _Ratio(s.window, s.prior_weight_s, prior.get(c, 1.0)) for c in CLUSTERS}
+        self._prefill = {c: _OffsetRatio(s.window, s.prior_weight_s, prior.get(c, 1.0), s.offset_prior_samples)
+                         if s.offset else _Ratio(s.window, s.prior_weight_s, prior.get(c, 1.0)) for c in CLUSTERS}
         self._decode = _Ratio(s.window * 16, s.prior_weight_s / 10)
         self.errors: list[float] = []  # relative TTFT prediction error, in completion order
         self.samples = dict.fromkeys(CLUSTERS, 0)
@@ -110,6 +151,12 @@ class OnlineCalibration:
         ratio = self._prefill[cluster]
         return self._clamp(ratio.value() if self.settings.enabled else ratio.prior_value)
 
+    def prefill_offset_s(self, cluster: str) -> float:
+        """Seconds every request in ``cluster`` takes beyond its scaled compute (0 while disabled or
+        without ``offset``)."""
+        ratio = self._prefill[cluster]
+        return ratio.offset() if self.settings.enabled and isinstance(ratio, _OffsetRatio) else 0.0
+
     def decode_scale(self) -> float:
         """What the model's decode step takes, times (1.0 while disabled)."""
         return self._clamp(self._decode.value()) if self.settings.enabled else 1.0
@@ -117,7 +164,7 @@ class OnlineCalibration:
     def first_token(self, cluster: str, modelled_compute_s: float, link_s: float, observed_s: float,
                     predicted_s: float) -> None:
         """A request's first token came ``observed_s`` after dispatch. ``modelled_compute_s``: its queue
-        and prefill before calibration; ``link_s``: the KV's predicted time on the link; ``predicted_s``:
+        and prefill before calibration (without the offset); ``link_s``: the KV's predicted time on the link; ``predicted_s``:
         the TTFT predicted when it was routed (for the error series)."""
         if observed_s <= 0 or cluster not in self._prefill:
             return
@@ -140,6 +187,7 @@ class OnlineCalibration:
     def describe(self) -> dict:
         return {"enabled": self.settings.enabled,
                 "prefill_scale": {c: self.prefill_scale(c) for c in CLUSTERS},
+                "prefill_offset_s": {c: self.prefill_offset_s(c) for c in CLUSTERS},
                 "decode_scale": self.decode_scale(),
                 "samples": dict(self.samples), "decode_samples": len(self._decode),
                 "ttft_error_series": self.error_series()}

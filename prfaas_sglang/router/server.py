@@ -446,6 +446,9 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     bootstrap = {"bootstrap_host": prefill.host, "bootstrap_port": prefill.bootstrap_port,
                  "bootstrap_room": _rng.getrandbits(63)}
     path = PATHS[req.kind]
+    # ttft-estimate: the TTFT the router predicted when it routed (calibrated; what placement and early
+    # rejection compared with the SLO), beside what the client then sees
+    timing += f", ttft-estimate;dur={decision.estimated_ttft_s * 1e3:.3f}"
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid,
                "Server-Timing": timing}
     timeout = service.config.phase_timeout_s

@@ -184,9 +184,9 @@ class RouterService:
 
     def prefill_cost(self, cluster: str):
         """``T_prefill`` / ``S_kv`` of ``cluster`` as the router predicts it now: the model, calibrated."""
-        scale = self.calibration.prefill_scale(cluster)
+        scale, offset_s = self.calibration.prefill_scale(cluster), self.calibration.prefill_offset_s(cluster)
         profile = self.runtime.prefill_cost(cluster)
-        return profile if scale == 1.0 else ScaledPrefill(profile, scale)
+        return profile if scale == 1.0 and offset_s == 0.0 else ScaledPrefill(profile, scale, offset_s=offset_s)
 
     def _worker_state(self, w: WorkerRecord):
         """The worker as the policy sees it: its ledger's queue in calibrated seconds."""
@@ -234,8 +234,8 @@ class RouterService:
 
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
-        scale = self.calibration.prefill_scale(decision.cluster)
-        prefill_model_s = decision.estimated_prefill_s / scale  # the ledger keeps the model's seconds
+        scale, offset_s = self.calibration.prefill_scale(decision.cluster), self.calibration.prefill_offset_s(decision.cluster)
+        prefill_model_s = max(decision.estimated_prefill_s - offset_s, 0.0) / scale  # the ledger keeps the model's seconds
         prefill.outstanding_prefill_s += prefill_model_s
         prefill.prefill_requests += 1
         ticket = decode.reserve(req.kv_tokens)
@@ -257,7 +257,7 @@ class RouterService:
         link_bytes = self.runtime.kv_bytes(len(req.input_ids)) if decision.cluster == PRFAAS else 0.0
         self.link_backlog_bytes += link_bytes
         return Lease(req.rid, decision, req.kv_tokens, ticket, prefill_model_s=prefill_model_s, link_bytes=link_bytes,
-                     compute_model_s=(decision.estimated_queue_s + decision.estimated_prefill_s) / scale)
+                     compute_model_s=max(decision.estimated_queue_s + decision.estimated_prefill_s - offset_s, 0.0) / scale)
 
     def first_token(self, lease: Lease, observed_s: float) -> None:
         """The request's first token reached the router ``observed_s`` after its legs were dispatched:

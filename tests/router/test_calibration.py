@@ -84,3 +84,32 @@ def test_the_service_keeps_its_ledger_in_model_seconds_and_predicts_calibrated(t
     assert sum(service.calibration.samples.values()) == 1
     service.finish(lease)
     assert worker.outstanding_prefill_s == 0.0 and service.link_backlog_bytes == 0.0
+
+
+def test_a_per_request_offset_is_learned_beside_the_scale():
+    """A real engine's fixed cost per request (SGLang PD: the bootstrap, the KV's hand-over, the first
+    decode step) beside compute 1.5x the model's: a scale alone cannot fit short and long prompts."""
+    cal = OnlineCalibration(CalibrationSettings(window=64, prior_weight_s=0.5))
+    for i in range(64):
+        modelled = 0.02 + 0.2 * (i % 8)  # a short prompt and longer ones
+        cal.first_token("pd", modelled, 0.0, 0.3 + 1.5 * modelled, modelled)
+    assert cal.prefill_offset_s("pd") == pytest.approx(0.3, rel=0.1)  # shrunk toward 0 by 4 pseudo-samples of 64
+    assert cal.prefill_scale("pd") == pytest.approx(1.5, rel=0.05)
+    short = cal.prefill_offset_s("pd") + cal.prefill_scale("pd") * 0.02
+    assert short == pytest.approx(0.3 + 1.5 * 0.02, rel=0.1)  # the ratio alone would predict ~0.03 s here
+    off = OnlineCalibration(CalibrationSettings(window=64, prior_weight_s=0.5, offset=False))
+    for i in range(64):
+        modelled = 0.02 + 0.2 * (i % 8)
+        off.first_token("pd", modelled, 0.0, 0.3 + 1.5 * modelled, modelled)
+    assert off.prefill_offset_s("pd") == 0.0 and off.prefill_scale("pd") > 1.5
+
+
+def test_no_offset_without_spread_or_below_zero():
+    cal = OnlineCalibration()
+    for _ in range(30):  # one modelled length: not identifiable
+        cal.first_token("pd", 2.0, 0.0, 3.0, 2.0)
+    assert cal.prefill_offset_s("pd") == 0.0 and cal.prefill_scale("pd") == pytest.approx(1.5, rel=0.05)
+    for i in range(30):  # a negative intercept is no per-request cost
+        modelled = 1.0 + i * 0.1
+        cal.first_token("prfaas", modelled, 0.0, 2.0 * modelled - 0.5, modelled)
+    assert cal.prefill_offset_s("prfaas") == 0.0

@@ -79,11 +79,11 @@ def test_short_stays_local_long_goes_to_prfaas(deployment):
     assert short.headers["x-prfaas-route"] == LOCAL
     assert long.headers["x-prfaas-route"] == REMOTE
     assert len(long.json()["output_ids"]) == 3
-    from prfaas_sglang.bench.router import server_timing
+    from prfaas_sglang.wire.server_timing import server_timing
 
-    own = server_timing(long.headers["Server-Timing"])  # the router's own time, then both legs
-    assert set(own) == {"parse", "route", "legs"} and all(ms >= 0 for ms in own.values())
-    assert own["legs"] > 0
+    own = server_timing(long.headers["Server-Timing"])  # the router's own time, its TTFT estimate, then both legs
+    assert set(own) == {"parse", "route", "ttft-estimate", "legs"} and all(ms >= 0 for ms in own.values())
+    assert own["legs"] > 0 and own["ttft-estimate"] > 0
 
 
 def test_long_prompt_cached_in_pd_stays_local(deployment):

@@ -1,0 +1,190 @@
+"""``python -m prfaas_sglang.bench predict --engine {sglang,sglang-cpu} --measured FILE``: the router's
+TTFT predictions against the TTFTs real SGLang then shows, per cost profile.
+
+One deployment through our launcher (``bench gpu-e2e``'s: PrfaaS, PD-P, PD-D, kv-index, loopback),
+then, for each variant, a router of its own over the same workers, started from a topology whose
+engine clusters name the variant's profile file (``clusters.<c>.profile``):
+
+    roofline     the served model's roofline (its ``config.json``, ``plan/hf.py``) on
+                 ``--roofline-accelerator``, tabulated; calibration off: the model as given
+    measured     the profile ``bench profile`` measured (``--measured``); calibration off
+    off-2x       that profile with every time doubled; the router's online calibration on
+
+Each router gets the same prompts, one at a time (lengths cycling over the engine profile's
+short and long ones, so both clusters serve), each streamed with a few output tokens. Per
+request: the TTFT the router predicted when it routed (``Server-Timing: ttft-estimate``, the
+number placement and early rejection compare with the SLO) and the TTFT the client saw; from
+each router, its own error series (``/status`` ``calibration.ttft_error_series``: mean
+``|predicted - observed| / observed`` per 25 requests, observed from its dispatch) and the
+scales it learned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from prfaas_sglang.gpu.e2e import (
+    ADMIN_TOKEN,
+    Processes,
+    RunningDeployment,
+    http,
+    profile_for,
+    prompt_ids,
+    request_body,
+    start_deployment,
+    unpack,
+    wait_healthy,
+)
+
+VARIANTS = ("roofline", "measured", "off-2x")
+OUTPUT_TOKENS = 4
+
+
+def stream_ttft(router: str, ids: list[int], model: str) -> tuple[float, dict]:
+    """(seconds to the first streamed chunk, response headers) of a completion of ``ids``."""
+    case = {"name": "predict", "endpoint": "/v1/completions", "stream": True}
+    body = {**request_body(case, ids, None, model), "max_tokens": OUTPUT_TOKENS}
+    req = urllib.request.Request(router + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    started, first = time.monotonic(), None
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        headers = dict(resp.headers)
+        for line in resp:
+            if first is None and line.startswith(b"data:"):
+                first = time.monotonic() - started
+    if first is None:
+        raise RuntimeError("the stream carried no chunk")
+    return first, headers
+
+
+def ttft_estimate_s(server_timing: str) -> float | None:
+    """The ``ttft-estimate`` of a ``Server-Timing`` header, in seconds (pure)."""
+    from prfaas_sglang.wire.server_timing import server_timing as parse
+
+    ms = parse(server_timing).get("ttft-estimate")
+    return None if ms is None else ms / 1e3
+
+
+def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int) -> dict[str, dict]:
+    """The three profile files (pure but for reading the shipped accelerator)."""
+    from prfaas_sglang.plan.analytic import AnalyticPrefill, decode_step_s
+    from prfaas_sglang.plan.hf import model_from_hf_config
+    from prfaas_sglang.plan.measured import scaled, tabulate
+    from prfaas_sglang.plan.profiles import DecodeProfile
+    from prfaas_sglang.plan.scenario import Catalog
+
+    model = model_from_hf_config(model_config)
+    accel = dataclasses.replace(Catalog().accelerator(accelerator, "--roofline-accelerator"), gpus=gpus)
+    tokens = [p["tokens"] for p in measured["points"]]
+    bs_max = measured["decode"]["bs_max"]
+    roofline = tabulate(AnalyticPrefill(model, accel), tokens, DecodeProfile(bs_max, decode_step_s(model, accel, bs_max, tokens[0])),
+                        f"roofline-{model.name}@{gpus}x{accel.name}", "plan/hf.py + the accelerator file",
+                        state=measured.get("state", "none"))
+    return {"roofline": roofline, "measured": measured, "off-2x": scaled(measured, 2.0)}
+
+
+def start_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str], threshold_tokens: int,
+                 work: Path) -> str:
+    """A router of its own (``router-{name}``) over ``dep``'s workers and kv-index, every engine
+    cluster costed by ``profile_path``; its URL once healthy, the threshold pinned."""
+    import yaml
+
+    from prfaas_sglang.demo.cluster import free_port
+
+    topology = json.loads(json.dumps(dep.topology))
+    for cluster in topology["clusters"].values():
+        if cluster["kind"] in ("prfaas", "pd"):
+            cluster.pop("accelerator", None)
+            cluster["profile"] = str(profile_path)
+        for node in cluster["nodes"]:
+            if node["role"] == "router":
+                node["port"] = free_port()
+                url = f"http://{node['host']}:{node['port']}"
+    config = work / f"topology-{name}.yaml"
+    config.write_text(yaml.safe_dump(topology, sort_keys=False))
+    proc = dep.procs.start(f"router-{name}", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config),
+                                              "--node", "router", "--", *router_args],
+                           {**dep.env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
+    wait_healthy(url + "/health", proc, timeout_s=120)
+    status, _, body = http("POST", url + "/admin/threshold", {"threshold_tokens": threshold_tokens},
+                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    if status != 200:
+        raise RuntimeError(f"router-{name}: pinning the threshold failed: {status} {body[:200]!r}")
+    return url
+
+
+def drive(router: str, lengths: list[int], vocab: int, model: str, seed: int) -> list[dict]:
+    """One request per length, one at a time: predicted and seen TTFT, and the route."""
+    rows = []
+    for i, num_tokens in enumerate(lengths):
+        seen_s, headers = stream_ttft(router, prompt_ids(num_tokens, vocab, seed + i), model)
+        predicted = ttft_estimate_s(headers.get("Server-Timing") or headers.get("server-timing") or "")
+        route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
+        rows.append({"tokens": num_tokens, "cluster": route.split("/")[0], "predicted_s": predicted, "seen_s": seen_s})
+    return rows
+
+
+def summarize(rows: list[dict], status: dict) -> dict:
+    """Per variant: median |predicted - seen| / seen by cluster and for the first and last 25, and the
+    router's own error series and scales (pure)."""
+    def err(r: dict) -> float:
+        return abs(r["predicted_s"] - r["seen_s"]) / r["seen_s"]
+
+    by_cluster = {c: [r for r in rows if r["cluster"] == c] for c in dict.fromkeys(r["cluster"] for r in rows)}
+    calibration = status.get("calibration") or {}
+    return {"median_ratio_predicted_to_seen": {c: statistics.median(r["predicted_s"] / r["seen_s"] for r in rs)
+                                               for c, rs in by_cluster.items()},
+            "client_error_first_25": statistics.mean(err(r) for r in rows[:25]),
+            "client_error_last_25": statistics.mean(err(r) for r in rows[-25:]),
+            "router_error_series": calibration.get("ttft_error_series"),
+            "prefill_scale": calibration.get("prefill_scale"), "prefill_offset_s": calibration.get("prefill_offset_s"),
+            "calibration": calibration.get("enabled")}
+
+
+def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable[[str], None], requests: int = 50,
+        variants: tuple[str, ...] = VARIANTS, roofline_accelerator: str = "h200x8", roofline_gpus: int = 1) -> dict:
+    import yaml
+
+    checkout, started = Path(__file__).resolve().parents[2], time.monotonic()
+    profile = profile_for(engine)
+    root = unpack(bundle_dir) if engine == "sglang" else None
+    if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as e2e.run adds it
+        sys.path.append(str(root / "site"))
+    work = Path(tempfile.mkdtemp(prefix="prfaas-predict-"))
+    if engine == "sglang-cpu":
+        from prfaas_sglang.gpu.model import make_model
+
+        make_model(work / "model", cpu=True, log=log)
+        model_dir = work / "model"
+    else:
+        model_dir = root / "model"
+    model_config = json.loads((model_dir / "config.json").read_text())
+    docs = variant_docs(yaml.safe_load(measured_path.read_text()), model_config, roofline_accelerator, roofline_gpus)
+    lengths = [n for _ in range(requests) for n in (*profile.short_tokens, *profile.long_tokens)][:requests]
+    procs, results = Processes(work / "logs"), {}
+    try:
+        dep = start_deployment(root, checkout, model_dir, procs, work, engine=engine, profile=profile)
+        log(f"[predict] deployment healthy after {time.monotonic() - started:.1f} s")
+        for index, name in enumerate(variants):  # each its own prompts: none hits what another left cached
+            path = work / f"profile-{name}.yaml"
+            path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
+            args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
+            router = start_router(dep, name, path, args, profile.threshold_tokens, work)
+            rows = drive(router, lengths, int(model_config["vocab_size"]), profile.served_name,
+                         seed=4_000_000 + 100_000 * index)
+            status = json.loads(http("GET", router + "/status")[2])
+            results[name] = {"rows": rows, **summarize(rows, status)}
+            log(f"[predict] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'rows'})}")
+            procs.stop([f"router-{name}"])
+    finally:
+        procs.stop()
+    return {"engine": engine, "requests": requests, "lengths": sorted(set(lengths)), "variants": results,
+            "measured": str(measured_path), "seconds": round(time.monotonic() - started, 1)}
