@@ -105,7 +105,7 @@ def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_
     calibration moves the predictions toward what is seen, in both clusters."""
     out, _ = cpu_profile
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "predict", "--engine", "sglang-cpu", "--measured",
-                           str(out), "--variants", "measured,off-2x", "--requests", "24", "--json"],
+                           str(out), "--variants", "measured,off-2x", "--requests", "16", "--json"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     variants = json.loads(proc.stdout)["variants"]
