@@ -71,22 +71,35 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if result["ok"] else 1
 
 
+def _gpu_unready(command: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
+    """For ``--engine sglang``: 2 (after one line) without a GPU; a usage error without the bundle.
+    None when the command can go on."""
+    from prfaas_sglang.gpu.e2e import gpu_unavailable
+
+    if args.engine != "sglang":
+        return None
+    if (why := gpu_unavailable()) is not None:
+        print(f"{command}: {why}", file=sys.stderr)
+        return 2
+    if args.bundle is None or not args.bundle.is_dir():
+        parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    return None
+
+
+def _log(args: argparse.Namespace):
+    return (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+
+
 def profile_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prfaas_sglang.errors import ConfigError
-    from prfaas_sglang.gpu.e2e import gpu_unavailable
     from prfaas_sglang.gpu.profile import run
 
-    if args.engine == "sglang":
-        if (why := gpu_unavailable()) is not None:
-            print(f"profile: {why}", file=sys.stderr)
-            return 2
-        if args.bundle is None or not args.bundle.is_dir():
-            parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
     if args.roofline_gpus < 1:
         parser.error("--roofline-gpus must be >= 1")
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    if (code := _gpu_unready("profile", args, parser)) is not None:
+        return code
     try:
-        result = run(args.engine, args.bundle, args.model_config, args.out, log,
+        result = run(args.engine, args.bundle, args.model_config, args.out, _log(args),
                      roofline_accelerator=args.roofline_accelerator, roofline_gpus=args.roofline_gpus)
     except (ConfigError, RuntimeError, ValueError, OSError) as err:
         print(f"profile: {type(err).__name__}: {err}", file=sys.stderr)
@@ -97,7 +110,6 @@ def profile_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def predict_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prfaas_sglang.errors import ConfigError
-    from prfaas_sglang.gpu.e2e import gpu_unavailable
     from prfaas_sglang.gpu.predict import VARIANTS, run
 
     variants = tuple(v for v in args.variants.split(",") if v)
@@ -107,15 +119,10 @@ def predict_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error("--requests must be >= 1")
     if not args.measured.is_file():
         parser.error(f"--measured {args.measured}: no such file (write one with: bench profile --out FILE)")
-    if args.engine == "sglang":
-        if (why := gpu_unavailable()) is not None:
-            print(f"predict: {why}", file=sys.stderr)
-            return 2
-        if args.bundle is None or not args.bundle.is_dir():
-            parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    if (code := _gpu_unready("predict", args, parser)) is not None:
+        return code
     try:
-        result = run(args.engine, args.bundle, args.measured, log, requests=args.requests, variants=variants,
+        result = run(args.engine, args.bundle, args.measured, _log(args), requests=args.requests, variants=variants,
                      roofline_accelerator=args.roofline_accelerator, roofline_gpus=args.roofline_gpus)
     except (ConfigError, RuntimeError, ValueError, OSError) as err:
         print(f"predict: {type(err).__name__}: {err}", file=sys.stderr)

@@ -112,8 +112,16 @@ class _OffsetRatio(_Ratio):
     def __init__(self, window: int, prior_weight: float, prior_value: float, offset_prior_samples: float):
         super().__init__(window, prior_weight, prior_value)
         self.offset_prior_samples = offset_prior_samples
+        self._offset = 0.0  # refitted on each sample: read on every routing decision
+
+    def add(self, observed: float, modelled: float) -> None:
+        super().add(observed, modelled)
+        self._offset = self._fit_offset()
 
     def offset(self) -> float:
+        return self._offset
+
+    def _fit_offset(self) -> float:
         n = len(self.pairs)
         if n < 3:
             return 0.0
