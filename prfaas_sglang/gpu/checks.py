@@ -38,6 +38,7 @@ from prfaas_sglang.gpu.e2e import (
     prompt_ids,
     request_body,
     request_cases,
+    route_header,
     start_deployment,
     wait_healthy,
     wait_routable,
@@ -87,11 +88,6 @@ def preflight(root: Path, checkout: Path) -> dict:
     if "prfaas" not in versions["plugins"]:
         raise RuntimeError(f"our sglang.srt.plugins entry point is not visible: {versions['plugins']}")
     return versions
-
-
-def _route(headers: dict) -> str | None:
-    """The router's ``X-Prfaas-Route`` header (``{cluster kind}/{prefill}/{decode}``), in either spelling."""
-    return headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
 
 
 def _ask(url: str, case: dict, ids: list[int], text: str | None, *, model: str) -> tuple[dict, dict]:
@@ -176,7 +172,7 @@ def check_greedy_equal(ctx: Context) -> CheckResult:
         ref, _ = _ask(ctx.reference, case, ids, text, model=ctx.profile.served_name)
         ours, headers = _ask(router, case, ids, text, model=ctx.profile.served_name)
         answers[case["name"]] = ours
-        routes[case["name"]] = _route(headers)
+        routes[case["name"]] = route_header(headers)
         why = output_mismatch(ours, ref)
         if why:
             failures.append(f"{case['name']}: {why}")
@@ -197,7 +193,7 @@ def check_routing(ctx: Context) -> CheckResult:
         case = {"name": f"route-{num_tokens}", "endpoint": "/v1/completions", "stream": False}
         ids = prompt_ids(num_tokens, ctx.vocab_size or 4096, 1000 + i)
         _, headers = _ask(router, case, ids, None, model=ctx.profile.served_name)
-        route = _route(headers) or ""
+        route = route_header(headers) or ""
         want = "prfaas" if num_tokens >= ctx.profile.threshold_tokens else "pd"  # the header and metrics name the kind
         sent[want] += 1
         if not route.startswith(want + "/"):
@@ -236,7 +232,7 @@ def check_kv_index(ctx: Context) -> CheckResult:
         predicted = json.loads(http("POST", index + "/match", {"input_ids": ids})[2])
         case = {"name": f"kv-{label}", "endpoint": "/v1/completions", "stream": False}
         answer, headers = _ask(router, case, ids, None, model=ctx.profile.served_name)
-        route = _route(headers) or ""
+        route = route_header(headers) or ""
         prefill = route.split("/")[1] if route.count("/") >= 2 else ""
         expect = predicted["by_worker"].get(prefill, 0)
         rows.append({"prompt": label, "predicted": expect, "cached_tokens": answer["cached_tokens"], "prefill": prefill})
@@ -285,7 +281,7 @@ def check_state_events(ctx: Context) -> CheckResult:
     cached = [answer["cached_tokens"] for answer, _ in answers]
     time.sleep(1.0)
     data.update(blocks_before=before, blocks_after_unique=after_unique, cached_tokens_twice_then_extended=cached,
-                routes=[_route(headers) for _, headers in answers],
+                routes=[route_header(headers) for _, headers in answers],
                 blocks_after_shared=_index_worker(index, "prfaas-0").get("blocks", 0))
     if cached[2] < ctx.profile.long_tokens[0] // 2:
         wrong.append(f"a long prompt sent twice was not reused by its extension on prfaas-0: cached_tokens {cached}")
@@ -384,7 +380,7 @@ def _ttft_s(router: str, ids: list[int], model: str) -> tuple[float, int, str | 
     started = time.monotonic()
     status, headers, _ = http("POST", router + "/v1/completions", {**request_body(case, ids, None, model),
                                                                    "max_tokens": 1}, timeout_s=SHAPED_REQUEST_TIMEOUT_S)
-    return time.monotonic() - started, status, _route(headers)
+    return time.monotonic() - started, status, route_header(headers)
 
 
 def _timed_prompts(ctx: Context, router: str, profile: str, link: str, seed: int) -> tuple[list[dict], list[str]]:

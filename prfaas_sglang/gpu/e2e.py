@@ -584,15 +584,27 @@ def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: 
         except RuntimeError as err:  # the server's last words: a GPU run's output shows the cause
             raise RuntimeError(f"{name}: {err}; its log ends: {log_tail(procs.log(name))}") from None
     procs.start("kv-index", [*launch, "--node", "kv-index"], env)
-    procs.start("router", [*launch, "--node", "router", *(("--", *profile.router_args) if profile.router_args else ())],
-                {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
-    for name in ("kv-index", "router"):
-        wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=120)
-    status, _, body = http("POST", dep.url("router") + "/admin/threshold", {"threshold_tokens": profile.threshold_tokens},
+    wait_healthy(dep.url("kv-index") + "/health", procs.procs["kv-index"], timeout_s=120)
+    start_router(procs, "router", config, env, list(profile.router_args), dep.url("router"), profile.threshold_tokens)
+    return dep
+
+
+def start_router(procs: Processes, name: str, config: Path, env: dict[str, str], router_args: list[str], url: str,
+                 threshold_tokens: int) -> None:
+    """Start the router node of ``config`` as ``name`` in ``procs`` (``router_args`` after the
+    launcher's ``--``), wait until ``url`` is healthy, and pin its threshold through the admin API."""
+    launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), "--node", "router"]
+    procs.start(name, [*launch, *(("--", *router_args) if router_args else ())], {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
+    wait_healthy(url + "/health", procs.procs[name], timeout_s=120)
+    status, _, body = http("POST", url + "/admin/threshold", {"threshold_tokens": threshold_tokens},
                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     if status != 200:
-        raise RuntimeError(f"pinning the threshold failed: {status} {body[:200]!r}")
-    return dep
+        raise RuntimeError(f"{name}: pinning the threshold failed: {status} {body[:200]!r}")
+
+
+def route_header(headers: dict) -> str | None:
+    """The router's ``X-Prfaas-Route`` header (``{cluster kind}/{prefill}/{decode}``), in either spelling."""
+    return headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
 
 
 def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes, wait: bool = True,

@@ -32,16 +32,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prfaas_sglang.gpu.e2e import (
-    ADMIN_TOKEN,
     Processes,
     RunningDeployment,
     http,
     profile_for,
     prompt_ids,
     request_body,
+    route_header,
     start_deployment,
+    start_router,
     unpack,
-    wait_healthy,
 )
 
 VARIANTS = ("roofline", "measured", "off-2x")
@@ -91,8 +91,8 @@ def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int
     return {"roofline": roofline, "measured": measured, "off-2x": scaled(measured, 2.0)}
 
 
-def start_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str], threshold_tokens: int,
-                 work: Path) -> str:
+def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str],
+                         threshold_tokens: int, work: Path) -> str:
     """A router of its own (``router-{name}``) over ``dep``'s workers and kv-index, every engine
     cluster costed by ``profile_path``; its URL once healthy, the threshold pinned."""
     import yaml
@@ -110,14 +110,7 @@ def start_router(dep: RunningDeployment, name: str, profile_path: Path, router_a
                 url = f"http://{node['host']}:{node['port']}"
     config = work / f"topology-{name}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
-    proc = dep.procs.start(f"router-{name}", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config),
-                                              "--node", "router", "--", *router_args],
-                           {**dep.env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
-    wait_healthy(url + "/health", proc, timeout_s=120)
-    status, _, body = http("POST", url + "/admin/threshold", {"threshold_tokens": threshold_tokens},
-                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
-    if status != 200:
-        raise RuntimeError(f"router-{name}: pinning the threshold failed: {status} {body[:200]!r}")
+    start_router(dep.procs, f"router-{name}", config, dep.env, router_args, url, threshold_tokens)
     return url
 
 
@@ -127,14 +120,14 @@ def drive(router: str, lengths: list[int], vocab: int, model: str, seed: int) ->
     for i, num_tokens in enumerate(lengths):
         seen_s, headers = stream_ttft(router, prompt_ids(num_tokens, vocab, seed + i), model)
         predicted = ttft_estimate_s(headers.get("Server-Timing") or headers.get("server-timing") or "")
-        route = headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route") or ""
+        route = route_header(headers) or ""
         rows.append({"tokens": num_tokens, "cluster": route.split("/")[0], "predicted_s": predicted, "seen_s": seen_s})
     return rows
 
 
 def summarize(rows: list[dict], status: dict) -> dict:
-    """Per variant: median |predicted - seen| / seen by cluster and for the first and last 25, and the
-    router's own error series and scales (pure)."""
+    """Per variant: the median predicted / seen TTFT by cluster, the mean |predicted - seen| / seen of
+    the first and the last 25 requests, and the router's own error series, scales and offsets (pure)."""
     def err(r: dict) -> float:
         return abs(r["predicted_s"] - r["seen_s"]) / r["seen_s"]
 
@@ -177,7 +170,7 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
             path = work / f"profile-{name}.yaml"
             path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
             args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
-            router = start_router(dep, name, path, args, profile.threshold_tokens, work)
+            router = start_variant_router(dep, name, path, args, profile.threshold_tokens, work)
             rows = drive(router, lengths, int(model_config["vocab_size"]), profile.served_name,
                          seed=4_000_000 + 100_000 * index)
             status = json.loads(http("GET", router + "/status")[2])
