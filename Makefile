@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prfaas-env-stamp
 
-.PHONY: env test lint check-patches rebase-check readme clean-env aiperf-env
+.PHONY: env test test-fast lint check-patches rebase-check readme clean-env aiperf-env
 
 env: $(STAMP)
 
@@ -12,8 +12,19 @@ $(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_s
 	VENV=$(VENV) bash scripts/setup-env.sh
 	touch $(STAMP)
 
+# The suite runs on parallel workers (pytest-xdist), a test file per worker at a time (its module-scoped
+# deployments stay shared), more workers than the 2 cores because most tests wait on servers. Tests
+# marked `serial` measure time or rates on a shaped link: they run after, alone.
+PYTEST_JOBS ?= 4
+PYTEST := $(PY) -m pytest -q
+
 test: env
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	$(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "not serial" --durations=30 $(PYTEST_ARGS)
+	$(PYTEST) -m serial --durations=10 $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests marked `slow` (real servers, long benchmarks).
+test-fast: env
+	$(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "not slow and not serial" $(PYTEST_ARGS)
 
 lint: env
 	$(VENV)/bin/ruff check .

@@ -154,7 +154,7 @@ class Envs:
         "PrfaaS prefill worker (SGLang, with PRFAAS_KV_ASYNC_SEND): MiB of a staging buffer on the KV's "
         "device, registered with the transfer engine. A chunk's KV pages that are scattered on the prefill "
         "side but contiguous on the decode side are gathered into it and sent as one write per "
-        "destination run (hooks/kv_stage.py); runs it has no room for go as they are. Set by the "
+        "destination run (transport/kv_stager.py); runs it has no room for go as they are. Set by the "
         "launcher for the prfaas role; 0 turns it off; a malformed value stops startup.",
     )
     DECODE_STAGING_TOKENS = EnvVar(
@@ -250,6 +250,13 @@ class Envs:
         "900",
         "Role supervisor (a node with role_switch: restart): how long an engine restarted in its other PD role "
         "may take to answer /health 200 before the node is declared unhealthy (restart required).",
+    )
+    PORT_RANGE = EnvVar(
+        "PRFAAS_PORT_RANGE",
+        None,
+        "Local tools that start servers (demo, benchmarks, tests): the loopback ports they pick from, "
+        "as 'low-high' (high exclusive). Default: from 20000 up to the kernel's ephemeral range. "
+        "The test suite gives each parallel worker a slice of its own.",
     )
     TRACE_PATH = EnvVar(
         "PRFAAS_TRACE_PATH",

@@ -123,7 +123,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="kv-send",
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
-        hook="prfaas_sglang.hooks.kv_send:send_transfer",
+        hook="prfaas_sglang.hooks.kv_send_hook:send_transfer",
         hook_type="around",
         expected_signature="(self, mooncake_session_id, transfer_blocks)",
         subject="[transport] Send each chunk's KV without waiting on it; meter every batch",
@@ -150,7 +150,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="kv-send-start",
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__",
-        hook="prfaas_sglang.hooks.kv_send:start_async_sender",
+        hook="prfaas_sglang.hooks.kv_send_hook:start_async_sender",
         hook_type="after",
         expected_signature=("(self, args: 'KVArgs', disaggregation_mode: 'DisaggregationMode', "
                             "server_args: 'ServerArgs', is_mla_backend: 'Optional[bool]' = False)"),
@@ -195,7 +195,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="kv-send-aux-barrier",
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux",
-        hook="prfaas_sglang.hooks.kv_send:aux_barrier",
+        hook="prfaas_sglang.hooks.kv_send_hook:aux_barrier",
         hook_type="around",
         expected_signature="(self, req: 'TransferInfo', prefill_aux_index: 'int', dst_aux_ptrs: 'list[int]')",
         subject="[transport] A room's KV has landed before its aux is sent",
@@ -215,7 +215,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="kv-layerwise-batch",
         target="sglang.srt.managers.scheduler.Scheduler.run_batch",
-        hook="prfaas_sglang.hooks.layerwise:stream_forward",
+        hook="prfaas_sglang.hooks.layerwise_hook:stream_forward",
         hook_type="around",
         expected_signature=(
             "(self, batch: sglang.srt.managers.schedule_batch.ScheduleBatch, pp_proxy_tensors: "
@@ -240,7 +240,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="kv-layerwise-layer",
         target="sglang.srt.layers.radix_attention.RadixAttention.forward",
-        hook="prfaas_sglang.hooks.layerwise:layer_written",
+        hook="prfaas_sglang.hooks.layerwise_hook:layer_written",
         hook_type="after",
         expected_signature="(self, q, k, v, forward_batch: 'ForwardBatch', save_kv_cache: 'bool' = True, **kwargs)",
         subject="[transport] Stream a layer's KV once the forward has written it",
@@ -521,7 +521,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="cache-move-routes",
         target="sglang.srt.entrypoints.http_server._setup_and_run_http_server",
-        hook="prfaas_sglang.hooks.cache_move:add_routes",
+        hook="prfaas_sglang.hooks.cache_move_hook:add_routes",
         hook_type="before",
         expected_signature=(
             "(server_args: sglang.srt.server_args.ServerArgs, tokenizer_manager, template_manager, port_args: "
@@ -538,7 +538,7 @@ HOOKS: tuple[HookSpec, ...] = (
             "BEFORE hook on the function that starts the HTTP server: with PRFAAS_ROLE prfaas or "
             "pd-prefill, add the two routes (wire.cache_move) to SGLang's FastAPI app, behind its "
             "--api-key middleware; they forward the body over ZMQ to the scheduler's agent "
-            "(hooks/cache_move). An export must carry the deployment's hand-off signature. A server that "
+            "(hooks/cache_move_hook). An export must carry the deployment's hand-off signature. A server that "
             "cannot move (tp/pp/dp > 1, not prefill, not Mooncake) answers 501 with the reason."
         ),
         upstream_status="vendor-specific (upstream has no cross-cluster cache import)",
@@ -548,7 +548,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="cache-move-agent",
         target="sglang.srt.managers.scheduler.Scheduler.__init__",
-        hook="prfaas_sglang.hooks.cache_move:start_agent",
+        hook="prfaas_sglang.hooks.cache_move_hook:start_agent",
         hook_type="after",
         expected_signature=(
             "(self, server_args: sglang.srt.server_args.ServerArgs, port_args: sglang.srt.server_args.PortArgs, "
@@ -571,7 +571,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(
         name="cache-move-steps",
         target="sglang.srt.managers.scheduler.Scheduler.process_input_requests",
-        hook="prfaas_sglang.hooks.cache_move:run_steps",
+        hook="prfaas_sglang.hooks.cache_move_hook:run_steps",
         hook_type="after",
         expected_signature="(self, recv_reqs: List)",
         subject="[cache] The scheduler runs cache-move steps between forward passes",
@@ -666,7 +666,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
             "page's sliding-window KV (a tombstone) without an event."
         ),
         how=(
-            "A radix-cache backend (hooks/hybrid_cache.py): SGLang's default selection chain, with a "
+            "A radix-cache backend (hooks/cache_backend.py, its caches in hooks/hybrid_cache.py): SGLang's default selection chain, with a "
             "MambaRadixCache subclass that records StateStored when an insert leaves a state at the key's end "
             "and StateRemoved when a node is tombstoned or an evicted leaf takes its state along; "
             "take_events() hands them to the publisher inside the list SGLang passes on. For sliding-window "
@@ -807,10 +807,10 @@ def signature_drift(specs: Sequence[HookSpec | RegistrationSpec] = HOOKS + REGIS
 
 def install_registrations() -> None:
     """Register :data:`REGISTRATIONS` with SGLang's registries; idempotent. Raises PrfaasError."""
-    from prfaas_sglang.hooks import hybrid_cache
+    from prfaas_sglang.hooks import cache_backend
 
     try:
-        done = hybrid_cache.register_backends()
+        done = cache_backend.register_backends()
     except (RuntimeError, ValueError, KeyError, ImportError) as err:
         raise PrfaasError(f"registering backends: {err}") from err
     for name in done:

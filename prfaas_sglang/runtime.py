@@ -51,7 +51,7 @@ from prfaas_sglang.plan.scenario import (
     parse_workload,
 )
 from prfaas_sglang.plan.search import best_threshold_for_split, search
-from prfaas_sglang.plan.workload import TruncatedLogNormal, Workload
+from prfaas_sglang.plan.workload import CASE_STUDY_LENGTHS, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.topology import Emulation, Topology
 
@@ -62,11 +62,6 @@ DEFAULT_OUTPUT_TOKENS = 1024
 DEFAULT_SLO_TOKENS_PER_S = 40.0
 DEFAULT_TTFT_SLO_S = 10.0
 DEFAULT_STEP_TOKENS = 128.0
-
-
-def case_study_prior() -> TruncatedLogNormal:
-    """The paper's case-study lengths: ln L ~ N(9.90, 1.00), truncated to [128, 128K]."""
-    return TruncatedLogNormal(9.90, 1.00, 128, 131_072, "case-study")
 
 
 @dataclass(frozen=True)
@@ -264,7 +259,7 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
     if spec.workload is not None:
         prior = parse_workload(spec.workload, catalog, "scheduler.workload")
     else:
-        prior = case_study_prior()
+        prior = CASE_STUDY_LENGTHS
         defaults.append("scheduler.workload")
     output_tokens = spec.output_tokens or DEFAULT_OUTPUT_TOKENS
     slo = spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S

@@ -46,6 +46,16 @@ if ! command -v cc >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
 fi
 
+# 1d. Prometheus (Debian's, 2.42): `bench dashboard` and the dashboard's end-to-end test start their
+#     own (a free port, a temp config and storage dir) and evaluate every panel's query through it.
+#     Nothing here depends on the package's system service.
+if ! command -v prometheus >/dev/null 2>&1; then
+  log "installing prometheus (apt)"
+  SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
 # 2. The virtual environment and the CPU test requirements.
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"

@@ -23,6 +23,31 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker picks its servers' ports from a slice of its own of the one
+    picker's range (``PRFAAS_PORT_RANGE``, inherited by every process the worker starts), so two
+    workers never pick the same port between a pick and its server's bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if not worker:
+        return
+    from prfaas_sglang.demo.cluster import own_port_range
+
+    index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    low, high = own_port_range()
+    width = (high - low) // count
+    os.environ["PRFAAS_PORT_RANGE"] = f"{low + index * width}-{low + (index + 1) * width}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most tests marked ``slow`` run first (the order is stable otherwise): under
+    pytest-xdist's ``--dist loadfile`` a long file started last would run alone at the end."""
+    slow_per_file: dict[str, int] = {}
+    for item in items:
+        slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-slow_per_file[item.path], order[id(item)]))
+
+
 @pytest.fixture(autouse=True)
 def _sglang_stays_stock(request):
     """Keeps the rule above: a test that registers hooks with SGLang's HookRegistry in the test process

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,29 @@ FIXTURE_PATCHES = REPO_ROOT / "tests" / "fixtures" / "patches"
 TRACE = Path(envs.TRACE_PATH.get() or REPO_ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
 
 
+INTERRUPT_GRACE_S = 30.0  # a timed-out command's time to stop what it started, after SIGINT
+
+
 def run_py(args: list[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO_ROOT):
-    """Run ``python <args>`` with this interpreter; returns CompletedProcess (text)."""
+    """Run ``python <args>`` with this interpreter; returns CompletedProcess (text). Past ``timeout``
+    the command gets SIGINT first, so that its ``finally`` blocks stop the servers it started (they run
+    in sessions of their own, which killing the command alone would leave running), then SIGKILL;
+    ``subprocess.TimeoutExpired`` is raised either way."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd
-    )
+    argv = [sys.executable, *args]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          cwd=cwd) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                stdout, stderr = proc.communicate(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def start_real_time_pd_pair(group) -> dict:

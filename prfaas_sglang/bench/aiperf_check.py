@@ -20,6 +20,7 @@ lives in its own environment: ``make aiperf-env`` (``.venv-aiperf``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import json
@@ -31,12 +32,13 @@ import tempfile
 from pathlib import Path
 
 from prfaas_sglang.bench import compare
-from prfaas_sglang.bench.stats import percentile
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import ProcessGroup, start_deployment
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.plan.workload import case_study_lengths
+from prfaas_sglang.stats import percentile
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer, resolve
 
 BLOCK_TOKENS = workloads.BLOCK_TOKENS
@@ -45,7 +47,7 @@ BLOCK_TOKENS = workloads.BLOCK_TOKENS
 def write_trace(path: Path, rate_rps: float, duration_s: float, output_tokens: int, seed: int) -> int:
     """A Mooncake-format trace at ``rate_rps`` (wall) for ``duration_s``; returns the request count."""
     rng = random.Random(seed)
-    dist = TruncatedLogNormal(9.90, 1.00, 128, compare.MAX_INPUT_TOKENS)
+    dist = case_study_lengths(compare.MAX_INPUT_TOKENS)
     clock, next_hash, lines = 0.0, 0, []
     while True:
         clock += rng.expovariate(rate_rps)
@@ -158,3 +160,20 @@ def render_markdown(r: dict) -> str:
         f"| AIPerf 0.13 (mooncake_trace, fixed schedule) | {a['requests']} | {a['ttft_p50_s']:.3f} | {a['ttft_p90_s']:.3f} |",
         f"| **AIPerf / ours** | | **{r['ttft_p50_ratio']:.2f}** | **{r['ttft_p90_ratio']:.2f}** |",
     ])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf", help="the aiperf executable (make aiperf-env)")
+    parser.add_argument("--load", type=float, default=0.5)
+    parser.add_argument("--duration", type=float, default=40.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    result = run(args.aiperf, args.load, args.duration, seed=args.seed)
+    header = f"<!-- python -m prfaas_sglang.bench aiperf-check --load {args.load:g} --duration {args.duration:g}; {inv.stamp} -->"
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"aiperf-check": Subcommand(add_arguments, cli)}

@@ -18,12 +18,15 @@ are only health-checked).
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 
 ADMIN_TOKEN = "api-fuzz-admin-token"
 
@@ -43,7 +46,7 @@ def _deploy(tmp: Path):
 
 def run(max_examples: int = 250, seed: int = 0, max_time_s: float = 900.0, workers: int = 2) -> dict:
     """Fuzz, then check the deployment still serves. Returns counts and the survivors' state."""
-    import requests
+    from prfaas_sglang.adapters import http_sync
 
     with tempfile.TemporaryDirectory(prefix="prfaas-api-fuzz-") as tmp_name:
         tmp = Path(tmp_name)
@@ -62,12 +65,12 @@ def run(max_examples: int = 250, seed: int = 0, max_time_s: float = 900.0, worke
             elapsed_s = time.monotonic() - started
             counts = count_events(ndjson)
             alive = {p.name: p.poll() is None for p in group.procs}
-            after = requests.post(d.router.url + "/generate", json={"text": "still serving after the fuzzer",
-                                                                    "sampling_params": {"max_new_tokens": 2}}, timeout=60)
-            health = {name: requests.get(w.url + "/health", timeout=5).status_code for name, w in d.workers.items()}
+            after = http_sync.post(d.router.url + "/generate", json_body={"text": "still serving after the fuzzer",
+                                                                          "sampling_params": {"max_new_tokens": 2}}, timeout_s=60)
+            health = {name: http_sync.get(w.url + "/health", timeout_s=5).status for name, w in d.workers.items()}
             return {"max_examples_per_operation": max_examples, "seed": seed, "elapsed_s": elapsed_s,
                     "schemathesis_exit_code": proc.returncode, **counts,
-                    "processes_alive": alive, "served_after": after.status_code, "worker_health_after": health,
+                    "processes_alive": alive, "served_after": after.status, "worker_health_after": health,
                     "schemathesis_tail": proc.stdout[-3000:]}
         finally:
             group.stop()
@@ -116,3 +119,22 @@ def render_markdown(result: dict) -> str:
              f"{len(result['server_errors'])} | {sum(result['processes_alive'].values())}/{len(result['processes_alive'])} | "
              f"{result['served_after']} |"]
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-examples", type=int, default=250, help="cases per operation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-time", type=float, default=900.0, help="seconds")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    if args.max_examples < 1 or args.max_time <= 0:
+        inv.error("--max-examples must be >= 1 and --max-time > 0")
+    result = run(args.max_examples, args.seed, args.max_time)
+    header = (f"<!-- python -m prfaas_sglang.bench api-fuzz --max-examples {args.max_examples} --seed {args.seed}; "
+              f"{inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"api-fuzz": Subcommand(add_arguments, cli)}

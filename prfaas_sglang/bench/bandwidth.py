@@ -36,6 +36,7 @@ Figures (all from the router's own series and clock, CLOCK_MONOTONIC shared):
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -46,15 +47,17 @@ from pathlib import Path
 
 import aiohttp
 
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.demo.netns import Netns
-from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.plan.workload import case_study_lengths
 
-PRIOR = {"kind": "lognormal", "mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": 65_536}
+LENGTHS = case_study_lengths(65_536)  # the case study's, capped at 64K tokens
+PRIOR = LENGTHS.config()
 
 
 async def _load(url: str, rate: float, until: float, rng: random.Random, t0: float, results: list) -> None:
-    lengths = TruncatedLogNormal(PRIOR["mu"], PRIOR["sigma"], PRIOR["min_tokens"], PRIOR["max_tokens"])
+    lengths = LENGTHS
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         tasks = []
         while time.monotonic() < until:
@@ -107,10 +110,9 @@ async def _sample(url: str, until: float, t0: float, series: list) -> None:
 def run(nominal_mbit: float = 400.0, factor: float = 10.0, load_rps: float = 2.0,
         phases_s: tuple[float, float, float] = (15.0, 60.0, 20.0), speedup: float = 10.0, kv_scale: float = 0.01,
         seed: int = 0, offered_window_s: float = 5.0, log_dir: Path | None = None) -> dict:
-    tag = random.Random().randrange(16, 250)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-bw-"))
     group = ProcessGroup(log_dir)
-    with Netns(tag) as net:
+    with Netns() as net:
         try:
             net.throttle(nominal_mbit)
             doc = local_topology(hosts={"prfaas": net.inner_ip}, host=net.outer_ip, link_gbps=nominal_mbit / 1000,
@@ -257,3 +259,35 @@ def plot(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nominal-mbit", type=float, default=400.0, help="the link's rate (tbf) before and after the throttle")
+    parser.add_argument("--factor", type=float, default=10.0, help="throttled rate = nominal / factor")
+    parser.add_argument("--load-rps", type=float, default=2.0,
+                        help="Poisson arrivals/s; at 2 the old t overloads the throttled link 1.34x, at 3 2x")
+    parser.add_argument("--phases", default="15,60,20", help="seconds clear, throttled, clear")
+    parser.add_argument("--speedup", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
+    parser.add_argument("--series", type=Path, default=None,
+                        help="write the sampled /status series and the requests as JSON here")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    phases = tuple(float(x) for x in args.phases.split(","))
+    if len(phases) != 3 or min(phases) <= 0 or args.factor <= 1:
+        inv.error("--phases needs three positive numbers and --factor must be > 1")
+    result = run(args.nominal_mbit, args.factor, args.load_rps, phases, args.speedup, seed=args.seed)
+    if args.plot:
+        plot(result, args.plot)
+    if args.series:
+        args.series.write_text(json.dumps({k: result[k] for k in ("series", "history", "requests_log")}))
+    header = (f"<!-- python -m prfaas_sglang.bench bandwidth --nominal-mbit {args.nominal_mbit:g} --factor {args.factor:g} "
+              f"--load-rps {args.load_rps:g} --seed {args.seed}; {inv.stamp} -->")
+    result = {k: v for k, v in result.items() if k not in ("series", "history", "requests_log")} | {"history": result["history"]}
+    return inv.report(args, result, header, lambda r: json.dumps(r, indent=2))  # no table: the summary as JSON
+
+
+SUBCOMMANDS = {"bandwidth": Subcommand(add_arguments, cli)}

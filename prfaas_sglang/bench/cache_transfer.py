@@ -27,6 +27,7 @@ router reported them). Needs root (network namespace, tbf).
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import re
@@ -37,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
-
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo.cluster import (
     ProcessGroup,
     local_topology,
@@ -65,7 +66,7 @@ def _topology(net: Netns, rate_gbps: float, speedup: float, kv_scale: float, thr
 def _wait_index(url: str, worker: str, at_least: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (requests.get(url + "/status", timeout=5).json()["workers"][worker]["index_blocks"] or 0) >= at_least:
+        if (http_sync.get_json(url + "/status", timeout_s=5)["workers"][worker]["index_blocks"] or 0) >= at_least:
             return
         time.sleep(0.05)
     raise RuntimeError(f"{url}: the KV index never saw {at_least} blocks of {worker}")
@@ -74,16 +75,15 @@ def _wait_index(url: str, worker: str, at_least: int, timeout_s: float = 30.0) -
 def _ttft(url: str, ids: list[int]) -> tuple[float, dict]:
     """Streamed, one output token: seconds to the first event, and the router's headers."""
     started = time.perf_counter()
-    with requests.post(url + "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 1}},
-                       stream=True, timeout=600) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status_code} {resp.text[:200]}")
-        for line in resp.iter_lines():
+    with http_sync.stream("POST", url + "/generate", timeout_s=600,
+                          json_body={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 1}}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status} {resp.read()[:200].decode(errors='replace')}")
+        for line in resp.lines():
             if line.startswith(b"data: "):
                 ttft = time.perf_counter() - started
-                for _ in resp.iter_lines():
-                    pass
-                return ttft, dict(resp.headers)
+                resp.read()
+                return ttft, {k.lower(): v for k, v in resp.headers.items()}
     raise RuntimeError(f"{url}: the stream ended without an event")
 
 
@@ -91,17 +91,17 @@ def _one(url: str, rng: random.Random, length: int, suffix: int) -> dict:
     """Warm ``P`` on PrfaaS through ``url`` (sent twice, so its cache keeps it), then time ``P`` +
     suffix; what the router decided."""
     prompt = [rng.randrange(1, 1 << 31) for _ in range(length)]
-    before = requests.get(url + "/status", timeout=5).json()["workers"]["prfaas-0"]["index_blocks"] or 0
+    before = http_sync.get_json(url + "/status", timeout_s=5)["workers"]["prfaas-0"]["index_blocks"] or 0
     # Twice: the PrfaaS worker's cache keeps a prefix seen twice, and not always a one-off (PRFAAS_PREFILL_CACHE=auto).
     for _ in range(2):
-        warm = requests.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
-                             timeout=600)
-        if warm.status_code != 200 or not warm.headers.get("x-prfaas-route", "").startswith("prfaas/"):
-            raise RuntimeError(f"the warm-up did not prefill on PrfaaS: {warm.status_code} {warm.headers.get('x-prfaas-route')}")
+        warm = http_sync.post(url + "/generate", json_body={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
+                              timeout_s=600)
+        if warm.status != 200 or not warm.headers.get("x-prfaas-route", "").startswith("prfaas/"):
+            raise RuntimeError(f"the warm-up did not prefill on PrfaaS: {warm.status} {warm.headers.get('x-prfaas-route')}")
     _wait_index(url, "prfaas-0", before + length // PAGE - 1)
     grown = prompt + [rng.randrange(1, 1 << 31) for _ in range(suffix)]
     ttft_s, headers = _ttft(url, grown)
-    recent = requests.get(url + "/status", timeout=5).json()["recent"][-1]
+    recent = http_sync.get_json(url + "/status", timeout_s=5)["recent"][-1]
     cost = _COST.search(recent["reason"])
     time.sleep(0.2)  # the KV events of the turn reach the router's index
     next_s, next_headers = _ttft(url, grown + [rng.randrange(1, 1 << 31) for _ in range(suffix)])
@@ -121,7 +121,7 @@ def run(rates_gbps: tuple[float, ...] = (2.0, 10.0, 50.0), lengths: tuple[int, .
     out: dict = {"setting": {"rates_gbps": list(rates_gbps), "lengths": list(lengths), "suffix_tokens": suffix,
                              "repeats": repeats, "speedup": speedup, "kv_scale": kv_scale, "threshold_tokens": threshold,
                              "seed": seed}, "logs": str(log_dir), "rates": []}
-    net = Netns(random.Random().randrange(16, 250))
+    net = Netns()
     group = ProcessGroup(log_dir)
     try:
         net.__enter__()
@@ -230,3 +230,34 @@ def render_markdown(result: dict) -> str:
                          + " / ".join(_median(row["next_turn_ttft_s"][m], sp) for m in ("always", "never", "off")) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rates-gbps", default="2,10,50", help="modelled link rates, comma list")
+    parser.add_argument("--lengths", default="8192,16384,32768,65536", help="cached prefix lengths, comma list (tokens)")
+    parser.add_argument("--suffix-tokens", type=int, default=512, help="the new turn after the cached prefix")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--speedup", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    from prfaas_sglang.demo.netns import available
+
+    try:
+        rates = tuple(float(x) for x in args.rates_gbps.split(","))
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        inv.error("--rates-gbps takes numbers and --lengths integers, comma separated")
+    if min(rates) <= 0 or min(lengths) < 2 * PAGE or args.suffix_tokens < 1 or args.repeats < 1:
+        inv.error(f"rates must be > 0, lengths >= {2 * PAGE}, --suffix-tokens and --repeats >= 1")
+    if (why := available()) is not None:
+        inv.error(f"the shaped PrfaaS link {why}")
+    result = run(rates, lengths, args.suffix_tokens, args.repeats, args.speedup, seed=args.seed)
+    header = (f"<!-- python -m prfaas_sglang.bench cache-transfer --rates-gbps {args.rates_gbps} --lengths {args.lengths} "
+              f"--suffix-tokens {args.suffix_tokens} --repeats {args.repeats} --speedup {args.speedup:g}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"cache-transfer": Subcommand(add_arguments, cli)}

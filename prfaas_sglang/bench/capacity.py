@@ -35,6 +35,7 @@ start of the scored window.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -42,26 +43,28 @@ import math
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from prfaas_sglang import runtime
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench import capacity_rows as rows_mod
+from prfaas_sglang.bench import compare
 from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
 from prfaas_sglang.demo.cluster import (
     LocalDeployment,
     ProcessGroup,
     StartupError,
-    get_json,
     local_topology,
     scrape_metric,
     start_deployment,
@@ -69,7 +72,7 @@ from prfaas_sglang.demo.cluster import (
     start_router,
 )
 from prfaas_sglang.demo.netns import Netns
-from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.plan.workload import case_study_lengths, read_trace
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 from prfaas_sglang.topology import parse_topology
 
@@ -154,7 +157,7 @@ class Stream:
             self._load_trace(setting.workload[len("trace:"):], seed)
 
     def _load_trace(self, path: str, seed: int) -> None:
-        records = list(workloads.trace_records(path))
+        records = list(read_trace(path, "--workload"))
         start = (seed * 997) % max(len(records) - 1, 1)
         chosen = records[start:] + records[:start]
         span_s = max((chosen[min(len(chosen) - 1, 400)].timestamp_ms - chosen[0].timestamp_ms) / 1e3, 1e-3)
@@ -167,7 +170,7 @@ class Stream:
             self._items.append((offset, min(rec.input_length, MAX_INPUT_TOKENS), tuple(rec.hash_ids)))
 
     def _grow(self, count: int) -> None:
-        dist = TruncatedLogNormal(9.90, 1.00, 128, MAX_INPUT_TOKENS)
+        dist = case_study_lengths(MAX_INPUT_TOKENS)
         while len(self._items) < count:
             self._t += self._rng.expovariate(1.0)
             self._items.append((self._t, int(dist.sample(self._rng, 1)[0]), ()))
@@ -273,7 +276,7 @@ class Fleet:
         group = ProcessGroup(self.log_dir / kind)
         net = None
         if kind in SHAPED:
-            net = Netns(random.Random().randrange(16, 250)).__enter__()
+            net = Netns().__enter__()
             net.throttle(s.wire_mbit)
         try:
             doc = topology(s, kind, net)
@@ -303,7 +306,7 @@ def wait_idle(up: Up, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            loads = [get_json(w.url + "/v1/loads")["loads"][0] for w in up.deployment.workers.values()]
+            loads = [http_sync.get_json(w.url + "/v1/loads", timeout_s=5)["loads"][0] for w in up.deployment.workers.values()]
         except OSError:
             loads = None
         if loads and all(x["num_running_reqs"] == 0 and x["num_waiting_reqs"] == 0 and x["num_used_tokens"] == 0
@@ -315,7 +318,7 @@ def wait_idle(up: Up, timeout_s: float = 60.0) -> bool:
 
 def flush(up: Up) -> None:
     for w in up.deployment.workers.values():
-        urllib.request.urlopen(urllib.request.Request(w.url + "/flush_cache", method="POST"), timeout=5).read()
+        http_sync.post(w.url + "/flush_cache", timeout_s=5).raise_for_status()
 
 
 BUCKET_ORDER_TRIES = 6
@@ -476,7 +479,7 @@ class Runner:
                 results = asyncio.run(replay_scored(url, arrivals, scored_range, give_up,
                                                     s.output_tokens * s.tbt_slo * 4 / s.speedup))
             phases["replayed"] = time.monotonic()
-            status = get_json(url + "/status", timeout_s=5) if row.router == "prfaas" else None
+            status = http_sync.get_json(url + "/status", timeout_s=5) if row.router == "prfaas" else None
             done = [scrape_metric(w.url, "prfaas:requests_ok_total") - b for w, b in zip(prefills, before, strict=True)]
             timing = [(w.name.startswith("pd-decode"),) + tuple(a - b for a, b in zip(engine_timing(w.url), tb, strict=True))
                       for w, tb in zip(engines, timing_before, strict=True)]
@@ -805,3 +808,100 @@ def _render_calibration(r: dict) -> list[str]:
         out.append(f"- {name} @ {at['load_rps']:.3f} req/s: scale prfaas {scales['prfaas']:.2f}, pd {scales['pd']:.2f}; "
                    f"error " + " -> ".join(f"{e:.2f}" for e in series))
     return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``compare`` subcommand: :func:`prfaas_sglang.bench.compare.add_arguments`, then ``--capacity``'s flags."""
+    compare.add_arguments(parser)
+    cap = parser.add_argument_group("capacity at an SLO (--capacity; bench/capacity.py)")
+    cap.add_argument("--capacity", action="store_true", help="capacity at >= 90%% and >= 99%% attainment, every row")
+    cap.add_argument("--quick", action="store_true", help="a smoke run: one seed, few arrivals, coarse bisection, "
+                                                          "ours and sglang-router's default only (under 10 min)")
+    cap.add_argument("--families", default=None,
+                     help="peer families swept and bisected: comma list of sglang-router, smg, naive, homogeneous, "
+                          "or none (default: all)")
+    cap.add_argument("--ours", default=None, help="our rows (default: prfaas and its ablations)")
+    cap.add_argument("--peers", default=None,
+                     help="peer rows to bisect as given, one per family, without a sweep (e.g. the best another "
+                          "condition's sweep found)")
+    cap.add_argument("--start", action="append", default=[], metavar="ROW=X",
+                     help="where ROW's bisection starts, x the planned capacity (repeatable; default: above the "
+                          "sweep's best load that met 90%%, 0.9 without one), e.g. a capacity another run found")
+    cap.add_argument("--link-drop", action="store_true", help="the link's capacity / 4 for one emulated minute")
+    cap.add_argument("--bias", type=float, default=None,
+                     help="the engines' prefill and decode take this x the profile (the study: ours with calibration "
+                          "on, off, and with the true scale given; no peers)")
+    cap.add_argument("--out", type=Path, default=None, help="also write the JSON result here (a piece to --merge)")
+    cap.add_argument("--merge", type=Path, nargs="+", default=None,
+                     help="merge pieces written with --out (no run) and print them")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    """``compare``: with ``--capacity`` (or ``--merge``) the capacity at an SLO, else
+    :func:`prfaas_sglang.bench.compare.cli`."""
+    if not (args.capacity or args.merge):
+        return compare.cli(args, inv)
+    result, header = _capacity_run(args, inv)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1))
+    return inv.report(args, result, header, render_markdown)
+
+
+def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]:
+    """``compare --capacity`` (or ``--merge``): the setting from the flags, the run, its header line."""
+    if args.merge:
+        return merge([load(p) for p in args.merge]), f"<!-- merged {len(args.merge)} pieces; {inv.stamp} -->"
+    from prfaas_sglang.demo.netns import available
+
+    if (why := available()) is not None:
+        inv.error(f"the shaped PrfaaS link {why}")
+    if args.workload not in ("case-study", "shift") and not args.workload.startswith("trace:"):
+        inv.error("--workload: case-study, shift or trace:PATH")
+    families = rows_mod.FAMILIES if args.families is None else tuple(f for f in args.families.split(",") if f != "none")
+    if unknown := set(families) - set(rows_mod.FAMILIES):
+        inv.error(f"unknown families {sorted(unknown)}")
+    ours = tuple(args.ours.split(",")) if args.ours else None
+    if args.ttft_slo_s is not None and not args.ttft_slo_s > 0:
+        inv.error("--ttft-slo-s must be > 0")
+    setting = CapacitySetting(workload=args.workload, link=args.link, link_drop=args.link_drop,
+                              speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s)
+    if args.seeds is not None:
+        setting = dataclasses.replace(setting, seeds=args.seeds)
+    if args.bias is not None:
+        if not 0.1 <= args.bias <= 10:
+            inv.error("--bias must be in [0.1, 10]")
+        setting = dataclasses.replace(setting, prefill_bias=args.bias, decode_bias=args.bias)
+        families = ()
+        ours = ours or ("prfaas", "prfaas-no-calibration", rows_mod.oracle_row(args.bias).name)
+    if args.quick:
+        setting = dataclasses.replace(setting, seeds=1, scored_per_seed=20, sweep_scored=16, warmup_s=10.0,
+                                      resolution=0.5, resolution_99=1.0, max_rounds=4)
+        families = tuple(f for f in families if f == "sglang-router")[:1]
+        ours = ours or ("prfaas",)
+    if ours and (unknown := [n for n in ours if n not in rows_mod.ALL and not n.startswith("prfaas-measured-")]):
+        inv.error(f"unknown rows {unknown}")
+    peers = tuple(args.peers.split(",")) if args.peers else None
+    if peers and (unknown := [n for n in peers if n not in rows_mod.ALL or rows_mod.ALL[n].family == "ours"]):
+        inv.error(f"unknown peer rows {unknown}")
+    starts = {}
+    for item in args.start:
+        name, _, value = item.partition("=")
+        try:
+            starts[name] = float(value)
+        except ValueError:
+            inv.error(f"--start: expected ROW=X, got {item!r}")
+        if name not in rows_mod.ALL or not 0 < starts[name] <= 4:
+            inv.error(f"--start {item!r}: a known row and 0 < X <= 4")
+    result = run(setting, families, ours, quick=args.quick, peers=peers, starts=starts,
+                 partial=args.out.with_suffix(".partial.json") if args.out else None,
+                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
+              f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
+              f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''}"
+              f"{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
+              f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
+              f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")
+    return result, header
+
+
+SUBCOMMANDS = {"compare": Subcommand(add_arguments, cli)}

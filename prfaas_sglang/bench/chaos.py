@@ -30,6 +30,7 @@ router's RSS over time.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -39,6 +40,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 
 DEADLINE_S = 60.0
 PROBE_INTERVAL_S = 0.25
@@ -365,7 +368,7 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
     engine_args = {r: engine for r in ("prfaas", "pd-prefill", "pd-decode")}
     router_args = ("--no-early-rejection", "--phase-timeout-s", "20", "--admission-timeout-s", "10",
                    "--health-interval-s", "0.5")
-    with Netns(random.Random().randrange(16, 250)) as net:
+    with Netns() as net:
         try:
             net.throttle(rate_mbit)
             doc = local_topology(hosts={"prfaas": net.inner_ip}, host=net.outer_ip, link_gbps=rate_mbit / 1000,
@@ -424,3 +427,45 @@ def render_markdown(result: dict) -> str:
               *([f"Front: {result['front_counters']}"] if result.get("front_counters") else []),
               "Verdict: " + ("; ".join(verdict(result)) or "pass")]
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=60.0, help="load window, seconds (the faults spread over it)")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests/s")
+    parser.add_argument("--down-s", type=float, default=3.0, help="how long each fault lasts")
+    parser.add_argument("--fuzz-requests", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=None, help="every fault this many times (default: one per 200 s, at least 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", default=None,
+                        help="comma list of the faults to inject (default: all; e.g. all but kill-router to follow one "
+                             "router process's memory over the whole run)")
+    parser.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
+                        help="clients reach the router through its front (python -m prfaas_sglang.router.front), which a "
+                             "router kill leaves running, as in the Kubernetes deployment (default); --no-front: directly")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    from prfaas_sglang.demo.netns import available
+
+    if args.duration < 20 or args.rate <= 0 or args.down_s <= 0 or args.fuzz_requests < 0:
+        inv.error("--duration must be >= 20, --rate and --down-s > 0, --fuzz-requests >= 0")
+    if (why := available()) is not None:
+        inv.error(f"the PrfaaS link's namespace {why}")
+    faults = FAULTS if args.faults is None else tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    if not faults or set(faults) - set(FAULTS):
+        inv.error(f"--faults must name some of {', '.join(FAULTS)}")
+    rounds = args.rounds or max(int(args.duration // 200), 1)
+    if rounds < 1 or args.duration / (rounds * len(faults)) < args.down_s + 2:
+        inv.error(f"--rounds must be >= 1, with room for each fault (--duration / (rounds x {len(faults)}) "
+                  f">= --down-s + 2)")
+    result = run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, faults=faults,
+                 rounds=rounds, front=args.front)
+    header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
+              f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}"
+              f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}{'' if args.front else ' --no-front'}; "
+              f"{inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"chaos": Subcommand(add_arguments, cli)}

@@ -40,19 +40,19 @@ over the best other row's median.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import functools
-import random
 import statistics
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from prfaas_sglang import runtime
-from prfaas_sglang.bench.stats import percentile
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.bench.subcommands import Invocation
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import (
@@ -65,6 +65,7 @@ from prfaas_sglang.demo.cluster import (
 )
 from prfaas_sglang.demo.netns import TBF_BURST_BYTES, Netns
 from prfaas_sglang.plan.search import homogeneous_baseline
+from prfaas_sglang.stats import percentile
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 from prfaas_sglang.topology import parse_topology
 
@@ -229,7 +230,7 @@ def summarise(results: list, wall_s: float, window_s: float, setting: Setting, o
 def flush_caches(workers) -> None:
     """``POST /flush_cache`` to each worker (between rows: every row starts with cold caches)."""
     for w in workers:
-        urllib.request.urlopen(urllib.request.Request(w.url + "/flush_cache", method="POST"), timeout=5).read()
+        http_sync.post(w.url + "/flush_cache", timeout_s=5).raise_for_status()
 
 
 def _replay_row(url: str, arrivals: list, setting: Setting, workers, prfaas_worker, net: Netns | None) -> dict:
@@ -284,7 +285,7 @@ def run(setting: Setting = Setting(), seeds: int = 5, rows: tuple[str, ...] = RO
         if not kind_rows:
             continue
         group = ProcessGroup(log_dir / kind)
-        net = Netns(random.Random().randrange(16, 250)) if kind != "homogeneous" else None
+        net = Netns() if kind != "homogeneous" else None
         try:
             if net is not None:
                 net.__enter__()
@@ -354,3 +355,44 @@ def _render_one(r: dict) -> str:
     vs = r["goodput_ratio_vs_best"]
     lines.append(f"\ngoodput_ratio_vs_best (ours / {r['best_other_row']}, medians): **{vs:.2f}**" if vs else "\ngoodput_ratio_vs_best: n/a")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``compare``'s own flags (:mod:`prfaas_sglang.bench.capacity` registers the subcommand, adding ``--capacity``'s)."""
+    parser.add_argument("--workload", default="case-study", help="case-study | trace:PATH (--capacity: also shift)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds (default: 5; --capacity: 3)")
+    parser.add_argument("--link", choices=("abundant", "scarce"), default="abundant")
+    parser.add_argument("--load", default="0.8",
+                        help="offered load as a fraction of the planned capacity; a comma list sweeps (e.g. 0.5,1,1.5,2)")
+    parser.add_argument("--rows", default=None, help="comma list of rows (default: all)")
+    parser.add_argument("--duration", type=float, default=30.0, help="arrival window per seed, wall seconds")
+    parser.add_argument("--ttft-slo-s", type=float, default=None,
+                        help="TTFT SLO, emulated seconds (default 5; --capacity: 5 on the abundant link, 10 on the scarce)")
+    parser.add_argument("--speedup", type=float, default=None, help="emulated time's speedup (default 2; --capacity: 4)")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    """``compare`` without ``--capacity``: goodput at the given loads."""
+    args.seeds = args.seeds or 5
+    args.speedup = args.speedup or 2.0
+    args.ttft_slo_s = args.ttft_slo_s or 5.0
+    try:
+        loads = [float(x) for x in args.load.split(",")]
+    except ValueError:
+        inv.error(f"--load takes numbers, got {args.load!r}")
+    rows = tuple(args.rows.split(",")) if args.rows else ROWS
+    if unknown := set(rows) - set(ROWS):
+        inv.error(f"unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
+    if args.seeds < 1 or min(loads) <= 0 or args.duration <= 0:
+        inv.error("--seeds must be >= 1, --load and --duration > 0")
+    from prfaas_sglang.demo.netns import available
+
+    if (why := available()) is not None and any(DEPLOYMENT_OF[r] != "homogeneous" for r in rows):
+        inv.error(f"the shaped PrfaaS link {why}")
+    runs = [run(Setting(args.workload, args.link, load, args.duration, args.speedup, ttft_slo_s=args.ttft_slo_s),
+                args.seeds, rows) for load in loads]
+    result = runs[0] if len(runs) == 1 else {"loads": runs}
+    header = (f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --link {args.link} --load {args.load} "
+              f"--seeds {args.seeds} --duration {args.duration:g} --speedup {args.speedup:g}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)

@@ -2,24 +2,26 @@
 
 An emulated deployment (the demo's: 1 PrfaaS + 1 PD-P + 1 PD-D, the router, plus a kv-index)
 takes case-study traffic at ``rate`` for the first half of ``duration_s`` and at 3x that for the
-second (overload: the router's early rejection and its threshold show). Every process's
-``/metrics`` is scraped once a second, as Prometheus would (labels ``job`` and ``pod``), and the
-dashboard of :mod:`prfaas_sglang.launch.dashboard` is evaluated on the scrapes
-(:mod:`prfaas_sglang.bench.promql_lite`) and drawn to a PNG. No Prometheus or Grafana runs here.
+second (overload: the router's early rejection and its threshold show). A real Prometheus
+(:mod:`prfaas_sglang.bench.prometheus`, Debian's binary) scrapes every process's ``/metrics`` each
+``interval_s`` (labels ``job`` = role and ``pod`` = node name), every query of the dashboard of
+:mod:`prfaas_sglang.launch.dashboard` is evaluated by it (``/api/v1/query_range`` over the traffic,
+step ``interval_s``), and the results are drawn to a PNG. No Grafana runs here.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
+import math
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from prfaas_sglang.bench.dashboard_png import render_dashboard
-from prfaas_sglang.bench.promql_lite import Store, parse_exposition
+from prfaas_sglang.bench.prometheus import Prometheus, ScrapeTarget
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import (
@@ -28,6 +30,7 @@ from prfaas_sglang.demo.cluster import (
     free_port,
     start_deployment,
     start_node,
+    topology_nodes,
 )
 from prfaas_sglang.launch import dashboard
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
@@ -35,22 +38,11 @@ from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 SPEEDUP, KV_SCALE, OUTPUT_TOKENS, MAX_INPUT_TOKENS = 20.0, 0.01, 64, 65_536
 
 
-def _scrape_loop(targets: dict[str, tuple[str, str]], store: Store, times_s: list[float], stop: threading.Event,
-                 interval_s: float) -> None:
-    start = time.monotonic()
-    while not stop.is_set():
-        now = time.monotonic() - start
-        for pod, (job, url) in targets.items():
-            try:
-                with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
-                    store.add(now, parse_exposition(resp.read().decode()), {"job": job, "pod": pod})
-            except OSError:
-                pass  # a missed scrape is a gap, as in Prometheus
-        times_s.append(now)
-        stop.wait(interval_s)
-
-
 def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s: float = 1.0) -> dict:
+    """Run the traffic, draw the dashboard from Prometheus's results to ``out_png``, and return the run's
+    counts, ``points`` (query_range steps drawn) and ``no_data`` (queries that returned no series).
+    Raises :class:`~prfaas_sglang.bench.prometheus.PrometheusError` if Prometheus is missing, a target is
+    down, or a query is rejected; the processes' logs and Prometheus's files stay in a temp dir."""
     text = workloads.TextSource(PromptTokenizer.load(SHIPPED))
     half = duration_s / 2
     arrivals = workloads.arrivals("case-study", half, rate, OUTPUT_TOKENS, MAX_INPUT_TOKENS, seed, SPEEDUP, text,
@@ -62,30 +54,55 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
                         output_tokens=OUTPUT_TOKENS, tokenizer=SHIPPED, served_name="prfaas-demo")
     doc["clusters"]["control"]["nodes"].append({"name": "kv-index", "role": "kv-index", "host": "127.0.0.1",
                                                 "port": free_port()})
-    store, times_s, stop = Store(), [], threading.Event()
-    group = ProcessGroup(Path(tempfile.mkdtemp(prefix="prfaas-dashboard-")))
-    try:
-        context = ("--context-tokens", str(2 * MAX_INPUT_TOKENS + OUTPUT_TOKENS))
-        dep = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")})
-        kv_port = doc["clusters"]["control"]["nodes"][-1]["port"]
-        group.wait_healthy(f"http://127.0.0.1:{kv_port}/health", start_node(group, dep.config, "kv-index"), timeout_s=60)
-        targets = {"router-0": ("router", dep.router.url), "kv-index-0": ("kv-index", f"http://127.0.0.1:{kv_port}")}
-        targets |= {name: (name.rsplit("-", 1)[0], w.url) for name, w in dep.workers.items()}
-        scraper = threading.Thread(target=_scrape_loop, args=(targets, store, times_s, stop, interval_s), daemon=True)
-        scraper.start()
-        results, wall_s = asyncio.run(replay(dep.router.url, arrivals + burst))
-        time.sleep(2 * interval_s)
-    finally:
-        stop.set()
-        group.stop()
-    board = dashboard.build()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    render_dashboard(board, store, times_s, out_png)
+    targets = [ScrapeTarget(n["role"], n["name"], f"http://{n['host']}:{n['port']}")
+               for n in topology_nodes(doc).values()]
+    work_dir = Path(tempfile.mkdtemp(prefix="prfaas-dashboard-"))
+    group = ProcessGroup(work_dir)
+    # started first: its first scrape comes ~5 s after start, while the deployment comes up
+    with Prometheus.start(targets, work_dir / "prometheus", scrape_interval_s=interval_s) as prom:
+        try:
+            context = ("--context-tokens", str(2 * MAX_INPUT_TOKENS + OUTPUT_TOKENS))
+            dep = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")})
+            kv_port = doc["clusters"]["control"]["nodes"][-1]["port"]
+            group.wait_healthy(f"http://127.0.0.1:{kv_port}/health", start_node(group, dep.config, "kv-index"),
+                               timeout_s=60)
+            prom.wait_scraped(time.time(), scrapes=1, timeout_s=60)  # every target up and in the TSDB
+            start_s = time.time()
+            results, wall_s = asyncio.run(replay(dep.router.url, arrivals + burst))
+            prom.wait_scraped(time.time(), scrapes=2, timeout_s=60)  # the last requests' counts, twice (rates)
+            end_s = time.time()
+        finally:
+            group.stop()
+        times_s = [start_s + k * interval_s for k in range(math.floor((end_s - start_s) / interval_s) + 1)]
+        board = dashboard.build()
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+        no_data = render_dashboard(board, lambda expr: prom.query_range(expr, times_s[0], times_s[-1], interval_s),
+                                   times_s, out_png)
     from PIL import Image
 
     with Image.open(out_png) as img:  # a 256-colour palette: a third of the bytes, the same flat colours
         img.convert("RGB").quantize(256).save(out_png, optimize=True)
-    return {"png": str(out_png), "duration_s": duration_s, "rate_rps": rate, "seed": seed, "scrapes": len(times_s),
+    return {"png": str(out_png), "duration_s": duration_s, "rate_rps": rate, "seed": seed, "points": len(times_s),
             "requests": len(results), "ok": sum(r.ok for r in results), "rejected": sum(r.rejected for r in results),
             "failed": sum(not r.ok and not r.rejected for r in results), "wall_s": wall_s,
-            "offloaded": sum(r.ok and r.route.startswith("prfaas/") for r in results)}
+            "offloaded": sum(r.ok and r.route.startswith("prfaas/") for r in results), "no_data": no_data}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (the second half at 3x --rate)")
+    parser.add_argument("--rate", type=float, default=0.6, help="case-study arrivals per second (first half)")
+    parser.add_argument("--out", type=Path, default=Path("docs/dashboard.png"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    if args.duration <= 0 or args.rate <= 0:
+        inv.error("--duration and --rate must be > 0")
+    result = run(args.duration, args.rate, args.out, seed=args.seed)
+    header = (f"<!-- python -m prfaas_sglang.bench dashboard --duration {args.duration:g} --rate {args.rate:g} "
+              f"--seed {args.seed} --out {args.out}; {inv.stamp} -->")
+    return inv.report(args, result, header, None)  # no Markdown report: --json
+
+
+SUBCOMMANDS = {"dashboard": Subcommand(add_arguments, cli)}

@@ -1,7 +1,8 @@
-"""Render a Grafana dashboard (its JSON model) to a PNG from a :class:`promql_lite.Store`.
+"""Render a Grafana dashboard (its JSON model) to a PNG from range queries' results.
 
-No Grafana, no Prometheus: every target's ``expr`` is evaluated by
-:func:`promql_lite.evaluate` at each of the given times, and each panel is drawn
+No Grafana: every target's ``expr`` goes to the caller's ``query_range`` (in ``bench
+dashboard``, a real Prometheus's ``/api/v1/query_range``: :mod:`prfaas_sglang.bench.prometheus`),
+which returns its series at the given times, and each panel is drawn
 where its ``gridPos`` puts it on Grafana's 24-column grid. ``timeseries`` (and any
 other panel type with targets) draws one line per series; ``stat``, ``gauge`` and
 ``bargauge`` show each series' last value over a faint sparkline; ``row`` panels are
@@ -12,22 +13,27 @@ Template variables: ``$__rate_interval``, ``$__interval`` become ``rate_interval
 ``$__range`` the span of the times, and a dashboard variable its current value
 (``.*`` for "All"); ``$name``, ``${name}`` and ``[[name]]`` are all understood.
 
-An expression outside promql_lite's subset raises :class:`PromQLError` naming the
-panel, unless ``strict=False``, which prints the error in the panel instead.
+A query the source rejects (:class:`QueryError`) raises it again naming the panel,
+unless ``strict=False``, which prints the error in the panel instead.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prfaas_sglang.bench.promql_lite import Labels, PromQLError, Store, evaluate, parse
+from prfaas_sglang.bench.prometheus import QueryError
 
-__all__ = ["format_value", "render_dashboard"]
+__all__ = ["QueryRange", "format_value", "render_dashboard"]
+
+# An expression -> its series over the rendered times: each a label set and (time_s, value) points
+# at some of those times (Prometheus's query_range over [times_s[0], times_s[-1]], step = their spacing).
+QueryRange = Callable[[str], Sequence[tuple[Mapping[str, str], Sequence[tuple[float, float]]]]]
+Labels = tuple[tuple[str, str], ...]
 
 GRID_COLUMNS = 24
 FIGURE_WIDTH_IN = 20.0
@@ -90,9 +96,11 @@ class _Geometry:
                      max(rect.height - (top_in + bottom_in) / self.height_in, 0.01))
 
 
-def render_dashboard(dashboard: dict, store: Store, times_s: list[float], out_path: str | Path, *,
-                     strict: bool = True, rate_interval: str = "1m") -> None:
-    """Draw ``dashboard`` as it would look over ``times_s`` (the store's clock) and save a PNG at ``out_path``."""
+def render_dashboard(dashboard: dict, query_range: QueryRange, times_s: list[float], out_path: str | Path, *,
+                     strict: bool = True, rate_interval: str = "1m") -> list[str]:
+    """Draw ``dashboard`` as it looks over ``times_s`` (evenly spaced, the clock of ``query_range``'s
+    points) and save a PNG at ``out_path``. Returns the expressions that returned no series (their
+    panels may say "no data")."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -103,9 +111,11 @@ def render_dashboard(dashboard: dict, store: Store, times_s: list[float], out_pa
     FigureCanvasAgg(figure)
     _draw_header(figure, geometry, dashboard, times_s)
     variables = _variables(dashboard, times_s, rate_interval)
+    empty: list[str] = []
     for panel in panels:
-        _draw_panel(figure, geometry, panel, store, times_s, variables, strict)
+        _draw_panel(figure, geometry, panel, query_range, times_s, variables, strict, empty)
     figure.savefig(out_path, dpi=DPI, facecolor=THEME["background"], format="png")
+    return empty
 
 
 # --------------------------------------------------------------------------- the model
@@ -152,22 +162,28 @@ def _substitute(expr: str, variables: Mapping[str, str]) -> str:
     return _VARIABLE_RE.sub(replace, expr)
 
 
-def _panel_lines(panel: Mapping[str, Any], store: Store, times_s: list[float],
-                 variables: Mapping[str, str]) -> list[_Line]:
+def _panel_lines(panel: Mapping[str, Any], query_range: QueryRange, times_s: list[float],
+                 variables: Mapping[str, str], empty: list[str]) -> list[_Line]:
     lines = []
+    step_s = (times_s[-1] - times_s[0]) / (len(times_s) - 1) if len(times_s) > 1 else 1.0
     for target in panel.get("targets") or []:
         expr = target.get("expr")
         if not expr or target.get("hide"):
             continue
         expr = _substitute(expr, variables)
         try:
-            node = parse(expr)
-            columns: dict[Labels, list[float]] = {}
-            for index, t_s in enumerate(times_s):
-                for labels, value in evaluate(node, store, t_s).items():
-                    columns.setdefault(labels, [math.nan] * len(times_s))[index] = value
-        except PromQLError as exc:
-            raise PromQLError(f"panel {panel.get('title')!r}, expr {expr!r}: {exc}") from exc
+            result = query_range(expr)
+        except QueryError as exc:
+            raise QueryError(exc.expr, exc.error_type, f"panel {panel.get('title')!r}: {exc.message}") from exc
+        if not result:
+            empty.append(expr)
+        columns: dict[Labels, list[float]] = {}
+        for labels, points in result:
+            column = columns.setdefault(tuple(sorted(labels.items())), [math.nan] * len(times_s))
+            for t_s, value in points:
+                index = round((t_s - times_s[0]) / step_s)
+                if 0 <= index < len(times_s):
+                    column[index] = value
         legend_format = target.get("legendFormat")
         lines.extend(_Line(_legend(legend_format, labels, expr), values) for labels, values in sorted(columns.items()))
     return lines
@@ -241,8 +257,8 @@ def _draw_header(figure: Any, geometry: _Geometry, dashboard: Mapping[str, Any],
                 color=THEME["muted"], fontsize=10, va="top", ha="right")
 
 
-def _draw_panel(figure: Any, geometry: _Geometry, panel: Mapping[str, Any], store: Store, times_s: list[float],
-                variables: Mapping[str, str], strict: bool) -> None:
+def _draw_panel(figure: Any, geometry: _Geometry, panel: Mapping[str, Any], query_range: QueryRange,
+                times_s: list[float], variables: Mapping[str, str], strict: bool, empty: list[str]) -> None:
     rect = geometry.cell(panel.get("gridPos") or {})
     title = str(panel.get("title") or "")
     kind = panel.get("type")
@@ -256,8 +272,8 @@ def _draw_panel(figure: Any, geometry: _Geometry, panel: Mapping[str, Any], stor
         _draw_message(figure, body, _text_content(panel), THEME["muted"], fontsize=9)
         return
     try:
-        lines = _panel_lines(panel, store, times_s, variables)
-    except PromQLError as exc:
+        lines = _panel_lines(panel, query_range, times_s, variables, empty)
+    except QueryError as exc:
         if strict:
             raise
         _draw_message(figure, body, str(exc), THEME["error"], fontsize=8)

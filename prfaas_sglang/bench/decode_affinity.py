@@ -17,6 +17,7 @@ turn lands on its conversation's worker only as often as free KV happens to send
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import random
 import statistics
@@ -24,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
-
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, scrape_metric, start_deployment
 
 SPEEDUP, KV_SCALE, THRESHOLD = 20.0, 0.002, 6_000
@@ -53,11 +54,10 @@ def _drive(url: str, lengths: list[list[int]], seed: int) -> list[float]:
             fresh = [(seed * 131 + c * 7_919 + t * 104_729 + i * 31) % 30_000 for i in range(n)]
             prompt = history + fresh
             start = time.monotonic()
-            reply = requests.post(url + "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 16}},
-                                  timeout=300)
-            reply.raise_for_status()
+            reply = http_sync.post_json(url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 16}},
+                                        timeout_s=300)
             latencies.append(time.monotonic() - start)
-            history = prompt + reply.json()["output_ids"]
+            history = prompt + reply["output_ids"]
             time.sleep(0.3)  # the user reads the answer; the decode worker's events reach the router meanwhile
         return latencies
 
@@ -121,3 +121,25 @@ def markdown(result: dict) -> str:
                 lines.append(f"- {model}, affinity / free-KV only, {key}: median {statistics.median(values):.3f} "
                              f"(min {min(values):.3f}, max {max(values):.3f}) over {len(values)} seeds")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--decode-workers", type=int, default=2)
+    parser.add_argument("--models", default="kimi-linear-1t-hybrid,qwen3-235b-a22b", help="cost models, comma list")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    if min(args.seeds, args.conversations, args.turns) < 1 or args.decode_workers < 2:
+        inv.error("--seeds, --conversations and --turns must be >= 1, --decode-workers >= 2")
+    result = run(args.seeds, args.conversations, args.turns, args.decode_workers, tuple(args.models.split(",")))
+    header = (f"<!-- python -m prfaas_sglang.bench decode-affinity --seeds {args.seeds} --conversations "
+              f"{args.conversations} --turns {args.turns} --decode-workers {args.decode_workers} "
+              f"--models {args.models}; {inv.stamp} -->")
+    return inv.report(args, result, header, markdown)
+
+
+SUBCOMMANDS = {"decode-affinity": Subcommand(add_arguments, cli)}

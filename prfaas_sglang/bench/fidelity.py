@@ -28,6 +28,7 @@ causes (model simplification vs emulator error) are apart.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import random
@@ -39,14 +40,17 @@ from pathlib import Path
 import aiohttp
 
 from prfaas_sglang import runtime
-from prfaas_sglang.bench.stats import percentile
+from prfaas_sglang.bench.subcommands import Invocation
 from prfaas_sglang.demo.client import RequestResult, generate_ids, replay
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.plan.model import evaluate
 from prfaas_sglang.plan.search import search
+from prfaas_sglang.plan.workload import case_study_lengths
+from prfaas_sglang.stats import percentile
 from prfaas_sglang.topology import parse_topology
 
-PRIOR = {"kind": "lognormal", "mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": 65_536}
+LENGTHS = case_study_lengths(65_536)  # the case study's, capped at 64K tokens
+PRIOR = LENGTHS.config()
 VOCAB = 32_000
 
 
@@ -63,12 +67,9 @@ def planned_split(speedup: float, kv_scale: float, output_tokens: int) -> tuple[
 
 
 def _lengths(rng: random.Random, n: int, above: float | None = None, at_most: float | None = None) -> list[int]:
-    from prfaas_sglang.plan.workload import TruncatedLogNormal
-
-    dist = TruncatedLogNormal(PRIOR["mu"], PRIOR["sigma"], PRIOR["min_tokens"], PRIOR["max_tokens"])
     out = []
     while len(out) < n:
-        length = int(dist.sample(rng, 1)[0])
+        length = int(LENGTHS.sample(rng, 1)[0])
         if (above is None or length > above) and (at_most is None or length <= at_most):
             out.append(length)
     return out
@@ -184,3 +185,11 @@ def render_markdown(r: dict) -> str:
     for share, x in r["ttft"].items():
         lines.append(f"| {share} | {x['offered_rps']:.3f} | {x['ok']} / {x['requests']} | {x['ttft_p50_s']:.2f} | {x['ttft_p90_s']:.2f} |")
     return "\n".join(lines)
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    """``mock-fidelity --load`` (its flags added and checked by :mod:`prfaas_sglang.bench.mock`)."""
+    speedup = args.speedup if args.speedup != 1.0 else 5.0
+    result = run(speedup, args.kv_scale)
+    header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --load --speedup {speedup:g}; {inv.stamp} -->"
+    return inv.report(args, result, header, render_markdown)

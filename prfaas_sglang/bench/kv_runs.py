@@ -20,7 +20,7 @@ size 1 also with the decode's prompt allocation as the ``decode-contiguous-kv`` 
   have arrived.
 
 Each transfer is also sized as the PrfaaS worker's staging sender sends it (``PRFAAS_KV_STAGING_MIB``,
-``hooks/kv_stage.py``): SGLang's blocks grouped by destination run with the product's own
+``transport/kv_stager.py``): SGLang's blocks grouped by destination run with the product's own
 :func:`~prfaas_sglang.transport.kv_stage.runs_by_destination`, a run worth staging one request, any other
 as its blocks (the ``staged`` sender; the other is ``adjacent``, blocks merged only where both sides
 continue). The staging buffer's size is not modelled: a run waits for room, it never goes unstaged.
@@ -35,11 +35,14 @@ sampled transfers over real Mooncake TCP instead (:func:`measure`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand, trace_path
 
 MIB = 1 << 20
 
@@ -416,3 +419,63 @@ def render_markdown(r: dict) -> str:
             lines.append(f"| {mode} | {m[mode]['requests']} | {m[mode]['failed']} | **{m[mode]['goodput_fraction']}** | "
                          f"{m['lane_model'][mode]} |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of the trace replayed")
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds before requests are measured")
+    parser.add_argument("--page-sizes", default="1,64")
+    parser.add_argument("--decode-pool-tokens", type=int, default=1 << 20)
+    parser.add_argument("--prefill-pool-tokens", type=int, default=1 << 19)
+    parser.add_argument("--prefill-inflight", type=int, default=2, help="requests whose pages the PrfaaS worker still holds")
+    parser.add_argument("--prefill-cache", action="store_true",
+                        help="the PrfaaS worker keeps prompts in SGLang's radix cache (LRU eviction when short), so its "
+                             "pages fragment too, instead of fresh pages freed after --prefill-inflight requests")
+    parser.add_argument("--step-ms", type=float, default=30.0, help="one decode step (every running request, one token)")
+    parser.add_argument("--bytes-per-token-layer", type=int, default=2048,
+                        help="K (or V) of one token in one layer (2048: 8 KV heads of dim 128, bf16)")
+    parser.add_argument("--lanes", type=int, default=4)
+    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--rate-gbps", type=float, default=1.0)
+    parser.add_argument("--measure", type=int, default=0,
+                        help="also send N sampled requests' transfers (page 1, both allocations) over real Mooncake TCP "
+                             "on an emulated link of --rate-gbps and --rtt-ms (root, linkem)")
+    parser.add_argument("--seed", type=int, default=0, help="which transfers --measure samples")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    try:
+        pages = tuple(int(p) for p in args.page_sizes.split(","))
+    except ValueError:
+        inv.error("--page-sizes must be a comma list of integers")
+    if (min(pages) < 1 or args.duration <= 0 or args.warmup < 0 or args.step_ms <= 0 or args.lanes < 1
+            or min(args.decode_pool_tokens, args.prefill_pool_tokens, args.prefill_inflight,
+                   args.bytes_per_token_layer) < 1 or args.rtt_ms < 0 or args.rate_gbps <= 0):
+        inv.error("kv-runs: sizes, counts, --duration, --step-ms and --rate-gbps must be positive")
+    if args.measure < 0:
+        inv.error("--measure must be >= 0")
+    if args.measure and 1 not in pages:
+        inv.error("--measure compares the allocations at page size 1: include 1 in --page-sizes")
+    if args.measure:
+        from prfaas_sglang.transport.linkem import unavailable
+
+        if (why := unavailable()) is not None:
+            inv.error(f"--measure: the emulated link {why}")
+    trace = trace_path(args.trace)
+    result = run(Path(trace), pages, args.duration, measure_transfers=args.measure, seed=args.seed,
+                 decode_pool_tokens=args.decode_pool_tokens,
+                 prefill_pool_tokens=args.prefill_pool_tokens, step_s=args.step_ms / 1e3,
+                 prefill_inflight=args.prefill_inflight, warmup_s=args.warmup,
+                 bytes_per_token_layer=args.bytes_per_token_layer, prefill_cache=args.prefill_cache,
+                 model=(args.lanes, args.rtt_ms, args.rate_gbps))
+    header = (f"<!-- python -m prfaas_sglang.bench kv-runs{' --prefill-cache' if args.prefill_cache else ''} "
+              f"--duration {args.duration:g} --warmup {args.warmup:g} "
+              f"--page-sizes {args.page_sizes} --step-ms {args.step_ms:g} --decode-pool-tokens {args.decode_pool_tokens} "
+              f"--prefill-pool-tokens {args.prefill_pool_tokens}"
+              f"{f' --measure {args.measure} --seed {args.seed}' if args.measure else ''}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"kv-runs": Subcommand(add_arguments, cli)}

@@ -23,12 +23,14 @@ rate. One warm-up request per mode opens the lanes first (not counted).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.bench.transport import default_env
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.roles import Role
@@ -154,3 +156,39 @@ def render_markdown(r: dict) -> str:
         lines.append(f"| {mode} | {m['writes_per_request']:g} | {m['seconds_median']:.2f} | **{m['goodput_fraction']}** | "
                      f"{', '.join(f'{x:.3f}' for x in m['repeat_medians'])} | {m['failed']} | {m['kv_intact']} |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--requests", type=int, default=3, help="measured requests per mode and repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--request-pages", type=int, default=4096)
+    parser.add_argument("--page-bytes", type=int, default=2048, help="one page of one KV buffer (page 1, 8 heads of 128, bf16)")
+    parser.add_argument("--mean-run", type=int, default=64, help="mean length of a run of consecutive pages, either side")
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--staging-mib", type=int, default=256)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    from prfaas_sglang.transport.linkem import unavailable
+
+    if (args.rate_mbit <= 0 or args.rtt_ms < 0 or min(args.requests, args.repeats, args.layers, args.chunks,
+                                                       args.mean_run + 1, args.staging_mib) < 1
+            or args.request_pages < args.chunks or args.page_bytes < 64):
+        inv.error("kv-staging: --rate-mbit > 0, --rtt-ms >= 0, counts >= 1, --mean-run >= 0, "
+                  "--request-pages >= --chunks, --page-bytes >= 64")
+    if (why := unavailable()) is not None:
+        inv.error(f"the emulated link {why}")
+    result = run(args.rate_mbit, args.rtt_ms, args.requests, args.repeats, args.layers, args.request_pages,
+                 args.page_bytes, args.mean_run, args.chunks, args.staging_mib)
+    header = (f"<!-- python -m prfaas_sglang.bench kv-staging --rate-mbit {args.rate_mbit:g} --rtt-ms {args.rtt_ms:g} "
+              f"--requests {args.requests} --repeats {args.repeats} --layers {args.layers} --request-pages "
+              f"{args.request_pages} --page-bytes {args.page_bytes} --mean-run {args.mean_run} --chunks {args.chunks} "
+              f"--staging-mib {args.staging_mib}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"kv-staging": Subcommand(add_arguments, cli)}

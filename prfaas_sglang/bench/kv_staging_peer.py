@@ -41,7 +41,7 @@ RESERVE_PAGES = int(os.environ.get("RESERVE_PAGES", "0"))
 
 import numpy as np  # noqa: E402
 
-from prfaas_sglang.bench.layerwise import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
+from prfaas_sglang.bench.layerwise_bench import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()

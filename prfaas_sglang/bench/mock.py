@@ -7,6 +7,7 @@ prefix (prefill of the uncached part only).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo.cluster import ProcessGroup, start_mock_worker
 from prfaas_sglang.engine.mock.timing import load_timing
 
@@ -84,3 +86,27 @@ def render_markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['tokens']:,} | {r['attempt']} | {r['cached_tokens']:,} | {r['kv_bytes']:,} | {r['kv_transfer_s'] * 1e3:.1f} ms | "
                      f"{r['predicted_ttft_s'] * 1e3:.1f} ms | {r['ttft_s'] * 1e3:.1f} ms | {r['ratio']:.3f} |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speedup", type=float, default=1.0)
+    parser.add_argument("--kv-scale", type=float, default=0.01)
+    parser.add_argument("--load", action="store_true",
+                        help="saturate each stage of a small deployment; throughput vs the planner's Theta, TTFT at 50/80%%")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    """``mock-fidelity``; with ``--load``, :func:`prfaas_sglang.bench.fidelity.cli`."""
+    if not args.speedup > 0 or not 0 < args.kv_scale <= 1:
+        inv.error("--speedup must be > 0 and --kv-scale in (0, 1]")
+    if args.load:
+        from prfaas_sglang.bench import fidelity
+
+        return fidelity.cli(args, inv)
+    result = run(args.speedup, args.kv_scale)
+    header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --speedup {args.speedup:g}; {inv.stamp} -->"
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"mock-fidelity": Subcommand(add_arguments, cli)}

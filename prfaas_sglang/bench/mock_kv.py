@@ -6,7 +6,7 @@ RTT, random loss; BBR on both ends). In one, two emulated PrfaaS workers, each s
 ``MC_*`` settings and lanes), differing in one variable:
 
 * ``sender``: the emulated PrfaaS worker's default, the kv-send hooks' own
-  :class:`~prfaas_sglang.hooks.kv_send.AsyncKvSender` (writes of about 0.1 s of a lane's share of
+  :class:`~prfaas_sglang.transport.kv_sender.AsyncKvSender` (writes of about 0.1 s of a lane's share of
   the stated link, every lane busy, completions polled with a sleep);
 * ``sync``: ``PRFAAS_KV_ASYNC_SEND=0``, the emulated engine's earlier and SGLang's own way: one
   synchronous batch per 1 MiB slice, one after another, on a thread that busy-waits in Mooncake.
@@ -24,6 +24,7 @@ the sender handed the engine per request (None for ``sync``, which has no sender
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -33,6 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
 from prfaas_sglang.engine.mock.timing import load_timing
 from prfaas_sglang.launch.command import mock_command
@@ -139,3 +141,31 @@ def render_markdown(result: dict) -> str:
         lines.append(f"{failed} requests failed")
     return "\n".join(lines)
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--losses", default="0,0.001", help="comma list of random loss rates, one condition each")
+    parser.add_argument("--payload-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    from prfaas_sglang.transport.linkem import unavailable
+
+    try:
+        losses = tuple(float(x) for x in args.losses.split(","))
+    except ValueError:
+        inv.error("--losses must be a comma list of numbers")
+    if args.rate_mbit <= 0 or args.rtt_ms < 0 or args.payload_mib < 1 or args.repeats < 1 or not all(0 <= x < 1 for x in losses):
+        inv.error("--rate-mbit, --payload-mib and --repeats must be positive, --rtt-ms >= 0, losses in [0, 1)")
+    if (why := unavailable()) is not None:
+        inv.error(f"the emulated link {why}")
+    result = run(args.rate_mbit, args.rtt_ms, losses, args.payload_mib, args.repeats)
+    header = (f"<!-- python -m prfaas_sglang.bench mock-kv --rate-mbit {args.rate_mbit:g} --rtt-ms {args.rtt_ms:g} "
+              f"--losses {args.losses} --payload-mib {args.payload_mib} --repeats {args.repeats}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"mock-kv": Subcommand(add_arguments, cli)}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import time
 
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
 from prfaas_sglang.plan.profiles import InstanceClass
 from prfaas_sglang.plan.report import make_plan
@@ -93,3 +95,19 @@ def render_markdown(result: dict) -> str:
             f"{r['homogeneous_split']} | {r['egress_gbps']:.1f} | {r['gain_vs_homogeneous']:.2f}x | {r['gain_vs_naive']:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    if args.repeat < 1:
+        inv.error("--repeat must be >= 1")
+    result = run(args.repeat)
+    header = f"<!-- python -m prfaas_sglang.bench plan --repeat {args.repeat}; {inv.stamp} -->"
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"plan": Subcommand(add_arguments, cli)}

@@ -16,16 +16,19 @@ request (a cache-aware router may send a follow-up turn to where its prefix is c
 
 from __future__ import annotations
 
+import argparse
+
 from prfaas_sglang.bench.state_events import BLOCK_TOKENS, prompt_from_hash_ids
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand, trace_path
 
 MODES = ("all", "shared", "auto", "none")
 
 
 def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...] = (262_144, 1_048_576, 4_194_304, 16_777_216),
         requests: int | None = None, min_shared_tokens: int = 1024) -> dict:
-    from prfaas_sglang.demo.workloads import trace_records
     from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
     from prfaas_sglang.kvindex.admission import PrefixAdmission
+    from prfaas_sglang.plan.workload import read_trace
     from prfaas_sglang.wire.kv_events import BlockRemoved
 
     cells = {(mode, cap): {"cache": PrefixCache(BLOCK_TOKENS, max(cap // BLOCK_TOKENS, 1), hybrid=True),
@@ -33,7 +36,7 @@ def run(trace_path: str, min_tokens: int = 16_384, cache_tokens: tuple[int, ...]
                            "hit_tokens": 0, "inserted_tokens": 0, "evicted_blocks": 0, "occupancy_sum": 0}
              for mode in MODES for cap in cache_tokens}
     seen = prompt_tokens = 0
-    for rec in trace_records(trace_path):
+    for rec in read_trace(trace_path, "--trace"):
         if rec.input_length < min_tokens:
             continue
         tokens = prompt_from_hash_ids(rec.hash_ids, rec.input_length)
@@ -79,3 +82,30 @@ def render_markdown(result: dict) -> str:
                      f"{row['kept_requests']} / {row['requests']} | {row['inserted_tokens_per_request']:,.0f} | "
                      f"{row['evicted_blocks']:,} | {row['occupancy_mean']:.0%} |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
+    parser.add_argument("--min-tokens", type=int, default=16_384, help="the requests a length threshold sends to PrfaaS")
+    parser.add_argument("--cache-tokens", default="262144,1048576,4194304,16777216", help="comma list of capacities, tokens")
+    parser.add_argument("--requests", type=int, default=None, help="stop after this many long requests")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    try:
+        caps = tuple(int(c) for c in args.cache_tokens.split(","))
+    except ValueError:
+        inv.error("--cache-tokens must be a comma list of integers")
+    if args.min_tokens < 1 or any(c < 512 for c in caps) or (args.requests is not None and args.requests < 1):
+        inv.error("--min-tokens and --requests must be >= 1 and every capacity >= 512")
+    try:
+        result = run(trace_path(args.trace), args.min_tokens, caps, args.requests)
+    except ValueError as err:
+        inv.error(str(err))
+    header = (f"<!-- python -m prfaas_sglang.bench prefill-cache --min-tokens {args.min_tokens} "
+              f"--cache-tokens {args.cache_tokens}{f' --requests {args.requests}' if args.requests else ''}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"prefill-cache": Subcommand(add_arguments, cli)}

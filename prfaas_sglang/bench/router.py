@@ -29,6 +29,7 @@ time spent waiting for a core that the client and both workers also want.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -39,7 +40,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from prfaas_sglang.bench.stats import percentile
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo.cluster import (
     PEER_ROUTERS,
     ProcessGroup,
@@ -49,6 +50,7 @@ from prfaas_sglang.demo.cluster import (
     start_router,
 )
 from prfaas_sglang.demo.workloads import TextSource
+from prfaas_sglang.stats import percentile
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 from prfaas_sglang.wire.server_timing import server_timing
 
@@ -415,3 +417,63 @@ def render_markdown(r: dict) -> str:
            f"| **added by the front (front - router)** | | | **{r['front_added_p50_ms']:.2f} ms** | "
            f"**{r['front_added_p99_ms']:.2f} ms** |"] if r.get("front") else []),
     ])
+
+
+def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate", type=float, default=None, help="requests/s (default: 200, or 5 for prompts over 1K tokens)")
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--prompt", choices=("ids", "text", "both"), default=None,
+                        help="input_ids, /generate text, or both (default: ids, or both for prompts over 1K tokens)")
+    parser.add_argument("--front", action="store_true", help="also a path through the router's front (router/front.py)")
+    parser.add_argument("--peers", default="", help="comma list of PyPI PD routers to route the same requests too "
+                                                    "(sglang-router, smg): what a compiled proxy adds on this machine")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="the workers' page size (default: the emulated engine's 512; SGLang runs Kimi Linear at 1)")
+    parser.add_argument("--wakeup-samples", type=int, default=0,
+                        help="also measure this machine's cost of waking a process, this many round trips (0: not)")
+    parser.add_argument("--router-cpu", type=int, default=None,
+                        help="pin the router to this CPU and the workers and client to the others (its own core, as deployed)")
+    parser.add_argument("--json", action="store_true")
+
+
+def overhead_cli(args: argparse.Namespace, inv: Invocation) -> int:
+    long = args.prompt_tokens > 1024
+    rate = args.rate or (5.0 if long else 200.0)
+    kinds = {"both": ("ids", "text"), None: ("ids", "text") if long else ("ids",)}.get(args.prompt, (args.prompt,))
+    if args.prompt_tokens < 1 or rate <= 0:
+        inv.error("--prompt-tokens must be >= 1 and --rate > 0")
+    if args.router_cpu is not None and (why := router_cpu_problem(args.router_cpu)):
+        inv.error(f"--router-cpu: {why}")
+    peers = tuple(p for p in args.peers.split(",") if p)
+    if unknown := set(peers) - set(PEER_ROUTERS):
+        inv.error(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(PEER_ROUTERS)}")
+    if args.wakeup_samples < 0:
+        inv.error("--wakeup-samples must be >= 0")
+    if args.page_size is not None and args.page_size < 1:
+        inv.error("--page-size must be >= 1")
+    result = {kind: run(rate, args.duration, args.prompt_tokens, kind, front=args.front, router_cpu=args.router_cpu,
+                        peers=peers, wakeup_samples=args.wakeup_samples, page_size=args.page_size) for kind in kinds}
+    result = result[kinds[0]] if len(kinds) == 1 else result
+    header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
+              f"--duration {args.duration:g}{' --front' if args.front else ''}"
+              f"{f' --peers {args.peers}' if peers else ''}"
+              f"{f' --wakeup-samples {args.wakeup_samples}' if args.wakeup_samples else ''}"
+              f"{f' --page-size {args.page_size}' if args.page_size is not None else ''}"
+              f"{f' --router-cpu {args.router_cpu}' if args.router_cpu is not None else ''}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-tokenizer", action="store_true", help="without the shipped tokenizer loaded")
+    parser.add_argument("--json", action="store_true")
+
+
+def gc_cli(args: argparse.Namespace, inv: Invocation) -> int:
+    result = gc_pause(None if args.no_tokenizer else SHIPPED)
+    header = f"<!-- python -m prfaas_sglang.bench router-gc{' --no-tokenizer' if args.no_tokenizer else ''}; {inv.stamp} -->"
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"router-overhead": Subcommand(add_overhead_arguments, overhead_cli),
+               "router-gc": Subcommand(add_gc_arguments, gc_cli)}

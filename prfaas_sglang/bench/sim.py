@@ -8,6 +8,7 @@ Every study runs seeded Poisson arrivals through :class:`~prfaas_sglang.sim.flee
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import statistics
@@ -17,6 +18,7 @@ from pathlib import Path
 from prfaas_sglang.bench.capacity import TTFT_SLO_S
 from prfaas_sglang.bench.compare import LINKS_GBPS, MAX_INPUT_TOKENS
 from prfaas_sglang.bench.slo import CapacitySearch
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.router.calibration import CalibrationSettings
 from prfaas_sglang.router.longterm import LongTermSettings
 from prfaas_sglang.router.policy import BandwidthMode
@@ -327,3 +329,24 @@ def render_markdown(result: dict) -> str:
                   f"{r['offload']:.2f} |" for r in data]
     lines.append(f"\n(wall {result['wall_s']:.0f} s)")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale", "bias"), required=True)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    if args.seeds < 1:
+        inv.error("--seeds must be >= 1")
+    if args.study == "scale" and (args.trace is None or not args.trace.is_file()):
+        inv.error("--study scale needs --trace FILE (a Mooncake-format trace)")
+    result = run(args.study, args.seeds, args.trace)
+    header = (f"<!-- python -m prfaas_sglang.bench sim --study {args.study} --seeds {args.seeds}"
+              f"{f' --trace {args.trace}' if args.trace else ''}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"sim": Subcommand(add_arguments, cli)}

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import random
 import statistics
 import tempfile
-import urllib.request
 from pathlib import Path
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench.fidelity import PRIOR, VOCAB
-from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.demo.client import RequestResult, generate_ids, replay
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.router.threshold import ControllerSettings
@@ -45,6 +43,7 @@ from prfaas_sglang.sim import workloads
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.nodes import SimRequest
 from prfaas_sglang.sim.report import summarize
+from prfaas_sglang.stats import percentile
 
 ADMIN_TOKEN = "sim-vs-emulator"
 ADMISSION_TIMEOUT_S = 60.0  # model seconds, both sides
@@ -125,11 +124,8 @@ def _emulate(doc: dict, log_dir: Path, plan: list[tuple[float, int]], pin_tokens
                                engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")},
                                router_env={"PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
         if pin_tokens is not None:
-            body = json.dumps({"threshold_tokens": pin_tokens}).encode()
-            request = urllib.request.Request(dep.router.url + "/admin/threshold", body, method="POST",
-                                             headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
-                                                      "Content-Type": "application/json"})
-            urllib.request.urlopen(request, timeout=10).close()
+            http_sync.post_json(dep.router.url + "/admin/threshold", {"threshold_tokens": pin_tokens}, timeout_s=10,
+                                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         rng = random.Random(seed)
         arrivals_ = [generate_ids(t / speedup, [rng.randrange(VOCAB) for _ in range(n)], output_tokens) for t, n in plan]
         results, _ = asyncio.run(replay(dep.router.url, arrivals_, timeout_s=600))

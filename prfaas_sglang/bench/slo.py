@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prfaas_sglang.bench.stats import percentile
+from prfaas_sglang.stats import percentile
 
 TARGETS = (0.90, 0.99)
 LENGTH_BUCKETS = ((0, 4096, "<4K"), (4096, 16384, "4K-16K"), (16384, 32768, "16K-32K"), (32768, math.inf, ">=32K"))

@@ -19,9 +19,12 @@ of the cache calls and of encoding, ours over stock, and whether both caches mat
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
+
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand, trace_path
 
 BLOCK_TOKENS = 512
 VOCAB = 32_000
@@ -120,22 +123,18 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 
-    from prfaas_sglang.demo.workloads import trace_records
     from prfaas_sglang.hooks.hybrid_cache import (
         StateEventsMambaRadixCache,
         StateEventsSWARadixCache,
         to_wire_batch,
     )
+    from prfaas_sglang.plan.workload import read_trace
     from prfaas_sglang.wire.kv_events import StateRemoved
 
     if cache not in ("mamba", "swa"):
         raise ValueError(f"cache must be mamba or swa, got {cache!r}")
 
-    records = []
-    for rec in trace_records(trace_path):
-        records.append(rec)
-        if len(records) >= requests:
-            break
+    records = list(read_trace(trace_path, "--trace", requests))
     span_s = max((records[-1].timestamp_ms - records[0].timestamp_ms) / 1e3, 1e-9)
     encoder = msgspec.msgpack.Encoder()
     rows = []
@@ -224,3 +223,33 @@ def render_markdown(result: dict) -> str:
             f"{r['ours_cache_ms_per_request'] + r['ours_encode_ms_per_request']:.2f} | "
             f"{r['time_ratio_median']:.3f}, {r['time_ratio_total']:.3f} |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--page-sizes", default="1,64", help="comma list (1: no_buffer; > 1: extra_buffer)")
+    parser.add_argument("--cache", choices=("mamba", "swa"), default="mamba",
+                        help="mamba: MambaRadixCache vs ours; swa: SWARadixCache vs ours (per-page window events)")
+    parser.add_argument("--window-tokens", type=int, default=4096, help="--cache swa: the sliding window")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    trace = trace_path(args.trace)
+    try:
+        pages = tuple(int(p) for p in args.page_sizes.split(","))
+    except ValueError:
+        inv.error("--page-sizes must be a comma list of integers")
+    if args.requests < 1 or any(p < 1 for p in pages):
+        inv.error("--requests and every page size must be >= 1")
+    if args.window_tokens < 1:
+        inv.error("--window-tokens must be >= 1")
+    result = run(trace, args.requests, pages, cache=args.cache, window_tokens=args.window_tokens)
+    header = (f"<!-- python -m prfaas_sglang.bench state-events --requests {args.requests} "
+              f"--page-sizes {args.page_sizes} --cache {args.cache}"
+              f"{f' --window-tokens {args.window_tokens}' if args.cache == 'swa' else ''}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"state-events": Subcommand(add_arguments, cli)}

@@ -13,7 +13,7 @@ in a fresh sender process, alternating, in the same run over the same link:
 * ``ours``: the WAN profile the launcher gives cross-cluster legs
   (:func:`~prfaas_sglang.transport.wan_defaults.sender_profile` for this link), KV coalesced
   into ``--request-mib`` requests, sent by the ``kv-send`` hooks' own
-  :class:`~prfaas_sglang.hooks.kv_send.AsyncKvSender` (``transport_peer.ProductSender``): each chunk
+  :class:`~prfaas_sglang.transport.kv_sender.AsyncKvSender` (``transport_peer.ProductSender``): each chunk
   queued as soon as it exists, at most a write per lane in the engine, completions polled with a
   sleep: no barrier at chunk ends, no thread spinning in a sync call;
 * ``ours_engine_queued`` (``engine_queued``, off by default): the same requests all handed to the
@@ -46,6 +46,7 @@ follows about lanes x size / (RTT + size / rate) until the link binds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -53,6 +54,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.transport.linkem import EmulatedLink
 from prfaas_sglang.transport.wan_defaults import WanLink, sender_profile
 
@@ -341,3 +343,68 @@ def render_markdown(r: dict) -> str:
             for lanes, row in c["table"].items():
                 lines.append(f"| {lanes} | " + " | ".join(f"{v:.3f}" for v in row.values()) + " |")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--payload-mib", type=int, default=256)
+    parser.add_argument("--request-mib", type=float, default=16.0, help="our coalesced request size (a 64 MiB chunk over 4 lanes)")
+    parser.add_argument("--default-request-kib", type=int, default=128, help="SGLang's request on a fragmented pool")
+    parser.add_argument("--lanes", type=int, default=None,
+                        help="our lanes per peer, 1..16 (default: what the WAN profile gives this link)")
+    parser.add_argument("--conditions", default="clean,lossy", help="comma list of: clean, lossy, lossy-cubic, lossy-bbr")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
+    parser.add_argument("--no-slow-start-after-idle", action="store_true",
+                        help="net.ipv4.tcp_slow_start_after_idle=0 on both ends: connections keep their window across idle gaps")
+    parser.add_argument("--tcp-buffer-mib", type=int, default=None,
+                        help="TCP buffers autotune up to this (net.ipv4.tcp_wmem/tcp_rmem max) on both ends, every row "
+                             "(default: the host's)")
+    parser.add_argument("--no-tcp-timestamps", action="store_true",
+                        help="net.ipv4.tcp_timestamps=0 on both ends, every row: 12 more payload bytes per segment "
+                             "(host advice, with its caveats: README)")
+    parser.add_argument("--engine-queued-row", action="store_true",
+                        help="add a row with every request handed to the engine at once (the kv-send hooks before they "
+                             "kept the queue): what keeping it costs")
+    parser.add_argument("--unpaced-row", action="store_true",
+                        help="add a row of ours without lane pacing (PRFAAS_KV_LANE_PACING unset): what keeping the "
+                             "lanes level buys")
+    parser.add_argument("--headroom-row", type=float, default=None, metavar="H",
+                        help="add a row of ours with its lanes' caps at headroom H (0..1) over the equal share, in a "
+                             "sender of its own: the profile's headroom against H in the same run")
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    from prfaas_sglang.transport.linkem import unavailable
+
+    conditions = tuple(args.conditions.split(","))
+    if unknown := set(conditions) - set(CONDITIONS):
+        inv.error(f"unknown conditions {sorted(unknown)}; choose from {', '.join(CONDITIONS)}")
+    if args.rate_mbit <= 0 or args.payload_mib < 1 or args.repeats < 1 or args.request_mib <= 0 or args.default_request_kib < 1:
+        inv.error("--rate-mbit, --payload-mib, --repeats, --request-mib and --default-request-kib must be positive")
+    if args.lanes is not None and not 1 <= args.lanes <= 16:
+        inv.error("--lanes must be in 1..16 (Mooncake's range for MC_TCP_LANES_PER_PEER)")
+    if args.tcp_buffer_mib is not None and not 1 <= args.tcp_buffer_mib <= 1024:
+        inv.error("--tcp-buffer-mib must be in 1..1024")
+    if args.headroom_row is not None and not 0 <= args.headroom_row <= 1:
+        inv.error("--headroom-row must be in 0..1")
+    if (why := unavailable()) is not None:
+        inv.error(f"the emulated link {why}")
+    result = run(args.rate_mbit, args.payload_mib, args.request_mib, args.default_request_kib, conditions,
+                 args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes,
+                 args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None, args.engine_queued_row,
+                 args.unpaced_row, not args.no_tcp_timestamps, args.headroom_row)
+    header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
+              f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
+              f"--conditions {args.conditions} --repeats {args.repeats}"
+              f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}"
+              f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}"
+              f"{' --no-tcp-timestamps' if args.no_tcp_timestamps else ''}"
+              f"{' --engine-queued-row' if args.engine_queued_row else ''}"
+              f"{' --unpaced-row' if args.unpaced_row else ''}"
+              f"{f' --headroom-row {args.headroom_row:g}' if args.headroom_row is not None else ''}; {inv.stamp} -->")
+    return inv.report(args, result, header, render_markdown)
+
+
+SUBCOMMANDS = {"transport": Subcommand(add_arguments, cli)}

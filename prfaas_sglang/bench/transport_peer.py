@@ -50,7 +50,7 @@ def _lengths(job: dict) -> list[int]:
 
 
 class ProductSender:
-    """The ``kv-send`` hooks' :class:`~prfaas_sglang.hooks.kv_send.AsyncKvSender`, as a PrfaaS prefill
+    """The ``kv-send`` hooks' :class:`~prfaas_sglang.transport.kv_sender.AsyncKvSender`, as a PrfaaS prefill
     worker runs it (lanes from ``MC_TCP_LANES_PER_PEER``, connections reset on close, fast failures
     handed again), in front of this process's engine. What SGLang's manager would give it is empty here:
     no rooms (nothing to taint), no blacklist. Each job's requests go as chunks of up to ``chunk_bytes``,
@@ -60,7 +60,7 @@ class ProductSender:
 
     def __init__(self, engine):
         from prfaas_sglang.adapters.sockopts import ResetOnClose
-        from prfaas_sglang.hooks.kv_send import (
+        from prfaas_sglang.transport.kv_sender import (
             AsyncKvSender,
             DetachedManager,
             lane_pacing_from_env,

@@ -27,12 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import RequestResult, replay
 from prfaas_sglang.demo.cluster import (
     ProcessGroup,
     demo_topology,
-    get_json,
     scrape_metric,
     start_deployment,
 )
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                       engine_args={"prfaas": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens)),
                                                    "pd-prefill": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens)),
                                                    "pd-decode": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens))})
-        threshold = get_json(deployment.router.url + "/status")["threshold_tokens"]
+        threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
         results, wall_s = asyncio.run(replay(deployment.router.url, requests))
         egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
         summary = summarize(args, results, wall_s, egress, threshold, log_dir)

@@ -1,4 +1,6 @@
-"""Bring a local deployment up and down (I/O): the demo's, the benchmarks' and the tests'.
+"""Bring a local deployment up and down (I/O): the demo's, the benchmarks', the tests' and the
+GPU harness's (``gpu/``, which runs from a bundle: this module needs nothing beyond the standard
+library and our own pure modules, yaml only where a topology is written).
 
 :func:`local_topology` writes one topology document (free ports, the
 ``scheduler:``/``emulation:`` sections); :func:`start_deployment` starts each of
@@ -6,14 +8,14 @@ its nodes through the launcher (``python -m prfaas_sglang.launch --config ...
 --node ...``), exactly as an operator would, engines first, the router last.
 Each process logs to its own file in the group's directory.
 
-Each child gets its own session (process group); :meth:`ProcessGroup.stop`
-sends SIGTERM to every group, waits, then SIGKILLs what is left, so nothing
-outlives the owner.
+:class:`ProcessGroup` is the one process harness: each child gets its own session
+(process group); :meth:`ProcessGroup.stop` sends SIGTERM to every group, waits,
+then SIGKILLs each group, so nothing outlives the owner. :func:`wait_healthy` is
+the one readiness poll.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -23,11 +25,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import PrfaasError
 
 logger = logging.getLogger(__name__)
@@ -38,15 +41,52 @@ class StartupError(PrfaasError):
 
 
 def scrape_metric(url: str, name: str) -> float:
-    """One unlabelled-or-labelled sample ``name`` from ``{url}/metrics`` (0.0 when absent)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    """One unlabelled-or-labelled sample ``name`` from ``{url}/metrics`` (0.0 when absent); raises
+    :class:`~prfaas_sglang.adapters.http_sync.HttpError` when the page cannot be had."""
+    text = http_sync.get_text(url + "/metrics", timeout_s=5)
     match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 
 
-def get_json(url: str, timeout_s: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
+HEALTH_POLL_S = 0.2  # between two readiness probes
+HEALTH_REQUEST_TIMEOUT_S = 5.0  # one probe (SGLang's /health runs a one-token forward)
+
+
+def log_tail(text: str, lines: int = 3, width: int = 300) -> str:
+    """The last ``lines`` lines of a server log worth reading (SGLang's per-model import notices and
+    repeated health-check lines skipped), each cut to ``width``, joined with `` | ``."""
+    noise = ("Ignore import error", "Health check failed", "warnings.warn", "return _create_error_response")
+    kept = [line.strip()[:width] for line in text.splitlines() if line.strip() and not any(n in line for n in noise)]
+    return " | ".join(kept[-lines:]) or "(empty)"
+
+
+def wait_healthy(url: str, timeout_s: float, *, proc: subprocess.Popen | None = None, log_path: Path | None = None,
+                 name: str | None = None) -> None:
+    """The one readiness poll: ``GET url`` every :data:`HEALTH_POLL_S` until it answers 200.
+
+    Raises :class:`StartupError` when ``proc`` (if given) exits first or ``timeout_s`` passes; the
+    message names ``name`` (default: the URL) and ends with the last words of the log at
+    ``log_path`` (if given)."""
+    who = name or url
+
+    def tail() -> str:
+        if log_path is None:
+            return ""
+        words = log_tail(log_path.read_text(errors="replace")) if log_path.exists() else "(no log)"
+        return f"; its log ends: {words}"
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise StartupError(f"{who} exited with {proc.returncode} before {url} answered{tail()}")
+        try:
+            if http_sync.get(url, timeout_s=HEALTH_REQUEST_TIMEOUT_S).status == 200:
+                return
+        except http_sync.HttpError:
+            pass
+        if time.monotonic() >= deadline:
+            raise StartupError(f"{who}: {url} not healthy after {timeout_s:g} s{tail()}")
+        time.sleep(HEALTH_POLL_S)
 
 
 OWN_PORTS_FROM = 20000  # above Mooncake's random RPC and data ports (MC_MIN/MAX_RPC_PORT, 15000-17000)
@@ -62,16 +102,29 @@ def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -
         return 32768, 60999
 
 
+def own_port_range() -> tuple[int, int]:
+    """The ports :func:`free_port` picks from, ``[low, high)``: ``PRFAAS_PORT_RANGE`` ('low-high',
+    a parallel test worker's slice) or [``OWN_PORTS_FROM``, the kernel's ephemeral range)."""
+    def parse(text: str) -> tuple[int, int]:
+        low, _, high = text.partition("-")
+        low_port, high_port = int(low), int(high)
+        if not 0 < low_port < high_port <= 65536:
+            raise ValueError(f"must be 'low-high' with 0 < low < high <= 65536, not {text!r}")
+        return low_port, high_port
+    return envs.PORT_RANGE.parse(parse) or (OWN_PORTS_FROM, ephemeral_port_range()[0])
+
+
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     """A port free on ``host`` now, for a server started later. Picked at random in
-    [``OWN_PORTS_FROM``, the kernel's ephemeral range): no ``bind(0)`` or ``connect()`` of any process
-    here is handed it meanwhile. One picked by ``bind(0)`` was: a real SGLang server's own
-    ``get_free_port`` took it between our pick and the kv-events publisher's bind (``Address already
-    in use``, CI's real-SGLang test). Where that range is empty, a port the kernel picks."""
+    :func:`own_port_range` (by default below the kernel's ephemeral range): no ``bind(0)`` or
+    ``connect()`` of any process here is handed it meanwhile. One picked by ``bind(0)`` was: a real
+    SGLang server's own ``get_free_port`` took it between our pick and the kv-events publisher's bind
+    (``Address already in use``, CI's real-SGLang test). Where that range is empty, a port the
+    kernel picks."""
     rng = rng or random.SystemRandom()
-    top = ephemeral_port_range()[0]
-    for _ in range(64 if top > OWN_PORTS_FROM else 0):
-        port = rng.randrange(OWN_PORTS_FROM, top)
+    low, top = own_port_range()
+    for _ in range(64 if top > low else 0):
+        port = rng.randrange(low, top)
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -99,61 +152,126 @@ class PortPicker:
 
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How a child was started, so that :meth:`ProcessGroup.restart` can start it again the same way."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # added to base_env
+    base_env: Mapping[str, str] | None  # None: the owner's environment at start
+    preexec_fn: Callable[[], None] | None
+
+
 @dataclass
 class ProcessGroup:
+    """The one process harness (demo, benchmarks, tests, the GPU checks): children started
+    together and stopped together.
+
+    Each child runs in its own session (process group), its output appended to
+    ``log_dir/<name>.log``; ``procs`` lists every child started, in order (a restarted name
+    twice), each with ``.name`` and ``.launch`` (a :class:`Launch`). :meth:`stop` TERMs each
+    group, waits, then KILLs each group (children that outlived their parent too). A forked copy
+    of the owner (pyroute2's netns helpers are one) neither kills nor stops anything: the
+    children are its parent's."""
+
     log_dir: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
+    _owner_pid: int = field(default_factory=os.getpid, init=False, repr=False)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start ``argv``, its output in ``log_dir/<name>.log`` (appended: a restart keeps the earlier life's)."""
+    def _owned_here(self) -> bool:
+        return os.getpid() == self._owner_pid
+
+    def start(self, name: str, argv: list[str], env: Mapping[str, str] | None = None, *,
+              base_env: Mapping[str, str] | None = None,
+              preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen:
+        """Start ``argv`` as ``name``, its output appended to ``log_dir/<name>.log`` (a restart keeps
+        the earlier life's). Its environment: ``base_env`` (None: this process's), ``env`` added.
+        ``preexec_fn`` runs in the child after it got its own session (entering a network namespace)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 - owned by the child for its lifetime
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-        proc.name, proc.launch = name, (list(argv), dict(env or {}))
+        environ = {**(os.environ if base_env is None else base_env), **(env or {})}
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child holds its own descriptor
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True,
+                                    preexec_fn=preexec_fn)
+        proc.name = name
+        proc.launch = Launch(tuple(argv), dict(env or {}), None if base_env is None else dict(base_env), preexec_fn)
         self.procs.append(proc)
         return proc
 
-    def restart(self, name: str) -> subprocess.Popen:
-        """Start process ``name`` again exactly as it was last started (argv and added environment)."""
-        last = next((p for p in reversed(self.procs) if p.name == name), None)
-        if last is None:
+    def _latest_or_none(self, name: str) -> subprocess.Popen | None:
+        return next((p for p in reversed(self.procs) if p.name == name), None)
+
+    def latest(self, name: str) -> subprocess.Popen:
+        """The child last started as ``name``; KeyError when there is none."""
+        proc = self._latest_or_none(name)
+        if proc is None:
             raise KeyError(f"no process {name!r} in this group")
-        argv, env = last.launch
-        return self.start(name, argv, env)
+        return proc
 
-    def wait_healthy(self, url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{proc.name}.log").read_text()[-800:]
-                raise StartupError(f"{proc.name} exited with {proc.returncode}: {tail.strip().splitlines()[-1:] or ''}")
-            try:
-                with urllib.request.urlopen(url, timeout=1) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise StartupError(f"{proc.name}: {url} not healthy after {timeout_s:g} s")
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start process ``name`` again exactly as it was last started (argv, environment, preexec_fn)."""
+        launch: Launch = self.latest(name).launch
+        return self.start(name, list(launch.argv), launch.env, base_env=launch.base_env, preexec_fn=launch.preexec_fn)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        for proc in self.procs:
+    def log(self, name: str) -> str:
+        """What ``name`` has written so far (every life of it); empty when nothing."""
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_healthy(self, url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+        """:func:`wait_healthy` for ``proc`` of this group: the error names it and quotes its log."""
+        wait_healthy(url, timeout_s, proc=proc, log_path=self.log_dir / f"{proc.name}.log", name=proc.name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process group of ``name``'s latest child, if it runs, and wait (30 s at
+        most) for that child to end. Nothing when there is none, or it ended already."""
+        proc = self._latest_or_none(name)
+        if proc is None or not self._owned_here() or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, names: Iterable[str] | None = None, grace_s: float = 10.0) -> list[str]:
+        """TERM the process group of every child (or of those named ``names``), wait ``grace_s`` in all,
+        then KILL each group (what outlived its parent goes too). Returns the names that had to be
+        KILLed while their child still ran. Children stopped by name are forgotten (the name can be
+        started afresh); stopping all keeps them listed."""
+        if not self._owned_here():
+            return []
+        wanted = None if names is None else set(names)
+        chosen = [p for p in self.procs if wanted is None or p.name in wanted]
+        for proc in chosen:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace_s
-        for proc in self.procs:
+        killed = []
+        for proc in chosen:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                late = False
             except subprocess.TimeoutExpired:
+                late = True
+                killed.append(proc.name)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if late:
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s (pid %d) outlived SIGKILL by 10 s", proc.name, proc.pid)
+        if wanted is not None:
+            self.procs = [p for p in self.procs if p not in chosen]
+        return killed
 
 
 # --- topologies -------------------------------------------------------------------------
@@ -352,9 +470,9 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
     wanted = {w.url for w in prefill + decode}
     while time.monotonic() < deadline:
         try:
-            if get_json(url + "/v1/models", timeout_s=2).get("data") and (kind != "smg" or _smg_ready(url, wanted)):
+            if http_sync.get_json(url + "/v1/models", timeout_s=2).get("data") and (kind != "smg" or _smg_ready(url, wanted)):
                 return url
-        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        except http_sync.HttpError:
             pass
         time.sleep(0.2)
     raise StartupError(f"{kind}: not every worker ready at {url} after {timeout_s:g} s")
@@ -363,7 +481,7 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
 def _smg_ready(url: str, wanted: set[str]) -> bool:
     """smg lists a model once one worker is registered, and registers the others in the background:
     ready when ``GET /workers`` shows every given worker healthy and ready."""
-    workers = get_json(url + "/workers", timeout_s=2).get("workers") or []
+    workers = http_sync.get_json(url + "/workers", timeout_s=2).get("workers") or []
     ready = {w.get("url") for w in workers if w.get("is_healthy") and w.get("status", "ready") == "ready"}
     return wanted <= ready
 

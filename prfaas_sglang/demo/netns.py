@@ -9,6 +9,7 @@ and iproute2 (``ip``, ``tc``); the kernel here has no ``netem``, so no delay or 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 from pathlib import Path
 
@@ -29,16 +30,40 @@ def _sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True)
 
 
-class Netns:
-    """A namespace joined to the root namespace by a veth pair (removed on exit)."""
+TAGS = range(16, 250)  # a namespace's tag names it, its veth ends and its 10.214.<tag>.0/30 subnet
 
-    def __init__(self, tag: int):
+
+class Netns:
+    """A namespace joined to the root namespace by a veth pair (removed on exit).
+
+    ``tag`` None (the usual case) claims a free tag on entry: ``ip netns add`` of a name that
+    exists fails, so the first namespace to take a tag owns it and its veth names and subnet, and
+    namespaces of concurrent tests or benchmarks never collide."""
+
+    def __init__(self, tag: int | None = None):
+        self.tag = tag
+        if tag is not None:
+            self._name(tag)
+
+    def _name(self, tag: int) -> None:
+        self.tag = tag
         self.ns, self.inner, self.outer = f"prfaas-bw{tag}", f"pbi{tag}", f"pbo{tag}"
         self.inner_ip, self.outer_ip = f"10.214.{tag}.1", f"10.214.{tag}.2"
         self.subnet = f"10.214.{tag}.0/30"
 
+    def _claim(self) -> None:
+        """Name this namespace after the first free tag (in random order) and create it."""
+        if self.tag is not None:
+            _sh("ip", "netns", "add", self.ns)
+            return
+        for tag in random.SystemRandom().sample(TAGS, len(TAGS)):
+            if subprocess.run(["ip", "netns", "add", f"prfaas-bw{tag}"], capture_output=True).returncode == 0:
+                self._name(tag)
+                return
+        raise RuntimeError(f"no free namespace tag in {TAGS.start}..{TAGS.stop - 1}")
+
     def __enter__(self) -> Netns:
-        _sh("ip", "netns", "add", self.ns)
+        self._claim()
         _sh("ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner)
         _sh("ip", "link", "set", self.inner, "netns", self.ns)
         _sh("ip", "addr", "add", f"{self.outer_ip}/30", "dev", self.outer)

@@ -15,13 +15,12 @@ the topology for the same stream, so the router plans for what it will see.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 
 from prfaas_sglang.demo.client import Arrival, completion_text, generate_ids
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.plan.workload import TruncatedLogNormal, parse_trace_record
+from prfaas_sglang.plan.workload import case_study_lengths, read_trace
 
 VOCAB = 32_000
 BLOCK_TOKENS = 512
@@ -30,7 +29,7 @@ BLOCK_TOKENS = 512
 def prior(workload: str, max_input_tokens: int) -> dict:
     """The topology's ``scheduler.workload`` for this stream."""
     if workload == "case-study":
-        return {"kind": "lognormal", "mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": max_input_tokens}
+        return case_study_lengths(max_input_tokens).config()
     if workload.startswith("trace:"):
         return {"kind": "trace", "path": str(Path(workload[len("trace:"):]).resolve()), "cache": {"kind": "unbounded"}}
     raise ConfigError("--workload", f"expected case-study or trace:PATH, got {workload!r}")
@@ -55,7 +54,7 @@ class TextSource:
 def case_study(duration_s: float, rate: float, output_tokens: int, max_input_tokens: int, seed: int,
                text: TextSource | None, max_requests: int, model: str | None = None) -> list[Arrival]:
     rng = random.Random(seed)
-    dist = TruncatedLogNormal(9.90, 1.00, 128, max_input_tokens)
+    dist = case_study_lengths(max_input_tokens)
     out, t = [], 0.0
     while len(out) < max_requests:
         t += rng.expovariate(rate)
@@ -69,22 +68,10 @@ def case_study(duration_s: float, rate: float, output_tokens: int, max_input_tok
     return out
 
 
-def trace_records(path: str):
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("--workload", f"trace file {path} not found")
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                yield parse_trace_record(json.loads(line), f"{path}:{lineno}")
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}:{lineno}", f"not JSON: {err.msg}") from None
-
-
 def trace(path: str, duration_s: float, speedup: float, output_tokens: int, max_input_tokens: int,
           text: TextSource | None, max_requests: int, model: str | None = None) -> list[Arrival]:
     out = []
-    for rec in trace_records(path):
+    for rec in read_trace(path, "--workload"):
         offset = rec.timestamp_ms / 1000.0 / speedup
         if offset > duration_s or len(out) >= max_requests:
             break

@@ -1,4 +1,6 @@
-"""The seven checks of ``bench gpu-e2e`` (need the GPU machine; see ``gpu/e2e.py`` for what each shows)."""
+"""The seven checks of ``bench gpu-e2e`` and the run that does them (:func:`run`; they need the GPU
+machine; see ``gpu/e2e.py`` for what each shows). This module imports ``gpu/e2e.py``, never the
+other way round."""
 
 from __future__ import annotations
 
@@ -6,24 +8,27 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port
 from prfaas_sglang.gpu.e2e import (
     ADMIN_TOKEN,
     GPU_PROFILE,
+    NEED_REFERENCE,
     SHAPED_DELAY_RTT_MS,
     SHAPED_RATE_MBIT,
     SHAPED_REQUEST_TIMEOUT_S,
     SHAPED_RTT_MS,
     SHAPED_STARTUP_TIMEOUT_S,
     CheckResult,
-    Processes,
     RunningDeployment,
     ServerProfile,
     broken_hook_site,
@@ -35,12 +40,16 @@ from prfaas_sglang.gpu.e2e import (
     metric_sum,
     output_mismatch,
     parse_answer,
+    profile_for,
     prompt_ids,
     request_body,
     request_cases,
     route_header,
     start_deployment,
-    wait_healthy,
+    start_reference,
+    summary,
+    unpack,
+    wait_reference,
     wait_routable,
 )
 from prfaas_sglang.gpu.netlink import ShapedNamespace
@@ -51,7 +60,7 @@ class Context:
     root: Path | None  # the unpacked bundle; None for the emulated dry run
     checkout: Path
     model_dir: Path
-    procs: Processes
+    procs: ProcessGroup
     work: Path
     log: Callable[[str], None]
     engine: str = "sglang"  # or "mock": the harness's dry run on emulated engines; "sglang-cpu": real SGLang on CPU
@@ -100,14 +109,12 @@ def _ask(url: str, case: dict, ids: list[int], text: str | None, *, model: str) 
 def start_broken_hook(ctx: Context) -> subprocess.Popen:
     """Start a plain server whose plugin carries a hook that cannot apply (``broken-hook`` in
     ``ctx.procs``); it must stop at start-up, which :func:`check_hooks` reads."""
-    from prfaas_sglang.demo.cluster import free_port
-
     site = broken_hook_site(ctx.work / "broken-hook")
     env = bundle_env(ctx.root, ctx.checkout, profile=ctx.profile)
     env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     ctx.broken_hook = ctx.procs.start(
         "broken-hook", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
-                        str(ctx.model_dir), "--port", str(free_port()), "--", *ctx.profile.flags], env)
+                        str(ctx.model_dir), "--port", str(free_port()), "--", *ctx.profile.flags], base_env=env)
     return ctx.broken_hook
 
 
@@ -225,7 +232,7 @@ def check_kv_index(ctx: Context) -> CheckResult:
     base = prompt_ids(2048, ctx.vocab_size or 4096, 777)
     # Three sightings of a prompt, then an extension of it: every time the kv-index's prediction must
     # equal what the engine reports (a PrfaaS worker keeps a prefill only once its prefix was seen
-    # before: PRFAAS_PREFILL_CACHE=shared, pinned by e2e.run), and the extension must hit.
+    # before: PRFAAS_PREFILL_CACHE=shared, pinned by run), and the extension must hit.
     more = extended(base, 1024, ctx.vocab_size or 4096, 778)
     for label, ids in (("first", base), ("second", base), ("repeat", base), ("extend", more)):
         time.sleep(1.0)  # KV events are published after the request; let them land
@@ -254,7 +261,7 @@ def _index_worker(index: str, name: str) -> dict:
 def check_state_events(ctx: Context) -> CheckResult:
     """Issue #15 on real SGLang: both prefill workers report their Mamba state checkpoints (the
     ``prfaas-hybrid`` cache and ``prfaas-zmq`` publisher are live); a PrfaaS worker (pinned to
-    ``PRFAAS_PREFILL_CACHE=shared`` by ``e2e.run``) keeps no one-off long prompt (transfer cache: no page of it is published as stored) and keeps a prompt
+    ``PRFAAS_PREFILL_CACHE=shared`` by :func:`run`) keeps no one-off long prompt (transfer cache: no page of it is published as stored) and keeps a prompt
     seen twice, which its extension then hits (an exact repeat may not, on a hybrid: the state sits at
     the prompt's end)."""
     router, index = ctx.dep.url("router"), ctx.dep.url("kv-index")
@@ -369,7 +376,7 @@ def _reference_answer(ctx: Context, case: dict, ids: list[int]) -> dict | None:
     known = (ctx.answers or {}).get(case["name"])
     if known is not None or not ctx.reference:
         return known
-    wait_healthy(ctx.reference + "/health", ctx.procs.procs["reference"])
+    wait_reference(ctx.procs, ctx.reference)
     return _ask(ctx.reference, case, ids, None, model=ctx.profile.served_name)[0]
 
 
@@ -536,4 +543,77 @@ CHECK_FUNCTIONS: dict[str, Callable[[Context], CheckResult]] = {
     "state-events": check_state_events, "failover": check_failover, "shaped-link": check_shaped_link,
 }
 
-__all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "preflight"]
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def run_order(checks: Iterable[str]) -> list[str]:
+    """``shaped-link`` first (it switches the PrfaaS server's profile, ending on the one the others
+    use), ``failover`` last (it kills the PrfaaS server), the others in the order asked."""
+    checks = list(checks)
+    first, last = [c for c in checks if c == "shaped-link"], [c for c in checks if c == "failover"]
+    return first + [c for c in checks if c not in ("shaped-link", "failover")] + last
+
+
+def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
+        engine: str = "sglang") -> dict:
+    """Run ``checks``; ``engine="mock"``: the harness's dry run on emulated engines (``model_config``
+    the model directory, no bundle, no reference server, :data:`~prfaas_sglang.gpu.e2e.MOCK_CHECKS` only); ``engine="sglang-cpu"``:
+    real SGLang on CPU from this environment (no bundle; ``model_config``, else a tiny Llama made here;
+    :data:`~prfaas_sglang.gpu.e2e.CPU_CHECKS`). The summary: :func:`~prfaas_sglang.gpu.e2e.summary`."""
+    checkout, began = Path(__file__).resolve().parents[2], time.monotonic()
+    profile = profile_for(engine)
+    root = unpack(bundle_dir) if engine == "sglang" else None
+    if root is not None and str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...)
+        sys.path.append(str(root / "site"))
+    work = Path(tempfile.mkdtemp(prefix="prfaas-gpu-e2e-"))
+    if engine == "sglang-cpu" and model_config is None:
+        from prfaas_sglang.gpu.model import make_model
+
+        make_model(work / "model", cpu=True, log=log)
+        model_config = work / "model"
+    model_dir = model_config or (root / "model")
+    procs = ProcessGroup(work / "logs")
+    results: list[CheckResult] = []
+    facts: dict = {"work_dir": str(work), "model": str(model_dir), "engine": engine}
+    with contextlib.ExitStack() as stack:  # the shaped namespace, removed after every server stopped
+        try:
+            ctx = Context(root, checkout, model_dir, procs, work, log, engine=engine, profile=profile)
+            if engine == "sglang":
+                facts["versions"] = preflight(root, checkout)
+                log(f"[gpu-e2e] versions: {facts['versions']}")
+            if engine != "mock" and set(checks) & NEED_REFERENCE:
+                ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
+            if engine != "mock" and "hooks" in checks:  # it stops at start-up: started now, read by the check
+                start_broken_hook(ctx)
+            # One deployment for every check: with shaped-link, PrfaaS sits behind the shaped veth from
+            # the start, and that check switches its profile by restarting that server alone.
+            ctx.dep = start_checks_deployment(ctx, stack, shaped="shaped-link" in checks)
+            if ctx.reference:
+                wait_reference(procs, ctx.reference)
+            facts["deployment_healthy_s"] = round(time.monotonic() - began, 1)
+            log(f"[gpu-e2e] deployment healthy after {facts['deployment_healthy_s']} s")
+            for name in run_order(checks):
+                started = time.monotonic()
+                try:
+                    result = CHECK_FUNCTIONS[name](ctx)
+                except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
+                    result = CheckResult(name, False, f"{type(err).__name__}: {err}")
+                result.data["seconds"] = round(time.monotonic() - started, 1)
+                log(result.line())
+                results.append(result)
+        except Exception as err:  # noqa: BLE001 - start-up failed: every requested check fails with the cause
+            for name in checks:
+                if name not in {r.name for r in results}:
+                    results.append(CheckResult(name, False, f"deployment did not start: {type(err).__name__}: {err}"))
+                    log(results[-1].line())
+        finally:
+            facts["killed_after_term"] = procs.stop()
+            facts["logs"] = str(procs.log_dir)
+            facts["total_s"] = round(time.monotonic() - began, 1)
+    if not results:
+        shutil.rmtree(work, ignore_errors=True)
+    return summary(results, facts)
+
+
+__all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "preflight", "run", "run_order"]

@@ -1,11 +1,14 @@
-"""The ``bench gpu-bundle`` and ``bench gpu-e2e`` commands (argument handling and output)."""
+"""The ``bench gpu-bundle``, ``bench gpu-e2e``, ``bench profile`` and ``bench predict`` commands (their flags,
+argument handling and output; registered in :data:`SUBCOMMANDS`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from prfaas_sglang.bench.subcommands import Subcommand
 from prfaas_sglang.gpu import bundle as spec
 
 MODEL_DIR = "model"  # beside site/ in the bundle
@@ -42,7 +45,6 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         CPU_CHECKS,
         MOCK_CHECKS,
         gpu_unavailable,
-        run,
     )
 
     mock, cpu = args.engine == "mock", args.engine == "sglang-cpu"
@@ -65,6 +67,9 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 2
         if args.bundle is None or not args.bundle.is_dir():
             parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    # the checks import the harness (gpu/e2e.py), not the other way round
+    from prfaas_sglang.gpu.checks import run
+
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
     result = run(args.bundle, args.model_config, checks, log, engine=args.engine)
     print(json.dumps(result, indent=2) if args.json else json.dumps({k: result[k] for k in ("ok", "passed", "failed")}))
@@ -130,3 +135,59 @@ def predict_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     print(json.dumps(result, indent=2) if args.json else
           json.dumps({k: {m: v[m] for m in v if m != "rows"} for k, v in result["variants"].items()}, indent=2))
     return 0
+
+
+def add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="output directory (keep it git-ignored, e.g. out/gpu-bundle)")
+    parser.add_argument("--python-version", default=None, help="the GPU machine's Python (default 3.12)")
+    parser.add_argument("--wheelhouse", type=Path, default=None, help="take wheels from this directory before the index")
+    parser.add_argument("--budget-mib", type=float, default=None,
+                        help="packed-size budget (default: 64 MiB carry less 8 for the checkout)")
+    parser.add_argument("--model-config", type=Path, default=None,
+                        help="a hybrid config.json (or its directory) instead of the tiny model's")
+    parser.add_argument("--json", action="store_true")
+
+
+def add_e2e_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (bundle.tar.xz inside)")
+    parser.add_argument("--model-config", type=Path, default=None,
+                        help="a hybrid model directory instead of the bundle's tiny model")
+    parser.add_argument("--checks", default=None, help="comma list (default: all); wan-profile is another name for shaped-link")
+    parser.add_argument("--engine", choices=("sglang", "sglang-cpu", "mock"), default="sglang",
+                        help="sglang-cpu: real SGLang on this machine's CPU (a tiny Llama unless --model-config; every check but "
+                             "state-events, which needs a hybrid; root for shaped-link); mock: the harness's own dry run with "
+                             "emulated engines (shaped-link, routing, kv-index, failover; needs --model-config, root); it checks "
+                             "the harness, not SGLang")
+    parser.add_argument("--json", action="store_true")
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("sglang", "sglang-cpu"), default="sglang",
+                        help="sglang: the GPU machine, from --bundle (the tiny hybrid); sglang-cpu: this CPU, a tiny Llama "
+                             "(proves the pipeline, not the numbers)")
+    parser.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (--engine sglang)")
+    parser.add_argument("--model-config", type=Path, default=None, help="a model directory instead of the tiny model")
+    parser.add_argument("--out", type=Path, required=True, help="the profile file to write (YAML)")
+    parser.add_argument("--roofline-accelerator", default="h200x8",
+                        help="the accelerator file the roofline uses (its per-GPU specs)")
+    parser.add_argument("--roofline-gpus", type=int, default=1, help="GPUs of it the roofline counts (the server's)")
+    parser.add_argument("--json", action="store_true")
+
+
+def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("sglang", "sglang-cpu"), default="sglang")
+    parser.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (--engine sglang)")
+    parser.add_argument("--measured", type=Path, required=True, help="the profile bench profile wrote for this engine")
+    parser.add_argument("--requests", type=int, default=50, help="per router, one at a time")
+    parser.add_argument("--variants", default="roofline,measured,off-2x")
+    parser.add_argument("--roofline-accelerator", default="h200x8")
+    parser.add_argument("--roofline-gpus", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+
+
+SUBCOMMANDS = {
+    "gpu-bundle": Subcommand(add_bundle_arguments, lambda args, inv: bundle_main(args, inv.parser)),
+    "gpu-e2e": Subcommand(add_e2e_arguments, lambda args, inv: e2e_main(args, inv.parser)),
+    "profile": Subcommand(add_profile_arguments, lambda args, inv: profile_main(args, inv.parser)),
+    "predict": Subcommand(add_predict_arguments, lambda args, inv: predict_main(args, inv.parser)),
+}

@@ -22,30 +22,30 @@ SGLang server (role ``single``) as the reference, then runs the checks:
                   our WAN profile with layer-wise streaming (PRFAAS_KV_LAYERWISE=1); outputs
                   identical to the unshaped run
 
-Every process runs in its own process group and every group is killed on the way out (failure,
-Ctrl-C and SIGTERM included): SGLang's scheduler and detokenizer outlive a killed parent.
+Every process runs in its own process group (``demo.cluster.ProcessGroup``, the one harness) and
+every group is killed on the way out (failure, Ctrl-C and SIGTERM included): SGLang's scheduler and
+detokenizer outlive a killed parent.
 
 Pure helpers (prompt making, output comparison, the topology, the summary) are at the top and
-unit-tested without a GPU; the rest needs one.
+unit-tested without a GPU; then the bundle, the deployment and the plain server. The checks and
+the run that does them are in ``gpu/checks.py``, which imports this module (never the other way).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup, free_port
+from prfaas_sglang.plan.workload import case_study_lengths
 
 CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link")
 CHECK_ALIASES = {"wan-profile": "shaped-link"}  # issue #14's name for it: TTFT of the WAN profile over the shaped link
@@ -263,7 +263,7 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
                                                      {"name": "kv-index", "role": "kv-index", "host": host, "port": ports()}]},
         },
         "links": [{"from": "prfaas-b", "to": "pd-a", "bandwidth_gbps": link[0], "rtt_ms": link[1]}],
-        "scheduler": {"workload": {"kind": "lognormal", "mu": 9.9, "sigma": 1.0, "min_tokens": 128, "max_tokens": 40960},
+        "scheduler": {"workload": case_study_lengths(40960).config(),
                       "output_tokens": MAX_NEW_TOKENS, "slo_tokens_per_s": 1, "ttft_slo_s": 600},
     }
     if emulation is not None:  # emulated engines (the dry run): how they scale time and KV bytes
@@ -345,104 +345,15 @@ def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = 
     return env
 
 
-# --- processes ------------------------------------------------------------------------------------
-
-
-class Processes:
-    """Started processes, each its own process group, logs to files; :meth:`stop` kills every group."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-        self._owner_pid = os.getpid()  # see _owned_here
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def _owned_here(self) -> bool:
-        """False in a forked copy of the harness (e.g. a pyroute2 helper that unwinds): the processes
-        are its parent's, and it neither kills nor stops them."""
-        return os.getpid() == self._owner_pid
-
-    def start(self, name: str, argv: list[str], env: dict[str, str], preexec_fn=None) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        # its own session (and group) first; then ``preexec_fn`` (entering a network namespace)
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=preexec_fn)
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def kill(self, name: str, sig: int = 9) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and self._owned_here() and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def stop(self, names: Iterable[str] | None = None) -> list[str]:
-        """Kill every group, or those of ``names`` (TERM, then KILL after 10 s); the names that had
-        to be KILLed. A stopped name is forgotten, so it can be started again."""
-        if not self._owned_here():
-            return []
-        wanted = None if names is None else set(names)
-        chosen = {n: p for n, p in self.procs.items() if wanted is None or n in wanted}
-        for proc in chosen.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, 15)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 10
-        killed = []
-        for name, proc in chosen.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                killed.append(name)
-            try:  # the group too: children that outlive their parent
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            if names is not None:
-                del self.procs[name]
-        return killed
+# --- HTTP ----------------------------------------------------------------------------------------
 
 
 def http(method: str, url: str, body: dict | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
          headers: dict | None = None) -> tuple[int, dict, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Poll ``url`` until it answers 200 (every 0.25 s, backing off to 1 s); raises RuntimeError when
-    ``proc`` exits first or ``timeout_s`` passes."""
-    deadline, pause_s = time.monotonic() + timeout_s, 0.25
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode} before {url} answered")
-        try:
-            if http("GET", url, timeout_s=5)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(pause_s)
-        pause_s = min(1.5 * pause_s, 1.0)
-    raise RuntimeError(f"{url} not healthy after {timeout_s:g} s")
+    """(status, headers, body) of any answer, ``body`` sent as JSON; raises
+    :class:`~prfaas_sglang.adapters.http_sync.HttpError` (an OSError) when none came."""
+    answer = http_sync.request(method, url, timeout_s=timeout_s, json_body=body, headers=headers)
+    return answer.status, dict(answer.headers), answer.body
 
 
 def unroutable(status: dict) -> list[str]:
@@ -470,14 +381,6 @@ def wait_routable(router: str, timeout_s: float = 60.0) -> float:
     raise RuntimeError(f"router still holds {left} unroutable after {timeout_s:g} s")
 
 
-def log_tail(text: str, lines: int = 3, width: int = 300) -> str:
-    """The last ``lines`` lines of a server log worth reading (SGLang's per-model import notices and
-    repeated health-check lines skipped), each cut to ``width``, joined with `` | ``."""
-    noise = ("Ignore import error", "Health check failed", "warnings.warn", "return _create_error_response")
-    kept = [line.strip()[:width] for line in text.splitlines() if line.strip() and not any(n in line for n in noise)]
-    return " | ".join(kept[-lines:]) or "(empty)"
-
-
 def metric_sum(text: str, name: str, label: str = "") -> float:
     total = 0.0
     for line in text.splitlines():
@@ -499,7 +402,7 @@ class RunningDeployment:
     topology: dict
     config: Path
     env: dict[str, str]
-    procs: Processes
+    procs: ProcessGroup
     work: Path
     prfaas_argv: list[str]  # the PrfaaS server's launch, without its ``--kv-profile``
     prfaas_env: dict[str, str]  # its environment, without a profile's own variables
@@ -521,8 +424,8 @@ class RunningDeployment:
 
     def start_prfaas(self, kv_profile: str, env: dict[str, str] | None = None) -> None:
         """Start ``prfaas-0`` with ``kv_profile`` and ``env`` added to its own environment (not waited for)."""
-        self.procs.start("prfaas-0", [*self.prfaas_argv, "--kv-profile", kv_profile],
-                         {**self.prfaas_env, **(env or {})}, preexec_fn=self.prfaas_preexec)
+        self.procs.start("prfaas-0", [*self.prfaas_argv, "--kv-profile", kv_profile], env,
+                         base_env=self.prfaas_env, preexec_fn=self.prfaas_preexec)
         self.prfaas_profile = (kv_profile, tuple(sorted((env or {}).items())))
 
     def restart_prfaas(self, kv_profile: str, env: dict[str, str] | None = None) -> float:
@@ -537,10 +440,8 @@ class RunningDeployment:
             log.rename(self.procs.log_dir / f"prfaas-0.{self.restarts}.log")
         self.restarts += 1
         self.start_prfaas(kv_profile, env)
-        try:
-            wait_healthy(self.url("prfaas-0") + "/health", self.procs.procs["prfaas-0"], timeout_s=self.startup_timeout_s)
-        except RuntimeError as err:
-            raise RuntimeError(f"prfaas-0: {err}; its log ends: {log_tail(self.procs.log('prfaas-0'))}") from None
+        self.procs.wait_healthy(self.url("prfaas-0") + "/health", self.procs.latest("prfaas-0"),
+                                timeout_s=self.startup_timeout_s)
         wait_routable(self.url("router"))
         return time.monotonic() - started
 
@@ -548,21 +449,20 @@ class RunningDeployment:
 DEPLOYMENT = ("prfaas-0", "pd-prefill-0", "pd-decode-0", "kv-index", "router")
 
 
-def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: Processes, work: Path,
+def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: ProcessGroup, work: Path,
                      kv_profile: str = "wan", prfaas_preexec=None, prfaas_host: str | None = None,
                      prfaas_env: dict[str, str] | None = None, link: tuple[float, float] = (1.0, 20.0),
                      startup_timeout_s: float = STARTUP_TIMEOUT_S,
                      pd_env: dict[str, str] | None = None, engine: str = "sglang",
                      host: str = "127.0.0.1", profile: ServerProfile = GPU_PROFILE,
                      profile_env: dict[str, str] | None = None) -> RunningDeployment:
-    """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises when any
-    does not become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
+    """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises
+    :class:`~prfaas_sglang.demo.cluster.StartupError` (quoting the server's log) when any does not
+    become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
     PrfaaS server's / the PD servers' environment; ``kv_profile`` and ``profile_env``: the PrfaaS
     server's KV profile and the variables that go with it (what :meth:`RunningDeployment.restart_prfaas`
     switches)."""
     import yaml
-
-    from prfaas_sglang.demo.cluster import PortPicker
 
     topology = e2e_topology(model_dir, PortPicker(), host=host, prfaas_host=prfaas_host, link=link,
                             emulation=MOCK_EMULATION if engine == "mock" else None, profile=profile)
@@ -576,26 +476,24 @@ def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: 
                             prfaas_preexec, startup_timeout_s)
     dep.start_prfaas(kv_profile, profile_env)
     for name in ("pd-prefill-0", "pd-decode-0"):
-        procs.start(name, [*launch, "--node", name, *mock],
-                    {**env, **(pd_env or {}), "PRFAAS_HOOK_REPORT": str(hook_report(work, name))})
-    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):
-        try:
-            wait_healthy(dep.url(name) + "/health", procs.procs[name], timeout_s=startup_timeout_s)
-        except RuntimeError as err:  # the server's last words: a GPU run's output shows the cause
-            raise RuntimeError(f"{name}: {err}; its log ends: {log_tail(procs.log(name))}") from None
-    procs.start("kv-index", [*launch, "--node", "kv-index"], env)
-    wait_healthy(dep.url("kv-index") + "/health", procs.procs["kv-index"], timeout_s=120)
+        procs.start(name, [*launch, "--node", name, *mock], {**(pd_env or {}), "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
+                    base_env=env)
+    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):  # the error quotes the server's last words
+        procs.wait_healthy(dep.url(name) + "/health", procs.latest(name), timeout_s=startup_timeout_s)
+    procs.start("kv-index", [*launch, "--node", "kv-index"], base_env=env)
+    procs.wait_healthy(dep.url("kv-index") + "/health", procs.latest("kv-index"), timeout_s=120)
     start_router(procs, "router", config, env, list(profile.router_args), dep.url("router"), profile.threshold_tokens)
     return dep
 
 
-def start_router(procs: Processes, name: str, config: Path, env: dict[str, str], router_args: list[str], url: str,
+def start_router(procs: ProcessGroup, name: str, config: Path, env: dict[str, str], router_args: list[str], url: str,
                  threshold_tokens: int) -> None:
     """Start the router node of ``config`` as ``name`` in ``procs`` (``router_args`` after the
     launcher's ``--``), wait until ``url`` is healthy, and pin its threshold through the admin API."""
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), "--node", "router"]
-    procs.start(name, [*launch, *(("--", *router_args) if router_args else ())], {**env, "PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN})
-    wait_healthy(url + "/health", procs.procs[name], timeout_s=120)
+    procs.start(name, [*launch, *(("--", *router_args) if router_args else ())], {"PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN},
+                base_env=env)
+    procs.wait_healthy(url + "/health", procs.latest(name), timeout_s=120)
     status, _, body = http("POST", url + "/admin/threshold", {"threshold_tokens": threshold_tokens},
                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     if status != 200:
@@ -607,89 +505,22 @@ def route_header(headers: dict) -> str | None:
     return headers.get("x-prfaas-route") or headers.get("X-Prfaas-Route")
 
 
-def start_reference(root: Path, checkout: Path, model_dir: Path, procs: Processes, wait: bool = True,
+def start_reference(root: Path, checkout: Path, model_dir: Path, procs: ProcessGroup, wait: bool = True,
                     profile: ServerProfile = GPU_PROFILE) -> str:
     """Start the plain server (``reference`` in ``procs``); its URL, healthy unless ``wait`` is False
-    (then :func:`wait_healthy` before asking it)."""
-    from prfaas_sglang.demo.cluster import free_port
-
+    (then :func:`wait_reference` before asking it)."""
     port = free_port()
     procs.start("reference", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
                               str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *profile.flags],
-                {**bundle_env(root, checkout, profile=profile),
-                 "PRFAAS_HOOK_REPORT": str(hook_report(procs.log_dir.parent, "reference"))})
+                {"PRFAAS_HOOK_REPORT": str(hook_report(procs.log_dir.parent, "reference"))},
+                base_env=bundle_env(root, checkout, profile=profile))
     url = f"http://127.0.0.1:{port}"
     if wait:
-        wait_healthy(url + "/health", procs.procs["reference"])
+        wait_reference(procs, url)
     return url
 
 
-def run_order(checks: Iterable[str]) -> list[str]:
-    """``shaped-link`` first (it switches the PrfaaS server's profile, ending on the one the others
-    use), ``failover`` last (it kills the PrfaaS server), the others in the order asked."""
-    checks = list(checks)
-    first, last = [c for c in checks if c == "shaped-link"], [c for c in checks if c == "failover"]
-    return first + [c for c in checks if c not in ("shaped-link", "failover")] + last
-
-
-def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
-        engine: str = "sglang") -> dict:
-    """Run ``checks``; ``engine="mock"``: the harness's dry run on emulated engines (``model_config``
-    the model directory, no bundle, no reference server, :data:`MOCK_CHECKS` only); ``engine="sglang-cpu"``:
-    real SGLang on CPU from this environment (no bundle; ``model_config``, else a tiny Llama made here;
-    :data:`CPU_CHECKS`)."""
-    from prfaas_sglang.gpu import checks as impl
-
-    checkout, began = Path(__file__).resolve().parents[2], time.monotonic()
-    profile = profile_for(engine)
-    root = unpack(bundle_dir) if engine == "sglang" else None
-    if root is not None and str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...)
-        sys.path.append(str(root / "site"))
-    work = Path(tempfile.mkdtemp(prefix="prfaas-gpu-e2e-"))
-    if engine == "sglang-cpu" and model_config is None:
-        from prfaas_sglang.gpu.model import make_model
-
-        make_model(work / "model", cpu=True, log=log)
-        model_config = work / "model"
-    model_dir = model_config or (root / "model")
-    procs = Processes(work / "logs")
-    results: list[CheckResult] = []
-    facts: dict = {"work_dir": str(work), "model": str(model_dir), "engine": engine}
-    with contextlib.ExitStack() as stack:  # the shaped namespace, removed after every server stopped
-        try:
-            ctx = impl.Context(root, checkout, model_dir, procs, work, log, engine=engine, profile=profile)
-            if engine == "sglang":
-                facts["versions"] = impl.preflight(root, checkout)
-                log(f"[gpu-e2e] versions: {facts['versions']}")
-            if engine != "mock" and set(checks) & NEED_REFERENCE:
-                ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
-            if engine != "mock" and "hooks" in checks:  # it stops at start-up: started now, read by the check
-                impl.start_broken_hook(ctx)
-            # One deployment for every check: with shaped-link, PrfaaS sits behind the shaped veth from
-            # the start, and that check switches its profile by restarting that server alone.
-            ctx.dep = impl.start_checks_deployment(ctx, stack, shaped="shaped-link" in checks)
-            if ctx.reference:
-                wait_healthy(ctx.reference + "/health", procs.procs["reference"])
-            facts["deployment_healthy_s"] = round(time.monotonic() - began, 1)
-            log(f"[gpu-e2e] deployment healthy after {facts['deployment_healthy_s']} s")
-            for name in run_order(checks):
-                started = time.monotonic()
-                try:
-                    result = impl.CHECK_FUNCTIONS[name](ctx)
-                except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
-                    result = CheckResult(name, False, f"{type(err).__name__}: {err}")
-                result.data["seconds"] = round(time.monotonic() - started, 1)
-                log(result.line())
-                results.append(result)
-        except Exception as err:  # noqa: BLE001 - start-up failed: every requested check fails with the cause
-            for name in checks:
-                if name not in {r.name for r in results}:
-                    results.append(CheckResult(name, False, f"deployment did not start: {type(err).__name__}: {err}"))
-                    log(results[-1].line())
-        finally:
-            facts["killed_after_term"] = procs.stop()
-            facts["logs"] = str(procs.log_dir)
-            facts["total_s"] = round(time.monotonic() - began, 1)
-    if not results:
-        shutil.rmtree(work, ignore_errors=True)
-    return summary(results, facts)
+def wait_reference(procs: ProcessGroup, url: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until the plain server at ``url`` (``reference`` in ``procs``) is healthy; :class:`StartupError`
+    when it exits first or ``timeout_s`` passes."""
+    procs.wait_healthy(url + "/health", procs.latest("reference"), timeout_s=timeout_s)

@@ -27,12 +27,12 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port
 from prfaas_sglang.gpu.e2e import (
-    Processes,
     RunningDeployment,
     http,
     profile_for,
@@ -52,12 +52,10 @@ def stream_ttft(router: str, ids: list[int], model: str) -> tuple[float, dict]:
     """(seconds to the first streamed chunk, response headers) of a completion of ``ids``."""
     case = {"name": "predict", "endpoint": "/v1/completions", "stream": True}
     body = {**request_body(case, ids, None, model), "max_tokens": OUTPUT_TOKENS}
-    req = urllib.request.Request(router + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
     started, first = time.monotonic(), None
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        headers = dict(resp.headers)
-        for line in resp:
+    with http_sync.stream("POST", router + "/v1/completions", json_body=body, timeout_s=300) as answer:
+        headers = dict(answer.raise_for_status().headers)
+        for line in answer.lines():
             if first is None and line.startswith(b"data:"):
                 first = time.monotonic() - started
     if first is None:
@@ -96,8 +94,6 @@ def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, 
     """A router of its own (``router-{name}``) over ``dep``'s workers and kv-index, every engine
     cluster costed by ``profile_path``; its URL once healthy, the threshold pinned."""
     import yaml
-
-    from prfaas_sglang.demo.cluster import free_port
 
     topology = json.loads(json.dumps(dep.topology))
     for cluster in topology["clusters"].values():
@@ -149,7 +145,7 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
     checkout, started = Path(__file__).resolve().parents[2], time.monotonic()
     profile = profile_for(engine)
     root = unpack(bundle_dir) if engine == "sglang" else None
-    if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as e2e.run adds it
+    if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as checks.run adds it
         sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-predict-"))
     if engine == "sglang-cpu":
@@ -162,7 +158,7 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
     model_config = json.loads((model_dir / "config.json").read_text())
     docs = variant_docs(yaml.safe_load(measured_path.read_text()), model_config, roofline_accelerator, roofline_gpus)
     lengths = [n for _ in range(requests) for n in (*profile.short_tokens, *profile.long_tokens)][:requests]
-    procs, results = Processes(work / "logs"), {}
+    procs, results = ProcessGroup(work / "logs"), {}
     try:
         dep = start_deployment(root, checkout, model_dir, procs, work, engine=engine, profile=profile)
         log(f"[predict] deployment healthy after {time.monotonic() - started:.1f} s")

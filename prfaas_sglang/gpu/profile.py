@@ -34,20 +34,19 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port
 from prfaas_sglang.gpu.e2e import (
-    Processes,
+    STARTUP_TIMEOUT_S,
     bundle_env,
     http,
-    log_tail,
     profile_for,
     prompt_ids,
     unpack,
-    wait_healthy,
 )
 from prfaas_sglang.plan.measured import (
     CachedPoint,
@@ -90,12 +89,10 @@ def token_times(url: str, ids: list[int], max_new_tokens: int, start: threading.
     """A streamed ``/generate``: the monotonic time each chunk (one token) arrived."""
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
     start.wait()
     times = []
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-        for line in resp:
+    with http_sync.stream("POST", url + "/generate", json_body=body, timeout_s=REQUEST_TIMEOUT_S) as answer:
+        for line in answer.raise_for_status().lines():
             if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
                 times.append(time.monotonic())
     return times
@@ -164,7 +161,6 @@ def run(engine: str, bundle_dir: Path | None, model_dir: Path | None, out: Path,
     """Start the server, measure, write the profile to ``out``; the result (profile, roofline rows, facts)."""
     import yaml
 
-    from prfaas_sglang.demo.cluster import free_port
     from prfaas_sglang.plan.hf import model_from_hf_config
     from prfaas_sglang.plan.measured import format_rows, profile_doc, roofline_rows
     from prfaas_sglang.plan.scenario import Catalog
@@ -172,7 +168,7 @@ def run(engine: str, bundle_dir: Path | None, model_dir: Path | None, out: Path,
     checkout, started = Path(__file__).resolve().parents[2], time.monotonic()
     profile, grid = profile_for(engine), grid or GRIDS[engine]
     root = unpack(bundle_dir) if engine == "sglang" else None
-    if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as e2e.run adds it
+    if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as checks.run adds it
         sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-profile-"))
     if model_dir is None and engine == "sglang-cpu":
@@ -182,18 +178,15 @@ def run(engine: str, bundle_dir: Path | None, model_dir: Path | None, out: Path,
         model_dir = work / "model"
     model_dir = model_dir or root / "model"
     config = json.loads((model_dir / "config.json").read_text())
-    procs, report, port = Processes(work / "logs"), work / "pool.jsonl", free_port()
+    procs, report, port = ProcessGroup(work / "logs"), work / "pool.jsonl", free_port()
     env = {**bundle_env(root, checkout, profile=profile), "PRFAAS_POOL_REPORT": str(report)}
     versions = _versions(root, checkout, engine)
     try:
         procs.start("server", [sys.executable, "-m", "prfaas_sglang.launch", "--role", "single", "--model-path",
                                str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--", *profile.flags,
-                               "--radix-cache-backend", "prfaas-hybrid"], env)
+                               "--radix-cache-backend", "prfaas-hybrid"], base_env=env)
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url + "/health", procs.procs["server"])
-        except RuntimeError as err:
-            raise RuntimeError(f"{err}; its log ends: {log_tail(procs.log('server'))}") from None
+        procs.wait_healthy(url + "/health", procs.latest("server"), timeout_s=STARTUP_TIMEOUT_S)  # quotes its log
         log(f"[profile] server healthy after {time.monotonic() - started:.1f} s")
         pool = read_pool(report)
         prefill, cached, decode = measure(url, grid, Prompts(int(config["vocab_size"])), log)

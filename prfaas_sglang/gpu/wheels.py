@@ -7,9 +7,7 @@ members the bundle keeps, so sglang-kernel's 615 MB wheel costs the ~20 MB an H1
 from __future__ import annotations
 
 import io
-import json
 import os
-import urllib.request
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.gpu.bundle import BundleError, dropped
 
 INDEX_URL = "https://pypi.org/simple"
@@ -84,11 +83,12 @@ class RangeFile(io.RawIOBase):
         if block is None:
             start = index * self.block_bytes
             end = min(self.size_bytes, start + self.block_bytes) - 1
-            request = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
-            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
-                if resp.status != 206:
-                    raise BundleError(f"{self.url}: the server ignored a range request (HTTP {resp.status})")
-                block = resp.read()
+            # identity: the bytes at these offsets of the file itself, not of a compressed encoding
+            answer = http_sync.get(self.url, timeout_s=HTTP_TIMEOUT_S,
+                                   headers={"Range": f"bytes={start}-{end}", "Accept-Encoding": "identity"})
+            if answer.raise_for_status().status != 206:
+                raise BundleError(f"{self.url}: the server ignored a range request (HTTP {answer.status})")
+            block = answer.body
             self.fetched_bytes += len(block)
             if len(self._blocks) > 64:  # members are read front to back: old blocks are not read again
                 self._blocks.clear()
@@ -127,11 +127,9 @@ class WheelSource:
             if any(canonicalize_name(parse_wheel_filename(f.filename)[0]) == canonicalize_name(name) for f in local):
                 return local
         url = f"{self.index_url}/{canonicalize_name(name)}/"
-        request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         try:
-            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
-                page = json.load(resp)
-        except OSError as err:
+            page = http_sync.get_json(url, timeout_s=HTTP_TIMEOUT_S, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        except http_sync.HttpError as err:
             raise BundleError(f"cannot list {name} on {self.index_url}: {err}") from None
         return [WheelFile(f["filename"], f["url"], int(f.get("size") or 0)) for f in page.get("files", ())
                 if f["filename"].endswith(".whl")]

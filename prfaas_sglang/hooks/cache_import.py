@@ -6,7 +6,7 @@ Mamba state pool) and the state-reporting ``MambaRadixCache`` of
 insert (``BlockStored`` per page, then ``StateStored``); or a full-attention model's
 ``RadixCache`` (no state: the message's state list is empty). Wire format:
 :mod:`prfaas_sglang.wire.prefix_transfer`; served in an SGLang server by
-:mod:`prfaas_sglang.hooks.cache_move`.
+:mod:`prfaas_sglang.hooks.cache_move_hook`.
 
 Contract, both sides: called on the scheduler's thread, between forward passes (the cache and
 the pools are the scheduler's). ``export_prefix`` holds a lock on the matched node while it

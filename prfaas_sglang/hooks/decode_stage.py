@@ -1,6 +1,6 @@
 """A decode worker receives a scattered prompt's KV in one run of reserve pages, then copies it home.
 
-The decode side of coalescing beyond adjacent entries (the PrfaaS side gathers: ``hooks/kv_stage.py``).
+The decode side of coalescing beyond adjacent entries (the PrfaaS side gathers: ``transport/kv_stager.py``).
 With ``PRFAAS_DECODE_STAGING_TOKENS`` > 0 (the launcher's pd-decode profile) a decode worker sets a run
 of KV pages aside at startup, its *reserve* (:class:`DecodeStaging`, hook ``decode-staging-start``,
 AFTER ``DecodePreallocQueue.__init__``: the pool's top pages, still free then; the allocator and the
@@ -138,7 +138,7 @@ class DecodeStaging:
         if self._views is None:
             import ctypes
 
-            from prfaas_sglang.hooks.kv_stage import _CudaBytes
+            from prfaas_sglang.transport.kv_stager import _CudaBytes
 
             torch, views = self._torch, []
             for ptr, length, item in self.buffers:
@@ -238,7 +238,8 @@ def start_decode_staging(result, queue, *args, **kwargs):
     scheduler = getattr(queue, "scheduler", None)
     if scheduler is not None and hasattr(scheduler, "max_total_num_tokens"):
         scheduler.max_total_num_tokens -= taken
-    from prfaas_sglang.hooks.kv_send import kv_device, mooncake_wait_bound_s
+    from prfaas_sglang.hooks.kv_send_hook import kv_device
+    from prfaas_sglang.transport.kv_sender import mooncake_wait_bound_s
 
     args = manager.kv_args
     staging = DecodeStaging(zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, strict=True), *reserve,

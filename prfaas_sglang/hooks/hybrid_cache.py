@@ -3,7 +3,8 @@
 SGLang 0.5.15's ``MambaRadixCache`` publishes pages only: when it stores a
 linear-attention state for a prefix, or evicts one (a *tombstone*: the pages
 stay, the state goes), nothing is published, yet that state decides how much
-of the prefix a hybrid model can reuse. Two registered parts fix that:
+of the prefix a hybrid model can reuse. Two registered parts fix that (both bound to SGLang's
+registries by :mod:`prfaas_sglang.hooks.cache_backend`):
 
 * the radix-cache backend :data:`RADIX_CACHE_BACKEND` (``--radix-cache-backend
   prfaas-hybrid``): where SGLang's default chain would build a
@@ -489,28 +490,6 @@ def report_pool_geometry(params: Any) -> None:
         fh.write(json.dumps(line) + "\n")
 
 
-def build_tree_cache(ctx: Any):
-    """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
-    caches in place of ``MambaRadixCache`` and ``SWARadixCache`` (on a decode worker with the decode
-    radix cache, :class:`~prfaas_sglang.hooks.decode_radix.DecodeMambaRadixCache`). Reports the
-    pools' geometry first (:func:`report_pool_geometry`)."""
-    from sglang.srt.mem_cache.registry import default_radix_cache_factory
-
-    report_pool_geometry(ctx.params)
-
-    if default_builds_mamba_radix_cache(ctx):
-        if ctx.server_args.disaggregation_mode == "decode":  # the decode radix cache (patch 0001)
-            from prfaas_sglang.hooks.decode_radix import DecodeMambaRadixCache
-
-            return DecodeMambaRadixCache(ctx.params)
-        return StateEventsMambaRadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)), chunk_checkpoints_from_env())
-    if default_builds_swa_radix_cache(ctx):
-        return StateEventsSWARadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)))
-    if default_builds_radix_cache(ctx) and (admission := admission_from_env(*cache_capacity(ctx.params))) is not None:
-        return AdmissionRadixCache(ctx.params, admission)
-    return default_radix_cache_factory(ctx)
-
-
 def to_wire_batch(batch: EventBatch) -> KVEventBatch:
     """SGLang's batch as wire v2: its events, and as ``state_events`` the cache's state events when
     the cache reports state (:class:`EventsWithState`), else None."""
@@ -550,26 +529,3 @@ class StateEventsZmqPublisher(ZmqEventPublisher):
         if self._curve_server is not None:
             self._curve_server.close()
             self._curve_server = None
-
-
-def register_backends() -> list[str]:
-    """Register the radix-cache backend and the event publisher with SGLang's registries
-    (idempotent: a name already bound to ours is left alone). Returns the names registered now.
-    Raises RuntimeError if a name is taken by something else."""
-    from sglang.srt.disaggregation.kv_events import EventPublisherFactory
-    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
-
-    done = []
-    current = get_radix_cache_factory(RADIX_CACHE_BACKEND)
-    if current is None:
-        register_radix_cache_backend(RADIX_CACHE_BACKEND, build_tree_cache)
-        done.append(RADIX_CACHE_BACKEND)
-    elif current is not build_tree_cache:
-        raise RuntimeError(f"radix-cache backend {RADIX_CACHE_BACKEND!r} is registered by {current!r}")
-    current = EventPublisherFactory._registry.get(EVENT_PUBLISHER)
-    if current is None:
-        EventPublisherFactory.register_publisher(EVENT_PUBLISHER, StateEventsZmqPublisher)
-        done.append(EVENT_PUBLISHER)
-    elif current is not StateEventsZmqPublisher:
-        raise RuntimeError(f"event publisher {EVENT_PUBLISHER!r} is registered by {current!r}")
-    return done

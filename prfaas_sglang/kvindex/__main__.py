@@ -25,11 +25,14 @@ import concurrent.futures
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
+
+if TYPE_CHECKING:
+    from prfaas_sglang.wire.server_info import KvEventsEndpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,24 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _block_size(url: str, fallback: int | None, headers: dict | None = None) -> tuple[int | None, dict | None]:
+def _block_size(url: str, fallback: int | None, headers: dict | None = None) -> tuple[int | None, KvEventsEndpoint | None]:
+    """The worker at ``url``'s KV-event block size and endpoint, from its ``/server_info``
+    (``wire/server_info.py``); ``(fallback, None)`` when it does not answer or its answer is malformed."""
+    from prfaas_sglang.adapters import http_sync
+    from prfaas_sglang.wire.server_info import parse_server_info
+
     try:
-        with urllib.request.urlopen(urllib.request.Request(url + "/server_info", headers=headers or {}), timeout=2) as resp:
-            info = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
+        facts = parse_server_info(http_sync.get_json(url + "/server_info", timeout_s=2, headers=headers))
+    except (http_sync.HttpError, ValueError):  # FactsError is a ValueError
         return fallback, None
-    events = info.get("kv_events") if isinstance(info, dict) else None
-    size = (events or {}).get("block_size") or info.get("page_size")
-    return (size if isinstance(size, int) and size > 0 else fallback), events
+    return facts.events_block_size, facts.kv_events
 
 
-def _wait_block_size(url: str, fallback: int | None, headers: dict | None, wait_s: float) -> tuple[int | None, dict | None]:
+def _wait_block_size(url: str, fallback: int | None, headers: dict | None,
+                     wait_s: float) -> tuple[int | None, KvEventsEndpoint | None]:
     """:func:`_block_size`, asked again every second for up to ``wait_s`` while the worker does not answer."""
     deadline = time.monotonic() + wait_s
     while True:
-        size, events = _block_size(url, None, headers)
+        size, endpoint = _block_size(url, None, headers)
         if size is not None or time.monotonic() >= deadline:
-            return (size if size is not None else fallback), events
+            return (size if size is not None else fallback), endpoint
         time.sleep(1.0)
 
 
@@ -76,6 +82,7 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     KV-event streams are CURVE clients and every endpoint but /health needs the worker API key
     (what it serves is derived from prompts)."""
     from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 
     from prfaas_sglang.adapters.http_auth import bearer_middleware
     from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
@@ -85,6 +92,9 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     api_key = bearer_middleware(keys.worker_api_key if keys else None, lambda err: error(401, str(err)))
     app = web.Application(client_max_size=64 << 20, middlewares=[api_key])
     sub_key = web.AppKey("subscriber", ZmqSubscriber)
+    metrics_key = web.AppKey("metrics", CollectorRegistry)  # what /metrics serves: the app's own registry
+    app[metrics_key] = CollectorRegistry()
+    app[metrics_key].register(KvIndexMetrics(index, lambda: app[sub_key].stats(time.monotonic())))
 
     async def on_startup(app):
         app[sub_key] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys))
@@ -129,8 +139,7 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
         return web.Response(text="OK")
 
     async def metrics(request):
-        return web.Response(text=render_metrics(index, request.app[sub_key].stats(time.monotonic())),
-                            content_type="text/plain")
+        return web.Response(body=generate_latest(request.app[metrics_key]), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def snapshot(request):  # what a restarted router starts from (wire/kv_snapshot.py)
         return web.Response(body=kv_snapshot.encode(index.export()), content_type="application/json")
@@ -143,24 +152,34 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
     return app
 
 
-def render_metrics(index, subscriptions: dict[str, dict]) -> str:
-    """The kv-index's Prometheus text (pure): blocks and resets per worker, frames per subscription."""
-    rows = [("prfaas_kvindex_blocks", "gauge", "Blocks the index holds for a worker"),
-            ("prfaas_kvindex_resets_total", "counter", "Times a worker's blocks were dropped (cache cleared, gap)"),
-            ("prfaas_kvindex_frames_total", "counter", "KV-event frames received per subscription"),
-            ("prfaas_kvindex_bad_frames_total", "counter", "Frames that did not decode (dropped)"),
-            ("prfaas_kvindex_auth_failures_total", "counter", "Publishers refused (no deployment key)")]
-    workers = index.workers()
-    values = {"prfaas_kvindex_blocks": [(f'worker="{w}",cluster="{c}"', index.block_count(w)) for w, c in sorted(workers.items())],
-              "prfaas_kvindex_resets_total": [(f'worker="{w}",cluster="{c}"', index.resets(w)) for w, c in sorted(workers.items())],
-              "prfaas_kvindex_frames_total": [(f'source="{n}"', s["frames"]) for n, s in sorted(subscriptions.items())],
-              "prfaas_kvindex_bad_frames_total": [(f'source="{n}"', s["bad_frames"]) for n, s in sorted(subscriptions.items())],
-              "prfaas_kvindex_auth_failures_total": [(f'source="{n}"', s["auth_failures"]) for n, s in sorted(subscriptions.items())]}
-    text = []
-    for name, kind, help_text in rows:
-        text += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        text += [f"{name}{{{labels}}} {value}" for labels, value in values[name]]
-    return "\n".join(text) + "\n"
+class KvIndexMetrics:
+    """The kv-index's ``/metrics`` (a prometheus_client collector), read at each scrape: blocks and
+    resets per worker of ``index``, frames per subscription of ``subscriptions()`` (the subscriber's
+    ``stats``: source -> {"frames", "bad_frames", "auth_failures", ...})."""
+
+    def __init__(self, index, subscriptions: Callable[[], dict[str, dict]]):
+        self._index, self._subscriptions = index, subscriptions
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        workers = sorted(self._index.workers().items())
+        subscriptions = sorted(self._subscriptions().items())
+        blocks = GaugeMetricFamily("prfaas_kvindex_blocks", "Blocks the index holds for a worker", labels=["worker", "cluster"])
+        resets = CounterMetricFamily("prfaas_kvindex_resets_total", "Times a worker's blocks were dropped (cache cleared, gap)",
+                                     labels=["worker", "cluster"])
+        for worker, cluster in workers:
+            blocks.add_metric([worker, cluster], self._index.block_count(worker))
+            resets.add_metric([worker, cluster], self._index.resets(worker))
+        yield blocks
+        yield resets
+        for name, key, doc in (("prfaas_kvindex_frames_total", "frames", "KV-event frames received per subscription"),
+                               ("prfaas_kvindex_bad_frames_total", "bad_frames", "Frames that did not decode (dropped)"),
+                               ("prfaas_kvindex_auth_failures_total", "auth_failures", "Publishers refused (no deployment key)")):
+            family = CounterMetricFamily(name, doc, labels=["source"])
+            for source, stats in subscriptions:
+                family.add_metric([source], stats[key])
+            yield family
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,15 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         # Every worker is waited for at once: N late workers cost one wait, not N in a row.
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(len(engines), 1)) as pool:
             answers = list(pool.map(facts, engines))
-        for n, (size, events) in zip(engines, answers, strict=True):
+        for n, (size, endpoint) in zip(engines, answers, strict=True):
             host = n.host or "127.0.0.1"
-            port = n.kv_events_port or (events or {}).get("endpoint_port_base")
+            port = n.kv_events_port or (endpoint.port if endpoint else None)
             if port is None:
                 continue
             if size is None:
                 raise ConfigError(f"nodes.{n.name}", "did not report its block size (/server_info); give --page-size")
             index.add_worker(n.name, ROLE_SPECS[n.role].cluster_kind, size)
-            workers[n.name] = (ROLE_SPECS[n.role].cluster_kind, f"tcp://{host}:{port}", (events or {}).get("topic") or KV_EVENTS_TOPIC)
+            workers[n.name] = (ROLE_SPECS[n.role].cluster_kind, f"tcp://{host}:{port}",
+                               (endpoint.topic if endpoint else None) or KV_EVENTS_TOPIC)
         if not workers:
             raise ConfigError("--config", "no engine node publishes KV events (kv_events_port)")
         node = next(iter(topology.nodes_of(Role.KV_INDEX)), None)

@@ -2,7 +2,12 @@
 
 ``patches/series`` (in the repository; packaged into the wheel as
 ``prfaas_sglang/_patches``) is the only source of order. See
-``python -m prfaas_sglang.patches --help`` and patches/README.md.
+``python -m prfaas_sglang.patches --help`` (``__main__``) and patches/README.md.
+
+``series`` parses the series and its headers, ``unidiff`` parses and applies unified diffs (both
+pure), ``applier`` evaluates and applies a whole series against a ``tree`` (an installed sglang, an
+unpacked or rewritten wheel), ``upstream_api`` reads statically where our hooks and backends meet
+SGLang, and ``readme`` generates the README's "changes vs upstream" table.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ from pathlib import Path
 from prfaas_sglang._compat import require_pinned
 from prfaas_sglang.errors import PatchError
 
+# The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): an I/O package;
+# these modules of it are pure.
+PURE_MODULES = ("unidiff",)
 
 def verify_installed(patches_dir: Path | None = None) -> str:
     """Check the installed SGLang is the pinned release with every patch applied.

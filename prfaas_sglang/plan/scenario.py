@@ -13,7 +13,7 @@ Scenario file (all sections but ``paper`` required)::
     pd: {accelerator: h20x8, instances: 8}
     # instead of `accelerator`, a measured profile: {profile: path.yaml, instances: N}
     link: {egress_gbps: 100}
-    workload: {kind: lognormal, mu: 9.90, sigma: 1.0, min_tokens: 128, max_tokens: 131072}
+    workload: {kind: lognormal, mu: MU, sigma: SIGMA, min_tokens: N, max_tokens: N}  # the case study's: workload.CASE_STUDY_LENGTHS.config()
     #        | {kind: lengths, lengths: [...]}
     #        | {kind: trace, path: trace.jsonl, cache: {kind: unbounded | lru, capacity_blocks: N}, limit: N}
     output_tokens: 1024
@@ -25,7 +25,6 @@ Scenario file (all sections but ``paper`` required)::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +48,12 @@ from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, TabulatedP
 from prfaas_sglang.plan.workload import (
     EmpiricalLengths,
     LruBlockCache,
+    TraceRecord,
     TruncatedLogNormal,
     UnboundedCache,
     Workload,
     incremental_lengths,
-    parse_trace_record,
+    read_trace,
 )
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -233,23 +233,11 @@ class Catalog:
         data = yaml.safe_load(path.read_text())
         return parse_scenario(data, Catalog(self.data_dir, path.parent))
 
-    def trace_records(self, ref: str, field: str, limit: int | None):
+    def trace_records(self, ref: str, field: str, limit: int | None) -> list[TraceRecord]:
+        """The first ``limit`` records (None: all) of the trace ``ref`` (relative to :attr:`base_dir`);
+        :func:`~prfaas_sglang.plan.workload.read_trace`'s errors."""
         path = Path(ref) if Path(ref).is_absolute() else self.base_dir / ref
-        if not path.is_file():
-            raise ConfigError(field, f"trace file {ref} not found")
-        records = []
-        with path.open() as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"{field}:{lineno}", f"not JSON: {err.msg}") from None
-                records.append(parse_trace_record(obj, f"{field}:{lineno}"))
-                if limit is not None and len(records) >= limit:
-                    break
-        return records
+        return list(read_trace(path, field, limit))
 
 
 def parse_workload(data: Any, catalog: Catalog, path: str = "workload") -> Workload:

@@ -9,20 +9,27 @@ A workload answers, for a routing threshold ``t`` on the *incremental*
 
 ``None`` stands for an empty side (p = 0 or p = 1); never a sentinel number.
 
-Three kinds: :class:`TruncatedLogNormal` (closed form, the paper's case
-study), :class:`EmpiricalLengths` (any list of lengths), and
+Three kinds: :class:`TruncatedLogNormal` (closed form; :data:`CASE_STUDY_LENGTHS`
+is the paper's case study), :class:`EmpiricalLengths` (any list of lengths), and
 :func:`incremental_lengths` which turns a Mooncake-format trace into
 empirical incremental lengths under a cache model.
+
+Mooncake traces are read here and nowhere else (:func:`read_trace`): the planner,
+the simulator, the demo and the benchmarks take their records from it. That file
+read is this module's only I/O.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import json
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import NormalDist
 
 from prfaas_sglang.errors import ConfigError
@@ -120,6 +127,24 @@ class TruncatedLogNormal(Workload):
             math.exp(self.mu + self.sigma * _STD_NORMAL.inv_cdf(lo_u + (hi_u - lo_u) * rng.random()))
             for _ in range(n)
         ]
+
+    def config(self) -> dict:
+        """This distribution as a ``workload:`` mapping (a topology's ``scheduler.workload``, a
+        scenario's ``workload``), which :func:`~prfaas_sglang.plan.scenario.parse_workload` reads back."""
+        return {"kind": "lognormal", "mu": self.mu, "sigma": self.sigma, "min_tokens": self.lo, "max_tokens": self.hi}
+
+
+# The paper's case-study prompt lengths: ln L ~ N(9.90, 1.00), truncated to [128, 128K] tokens. Every other
+# use of them (the router's default prior, the simulator, the demo, the benchmarks) derives from this one.
+CASE_STUDY_LENGTHS = TruncatedLogNormal(mu=9.90, sigma=1.00, lo=128, hi=131_072, name="case-study")
+
+
+def case_study_lengths(max_tokens: float | None = None) -> TruncatedLogNormal:
+    """:data:`CASE_STUDY_LENGTHS`, truncated at ``max_tokens`` instead of 128K where given (a benchmark's
+    prompt cap); raises :class:`ConfigError` for a cap not above the 128-token minimum."""
+    if max_tokens is None:
+        return CASE_STUDY_LENGTHS
+    return dataclasses.replace(CASE_STUDY_LENGTHS, hi=max_tokens)
 
 
 class EmpiricalLengths(Workload):
@@ -236,6 +261,8 @@ class TraceRecord:
 
 
 def parse_trace_record(obj: dict, where: str) -> TraceRecord:
+    """One decoded trace line as a record; raises :class:`ConfigError` naming ``where`` when it is not one
+    (a field missing or of the wrong type, ``input_length`` <= 0 or ``output_length`` < 0)."""
     try:
         record = TraceRecord(
             float(obj["timestamp"]),
@@ -248,6 +275,31 @@ def parse_trace_record(obj: dict, where: str) -> TraceRecord:
     if record.input_length <= 0 or record.output_length < 0:
         raise ConfigError(where, "input_length must be > 0 and output_length >= 0")
     return record
+
+
+def read_trace(path: str | Path, field: str, limit: int | None = None) -> Iterator[TraceRecord]:
+    """The records of the Mooncake-format trace at ``path`` (JSON lines, blank lines skipped), in file
+    order, at most ``limit`` (None: all).
+
+    Lazy: the file is read as records are taken, so a caller that stops early reads no further. Raises
+    :class:`ConfigError`: naming ``field`` (the flag or config field that gave ``path``) when there is no
+    such file; naming ``path:line`` for a line that is not JSON or not a trace record."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(field, f"no trace file {path}: not found")
+    taken = 0
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if limit is not None and taken >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{lineno}", f"not JSON: {err.msg}") from None
+            yield parse_trace_record(obj, f"{path}:{lineno}")
+            taken += 1
 
 
 def leading_matches(hash_ids: Sequence[int], cached) -> int:

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.errors import ConfigError, PrfaasError
 
 logger = logging.getLogger("prfaas_sglang.router")
@@ -118,11 +116,6 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--log-level", default="INFO")
 
 
-def _fetch(url: str, timeout_s: float = 2.0, headers: dict | None = None):
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
 def preflight(workers, topology, config, timeout_s: float, headers: dict | None = None,
               cost_state: str | None = None) -> dict:
     """Every reachable worker's facts (waiting up to ``timeout_s`` for workers still starting), checked
@@ -138,9 +131,9 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
     while pending:
         for name, worker in list(pending.items()):
             try:
-                urllib.request.urlopen(worker.url + "/health", timeout=config.health_timeout_s).read()
-                info = _fetch(worker.url + "/server_info", headers=headers)
-            except (urllib.error.URLError, OSError, ValueError):
+                http_sync.get(worker.url + "/health", timeout_s=config.health_timeout_s).raise_for_status()
+                info = http_sync.get_json(worker.url + "/server_info", timeout_s=2.0, headers=headers)
+            except http_sync.HttpError:
                 continue
             try:
                 facts = parse_server_info(info)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from prfaas_sglang import __version__
 from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
@@ -78,6 +80,7 @@ SERVICE_KEY = web.AppKey("service", RouterService)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 SUB_KEY = web.AppKey("subscriber", ZmqSubscriber)
 ROOM_KEY = web.AppKey("room", asyncio.Condition)
+METRICS_KEY = web.AppKey("metrics", CollectorRegistry)  # what /metrics serves: the app's own registry
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,23 @@ class LongTermOptions:
 LONGTERM_KEY = web.AppKey("longterm", LongTermOptions)
 _ids = itertools.count()
 _rng = random.Random()
+
+
+class RouterMetrics:
+    """The router's ``/metrics`` (a prometheus_client collector), read from the app at each scrape:
+    the service's gauges, counters and histograms (``router/metrics.py``), then the ZMQ handshakes
+    its subscriber refused. Registered in the app's registry (:data:`METRICS_KEY`) by :func:`build_app`."""
+
+    def __init__(self, app: web.Application):
+        self._app = app
+
+    def collect(self):
+        now = time.monotonic()
+        service = self._app[SERVICE_KEY]
+        yield from service.counters.families(service.metrics_gauges(now))
+        refused = sum(s["auth_failures"] for s in self._app[SUB_KEY].stats(now).values())
+        yield CounterMetricFamily("prfaas_router_zmq_auth_failures_total", "ZMQ handshakes refused: a KV-event or "
+                                  "telemetry publisher without the deployment's key", value=refused)
 
 
 class PrefillFailed(Exception):
@@ -720,6 +740,8 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[SERVICE_KEY] = service
     app[LONGTERM_KEY] = longterm or LongTermOptions()
+    app[METRICS_KEY] = CollectorRegistry()
+    app[METRICS_KEY].register(RouterMetrics(app))
 
     async def on_startup(app):
         app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
@@ -761,12 +783,8 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         return web.json_response(body)
 
     async def metrics(request):
-        text = service.counters.render(service.metrics_gauges(time.monotonic()))
-        refused = sum(s["auth_failures"] for s in request.app[SUB_KEY].stats(time.monotonic()).values())
-        text += ("# HELP prfaas_router_zmq_auth_failures_total ZMQ handshakes refused: a KV-event or telemetry "
-                 "publisher without the deployment's key\n# TYPE prfaas_router_zmq_auth_failures_total counter\n"
-                 f"prfaas_router_zmq_auth_failures_total {refused}\n")
-        return web.Response(text=text, content_type="text/plain")
+        return web.Response(body=generate_latest(request.app[METRICS_KEY]),
+                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     def on_register(app, record):
         pass  # the health loop fetches its facts, then subscribes

@@ -26,7 +26,7 @@ from prfaas_sglang.protocol import BadRequest, EngineRequest
 from prfaas_sglang.router.calibration import CalibrationSettings, OnlineCalibration
 from prfaas_sglang.router.link import LinkAggregator
 from prfaas_sglang.router.longterm import STAGES, LongTermController, StageMeter, StageSample
-from prfaas_sglang.router.metrics import RouterCounters
+from prfaas_sglang.router.metrics import GaugeSample, RouterCounters
 from prfaas_sglang.router.policy import (
     PD,
     PRFAAS,
@@ -422,34 +422,35 @@ class RouterService:
             "calibration": self.calibration.describe(),
         }
 
-    def metrics_gauges(self, now_s: float) -> list[tuple[str, str, float]]:
+    def metrics_gauges(self, now_s: float) -> list[GaugeSample]:
+        """The router's gauges now, as (name, labels, value) (``router/metrics.py`` exports them)."""
         routed = sum(self.counters.routed.values())
         view = self.link.view(now_s)
         q = self.queues()
-        gauges = [("prfaas_router_threshold_tokens", "", self.controller.threshold_tokens),
-                  ("prfaas_router_baseline_threshold_tokens", "", self.controller.baseline_tokens),
-                  ("prfaas_router_link_capacity_estimate_bps", "", self.controller.capacity_est_bps),
-                  ("prfaas_router_offload_fraction", "", self.counters.routed.get(PRFAAS, 0) / routed if routed else 0.0),
-                  ("prfaas_router_queue_seconds", '{cluster="prfaas"}', q.prfaas_s),
-                  ("prfaas_router_queue_seconds", '{cluster="pd"}', q.pd_s),
-                  ("prfaas_router_waiting_requests", "", self.waiting)]
+        gauges = [("prfaas_router_threshold_tokens", {}, self.controller.threshold_tokens),
+                  ("prfaas_router_baseline_threshold_tokens", {}, self.controller.baseline_tokens),
+                  ("prfaas_router_link_capacity_estimate_bps", {}, self.controller.capacity_est_bps),
+                  ("prfaas_router_offload_fraction", {}, self.counters.routed.get(PRFAAS, 0) / routed if routed else 0.0),
+                  ("prfaas_router_queue_seconds", {"cluster": "prfaas"}, q.prfaas_s),
+                  ("prfaas_router_queue_seconds", {"cluster": "pd"}, q.pd_s),
+                  ("prfaas_router_waiting_requests", {}, self.waiting)]
         if view is not None:
-            gauges += [("prfaas_router_egress_utilization", "", view.busy_fraction),
-                       ("prfaas_router_egress_bps", "", view.egress_bps),
-                       ("prfaas_router_offered_bps", "", view.offered_bps),
-                       ("prfaas_router_link_congested", "", int(view.congested)),
-                       ("prfaas_router_link_transfers_failed", "", view.failed)]
-        gauges += [("prfaas_router_worker_healthy", f'{{worker="{w.name}"}}', int(w.healthy)) for w in self.workers.values()]
+            gauges += [("prfaas_router_egress_utilization", {}, view.busy_fraction),
+                       ("prfaas_router_egress_bps", {}, view.egress_bps),
+                       ("prfaas_router_offered_bps", {}, view.offered_bps),
+                       ("prfaas_router_link_congested", {}, int(view.congested)),
+                       ("prfaas_router_link_transfers_failed", {}, view.failed)]
+        gauges += [("prfaas_router_worker_healthy", {"worker": w.name}, int(w.healthy)) for w in self.workers.values()]
         down = self.link_down(now_s)
-        gauges += [("prfaas_router_link_down", f'{{worker="{w.name}"}}', int(w.name in down))
+        gauges += [("prfaas_router_link_down", {"worker": w.name}, int(w.name in down))
                    for w in self.workers.values() if w.cluster == PRFAAS and w.telemetry_endpoint]
-        gauges.append(("prfaas_router_telemetry_discarded_late", "", self.link.discarded))
-        gauges += [("prfaas_router_prefill_scale", f'{{cluster="{c}"}}', self.calibration.prefill_scale(c)) for c in (PRFAAS, PD)]
-        gauges.append(("prfaas_router_decode_scale", "", self.calibration.decode_scale()))
-        gauges.append(("prfaas_router_link_backlog_bytes", "", self.link_backlog_bytes))
-        gauges += [("prfaas_router_kv_free_tokens", f'{{worker="{w.name}"}}', w.kv_free_tokens or 0)
+        gauges.append(("prfaas_router_telemetry_discarded_late", {}, self.link.discarded))
+        gauges += [("prfaas_router_prefill_scale", {"cluster": c}, self.calibration.prefill_scale(c)) for c in (PRFAAS, PD)]
+        gauges.append(("prfaas_router_decode_scale", {}, self.calibration.decode_scale()))
+        gauges.append(("prfaas_router_link_backlog_bytes", {}, self.link_backlog_bytes))
+        gauges += [("prfaas_router_kv_free_tokens", {"worker": w.name}, w.kv_free_tokens or 0)
                    for w in self.workers.values() if w.role == "decode"]
-        gauges += [("prfaas_router_kv_index_blocks", f'{{worker="{w}"}}', self.index.block_count(w))
+        gauges += [("prfaas_router_kv_index_blocks", {"worker": w}, self.index.block_count(w))
                    for w in sorted(self.index.workers())]
         return gauges
 

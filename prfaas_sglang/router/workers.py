@@ -2,8 +2,8 @@
 
 A :class:`WorkerRecord` holds what the topology says (URL, cluster, role,
 bootstrap and event endpoints), what the worker says about itself
-(:class:`WorkerFacts`, parsed from SGLang's ``/server_info``: page size, KV
-pool, context length, served model, KV-event descriptor; :class:`WorkerLoad`
+(:class:`WorkerFacts`, parsed from SGLang's ``/server_info`` by ``wire/server_info.py``:
+page size, KV pool, context length, served model, KV-event descriptor; :class:`WorkerLoad`
 from ``/v1/loads``), and two ledgers the router keeps as it dispatches:
 
 * prefill workers: ``outstanding_prefill_s``, the estimated prefill seconds of
@@ -39,34 +39,11 @@ from prfaas_sglang.roles import ROLE_SPECS
 from prfaas_sglang.router.policy import WorkerState
 from prfaas_sglang.topology import Emulation, Topology
 from prfaas_sglang.wire.blocks import HASH_SCHEME
-
-
-class FactsError(ValueError):
-    """A worker's /server_info or /v1/loads answer is malformed."""
-
-
-@dataclass(frozen=True)
-class KvEventsEndpoint:
-    port: int
-    topic: str
-    block_size: int
-
-
-@dataclass(frozen=True)
-class WorkerFacts:
-    served_model_name: str | None
-    page_size: int
-    disaggregation_mode: str | None
-    max_total_tokens: int | None  # the KV pool (decode: what bounds its requests)
-    max_running_requests: int | None
-    context_length: int | None
-    kv_events: KvEventsEndpoint | None
-    block_hash: str
-    tokenizer_path: str | None
-    emulated: dict | None  # the emulated engine's "prfaas" section (speedup, kv_scale, profile, ...)
-    version: str | None
-    cache_import: bool = False  # serves /prfaas/cache/import and /export (wire.cache_move)
-    linear_state: bool | None = None  # SGLang's uses_mamba_radix_cache (a linear-attention model); None: not said
+from prfaas_sglang.wire.server_info import FactsError as FactsError
+from prfaas_sglang.wire.server_info import KvEventsEndpoint as KvEventsEndpoint
+from prfaas_sglang.wire.server_info import WorkerFacts as WorkerFacts
+from prfaas_sglang.wire.server_info import opt_int
+from prfaas_sglang.wire.server_info import parse_server_info as parse_server_info
 
 
 @dataclass(frozen=True)
@@ -76,73 +53,6 @@ class WorkerLoad:
     used_tokens: int
     max_total_tokens: int | None
     waiting_uncached_tokens: int = 0
-
-
-def _opt_int(obj: dict, key: str, lo: int = 0) -> int | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise FactsError(f"{key} must be an integer >= {lo}, got {value!r}")
-    return value
-
-
-def parse_server_info(info: Any) -> WorkerFacts:
-    """SGLang 0.5.15's ``/server_info`` (or the emulated engine's) -> the facts the router uses."""
-    if not isinstance(info, dict):
-        raise FactsError("server_info must be a JSON object")
-    page_size = _opt_int(info, "page_size", 1)
-    events = info.get("kv_events")
-    endpoint = None
-    if isinstance(events, dict) and events.get("endpoint_port_base") is not None:
-        port = _opt_int(events, "endpoint_port_base", 1)
-        block = _opt_int(events, "block_size", 1) or page_size
-        topic = events.get("topic") or ""
-        if not isinstance(topic, str):
-            raise FactsError("kv_events.topic must be a string")
-        endpoint = KvEventsEndpoint(port, topic, block)
-        page_size = page_size or block
-    if page_size is None:
-        raise FactsError("page_size is missing")
-    emulated = info.get("prfaas") if isinstance(info.get("prfaas"), dict) else None
-    block_hash = emulated.get("block_hash", HASH_SCHEME) if emulated else HASH_SCHEME
-    name = info.get("served_model_name")
-    if isinstance(name, list):  # SGLang accepts several; the first is the canonical one
-        name = name[0] if name else None
-    return WorkerFacts(
-        served_model_name=name if isinstance(name, str) else None,
-        page_size=page_size,
-        disaggregation_mode=info.get("disaggregation_mode") if isinstance(info.get("disaggregation_mode"), str) else None,
-        max_total_tokens=_opt_int(info, "max_total_num_tokens", 1),
-        max_running_requests=_opt_int(info, "max_running_requests", 1),
-        context_length=_opt_int(info, "context_length", 1),
-        kv_events=endpoint,
-        block_hash=str(block_hash),
-        tokenizer_path=info.get("tokenizer_path") if isinstance(info.get("tokenizer_path"), str) else None,
-        emulated=emulated,
-        version=str(info["version"]) if info.get("version") is not None else None,
-        cache_import=_serves_cache_moves(info, emulated),
-        linear_state=_linear_state(info),
-    )
-
-
-def _linear_state(info: dict) -> bool | None:
-    """Whether the worker's prefix cache holds linear-attention state (SGLang 0.5.15's
-    ``uses_mamba_radix_cache``); None when it does not say, or keeps no prefix cache (a decode worker
-    by default: SGLang then reports False even for a hybrid model, and no reuse is predicted there)."""
-    uses = info.get("uses_mamba_radix_cache")
-    if not isinstance(uses, bool) or info.get("disable_radix_cache") is not False:
-        return None
-    return uses
-
-
-def _serves_cache_moves(info: dict, emulated: dict | None) -> bool:
-    """The emulated engine says so in its ``prfaas`` section; an SGLang server with our
-    ``cache-move-routes`` hook in ``prfaas_cache_move`` (``hooks/cache_move.SERVER_INFO_KEY``)."""
-    if emulated is not None:
-        return emulated.get("cache_import") is True
-    section = info.get("prfaas_cache_move")
-    return isinstance(section, dict) and section.get("v") == 1 and section.get("served") is True
 
 
 def parse_loads(body: Any) -> WorkerLoad:
@@ -155,11 +65,11 @@ def parse_loads(body: Any) -> WorkerLoad:
     for rank in loads:
         if not isinstance(rank, dict):
             raise FactsError("each load must be an object")
-        running += _opt_int(rank, "num_running_reqs") or 0
-        waiting += _opt_int(rank, "num_waiting_reqs") or 0
-        used += _opt_int(rank, "num_used_tokens") or 0
-        uncached += _opt_int(rank, "num_waiting_uncached_tokens") or 0
-        pool = _opt_int(rank, "max_total_num_tokens")
+        running += opt_int(rank, "num_running_reqs") or 0
+        waiting += opt_int(rank, "num_waiting_reqs") or 0
+        used += opt_int(rank, "num_used_tokens") or 0
+        uncached += opt_int(rank, "num_waiting_uncached_tokens") or 0
+        pool = opt_int(rank, "max_total_num_tokens")
         total = None if pool is None or total is None else total + pool
     return WorkerLoad(running, waiting, used, total, uncached)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prfaas_sglang.bench.stats import percentile
 from prfaas_sglang.router.policy import PRFAAS
 from prfaas_sglang.sim.fleet import Simulation
+from prfaas_sglang.stats import percentile
 
 
 def meets_slo(req, ttft_slo_s: float, slo_tokens_per_s: float) -> bool:

@@ -3,20 +3,20 @@ Mooncake-format trace (timestamps, lengths, prefix blocks), replicated to scale 
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.plan.workload import TruncatedLogNormal
+from prfaas_sglang.plan.workload import CASE_STUDY_LENGTHS, TruncatedLogNormal, read_trace
 from prfaas_sglang.sim.nodes import SimRequest
 
-CASE_STUDY = {"mu": 9.90, "sigma": 1.00, "min_tokens": 128, "max_tokens": 131_072}
+CASE_STUDY = CASE_STUDY_LENGTHS.config()  # a phase's lengths as a ``workload:`` mapping
 
 
 def lognormal(params: dict) -> TruncatedLogNormal:
+    """The log-normal of a ``workload:`` mapping (``mu``, ``sigma``, ``min_tokens``, ``max_tokens``)."""
     return TruncatedLogNormal(params["mu"], params["sigma"], params["min_tokens"], params["max_tokens"])
 
 
@@ -46,31 +46,17 @@ def trace(path: Path, copies: int = 1, limit: int | None = None, time_scale: flo
     compresses time (more load, same requests)."""
     if copies < 1 or not time_scale > 0:
         raise ConfigError("--copies", f"copies must be >= 1 and time_scale > 0, got {copies}, {time_scale}")
-    if not Path(path).is_file():
-        raise ConfigError("--trace", f"no trace file {path}")
-    records = []
-    with Path(path).open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                records.append((float(obj["timestamp"]) / 1e3, int(obj["input_length"]), int(obj["output_length"]),
-                                tuple(int(h) for h in obj["hash_ids"])))
-            except (ValueError, KeyError, TypeError) as err:
-                raise ConfigError(f"{path}:{lineno}", f"not a Mooncake trace record ({err!r})") from None
-            if limit is not None and len(records) >= limit:
-                break
+    records = list(read_trace(path, "--trace", limit))
     if not records:
         raise ConfigError(str(path), "trace has no records")
-    span = max(h for r in records for h in r[3]) + 1 if any(r[3] for r in records) else 0
+    span = max(h for r in records for h in r.hash_ids) + 1 if any(r.hash_ids for r in records) else 0
     out = []
     for copy in range(copies):
         offset = copy * span
         jitter = copy * 1e-3  # copies do not arrive in the same instant
-        for i, (ts, n_in, n_out, blocks) in enumerate(records):
-            out.append(SimRequest(f"c{copy}-{i}", ts * time_scale + jitter, max(n_in, 1), max(n_out, 1),
-                                  tuple(h + offset for h in blocks)))
+        for i, r in enumerate(records):
+            out.append(SimRequest(f"c{copy}-{i}", r.timestamp_ms / 1e3 * time_scale + jitter, r.input_length,
+                                  max(r.output_length, 1), tuple(h + offset for h in r.hash_ids)))
     out.sort(key=lambda r: r.arrival_s)
     return out
 

@@ -24,7 +24,8 @@ processor (image, audio or video parts) raise :class:`TokenizeError`.
 
 ``load("prfaas-tiny-chatml")`` resolves a shipped tokenizer
 (``tokenizer/data/``); anything else is a directory or hub id for
-``AutoTokenizer``.
+``AutoTokenizer``. ``train`` is the shipped tokenizer's recipe
+(``python -m prfaas_sglang.tokenizer.train``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from prfaas_sglang.errors import ConfigError, TokenizeError
+
+# The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): an I/O package;
+# these modules of it are pure.
+PURE_MODULES = ()
 
 __all__ = ["PromptTokenizer", "TokenizeError", "detect_content_format", "resolve", "SHIPPED"]
 

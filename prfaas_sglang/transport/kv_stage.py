@@ -14,7 +14,7 @@ the blocks are grouped by *destination* runs alone::
 
 A run of several small sources is copied, in order, into a region of a registered staging buffer
 and written as one request; a run of one source, or of sources already large
-(:data:`STAGE_BELOW_BYTES` on average), goes as it is. The sender (``hooks/kv_stage.py``) does the
+(:data:`STAGE_BELOW_BYTES` on average), goes as it is. The sender's stager (``transport/kv_stager.py``) does the
 copying and holds each region until every write of its batch has ended, then frees it here
 (:class:`StagingArena`).
 """

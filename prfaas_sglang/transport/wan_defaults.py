@@ -47,7 +47,7 @@ SESSION_PROBE_INTERVAL_S = 2  # a peer back on the link takes new KV within abou
 # whose peer is gone ends within 2 minutes
 KEEPALIVE = "60,10,6"
 # The PrfaaS worker's KV staging buffer (MiB, on the KV's device): four 64 MiB chunks' worth of scattered
-# runs in flight at once; beyond that, runs go unstaged (hooks/kv_stage.py)
+# runs in flight at once; beyond that, runs go unstaged (transport/kv_stager.py)
 STAGING_MIB = 256
 # The decode's KV reserve (tokens; hooks/decode_stage.py caps it at an eighth of the pool): room for a few
 # scattered prompts' KV in flight at once; a prompt that does not fit goes to its own pages as before

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from prfaas_sglang.bench.aiperf_check import hub_cache_with_shipped_tokenizer
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 
@@ -16,6 +18,7 @@ print(list(AutoTokenizer.from_pretrained(path)(["hello world, the same ids"])["i
 """
 
 
+@pytest.mark.slow
 def test_offline_hub_lookup_finds_the_shipped_tokenizer(tmp_path):
     cache, repo = hub_cache_with_shipped_tokenizer(tmp_path / "hub")
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}

@@ -30,6 +30,7 @@ class Words:
 SETTING = CapacitySetting(speedup=4.0, scored_per_seed=30, warmup_s=10.0)
 
 
+@pytest.mark.slow
 def test_a_run_scores_the_arrivals_after_the_warm_up_and_keeps_the_load_on_after_them():
     arrivals, scored = schedule(Stream(SETTING, 0, Words()), SETTING, 1.0, 30)
     assert len(scored) == 30
@@ -39,6 +40,7 @@ def test_a_run_scores_the_arrivals_after_the_warm_up_and_keeps_the_load_on_after
     assert offsets[-1] == pytest.approx(offsets[scored.stop - 1] + cooldown, abs=3.0)
 
 
+@pytest.mark.slow
 def test_every_load_plays_the_same_prompts_in_the_same_order():
     stream = Stream(SETTING, 1, Words())
     slow, _ = schedule(stream, SETTING, 0.5, 30)

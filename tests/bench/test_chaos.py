@@ -20,6 +20,7 @@ from prfaas_sglang.demo import netns
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"the PrfaaS link's namespace: {netns.available()}")
 
 
+@pytest.mark.slow
 def test_sixty_seconds_of_chaos_leave_nothing_hung_truncated_reset_or_held():
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "chaos", "--duration", "60", "--json"],
                           capture_output=True, text=True, timeout=600)
@@ -38,6 +39,7 @@ def test_sixty_seconds_of_chaos_leave_nothing_hung_truncated_reset_or_held():
     assert result["front"] is True and tally["reset"] == 0  # behind the front (the default), as in Kubernetes
 
 
+@pytest.mark.slow
 def test_without_the_front_connections_break_only_while_the_router_is_dead():
     """Clients sent straight to the router (--no-front): a killed router can only reset its own
     connections; nothing else breaks, hangs or is truncated."""

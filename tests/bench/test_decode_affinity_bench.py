@@ -4,9 +4,12 @@ turns on its decode worker."""
 
 from __future__ import annotations
 
+import pytest
+
 from prfaas_sglang.bench import decode_affinity
 
 
+@pytest.mark.slow
 def test_a_small_run_completes_and_affinity_holds_every_later_turn():
     result = decode_affinity.run(seeds=1, conversations=2, turns=2, decode_workers=2, models=("qwen3-235b-a22b",))
     rows = {r["row"]: r for r in result["rows"]}

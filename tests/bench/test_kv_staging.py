@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prfaas_sglang.bench import kv_staging
 
 
+@pytest.mark.slow
 def test_every_mode_lands_the_kv_intact_and_staging_takes_the_writes_down_to_one_per_buffer_and_chunk(tmp_path):
     from prfaas_sglang.transport.linkem import unavailable
 

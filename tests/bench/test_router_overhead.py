@@ -52,6 +52,7 @@ def test_a_cpu_the_router_cannot_have_alone_is_refused_with_the_reason():
     assert proc.returncode == 2 and "--router-cpu: CPU" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin apart")
 def test_bench_router_overhead_smoke_with_the_router_on_its_own_cpu():
     """A short run through a real router and two emulated workers: every request answered on both
@@ -69,6 +70,7 @@ def test_bench_router_overhead_smoke_with_the_router_on_its_own_cpu():
     assert result["legs_ms"]["p50"] > 0
 
 
+@pytest.mark.slow
 def test_bench_router_overhead_routes_the_same_requests_through_a_compiled_peer():
     """``--peers``: the same body, interleaved with the other paths, through smg (PD mode over the
     same two workers), every request answered; ``--wakeup-samples``: the machine's local round

@@ -45,7 +45,7 @@ from sglang.srt.utils.auth import add_api_key_middleware  # noqa: E402
 
 from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache, cpu_radix_cache  # noqa: E402
 from prfaas_sglang.hooks import hybrid_cache  # noqa: E402
-from prfaas_sglang.hooks.cache_move import install_routes, run_steps, start_agent  # noqa: E402
+from prfaas_sglang.hooks.cache_move_hook import install_routes, run_steps, start_agent  # noqa: E402
 from prfaas_sglang.security import load_keys  # noqa: E402
 
 KV_TOKENS, STATE_SLOTS = 256, 8

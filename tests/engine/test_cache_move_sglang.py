@@ -1,4 +1,4 @@
-"""Cache moves in the real SGLang path (``hooks/cache_move.py``), on CPU.
+"""Cache moves in the real SGLang path (``hooks/cache_move_hook.py``), on CPU.
 
 Two worker processes (``cache_move_worker.py``: SGLang's pools and radix cache, SGLang's Mooncake
 transfer engine over TCP, the agent and routes our hooks install, SGLang's ``--api-key``
@@ -20,8 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import requests
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.wire.auth import AUTH_HEADER, DeploymentKeys, sign
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
@@ -50,9 +50,9 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline_s: float =
         if proc.poll() is not None:
             raise AssertionError(f"worker exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if requests.post(url + "/probe/held", json={"tokens": [1]}, headers=KEYS.bearer(), timeout=2).ok:
+            if http_sync.post(url + "/probe/held", json_body={"tokens": [1]}, headers=KEYS.bearer(), timeout_s=2).ok:
                 return
-        except requests.RequestException:
+        except http_sync.HttpError:
             pass
         time.sleep(0.5)
     raise AssertionError(f"worker not ready:\n{log.read_text()[-3000:]}")
@@ -79,7 +79,7 @@ def workers(tmp_path_factory):
 
 
 def held(url: str, tokens: list[int]) -> dict:
-    r = requests.post(url + "/probe/held", json={"tokens": tokens}, headers=KEYS.bearer(), timeout=10)
+    r = http_sync.post(url + "/probe/held", json_body={"tokens": tokens}, headers=KEYS.bearer(), timeout_s=10)
     r.raise_for_status()
     return r.json()
 
@@ -113,6 +113,7 @@ def router_move(source: str, target: str, prompt: list[int], tokens: int) -> dic
 
 
 
+@pytest.mark.slow
 def test_the_routers_move_lands_the_prefix_in_the_target_with_the_sources_bytes(workers):
     """A prefix cached only in the source's SGLang cache: the router's move makes the target fetch it
     (Mooncake TCP into a landing buffer, then an insert on the scheduler thread); the target then
@@ -126,9 +127,9 @@ def test_the_routers_move_lands_the_prefix_in_the_target_with_the_sources_bytes(
     after = held(target, prompt)
     assert after["held"] == len(LONG) and after["digest"] == before["digest"]
     assert accounting_holds(after) and accounting_holds(held(source, prompt))
-    again = requests.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout=30,
-                          json=CacheImport(prompt, len(LONG), source, 10.0).to_json())
-    assert again.status_code == 200
+    again = http_sync.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout_s=30,
+                           json_body=CacheImport(prompt, len(LONG), source, 10.0).to_json())
+    assert again.status == 200
     assert CacheImported.decode(again.json()) == CacheImported(0, len(LONG), 0, None)
 
 
@@ -144,9 +145,9 @@ def test_an_unreachable_source_fails_the_move_promptly_and_allocates_nothing(wor
     _, target = workers
     dead = f"http://127.0.0.1:{PortPicker()()}"
     started = time.monotonic()
-    r = requests.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout=30,
-                      json=CacheImport(list(range(900, 913)), 12, dead, 10.0).to_json())
-    assert r.status_code == 502 and "cannot fetch the prefix" in r.json()["error"]["message"]
+    r = http_sync.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout_s=30,
+                       json_body=CacheImport(list(range(900, 913)), 12, dead, 10.0).to_json())
+    assert r.status == 502 and "cannot fetch the prefix" in r.json()["error"]["message"]
     assert time.monotonic() - started < 5.0
     after = held(target, [1])
     assert accounting_holds(after) and after["quarantined_bytes"] == 0  # never asked: its buffer is gone
@@ -160,10 +161,10 @@ def test_a_source_that_takes_the_request_and_goes_silent_times_out_and_its_landi
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         started = time.monotonic()
-        r = requests.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout=30,
-                          json=CacheImport(list(range(700, 713)), 12, url, 1.0).to_json())
+        r = http_sync.post(target + "/prfaas/cache/import", headers=KEYS.bearer(), timeout_s=30,
+                           json_body=CacheImport(list(range(700, 713)), 12, url, 1.0).to_json())
         elapsed = time.monotonic() - started
-    assert r.status_code in (502, 504) and elapsed < 4.0
+    assert r.status in (502, 504) and elapsed < 4.0
     after = held(target, [1])
     assert accounting_holds(after) and after["quarantined_bytes"] > 0
 
@@ -180,16 +181,16 @@ def _signed(body: bytes, key: bytes = KEYS.handoff_key) -> dict:
 def test_moves_need_the_worker_key_and_an_export_a_fresh_signature(workers):
     source, target = workers
     body = CacheImport(LONG + [1], len(LONG), source, 10.0).to_json()
-    assert requests.post(target + "/prfaas/cache/import", json=body, timeout=10).status_code == 401  # SGLang's middleware
+    assert http_sync.post(target + "/prfaas/cache/import", json_body=body, timeout_s=10).status == 401  # SGLang's middleware
     export = _export_body(len(LONG), 10)
-    assert requests.post(source + "/prfaas/cache/export", data=export, timeout=10,
-                         headers={**KEYS.bearer(), "Content-Type": "application/json"}).status_code == 401
+    assert http_sync.post(source + "/prfaas/cache/export", data=export, timeout_s=10,
+                          headers={**KEYS.bearer(), "Content-Type": "application/json"}).status == 401
     other = DeploymentKeys.from_secret(b"another deployment's secret, also long enough").handoff_key
-    assert requests.post(source + "/prfaas/cache/export", data=export, headers=_signed(export, other), timeout=10).status_code == 401
+    assert http_sync.post(source + "/prfaas/cache/export", data=export, headers=_signed(export, other), timeout_s=10).status == 401
     headers = _signed(export)
-    first = requests.post(source + "/prfaas/cache/export", data=export, headers=headers, timeout=10)
-    assert first.status_code == 400 and "smaller than the prefix" in first.json()["error"]["message"]  # signed: reaches the agent
-    assert requests.post(source + "/prfaas/cache/export", data=export, headers=headers, timeout=10).status_code == 401  # replay
+    first = http_sync.post(source + "/prfaas/cache/export", data=export, headers=headers, timeout_s=10)
+    assert first.status == 400 and "smaller than the prefix" in first.json()["error"]["message"]  # signed: reaches the agent
+    assert http_sync.post(source + "/prfaas/cache/export", data=export, headers=headers, timeout_s=10).status == 401  # replay
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[]", b'{"v": 1}', json.dumps(
@@ -197,9 +198,9 @@ def test_moves_need_the_worker_key_and_an_export_a_fresh_signature(workers):
     json.dumps({"v": 9, "token_ids": [1], "num_tokens": 1, "source_url": "http://x", "timeout_s": 1}).encode()])
 def test_a_malformed_import_is_a_400_with_a_reason(workers, body):
     _, target = workers
-    r = requests.post(target + "/prfaas/cache/import", data=body, timeout=10,
-                      headers={**KEYS.bearer(), "Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = http_sync.post(target + "/prfaas/cache/import", data=body, timeout_s=10,
+                       headers={**KEYS.bearer(), "Content-Type": "application/json"})
+    assert r.status == 400 and r.json()["error"]["message"]
     assert accounting_holds(held(target, [1]))
 
 
@@ -207,7 +208,7 @@ def test_a_malformed_import_is_a_400_with_a_reason(workers, body):
 
 
 def test_a_step_the_scheduler_has_not_started_by_the_deadline_is_cancelled_and_never_runs():
-    from prfaas_sglang.hooks.cache_move import MoveRefused, SchedulerSteps
+    from prfaas_sglang.hooks.cache_move_hook import MoveRefused, SchedulerSteps
 
     steps, ran = SchedulerSteps(), []
     with pytest.raises(MoveRefused) as err:
@@ -221,7 +222,7 @@ def test_servers_that_cannot_move_answer_501_with_the_reason(monkeypatch):
     from fastapi.testclient import TestClient
     from sglang.srt.server_args import ServerArgs
 
-    from prfaas_sglang.hooks.cache_move import install_routes, unsupported_reason
+    from prfaas_sglang.hooks.cache_move_hook import install_routes, unsupported_reason
 
     fields = set(ServerArgs.__dataclass_fields__)
     assert {"disaggregation_mode", "disaggregation_transfer_backend", "tp_size", "pp_size", "dp_size", "api_key"} <= fields
@@ -242,7 +243,7 @@ def test_servers_that_cannot_move_answer_501_with_the_reason(monkeypatch):
 def test_the_routes_hook_adds_them_to_sglangs_app_for_prefill_roles_only(monkeypatch):
     from sglang.srt.entrypoints import http_server
 
-    from prfaas_sglang.hooks.cache_move import add_routes
+    from prfaas_sglang.hooks.cache_move_hook import add_routes
 
     def paths():
         return [r.path for r in http_server.app.routes if getattr(r, "path", "").startswith("/prfaas/cache/")]

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParam
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
-from prfaas_sglang.hooks import hybrid_cache  # noqa: E402
+from prfaas_sglang.hooks import cache_backend, hybrid_cache  # noqa: E402
 from prfaas_sglang.hooks.decode_radix import (  # noqa: E402
     DecodeMambaRadixCache,
     DecodeRadixConfigError,
@@ -239,6 +239,7 @@ def _reference_match(tree: DecodeMambaRadixCache, ids: list[int]) -> int:
     return n
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(1, 12), st.booleans()),
                       min_size=4, max_size=14))
@@ -279,7 +280,7 @@ def test_the_patched_builder_builds_the_decode_cache_and_refuses_what_it_cannot_
 
     from prfaas_sglang.bench.sglang_cpu import cpu_decode_hybrid_cache
 
-    hybrid_cache.register_backends()
+    cache_backend.register_backends()
     built = cpu_decode_hybrid_cache(DecodeMambaRadixCache, 64, MAX_RUNNING, PRE_ALLOC)
 
     def build(backend: str | None, strategy: str = "no_buffer", mode: str = "decode"):

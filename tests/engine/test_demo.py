@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from helpers import TRACE, run_py
 
 REQUIRED = {"requests_ok", "requests_rejected", "requests_failed", "offload_fraction", "egress_gbps", "ttft_p50_s", "ttft_p90_s",
@@ -16,10 +17,11 @@ def children_with(marker: str) -> list[str]:
     return [line for line in out.splitlines() if marker in line and "prfaas_sglang.engine.mock" in line]
 
 
+@pytest.mark.slow
 def test_demo_case_study(tmp_path):
     # A distinctive context length marks this run's workers in `ps`.
     proc = run_py(["-m", "prfaas_sglang.demo", "--duration", "8", "--rate", "1.5", "--max-input-tokens", "40001",
-                   "--json", "--keep-logs", str(tmp_path)], timeout=120)
+                   "--json", "--keep-logs", str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     summary = json.loads(proc.stdout)
     assert REQUIRED <= set(summary)
@@ -41,10 +43,11 @@ def test_demo_case_study(tmp_path):
     assert str(tmp_path / "topology.yaml") not in ps  # the router is gone too
 
 
+@pytest.mark.slow
 def test_demo_trace_replay():
     trace = TRACE
     proc = run_py(["-m", "prfaas_sglang.demo", "--workload", f"trace:{trace}", "--duration", "4", "--max-requests", "60",
-                   "--json"], timeout=120)
+                   "--json"], timeout=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     summary = json.loads(proc.stdout)
     # Nothing fails. On a starved machine the router may shed a few (503 + Retry-After: its TTFT
@@ -54,6 +57,7 @@ def test_demo_trace_replay():
     assert 0 < summary["offload_fraction"] < 1  # routed by the PrfaaS router (x-prfaas-route)
 
 
+@pytest.mark.slow
 def test_demo_bad_input():
     proc = run_py(["-m", "prfaas_sglang.demo", "--workload", "poisson"])
     assert proc.returncode == 2 and proc.stderr.startswith("error: --workload:")

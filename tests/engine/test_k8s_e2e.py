@@ -2,7 +2,8 @@
 launch/local-two-cluster.yaml, run here as Kubernetes would run them (each pod's container
 command, arguments and environment, the ConfigMap's topology, the Secret's files), with pod DNS
 names and ports mapped onto loopback. The deployment serves requests on both clusters, every port
-a Service or probe names is open, and every metric the dashboard queries is exported."""
+a Service or probe names is open, and a real Prometheus scraping every pod accepts every query of
+the dashboard and answers each with data."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import os
 import secrets
 import socket
 import sys
-import urllib.request
+import time
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 
-from prfaas_sglang.bench.promql_lite import metric_names
+from prfaas_sglang.adapters import http_sync
+from prfaas_sglang.bench.prometheus import NoDataError, Prometheus, QueryError, ScrapeTarget
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
 from prfaas_sglang.launch import dashboard, k8s
 from prfaas_sglang.roles import Engine
@@ -63,6 +64,7 @@ def deployment(tmp_path_factory):
     admin_token = secrets.token_hex(16)
     group = ProcessGroup(tmp / "logs")
     pods: dict[str, dict] = {}
+    prometheus = None
     try:
         for cluster, pod, container in _pods(files):
             config = tmp / cluster / "topology.yaml"
@@ -87,10 +89,17 @@ def deployment(tmp_path_factory):
             group.start(pod, argv, env=env)
             url = f"http://127.0.0.1:{ports[(node, 'port')]}"
             pods[pod] = {"node": node, "container": container, "url": url}
+        # before the pods are healthy: Prometheus's first scrape comes ~5 s after its start
+        started_s = time.time()
+        prometheus = Prometheus.start([ScrapeTarget(pod.rsplit("-", 1)[0], pod, info["url"]) for pod, info in pods.items()],
+                                      tmp / "prometheus", scrape_interval_s=0.5)
         for pod, info in pods.items():  # all at once, as StatefulSets start: router and kv-index wait for workers
             group.wait_healthy(info["url"] + "/health", next(p for p in group.procs if p.name == pod), timeout_s=90)
-        yield {"pods": pods, "ports": ports, "router": pods["router-0"]["url"], "files": files, "group": group}
+        yield {"pods": pods, "ports": ports, "router": pods["router-0"]["url"], "files": files, "group": group,
+               "prometheus": prometheus, "started_s": started_s}
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         group.stop()
 
 
@@ -99,29 +108,30 @@ def _wait_routable(url: str, n: int) -> None:
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        workers = requests.get(url + "/status", timeout=5).json()["workers"]
+        workers = http_sync.get(url + "/status", timeout_s=5).json()["workers"]
         if sum(bool(w["healthy"] and w["page_size"]) for w in workers.values()) >= n:
             return
         time.sleep(0.3)
     raise AssertionError(f"router never saw {n} routable workers: {workers}")
 
 
+@pytest.mark.slow
 def test_the_deployed_manifests_serve_requests_on_both_clusters(deployment):
     url = deployment["router"]
     _wait_routable(url, 3)
-    threshold = requests.get(url + "/status", timeout=5).json()["threshold_tokens"]
+    threshold = http_sync.get(url + "/status", timeout_s=5).json()["threshold_tokens"]
     routes = []
     for k, n in enumerate((300, 900, int(threshold) + 4096, int(threshold) + 8192)):
         ids = [(7919 * (k * 100_000 + i)) % VOCAB for i in range(n)]
-        resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4},
-                                                      "stream": k % 2 == 1}, timeout=120)
-        assert resp.status_code == 200, resp.text[:300]
+        resp = http_sync.post(url + "/generate", json_body={"input_ids": ids, "sampling_params": {"max_new_tokens": 4},
+                                                           "stream": k % 2 == 1}, timeout_s=120)
+        assert resp.status == 200, resp.text[:300]
         routes.append(resp.headers["x-prfaas-route"].split("/")[0])
     assert routes == ["pd", "pd", "prfaas", "prfaas"]  # short ones local, long ones over the PrfaaS -> PD-D path
-    resp = requests.post(url + "/v1/chat/completions", json={"model": "tiny-hybrid", "max_tokens": 4,
-                                                             "messages": [{"role": "user", "content": "hello there"}]},
-                         timeout=60)
-    assert resp.status_code == 200, resp.text[:300]
+    resp = http_sync.post(url + "/v1/chat/completions", json_body={"model": "tiny-hybrid", "max_tokens": 4,
+                                                                  "messages": [{"role": "user", "content": "hello there"}]},
+                          timeout_s=60)
+    assert resp.status == 200, resp.text[:300]
 
 
 def test_every_port_a_service_or_probe_names_is_open(deployment):
@@ -134,17 +144,35 @@ def test_every_port_a_service_or_probe_names_is_open(deployment):
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe in info["container"]:
                 get = info["container"][probe]["httpGet"]
-                with urllib.request.urlopen(info["url"] + get["path"], timeout=5) as resp:
-                    assert resp.status == 200, (pod, probe)
+                assert http_sync.get(info["url"] + get["path"], timeout_s=5).status == 200, (pod, probe)
     assert checked >= 10
 
 
-def test_every_metric_the_dashboard_queries_is_exported(deployment):
+def test_prometheus_answers_every_dashboard_query_with_data(deployment):
+    prometheus = deployment["prometheus"]
     test_the_deployed_manifests_serve_requests_on_both_clusters(deployment)  # some traffic first (histograms)
-    exported: set[str] = set()
-    for info in deployment["pods"].values():
-        text = requests.get(info["url"] + "/metrics", timeout=5).text
-        exported |= {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
-    wanted = {name for q in dashboard.queries() for name in metric_names(q)}
-    assert wanted, "the dashboard queries nothing"
-    assert wanted <= exported, sorted(wanted - exported)
+    prometheus.wait_scraped(time.time(), scrapes=2)  # every pod up, and two samples of each series since: rates
+    queries = dashboard.queries()
+    assert len(queries) >= 20, "the dashboard lost its queries"
+    results = prometheus.require_data(queries)  # QueryError: rejected; NoDataError: a metric nothing exports
+    workers = {pod for pod, info in deployment["pods"].items() if info["node"] not in ("router", "kv-index")}
+    running = next(q for q in queries if "sglang:num_running_reqs" in q)
+    assert {s.labels["pod"] for s in results[running]} == workers  # the per-worker panels: one line per pod
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("sum by (pod) (rate(prfaas:kv_bytes_sent_totl[1m]))", NoDataError),  # a metric no pod exports
+    ("max by (pod) (sglang:token_usage{pod=\"no-such-pod\"})", NoDataError),  # a label value none has
+    ("sum by (pod) (rate(prfaas:kv_bytes_sent_total[1m])", QueryError),  # unbalanced: a parse error
+    ("rate(prfaas_router_routed_total)", QueryError),  # an instant vector where a range is due
+])
+def test_the_query_check_fails_on_an_unexported_metric_or_a_rejected_query(deployment, bad, error):
+    prometheus = deployment["prometheus"]
+    prometheus.wait_scraped(deployment["started_s"], scrapes=1)
+    good = "max(prfaas_router_threshold_tokens)"
+    with pytest.raises(error) as raised:
+        prometheus.require_data([good, bad])
+    if error is NoDataError:
+        assert raised.value.exprs == [bad]
+    else:
+        assert raised.value.expr == bad and raised.value.error_type == "bad_data", raised.value

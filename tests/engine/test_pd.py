@@ -8,10 +8,10 @@ import threading
 
 import msgspec
 import pytest
-import requests
 import zmq
 from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import scrape_metric
 from prfaas_sglang.engine.mock.timing import load_timing
 from prfaas_sglang.transport.kv_send import split_even, timed_write_bytes
@@ -35,9 +35,9 @@ def pd_request(prefill, decode, body: dict, path: str = "/generate", room: int |
     room = next(_rooms) if room is None else room
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": room}
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("p", requests.post(prefill.url + path, json=body, timeout=timeout)))
+    t = threading.Thread(target=lambda: result.setdefault("p", http_sync.post(prefill.url + path, json_body=body, timeout_s=timeout)))
     t.start()
-    d = requests.post(decode.url + path, json=body, timeout=timeout)
+    d = http_sync.post(decode.url + path, json_body=body, timeout_s=timeout)
     t.join()
     return result["p"], d
 
@@ -54,7 +54,7 @@ def test_decode_receives_exactly_s_kv_times_scale(pair):
     expected_total = expected_writes = 0
     for n in (1_000, 8_000, 32_000):
         p, d = pd_request(prefill, decode, {"input_ids": list(range(n)), "sampling_params": {"max_new_tokens": 3}})
-        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        assert p.status == 200 and d.status == 200, (p.text, d.text)
         expected = timing.kv_bytes(n)
         assert d.json()["meta_info"]["prfaas"]["kv_bytes"] == expected
         assert p.json()["meta_info"]["prfaas"]["kv_bytes"] == expected
@@ -84,7 +84,7 @@ def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pai
     prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE),
                            "--context-tokens", "65536", "--bootstrap-timeout-s", "2", events=True,
                            env={"PRFAAS_PREFILL_CACHE": "shared"})
-    info = requests.get(prefill.url + "/server_info", timeout=5).json()
+    info = http_sync.get(prefill.url + "/server_info", timeout_s=5).json()
     assert info["prfaas"]["prefill_cache"] == "shared"
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{prefill.kv_events_port}")
@@ -96,7 +96,7 @@ def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pai
     try:
         for n in range(4):  # unique long prompts: the bulk of a PrfaaS worker's traffic
             p, d = pd_request(prefill, decode, {"input_ids": [50_000 + n] * 6_000, "sampling_params": {"max_new_tokens": 1}})
-            assert p.status_code == 200 and d.status_code == 200
+            assert p.status == 200 and d.status == 200
         with pytest.raises(zmq.Again):
             sub.recv_multipart()  # nothing was inserted, nothing published
         assert metric(prefill, "prfaas:prefill_transfer_only_total") == 4 and metric(prefill, "prfaas:prefill_kept_total") == 0
@@ -113,7 +113,7 @@ def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pai
         stem, tail = [70_000] * 4_096, [70_001] * 4_096
         hinted = {"max_new_tokens": 1, "custom_params": {"prfaas_checkpoint_tokens": 4_096}}
         p, _ = pd_request(prefill, decode, {"input_ids": stem + tail, "sampling_params": hinted})
-        assert p.status_code == 200 and metric(prefill, "prfaas:prefill_kept_total") == 3
+        assert p.status == 200 and metric(prefill, "prfaas:prefill_kept_total") == 3
         p, _ = pd_request(prefill, decode, {"input_ids": stem + tail + [5] * 100, "sampling_params": {"max_new_tokens": 1}})
         assert p.json()["meta_info"]["cached_tokens"] == 4_096
     finally:
@@ -151,10 +151,10 @@ def pd_stream(prefill, decode, path: str, body: dict) -> list[str]:
     """The same streaming body to both workers, as a router sends it; the decode worker's SSE lines."""
     body = {**body, "stream": True, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
             "bootstrap_room": next(_rooms)}
-    t = threading.Thread(target=requests.post, args=(prefill.url + path,), kwargs={"json": body, "timeout": 30})
+    t = threading.Thread(target=http_sync.post, args=(prefill.url + path,), kwargs={"json_body": body, "timeout_s": 30})
     t.start()
-    with requests.post(decode.url + path, json=body, stream=True, timeout=30) as resp:
-        lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
+    with http_sync.stream("POST", decode.url + path, json_body=body, timeout_s=30) as resp:
+        lines = [line.decode() for line in resp.lines() if line]
     t.join()
     return lines
 
@@ -180,17 +180,17 @@ def test_stream_options_include_usage(pair):
 class TestBadInput:
     def test_malformed_json_and_missing_fields(self, pair):
         prefill, decode = pair
-        r = requests.post(decode.url + "/generate", data="{not json", timeout=5)
-        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-        r = requests.post(decode.url + "/generate", json={"input_ids": [1, 2]}, timeout=5)
-        assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
-        r = requests.post(prefill.url + "/v1/completions", json={"prompt": None}, timeout=5)
-        assert r.status_code == 400
+        r = http_sync.post(decode.url + "/generate", data="{not json", timeout_s=5)
+        assert r.status == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = http_sync.post(decode.url + "/generate", json_body={"input_ids": [1, 2]}, timeout_s=5)
+        assert r.status == 400 and "bootstrap" in r.json()["error"]["message"]
+        r = http_sync.post(prefill.url + "/v1/completions", json_body={"prompt": None}, timeout_s=5)
+        assert r.status == 400
 
     def test_prompt_beyond_context(self, pair):
         prefill, decode = pair
         p, d = pd_request(prefill, decode, {"input_ids": [1] * 70_000})
-        assert p.status_code == 400 and d.status_code == 400
+        assert p.status == 400 and d.status == 400
         assert "exceeds the context length 65536" in d.json()["error"]["message"]
 
     def test_unknown_room_and_malformed_hand_off_on_kv_ready(self, pair):
@@ -198,19 +198,19 @@ class TestBadInput:
 
         _, decode = pair
         ready = KvReady(123456789, True, 64, 0, 1, 0.01).to_json()
-        r = requests.post(decode.url + "/prfaas/kv_ready", json=ready, timeout=5)
-        assert r.status_code == 404 and "unknown bootstrap room" in r.json()["error"]["message"]
+        r = http_sync.post(decode.url + "/prfaas/kv_ready", json_body=ready, timeout_s=5)
+        assert r.status == 404 and "unknown bootstrap room" in r.json()["error"]["message"]
         for bad in ({"room": 1, "ok": True}, {**ready, "v": 99}, {**ready, "room": "x"}, [1]):
-            r = requests.post(decode.url + "/prfaas/kv_ready", json=bad, timeout=5)
-            assert r.status_code == 400, bad
+            r = http_sync.post(decode.url + "/prfaas/kv_ready", json_body=bad, timeout_s=5)
+            assert r.status == 400, bad
 
     def test_decode_without_prefill_partner_times_out_and_frees(self, pair):
         prefill, decode = pair
         free_before = metric(decode, "prfaas:kv_buffer_free_bytes")
         body = {"input_ids": list(range(4_000)), "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": next(_rooms)}
-        r = requests.post(decode.url + "/generate", json=body, timeout=30)
-        assert r.status_code == 504 and "no prefill partner" in r.json()["error"]["message"]
+        r = http_sync.post(decode.url + "/generate", json_body=body, timeout_s=30)
+        assert r.status == 504 and "no prefill partner" in r.json()["error"]["message"]
         assert metric(decode, "prfaas:kv_buffer_free_bytes") == free_before
         assert metric(decode, "prfaas:open_rooms") == 0
 
@@ -218,36 +218,36 @@ class TestBadInput:
         prefill, _ = pair
         body = {"input_ids": [1, 2, 3], "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
                 "bootstrap_room": next(_rooms)}
-        r = requests.post(prefill.url + "/generate", json=body, timeout=30)
-        assert r.status_code == 503 and "no decode worker registered" in r.json()["error"]["message"]
+        r = http_sync.post(prefill.url + "/generate", json_body=body, timeout_s=30)
+        assert r.status == 503 and "no decode worker registered" in r.json()["error"]["message"]
         assert metric(prefill, "prfaas:open_rooms") == 0
 
     def test_unreachable_bootstrap_server(self, pair):
         _, decode = pair
         body = {"input_ids": [1, 2, 3], "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": next(_rooms)}
-        r = requests.post(decode.url + "/generate", json=body, timeout=30)
-        assert r.status_code == 502 and "cannot reach the prefill bootstrap server" in r.json()["error"]["message"]
+        r = http_sync.post(decode.url + "/generate", json_body=body, timeout_s=30)
+        assert r.status == 502 and "cannot reach the prefill bootstrap server" in r.json()["error"]["message"]
 
     def test_workers_still_serve_after_bad_input(self, pair):
         prefill, decode = pair
         p, d = pd_request(prefill, decode, {"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 2}})
-        assert p.status_code == 200 and d.status_code == 200
+        assert p.status == 200 and d.status == 200
 
 
 def test_router_facing_surface(pair):
     prefill, decode = pair
-    assert requests.get(decode.url + "/v1/models", timeout=5).json()["data"][0]["owned_by"] == "sglang"
-    info = requests.get(prefill.url + "/server_info", timeout=5).json()
+    assert http_sync.get(decode.url + "/v1/models", timeout_s=5).json()["data"][0]["owned_by"] == "sglang"
+    info = http_sync.get(prefill.url + "/server_info", timeout_s=5).json()
     assert info["dp_size"] == 1 and info["max_total_num_tokens"] > 0 and info["disaggregation_mode"] == "prefill"
     assert info["kv_events"]["block_size"] == info["page_size"] == 512
-    assert requests.get(prefill.url + "/get_server_info", timeout=5).json() == info
-    assert requests.get(decode.url + "/get_model_info", timeout=5).status_code == 200
-    assert requests.get(decode.url + "/get_load", timeout=5).json()[0]["dp_rank"] == 0
-    loads = requests.get(decode.url + "/v1/loads", timeout=5).json()["loads"][0]
+    assert http_sync.get(prefill.url + "/get_server_info", timeout_s=5).json() == info
+    assert http_sync.get(decode.url + "/get_model_info", timeout_s=5).status == 200
+    assert http_sync.get(decode.url + "/get_load", timeout_s=5).json()[0]["dp_rank"] == 0
+    loads = http_sync.get(decode.url + "/v1/loads", timeout_s=5).json()["loads"][0]
     # SGLang 0.5.15's GetLoadsReqOutput core fields, which the router reads
     for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "max_running_requests"):
         assert isinstance(loads[key], int), key
-    assert "sglang:num_running_reqs" in requests.get(decode.url + "/metrics", timeout=5).text
-    assert requests.get(decode.url + "/version", timeout=5).status_code == 404
-    assert requests.post(prefill.url + "/flush_cache", timeout=5).status_code == 200
-    assert requests.get(decode.url + "/health_generate", timeout=5).status_code == 200
+    assert "sglang:num_running_reqs" in http_sync.get(decode.url + "/metrics", timeout_s=5).text
+    assert http_sync.get(decode.url + "/version", timeout_s=5).status == 404
+    assert http_sync.post(prefill.url + "/flush_cache", timeout_s=5).status == 200
+    assert http_sync.get(decode.url + "/health_generate", timeout_s=5).status == 200

@@ -30,6 +30,7 @@ def sse_events(resp) -> list[str]:
     return [line[6:] for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: ")]
 
 
+@pytest.mark.slow
 def test_generate_non_streaming(router):
     url, _ = router
     r = requests.post(url + "/generate", json={"input_ids": list(range(2_000)), "sampling_params": {"max_new_tokens": 6}}, timeout=60)
@@ -80,6 +81,7 @@ def test_router_spreads_nothing_it_should_not(router):
     assert "prfaas:open_rooms{" in text and 'prfaas:open_rooms{model_name="kimi-linear-1t-hybrid"} 0' in text
 
 
+@pytest.mark.slow
 def test_a_peer_router_whose_picked_port_was_taken_starts_again_on_new_ports(module_procs, monkeypatch):
     """A port picked free can be taken before the peer router binds it (CI saw sglang-router exit with
     "Address already in use" for its Prometheus port): it is started again on new ports, not failed."""

@@ -28,7 +28,7 @@ sglang_kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
-from prfaas_sglang.hooks import hybrid_cache  # noqa: E402
+from prfaas_sglang.hooks import cache_backend, hybrid_cache  # noqa: E402
 
 MAMBA_SLOTS = 6
 KV_TOKENS = 96
@@ -134,6 +134,7 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 4])
 @settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS)
@@ -208,13 +209,13 @@ def test_the_registered_factory_builds_ours_where_sglang_builds_a_mamba_radix_ca
         c = ctx(**kw)
         default = default_radix_cache_factory(c)
         assert hybrid_cache.default_builds_mamba_radix_cache(c) == (type(default) is MambaRadixCache), kw
-        ours = hybrid_cache.build_tree_cache(c)
+        ours = cache_backend.build_tree_cache(c)
         if type(default) is MambaRadixCache:
             assert type(ours) is hybrid_cache.StateEventsMambaRadixCache
         else:
             assert type(ours) is type(default)
     monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "auto")
-    ours = hybrid_cache.build_tree_cache(ctx())
+    ours = cache_backend.build_tree_cache(ctx())
     assert ours.admission.mode == "auto"
     assert ours.admission.capacity_tokens == real.kv.size == KV_TOKENS
     assert ours.admission.capacity_states == real.req_pool.mamba_pool.size == MAMBA_SLOTS
@@ -233,7 +234,7 @@ def test_scheduler_publisher_over_zmq_to_the_kv_index():
 
     from prfaas_sglang.demo.cluster import PortPicker
 
-    hybrid_cache.register_backends()
+    cache_backend.register_backends()
     port = PortPicker()()
     config = json.dumps({"publisher": hybrid_cache.EVENT_PUBLISHER, "endpoint": f"tcp://*:{port}", "topic": "kv-events"})
     real = RealCache(page_size=1)
@@ -300,7 +301,7 @@ def test_the_registered_factory_puts_admission_where_sglang_builds_a_plain_radix
             c = ctx(**kw)
             default = default_radix_cache_factory(c)
             assert hybrid_cache.default_builds_radix_cache(c) == (type(default) is RadixCache), kw
-            ours = hybrid_cache.build_tree_cache(c)
+            ours = cache_backend.build_tree_cache(c)
             if type(default) is RadixCache and env is not None:
                 assert type(ours) is hybrid_cache.AdmissionRadixCache and ours.admission.mode == env
                 # the token pool bounds a full-attention tree; no state slots
@@ -312,7 +313,7 @@ def test_the_registered_factory_puts_admission_where_sglang_builds_a_plain_radix
         assert not hybrid_cache.default_builds_radix_cache(ctx(**kw)), kw  # other branches of the chain
     monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "sometimes")
     with pytest.raises(ValueError, match="all, shared, auto, none"):
-        hybrid_cache.build_tree_cache(ctx())
+        cache_backend.build_tree_cache(ctx())
 
 
 # --- prefix cache vs transfer cache (kvindex/admission.py) on SGLang's own request flows -------------
@@ -692,6 +693,7 @@ SWA_OPS = st.lists(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size,window_tokens", [(1, 3), (4, 6), (4, 8)])
 @settings(max_examples=700, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=SWA_OPS)
@@ -736,13 +738,13 @@ def test_the_registered_factory_builds_ours_where_sglang_builds_an_swa_radix_cac
         default = default_radix_cache_factory(c)
         assert hybrid_cache.default_builds_swa_radix_cache(c) == (type(default) is SWARadixCache), kw
         assert not hybrid_cache.default_builds_mamba_radix_cache(c)  # SWA comes first in the chain
-        ours = hybrid_cache.build_tree_cache(c)
+        ours = cache_backend.build_tree_cache(c)
         if type(default) is SWARadixCache:
             assert type(ours) is hybrid_cache.StateEventsSWARadixCache and ours.admission is None
         else:
             assert type(ours) is type(default)
     monkeypatch.setenv("PRFAAS_PREFILL_CACHE", "auto")
-    ours = hybrid_cache.build_tree_cache(ctx())
+    ours = cache_backend.build_tree_cache(ctx())
     assert ours.admission.mode == "auto"
     assert (ours.admission.capacity_tokens, ours.admission.capacity_states) == (SWA_FULL_TOKENS, None)
 

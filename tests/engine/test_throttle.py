@@ -14,8 +14,8 @@ import threading
 import time
 
 import pytest
-import requests
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
 from prfaas_sglang.demo.netns import Netns
 from prfaas_sglang.engine.mock.timing import load_timing
@@ -28,7 +28,7 @@ RATE_MBIT = 40
 @pytest.fixture(scope="module")
 def link():
     """A namespace joined to the root namespace by a veth pair; removed afterwards."""
-    with Netns(random.randrange(16, 250)) as net:
+    with Netns() as net:
         yield net
 
 
@@ -58,13 +58,13 @@ def pd_request(workers, tokens: list[int]) -> tuple[dict, dict]:
     body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1},
             "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": random.getrandbits(63)}
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("p", requests.post(workers["prefill"] + "/generate", json=body, timeout=120)))
+    t = threading.Thread(target=lambda: out.setdefault("p", http_sync.post(workers["prefill"] + "/generate", json_body=body, timeout_s=120)))
     start = time.perf_counter()
     t.start()
-    d = requests.post(workers["decode"] + "/generate", json=body, timeout=120)
+    d = http_sync.post(workers["decode"] + "/generate", json_body=body, timeout_s=120)
     ttft_s = time.perf_counter() - start
     t.join()
-    assert out["p"].status_code == 200 and d.status_code == 200, (out["p"].text, d.text)
+    assert out["p"].status == 200 and d.status == 200, (out["p"].text, d.text)
     return out["p"].json()["meta_info"], {**d.json()["meta_info"], "ttft_s": ttft_s}
 
 
@@ -94,7 +94,7 @@ def test_with_the_link_down_nothing_for_the_namespace_leaves_the_host():
     through the default route (a gateway there answered the router's prefill legs with 404)."""
     import subprocess
 
-    with Netns(random.randrange(16, 250)) as net:
+    with Netns() as net:
         subprocess.run(["ip", "link", "set", net.outer, "down"], check=True)
         route = subprocess.run(["ip", "route", "get", net.inner_ip], capture_output=True, text=True)
         assert route.returncode != 0 and "via" not in route.stdout, route.stdout + route.stderr

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO_ROOT
 
-from prfaas_sglang.gpu import e2e
+from prfaas_sglang.demo.cluster import ProcessGroup, log_tail
+from prfaas_sglang.gpu import checks, e2e
 from prfaas_sglang.launch.command import sglang_command
 from prfaas_sglang.roles import Role, role_contract_violations
 from prfaas_sglang.topology import Node
@@ -125,7 +126,7 @@ def test_the_single_role_is_a_plain_server_and_the_upstream_profile_sets_nothing
 
 
 def test_stop_kills_children_that_outlive_their_parent(tmp_path):
-    procs = e2e.Processes(tmp_path / "logs")
+    procs = ProcessGroup(tmp_path / "logs")
     script = "import subprocess, sys; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); sys.exit(0)"
     parent = procs.start("orphaning", [sys.executable, "-c", script], dict(os.environ))
     parent.wait(timeout=30)
@@ -148,21 +149,21 @@ def test_stop_kills_children_that_outlive_their_parent(tmp_path):
 
 
 def test_stop_by_name_leaves_the_others_running_and_forgets_the_stopped(tmp_path):
-    procs = e2e.Processes(tmp_path / "logs")
+    procs = ProcessGroup(tmp_path / "logs")
     for name in ("reference", "router"):
         procs.start(name, [sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ))
     try:
         assert procs.stop(["router"]) == []
-        assert set(procs.procs) == {"reference"} and procs.procs["reference"].poll() is None
+        assert {p.name for p in procs.procs} == {"reference"} and procs.latest("reference").poll() is None
     finally:
         procs.stop()
-    assert procs.procs["reference"].poll() is not None
+    assert procs.latest("reference").poll() is not None
 
 
 def test_a_forked_copy_of_the_harness_stops_none_of_its_servers(tmp_path):
     """A child forked from the harness (pyroute2's netns helpers are) that unwinds through the harness's
     ``finally`` must not stop the servers: they are its parent's."""
-    procs = e2e.Processes(tmp_path / "logs")
+    procs = ProcessGroup(tmp_path / "logs")
     server = procs.start("reference", [sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ))
     try:
         pid = os.fork()
@@ -208,13 +209,13 @@ def test_a_failed_start_reports_the_servers_last_words():
     log = ("[t] Ignore import error when loading sglang.srt.models.x: No module named 'cutlass'\n"
            "[t] Scheduler hit an exception\nRuntimeError: Not enough GPU memory\n\n"
            "[t] Health check failed. Server couldn't get a response\n" + "x" * 500 + "\n")
-    assert e2e.log_tail(log, width=20) == "[t] Scheduler hit an | RuntimeError: Not en | " + "x" * 20
-    assert e2e.log_tail("") == "(empty)"
+    assert log_tail(log, width=20) == "[t] Scheduler hit an | RuntimeError: Not en | " + "x" * 20
+    assert log_tail("") == "(empty)"
 
 
 def test_shaped_link_runs_first_failover_last_and_the_others_keep_their_order():
-    assert e2e.run_order(["failover", "hooks", "shaped-link", "routing"]) == ["shaped-link", "hooks", "routing", "failover"]
-    assert e2e.run_order(["routing", "hooks"]) == ["routing", "hooks"]
+    assert checks.run_order(["failover", "hooks", "shaped-link", "routing"]) == ["shaped-link", "hooks", "routing", "failover"]
+    assert checks.run_order(["routing", "hooks"]) == ["routing", "hooks"]
 
 
 def test_the_shaped_link_topology_states_the_shaped_rate(tmp_path):
@@ -236,6 +237,7 @@ def test_shaped_medians_take_answered_rows_and_compare_to_upstream():
     assert shaped_medians([{"profile": "wan", "tokens": 1, "ttft_s": 1.0, "status": 200}])["ratio_to_upstream"] == {"wan": {}}
 
 
+@pytest.mark.slow
 def test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading(tmp_path):
     site = e2e.broken_hook_site(tmp_path / "broken")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)])}
@@ -345,6 +347,7 @@ def test_the_shaped_links_delay_adds_its_round_trip_or_says_why_not():
                 assert [q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=host)] in ([], ["noqueue"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
 def test_inside_the_shaped_namespace_torchs_rendezvous_with_itself_completes():
     """The namespace reaches no DNS server; torch's TCPStore (SGLang's rank-0 rendezvous) timed out
@@ -389,6 +392,7 @@ def test_the_shaped_namespace_is_made_under_uvloops_policy_too():
         asyncio.set_event_loop_policy(before)
 
 
+@pytest.mark.slow
 def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
     """SGLang loads plugins before it configures logging, so the plugin's INFO lines never print;
     check a reads PRFAAS_HOOK_REPORT instead: one line per process, every hook verified."""
@@ -410,6 +414,7 @@ def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
     assert "unreadable" in e2e.hook_report_problems(["{", *lines], names)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_root_with_netns() is not None, reason=str(_root_with_netns()))
 def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, monkeypatch):
     """The harness's dry run (--engine mock: shaped-link, routing, kv-index, failover): the same namespace,
@@ -425,10 +430,10 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     monkeypatch.setattr(netlink, "delay_unavailable", lambda: None)
     monkeypatch.setattr(netlink, "set_delay", delays.append)
     profile = dataclasses.replace(e2e.GPU_PROFILE, shaped_repeats=2)  # the GPU's 5 add time, not coverage, here
-    monkeypatch.setattr(e2e, "profile_for", lambda engine: profile)
+    monkeypatch.setattr(checks, "profile_for", lambda engine: profile)
     make_model(tmp_path / "model", log=lambda _line: None)
     lines: list[str] = []
-    result = e2e.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock")
+    result = checks.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock")
     assert result["ok"], result["failed"]
     assert result["passed"] == ["shaped-link", "routing", "kv-index", "failover"]  # the link first, then the shared deployment
     kv_rows = {r["prompt"]: r for r in result["checks"]["kv-index"]["rows"]}
@@ -463,6 +468,7 @@ def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
     assert wrong.returncode == 2 and "runs shaped-link, routing, kv-index, failover only" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_real_sglang_on_cpu_serves_both_routes_through_the_launcher():
     """Real SGLang 0.5.15 servers on this CPU (``--engine sglang-cpu``: a tiny Llama, SGLang's CPU engine)
     started by our launcher in every role, behind our router: short prompts prefilled on PD-P, long ones
@@ -478,7 +484,7 @@ def test_real_sglang_on_cpu_serves_both_routes_through_the_launcher():
       or fails with a clear error, none hangs (all hung on SGLang's blocking abort notice to the dead
       prefill: hook ``abort-notify-nonblocking``)."""
     lines: list[str] = []
-    result = e2e.run(None, None, ("routing", "kv-index", "failover"), lines.append, engine="sglang-cpu")
+    result = checks.run(None, None, ("routing", "kv-index", "failover"), lines.append, engine="sglang-cpu")
     assert result["ok"], result["failed"]
     assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
     # SGLang's own counters agree: each prefill served its route's two, the decode all four

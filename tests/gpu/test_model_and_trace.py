@@ -72,6 +72,7 @@ def test_bad_model_configs_get_clear_errors(tmp_path):
         make_model(tmp_path / "m", config=tmp_path / "bad", log=lambda _line: None)
 
 
+@pytest.mark.slow
 def test_the_trace_sees_modules_and_the_libraries_they_map():
     traced = run_trace(["sglang.srt.disaggregation.mooncake.conn", "mooncake.engine", "no_such_module_here"], None)
     assert traced["failed"] == {"no_such_module_here": "ModuleNotFoundError: No module named 'no_such_module_here'"}

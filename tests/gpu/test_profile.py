@@ -57,6 +57,7 @@ def cpu_profile(tmp_path_factory):
     return out, json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_profile_on_real_sglang_on_cpu_writes_a_profile_the_planner_loads(cpu_profile):
     """The whole pipeline on SGLang's CPU engine (a tiny Llama): server through the launcher, prefill,
     cached prefix, decode steps, the engine's own pools, the file, the roofline beside it."""
@@ -97,6 +98,8 @@ def test_the_variants_are_the_roofline_the_measured_profile_and_it_twice_as_slow
     assert ttft_estimate_s("parse;dur=0.4") is None
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # the real engine's TTFTs are what it learns from: other tests' load on the 2 cores skews them
 def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_what_it_sees(cpu_profile):
     """``bench predict`` on SGLang's CPU engine: the measured profile as given, then twice as slow with
     the router's online calibration. On two cores the PD path's TTFT is mostly a per-request cost

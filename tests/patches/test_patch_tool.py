@@ -121,6 +121,7 @@ class TestApply:
 
 
 class TestPatchedWheel:
+    @pytest.mark.slow
     def test_patched_wheel_has_version_label_content_and_valid_record(self, tmp_path):
         pristine = find_or_download_wheel("0.5.15")
         series = load_series(FIXTURE_PATCHES)
@@ -149,6 +150,7 @@ class TestPatchedWheel:
                 expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 assert digest == f"sha256={expected}" and int(size) == len(data), name
 
+    @pytest.mark.slow
     def test_apply_wheel_out_cli_writes_the_image_wheel(self, tmp_path):
         series = load_series(FIXTURE_PATCHES)
         proc = patches_cli("--patches-dir", str(FIXTURE_PATCHES), "apply", "--wheel-out", str(tmp_path))
@@ -164,12 +166,14 @@ class TestPatchedWheel:
 
 
 class TestRebaseCheck:
+    @pytest.mark.slow
     def test_rebase_check_table_on_a_given_wheel(self):
         wheel = find_or_download_wheel("0.5.15")
         proc = patches_cli("--patches-dir", str(FIXTURE_PATCHES), "rebase-check", "--wheel", str(wheel))
         assert proc.returncode == 0, proc.stderr
         assert "| 0001-launch-make-plugin-failures-fatal.patch | applies |" in proc.stdout
 
+    @pytest.mark.slow
     def test_rebase_check_reports_failure_per_patch(self, fixture_series_dir):
         corrupt_context_line(fixture_series_dir / "0001-launch-make-plugin-failures-fatal.patch")
         wheel = find_or_download_wheel("0.5.15")
@@ -182,6 +186,7 @@ class TestRebaseCheck:
             "0002-launch-add-seam-module.patch": "applies",
         }
 
+    @pytest.mark.slow
     @pytest.mark.network
     def test_rebase_check_downloads_the_newer_release(self):
         """The acceptance command: downloads sglang 0.5.23 from the index and prints a table."""
@@ -275,6 +280,7 @@ class TestUpstreamApi:
             assert found is not None, target
             assert [name.strip("*/") for name in found if name != "*"] == list(signature.parameters), target
 
+    @pytest.mark.slow
     def test_rebase_check_lists_hooks_and_backends(self):
         wheel = find_or_download_wheel("0.5.15")
         proc = patches_cli("--patches-dir", str(FIXTURE_PATCHES), "rebase-check", "--wheel", str(wheel), "--json")

@@ -4,6 +4,8 @@ and serving afterwards. The recorded run (>= 2,000 cases) is ``bench api-fuzz --
 
 from __future__ import annotations
 
+import pytest
+
 from prfaas_sglang.bench import api_fuzz
 
 
@@ -16,6 +18,7 @@ def test_the_published_description_is_openapi_3_and_names_the_served_model(tmp_p
     assert {"/generate", "/v1/completions", "/v1/chat/completions", "/admin/workers"} <= set(doc["paths"])
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error_and_the_deployment_survives():
     # One schemathesis worker: with two threads, CPython 3.11.7's ast raised a spurious "AST constructor
     # recursion depth mismatch" inside hypothesis (python/cpython#106905, a threaded race in ast2obj).

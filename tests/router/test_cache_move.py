@@ -146,6 +146,7 @@ def test_wire_round_trip_and_refusals():
             CacheImport.decode(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(netns.available() is not None, reason=f"shaped link: {netns.available()}")
 def test_bench_cache_transfer_smoke():
     """The benchmark's CLI end to end on one rate and one length: every mode ran, the moved runs moved

@@ -15,6 +15,7 @@ from prfaas_sglang.demo import netns
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"shaped link: {netns.available()}")
 
 
+@pytest.mark.slow
 def test_quick_capacity_run(tmp_path):
     out = tmp_path / "piece.json"
     proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--capacity", "--quick", "--json", "--out", str(out)], timeout=600)

@@ -86,6 +86,7 @@ def _cached(response: requests.Response) -> int:
     return response.json()["meta_info"]["cached_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hints", [True, False])
 def test_end_to_end_the_second_sighting_leaves_a_state_at_the_shared_prefix(tmp_path, hints):
     """Emulated hybrid workers, chunk checkpoints every 8,192 tokens: a 1,536-token prefix followed by

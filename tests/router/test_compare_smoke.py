@@ -14,6 +14,7 @@ from prfaas_sglang.demo import netns
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"shaped link: {netns.available()}")
 
 
+@pytest.mark.slow
 def test_compare_runs_every_row_and_reports_ratios():
     proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--seeds", "1", "--duration", "4", "--load", "0.5", "--json"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -37,6 +38,7 @@ def test_compare_runs_every_row_and_reports_ratios():
     assert result["threshold_tokens"] == compare.hetero_model(setting).baseline_threshold_tokens
 
 
+@pytest.mark.slow
 def test_the_scarce_link_binds_the_naive_row():
     """Every prefill remote over the scarce link: the wire carries >= 90% of the capacity at its peak
     and never more than the capacity plus the tbf bucket over any window."""

@@ -64,6 +64,7 @@ def poisson(rate: float, duration_s: float, lengths, seed: int, max_new: int = 8
         out.append((t, [rng.randrange(32_000) for _ in range(n)], max_new))
 
 
+@pytest.mark.slow
 def test_pd_prefill_overload_lowers_t_and_the_queue_drains(tmp_path):
     """The operator's t (40K) keeps every 12-30K prompt on the H20 PD-P worker, which takes ~2 of the 3 req/s
     offered; the H200 PrfaaS worker idles. The controller must move work to it."""
@@ -93,6 +94,7 @@ def test_pd_prefill_overload_lowers_t_and_the_queue_drains(tmp_path):
     assert any(r["route"].startswith("prfaas/") for r in log if r["t"] > first_lower)
 
 
+@pytest.mark.slow
 def test_one_and_a_half_times_capacity_is_served_queued_or_refused_up_front(tmp_path):
     """A small decode pool and a load 1.5x the runtime model's capacity. The router may only dispatch a decode
     leg where its KV fits: the rest wait in the router or get 429/503 with Retry-After before any work."""
@@ -132,6 +134,7 @@ def test_one_and_a_half_times_capacity_is_served_queued_or_refused_up_front(tmp_
            "rejected": status["rejected"]})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [0, -1])
 def test_router_flags_are_checked(bad, tmp_path):
     from helpers import run_py

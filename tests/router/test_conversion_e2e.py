@@ -62,6 +62,7 @@ def _decodes_of_recent(url: str, last: int = 10) -> set[str]:
     return {r["decode"] for r in _status(url)["recent"][-last:]}
 
 
+@pytest.mark.slow
 def test_pd_prefill_becomes_decode_under_load_with_no_request_lost(tmp_path):
     group, dep = _deploy(tmp_path, "in-place")
     url = dep.router.url
@@ -134,6 +135,7 @@ def test_pd_prefill_becomes_decode_under_load_with_no_request_lost(tmp_path):
         group.stop()
 
 
+@pytest.mark.slow
 def test_supervisor_restarts_the_engine_in_the_other_role(tmp_path):
     """SGLang 0.5.15's path (role_switch: restart): the launcher runs the engine under its supervisor,
     which answers /pd_role_switch by stopping the engine and starting it in the other role."""
@@ -190,6 +192,7 @@ def test_topology_refuses_bad_role_switch_settings(node, problem):
         parse_topology(doc)
 
 
+@pytest.mark.slow
 def test_router_long_term_loop_converts_a_decode_worker_when_pd_prefill_saturates(tmp_path):
     """The router runs the simulator's long-term controller (``--long-term``): short prompts and short
     outputs keep both PD-P workers busy while decode idles, so it converts one decode worker into a

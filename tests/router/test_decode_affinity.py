@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
+import pytest
 import requests
 
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
@@ -68,6 +69,7 @@ def _conversations(url: str, n_conversations: int = 3, turns: int = 3) -> list[d
     return out
 
 
+@pytest.mark.slow
 def test_a_conversation_stays_on_the_decode_worker_that_holds_it_and_ships_only_what_is_new(tmp_path):
     group, dep = _deploy(tmp_path)
     try:
@@ -84,6 +86,7 @@ def test_a_conversation_stays_on_the_decode_worker_that_holds_it_and_ships_only_
             assert t["held"] >= t["earlier"] - 2 * 512, t
 
 
+@pytest.mark.slow
 def test_without_affinity_the_router_still_knows_what_each_decode_worker_holds(tmp_path):
     """The same conversations with affinity off (``--decode-affinity-slack -1``): the decode worker is
     chosen by free KV alone (``tests/router/test_policy.py::TestDecodeAffinity``), and whatever it
@@ -102,6 +105,7 @@ def test_without_affinity_the_router_still_knows_what_each_decode_worker_holds(t
     assert held_total == sum(t["held"] for t in turns)
 
 
+@pytest.mark.slow
 def test_a_decode_affinity_slack_above_one_or_not_a_number_is_refused(tmp_path):
     import yaml
     from helpers import run_py

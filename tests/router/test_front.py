@@ -57,6 +57,7 @@ def test_only_the_data_plane_and_reads_are_sent_again_once_the_router_may_have_t
     assert not may_resend("POST", "/flush_cache")
 
 
+@pytest.mark.slow
 def test_requests_in_flight_and_arriving_while_the_router_is_dead_are_answered_or_end_with_an_error_event(deployment):
     group, front, router = deployment["group"], deployment["front"], deployment["router"]
     body = {"input_ids": ids(10_000, 300), "sampling_params": {"max_new_tokens": 300}}

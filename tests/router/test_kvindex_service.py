@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import pytest
 import requests
 import yaml
 
@@ -29,6 +30,7 @@ def prefill_through(pp0, d0, prompt: list[int], room: int, index_url: str, min_b
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
     group = ProcessGroup(tmp_path / "logs")
     try:
@@ -62,6 +64,7 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         group.stop()
 
 
+@pytest.mark.slow
 def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_path):
     """Issue #16: a restarted router's KV index was empty until new events refilled it, so the first
     requests after a restart were routed as if nothing were cached. It now takes the kv-index
@@ -108,6 +111,7 @@ def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_
         group.stop()
 
 
+@pytest.mark.slow
 def test_the_kv_index_waits_for_a_worker_that_starts_after_it(tmp_path):
     """On Kubernetes the kv-index and the workers start together: a worker not answering yet is
     asked again (``--wait-workers-s``) instead of failing the kv-index at once; past the wait it
@@ -139,6 +143,7 @@ def test_the_kv_index_waits_for_a_worker_that_starts_after_it(tmp_path):
         group.stop()
 
 
+@pytest.mark.slow
 def test_the_kv_index_waits_for_its_workers_at_once_not_one_after_another(tmp_path, monkeypatch):
     """Two workers that answer only once both are being asked: waited for one after another, the
     first wait would never end (the barrier breaks); waited for at once, both answer."""

@@ -59,6 +59,7 @@ def sse(resp) -> list[dict]:
     return [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True) if line.startswith("data: {")]
 
 
+@pytest.mark.slow
 def test_text_completion_end_to_end(shipped):
     url = shipped["router"]
     r = requests.post(url + "/v1/completions", json={"model": "tiny-hybrid", "prompt": "Prefill as a service, " * 40,
@@ -125,6 +126,7 @@ def test_each_process_logged_to_its_own_file(shipped):
                                                               "router.log", "kv-index.log"}
 
 
+@pytest.mark.slow
 def test_a_repeated_conversation_sent_as_text_keeps_its_prefix_worker(tmp_path):
     """Two PD-P workers. Turn 1 is sent while pd-prefill-0 is drained, so it lands on pd-prefill-1; then
     turn 2 (turn 1 + the answer + a new question, as chat text) must follow its prefix there, although

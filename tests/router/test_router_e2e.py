@@ -71,6 +71,7 @@ def wait_for_index(url: str, worker: str, min_blocks: int) -> None:
     raise AssertionError(f"the router's KV index never saw {min_blocks} blocks of {worker}")
 
 
+@pytest.mark.slow
 def test_short_stays_local_long_goes_to_prfaas(deployment):
     url = deployment["url"]
     short = generate(url, list(range(100_000, 104_000)))
@@ -270,6 +271,7 @@ def test_router_metrics_after_traffic(deployment):
     assert count >= 1  # the streaming test above went through this router
 
 
+@pytest.mark.slow
 def test_early_rejection_with_retry_after(deployment):
     """A second router over the same workers, with a TTFT bound only an idle worker meets: a burst of
     long prompts queues up, and what would wait is refused up front with 503 + Retry-After."""
@@ -344,6 +346,7 @@ def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
     assert 'prfaas:open_rooms{model_name="m"} 0' in decode_metrics
 
 
+@pytest.mark.slow
 def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path):
     """Telemetry in the worker wire format, published here as a PrfaaS worker would, goes through the
     router's subscriber and aggregator into the controller: a busy link delivering a tenth of nominal
@@ -441,6 +444,7 @@ def test_prefill_client_error_is_returned_not_raised():
     assert asyncio.run(scenario()) == (400, True)
 
 
+@pytest.mark.slow
 def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path):
     """Kill the PrfaaS worker while long prefills run on it: every request completes via PD-P."""
     import threading

@@ -63,6 +63,7 @@ def secured(tmp_path_factory):
         group.stop()
 
 
+@pytest.mark.slow
 def test_requests_flow_with_signed_hand_offs_and_authenticated_event_streams(secured):
     _, d, _ = secured
     ids = list(range(3_000_000, 3_000_000 + 16 * PAGE))
@@ -82,6 +83,7 @@ def test_requests_flow_with_signed_hand_offs_and_authenticated_event_streams(sec
     assert subs["link:prfaas-0"]["frames"] > 0 and subs["link:prfaas-0"]["auth_failures"] == 0, subs
 
 
+@pytest.mark.slow
 def test_the_router_refuses_the_event_stream_of_a_node_without_the_secret(secured):
     _, d, keys = secured
     rogue = d.worker("pd-prefill").url
@@ -236,6 +238,7 @@ def test_the_router_serves_tls_when_given_a_certificate(secured):
     proc.wait(timeout=20)
 
 
+@pytest.mark.slow
 def test_a_router_refuses_half_a_tls_configuration_or_a_bad_certificate(tmp_path):
     from helpers import run_py
 

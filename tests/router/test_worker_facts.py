@@ -46,6 +46,7 @@ def sglang_server_info() -> dict:
     return _probe("decode")
 
 
+@pytest.mark.slow
 def test_real_server_info_parses_to_the_facts_the_router_uses(sglang_server_info):
     facts = parse_server_info(sglang_server_info)
     assert facts.page_size == 64 and facts.kv_events.block_size == 64 and facts.kv_events.port == 5559
@@ -65,7 +66,7 @@ def test_an_sglang_worker_serves_cache_moves_only_when_its_server_info_says_so(s
 
     from sglang.srt.entrypoints import http_server
 
-    from prfaas_sglang.hooks.cache_move import add_routes
+    from prfaas_sglang.hooks.cache_move_hook import add_routes
 
     assert parse_server_info(sglang_server_info).cache_import is False  # a stock SGLang server
     monkeypatch.setattr(http_server.app.router, "routes", list(http_server.app.router.routes))  # undone after
@@ -130,6 +131,7 @@ def test_facts_that_contradict_the_deployment_are_refused(candidate, peers, emul
     assert problem in check_facts(record("a"), candidate, peers, emulation)
 
 
+@pytest.mark.slow
 def test_a_hybrid_sglang_worker_must_run_under_a_cost_model_with_linear_state(sglang_server_info):
     """SGLang's own /server_info of the tiny Qwen3-Next prefill says uses_mamba_radix_cache; under a
     cost model without linear-attention state the kv-index would predict reuse SGLang cannot give, so

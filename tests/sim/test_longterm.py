@@ -84,6 +84,7 @@ def test_confirmation_is_needed(runtime):
     assert ctl.observe(120, saturated, 24_000) is not None  # second in a row
 
 
+@pytest.mark.slow
 def test_an_idle_fleet_is_not_resplit(runtime):
     """The model would gain, but no stage is busy and no queue grows: nothing to win now."""
     ctl = LongTermController(runtime, SETTINGS)
@@ -92,6 +93,7 @@ def test_an_idle_fleet_is_not_resplit(runtime):
     assert ctl.describe()["decision"].startswith("stay") and ctl.describe()["gain"] > SETTINGS.min_gain
 
 
+@pytest.mark.slow
 def test_a_growing_queue_counts_as_saturation(runtime):
     ctl = LongTermController(runtime, SETTINGS)
     for i, n in enumerate(lengths(2.0, 600)):

@@ -19,6 +19,7 @@ from prfaas_sglang.sim.nodes import BlockCache
 from prfaas_sglang.sim.report import summarize
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet, binding", [
     (CASE_STUDY, "prfaas-compute"),
     (FleetSpec(4, 6, 2), "pd-decode"),
@@ -56,6 +57,7 @@ def test_workload_shift_long_term_controller_reaches_the_optimum():
     assert fixed["goodput_rps"] < 0.5 * optimum["goodput_rps"]
 
 
+@pytest.mark.slow
 def test_a_conversion_drains_then_switches_and_loses_nothing():
     sim = Simulation(FleetSpec(2, 2, 2), SimSettings(
         longterm=LongTermSettings(interval_s=30, window_s=120, min_dwell_s=60, confirm=1, min_requests=20),
@@ -82,6 +84,7 @@ def _assert_nothing_held(sim: Simulation) -> None:
             assert node.pool.used_tokens == 0
 
 
+@pytest.mark.slow
 def test_trace_prefix_reuse_goes_through_the_kv_index():
     """The first 1,500 trace requests: the KV index sees the workers' events; requests routed to a
     worker holding their prefix compute only the rest, and the router's credit matches the worker's."""
@@ -109,6 +112,7 @@ def test_block_cache_matches_hybrid_prefixes_only_up_to_a_state():
     assert cache.match((1, 2, 3), hybrid=True) == 0
 
 
+@pytest.mark.slow
 def test_link_capacity_drop_is_seen_by_the_threshold_controller():
     """The link drops to 2 Gbit/s at 300 s: the router's estimate follows and t rises."""
     sim = Simulation(CASE_STUDY, SimSettings(link_schedule=((300.0, 2.0),)))
@@ -120,6 +124,7 @@ def test_link_capacity_drop_is_seen_by_the_threshold_controller():
     assert after[-1]["threshold_tokens"] > before[-1]["threshold_tokens"]
 
 
+@pytest.mark.slow
 def test_cli_json_and_plot(tmp_path):
     out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--scenario", "case-study", "--duration-s", "600",
                           "--warmup-s", "120", "--json", "--plot", str(tmp_path)], capture_output=True, text=True,
@@ -132,6 +137,7 @@ def test_cli_json_and_plot(tmp_path):
     assert (tmp_path / "timeseries.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_input():
     out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--scenario", "trace"], capture_output=True,
                          text=True, timeout=120, cwd=REPO_ROOT)
@@ -144,6 +150,7 @@ def test_cli_refuses_bad_input():
     assert out.returncode == 2 and "no trace file" in out.stderr
 
 
+@pytest.mark.slow
 def test_summary_counts_every_arrival():
     sim = Simulation(FleetSpec(1, 1, 1))
     requests = list(workloads.poisson(0.5, 300, 3, sim.runtime.output_tokens))

@@ -30,7 +30,7 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from prfaas_sglang.bench.layerwise import (  # noqa: E402
+from prfaas_sglang.bench.layerwise_bench import (  # noqa: E402
     make_kv_args,
     manager_server_args,
     open_room,
@@ -189,8 +189,8 @@ def collected_metrics(async_sender, prefill_manager) -> dict | None:
 def main_layerwise() -> dict:
     """PROBE_LAYERWISE=1: three requests of three 64-token chunks through SGLang's scheduling code,
     written layer by layer and announced through the kv-layerwise hooks; after each layer, wait for
-    its pages to reach the decode before writing the next (``prfaas_sglang.bench.layerwise.rounds``)."""
-    from prfaas_sglang.bench.layerwise import rounds
+    its pages to reach the decode before writing the next (``prfaas_sglang.bench.layerwise_bench.rounds``)."""
+    from prfaas_sglang.bench.layerwise_bench import rounds
 
     return rounds(BOOT_PORT, SERVER_ARGS, wait_each_layer=True)
 

@@ -50,7 +50,7 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 import numpy as np  # noqa: E402
 
 from prfaas_sglang.adapters.sockopts import mooncake_connections  # noqa: E402
-from prfaas_sglang.bench.layerwise import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
+from prfaas_sglang.bench.layerwise_bench import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()

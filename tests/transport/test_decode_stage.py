@@ -120,6 +120,7 @@ def test_a_malformed_reserve_size_stops_startup(monkeypatch):
     assert staging_tokens_from_env() == 4096
 
 
+@pytest.mark.slow
 def test_sglang_sends_prompts_scattered_on_both_sides_as_one_write_per_buffer_and_chunk():
     """SGLang's own Mooncake managers on CPU (the probe): three requests of three 64-page chunks, pages
     random on both sides. With the PrfaaS side's staging buffer and the decode's reserve, each chunk is

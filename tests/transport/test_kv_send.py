@@ -34,7 +34,6 @@ from prfaas_sglang.adapters.sockopts import (
     mooncake_connections,
 )
 from prfaas_sglang.demo.cluster import PortPicker
-from prfaas_sglang.hooks.kv_send import AsyncKvSender, DetachedManager
 from prfaas_sglang.transport.kv_send import (
     DONE,
     FAILED,
@@ -45,6 +44,7 @@ from prfaas_sglang.transport.kv_send import (
     split_even,
     timed_write_bytes,
 )
+from prfaas_sglang.transport.kv_sender import AsyncKvSender, DetachedManager
 
 CHUNKS, REQUESTS, BUFFERS, PAGES_PER_CHUNK = 3, 3, 8, 64
 
@@ -505,6 +505,7 @@ class TestKeepAlive:
         assert keeper.scan_errors == 0
 
 
+@pytest.mark.slow
 def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
     out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1", PRFAAS_TELEMETRY_PORT=str(PortPicker()()))
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] and r["aux_intact"]
@@ -521,6 +522,7 @@ def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
     assert out["prefill_rooms_left"] == out["decode_rooms_left"] == out["transfer_infos_left"] == []
 
 
+@pytest.mark.slow
 def test_with_enable_metrics_sglangs_metrics_show_the_senders_counters(tmp_path):
     """SGLang's --enable-metrics (multiprocess prometheus_client): the scheduler-side sender's counters
     are collected from the shared directory, as the HTTP server's /metrics collects them."""
@@ -568,6 +570,7 @@ def test_sender_metrics_add_what_grew_and_set_the_gauge():
             'prfaas:kv_writes_retried_total{model_name="m"} 0.0', 'prfaas:kv_send_in_flight_bytes{model_name="m"} 0.0'} <= lines
 
 
+@pytest.mark.slow
 def test_a_refused_transfer_fails_the_request_on_both_sides_and_the_next_one_succeeds():
     for async_send in ("1", "0"):  # the same outcome as SGLang's synchronous batches
         out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND=async_send, FAIL_ROOM="2")

@@ -1,4 +1,4 @@
-"""Coalescing beyond adjacent entries: the PrfaaS sender's staging buffer (``hooks/kv_stage.py``).
+"""Coalescing beyond adjacent entries: the PrfaaS sender's staging buffer (``transport/kv_stager.py``).
 
 Pure parts first (grouping by destination run, the arena), then the stager's copy on host buffers
 (what lands where equals what SGLang's blocks would have written), then the sender holding each
@@ -20,15 +20,16 @@ from sglang_cpu import run_probe
 from test_kv_send import FakeEngine, _manager, _until
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.hooks.kv_send import AsyncKvSender, staging_mib_from_env
-from prfaas_sglang.hooks.kv_stage import KvStager
+from prfaas_sglang.hooks.kv_send_hook import staging_mib_from_env
 from prfaas_sglang.transport.kv_send import DONE, FAILED, coalesce
+from prfaas_sglang.transport.kv_sender import AsyncKvSender
 from prfaas_sglang.transport.kv_stage import (
     DestinationRun,
     StagingArena,
     row_bytes,
     runs_by_destination,
 )
+from prfaas_sglang.transport.kv_stager import KvStager
 
 PAGE = 4096
 
@@ -281,6 +282,7 @@ def test_concurrent_chunks_stage_into_their_own_regions():
     assert stager.arena.free_bytes == 8 << 20
 
 
+@pytest.mark.slow
 def test_sglang_sends_a_scattered_chunk_into_contiguous_decode_pages_as_one_write_per_buffer():
     """SGLang's own Mooncake managers on CPU (the probe): three requests of three 64-page chunks, prefill
     pages random, decode pages one run. With the launcher's staging buffer each chunk is one write per KV

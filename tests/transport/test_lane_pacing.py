@@ -16,9 +16,10 @@ from test_kv_send import FakeEngine, _manager, _until
 
 from prfaas_sglang.adapters.sockopts import max_pacing_rate, set_lane_pacing
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.hooks import kv_send
-from prfaas_sglang.hooks.kv_send import AsyncKvSender, lane_pacing_from_env, start_async_sender
+from prfaas_sglang.hooks.kv_send_hook import start_async_sender
+from prfaas_sglang.transport import kv_sender
 from prfaas_sglang.transport.kv_send import DONE
+from prfaas_sglang.transport.kv_sender import AsyncKvSender, lane_pacing_from_env
 from prfaas_sglang.transport.lane_pacing import LanePacing
 
 MiB = 1 << 20
@@ -105,7 +106,7 @@ class TestSender:
     def test_the_lanes_are_capped_while_an_even_batch_is_in_flight_and_freed_after(self, monkeypatch):
         with _listener() as kv:
             port = kv.getsockname()[1]
-            monkeypatch.setattr(kv_send, "set_lane_pacing", functools.partial(set_lane_pacing, port_range=(port, port)))
+            monkeypatch.setattr(kv_sender, "set_lane_pacing", functools.partial(set_lane_pacing, port_range=(port, port)))
             engine = FakeEngine()
             sender = AsyncKvSender(_manager({1: "127.0.0.1:1"}), engine, wait_bound_s=10.0, lanes=4, pacing=LINK)
             with socket.create_connection(("127.0.0.1", port)) as lane:  # one of the engine's lanes to the peer
@@ -137,7 +138,7 @@ class TestSender:
     def test_without_pacing_the_lanes_are_left_alone(self, monkeypatch):
         with _listener() as kv:
             port = kv.getsockname()[1]
-            monkeypatch.setattr(kv_send, "set_lane_pacing", functools.partial(set_lane_pacing, port_range=(port, port)))
+            monkeypatch.setattr(kv_sender, "set_lane_pacing", functools.partial(set_lane_pacing, port_range=(port, port)))
             engine = FakeEngine()
             sender = AsyncKvSender(_manager({1: "127.0.0.1:1"}), engine, wait_bound_s=10.0, lanes=4)
             with socket.create_connection(("127.0.0.1", port)) as lane:

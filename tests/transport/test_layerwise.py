@@ -148,6 +148,7 @@ class Sender:
             self.on_send(session, blocks)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(page_size=st.sampled_from([1, 2, 4, 16]), total=st.integers(1, 260), chunk=st.integers(1, 90),
        decode_pages=st.integers(0, 8), cached_pages=st.integers(0, 12), overlap=st.booleans(),
@@ -160,7 +161,7 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from prfaas_sglang.hooks.layerwise import attach, layer_written, stream_forward
+    from prfaas_sglang.hooks.layerwise_hook import attach, layer_written, stream_forward
 
     decode_prefix = min(decode_pages * page_size, (total - 1) // page_size * page_size)
     cached = min(cached_pages * page_size, (total - 1) // page_size * page_size)
@@ -247,7 +248,7 @@ def test_a_request_with_sglangs_fake_sender_is_not_streamed():
     from sglang.srt.disaggregation.fake.conn import FakeKVSender
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-    from prfaas_sglang.hooks.layerwise import attach
+    from prfaas_sglang.hooks.layerwise_hook import attach
 
     page_size, total = 4, 16
     pool = MHATokenToKVPool(8 * page_size, page_size, torch.bfloat16, 1, HEAD_DIM, NUM_LAYERS, "cpu", False)
@@ -270,6 +271,7 @@ def test_a_request_with_sglangs_fake_sender_is_not_streamed():
     assert streamer.begin(sched, types.SimpleNamespace(reqs=[fake])) is None
 
 
+@pytest.mark.slow
 def test_sglang_streams_layers_as_the_forward_writes_them():
     """Real Mooncake TCP, SGLang's managers, sender and receiver, real KV pools on both sides: each
     layer of a chunk is on the decode's pages before the next layer is written, SGLang's own sends
@@ -287,12 +289,13 @@ def test_sglang_streams_layers_as_the_forward_writes_them():
     assert out["prefill_rooms_left"] == [] and out["decode_rooms_left"] == [] and out["transfer_infos_left"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(netns.available() is not None, reason=f"shaped loopback: {netns.available()}")
 def test_bench_layerwise_smoke():
     """The benchmark end to end, one run per mode: with streaming on every byte went layer by layer
     and nothing was sent twice, with it off nothing streamed; every request's KV landed intact (the
     bench refuses to report otherwise). No timing is asserted."""
-    from prfaas_sglang.bench.layerwise import run
+    from prfaas_sglang.bench.layerwise_bench import run
 
     out = run(rate_mbit=400.0, forward_s=0.05, tokens=512, layers=4, requests=2, repeats=1)
     (on,), (off,) = out["runs"]["on"], out["runs"]["off"]

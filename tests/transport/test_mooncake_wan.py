@@ -81,6 +81,7 @@ def peers():
             p.close()
 
 
+@pytest.mark.slow
 def test_a_black_holed_link_fails_within_the_profiles_stall_bound(peers):
     peers.start_sender(peers.start_receiver())
     peers.submit(8)
@@ -108,6 +109,7 @@ def test_a_killed_receiver_fails_the_transfer_and_a_restarted_one_takes_the_next
     assert peers.result()["ok"]
 
 
+@pytest.mark.slow
 def test_a_transfer_after_an_idle_gap_with_the_link_dark_succeeds(peers):
     """Mooncake #4209: the first transfer after idle failed (queue-full rejections). Here the lanes sit
     idle for twice the stall bound while the link is dark, then the link returns."""
@@ -124,6 +126,7 @@ def test_a_transfer_after_an_idle_gap_with_the_link_dark_succeeds(peers):
 IDLE_GAP_S = float(os.environ.get("PRFAAS_TEST_IDLE_GAP_S", "20"))  # 600 for the literal 10 minutes (BENCHMARKS.md)
 
 
+@pytest.mark.slow
 def test_a_transfer_after_a_long_idle_gap_succeeds(peers):
     """Mooncake #4209 as reported: lanes used, then idle (link up) for ``PRFAAS_TEST_IDLE_GAP_S``
     seconds (20 by default; the 600 s run is recorded in BENCHMARKS.md), then a transfer larger
@@ -137,6 +140,7 @@ def test_a_transfer_after_a_long_idle_gap_succeeds(peers):
     assert result["ok"], result
 
 
+@pytest.mark.slow
 def test_bench_transport_smoke():
     """The benchmark's CLI end to end on a small payload: every row ran and the fields are there."""
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "transport", "--rate-mbit", "200", "--payload-mib", "16",
@@ -188,6 +192,7 @@ def test_lane_spread_is_measured_over_each_lanes_last_request():
     assert _lane_spread_ms([{"ok": False}], 4) is None
 
 
+@pytest.mark.slow
 def test_bench_mock_kv_smoke():
     """The emulated engine's benchmark end to end, started as the launcher starts its workers: both
     rows delivered every request, and the sender row sent it as the launcher's profile for the stated

@@ -23,11 +23,12 @@ PROBE = Path(__file__).with_name("receiver_sends_probe.py")
 def run_probe(mode: str, dead: str) -> dict[str, dict]:
     """Steps the probe printed, by name (the probe reports a send that does not return as ``blocked``)."""
     out = subprocess.run([sys.executable, str(PROBE), mode, dead], capture_output=True, text=True,
-                         timeout=120).stdout
+                         timeout=300).stdout
     return {step["step"]: step for step in map(json.loads, filter(lambda line: line.startswith("{"),
                                                                    out.splitlines()))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dead", ["metadata", "abort"])
 def test_stock_sglang_blocks_a_send_to_a_dead_prefill(dead):
     """The fault the hooks exist for, so the next test can fail: without them neither send returns."""
@@ -37,6 +38,7 @@ def test_stock_sglang_blocks_a_send_to_a_dead_prefill(dead):
     assert "blocked" in steps and "metadata" not in steps and "aborted" not in steps
 
 
+@pytest.mark.slow
 def test_with_the_plugin_both_return_and_a_live_prefill_still_gets_them():
     steps = run_probe("hooked", "both")
     assert "blocked" not in steps

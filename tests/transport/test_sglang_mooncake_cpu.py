@@ -10,6 +10,7 @@ hooks change nothing.
 
 from __future__ import annotations
 
+import pytest
 from sglang_cpu import run_probe
 
 from prfaas_sglang.demo.cluster import PortPicker
@@ -21,6 +22,7 @@ def run_as(prfaas_worker: bool) -> dict:
     return run_probe()
 
 
+@pytest.mark.slow
 def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
     out = run_as(prfaas_worker=True)
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] and r["aux_intact"]
@@ -39,6 +41,7 @@ def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
     assert any(s["tcp"] is not None for s in samples)  # the kernel's view of the Mooncake connections
 
 
+@pytest.mark.slow
 def test_without_the_role_the_hooks_change_nothing():
     out = run_as(prfaas_worker=False)
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] for r in out["requests"])

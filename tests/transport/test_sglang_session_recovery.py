@@ -271,6 +271,7 @@ def late_writes(pair: Pair, room: int, timeout_s: float, settle_s: float = 0.5) 
     return count, first_at
 
 
+@pytest.mark.slow
 def test_with_the_profile_the_blacklisted_decode_session_is_probed_back_and_takes_the_next_request(make_pair):
     pair = make_pair(246, probe=True)
     direct = pair.prefill.ask("probe", session=pair.session, timeout_s=10, wait_s=20)
@@ -311,6 +312,7 @@ def test_with_the_profile_the_blacklisted_decode_session_is_probed_back_and_take
           f" {late} slots of the failed request's KV have landed since")
 
 
+@pytest.mark.slow
 def test_with_sglang_defaults_the_session_stays_blacklisted_and_the_next_request_fails_at_once(make_pair):
     pair = make_pair(247, probe=False)
     sent, received = pair.request(1)
@@ -368,6 +370,7 @@ def check_the_next_request_goes_after_re_registration(pair: Pair) -> None:
     assert prefill_leaks(prefill) == {}, prefill
 
 
+@pytest.mark.slow
 def test_after_a_longer_outage_no_kv_of_the_failed_request_lands_in_the_freed_pages(make_pair):
     """Our sender (the launcher's PrfaaS profile, SGLang's probe off): the link dark until the decode
     concludes request 2, then back. Nothing of request 2 is written into the decode's pages afterwards:
@@ -399,6 +402,7 @@ def stale_decode_connections(pair: Pair) -> list:
     return [c for c in decode if c[1][0] == pair.link.ip_a and (c[1], c[0]) not in prefill]
 
 
+@pytest.mark.slow
 def test_with_sglangs_own_sender_the_failed_kv_lands_late(make_pair):
     """The same outage with SGLang's synchronous sender (``PRFAAS_KV_ASYNC_SEND=0``): once the link is
     back, request 2's KV is still written into the pages the decode freed: Mooncake sends the rest of a

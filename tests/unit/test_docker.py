@@ -104,6 +104,7 @@ def test_dockerignore_keeps_local_environments_out():
     assert ".venv" in ignored and ".cache" in ignored
 
 
+@pytest.mark.slow
 def test_installed_wheel_finds_its_packaged_series(tmp_path):
     """What the images do: install this package from its wheel and read the series from it."""
     proc = subprocess.run(

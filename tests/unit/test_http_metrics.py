@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_a_request_to_an_included_routers_endpoint_is_counted_not_failed():
     """SGLang's own middleware (add_prometheus_middleware's path lookup) on an app with an included
     router, as SGLang mounts /v1/loads: HTTP 200, labelled with the request's path (FastAPI 0.165 does not
@@ -26,6 +29,7 @@ def _probe(mode: str) -> str:
     return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_http_processs_request_metrics_reach_metrics_although_the_plugin_imports_prometheus_first():
     """``metrics-multiproc-values``: with only the early import our plugin's load makes, SGLang's
     ``sglang:num_requests_total`` never reaches the multiprocess collector ``/metrics`` serves (the fault,

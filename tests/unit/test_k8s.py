@@ -57,6 +57,7 @@ def docs(files: dict[str, str], suffix: str = ".yaml") -> list[tuple[str, dict]]
             and "prometheus-scrape" not in rel for d in yaml.safe_load_all(text)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,engine", CASES)
 def test_manifests_validate_against_kubernetes_schemas(name, engine):
     files = emit(name, engine)

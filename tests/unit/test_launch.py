@@ -175,7 +175,7 @@ class TestPlan:
         from sglang.srt.disaggregation.kv_events import EventPublisherFactory, KVEventsConfig
         from sglang.srt.mem_cache.registry import get_radix_cache_factory
 
-        from prfaas_sglang.hooks.hybrid_cache import register_backends
+        from prfaas_sglang.hooks.cache_backend import register_backends
 
         register_backends()  # what the plugin does in every SGLang process
         node = Node("p0", "pd", Role.PD_PREFILL, kv_events_port=5557, model_path="/m")

@@ -33,6 +33,7 @@ def role_contract() -> dict:
 
 
 class TestRoleContractThroughSGLang:
+    @pytest.mark.slow
     def test_entry_point_installs_every_hook(self, role_contract):
         assert role_contract["installed"] == {spec.name: True for spec in HOOKS}
 
@@ -63,21 +64,25 @@ class TestRoleContractThroughSGLang:
 
 
 class TestLoudFailures:
+    @pytest.mark.slow
     def test_unresolvable_target_exits(self):
         result = probe("unresolvable_target")
         assert result["exited"] and result["is_system_exit"]
         assert "no_such_function does not resolve" in result["message"]
 
+    @pytest.mark.slow
     def test_hook_sglang_refuses_to_apply_exits(self):
         """SGLang's HookRegistry logs and skips an AROUND hook on a class; we stop instead."""
         result = probe("apply_fails")
         assert result["exited"]
         assert "did not take effect" in result["message"] and "class-around" in result["message"]
 
+    @pytest.mark.slow
     def test_failure_is_not_swallowed_by_load_plugins(self):
         result = probe("load_plugins_stops")
         assert result["exited"] and "does not resolve" in result["message"]
 
+    @pytest.mark.slow
     def test_register_is_idempotent(self):
         result = probe("idempotent")
         assert result["extra_registrations"] == {} and result["targets"] >= 2, result

@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 import socket
 
+import pytest
+
 from prfaas_sglang.demo import cluster
+from prfaas_sglang.errors import ConfigError
 
 
 def test_picks_lie_above_mooncakes_ports_and_below_the_kernels_and_are_free():
@@ -42,12 +45,22 @@ def test_a_port_in_use_is_skipped():
 
 
 def test_where_the_range_is_empty_the_kernel_picks(monkeypatch):
+    monkeypatch.delenv("PRFAAS_PORT_RANGE", raising=False)  # a parallel test worker's slice
     low, high = cluster.ephemeral_port_range()
     monkeypatch.setattr(cluster, "ephemeral_port_range", lambda: (1024, 65535))
     port = cluster.free_port()
     assert low <= port <= high
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_worker_slice_bounds_the_picks_and_a_malformed_one_is_refused(monkeypatch):
+    monkeypatch.setenv("PRFAAS_PORT_RANGE", "27000-27016")
+    assert all(27000 <= cluster.free_port() < 27016 for _ in range(20))
+    for bad in ("27016-27000", "27000", "a-b", "0-10"):
+        monkeypatch.setenv("PRFAAS_PORT_RANGE", bad)
+        with pytest.raises(ConfigError, match="PRFAAS_PORT_RANGE"):
+            cluster.own_port_range()
 
 
 def test_the_range_is_read_from_the_kernel(tmp_path):

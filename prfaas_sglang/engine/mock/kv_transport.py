@@ -13,7 +13,7 @@ A transfer goes one of two ways:
 
 * ``async_send`` (a PrfaaS worker's default, as the launcher gives SGLang's; ``PRFAAS_KV_ASYNC_SEND``
   decides where set): through the kv-send hooks' own sender, the one a PrfaaS SGLang worker runs
-  (:func:`~prfaas_sglang.hooks.kv_send.detached_sender`: lanes, lane pacing and the wait bound from
+  (:func:`~prfaas_sglang.transport.kv_sender.detached_sender`: lanes, lane pacing and the wait bound from
   this process's ``MC_*`` / ``PRFAAS_*`` environment, connections to the peers reset on close). The
   region goes as near-equal writes, a multiple of the lanes
   (:func:`~prfaas_sglang.transport.kv_send.split_even`), each about 0.1 s of a lane's share of the
@@ -112,7 +112,7 @@ class KvEndpoint:
         self.sender = None
         self.write_bytes = SLICE_BYTES
         if async_send:
-            from prfaas_sglang.hooks.kv_send import detached_sender
+            from prfaas_sglang.transport.kv_sender import detached_sender
 
             self.sender = detached_sender(self.engine)
             rate_bps = self.sender.pacing.rate_bps if self.sender.pacing is not None else None

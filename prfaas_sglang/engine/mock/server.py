@@ -33,6 +33,8 @@ import json
 import time
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prfaas_sglang.adapters.http_auth import bearer_middleware
 from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine
@@ -55,6 +57,7 @@ from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
 from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
 
 ENGINE_KEY = web.AppKey("engine", MockEngine)
+METRICS_KEY = web.AppKey("metrics", CollectorRegistry)  # what /metrics serves: the app's own registry
 _rid_counter = itertools.count()
 
 
@@ -131,49 +134,75 @@ def _info(engine: MockEngine) -> dict:
     }
 
 
-def _metrics(engine: MockEngine) -> str:
-    s, cfg = engine.stats, engine.config
-    label = f'{{model_name="{cfg.served_model_name}"}}'
-    running, used, _ = engine.load_tokens
-    total = engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens
-    hit_rate = s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
-    rows = [
-        ("sglang:num_running_reqs", "gauge", running),
-        ("sglang:num_queue_reqs", "gauge", engine.waiting),
-        ("sglang:token_usage", "gauge", used / total),
-        ("sglang:gen_throughput", "gauge", engine.gen_throughput()),
-        ("sglang:cache_hit_rate", "gauge", hit_rate),
-        ("sglang:prompt_tokens_total", "counter", s.prompt_tokens),
-        ("sglang:generation_tokens_total", "counter", s.generation_tokens),
-        ("sglang:num_requests_total", "counter", s.requests_ok + s.requests_failed),  # SGLang: each finished request
-        ("prfaas:kv_bytes_sent_total", "counter", s.kv_bytes_sent),
-        ("prfaas:kv_bytes_received_total", "counter", s.kv_bytes_received),
-        ("prfaas:decode_prefix_tokens_total", "counter", s.decode_prefix_tokens),
-        ("prfaas:kv_transfer_seconds_total", "counter", s.kv_transfer_s),
-        ("prfaas:forward_intended_seconds_total", "counter", s.forward_intended_s),
-        ("prfaas:forward_actual_seconds_total", "counter", s.forward_actual_s),
-        ("prfaas:requests_ok_total", "counter", s.requests_ok),
-        ("prfaas:requests_failed_total", "counter", s.requests_failed),
-        ("prfaas:kv_buffer_free_bytes", "gauge", engine.kv.arena.free_bytes if engine.kv else 0),
-        ("prfaas:kv_buffer_total_bytes", "gauge", engine.kv.arena.size if engine.kv else 0),
-        ("prfaas:kv_pool_used_tokens", "gauge", engine.used_tokens),
-        ("prfaas:decode_room_waits_total", "counter", s.room_waits),
-        ("prfaas:open_rooms", "gauge", engine.open_rooms),
-        ("prfaas:prefix_imported_tokens_total", "counter", s.prefix_imported_tokens),
-        ("prfaas:prefix_export_bytes_total", "counter", s.prefix_export_bytes),
-        # prefill roles: prefills the cache kept (prefix cache) and did not (transfer cache), kvindex/admission.py
-        ("prfaas:prefill_kept_total", "counter", engine.admission.stats.kept_requests),
-        ("prfaas:prefill_transfer_only_total", "counter", engine.admission.stats.transfer_requests),
-    ]
-    sender = engine.kv.sender if engine.kv else None
-    if sender is not None:  # a PrfaaS worker's KV sender (the kv-send hooks' own)
-        c = sender.counters()
-        rows += [(name, kind, c[key]) for key, name, kind, _ in SENDER_METRICS]
-    text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n" for name, kind, value in rows)
-    text += "# TYPE prfaas:auth_rejected_total counter\n"
-    for reason in ("missing", "malformed", "stale", "bad_mac", "replayed", "bad_key", "unknown_peer"):
-        text += f'prfaas:auth_rejected_total{{model_name="{cfg.served_model_name}",reason="{reason}"}} {s.auth_rejected[reason]}\n'
-    return text
+AUTH_REJECT_REASONS = ("missing", "malformed", "stale", "bad_mac", "replayed", "bad_key", "unknown_peer")
+
+
+class MockEngineMetrics:
+    """The emulated engine's ``/metrics`` (a prometheus_client collector), read from ``engine`` at each
+    scrape: SGLang's names (``sglang:*``) where SGLang has the metric, ours (``prfaas:*``; a PrfaaS
+    worker's KV sender's from ``transport.kv_send.SENDER_METRICS``) beside them, each labelled
+    ``model_name`` as SGLang's are; ``prfaas:auth_rejected_total`` also by ``reason``."""
+
+    def __init__(self, engine: MockEngine):
+        self._engine = engine
+
+    def collect(self):
+        engine = self._engine
+        s, cfg = engine.stats, engine.config
+        running, used, _ = engine.load_tokens
+        total = engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens
+        hit_rate = s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+        rows = [  # (name, kind, value, help)
+            ("sglang:num_running_reqs", "gauge", running, "The number of running requests"),
+            ("sglang:num_queue_reqs", "gauge", engine.waiting, "The number of requests in the waiting queue"),
+            ("sglang:token_usage", "gauge", used / total, "The token usage (fraction of the KV pool)"),
+            ("sglang:gen_throughput", "gauge", engine.gen_throughput(), "The generation throughput (tokens/s)"),
+            ("sglang:cache_hit_rate", "gauge", hit_rate, "The prefix cache hit rate"),
+            ("sglang:prompt_tokens_total", "counter", s.prompt_tokens, "Number of prefill tokens processed"),
+            ("sglang:generation_tokens_total", "counter", s.generation_tokens, "Number of generation tokens processed"),
+            ("sglang:num_requests_total", "counter", s.requests_ok + s.requests_failed,  # SGLang: each finished request
+             "Number of requests processed"),
+            ("prfaas:kv_bytes_sent_total", "counter", s.kv_bytes_sent, "KV bytes this worker sent"),
+            ("prfaas:kv_bytes_received_total", "counter", s.kv_bytes_received, "KV bytes this worker received"),
+            ("prfaas:decode_prefix_tokens_total", "counter", s.decode_prefix_tokens,
+             "Prompt tokens the decode worker's own cache held (not shipped)"),
+            ("prfaas:kv_transfer_seconds_total", "counter", s.kv_transfer_s, "Seconds spent transferring KV"),
+            ("prfaas:forward_intended_seconds_total", "counter", s.forward_intended_s,
+             "Seconds of forward passes the timing model asked for"),
+            ("prfaas:forward_actual_seconds_total", "counter", s.forward_actual_s, "Seconds the forward passes took"),
+            ("prfaas:requests_ok_total", "counter", s.requests_ok, "Requests that succeeded"),
+            ("prfaas:requests_failed_total", "counter", s.requests_failed, "Requests that failed"),
+            ("prfaas:kv_buffer_free_bytes", "gauge", engine.kv.arena.free_bytes if engine.kv else 0,
+             "Free bytes of the KV landing buffer"),
+            ("prfaas:kv_buffer_total_bytes", "gauge", engine.kv.arena.size if engine.kv else 0,
+             "Size of the KV landing buffer"),
+            ("prfaas:kv_pool_used_tokens", "gauge", engine.used_tokens, "Tokens of the KV pool in use"),
+            ("prfaas:decode_room_waits_total", "counter", s.room_waits, "Times a request waited for decode room"),
+            ("prfaas:open_rooms", "gauge", engine.open_rooms, "Bootstrap rooms open"),
+            ("prfaas:prefix_imported_tokens_total", "counter", s.prefix_imported_tokens,
+             "Tokens of cached prefixes imported from another cluster"),
+            ("prfaas:prefix_export_bytes_total", "counter", s.prefix_export_bytes,
+             "Bytes of cached prefixes exported to another cluster"),
+            # prefill roles: prefills the cache kept (prefix cache) and did not (transfer cache), kvindex/admission.py
+            ("prfaas:prefill_kept_total", "counter", engine.admission.stats.kept_requests,
+             "Prefills whose KV the prefix cache kept"),
+            ("prfaas:prefill_transfer_only_total", "counter", engine.admission.stats.transfer_requests,
+             "Prefills whose KV was only transferred"),
+        ]
+        sender = engine.kv.sender if engine.kv else None
+        if sender is not None:  # a PrfaaS worker's KV sender (the kv-send hooks' own)
+            c = sender.counters()
+            rows += [(name, kind, c[key], doc) for key, name, kind, doc in SENDER_METRICS]
+        model = cfg.served_model_name
+        for name, kind, value, doc in rows:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            yield family
+        rejected = CounterMetricFamily("prfaas:auth_rejected_total", "Requests refused for their authentication, per reason",
+                                       labels=["model_name", "reason"])
+        for reason in AUTH_REJECT_REASONS:
+            rejected.add_metric([model, reason], s.auth_rejected[reason])
+        yield rejected
 
 
 def _load(engine: MockEngine) -> dict:
@@ -193,6 +222,8 @@ def _load(engine: MockEngine) -> dict:
 def build_app(engine: MockEngine) -> web.Application:
     app = web.Application(client_max_size=64 << 20, middlewares=[api_key_middleware(engine)])
     app[ENGINE_KEY] = engine
+    app[METRICS_KEY] = CollectorRegistry()
+    app[METRICS_KEY].register(MockEngineMetrics(engine))
 
     async def health(request):
         return web.Response(status=200 if engine.ready else 503)
@@ -221,7 +252,7 @@ def build_app(engine: MockEngine) -> web.Application:
                                   "version": "0.5.15", "loads": [_load(engine)]})
 
     async def metrics(request):
-        return web.Response(text=_metrics(engine), content_type="text/plain")
+        return web.Response(body=generate_latest(request.app[METRICS_KEY]), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     async def flush_cache(request):
         engine.flush_cache()

@@ -1,7 +1,8 @@
 """Hooks: a PrfaaS prefill worker sends each layer's KV as soon as the forward has written it.
 
-Behind ``PRFAAS_KV_LAYERWISE=1`` (off by default), on top of the asynchronous sender of
-:mod:`prfaas_sglang.hooks.kv_send`. SGLang 0.5.15 sends a chunk's KV only after the chunk's
+Behind ``PRFAAS_KV_LAYERWISE=1`` (off by default), on top of the asynchronous sender
+(:class:`~prfaas_sglang.transport.kv_sender.AsyncKvSender`, attached by
+:mod:`prfaas_sglang.hooks.kv_send_hook`). SGLang 0.5.15 sends a chunk's KV only after the chunk's
 whole forward; over a WAN the last chunk's transfer then starts when its forward ends and adds
 its full length to TTFT. Streaming by layer starts it after the first layer, so most of it
 overlaps the rest of the forward (the paper's layer-wise prefill; the KV-messenger seed).

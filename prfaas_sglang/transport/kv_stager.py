@@ -1,7 +1,7 @@
 """A PrfaaS prefill worker's staging buffer: a chunk's scattered KV pages gathered into large writes.
 
 With ``PRFAAS_KV_STAGING_MIB`` > 0 (the launcher's prfaas profile), the kv-send hooks' sender
-(:class:`~prfaas_sglang.hooks.kv_send.AsyncKvSender`) gets a :class:`KvStager`. Each chunk's blocks
+(:class:`~prfaas_sglang.transport.kv_sender.AsyncKvSender`) gets a :class:`KvStager`. Each chunk's blocks
 are grouped by destination run (:func:`~prfaas_sglang.transport.kv_stage.runs_by_destination`); a run
 of several small sources is copied, in destination order, into a region of the staging buffer (one
 ``index_select`` of whole rows on the KV's device) and sent as one write to the run's destination.

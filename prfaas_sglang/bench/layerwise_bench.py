@@ -19,6 +19,7 @@ with ``wait_each_layer``: each layer must land on the decode before the next is 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -29,6 +30,8 @@ import types
 from array import array
 
 import numpy as np
+
+from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 
 N_AUX, AUX_BYTES = 4, 64
 
@@ -116,7 +119,7 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from prfaas_sglang.hooks.layerwise import layer_written, stream_forward, streamer_of
+    from prfaas_sglang.hooks.layerwise_hook import layer_written, stream_forward, streamer_of
 
     slots = 2 * tokens + 2
     p_pool = MHATokenToKVPool(slots, 1, torch.bfloat16, heads, head_dim, layers, "cpu", False)
@@ -219,7 +222,7 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
 
 
 def _probe_main() -> None:
-    """``python -m prfaas_sglang.bench.layerwise PROBE_JSON``: SGLang's process state as a model
+    """``python -m prfaas_sglang.bench.layerwise_bench PROBE_JSON``: SGLang's process state as a model
     runner would set it up, then :func:`rounds`; one JSON line on stdout, then a hard exit (SGLang's
     listener threads are not daemons)."""
     opts = json.loads(sys.argv[1])
@@ -276,7 +279,7 @@ def run(rate_mbit: float = 400.0, forward_s: float = 0.3, tokens: int = 2048, ch
                 env = {**base, "PRFAAS_KV_LAYERWISE": "1" if mode == "on" else "0"}
                 opts = {"boot_port": free_port(), "requests": requests, "tokens": tokens, "chunk": chunk, "layers": layers,
                         "heads": heads, "head_dim": head_dim, "forward_s": forward_s}
-                proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "prfaas_sglang.bench.layerwise",
+                proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "prfaas_sglang.bench.layerwise_bench",
                                        json.dumps(opts)], capture_output=True, text=True, timeout=300, env=env)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 result = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
@@ -306,6 +309,31 @@ def run(rate_mbit: float = 400.0, forward_s: float = 0.3, tokens: int = 2048, ch
 
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate-mbit", type=float, default=400.0)
+    parser.add_argument("--forward-s", type=float, default=0.3, help="the emulated forward's duration per chunk (wall)")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+
+
+def cli(args: argparse.Namespace, inv: Invocation) -> int:
+    from prfaas_sglang.demo.netns import available
+
+    if args.rate_mbit <= 0 or args.forward_s < 0 or args.tokens < 1 or args.layers < 1 or args.repeats < 1:
+        inv.error("--rate-mbit must be > 0, --forward-s >= 0, --tokens, --layers and --repeats >= 1")
+    if (why := available()) is not None:
+        inv.error(f"the shaped loopback {why}")
+    result = run(args.rate_mbit, args.forward_s, args.tokens, args.tokens, args.layers, repeats=args.repeats)
+    header = (f"<!-- python -m prfaas_sglang.bench layerwise --rate-mbit {args.rate_mbit:g} --forward-s {args.forward_s:g} "
+              f"--tokens {args.tokens} --layers {args.layers} --repeats {args.repeats}; {inv.stamp} -->")
+    return inv.report(args, result, header, None)  # no Markdown table: --json
+
+
+SUBCOMMANDS = {"layerwise": Subcommand(add_arguments, cli)}
 
 
 if __name__ == "__main__":

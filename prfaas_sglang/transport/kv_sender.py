@@ -1,28 +1,15 @@
-"""Hooks: a PrfaaS prefill worker ships each chunk's KV without waiting on it, and never spins.
+"""The asynchronous KV sender: a PrfaaS prefill worker ships each chunk's KV without waiting on it, and never spins.
 
 SGLang 0.5.15's Mooncake transfer worker sends each chunked-prefill chunk as one
 synchronous batch (``batch_transfer_sync_write``, which busy-waits with the GIL
 released) and starts the next chunk's batch only when it returns. Over a WAN the
 lanes then idle at every chunk's tail (the last requests, then an RTT for their
-acknowledgement), and a core spins per transfer thread. In a process started with
-``PRFAAS_KV_ASYNC_SEND=1`` (the launcher sets it for the prfaas role), a prefill
-manager gets an :class:`AsyncKvSender` and three hooks change how it sends:
-
-* ``kv-send-start`` (AFTER ``MooncakeKVManager.__init__``): attach the sender;
-* ``kv-send`` (AROUND ``_transfer_data``): a chunk's entries, adjacent ones merged
-  (:func:`~prfaas_sglang.transport.kv_send.coalesce`) or, with a staging buffer
-  (``PRFAAS_KV_STAGING_MIB``, :mod:`~prfaas_sglang.hooks.kv_stage`), grouped by destination run and
-  each run of scattered small sources gathered into one write as it comes up, are queued in the sender and the call
-  returns 0 at once; at most :data:`MAX_BATCHES_IN_FLIGHT` chunks per decode session are queued
-  or on the wire (a new one waits, sleeping). The sender's thread hands the engine one write per
-  lane at a time, as lanes free up. The call returns -1 when a write to that session already
-  failed, so SGLang fails the room and blacklists the session as it does for a failed synchronous
-  batch. Without a sender (or inside the aux barrier below) the original synchronous batch runs,
-  metered as before;
-* ``kv-send-aux-barrier`` (AROUND ``send_aux``, the last chunk's, after any linear or SWA
-  state): first wait, sleeping, until nothing to that session is queued or in flight; when a
-  write failed, or the room was in flight on a session when a write to it failed, return -1
-  before sending the aux, so the decode never hears Success for KV that did not land.
+acknowledgement), and a core spins per transfer thread. :class:`AsyncKvSender` queues a chunk's
+entries and returns at once; its thread hands the engine one write per lane at a time, as lanes
+free up, and every wait sleeps. At most :data:`MAX_BATCHES_IN_FLIGHT` chunks per decode session are
+queued or on the wire. The SGLang seam that gives a prefill manager its sender and sends through it
+is :mod:`prfaas_sglang.hooks.kv_send_hook`; the pure ledger and merging are
+:mod:`prfaas_sglang.transport.kv_send`, the staging buffer :mod:`prfaas_sglang.transport.kv_stager`.
 
 A failed write is found by polling (``transfer_check_status``: 1 done, 0 pending, -1
 failed, -2 timed out; Mooncake's stall bound ends a stuck write). It taints every room then
@@ -56,10 +43,6 @@ Outside SGLang. The emulated engine's PrfaaS worker and ``bench transport`` run 
 front of a bare Mooncake engine (:func:`detached_sender`, :class:`DetachedManager`): a batch goes in
 as given (:meth:`AsyncKvSender.send`), a listener hears each write's bytes and the batch's outcome,
 and a session's failure is handed on at once.
-
-Left as upstream: a decode that aborts a room (a client abort) frees its pages at once, while the
-prefill side may still be sending the room's KV into them.
-``PRFAAS_KV_ASYNC_SEND=0`` restores SGLang's sending.
 """
 
 from __future__ import annotations
@@ -69,19 +52,16 @@ import os
 import threading
 import time
 
-from prfaas_sglang.adapters.prom import ProcessMetrics, worker_labels
+from prfaas_sglang.adapters.prom import ProcessMetrics
 from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
-from prfaas_sglang.envs import envs, non_negative_int
-from prfaas_sglang.hooks import layerwise
-from prfaas_sglang.hooks.kv_stage import KvStager
-from prfaas_sglang.hooks.kv_telemetry import meter_transfer
-from prfaas_sglang.transport.kv_send import SENDER_METRICS, Batch, Ended, SendLedger, coalesce
+from prfaas_sglang.envs import envs
+from prfaas_sglang.transport.kv_send import Batch, Ended, SendLedger, coalesce
 from prfaas_sglang.transport.kv_stage import runs_by_destination
+from prfaas_sglang.transport.kv_stager import KvStager
 from prfaas_sglang.transport.lane_pacing import LanePacing
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_DEFAULT_LANES, lanes_per_peer
 
 logger = logging.getLogger(__name__)
-_ATTR = "_prfaas_sender"
 MAX_BATCHES_IN_FLIGHT = 8  # chunks per decode session queued or on the wire at once (a bound on the queue)
 POLL_MIN_S, POLL_MAX_S = 0.0002, 0.001  # the pump's sleep while writes are in flight: a lane waits this long at most
 RESET_SCAN_S = 0.5
@@ -526,8 +506,8 @@ class DetachedManager:
 
 
 def detached_sender(engine, telemetry=None) -> AsyncKvSender:
-    """The kv-send hooks' sender in front of a bare Mooncake ``engine``, configured from this process's
-    environment as a PrfaaS prefill worker's is (lanes, wait bound, lane pacing; connections to the
+    """The sender a PrfaaS prefill worker runs, in front of a bare Mooncake ``engine``, configured from
+    this process's environment as that worker's is (lanes, wait bound, lane pacing; connections to the
     peers reset on close). Raises ConfigError on a malformed ``PRFAAS_KV_LANE_PACING``."""
     return AsyncKvSender(DetachedManager(telemetry), engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(),
                          ResetOnClose(), pacing=lane_pacing_from_env(), hand_on_failures=True)
@@ -556,98 +536,3 @@ def mooncake_lanes_per_peer() -> int:
 def lane_pacing_from_env() -> LanePacing | None:
     """``PRFAAS_KV_LANE_PACING`` parsed; None when unset. Raises ConfigError when malformed."""
     return envs.KV_LANE_PACING.parse(LanePacing.parse)
-
-
-def staging_mib_from_env() -> int:
-    """``PRFAAS_KV_STAGING_MIB`` parsed (0 when unset). Raises ConfigError when malformed or negative."""
-    return envs.KV_STAGING_MIB.parse(non_negative_int) or 0
-
-
-def kv_device(manager, server_args) -> str:
-    """Where the manager's KV buffers live: SGLang's ``--device`` (cuda with the worker's GPU), else
-    cuda when torch sees one, else cpu."""
-    import torch
-
-    device = getattr(server_args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":
-        return f"cuda:{getattr(manager.kv_args, 'gpu_id', 0)}"
-    return device
-
-
-def stager_for(manager, engine, server_args) -> KvStager | None:
-    """A :class:`KvStager` over the manager's KV buffers when ``PRFAAS_KV_STAGING_MIB`` > 0, its buffer
-    registered with ``engine`` (Mooncake's ``register_memory``); None otherwise. Raises ConfigError on a
-    malformed value; a buffer that cannot be allocated or registered stops startup (it was asked for)."""
-    mib = staging_mib_from_env()
-    if mib == 0:
-        return None
-    device = kv_device(manager, server_args)
-    if device != "cpu" and not device.startswith("cuda"):
-        logger.warning("prfaas_sglang: PRFAAS_KV_STAGING_MIB set but the KV is on %s; sending unstaged", device)
-        return None
-    args = manager.kv_args
-    stager = KvStager(zip(args.kv_data_ptrs, args.kv_data_lens, strict=True), mib << 20, device, engine.register_memory)
-    logger.info("prfaas_sglang: KV staging buffer of %d MiB on %s: scattered prefill pages go as one write per "
-                "destination run", mib, device)
-    return stager
-
-
-def start_async_sender(result, manager, args, disaggregation_mode, server_args, is_mla_backend=False):
-    """AFTER hook on ``MooncakeKVManager.__init__``: a prefill manager in a process with
-    ``PRFAAS_KV_ASYNC_SEND`` set sends asynchronously."""
-    if not envs.KV_ASYNC_SEND.get() or getattr(disaggregation_mode, "value", None) != "prefill":
-        return None
-    pacing = lane_pacing_from_env()  # a malformed value stops startup here
-    staging_mib_from_env()  # and here
-    engine = getattr(getattr(manager, "engine", None), "engine", None)
-    if engine is None or not hasattr(engine, "transfer_submit_write") or not hasattr(engine, "transfer_check_status"):
-        logger.warning("prfaas_sglang: PRFAAS_KV_ASYNC_SEND set but the transfer engine has no asynchronous "
-                       "single writes; sending synchronously")
-        return None
-    metrics = None
-    if getattr(server_args, "enable_metrics", False):  # SGLang's /metrics then shows the sender's counters too
-        metrics = ProcessMetrics(SENDER_METRICS, worker_labels(server_args))
-    sender = AsyncKvSender(manager, engine, mooncake_wait_bound_s(), mooncake_lanes_per_peer(), ResetOnClose(),
-                           pacing=pacing, metrics=metrics, stager=stager_for(manager, engine, server_args))
-    setattr(manager, _ATTR, sender)
-    if envs.KV_LAYERWISE.get():
-        layerwise.attach(manager, sender)
-    logger.info("prfaas_sglang: KV sent asynchronously (at most %d chunks queued per decode session, %d writes "
-                "in the engine at once; lane pacing %s)", MAX_BATCHES_IN_FLIGHT, sender.lanes,
-                f"for {sender.pacing.rate_bps / 1e9:g} Gbit/s, {sender.pacing.rtt_s * 1e3:g} ms" if sender.pacing else "off")
-    return None
-
-
-def send_transfer(original, manager, mooncake_session_id, transfer_blocks):
-    """AROUND hook on ``MooncakeKVManager._transfer_data``: asynchronous with a sender (outside the
-    aux barrier), else SGLang's synchronous batch, metered."""
-    sender = getattr(manager, _ATTR, None)
-    if sender is None or sender.synchronous or not transfer_blocks:
-        return meter_transfer(original, manager, mooncake_session_id, transfer_blocks)
-    try:
-        return sender.submit(str(mooncake_session_id), transfer_blocks, layerwise.streamer_of(manager))
-    except Exception:  # noqa: BLE001 - SGLang's transfer thread dies on an exception; fail the chunk instead
-        logger.exception("prfaas_sglang: asynchronous KV submit failed")
-        return -1
-
-
-def aux_barrier(original, manager, req, prefill_aux_index, dst_aux_ptrs):
-    """AROUND hook on ``MooncakeKVManager.send_aux``: the room's KV has landed before its aux goes."""
-    sender = getattr(manager, _ATTR, None)
-    if sender is None:
-        return original(manager, req, prefill_aux_index, dst_aux_ptrs)
-    try:
-        landed = sender.barrier(str(req.mooncake_session_id), req.room)
-    except Exception:  # noqa: BLE001
-        logger.exception("prfaas_sglang: waiting for KV writes failed")
-        landed = False
-    if not landed:
-        # SGLang records no reason when the aux fails; give the room the one its chunk failure would have
-        manager.record_failure(req.room, f"Failed to send kv chunk of {req.room} to "
-                                         f"{getattr(req, 'endpoint', '?')}:{getattr(req, 'dst_port', '?')}")
-        return -1
-    sender.set_synchronous(True)
-    try:
-        return original(manager, req, prefill_aux_index, dst_aux_ptrs)
-    finally:
-        sender.set_synchronous(False)

@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import PrfaasError
 from prfaas_sglang.protocol import error_body
@@ -55,12 +56,12 @@ from prfaas_sglang.wire import prefix_transfer
 from prfaas_sglang.wire.auth import AUTH_HEADER, AuthError, ReplayGuard, sign, verify
 from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImported
 from prfaas_sglang.wire.prefix_transfer import PrefixTransferError
+from prfaas_sglang.wire.server_info import CACHE_MOVE_KEY, CacheMoveSection
 
 logger = logging.getLogger(__name__)
 
 PREFILL_ROLES = ("prfaas", "pd-prefill")
 ENDPOINT_SUFFIX = "-prfaas-cache-move"
-SERVER_INFO_KEY = "prfaas_cache_move"  # in /server_info: what router/workers.py reads
 ROUTE_WAIT_MARGIN_S = 5.0  # the route waits for the agent this much past the move's own deadline
 DEFAULT_TIMEOUT_S = 60.0  # an export's deadline (its message carries none; the importer's HTTP timeout bounds it)
 
@@ -70,7 +71,7 @@ def landing_grace_s() -> float:
     may still be waiting for its scheduler step (at most DEFAULT_TIMEOUT_S) and then writing (at
     most Mooncake's bound for a synchronous call); freeing it sooner could let that write land in
     memory reused for something else."""
-    from prfaas_sglang.hooks.kv_send import mooncake_wait_bound_s
+    from prfaas_sglang.transport.kv_sender import mooncake_wait_bound_s
 
     return DEFAULT_TIMEOUT_S + mooncake_wait_bound_s() + 5.0
 
@@ -181,14 +182,11 @@ class CacheMoveAgent:
 
     def __init__(self, cache: Any, engine: Any, endpoint: str, *, api_key: str | None = None,
                  keys: Any = None, peers: frozenset[str] | None = None, workers: int = 2):
-        import requests
-
         self.cache, self.engine, self.endpoint = cache, engine, endpoint
         self.keys, self.peers = keys, peers
         self.steps = SchedulerSteps()
-        self._http = requests.Session()
-        if api_key:
-            self._http.headers["Authorization"] = f"Bearer {api_key}"
+        # kept-alive connections to the sources, shared by the pool's threads
+        self._http = http_sync.Client({"Authorization": f"Bearer {api_key}"} if api_key else None)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="prfaas-cache-move")
         self._ctx = zmq.Context.instance()
         self._replies: queue.SimpleQueue[tuple[list[bytes], bytes]] = queue.SimpleQueue()
@@ -329,7 +327,6 @@ class CacheMoveAgent:
     def _fetch(self, source_url: str, export: CacheExport, deadline: float) -> tuple[bytes, float | None]:
         """Ask the source to write the prefix into a landing buffer registered here; returns the
         bytes that arrived and the source's transfer time."""
-        import requests
         import torch
 
         self._release_quarantined(time.monotonic())
@@ -347,19 +344,20 @@ class CacheMoveAgent:
             if remaining <= 0:
                 raise MoveRefused(504, "the move's deadline passed before the source was asked")
             try:
-                resp = self._http.post(url, data=body, headers=headers, timeout=remaining)
-            except requests.RequestException as err:
-                answered = _never_sent(err)
-                raise MoveRefused(502, f"cannot fetch the prefix from {source_url}: {type(err).__name__}: {err}") from None
+                resp = self._http.request("POST", url, data=body, headers=headers, timeout_s=remaining)
+            except http_sync.HttpError as err:
+                # no connection was made: the request never reached the source, which cannot be writing
+                answered = not err.connected
+                raise MoveRefused(502, f"cannot fetch the prefix from {source_url}: {err}") from None
             answered = True
             try:
                 answer = resp.json()
-            except ValueError:
+            except http_sync.HttpError:
                 answer = {}
-            if resp.status_code != 200:
+            if resp.status != 200:
                 error = answer.get("error") if isinstance(answer, dict) else None
                 detail = error.get("message") if isinstance(error, dict) else (error or resp.text[:200])
-                raise MoveRefused(409 if resp.status_code == 409 else 502, f"the source answered {resp.status_code}: {detail}")
+                raise MoveRefused(409 if resp.status == 409 else 502, f"the source answered {resp.status}: {detail}")
             nbytes = answer.get("bytes") if isinstance(answer, dict) else None
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= export.length:
                 raise MoveRefused(502, f"the source reported {nbytes!r} bytes for a {export.length}-byte region")
@@ -414,18 +412,6 @@ class CacheMoveAgent:
         self.stats["exports"] += 1
         self.stats["bytes_out"] += len(payload)
         return {"bytes": len(payload), "transfer_s": transfer_s, "tokens": len(transfer.token_ids)}
-
-
-def _never_sent(err: Exception) -> bool:
-    """Whether a failed request provably never reached the source (no connection was made), so
-    that it cannot be writing: a connect timeout or a refused or unresolvable connection."""
-    import requests
-    from urllib3.exceptions import NewConnectionError
-
-    if isinstance(err, requests.ConnectTimeout):
-        return True
-    reason = getattr(err.args[0], "reason", None) if err.args else None
-    return isinstance(err, requests.ConnectionError) and isinstance(reason, NewConnectionError)
 
 
 def _decode(cls, body: bytes):
@@ -536,8 +522,8 @@ def _wait_s(kind: str, raw: bytes) -> float:
 def add_routes(server_args, tokenizer_manager, template_manager, port_args, scheduler_infos=None, *args, **kwargs):
     """BEFORE hook on ``http_server._setup_and_run_http_server``: the cache-move routes on SGLang's
     app (a prefill role only; other servers keep SGLang's routes unchanged), announced in
-    ``/server_info`` (which merges the first scheduler's info) under :data:`SERVER_INFO_KEY`:
-    ``{"v": 1, "served": bool, "reason": str | None}``; the router moves caches only between
+    ``/server_info`` (which merges the first scheduler's info) under ``CACHE_MOVE_KEY``, as
+    :class:`~prfaas_sglang.wire.server_info.CacheMoveSection`; the router moves caches only between
     workers that say ``served``."""
     role = envs.ROLE.get()
     if role not in PREFILL_ROLES:
@@ -547,7 +533,7 @@ def add_routes(server_args, tokenizer_manager, template_manager, port_args, sche
     install_routes(http_server.app, server_args, port_args, role, load_keys())
     if scheduler_infos:
         reason = unsupported_reason(server_args, port_args, role)
-        scheduler_infos[0][SERVER_INFO_KEY] = {"v": 1, "served": reason is None, "reason": reason}
+        scheduler_infos[0][CACHE_MOVE_KEY] = CacheMoveSection.served_unless(reason).to_json()
     return None
 
 

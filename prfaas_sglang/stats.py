@@ -1,4 +1,4 @@
-"""Small statistics shared by the benchmarks (pure)."""
+"""Small statistics shared by the benchmarks and the simulator (pure)."""
 
 from __future__ import annotations
 
