@@ -349,7 +349,7 @@ MEASURED_MODES = ("sglang", "contiguous", "contiguous+staged")
 
 
 def measure(pairs: list[tuple[list[int], ...]], rate_mbit: float, rtt_ms: float, layers: int = 8,
-            tag: int = 230) -> dict:
+            tag: int | None = None) -> dict:
     """Real Mooncake TCP over an emulated link (``EmulatedLink``, the launcher's WAN profile for it, root):
     each tuple is one request's transfer of one layer, its request sizes in each of :data:`MEASURED_MODES`
     (SGLang's decode allocation, the hook's, the hook's with staging); sent for ``layers`` buffers (K and V of ``layers / 2``

@@ -91,7 +91,7 @@ def _envs(mode: str, link: EmulatedLink, wan: WanLink, geometry: dict[str, int],
 
 def run(rate_mbit: float = 1000.0, rtt_ms: float = 20.0, requests: int = 3, repeats: int = 3, layers: int = 4,
         request_pages: int = 4096, page_bytes: int = 2048, mean_run: int = 64, chunks: int = 4,
-        staging_mib: int = 256, tag: int = 232, log_dir: Path | None = None) -> dict:
+        staging_mib: int = 256, tag: int | None = None, log_dir: Path | None = None) -> dict:
     """See the module docstring. ``repeats`` rounds, each every mode in fresh processes (order rotated)."""
     log_dir = Path(log_dir or "/tmp/prfaas-kv-staging")
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def _ask(client: subprocess.Popen, job: dict) -> dict:
     return json.loads(line)
 
 
-def _condition(rate_mbit: float, rtt_ms: float, loss: float, payload_bytes: int, repeats: int, tag: int) -> dict:
+def _condition(rate_mbit: float, rtt_ms: float, loss: float, payload_bytes: int, repeats: int, tag: int | None) -> dict:
     kv_scale = payload_bytes / load_timing(PROFILE, 1.0, 1.0, None).kv_bytes(TOKENS)
     common = ("--speedup", "1000", "--kv-scale", f"{kv_scale:.9f}", "--context-tokens", str(2 * TOKENS),
               "--bootstrap-timeout-s", "120")
@@ -120,7 +120,7 @@ def _condition(rate_mbit: float, rtt_ms: float, loss: float, payload_bytes: int,
 
 
 def run(rate_mbit: float, rtt_ms: float, losses: tuple[float, ...], payload_mib: int, repeats: int) -> dict:
-    tag = random.randrange(16, 250)
+    tag = None  # EmulatedLink claims a free one
     conditions = [_condition(rate_mbit, rtt_ms, loss, payload_mib << 20, repeats, tag) for loss in losses]
     return {"rate_mbit": rate_mbit, "payload_mib": payload_mib, "repeats": repeats, "conditions": conditions}
 

@@ -146,7 +146,7 @@ def _fraction(result: dict, payload_bytes: int, rate_mbit: float) -> float:
     return payload_bytes * 8 / result["elapsed_s"] / (rate_mbit * 1e6)
 
 
-def run_condition(tag: int, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
+def run_condition(tag: int | None, rate_mbit: float, cond: Condition, payload_mib: int, request_mib: float,
                   default_request_kib: int, repeats: int, table: bool, slow_start_after_idle: bool = True,
                   lanes: int | None = None, tcp_buffer_bytes: int | None = None, engine_queued: bool = False,
                   unpaced: bool = False, tcp_timestamps: bool = True, headroom_row: float | None = None) -> dict:
@@ -294,7 +294,7 @@ def run(rate_mbit: float = 1000.0, payload_mib: int = 256, request_mib: float = 
     segment then carries 1460 payload bytes, not 1448)."""
     results = []
     for i, name in enumerate(conditions):
-        results.append(run_condition(200 + i, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
+        results.append(run_condition(None, rate_mbit, CONDITIONS[name], payload_mib, request_mib,
                                      default_request_kib, repeats, table and i == 0, slow_start_after_idle, lanes,
                                      tcp_buffer_bytes, engine_queued, unpaced, tcp_timestamps, headroom_row))
     first = results[0]

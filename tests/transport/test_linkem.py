@@ -65,7 +65,7 @@ def served():
 
 def test_delay_rate_and_loss_are_what_tcp_sees(served):
     rate_mbit, rtt_ms, nbytes = 50.0, 40.0, 4 << 20
-    with EmulatedLink(tag=241, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link:
+    with EmulatedLink(tag=None, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link:
         port = served(link)
         result = _transfer(link, port, nbytes)
         assert result["connect_s"] >= rtt_ms / 1e3  # SYN and SYN-ACK cross the link once each
@@ -78,7 +78,7 @@ def test_delay_rate_and_loss_are_what_tcp_sees(served):
 
 
 def test_random_loss_is_counted_and_tcp_recovers(served):
-    with EmulatedLink(tag=242, rate_mbit=200, rtt_ms=2, loss=0.02) as link:
+    with EmulatedLink(tag=None, rate_mbit=200, rtt_ms=2, loss=0.02) as link:
         port = served(link)
         _transfer(link, port, 8 << 20)  # TCP retransmits what was lost: the bytes all arrive
         ab = link.stats()["ab"]
@@ -120,7 +120,7 @@ def test_superpackets_cross_whole_or_cut_and_every_byte_arrives_intact():
     into its survivors with rewritten headers and checksums: the receiver must get every byte in
     order and its stack must count no header or checksum error."""
     nbytes, seed = 16 << 20, 7
-    with EmulatedLink(tag=245, rate_mbit=400, rtt_ms=4, loss=0.005) as link:
+    with EmulatedLink(tag=None, rate_mbit=400, rtt_ms=4, loss=0.005) as link:
         server = subprocess.Popen((*link.wrap_b, sys.executable, "-c", INTACT_SERVER, link.ip_b), stdout=subprocess.PIPE,
                                   text=True)
         try:
@@ -140,7 +140,7 @@ def test_superpackets_cross_whole_or_cut_and_every_byte_arrives_intact():
 
 
 def test_blackhole_and_back():
-    with EmulatedLink(tag=243, rate_mbit=100, rtt_ms=2) as link:
+    with EmulatedLink(tag=None, rate_mbit=100, rtt_ms=2) as link:
         link.set(blackhole=True)
         probe = subprocess.run((*link.wrap_a, sys.executable, "-c",
                                 f"import socket; socket.create_connection(('{link.ip_b}', 9), timeout=1)"),
@@ -170,9 +170,9 @@ def test_slow_start_after_idle_is_set_per_namespace_only():
                               text=True, check=True).stdout.strip()
 
     host = subprocess.run(("sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"), capture_output=True, text=True).stdout.strip()
-    with EmulatedLink(tag=242, rate_mbit=100, slow_start_after_idle=False) as link:
+    with EmulatedLink(tag=None, rate_mbit=100, slow_start_after_idle=False) as link:
         assert value(link.wrap_a) == value(link.wrap_b) == "0"
-    with EmulatedLink(tag=242, rate_mbit=100) as link:
+    with EmulatedLink(tag=None, rate_mbit=100) as link:
         assert value(link.wrap_a) == "1"
     assert subprocess.run(("sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"), capture_output=True,
                           text=True).stdout.strip() == host
@@ -184,11 +184,11 @@ def test_tcp_buffer_limit_is_set_per_namespace_only():
                                check=True).stdout.split()[-1] for name in ("tcp_wmem", "tcp_rmem")]
 
     host = limits()
-    with EmulatedLink(tag=242, rate_mbit=100, tcp_buffer_bytes=24 << 20) as link:
+    with EmulatedLink(tag=None, rate_mbit=100, tcp_buffer_bytes=24 << 20) as link:
         assert limits(link.wrap_a) == limits(link.wrap_b) == [str(24 << 20)] * 2
     assert limits() == host
     with pytest.raises(ValueError):
-        EmulatedLink(tag=242, rate_mbit=100, tcp_buffer_bytes=4096)
+        EmulatedLink(tag=None, rate_mbit=100, tcp_buffer_bytes=4096)
 
 
 TIMESTAMP_OPTION = r"""
@@ -205,8 +205,8 @@ def test_tcp_timestamps_off_leaves_the_option_out_of_the_links_connections_only(
                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
 
     host = subprocess.run(("sysctl", "-n", "net.ipv4.tcp_timestamps"), capture_output=True, text=True).stdout.strip()
-    with EmulatedLink(tag=242, rate_mbit=100, tcp_timestamps=False) as link:
+    with EmulatedLink(tag=None, rate_mbit=100, tcp_timestamps=False) as link:
         assert negotiated(link, served(link)) == "0"
-    with EmulatedLink(tag=242, rate_mbit=100) as link:
+    with EmulatedLink(tag=None, rate_mbit=100) as link:
         assert negotiated(link, served(link)) == "1"
     assert subprocess.run(("sysctl", "-n", "net.ipv4.tcp_timestamps"), capture_output=True, text=True).stdout.strip() == host

@@ -73,7 +73,7 @@ class Peers:
 
 @pytest.fixture
 def peers():
-    with EmulatedLink(tag=245, rate_mbit=RATE_MBIT, rtt_ms=RTT_MS) as link:
+    with EmulatedLink(tag=None, rate_mbit=RATE_MBIT, rtt_ms=RTT_MS) as link:
         p = Peers(link)
         try:
             yield p

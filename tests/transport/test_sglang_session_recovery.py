@@ -191,7 +191,7 @@ class Pair:
 def make_pair(tmp_path):
     """Makes the link and the two processes; everything is torn down however the test ends."""
     with contextlib.ExitStack() as stack:
-        def make(tag: int, probe: bool, async_send: bool = True) -> Pair:
+        def make(tag: int | None, probe: bool, async_send: bool = True) -> Pair:
             link = stack.enter_context(EmulatedLink(tag=tag, rate_mbit=RATE_MBIT, rtt_ms=RTT_MS))
             peers: list[Peer] = []
             stack.callback(lambda: [peer.close() for peer in peers])  # before the link goes
@@ -273,7 +273,7 @@ def late_writes(pair: Pair, room: int, timeout_s: float, settle_s: float = 0.5) 
 
 @pytest.mark.slow
 def test_with_the_profile_the_blacklisted_decode_session_is_probed_back_and_takes_the_next_request(make_pair):
-    pair = make_pair(246, probe=True)
+    pair = make_pair(None, probe=True)
     direct = pair.prefill.ask("probe", session=pair.session, timeout_s=10, wait_s=20)
     assert direct["rc"] == 0 and not direct["hung"], direct  # Mooncake's send_probe works over TCP
     sent, received = pair.request(1)
@@ -314,7 +314,7 @@ def test_with_the_profile_the_blacklisted_decode_session_is_probed_back_and_take
 
 @pytest.mark.slow
 def test_with_sglang_defaults_the_session_stays_blacklisted_and_the_next_request_fails_at_once(make_pair):
-    pair = make_pair(247, probe=False)
+    pair = make_pair(None, probe=False)
     sent, received = pair.request(1)
     assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
 
@@ -378,7 +378,7 @@ def test_after_a_longer_outage_no_kv_of_the_failed_request_lands_in_the_freed_pa
     lanes to the decode were closed with a reset (no orphaned bytes retransmitted). Then a
     heartbeat failover and request 3's re-registration lift the blacklist, as upstream, and the
     decode holds no connection of the reset lanes (4 without keepalive)."""
-    pair = make_pair(248, probe=False)
+    pair = make_pair(None, probe=False)
     sent, received = pair.request(1)
     assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
 
@@ -408,7 +408,7 @@ def test_with_sglangs_own_sender_the_failed_kv_lands_late(make_pair):
     back, request 2's KV is still written into the pages the decode freed: Mooncake sends the rest of a
     failed batch on new connections, and the lanes its stall timeout closed deliver what they had
     queued. (The upstream hazard, and the check that this harness sees late writes when they happen.)"""
-    pair = make_pair(249, probe=False, async_send=False)
+    pair = make_pair(None, probe=False, async_send=False)
     sent, received = pair.request(1)
     assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
 

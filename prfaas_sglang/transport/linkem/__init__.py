@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -81,19 +82,21 @@ def _sh(*args: str) -> None:
 
 
 class EmulatedLink:
-    """Namespaces ``prfaas-la{tag}`` (``ip_a``) and ``prfaas-lb{tag}`` (``ip_b``) joined by linkem."""
+    """Namespaces ``prfaas-la{tag}`` (``ip_a``) and ``prfaas-lb{tag}`` (``ip_b``) joined by linkem.
 
-    def __init__(self, tag: int, rate_mbit: float, rtt_ms: float = 0.0, loss: float = 0.0,
+    ``tag`` None claims a free tag on entry: ``ip netns add`` of a name that exists fails, so the
+    first link to create ``prfaas-la{tag}`` owns the tag, and links of concurrent tests never collide."""
+
+    def __init__(self, tag: int | None, rate_mbit: float, rtt_ms: float = 0.0, loss: float = 0.0,
                  queue_ms: float | None = None, congestion_control: str | None = None,
                  slow_start_after_idle: bool = True, tcp_buffer_bytes: int | None = None,
                  tcp_timestamps: bool = True):
-        if not 0 <= tag < 256:
+        if tag is not None and not 0 <= tag < 256:
             raise ValueError("tag must be in 0..255")
         if rate_mbit <= 0 or rtt_ms < 0 or not 0 <= loss < 1:
             raise ValueError("rate_mbit must be > 0, rtt_ms >= 0 and loss in [0, 1)")
-        self.ns_a, self.ns_b = f"prfaas-la{tag}", f"prfaas-lb{tag}"
-        self.tun_a, self.tun_b = f"plta{tag}", f"pltb{tag}"
-        self.ip_a, self.ip_b = f"10.215.{tag}.1", f"10.215.{tag}.2"
+        self.tag = tag
+        self._name(tag if tag is not None else 0)
         self.rate_mbit, self.rtt_ms, self.loss = rate_mbit, rtt_ms, loss
         self.queue_ms = queue_ms if queue_ms is not None else max(rtt_ms, 5.0)
         self.congestion_control = congestion_control
@@ -110,6 +113,25 @@ class EmulatedLink:
         self._proc: subprocess.Popen | None = None
         self._allowed_before: str | None = None  # the host's allowed congestion controls, when we widened them
 
+    def _name(self, tag: int) -> None:
+        self.ns_a, self.ns_b = f"prfaas-la{tag}", f"prfaas-lb{tag}"
+        self.tun_a, self.tun_b = f"plta{tag}", f"pltb{tag}"
+        self.ip_a, self.ip_b = f"10.215.{tag}.1", f"10.215.{tag}.2"
+
+    def _claim(self) -> None:
+        """Create both namespaces: under the given tag, or under the first free one (random order)."""
+        if self.tag is not None:
+            for ns in (self.ns_a, self.ns_b):
+                _sh("ip", "netns", "add", ns)
+            return
+        for tag in random.SystemRandom().sample(range(256), 256):
+            if subprocess.run(["ip", "netns", "add", f"prfaas-la{tag}"], capture_output=True).returncode == 0:
+                self._name(tag)
+                self.tag = tag
+                _sh("ip", "netns", "add", self.ns_b)
+                return
+        raise LinkEmulatorUnavailable("no free link tag in 0..255")
+
     @property
     def wrap_a(self) -> tuple[str, ...]:
         return ("ip", "netns", "exec", self.ns_a)
@@ -125,8 +147,7 @@ class EmulatedLink:
         exe = binary()
         try:
             self._allow(self.congestion_control)
-            for ns in (self.ns_a, self.ns_b):
-                _sh("ip", "netns", "add", ns)
+            self._claim()
             self._proc = subprocess.Popen(
                 [str(exe), self.ns_a, self.tun_a, self.ns_b, self.tun_b, f"{self.rate_mbit:g}",
                  f"{self.rtt_ms * 500:g}", f"{self.loss * 1e6:g}", f"{self.queue_ms * 1000:g}"],
