@@ -26,6 +26,16 @@ def available() -> str | None:
     return None
 
 
+def claim_tag(prefix: str, tags: range) -> int | None:
+    """Create namespace ``{prefix}{tag}`` for the first free tag of ``tags`` (in random order) and
+    return the tag; None when every one is taken. ``ip netns add`` of a name that exists fails, so
+    of two concurrent claimants only one gets a tag: what it names is that claimant's alone."""
+    for tag in random.SystemRandom().sample(tags, len(tags)):
+        if subprocess.run(["ip", "netns", "add", f"{prefix}{tag}"], capture_output=True).returncode == 0:
+            return tag
+    return None
+
+
 def _sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True)
 
@@ -56,11 +66,10 @@ class Netns:
         if self.tag is not None:
             _sh("ip", "netns", "add", self.ns)
             return
-        for tag in random.SystemRandom().sample(TAGS, len(TAGS)):
-            if subprocess.run(["ip", "netns", "add", f"prfaas-bw{tag}"], capture_output=True).returncode == 0:
-                self._name(tag)
-                return
-        raise RuntimeError(f"no free namespace tag in {TAGS.start}..{TAGS.stop - 1}")
+        tag = claim_tag("prfaas-bw", TAGS)
+        if tag is None:
+            raise RuntimeError(f"no free namespace tag in {TAGS.start}..{TAGS.stop - 1}")
+        self._name(tag)
 
     def __enter__(self) -> Netns:
         self._claim()

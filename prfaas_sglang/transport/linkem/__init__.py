@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -124,13 +123,14 @@ class EmulatedLink:
             for ns in (self.ns_a, self.ns_b):
                 _sh("ip", "netns", "add", ns)
             return
-        for tag in random.SystemRandom().sample(range(256), 256):
-            if subprocess.run(["ip", "netns", "add", f"prfaas-la{tag}"], capture_output=True).returncode == 0:
-                self._name(tag)
-                self.tag = tag
-                _sh("ip", "netns", "add", self.ns_b)
-                return
-        raise LinkEmulatorUnavailable("no free link tag in 0..255")
+        from prfaas_sglang.demo.netns import claim_tag
+
+        tag = claim_tag("prfaas-la", range(256))
+        if tag is None:
+            raise LinkEmulatorUnavailable("no free link tag in 0..255")
+        self._name(tag)
+        self.tag = tag
+        _sh("ip", "netns", "add", self.ns_b)
 
     @property
     def wrap_a(self) -> tuple[str, ...]:
