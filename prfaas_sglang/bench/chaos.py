@@ -216,26 +216,31 @@ class Chaos:
         await asyncio.to_thread(self.group.wait_healthy, url + "/health", proc, 90)
 
 
-async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> float | None:
-    """Seconds from ``since`` until every worker is healthy and a probe on each path succeeds."""
+async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> tuple[float | None, str | None]:
+    """Seconds from ``since`` until every worker is healthy and a probe on each path succeeds, or
+    ``None`` and what the last probe saw when ``limit_s`` passes first."""
     rng = random.Random(int(since * 1000))
+    last = "no probe answered"
     while time.monotonic() - since < limit_s:
         try:
             async with session.get(url + "/status") as resp:
                 status = await resp.json()
-            if all(w["healthy"] for w in status["workers"].values()) and not status.get("link_down_workers"):
-                good = 0
+            unhealthy = sorted(n for n, w in status["workers"].items() if not w["healthy"])
+            last = f"unhealthy {unhealthy}, link down {status.get('link_down_workers')}"
+            if not unhealthy and not status.get("link_down_workers"):
+                answers = []
                 for long in (False, True):
                     body = _body(rng, long, False, rng.randrange(10**6))
                     async with session.post(url + "/generate", json=body) as resp:
-                        good += resp.status == 200 and resp.headers.get("x-prfaas-route", "").startswith(
-                            "prfaas/" if long else "pd/")
-                if good == 2:
-                    return time.monotonic() - since
-        except Exception:  # noqa: BLE001 - the router may be restarting
-            pass
+                        route = resp.headers.get("x-prfaas-route", "")
+                        answers.append(resp.status == 200 and route.startswith("prfaas/" if long else "pd/"))
+                        last = f"{'long' if long else 'short'} probe: {resp.status} routed {route or None}"
+                if all(answers):
+                    return time.monotonic() - since, None
+        except Exception as exc:  # noqa: BLE001 - the router may be restarting
+            last = f"{type(exc).__name__}: {exc}"
         await asyncio.sleep(PROBE_INTERVAL_S)
-    return None
+    return None, last
 
 
 async def _inject(chaos: Chaos, fault: str, down_s: float, seed: int, state: dict, fuzz_requests: int, rate_mbit: float) -> dict:
@@ -302,7 +307,8 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
             start_at = duration_s * 0.1 + i * slot
             await asyncio.sleep(max(start_at - (time.monotonic() - state["t0"]), 0))
             record = await _inject(chaos, fault, down_s, seed + i, state, fuzz_requests, rate_mbit)
-            record["recovery_s"] = await _recovered(session, url, state["t0"] + record["ended_s"])
+            record["recovery_s"], record["not_recovered_because"] = await _recovered(
+                session, url, state["t0"] + record["ended_s"])
             records.append(record)
         await load
         await asyncio.sleep(3.0)  # let the last finished requests release what they held
@@ -401,7 +407,7 @@ def verdict(result: dict) -> list[str]:
             problems.append(f"{name}: {v['leaked_kv_bytes']:.0f} landing-buffer bytes held at rest")
     for r in result["faults"]:
         if r["recovery_s"] is None:
-            problems.append(f"{r['fault']}: not recovered")
+            problems.append(f"{r['fault']}: not recovered ({r.get('not_recovered_because')})")
         for status in (r.get("statuses") or {}):
             if status.isdigit() and int(status) >= 500 and status != "503":
                 problems.append(f"{r['fault']}: answered {status}")
@@ -415,6 +421,7 @@ def render_markdown(result: dict) -> str:
              "| fault | at s | ended s | recovered after s | notes |", "|---|---|---|---|---|"]
     for r in result["faults"]:
         notes = r.get("statuses") or ({"frames": r["garbage_frames"]} if "garbage_frames" in r else "")
+        notes = notes if r["recovery_s"] is not None else f"{notes} last probe: {r.get('not_recovered_because')}".strip()
         rec = "not recovered" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
         lines.append(f"| {r['fault']} | {r['started_s']:.1f} | {r['ended_s']:.1f} | {rec} | {notes} |")
     rss = result["router_rss"]

@@ -75,6 +75,9 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--prefill-scale", action="append", default=[], metavar="CLUSTER=SCALE",
                    help="what the model's prefill takes in CLUSTER (prfaas | pd), times, as measured beforehand: the "
                         "calibration's starting point (repeatable; default 1)")
+    p.add_argument("--calibration-max-age-s", type=float, default=30.0,
+                   help="a cluster whose calibration saw no first token for this long is predicted by its prior again, "
+                        "so one shunned on a few slow answers gets requests again (0: never)")
     p.add_argument("--admission-timeout-s", type=float, default=60.0,
                    help="longest a request waits in the router for decode KV room before 503")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests that may wait for decode room; more get 429")
@@ -260,7 +263,8 @@ def make_service(args: argparse.Namespace):
 
 
 def calibration_settings(args: argparse.Namespace):
-    """``CalibrationSettings`` from ``--no-calibration`` and ``--prefill-scale`` (ConfigError naming a bad one)."""
+    """``CalibrationSettings`` from ``--no-calibration``, ``--prefill-scale`` and ``--calibration-max-age-s``
+    (ConfigError naming a bad one)."""
     from prfaas_sglang.router.calibration import CalibrationSettings
 
     scales = []
@@ -270,8 +274,11 @@ def calibration_settings(args: argparse.Namespace):
             scales.append((cluster.strip(), float(value)))
         except ValueError:
             raise ConfigError("--prefill-scale", f"expected CLUSTER=SCALE (prfaas=1.2), got {item!r}") from None
+    if args.calibration_max_age_s < 0:
+        raise ConfigError("--calibration-max-age-s", f"must be >= 0 (0: never forgotten), got {args.calibration_max_age_s:g}")
     try:
-        return CalibrationSettings(enabled=not args.no_calibration, prior_scales=tuple(scales))
+        return CalibrationSettings(enabled=not args.no_calibration, prior_scales=tuple(scales),
+                                   max_age_s=args.calibration_max_age_s or None)
     except ValueError as err:
         raise ConfigError("--prefill-scale", str(err)) from None
 

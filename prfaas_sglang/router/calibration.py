@@ -42,6 +42,17 @@ Decode. Each gap between two tokens of a stream, over the gap the model predicts
 for the decode worker's batch at that moment, gives the decode scale (ratio of
 sums, the same shrinkage).
 
+A cluster gone quiet is believed as its prior again: when no sample came for ``max_age_s``,
+:meth:`OnlineCalibration.forget_quiet` (the router's control tick) drops what it learnt. Without
+this a few slow first tokens could shun a cluster for good: placement by expected TTFT sends
+every request elsewhere once the learnt offset alone exceeds the target, and a cluster that gets
+no requests gives no sample to unlearn it. CI's chaos run of 2026-11-27 most likely failed so:
+after a router restart behind its front (which resends the backlog at once), its recovery probes
+saw no long prompt reach PrfaaS for three minutes. By hand, six late first tokens on the chaos
+topology taught a 0.24 s offset against its 0.2 s target; the test replays that on the simulator's
+fleet (``tests/router/test_calibration.py``). Sparse traffic keeps its window: only a whole
+``max_age_s`` without a sample forgets.
+
 Each first token also records the as-routed prediction's relative error
 ``|predicted - observed| / observed``, in completion order: :meth:`describe` reports
 it in consecutive groups, so the error can be seen falling as requests complete.
@@ -65,11 +76,14 @@ class CalibrationSettings:
     max_scale: float = 4.0
     offset: bool = True  # learn a per-request offset beside the scale (False: the scale alone)
     offset_prior_samples: float = 4.0  # pseudo-samples at offset 0
+    max_age_s: float | None = 30.0  # no sample for this long: back to the prior (None: never)
     error_group: int = 25  # requests per group of the error series
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.error_group < 1:
             raise ValueError("window and error_group must be >= 1")
+        if self.max_age_s is not None and self.max_age_s <= 0:
+            raise ValueError("max_age_s must be > 0 (or None)")
         if not 0 < self.min_scale <= 1 <= self.max_scale:
             raise ValueError("need 0 < min_scale <= 1 <= max_scale")
         if self.prior_weight_s < 0:
@@ -85,17 +99,32 @@ class _Ratio:
 
     def __init__(self, window: int, prior_weight: float, prior_value: float = 1.0):
         self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self.times_s: collections.deque[float] = collections.deque(maxlen=window)  # when each pair was added
         self.prior_weight, self.prior_value = prior_weight, prior_value
         self.observed_sum = self.modelled_sum = 0.0
 
-    def add(self, observed: float, modelled: float) -> None:
+    def add(self, observed: float, modelled: float, now_s: float) -> None:
         if len(self.pairs) == self.pairs.maxlen:
-            old_o, old_m = self.pairs[0]
-            self.observed_sum -= old_o
-            self.modelled_sum -= old_m
+            self._drop_oldest()
         self.pairs.append((observed, modelled))
+        self.times_s.append(now_s)
         self.observed_sum += observed
         self.modelled_sum += modelled
+
+    def _drop_oldest(self) -> None:
+        old_o, old_m = self.pairs.popleft()
+        self.times_s.popleft()
+        self.observed_sum -= old_o
+        self.modelled_sum -= old_m
+
+    def forget_if_quiet_since(self, cutoff_s: float) -> bool:
+        """Drop every pair when the newest was added before ``cutoff_s``; True when any went."""
+        if not self.times_s or self.times_s[-1] >= cutoff_s:
+            return False
+        self.pairs.clear()
+        self.times_s.clear()
+        self.observed_sum = self.modelled_sum = 0.0
+        return True
 
     def value(self) -> float:
         den = self.modelled_sum + self.prior_weight
@@ -114,9 +143,15 @@ class _OffsetRatio(_Ratio):
         self.offset_prior_samples = offset_prior_samples
         self._offset = 0.0  # refitted on each sample: read on every routing decision
 
-    def add(self, observed: float, modelled: float) -> None:
-        super().add(observed, modelled)
+    def add(self, observed: float, modelled: float, now_s: float) -> None:
+        super().add(observed, modelled, now_s)
         self._offset = self._fit_offset()
+
+    def forget_if_quiet_since(self, cutoff_s: float) -> bool:
+        dropped = super().forget_if_quiet_since(cutoff_s)
+        if dropped:
+            self._offset = 0.0
+        return dropped
 
     def offset(self) -> float:
         return self._offset
@@ -170,21 +205,28 @@ class OnlineCalibration:
         return self._clamp(self._decode.value()) if self.settings.enabled else 1.0
 
     def first_token(self, cluster: str, modelled_compute_s: float, link_s: float, observed_s: float,
-                    predicted_s: float) -> None:
-        """A request's first token came ``observed_s`` after dispatch. ``modelled_compute_s``: its queue
+                    predicted_s: float, now_s: float) -> None:
+        """A request's first token came ``observed_s`` after dispatch, at ``now_s``. ``modelled_compute_s``: its queue
         and prefill before calibration (without the offset); ``link_s``: the KV's predicted time on the link; ``predicted_s``:
         the TTFT predicted when it was routed (for the error series)."""
         if observed_s <= 0 or cluster not in self._prefill:
             return
         self.errors.append(abs(predicted_s - observed_s) / observed_s)
         if modelled_compute_s > 0:
-            self._prefill[cluster].add(max(observed_s - link_s, 0.0), modelled_compute_s)
+            self._prefill[cluster].add(max(observed_s - link_s, 0.0), modelled_compute_s, now_s)
             self.samples[cluster] += 1
 
-    def token_gap(self, observed_s: float, modelled_step_s: float) -> None:
-        """Two tokens of a stream ``observed_s`` apart, where the model predicts ``modelled_step_s``."""
+    def token_gap(self, observed_s: float, modelled_step_s: float, now_s: float) -> None:
+        """Two tokens of a stream ``observed_s`` apart (the second at ``now_s``), where the model predicts ``modelled_step_s``."""
         if observed_s > 0 and modelled_step_s > 0:
-            self._decode.add(observed_s, modelled_step_s)
+            self._decode.add(observed_s, modelled_step_s, now_s)
+
+    def forget_quiet(self, now_s: float) -> None:
+        """Each cluster's prefill samples, and the decode gaps, with none newer than ``max_age_s`` at
+        ``now_s`` are dropped: the prior holds again (nothing when ``max_age_s`` is None)."""
+        if self.settings.max_age_s is not None:
+            for ratio in (*self._prefill.values(), self._decode):
+                ratio.forget_if_quiet_since(now_s - self.settings.max_age_s)
 
     def error_series(self) -> list[dict]:
         """Mean relative TTFT error per consecutive group of ``error_group`` completed requests."""

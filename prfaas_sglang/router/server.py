@@ -524,10 +524,10 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
             now = time.perf_counter()
             if last is None:
                 service.counters.ttft.observe(now - started)
-                service.first_token(lease, now - started)
+                service.first_token(lease, now - started, time.monotonic())
             else:
                 service.counters.tbt.observe(now - last)
-                service.token_gap(now - last)
+                service.token_gap(now - last, time.monotonic())
             last = now
             await stream.write(data)
             at_event_end = ends_event(data)

@@ -259,17 +259,18 @@ class RouterService:
         return Lease(req.rid, decision, req.kv_tokens, ticket, prefill_model_s=prefill_model_s, link_bytes=link_bytes,
                      compute_model_s=max(decision.estimated_queue_s + decision.estimated_prefill_s - offset_s, 0.0) / scale)
 
-    def first_token(self, lease: Lease, observed_s: float) -> None:
-        """The request's first token reached the router ``observed_s`` after its legs were dispatched:
-        a sample for the calibration (once per lease)."""
+    def first_token(self, lease: Lease, observed_s: float, now_s: float) -> None:
+        """The request's first token reached the router at ``now_s``, ``observed_s`` after its legs were
+        dispatched: a sample for the calibration (once per lease)."""
         if not lease.first_token_seen:
             lease.first_token_seen = True
             self.calibration.first_token(lease.decision.cluster, lease.compute_model_s, lease.link_s, observed_s,
-                                         lease.decision.estimated_ttft_s)
+                                         lease.decision.estimated_ttft_s, now_s)
 
-    def token_gap(self, observed_s: float) -> None:
-        """Two chunks of a decode stream ``observed_s`` apart (the model's step: its decode profile's)."""
-        self.calibration.token_gap(observed_s, self.runtime.decode.step_s)
+    def token_gap(self, observed_s: float, now_s: float) -> None:
+        """Two chunks of a decode stream ``observed_s`` apart, the second at ``now_s`` (the model's step:
+        its decode profile's)."""
+        self.calibration.token_gap(observed_s, self.runtime.decode.step_s, now_s)
 
     def prefill_done(self, lease: Lease) -> None:
         """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""
@@ -374,7 +375,8 @@ class RouterService:
     def control_tick(self, now_s: float) -> float | None:
         """One controller step on the current link view and queues; returns a new ``t`` or None. A
         calibrated prefill scale that moved ``replan_on_calibration`` from the one ``t`` was solved
-        with re-solves ``t`` on the calibrated model first."""
+        with re-solves ``t`` on the calibrated model first. A calibration quiet for its ``max_age_s`` forgets first."""
+        self.calibration.forget_quiet(now_s)
         scales = {c: self.calibration.prefill_scale(c) for c in (PRFAAS, PD)}
         moved = max(abs(scales[c] / self._planned_scales[c] - 1.0) for c in scales)
         if moved > self.config.replan_on_calibration and self.controller.override_tokens is None:

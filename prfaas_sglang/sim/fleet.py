@@ -281,7 +281,7 @@ class Simulation:
     def _decode_done(self, node: DecodeNode, req: SimRequest) -> None:
         self._completed["pd-decode"] += 1
         if req.first_token_s is not None:  # the router learns from it at the end (the live one: at the first token)
-            self.service.first_token(req.lease, req.first_token_s - req.dispatched_s)
+            self.service.first_token(req.lease, req.first_token_s - req.dispatched_s, self.env.now)
         self.service.finish(req.lease)
         self._retry_blocked()
 

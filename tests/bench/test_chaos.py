@@ -62,10 +62,10 @@ def test_the_verdict_names_each_kind_of_failure():
     bad = json.loads(json.dumps(clean))
     bad["tally"].update(hung=1, truncated=2, reset_outside_router_faults=3, untyped_errors=["502: <html>"])
     bad["leaks"]["w"].update({"prfaas:open_rooms": 1.0, "leaked_kv_bytes": 4096.0})
-    bad["faults"] = [{"fault": "kill-router", "recovery_s": None}, {"fault": "http-fuzz", "recovery_s": 0.1, "statuses": {"500": 1}}]
+    bad["faults"] = [{"fault": "kill-router", "recovery_s": None, "not_recovered_because": "link down ['prfaas-0']"}, {"fault": "http-fuzz", "recovery_s": 0.1, "statuses": {"500": 1}}]
     problems = " | ".join(chaos.verdict(bad))
     for words in ("1 hung", "2 truncated", "3 reset_outside_router_faults", "untyped", "rooms open", "landing-buffer bytes",
-                  "kill-router: not recovered", "http-fuzz: answered 500"):
+                  "kill-router: not recovered (link down", "http-fuzz: answered 500"):
         assert words in problems, (words, problems)
 
 
