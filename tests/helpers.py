@@ -52,3 +52,43 @@ def start_real_time_pd_pair(group) -> dict:
     return {"version": 1, "emulation": {"speedup": 1, "kv_scale": 0.002}, "clusters": {
         "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
                                       {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
+
+
+SUBSCRIBE_READY_TIMEOUT_S = 10.0
+
+
+def wait_subscribed(status_url: str, sources: list[str], timeout_s: float = SUBSCRIBE_READY_TIMEOUT_S) -> None:
+    """Wait until the router's or kv-index's ``/status`` says each of ``sources`` is ``connected`` (its
+    handshake with the publisher succeeded): the readiness probe in place of a PUB/SUB-join sleep."""
+    import time
+
+    from prfaas_sglang.adapters import http_sync
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        subs = http_sync.get_json(status_url, timeout_s=5.0)["subscriptions"]
+        if all(subs.get(source, {}).get("connected") for source in sources):
+            return
+        assert time.monotonic() < deadline, f"not connected within {timeout_s:g} s: {subs}"
+        time.sleep(0.02)
+
+
+def subscribe(endpoint: str, topic: bytes = b"", timeout_s: float = SUBSCRIBE_READY_TIMEOUT_S):
+    """A SUB socket on ``endpoint``, returned once its handshake with the publisher succeeded (the
+    subscription goes out with it), so what is published next reaches it: no slow-joiner sleep."""
+    import zmq
+    from zmq.utils.monitor import parse_monitor_message
+
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, topic)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(endpoint)
+        if not monitor.poll(int(timeout_s * 1000)):
+            sock.close(linger=0)
+            raise AssertionError(f"no handshake with {endpoint} within {timeout_s:g} s")
+        assert parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    return sock

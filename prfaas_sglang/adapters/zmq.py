@@ -46,6 +46,7 @@ class BadFrame(ValueError):
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_WATCHED_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass(frozen=True, repr=False)
@@ -184,6 +185,8 @@ class SourceStats:
     bad_frames: int = 0
     handler_errors: int = 0
     auth_failures: int = 0  # handshakes that failed: a publisher without the deployment's key
+    connected: bool = False  # the handshake with the publisher succeeded, and it has not disconnected since
+    connects: int = 0  # handshakes that succeeded (more than 1: the publisher restarted or the link broke)
     last_frame_mono_s: float | None = None
     last_error: str | None = None
 
@@ -197,7 +200,11 @@ class _Source:
 
 class ZmqSubscriber:
     """Sources are watched from a running event loop; ``close()`` cancels them all. With
-    ``curve``, every source must be a CURVE server holding the deployment's key."""
+    ``curve``, every source must be a CURVE server holding the deployment's key.
+
+    Each source's :meth:`stats` say whether it is ``connected`` (its ZMTP handshake succeeded, so
+    the subscription went out with it): the readiness to wait for before publishing what must
+    arrive, in place of a sleep for PUB/SUB's slow joiner."""
 
     def __init__(self, rcvhwm: int = 100_000, curve: CurveKeys | None = None):
         self.ctx = zmq.asyncio.Context.instance()
@@ -212,12 +219,11 @@ class ZmqSubscriber:
         sock.setsockopt(zmq.SUBSCRIBE, topic)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
         stats = SourceStats(endpoint)
-        monitor = None
         if self.curve is not None:
             sock.curve_secretkey = self.curve.client_secret
             sock.curve_publickey = self.curve.client_public
             sock.curve_serverkey = self.curve.server_public
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         sock.connect(endpoint)
         task = asyncio.create_task(self._consume(source, sock, stats, handle, monitor), name=f"zmq-{source}")
         self._sources[source] = _Source(stats, task, handle)
@@ -234,23 +240,33 @@ class ZmqSubscriber:
         out = {}
         for name, entry in self._sources.items():
             s = entry.stats
-            out[name] = {"endpoint": s.endpoint, "frames": s.frames, "bad_frames": s.bad_frames,
+            out[name] = {"endpoint": s.endpoint, "connected": s.connected, "connects": s.connects,
+                         "frames": s.frames, "bad_frames": s.bad_frames,
                          "handler_errors": s.handler_errors, "auth_failures": s.auth_failures, "last_error": s.last_error,
                          "last_frame_age_s": None if s.last_frame_mono_s is None else now_mono_s - s.last_frame_mono_s}
         return out
 
     @staticmethod
-    async def _count_auth_failures(source: str, monitor, stats: SourceStats) -> None:
+    async def _follow_connection(source: str, monitor, stats: SourceStats) -> None:
+        """The socket's monitor: handshakes that succeed or fail, and disconnections."""
+        from zmq.utils.monitor import parse_monitor_message
+
         while True:
-            await monitor.recv_multipart()  # only handshake failures are subscribed
-            stats.auth_failures += 1
-            if stats.auth_failures == 1:
-                logger.warning("zmq source %s (%s): handshake refused; it does not hold this deployment's key",
-                               source, stats.endpoint)
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                stats.connected, stats.connects = True, stats.connects + 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                stats.connected = False
+            elif event & _HANDSHAKE_FAILED:
+                stats.connected = False
+                stats.auth_failures += 1
+                if stats.auth_failures == 1:
+                    logger.warning("zmq source %s (%s): handshake refused; it does not hold this deployment's key",
+                                   source, stats.endpoint)
 
     @classmethod
-    async def _consume(cls, source: str, sock, stats: SourceStats, handle, monitor=None) -> None:
-        watcher = asyncio.create_task(cls._count_auth_failures(source, monitor, stats)) if monitor is not None else None
+    async def _consume(cls, source: str, sock, stats: SourceStats, handle, monitor) -> None:
+        watcher = asyncio.create_task(cls._follow_connection(source, monitor, stats))
         try:
             while True:
                 frames = await sock.recv_multipart()
@@ -268,10 +284,9 @@ class ZmqSubscriber:
         except asyncio.CancelledError:
             pass
         finally:
-            if watcher is not None:
-                watcher.cancel()
-                sock.disable_monitor()
-                monitor.close(linger=0)
+            watcher.cancel()
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
 
     async def close(self) -> None:

@@ -155,7 +155,7 @@ def build_app(index, workers: dict[str, tuple[str, str, str]], keys=None):
 class KvIndexMetrics:
     """The kv-index's ``/metrics`` (a prometheus_client collector), read at each scrape: blocks and
     resets per worker of ``index``, frames per subscription of ``subscriptions()`` (the subscriber's
-    ``stats``: source -> {"frames", "bad_frames", "auth_failures", ...})."""
+    ``stats``: source -> {"connected", "frames", "bad_frames", "auth_failures", ...})."""
 
     def __init__(self, index, subscriptions: Callable[[], dict[str, dict]]):
         self._index, self._subscriptions = index, subscriptions
@@ -180,6 +180,11 @@ class KvIndexMetrics:
             for source, stats in subscriptions:
                 family.add_metric([source], stats[key])
             yield family
+        connected = GaugeMetricFamily("prfaas_kvindex_subscription_connected",
+                                      "1 while the subscription's handshake with its publisher holds", labels=["source"])
+        for source, stats in subscriptions:
+            connected.add_metric([source], int(stats["connected"]))
+        yield connected
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
+from helpers import subscribe
 
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import scrape_metric
@@ -86,13 +87,8 @@ def test_a_prfaas_worker_keeps_shared_prefixes_only_and_reports_what_it_kept(pai
                            env={"PRFAAS_PREFILL_CACHE": "shared"})
     info = http_sync.get(prefill.url + "/server_info", timeout_s=5).json()
     assert info["prfaas"]["prefill_cache"] == "shared"
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.connect(f"tcp://127.0.0.1:{prefill.kv_events_port}")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub = subscribe(f"tcp://127.0.0.1:{prefill.kv_events_port}")
     sub.setsockopt(zmq.RCVTIMEO, 1500)
-    import time
-
-    time.sleep(0.3)  # the slow joiner
     try:
         for n in range(4):  # unique long prompts: the bulk of a PrfaaS worker's traffic
             p, d = pd_request(prefill, decode, {"input_ids": [50_000 + n] * 6_000, "sampling_params": {"max_new_tokens": 1}})
@@ -126,13 +122,8 @@ def test_kv_events_decode_with_sglang_classes(pair):
     from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch
 
     prefill, decode = pair
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.connect(f"tcp://127.0.0.1:{prefill.kv_events_port}")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub = subscribe(f"tcp://127.0.0.1:{prefill.kv_events_port}")
     sub.setsockopt(zmq.RCVTIMEO, 5000)
-    import time
-
-    time.sleep(0.5)  # PUB/SUB join
     tokens = list(range(50_000, 50_000 + 1536))
     pd_request(prefill, decode, {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1}})
     topic, seq, payload = sub.recv_multipart()

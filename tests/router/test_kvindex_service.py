@@ -9,6 +9,7 @@ import time
 import pytest
 import requests
 import yaml
+from helpers import wait_subscribed
 
 from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
 
@@ -45,7 +46,7 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         proc = group.start("kv-index", [sys.executable, "-m", "prfaas_sglang.kvindex", "--config", str(config), "--port", str(port)])
         url = f"http://127.0.0.1:{port}"
         group.wait_healthy(url + "/health", proc)
-        time.sleep(0.5)  # SUB join
+        wait_subscribed(url + "/status", ["pp0"])
 
         prompt = list(range(5_000))
         prefill_through(pp0, d0, prompt, 77, url, 9)
@@ -57,6 +58,8 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
         assert requests.post(url + "/match", data="{", timeout=5).status_code == 400
         status = requests.get(url + "/status", timeout=5).json()
         assert status["subscriptions"]["pp0"]["frames"] >= 1 and status["bad_frames"] == 0
+        assert status["subscriptions"]["pp0"]["connected"] and status["subscriptions"]["pp0"]["connects"] == 1
+        assert 'prfaas_kvindex_subscription_connected{source="pp0"} 1.0' in requests.get(url + "/metrics", timeout=5).text
         assert status["memo"]["max_bytes"] == 64 << 20 and status["memo"]["bytes"] <= status["memo"]["max_bytes"]
         # The emulated hybrid worker reports its state checkpoints (wire v2): one, at the prompt's last page.
         assert (status["workers"]["pp0"]["checkpoints"], status["workers"]["pp0"]["checkpoints_from"]) == (1, "reported")
@@ -87,7 +90,7 @@ def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_
         index = group.start("kv-index", [sys.executable, "-m", "prfaas_sglang.kvindex", "--config", str(config)])
         index_url = f"http://127.0.0.1:{index_port}"
         group.wait_healthy(index_url + "/health", index)
-        time.sleep(0.5)  # SUB join
+        wait_subscribed(index_url + "/status", ["pp0"])
         prompt = list(range(5_000))
         prefill_through(pp0, d0, prompt, 78, index_url, 9)
 

@@ -193,10 +193,45 @@ def test_curve_streams_deliver_only_between_holders_of_the_deployment_key():
                 p.close()
 
     good, good_stats, plain, plain_stats, forged, forged_stats, heard = asyncio.run(run())
-    assert good and good_stats["auth_failures"] == 0
+    assert good and good_stats["auth_failures"] == 0 and good_stats["connected"] and good_stats["connects"] == 1
     assert not plain and plain_stats["frames"] == 0 and plain_stats["auth_failures"] >= 1
     assert not forged and forged_stats["frames"] == 0 and forged_stats["auth_failures"] >= 1
+    assert not plain_stats["connected"] and not forged_stats["connected"] and forged_stats["connects"] == 0
     assert not heard  # the eavesdropper has no key: the handshake fails (NULL vs CURVE) before ZAP
+
+
+def test_a_subscription_is_connected_from_its_handshake_until_its_publisher_goes_and_again_when_it_returns():
+    """``connected`` is the readiness a caller waits for before publishing what must arrive (no
+    slow-joiner sleep): set by the handshake, cleared when the publisher goes, set again on its return."""
+    from prfaas_sglang.adapters.zmq import ZmqPublisher, ZmqSubscriber
+
+    async def wait_for(sub, predicate, timeout_s: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while not predicate(stats := sub.stats(time.monotonic())["s"]):
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.01)
+        return stats
+
+    async def run():
+        port = _port()
+        sub, got = ZmqSubscriber(), []
+        sub.watch("s", f"tcp://127.0.0.1:{port}", b"t", got.append)
+        assert sub.stats(time.monotonic())["s"]["connected"] is False  # nothing is listening yet
+        pub = ZmqPublisher(f"tcp://127.0.0.1:{port}", "t")
+        try:
+            await wait_for(sub, lambda s: s["connected"])
+            pub.publish_raw(b"first")  # once, right after the handshake: it arrives
+            await wait_for(sub, lambda s: s["frames"] == 1)
+            pub.close()
+            await wait_for(sub, lambda s: not s["connected"])
+            pub = ZmqPublisher(f"tcp://127.0.0.1:{port}", "t")
+            return got, await wait_for(sub, lambda s: s["connected"])
+        finally:
+            pub.close()
+            await sub.close()
+
+    got, stats = asyncio.run(run())
+    assert got == [[b"t", b"first"]] and stats["connects"] == 2
 
 
 def test_a_curve_subscriber_with_another_key_is_refused_by_the_publisher_and_counted():
