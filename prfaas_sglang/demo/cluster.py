@@ -115,19 +115,21 @@ def own_port_range() -> tuple[int, int]:
 
 
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
-    """A port free on ``host`` now, for a server started later. Picked at random in
-    :func:`own_port_range` (by default below the kernel's ephemeral range): no ``bind(0)`` or
-    ``connect()`` of any process here is handed it meanwhile. One picked by ``bind(0)`` was: a real
-    SGLang server's own ``get_free_port`` took it between our pick and the kv-events publisher's bind
-    (``Address already in use``, CI's real-SGLang test). Where that range is empty, a port the
-    kernel picks."""
+    """A port free on every address here now, for a server started later on ``host``. Picked at
+    random in :func:`own_port_range` (by default below the kernel's ephemeral range): no ``bind(0)``
+    or ``connect()`` of any process here is handed it meanwhile. One picked by ``bind(0)`` was: a
+    real SGLang server's own ``get_free_port`` took it between our pick and the kv-events
+    publisher's bind (``Address already in use``, CI's real-SGLang test). Free on ``host`` alone is
+    not enough: smg binds its metrics on 0.0.0.0, and a pick free on loopback was a bootstrap port
+    on a namespace link's host end (fresh-clone run 3 of issue #47). Where that range is empty, a
+    port the kernel picks."""
     rng = rng or random.SystemRandom()
     low, top = own_port_range()
     for _ in range(64 if top > low else 0):
         port = rng.randrange(low, top)
         with socket.socket() as s:
             try:
-                s.bind((host, port))
+                s.bind(("0.0.0.0", port))  # fails while any address here holds the port
             except OSError:
                 continue
             return port
@@ -456,14 +458,15 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
         port = pick(host)
         argv = [sys.executable, "-m", PEER_ROUTERS[kind], "--pd-disaggregation", *workers,
                 "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
-                "--prometheus-port", str(pick(host)), *extra_args]
+                "--prometheus-host", host, "--prometheus-port", str(pick(host)), *extra_args]
+        logged_before = len(group.log(name or kind))
         proc = group.start(name or kind, argv)
         url = f"http://{host}:{port}"
         try:
             group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)
             break
-        except StartupError as e:
-            if "Address already in use" not in str(e) or attempt == PEER_PORT_ATTEMPTS - 1:
+        except StartupError as e:  # the bind error may sit above the log's last words that the error quotes
+            if "Address already in use" not in group.log(name or kind)[logged_before:] or attempt == PEER_PORT_ATTEMPTS - 1:
                 raise
             logger.warning("%s: a picked port was taken before it bound one (%s); new ports", name or kind, e)
     deadline = time.monotonic() + timeout_s

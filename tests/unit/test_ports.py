@@ -23,24 +23,28 @@ def test_picks_lie_above_mooncakes_ports_and_below_the_kernels_and_are_free():
             s.bind(("127.0.0.1", port))
 
 
-def test_a_port_in_use_is_skipped():
-    class FirstPick(random.Random):
-        """Answers ``first`` once, then at random."""
+class FirstPick(random.Random):
+    """Answers ``first`` once, then at random."""
 
-        def __init__(self, first: int):
-            super().__init__(7)
-            self.first, self.calls = first, 0
+    def __init__(self, first: int):
+        super().__init__(7)
+        self.first, self.calls = first, 0
 
-        def randrange(self, start, stop):
-            self.calls += 1
-            return self.first if self.calls == 1 else super().randrange(start, stop)
+    def randrange(self, start, stop):
+        self.calls += 1
+        return self.first if self.calls == 1 else super().randrange(start, stop)
 
+
+@pytest.mark.parametrize("held_on", ["127.0.0.1", "127.0.0.2"])
+def test_a_port_in_use_on_any_address_is_skipped(held_on):
+    """Held on another address than the server's (a namespace link's host end; 127.0.0.2 stands in):
+    still not free, since a server that binds 0.0.0.0 (smg's metrics) could not take it."""
     busy = cluster.free_port()
     with socket.socket() as held:
-        held.bind(("127.0.0.1", busy))
+        held.bind((held_on, busy))
         held.listen()
         rng = FirstPick(busy)
-        port = cluster.free_port(rng=rng)
+        port = cluster.free_port("127.0.0.1", rng=rng)
     assert rng.calls >= 2 and port != busy
 
 
