@@ -102,7 +102,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     result = run(args.duration, args.rate, args.out, seed=args.seed)
     header = (f"<!-- python -m prfaas_sglang.bench dashboard --duration {args.duration:g} --rate {args.rate:g} "
               f"--seed {args.seed} --out {args.out}; {inv.stamp} -->")
-    return inv.report(args, result, header, None)  # no Markdown report: --json
+    return inv.report(args, result, header, None)  # no Markdown report: JSON
 
 
 SUBCOMMANDS = {"dashboard": Subcommand(add_arguments, cli)}

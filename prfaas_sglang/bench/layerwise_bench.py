@@ -330,7 +330,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     result = run(args.rate_mbit, args.forward_s, args.tokens, args.tokens, args.layers, repeats=args.repeats)
     header = (f"<!-- python -m prfaas_sglang.bench layerwise --rate-mbit {args.rate_mbit:g} --forward-s {args.forward_s:g} "
               f"--tokens {args.tokens} --layers {args.layers} --repeats {args.repeats}; {inv.stamp} -->")
-    return inv.report(args, result, header, None)  # no Markdown table: --json
+    return inv.report(args, result, header, None)  # no Markdown table: JSON
 
 
 SUBCOMMANDS = {"layerwise": Subcommand(add_arguments, cli)}
