@@ -99,30 +99,26 @@ class _Ratio:
 
     def __init__(self, window: int, prior_weight: float, prior_value: float = 1.0):
         self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
-        self.times_s: collections.deque[float] = collections.deque(maxlen=window)  # when each pair was added
+        self.newest_s: float | None = None  # when the newest pair was added
         self.prior_weight, self.prior_value = prior_weight, prior_value
         self.observed_sum = self.modelled_sum = 0.0
 
     def add(self, observed: float, modelled: float, now_s: float) -> None:
         if len(self.pairs) == self.pairs.maxlen:
-            self._drop_oldest()
+            old_o, old_m = self.pairs[0]
+            self.observed_sum -= old_o
+            self.modelled_sum -= old_m
         self.pairs.append((observed, modelled))
-        self.times_s.append(now_s)
+        self.newest_s = now_s
         self.observed_sum += observed
         self.modelled_sum += modelled
 
-    def _drop_oldest(self) -> None:
-        old_o, old_m = self.pairs.popleft()
-        self.times_s.popleft()
-        self.observed_sum -= old_o
-        self.modelled_sum -= old_m
-
     def forget_if_quiet_since(self, cutoff_s: float) -> bool:
         """Drop every pair when the newest was added before ``cutoff_s``; True when any went."""
-        if not self.times_s or self.times_s[-1] >= cutoff_s:
+        if self.newest_s is None or self.newest_s >= cutoff_s:
             return False
         self.pairs.clear()
-        self.times_s.clear()
+        self.newest_s = None
         self.observed_sum = self.modelled_sum = 0.0
         return True
 
