@@ -1,6 +1,10 @@
 """Subprocess body for test_plugin.py: runs scenarios against real SGLang, prints JSON.
 
-Usage: python plugin_probe.py <scenario> <model_dir>
+Usage: python plugin_probe.py <scenario>[,<scenario>...] <model_dir>
+
+SGLang is imported once; each scenario then runs in a child forked from that process, so that
+what one patches, registers or exits with (SGLang's HookRegistry and the functions it patches are
+process-global) reaches no other, without paying SGLang's import once per scenario.
 """
 
 from __future__ import annotations
@@ -123,7 +127,29 @@ def scenario_idempotent(model_dir: str) -> dict:
             "targets": len(targets)}
 
 
+def in_child(name: str, model_dir: str) -> dict:
+    """``scenario_<name>`` in a forked child; its result (or what it raised) comes back over a pipe."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, write, leave without the parent's exit handlers
+        os.close(read_end)
+        try:
+            out = globals()[f"scenario_{name}"](model_dir)
+        except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
+            out = {"probe_error": f"{type(err).__name__}: {err}"}
+        with os.fdopen(write_end, "w") as pipe:
+            json.dump(out, pipe)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(text) if text else {"probe_error": f"scenario {name}: the child wrote nothing"}
+
+
 if __name__ == "__main__":
-    name, model = sys.argv[1], sys.argv[2]
-    result = globals()[f"scenario_{name}"](model)
-    print("PROBE-RESULT " + json.dumps(result))
+    names, model = sys.argv[1].split(","), sys.argv[2]
+    import sglang.srt.plugins  # noqa: F401 - SGLang's import, once, before the forks
+    import sglang.srt.server_args  # noqa: F401
+
+    print("PROBE-RESULT " + json.dumps({name: in_child(name, model) for name in names}))

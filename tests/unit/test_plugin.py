@@ -20,16 +20,23 @@ TINY_MODEL = REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
 PROBE = Path(__file__).with_name("plugin_probe.py")
 
 
-def probe(scenario: str) -> dict:
-    proc = run_py([str(PROBE), scenario, str(TINY_MODEL)], env={"PRFAAS_ROLE": ""}, timeout=180)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
-    assert lines, f"probe {scenario} printed no result\nstdout:{proc.stdout[-2000:]}\nstderr:{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("PROBE-RESULT ") :])
+SCENARIOS = ("role_contract", "unresolvable_target", "apply_fails", "load_plugins_stops", "idempotent")
 
 
 @pytest.fixture(scope="module")
-def role_contract() -> dict:
-    return probe("role_contract")
+def probes() -> dict:
+    """Every scenario's result, from one process that imports SGLang once and forks per scenario."""
+    proc = run_py([str(PROBE), ",".join(SCENARIOS), str(TINY_MODEL)], env={"PRFAAS_ROLE": ""}, timeout=240)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
+    assert lines, f"the probe printed no result\nstdout:{proc.stdout[-2000:]}\nstderr:{proc.stderr[-3000:]}"
+    results = json.loads(lines[-1][len("PROBE-RESULT ") :])
+    assert not [r for r in results.values() if "probe_error" in r], results
+    return results
+
+
+@pytest.fixture(scope="module")
+def role_contract(probes) -> dict:
+    return probes["role_contract"]
 
 
 class TestRoleContractThroughSGLang:
@@ -65,26 +72,26 @@ class TestRoleContractThroughSGLang:
 
 class TestLoudFailures:
     @pytest.mark.slow
-    def test_unresolvable_target_exits(self):
-        result = probe("unresolvable_target")
+    def test_unresolvable_target_exits(self, probes):
+        result = probes["unresolvable_target"]
         assert result["exited"] and result["is_system_exit"]
         assert "no_such_function does not resolve" in result["message"]
 
     @pytest.mark.slow
-    def test_hook_sglang_refuses_to_apply_exits(self):
+    def test_hook_sglang_refuses_to_apply_exits(self, probes):
         """SGLang's HookRegistry logs and skips an AROUND hook on a class; we stop instead."""
-        result = probe("apply_fails")
+        result = probes["apply_fails"]
         assert result["exited"]
         assert "did not take effect" in result["message"] and "class-around" in result["message"]
 
     @pytest.mark.slow
-    def test_failure_is_not_swallowed_by_load_plugins(self):
-        result = probe("load_plugins_stops")
+    def test_failure_is_not_swallowed_by_load_plugins(self, probes):
+        result = probes["load_plugins_stops"]
         assert result["exited"] and "does not resolve" in result["message"]
 
     @pytest.mark.slow
-    def test_register_is_idempotent(self):
-        result = probe("idempotent")
+    def test_register_is_idempotent(self, probes):
+        result = probes["idempotent"]
         assert result["extra_registrations"] == {} and result["targets"] >= 2, result
 
 
