@@ -42,6 +42,7 @@ from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
+from prfaas_sglang.plan.fleet import Fleet, FleetLink, PdSite, PrfaasSite
 from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
 from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
 from prfaas_sglang.plan.scenario import (
@@ -53,7 +54,7 @@ from prfaas_sglang.plan.scenario import (
 from prfaas_sglang.plan.search import best_threshold_for_split, search
 from prfaas_sglang.plan.workload import CASE_STUDY_LENGTHS, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
-from prfaas_sglang.topology import Emulation, Topology
+from prfaas_sglang.topology import ClusterSpec, Emulation, Topology
 
 DEFAULT_COST_MODEL = "kimi-linear-1t-hybrid"
 DEFAULT_ACCELERATOR = {"prfaas": "h200x8", "pd": "h20x8"}
@@ -215,22 +216,31 @@ def _link_bps(topology: Topology, defaults: list[str]) -> float:
 
 def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, workload: Workload,
                   output_tokens: int, slo: float, defaults: list[str]) -> ClusterCost:
+    """One cost for every cluster of ``kind`` (the router's one-pair model: they must agree)."""
     specs = [c for c in topology.clusters.values() if c.kind == kind]
-    path = f"clusters.{specs[0].name}" if specs else f"clusters.<{kind}>"
     profiled = [c for c in specs if c.profile or c.accelerator]
-    chosen = profiled[0] if profiled else None
     if len({(c.profile, c.accelerator) for c in profiled}) > 1:
-        raise ConfigError(f"clusters.{profiled[1].name}", f"every {kind} cluster must use the same accelerator/profile")
-    if chosen is not None and chosen.profile:
-        data = catalog.load_yaml("profiles", chosen.profile, f"{path}.profile")
+        raise ConfigError(f"clusters.{profiled[1].name}",
+                          f"every {kind} cluster must use the same accelerator/profile: the router models one "
+                          "PrfaaS-PD pair (`python -m prfaas_sglang.plan --topology` plans a fleet of several)")
+    chosen = profiled[0] if profiled else None
+    path = f"clusters.{specs[0].name}" if specs else f"clusters.<{kind}>"
+    if chosen is None:
+        defaults.append(f"{kind}.accelerator")
+    return _spec_cost(chosen, kind, path, catalog, model_ref, workload, output_tokens, slo)
+
+
+def _spec_cost(spec: ClusterSpec | None, kind: str, path: str, catalog: Catalog, model_ref, workload: Workload,
+               output_tokens: int, slo: float) -> ClusterCost:
+    """The cost of one cluster's instances: its measured profile, its accelerator, or the kind's default."""
+    if spec is not None and spec.profile:
+        data = catalog.load_yaml("profiles", spec.profile, f"{path}.profile")
         prefill, gpus, decode = parse_measured_profile(data, f"{path}.profile")
         if kind == "pd" and decode is None:
             raise ConfigError(f"{path}.profile", "a PD profile needs a decode section {bs_max, step_s}")
-        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), chosen.profile, chosen.profile,
+        return ClusterCost(kind, InstanceClass(prefill.name, gpus, prefill, decode), spec.profile, spec.profile,
                            measured_state(data, f"{path}.profile"))
-    accel_name = chosen.accelerator if chosen is not None else DEFAULT_ACCELERATOR[kind]
-    if chosen is None:
-        defaults.append(f"{kind}.accelerator")
+    accel_name = spec.accelerator if spec is not None and spec.accelerator else DEFAULT_ACCELERATOR[kind]
     model = catalog.model(model_ref, "model.cost_model")
     accel = catalog.accelerator(accel_name, f"{path}.accelerator")
     decode = analytic_decode(model, accel, workload.mean_tokens, output_tokens, slo) if kind == "pd" else None
@@ -298,6 +308,38 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
                         tuple(defaults), spec.ttft_slo_s or DEFAULT_TTFT_SLO_S, costs["pd"].state)
+
+
+def fleet_from_topology(topology: Topology, catalog: Catalog | None = None) -> tuple[Fleet, Workload, float]:
+    """The planner's view of a topology with any number of clusters, in model units (real accelerators'
+    seconds and KV bytes: the ``emulation:`` section is ignored): every engine cluster with its own class
+    and node count, every PrfaaS-PD link, the workload prior and the threshold grid's step."""
+    catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
+    spec = topology.scheduler
+    prior = parse_workload(spec.workload, catalog, "scheduler.workload") if spec.workload is not None else CASE_STUDY_LENGTHS
+    output_tokens = spec.output_tokens or DEFAULT_OUTPUT_TOKENS
+    slo = spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S
+    model_ref = topology.model.cost_model or DEFAULT_COST_MODEL
+
+    def cost(c: ClusterSpec) -> InstanceClass:
+        instance = _spec_cost(c, c.kind, f"clusters.{c.name}", catalog, model_ref, prior, output_tokens, slo).instance
+        if c.kind == "pd" and spec.decode_batch:
+            instance = dataclasses.replace(instance, decode=DecodeProfile(float(spec.decode_batch), instance.decode.step_s))
+        return instance
+
+    def count(c: ClusterSpec, *roles: Role) -> int:
+        return sum(1 for n in topology.nodes if n.cluster == c.name and n.role in roles)
+
+    prfaas = tuple(PrfaasSite(c.name, cost(c), count(c, Role.PRFAAS)) for c in topology.clusters.values() if c.kind == "prfaas")
+    pd = tuple(PdSite(c.name, cost(c), count(c, Role.PD_PREFILL, Role.PD_DECODE), c.entry_share)
+               for c in topology.clusters.values() if c.kind == "pd")
+    links = []
+    for link in topology.links:
+        ends = {topology.cluster_kinds.get(link.src): link.src, topology.cluster_kinds.get(link.dst): link.dst}
+        if set(ends) == {"prfaas", "pd"}:
+            rtt_s = link.rtt_ms / 1e3 if link.rtt_ms is not None else None
+            links.append(FleetLink(ends["prfaas"], ends["pd"], link.bandwidth_gbps * 1e9, rtt_s))
+    return Fleet(prfaas, pd, tuple(links), output_tokens), prior, spec.threshold_step_tokens or DEFAULT_STEP_TOKENS
 
 
 def engine_role_kind(role: Role) -> str:

@@ -23,6 +23,9 @@ Schema (version 1; every field marked optional may be left out)::
         kv_transport: tcp | rdma   # engine clusters; default per role (tcp)
         accelerator: h200x8        # optional, engine clusters: the planner's accelerator class
         profile: measured.yaml     #   ... or a measured profile instead (default: h200x8 / h20x8)
+        entry_share: 0.6           # optional, pd clusters: the share of all arrivals that enter here (a
+                                   #   region's users; decoded here). Every pd cluster or none; none: one
+                                   #   global entry, the scheduler chooses where each request decodes
         nodes:
           - name: <unique>
             role: prfaas | pd-prefill | pd-decode | router | kv-index
@@ -138,6 +141,7 @@ class ClusterSpec:
     kv_transport: KvTransport | None = None
     accelerator: str | None = None  # the planner's accelerator class
     profile: str | None = None  # or a measured profile file
+    entry_share: float | None = None  # pd: the share of arrivals entering here; None: one global entry
 
 
 @dataclass(frozen=True)
@@ -329,7 +333,7 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     for cname, craw in clusters.items():
         cpath = f"clusters.{cname}"
         cluster = _mapping(craw, cpath)
-        _check_keys(cluster, {"kind", "kv_transport", "accelerator", "profile", "nodes"}, cpath)
+        _check_keys(cluster, {"kind", "kv_transport", "accelerator", "profile", "entry_share", "nodes"}, cpath)
         kind = cluster.get("kind")
         if kind not in CLUSTER_KINDS:
             raise ConfigError(f"{cpath}.kind", f"must be one of {', '.join(CLUSTER_KINDS)}, got {kind!r}")
@@ -344,7 +348,10 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
             raise ConfigError(f"{cpath}.profile", "give accelerator or profile, not both")
         if profile and base_dir is not None and profile.startswith(("./", "../")):
             profile = str((base_dir / profile).resolve())
-        specs[str(cname)] = ClusterSpec(str(cname), kind, transport, accelerator, profile)
+        entry_share = number(cluster, "entry_share", cpath, nonnegative=True, at_most=1.0)
+        if entry_share is not None and kind != "pd":
+            raise ConfigError(f"{cpath}.entry_share", "only a pd cluster is an entry (its region's users decode there)")
+        specs[str(cname)] = ClusterSpec(str(cname), kind, transport, accelerator, profile, entry_share)
         raw_nodes = cluster.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise ConfigError(f"{cpath}.nodes", "must be a non-empty list")
@@ -355,6 +362,7 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
             paths.setdefault(node.name + "@" + node.cluster, f"{cpath}.nodes[{i}]")
             nodes.append(node)
     _check_unique_endpoints(nodes, paths)
+    check_entry_shares({name: spec.entry_share for name, spec in specs.items() if spec.kind == "pd"})
 
     links: list[Link] = []
     raw_links = top.get("links", [])
@@ -374,6 +382,21 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
                     _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir,
                     _parse_kubernetes(top.get("kubernetes", {}), kinds, {n.name for n in nodes}))
+
+
+def check_entry_shares(shares: dict[str, float | None]) -> None:
+    """Every pd cluster has an ``entry_share`` (summing to 1) or none has; ConfigError names the field."""
+    missing = [name for name, share in shares.items() if share is None]
+    if missing and len(missing) < len(shares):
+        raise ConfigError(f"clusters.{missing[0]}.entry_share",
+                          "give every pd cluster an entry_share, or none (one global entry)")
+    if not missing and shares:
+        for name, share in shares.items():
+            if not 0 <= share <= 1:
+                raise ConfigError(f"clusters.{name}.entry_share", f"must be in [0, 1], got {share!r}")
+        total = sum(shares.values())
+        if abs(total - 1.0) > 1e-6:
+            raise ConfigError("clusters", f"the pd clusters' entry_share must sum to 1, got {total:g}")
 
 
 def _parse_model(model: dict) -> ModelSpec:

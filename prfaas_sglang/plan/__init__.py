@@ -7,7 +7,8 @@ the same objects. CLI: ``python -m prfaas_sglang.plan --help``.
 ``model`` (equations (1)-(6)), ``profiles`` (what an instance costs) from ``analytic`` (rooflines,
 a model config from ``hf``) or ``measured`` (``bench profile``'s files), ``anchors`` (the paper's
 published values beside ours), ``workload`` (request lengths), ``search`` (threshold and PD split,
-and the baselines), ``report`` (a plan), ``scenario`` (hardware, model, link and workload), ``plots``.
+and the baselines), ``fleet`` (several PrfaaS and PD clusters, a link per pair: the LP and its joint
+search), ``report`` (a plan), ``scenario`` (hardware, model, link and workload), ``plots``.
 """
 
 # The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): a pure package;

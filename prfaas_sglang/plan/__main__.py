@@ -26,7 +26,7 @@ import yaml
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
 from prfaas_sglang.plan.anchors import ANCHORS, check_anchor
-from prfaas_sglang.plan.report import make_plan, render_table
+from prfaas_sglang.plan.report import make_fleet_plan, make_plan, render_fleet, render_table
 from prfaas_sglang.plan.scenario import Catalog, parse_scenario
 
 PROGRESS_MIN_THRESHOLDS = 4096
@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("Examples::", 1)[1].split("Flags override", 1)[0],
     )
     parser.add_argument("--scenario", help="shipped scenario name (e.g. case-study) or a scenario YAML file")
+    parser.add_argument("--topology", type=Path, help="plan a deployment's topology: any number of PrfaaS and PD "
+                        "clusters, per cluster and per link (e.g. launch/multi-cluster.yaml)")
     parser.add_argument("--model", help="shipped model name, or a model YAML file")
     parser.add_argument("--prfaas", metavar="ACCEL:N", help="PrfaaS class and instance count, e.g. h200x8:4")
     parser.add_argument("--pd", metavar="ACCEL:N", help="PD class and instance count, e.g. h20x8:8")
@@ -175,6 +177,22 @@ def print_anchors(catalog: Catalog, as_json: bool) -> int:
     return 0
 
 
+def print_fleet_plan(args: argparse.Namespace) -> int:
+    """``--topology``: the fleet's joint plan (``--threshold-step`` applies; the other flags describe a scenario)."""
+    from prfaas_sglang.runtime import fleet_from_topology
+    from prfaas_sglang.topology import load_topology
+
+    given = [flag for flag, value in (("--scenario", args.scenario), ("--model", args.model), ("--prfaas", args.prfaas),
+                                      ("--pd", args.pd), ("--egress-gbps", args.egress_gbps), ("--workload", args.workload),
+                                      ("--threshold", args.threshold), ("--plot", args.plot)) if value is not None]
+    if given:
+        raise ConfigError("--topology", f"plans the topology as it is; drop {', '.join(given)}")
+    fleet, workload, step = fleet_from_topology(load_topology(args.topology))
+    plan = make_fleet_plan(fleet, workload, args.threshold_step or step)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else render_fleet(plan))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     catalog = Catalog()
@@ -185,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.anchors:
             return print_anchors(catalog, args.json)
+        if args.topology is not None:
+            return print_fleet_plan(args)
         if args.threshold is not None and not args.threshold > 0:
             raise ConfigError("--threshold", f"must be > 0, got {args.threshold!r}")
         scenario = scenario_from_args(args, catalog)

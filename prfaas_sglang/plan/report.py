@@ -5,6 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from prfaas_sglang.plan.fleet import (
+    Fleet,
+    FleetPoint,
+    partition,
+    partition_capacity_rps,
+    search_fleet,
+)
 from prfaas_sglang.plan.model import OperatingPoint
 from prfaas_sglang.plan.scenario import Scenario
 from prfaas_sglang.plan.search import (
@@ -14,6 +21,7 @@ from prfaas_sglang.plan.search import (
     naive_baseline,
     search,
 )
+from prfaas_sglang.plan.workload import Workload
 
 
 @dataclass(frozen=True)
@@ -124,3 +132,75 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def _split(paper: dict, p_key: str, d_key: str) -> str:
     return f"{paper[p_key]}P/{paper[d_key]}D" if p_key in paper and d_key in paper else "-"
+
+
+# --- a fleet: several PrfaaS and PD clusters (plan/fleet.py) -------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """The joint plan of a fleet, and the per-region partition beside it."""
+
+    fleet: Fleet
+    best: FleetPoint
+    regions: dict[str, FleetPoint]  # the partition: each PD cluster with the PrfaaS clusters it owns ...
+    region_fleets: dict[str, Fleet]  # ... which are these
+
+    @property
+    def partition_rps(self) -> float:
+        return partition_capacity_rps(self.fleet, self.regions)
+
+    def to_json(self) -> dict:
+        b = self.best
+        return {
+            "entry": "regional" if self.fleet.regional else "global",
+            "lambda_max_rps": b.lambda_max_rps,
+            "binding": list(b.binding),
+            "egress_gbps": b.egress_gbps,
+            "pd": [{"cluster": s.name, "instances": s.instances, "class": s.instance.name,
+                    "entry_share": s.entry_share, "threshold_tokens": b.choices[s.name].threshold_tokens,
+                    "n_prefill": b.choices[s.name].n_prefill, "n_decode": s.instances - b.choices[s.name].n_prefill,
+                    "offload_fraction": b.splits[s.name].offload_fraction, "decode_rps": b.decode_rps[s.name]}
+                   for s in self.fleet.pd],
+            "prfaas": [{"cluster": s.name, "instances": s.instances, "class": s.instance.name,
+                        "utilization": b.prfaas_utilization[s.name]} for s in self.fleet.prfaas],
+            "links": [{"prfaas": link.prfaas, "pd": link.pd, "gbps": link.bps / 1e9,
+                       "rps": b.link_rps[(link.prfaas, link.pd)],
+                       "utilization": b.link_utilization[(link.prfaas, link.pd)]} for link in self.fleet.links],
+            "partition": {"lambda_max_rps": self.partition_rps,
+                          "regions": {name: {"prfaas": [s.name for s in self.region_fleets[name].prfaas],
+                                             "lambda_max_rps": p.lambda_max_rps,
+                                             "threshold_tokens": p.choices[name].threshold_tokens,
+                                             "n_prefill": p.choices[name].n_prefill}
+                                      for name, p in self.regions.items()}},
+            "gain_vs_partition": _ratio(b.lambda_max_rps, self.partition_rps),
+        }
+
+
+def make_fleet_plan(fleet: Fleet, workload: Workload, step_tokens: float) -> FleetPlan:
+    """The joint search, and each region's own search for the partition beside it."""
+    fleets = partition(fleet)
+    regions = {name: search_fleet(sub, workload, step_tokens) for name, sub in fleets.items()}
+    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens), regions, fleets)
+
+
+def render_fleet(plan: FleetPlan) -> str:
+    """The fleet's plan per PD cluster, per PrfaaS cluster and per link."""
+    j = plan.to_json()
+    lines = [f"fleet: {len(j['prfaas'])} PrfaaS + {len(j['pd'])} PD clusters, {j['entry']} entry; "
+             f"Lambda_max {j['lambda_max_rps']:.3f} req/s (binding: {', '.join(j['binding']) or '-'})",
+             "", f"{'pd cluster':<16} {'class':<8} {'split':>6} {'t':>7} {'offload':>8} {'entry':>6} {'decodes req/s':>14}"]
+    for r in j["pd"]:
+        entry = "-" if r["entry_share"] is None else f"{r['entry_share']:.2f}"
+        lines.append(f"{r['cluster']:<16} {r['class']:<8} {r['n_prefill']}P/{r['n_decode']}D".ljust(32)
+                     + f" {_k(r['threshold_tokens']):>7} {r['offload_fraction']:>8.3f} {entry:>6} {r['decode_rps']:>14.3f}")
+    lines += ["", f"{'prfaas cluster':<16} {'class':<8} {'instances':>9} {'busy':>6}"]
+    lines += [f"{r['cluster']:<16} {r['class']:<8} {r['instances']:>9} {100 * r['utilization']:>5.0f}%" for r in j["prfaas"]]
+    lines += ["", f"{'link':<30} {'Gbps':>6} {'req/s':>7} {'used':>6}"]
+    lines += [f"{r['prfaas'] + ' -> ' + r['pd']:<30} {r['gbps']:>6g} {r['rps']:>7.3f} {100 * r['utilization']:>5.0f}%" for r in j["links"]]
+    part = j["partition"]
+    lines += ["", f"per-region partition (each PrfaaS cluster serves the PD cluster of its widest link): "
+              f"{part['lambda_max_rps']:.3f} req/s; joint / partition = {j['gain_vs_partition']:.2f}x"]
+    lines += [f"  {name}: {', '.join(r['prfaas']) or 'no PrfaaS'}, {r['lambda_max_rps']:.3f} req/s "
+              f"(t {_k(r['threshold_tokens'])}, {r['n_prefill']}P)" for name, r in part["regions"].items()]
+    return "\n".join(lines)
