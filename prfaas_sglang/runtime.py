@@ -42,7 +42,7 @@ from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
-from prfaas_sglang.plan.fleet import Fleet, FleetLink, PdSite, PrfaasSite
+from prfaas_sglang.plan.fleet_model import Fleet, FleetLink, PdSite, PrfaasSite
 from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
 from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
 from prfaas_sglang.plan.scenario import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from prfaas_sglang.plan.fleet import (
+from prfaas_sglang.plan.fleet_model import (
     Fleet,
     FleetPoint,
     partition,
@@ -134,7 +134,7 @@ def _split(paper: dict, p_key: str, d_key: str) -> str:
     return f"{paper[p_key]}P/{paper[d_key]}D" if p_key in paper and d_key in paper else "-"
 
 
-# --- a fleet: several PrfaaS and PD clusters (plan/fleet.py) -------------------------------------
+# --- a fleet: several PrfaaS and PD clusters (plan/fleet_model.py) -------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The fleet's throughput model (plan/fleet.py): several PrfaaS and PD clusters, a link per pair.
+"""The fleet's throughput model (plan/fleet_model.py): several PrfaaS and PD clusters, a link per pair.
 
 On one pair it is equations (1)-(6) and the one-pair search, exactly; on a fleet it plans every PD
 cluster's threshold and split jointly, and its flows follow the links."""
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from prfaas_sglang import runtime
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.plan.fleet import (
+from prfaas_sglang.plan.fleet_model import (
     Fleet,
     FleetLink,
     PdChoice,
