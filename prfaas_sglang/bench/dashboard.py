@@ -5,7 +5,7 @@ takes case-study traffic at ``rate`` for the first half of ``duration_s`` and at
 second (overload: the router's early rejection and its threshold show). A real Prometheus
 (:mod:`prfaas_sglang.bench.prometheus`, Debian's binary) scrapes every process's ``/metrics`` each
 ``interval_s`` (labels ``job`` = role and ``pod`` = node name), every query of the dashboard of
-:mod:`prfaas_sglang.launch.dashboard` is evaluated by it (``/api/v1/query_range`` over the traffic,
+:mod:`prfaas_sglang.launch.grafana` is evaluated by it (``/api/v1/query_range`` over the traffic,
 step ``interval_s``), and the results are drawn to a PNG. No Grafana runs here.
 """
 
@@ -32,7 +32,7 @@ from prfaas_sglang.demo.cluster import (
     start_node,
     topology_nodes,
 )
-from prfaas_sglang.launch import dashboard
+from prfaas_sglang.launch import grafana
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 
 SPEEDUP, KV_SCALE, OUTPUT_TOKENS, MAX_INPUT_TOKENS = 20.0, 0.01, 64, 65_536
@@ -74,7 +74,7 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
         finally:
             group.stop()
         times_s = [start_s + k * interval_s for k in range(math.floor((end_s - start_s) / interval_s) + 1)]
-        board = dashboard.build()
+        board = grafana.build()
         out_png.parent.mkdir(parents=True, exist_ok=True)
         no_data = render_dashboard(board, lambda expr: prom.query_range(expr, times_s[0], times_s[-1], interval_s),
                                    times_s, out_png)

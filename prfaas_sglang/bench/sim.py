@@ -22,9 +22,9 @@ from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.router.calibration import CalibrationSettings
 from prfaas_sglang.router.longterm import LongTermSettings
 from prfaas_sglang.router.policy import BandwidthMode
-from prfaas_sglang.sim import workloads
+from prfaas_sglang.sim import arrivals
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
-from prfaas_sglang.sim.report import meets_slo, summarize
+from prfaas_sglang.sim.summary import meets_slo, summarize
 
 CASE_STUDY = FleetSpec(4, 3, 5)
 
@@ -47,8 +47,8 @@ def saturated(fleet: FleetSpec, seed: int, load: float = 1.25, duration_s: float
     t = sim.runtime.baseline_threshold_tokens
     sim.service.controller.override(0.0, t)  # t pinned: the queue bias would move it under overload
     point = sim.runtime.operating_point()
-    lengths = fleet.workload_prior or workloads.CASE_STUDY
-    requests = list(workloads.poisson(load * point.lambda_max_rps, duration_s, seed, sim.runtime.output_tokens,
+    lengths = fleet.workload_prior or arrivals.CASE_STUDY
+    requests = list(arrivals.poisson(load * point.lambda_max_rps, duration_s, seed, sim.runtime.output_tokens,
                                       ((0.0, lengths),)))
     sim.run(requests, duration_s)
     done = sum(1 for r in sim.requests if r.finish_s is not None and warmup_s <= r.finish_s < duration_s)
@@ -71,7 +71,7 @@ def saturated(fleet: FleetSpec, seed: int, load: float = 1.25, duration_s: float
 def study_analytic(seeds: int) -> list[dict]:
     """Prefill-bound (the case study), decode-bound, bandwidth-bound, and prefill-bound with narrow lengths."""
     fleets = [CASE_STUDY, FleetSpec(4, 6, 2), FleetSpec(4, 3, 5, link_gbps=5.0),
-              FleetSpec(4, 3, 5, workload_prior=dict(workloads.CASE_STUDY, kind="lognormal", sigma=0.25))]
+              FleetSpec(4, 3, 5, workload_prior=dict(arrivals.CASE_STUDY, kind="lognormal", sigma=0.25))]
     return [saturated(fleet, seed) for fleet in fleets for seed in range(seeds)]
 
 
@@ -82,7 +82,7 @@ def max_rate(fleet: FleetSpec, seed: int, lo: float, hi: float, attainment: floa
     for _ in range(iters):
         mid = (lo + hi) / 2
         sim = Simulation(fleet)
-        sim.run(workloads.poisson(mid, duration_s, seed, sim.runtime.output_tokens), duration_s + 300)
+        sim.run(arrivals.poisson(mid, duration_s, seed, sim.runtime.output_tokens), duration_s + 300)
         s = summarize(sim, warmup_s, duration_s)
         if (s["slo_attainment"] or 0) >= attainment:
             lo, best = mid, (mid, s)
@@ -126,7 +126,7 @@ def study_paper(seeds: int, sweep: int = 2, common_duration_s: float = 1500.0) -
     common = []
     for row in rows:
         sim = Simulation(row["fleet"])
-        sim.run(workloads.poisson(common_rps, common_duration_s, row["seed"], sim.runtime.output_tokens),
+        sim.run(arrivals.poisson(common_rps, common_duration_s, row["seed"], sim.runtime.output_tokens),
                 common_duration_s + 300)
         s = summarize(sim, 300.0, common_duration_s)
         common.append({"config": row["config"], "seed": row["seed"], "split": row["split"], "rate_rps": common_rps,
@@ -140,8 +140,8 @@ def study_paper(seeds: int, sweep: int = 2, common_duration_s: float = 1500.0) -
 def shift_run(fleet: FleetSpec, seed: int, rate: float, longterm: LongTermSettings | None, shift_at_s: float = 600.0,
               duration_s: float = 1800.0) -> dict:
     sim = Simulation(fleet, SimSettings(longterm=longterm))
-    phases = workloads.median_shift_phases(shift_at_s)
-    sim.run(workloads.poisson(rate, duration_s, seed, sim.runtime.output_tokens, phases), duration_s + 300)
+    phases = arrivals.median_shift_phases(shift_at_s)
+    sim.run(arrivals.poisson(rate, duration_s, seed, sim.runtime.output_tokens, phases), duration_s + 300)
     s = summarize(sim, duration_s - 600, duration_s)
     return {"goodput_rps": s["goodput_rps"], "ttft_p90_s": s["ttft_s"]["p90"], "conversions": len(sim.longterm.history) if sim.longterm else 0,
             "final_split": f"{sum(r.role == 'prefill' and r.cluster == 'pd' for r in sim.service.workers.values())}P/"
@@ -153,7 +153,7 @@ def study_shift(seeds: int) -> dict:
     """Median input doubles at minute 10 of 30; the last 10 minutes' goodput: the old split fixed, the
     long-term controller, and the planner's optimum split for the new lengths fixed from the start.
     Arrivals at 90% of that optimum's Lambda_max (above what the old split sustains)."""
-    new = workloads.lognormal(workloads.median_shift_phases(0)[1][1])
+    new = arrivals.lognormal(arrivals.median_shift_phases(0)[1][1])
     n_new, _, lam_new = best_split(CASE_STUDY, new)
     n_old, _, _ = best_split(CASE_STUDY)
     lam_old_split = CASE_STUDY.runtime().plan_splits(new)[n_old].lambda_max_rps
@@ -176,7 +176,7 @@ def study_scale(trace: Path) -> list[dict]:
         n_prfaas = instances // 4
         n_pd = instances - n_prfaas
         fleet = FleetSpec(n_prfaas, max(n_pd // 2, 1), n_pd - max(n_pd // 2, 1))
-        requests = workloads.trace(trace, copies)
+        requests = arrivals.trace(trace, copies)
         sim = Simulation(fleet)
         started = time.perf_counter()
         sim.run(requests, max(r.arrival_s for r in requests) + 600)
@@ -200,8 +200,8 @@ def bias_attainment(bias: float, calibration: CalibrationSettings, rate_rps: flo
     sim = Simulation(BIAS_FLEET, SimSettings(mode=BandwidthMode.ABUNDANT, max_ttft_s=slo_s, ttft_target_s=slo_s,
                                              calibration=calibration, noise_sigma=noise_sigma, seed=seed,
                                              prefill_bias=(("prfaas", bias), ("pd", bias)), decode_bias=bias))
-    lengths = dict(workloads.CASE_STUDY, max_tokens=MAX_INPUT_TOKENS)  # the emulated benchmark's prompt cap
-    sim.run(workloads.poisson(rate_rps, duration_s, seed, sim.runtime.output_tokens, ((0.0, lengths),)), duration_s + 600)
+    lengths = dict(arrivals.CASE_STUDY, max_tokens=MAX_INPUT_TOKENS)  # the emulated benchmark's prompt cap
+    sim.run(arrivals.poisson(rate_rps, duration_s, seed, sim.runtime.output_tokens, ((0.0, lengths),)), duration_s + 600)
     window = [r for r in sim.requests if warmup_s <= r.arrival_s < duration_s]
     met = [r for r in window if meets_slo(r, slo_s, sim.runtime.slo_tokens_per_s / bias)]
     return len(met) / len(window) if window else 0.0

@@ -39,10 +39,10 @@ from prfaas_sglang.bench.fidelity import PRIOR, VOCAB
 from prfaas_sglang.demo.client import RequestResult, generate_ids, replay
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.router.threshold import ControllerSettings
-from prfaas_sglang.sim import workloads
+from prfaas_sglang.sim import arrivals
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.nodes import SimRequest
-from prfaas_sglang.sim.report import summarize
+from prfaas_sglang.sim.summary import summarize
 from prfaas_sglang.stats import percentile
 
 ADMIN_TOKEN = "sim-vs-emulator"
@@ -57,9 +57,9 @@ def fleet(output_tokens: int) -> FleetSpec:
                      output_tokens=output_tokens)
 
 
-def arrivals(rate_rps: float, duration_s: float, seed: int, output_tokens: int) -> list[tuple[float, int]]:
+def poisson_arrivals(rate_rps: float, duration_s: float, seed: int, output_tokens: int) -> list[tuple[float, int]]:
     """(arrival model s, prompt tokens): the simulator's Poisson arrivals with the prior's lengths."""
-    return [(r.arrival_s, r.input_tokens) for r in workloads.poisson(rate_rps, duration_s, seed, output_tokens,
+    return [(r.arrival_s, r.input_tokens) for r in arrivals.poisson(rate_rps, duration_s, seed, output_tokens,
                                                                       ((0.0, PRIOR),))]
 
 
@@ -154,7 +154,7 @@ def run(seeds: int = 2, loads: tuple[float, ...] = (0.5, 0.8), duration_s: float
         pin = t if mode == "t pinned" else None
         for load in loads:
             for seed in range(seeds):
-                plan = arrivals(load * lam, duration_s, 1000 * seed + int(100 * load), output_tokens)
+                plan = poisson_arrivals(load * lam, duration_s, 1000 * seed + int(100 * load), output_tokens)
                 sim = simulate(spec, plan, duration_s, warmup_s, speedup, pin)
                 results = _emulate(doc, log_dir / f"{mode.replace(' ', '-')}-{load:g}-{seed}", plan, pin, speedup,
                                    output_tokens, seed)

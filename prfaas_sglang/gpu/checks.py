@@ -568,7 +568,7 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
         sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-gpu-e2e-"))
     if engine == "sglang-cpu" and model_config is None:
-        from prfaas_sglang.gpu.model import make_model
+        from prfaas_sglang.gpu.tiny_model import make_model
 
         make_model(work / "model", cpu=True, log=log)
         model_config = work / "model"

@@ -16,7 +16,7 @@ MODEL_DIR = "model"  # beside site/ in the bundle
 
 def bundle_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prfaas_sglang.gpu.builder import build
-    from prfaas_sglang.gpu.model import ModelError, check_with_sglang, make_model
+    from prfaas_sglang.gpu.tiny_model import ModelError, check_with_sglang, make_model
 
     budget = int(args.budget_mib * 2**20) if args.budget_mib is not None else spec.BUNDLE_BUDGET_BYTES
     log = (lambda line: print(line, file=sys.stderr)) if args.json else print

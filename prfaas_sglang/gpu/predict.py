@@ -149,7 +149,7 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
         sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-predict-"))
     if engine == "sglang-cpu":
-        from prfaas_sglang.gpu.model import make_model
+        from prfaas_sglang.gpu.tiny_model import make_model
 
         make_model(work / "model", cpu=True, log=log)
         model_dir = work / "model"

@@ -67,7 +67,7 @@ class Grid:
     decode_new_tokens: int
 
 
-# The tiny hybrid's context is 65,536 tokens (gpu/model.py); the server's pool holds 512K.
+# The tiny hybrid's context is 65,536 tokens (gpu/tiny_model.py); the server's pool holds 512K.
 GPU_GRID = Grid((1024, 2048, 4096, 8192, 16384, 32768, 65000), 3, ((8192, 1024), (8192, 8192), (32768, 4096)),
                 (1, 8, 32), (1024, 8192), 64)
 # Two cores: seconds per point, the pipeline exercised end to end.
@@ -172,7 +172,7 @@ def run(engine: str, bundle_dir: Path | None, model_dir: Path | None, out: Path,
         sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-profile-"))
     if model_dir is None and engine == "sglang-cpu":
-        from prfaas_sglang.gpu.model import make_model
+        from prfaas_sglang.gpu.tiny_model import make_model
 
         make_model(work / "model", cpu=True, log=log)
         model_dir = work / "model"

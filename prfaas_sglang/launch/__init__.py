@@ -1,7 +1,7 @@
 """Launcher: the command each node of a topology runs (``command``) and the CLI that execs it.
 
 ``supervisor`` is the role supervisor of a ``role_switch: restart`` node; ``k8s`` the Kubernetes
-manifests and ``dashboard`` the Grafana dashboard of ``--emit k8s`` (both pure).
+manifests and ``grafana`` the Grafana dashboard of ``--emit k8s`` (both pure).
 
 ``python -m prfaas_sglang.launch --help``. Roles and topology files live in
 :mod:`prfaas_sglang.roles` and :mod:`prfaas_sglang.topology`; building a command

@@ -330,7 +330,7 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
     """``--emit k8s``: the manifests of launch/k8s.py, written under ``--out``."""
     import yaml
 
-    from prfaas_sglang.launch import dashboard, k8s
+    from prfaas_sglang.launch import grafana, k8s
 
     try:
         if not args.config:
@@ -345,7 +345,7 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
             raise ConfigError("--engine", f"unknown engine {args.engine!r} (expected sglang or mock)") from None
         topology = load_topology(args.config)
         raw = yaml.safe_load(Path(args.config).read_text())
-        files = k8s.render(raw, topology, engine, dashboard.build_json())
+        files = k8s.render(raw, topology, engine, grafana.build_json())
         out = args.out or Path(f"k8s-{Path(args.config).stem}")
         for rel, text in files.items():
             path = out / rel

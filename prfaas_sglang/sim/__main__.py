@@ -21,9 +21,9 @@ from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.router.longterm import LongTermSettings
-from prfaas_sglang.sim import workloads
+from prfaas_sglang.sim import arrivals
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
-from prfaas_sglang.sim.report import plot, summarize
+from prfaas_sglang.sim.summary import plot, summarize
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,11 +68,11 @@ def build(args: argparse.Namespace) -> tuple[Simulation, list, float]:
     if args.scenario == "trace":
         if args.trace is None:
             raise ConfigError("--trace", "the trace scenario needs a Mooncake-format trace file")
-        requests = workloads.trace(args.trace, args.copies)
+        requests = arrivals.trace(args.trace, args.copies)
         return sim, requests, max(r.arrival_s for r in requests)
     rate = args.rate if args.rate is not None else args.load * sim.runtime.capacity_rps()
-    phases = workloads.median_shift_phases(args.shift_at_s) if args.scenario == "shift" else ((0.0, workloads.CASE_STUDY),)
-    return sim, list(workloads.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens, phases)), args.duration_s
+    phases = arrivals.median_shift_phases(args.shift_at_s) if args.scenario == "shift" else ((0.0, arrivals.CASE_STUDY),)
+    return sim, list(arrivals.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens, phases)), args.duration_s
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,7 +204,7 @@ class TestParse:
             assert err.value.status == 400 and "no tokenizer" in err.value.message and "input_ids" in err.value.message
 
     def test_the_emulated_engines_fallback_pseudo_tokenizes_deterministically(self):
-        from prfaas_sglang.engine.mock.server import pseudo_tokenize
+        from prfaas_sglang.engine.mock.sglang_http import pseudo_tokenize
 
         a = parse_request("generate", {"text": "a b c"}, "r", text_ids=pseudo_tokenize)
         b = parse_request("completions", {"prompt": "a b c"}, "r", text_ids=pseudo_tokenize)

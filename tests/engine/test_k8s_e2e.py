@@ -20,7 +20,7 @@ import yaml
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench.prometheus import NoDataError, Prometheus, QueryError, ScrapeTarget
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
-from prfaas_sglang.launch import dashboard, k8s
+from prfaas_sglang.launch import grafana, k8s
 from prfaas_sglang.roles import Engine
 from prfaas_sglang.topology import parse_topology
 
@@ -53,7 +53,7 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k8s")
     raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
     topology = parse_topology(raw, "local-two-cluster.yaml", REPO / "launch")
-    files = k8s.render(raw, topology, Engine.MOCK, dashboard.build_json())
+    files = k8s.render(raw, topology, Engine.MOCK, grafana.build_json())
     pick = PortPicker()
     ports = {(n["name"], key): pick() for c in raw["clusters"].values() for n in c["nodes"] for key in k8s.PORT_NAMES if key in n}
     # the Secret, as README "Deploying on Kubernetes" creates it
@@ -152,7 +152,7 @@ def test_prometheus_answers_every_dashboard_query_with_data(deployment):
     prometheus = deployment["prometheus"]
     test_the_deployed_manifests_serve_requests_on_both_clusters(deployment)  # some traffic first (histograms)
     prometheus.wait_scraped(time.time(), scrapes=2)  # every pod up, and two samples of each series since: rates
-    queries = dashboard.queries()
+    queries = grafana.queries()
     assert len(queries) >= 20, "the dashboard lost its queries"
     results = prometheus.require_data(queries)  # QueryError: rejected; NoDataError: a metric nothing exports
     workers = {pod for pod, info in deployment["pods"].items() if info["node"] not in ("router", "kv-index")}

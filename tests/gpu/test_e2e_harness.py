@@ -424,7 +424,7 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     kernel has no netem: test_the_shaped_links_delay_adds_its_round_trip_or_says_why_not) so the
     second round of timed prompts runs, on the same deployments, with its delay asked for and removed."""
     from prfaas_sglang.gpu import netlink
-    from prfaas_sglang.gpu.model import make_model
+    from prfaas_sglang.gpu.tiny_model import make_model
 
     delays: list[float | None] = []
     monkeypatch.setattr(netlink, "delay_unavailable", lambda: None)

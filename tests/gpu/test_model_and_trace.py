@@ -9,7 +9,7 @@ import pytest
 
 from prfaas_sglang.gpu import bundle as spec
 from prfaas_sglang.gpu.builder import run_trace
-from prfaas_sglang.gpu.model import (
+from prfaas_sglang.gpu.tiny_model import (
     MIN_CONTEXT_TOKENS,
     ModelError,
     check_config,

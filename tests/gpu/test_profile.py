@@ -68,7 +68,7 @@ def test_profile_on_real_sglang_on_cpu_writes_a_profile_the_planner_loads(cpu_pr
     assert decode.bs_max == max(CPU_GRID.decode_batches) and decode.step_s > 0
     assert doc["state"] == "none"  # a dense model: reuse does not stop at a state
     # what SGLang's pools hold per token is what the served config's roofline says (4 KiB for the tiny Llama)
-    from prfaas_sglang.gpu.model import tiny_cpu_config
+    from prfaas_sglang.gpu.tiny_model import tiny_cpu_config
 
     model = model_from_hf_config(tiny_cpu_config(4096, 2, 0))
     assert doc["measurements"]["pool"] == {"kv_bytes_per_token": 4096, "state_bytes_per_request": 0}
@@ -83,8 +83,8 @@ def test_profile_on_real_sglang_on_cpu_writes_a_profile_the_planner_loads(cpu_pr
 
 
 def test_the_variants_are_the_roofline_the_measured_profile_and_it_twice_as_slow():
-    from prfaas_sglang.gpu.model import tiny_config
     from prfaas_sglang.gpu.predict import ttft_estimate_s, variant_docs
+    from prfaas_sglang.gpu.tiny_model import tiny_config
     from prfaas_sglang.plan.scenario import Catalog
 
     shipped = yaml.safe_load((Catalog().data_dir / "profiles/measured-tiny-hybrid-h200.yaml").read_text())

@@ -13,7 +13,7 @@ import yaml
 
 from prfaas_sglang.engine.mock.timing import load_timing
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.gpu.model import tiny_config, tiny_cpu_config
+from prfaas_sglang.gpu.tiny_model import tiny_config, tiny_cpu_config
 from prfaas_sglang.plan.hf import model_from_hf_config
 from prfaas_sglang.plan.measured import (
     CachedPoint,

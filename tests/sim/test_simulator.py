@@ -13,10 +13,10 @@ from helpers import REPO_ROOT, TRACE
 
 from prfaas_sglang.bench.sim import CASE_STUDY, saturated, shift_run
 from prfaas_sglang.router.longterm import LongTermSettings
-from prfaas_sglang.sim import workloads
+from prfaas_sglang.sim import arrivals
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.nodes import BlockCache
-from prfaas_sglang.sim.report import summarize
+from prfaas_sglang.sim.summary import summarize
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_workload_shift_long_term_controller_reaches_the_optimum():
     fixed does far worse."""
     from prfaas_sglang.bench.sim import best_split
 
-    new = workloads.lognormal(workloads.median_shift_phases(0)[1][1])
+    new = arrivals.lognormal(arrivals.median_shift_phases(0)[1][1])
     n_new, _, lam_new = best_split(CASE_STUDY, new)
     n_old, _, _ = best_split(CASE_STUDY)
     assert n_new > n_old
@@ -63,8 +63,8 @@ def test_a_conversion_drains_then_switches_and_loses_nothing():
         longterm=LongTermSettings(interval_s=30, window_s=120, min_dwell_s=60, confirm=1, min_requests=20),
         switch_s=20.0))
     rate = 0.6 * sim.runtime.capacity_rps()
-    phases = workloads.median_shift_phases(120, factor=3.0)
-    requests = list(workloads.poisson(rate, 900, 1, sim.runtime.output_tokens, phases))
+    phases = arrivals.median_shift_phases(120, factor=3.0)
+    requests = list(arrivals.poisson(rate, 900, 1, sim.runtime.output_tokens, phases))
     sim.run(requests, 900 + 1200)
     assert sim.longterm.history, sim.longterm.describe()
     converted = [e for e in sim.events if "serves as" in e[1]]
@@ -89,7 +89,7 @@ def test_trace_prefix_reuse_goes_through_the_kv_index():
     """The first 1,500 trace requests: the KV index sees the workers' events; requests routed to a
     worker holding their prefix compute only the rest, and the router's credit matches the worker's."""
     assert TRACE.is_file(), f"{TRACE} ships in shared/data beside the checkout (or set PRFAAS_TRACE_PATH)"
-    requests = workloads.trace(TRACE, limit=1500)
+    requests = arrivals.trace(TRACE, limit=1500)
     sim = Simulation(FleetSpec(1, 1, 2))
     sim.run(requests, max(r.arrival_s for r in requests) + 600)
     done = [r for r in requests if r.finish_s is not None]
@@ -117,7 +117,7 @@ def test_link_capacity_drop_is_seen_by_the_threshold_controller():
     """The link drops to 2 Gbit/s at 300 s: the router's estimate follows and t rises."""
     sim = Simulation(CASE_STUDY, SimSettings(link_schedule=((300.0, 2.0),)))
     rate = 0.6 * sim.runtime.capacity_rps()
-    sim.run(workloads.poisson(rate, 900, 0, sim.runtime.output_tokens), 900)
+    sim.run(arrivals.poisson(rate, 900, 0, sim.runtime.output_tokens), 900)
     before = [s for s in sim.series if s["t_s"] < 300]
     after = [s for s in sim.series if s["t_s"] > 600]
     assert after[-1]["capacity_est_gbps"] < 0.5 * before[-1]["capacity_est_gbps"]
@@ -153,7 +153,7 @@ def test_cli_refuses_bad_input():
 @pytest.mark.slow
 def test_summary_counts_every_arrival():
     sim = Simulation(FleetSpec(1, 1, 1))
-    requests = list(workloads.poisson(0.5, 300, 3, sim.runtime.output_tokens))
+    requests = list(arrivals.poisson(0.5, 300, 3, sim.runtime.output_tokens))
     sim.run(requests, 900)
     s = summarize(sim, 0, 300)
     assert s["arrived"] == len(requests) == s["finished"] + s["rejected"] + s["unfinished"]

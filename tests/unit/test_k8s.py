@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.launch import dashboard, k8s
+from prfaas_sglang.launch import grafana, k8s
 from prfaas_sglang.launch.__main__ import build_parser, make_command
 from prfaas_sglang.roles import Engine
 from prfaas_sglang.topology import load_topology, parse_topology
@@ -49,7 +49,7 @@ def topology_of(name: str):
 def emit(name: str, engine: Engine, raw: dict | None = None) -> dict[str, str]:
     path = REPO / "launch" / name
     raw = raw if raw is not None else _switchable() if name == "switchable" else yaml.safe_load(path.read_text())
-    return k8s.render(raw, parse_topology(raw, str(path), path.parent), engine, dashboard.build_json())
+    return k8s.render(raw, parse_topology(raw, str(path), path.parent), engine, grafana.build_json())
 
 
 def docs(files: dict[str, str], suffix: str = ".yaml") -> list[tuple[str, dict]]:

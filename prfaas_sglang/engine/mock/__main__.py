@@ -137,7 +137,7 @@ def _cache_policy_from_env(cache_tokens: int) -> tuple[str, int, bool]:
 
 async def _run(config, timing, tokenizer, truth) -> None:
     from prfaas_sglang.engine.mock.engine import MockEngine
-    from prfaas_sglang.engine.mock.server import serve
+    from prfaas_sglang.engine.mock.sglang_http import serve
     from prfaas_sglang.procgc import freeze_startup_objects
 
     engine = MockEngine(config, timing, tokenizer, truth)

@@ -149,8 +149,8 @@ def make_model(dest: Path, config: Path | None = None, log: Callable[[str], None
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_dir / name, dest / name)
     (dest / "generation_config.json").write_text(json.dumps({"eos_token_id": hf_config.get("eos_token_id", eos)}) + "\n")
-    default = ("tiny Llama (prfaas_sglang.gpu.model.tiny_cpu_config)" if cpu
-               else "tiny Qwen3-Next (prfaas_sglang.gpu.model.tiny_config)")
+    default = ("tiny Llama (prfaas_sglang.gpu.tiny_model.tiny_cpu_config)" if cpu
+               else "tiny Qwen3-Next (prfaas_sglang.gpu.tiny_model.tiny_config)")
     recipe = {"config": str(config) if config else default,
               "architecture": hf_config["architectures"][0],
               "tokenizer": str(tokenizer_dir.name if tokenizer_dir.parent == DATA_DIR else tokenizer_dir),
