@@ -5,6 +5,7 @@
 * :mod:`http_auth`: SGLang's ``--api-key`` rule as aiohttp middleware, for every HTTP server of
   ours that a deployment secret protects.
 * :mod:`http_sync`: the package's one synchronous HTTP client (on ``requests``).
+* :mod:`netns`: network namespaces claimed by name (the local link, the WAN emulator).
 * :mod:`prom`: our counters in a real SGLang worker's ``/metrics`` (prometheus_client, SGLang's
   multiprocess mode).
 * :mod:`sockopts`: socket options on this process's Mooncake connections: a reset on close,

@@ -9,9 +9,10 @@ and iproute2 (``ip``, ``tc``); the kernel here has no ``netem``, so no delay or 
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 from pathlib import Path
+
+from prfaas_sglang.adapters.netns import claim_tag
 
 TBF_BURST_BYTES = 65_536  # the shaper's bucket: the most the link can carry beyond its rate over any window
 
@@ -23,16 +24,6 @@ def available() -> str | None:
     for tool in ("ip", "tc"):
         if subprocess.run(["which", tool], capture_output=True).returncode != 0:
             return f"needs iproute2's {tool}"
-    return None
-
-
-def claim_tag(prefix: str, tags: range) -> int | None:
-    """Create namespace ``{prefix}{tag}`` for the first free tag of ``tags`` (in random order) and
-    return the tag; None when every one is taken. ``ip netns add`` of a name that exists fails, so
-    of two concurrent claimants only one gets a tag: what it names is that claimant's alone."""
-    for tag in random.SystemRandom().sample(tags, len(tags)):
-        if subprocess.run(["ip", "netns", "add", f"{prefix}{tag}"], capture_output=True).returncode == 0:
-            return tag
     return None
 
 

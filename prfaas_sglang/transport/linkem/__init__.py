@@ -28,6 +28,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from prfaas_sglang.adapters.netns import claim_tag
 from prfaas_sglang.errors import PrfaasError
 
 # The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): an I/O package;
@@ -123,8 +124,6 @@ class EmulatedLink:
             for ns in (self.ns_a, self.ns_b):
                 _sh("ip", "netns", "add", ns)
             return
-        from prfaas_sglang.demo.netns import claim_tag
-
         tag = claim_tag("prfaas-la", range(256))
         if tag is None:
             raise LinkEmulatorUnavailable("no free link tag in 0..255")
