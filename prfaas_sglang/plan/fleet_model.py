@@ -30,6 +30,7 @@ The LP is solved by SciPy's HiGHS (the ``fleet`` extra); the one-pair planner ne
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -266,7 +267,8 @@ def prefill_capacity_rps(fleet: Fleet, choices: Mapping[str, PdChoice], splits: 
 # --- the search ----------------------------------------------------------------------------------
 
 
-def search_fleet(fleet: Fleet, workload: Workload, step_tokens: float = 128, passes: int = 8) -> FleetPoint:
+def search_fleet(fleet: Fleet, workload: Workload, step_tokens: float = 128, passes: int = 8,
+                 alone: Mapping[str, FleetPoint] | None = None) -> FleetPoint:
     """Every PD cluster's ``(t_j, N_p_j)`` chosen jointly, in two steps.
 
     1. *Bisection on Lambda.* At a trial Lambda each PD cluster's arrival rate is fixed, so its best
@@ -274,17 +276,169 @@ def search_fleet(fleet: Fleet, workload: Workload, step_tokens: float = 128, pas
        the rate, then among the thresholds its PD-P and its own links can carry, the one that asks
        least of the shared PrfaaS clusters (with one PrfaaS cluster, the least PrfaaS compute: exact;
        with several, the fewest offloaded requests). The LP says whether the PrfaaS side carries it.
-       With one global entry, where requests decode is itself chosen: the bisection runs at given
-       shares, the LP with free shares gives new ones, three times.
+       With one global entry, where requests decode is itself chosen, the bisection runs at each
+       share vector of a grid (:data:`SHARE_STEP`) and the best is kept.
     2. *Coordinate polish.* Each PD cluster in turn tries every ``(t, N_p)`` of its grid with the
        others fixed (the LP evaluates each), until a pass changes nothing. Ties are broken as the
        one-pair search breaks them: the larger prefill-side capacity, then less egress, then the
        lower threshold. On a single pair this pass alone is the one-pair search.
+
+    With several PD clusters the polish also starts from each region's own plan (:func:`partition`;
+    ``alone``: those plans, when the caller has them), and the better end wins: the joint plan is
+    never below the partition, whose flows it may use.
     """
-    grid = threshold_grid(workload, step_tokens)
-    splits = {t: workload.split(t) for t in grid}
-    choices = _bisect(fleet, grid, splits)
-    return _polish(fleet, grid, splits, choices, passes)
+    search = _Search(fleet, threshold_grid(workload, step_tokens), workload)
+    starts = [search.bisect()]
+    if len(fleet.pd) > 1:
+        alone = alone or {name: search_fleet(sub, workload, step_tokens, passes) for name, sub in partition(fleet).items()}
+        starts.append({name: point.choices[name] for name, point in alone.items()})
+    ends = [search.polish(choices, passes) for choices in starts]
+    return max(ends, key=lambda point: point.lambda_max_rps)
+
+
+SHARE_STEP = 0.1  # one global entry: the decode shares the bisection tries, on this simplex grid ...
+SHARE_GRID_MAX_PD = 4  # ... up to this many PD clusters (84 share vectors at 4)
+
+
+class _Search:
+    """One search over one fleet: its threshold grid, the split at each threshold, and every LP it
+    has solved (a polish pass revisits points; each LP is the cost)."""
+
+    def __init__(self, fleet: Fleet, grid: list[float], workload: Workload):
+        self.fleet, self.grid = fleet, grid
+        self.splits = {t: workload.split(t) for t in grid}
+        self.sites = {s.name: s for s in fleet.prfaas}
+        self._points: dict[tuple, FleetPoint] = {}
+        self._ties: dict[tuple, tuple[float, float]] = {}
+
+    # --- the LP, cached ------------------------------------------------------------------------
+
+    def evaluate(self, choices: Mapping[str, PdChoice]) -> FleetPoint:
+        key = tuple(sorted(choices.items()))
+        if key not in self._points:
+            self._points[key] = evaluate_fleet(self.fleet, None, choices,
+                                               {j: self.splits[c.threshold_tokens] for j, c in choices.items()})
+        return self._points[key]
+
+    def tie(self, point: FleetPoint) -> tuple[float, float]:
+        """(prefill-side capacity, egress): the one-pair search's tie-breaks, in that order."""
+        key = tuple(sorted(point.choices.items()))
+        if key not in self._ties:
+            self._ties[key] = (prefill_capacity_rps(self.fleet, point.choices, point.splits), point.egress_gbps)
+        return self._ties[key]
+
+    # --- step 1: bisection ---------------------------------------------------------------------
+
+    def bisect(self) -> dict[str, PdChoice]:
+        fleet = self.fleet
+        if fleet.regional or len(fleet.pd) == 1:
+            return self._bisect_at(_shares(fleet))[1]
+        candidates = [_shares(fleet)]
+        if len(fleet.pd) <= SHARE_GRID_MAX_PD:
+            candidates += _share_grid([s.name for s in fleet.pd])
+        return max((self._bisect_at(w) for w in candidates), key=lambda found: found[0])[1]
+
+    def _bisect_at(self, shares: dict[str, float]) -> tuple[float, dict[str, PdChoice]]:
+        """The highest Lambda at which every PD cluster, taking ``shares`` of it, finds a choice the
+        PrfaaS side carries; (its capacity by the LP, the choices)."""
+        fleet = self.fleet
+        hi = min(decode_rps(s, s.instances, fleet.output_tokens) / shares[s.name] for s in fleet.pd if shares[s.name] > 0)
+        lo, found = 0.0, None
+        while hi - lo > REL_TOL * hi:
+            mid = (lo + hi) / 2
+            choices = self._greedy({j: w * mid for j, w in shares.items()})
+            if choices is not None and self.evaluate(choices).lambda_max_rps >= mid * (1 - REL_TOL):
+                lo, found = mid, choices
+            else:
+                hi = mid
+        found = found or self._greedy({j: 0.0 for j in shares})
+        return self.evaluate(found).lambda_max_rps, found
+
+    def _greedy(self, rates: dict[str, float]) -> dict[str, PdChoice] | None:
+        """Each PD cluster's own best choice at its arrival rate, or None if one cannot carry it."""
+        out = {}
+        for site in self.fleet.pd:
+            if (choice := self._cluster_choice(site, rates[site.name])) is None:
+                return None
+            out[site.name] = choice
+        return out
+
+    def _cluster_choice(self, site: PdSite, rate: float) -> PdChoice | None:
+        links = [link for link in self.fleet.links if link.pd == site.name]
+        for n_p in range(site.instances - 1, -1, -1):
+            if decode_rps(site, site.instances - n_p, self.fleet.output_tokens) < rate * (1 - REL_TOL):
+                continue
+            best, best_cost = None, math.inf
+            for t in self.grid:
+                split = self.splits[t]
+                p = split.offload_fraction
+                if p < 1 and (1 - p) * site.instance.prefill.prefill_s(split.mean_short_tokens) * rate > n_p * (1 + REL_TOL):
+                    break  # PD-P's load grows with t: every larger t is out as well
+                if p > 0 and rate > 0 and sum(_pair_rps(self.sites[link.prfaas], link, split) for link in links) < p * rate * (1 - REL_TOL):
+                    continue  # its links and PrfaaS clusters cannot carry the offload even alone
+                if (cost := self._prfaas_cost(split)) <= best_cost:
+                    best, best_cost = t, cost
+            if best is not None:
+                return PdChoice(best, n_p)
+        return None
+
+    def _prfaas_cost(self, split: Split) -> float:
+        """What one request of this split asks of the shared PrfaaS side (lower is better)."""
+        if split.offload_fraction == 0:
+            return 0.0
+        if len(self.fleet.prfaas) == 1:
+            return split.offload_fraction * self.fleet.prfaas[0].instance.prefill.prefill_s(split.mean_long_tokens)
+        return split.offload_fraction
+
+    # --- step 2: coordinate polish -------------------------------------------------------------
+
+    def polish(self, choices: dict[str, PdChoice], passes: int) -> FleetPoint:
+        best = self.evaluate(choices)
+        for _ in range(passes):
+            changed = False
+            for site in self.fleet.pd:
+                point = self._best_for(site, best)
+                if point.choices != best.choices:
+                    best, changed = point, True
+            if not changed:
+                break
+        return best
+
+    def _best_for(self, site: PdSite, start: FleetPoint) -> FleetPoint:
+        """The best point over ``site``'s whole grid, every other PD cluster as in ``start``. The order is
+        :func:`prfaas_sglang.plan.search._better`'s: higher Lambda; on a tie the larger prefill-side
+        capacity (an LP of its own, computed for ties only), then less egress; on a full tie the
+        incumbent stays. ``start`` is the first incumbent, so a candidate whose bound is below it
+        costs no LP."""
+        best = start
+        for t in self.grid:
+            for n_p in range(site.instances):
+                if PdChoice(t, n_p) == start.choices[site.name]:
+                    continue
+                if self._upper_bound(site, self.splits[t], n_p, start) < best.lambda_max_rps * (1 - REL_TOL):
+                    continue
+                point = self.evaluate({**start.choices, site.name: PdChoice(t, n_p)})
+                if not math.isclose(point.lambda_max_rps, best.lambda_max_rps, rel_tol=REL_TOL):
+                    if point.lambda_max_rps > best.lambda_max_rps:
+                        best = point
+                elif _wins_tie(self.tie(point), self.tie(best)):
+                    best = point
+        return best
+
+    def _upper_bound(self, site: PdSite, split: Split, n_p: int, start: FleetPoint) -> float:
+        """A cheap bound on Lambda at ``site``'s candidate (its own PD-P, decode and links alone)."""
+        fleet, p = self.fleet, split.offload_fraction
+        local = decode_rps(site, site.instances - n_p, fleet.output_tokens)
+        if p < 1:
+            local = min(local, n_p / ((1 - p) * site.instance.prefill.prefill_s(split.mean_short_tokens)))
+        if p > 0:
+            carried = sum(_pair_rps(self.sites[link.prfaas], link, split) for link in fleet.links if link.pd == site.name)
+            local = min(local, carried / p)
+        if fleet.regional:
+            return local / site.entry_share if site.entry_share > 0 else math.inf
+        others = sum(decode_rps(s, s.instances - start.choices[s.name].n_prefill, fleet.output_tokens)
+                     for s in fleet.pd if s.name != site.name)
+        return local + others
 
 
 def _shares(fleet: Fleet) -> dict[str, float]:
@@ -294,139 +448,17 @@ def _shares(fleet: Fleet) -> dict[str, float]:
     return {s.name: decode_rps(s, s.instances, fleet.output_tokens) / total for s in fleet.pd}
 
 
-def _bisect(fleet: Fleet, grid: list[float], splits: dict[float, Split]) -> dict[str, PdChoice]:
-    shares = _shares(fleet)
-    best: tuple[float, dict[str, PdChoice]] | None = None
-    for _ in range(1 if fleet.regional or len(fleet.pd) == 1 else 3):
-        hi = min(decode_rps(s, s.instances, fleet.output_tokens) / shares[s.name] for s in fleet.pd if shares[s.name] > 0)
-        lo, found = 0.0, None
-        while hi - lo > REL_TOL * hi:
-            mid = (lo + hi) / 2
-            choices = _greedy(fleet, grid, splits, {j: w * mid for j, w in shares.items()})
-            point = None if choices is None else _evaluate(fleet, choices, splits)
-            if point is not None and point.lambda_max_rps >= mid * (1 - REL_TOL):
-                lo, found = mid, choices
-            else:
-                hi = mid
-        found = found or _greedy(fleet, grid, splits, {j: 0.0 for j in shares})
-        point = _evaluate(fleet, found, splits)
-        if best is None or point.lambda_max_rps > best[0]:
-            best = (point.lambda_max_rps, found)
-        if point.lambda_max_rps > 0:
-            shares = {j: z / point.lambda_max_rps for j, z in point.decode_rps.items()}
-    return best[1]
-
-
-def _greedy(fleet: Fleet, grid: list[float], splits: dict[float, Split], rates: dict[str, float]) -> dict[str, PdChoice] | None:
-    """Each PD cluster's own best choice at its arrival rate, or None if one cannot carry it."""
-    out = {}
-    for site in fleet.pd:
-        choice = _cluster_choice(fleet, site, grid, splits, rates[site.name])
-        if choice is None:
-            return None
-        out[site.name] = choice
-    return out
-
-
-def _cluster_choice(fleet: Fleet, site: PdSite, grid: list[float], splits: dict[float, Split], rate: float) -> PdChoice | None:
-    links = [link for link in fleet.links if link.pd == site.name]
-    sites = {s.name: s for s in fleet.prfaas}
-    for n_p in range(site.instances - 1, -1, -1):
-        if decode_rps(site, site.instances - n_p, fleet.output_tokens) < rate * (1 - REL_TOL):
-            continue
-        best, best_cost = None, math.inf
-        for t in grid:
-            split = splits[t]
-            p = split.offload_fraction
-            if p < 1 and (1 - p) * site.instance.prefill.prefill_s(split.mean_short_tokens) * rate > n_p * (1 + REL_TOL):
-                break  # PD-P's load grows with t: every larger t is out as well
-            if p > 0 and rate > 0:
-                carried = sum(_pair_rps(sites[link.prfaas], link, split) for link in links)
-                if carried < p * rate * (1 - REL_TOL):
-                    continue  # its links and PrfaaS clusters cannot carry the offload even alone
-            cost = _prfaas_cost(fleet, split)
-            if cost <= best_cost:
-                best, best_cost = t, cost
-        if best is not None:
-            return PdChoice(best, n_p)
-    return None
-
-
-def _prfaas_cost(fleet: Fleet, split: Split) -> float:
-    """What one request of this split asks of the shared PrfaaS side (lower is better)."""
-    if split.offload_fraction == 0:
-        return 0.0
-    if len(fleet.prfaas) == 1:
-        return split.offload_fraction * fleet.prfaas[0].instance.prefill.prefill_s(split.mean_long_tokens)
-    return split.offload_fraction
-
-
-def _evaluate(fleet: Fleet, choices: Mapping[str, PdChoice], splits: dict[float, Split]) -> FleetPoint:
-    return evaluate_fleet(fleet, None, choices, {j: splits[c.threshold_tokens] for j, c in choices.items()})
-
-
-def _polish(fleet: Fleet, grid: list[float], splits: dict[float, Split], choices: dict[str, PdChoice],
-            passes: int) -> FleetPoint:
-    best = _evaluate(fleet, choices, splits)
-    for _ in range(passes):
-        changed = False
-        for site in fleet.pd:
-            point = _best_for(fleet, site, grid, splits, best)
-            if point.choices != best.choices:
-                best, changed = point, True
-        if not changed:
-            break
-    return best
-
-
-def _best_for(fleet: Fleet, site: PdSite, grid: list[float], splits: dict[float, Split], start: FleetPoint) -> FleetPoint:
-    """The best point over ``site``'s whole grid, every other PD cluster as in ``start``. The order is
-    :func:`prfaas_sglang.plan.search._better`'s: higher Lambda; on a tie the larger prefill-side capacity
-    (an LP of its own, computed for ties only), then less egress; on a full tie the incumbent stays.
-    ``start`` is the first incumbent, so a candidate whose bound is below it costs no LP."""
-    best, best_tie = start, None  # best_tie: best's (prefill-side capacity, egress), once a tie needed it
-    for t in grid:
-        for n_p in range(site.instances):
-            if PdChoice(t, n_p) == start.choices[site.name]:
-                continue
-            if _upper_bound(fleet, site, splits[t], n_p, start) < best.lambda_max_rps * (1 - REL_TOL):
-                continue
-            point = _evaluate(fleet, {**start.choices, site.name: PdChoice(t, n_p)}, splits)
-            if not math.isclose(point.lambda_max_rps, best.lambda_max_rps, rel_tol=REL_TOL):
-                if point.lambda_max_rps > best.lambda_max_rps:
-                    best, best_tie = point, None
-                continue
-            best_tie = best_tie or _tie(fleet, best)
-            if _wins_tie(tie := _tie(fleet, point), best_tie):
-                best, best_tie = point, tie
-    return best
-
-
-def _tie(fleet: Fleet, point: FleetPoint) -> tuple[float, float]:
-    return prefill_capacity_rps(fleet, point.choices, point.splits), point.egress_gbps
+def _share_grid(names: list[str]) -> list[dict[str, float]]:
+    """Every split of 1 into ``len(names)`` positive multiples of :data:`SHARE_STEP`."""
+    steps = round(1 / SHARE_STEP)
+    return [dict(zip(names, (k * SHARE_STEP for k in combo), strict=True))
+            for combo in itertools.product(range(1, steps), repeat=len(names)) if sum(combo) == steps]
 
 
 def _wins_tie(a: tuple[float, float], b: tuple[float, float]) -> bool:
     if not math.isclose(a[0], b[0], rel_tol=REL_TOL):
         return a[0] > b[0]
     return a[1] < b[1] and not math.isclose(a[1], b[1], rel_tol=REL_TOL)
-
-
-def _upper_bound(fleet: Fleet, site: PdSite, split: Split, n_p: int, start: FleetPoint) -> float:
-    """A cheap bound on Lambda at ``site``'s candidate (its own PD-P, decode and links alone)."""
-    p = split.offload_fraction
-    local = decode_rps(site, site.instances - n_p, fleet.output_tokens)
-    if p < 1:
-        local = min(local, n_p / ((1 - p) * site.instance.prefill.prefill_s(split.mean_short_tokens)))
-    if p > 0:
-        sites = {s.name: s for s in fleet.prfaas}
-        carried = sum(_pair_rps(sites[link.prfaas], link, split) for link in fleet.links if link.pd == site.name)
-        local = min(local, carried / p)
-    if fleet.regional:
-        return local / site.entry_share if site.entry_share > 0 else math.inf
-    others = sum(decode_rps(s, s.instances - start.choices[s.name].n_prefill, fleet.output_tokens)
-                 for s in fleet.pd if s.name != site.name)
-    return local + others
 
 
 def partition(fleet: Fleet) -> dict[str, Fleet]:

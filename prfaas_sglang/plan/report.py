@@ -181,7 +181,7 @@ def make_fleet_plan(fleet: Fleet, workload: Workload, step_tokens: float) -> Fle
     """The joint search, and each region's own search for the partition beside it."""
     fleets = partition(fleet)
     regions = {name: search_fleet(sub, workload, step_tokens) for name, sub in fleets.items()}
-    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens), regions, fleets)
+    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens, alone=regions), regions, fleets)
 
 
 def render_fleet(plan: FleetPlan) -> str:
