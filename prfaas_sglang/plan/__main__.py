@@ -18,6 +18,7 @@ file; see prfaas_sglang/plan/scenario.py). Bad input exits 2 naming the field.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ import yaml
 
 from prfaas_sglang.errors import ConfigError, PrfaasError
 from prfaas_sglang.plan.anchors import ANCHORS, check_anchor
+from prfaas_sglang.plan.fleet_model import Fleet
 from prfaas_sglang.plan.report import make_fleet_plan, make_plan, render_fleet, render_table
 from prfaas_sglang.plan.scenario import Catalog, parse_scenario
 
@@ -42,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenario", help="shipped scenario name (e.g. case-study) or a scenario YAML file")
     parser.add_argument("--topology", type=Path, help="plan a deployment's topology: any number of PrfaaS and PD "
                         "clusters, per cluster and per link (e.g. launch/multi-cluster.yaml)")
+    parser.add_argument("--link-gbps", action="append", default=[], metavar="PRFAAS:PD=GBPS",
+                        help="with --topology: what if this link had this capacity (repeatable)")
+    parser.add_argument("--entry", metavar="PD=SHARE,...|global",
+                        help="with --topology: what if arrivals entered in these shares (or through one global entry)")
     parser.add_argument("--model", help="shipped model name, or a model YAML file")
     parser.add_argument("--prfaas", metavar="ACCEL:N", help="PrfaaS class and instance count, e.g. h200x8:4")
     parser.add_argument("--pd", metavar="ACCEL:N", help="PD class and instance count, e.g. h20x8:8")
@@ -177,6 +183,34 @@ def print_anchors(catalog: Catalog, as_json: bool) -> int:
     return 0
 
 
+def what_if(fleet: Fleet, links: list[str], entry: str | None) -> Fleet:
+    """The fleet with ``--link-gbps`` and ``--entry`` applied; a bad one raises ConfigError naming it."""
+    known = {(link.prfaas, link.pd): link for link in fleet.links}
+    for item in links:
+        pair, _, gbps = item.partition("=")
+        key = tuple(pair.split(":", 1))
+        if key not in known:
+            raise ConfigError("--link-gbps", f"{item!r}: no link {pair} (links: {', '.join(f'{a}:{b}' for a, b in known)})")
+        try:
+            known[key] = dataclasses.replace(known[key], bps=float(gbps) * 1e9)
+        except ValueError:
+            raise ConfigError("--link-gbps", f"{item!r}: expected PRFAAS:PD=GBPS") from None
+    fleet = dataclasses.replace(fleet, links=tuple(known.values()))
+    if entry is None:
+        return fleet
+    shares: dict[str, float | None] = {s.name: None for s in fleet.pd}
+    if entry != "global":
+        for item in entry.split(","):
+            name, _, share = item.partition("=")
+            if name not in shares:
+                raise ConfigError("--entry", f"{item!r}: no pd cluster {name!r} (pd clusters: {', '.join(shares)})")
+            try:
+                shares[name] = float(share)
+            except ValueError:
+                raise ConfigError("--entry", f"{item!r}: expected PD=SHARE") from None
+    return dataclasses.replace(fleet, pd=tuple(dataclasses.replace(s, entry_share=shares[s.name]) for s in fleet.pd))
+
+
 def print_fleet_plan(args: argparse.Namespace) -> int:
     """``--topology``: the fleet's joint plan (``--threshold-step`` applies; the other flags describe a scenario)."""
     from prfaas_sglang.runtime import fleet_from_topology
@@ -188,6 +222,7 @@ def print_fleet_plan(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError("--topology", f"plans the topology as it is; drop {', '.join(given)}")
     fleet, workload, step = fleet_from_topology(load_topology(args.topology))
+    fleet = what_if(fleet, args.link_gbps, args.entry)
     plan = make_fleet_plan(fleet, workload, args.threshold_step or step)
     print(json.dumps(plan.to_json(), indent=2) if args.json else render_fleet(plan))
     return 0
@@ -205,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return print_anchors(catalog, args.json)
         if args.topology is not None:
             return print_fleet_plan(args)
+        if args.link_gbps or args.entry:
+            raise ConfigError("--link-gbps" if args.link_gbps else "--entry", "changes a --topology; give one")
         if args.threshold is not None and not args.threshold > 0:
             raise ConfigError("--threshold", f"must be > 0, got {args.threshold!r}")
         scenario = scenario_from_args(args, catalog)

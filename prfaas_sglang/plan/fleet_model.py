@@ -23,7 +23,8 @@ at thresholds and splits fixed, the capacity is a linear program::
 On one PrfaaS cluster, one PD cluster and one link it is equation (6) exactly, and
 :func:`search_fleet`, which chooses every ``(t_j, N_p_j)`` jointly, returns what
 :func:`prfaas_sglang.plan.search.search` returns (``tests/plan/test_fleet.py`` pins both).
-:func:`partition` is the baseline a fleet is judged against: each region planned alone.
+:func:`best_partition` is the baseline a fleet is judged against: each region planned alone, with
+the PrfaaS clusters assigned to regions as well as a static assignment can.
 
 The LP is solved by SciPy's HiGHS (the ``fleet`` extra); the one-pair planner needs none of it.
 """
@@ -237,11 +238,11 @@ def evaluate_fleet(fleet: Fleet, workload: Workload | None, choices: Mapping[str
         bound, slack = rows[name]
         return (bound - slack) / bound if bound > 0 else 0.0
 
-    y = {key: float(res.x[k]) for key, k in lp.y.items()}
+    y = {key: max(float(res.x[k]), 0.0) + 0.0 for key, k in lp.y.items()}  # the solver may return -0.0
     sites = {s.name: s for s in fleet.prfaas}
     egress_bps = sum(y[(i, j)] * _link_bits(sites[i], splits[j]) for (i, j) in y)
     return FleetPoint(float(res.x[0]), binding, dict(choices), dict(splits),
-                      {name: float(res.x[k]) for name, k in lp.z.items()}, y,
+                      {name: max(float(res.x[k]), 0.0) + 0.0 for name, k in lp.z.items()}, y,
                       {(i, j): used(f"link:{i}->{j}") for (i, j) in y},
                       {s.name: used(f"prfaas-compute:{s.name}") for s in fleet.prfaas}, egress_bps / 1e9)
 
@@ -283,14 +284,14 @@ def search_fleet(fleet: Fleet, workload: Workload, step_tokens: float = 128, pas
        one-pair search breaks them: the larger prefill-side capacity, then less egress, then the
        lower threshold. On a single pair this pass alone is the one-pair search.
 
-    With several PD clusters the polish also starts from each region's own plan (:func:`partition`;
-    ``alone``: those plans, when the caller has them), and the better end wins: the joint plan is
-    never below the partition, whose flows it may use.
+    With several PD clusters the polish also starts from each region's own plan in the best
+    partition (:func:`best_partition`; ``alone``: those plans, when the caller has them), and the
+    better end wins: the joint plan is never below the partition, whose flows it may use.
     """
     search = _Search(fleet, threshold_grid(workload, step_tokens), workload)
     starts = [search.bisect()]
     if len(fleet.pd) > 1:
-        alone = alone or {name: search_fleet(sub, workload, step_tokens, passes) for name, sub in partition(fleet).items()}
+        alone = alone or best_partition(fleet, workload, step_tokens, passes).regions
         starts.append({name: point.choices[name] for name, point in alone.items()})
     ends = [search.polish(choices, passes) for choices in starts]
     return max(ends, key=lambda point: point.lambda_max_rps)
@@ -461,20 +462,43 @@ def _wins_tie(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[1] < b[1] and not math.isclose(a[1], b[1], rel_tol=REL_TOL)
 
 
-def partition(fleet: Fleet) -> dict[str, Fleet]:
-    """The per-region baseline: each PrfaaS cluster dedicated to the PD cluster of its widest link, and
-    each PD cluster planned alone with what it was given (a router per region that sees only its pair)."""
-    owner = {}
-    for site in fleet.prfaas:
-        links = [link for link in fleet.links if link.prfaas == site.name]
-        if links:
-            owner[site.name] = max(links, key=lambda link: link.bps).pd
-    out = {}
-    for pd in fleet.pd:
-        mine = tuple(s for s in fleet.prfaas if owner.get(s.name) == pd.name)
-        links = tuple(link for link in fleet.links if link.pd == pd.name and owner.get(link.prfaas) == pd.name)
-        out[pd.name] = Fleet(mine, (PdSite(pd.name, pd.instance, pd.instances),), links, fleet.output_tokens)
-    return out
+@dataclass(frozen=True)
+class Partition:
+    """The per-region baseline at its best: each PrfaaS cluster serves one PD cluster it has a link to,
+    and each region is planned alone with what it was given (a router per region that sees only its
+    own clusters). Of every such assignment, the one with the highest capacity."""
+
+    owner: dict[str, str]  # PrfaaS cluster -> the PD cluster it serves
+    fleets: dict[str, Fleet]  # PD cluster -> its region as a fleet of its own
+    regions: dict[str, FleetPoint]  # PD cluster -> its region's own plan
+    capacity_rps: float
+
+
+def best_partition(fleet: Fleet, workload: Workload, step_tokens: float = 128, passes: int = 8) -> Partition:
+    """Every assignment of the PrfaaS clusters to the PD clusters they have links to is tried (each
+    region's plan computed once per set of PrfaaS clusters it is given); the best is returned."""
+    options = [[link.pd for link in fleet.links if link.prfaas == site.name] or [None] for site in fleet.prfaas]
+    plans: dict[tuple[str, frozenset], tuple[Fleet, FleetPoint]] = {}
+    best = None
+    for assignment in itertools.product(*options):
+        owner = {site.name: pd for site, pd in zip(fleet.prfaas, assignment, strict=True) if pd is not None}
+        fleets, regions = {}, {}
+        for pd in fleet.pd:
+            mine = frozenset(name for name, to in owner.items() if to == pd.name)
+            if (pd.name, mine) not in plans:
+                sub = _region(fleet, pd, mine)
+                plans[(pd.name, mine)] = (sub, search_fleet(sub, workload, step_tokens, passes))
+            fleets[pd.name], regions[pd.name] = plans[(pd.name, mine)]
+        capacity = partition_capacity_rps(fleet, regions)
+        if best is None or capacity > best.capacity_rps * (1 + REL_TOL):
+            best = Partition(owner, fleets, regions, capacity)
+    return best
+
+
+def _region(fleet: Fleet, pd: PdSite, prfaas: frozenset) -> Fleet:
+    mine = tuple(s for s in fleet.prfaas if s.name in prfaas)
+    links = tuple(link for link in fleet.links if link.pd == pd.name and link.prfaas in prfaas)
+    return Fleet(mine, (PdSite(pd.name, pd.instance, pd.instances),), links, fleet.output_tokens)
 
 
 def partition_capacity_rps(fleet: Fleet, regions: Mapping[str, FleetPoint]) -> float:

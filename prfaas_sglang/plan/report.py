@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 from prfaas_sglang.plan.fleet_model import (
     Fleet,
     FleetPoint,
-    partition,
-    partition_capacity_rps,
+    Partition,
+    best_partition,
     search_fleet,
 )
 from prfaas_sglang.plan.model import OperatingPoint
@@ -143,12 +143,11 @@ class FleetPlan:
 
     fleet: Fleet
     best: FleetPoint
-    regions: dict[str, FleetPoint]  # the partition: each PD cluster with the PrfaaS clusters it owns ...
-    region_fleets: dict[str, Fleet]  # ... which are these
+    partition: Partition  # the best per-region partition
 
     @property
     def partition_rps(self) -> float:
-        return partition_capacity_rps(self.fleet, self.regions)
+        return self.partition.capacity_rps
 
     def to_json(self) -> dict:
         b = self.best
@@ -168,20 +167,19 @@ class FleetPlan:
                        "rps": b.link_rps[(link.prfaas, link.pd)],
                        "utilization": b.link_utilization[(link.prfaas, link.pd)]} for link in self.fleet.links],
             "partition": {"lambda_max_rps": self.partition_rps,
-                          "regions": {name: {"prfaas": [s.name for s in self.region_fleets[name].prfaas],
+                          "regions": {name: {"prfaas": [s.name for s in self.partition.fleets[name].prfaas],
                                              "lambda_max_rps": p.lambda_max_rps,
                                              "threshold_tokens": p.choices[name].threshold_tokens,
                                              "n_prefill": p.choices[name].n_prefill}
-                                      for name, p in self.regions.items()}},
+                                      for name, p in self.partition.regions.items()}},
             "gain_vs_partition": _ratio(b.lambda_max_rps, self.partition_rps),
         }
 
 
 def make_fleet_plan(fleet: Fleet, workload: Workload, step_tokens: float) -> FleetPlan:
-    """The joint search, and each region's own search for the partition beside it."""
-    fleets = partition(fleet)
-    regions = {name: search_fleet(sub, workload, step_tokens) for name, sub in fleets.items()}
-    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens, alone=regions), regions, fleets)
+    """The joint search, and the best per-region partition beside it."""
+    partition = best_partition(fleet, workload, step_tokens)
+    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens, alone=partition.regions), partition)
 
 
 def render_fleet(plan: FleetPlan) -> str:
@@ -199,7 +197,7 @@ def render_fleet(plan: FleetPlan) -> str:
     lines += ["", f"{'link':<30} {'Gbps':>6} {'req/s':>7} {'used':>6}"]
     lines += [f"{r['prfaas'] + ' -> ' + r['pd']:<30} {r['gbps']:>6g} {r['rps']:>7.3f} {100 * r['utilization']:>5.0f}%" for r in j["links"]]
     part = j["partition"]
-    lines += ["", f"per-region partition (each PrfaaS cluster serves the PD cluster of its widest link): "
+    lines += ["", f"per-region partition (each PrfaaS cluster serves one region, the best such assignment): "
               f"{part['lambda_max_rps']:.3f} req/s; joint / partition = {j['gain_vs_partition']:.2f}x"]
     lines += [f"  {name}: {', '.join(r['prfaas']) or 'no PrfaaS'}, {r['lambda_max_rps']:.3f} req/s "
               f"(t {_k(r['threshold_tokens'])}, {r['n_prefill']}P)" for name, r in part["regions"].items()]

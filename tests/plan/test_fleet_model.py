@@ -23,9 +23,8 @@ from prfaas_sglang.plan.fleet_model import (
     PdChoice,
     PdSite,
     PrfaasSite,
+    best_partition,
     evaluate_fleet,
-    partition,
-    partition_capacity_rps,
     search_fleet,
 )
 from prfaas_sglang.plan.model import Deployment, evaluate
@@ -108,24 +107,32 @@ def test_two_identical_halves_plan_as_the_whole():
     assert point.choices["a"] == point.choices["b"] == PdChoice(best.threshold_tokens, best.n_prefill // 2)
 
 
-def test_a_skewed_region_borrows_the_other_regions_prfaas_over_the_cross_link():
+def test_one_prfaas_site_shared_by_two_regions_beats_any_static_assignment_of_it():
+    fleet = Fleet((PrfaasSite("x", FAST, 2),), (PdSite("a", SLOW, 6, 0.5), PdSite("b", SLOW, 6, 0.5)),
+                  (FleetLink("x", "a", 10e9), FleetLink("x", "b", 10e9)), 1024)
+    joint = search_fleet(fleet, WORKLOAD, STEP)
+    part = best_partition(fleet, WORKLOAD, STEP)
+    assert list(part.owner.values()) in (["a"], ["b"])  # statically, the site serves one region
+    assert joint.lambda_max_rps > 1.1 * part.capacity_rps  # the other saturates first without it
+    assert joint.link_rps[("x", "a")] > 0 and joint.link_rps[("x", "b")] > 0  # the mechanism: it serves both
+    one_link = dataclasses.replace(fleet, links=(FleetLink("x", "a", 10e9),))
+    assert search_fleet(one_link, WORKLOAD, STEP).lambda_max_rps == pytest.approx(
+        best_partition(one_link, WORKLOAD, STEP).capacity_rps, rel=1e-6)  # without the second link, nothing to share
+
+
+def test_a_skewed_load_takes_every_prfaas_site_and_a_static_assignment_can_follow_it():
     fleet = two_regions(shares=(0.8, 0.2))
     joint = search_fleet(fleet, WORKLOAD, STEP)
-    regions = {name: search_fleet(sub, WORKLOAD, STEP) for name, sub in partition(fleet).items()}
-    alone = partition_capacity_rps(fleet, regions)
-    assert {name: [s.name for s in sub.prfaas] for name, sub in partition(fleet).items()} == {"a": ["x"], "b": ["y"]}
-    assert joint.lambda_max_rps > 1.1 * alone  # the busy region saturates first when alone
-    assert joint.link_rps[("y", "a")] > 0  # the mechanism: region b's PrfaaS prefills for region a
-    assert joint.decode_rps["a"] == pytest.approx(0.8 * joint.lambda_max_rps)
-    no_cross = search_fleet(two_regions(shares=(0.8, 0.2), cross_gbps=0), WORKLOAD, STEP)
-    assert no_cross.lambda_max_rps == pytest.approx(alone, rel=1e-6)  # without the cross link, nothing to gain
+    part = best_partition(fleet, WORKLOAD, STEP)
+    assert joint.link_rps[("y", "a")] > 0  # region b's PrfaaS prefills for region a ...
+    assert joint.decode_rps["a"] == pytest.approx(0.8 * joint.lambda_max_rps)  # ... which decodes its own
+    assert joint.lambda_max_rps >= part.capacity_rps * (1 - 1e-9)
 
 
 def test_with_even_load_the_regions_need_nothing_from_each_other():
     fleet = two_regions(shares=(0.5, 0.5))
     joint = search_fleet(fleet, WORKLOAD, STEP)
-    regions = {name: search_fleet(sub, WORKLOAD, STEP) for name, sub in partition(fleet).items()}
-    assert joint.lambda_max_rps == pytest.approx(partition_capacity_rps(fleet, regions), rel=1e-6)
+    assert joint.lambda_max_rps == pytest.approx(best_partition(fleet, WORKLOAD, STEP).capacity_rps, rel=1e-6)
 
 
 def test_one_global_entry_decodes_where_there_is_room():
@@ -134,8 +141,7 @@ def test_one_global_entry_decodes_where_there_is_room():
     assert not fleet.regional
     assert sum(point.decode_rps.values()) == pytest.approx(point.lambda_max_rps)
     assert point.decode_rps["a"] > point.decode_rps["b"] > 0
-    regions = {name: search_fleet(sub, WORKLOAD, STEP) for name, sub in partition(fleet).items()}
-    assert point.lambda_max_rps >= partition_capacity_rps(fleet, regions) * (1 - 1e-9)
+    assert point.lambda_max_rps >= best_partition(fleet, WORKLOAD, STEP).capacity_rps * (1 - 1e-9)
 
 
 def test_a_pd_cluster_without_a_link_offloads_nothing_and_a_wider_link_never_lowers_capacity():
@@ -228,3 +234,21 @@ def test_the_planner_cli_plans_a_topology_and_refuses_scenario_flags_beside_it()
     assert {(r["prfaas"], r["pd"]) for r in plan["links"]} >= {("prfaas-h100", "pd-west")}
     proc = run_py(["-m", "prfaas_sglang.plan", "--topology", "launch/multi-cluster.yaml", "--pd", "h20x8:3"], cwd=REPO_ROOT)
     assert proc.returncode == 2 and "--topology" in proc.stderr and "--pd" in proc.stderr
+    proc = run_py(["-m", "prfaas_sglang.plan", "--topology", "launch/multi-cluster.yaml", "--link-gbps", "prfaas-h200:pd-north=5"],
+                  cwd=REPO_ROOT)
+    assert proc.returncode == 2 and "--link-gbps" in proc.stderr and "prfaas-h200:pd-east" in proc.stderr
+
+
+def test_what_if_changes_the_fleet_and_is_refused_by_name_when_it_names_nothing():
+    from prfaas_sglang.plan.__main__ import what_if
+
+    fleet, _, _ = runtime.fleet_from_topology(load_topology(REPO_ROOT / "launch" / "multi-cluster.yaml"))
+    changed = what_if(fleet, ["prfaas-h200:pd-east=10"], "global")
+    assert {(link.prfaas, link.pd): link.bps for link in changed.links}[("prfaas-h200", "pd-east")] == 10e9
+    assert not changed.regional and fleet.regional
+    assert what_if(fleet, [], "pd-east=0.5,pd-west=0.5").pd[0].entry_share == 0.5
+    for links, entry, field in ((["prfaas-h200:pd-east=fast"], None, "--link-gbps"), ([], "pd-east=0.5", "entry_share"),
+                                ([], "pd-south=1", "--entry")):
+        with pytest.raises(ConfigError) as err:
+            what_if(fleet, links, entry)
+        assert field in err.value.field
