@@ -331,6 +331,7 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
     import yaml
 
     from prfaas_sglang.launch import grafana, k8s
+    from prfaas_sglang.runtime import from_topology
 
     try:
         if not args.config:
@@ -344,6 +345,7 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
         except ValueError:
             raise ConfigError("--engine", f"unknown engine {args.engine!r} (expected sglang or mock)") from None
         topology = load_topology(args.config)
+        from_topology(topology)  # what the router will refuse at its start is refused here, not in a crash-looping pod
         raw = yaml.safe_load(Path(args.config).read_text())
         files = k8s.render(raw, topology, engine, grafana.build_json())
         out = args.out or Path(f"k8s-{Path(args.config).stem}")

@@ -327,3 +327,12 @@ def test_cli_writes_the_tree_and_refuses_node_flags(tmp_path):
                            str(REPO / "launch" / "paper-case-study.yaml"), "--node", "router"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --node")
+
+
+def test_a_topology_the_router_cannot_model_gets_no_manifests(tmp_path):
+    out = tmp_path / "k8s"
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.launch", "--emit", "k8s", "--config",
+                           str(REPO / "launch" / "multi-cluster.yaml"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "plan --topology" in proc.stderr, proc.stderr
+    assert not out.exists()
