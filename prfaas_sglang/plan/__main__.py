@@ -221,9 +221,9 @@ def print_fleet_plan(args: argparse.Namespace) -> int:
                                       ("--threshold", args.threshold), ("--plot", args.plot)) if value is not None]
     if given:
         raise ConfigError("--topology", f"plans the topology as it is; drop {', '.join(given)}")
-    fleet, workload, step = fleet_from_topology(load_topology(args.topology))
-    fleet = what_if(fleet, args.link_gbps, args.entry)
-    plan = make_fleet_plan(fleet, workload, args.threshold_step or step)
+    shipped, workload, step = fleet_from_topology(load_topology(args.topology))
+    fleet = what_if(shipped, args.link_gbps, args.entry)
+    plan = make_fleet_plan(fleet, workload, args.threshold_step or step, shipped if fleet != shipped else None)
     print(json.dumps(plan.to_json(), indent=2) if args.json else render_fleet(plan))
     return 0
 

@@ -24,7 +24,7 @@ On one PrfaaS cluster, one PD cluster and one link it is equation (6) exactly, a
 :func:`search_fleet`, which chooses every ``(t_j, N_p_j)`` jointly, returns what
 :func:`prfaas_sglang.plan.search.search` returns (``tests/plan/test_fleet.py`` pins both).
 :func:`best_partition` is the baseline a fleet is judged against: each region planned alone, with
-the PrfaaS clusters assigned to regions as well as a static assignment can.
+the PrfaaS instances split among regions as well as a static split can.
 
 The LP is solved by SciPy's HiGHS (the ``fleet`` extra); the one-pair planner needs none of it.
 """
@@ -464,40 +464,69 @@ def _wins_tie(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 @dataclass(frozen=True)
 class Partition:
-    """The per-region baseline at its best: each PrfaaS cluster serves one PD cluster it has a link to,
-    and each region is planned alone with what it was given (a router per region that sees only its
-    own clusters). Of every such assignment, the one with the highest capacity."""
+    """The per-region baseline at its best: the PrfaaS instances are split among the regions their
+    clusters have links to, and each region is planned alone with what it was given (a router per
+    region that sees only its own clusters). Of every such split, the one with the highest capacity."""
 
-    owner: dict[str, str]  # PrfaaS cluster -> the PD cluster it serves
+    instances: dict[str, dict[str, int]]  # PrfaaS cluster -> PD cluster -> instances it serves there
     fleets: dict[str, Fleet]  # PD cluster -> its region as a fleet of its own
     regions: dict[str, FleetPoint]  # PD cluster -> its region's own plan
     capacity_rps: float
 
 
+PARTITION_PARTS = 8  # a PrfaaS cluster is split among regions in steps of 1/8 of it at the finest
+
+
 def best_partition(fleet: Fleet, workload: Workload, step_tokens: float = 128, passes: int = 8) -> Partition:
-    """Every assignment of the PrfaaS clusters to the PD clusters they have links to is tried (each
-    region's plan computed once per set of PrfaaS clusters it is given); the best is returned."""
-    options = [[link.pd for link in fleet.links if link.prfaas == site.name] or [None] for site in fleet.prfaas]
-    plans: dict[tuple[str, frozenset], tuple[Fleet, FleetPoint]] = {}
+    """Every split of each PrfaaS cluster's instances among the PD clusters it has links to (in steps of
+    ``ceil(N / PARTITION_PARTS)`` instances) is tried, each region's plan computed once per what it is
+    given; the best split is returned."""
+    options = [_splits_of(site, [link.pd for link in fleet.links if link.prfaas == site.name]) for site in fleet.prfaas]
+    plans: dict[tuple, tuple[Fleet, FleetPoint]] = {}
     best = None
-    for assignment in itertools.product(*options):
-        owner = {site.name: pd for site, pd in zip(fleet.prfaas, assignment, strict=True) if pd is not None}
-        fleets, regions = {}, {}
-        for pd in fleet.pd:
-            mine = frozenset(name for name, to in owner.items() if to == pd.name)
-            if (pd.name, mine) not in plans:
-                sub = _region(fleet, pd, mine)
-                plans[(pd.name, mine)] = (sub, search_fleet(sub, workload, step_tokens, passes))
-            fleets[pd.name], regions[pd.name] = plans[(pd.name, mine)]
-        capacity = partition_capacity_rps(fleet, regions)
-        if best is None or capacity > best.capacity_rps * (1 + REL_TOL):
-            best = Partition(owner, fleets, regions, capacity)
+    for combo in itertools.product(*options):
+        given = {site.name: split for site, split in zip(fleet.prfaas, combo, strict=True)}
+        part = partition_with(fleet, workload, given, step_tokens, passes, plans)
+        if best is None or part.capacity_rps > best.capacity_rps * (1 + REL_TOL):
+            best = part
     return best
 
 
-def _region(fleet: Fleet, pd: PdSite, prfaas: frozenset) -> Fleet:
-    mine = tuple(s for s in fleet.prfaas if s.name in prfaas)
-    links = tuple(link for link in fleet.links if link.pd == pd.name and link.prfaas in prfaas)
+def partition_with(fleet: Fleet, workload: Workload, instances: Mapping[str, Mapping[str, int]],
+                   step_tokens: float = 128, passes: int = 8, plans: dict | None = None) -> Partition:
+    """The partition that gives each region ``instances[prfaas][pd]`` instances of each PrfaaS cluster,
+    each region planned alone (``plans``: region plans already computed, reused and added to). A split
+    planned for one fleet, evaluated on another (a link dropped), is what a static partition keeps."""
+    plans = {} if plans is None else plans
+    fleets, regions = {}, {}
+    for pd in fleet.pd:
+        mine = tuple((name, split.get(pd.name, 0)) for name, split in instances.items() if split.get(pd.name, 0) > 0)
+        if (pd.name, mine) not in plans:
+            sub = _region(fleet, pd, dict(mine))
+            plans[(pd.name, mine)] = (sub, search_fleet(sub, workload, step_tokens, passes))
+        fleets[pd.name], regions[pd.name] = plans[(pd.name, mine)]
+    return Partition({name: dict(split) for name, split in instances.items()}, fleets, regions,
+                     partition_capacity_rps(fleet, regions))
+
+
+def _splits_of(site: PrfaasSite, pds: list[str]) -> list[dict[str, int]]:
+    """Every way to give ``site``'s instances to ``pds`` (all of them, in whole steps)."""
+    if not pds:
+        return [{}]
+    unit = max(1, -(-site.instances // PARTITION_PARTS))
+    parts = site.instances // unit
+    out = []
+    for combo in itertools.product(range(parts + 1), repeat=len(pds)):
+        if sum(combo) == parts:
+            counts = [k * unit for k in combo]
+            counts[-1] += site.instances - parts * unit  # the remainder of an uneven step
+            out.append(dict(zip(pds, counts, strict=True)))
+    return out
+
+
+def _region(fleet: Fleet, pd: PdSite, given: dict[str, int]) -> Fleet:
+    mine = tuple(PrfaasSite(s.name, s.instance, given[s.name]) for s in fleet.prfaas if s.name in given)
+    links = tuple(link for link in fleet.links if link.pd == pd.name and link.prfaas in given)
     return Fleet(mine, (PdSite(pd.name, pd.instance, pd.instances),), links, fleet.output_tokens)
 
 

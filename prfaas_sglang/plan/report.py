@@ -10,6 +10,7 @@ from prfaas_sglang.plan.fleet_model import (
     FleetPoint,
     Partition,
     best_partition,
+    partition_with,
     search_fleet,
 )
 from prfaas_sglang.plan.model import OperatingPoint
@@ -144,6 +145,7 @@ class FleetPlan:
     fleet: Fleet
     best: FleetPoint
     partition: Partition  # the best per-region partition
+    planned_partition: Partition | None = None  # a what-if: the split planned for the fleet as it was, kept
 
     @property
     def partition_rps(self) -> float:
@@ -167,19 +169,26 @@ class FleetPlan:
                        "rps": b.link_rps[(link.prfaas, link.pd)],
                        "utilization": b.link_utilization[(link.prfaas, link.pd)]} for link in self.fleet.links],
             "partition": {"lambda_max_rps": self.partition_rps,
-                          "regions": {name: {"prfaas": [s.name for s in self.partition.fleets[name].prfaas],
+                          "regions": {name: {"prfaas": {s.name: s.instances for s in self.partition.fleets[name].prfaas},
                                              "lambda_max_rps": p.lambda_max_rps,
                                              "threshold_tokens": p.choices[name].threshold_tokens,
                                              "n_prefill": p.choices[name].n_prefill}
                                       for name, p in self.partition.regions.items()}},
             "gain_vs_partition": _ratio(b.lambda_max_rps, self.partition_rps),
-        }
+        } | ({} if self.planned_partition is None else {
+            "planned_partition": {"lambda_max_rps": self.planned_partition.capacity_rps,
+                                  "instances": self.planned_partition.instances},
+            "gain_vs_planned_partition": _ratio(b.lambda_max_rps, self.planned_partition.capacity_rps)})
 
 
-def make_fleet_plan(fleet: Fleet, workload: Workload, step_tokens: float) -> FleetPlan:
-    """The joint search, and the best per-region partition beside it."""
+def make_fleet_plan(fleet: Fleet, workload: Workload, step_tokens: float, planned_for: Fleet | None = None) -> FleetPlan:
+    """The joint search, and the best per-region partition beside it. ``planned_for``: the fleet as it
+    was (before a what-if); its best partition's split is also evaluated here, kept as planned."""
     partition = best_partition(fleet, workload, step_tokens)
-    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens, alone=partition.regions), partition)
+    planned = None
+    if planned_for is not None:
+        planned = partition_with(fleet, workload, best_partition(planned_for, workload, step_tokens).instances, step_tokens)
+    return FleetPlan(fleet, search_fleet(fleet, workload, step_tokens, alone=partition.regions), partition, planned)
 
 
 def render_fleet(plan: FleetPlan) -> str:
@@ -197,8 +206,11 @@ def render_fleet(plan: FleetPlan) -> str:
     lines += ["", f"{'link':<30} {'Gbps':>6} {'req/s':>7} {'used':>6}"]
     lines += [f"{r['prfaas'] + ' -> ' + r['pd']:<30} {r['gbps']:>6g} {r['rps']:>7.3f} {100 * r['utilization']:>5.0f}%" for r in j["links"]]
     part = j["partition"]
-    lines += ["", f"per-region partition (each PrfaaS cluster serves one region, the best such assignment): "
+    lines += ["", f"per-region partition (the PrfaaS instances split among regions, the best static split): "
               f"{part['lambda_max_rps']:.3f} req/s; joint / partition = {j['gain_vs_partition']:.2f}x"]
-    lines += [f"  {name}: {', '.join(r['prfaas']) or 'no PrfaaS'}, {r['lambda_max_rps']:.3f} req/s "
+    lines += [f"  {name}: {', '.join(f'{n}x{k}' for k, n in r['prfaas'].items()) or 'no PrfaaS'}, {r['lambda_max_rps']:.3f} req/s "
               f"(t {_k(r['threshold_tokens'])}, {r['n_prefill']}P)" for name, r in part["regions"].items()]
+    if "planned_partition" in j:
+        lines.append(f"the split planned before the what-if, kept (each region re-plans alone): "
+                     f"{j['planned_partition']['lambda_max_rps']:.3f} req/s; joint / it = {j['gain_vs_planned_partition']:.2f}x")
     return "\n".join(lines)

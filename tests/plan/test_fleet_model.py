@@ -25,6 +25,7 @@ from prfaas_sglang.plan.fleet_model import (
     PrfaasSite,
     best_partition,
     evaluate_fleet,
+    partition_with,
     search_fleet,
 )
 from prfaas_sglang.plan.model import Deployment, evaluate
@@ -107,17 +108,28 @@ def test_two_identical_halves_plan_as_the_whole():
     assert point.choices["a"] == point.choices["b"] == PdChoice(best.threshold_tokens, best.n_prefill // 2)
 
 
-def test_one_prfaas_site_shared_by_two_regions_beats_any_static_assignment_of_it():
-    fleet = Fleet((PrfaasSite("x", FAST, 2),), (PdSite("a", SLOW, 6, 0.5), PdSite("b", SLOW, 6, 0.5)),
-                  (FleetLink("x", "a", 10e9), FleetLink("x", "b", 10e9)), 1024)
-    joint = search_fleet(fleet, WORKLOAD, STEP)
-    part = best_partition(fleet, WORKLOAD, STEP)
-    assert list(part.owner.values()) in (["a"], ["b"])  # statically, the site serves one region
-    assert joint.lambda_max_rps > 1.1 * part.capacity_rps  # the other saturates first without it
-    assert joint.link_rps[("x", "a")] > 0 and joint.link_rps[("x", "b")] > 0  # the mechanism: it serves both
-    one_link = dataclasses.replace(fleet, links=(FleetLink("x", "a", 10e9),))
+def shared_site(shares: tuple[float, float]) -> Fleet:
+    """One PrfaaS site of 4 instances with a link to each of two regions."""
+    return Fleet((PrfaasSite("x", FAST, 4),), (PdSite("a", SLOW, 6, shares[0]), PdSite("b", SLOW, 6, shares[1])),
+                 (FleetLink("x", "a", 10e9), FleetLink("x", "b", 10e9)), 1024)
+
+
+def test_a_static_split_planned_for_one_load_loses_to_the_joint_plan_when_the_load_moves():
+    planned = best_partition(shared_site((0.8, 0.2)), WORKLOAD, STEP)
+    assert planned.instances["x"]["a"] > planned.instances["x"]["b"]  # the busy region gets more of the site
+    moved = shared_site((0.5, 0.5))
+    kept = partition_with(moved, WORKLOAD, planned.instances, STEP)
+    joint = search_fleet(moved, WORKLOAD, STEP)
+    assert joint.lambda_max_rps > 1.1 * kept.capacity_rps  # the region the split starved saturates first
+    assert joint.link_rps[("x", "a")] > 0 and joint.link_rps[("x", "b")] > 0  # the mechanism: the site serves both
+    resplit = best_partition(moved, WORKLOAD, STEP)
+    assert kept.capacity_rps < resplit.capacity_rps <= joint.lambda_max_rps * (1 + 1e-9)  # a static split can only be re-planned
+
+
+def test_without_a_second_link_there_is_nothing_to_share():
+    one_link = dataclasses.replace(shared_site((0.5, 0.5)), links=(FleetLink("x", "a", 10e9),))
     assert search_fleet(one_link, WORKLOAD, STEP).lambda_max_rps == pytest.approx(
-        best_partition(one_link, WORKLOAD, STEP).capacity_rps, rel=1e-6)  # without the second link, nothing to share
+        best_partition(one_link, WORKLOAD, STEP).capacity_rps, rel=1e-6)
 
 
 def test_a_skewed_load_takes_every_prfaas_site_and_a_static_assignment_can_follow_it():
@@ -247,6 +259,8 @@ def test_what_if_changes_the_fleet_and_is_refused_by_name_when_it_names_nothing(
     assert {(link.prfaas, link.pd): link.bps for link in changed.links}[("prfaas-h200", "pd-east")] == 10e9
     assert not changed.regional and fleet.regional
     assert what_if(fleet, [], "pd-east=0.5,pd-west=0.5").pd[0].entry_share == 0.5
+    plan = make_fleet_plan(what_if(fleet, [], "pd-east=0.5,pd-west=0.5"), CASE_STUDY_LENGTHS, 16384, planned_for=fleet).to_json()
+    assert plan["gain_vs_planned_partition"] >= plan["gain_vs_partition"] >= 1 - 1e-9  # the kept split never beats a re-split
     for links, entry, field in ((["prfaas-h200:pd-east=fast"], None, "--link-gbps"), ([], "pd-east=0.5", "entry_share"),
                                 ([], "pd-south=1", "--entry")):
         with pytest.raises(ConfigError) as err:
