@@ -1,4 +1,4 @@
-"""``python -m prfaas_sglang.plan``: threshold and PD split for a PrfaaS-PD deployment.
+"""``python -m prfaas_sglang.plan``: threshold and PD split for a PrfaaS-PD deployment, or for a fleet.
 
 Examples::
 
@@ -10,6 +10,8 @@ Examples::
         --egress-gbps 100 --workload trace:../shared/data/mooncake_conversation_trace.jsonl \\
         --output-tokens 343 --slo 40
     python -m prfaas_sglang.plan --anchors                           # Table 3 check
+    python -m prfaas_sglang.plan --topology launch/multi-cluster.yaml   # a fleet: per cluster, per link
+    python -m prfaas_sglang.plan --topology launch/multi-cluster.yaml --entry pd-east=0.5,pd-west=0.5
 
 Flags override the matching field of ``--scenario`` (a shipped name or a YAML
 file; see prfaas_sglang/plan/scenario.py). Bad input exits 2 naming the field.
