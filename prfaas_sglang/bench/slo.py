@@ -139,11 +139,13 @@ class CapacitySearch:
         lo, hi = self.bracket(target)
         if lo is None and hi is None:
             return self.start
+        # A probe's load is recorded rounded to 9 digits (``record``), which may put the floor a hair
+        # above itself: the ends are compared with a margin far above that and far below any step.
         if lo is None:
             nxt = hi / self.expand
-            return None if hi <= self.floor * (1 + 1e-9) else max(nxt, self.floor)
+            return None if hi <= self.floor * (1 + 1e-6) else max(nxt, self.floor)
         if hi is None:
-            return None if lo >= self.ceiling * (1 - 1e-9) else min(lo * self.expand, self.ceiling)
+            return None if lo >= self.ceiling * (1 - 1e-6) else min(lo * self.expand, self.ceiling)
         if hi / lo <= 1 + self.resolution_of(target):
             return None
         return math.sqrt(lo * hi)

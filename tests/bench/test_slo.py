@@ -62,6 +62,17 @@ def test_capacity_below_the_floor_reads_zero():
     assert search.capacity(0.9) == 0.0 and search.capacity(0.99) == 0.0
 
 
+def test_a_floor_that_rounds_up_is_probed_once():
+    """The capacity run's floor is 0.2 x the planned capacity, 0.27756388060... req/s on the case
+    study; its probe is recorded as 0.277563881. A failure there ends the search."""
+    search = CapacitySearch(start=0.35, floor=0.2 * 1.3878194030096873, ceiling=4.0)
+    loads = []
+    while (load := search.next_load()) is not None and len(loads) < 10:
+        loads.append(search.record(load, 0.5))
+    assert loads == [0.35, 0.277563881]
+    assert search.capacity(0.9) == 0.0
+
+
 def test_noisy_attainment_still_ends_with_a_bracket():
     rng = random.Random(0)
     search = CapacitySearch(start=1.0, resolution=0.1)
