@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.plan.model import Deployment
+from prfaas_sglang.plan.model import Deployment, theta_pd_decode, theta_pd_prefill, theta_prfaas
 from prfaas_sglang.plan.profiles import InstanceClass
 from prfaas_sglang.plan.search import threshold_grid
 from prfaas_sglang.plan.workload import Split, Workload
@@ -205,8 +205,7 @@ def _build_lp(fleet: Fleet, splits: Mapping[str, Split], choices: Mapping[str, P
 
 def decode_rps(site: PdSite, n_decode: int, output_tokens: float) -> float:
     """Equation (5) for one PD cluster."""
-    decode = site.instance.decode
-    return n_decode * decode.bs_max / (decode.step_s * output_tokens)
+    return theta_pd_decode(n_decode, site.instance, output_tokens)
 
 
 def _solve(lp: _Lp):
@@ -252,10 +251,16 @@ def _link_bits(site: PrfaasSite, split: Split) -> float:
 
 
 def _pair_rps(site: PrfaasSite, link: FleetLink, split: Split) -> float:
-    """Long requests/s of ``split`` that one PrfaasSite and its link to one PD cluster carry, alone (3)."""
-    bits = _link_bits(site, split)
-    compute = site.instances / site.instance.prefill.prefill_s(split.mean_long_tokens)
-    return min(compute, link.bps / bits) if bits > 0 else compute
+    """Long requests/s of ``split`` that one PrfaasSite and its link to one PD cluster carry, alone:
+    equation (3) for that pair."""
+    return min(theta_prfaas(site.instances, site.instance.prefill, split.mean_long_tokens, link.bps))
+
+
+def _local_rps(site: PdSite, split: Split, n_prefill: int) -> float:
+    """Requests/s (all lengths) ``n_prefill`` PD-P instances carry when they prefill the short share:
+    equation (4) over ``1 - p``; infinite when nothing stays local."""
+    p = split.offload_fraction
+    return theta_pd_prefill(n_prefill, site.instance.prefill, split.mean_short_tokens) / (1 - p) if p < 1 else math.inf
 
 
 def prefill_capacity_rps(fleet: Fleet, choices: Mapping[str, PdChoice], splits: Mapping[str, Split]) -> float:
@@ -373,7 +378,7 @@ class _Search:
             for t in self.grid:
                 split = self.splits[t]
                 p = split.offload_fraction
-                if p < 1 and (1 - p) * site.instance.prefill.prefill_s(split.mean_short_tokens) * rate > n_p * (1 + REL_TOL):
+                if _local_rps(site, split, n_p) * (1 + REL_TOL) < rate:
                     break  # PD-P's load grows with t: every larger t is out as well
                 if p > 0 and rate > 0 and sum(_pair_rps(self.sites[link.prfaas], link, split) for link in links) < p * rate * (1 - REL_TOL):
                     continue  # its links and PrfaaS clusters cannot carry the offload even alone
@@ -429,9 +434,7 @@ class _Search:
     def _upper_bound(self, site: PdSite, split: Split, n_p: int, start: FleetPoint) -> float:
         """A cheap bound on Lambda at ``site``'s candidate (its own PD-P, decode and links alone)."""
         fleet, p = self.fleet, split.offload_fraction
-        local = decode_rps(site, site.instances - n_p, fleet.output_tokens)
-        if p < 1:
-            local = min(local, n_p / ((1 - p) * site.instance.prefill.prefill_s(split.mean_short_tokens)))
+        local = min(decode_rps(site, site.instances - n_p, fleet.output_tokens), _local_rps(site, split, n_p))
         if p > 0:
             carried = sum(_pair_rps(self.sites[link.prfaas], link, split) for link in fleet.links if link.pd == site.name)
             local = min(local, carried / p)
