@@ -257,6 +257,23 @@ def state_kind(model) -> str:
     return "+".join(kinds) or "none"
 
 
+def _scheduler_inputs(topology: Topology, catalog: Catalog, defaults: list[str]):
+    """(workload prior, L_out, decode SLO, cost model) from ``scheduler:`` and ``model:``, each input
+    left to its default named in ``defaults``."""
+    spec = topology.scheduler
+    if spec.workload is not None:
+        prior = parse_workload(spec.workload, catalog, "scheduler.workload")
+    else:
+        prior = CASE_STUDY_LENGTHS
+        defaults.append("scheduler.workload")
+    for given, name in ((spec.output_tokens, "scheduler.output_tokens"), (spec.slo_tokens_per_s, "scheduler.slo_tokens_per_s"),
+                        (spec.ttft_slo_s, "scheduler.ttft_slo_s"), (topology.model.cost_model, "model.cost_model")):
+        if given is None:
+            defaults.append(name)
+    return (prior, spec.output_tokens or DEFAULT_OUTPUT_TOKENS, spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S,
+            topology.model.cost_model or DEFAULT_COST_MODEL)
+
+
 def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> RuntimeModel:
     """Build the runtime model; a bad or missing input raises :class:`ConfigError` naming its field.
 
@@ -266,22 +283,7 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
     catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
     defaults: list[str] = []
     spec = topology.scheduler
-    if spec.workload is not None:
-        prior = parse_workload(spec.workload, catalog, "scheduler.workload")
-    else:
-        prior = CASE_STUDY_LENGTHS
-        defaults.append("scheduler.workload")
-    output_tokens = spec.output_tokens or DEFAULT_OUTPUT_TOKENS
-    slo = spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S
-    if spec.output_tokens is None:
-        defaults.append("scheduler.output_tokens")
-    if spec.slo_tokens_per_s is None:
-        defaults.append("scheduler.slo_tokens_per_s")
-    if spec.ttft_slo_s is None:
-        defaults.append("scheduler.ttft_slo_s")
-    model_ref = topology.model.cost_model or DEFAULT_COST_MODEL
-    if topology.model.cost_model is None:
-        defaults.append("model.cost_model")
+    prior, output_tokens, slo, model_ref = _scheduler_inputs(topology, catalog, defaults)
 
     count = {r: len(topology.nodes_of(r)) for r in (Role.PRFAAS, Role.PD_PREFILL, Role.PD_DECODE)}
     if count[Role.PD_DECODE] == 0:
@@ -316,10 +318,7 @@ def fleet_from_topology(topology: Topology, catalog: Catalog | None = None) -> t
     and node count, every PrfaaS-PD link, the workload prior and the threshold grid's step."""
     catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
     spec = topology.scheduler
-    prior = parse_workload(spec.workload, catalog, "scheduler.workload") if spec.workload is not None else CASE_STUDY_LENGTHS
-    output_tokens = spec.output_tokens or DEFAULT_OUTPUT_TOKENS
-    slo = spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S
-    model_ref = topology.model.cost_model or DEFAULT_COST_MODEL
+    prior, output_tokens, slo, model_ref = _scheduler_inputs(topology, catalog, [])
 
     def cost(c: ClusterSpec) -> InstanceClass:
         instance = _spec_cost(c, c.kind, f"clusters.{c.name}", catalog, model_ref, prior, output_tokens, slo).instance
