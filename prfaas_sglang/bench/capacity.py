@@ -85,6 +85,10 @@ SWEEP_LOADS = (0.4, 0.7)  # x the planned capacity of the hetero deployment
 # The lowest load probed, x planned: a capacity below it reads 0 (a probe's scored window grows as 1 / load:
 # at 0.2x, 67 arrivals take 4 emulated minutes).
 FLOOR = 0.2
+# The bisection's step while a row is not yet bracketed: two geometric midpoints of a 1.44 bracket reach
+# 1.095 (<= 1 + resolution at the default 0.10), so a row started near its capacity resolves in four rounds;
+# from a 1.5 bracket two midpoints leave 1.107 and a fifth round is needed.
+EXPAND = 1.44
 
 
 @dataclass(frozen=True)
@@ -588,7 +592,8 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
     A row whose router will not start is dropped (``failed``)."""
     starts = starts or {}
     searches = {r.name: CapacitySearch(start=starts.get(r.name, 0.9) * planned, resolution=setting.resolution,
-                                       coarse=setting.resolution_99, floor=FLOOR * planned, ceiling=4.0 * planned)
+                                       coarse=setting.resolution_99, floor=FLOOR * planned, ceiling=4.0 * planned,
+                                       expand=EXPAND)
                 for r in rows}
     probes: dict[str, list[dict]] = {r.name: [] for r in rows}
     failed: dict[str, str] = {}
@@ -831,6 +836,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--bias", type=float, default=None,
                      help="the engines' prefill and decode take this x the profile (the study: ours with calibration "
                           "on, off, and with the true scale given; no peers)")
+    cap.add_argument("--rounds", type=int, default=None,
+                     help="stop after this many bisection rounds (default 8); the brackets reached are the result")
     cap.add_argument("--out", type=Path, default=None, help="also write the JSON result here (a piece to --merge)")
     cap.add_argument("--merge", type=Path, nargs="+", default=None,
                      help="merge pieces written with --out (no run) and print them")
@@ -867,6 +874,10 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
                               speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s)
     if args.seeds is not None:
         setting = dataclasses.replace(setting, seeds=args.seeds)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            inv.error("--rounds must be >= 1")
+        setting = dataclasses.replace(setting, max_rounds=args.rounds)
     if args.bias is not None:
         if not 0.1 <= args.bias <= 10:
             inv.error("--bias must be in [0.1, 10]")
@@ -878,7 +889,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
                                       resolution=0.5, resolution_99=1.0, max_rounds=4)
         families = tuple(f for f in families if f == "sglang-router")[:1]
         ours = ours or ("prfaas",)
-    if ours and (unknown := [n for n in ours if n not in rows_mod.ALL and not n.startswith("prfaas-measured-")]):
+    if ours and (unknown := [n for n in ours if not _known_row(n)]):
         inv.error(f"unknown rows {unknown}")
     peers = tuple(args.peers.split(",")) if args.peers else None
     if peers and (unknown := [n for n in peers if n not in rows_mod.ALL or rows_mod.ALL[n].family == "ours"]):
@@ -890,7 +901,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
             starts[name] = float(value)
         except ValueError:
             inv.error(f"--start: expected ROW=X, got {item!r}")
-        if name not in rows_mod.ALL or not 0 < starts[name] <= 4:
+        if not _known_row(name) or not 0 < starts[name] <= 4:
             inv.error(f"--start {item!r}: a known row and 0 < X <= 4")
     result = run(setting, families, ours, quick=args.quick, peers=peers, starts=starts,
                  partial=args.out.with_suffix(".partial.json") if args.out else None,
@@ -898,10 +909,18 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''}"
-              f"{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
+              f"{f' --rounds {args.rounds}' if args.rounds else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
               f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")
     return result, header
+
+
+def _known_row(name: str) -> bool:
+    try:
+        rows_mod.row_named(name)
+    except (KeyError, ValueError):
+        return False
+    return True
 
 
 SUBCOMMANDS = {"compare": Subcommand(add_arguments, cli)}
