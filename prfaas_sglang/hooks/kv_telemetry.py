@@ -1,4 +1,4 @@
-"""Hooks: link telemetry from a real SGLang PrfaaS prefill worker (wire v4), as the emulated engine publishes it.
+"""Hooks: link telemetry from a real SGLang PrfaaS prefill worker (wire v5), as the emulated engine publishes it.
 
 Two hooks on SGLang 0.5.15's Mooncake backend (``disaggregation/mooncake/conn.py``):
 

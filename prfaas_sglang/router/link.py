@@ -22,10 +22,43 @@ Two more things silence and delay tell (telemetry crosses the same network as th
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Callable, Sequence
 
 from prfaas_sglang.router.threshold import LinkView
 from prfaas_sglang.wire.telemetry import LinkSample
+
+
+def shared_capacity_bps(parts: Sequence[tuple[float | None, float]]) -> float | None:
+    """The capacity of a link that senders (or one sender's peers) share, from each part's
+    ``(capacity_bps, busy_fraction)``: each measured capacity weighted by its busy share, over the
+    busiest's share (two senders each busy half the time at 20 Mbps made 30 Mbps of it); None when
+    no part measured one."""
+    measured = [(c, b) for c, b in parts if c is not None]
+    if not measured:
+        return None
+    weight = max(b for _, b in measured)
+    return sum(c * b for c, b in measured) / weight if weight > 0 else max(c for c, _ in measured)
+
+
+def link_share(sample: LinkSample, on_link: Callable[[str], bool]) -> LinkSample:
+    """What ``sample`` says of one link: its transfers to the decode peers ``on_link`` accepts (the
+    peers of one PD cluster), summed as :class:`LinkAggregator` sums workers. A sample all of whose
+    peers are on the link is returned as it is; one without a peer list (v1-v3, or a sender that does
+    not name peers) cannot be split and is returned as it is too, for the caller to decide. Of a
+    split sample the kernel's TCP view and the latencies are dropped (they cover every peer), and
+    ``congested`` is kept only when every peer is on the link."""
+    if not sample.peers or all(on_link(p) for p in sample.peers):
+        return sample
+    mine = [v for p, v in sample.peers.items() if on_link(p)]
+    return dataclasses.replace(
+        sample, egress_bps=sum(v.egress_bps for v in mine), offered_bps=sum(v.offered_bps for v in mine),
+        busy_fraction=max((v.busy_fraction for v in mine), default=0.0),
+        capacity_bps=shared_capacity_bps([(v.capacity_bps, v.busy_fraction) for v in mine]),
+        inflight=sum(v.inflight for v in mine), backlog_bytes=sum(v.backlog_bytes for v in mine),
+        completed=sum(v.completed for v in mine), failed=sum(v.failed for v in mine), tcp=None, congested=False,
+        latency_p50_s=None, latency_max_s=None, peers={p: v for p, v in sample.peers.items() if on_link(p)} or None)
 
 
 class LinkAggregator:
@@ -78,12 +111,7 @@ class LinkAggregator:
         if not samples:
             return None
         busy = max(s.busy_fraction for s in samples)
-        measured = [s for s in samples if s.capacity_bps is not None]
-        capacity = None
-        if measured:
-            weight = max(s.busy_fraction for s in measured)
-            capacity = (sum(s.capacity_bps * s.busy_fraction for s in measured) / weight) if weight > 0 \
-                else max(s.capacity_bps for s in measured)
+        capacity = shared_capacity_bps([(s.capacity_bps, s.busy_fraction) for s in samples])
         return LinkView(capacity, busy, sum(s.egress_bps for s in samples), sum(s.offered_bps for s in samples),
                         sum(s.backlog_bytes for s in samples), any(s.congested for s in samples),
                         sum(s.completed for s in samples), sum(s.failed for s in samples))

@@ -21,7 +21,9 @@ never read from a clock here. ``sample`` summarises a sliding window::
     completed/failed transfers that ended in the window, delivered or not (``end(ok=)``)
     latency_*_s      request to end of the completed ones
     peers            the same per decode peer (``start(peer=)``): egress, demand,
-                     in flight, completed, failed
+                     in flight, completed, failed, and (v5) busy fraction, capacity and
+                     backlog of that peer's transfers alone: a worker whose KV goes to
+                     decode peers in several PD clusters crosses a link per cluster
 
 A saturated or throttled link is busy ~100% of the time whatever its nominal
 capacity, and delivers ``capacity_bps`` while busy: that pair is what the
@@ -57,8 +59,8 @@ class LinkMeter:
         self._inflight: dict[int, _Transfer] = {}
         self._requested: deque[tuple[float, int, str | None]] = deque()  # (t, bytes, peer)
         self._delivered: deque[tuple[float, float, int, str | None]] = deque()  # (since, t, bytes, peer): over [since, t]
-        self._busy: deque[tuple[float, float]] = deque()  # finished transfers: (start, last delivery or end)
-        self._spans: deque[tuple[float, float]] = deque()  # finished transfers: (start, end), for busy_fraction
+        self._busy: deque[tuple[float, float, str | None]] = deque()  # finished transfers: (start, last delivery, peer)
+        self._spans: deque[tuple[float, float, str | None]] = deque()  # finished transfers: (start, end, peer), for busy_fraction
         self._ended: deque[tuple[float, float, str | None, bool]] = deque()  # (end, latency, peer, ok)
 
     def start(self, transfer_id: int, now_s: float, nbytes: int, peer: str | None = None) -> None:
@@ -90,9 +92,9 @@ class LinkMeter:
         if transfer is None:
             return
         self._ended.append((now_s, now_s - transfer.start_s, transfer.peer, ok))
-        self._spans.append((transfer.start_s, now_s))
+        self._spans.append((transfer.start_s, now_s, transfer.peer))
         if transfer.last_progress_s is not None:
-            self._busy.append((transfer.start_s, transfer.last_progress_s))
+            self._busy.append((transfer.start_s, transfer.last_progress_s, transfer.peer))
 
     def sample(self, worker: str, now_s: float, wall_s: float, queue: int = 0) -> LinkSample:
         lo = now_s - self.window_s
@@ -106,38 +108,54 @@ class LinkMeter:
         while self._ended and self._ended[0][0] < lo:
             self._ended.popleft()
         inflight = list(self._inflight.values())
-        busy = _covered(lo, [(s, e) for s, e in self._spans] + [(t.start_s, now_s) for t in inflight])
         delivered = _delivered_bits(self._delivered, lo)
-        delivered_bits = sum(delivered.values())
-        useful_busy = _covered(lo, [(s, e) for s, e in self._busy]
-                               + [(t.start_s, t.last_progress_s) for t in inflight if t.last_progress_s is not None])
+        busy_fraction, capacity = self._busy_and_capacity(lo, now_s, sum(delivered.values()), inflight, None)
+        latencies = sorted(latency for _, latency, _, ok in self._ended if ok)
+        return LinkSample(
+            worker=worker, ts=wall_s, egress_bps=sum(delivered.values()) / self.window_s,
+            busy_fraction=busy_fraction, capacity_bps=capacity, inflight=len(inflight), queue=queue,
+            window_s=self.window_s, offered_bps=8.0 * sum(b for _, b, _ in self._requested) / self.window_s,
+            backlog_bytes=sum(max(t.total_bytes - t.delivered_bytes, 0) for t in inflight),
+            completed=len(latencies), failed=sum(not ok for *_, ok in self._ended),
+            latency_p50_s=latencies[(len(latencies) - 1) // 2] if latencies else None,
+            latency_max_s=latencies[-1] if latencies else None,
+            peers=self._peers(lo, now_s, delivered, inflight) or None)
+
+    def _busy_and_capacity(self, lo: float, now_s: float, delivered_bits: float, inflight: list[_Transfer],
+                           peer: str | None) -> tuple[float, float | None]:
+        """(busy fraction, capacity) over the window of every transfer (``peer`` None) or of one peer's."""
+        def mine(p: str | None) -> bool:
+            return peer is None or p == peer
+
+        mine_inflight = [t for t in inflight if mine(t.peer)]
+        busy = _covered(lo, [(s, e) for s, e, p in self._spans if mine(p)] + [(t.start_s, now_s) for t in mine_inflight])
+        useful_busy = _covered(lo, [(s, e) for s, e, p in self._busy if mine(p)]
+                               + [(t.start_s, t.last_progress_s) for t in mine_inflight if t.last_progress_s is not None])
         if useful_busy >= self.min_busy_s and delivered_bits > 0:
             capacity = delivered_bits / useful_busy
         elif busy >= 0.5 * self.window_s and delivered_bits == 0:
             capacity = 0.0  # busy and nothing delivered: stalled
         else:
             capacity = None
-        latencies = sorted(latency for _, latency, _, ok in self._ended if ok)
-        return LinkSample(
-            worker=worker, ts=wall_s, egress_bps=delivered_bits / self.window_s,
-            busy_fraction=min(busy / self.window_s, 1.0), capacity_bps=capacity, inflight=len(inflight), queue=queue,
-            window_s=self.window_s, offered_bps=8.0 * sum(b for _, b, _ in self._requested) / self.window_s,
-            backlog_bytes=sum(max(t.total_bytes - t.delivered_bytes, 0) for t in inflight),
-            completed=len(latencies), failed=sum(not ok for *_, ok in self._ended),
-            latency_p50_s=latencies[(len(latencies) - 1) // 2] if latencies else None,
-            latency_max_s=latencies[-1] if latencies else None,
-            peers=self._peers(delivered, inflight) or None)
+        return min(busy / self.window_s, 1.0), capacity
 
-    def _peers(self, delivered: dict[str | None, float], inflight: list[_Transfer]) -> dict[str, PeerView]:
+    def _peers(self, lo: float, now_s: float, delivered: dict[str | None, float],
+               inflight: list[_Transfer]) -> dict[str, PeerView]:
         names = {p for _, _, p in self._requested} | {p for *_, p, _ in self._ended} | {t.peer for t in inflight}
         names |= set(delivered)
         names.discard(None)
-        return {name: PeerView(
-            egress_bps=delivered.get(name, 0.0) / self.window_s,
-            offered_bps=8.0 * sum(b for _, b, p in self._requested if p == name) / self.window_s,
-            inflight=sum(t.peer == name for t in inflight),
-            completed=sum(p == name and ok for *_, p, ok in self._ended),
-            failed=sum(p == name and not ok for *_, p, ok in self._ended)) for name in sorted(names)}
+        out = {}
+        for name in sorted(names):
+            busy_fraction, capacity = self._busy_and_capacity(lo, now_s, delivered.get(name, 0.0), inflight, name)
+            out[name] = PeerView(
+                egress_bps=delivered.get(name, 0.0) / self.window_s,
+                offered_bps=8.0 * sum(b for _, b, p in self._requested if p == name) / self.window_s,
+                inflight=sum(t.peer == name for t in inflight),
+                completed=sum(p == name and ok for *_, p, ok in self._ended),
+                failed=sum(p == name and not ok for *_, p, ok in self._ended),
+                busy_fraction=busy_fraction, capacity_bps=capacity,
+                backlog_bytes=sum(max(t.total_bytes - t.delivered_bytes, 0) for t in inflight if t.peer == name))
+        return out
 
 
 def _delivered_bits(delivered, lo: float) -> dict[str | None, float]:

@@ -12,7 +12,8 @@ ZMQ PUB on the worker's telemetry port, topic ``prfaas-telemetry``, frames
      "congested": bool,
      "completed": int, "failed": int, "latency_p50_s": float | null, "latency_max_s": float | null,
      "peers": {peer: {"egress_bps": float, "offered_bps": float, "inflight": int,
-                      "completed": int, "failed": int}}}
+                      "completed": int, "failed": int,
+                      "busy_fraction": float, "capacity_bps": float | null, "backlog_bytes": int}}}
 
 Units: bits per second, bytes, seconds; ``ts`` is the sender's wall clock
 (``time.time()``), informational only: receivers use their own clock.
@@ -38,6 +39,11 @@ History:
       completed ones; null when none), and ``peers``, the same per decode peer (its Mooncake
       session, ``host:port``): egress, demand, in flight, completed, failed. Nothing earlier
       changes meaning; v1-v3 samples still decode (zero counts, null latencies, no peers).
+  v5: each peer adds ``busy_fraction``, ``capacity_bps`` and ``backlog_bytes``, measured over that
+      peer's transfers alone. A PrfaaS worker serving several PD clusters crosses a link per
+      cluster; the router splits a sample by the clusters its peers belong to
+      (:meth:`LinkSample.for_peers`) and watches each link on its own. A v4 peer decodes with busy
+      0, capacity null and backlog 0.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from dataclasses import asdict, dataclass
 from prfaas_sglang.wire._json import build, json_object
 
 TELEMETRY_TOPIC = b"prfaas-telemetry"
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 MAX_PEERS = 4096  # decode peers one sample may list
 
 
@@ -78,18 +84,26 @@ class TcpView:
 
 @dataclass(frozen=True)
 class PeerView:
-    """One decode peer's share of a sample's window (v4)."""
+    """One decode peer's share of a sample's window (v4; busy, capacity and backlog v5)."""
 
     egress_bps: float
     offered_bps: float
     inflight: int
     completed: int
     failed: int
+    busy_fraction: float = 0.0
+    capacity_bps: float | None = None
+    backlog_bytes: int = 0
 
     def _validate(self, peer: str) -> None:
         _finite(f"peers[{peer!r}].egress_bps", self.egress_bps)
         _finite(f"peers[{peer!r}].offered_bps", self.offered_bps)
-        for name in ("inflight", "completed", "failed"):
+        if self.capacity_bps is not None:
+            _finite(f"peers[{peer!r}].capacity_bps", self.capacity_bps)
+        _finite(f"peers[{peer!r}].busy_fraction", self.busy_fraction)
+        if self.busy_fraction > 1.0:
+            raise ValueError(f"peers[{peer!r}].busy_fraction must be in [0, 1], got {self.busy_fraction!r}")
+        for name in ("inflight", "completed", "failed", "backlog_bytes"):
             _count(f"peers[{peer!r}].{name}", getattr(self, name))
 
 
@@ -123,7 +137,7 @@ class LinkSample:
         version = obj.pop("v", None)
         if version == 1:
             obj.setdefault("offered_bps", obj.get("egress_bps"))
-        elif version not in (2, 3, WIRE_VERSION):
+        elif version not in (2, 3, 4, WIRE_VERSION):
             raise ValueError(f"unsupported telemetry version {version!r}")
         if version < 3 and ("tcp" in obj or "congested" in obj):
             raise ValueError(f"tcp and congested are v3 fields, not v{version}")
@@ -133,8 +147,7 @@ class LinkSample:
         if peers is not None:
             if not isinstance(peers, dict) or len(peers) > MAX_PEERS:
                 raise ValueError(f"peers must be an object of at most {MAX_PEERS} peers, or null")
-            peers = {str(k): build(PeerView, v, f"telemetry.peers[{k!r}]") if isinstance(v, dict) else _bad_peer(k)
-                     for k, v in peers.items()}
+            peers = {str(k): _peer(k, v, version) for k, v in peers.items()}
             for name, view in peers.items():
                 view._validate(name)
         obj["peers"] = peers
@@ -175,8 +188,15 @@ class LinkSample:
 _V4_FIELDS = frozenset({"completed", "failed", "latency_p50_s", "latency_max_s", "peers"})
 
 
-def _bad_peer(peer) -> PeerView:
-    raise ValueError(f"peers[{peer!r}] must be an object")
+_V5_PEER_FIELDS = frozenset({"busy_fraction", "capacity_bps", "backlog_bytes"})
+
+
+def _peer(peer, obj, version: int) -> PeerView:
+    if not isinstance(obj, dict):
+        raise ValueError(f"peers[{peer!r}] must be an object")
+    if version < 5 and _V5_PEER_FIELDS & set(obj):
+        raise ValueError(f"peers[{peer!r}]: {', '.join(sorted(_V5_PEER_FIELDS))} are v5 fields, not v{version}")
+    return build(PeerView, obj, f"telemetry.peers[{peer!r}]")
 
 
 def _count(name: str, value) -> None:

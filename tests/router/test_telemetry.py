@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from prfaas_sglang.router.link import LinkAggregator
+from prfaas_sglang.router.link import LinkAggregator, link_share
 from prfaas_sglang.transport.meter import LinkMeter
 from prfaas_sglang.wire.telemetry import LinkSample
 
@@ -139,7 +139,63 @@ def test_transfers_without_a_peer_list_no_peers():
     assert s.peers is None and s.failed == 1 and s.latency_p50_s is None
 
 
+def test_each_peer_has_its_own_busy_time_capacity_and_backlog():
+    """v5: a worker sending to two PD clusters crosses two links; each peer's figures are its own transfers'."""
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.0, 10_000, "east:1")
+    m.progress(1, 0.5, 10_000)  # 10 KB in 0.5 s: 160 kbit/s toward east
+    m.end(1, 0.5)
+    m.start(2, 0.0, 1_000, "west:1")
+    m.progress(2, 1.0, 500)  # west is slow: 500 B in 1 s, half still to go
+    s = m.sample("w", 1.0, 0.0)
+    east, west = s.peers["east:1"], s.peers["west:1"]
+    assert east.busy_fraction == pytest.approx(0.5) and east.capacity_bps == pytest.approx(160_000)
+    assert east.backlog_bytes == 0
+    assert west.busy_fraction == pytest.approx(1.0) and west.capacity_bps == pytest.approx(4_000)
+    assert west.backlog_bytes == 500
+    assert s.busy_fraction == pytest.approx(1.0) and s.backlog_bytes == 500
+    assert LinkSample.decode(s.encode()) == s
+
+
+def test_a_sample_splits_into_the_links_its_peers_cross():
+    m = LinkMeter(window_s=1.0)
+    m.start(1, 0.0, 10_000, "10.0.1.5:1")
+    m.progress(1, 0.5, 10_000)
+    m.end(1, 0.5)
+    m.start(2, 0.0, 1_000, "10.0.2.5:1")
+    m.progress(2, 1.0, 500)
+    s = m.sample("w", 1.0, 0.0)
+
+    def on(prefix):
+        return lambda peer: peer.startswith(prefix)
+
+    east, west = link_share(s, on("10.0.1.")), link_share(s, on("10.0.2."))
+    assert set(east.peers) == {"10.0.1.5:1"} and east.egress_bps == pytest.approx(80_000)
+    assert east.capacity_bps == pytest.approx(160_000) and east.busy_fraction == pytest.approx(0.5)
+    assert (east.backlog_bytes, east.inflight, east.completed) == (0, 0, 1)
+    assert west.capacity_bps == pytest.approx(4_000) and (west.backlog_bytes, west.inflight) == (500, 1)
+    assert east.tcp is None and not east.congested
+    assert link_share(s, on("10.0.")) is s  # every peer on the link: the sample as it is
+    idle = link_share(s, on("10.0.3."))  # no transfer toward that cluster in the window
+    assert (idle.egress_bps, idle.busy_fraction, idle.capacity_bps, idle.peers) == (0.0, 0.0, None, None)
+    unnamed = LinkSample("w", 0.0, 1e6, 1.0, 1e6, 1)
+    assert link_share(unnamed, on("10.0.1.")) is unnamed  # no peer list: cannot be split
+
+
 class TestWire:
+    def test_v4_peers_decode_without_the_v5_fields_and_refuse_them(self):
+        peer = {"egress_bps": 1.0, "offered_bps": 1.0, "inflight": 0, "completed": 1, "failed": 0}
+        v4 = {"v": 4, "worker": "p0", "ts": 1.0, "egress_bps": 1.0, "busy_fraction": 0.5, "capacity_bps": None,
+              "inflight": 0, "peers": {"d:1": peer}}
+        s = LinkSample.decode(json.dumps(v4).encode())
+        assert (s.peers["d:1"].busy_fraction, s.peers["d:1"].capacity_bps, s.peers["d:1"].backlog_bytes) == (0.0, None, 0)
+        v4["peers"]["d:1"]["busy_fraction"] = 0.5
+        with pytest.raises(ValueError, match="v5 fields"):
+            LinkSample.decode(json.dumps(v4).encode())
+        v5 = {**v4, "v": 5, "peers": {"d:1": {**peer, "busy_fraction": 1.5}}}
+        with pytest.raises(ValueError, match="busy_fraction"):
+            LinkSample.decode(json.dumps(v5).encode())
+
     def test_round_trip(self):
         s = LinkSample("p0", 1.5, 8e6, 0.5, 1.6e7, 2, 3, 1.0, 9e6, 4096)
         assert LinkSample.decode(s.encode()) == s

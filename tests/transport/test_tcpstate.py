@@ -58,7 +58,7 @@ def test_a_backlogged_interval_sets_the_published_capacity():
     published = with_tcp_view(sample, cc.update([conn(1_000_000, 1_000_000, rtt=70.0)], 0.5))
     assert published.capacity_bps == pytest.approx(16e6) and published.congested and published.tcp.rtt_ms == 70.0
     again = LinkSample.decode(published.encode())
-    assert again == published and json.loads(published.encode())["v"] == 4
+    assert again == published and json.loads(published.encode())["v"] == 5
     assert with_tcp_view(sample, None) is sample
 
 
@@ -69,7 +69,7 @@ def test_a_backlogged_interval_sets_the_published_capacity():
     ({"v": 3, "congested": "yes"}, "congested"),
     ({"v": 3, "tcp": {"connections": -1, "goodput_bps": 1.0, "retrans_fraction": None, "rtt_ms": None, "min_rtt_ms": None,
                       "delivery_rate_bps": None, "backlogged": True}}, "connections"),
-    ({"v": 5}, "unsupported telemetry version"),
+    ({"v": 6}, "unsupported telemetry version"),
     ({"v": 3, "failed": 1}, "v4 fields"),
     ({"v": 4, "failed": -1}, "failed"),
     ({"v": 4, "completed": True}, "completed"),
@@ -79,8 +79,10 @@ def test_a_backlogged_interval_sets_the_published_capacity():
     ({"v": 4, "peers": {"d:1": {"egress_bps": 1.0}}}, "peers"),
     ({"v": 4, "peers": {"d:1": {"egress_bps": -1.0, "offered_bps": 0.0, "inflight": 0, "completed": 0, "failed": 0}}},
      "egress_bps"),
+    ({"v": 5, "peers": {"d:1": {"egress_bps": 0.0, "offered_bps": 0.0, "inflight": 0, "completed": 0, "failed": 0,
+                                "backlog_bytes": -3}}}, "backlog_bytes"),
 ])
-def test_malformed_v3_and_v4_are_refused(payload, message):
+def test_malformed_v3_to_v5_are_refused(payload, message):
     base = {"worker": "w", "ts": 1.0, "egress_bps": 0.0, "busy_fraction": 0.0, "capacity_bps": None, "inflight": 0}
     with pytest.raises(ValueError, match=message):
         LinkSample.decode(json.dumps({**base, **payload}).encode())
