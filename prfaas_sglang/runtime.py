@@ -54,7 +54,7 @@ from prfaas_sglang.plan.scenario import (
 from prfaas_sglang.plan.search import best_threshold_for_split, search
 from prfaas_sglang.plan.workload import CASE_STUDY_LENGTHS, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
-from prfaas_sglang.topology import ClusterSpec, Emulation, Topology
+from prfaas_sglang.topology import ClusterSpec, Emulation, SitePair, Topology
 
 DEFAULT_COST_MODEL = "kimi-linear-1t-hybrid"
 DEFAULT_ACCELERATOR = {"prfaas": "h200x8", "pd": "h20x8"}
@@ -310,6 +310,27 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
                         tuple(defaults), spec.ttft_slo_s or DEFAULT_TTFT_SLO_S, costs["pd"].state)
+
+
+def pair_models(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> dict[SitePair, RuntimeModel]:
+    """The global scheduler's model of a topology: for each of its pairs (``Topology.pairs``: a PD
+    cluster and a PrfaaS cluster linked to it), the one-pair model of that link, those two clusters
+    and their own profiles and node counts (:func:`from_topology` of ``Topology.restricted``). Each
+    link's threshold is planned on that link alone; a PrfaaS cluster serving several PD clusters is
+    whole in each of its pairs, and its shared queue shows the router where it is busy. On a
+    one-pair topology this is ``{the pair: from_topology(topology)}``."""
+    catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
+    return {pair: from_topology(topology.restricted(pair), catalog, emulated) for pair in topology.pairs()}
+
+
+def site_model(topology: Topology, site: str, catalog: Catalog | None = None) -> RuntimeModel:
+    """The one-pair model of the first pair that holds cluster ``site``: its costs (``costs[kind]``), the
+    emulation and the decode profile of its PD cluster are that cluster's. ConfigError for a cluster in
+    no pair."""
+    pair = next((p for p in topology.pairs() if site in (p.pd, p.prfaas)), None)
+    if pair is None:
+        raise ConfigError(f"clusters.{site}", "is in no PrfaaS-PD pair of the topology (no engine node, or no link)")
+    return from_topology(topology.restricted(pair), catalog or Catalog(base_dir=topology.base_dir or Path.cwd()))
 
 
 def fleet_from_topology(topology: Topology, catalog: Catalog | None = None) -> tuple[Fleet, Workload, float]:

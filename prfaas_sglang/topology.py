@@ -184,6 +184,18 @@ class KubernetesSpec:
         return self.namespaces.get(cluster, cluster)
 
 
+@dataclass(frozen=True, order=True)
+class SitePair:
+    """The global scheduler's unit: a PD cluster with one PrfaaS cluster linked to it (the link its KV
+    crosses), or a PD cluster on its own (``prfaas`` None: it prefills everything itself)."""
+
+    pd: str
+    prfaas: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.prfaas}->{self.pd}" if self.prfaas is not None else self.pd
+
+
 @dataclass(frozen=True)
 class Topology:
     version: int
@@ -202,6 +214,40 @@ class Topology:
 
     def routers(self) -> list[Node]:
         return self.nodes_of(Role.ROUTER)
+
+    def sites(self, kind: str) -> list[str]:
+        """The clusters of ``kind`` (prfaas | pd) that have engine nodes, in file order."""
+        engines = {n.cluster for n in self.nodes if ROLE_SPECS[n.role].cluster_kind == kind}
+        return [name for name, k in self.cluster_kinds.items() if k == kind and name in engines]
+
+    @property
+    def is_fleet(self) -> bool:
+        """More than one PrfaaS or more than one PD cluster (the paper's architecture beyond its case study)."""
+        return len(self.sites("prfaas")) > 1 or len(self.sites("pd")) > 1
+
+    def link_between(self, prfaas: str, pd: str) -> Link | None:
+        """The link that moves KV from ``prfaas`` to ``pd`` (declared in either direction), or None."""
+        return next((link for link in self.links if {link.src, link.dst} == {prfaas, pd}), None)
+
+    def pairs(self) -> tuple[SitePair, ...]:
+        """Every (PD cluster, PrfaaS cluster linked to it), in file order; a PD cluster with no such link
+        pairs with the one PrfaaS cluster of a one-pair topology (the link then defaults), else with none."""
+        prfaas, out = self.sites("prfaas"), []
+        for pd in self.sites("pd"):
+            linked = [p for p in prfaas if self.link_between(p, pd) is not None]
+            if not linked and len(prfaas) == 1 and not self.is_fleet:
+                linked = prfaas
+            out += [SitePair(pd, p) for p in linked] or [SitePair(pd)]
+        return tuple(out)
+
+    def restricted(self, pair: SitePair) -> Topology:
+        """This topology with the pair's clusters (and the control plane) only, and their link only: the
+        one-pair deployment a pair is, for the one-pair model (``runtime.from_topology``)."""
+        keep = {pair.pd, pair.prfaas} | {name for name, kind in self.cluster_kinds.items() if kind == "control"}
+        return replace(self, nodes=tuple(n for n in self.nodes if n.cluster in keep),
+                       links=tuple(link for link in self.links if {link.src, link.dst} <= keep),
+                       cluster_kinds={k: v for k, v in self.cluster_kinds.items() if k in keep},
+                       clusters={k: v for k, v in self.clusters.items() if k in keep})
 
     def node(self, name: str) -> Node:
         for node in self.nodes:
@@ -379,9 +425,34 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
         if bandwidth is None:
             raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
         links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True)))
+    _check_fleet_links(kinds, nodes, links)
     return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
                     _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir,
                     _parse_kubernetes(top.get("kubernetes", {}), kinds, {n.name for n in nodes}))
+
+
+def _check_fleet_links(kinds: dict[str, str], nodes: list[Node], links: list[Link]) -> None:
+    """Links between a PrfaaS and a PD cluster are unique, and in a fleet (several clusters of a kind)
+    every PrfaaS cluster and every PD cluster is reached by one: KV only crosses declared links, so a
+    cluster without one could not be scheduled. ConfigError names the field."""
+    seen: dict[frozenset, int] = {}
+    for i, link in enumerate(links):
+        ends = frozenset((link.src, link.dst))
+        if {kinds[link.src], kinds[link.dst]} != {"prfaas", "pd"}:
+            continue
+        if ends in seen:
+            raise ConfigError(f"links[{i}]", f"a second link between {link.src} and {link.dst} (links[{seen[ends]}])")
+        seen[ends] = i
+    with_engines = {n.cluster for n in nodes if ROLE_SPECS[n.role].cluster_kind in ("prfaas", "pd")}
+    sites = {kind: [c for c, k in kinds.items() if k == kind and c in with_engines] for kind in ("prfaas", "pd")}
+    if len(sites["prfaas"]) <= 1 and len(sites["pd"]) <= 1:
+        return
+    linked = {c for ends in seen for c in ends}
+    for kind, other in (("pd", "prfaas"), ("prfaas", "pd")):
+        for cluster in sites[kind]:
+            if sites[other] and cluster not in linked:
+                raise ConfigError(f"clusters.{cluster}", f"no link reaches this {kind} cluster from a {other} cluster: "
+                                                         "in a fleet, KV crosses only the links the topology declares")
 
 
 def check_entry_shares(shares: dict[str, float | None]) -> None:

@@ -165,7 +165,7 @@ def _mock_args(args: argparse.Namespace, node: Node, topology: Topology | None) 
     if topology is not None:
         from prfaas_sglang import runtime
 
-        model = runtime.from_topology(topology)
+        model = runtime.site_model(topology, node.cluster)
         kind = runtime.engine_role_kind(node.role)
         profile = profile or model.costs[kind].engine_profile
         speedup = speedup if speedup is not None else model.emulation.speedup
@@ -331,7 +331,7 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
     import yaml
 
     from prfaas_sglang.launch import grafana, k8s
-    from prfaas_sglang.runtime import from_topology
+    from prfaas_sglang.runtime import pair_models
 
     try:
         if not args.config:
@@ -345,7 +345,7 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
         except ValueError:
             raise ConfigError("--engine", f"unknown engine {args.engine!r} (expected sglang or mock)") from None
         topology = load_topology(args.config)
-        from_topology(topology)  # what the router will refuse at its start is refused here, not in a crash-looping pod
+        pair_models(topology)  # what the router will refuse at its start is refused here, not in a crash-looping pod
         raw = yaml.safe_load(Path(args.config).read_text())
         files = k8s.render(raw, topology, engine, grafana.build_json())
         out = args.out or Path(f"k8s-{Path(args.config).stem}")

@@ -266,14 +266,15 @@ def workload_manifests(topology: Topology, w: Workload, engine: Engine) -> list[
     return out
 
 
-def _peers(topology: Topology, loads: list[Workload], roles: set[Role]) -> list[dict]:
-    """NetworkPolicy ``from`` entries admitting the pods of ``roles`` anywhere in the topology: by
-    namespace and component label, or by ``peer_cidrs`` for a cluster in another Kubernetes cluster."""
+def _peers(topology: Topology, loads: list[Workload], roles: set[Role], clusters: set[str] | None = None) -> list[dict]:
+    """NetworkPolicy ``from`` entries admitting the pods of ``roles`` in ``clusters`` (None: anywhere in the
+    topology): by namespace and component label, or by ``peer_cidrs`` for a cluster in another Kubernetes
+    cluster."""
     spec = topology.kubernetes
     out: list[dict] = []
     by_cluster: dict[str, set[str]] = {}
     for w in loads:
-        if w.role in roles:
+        if w.role in roles and (clusters is None or w.cluster in clusters):
             by_cluster.setdefault(w.cluster, set()).add(w.role.value)
     for cluster, components in sorted(by_cluster.items()):
         if cluster in spec.peer_cidrs:
@@ -289,11 +290,23 @@ ENGINE_ROLES = {r for r, s in ROLE_SPECS.items() if s.is_engine_role}
 CONTROL_ROLES = {Role.ROUTER, Role.KV_INDEX}
 
 
+def linked_clusters(topology: Topology, cluster: str) -> set[str]:
+    """``cluster`` and the clusters its KV may cross to or from: the other end of each of its pairs
+    (``Topology.pairs``: a link, or the one PrfaaS cluster of a one-pair topology without one)."""
+    out = {cluster}
+    for pair in topology.pairs():
+        if cluster in (pair.pd, pair.prfaas):
+            out |= {pair.pd, pair.prfaas} - {None}
+    return out
+
+
 def network_policies(topology: Topology, loads: list[Workload], cluster: str, engine: Engine) -> list[dict]:
     """Default-deny ingress for ``cluster``'s namespace, then per workload what the data paths need:
     clients -> router; router -> worker HTTP and role switches; engines -> engine HTTP (hand-offs),
-    bootstrap and Mooncake ports (and, for SGLang, its PD control channel's ZMQ ports); router and
-    kv-index -> KV-event and telemetry publishers; Prometheus -> every /metrics port. Egress is left open."""
+    bootstrap and Mooncake ports (and, for SGLang, its PD control channel's ZMQ ports), from the
+    engines of this cluster and of the clusters a link joins it to only (a fleet's KV crosses its
+    links and nothing else); router and kv-index -> KV-event and telemetry publishers; Prometheus ->
+    every /metrics port. Egress is left open."""
     spec = topology.kubernetes
     ns = spec.namespace(cluster)
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.monitoring_namespace}}}]
@@ -301,7 +314,7 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str, en
             "metadata": {"name": "default-deny-ingress", "namespace": ns},
             "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}]
     routers, control, engines = (_peers(topology, loads, {Role.ROUTER}), _peers(topology, loads, CONTROL_ROLES),
-                                 _peers(topology, loads, ENGINE_ROLES))
+                                 _peers(topology, loads, ENGINE_ROLES, linked_clusters(topology, cluster)))
     for w in (w for w in loads if w.cluster == cluster):
         ports = w.ports
         rules: list[dict] = []

@@ -73,8 +73,9 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--no-calibration", action="store_true",
                    help="predict with the topology's cost model as it is (no online calibration from observed TTFTs)")
     p.add_argument("--prefill-scale", action="append", default=[], metavar="CLUSTER=SCALE",
-                   help="what the model's prefill takes in CLUSTER (prfaas | pd), times, as measured beforehand: the "
-                        "calibration's starting point (repeatable; default 1)")
+                   help="what the model's prefill takes in CLUSTER (a cluster of the topology, or prfaas | pd for every "
+                        "cluster of that kind), times, as measured beforehand: the calibration's starting point "
+                        "(repeatable; default 1)")
     p.add_argument("--calibration-max-age-s", type=float, default=30.0,
                    help="a cluster whose calibration saw no first token for this long is predicted by its prior again, "
                         "so one shunned on a few slow answers gets requests again (0: never)")
@@ -220,7 +221,11 @@ def make_service(args: argparse.Namespace):
     keys = load_keys()
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
-    cost_state = runtime.from_topology(topology).state  # validates the scheduler's inputs before waiting for workers
+    if longterm is not None and topology.is_fleet:
+        raise ConfigError("--long-term", "P/D conversion plans one PD cluster; this topology has several clusters "
+                                         "of a kind (the long-term controller per PD cluster is not built yet)")
+    # validates the scheduler's inputs (every pair's model) before waiting for workers
+    cost_state = next(iter(runtime.pair_models(topology).values())).state
     workers = workers_from_topology(topology)
     node = next(iter(topology.nodes_of(Role.ROUTER)), None)
     args.host = args.host or (node.host if node and node.host else "127.0.0.1")
@@ -237,13 +242,17 @@ def make_service(args: argparse.Namespace):
                           kv_memo_bytes=kv_memo_bytes)
     adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None, cost_state)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
-    model = runtime.from_topology(topology, emulated=emulated)
+    models = runtime.pair_models(topology, emulated=emulated)
+    model = next(iter(models.values()))  # the scheduler's section and the emulation are every pair's
     slo_s = args.max_ttft_s or model.observed_ttft_slo_s
     max_ttft_s = None if args.no_early_rejection else slo_s
     ttft_target_s = None if args.placement != "ttft" else (slo_s if args.ttft_target_s is None else args.ttft_target_s)
     config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
                                  max_ttft_s=max_ttft_s, ttft_target_s=ttft_target_s, calibration=calibration)
-    service = new_service(config, model, workers, emulation_spec=topology.emulation)
+    try:
+        service = new_service(config, models, workers, emulation_spec=topology.emulation)
+    except ValueError as err:  # a --prefill-scale naming no cluster of the topology
+        raise ConfigError("--prefill-scale", str(err)) from None
     if longterm is not None:
         service.longterm = LongTermController(model, longterm)
         if not any(w.switch_url for w in workers.values()):
@@ -254,8 +263,9 @@ def make_service(args: argparse.Namespace):
     if service.tokenizer is None:
         logger.warning("no tokenizer configured (model.tokenizer, model.path or the workers' tokenizer_path): "
                        "routing only requests that carry token ids; text and chat prompts get 400")
-    logger.info("router: t = %.0f tokens (%s), model %s", service.controller.threshold_tokens,
-                "operator" if service.controller.operator_baseline_tokens else "planner", model.describe())
+    for pair, ps in service.pairs.items():
+        logger.info("router: %s: t = %.0f tokens (%s), model %s", pair, ps.controller.threshold_tokens,
+                    "operator" if ps.controller.operator_baseline_tokens else "planner", ps.runtime.describe())
     index_node = next(iter(topology.nodes_of(Role.KV_INDEX)), None)
     kv_index_url = (f"http://{index_node.host or '127.0.0.1'}:{index_node.port}"
                     if index_node is not None and index_node.port is not None else None)

@@ -1,12 +1,15 @@
 """The router's admin API (``/admin/*``), behind ``Authorization: Bearer $PRFAAS_ADMIN_TOKEN``.
 
-    POST   /admin/threshold          {"threshold_tokens": N | null}   override t / back to the baseline
+    POST   /admin/threshold          {"threshold_tokens": N | null, "link"?: "prfaas->pd"}
+                                          override t / back to the baseline, on one link or (no link) every one
     POST   /admin/workers/{name}/drain    {"draining": true | false}  stop / resume routing to a worker
     POST   /admin/workers/{name}/role     {"new_role": "prefill" | "decode", "drain_timeout_s"?: 300}
                                           drain, switch, follow (router/conversion.py); 200 with what happened,
                                           404/409 refused, 504 not drained in time, 502 the switch failed
     POST   /admin/workers            {name, url, cluster, role, bootstrap_port?, kv_events_port?, telemetry_port?,
-                                      switch_url?}  (switch_url: where /pd_role_switch is served, PD workers only)
+                                      switch_url?}  (cluster: a cluster of the topology, or its kind, prfaas | pd,
+                                      where the deployment has one of that kind; switch_url: where
+                                      /pd_role_switch is served, PD workers only)
     DELETE /admin/workers/{name}
 
 Without a configured token the API answers 403; a missing or wrong token, 401.
@@ -80,6 +83,19 @@ def _worker_url_problem(url: str) -> str | None:
     return None
 
 
+def _site_of(sites: dict[str, str], cluster: str) -> tuple[str | None, str | None]:
+    """(the cluster a registration names, or None; why not): a cluster of the deployment by name, or its
+    kind where the deployment has exactly one cluster of that kind."""
+    if cluster in sites:
+        return cluster, None
+    of_kind = [name for name, kind in sites.items() if kind == cluster]
+    if len(of_kind) == 1:
+        return of_kind[0], None
+    if of_kind:
+        return None, f"cluster {cluster!r} is a kind with several clusters here; name one of {', '.join(of_kind)}"
+    return None, f"cluster must be one of {', '.join(sites)} (or its kind, prfaas | pd, where there is one), got {cluster!r}"
+
+
 def add_admin_routes(app: web.Application, service_key, on_register, on_deregister, on_convert=None) -> None:
     """``on_register(app, record)`` / ``on_deregister(app, name)`` start/stop what follows a worker;
     ``on_convert(app, name, new_role, drain_timeout_s)`` runs one conversion (a ``Conversion``, or
@@ -94,8 +110,14 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
                                                          or not math.isfinite(value) or value <= 0)):
             return _err(400, "threshold_tokens must be a positive, finite number or null")
         service = request.app[service_key]
-        now = service.controller.override(time.monotonic(), value)
-        return web.json_response({"threshold_tokens": now, "override": value is not None})
+        link = body.get("link")
+        links = {str(pair): ps for pair, ps in service.pairs.items()}
+        if link is not None and (not isinstance(link, str) or link not in links):
+            return _err(400, f"link must be one of {', '.join(links)} (or absent: every link), got {link!r}")
+        chosen = [links[link]] if link is not None else list(links.values())
+        now = {str(ps.pair): ps.controller.override(time.monotonic(), value) for ps in chosen}
+        first = next(iter(now.values()))
+        return web.json_response({"threshold_tokens": first, "override": value is not None, "links": now})
 
     async def drain(request):
         if (denied := _authorized(request)) is not None:
@@ -116,15 +138,21 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
             return denied
         service = request.app[service_key]
         body = await _body(request)
-        try:
-            name, url, cluster, role = (str(body[k]) for k in ("name", "url", "cluster", "role"))
-        except KeyError as err:
-            return _err(400, f"missing field {err.args[0]!r} (need name, url, cluster, role)")
+        missing = [k for k in ("name", "url", "cluster", "role") if k not in body]
+        if missing:
+            return _err(400, f"missing field {missing[0]!r} (need name, url, cluster, role)")
+        if bad := [k for k in ("name", "url", "cluster", "role") if not isinstance(body[k], str) or not body[k]]:
+            return _err(400, f"{bad[0]} must be a non-empty string, got {body[bad[0]]!r}")
+        name, url, cluster, role = (body[k] for k in ("name", "url", "cluster", "role"))
         if (problem := _worker_url_problem(url)) is not None:
             return _err(400, problem)
         parsed = urlparse(url)
-        if cluster not in ("prfaas", "pd") or role not in ("prefill", "decode") or (cluster == "prfaas" and role == "decode"):
-            return _err(400, "cluster must be prfaas or pd, role prefill or decode (decode lives in pd)")
+        site, problem = _site_of(service.site_kinds(), cluster)
+        if problem is not None:
+            return _err(400, problem)
+        cluster = service.site_kinds()[site]
+        if role not in ("prefill", "decode") or (cluster == "prfaas" and role == "decode"):
+            return _err(400, "role must be prefill or decode (decode lives in a pd cluster)")
         ports = {}
         for key in ("bootstrap_port", "kv_events_port", "telemetry_port"):
             value = body.get(key)
@@ -148,7 +176,7 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
         record = WorkerRecord(name, url.rstrip("/"), cluster, role, host, ports["bootstrap_port"],
                               f"tcp://{host}:{ports['kv_events_port']}" if ports["kv_events_port"] else None,
                               f"tcp://{host}:{ports['telemetry_port']}" if ports["telemetry_port"] else None,
-                              switch_url)
+                              switch_url, site=site)
         service.workers[name] = record
         on_register(request.app, record)
         return web.json_response({"registered": name}, status=201)

@@ -89,9 +89,9 @@ class CalibrationSettings:
         if self.prior_weight_s < 0:
             raise ValueError("prior_weight_s must be >= 0")
         for cluster, scale in self.prior_scales:
-            if cluster not in CLUSTERS or not self.min_scale <= scale <= self.max_scale:
-                raise ValueError(f"prior scale {cluster}={scale}: cluster in {CLUSTERS}, scale in "
-                                 f"[{self.min_scale:g}, {self.max_scale:g}]")
+            if not cluster or not self.min_scale <= scale <= self.max_scale:
+                raise ValueError(f"prior scale {cluster}={scale}: a cluster (its name, or prfaas | pd for every "
+                                 f"cluster of that kind), scale in [{self.min_scale:g}, {self.max_scale:g}]")
 
 
 class _Ratio:
@@ -171,16 +171,26 @@ class _OffsetRatio(_Ratio):
 
 
 class OnlineCalibration:
-    """Scales of the prefill cost per cluster and of the decode step, learned online."""
+    """Scales of the prefill cost per cluster and of the decode step, learned online. ``clusters``: each
+    cluster's name -> its kind (prfaas | pd; default: one of each, named by kind). A prior scale names a
+    cluster or a kind (then every cluster of it); a name that is neither raises ValueError."""
 
-    def __init__(self, settings: CalibrationSettings | None = None):
+    def __init__(self, settings: CalibrationSettings | None = None, clusters: dict[str, str] | None = None):
         self.settings = s = settings or CalibrationSettings()
+        clusters = clusters or {c: c for c in CLUSTERS}
         prior = dict(s.prior_scales)
-        self._prefill = {c: _OffsetRatio(s.window, s.prior_weight_s, prior.get(c, 1.0), s.offset_prior_samples)
-                         if s.offset else _Ratio(s.window, s.prior_weight_s, prior.get(c, 1.0)) for c in CLUSTERS}
+        if unknown := sorted(set(prior) - set(clusters) - set(clusters.values())):
+            raise ValueError(f"prior scale for {', '.join(unknown)}: no such cluster (clusters: {', '.join(clusters)}; "
+                             f"kinds: {', '.join(sorted(set(clusters.values())))})")
+
+        def start(c: str) -> float:
+            return prior.get(c, prior.get(clusters[c], 1.0))
+
+        self._prefill = {c: _OffsetRatio(s.window, s.prior_weight_s, start(c), s.offset_prior_samples)
+                         if s.offset else _Ratio(s.window, s.prior_weight_s, start(c)) for c in clusters}
         self._decode = _Ratio(s.window * 16, s.prior_weight_s / 10)
         self.errors: list[float] = []  # relative TTFT prediction error, in completion order
-        self.samples = dict.fromkeys(CLUSTERS, 0)
+        self.samples = dict.fromkeys(clusters, 0)
 
     def _clamp(self, value: float) -> float:
         return min(max(value, self.settings.min_scale), self.settings.max_scale)
@@ -232,8 +242,8 @@ class OnlineCalibration:
 
     def describe(self) -> dict:
         return {"enabled": self.settings.enabled,
-                "prefill_scale": {c: self.prefill_scale(c) for c in CLUSTERS},
-                "prefill_offset_s": {c: self.prefill_offset_s(c) for c in CLUSTERS},
+                "prefill_scale": {c: self.prefill_scale(c) for c in self._prefill},
+                "prefill_offset_s": {c: self.prefill_offset_s(c) for c in self._prefill},
                 "decode_scale": self.decode_scale(),
                 "samples": dict(self.samples), "decode_samples": len(self._decode),
                 "ttft_error_series": self.error_series()}

@@ -75,7 +75,9 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}
     worker = {"type": "object", "required": ["name", "url", "cluster", "role"], "properties": {
         "name": {"type": "string", "minLength": 1}, "url": {"type": "string", "format": "uri"},
-        "cluster": {"type": "string", "enum": ["prfaas", "pd"]}, "role": {"type": "string", "enum": ["prefill", "decode"]},
+        "cluster": {"type": "string", "minLength": 1, "description": "a cluster of the topology, or its kind (prfaas | pd) "
+                    "where the deployment has one of that kind"},
+        "role": {"type": "string", "enum": ["prefill", "decode"]},
         "bootstrap_port": {"type": "integer", "minimum": 1, "maximum": 65535},
         "kv_events_port": {"type": "integer", "minimum": 1, "maximum": 65535},
         "telemetry_port": {"type": "integer", "minimum": 1, "maximum": 65535},
@@ -97,7 +99,8 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
             "/openapi.json": {"get": {"summary": "this description", "responses": {"200": {"description": "ok", **_json({"type": "object"})}}}},
             "/admin/threshold": _admin("post", "override t (null: back to the baseline)", {
                 "type": "object", "required": ["threshold_tokens"],
-                "properties": {"threshold_tokens": {"type": "number", "nullable": True, "exclusiveMinimum": True, "minimum": 0}}}),
+                "properties": {"threshold_tokens": {"type": "number", "nullable": True, "exclusiveMinimum": True, "minimum": 0},
+                               "link": {"type": "string", "description": "one link (prfaas->pd); absent: every link"}}}),
             "/admin/workers": _admin("post", "register a worker", worker),
             "/admin/workers/{name}": _admin("delete", "deregister a worker", named=True),
             "/admin/workers/{name}/drain": _admin("post", "stop or resume routing to a worker", {

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from prfaas_sglang.errors import PrfaasError
 from prfaas_sglang.plan.profiles import PrefillProfile
+from prfaas_sglang.topology import SitePair
 
 PRFAAS, PD = "prfaas", "pd"
 
@@ -160,6 +161,7 @@ class RouteDecision:
     checkpoint_tokens: int | None = None  # a state checkpoint asked of the prefill worker there (checkpoint_at)
     decode_held_tokens: int = 0  # of the prompt, what the decode worker's own cache supplies (not shipped)
     estimated_queue_s: float = 0.0  # of estimated_ttft_s, the chosen worker's queue (the rest: prefill, then the link)
+    pair: SitePair | None = None  # the fleet's pair it was decided in (router/fleet.py); None: route() alone
 
 
 def checkpoint_at(total_tokens: int, shared_tokens: int, cached_tokens: int, min_tokens: int) -> int | None:

@@ -74,6 +74,9 @@ from prfaas_sglang.wire.token_ids import split_ids
 
 logger = logging.getLogger(__name__)
 PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# The PD cluster a request entered at (a region's users): it decodes there. Without it, the global
+# scheduler chooses among every PD cluster.
+ENTRY_HEADER = "x-prfaas-entry"
 LONG_TEXT_CHARS = 20_000  # tokenize longer prompts off the event loop
 
 SERVICE_KEY = web.AppKey("service", RouterService)
@@ -209,8 +212,9 @@ async def _parse(request: web.Request, service: RouterService, kind: str) -> tup
     return req, ClientBody(body, raw)
 
 
-async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> RouteDecision:
-    """A route, waiting for decode room when that is all that is missing."""
+async def _decide(app: web.Application, req: EngineRequest, tried: set[str], entry: str | None = None) -> RouteDecision:
+    """A route, waiting for decode room when that is all that is missing. ``entry``: the PD cluster the
+    request entered at (``x-prfaas-entry``), where it decodes; None: any."""
     service, room = app[SERVICE_KEY], app[ROOM_KEY]
     cfg = service.config
     deadline = time.monotonic() + cfg.admission_timeout_s
@@ -219,7 +223,7 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str]) -> 
     try:
         while True:
             try:
-                decision = service.decide(request, tried, time.monotonic())
+                decision = service.decide(request, tried, time.monotonic(), entry)
                 break
             except NoDecodeRoom as err:
                 if waited_since is None:
@@ -264,12 +268,17 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
         cause = {404: "unknown_model", 413: "too_large"}.get(err.status, "bad_request")
         service.counters.rejected[cause] += 1
         return _error(err.status, err.message, cause=cause if err.status == 413 else None)
+    entry = request.headers.get(ENTRY_HEADER)
+    if entry is not None and entry not in {p.pd for p in service.pairs}:
+        service.counters.rejected["bad_request"] += 1
+        return _error(400, f"{ENTRY_HEADER}: {entry!r} is not a PD cluster of this deployment "
+                           f"({', '.join(p.pd for p in service.pairs)})")
     parsed = time.perf_counter()
     tried: set[str] = set()
     last_error, last_leg = "", "prefill"
     for attempt in range(2):
         try:
-            decision = await _decide(request.app, req, tried)
+            decision = await _decide(request.app, req, tried, entry)
         except Rejected as err:
             service.counters.rejected[err.cause] += 1
             return _error(err.status, err.message, err.retry_after_s, err.cause)
@@ -284,12 +293,7 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
             return await _run_legs(request, service, req, body, lease, timing)
         except (PrefillFailed, DecodeUnreachable) as err:
             leg = "prefill" if isinstance(err, PrefillFailed) else "decode"
-            name = decision.prefill if leg == "prefill" else decision.decode
-            failed = service.workers.get(name)
-            if failed is not None:
-                failed.healthy = False  # until the next health check answers
-                failed.failures += 1
-            tried.add(name)
+            tried.add(service.leg_failed(decision, leg, time.monotonic()))
             service.counters.redispatched += 1
             last_error, last_leg = str(err), leg
         finally:
@@ -470,6 +474,7 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     # rejection compared with the SLO), beside what the client then sees
     timing += f", ttft-estimate;dur={decision.estimated_ttft_s * 1e3:.3f}"
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid,
+               "x-prfaas-link": str(decision.pair or service.pair.pair),
                "Server-Timing": timing}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
@@ -592,7 +597,7 @@ def _watch_worker(service: RouterService, worker: WorkerRecord, sub: ZmqSubscrib
         sub.watch(f"kv:{worker.name}", url, topic, kv_event_handler(service.index, worker.name))
     if worker.telemetry_endpoint and worker.cluster == "prfaas" and f"link:{worker.name}" not in sub.sources():
         def on_sample(frames, name=worker.name):
-            service.link.update(name, LinkSample.decode(frames[-1]), time.monotonic(), time.time())
+            service.take_telemetry(name, LinkSample.decode(frames[-1]), time.monotonic(), time.time())
 
         sub.watch(f"link:{worker.name}", worker.telemetry_endpoint, TELEMETRY_TOPIC, on_sample)
 
@@ -667,9 +672,8 @@ async def _load_loop(app: web.Application) -> None:
 async def _control_loop(app: web.Application) -> None:
     service = app[SERVICE_KEY]
     while True:
-        changed = service.control_tick(time.monotonic())
-        if changed is not None:
-            logger.info("threshold t -> %.0f tokens (%s)", changed, service.controller.history[-1][2])
+        for pair, t in service.control_tick(time.monotonic()).items():
+            logger.info("threshold t of %s -> %.0f tokens (%s)", pair, t, service.pairs[pair].controller.history[-1][2])
         await asyncio.sleep(service.config.control_interval_s)
 
 
@@ -793,7 +797,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         _unwatch(app, name)
         if name in service.index.workers():
             service.index.remove_worker(name)
-        service.link.forget(name)
+        service.forget_worker(name)
 
     async def on_convert(app, name, new_role, drain_timeout_s):
         return await convert(service, RoleSwitchClient(app[SESSION_KEY]), name, new_role, drain_timeout_s=drain_timeout_s,

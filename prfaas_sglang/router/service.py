@@ -4,15 +4,22 @@ One request, top to bottom (``server.dispatch`` drives it)::
 
     ids      = tokenizer(body)                   protocol.parse_request (SGLang's paths)
     check    = fits the context and some decode pool, or 400 now
-    decision = decide(route_input(ids))          KvIndex.match (once per attempt) -> policy.route(RouteInput, snapshot)
+    decision = decide(route_input(ids))          KvIndex.match (once per attempt) -> fleet.route_fleet(RouteInput,
+                                                 a snapshot per pair) -> policy.route in each pair
                                                  NoDecodeRoom: the caller waits for room, then 503/429
     lease    = begin(decision)                   ledgers in: prefill seconds, decode tokens
     ...legs run...
     prefill_done(lease)                          prefill seconds out (the queue signal)
     finish(lease)                                decode tokens out
 
-Every ``control_interval_s`` the loop calls :meth:`control_tick`: the link view
-(telemetry) and the queues (ledgers) go to the threshold controller.
+Every ``control_interval_s`` the loop calls :meth:`control_tick`: each link's view
+(telemetry) and queues (ledgers) go to that link's threshold controller.
+
+The service holds a :class:`PairState` per pair of the topology (``Topology.pairs``: a PD cluster
+and a PrfaaS cluster linked to it): the pair's one-pair model, its link's controller, telemetry
+and KV backlog. A one-pair deployment has one; a fleet has one per link, and the global scheduler
+(``router/fleet.py``) chooses among them per request. Workers belong to a *site* (their topology
+cluster); the calibration learns each site's scale.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.plan.profiles import ScaledPrefill
 from prfaas_sglang.protocol import BadRequest, EngineRequest
 from prfaas_sglang.router.calibration import CalibrationSettings, OnlineCalibration
-from prfaas_sglang.router.link import LinkAggregator
+from prfaas_sglang.router.fleet import route_fleet
+from prfaas_sglang.router.link import LinkAggregator, link_share
 from prfaas_sglang.router.longterm import STAGES, LongTermController, StageMeter, StageSample
 from prfaas_sglang.router.metrics import GaugeSample, RouterCounters
 from prfaas_sglang.router.policy import (
@@ -36,13 +44,13 @@ from prfaas_sglang.router.policy import (
     RouteDecision,
     RouteInput,
     checkpoint_at,
-    route,
 )
 from prfaas_sglang.router.threshold import ControllerSettings, QueueView, ThresholdController
 from prfaas_sglang.router.workers import WorkerRecord
 from prfaas_sglang.runtime import RuntimeModel
-from prfaas_sglang.topology import Emulation
+from prfaas_sglang.topology import Emulation, SitePair
 from prfaas_sglang.wire.blocks import PageIdMemo
+from prfaas_sglang.wire.telemetry import LinkSample
 
 MIN_BODY_BYTES = 4 << 20
 MAX_BODY_BYTES = 64 << 20  # the HTTP server's own cap, whatever the context
@@ -91,6 +99,36 @@ class RouterConfig:
 
 
 @dataclass
+class PairState:
+    """One pair's share of the router: its one-pair model (that link, those two clusters), its link's
+    threshold controller and telemetry, and the KV routed toward its link and not yet delivered."""
+
+    pair: SitePair
+    runtime: RuntimeModel
+    controller: ThresholdController
+    link: LinkAggregator
+    backlog_bytes: float = 0.0
+    planned_scales: dict[str, float] = field(default_factory=lambda: {PRFAAS: 1.0, PD: 1.0})  # t was solved with these
+    routed: collections.Counter = field(default_factory=collections.Counter)  # cluster kind -> requests
+    suspended: dict[str, float] = field(default_factory=dict)  # worker -> until when a failed leg keeps it off this link
+
+    def site(self, kind: str) -> str | None:
+        """The pair's cluster of ``kind`` (prfaas | pd)."""
+        return self.pair.prfaas if kind == PRFAAS else self.pair.pd
+
+    def holds(self, worker: WorkerRecord) -> bool:
+        return worker.site in (self.pair.pd, self.pair.prfaas)
+
+
+def new_pair(pair: SitePair, runtime: RuntimeModel, config: RouterConfig, stale_after_s: float) -> PairState:
+    """A pair's state with its model's controller (the operator's baseline: ``config``'s, else the topology's)."""
+    baseline = config.threshold_tokens if config.threshold_tokens is not None else runtime.operator_threshold_tokens
+    controller = ThresholdController(runtime.research, runtime.prior, runtime.link_bps, runtime.step_tokens, baseline,
+                                     config.controller)
+    return PairState(pair, runtime, controller, LinkAggregator(stale_after_s))
+
+
+@dataclass
 class Lease:
     """What one dispatched request holds in the ledgers until it ends."""
 
@@ -104,6 +142,8 @@ class Lease:
     link_bytes: float = 0.0  # its KV in the link's ledger (PrfaaS legs), until the prefill leg ends
     compute_model_s: float = 0.0  # queue + prefill at dispatch, before calibration (what calibration compares)
     first_token_seen: bool = False
+    pair: SitePair | None = None  # the pair it was routed in (its link holds link_bytes)
+    prefill_site: str = PD  # the cluster that prefills it (whose calibration its first token teaches)
 
     @property
     def link_s(self) -> float:
@@ -113,20 +153,77 @@ class Lease:
 
 
 class RouterService:
-    def __init__(self, config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord],
-                 index: KvIndex, controller: ThresholdController, tokenizer=None, emulation_spec: Emulation | None = None):
-        self.config, self.runtime, self.workers = config, runtime, workers
+    def __init__(self, config: RouterConfig, pairs: dict[SitePair, PairState], workers: dict[str, WorkerRecord],
+                 index: KvIndex, tokenizer=None, emulation_spec: Emulation | None = None):
+        if not pairs:
+            raise ValueError("a router needs at least one pair")
+        self.config, self.pairs, self.workers = config, pairs, workers
         self.emulation_spec = emulation_spec  # the topology's emulation: section, what emulated workers must match
-        self.index, self.controller, self.tokenizer = index, controller, tokenizer
+        self.index, self.tokenizer = index, tokenizer
         self.counters = RouterCounters()
-        self.link = LinkAggregator(config.telemetry_stale_s)
         self.recent: collections.deque = collections.deque(maxlen=50)
         self.waiting = 0  # requests waiting for decode room now
         self.longterm: LongTermController | None = None  # the long-term scheduler, when it runs (--long-term)
         self.stage_meter = StageMeter()
-        self.calibration = OnlineCalibration(config.calibration)
-        self._planned_scales = {PRFAAS: 1.0, PD: 1.0}  # the prefill scales t was last solved with
-        self.link_backlog_bytes = 0.0  # KV of open PrfaaS legs: routed toward the link, not yet delivered
+        self.calibration = OnlineCalibration(config.calibration, self.site_kinds())
+
+    # --- pairs ------------------------------------------------------------------------
+
+    def site_kinds(self) -> dict[str, str]:
+        """Every cluster of the pairs -> its kind (prfaas | pd)."""
+        out = {}
+        for pair in self.pairs:
+            out[pair.pd] = PD
+            if pair.prfaas is not None:
+                out[pair.prfaas] = PRFAAS
+        return out
+
+    @property
+    def pair(self) -> PairState:
+        """The first pair: in a one-pair deployment, the deployment's (its model, controller, link)."""
+        return next(iter(self.pairs.values()))
+
+    @property
+    def runtime(self) -> RuntimeModel:
+        return self.pair.runtime
+
+    @runtime.setter
+    def runtime(self, value: RuntimeModel) -> None:
+        self.pair.runtime = value
+
+    @property
+    def controller(self) -> ThresholdController:
+        return self.pair.controller
+
+    @property
+    def link(self) -> LinkAggregator:
+        return self.pair.link
+
+    @property
+    def link_backlog_bytes(self) -> float:
+        """KV of open PrfaaS legs, every link together: routed toward a link, not yet delivered."""
+        return sum(ps.backlog_bytes for ps in self.pairs.values())
+
+    def is_fleet(self) -> bool:
+        return len(self.pairs) > 1
+
+    def take_telemetry(self, worker: str, sample: LinkSample, now_s: float, wall_s: float | None = None) -> None:
+        """A link sample from PrfaaS worker ``worker``: each of its site's pairs takes the share of it that
+        crossed that pair's link (the transfers to that PD cluster's decode workers, by host)."""
+        record = self.workers.get(worker)
+        pairs = [ps for ps in self.pairs.values() if record is not None and ps.pair.prfaas == record.site]
+        for ps in pairs:
+            share = sample if len(pairs) == 1 else link_share(sample, self._peer_in(ps.pair.pd))
+            ps.link.update(worker, share, now_s, wall_s)
+
+    def _peer_in(self, pd_site: str):
+        hosts = {w.host for w in self.workers.values() if w.site == pd_site and w.role == "decode"}
+        return lambda peer: peer.rsplit(":", 1)[0] in hosts
+
+    def forget_worker(self, name: str) -> None:
+        """A worker left: its telemetry leaves every link's view."""
+        for ps in self.pairs.values():
+            ps.link.forget(name)
 
     # --- names ----------------------------------------------------------------------
 
@@ -174,38 +271,45 @@ class RouterService:
             raise BadRequest(400, f"prompt + max_new_tokens ({req.kv_tokens}) exceeds every decode worker's KV pool "
                                   f"(largest: {max(pools)} tokens)")
 
-    def link_down(self, now_s: float) -> frozenset[str]:
-        """PrfaaS workers whose telemetry went silent while they had work in flight (the link to
-        them is presumed down until they are heard again): routed around."""
-        for w in self.workers.values():
-            if w.cluster == PRFAAS and w.telemetry_endpoint:
-                self.link.note_silence(w.name, now_s, busy=w.outstanding_prefill_s > 0)
-        return self.link.down()
+    def link_down(self, now_s: float, ps: PairState | None = None) -> frozenset[str]:
+        """PrfaaS workers whose telemetry went silent on ``ps``'s link (every link: None) while they had work
+        in flight (the link to them is presumed down until they are heard again): routed around."""
+        down: set[str] = set()
+        for pair_state in [ps] if ps is not None else self.pairs.values():
+            for w in self.workers.values():
+                if w.site == pair_state.pair.prfaas and w.telemetry_endpoint:
+                    pair_state.link.note_silence(w.name, now_s, busy=w.outstanding_prefill_s > 0)
+            down |= pair_state.link.down()
+        return frozenset(down)
 
-    def prefill_cost(self, cluster: str):
-        """``T_prefill`` / ``S_kv`` of ``cluster`` as the router predicts it now: the model, calibrated."""
-        scale, offset_s = self.calibration.prefill_scale(cluster), self.calibration.prefill_offset_s(cluster)
-        profile = self.runtime.prefill_cost(cluster)
+    def prefill_cost(self, ps: PairState, kind: str):
+        """``T_prefill`` / ``S_kv`` of the pair's cluster of ``kind`` as the router predicts it now: the model, calibrated."""
+        site = ps.site(kind)
+        profile = ps.runtime.prefill_cost(kind)
+        if site is None:
+            return profile
+        scale, offset_s = self.calibration.prefill_scale(site), self.calibration.prefill_offset_s(site)
         return profile if scale == 1.0 and offset_s == 0.0 else ScaledPrefill(profile, scale, offset_s=offset_s)
 
     def _worker_state(self, w: WorkerRecord):
         """The worker as the policy sees it: its ledger's queue in calibrated seconds."""
         state = w.snapshot()
-        scale = self.calibration.prefill_scale(w.cluster) if w.role == "prefill" else 1.0
+        scale = self.calibration.prefill_scale(w.site) if w.role == "prefill" else 1.0
         return state if scale == 1.0 else replace(state, queue_s=state.queue_s * scale)
 
-    def snapshot(self, exclude: set[str], now_s: float) -> ClusterSnapshot:
-        view = self.link.view(now_s)
-        capacity = self.controller.capacity_est_bps
-        link = Link(capacity, view.egress_bps if view else 0.0, 0.0, self.link_backlog_bytes)
-        exclude = exclude | self.link_down(now_s)
+    def snapshot(self, exclude: set[str], now_s: float, ps: PairState | None = None) -> ClusterSnapshot:
+        """What the policy sees of one pair (default: the first): its workers, its link, its threshold."""
+        ps = ps or self.pair
+        view = ps.link.view(now_s)
+        link = Link(ps.controller.capacity_est_bps, view.egress_bps if view else 0.0, 0.0, ps.backlog_bytes)
+        exclude = exclude | self.link_down(now_s, ps) | {w for w, until in ps.suspended.items() if until > now_s}
         return ClusterSnapshot(
-            workers=[self._worker_state(w) for w in self.workers.values() if w.name not in exclude],
-            threshold_tokens=self.controller.threshold_tokens, mode=self.config.mode,
-            prefill_cost={PRFAAS: self.prefill_cost(PRFAAS), PD: self.prefill_cost(PD)},
-            link=link, kv_bytes=self.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
+            workers=[self._worker_state(w) for w in self.workers.values() if ps.holds(w) and w.name not in exclude],
+            threshold_tokens=ps.controller.threshold_tokens, mode=self.config.mode,
+            prefill_cost={PRFAAS: self.prefill_cost(ps, PRFAAS), PD: self.prefill_cost(ps, PD)},
+            link=link, kv_bytes=ps.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
             transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
-            probe_budget_bytes=self.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s,
+            probe_budget_bytes=ps.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s,
             ttft_target_s=self.config.ttft_target_s, decode_affinity_slack=self.config.decode_affinity_slack)
 
     def transfer_supported(self) -> bool:
@@ -220,11 +324,16 @@ class RouterService:
         match = self.index.match(req.input_ids)
         return RouteInput(len(req.input_ids), req.kv_tokens, match.by_worker, match.shared_tokens, match.held_by_worker)
 
-    def decide(self, request: RouteInput, exclude: set[str], now_s: float) -> RouteDecision:
-        """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now. Cheap: a
-        request waiting for decode room calls it again on every wake-up with the same ``request``.
-        For a hybrid model, the decision may ask for a state checkpoint (``checkpoint_tokens``)."""
-        decision = route(request, self.snapshot(exclude, now_s))
+    def decide(self, request: RouteInput, exclude: set[str], now_s: float, entry: str | None = None) -> RouteDecision:
+        """Raises ``NoHealthyWorker`` / ``NoDecodeRoom`` (policy) when nothing can take it now, and
+        ``fleet.UnknownEntry`` for an ``entry`` (the PD cluster the request entered at; None: any) that
+        is none of the fleet's. Cheap: a request waiting for decode room calls it again on every
+        wake-up with the same ``request``. The decision names its pair (``pair``). For a hybrid
+        model, it may ask for a state checkpoint (``checkpoint_tokens``)."""
+        snapshots = {pair: self.snapshot(exclude, now_s, ps) for pair, ps in self.pairs.items()
+                     if entry is None or pair.pd == entry}
+        chosen = route_fleet(request, snapshots, entry)
+        decision = replace(chosen.decision, pair=chosen.pair)
         min_tokens = self.config.checkpoint_min_tokens
         if min_tokens is not None and self.index.hybrid:
             at = checkpoint_at(request.total_tokens, request.shared_tokens, decision.cached_tokens, min_tokens)
@@ -233,38 +342,44 @@ class RouterService:
         return decision
 
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
+        ps = self.pairs[decision.pair] if decision.pair is not None else self.pair
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
-        scale, offset_s = self.calibration.prefill_scale(decision.cluster), self.calibration.prefill_offset_s(decision.cluster)
+        site = ps.site(decision.cluster)
+        scale, offset_s = self.calibration.prefill_scale(site), self.calibration.prefill_offset_s(site)
         prefill_model_s = max(decision.estimated_prefill_s - offset_s, 0.0) / scale  # the ledger keeps the model's seconds
         prefill.outstanding_prefill_s += prefill_model_s
         prefill.prefill_requests += 1
         ticket = decode.reserve(req.kv_tokens)
         self.counters.decode_held_tokens += decision.decode_held_tokens
         self.counters.routed[decision.cluster] += 1
+        ps.routed[decision.cluster] += 1
         if decision.probe:
             self.counters.probes += 1
-            self.controller.note_probe(now_s)
+            ps.controller.note_probe(now_s)
         if decision.reason.startswith("spill"):
             self.counters.spilled += 1
         if attempt == 0:
-            self.controller.record(now_s, decision.uncached_tokens)
+            for other in self.pairs.values():  # every link of the PD cluster sees what its requests are
+                if other.pair.pd == ps.pair.pd:
+                    other.controller.record(now_s, decision.uncached_tokens)
             if self.longterm is not None:
                 self.longterm.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
         self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
                             "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt,
-                            "decode_held_tokens": decision.decode_held_tokens})
-        link_bytes = self.runtime.kv_bytes(len(req.input_ids)) if decision.cluster == PRFAAS else 0.0
-        self.link_backlog_bytes += link_bytes
+                            "decode_held_tokens": decision.decode_held_tokens, "link": str(ps.pair)})
+        link_bytes = ps.runtime.kv_bytes(len(req.input_ids)) if decision.cluster == PRFAAS else 0.0
+        ps.backlog_bytes += link_bytes
         return Lease(req.rid, decision, req.kv_tokens, ticket, prefill_model_s=prefill_model_s, link_bytes=link_bytes,
-                     compute_model_s=max(decision.estimated_queue_s + decision.estimated_prefill_s - offset_s, 0.0) / scale)
+                     compute_model_s=max(decision.estimated_queue_s + decision.estimated_prefill_s - offset_s, 0.0) / scale,
+                     pair=ps.pair, prefill_site=site)
 
     def first_token(self, lease: Lease, observed_s: float, now_s: float) -> None:
         """The request's first token reached the router at ``now_s``, ``observed_s`` after its legs were
         dispatched: a sample for the calibration (once per lease)."""
         if not lease.first_token_seen:
             lease.first_token_seen = True
-            self.calibration.first_token(lease.decision.cluster, lease.compute_model_s, lease.link_s, observed_s,
+            self.calibration.first_token(lease.prefill_site, lease.compute_model_s, lease.link_s, observed_s,
                                          lease.decision.estimated_ttft_s, now_s)
 
     def token_gap(self, observed_s: float, now_s: float) -> None:
@@ -276,12 +391,33 @@ class RouterService:
         """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""
         if lease.prefill_open:
             lease.prefill_open = False
-            self.link_backlog_bytes = max(self.link_backlog_bytes - lease.link_bytes, 0.0)
+            ps = self.pairs.get(lease.pair) if lease.pair is not None else self.pair
+            if ps is not None:
+                ps.backlog_bytes = max(ps.backlog_bytes - lease.link_bytes, 0.0)
             worker = self.workers.get(lease.decision.prefill)
             if worker is not None:
                 worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.prefill_model_s, 0.0)
                 worker.prefill_requests = max(worker.prefill_requests - 1, 0)
             self.stage_meter.complete("prfaas" if lease.decision.cluster == PRFAAS else "pd-prefill")
+
+    def leg_failed(self, decision: RouteDecision, leg: str, now_s: float) -> str:
+        """A leg of ``decision`` failed (``prefill`` | ``decode``); returns the worker it ran on (not to be
+        tried again for this request). The worker is out of service until its next health check answers;
+        except a PrfaaS worker that serves several links, whose failed prefill leg may be its link's
+        fault: it is kept off that pair only, for as long as a health check takes to take a worker out,
+        and keeps serving the other links."""
+        name = decision.prefill if leg == "prefill" else decision.decode
+        worker = self.workers.get(name)
+        if worker is None:
+            return name
+        worker.failures += 1
+        ps = self.pairs.get(decision.pair) if decision.pair is not None else None
+        links = sum(1 for pair in self.pairs if pair.prfaas == worker.site)
+        if leg == "prefill" and decision.cluster == PRFAAS and ps is not None and links > 1:
+            ps.suspended[name] = now_s + self.config.health_interval_s * self.config.health_misses_to_down
+        else:
+            worker.healthy = False
+        return name
 
     def finish(self, lease: Lease) -> None:
         """The request ended, whatever the outcome: everything it held is released."""
@@ -300,9 +436,11 @@ class RouterService:
         worker = self.workers[name]
         return worker.prefill_requests + worker.reserved_requests
 
-    def pd_split(self) -> tuple[int, int]:
-        """(PD prefill, PD decode) workers in service or about to be (draining ones count where they are)."""
-        pd = [w for w in self.workers.values() if w.cluster == PD]
+    def pd_split(self, site: str | None = None) -> tuple[int, int]:
+        """(PD prefill, PD decode) workers of PD cluster ``site`` (default: the first pair's) in service or
+        about to be (draining ones count where they are)."""
+        site = site or self.pair.pair.pd
+        pd = [w for w in self.workers.values() if w.site == site and w.cluster == PD]
         return sum(w.role == "prefill" for w in pd), sum(w.role == "decode" for w in pd)
 
     def stage_of(self, worker: WorkerRecord) -> str:
@@ -329,9 +467,10 @@ class RouterService:
                   why: str | None = None) -> float | None:
         """Worker ``name`` now serves ``new_role``: its record follows (facts forgotten: the caller
         re-reads them and re-subscribes its events; its blocks leave the KV index), it is back in
-        service, and the model moves to the new split (``runtime``: the long-term controller's
-        calibrated one; else the present model ``with_split``) with ``t`` re-solved. Returns the new
-        ``t`` or None (unchanged, or a split the model cannot hold)."""
+        service, and the model of every pair of its PD cluster moves to the new split (``runtime``: the
+        long-term controller's calibrated one, one-pair deployments; else the present model
+        ``with_split``) with ``t`` re-solved. Returns the new ``t`` (the first such pair's) or None
+        (unchanged, or a split the model cannot hold)."""
         worker = self.workers[name]
         worker.role, worker.facts, worker.load, worker.draining = new_role, None, None, False
         worker.epoch += 1  # polls in flight describe the old role: the loops drop their answers
@@ -339,19 +478,26 @@ class RouterService:
         worker.forget_reservations()
         if name in self.index.workers():
             self.index.remove_worker(name)
-        n_prefill, n_decode = self.pd_split()
+        n_prefill, n_decode = self.pd_split(worker.site)
         self.sync_longterm()
-        if runtime is None:
-            if not self._modelled_split():
-                return None  # workers registered beyond the topology: the model's split stays
-            runtime = self.runtime.with_split(n_prefill)
-        self.runtime = runtime
-        return self.controller.replan(now_s, runtime.research, why or f"{name} -> {new_role} ({n_prefill}P/{n_decode}D)")
+        new_t = None
+        for ps in (ps for ps in self.pairs.values() if ps.pair.pd == worker.site):
+            if runtime is not None:
+                ps.runtime = runtime
+            elif self._modelled_split(ps):
+                ps.runtime = ps.runtime.with_split(n_prefill)
+            else:
+                continue  # workers registered beyond the topology: the model's split stays
+            t = ps.controller.replan(now_s, ps.runtime.research, why or f"{name} -> {new_role} ({n_prefill}P/{n_decode}D)")
+            new_t = t if new_t is None else new_t
+        return new_t
 
-    def _modelled_split(self) -> bool:
-        """Whether the PD workers' roles are a split the model can hold (its PD instance count, one per role at least)."""
-        n_prefill, n_decode = self.pd_split()
-        return n_prefill + n_decode == self.runtime.deployment.n_pd and min(n_prefill, n_decode) >= 1
+    def _modelled_split(self, ps: PairState | None = None) -> bool:
+        """Whether the PD workers' roles are a split the pair's model can hold (its PD instance count, one per
+        role at least); default: the first pair."""
+        ps = ps or self.pair
+        n_prefill, n_decode = self.pd_split(ps.pair.pd)
+        return n_prefill + n_decode == ps.runtime.deployment.n_pd and min(n_prefill, n_decode) >= 1
 
     def sync_longterm(self) -> None:
         """Put the long-term controller on the split that really serves (after any conversion, an
@@ -363,31 +509,58 @@ class RouterService:
 
     # --- control ----------------------------------------------------------------------
 
-    def queues(self) -> QueueView:
-        """Outstanding prefill seconds per instance of each cluster (calibrated)."""
-        def per_instance(cluster: str) -> float:
-            ws = [w for w in self.workers.values() if w.cluster == cluster and w.role == "prefill" and w.routable]
-            scale = self.calibration.prefill_scale(cluster)
+    def queues(self, ps: PairState | None = None) -> QueueView:
+        """Outstanding prefill seconds per instance of the pair's clusters (default: the first pair's), calibrated."""
+        ps = ps or self.pair
+
+        def per_instance(site: str | None) -> float:
+            ws = [w for w in self.workers.values() if w.site == site and w.role == "prefill" and w.routable]
+            scale = self.calibration.prefill_scale(site) if site is not None else 1.0
             return scale * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
 
-        return QueueView(per_instance(PRFAAS), per_instance(PD))
+        return QueueView(per_instance(ps.pair.prfaas), per_instance(ps.pair.pd))
 
-    def control_tick(self, now_s: float) -> float | None:
-        """One controller step on the current link view and queues; returns a new ``t`` or None. A
-        calibrated prefill scale that moved ``replan_on_calibration`` from the one ``t`` was solved
-        with re-solves ``t`` on the calibrated model first. A calibration quiet for its ``max_age_s`` forgets first."""
+    def control_tick(self, now_s: float) -> dict[SitePair, float]:
+        """One step of every link's controller on its view and queues; returns the pairs whose ``t`` changed,
+        with the new ``t``. A calibrated prefill scale of a pair's clusters that moved
+        ``replan_on_calibration`` from the one its ``t`` was solved with re-solves that ``t`` on the
+        calibrated model first. A calibration quiet for its ``max_age_s`` forgets first."""
         self.calibration.forget_quiet(now_s)
-        scales = {c: self.calibration.prefill_scale(c) for c in (PRFAAS, PD)}
-        moved = max(abs(scales[c] / self._planned_scales[c] - 1.0) for c in scales)
-        if moved > self.config.replan_on_calibration and self.controller.override_tokens is None:
-            self._planned_scales = scales
-            model = self.runtime.calibrated({"prfaas": 1.0 / scales[PRFAAS], "pd-prefill": 1.0 / scales[PD]})
-            self.controller.replan(now_s, model.research, "calibrated prefill scales " +
-                                   ", ".join(f"{c} {v:.2f}" for c, v in scales.items()))
-        return self.controller.observe(now_s, self.link.view(now_s), self.queues())
+        changed = {}
+        for pair, ps in self.pairs.items():
+            scales = {c: self.calibration.prefill_scale(site) if (site := ps.site(c)) is not None else 1.0
+                      for c in (PRFAAS, PD)}
+            moved = max(abs(scales[c] / ps.planned_scales[c] - 1.0) for c in scales)
+            if moved > self.config.replan_on_calibration and ps.controller.override_tokens is None:
+                ps.planned_scales = scales
+                model = ps.runtime.calibrated({"prfaas": 1.0 / scales[PRFAAS], "pd-prefill": 1.0 / scales[PD]})
+                ps.controller.replan(now_s, model.research, "calibrated prefill scales " +
+                                     ", ".join(f"{c} {v:.2f}" for c, v in scales.items()))
+            new_t = ps.controller.observe(now_s, ps.link.view(now_s), self.queues(ps))
+            if new_t is not None:
+                changed[pair] = new_t
+        return changed
+
+    def _link_status(self, ps: PairState, now_s: float) -> dict | None:
+        view = ps.link.view(now_s)
+        return None if view is None else {"capacity_bps": view.capacity_bps, "busy_fraction": view.busy_fraction,
+                                          "egress_bps": view.egress_bps, "offered_bps": view.offered_bps,
+                                          "backlog_bytes": view.backlog_bytes, "congested": view.congested,
+                                          "transfers_completed": view.completed, "transfers_failed": view.failed}
+
+    def pairs_status(self, now_s: float) -> dict:
+        """Per pair (``prfaas->pd``): its threshold and controller, its link as telemetry shows it, its
+        queues, the KV routed toward it, what it routed."""
+        return {str(pair): {"prfaas": pair.prfaas, "pd": pair.pd, "threshold_tokens": ps.controller.threshold_tokens,
+                            "controller": ps.controller.describe(), "link": self._link_status(ps, now_s),
+                            "link_down_workers": sorted(self.link_down(now_s, ps)), "queues_s": vars(self.queues(ps)),
+                            "backlog_bytes": ps.backlog_bytes, "routed": dict(ps.routed),
+                            "model": ps.runtime.describe()}
+                for pair, ps in self.pairs.items()}
 
     def status(self, now_s: float) -> dict:
-        view = self.link.view(now_s)
+        """The router's state; the link, threshold, model and queue fields at the top are the first pair's
+        (a one-pair deployment's own), ``pairs`` has every pair's."""
         return {
             "threshold_tokens": self.controller.threshold_tokens,
             "controller": self.controller.describe(),
@@ -395,13 +568,9 @@ class RouterService:
             "model": self.runtime.describe(),
             "served_models": self.model_names(),
             "tokenizer": getattr(self.tokenizer, "source", None),
-            "link": None if view is None else {"capacity_bps": view.capacity_bps, "busy_fraction": view.busy_fraction,
-                                               "egress_bps": view.egress_bps, "offered_bps": view.offered_bps,
-                                               "backlog_bytes": view.backlog_bytes, "congested": view.congested,
-                                               "transfers_completed": view.completed,
-                                               "transfers_failed": view.failed},
+            "link": self._link_status(self.pair, now_s),
             "link_down_workers": sorted(self.link_down(now_s)),
-            "telemetry_discarded_late": self.link.discarded,
+            "telemetry_discarded_late": sum(ps.link.discarded for ps in self.pairs.values()),
             "queues_s": vars(self.queues()),
             "routed": dict(self.counters.routed),
             "redispatched": self.counters.redispatched,
@@ -410,8 +579,9 @@ class RouterService:
             "rejected": dict(self.counters.rejected),
             "failed": dict(self.counters.failed),
             "waiting_for_decode_room": self.waiting,
+            "pairs": self.pairs_status(now_s),
             "workers": {w.name: {
-                "cluster": w.cluster, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
+                "cluster": w.cluster, "site": w.site, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
                 "page_size": w.facts.page_size if w.facts else None,
                 "outstanding_prefill_s": w.outstanding_prefill_s, "reserved_tokens": w.reserved_tokens,
                 "open_legs": self.open_legs(w.name), "switchable": w.switch_url is not None,
@@ -425,31 +595,36 @@ class RouterService:
         }
 
     def metrics_gauges(self, now_s: float) -> list[GaugeSample]:
-        """The router's gauges now, as (name, labels, value) (``router/metrics.py`` exports them)."""
+        """The router's gauges now, as (name, labels, value) (``router/metrics.py`` exports them): a link's
+        carry its pair (``link="prfaas->pd"``), a cluster's its kind and site."""
         routed = sum(self.counters.routed.values())
-        view = self.link.view(now_s)
-        q = self.queues()
-        gauges = [("prfaas_router_threshold_tokens", {}, self.controller.threshold_tokens),
-                  ("prfaas_router_baseline_threshold_tokens", {}, self.controller.baseline_tokens),
-                  ("prfaas_router_link_capacity_estimate_bps", {}, self.controller.capacity_est_bps),
-                  ("prfaas_router_offload_fraction", {}, self.counters.routed.get(PRFAAS, 0) / routed if routed else 0.0),
-                  ("prfaas_router_queue_seconds", {"cluster": "prfaas"}, q.prfaas_s),
-                  ("prfaas_router_queue_seconds", {"cluster": "pd"}, q.pd_s),
+        gauges = [("prfaas_router_offload_fraction", {}, self.counters.routed.get(PRFAAS, 0) / routed if routed else 0.0),
                   ("prfaas_router_waiting_requests", {}, self.waiting)]
-        if view is not None:
-            gauges += [("prfaas_router_egress_utilization", {}, view.busy_fraction),
-                       ("prfaas_router_egress_bps", {}, view.egress_bps),
-                       ("prfaas_router_offered_bps", {}, view.offered_bps),
-                       ("prfaas_router_link_congested", {}, int(view.congested)),
-                       ("prfaas_router_link_transfers_failed", {}, view.failed)]
+        for pair, ps in self.pairs.items():
+            link = {"link": str(pair)}
+            gauges += [("prfaas_router_threshold_tokens", link, ps.controller.threshold_tokens),
+                       ("prfaas_router_baseline_threshold_tokens", link, ps.controller.baseline_tokens),
+                       ("prfaas_router_link_capacity_estimate_bps", link, ps.controller.capacity_est_bps),
+                       ("prfaas_router_link_backlog_bytes", link, ps.backlog_bytes),
+                       ("prfaas_router_telemetry_discarded_late", link, ps.link.discarded)]
+            view = ps.link.view(now_s)
+            if view is not None:
+                gauges += [("prfaas_router_egress_utilization", link, view.busy_fraction),
+                           ("prfaas_router_egress_bps", link, view.egress_bps),
+                           ("prfaas_router_offered_bps", link, view.offered_bps),
+                           ("prfaas_router_link_congested", link, int(view.congested)),
+                           ("prfaas_router_link_transfers_failed", link, view.failed)]
+            down = self.link_down(now_s, ps)
+            gauges += [("prfaas_router_link_down", {"worker": w.name, **link}, int(w.name in down))
+                       for w in self.workers.values() if w.site == pair.prfaas and w.telemetry_endpoint]
+        for site, kind in self.site_kinds().items():
+            where = {"cluster": kind, "site": site}
+            ws = [w for w in self.workers.values() if w.site == site and w.role == "prefill" and w.routable]
+            queue = self.calibration.prefill_scale(site) * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
+            gauges += [("prfaas_router_queue_seconds", where, queue),
+                       ("prfaas_router_prefill_scale", where, self.calibration.prefill_scale(site))]
         gauges += [("prfaas_router_worker_healthy", {"worker": w.name}, int(w.healthy)) for w in self.workers.values()]
-        down = self.link_down(now_s)
-        gauges += [("prfaas_router_link_down", {"worker": w.name}, int(w.name in down))
-                   for w in self.workers.values() if w.cluster == PRFAAS and w.telemetry_endpoint]
-        gauges.append(("prfaas_router_telemetry_discarded_late", {}, self.link.discarded))
-        gauges += [("prfaas_router_prefill_scale", {"cluster": c}, self.calibration.prefill_scale(c)) for c in (PRFAAS, PD)]
         gauges.append(("prfaas_router_decode_scale", {}, self.calibration.decode_scale()))
-        gauges.append(("prfaas_router_link_backlog_bytes", {}, self.link_backlog_bytes))
         gauges += [("prfaas_router_kv_free_tokens", {"worker": w.name}, w.kv_free_tokens or 0)
                    for w in self.workers.values() if w.role == "decode"]
         gauges += [("prfaas_router_kv_index_blocks", {"worker": w}, self.index.block_count(w))
@@ -457,11 +632,16 @@ class RouterService:
         return gauges
 
 
-def new_service(config: RouterConfig, runtime: RuntimeModel, workers: dict[str, WorkerRecord], tokenizer=None,
-                emulation_spec: Emulation | None = None) -> RouterService:
-    """Build the service with the runtime model's controller and a KV index for its workers."""
-    controller = ThresholdController(runtime.research, runtime.prior, runtime.link_bps, runtime.step_tokens,
-                                     config.threshold_tokens if config.threshold_tokens is not None else runtime.operator_threshold_tokens,
-                                     config.controller)
-    index = KvIndex(hybrid=runtime.hybrid, memo=PageIdMemo(max_segments=None, max_bytes=config.kv_memo_bytes))
-    return RouterService(config, runtime, workers, index, controller, tokenizer, emulation_spec)
+def new_service(config: RouterConfig, models: RuntimeModel | dict[SitePair, RuntimeModel], workers: dict[str, WorkerRecord],
+                tokenizer=None, emulation_spec: Emulation | None = None) -> RouterService:
+    """Build the service: a :class:`PairState` per pair of ``models`` (``runtime.pair_models``; one
+    ``RuntimeModel``: the pair of the workers' clusters) and a KV index for its workers."""
+    if isinstance(models, RuntimeModel):
+        sites = {kind: sorted({w.site for w in workers.values() if w.cluster == kind}) for kind in (PRFAAS, PD)}
+        if len(sites[PD]) != 1 or len(sites[PRFAAS]) > 1:
+            raise ValueError(f"one model, one pair: the workers are in clusters {sites}")
+        models = {SitePair(sites[PD][0], sites[PRFAAS][0] if sites[PRFAAS] else None): models}
+    pairs = {pair: new_pair(pair, model, config, config.telemetry_stale_s) for pair, model in models.items()}
+    hybrid = next(iter(models.values())).hybrid
+    index = KvIndex(hybrid=hybrid, memo=PageIdMemo(max_segments=None, max_bytes=config.kv_memo_bytes))
+    return RouterService(config, pairs, workers, index, tokenizer, emulation_spec)

@@ -85,6 +85,7 @@ class WorkerRecord:
     events_endpoint: str | None  # from the topology; else from the facts' kv_events
     telemetry_endpoint: str | None = None
     switch_url: str | None = None  # serves /pd_role_switch: the worker (in-place) or its launcher's supervisor (restart)
+    site: str = ""  # its topology cluster (the fleet's unit: a link joins two); "": named by its kind
     healthy: bool = False
     draining: bool = False
     facts: WorkerFacts | None = None
@@ -101,6 +102,9 @@ class WorkerRecord:
     refused: str | None = None  # why the facts were refused (never routed to then)
     epoch: int = 0  # bumped when the worker changes role: a poll begun before then is stale (see poll_is_current)
     _open: dict[int, int] = field(default_factory=dict, repr=False)  # ticket -> reserved decode tokens
+
+    def __post_init__(self) -> None:
+        self.site = self.site or self.cluster
 
     @property
     def reserved_requests(self) -> int:
@@ -215,7 +219,7 @@ def workers_from_topology(topology: Topology) -> dict[str, WorkerRecord]:
         url = f"http://{host}:{node.port}"
         switch_url = {"in-place": url, "restart": f"http://{host}:{node.switch_port}"}.get(node.role_switch)
         records[node.name] = WorkerRecord(node.name, url, spec.cluster_kind, role, host,
-                                          node.bootstrap_port, events, telemetry, switch_url)
+                                          node.bootstrap_port, events, telemetry, switch_url, site=node.cluster)
     if not any(r.role == "decode" for r in records.values()):
         raise ConfigError("clusters", "the topology has no pd-decode node")
     if not any(r.role == "prefill" for r in records.values()):
@@ -239,10 +243,10 @@ def conversion_problem(records: dict[str, WorkerRecord], name: str, new_role: st
     if new_role == "prefill" and record.bootstrap_port is None:
         return f"{name} has no bootstrap port to serve as prefill"
     if record.role != new_role:
-        others = [w for w in records.values() if w.name != name and w.cluster == "pd" and w.role == record.role
+        others = [w for w in records.values() if w.name != name and w.site == record.site and w.role == record.role
                   and w.healthy and not w.draining]
         if not others:
-            return f"{name} is the last serving PD {record.role} worker; converting it would leave none"
+            return f"{name} is the last serving {record.role} worker of {record.site}; converting it would leave none"
     return None
 
 
@@ -255,10 +259,10 @@ def check_facts(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerReco
     if facts.block_hash != HASH_SCHEME:
         return f"{record.name} hashes KV blocks with {facts.block_hash!r}; the kv-index uses {HASH_SCHEME!r}"
     for peer in peers:
-        if peer.name != record.name and peer.cluster == record.cluster and peer.facts is not None \
+        if peer.name != record.name and peer.site == record.site and peer.facts is not None \
                 and peer.facts.page_size != facts.page_size:
             return (f"page size {facts.page_size} of {record.name} differs from {peer.facts.page_size} of {peer.name} "
-                    f"in the same cluster ({record.cluster})")
+                    f"in the same cluster ({record.site})")
     if is_emulated(facts):
         want = emulation or Emulation()
         got = (facts.emulated.get("speedup"), facts.emulated.get("kv_scale"))

@@ -54,10 +54,19 @@ def test_scales_are_clamped_and_settings_checked():
     cal = OnlineCalibration(CalibrationSettings(max_scale=4.0))
     feed(cal, "pd", 100.0, 64)
     assert cal.prefill_scale("pd") == 4.0
+    with pytest.raises(ValueError, match="no such cluster"):
+        OnlineCalibration(CalibrationSettings(prior_scales=(("elsewhere", 1.0),)))
     with pytest.raises(ValueError):
-        CalibrationSettings(prior_scales=(("elsewhere", 1.0),))
+        CalibrationSettings(prior_scales=(("pd", 100.0),))
     with pytest.raises(ValueError):
         CalibrationSettings(min_scale=2.0)
+
+
+def test_a_prior_scale_names_a_cluster_or_every_cluster_of_a_kind():
+    clusters = {"h200": "prfaas", "h100": "prfaas", "east": "pd"}
+    cal = OnlineCalibration(CalibrationSettings(enabled=False, prior_scales=(("prfaas", 1.5), ("h100", 2.0))), clusters)
+    assert (cal.prefill_scale("h200"), cal.prefill_scale("h100"), cal.prefill_scale("east")) == (1.5, 2.0, 1.0)
+    assert set(cal.describe()["prefill_scale"]) == set(clusters)
 
 
 def test_the_service_keeps_its_ledger_in_model_seconds_and_predicts_calibrated(tmp_path):

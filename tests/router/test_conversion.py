@@ -58,7 +58,7 @@ def test_conversion_problem_names_each_refusal():
     assert "only PD-cluster" in conversion_problem(service.workers, "prfaas-0", "decode")
     assert "prefill or decode" in conversion_problem(service.workers, "pd-prefill-0", "sideways")
     service.workers["pd-prefill-1"].draining = True  # the other PD-P is out of service: this one is the last
-    assert "last serving PD prefill" in conversion_problem(service.workers, "pd-prefill-0", "decode")
+    assert "last serving prefill worker of pd" in conversion_problem(service.workers, "pd-prefill-0", "decode")
     fixed = _service(role_switch=None)
     assert "no role_switch" in conversion_problem(fixed.workers, "pd-prefill-0", "decode")
 

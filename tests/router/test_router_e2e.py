@@ -166,11 +166,12 @@ def test_admin_api_requires_the_token(deployment):
 def test_admin_threshold_override_and_clear(deployment):
     url = deployment["url"]
     r = requests.post(url + "/admin/threshold", json={"threshold_tokens": 50_000}, headers=AUTH, timeout=5)
-    assert r.status_code == 200 and r.json() == {"threshold_tokens": 50_000, "override": True}
+    assert r.status_code == 200 and r.json() == {"threshold_tokens": 50_000, "override": True,
+                                                 "links": {"prfaas->pd": 50_000}}
     assert generate(url, list(range(900_000, 920_000))).headers["x-prfaas-route"].startswith("pd/")
     r = requests.post(url + "/admin/threshold", json={"threshold_tokens": None}, headers=AUTH, timeout=5)
     assert r.json()["threshold_tokens"] == THRESHOLD
-    for bad in ({}, {"threshold_tokens": -1}, {"threshold_tokens": "x"}):
+    for bad in ({}, {"threshold_tokens": -1}, {"threshold_tokens": "x"}, {"threshold_tokens": 5, "link": "a->b"}):
         assert requests.post(url + "/admin/threshold", json=bad, headers=AUTH, timeout=5).status_code == 400
 
 
@@ -191,8 +192,10 @@ def test_admin_register_and_deregister(deployment):
     assert requests.post(url + "/admin/workers", json=worker, headers=AUTH, timeout=5).status_code == 409
     assert "pp0-alias" in requests.get(url + "/status", timeout=5).json()["workers"]
     for bad in ({**worker, "name": "x", "url": "ftp://h"}, {**worker, "name": "y", "role": "chef"},
-                {k: v for k, v in worker.items() if k != "url"}, {**worker, "name": "z", "bootstrap_port": None}):
-        assert requests.post(url + "/admin/workers", json=bad, headers=AUTH, timeout=5).status_code == 400
+                {k: v for k, v in worker.items() if k != "url"}, {**worker, "name": "z", "bootstrap_port": None},
+                {**worker, "name": ["pp0-list"]}, {**worker, "name": "w", "cluster": "pd-elsewhere"}):
+        assert requests.post(url + "/admin/workers", json=bad, headers=AUTH, timeout=5).status_code == 400, bad
+    assert "['pp0-list']" not in requests.get(url + "/status", timeout=5).json()["workers"]
     assert requests.get(url + "/status", timeout=5).json()["workers"]["pp0-alias"]["switchable"] is False
     # a worker the long-term scheduler may convert: where its /pd_role_switch is served
     switchable = {**worker, "name": "pp0-switch", "switch_url": pp0.url + "/"}

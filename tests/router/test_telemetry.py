@@ -328,7 +328,8 @@ def test_the_router_routes_around_a_prfaas_worker_silent_while_busy():
     assert prfaas.name not in listed(4.0)  # silent for 4 s with work in flight: the link is presumed down
     status = service.status(4.0)
     assert status["link_down_workers"] == [prfaas.name]
-    assert f'prfaas_router_link_down{{worker="{prfaas.name}"}} 1' in service.counters.render(service.metrics_gauges(4.0))
+    rendered = service.counters.render(service.metrics_gauges(4.0))
+    assert f'prfaas_router_link_down{{link="prfaas-b->pd-a",worker="{prfaas.name}"}} 1' in rendered
     prfaas.outstanding_prefill_s = 0.0
     assert prfaas.name not in listed(6.0)
     service.link.update(prfaas.name, LinkSample(prfaas.name, 106.0, 1e6, 0.5, 1e6, 1), now_s=6.0, wall_s=106.0)

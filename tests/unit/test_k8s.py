@@ -329,10 +329,31 @@ def test_cli_writes_the_tree_and_refuses_node_flags(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error: --node")
 
 
-def test_a_topology_the_router_cannot_model_gets_no_manifests(tmp_path):
-    out = tmp_path / "k8s"
+def test_a_fleet_gets_manifests_whose_policies_admit_kv_over_its_links_only(tmp_path):
+    """multi-cluster.yaml without the h100 -> east link: east's engines admit KV from h200 and from
+    themselves, not from h100 nor from the other region; h100 admits west's decode pods only."""
+    raw = yaml.safe_load((REPO / "launch" / "multi-cluster.yaml").read_text())
+    raw["links"] = [link for link in raw["links"] if (link["from"], link["to"]) != ("prfaas-h100", "pd-east")]
+    files = emit("multi-cluster.yaml", Engine.SGLANG, raw)
+    east, h100 = _policies(files, "pd-east"), _policies(files, "prfaas-h100")
+    mooncake = {cluster for cluster, _ in _components(_allowed(east["east-d-ingress"], 15500))}
+    assert mooncake == {"pd-east", "prfaas-h200"}
+    boot = {cluster for cluster, _ in _components(_allowed(h100["prfaas-h100-ingress"], 8998))}
+    assert boot == {"pd-west", "prfaas-h100"}
     proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.launch", "--emit", "k8s", "--config",
-                           str(REPO / "launch" / "multi-cluster.yaml"), "--out", str(out)],
+                           str(REPO / "launch" / "multi-cluster.yaml"), "--out", str(tmp_path / "k8s")],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "plan --topology" in proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in (tmp_path / "k8s").iterdir()} >= {"pd-east", "pd-west", "prfaas-h200", "prfaas-h100", "control"}
+
+
+def test_a_fleet_topology_the_router_could_not_schedule_gets_no_manifests(tmp_path):
+    raw = yaml.safe_load((REPO / "launch" / "multi-cluster.yaml").read_text())
+    raw["links"] = [link for link in raw["links"] if link["to"] != "pd-west"]
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "k8s"
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.launch", "--emit", "k8s", "--config", str(bad),
+                           "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "clusters.pd-west" in proc.stderr, proc.stderr
     assert not out.exists()
