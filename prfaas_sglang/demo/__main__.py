@@ -11,6 +11,13 @@ from that topology's runtime model, as for any deployment.
 
     python -m prfaas_sglang.demo                          # case-study lengths, 20 s, speedup 20
     python -m prfaas_sglang.demo --workload trace:../shared/data/mooncake_conversation_trace.jsonl --json
+    python -m prfaas_sglang.demo --topology launch/multi-cluster.yaml   # a fleet: 2 PrfaaS + 2 PD clusters
+
+With ``--topology``, the deployment is that file's fleet on this box (``demo/fleet.py``: each PrfaaS
+cluster in its own network namespace, each PrfaaS -> PD link shaped on its own at its rate x
+kv_scale x speedup; root and iproute2), each cluster cut to ``--nodes-per-role`` nodes of a role.
+Requests enter at the PD clusters in their ``entry_share`` (header ``x-prfaas-entry``; none: one
+global entry); the summary is per link and per entry.
 
 Exit: 0 when no request failed (the router shedding load, 503 with Retry-After, is counted as
 rejected, not failed), 1 when some failed, 2 on bad input.
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -57,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--keep-logs", type=Path, default=None, help="write every process's log here (default: a temp dir)")
+    p.add_argument("--topology", type=Path, default=None,
+                   help="a fleet topology (several PrfaaS and PD clusters, a link each) to run on this box instead of "
+                        "the one-pair demo (needs root: a namespace per PrfaaS cluster, a shaped link per pair)")
+    p.add_argument("--nodes-per-role", type=int, default=1,
+                   help="--topology: keep this many nodes of each role per cluster (0: all of them)")
     return p
 
 
@@ -129,6 +142,8 @@ def render(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.topology is not None:
+        return run_fleet(args)
     group = None
     try:
         for flag, value in (("--duration", args.duration), ("--rate", args.rate), ("--speedup", args.speedup)):
@@ -162,6 +177,121 @@ def main(argv: list[str] | None = None) -> int:
             group.stop()
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0 if summary["requests_failed"] == 0 else 1
+
+
+def _checked(args) -> workloads.TextSource | None:
+    for flag, value in (("--duration", args.duration), ("--rate", args.rate), ("--speedup", args.speedup)):
+        if not value > 0:
+            raise ConfigError(flag, f"must be > 0, got {value}")
+    if args.output_tokens < 1 or args.max_requests < 1 or args.nodes_per_role < 0:
+        raise ConfigError("--output-tokens", "--output-tokens and --max-requests must be >= 1, --nodes-per-role >= 0")
+    if args.tokenizer == "none":
+        return None
+    from prfaas_sglang.tokenizer import PromptTokenizer
+
+    return workloads.TextSource(PromptTokenizer.load(args.tokenizer))
+
+
+def run_fleet(args) -> int:
+    """``--topology``: the fleet on this box under the workload, then a summary per link and per entry."""
+    import random
+
+    import yaml
+
+    from prfaas_sglang.demo.fleet import FleetNet, fleet_sites, links_mbit, local_fleet
+    from prfaas_sglang.demo.netns import available
+    from prfaas_sglang.topology import parse_topology
+
+    group = None
+    try:
+        text = _checked(args)
+        try:
+            raw = yaml.safe_load(args.topology.read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError("--topology", f"cannot read {args.topology}: {err}") from None
+        parse_topology(raw, str(args.topology), args.topology.parent)  # refused by field path before any namespace
+        if (why := available()) is not None:
+            raise ConfigError("--topology", f"the fleet's namespaces and shaped links {why}")
+        prfaas, pd = fleet_sites(raw)
+        shares = {name: raw["clusters"][name].get("entry_share") for name in pd}
+        requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
+                                      args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
+        rng = random.Random(args.seed)
+        if all(v is not None for v in shares.values()):
+            requests = [dataclasses.replace(a, headers={"x-prfaas-entry": rng.choices(pd, [shares[n] for n in pd])[0]})
+                        for a in requests]
+        log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-fleet-"))
+        with FleetNet(pd, prfaas, links_mbit(raw, args.speedup, args.kv_scale)) as net:
+            doc = local_fleet(raw, net, speedup=args.speedup, kv_scale=args.kv_scale, nodes_per_role=args.nodes_per_role or None,
+                              scheduler={"workload": workloads.prior(args.workload, args.max_input_tokens),
+                                         "output_tokens": args.output_tokens},
+                              model={k: v for k, v in (("tokenizer", None if args.tokenizer == "none" else args.tokenizer),
+                                                       ("served_name", SERVED_NAME)) if v is not None})
+            group = ProcessGroup(log_dir)
+            wrap = {n["name"]: net.nets[site].wrap for site in prfaas for n in doc["clusters"][site]["nodes"]}
+            context = ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens))
+            deployment = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")},
+                                          wrap=wrap)
+            results, wall_s = asyncio.run(replay(deployment.router.url, requests))
+            status = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)
+            sent = {f"{p}->{d}": net.sent_bytes(p, d) for p, d in net.links_mbit}
+            summary = summarize_fleet(args, requests, results, wall_s, status, sent, log_dir)
+    except PrfaasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    finally:
+        if group is not None:
+            group.stop()
+    print(json.dumps(summary, indent=2) if args.json else render_fleet(summary))
+    return 0 if summary["requests_failed"] == 0 else 1
+
+
+def summarize_fleet(args, requests, results: list[RequestResult], wall_s: float, status: dict, sent: dict[str, int],
+                    log_dir: Path) -> dict:
+    ok = [r for r in results if r.ok]
+    rejected = sum(r.rejected for r in results)
+    links = {}
+    for name, pair in status["pairs"].items():
+        mine = [r for r in ok if r.link == name]  # the requests whose KV crossed this link
+        ttfts = [r.ttft_s for r in mine if r.ttft_s is not None]
+        links[name] = {"offloaded": len(mine), "threshold_tokens": pair["threshold_tokens"],
+                       "capacity_estimate_gbps": pair["controller"]["capacity_est_bps"] / 1e9,
+                       "kv_sent_mb": sent.get(name, 0) / 1e6, "ttft_p50_s": percentile(ttfts, 0.5)}
+    entries = {}
+    for a, r in zip(requests, results, strict=True):
+        entry = (a.headers or {}).get("x-prfaas-entry", "global")
+        e = entries.setdefault(entry, {"requests": 0, "ok": 0, "local": 0, "ttfts": []})
+        e["requests"] += 1
+        e["ok"] += r.ok
+        e["local"] += r.ok and r.route.startswith("pd/")
+        if r.ok and r.ttft_s is not None:
+            e["ttfts"].append(r.ttft_s)
+    return {"topology": str(args.topology), "workload": args.workload, "wall_s": wall_s, "speedup": args.speedup,
+            "requests_ok": len(ok), "requests_rejected": rejected, "requests_failed": len(results) - len(ok) - rejected,
+            "errors": sorted({r.error for r in results if r.error})[:5],
+            "offload_fraction": sum(r.route.startswith("prfaas/") for r in ok) / len(ok) if ok else 0.0,
+            "links": links,
+            "entries": {k: {"requests": v["requests"], "ok": v["ok"], "prefilled_locally": v["local"],
+                            "ttft_p50_s": percentile(v["ttfts"], 0.5),
+                            "ttft_p90_s": percentile(v["ttfts"], 0.9)} for k, v in entries.items()},
+            "logs": str(log_dir)}
+
+
+def render_fleet(summary: dict) -> str:
+    lines = [f"fleet {summary['topology']}: {summary['requests_ok']} ok / {summary['requests_rejected']} rejected / "
+             f"{summary['requests_failed']} failed in {summary['wall_s']:.1f} s (speedup {summary['speedup']:g}), "
+             f"offload {summary['offload_fraction']:.2f}"]
+    for name, link in summary["links"].items():
+        p50 = "-" if link["ttft_p50_s"] is None else f"{link['ttft_p50_s']:.3f} s"
+        lines.append(f"  link {name:<28} {link['offloaded']:4d} offloaded, t {link['threshold_tokens'] / 1000:.1f}K, "
+                     f"capacity est {link['capacity_estimate_gbps']:.2f} Gbps, KV {link['kv_sent_mb']:.1f} MB, TTFT p50 {p50}")
+    for name, entry in summary["entries"].items():
+        p50 = "-" if entry["ttft_p50_s"] is None else f"{entry['ttft_p50_s']:.3f} s"
+        lines.append(f"  entry {name:<27} {entry['ok']}/{entry['requests']} ok, {entry['prefilled_locally']} prefilled "
+                     f"locally, TTFT p50 {p50}")
+    lines += [f"error: {e}" for e in summary["errors"]]
+    lines.append(f"logs: {summary['logs']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

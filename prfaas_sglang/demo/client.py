@@ -23,6 +23,7 @@ class Arrival:
     path: str  # /generate | /v1/completions | /v1/chat/completions
     body: dict
     input_tokens: int | None = None  # when the sender knows it (ids); else the usage tells
+    headers: dict[str, str] | None = None  # sent with it (e.g. x-prfaas-entry: the region it enters at)
 
 
 def generate_ids(offset_s: float, tokens: list[int], max_new_tokens: int) -> Arrival:
@@ -41,6 +42,7 @@ class RequestResult:
     input_tokens: int
     status: int | None = None
     route: str = ""  # the PrfaaS router's x-prfaas-route header ("cluster/prefill/decode"), if any
+    link: str = ""  # its x-prfaas-link header: the pair routed in ("prfaas->pd")
     output_tokens: int = 0
     ttft_s: float | None = None
     token_gaps_s: list[float] = field(default_factory=list)
@@ -70,9 +72,10 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
     body = {**arrival.body, "stream": True}
     start = last = time.perf_counter()
     try:
-        async with session.post(url + arrival.path, json=body) as resp:
+        async with session.post(url + arrival.path, json=body, headers=arrival.headers) as resp:
             result.status = resp.status
             result.route = resp.headers.get("x-prfaas-route", "")
+            result.link = resp.headers.get("x-prfaas-link", "")
             if resp.status != 200:
                 result.error = f"{resp.status}: {(await resp.text())[:200]}"
                 if resp.headers.get("Retry-After"):

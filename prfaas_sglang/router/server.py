@@ -459,6 +459,12 @@ async def _chain(first: bytes, rest):
         yield data
 
 
+def _link_header(decision: RouteDecision, service: RouterService) -> str:
+    """The link the KV crossed (``prfaas->pd``), or the PD cluster that prefilled it locally."""
+    pair = decision.pair or service.pair.pair
+    return str(pair) if decision.cluster == "prfaas" else pair.pd
+
+
 async def _run_legs(request: web.Request, service: RouterService, req: EngineRequest, body: ClientBody,
                     lease: Lease, timing: str) -> web.StreamResponse:
     decision = lease.decision
@@ -474,7 +480,7 @@ async def _run_legs(request: web.Request, service: RouterService, req: EngineReq
     # rejection compared with the SLO), beside what the client then sees
     timing += f", ttft-estimate;dur={decision.estimated_ttft_s * 1e3:.3f}"
     headers = {"x-prfaas-route": f"{decision.cluster}/{prefill.name}/{decode.name}", "x-request-id": req.rid,
-               "x-prfaas-link": str(decision.pair or service.pair.pair),
+               "x-prfaas-link": _link_header(decision, service),
                "Server-Timing": timing}
     timeout = service.config.phase_timeout_s
     started = time.perf_counter()
