@@ -28,13 +28,14 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
 
 from prfaas_sglang.errors import ConfigError
 
 _STD_NORMAL = NormalDist()
+SPLIT_CACHE_ENTRIES = 65_536  # thresholds a log-normal remembers its split at (a grid of 128-token steps holds ~1K)
 MOONCAKE_BLOCK_TOKENS = 512
 NEGLIGIBLE_MASS = 1e-12
 
@@ -76,6 +77,8 @@ class TruncatedLogNormal(Workload):
     lo: float
     hi: float
     name: str = "lognormal"
+    # split(t) by t: a fixed prior is split on the same threshold grid at every re-search of every link
+    _splits: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
         if not self.sigma > 0:
@@ -106,6 +109,14 @@ class TruncatedLogNormal(Workload):
         return self._partial_mean(self.lo, self.hi) / self._mass(self.lo, self.hi)
 
     def split(self, threshold_tokens: float) -> Split:
+        done = self._splits.get(threshold_tokens)
+        if done is None:
+            done = self._split(threshold_tokens)
+            if len(self._splits) < SPLIT_CACHE_ENTRIES:
+                self._splits[threshold_tokens] = done
+        return done
+
+    def _split(self, threshold_tokens: float) -> Split:
         t = min(max(threshold_tokens, self.lo), self.hi)
         total = self._mass(self.lo, self.hi)
         # A side whose mass is below NEGLIGIBLE_MASS of the total is empty: its

@@ -9,6 +9,11 @@
 
 Fleet size: ``--prfaas N --pd-prefill N --pd-decode N`` (instances of 8 GPUs); ``--link-gbps``;
 ``--link-drop AT_S:GBPS`` (repeatable) changes the link's capacity mid-run.
+
+A fleet of several clusters: ``--topology FILE`` (e.g. ``launch/fleet-scale.yaml``: 3 PD regions, 2
+PrfaaS sites, 1,024 GPUs); every cluster and link as the file says, arrivals entering per region by
+``entry_share``, ``--load`` x the sum of the pairs' planned capacities (an upper bound: pairs share
+their PrfaaS clusters); ``--link-drop AT_S:GBPS:PRFAAS->PD`` names the link.
 """
 
 from __future__ import annotations
@@ -43,26 +48,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=None)
     p.add_argument("--copies", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topology", type=Path, default=None, help="a fleet of several clusters (case-study or trace "
+                   "arrivals; the fleet-size flags do not apply)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", type=Path, default=None, metavar="DIR")
     return p.parse_args(argv)
 
 
+def _schedule(args: argparse.Namespace) -> list[tuple]:
+    schedule = []
+    for item in args.link_drop:
+        parts = item.split(":", 2)
+        try:
+            at_s, gbps = float(parts[0]), float(parts[1])
+        except (ValueError, IndexError):
+            raise ConfigError("--link-drop", f"expected AT_S:GBPS[:PRFAAS->PD], got {item!r}") from None
+        schedule.append((at_s, gbps, *parts[2:]))
+    return schedule
+
+
+def build_topology(args: argparse.Namespace) -> tuple[Simulation, list, float]:
+    """``--topology``: the fleet of the file, arrivals entering per ``entry_share``."""
+    import yaml
+
+    from prfaas_sglang.topology import parse_topology
+
+    try:
+        doc = yaml.safe_load(args.topology.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError("--topology", f"cannot read {args.topology}: {err}") from None
+    if args.scenario == "shift":
+        raise ConfigError("--scenario", "shift runs the long-term controller, which plans one PD cluster")
+    topology = parse_topology(doc, str(args.topology), args.topology.parent)
+    try:
+        sim = Simulation(doc, SimSettings(link_schedule=tuple(_schedule(args))))
+    except ValueError as err:
+        raise ConfigError("--link-drop", str(err)) from None
+    shares = {name: c.entry_share for name, c in topology.clusters.items() if c.kind == "pd" and c.entry_share}
+    if args.scenario == "trace":
+        if args.trace is None:
+            raise ConfigError("--trace", "the trace scenario needs a Mooncake-format trace file")
+        requests = arrivals.entering(arrivals.trace(args.trace, args.copies), shares, args.seed)
+        return sim, requests, max(r.arrival_s for r in requests)
+    planned = sum(ps.runtime.capacity_rps() for ps in sim.service.pairs.values())
+    rate = args.rate if args.rate is not None else args.load * planned
+    requests = list(arrivals.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens))
+    return sim, arrivals.entering(requests, shares, args.seed), args.duration_s
+
+
 def build(args: argparse.Namespace) -> tuple[Simulation, list, float]:
     """The simulation, its arrivals and the measured window's end."""
+    if args.topology is not None:
+        return build_topology(args)
     n_prefill = args.pd_prefill
     if n_prefill is None:
         n_prefill = FleetSpec(args.prfaas, 1, args.pd - 1, args.link_gbps).planner_split().n_prefill
     if not 1 <= n_prefill < args.pd:
         raise ConfigError("--pd-prefill", f"must be in 1..{args.pd - 1}, got {n_prefill}")
     fleet = FleetSpec(args.prfaas, n_prefill, args.pd - n_prefill, args.link_gbps)
-    schedule = []
-    for item in args.link_drop:
-        try:
-            at_s, gbps = (float(x) for x in item.split(":"))
-        except ValueError:
-            raise ConfigError("--link-drop", f"expected AT_S:GBPS, got {item!r}") from None
-        schedule.append((at_s, gbps))
+    schedule = _schedule(args)
+    if any(len(change) > 2 for change in schedule):
+        raise ConfigError("--link-drop", "a one-pair fleet has one link: AT_S:GBPS")
     longterm = LongTermSettings() if args.scenario == "shift" and not args.fixed_split else None
     sim = Simulation(fleet, SimSettings(longterm=longterm, link_schedule=tuple(schedule)))
     if args.scenario == "trace":
@@ -87,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = time.perf_counter() - started
     warmup = min(args.warmup_s, end_s / 2)
     summary = summarize(sim, warmup, end_s)
-    summary.update({"scenario": args.scenario, "gpus": sim.fleet.gpus, "requests": len(requests),
-                    "wall_s": round(wall_s, 2), "fleet": {"prfaas": sim.fleet.n_prfaas, "pd_prefill": sim.fleet.n_prefill,
-                                                          "pd_decode": sim.fleet.n_decode, "link_gbps": sim.fleet.link_gbps},
-                    "planner_lambda_max_rps": sim.runtime.capacity_rps(),
+    fleet = ({"prfaas": sim.fleet.n_prfaas, "pd_prefill": sim.fleet.n_prefill, "pd_decode": sim.fleet.n_decode,
+              "link_gbps": sim.fleet.link_gbps} if sim.fleet is not None else
+             {"topology": str(args.topology), "links": sim.series[-1]["links"] if sim.series else {}})
+    summary.update({"scenario": args.scenario, "gpus": sim.gpus, "requests": len(requests),
+                    "wall_s": round(wall_s, 2), "fleet": fleet,
+                    "planner_lambda_max_rps": sum(ps.runtime.capacity_rps() for ps in sim.service.pairs.values()),
                     "final_threshold_tokens": sim.service.controller.threshold_tokens,
                     "events": [[round(t, 1), what] for t, what in sim.events]})
     if args.plot is not None:
@@ -98,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
-        print(f"{args.scenario}: {sim.fleet.gpus} GPUs, {len(requests)} requests, simulated in {wall_s:.1f} s")
+        print(f"{args.scenario}: {sim.gpus} GPUs, {len(requests)} requests, simulated in {wall_s:.1f} s")
         print(f"  goodput {summary['goodput_rps']:.3f} req/s of {summary['offered_rps']:.3f} offered "
               f"(SLO attainment {summary['slo_attainment']:.1%}); TTFT p50/p90 {summary['ttft_s']['p50']}/{summary['ttft_s']['p90']} s; "
               f"TBT p50/p90 {summary['tbt_ms']['p50']}/{summary['tbt_ms']['p90']} ms")

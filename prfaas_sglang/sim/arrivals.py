@@ -61,6 +61,18 @@ def trace(path: Path, copies: int = 1, limit: int | None = None, time_scale: flo
     return out
 
 
+def entering(requests: list[SimRequest], shares: dict[str, float], seed: int) -> list[SimRequest]:
+    """``requests``, each entering at a PD cluster drawn by ``shares`` (cluster -> share of arrivals; a
+    fleet's ``entry_share``); empty ``shares``: one global entry (unchanged)."""
+    if not shares:
+        return requests
+    rng = random.Random(seed * 7919 + 1)
+    names, weights = list(shares), list(shares.values())
+    for req in requests:
+        req.entry = rng.choices(names, weights)[0]
+    return requests
+
+
 def median_shift_phases(at_s: float, factor: float = 2.0) -> tuple[tuple[float, dict], ...]:
     """The case study's lengths, then from ``at_s`` the same with the median times ``factor``."""
     shifted = dict(CASE_STUDY, mu=CASE_STUDY["mu"] + math.log(factor))

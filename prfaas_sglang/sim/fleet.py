@@ -1,12 +1,15 @@
-"""A simulated PrfaaS-PD deployment driven by the product's own policy objects.
+"""A simulated PrfaaS-PD deployment, or a fleet of several clusters, driven by the product's own
+policy objects.
 
 The router here *is* the router's pure core: a :class:`~prfaas_sglang.router.service.RouterService`
-built by ``new_service`` from a topology document (``runtime.from_topology``, the one place a
-deployment model is built), so every request is placed by ``policy.route`` on the same snapshot the
-live router takes, the threshold controller gets the same link view (a
-:class:`~prfaas_sglang.wire.telemetry.LinkSample` from the simulated link) and queue ledgers, the
-KV index gets the events a worker publishes, and the long-term controller (``router.longterm``)
-converts nodes. Only the I/O differs: SimPy events instead of HTTP, ZMQ and Mooncake.
+built by ``new_service`` from a topology document (``runtime.pair_models``, the one place a
+deployment model is built), so every request is placed by ``fleet.route_fleet`` / ``policy.route``
+on the same snapshots the live router takes, each link's threshold controller gets the same link
+view (a :class:`~prfaas_sglang.wire.telemetry.LinkSample` from that simulated link) and queue
+ledgers, the KV index gets the events a worker publishes, and the long-term controller
+(``router.longterm``, one-pair deployments) converts nodes. Only the I/O differs: SimPy events
+instead of HTTP, ZMQ and Mooncake. A fleet (``Simulation(topology_doc)``) has a processor-shared
+link per PrfaaS -> PD pair and a node timing per cluster (its own accelerator or profile).
 
 One request::
 
@@ -60,9 +63,9 @@ from prfaas_sglang.router.workers import (
     WorkerRecord,
     workers_from_topology,
 )
-from prfaas_sglang.runtime import RuntimeModel, from_topology
+from prfaas_sglang.runtime import RuntimeModel, from_topology, pair_models
 from prfaas_sglang.sim.nodes import DecodeNode, PrefillNode, SharedLink, SimRequest
-from prfaas_sglang.topology import parse_topology
+from prfaas_sglang.topology import SitePair, parse_topology
 from prfaas_sglang.wire.blocks import HASH_SCHEME
 from prfaas_sglang.wire.kv_events import BlockRemoved, BlockStored, StateStored
 from prfaas_sglang.wire.telemetry import LinkSample
@@ -136,7 +139,8 @@ class SimSettings:
     sample_interval_s: float = 10.0  # time series and long-term samples
     longterm: LongTermSettings | None = None  # None: the split stays fixed
     switch_s: float = 60.0  # a drained node is down this long while it changes role
-    link_schedule: tuple[tuple[float, float], ...] = ()  # (at_s, gbps): the link's capacity changes
+    # (at_s, gbps) or (at_s, gbps, "prfaas->pd"): a link's capacity changes (two fields: the first link)
+    link_schedule: tuple[tuple, ...] = ()
     mode: BandwidthMode = BandwidthMode.SCARCE
     admission_timeout_s: float = 60.0
     threshold: ControllerSettings = field(default_factory=ControllerSettings)
@@ -155,21 +159,35 @@ class SimSettings:
 
 
 class Simulation:
-    def __init__(self, fleet: FleetSpec, settings: SimSettings | None = None):
-        self.fleet, self.settings = fleet, settings or SimSettings()
+    def __init__(self, fleet: FleetSpec | dict, settings: SimSettings | None = None):
+        """``fleet``: a one-pair :class:`FleetSpec`, or the topology document of any fleet (model units:
+        its ``emulation:`` section is ignored)."""
+        self.settings = settings or SimSettings()
+        self.fleet = fleet if isinstance(fleet, FleetSpec) else None
         self.env = simpy.Environment()
-        topology = parse_topology(fleet.topology(), "simulated fleet")
-        self.runtime: RuntimeModel = fleet.runtime()
-        self.timing = {kind: load_timing(cost.engine_profile, 1.0, 1.0, int(self.runtime.decode.bs_max))
-                       for kind, cost in self.runtime.costs.items()}
+        topology = parse_topology(fleet.topology() if isinstance(fleet, FleetSpec) else fleet, "simulated fleet")
+        self.topology = topology
+        models = pair_models(topology, emulated=False)
+        self.runtime: RuntimeModel = next(iter(models.values()))  # the first pair's (a one-pair fleet's own)
+        self.timing = {}
+        for pair, model in models.items():
+            for kind, site in ((PD, pair.pd), (PRFAAS, pair.prfaas)):
+                if site is not None and site not in self.timing:
+                    self.timing[site] = load_timing(model.costs[kind].engine_profile, 1.0, 1.0, int(model.decode.bs_max))
         s = self.settings
         config = RouterConfig(mode=s.mode, admission_timeout_s=s.admission_timeout_s, controller=s.threshold,
                               max_ttft_s=s.max_ttft_s, ttft_target_s=s.ttft_target_s, calibration=s.calibration)
         records = workers_from_topology(topology)
-        self.service = new_service(config, self.runtime, records)
+        self.service = new_service(config, models, records)
+        if s.longterm and self.service.is_fleet():
+            raise ValueError("the long-term controller plans one PD cluster: not on a fleet of several")
         self.longterm = LongTermController(self.runtime, s.longterm) if s.longterm else None
         self.service.longterm = self.longterm  # the service records each routed request into it, as the router's does
-        self.link = SharedLink(self.env, fleet.link_gbps * 1e9)
+        self.links = {pair: SharedLink(self.env, model.link_bps) for pair, model in models.items() if pair.prfaas}
+        self.link = next(iter(self.links.values()), None) or SharedLink(self.env, self.runtime.link_bps)
+        for change in s.link_schedule:  # a link named that the fleet does not have: refused now, not mid-run
+            if len(change) > 2:
+                self._pair_named(change[2])
         self.nodes: dict[str, PrefillNode | DecodeNode] = {}
         self.requests: list[SimRequest] = []
         self.blocked: deque[SimRequest] = deque()
@@ -181,10 +199,15 @@ class Simulation:
         for record in records.values():
             self._bring_up(record, record.role)
 
+    @property
+    def gpus(self) -> int:
+        """GPUs of every engine node (tp_size, 8 where the topology says none)."""
+        return sum(n.tp_size or 8 for n in self.topology.nodes if n.cluster in self.timing)
+
     # --- nodes ---------------------------------------------------------------------------
 
     def _timing(self, record: WorkerRecord) -> EngineTiming:
-        return self.timing[PRFAAS if record.cluster == PRFAAS else PD]
+        return self.timing[record.site]
 
     def _bring_up(self, record: WorkerRecord, role: str) -> None:
         timing = self._timing(record)
@@ -227,7 +250,7 @@ class Simulation:
         request = RouteInput(req.input_tokens, req.kv_tokens,
                              self.service.index.match(req.input_ids, {BLOCK: blocks}).by_worker if blocks else {})
         try:
-            decision = self.service.decide(request, set(), self.env.now)
+            decision = self.service.decide(request, set(), self.env.now, req.entry)
         except NoDecodeRoom:
             return False
         except NoHealthyWorker as err:
@@ -250,8 +273,9 @@ class Simulation:
         self._completed["prfaas" if node.cluster == PRFAAS else "pd-prefill"] += 1
         self._publish(node, req)
         if node.cluster == PRFAAS:  # the prefill leg ends when its KV has shipped, as SGLang's (and the router sees)
-            req.kv_bytes = self.runtime.kv_bytes(req.input_tokens)
-            self.link.send(req, req.kv_bytes, self._kv_arrived)
+            pair = req.lease.pair
+            req.kv_bytes = self.service.pairs[pair].runtime.kv_bytes(req.input_tokens)
+            self.links[pair].send(req, req.kv_bytes, self._kv_arrived)
         else:
             self.service.prefill_done(req.lease)
             self._kv_arrived(req)
@@ -300,29 +324,37 @@ class Simulation:
 
     def _control(self):
         interval = self.settings.control_interval_s
-        last = (0.0, 0.0, 0.0)  # delivered bytes, busy s, offered bytes at the previous tick
+        last = {pair: (0.0, 0.0, 0.0) for pair in self.links}  # delivered bytes, busy s, offered bytes at the previous tick
         while True:
             yield self.env.timeout(interval)
-            self.link._advance()
-            delivered, busy, offered = (self.link.delivered_bytes - last[0], self.link.busy_s - last[1],
-                                        self.link.offered_bytes - last[2])
-            last = (self.link.delivered_bytes, self.link.busy_s, self.link.offered_bytes)
-            prfaas = [n for n, r in self.service.workers.items() if r.cluster == PRFAAS and r.role == "prefill"]
-            if prfaas:
-                sample = LinkSample(prfaas[0], self.env.now, 8 * delivered / interval, min(busy / interval, 1.0),
-                                    8 * delivered / busy if busy > 0.05 * interval and delivered > 0 else None,
-                                    len(self.link.flows), 0, interval, 8 * offered / interval,
-                                    int(self.link.backlog_bytes()))
-                self.service.link.update(prfaas[0], sample, self.env.now)
+            for pair, link in self.links.items():
+                link._advance()
+                delivered, busy, offered = (link.delivered_bytes - last[pair][0], link.busy_s - last[pair][1],
+                                            link.offered_bytes - last[pair][2])
+                last[pair] = (link.delivered_bytes, link.busy_s, link.offered_bytes)
+                prfaas = [n for n, r in self.service.workers.items() if r.site == pair.prfaas and r.role == "prefill"]
+                if prfaas:  # the link's telemetry, as its PrfaaS workers' samples split by peer give it
+                    sample = LinkSample(prfaas[0], self.env.now, 8 * delivered / interval, min(busy / interval, 1.0),
+                                        8 * delivered / busy if busy > 0.05 * interval and delivered > 0 else None,
+                                        len(link.flows), 0, interval, 8 * offered / interval, int(link.backlog_bytes()))
+                    self.service.pairs[pair].link.update(prfaas[0], sample, self.env.now)
             self.service.control_tick(self.env.now)
             self._retry_blocked()
 
     def _capacity_changes(self):
-        for at_s, gbps in sorted(self.settings.link_schedule):
+        for change in sorted(self.settings.link_schedule, key=lambda c: c[0]):
+            at_s, gbps = change[0], change[1]
+            link = self.link if len(change) == 2 else self.links[self._pair_named(change[2])]
             if at_s > self.env.now:
                 yield self.env.timeout(at_s - self.env.now)
-            self.link.set_capacity(gbps * 1e9)
-            self.events.append((self.env.now, f"link capacity {gbps:g} Gbit/s"))
+            link.set_capacity(gbps * 1e9)
+            self.events.append((self.env.now, f"link {change[2] if len(change) > 2 else ''} capacity {gbps:g} Gbit/s"))
+
+    def _pair_named(self, name: str) -> SitePair:
+        pair = next((p for p in self.links if str(p) == name), None)
+        if pair is None:
+            raise ValueError(f"no link {name!r} (links: {', '.join(str(p) for p in self.links)})")
+        return pair
 
     def _stage_totals(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
         busy = dict(self._retired_busy)
@@ -367,6 +399,11 @@ class Simulation:
             "egress_gbps": view.egress_bps / 1e9 if view is not None else 0.0,
             "link_capacity_gbps": self.link.capacity_bps / 1e9,
             "capacity_est_gbps": self.service.controller.capacity_est_bps / 1e9,
+            "links": {str(pair): {"threshold_tokens": ps.controller.threshold_tokens,
+                                  "capacity_est_gbps": ps.controller.capacity_est_bps / 1e9,
+                                  "link_capacity_gbps": self.links[pair].capacity_bps / 1e9 if pair in self.links else None,
+                                  "routed": dict(ps.routed)}
+                      for pair, ps in self.service.pairs.items()},
             "busy": {k: (sample.busy_s[k] / (sample.interval_s * sample.instances[k]) if sample.instances[k] else 0.0)
                      for k in sample.busy_s},
             "queued": dict(sample.queued),

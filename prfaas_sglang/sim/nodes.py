@@ -61,6 +61,7 @@ class SimRequest:
     rejected: str | None = None
     lease: object = None
     dispatched_s: float | None = None  # when the router sent its legs (the router's TTFT starts here)
+    entry: str | None = None  # the PD cluster it entered at (it decodes there); None: any (one global entry)
 
     @property
     def kv_tokens(self) -> int:  # the router's ``EngineRequest.kv_tokens``

@@ -124,6 +124,43 @@ def test_link_capacity_drop_is_seen_by_the_threshold_controller():
     assert after[-1]["threshold_tokens"] > before[-1]["threshold_tokens"]
 
 
+def _fleet_run(schedule=()):
+    """launch/multi-cluster.yaml simulated, 3 req/s for 300 s entering 70/30: per (entry, link or local,
+    after 100 s) the requests routed, and the simulation."""
+    import collections
+
+    import yaml
+
+    doc = yaml.safe_load((REPO_ROOT / "launch" / "multi-cluster.yaml").read_text())
+    sim = Simulation(doc, SimSettings(link_schedule=schedule))
+    requests = arrivals.entering(list(arrivals.poisson(3.0, 300, 0, 1024)), {"pd-east": 0.7, "pd-west": 0.3}, 0)
+    sim.run(requests, 500)
+    routed = collections.Counter((r.entry, str(r.lease.pair) if r.cluster == "prfaas" else "local", r.arrival_s >= 100)
+                                 for r in sim.requests if r.lease is not None)
+    return routed, sim
+
+
+def test_a_fleet_decodes_where_requests_enter_and_a_dropped_link_moves_its_own_offload():
+    """Two PrfaaS sites, two PD regions, a link each: every request decodes in its region; when
+    h200 -> east drops to 0.1 Gbit/s at 100 s, its controller's estimate and t follow, east's offload
+    moves to h100 -> east (and local prefill), and west keeps offloading at about its share."""
+    base, _ = _fleet_run()
+    dropped, sim = _fleet_run(((100.0, 0.1, "prfaas-h200->pd-east"),))
+    assert all(sim.service.workers[r.decode_node].site == r.entry for r in sim.requests if r.decode_node)
+    assert base[("pd-east", "prfaas-h200->pd-east", True)] > 60
+    assert dropped[("pd-east", "prfaas-h200->pd-east", True)] <= 0.05 * base[("pd-east", "prfaas-h200->pd-east", True)]
+    assert dropped[("pd-east", "prfaas-h100->pd-east", True)] > 3 * base[("pd-east", "prfaas-h100->pd-east", True)]
+    links = sim.series[-1]["links"]
+    assert links["prfaas-h200->pd-east"]["capacity_est_gbps"] == pytest.approx(0.1, rel=0.2)
+    assert links["prfaas-h200->pd-east"]["threshold_tokens"] > 2 * links["prfaas-h100->pd-east"]["threshold_tokens"]
+
+    def west_offload(c):
+        off = sum(n for (entry, link, late), n in c.items() if entry == "pd-west" and late and link != "local")
+        return off / sum(n for (entry, _, late), n in c.items() if entry == "pd-west" and late)
+
+    assert west_offload(dropped) == pytest.approx(west_offload(base), abs=0.1)
+
+
 @pytest.mark.slow
 def test_cli_json_and_plot(tmp_path):
     out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--scenario", "case-study", "--duration-s", "600",
@@ -148,6 +185,12 @@ def test_cli_refuses_bad_input():
     out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--scenario", "trace", "--trace", "/nonexistent.jsonl"],
                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 2 and "no trace file" in out.stderr
+    fleet = REPO_ROOT / "launch" / "multi-cluster.yaml"
+    for extra, field in ((["--scenario", "shift"], "--scenario"), (["--link-drop", "10:1:prfaas-h300->pd-east"], "--link-drop"),
+                         (["--link-drop", "ten:1"], "--link-drop")):
+        out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--topology", str(fleet), *extra],
+                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        assert out.returncode == 2 and field in out.stderr, (extra, out.stderr)
 
 
 @pytest.mark.slow
