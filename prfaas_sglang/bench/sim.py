@@ -1,6 +1,7 @@
 """The simulator's benchmarks: agreement with the analytic model, with the emulated deployment
 (``bench/sim_vs_emulator.py``), the paper's case study, a workload shift under the long-term
-controller, the simulator's own cost at scale, and the router's calibration against a biased truth.
+controller, the simulator's own cost at scale, the router's calibration against a biased truth, and
+a fleet's global scheduler against the per-region baselines (``bench/sim_fleet.py``).
 
 Every study runs seeded Poisson arrivals through :class:`~prfaas_sglang.sim.fleet.Simulation`
 (the product's routing policy, controllers and KV index) and reports per seed and the spread.
@@ -247,6 +248,10 @@ def run(study: str, seeds: int, trace: Path | None = None) -> dict:
         data = sim_vs_emulator.run(seeds)
     elif study == "bias":
         data = study_bias(seeds)
+    elif study == "fleet":
+        from prfaas_sglang.bench import sim_fleet
+
+        data = sim_fleet.study(seeds)
     else:
         data = study_scale(trace)
     return {"study": study, "seeds": seeds, "data": data, "wall_s": time.perf_counter() - started}
@@ -313,6 +318,10 @@ def render_markdown(result: dict) -> str:
         from prfaas_sglang.bench import sim_vs_emulator
 
         lines += sim_vs_emulator.render_markdown(data)
+    elif study == "fleet":
+        from prfaas_sglang.bench import sim_fleet
+
+        lines += sim_fleet.render_markdown(data)
     elif study == "bias":
         unbiased = {r["router"]: r["capacity_x_bias"] for r in data if r["bias"] == 1.0}
         lines += ["| bias | router | capacity @90% (req/s) | x bias | / unbiased, same router | bracket |",
@@ -332,7 +341,7 @@ def render_markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale", "bias"), required=True)
+    parser.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale", "bias", "fleet"), required=True)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
     parser.add_argument("--json", action="store_true")

@@ -27,6 +27,7 @@ role with an empty cache. The router's runtime model and ``t`` move to the new s
 
 from __future__ import annotations
 
+import collections
 import zlib
 from collections import deque
 from collections.abc import Iterable
@@ -55,7 +56,7 @@ from prfaas_sglang.router.policy import (
     RouteInput,
     refuse_early,
 )
-from prfaas_sglang.router.service import RouterConfig, new_service
+from prfaas_sglang.router.service import RouterConfig, RouterService, new_service
 from prfaas_sglang.router.threshold import ControllerSettings
 from prfaas_sglang.router.workers import (
     WorkerFacts,
@@ -156,6 +157,10 @@ class SimSettings:
     decode_bias: float = 1.0
     noise_sigma: float = 0.0
     seed: int = 0
+    # A fleet's routing: "global", one router over every pair (ours); "regional", a router per PD cluster
+    # over that cluster's pairs only, each keeping its own ledger of the PrfaaS workers they share (a
+    # baseline: uncoordinated regions). A request goes to its entry's router.
+    routers: str = "global"
 
 
 class Simulation:
@@ -177,9 +182,19 @@ class Simulation:
         s = self.settings
         config = RouterConfig(mode=s.mode, admission_timeout_s=s.admission_timeout_s, controller=s.threshold,
                               max_ttft_s=s.max_ttft_s, ttft_target_s=s.ttft_target_s, calibration=s.calibration)
-        records = workers_from_topology(topology)
-        self.service = new_service(config, models, records)
-        if s.longterm and self.service.is_fleet():
+        if s.routers not in ("global", "regional"):
+            raise ValueError(f"routers must be global or regional, got {s.routers!r}")
+        self.routers: dict[str | None, RouterService] = {}
+        if s.routers == "regional":
+            for pd in dict.fromkeys(pair.pd for pair in models):
+                mine = {pair: m for pair, m in models.items() if pair.pd == pd}
+                sites = {pd} | {pair.prfaas for pair in mine}
+                records = {n: r for n, r in workers_from_topology(topology).items() if r.site in sites}
+                self.routers[pd] = new_service(config, mine, records)
+        else:
+            self.routers[None] = new_service(config, models, workers_from_topology(topology))
+        self.service = next(iter(self.routers.values()))  # the router (global), or the first region's
+        if s.longterm and (self.service.is_fleet() or len(self.routers) > 1):
             raise ValueError("the long-term controller plans one PD cluster: not on a fleet of several")
         self.longterm = LongTermController(self.runtime, s.longterm) if s.longterm else None
         self.service.longterm = self.longterm  # the service records each routed request into it, as the router's does
@@ -196,7 +211,7 @@ class Simulation:
         self._retired_busy = {"prfaas": 0.0, "pd-prefill": 0.0, "pd-decode": 0.0}
         self._completed = {"prfaas": 0, "pd-prefill": 0, "pd-decode": 0}
         self._seq: dict[str, int] = {}
-        for record in records.values():
+        for record in {n: r for router in self.routers.values() for n, r in router.workers.items()}.values():
             self._bring_up(record, record.role)
 
     @property
@@ -209,30 +224,42 @@ class Simulation:
     def _timing(self, record: WorkerRecord) -> EngineTiming:
         return self.timing[record.site]
 
+    def _holding(self, name: str) -> list[RouterService]:
+        """The routers that know worker ``name`` (regional routers share the PrfaaS workers)."""
+        return [router for router in self.routers.values() if name in router.workers]
+
     def _bring_up(self, record: WorkerRecord, role: str) -> None:
         timing = self._timing(record)
-        record.role = role
         s = self.settings
         if role == "prefill":
             truth = ServiceTruth(dict(s.prefill_bias).get(record.cluster, 1.0), s.decode_bias, s.noise_sigma,
                                  s.seed * 1_000_003 + zlib.crc32(record.name.encode()))
             node = PrefillNode(self.env, record.name, record.cluster, timing, self.settings.chunk_tokens,
                                self._prefill_done, self.settings.prefix_cache_tokens // BLOCK, truth)
-            self.service.index.add_worker(record.name, record.cluster, BLOCK)
             pool = None
         else:
             node = DecodeNode(self.env, record.name, timing, timing.max_batch, timing.kv_pool_tokens, self._decode_done,
                               s.decode_bias)
-            self.service.index.remove_worker(record.name)
             pool = timing.kv_pool_tokens
         self.nodes[record.name] = node
-        record.facts = WorkerFacts("sim", BLOCK, role, pool, timing.max_batch, None, None, HASH_SCHEME, None, None, None)
-        record.load = WorkerLoad(0, 0, 0, pool)
-        record.healthy, record.draining = True, False
+        for router in self._holding(record.name):  # each router's own record of it
+            mine = router.workers[record.name]
+            if role == "prefill":
+                router.index.add_worker(mine.name, mine.cluster, BLOCK)
+            else:
+                router.index.remove_worker(mine.name)
+            mine.role = role
+            mine.facts = WorkerFacts("sim", BLOCK, role, pool, timing.max_batch, None, None, HASH_SCHEME, None, None, None)
+            mine.load = WorkerLoad(0, 0, 0, pool)
+            mine.healthy, mine.draining = True, False
         self._seq[record.name] = 0
 
     def stage_of(self, name: str) -> str:
-        return self.service.stage_of(self.service.workers[name])
+        router = self._holding(name)[0]
+        return router.stage_of(router.workers[name])
+
+    def _router(self, req: SimRequest) -> RouterService:
+        return self.routers[req.entry] if None not in self.routers else self.routers[None]
 
     # --- requests ------------------------------------------------------------------------
 
@@ -247,19 +274,20 @@ class Simulation:
     def _dispatch(self, req: SimRequest) -> bool:
         """Route and start ``req``; False when it must wait for decode room (the caller queues it)."""
         blocks = req.hash_ids[:(req.input_tokens - 1) // BLOCK]
+        router = self._router(req)
         request = RouteInput(req.input_tokens, req.kv_tokens,
-                             self.service.index.match(req.input_ids, {BLOCK: blocks}).by_worker if blocks else {})
+                             router.index.match(req.input_ids, {BLOCK: blocks}).by_worker if blocks else {})
         try:
-            decision = self.service.decide(request, set(), self.env.now, req.entry)
+            decision = router.decide(request, set(), self.env.now, req.entry)
         except NoDecodeRoom:
             return False
         except NoHealthyWorker as err:
             req.rejected = f"no worker: {err}"
             return True
-        if refuse_early(decision, self.service.config.max_ttft_s):
+        if refuse_early(decision, router.config.max_ttft_s):
             req.rejected = f"estimated TTFT {decision.estimated_ttft_s:.1f} s"
             return True
-        req.lease = self.service.begin(req, decision, self.env.now, 0)
+        req.lease = router.begin(req, decision, self.env.now, 0)
         req.dispatched_s = self.env.now
         node = self.nodes[decision.prefill]
         held = node.cache.match(blocks, self.runtime.hybrid) * BLOCK
@@ -274,10 +302,10 @@ class Simulation:
         self._publish(node, req)
         if node.cluster == PRFAAS:  # the prefill leg ends when its KV has shipped, as SGLang's (and the router sees)
             pair = req.lease.pair
-            req.kv_bytes = self.service.pairs[pair].runtime.kv_bytes(req.input_tokens)
+            req.kv_bytes = self._router(req).pairs[pair].runtime.kv_bytes(req.input_tokens)
             self.links[pair].send(req, req.kv_bytes, self._kv_arrived)
         else:
-            self.service.prefill_done(req.lease)
+            self._router(req).prefill_done(req.lease)
             self._kv_arrived(req)
 
     def _publish(self, node: PrefillNode, req: SimRequest) -> None:
@@ -294,19 +322,20 @@ class Simulation:
                                       lora_id=None))
         states = [StateStored(block_hash=blocks[-1], num_tokens=len(blocks) * BLOCK)] if self.runtime.hybrid else None
         self._seq[node.name] += 1
-        self.service.index.apply(node.name, self._seq[node.name], events, states)
+        for router in self._holding(node.name):  # every router subscribes to the worker's events
+            router.index.apply(node.name, self._seq[node.name], events, states)
 
     def _kv_arrived(self, req: SimRequest) -> None:
         if req.cluster == PRFAAS:
-            self.service.prefill_done(req.lease)
+            self._router(req).prefill_done(req.lease)
         req.kv_arrived_s = self.env.now
         self.nodes[req.decode_node].arrive(req)
 
     def _decode_done(self, node: DecodeNode, req: SimRequest) -> None:
         self._completed["pd-decode"] += 1
         if req.first_token_s is not None:  # the router learns from it at the end (the live one: at the first token)
-            self.service.first_token(req.lease, req.first_token_s - req.dispatched_s, self.env.now)
-        self.service.finish(req.lease)
+            self._router(req).first_token(req.lease, req.first_token_s - req.dispatched_s, self.env.now)
+        self._router(req).finish(req.lease)
         self._retry_blocked()
 
     def _retry_blocked(self) -> None:
@@ -332,13 +361,15 @@ class Simulation:
                 delivered, busy, offered = (link.delivered_bytes - last[pair][0], link.busy_s - last[pair][1],
                                             link.offered_bytes - last[pair][2])
                 last[pair] = (link.delivered_bytes, link.busy_s, link.offered_bytes)
-                prfaas = [n for n, r in self.service.workers.items() if r.site == pair.prfaas and r.role == "prefill"]
-                if prfaas:  # the link's telemetry, as its PrfaaS workers' samples split by peer give it
-                    sample = LinkSample(prfaas[0], self.env.now, 8 * delivered / interval, min(busy / interval, 1.0),
-                                        8 * delivered / busy if busy > 0.05 * interval and delivered > 0 else None,
-                                        len(link.flows), 0, interval, 8 * offered / interval, int(link.backlog_bytes()))
-                    self.service.pairs[pair].link.update(prfaas[0], sample, self.env.now)
-            self.service.control_tick(self.env.now)
+                for router in (r for r in self.routers.values() if pair in r.pairs):
+                    prfaas = [n for n, r in router.workers.items() if r.site == pair.prfaas and r.role == "prefill"]
+                    if prfaas:  # the link's telemetry, as its PrfaaS workers' samples split by peer give it
+                        sample = LinkSample(prfaas[0], self.env.now, 8 * delivered / interval, min(busy / interval, 1.0),
+                                            8 * delivered / busy if busy > 0.05 * interval and delivered > 0 else None,
+                                            len(link.flows), 0, interval, 8 * offered / interval, int(link.backlog_bytes()))
+                        router.pairs[pair].link.update(prfaas[0], sample, self.env.now)
+            for router in self.routers.values():
+                router.control_tick(self.env.now)
             self._retry_blocked()
 
     def _capacity_changes(self):
@@ -361,7 +392,7 @@ class Simulation:
         queued = {"prfaas": 0, "pd-prefill": 0, "pd-decode": len(self.blocked)}
         instances = {"prfaas": 0, "pd-prefill": 0, "pd-decode": 0}
         for name, node in self.nodes.items():
-            stage, record = self.stage_of(name), self.service.workers[name]
+            stage, record = self.stage_of(name), self._holding(name)[0].workers[name]
             if isinstance(node, DecodeNode):
                 node._advance()
                 queued[stage] += len(node.waiting)
@@ -388,13 +419,16 @@ class Simulation:
                     self._apply(replan)
 
     def _record_series(self, sample: StageSample) -> None:
-        routed = self.service.counters.routed
+        routed = collections.Counter()
+        for router in self.routers.values():
+            routed.update(router.counters.routed)
         total = sum(routed.values())
+        workers = {n: r for router in self.routers.values() for n, r in router.workers.items()}
         view = self.service.link.view(self.env.now)
         self.series.append({
             "t_s": self.env.now, "threshold_tokens": self.service.controller.threshold_tokens,
-            "n_prefill": sum(1 for r in self.service.workers.values() if r.cluster == PD and r.role == "prefill"),
-            "n_decode": sum(1 for r in self.service.workers.values() if r.role == "decode"),
+            "n_prefill": sum(1 for r in workers.values() if r.cluster == PD and r.role == "prefill"),
+            "n_decode": sum(1 for r in workers.values() if r.role == "decode"),
             "offload_fraction": routed.get(PRFAAS, 0) / total if total else 0.0,
             "egress_gbps": view.egress_bps / 1e9 if view is not None else 0.0,
             "link_capacity_gbps": self.link.capacity_bps / 1e9,
@@ -403,7 +437,7 @@ class Simulation:
                                   "capacity_est_gbps": ps.controller.capacity_est_bps / 1e9,
                                   "link_capacity_gbps": self.links[pair].capacity_bps / 1e9 if pair in self.links else None,
                                   "routed": dict(ps.routed)}
-                      for pair, ps in self.service.pairs.items()},
+                      for router in self.routers.values() for pair, ps in router.pairs.items()},
             "busy": {k: (sample.busy_s[k] / (sample.interval_s * sample.instances[k]) if sample.instances[k] else 0.0)
                      for k in sample.busy_s},
             "queued": dict(sample.queued),
