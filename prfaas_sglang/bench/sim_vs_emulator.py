@@ -191,3 +191,113 @@ def render_markdown(data: dict) -> list[str]:
                      f"{', '.join(str(r['emulator']['finished']) + '/' + str(r['emulator']['arrived']) for r in rows)} | "
                      f"{', '.join(str(r['sim']['finished']) + '/' + str(r['sim']['arrived']) for r in rows)} | |")
     return lines
+
+
+# --- a fleet of several clusters --------------------------------------------------------------------
+
+FLEET_FILE = Path(__file__).resolve().parents[2] / "launch" / "multi-cluster.yaml"
+
+
+def fleet_docs(raw: dict, output_tokens: int, nodes_per_role: int = 1) -> dict:
+    """The fleet ``raw`` cut to ``nodes_per_role`` nodes of each role per cluster, in model units (what
+    the simulator runs; the emulated side is :func:`prfaas_sglang.demo.fleet.local_fleet` of it)."""
+    import copy
+
+    doc = copy.deepcopy(raw)
+    for cluster in doc["clusters"].values():
+        seen: dict[str, int] = {}
+        kept = []
+        for node in cluster["nodes"]:
+            seen[node["role"]] = seen.get(node["role"], 0) + 1
+            if seen[node["role"]] <= nodes_per_role or cluster["kind"] == "control":
+                kept.append(node)
+        cluster["nodes"] = kept
+    doc["scheduler"] = {**doc.get("scheduler", {}), "workload": PRIOR, "output_tokens": output_tokens}
+    return doc
+
+
+def _entries(plan: list[tuple[float, int]], shares: dict[str, float], seed: int) -> list[str]:
+    rng = random.Random(seed * 7919 + 1)
+    return [rng.choices(list(shares), list(shares.values()))[0] for _ in plan]
+
+
+def simulate_fleet(doc: dict, plan: list[tuple[float, int]], entries: list[str], duration_s: float, warmup_s: float,
+                   speedup: float, ttft_slo_s: float, slo_tokens_per_s: float) -> dict:
+    interval_s, controller = emulated_cadence(speedup)
+    sim = Simulation(doc, SimSettings(admission_timeout_s=ADMISSION_TIMEOUT_S, control_interval_s=interval_s,
+                                      threshold=controller, ttft_target_s=ttft_slo_s))
+    output_tokens = doc["scheduler"]["output_tokens"]
+    blocks, requests = 0, []
+    for i, ((t, n), entry) in enumerate(zip(plan, entries, strict=True)):
+        count = n // 512 + 1
+        requests.append(SimRequest(f"r{i}", t, n, output_tokens, tuple(range(blocks, blocks + count)), entry=entry))
+        blocks += count
+    sim.run(requests, duration_s + 600)
+    window = [r for r in sim.requests if warmup_s <= r.arrival_s < duration_s]
+    done = [r for r in window if r.finish_s is not None]
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    from prfaas_sglang.sim.summary import meets_slo
+
+    links: dict[str, int] = {}
+    for r in done:
+        if r.cluster == "prfaas":
+            links[str(r.lease.pair)] = links.get(str(r.lease.pair), 0) + 1
+    return {"goodput_rps": sum(meets_slo(r, ttft_slo_s, slo_tokens_per_s) for r in done) / (duration_s - warmup_s),
+            "ttft_p50_s": round(percentile(ttft, 0.5), 3) if ttft else None,
+            "ttft_p90_s": round(percentile(ttft, 0.9), 3) if ttft else None,
+            "offload": sum(r.cluster == "prfaas" for r in done) / len(done) if done else None,
+            "finished": len(done), "arrived": len(window), "links": links,
+            "decoded_elsewhere": sum(sim.service.workers[r.decode_node].site != r.entry for r in done)}
+
+
+def run_fleet(seeds: int = 1, load_rps: float = 3.0, duration_s: float = 300.0, warmup_s: float = 30.0,
+              speedup: float = 5.0, kv_scale: float = 0.01, output_tokens: int = 64, log_dir: Path | None = None,
+              fleet_file: Path = FLEET_FILE) -> dict:
+    """The fleet of ``fleet_file`` (one node per role per cluster) emulated (``demo/fleet.py``: a namespace
+    per PrfaaS cluster, a shaped link per pair) and simulated, on the same arrivals entering per the
+    file's ``entry_share``; the threshold controllers run on both."""
+    import yaml
+
+    from prfaas_sglang.demo.fleet import FleetNet, fleet_sites, links_mbit, local_fleet
+    from prfaas_sglang.topology import parse_topology
+
+    raw = yaml.safe_load(fleet_file.read_text())
+    doc = fleet_docs(raw, output_tokens)
+    topology = parse_topology(doc, str(fleet_file), fleet_file.parent)
+    shares = {n: c.entry_share for n, c in topology.clusters.items() if c.kind == "pd" and c.entry_share}
+    slo_s, slo_tps = topology.scheduler.ttft_slo_s or 10.0, topology.scheduler.slo_tokens_per_s or 40.0
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-sim-vs-emu-fleet-"))
+    prfaas, pd = fleet_sites(doc)
+    rows = []
+    for seed in range(seeds):
+        plan = poisson_arrivals(load_rps, duration_s, 1000 * seed + 7, output_tokens)
+        entries = _entries(plan, shares, seed)
+        sim = simulate_fleet(doc, plan, entries, duration_s, warmup_s, speedup, slo_s, slo_tps)
+        group = ProcessGroup(log_dir / f"seed-{seed}")
+        try:
+            with FleetNet(pd, prfaas, links_mbit(doc, speedup, kv_scale)) as net:
+                local = local_fleet(doc, net, speedup=speedup, kv_scale=kv_scale, nodes_per_role=None)
+                wrap = {n["name"]: net.nets[site].wrap for site in prfaas for n in local["clusters"][site]["nodes"]}
+                context = ("--context-tokens", str(PRIOR["max_tokens"] + output_tokens + 16))
+                dep = start_deployment(group, local, "--no-early-rejection", "--admission-timeout-s",
+                                       f"{ADMISSION_TIMEOUT_S / speedup:g}", wrap=wrap,
+                                       engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")})
+                rng = random.Random(seed)
+                arrivals_ = [dataclasses.replace(generate_ids(t / speedup, [rng.randrange(VOCAB) for _ in range(n)],
+                                                              output_tokens), headers={"x-prfaas-entry": entry})
+                             for (t, n), entry in zip(plan, entries, strict=True)]
+                results, _ = asyncio.run(replay(dep.router.url, arrivals_, timeout_s=600))
+        finally:
+            group.stop()
+        emu = measure(results, plan, speedup, slo_s, slo_tps, duration_s, warmup_s)
+        window = [r for r, (t, _) in zip(results, plan, strict=True) if warmup_s <= t < duration_s and r.ok]
+        emu["links"] = {}
+        for r in window:
+            if r.route.startswith("prfaas/"):
+                emu["links"][r.link] = emu["links"].get(r.link, 0) + 1
+        rows.append({"seed": seed, "sim": sim, "emulator": emu,
+                     "ratio": {k: (sim[k] / emu[k] if sim[k] is not None and emu[k] else None)
+                               for k in ("goodput_rps", "ttft_p50_s", "ttft_p90_s", "offload")}})
+    return {"fleet": f"{fleet_file.name}, one node per role per cluster", "load_rps": load_rps, "speedup": speedup,
+            "duration_s": duration_s, "warmup_s": warmup_s, "output_tokens": output_tokens, "rows": rows,
+            "logs": str(log_dir)}

@@ -20,3 +20,19 @@ def test_simulator_agrees_with_the_emulated_deployment_on_the_same_arrivals(tmp_
     assert abs(row["ratio"]["goodput_rps"] - 1) <= 0.1
     for key in ("ttft_p50_s", "ttft_p90_s"):
         assert 0.7 <= row["ratio"][key] <= 1.3, (key, sim[key], emu[key])
+
+
+@pytest.mark.slow
+def test_a_simulated_fleet_agrees_with_the_emulated_fleet_on_the_same_arrivals(tmp_path):
+    """launch/multi-cluster.yaml, one node per role per cluster: 2 PrfaaS clusters, 2 PD regions, a link each
+    shaped on its own (demo/fleet.py) against the simulator's fleet, the same arrivals entering 70/30."""
+    data = sim_vs_emulator.run_fleet(seeds=1, load_rps=1.5, duration_s=90.0, warmup_s=10.0, log_dir=tmp_path)
+    row = data["rows"][0]
+    sim, emu = row["sim"], row["emulator"]
+    assert emu["arrived"] == sim["arrived"] > 100
+    assert emu["finished"] == emu["arrived"] and sim["finished"] == sim["arrived"], emu["errors"]
+    assert sim["decoded_elsewhere"] == 0
+    assert abs(row["ratio"]["goodput_rps"] - 1) <= 0.15
+    assert abs(row["ratio"]["ttft_p50_s"] - 1) <= 0.15, (sim["ttft_p50_s"], emu["ttft_p50_s"])
+    assert abs(sim["offload"] - emu["offload"]) <= 0.1
+    assert set(sim["links"]) == set(emu["links"])  # the same links carry KV on both sides
