@@ -509,16 +509,16 @@ class RouterService:
 
     # --- control ----------------------------------------------------------------------
 
+    def site_queue_s(self, site: str | None) -> float:
+        """Outstanding prefill seconds per routable prefill instance of cluster ``site``, calibrated."""
+        ws = [w for w in self.workers.values() if w.site == site and w.role == "prefill" and w.routable]
+        scale = self.calibration.prefill_scale(site) if ws else 1.0
+        return scale * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
+
     def queues(self, ps: PairState | None = None) -> QueueView:
         """Outstanding prefill seconds per instance of the pair's clusters (default: the first pair's), calibrated."""
         ps = ps or self.pair
-
-        def per_instance(site: str | None) -> float:
-            ws = [w for w in self.workers.values() if w.site == site and w.role == "prefill" and w.routable]
-            scale = self.calibration.prefill_scale(site) if site is not None else 1.0
-            return scale * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
-
-        return QueueView(per_instance(ps.pair.prfaas), per_instance(ps.pair.pd))
+        return QueueView(self.site_queue_s(ps.pair.prfaas), self.site_queue_s(ps.pair.pd))
 
     def control_tick(self, now_s: float) -> dict[SitePair, float]:
         """One step of every link's controller on its view and queues; returns the pairs whose ``t`` changed,
@@ -619,9 +619,7 @@ class RouterService:
                        for w in self.workers.values() if w.site == pair.prfaas and w.telemetry_endpoint]
         for site, kind in self.site_kinds().items():
             where = {"cluster": kind, "site": site}
-            ws = [w for w in self.workers.values() if w.site == site and w.role == "prefill" and w.routable]
-            queue = self.calibration.prefill_scale(site) * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
-            gauges += [("prfaas_router_queue_seconds", where, queue),
+            gauges += [("prfaas_router_queue_seconds", where, self.site_queue_s(site)),
                        ("prfaas_router_prefill_scale", where, self.calibration.prefill_scale(site))]
         gauges += [("prfaas_router_worker_healthy", {"worker": w.name}, int(w.healthy)) for w in self.workers.values()]
         gauges.append(("prfaas_router_decode_scale", {}, self.calibration.decode_scale()))
