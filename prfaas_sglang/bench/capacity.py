@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ from prfaas_sglang.demo.cluster import (
     start_router,
 )
 from prfaas_sglang.demo.netns import Netns
+from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.workload import case_study_lengths, read_trace
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 from prfaas_sglang.topology import parse_topology
@@ -372,11 +374,12 @@ def bucket_first(log: Path, offset: int, workers: int, timeout_s: float = 10.0) 
 # --- one run -------------------------------------------------------------------------------------
 
 
-async def replay_scored(url: str, arrivals: list[Arrival], scored: range, give_up_s: float,
+async def replay_scored(url: str | Callable[[Arrival], str], arrivals: list[Arrival], scored: range, give_up_s: float,
                         finish_s: float) -> list[RequestResult]:
-    """Send ``arrivals`` on schedule (wall offsets); return the scored ones' results. A scored request
-    without a first token ``give_up_s`` after it was sent is abandoned (a miss); one with a first token
-    gets up to ``finish_s`` more to finish. Unscored requests are cancelled once every scored one is done."""
+    """Send ``arrivals`` on schedule (wall offsets) to ``url`` (or to ``url(arrival)``: a router per region);
+    return the scored ones' results. A scored request without a first token ``give_up_s`` after it was
+    sent is abandoned (a miss); one with a first token gets up to ``finish_s`` more to finish. Unscored
+    requests are cancelled once every scored one is done."""
     results = [RequestResult(a.input_tokens or 0) for a in arrivals]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=connector) as session:
@@ -387,7 +390,8 @@ async def replay_scored(url: str, arrivals: list[Arrival], scored: range, give_u
             if delay > 0:
                 await asyncio.sleep(delay)
             result.sent_s = time.perf_counter() - start
-            tasks.append(asyncio.create_task(stream_request(session, url, arrival, result)))
+            target = url if isinstance(url, str) else url(arrival)
+            tasks.append(asyncio.create_task(stream_request(session, target, arrival, result)))
         for i in scored:
             task, result = tasks[i], results[i]
             while not task.done():
@@ -752,7 +756,7 @@ def _render_condition(r: dict) -> str:
     planned = r["planned_capacity_rps"]
     setting = r["setting"]
     lines = [f"**{r['condition']}**: TTFT SLO {r['ttft_slo_s']:g} s, mean TBT <= {1e3 * r['tbt_slo_s']:g} ms (emulated); "
-             f"planned capacity of the hetero deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
+             f"planned capacity of the {r.get('deployment', 'hetero')} deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
              f"{setting['scored_per_seed']} scored arrivals per probe; resolution hi/lo <= {1 + setting['resolution']:g} "
              f"(90%), {1 + setting['resolution_99']:g} (99%); speedup {setting['speedup']:g}, engine noise sigma "
              f"{setting['noise_sigma']:g}; {r['wall_s'] / 60:.0f} min", "",
@@ -782,6 +786,10 @@ def _render_condition(r: dict) -> str:
         lines.append(f"\ncapacity_ratio_vs_best @{float(target):.0%}: **{_f(x['capacity_ratio_vs_best'], '{:.2f}')}** "
                      f"vs {x['best_other']}{spread_txt}; ours / each family's best: {versus}")
     lines += _render_calibration(r)
+    if "global_over" in r:  # a fleet (bench/capacity_fleet.py)
+        lines += ["", f"Entry shares {r['entry_shares']}; the partition (planned for the file's shares): {r['partition']} "
+                      f"({r['partition_planned_rps']:.3f} req/s planned). Global / "
+                      + ", ".join(f"{k} {_f(v, '{:.2f}')}" for k, v in r["global_over"].items())]
     sweep_rows = [(fam, g) for fam, x in r.get("sweep", {}).items() for g in x["grid"] if g["attainment"] or g.get("error")]
     if sweep_rows:
         loads = next(x["loads_x_planned"] for x in r["sweep"].values() if x["loads_x_planned"])
@@ -838,6 +846,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "on, off, and with the true scale given; no peers)")
     cap.add_argument("--rounds", type=int, default=None,
                      help="stop after this many bisection rounds (default 8); the brackets reached are the result")
+    cap.add_argument("--topology", type=Path, default=None,
+                     help="a fleet of several clusters (bench/capacity_fleet.py): the global scheduler against a "
+                          "router per region and the best static partition, on one emulated deployment of the file")
+    cap.add_argument("--entry", default=None, metavar="PD=SHARE,...",
+                     help="--topology: arrivals enter at these shares (the partition stays planned for the file's)")
+    cap.add_argument("--drop-link", default=None, metavar="PRFAAS->PD",
+                     help="--topology: this link's capacity / 4 for one emulated minute")
+    cap.add_argument("--nodes-per-role", type=int, default=None,
+                     help="--topology: keep this many nodes of each role per cluster (default: all)")
     cap.add_argument("--out", type=Path, default=None, help="also write the JSON result here (a piece to --merge)")
     cap.add_argument("--merge", type=Path, nargs="+", default=None,
                      help="merge pieces written with --out (no run) and print them")
@@ -864,6 +881,8 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         inv.error(f"the shaped PrfaaS link {why}")
     if args.workload not in ("case-study", "shift") and not args.workload.startswith("trace:"):
         inv.error("--workload: case-study, shift or trace:PATH")
+    if args.topology is not None:
+        return _fleet_run(args, inv)
     families = rows_mod.FAMILIES if args.families is None else tuple(f for f in args.families.split(",") if f != "none")
     if unknown := set(families) - set(rows_mod.FAMILIES):
         inv.error(f"unknown families {sorted(unknown)}")
@@ -912,6 +931,40 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
               f"{f' --rounds {args.rounds}' if args.rounds else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
               f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")
+    return result, header
+
+
+def _fleet_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]:
+    """``--capacity --topology FILE``: bench/capacity_fleet.py on that fleet."""
+    from prfaas_sglang.bench import capacity_fleet
+
+    if not args.topology.is_file():
+        inv.error(f"--topology: no file {args.topology}")
+    shares = None
+    if args.entry:
+        try:
+            shares = {k.strip(): float(v) for k, v in (item.split("=") for item in args.entry.split(","))}
+        except ValueError:
+            inv.error(f"--entry: expected PD=SHARE,..., got {args.entry!r}")
+        if abs(sum(shares.values()) - 1) > 1e-6 or min(shares.values()) < 0:
+            inv.error("--entry: shares must be >= 0 and sum to 1")
+    if args.nodes_per_role is not None and args.nodes_per_role < 1:
+        inv.error("--nodes-per-role must be >= 1")
+    setting = CapacitySetting(workload=args.workload, speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s or 10.0,
+                              seeds=args.seeds or 3, max_rounds=args.rounds or 8)
+    if args.quick:
+        setting = dataclasses.replace(setting, seeds=1, scored_per_seed=20, warmup_s=10.0, resolution=0.5,
+                                      resolution_99=1.0, max_rounds=3)
+    condition = capacity_fleet.FleetCondition(args.topology, args.nodes_per_role, shares, args.drop_link)
+    try:
+        result = capacity_fleet.run(setting, condition, log=lambda m: print(m, file=sys.stderr, flush=True),
+                                    partial=args.out.with_suffix(".partial.json") if args.out else None)
+    except (ConfigError, KeyError) as err:
+        inv.error(f"--topology: {err}")
+    header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --topology {args.topology}"
+              f"{f' --entry {args.entry}' if args.entry else ''}{f' --drop-link {args.drop_link}' if args.drop_link else ''}"
+              f"{f' --nodes-per-role {args.nodes_per_role}' if args.nodes_per_role else ''} --seeds {setting.seeds} "
+              f"--speedup {setting.speedup:g}; {inv.stamp} -->")
     return result, header
 
 
