@@ -89,10 +89,12 @@ class FleetUp:
 
 
 def region(doc: dict, pd: str) -> dict:
-    """``doc`` with PD cluster ``pd``, the PrfaaS clusters linked to it and the control plane only."""
-    topology = parse_topology(doc)
-    keep = {pd} | {p.prfaas for p in topology.pairs() if p.pd == pd and p.prfaas}
-    keep |= {name for name, c in doc["clusters"].items() if c["kind"] == "control"}
+    """``doc`` with PD cluster ``pd``, the PrfaaS clusters linked to it and the control plane only (a region
+    the partition gives no PrfaaS instance prefills everything itself)."""
+    kinds = {name: c["kind"] for name, c in doc["clusters"].items()}
+    keep = {pd} | {end for link in doc["links"] if pd in (link["from"], link["to"])
+                   for end in (link["from"], link["to"]) if kinds.get(end) == "prfaas"}
+    keep |= {name for name, kind in kinds.items() if kind == "control"}
     out = copy.deepcopy(doc)
     out["clusters"] = {n: c for n, c in out["clusters"].items() if n in keep}
     out["links"] = [link for link in out["links"] if {link["from"], link["to"]} <= keep]

@@ -379,7 +379,8 @@ class Simulation:
             if at_s > self.env.now:
                 yield self.env.timeout(at_s - self.env.now)
             link.set_capacity(gbps * 1e9)
-            self.events.append((self.env.now, f"link {change[2] if len(change) > 2 else ''} capacity {gbps:g} Gbit/s"))
+            named = f"link {change[2]}" if len(change) > 2 else "link"
+            self.events.append((self.env.now, f"{named} capacity {gbps:g} Gbit/s"))
 
     def _pair_named(self, name: str) -> SitePair:
         pair = next((p for p in self.links if str(p) == name), None)
