@@ -51,6 +51,9 @@ OURS = (
         why="ablation: the paper's threshold rule (with the SLO spill of early rejection), admission on"),
     Row("prfaas-rule-only", "ours", "hetero", "prfaas", ("--placement", "threshold", "--no-early-rejection"),
         why="ablation: the paper's threshold rule alone"),
+    Row("prfaas-target-0", "ours", "hetero", "prfaas", ("--ttft-target-s", "0"),
+        why="placement target 0: always the cluster with the lower expected TTFT (the default keeps the rule's "
+            "cluster while it meets the SLO)"),
 )
 
 # Every peer knob in seconds is wall time, and the emulation runs `speedup` times faster: each interval is
