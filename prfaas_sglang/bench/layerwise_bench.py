@@ -142,7 +142,11 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
     sched.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=1, get_kvcache=lambda: p_pool)
     sched.disagg_metadata_buffers = types.SimpleNamespace(set_buf=lambda req: None)
     sched.disagg_prefill_bootstrap_queue = types.SimpleNamespace(kv_manager=prefill)
-    forward_batch = types.SimpleNamespace(token_to_kv_pool=p_pool)
+    # As SGLang's model runner runs a forward: the batch names no KV pool, the forward context does.
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    forward_batch = types.SimpleNamespace()
+    context = ForwardContext(attn_backend=types.SimpleNamespace(token_to_kv_pool=p_pool))
     layer_objs = [types.SimpleNamespace(layer_id=i, k_scale=None, v_scale=None) for i in range(layers)]
     addr = f"127.0.0.1:{boot_port}"
     rng = np.random.default_rng(5)
@@ -171,6 +175,11 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
             got = torch.from_numpy(dst[start:end].astype(np.int64))
 
             def forward(_sched, _batch, locs=locs, got=got, room=room):
+                with forward_context(context):
+                    layers_forward(locs, got, room)
+                return None
+
+            def layers_forward(locs, got, room):
                 nonlocal landed_in_order
                 for i, layer in enumerate(layer_objs):
                     value = float(room * 16 + i + 1)
@@ -186,7 +195,6 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
                             landed_in_order &= not bool((d_pool.k_buffer[i + 1][got] != 0).any())
                     if forward_s:
                         time.sleep(forward_s / layers)
-                return None
 
             stream_forward(forward, sched, batch)
             sched.send_kv_chunk(req, last_chunk=end >= tokens)

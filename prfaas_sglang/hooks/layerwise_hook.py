@@ -300,6 +300,18 @@ def stream_forward(original, scheduler, batch, *args, **kwargs):
 def layer_written(result, layer, q=None, k=None, v=None, forward_batch=None, *args, **kwargs):
     """AFTER hook on ``RadixAttention.forward``: the layer's KV write has been issued."""
     fwd = _FORWARD.get()
-    if fwd is not None and getattr(forward_batch, "token_to_kv_pool", None) is fwd.pool:
+    if fwd is not None and forward_pool(forward_batch) is fwd.pool:
         fwd.streamer.layer_written(fwd, layer.layer_id)
     return None
+
+
+def forward_pool(forward_batch) -> Any:
+    """The KV pool a layer's forward writes: SGLang's ``ForwardBatch`` carries none, the model runner
+    publishes it in the forward context (its attention backend's ``token_to_kv_pool``, a draft model's
+    its own); a batch that names one (the NPU backends') wins. None outside a forward."""
+    pool = getattr(forward_batch, "token_to_kv_pool", None)
+    if pool is not None:
+        return pool
+    from sglang.srt.model_executor import forward_context
+
+    return forward_context.get_token_to_kv_pool() if forward_context.has_forward_context() else None

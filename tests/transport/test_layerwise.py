@@ -197,7 +197,11 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
     req.prefix_indices = torch.from_numpy(token_locs[:cached].astype(np.int64))
     req.disagg_kv_sender = Sender(mgr, room, session, on_send)
     batch = types.SimpleNamespace(reqs=[req], forward_mode=types.SimpleNamespace(is_extend=lambda: True))
-    forward_batch = types.SimpleNamespace(token_to_kv_pool=pool)
+    # As SGLang's model runner runs a forward: the batch names no pool, the forward context does.
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    forward_batch = types.SimpleNamespace()
+    context = ForwardContext(attn_backend=types.SimpleNamespace(token_to_kv_pool=pool))
     layers = [types.SimpleNamespace(layer_id=i) for i in range(NUM_LAYERS)]
     pending_send = None  # overlap: chunk N's send runs after chunk N+1's run_batch
     start, n = cached, 0
@@ -208,8 +212,9 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
         layers_now = streamed[n % len(streamed)]
 
         def forward(_sched, _batch, layers_now=layers_now):
-            for i in sorted(layers_now):
-                layer_written(None, layers[i], None, None, None, forward_batch)
+            with forward_context(context):
+                for i in sorted(layers_now):
+                    layer_written(None, layers[i], None, None, None, forward_batch)
             assert streamer.wait_idle(5.0)
             return "result"
 
@@ -238,6 +243,31 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
     early = [u for (_, _, _, u) in seen if u]
     assert len(early) <= 1 and (not early or cached > decode_prefix)
     assert streamer.ledger.open_chunks() == 0
+
+
+def test_a_layer_counts_when_the_forward_context_holds_the_pool_it_was_planned_on():
+    """SGLang's ForwardBatch names no KV pool: the model runner publishes it in the forward context. A layer
+    of the planned pool is queued; one of another pool (a draft model's), or outside a forward, is not."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from prfaas_sglang.hooks import layerwise_hook
+
+    queued = []
+    streamer = types.SimpleNamespace(layer_written=lambda fwd, layer_id: queued.append(layer_id))
+    pool, draft = object(), object()
+    fwd = layerwise_hook._Forward(streamer, pool, lambda i: i, [])
+    token = layerwise_hook._FORWARD.set(fwd)
+    try:
+        batch = types.SimpleNamespace()  # as a real ForwardBatch: no token_to_kv_pool
+        layerwise_hook.layer_written(None, types.SimpleNamespace(layer_id=0), None, None, None, batch)  # no context
+        for which, layer_id in ((pool, 1), (draft, 2)):
+            with forward_context(ForwardContext(attn_backend=types.SimpleNamespace(token_to_kv_pool=which))):
+                layerwise_hook.layer_written(None, types.SimpleNamespace(layer_id=layer_id), None, None, None, batch)
+        layerwise_hook.layer_written(None, types.SimpleNamespace(layer_id=3), None, None, None,
+                                     types.SimpleNamespace(token_to_kv_pool=pool))  # a batch that names its pool
+    finally:
+        layerwise_hook._FORWARD.reset(token)
+    assert queued == [1, 3]
 
 
 def test_a_request_with_sglangs_fake_sender_is_not_streamed():
