@@ -1,7 +1,10 @@
-"""The only place that looks at SGLang's version.
+"""The only place that looks at SGLang's version, and at what the installed SGLang does itself.
 
 Nothing here imports sglang: the installed version comes from package
-metadata, a tree's version from ``sglang/_version.py``.
+metadata, a tree's version from ``sglang/_version.py``, a marker (a text in a
+file of the tree: :func:`installed_has`) from the installed files. Where a hook,
+a backend or a patch differs between supported releases, the difference is
+decided by such a marker ("upstream does it itself"), never by comparing versions.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from prfaas_sglang._pin import PINNED_SGLANG_VERSION
+from prfaas_sglang._pin import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import UpstreamVersionError
 
@@ -55,6 +58,41 @@ def base_version(version: str) -> str:
         return Version(version).base_version
     except InvalidVersion:
         return version
+
+
+# What of SGLang's own layout decides which of our adapters applies (markers, never versions): SGLang
+# 0.5.15 has a radix cache class per model kind, which our state-reporting caches subclass; 0.5.23
+# has one unified tree, onto which those caches are not ported yet.
+RADIX_TREES = ("sglang/srt/mem_cache/mamba_radix_cache.py", "class MambaRadixCache(")
+
+
+def installed_has(marker: tuple[str, str] | None, root: Path | None = None) -> bool:
+    """Whether ``marker`` (a file under the tree, a text) is in the installed SGLang (``root``: another
+    tree's directory holding ``sglang/``); False for None or where nothing is installed."""
+    if marker is None:
+        return False
+    root = root or installed_sglang_root()
+    if root is None:
+        return False
+    path = root / marker[0]
+    return path.is_file() and marker[1] in path.read_text(errors="replace")
+
+
+def require_supported(found: str | None, where: str) -> None:
+    """Raise :class:`UpstreamVersionError` unless ``found`` is a supported release
+    (:data:`~prfaas_sglang._pin.SUPPORTED_SGLANG_VERSIONS`); ``PRFAAS_ALLOW_SGLANG_VERSION`` names one
+    more that is accepted (rebase trials)."""
+    if found is None:
+        raise UpstreamVersionError(f"sglang is not installed ({where}); supported: "
+                                   + ", ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS))
+    allowed = set(SUPPORTED_SGLANG_VERSIONS)
+    if envs.ALLOW_SGLANG_VERSION.get():
+        allowed.add(base_version(envs.ALLOW_SGLANG_VERSION.get()))
+    if base_version(found) not in allowed:
+        raise UpstreamVersionError(
+            f"{where} has sglang {found}, but this prfaas-sglang supports sglang "
+            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)} (set PRFAAS_ALLOW_SGLANG_VERSION={base_version(found)} to try it anyway)"
+        )
 
 
 def require_pinned(found: str | None, where: str, expected: str = PINNED_SGLANG_VERSION) -> None:

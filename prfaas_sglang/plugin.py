@@ -40,7 +40,12 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prfaas_sglang._compat import installed_sglang_version, require_pinned
+from prfaas_sglang._compat import (
+    RADIX_TREES,
+    installed_has,
+    installed_sglang_version,
+    require_supported,
+)
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import PrfaasError
 
@@ -50,8 +55,11 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class ChangeNotes:
     """What a patch header says (Why, How, Upstream-Status, Removal, Tests), for a hook or a
-    registered backend; ``upstream_marker`` (file under the tree, text) is where a newer SGLang
-    would show that it does this itself (``rebase-check``)."""
+    registered backend. Where it applies is decided by markers (a file under the tree, a text),
+    never by a version compare: ``upstream_marker`` is where an SGLang release shows that it does
+    this itself (the change is *retired* there: not installed, not checked; ``rebase-check``
+    reports it); ``only_if`` names a marker a release must have for the change to apply there
+    (a hook on a target only newer releases have)."""
 
     subject: str
     why: str
@@ -60,6 +68,19 @@ class ChangeNotes:
     removal: str
     tests: str
     upstream_marker: tuple[str, str] | None = None
+    only_if: tuple[str, str] | None = None
+
+    def where(self, root=None) -> str:
+        """``"applies"``, ``"retired"`` (upstream does it itself) or ``"not applicable"`` on the installed
+        SGLang (``root``: another tree's directory holding ``sglang/``)."""
+        if installed_has(self.upstream_marker, root):
+            return "retired"
+        if self.only_if is not None and not installed_has(self.only_if, root):
+            return "not applicable"
+        return "applies"
+
+    def applies(self, root=None) -> bool:
+        return self.where(root) == "applies"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +91,8 @@ class HookSpec(ChangeNotes):
     target: str
     hook: str
     hook_type: str  # "before" | "after" | "around" | "replace"
-    expected_signature: str  # str(inspect.signature(target)) at the pinned release
+    # str(inspect.signature(target)) at each supported release where it applies (the pin's first)
+    expected_signature: str | tuple[str, ...]
 
     def load_hook(self) -> Callable:
         module_name, _, attr = self.hook.partition(":")
@@ -242,7 +264,8 @@ HOOKS: tuple[HookSpec, ...] = (
         target="sglang.srt.layers.radix_attention.RadixAttention.forward",
         hook="prfaas_sglang.hooks.layerwise_hook:layer_written",
         hook_type="after",
-        expected_signature="(self, q, k, v, forward_batch: 'ForwardBatch', save_kv_cache: 'bool' = True, **kwargs)",
+        expected_signature=("(self, q, k, v, forward_batch: 'ForwardBatch', save_kv_cache: 'bool' = True, **kwargs)",
+                            "(self, q, k, v, forward_batch: 'ForwardBatch', save_kv_cache: 'bool' = True, key_value_num_tokens: 'Optional[int]' = None, **kwargs)"),
         subject="[transport] Stream a layer's KV once the forward has written it",
         why=(
             "The only point every attention backend passes after writing a layer's KV (or fusing the "
@@ -341,6 +364,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="not-yet (upstream's fix in sgl-project/sglang#38634 allocates through alloc_req_slots)",
         removal="with patch 0001, when the pinned SGLang has the decode radix cache for Mamba/SSM models",
         tests="tests/engine/test_decode_radix_hybrid.py tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/mem_cache/allocation.py", "def ensure_mamba_capacity("),  # 0.5.23, #38634
     ),
     HookSpec(
         name="decode-contiguous-kv",
@@ -372,7 +396,7 @@ HOOKS: tuple[HookSpec, ...] = (
         target="sglang.srt.disaggregation.decode.DecodePreallocQueue.__init__",
         hook="prfaas_sglang.hooks.decode_stage:start_decode_staging",
         hook_type="after",
-        expected_signature=(
+        expected_signature=((
             "(self, req_to_token_pool: 'ReqToTokenPool', token_to_kv_pool_allocator: 'BaseTokenToKVPoolAllocator', "
             "draft_token_to_kv_pool: 'Optional[KVCache]', req_to_metadata_buffer_idx_allocator: "
             "'ReqToMetadataIdxAllocator', metadata_buffers: 'MetadataBuffers', scheduler: 'Scheduler', "
@@ -380,6 +404,7 @@ HOOKS: tuple[HookSpec, ...] = (
             "tp_rank: 'int', tp_size: 'int', dp_size: 'int', gpu_id: 'int', bootstrap_port: 'int', "
             "max_total_num_tokens: 'int', pp_rank: 'int', num_reserved_decode_tokens: 'int', "
             "transfer_backend: 'TransferBackend')"),
+                            "(self, req_to_token_pool: 'ReqToTokenPool', token_to_kv_pool_allocator: 'BaseTokenToKVPoolAllocator', draft_token_to_kv_pool: 'Optional[KVCache]', req_to_metadata_buffer_idx_allocator: 'ReqToMetadataIdxAllocator', metadata_buffers: 'MetadataBuffers', scheduler: 'Scheduler', transfer_queue: 'DecodeTransferQueue', tree_cache: 'BasePrefixCache', gpu_id: 'int', bootstrap_port: 'int', max_total_num_tokens: 'int', num_reserved_decode_tokens: 'int', transfer_backend: 'TransferBackend')"),
         subject="[transport] A decode worker sets a run of KV pages aside to receive scattered prompts in",
         why=(
             "When the decode pool has no free run for a prompt, its pages are scattered and the prefill "
@@ -402,8 +427,9 @@ HOOKS: tuple[HookSpec, ...] = (
         target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver.send_metadata",
         hook="prfaas_sglang.hooks.decode_stage:redirect_metadata",
         hook_type="around",
-        expected_signature=("(self, kv_indices: 'npt.NDArray[np.int32]', aux_index: 'Optional[int]' = None, "
+        expected_signature=(("(self, kv_indices: 'npt.NDArray[np.int32]', aux_index: 'Optional[int]' = None, "
                             "state_indices: 'Optional[List]' = None, decode_prefix_len: 'Optional[int]' = None)"),
+                            "(self, kv_indices: 'npt.NDArray[np.int32]', aux_index: 'Optional[int]' = None, state_indices: 'Optional[List]' = None, decode_prefix_len: 'Optional[int]' = None, destination: 'KVTransferDestination' = <KVTransferDestination.DEVICE: 'device'>, device_kv_indices: 'Optional[npt.NDArray[np.int32]]' = None)"),
         subject="[transport] A scattered prompt's KV is written into the decode's reserve in one run",
         why="See decode-staging-start: the prefill writes one request per run of the pages the decode names.",
         how=(
@@ -453,6 +479,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="to report (sglang.srt.disaggregation.common.conn: abort notice blocks on a dead peer)",
         removal="when SGLang's abort notice sends without blocking or its receiver sockets get a send timeout",
         tests="tests/transport/test_receiver_sends.py tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/disaggregation/common/conn.py", "envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get() * 1000"),  # 0.5.23: receiver sockets send with a timeout
     ),
     HookSpec(
         name="metadata-send-nonblocking",
@@ -475,6 +502,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="to report (with abort-notify-nonblocking)",
         removal="with abort-notify-nonblocking",
         tests="tests/transport/test_receiver_sends.py tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/disaggregation/common/conn.py", "envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get() * 1000"),
     ),
     HookSpec(
         name="metrics-route-path",
@@ -495,6 +523,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="to propose (sglang.srt.utils.common assumes every route has .path)",
         removal="when SGLang's middleware handles routes without .path, or FastAPI is pinned below 0.165",
         tests="tests/unit/test_http_metrics.py tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/observability/http_request_metrics.py", 'getattr(route, "path", request.url.path)'),
     ),
     HookSpec(
         name="metrics-multiproc-values",
@@ -550,10 +579,11 @@ HOOKS: tuple[HookSpec, ...] = (
         target="sglang.srt.managers.scheduler.Scheduler.__init__",
         hook="prfaas_sglang.hooks.cache_move_hook:start_agent",
         hook_type="after",
-        expected_signature=(
+        expected_signature=((
             "(self, server_args: sglang.srt.server_args.ServerArgs, port_args: sglang.srt.server_args.PortArgs, "
             "gpu_id: int, tp_rank: int, moe_ep_rank: int, pp_rank: int, attn_cp_rank: int, moe_dp_rank: int, "
             "dp_rank: Optional[int])"),
+                            '(self, server_args: sglang.srt.server_args.ServerArgs, port_args: sglang.srt.server_args.PortArgs)'),
         subject="[cache] A prefill scheduler runs the cache-move agent",
         why=(
             "A cache move reads or fills the scheduler's tree and pools, which only the scheduler's "
@@ -597,7 +627,7 @@ class RegistrationSpec(ChangeNotes):
     name: str
     registry: str  # dotted path of the registering function
     selected_by: str
-    overrides: tuple[tuple[str, str], ...]
+    overrides: tuple[tuple[str, str | tuple[str, ...]], ...]  # (target, its signature(s) where this applies)
 
     hook_type = "registry"  # the README table's mechanism column
 
@@ -688,6 +718,33 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         removal="when the pin reaches a release with component KV events and the kv-index reads them",
         tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
         upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
+        only_if=RADIX_TREES,
+    ),
+    RegistrationSpec(
+        name="prfaas-hybrid-unified",
+        registry="sglang.srt.mem_cache.registry.register_radix_cache_backend",
+        selected_by="--radix-cache-backend prfaas-hybrid",
+        overrides=(
+            ("sglang.srt.mem_cache.registry.default_radix_cache_factory", "(ctx: 'TreeCacheBuildContext') -> 'BasePrefixCache'"),
+        ),
+        subject="[cache] prfaas-hybrid on SGLang's unified radix tree: upstream's cache, ours refused where not ported",
+        why=(
+            "SGLang 0.5.23 builds every radix cache as one unified tree (mem_cache/unified_radix_cache.py); the "
+            "caches prfaas-hybrid subclasses on 0.5.15 (MambaRadixCache, SWARadixCache, RadixCache's request "
+            "paths) are gone, so the same server flags must still start a worker there."
+        ),
+        how=(
+            "The same backend name: on a release with the unified tree, hooks/cache_backend.build_unified builds "
+            "what upstream's default chain builds. Not ported yet, and refused rather than silently off: a PrfaaS "
+            "prefill worker's admission (PRFAAS_PREFILL_CACHE; the launcher does not set it there). Not ported: "
+            "the state events (batches carry none: consumers read \"reports no state\"), the decode radix cache "
+            "for Mamba models (upstream serves its own, state-aware), cache import/export."
+        ),
+        upstream_status="port pending (issue #46): the state events onto the unified tree's MAMBA and SWA components",
+        removal="replaced by the port of prfaas-hybrid's caches onto the unified tree",
+        tests="tests/drift/test_hook_targets.py",
+        upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
+        only_if=("sglang/srt/mem_cache/unified_radix_cache.py", "class UnifiedRadixCache("),
     ),
     RegistrationSpec(
         name="prfaas-zmq",
@@ -695,8 +752,11 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         selected_by="--kv-events-config '{\"publisher\": \"prfaas-zmq\", ...}'",
         overrides=(
             ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.__init__",
-             "(self, attn_dp_rank: int, endpoint: str = 'tcp://*:5557', replay_endpoint: Optional[str] = None, "
-             "buffer_steps: int = 10000, hwm: int = 100000, max_queue_size: int = 100000, topic: str = '') -> None"),
+             ("(self, attn_dp_rank: int, endpoint: str = 'tcp://*:5557', replay_endpoint: Optional[str] = None, "
+              "buffer_steps: int = 10000, hwm: int = 100000, max_queue_size: int = 100000, topic: str = '') -> None",
+              "(self, attn_dp_rank: int, endpoint: str = 'tcp://*:5557', replay_endpoint: Optional[str] = None, "
+              "buffer_steps: int = 10000, hwm: int = 100000, max_queue_size: int = 100000, topic: str = '', "
+              "bind: Optional[bool] = None) -> None")),
             ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher.publish",
              "(self, events: sglang.srt.disaggregation.kv_events.EventBatch) -> None"),
             ("sglang.srt.disaggregation.kv_events.ZmqEventPublisher._socket_setup", "(self) -> None"),
@@ -757,11 +817,13 @@ def reaches_hook(obj: object, hook: Callable) -> bool:
     return False
 
 
-def install_hooks(specs: Sequence[HookSpec]) -> None:
-    """Register, apply and verify ``specs``; idempotent. Raises PrfaasError on failure."""
+def install_hooks(specs: Sequence[HookSpec]) -> list[HookSpec]:
+    """Register, apply and verify those of ``specs`` that apply to the installed SGLang (``ChangeNotes.where``);
+    idempotent. Returns them. Raises PrfaasError on failure."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     pending: list[tuple[HookSpec, Callable]] = []
+    specs = [spec for spec in specs if spec.applies()]
     for spec in specs:
         try:
             hook = spec.load_hook()
@@ -776,7 +838,7 @@ def install_hooks(specs: Sequence[HookSpec]) -> None:
         HookRegistry.register(spec.target, hook, HookType(spec.hook_type))
         pending.append((spec, hook))
     if not pending:
-        return
+        return specs
     HookRegistry.apply_hooks()
     failed = [spec for spec, hook in pending if not reaches_hook(resolve_target(spec.target), hook)]
     if failed:
@@ -786,22 +848,25 @@ def install_hooks(specs: Sequence[HookSpec]) -> None:
         )
     for spec, _ in pending:
         logger.info("prfaas_sglang: hook %s installed on %s", spec.name, spec.target)
+    return specs
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def signature_drift(specs: Sequence[HookSpec | RegistrationSpec] = HOOKS + REGISTRATIONS) -> list[str]:
-    """Targets (a hook's, or what a registered backend overrides) whose signature differs from
-    the one recorded at the pin (empty: none)."""
+    """Targets (a hook's, or what a registered backend overrides) whose signature is none of those
+    recorded for the supported releases (empty: none); a spec that does not apply to the installed
+    SGLang is not checked."""
     drift = []
-    for spec in specs:
+    for spec in (s for s in specs if s.applies()):
         pairs = spec.overrides if isinstance(spec, RegistrationSpec) else ((spec.target, spec.expected_signature),)
         for target_path, expected in pairs:
+            accepted = (expected,) if isinstance(expected, str) else expected
             original = inspect.unwrap(resolve_target(target_path))
             found = _ADDRESS.sub("", str(inspect.signature(original)))  # a default that is a function
-            if found != expected:
-                drift.append(f"{target_path}: expected {expected}, found {found}")
+            if found not in accepted:
+                drift.append(f"{target_path}: expected {' or '.join(accepted)}, found {found}")
     return drift
 
 
@@ -822,15 +887,15 @@ def register() -> None:
     from prfaas_sglang.patches import verify_installed
 
     try:
-        require_pinned(installed_sglang_version(), "this environment")
+        require_supported(installed_sglang_version(), "this environment")
         verify_installed()  # the seams the hooks and backends call into (patches/series) are in place
-        install_hooks(HOOKS)
+        installed = install_hooks(HOOKS)
         install_registrations()
     except PrfaasError as err:
         raise HookInstallError(str(err)) from err
     report = envs.HOOK_REPORT.get()
     if report:  # one line per process that verified the hooks (O_APPEND: whole lines from concurrent processes)
-        line = json.dumps({"pid": os.getpid(), "role": envs.ROLE.get(), "hooks": [spec.name for spec in HOOKS],
+        line = json.dumps({"pid": os.getpid(), "role": envs.ROLE.get(), "hooks": [spec.name for spec in installed],
                            "registered": [spec.name for spec in REGISTRATIONS]})
         with open(report, "a") as fh:
             fh.write(line + "\n")

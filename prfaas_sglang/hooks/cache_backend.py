@@ -13,29 +13,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from prfaas_sglang.hooks.decode_radix import DecodeMambaRadixCache
-from prfaas_sglang.hooks.hybrid_cache import (
-    EVENT_PUBLISHER,
-    RADIX_CACHE_BACKEND,
-    AdmissionRadixCache,
-    StateEventsMambaRadixCache,
-    StateEventsSWARadixCache,
-    StateEventsZmqPublisher,
-    cache_capacity,
-    default_builds_mamba_radix_cache,
-    default_builds_radix_cache,
-    default_builds_swa_radix_cache,
-    report_pool_geometry,
-)
-from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
+from prfaas_sglang._compat import RADIX_TREES, installed_has
+from prfaas_sglang.hooks.event_publisher import StateEventsZmqPublisher
+from prfaas_sglang.launch.command import EVENT_PUBLISHER, RADIX_CACHE_BACKEND
 
 
 def build_tree_cache(ctx: Any):
     """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
     caches in place of ``MambaRadixCache`` and ``SWARadixCache`` (on a decode worker with the decode
     radix cache, :class:`~prfaas_sglang.hooks.decode_radix.DecodeMambaRadixCache`). Reports the
-    pools' geometry first (:func:`~prfaas_sglang.hooks.hybrid_cache.report_pool_geometry`)."""
+    pools' geometry first (:func:`~prfaas_sglang.hooks.hybrid_cache.report_pool_geometry`). On a
+    release with the unified tree: :func:`build_unified`."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    if not installed_has(RADIX_TREES):
+        return build_unified(ctx)
+    from prfaas_sglang.hooks.decode_radix import DecodeMambaRadixCache
+    from prfaas_sglang.hooks.hybrid_cache import (
+        AdmissionRadixCache,
+        StateEventsMambaRadixCache,
+        StateEventsSWARadixCache,
+        cache_capacity,
+        default_builds_mamba_radix_cache,
+        default_builds_radix_cache,
+        default_builds_swa_radix_cache,
+        report_pool_geometry,
+    )
+    from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
 
     report_pool_geometry(ctx.params)
 
@@ -47,6 +51,21 @@ def build_tree_cache(ctx: Any):
         return StateEventsSWARadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)))
     if default_builds_radix_cache(ctx) and (admission := admission_from_env(*cache_capacity(ctx.params))) is not None:
         return AdmissionRadixCache(ctx.params, admission)
+    return default_radix_cache_factory(ctx)
+
+
+def build_unified(ctx: Any):
+    """``prfaas-hybrid`` on a release with the unified radix tree (SGLang 0.5.23): upstream's own cache.
+    What our caches add there is not ported yet, and what depends on it is refused rather than silently
+    off: a PrfaaS prefill worker's admission (``PRFAAS_PREFILL_CACHE``) raises ValueError; the cache
+    reports no state events (its batches carry none, which consumers read as "reports no state")."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    from prfaas_sglang.envs import envs
+
+    if envs.PREFILL_CACHE.get() not in (None, "", "off"):
+        raise ValueError("PRFAAS_PREFILL_CACHE (a PrfaaS worker's prefill admission) is not ported to this SGLang's "
+                         "unified radix tree yet; unset it (the launcher: --prefill-cache off)")
     return default_radix_cache_factory(ctx)
 
 

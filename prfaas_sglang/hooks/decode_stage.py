@@ -189,6 +189,8 @@ def reserve_pages(allocator, num_tokens: int) -> tuple[int, int] | None:
 
     if type(allocator).__name__ not in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"):
         return None
+    if getattr(allocator, "num_staged_pages", 0):  # a newer SGLang's pages set aside for later release: not all free
+        return None
     page_size = int(getattr(allocator, "page_size", 1) or 1)
     num_pages = num_tokens // page_size
     total_pages = int(allocator.size) // page_size
@@ -251,16 +253,19 @@ def start_decode_staging(result, queue, *args, **kwargs):
     return None
 
 
-def redirect_metadata(original, receiver, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None):
+def redirect_metadata(original, receiver, kv_indices, *args, **kwargs):
     """AROUND hook on ``MooncakeKVReceiver.send_metadata``: tell the prefill reserve pages for a scattered
-    prompt (see the module)."""
+    prompt (see the module). Every other argument passes through as given; KV sent anywhere but the
+    device pages (a newer SGLang's ``destination``: host staging; or with ``device_kv_indices``) is not
+    redirected."""
     staging = staging_of(receiver.kv_mgr)
-    if staging is not None and kv_indices is not None and receiver.bootstrap_room is not None:
+    to_device = kwargs.get("destination", "device") == "device" and kwargs.get("device_kv_indices") is None
+    if to_device and staging is not None and kv_indices is not None and receiver.bootstrap_room is not None:
         try:
             kv_indices = staging.redirect(int(receiver.bootstrap_room), kv_indices)
         except Exception:  # noqa: BLE001 - the prompt's own pages always work
             logger.exception("prfaas_sglang: redirecting a room's KV into the reserve failed; using its own pages")
-    return original(receiver, kv_indices, aux_index, state_indices, decode_prefix_len)
+    return original(receiver, kv_indices, *args, **kwargs)
 
 
 def land_on_poll(original, receiver):

@@ -11,10 +11,9 @@ registries by :mod:`prfaas_sglang.hooks.cache_backend`):
   ``MambaRadixCache``, it builds :class:`StateEventsMambaRadixCache`, the same
   cache that also records :class:`~prfaas_sglang.wire.kv_events.StateStored` /
   ``StateRemoved``; anywhere else it builds what the default chain builds;
-* the event publisher :data:`EVENT_PUBLISHER` (``--kv-events-config
-  '{"publisher": "prfaas-zmq", ...}'``): SGLang's ZMQ publisher, writing the
-  batch's state events as its 4th element (wire v2), which SGLang 0.5.15's
-  own decoder and every v1 consumer skip.
+* the event publisher ``prfaas-zmq`` (:mod:`prfaas_sglang.hooks.event_publisher`):
+  SGLang's ZMQ publisher, writing the batch's state events as its 4th element
+  (wire v2), which SGLang 0.5.15's own decoder and every v1 consumer skip.
 
 The same backend applies a PrfaaS prefill worker's admission policy
 (:mod:`prfaas_sglang.kvindex.admission`, ``PRFAAS_PREFILL_CACHE``) in the Mamba cache and, for
@@ -38,7 +37,6 @@ from typing import Any
 
 import torch
 from sglang.srt.disaggregation.kv_events import BlockRemoved as SglBlockRemoved
-from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
 from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -46,27 +44,15 @@ from sglang.srt.mem_cache.swa_radix_cache import LRUList as SwaLRUList
 from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
+from prfaas_sglang.hooks.event_publisher import EventsWithState
 from prfaas_sglang.kvindex.admission import Decision, PrefixAdmission
 from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
+from prfaas_sglang.launch.command import RADIX_CACHE_BACKEND  # noqa: F401 (re-exported for decode_radix)
 from prfaas_sglang.protocol import BadRequest, checkpoint_tokens
-from prfaas_sglang.wire.kv_events import KVEventBatch, StateRemoved, StateStored
+from prfaas_sglang.wire.kv_events import StateRemoved, StateStored
 
-RADIX_CACHE_BACKEND = "prfaas-hybrid"
-EVENT_PUBLISHER = "prfaas-zmq"
 MEDIUM = "GPU"  # the device tree; a host tier would report its own medium
 MAX_PENDING_DECISIONS = 65_536  # requests decided but not finished (an aborted waiting request never finishes)
-
-
-class EventsWithState(list):
-    """A cache's block events (the list itself) and its ``state_events``; true when either is
-    non-empty, so SGLang publishes a batch that changed only state."""
-
-    def __init__(self, events: list, state_events: list):
-        super().__init__(events)
-        self.state_events = state_events
-
-    def __bool__(self) -> bool:
-        return bool(len(self) or self.state_events)
 
 
 class _PrefillAdmission:
@@ -488,44 +474,3 @@ def report_pool_geometry(params: Any) -> None:
         line = {"pid": os.getpid(), "error": f"{type(err).__name__}: {err}"}
     with open(path, "a") as fh:
         fh.write(json.dumps(line) + "\n")
-
-
-def to_wire_batch(batch: EventBatch) -> KVEventBatch:
-    """SGLang's batch as wire v2: its events, and as ``state_events`` the cache's state events when
-    the cache reports state (:class:`EventsWithState`), else None."""
-    state_events = getattr(batch.events, "state_events", None)  # the list is encoded as it is, not copied
-    return KVEventBatch(ts=batch.ts, events=batch.events, attn_dp_rank=batch.attn_dp_rank, state_events=state_events)
-
-
-class StateEventsZmqPublisher(ZmqEventPublisher):
-    """SGLang's ZMQ publisher (same sequence numbers, replay buffer and thread) writing wire v2
-    batches (:func:`to_wire_batch`). Its PUB socket binds the endpoint's host (our consumers
-    connect; upstream would connect for a non-wildcard host); when the deployment has a secret,
-    the PUB and the replay ROUTER are both CURVE servers in one context of their own that admit
-    only the deployment's clients, and :meth:`shutdown` closes that context after the sockets."""
-
-    _curve_server = None  # adapters.zmq.CurveServer, when the deployment has a secret
-
-    def publish(self, events: EventBatch) -> None:
-        super().publish(to_wire_batch(events))
-
-    def _socket_setup(self) -> None:
-        import zmq
-
-        from prfaas_sglang.adapters.zmq import CurveKeys, CurveServer, bind_socket
-        from prfaas_sglang.security import load_keys
-
-        if self._pub is None:
-            keys = load_keys()
-            self._curve_server = CurveServer(CurveKeys.from_deployment(keys)) if keys is not None else None
-            if self._curve_server is not None:
-                self._ctx = self._curve_server.ctx  # its ZAP handler belongs to this context
-            self._pub = bind_socket(zmq.PUB, self._endpoint, self._curve_server, hwm=self._hwm)
-        if self._replay_endpoint is not None and self._replay is None:
-            self._replay = bind_socket(zmq.ROUTER, self._replay_endpoint, self._curve_server)
-
-    def shutdown(self) -> None:
-        super().shutdown()  # closes the PUB and replay sockets
-        if self._curve_server is not None:
-            self._curve_server.close()
-            self._curve_server = None

@@ -66,9 +66,9 @@ def _sends_without_blocking(receiver):
         del receiver._connect_to_bootstrap_server
 
 
-def notify_without_blocking(original, self):
+def notify_without_blocking(original, self, *args, **kwargs):
     with _sends_without_blocking(self):
-        return original(self)
+        return original(self, *args, **kwargs)
 
 
 def send_metadata_without_blocking(original, self, *args, **kwargs):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prfaas_sglang._compat import require_pinned
+from prfaas_sglang._compat import require_supported
 from prfaas_sglang.errors import PatchError
 
 # The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): an I/O package;
@@ -22,7 +22,8 @@ from prfaas_sglang.errors import PatchError
 PURE_MODULES = ("unidiff",)
 
 def verify_installed(patches_dir: Path | None = None) -> str:
-    """Check the installed SGLang is the pinned release with every patch applied.
+    """Check the installed SGLang is a supported release with every patch it needs applied (a patch
+    whose Upstream-Marker the release shows is retired there: ``Series.for_tree``).
 
     Returns a one-line summary; raises UpstreamVersionError or PatchError
     (naming what is missing and how to fix it). Reads files only.
@@ -31,9 +32,9 @@ def verify_installed(patches_dir: Path | None = None) -> str:
     from prfaas_sglang.patches.series import load_series
     from prfaas_sglang.patches.tree import default_patches_dir, installed_tree
 
-    series = load_series(patches_dir or default_patches_dir())
     tree = installed_tree()
-    require_pinned(tree.version, tree.label)
+    require_supported(tree.version, tree.label)
+    series = load_series(patches_dir or default_patches_dir()).for_tree(tree.root)
     report = evaluate_tree(series, tree)
     missing = [p.patch.name for p in report.patches if p.status.value != "already applied"]
     if missing:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prfaas_sglang._compat import require_pinned
+from prfaas_sglang._compat import require_pinned, require_supported
 from prfaas_sglang._pin import PINNED_SGLANG_VERSION, REBASE_TARGET_SGLANG_VERSION
 from prfaas_sglang.errors import PatchError, PrfaasError
 from prfaas_sglang.patches import readme as readme_mod
@@ -84,10 +84,17 @@ def cmd_lint(series_dir: Path, args) -> int:
     return 1 if problems else 0
 
 
+def _say_retired(series: Series, tree) -> None:
+    for patch in series.retired_in(tree.root):
+        print(f"{patch.name}: retired on sglang {tree.version} (upstream does it itself: {' :: '.join(patch.upstream_marker)})")
+
+
 def cmd_check(series: Series, args) -> int:
     with tempfile.TemporaryDirectory(prefix="prfaas-check-") as tmp:
         tree = _resolve_target(args.against, Path(tmp))
-        require_pinned(tree.version, tree.label)
+        require_supported(tree.version, tree.label)
+        _say_retired(series, tree)
+        series = series.for_tree(tree.root)
         report = evaluate_tree(series, tree)
         _print_report(report)
     if not report.ok:
@@ -112,8 +119,9 @@ def cmd_apply(series: Series, args) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="prfaas-apply-") as tmp:
         tree = _resolve_target(args.target, Path(tmp))
-        require_pinned(tree.version, tree.label)
-        report = apply_to_tree(series, tree)
+        require_supported(tree.version, tree.label)
+        _say_retired(series, tree)
+        report = apply_to_tree(series.for_tree(tree.root), tree)
         record_created_files(tree)
     _print_report(report)
     applied = sum(1 for p in report.patches if not p.status.value.startswith("already"))

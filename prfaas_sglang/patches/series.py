@@ -69,6 +69,18 @@ class Series:
     directory: Path
     patches: tuple[Patch, ...]
 
+    def for_tree(self, root: Path) -> Series:
+        """The patches a tree (the directory holding ``sglang/``) needs: a patch whose Upstream-Marker
+        is in the tree is retired there (upstream does it itself), neither applied nor required."""
+        from prfaas_sglang._compat import installed_has
+
+        return Series(self.directory, tuple(p for p in self.patches if not installed_has(p.upstream_marker, root)))
+
+    def retired_in(self, root: Path) -> tuple[Patch, ...]:
+        """The patches :meth:`for_tree` leaves out of ``root``."""
+        kept = {p.name for p in self.for_tree(root).patches}
+        return tuple(p for p in self.patches if p.name not in kept)
+
     @property
     def digest(self) -> str:
         """8 hex chars over names and contents, in order; names the patched wheel."""

@@ -76,7 +76,6 @@ def compare(pinned_root: Path, target_root: Path, dotted: str) -> TargetStatus:
 
 def marker_found(target_root: Path, marker: tuple[str, str] | None) -> bool:
     """Whether ``marker``'s text is in its file in the tree (None: the spec names no marker)."""
-    if marker is None:
-        return False
-    path = target_root / marker[0]
-    return path.is_file() and marker[1] in path.read_text(errors="replace")
+    from prfaas_sglang._compat import installed_has
+
+    return installed_has(marker, target_root)
