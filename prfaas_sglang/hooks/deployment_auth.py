@@ -38,12 +38,14 @@ class DeploymentAuthError(PrfaasError, ValueError):
 
 def set_worker_api_key(result, server_args) -> None:
     """AFTER hook: ``result`` is handle_pd_disaggregation's (None)."""
+    from prfaas_sglang.hooks.server_args import decide, resolving
+
     keys = load_keys()
     if keys is None:
         return None
-    current = getattr(server_args, "api_key", None)
+    current = getattr(resolving(server_args), "api_key", None)
     if current is None:
-        server_args.api_key = keys.worker_api_key
+        decide(server_args, "prfaas_sglang.worker-api-key", api_key=keys.worker_api_key)
     elif current != keys.worker_api_key:
         raise DeploymentAuthError("prfaas_sglang: --api-key differs from the key PRFAAS_SECRET_FILE derives; "
                                   "leave --api-key out (the deployment secret sets it)")

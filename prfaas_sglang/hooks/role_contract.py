@@ -31,10 +31,13 @@ def check_role_contract(result, server_args) -> None:
         transport = KvTransport(transport_name) if transport_name else None
     except (ConfigError, ValueError) as err:
         raise RoleContractError(f"prfaas_sglang: {err}") from None
+    from prfaas_sglang.hooks.server_args import resolving
+
+    resolved = resolving(server_args)  # SGLang 0.5.23 declares mooncake_tcp -> mooncake instead of writing it
     problems = role_contract_violations(
         role,
-        getattr(server_args, "disaggregation_mode", None),
-        getattr(server_args, "disaggregation_transfer_backend", None),
+        getattr(resolved, "disaggregation_mode", None),
+        getattr(resolved, "disaggregation_transfer_backend", None),
         transport,
         os.environ,
     )

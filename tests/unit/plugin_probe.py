@@ -35,7 +35,12 @@ def attempt(model_dir: str, env: dict, mode: str, backend: str = "mooncake_tcp")
     os.environ.update(env)
     try:
         args = server_args(model_dir, mode, backend)
-        return {"ok": True, "mode": args.disaggregation_mode, "backend": args.disaggregation_transfer_backend}
+        if hasattr(args, "resolve_once"):  # SGLang 0.5.23 resolves on demand (0.5.15: in __post_init__)
+            args.resolve_once()
+        from prfaas_sglang.hooks.server_args import resolving
+
+        view = resolving(args)
+        return {"ok": True, "mode": view.disaggregation_mode, "backend": view.disaggregation_transfer_backend}
     except BaseException as err:  # noqa: BLE001 - report whatever stops startup
         return {"ok": False, "type": type(err).__name__, "message": str(err)}
 
@@ -46,7 +51,7 @@ def scenario_role_contract(model_dir: str) -> dict:
     load_plugins()  # real entry-point discovery: must find prfaas_sglang.plugin:register
     from prfaas_sglang.plugin import HOOKS, reaches_hook, resolve_target
 
-    installed = {spec.name: reaches_hook(resolve_target(spec.target), spec.load_hook()) for spec in HOOKS}
+    installed = {spec.name: reaches_hook(resolve_target(spec.target), spec.load_hook()) for spec in HOOKS if spec.applies()}
     from sglang.srt.disaggregation.kv_events import EventPublisherFactory
     from sglang.srt.mem_cache.registry import get_radix_cache_factory
 
@@ -120,10 +125,11 @@ def scenario_idempotent(model_dir: str) -> dict:
 
     plugin.register()
     plugin.register()
-    targets = {spec.target for spec in plugin.HOOKS}
+    specs = [spec for spec in plugin.HOOKS if spec.applies()]  # a retired hook registers nothing
+    targets = {spec.target for spec in specs}
     # One registration per hook, however often register() runs (two hooks may share a target).
-    return {"extra_registrations": {t: len(HookRegistry._hooks[t]) - sum(s.target == t for s in plugin.HOOKS)
-                                    for t in targets if len(HookRegistry._hooks[t]) != sum(s.target == t for s in plugin.HOOKS)},
+    return {"extra_registrations": {t: len(HookRegistry._hooks[t]) - sum(s.target == t for s in specs)
+                                    for t in targets if len(HookRegistry._hooks[t]) != sum(s.target == t for s in specs)},
             "targets": len(targets)}
 
 

@@ -42,7 +42,7 @@ def role_contract(probes) -> dict:
 class TestRoleContractThroughSGLang:
     @pytest.mark.slow
     def test_entry_point_installs_every_hook(self, role_contract):
-        assert role_contract["installed"] == {spec.name: True for spec in HOOKS}
+        assert role_contract["installed"] == {spec.name: True for spec in HOOKS if spec.applies()}
 
     def test_entry_point_registers_the_backends_with_sglangs_registries(self, role_contract):
         assert role_contract["registered"] == {"prfaas-hybrid": "build_tree_cache", "prfaas-zmq": "StateEventsZmqPublisher"}
@@ -115,6 +115,22 @@ class TestRoleContractPure:
 
 
 class TestVersionGate:
+    def test_every_supported_release_is_accepted_and_another_refused_with_the_override_named(self, monkeypatch):
+        from prfaas_sglang._compat import require_supported
+        from prfaas_sglang._pin import SUPPORTED_SGLANG_VERSIONS
+
+        monkeypatch.delenv("PRFAAS_ALLOW_SGLANG_VERSION", raising=False)
+        assert {"0.5.15", "0.5.23"} <= set(SUPPORTED_SGLANG_VERSIONS)
+        for version in SUPPORTED_SGLANG_VERSIONS:
+            require_supported(version, "this environment")
+        require_supported("0.5.15+prfaas.abcd1234", "this environment")
+        with pytest.raises(UpstreamVersionError, match="PRFAAS_ALLOW_SGLANG_VERSION=0.5.20"):
+            require_supported("0.5.20", "this environment")
+        monkeypatch.setenv("PRFAAS_ALLOW_SGLANG_VERSION", "0.5.20")
+        require_supported("0.5.20", "this environment")
+        with pytest.raises(UpstreamVersionError, match="not installed"):
+            require_supported(None, "this environment")
+
     def test_other_sglang_version_is_refused_with_the_override_named(self, monkeypatch):
         from prfaas_sglang._compat import require_pinned
 
