@@ -4,9 +4,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prfaas-env-stamp
 
-.PHONY: env test test-fast lint check-patches rebase-check readme clean-env aiperf-env
+.PHONY: env test test-fast test-sglang lint check-patches rebase-check readme clean-env aiperf-env
 
-env: $(STAMP)
+# Another supported SGLang beside the pinned one: `make env SGLANG=0.5.23` adds it as an overlay
+# ($(VENV)/sglang-<version>, scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs every
+# test that touches SGLang's own code (marker sglang) on it.
+SGLANG ?=
+OVERLAY := $(VENV)/sglang-$(SGLANG)
+
+env: $(STAMP) $(if $(SGLANG),$(OVERLAY)/.complete)
+
+$(OVERLAY)/.complete: $(STAMP) $(wildcard requirements/sglang-$(SGLANG).txt) scripts/sglang-overlay.sh
+	VENV=$(VENV) bash scripts/sglang-overlay.sh $(SGLANG)
 
 $(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_sglang/_pin.py patches/series $(wildcard patches/*.patch)
 	VENV=$(VENV) bash scripts/setup-env.sh
@@ -23,6 +32,10 @@ NONE_SELECTED_OK := || [ $$? -eq 5 ]
 test: env
 	$(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "not serial" --durations=30 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 	$(PYTEST) -m serial --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+
+test-sglang: env
+	@test -n "$(SGLANG)" || { echo "make test-sglang SGLANG=<version> (one of prfaas_sglang/_pin.py's supported releases)"; exit 2; }
+	PYTHONPATH=$(OVERLAY) $(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "sglang and not gpu and not serial" $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 
 # The inner loop: everything but the tests marked `slow` (real servers, long benchmarks).
 test-fast: env

@@ -3,7 +3,7 @@
 # scheduled workflow (.github/workflows/upstream-rebase.yml):
 #   1. the patch series onto the new release's wheel (per-patch table);
 #   2. tests/drift (hook targets and signatures) against the new release,
-#      installed --no-deps into a throwaway overlay so .venv keeps the pin.
+#      installed --no-deps into an overlay (scripts/sglang-overlay.sh) so .venv keeps the pin.
 # Usage: scripts/rebase-check.sh [VERSION|latest]   (needs `make env` first)
 # Writes out/rebase/{series.md,drift.txt}; exits non-zero if either check fails.
 set -uo pipefail
@@ -18,12 +18,7 @@ series_rc=${PIPESTATUS[0]}
 version=$(grep -oP 'onto sglang \K\S+' "$OUT/series.md" | head -1)
 if [ -z "$version" ]; then echo "rebase-check did not run" >&2; exit 2; fi
 
-overlay=.cache/rebase-site-$version
-if [ ! -d "$overlay/sglang" ]; then
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$overlay" "sglang==$version"
-fi
-seen=$(PYTHONPATH="$overlay" "$PY" -c "import importlib.metadata as m; print(m.version('sglang'))")
-if [ "$seen" != "$version" ]; then echo "overlay imports sglang $seen, not $version" >&2; exit 2; fi
+overlay=$(VENV="$(dirname "$(dirname "$PY")")" bash scripts/sglang-overlay.sh "$version") || exit 2
 PYTHONPATH="$overlay" PRFAAS_ALLOW_SGLANG_VERSION="$version" "$PY" -m pytest -q -p no:cacheprovider tests/drift 2>&1 | tail -40 | tee "$OUT/drift.txt"
 drift_rc=${PIPESTATUS[0]}
 

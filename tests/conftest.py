@@ -7,7 +7,9 @@ SGLang.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -38,9 +40,25 @@ def pytest_configure(config):
     os.environ["PRFAAS_PORT_RANGE"] = f"{low + index * width}-{low + (index + 1) * width}"
 
 
+# A test module touches SGLang's own code when it imports sglang (anywhere in it), runs one of the
+# probes that do (tests/*/*_probe.py), or drives real SGLang through the CPU harness (``sglang_cpu``).
+_TOUCHES_SGLANG = re.compile(r"^\s*(?:from sglang[\s.]|import sglang\b)|_probe\.py|\bsglang_cpu\b|run_probe\(", re.M)
+
+
+@functools.cache
+def touches_sglang(path: Path) -> bool:
+    """Whether the test module at ``path`` touches SGLang's own code (marker ``sglang``: the subset
+    `make test-sglang SGLANG=VERSION` runs against another supported release); tests/drift always does."""
+    return path.parent.name == "drift" or bool(_TOUCHES_SGLANG.search(path.read_text()))
+
+
 def pytest_collection_modifyitems(config, items):
-    """The files with the most tests marked ``slow`` run first (the order is stable otherwise): under
+    """Marks ``sglang`` where a module touches SGLang's code (:func:`touches_sglang`: a rule, not a list).
+    The files with the most tests marked ``slow`` run first (the order is stable otherwise): under
     pytest-xdist's ``--dist loadfile`` a long file started last would run alone at the end."""
+    for item in items:
+        if touches_sglang(Path(item.path)):
+            item.add_marker(pytest.mark.sglang)
     slow_per_file: dict[str, int] = {}
     for item in items:
         slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)

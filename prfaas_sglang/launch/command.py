@@ -139,14 +139,14 @@ def sglang_keeps_prefill_admission() -> bool:
     return installed_sglang_root() is None or installed_has(RADIX_TREES)
 
 
-def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str, str]) -> dict[str, str]:
+def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str, str],
+                           engine_admits: bool = True) -> dict[str, str]:
     """A PrfaaS node's prefix cache keeps shared prefixes, and one-off prompts only where the cache
     is large enough to hold them until they come back (``auto``, kvindex/admission.py), SGLang or
     emulated: sets ``PRFAAS_PREFILL_CACHE`` in ``env``, or, when ``environ`` has one, leaves it and
-    returns the default as kept (shown by --dry-run)."""
-    if node.role is not Role.PRFAAS:
-        return {}
-    if not sglang_keeps_prefill_admission():
+    returns the default as kept (shown by --dry-run). ``engine_admits`` False: the engine has no admission
+    to set (:func:`sglang_keeps_prefill_admission`)."""
+    if node.role is not Role.PRFAAS or not engine_admits:
         return {}
     if environ.get(envs.PREFILL_CACHE.name):
         return {envs.PREFILL_CACHE.name: PREFILL_CACHE_DEFAULT}
@@ -248,7 +248,7 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
     if node.telemetry_port is not None:
         env["PRFAAS_TELEMETRY_PORT"] = str(node.telemetry_port)  # the kv-telemetry hook publishes there
-    kept = _prefill_cache_default(node, environ, env)
+    kept = _prefill_cache_default(node, environ, env, sglang_keeps_prefill_admission())
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
         if wan_profile:  # the cross-cluster leg's profile, by role
