@@ -6,16 +6,18 @@ STAMP := $(VENV)/.prfaas-env-stamp
 
 .PHONY: env test test-fast test-sglang lint check-patches rebase-check readme clean-env aiperf-env
 
-# Another supported SGLang beside the pinned one: `make env SGLANG=0.5.23` adds it as an overlay
-# ($(VENV)/sglang-<version>, scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs every
-# test that touches SGLang's own code (marker sglang) on it.
+# Every other supported SGLang beside the pinned one, as an overlay ($(VENV)/sglang-<version>,
+# scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs every test that touches SGLang's
+# own code (marker sglang) on it.
+# `make env` builds an overlay for every supported release but the pin (prfaas_sglang/_pin.py).
 SGLANG ?=
 OVERLAY := $(VENV)/sglang-$(SGLANG)
+OTHER_RELEASES := $(shell python3 prfaas_sglang/_pin.py --others)
 
-env: $(STAMP) $(if $(SGLANG),$(OVERLAY)/.complete)
+env: $(STAMP) $(foreach v,$(OTHER_RELEASES),$(VENV)/sglang-$(v)/.complete)
 
-$(OVERLAY)/.complete: $(STAMP) $(wildcard requirements/sglang-$(SGLANG).txt) scripts/sglang-overlay.sh
-	VENV=$(VENV) bash scripts/sglang-overlay.sh $(SGLANG)
+$(VENV)/sglang-%/.complete: $(STAMP) scripts/sglang-overlay.sh requirements/sglang-%.txt
+	rm -f $@ && VENV=$(VENV) bash scripts/sglang-overlay.sh $*
 
 $(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_sglang/_pin.py patches/series $(wildcard patches/*.patch)
 	VENV=$(VENV) bash scripts/setup-env.sh

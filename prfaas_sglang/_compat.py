@@ -78,6 +78,18 @@ def installed_has(marker: tuple[str, str] | None, root: Path | None = None) -> b
     return path.is_file() and marker[1] in path.read_text(errors="replace")
 
 
+def release_root(version: str) -> Path | None:
+    """The directory holding ``sglang/`` of supported release ``version`` here: the installed one, or its
+    overlay beside the environment (``make env`` builds ``<venv>/sglang-<version>``); None where neither is."""
+    import sys
+
+    installed = installed_sglang_version()
+    if installed is not None and base_version(installed) == version:
+        return installed_sglang_root()
+    overlay = Path(sys.prefix) / f"sglang-{version}"
+    return overlay if tree_sglang_version(overlay) == version or (overlay / "sglang").is_dir() else None
+
+
 def require_supported(found: str | None, where: str) -> None:
     """Raise :class:`UpstreamVersionError` unless ``found`` is a supported release
     (:data:`~prfaas_sglang._pin.SUPPORTED_SGLANG_VERSIONS`); ``PRFAAS_ALLOW_SGLANG_VERSION`` names one

@@ -16,4 +16,8 @@ SUPPORTED_SGLANG_VERSIONS = (PINNED_SGLANG_VERSION, "0.5.23")
 REBASE_TARGET_SGLANG_VERSION = "0.5.23"
 
 if __name__ == "__main__":
-    print(PINNED_SGLANG_VERSION)
+    import sys
+
+    # no argument: the pin (setup-env.sh); --others: the other supported releases (the Makefile's overlays)
+    others = [v for v in SUPPORTED_SGLANG_VERSIONS if v != PINNED_SGLANG_VERSION]
+    print(" ".join(others) if sys.argv[1:] == ["--others"] else PINNED_SGLANG_VERSION)

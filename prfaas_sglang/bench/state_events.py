@@ -123,10 +123,10 @@ def run(trace_path: str, requests: int = 200, page_sizes: tuple[int, ...] = (1, 
     from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
     from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 
+    from prfaas_sglang.hooks.event_publisher import to_wire_batch
     from prfaas_sglang.hooks.hybrid_cache import (
         StateEventsMambaRadixCache,
         StateEventsSWARadixCache,
-        to_wire_batch,
     )
     from prfaas_sglang.plan.workload import read_trace
     from prfaas_sglang.wire.kv_events import StateRemoved

@@ -199,7 +199,7 @@ def cmd_readme(series: Series, args) -> int:
 
     path = Path(args.readme)
     if args.print:
-        print(readme_mod.render_table(series, HOOKS + REGISTRATIONS))
+        print(readme_mod.render_table(series, HOOKS + REGISTRATIONS, readme_mod.release_roots()))
         return 0
     current = readme_mod.refresh(path, series, HOOKS + REGISTRATIONS, write=args.write)
     if current:

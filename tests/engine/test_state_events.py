@@ -28,7 +28,7 @@ sglang_kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
-from prfaas_sglang.hooks import cache_backend, hybrid_cache  # noqa: E402
+from prfaas_sglang.hooks import cache_backend, event_publisher, hybrid_cache  # noqa: E402
 
 MAMBA_SLOTS = 6
 KV_TOKENS = 96
@@ -86,7 +86,7 @@ class Wire:
         if not events:
             return
         batch = sglang_kv_events.KVEventBatch(ts=time.time(), events=events)  # as publish_kv_events builds it
-        payload = msgspec.msgpack.encode(hybrid_cache.to_wire_batch(batch))
+        payload = msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
         self.batches.append(payload)
         self.handle([b"kv-events", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
@@ -112,7 +112,7 @@ def test_a_tombstoned_state_stops_the_hit_in_the_index_as_in_the_cache():
     events = real.cache.take_events()
     assert list(events) == [] and events.state_events == [StateRemoved(events.state_events[0].block_hash, 4, "mamba", "GPU")]
     wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"),
-                 msgspec.msgpack.encode(hybrid_cache.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
+                 msgspec.msgpack.encode(event_publisher.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
     assert real.match([1, 2, 3, 4, 9]) == index.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 0
     assert real.match([1, 2, 3, 4, 5, 6, 7]) == index.match([1, 2, 3, 4, 5, 6, 7, 0]).by_worker["w"] == 6
     # The same stream without state events (SGLang's own publisher): the index can only infer and overstates.
@@ -173,7 +173,7 @@ def test_sglangs_own_decoder_reads_a_v2_batch_and_skips_the_state():
     real = RealCache(page_size=1)
     real.insert([5, 6, 7])
     batch = sglang_kv_events.KVEventBatch(ts=1.5, events=real.cache.take_events())
-    payload = msgspec.msgpack.encode(hybrid_cache.to_wire_batch(batch))
+    payload = msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
     theirs = msgspec.msgpack.Decoder(sglang_kv_events.KVEventBatch).decode(payload)
     ours = decode_batch(payload)
     assert [type(e).__name__ for e in theirs.events] == ["AllBlocksCleared"] + ["BlockStored"] * 3
@@ -236,14 +236,14 @@ def test_scheduler_publisher_over_zmq_to_the_kv_index():
 
     cache_backend.register_backends()
     port = PortPicker()()
-    config = json.dumps({"publisher": hybrid_cache.EVENT_PUBLISHER, "endpoint": f"tcp://*:{port}", "topic": "kv-events"})
+    config = json.dumps({"publisher": cache_backend.EVENT_PUBLISHER, "endpoint": f"tcp://*:{port}", "topic": "kv-events"})
     real = RealCache(page_size=1)
     ps = SimpleNamespace(pp_rank=0, attn_tp_rank=0, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0, dp_rank=None)
     publisher = SchedulerKvEventsPublisher(
         kv_events_config=config, ps=ps, attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0, dp_rank=None,
         tree_cache=real.cache, send_metrics_from_scheduler=None, max_running_requests=4, max_total_num_tokens=KV_TOKENS,
         get_stats=lambda: None)
-    assert type(publisher.kv_event_publisher) is hybrid_cache.StateEventsZmqPublisher
+    assert type(publisher.kv_event_publisher) is event_publisher.StateEventsZmqPublisher
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
     sub.connect(f"tcp://127.0.0.1:{port}")
@@ -668,7 +668,7 @@ def test_a_dropped_window_stops_the_hit_in_the_index_as_in_the_cache():
     events = real.cache.take_events()
     assert any(isinstance(e, StateRemoved) and e.component_type == "swa" for e in events.state_events)
     wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"),
-                 msgspec.msgpack.encode(hybrid_cache.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
+                 msgspec.msgpack.encode(event_publisher.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
     wire.seq += 1
     for key in ([1, 2, 3], list(range(1, 7)) + [90], list(range(1, 7)) + [90, 91, 92, 93, 94]):
         assert index.match(key + [0]).by_worker["w"] == real.match(key), key

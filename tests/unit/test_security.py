@@ -264,7 +264,7 @@ def test_sglangs_publisher_binds_the_configured_host_with_curve_for_a_deployment
     from sglang.srt.disaggregation.kv_events import EventBatch
 
     from prfaas_sglang.adapters.zmq import CurveKeys
-    from prfaas_sglang.hooks import hybrid_cache
+    from prfaas_sglang.hooks import event_publisher
     from prfaas_sglang.launch.command import kv_events_config
 
     secret = tmp_path / "s"
@@ -273,7 +273,7 @@ def test_sglangs_publisher_binds_the_configured_host_with_curve_for_a_deployment
     port = _port()
     endpoint = json.loads(kv_events_config(port, "127.0.0.1"))["endpoint"]
     assert endpoint == f"tcp://127.0.0.1:{port}"  # upstream would connect to a non-wildcard host; ours binds
-    publisher = hybrid_cache.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=endpoint, topic="kv-events")
+    publisher = event_publisher.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=endpoint, topic="kv-events")
     curve = CurveKeys.from_deployment(KEYS)
 
     def subscriber(keys):
@@ -306,13 +306,13 @@ def test_sglangs_replay_socket_is_a_curve_server_too_and_shutdown_closes_its_con
     from sglang.srt.disaggregation.kv_events import EventBatch
 
     from prfaas_sglang.adapters.zmq import CurveKeys
-    from prfaas_sglang.hooks import hybrid_cache
+    from prfaas_sglang.hooks import event_publisher
 
     secret = tmp_path / "s"
     secret.write_bytes(b"0123456789abcdef-unit-test-secret")
     monkeypatch.setenv("PRFAAS_SECRET_FILE", str(secret))
     port, replay_port = _port(), _port()
-    publisher = hybrid_cache.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv-events",
+    publisher = event_publisher.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv-events",
                                                      replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
     curve = CurveKeys.from_deployment(KEYS)
 
