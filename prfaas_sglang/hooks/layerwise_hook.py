@@ -122,20 +122,18 @@ class LayerStreamer:
         if room is None:
             return []
         infos = self.manager.transfer_infos.get(room)
-        extend = getattr(req, "extend_range", None)
-        if not infos or extend is None:
+        extend_end, row = _extend_end(req), _pool_row(req)
+        if not infos or extend_end is None or row is None:
             return []
         first_token, first_page = self._cursors.get(room, (req.start_send_idx, sender.curr_idx))
         try:
-            rng = chunk_range(first_token, extend.end, len(req.origin_input_ids), page_size)
+            rng = chunk_range(first_token, extend_end, len(req.origin_input_ids), page_size)
         except ValueError:
             return []
         if rng is None:
             return []
-        from sglang.srt.mem_cache.common import kv_to_page_indices
-
-        src_pages = kv_to_page_indices(req_to_token[req.req_pool_idx, rng.first_token:rng.end_token].cpu().numpy(),
-                                       page_size)
+        token_locs = req_to_token[row, rng.first_token:rng.end_token].cpu().numpy()
+        src_pages = token_locs if page_size == 1 else token_locs[::page_size] // page_size  # send_kv_chunk's pages
         if rng.last:
             self._cursors.pop(room, None)
         else:
@@ -295,6 +293,18 @@ def stream_forward(original, scheduler, batch, *args, **kwargs):
     finally:
         _FORWARD.reset(token)
         streamer.end(fwd)
+
+
+def _extend_end(req) -> int | None:
+    """Where this forward's chunk of ``req`` ends: ``extend_range.end`` (SGLang 0.5.15), ``extend_end`` (0.5.23)."""
+    extend = getattr(req, "extend_range", None)
+    return extend.end if extend is not None else getattr(req, "extend_end", None)
+
+
+def _pool_row(req) -> int | None:
+    """``req``'s row of ``req_to_token``: ``req.req_pool_idx`` (SGLang 0.5.15), ``req.kv.req_pool_idx`` (0.5.23)."""
+    row = getattr(req, "req_pool_idx", None)
+    return row if row is not None else getattr(getattr(req, "kv", None), "req_pool_idx", None)
 
 
 def layer_written(result, layer, q=None, k=None, v=None, forward_batch=None, *args, **kwargs):
