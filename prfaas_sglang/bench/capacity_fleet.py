@@ -44,6 +44,7 @@ from prfaas_sglang.bench.capacity_rows import Row
 from prfaas_sglang.bench.sim_fleet import partitioned
 from prfaas_sglang.bench.sim_vs_emulator import fleet_docs
 from prfaas_sglang.demo import workloads
+from prfaas_sglang.demo.client import completion_text
 from prfaas_sglang.demo.cluster import ProcessGroup, start_deployment, start_router
 from prfaas_sglang.demo.fleet import FleetNet, fleet_sites, links_mbit, local_fleet
 from prfaas_sglang.errors import ConfigError
@@ -157,7 +158,26 @@ class FleetRunner:
             "global": [(None, local)],
             "regional": [(p, region(local, p)) for p in pd],
             "partition": [(p, region(split, p)) for p in pd]}, decode)
+        self._warm_up(local, pd)
         return self.up
+
+    def _warm_up(self, local: dict, pd: list[str]) -> None:
+        """Before the first scored run: a long and a short prompt entering at each region, through a router
+        of their own, so every link's and every worker's first transfer (connections, lanes, buffers) is
+        behind the deployment, not inside one row's first probe."""
+        group = ProcessGroup(self.log_dir / "warm-up")
+        try:
+            url = start_router(group, local, "--no-early-rejection", name="warm-up").url
+            prompts = [self.text.text(random.Random(n), n) for n in (40_000, 2_000)]
+            arrivals = [completion_text(0.2 * i, prompt, 4, capacity.SERVED_NAME)
+                        for i, prompt in enumerate(p for p in prompts for _ in pd)]
+            arrivals = [dataclasses.replace(a, headers={"x-prfaas-entry": pd[i % len(pd)]}) for i, a in enumerate(arrivals)]
+            results = asyncio.run(replay_scored(url, arrivals, range(len(arrivals)), 60.0, 60.0))
+            if not all(r.ok for r in results):
+                self.log(f"warm-up: {sum(not r.ok for r in results)} of {len(results)} failed: "
+                         f"{sorted({r.error for r in results if r.error})[:3]}")
+        finally:
+            group.stop(grace_s=1.0)
 
     def close(self) -> None:
         if self.up is not None:
