@@ -137,7 +137,7 @@ class FleetRunner:
         prfaas, pd = fleet_sites(self.model_doc)
         net = FleetNet(pd, prfaas, links_mbit(self.model_doc, s.speedup, s.kv_scale)).__enter__()
         group = ProcessGroup(self.log_dir / "fleet")
-        try:
+        try:  # anything that fails from here on takes the processes and the namespaces down with it
             local = local_fleet(self.model_doc, net, speedup=s.speedup, kv_scale=s.kv_scale, nodes_per_role=None,
                                 scheduler={"workload": capacity.prior(s), "output_tokens": s.output_tokens,
                                            "ttft_slo_s": s.ttft_slo},
@@ -148,17 +148,18 @@ class FleetRunner:
                 "--context-tokens", str(2 * capacity.MAX_INPUT_TOKENS + s.output_tokens), "--prefill-bias",
                 f"{s.prefill_bias:g}", "--decode-bias", f"{s.decode_bias:g}", "--noise-sigma", f"{s.noise_sigma:g}",
                 "--noise-seed", str(i)) for i, name in enumerate(engines)})
+            split = partitioned(local, self.partition.instances)
+            decode = frozenset(n["name"] for c in local["clusters"].values() for n in c["nodes"] if n["role"] == "pd-decode")
+            self.up = FleetUp(net, group, deployment, {
+                "global": [(None, local)],
+                "regional": [(p, region(local, p)) for p in pd],
+                "partition": [(p, region(split, p)) for p in pd]}, decode)
+            self._warm_up(local, pd)
         except BaseException:
+            self.up = None
             group.stop()
             net.__exit__(None, None, None)
             raise
-        split = partitioned(local, self.partition.instances)
-        decode = frozenset(n["name"] for c in local["clusters"].values() for n in c["nodes"] if n["role"] == "pd-decode")
-        self.up = FleetUp(net, group, deployment, {
-            "global": [(None, local)],
-            "regional": [(p, region(local, p)) for p in pd],
-            "partition": [(p, region(split, p)) for p in pd]}, decode)
-        self._warm_up(local, pd)
         return self.up
 
     def _warm_up(self, local: dict, pd: list[str]) -> None:

@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from prfaas_sglang.adapters import http_sync
@@ -142,41 +143,36 @@ def render(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.topology is not None:
-        return run_fleet(args)
-    group = None
     try:
-        for flag, value in (("--duration", args.duration), ("--rate", args.rate), ("--speedup", args.speedup)):
-            if not value > 0:
-                raise ConfigError(flag, f"must be > 0, got {value}")
-        if args.output_tokens < 1 or args.max_requests < 1:
-            raise ConfigError("--output-tokens", "--output-tokens and --max-requests must be >= 1")
-        text = None
-        if args.tokenizer != "none":
-            from prfaas_sglang.tokenizer import PromptTokenizer
-
-            text = workloads.TextSource(PromptTokenizer.load(args.tokenizer))
-        requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
-                                      args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
-        topology = topology_for(args)
-        log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-demo-"))
-        group = ProcessGroup(log_dir)
-        deployment = start_deployment(group, topology,
-                                      engine_args={"prfaas": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens)),
-                                                   "pd-prefill": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens)),
-                                                   "pd-decode": ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens))})
-        threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
-        results, wall_s = asyncio.run(replay(deployment.router.url, requests))
-        egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
-        summary = summarize(args, results, wall_s, egress, threshold, log_dir)
+        summary, render_summary = run_fleet(args) if args.topology is not None else run_pair(args)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    finally:
-        if group is not None:
-            group.stop()
-    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    print(json.dumps(summary, indent=2) if args.json else render_summary(summary))
     return 0 if summary["requests_failed"] == 0 else 1
+
+
+def run_pair(args) -> tuple[dict, Callable[[dict], str]]:
+    """The one-pair demo: its deployment under the workload; the summary and how to render it."""
+    text = _checked(args)
+    requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
+                                  args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
+    log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-demo-"))
+    group = ProcessGroup(log_dir)
+    try:
+        deployment = start_deployment(group, topology_for(args), engine_args=_context_args(args))
+        threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
+        results, wall_s = asyncio.run(replay(deployment.router.url, requests))
+        egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
+    finally:
+        group.stop()
+    return summarize(args, results, wall_s, egress, threshold, log_dir), render
+
+
+def _context_args(args) -> dict[str, tuple[str, ...]]:
+    """Every engine role's context: the longest prompt twice over (a cached prefix and its extension), and the output."""
+    context = ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens))
+    return {role: context for role in ("prfaas", "pd-prefill", "pd-decode")}
 
 
 def _checked(args) -> workloads.TextSource | None:
@@ -192,8 +188,9 @@ def _checked(args) -> workloads.TextSource | None:
     return workloads.TextSource(PromptTokenizer.load(args.tokenizer))
 
 
-def run_fleet(args) -> int:
-    """``--topology``: the fleet on this box under the workload, then a summary per link and per entry."""
+def run_fleet(args) -> tuple[dict, Callable[[dict], str]]:
+    """``--topology``: the fleet on this box under the workload; the summary per link and per entry, and how to
+    render it."""
     import random
 
     import yaml
@@ -202,48 +199,40 @@ def run_fleet(args) -> int:
     from prfaas_sglang.demo.netns import available
     from prfaas_sglang.topology import parse_topology
 
-    group = None
+    text = _checked(args)
     try:
-        text = _checked(args)
-        try:
-            raw = yaml.safe_load(args.topology.read_text())
-        except (OSError, yaml.YAMLError) as err:
-            raise ConfigError("--topology", f"cannot read {args.topology}: {err}") from None
-        parse_topology(raw, str(args.topology), args.topology.parent)  # refused by field path before any namespace
-        if (why := available()) is not None:
-            raise ConfigError("--topology", f"the fleet's namespaces and shaped links {why}")
-        prfaas, pd = fleet_sites(raw)
-        shares = {name: raw["clusters"][name].get("entry_share") for name in pd}
-        requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
-                                      args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
-        rng = random.Random(args.seed)
-        if all(v is not None for v in shares.values()):
-            requests = [dataclasses.replace(a, headers={"x-prfaas-entry": rng.choices(pd, [shares[n] for n in pd])[0]})
-                        for a in requests]
-        log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-fleet-"))
+        raw = yaml.safe_load(args.topology.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError("--topology", f"cannot read {args.topology}: {err}") from None
+    parse_topology(raw, str(args.topology), args.topology.parent)  # refused by field path before any namespace
+    if (why := available()) is not None:
+        raise ConfigError("--topology", f"the fleet's namespaces and shaped links {why}")
+    prfaas, pd = fleet_sites(raw)
+    shares = {name: raw["clusters"][name].get("entry_share") for name in pd}
+    requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
+                                  args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
+    rng = random.Random(args.seed)
+    if all(v is not None for v in shares.values()):
+        requests = [dataclasses.replace(a, headers={"x-prfaas-entry": rng.choices(pd, [shares[n] for n in pd])[0]})
+                    for a in requests]
+    log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-fleet-"))
+    group = ProcessGroup(log_dir)
+    try:
         with FleetNet(pd, prfaas, links_mbit(raw, args.speedup, args.kv_scale)) as net:
             doc = local_fleet(raw, net, speedup=args.speedup, kv_scale=args.kv_scale, nodes_per_role=args.nodes_per_role or None,
                               scheduler={"workload": workloads.prior(args.workload, args.max_input_tokens),
                                          "output_tokens": args.output_tokens},
                               model={k: v for k, v in (("tokenizer", None if args.tokenizer == "none" else args.tokenizer),
                                                        ("served_name", SERVED_NAME)) if v is not None})
-            group = ProcessGroup(log_dir)
             wrap = {n["name"]: net.nets[site].wrap for site in prfaas for n in doc["clusters"][site]["nodes"]}
-            context = ("--context-tokens", str(args.max_input_tokens * 2 + args.output_tokens))
-            deployment = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")},
-                                          wrap=wrap)
+            deployment = start_deployment(group, doc, engine_args=_context_args(args), wrap=wrap)
             results, wall_s = asyncio.run(replay(deployment.router.url, requests))
             status = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)
             sent = {f"{p}->{d}": net.sent_bytes(p, d) for p, d in net.links_mbit}
-            summary = summarize_fleet(args, requests, results, wall_s, status, sent, log_dir)
-    except PrfaasError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+            group.stop()  # before the namespaces go
     finally:
-        if group is not None:
-            group.stop()
-    print(json.dumps(summary, indent=2) if args.json else render_fleet(summary))
-    return 0 if summary["requests_failed"] == 0 else 1
+        group.stop()
+    return summarize_fleet(args, requests, results, wall_s, status, sent, log_dir), render_fleet
 
 
 def summarize_fleet(args, requests, results: list[RequestResult], wall_s: float, status: dict, sent: dict[str, int],

@@ -63,3 +63,36 @@ def test_demo_bad_input():
     assert proc.returncode == 2 and proc.stderr.startswith("error: --workload:")
     proc = run_py(["-m", "prfaas_sglang.demo", "--workload", "trace:/no/such/file"])
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_of_a_fleet_runs_every_link_and_leaves_nothing_behind(tmp_path):
+    """--topology launch/multi-cluster.yaml: a namespace per PrfaaS cluster, a link each; a summary per link
+    and per entry; no process, namespace or address left."""
+    from helpers import REPO_ROOT
+
+    from prfaas_sglang.demo import netns
+
+    if netns.available() is not None:
+        pytest.skip(f"namespaces: {netns.available()}")
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc = run_py(["-m", "prfaas_sglang.demo", "--topology", str(REPO_ROOT / "launch" / "multi-cluster.yaml"),
+                   "--duration", "6", "--rate", "1.5", "--max-input-tokens", "40003", "--json", "--keep-logs", str(tmp_path)],
+                  timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    summary = json.loads(proc.stdout)
+    assert summary["requests_failed"] == 0 and summary["requests_ok"] > 0
+    assert set(summary["links"]) == {"prfaas-h200->pd-east", "prfaas-h100->pd-east", "prfaas-h200->pd-west",
+                                     "prfaas-h100->pd-west"}
+    assert set(summary["entries"]) == {"pd-east", "pd-west"}
+    assert sum(link["offloaded"] for link in summary["links"].values()) == round(
+        summary["offload_fraction"] * summary["requests_ok"])
+    assert children_with("--context-tokens 80070") == []
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+    assert "10.215." not in subprocess.run(["ip", "addr", "show", "lo"], capture_output=True, text=True).stdout
+    bad = dict(__import__("yaml").safe_load((REPO_ROOT / "launch" / "multi-cluster.yaml").read_text()))
+    bad["links"] = [link for link in bad["links"] if link["to"] != "pd-west"]
+    path = tmp_path / "bad.yaml"
+    path.write_text(__import__("yaml").safe_dump(bad))
+    proc = run_py(["-m", "prfaas_sglang.demo", "--topology", str(path)], timeout=120)
+    assert proc.returncode == 2 and "clusters.pd-west" in proc.stderr
