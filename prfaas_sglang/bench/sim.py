@@ -144,7 +144,7 @@ def shift_run(fleet: FleetSpec, seed: int, rate: float, longterm: LongTermSettin
     phases = arrivals.median_shift_phases(shift_at_s)
     sim.run(arrivals.poisson(rate, duration_s, seed, sim.runtime.output_tokens, phases), duration_s + 300)
     s = summarize(sim, duration_s - 600, duration_s)
-    return {"goodput_rps": s["goodput_rps"], "ttft_p90_s": s["ttft_s"]["p90"], "conversions": len(sim.longterm.history) if sim.longterm else 0,
+    return {"goodput_rps": s["goodput_rps"], "ttft_p90_s": s["ttft_s"]["p90"], "conversions": sum(len(c.history) for c in sim.longterm.values()),
             "final_split": f"{sum(r.role == 'prefill' and r.cluster == 'pd' for r in sim.service.workers.values())}P/"
                            f"{sum(r.role == 'decode' for r in sim.service.workers.values())}D",
             "events": [(round(t), e[:120]) for t, e in sim.events]}

@@ -108,8 +108,8 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--tls-key-file", default=None, help="the certificate's private key (PEM); with --tls-cert-file")
     lt = p.add_argument_group("long-term scheduler (P/D conversion of nodes with role_switch in the topology)")
     lt.add_argument("--long-term", action="store_true",
-                    help="run the long-term controller: convert PD workers between prefill and decode when the "
-                         "measured stage throughputs say the split no longer fits (router/longterm.py)")
+                    help="run the long-term controller, one per PD cluster: convert its PD workers between prefill and "
+                         "decode when the measured stage throughputs say the split no longer fits (router/longterm.py)")
     lt.add_argument("--long-term-interval-s", type=float, default=60.0, help="seconds between decisions")
     lt.add_argument("--long-term-window-s", type=float, default=300.0, help="what a decision looks at")
     lt.add_argument("--long-term-dwell-s", type=float, default=300.0, help="least time between two conversions")
@@ -183,7 +183,6 @@ def make_service(args: argparse.Namespace):
     the deployment's keys (``PRFAAS_SECRET_FILE``; None: no authentication)."""
     from prfaas_sglang import runtime
     from prfaas_sglang.roles import Role
-    from prfaas_sglang.router.longterm import LongTermController
     from prfaas_sglang.router.policy import BandwidthMode
     from prfaas_sglang.router.service import RouterConfig, new_service
     from prfaas_sglang.router.threshold import ControllerSettings
@@ -221,9 +220,6 @@ def make_service(args: argparse.Namespace):
     keys = load_keys()
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
-    if longterm is not None and topology.is_fleet:
-        raise ConfigError("--long-term", "P/D conversion plans one PD cluster; this topology has several clusters "
-                                         "of a kind (the long-term controller per PD cluster is not built yet)")
     # validates the scheduler's inputs (every pair's model) before waiting for workers
     cost_state = next(iter(runtime.pair_models(topology).values())).state
     workers = workers_from_topology(topology)
@@ -254,7 +250,7 @@ def make_service(args: argparse.Namespace):
     except ValueError as err:  # a --prefill-scale naming no cluster of the topology
         raise ConfigError("--prefill-scale", str(err)) from None
     if longterm is not None:
-        service.longterm = LongTermController(model, longterm)
+        service.start_longterm(longterm)  # one controller per PD cluster
         if not any(w.switch_url for w in workers.values()):
             logger.warning("--long-term: no node of the topology has role_switch; decisions will be logged, not applied")
     for name, facts in adopted.items():

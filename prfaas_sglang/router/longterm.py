@@ -250,8 +250,59 @@ class LongTermController:
             self.scales[stage] = min(max((done / busy_s) / modelled[stage], lo), hi)
 
 
+ClusterKey = tuple[str, str]  # (stage, the cluster it runs at)
+
+
+@dataclass(frozen=True)
+class ClusterSample:
+    """What every stage of every cluster did since the previous sample: :class:`StageSample`'s fields keyed
+    by ``(stage, cluster)``, and ``completed`` by ``(stage, cluster, the PD cluster that decodes the
+    request)``. :meth:`for_pd` is one PD cluster's view, :meth:`totals` the whole fleet's; on a one-pair
+    deployment both are the one :class:`StageSample`."""
+
+    interval_s: float
+    completed: Mapping[tuple[str, str, str], int]
+    busy_s: Mapping[ClusterKey, float]
+    queued: Mapping[ClusterKey, int]
+    instances: Mapping[ClusterKey, int]
+
+    def totals(self) -> StageSample:
+        """Every cluster of a stage together."""
+        def by_stage(m: Mapping) -> dict:
+            out = dict.fromkeys(STAGES, 0)
+            for key, v in m.items():
+                out[key[0]] += v
+            return out
+        return StageSample(self.interval_s, by_stage(self.completed), by_stage(self.busy_s), by_stage(self.queued),
+                           by_stage(self.instances))
+
+    def for_pd(self, pd: str, links: Mapping[str, Sequence[str]]) -> StageSample:
+        """PD cluster ``pd``'s stages, and of each PrfaaS cluster linked to it (``links``: PrfaaS cluster ->
+        the PD clusters it serves) the share that worked for ``pd``: its busy time, queue and instances
+        times the share of its prefills completed in the interval that ``pd`` decodes (no prefill
+        completed: an equal share per PD cluster it serves). So a PrfaaS cluster's rate, completed over
+        busy, is the same in every PD cluster's view, and the shares of all its PD clusters add up to it."""
+        completed, busy, queued, instances = dict.fromkeys(STAGES, 0), dict.fromkeys(STAGES, 0.0), dict.fromkeys(STAGES, 0), \
+            dict.fromkeys(STAGES, 0.0)
+        for stage in ("pd-prefill", "pd-decode"):
+            completed[stage] = sum(n for (st, _, to), n in self.completed.items() if st == stage and to == pd)
+            busy[stage] = self.busy_s.get((stage, pd), 0.0)
+            queued[stage] = self.queued.get((stage, pd), 0)
+            instances[stage] = self.instances.get((stage, pd), 0)
+        for prfaas, served in links.items():
+            if pd not in served:
+                continue
+            done = {to: n for (st, at, to), n in self.completed.items() if st == "prfaas" and at == prfaas}
+            share = done.get(pd, 0) / sum(done.values()) if sum(done.values()) else 1.0 / len(served)
+            completed["prfaas"] += done.get(pd, 0)
+            busy["prfaas"] += share * self.busy_s.get(("prfaas", prfaas), 0.0)
+            queued["prfaas"] += round(share * self.queued.get(("prfaas", prfaas), 0))
+            instances["prfaas"] += share * self.instances.get(("prfaas", prfaas), 0)
+        return StageSample(self.interval_s, completed, busy, queued, instances)
+
+
 class StageMeter:
-    """:class:`StageSample` from what a live router sees (the simulator measures its nodes directly).
+    """:class:`ClusterSample` from what a live router sees (the simulator measures its nodes directly).
 
     ``poll`` integrates each worker's load answer over the time since the previous poll: a prefill
     worker with anything running or waiting is busy; a decode worker is busy by its occupancy,
@@ -270,23 +321,24 @@ class StageMeter:
         self._last_sample_s: float | None = None
 
     def poll(self, now_s: float, loads) -> None:
-        """``loads``: ``(stage, running, waiting, max_running | None)`` per worker serving a stage now."""
+        """``loads``: ``(stage, cluster, running, waiting, max_running | None)`` per worker serving a stage now."""
         dt = 0.0 if self._last_poll_s is None else min(max(now_s - self._last_poll_s, 0.0), self.MAX_POLL_GAP_S)
         self._last_poll_s = now_s
-        for stage, running, waiting, max_running in loads:
+        for stage, cluster, running, waiting, max_running in loads:
             if stage == "pd-decode":
-                self._busy_s[stage] += dt * (min(running / max_running, 1.0) if max_running else float(running > 0))
+                self._busy_s[stage, cluster] += dt * (min(running / max_running, 1.0) if max_running else float(running > 0))
             elif running or waiting:
-                self._busy_s[stage] += dt
+                self._busy_s[stage, cluster] += dt
 
-    def complete(self, stage: str) -> None:
-        self._completed[stage] += 1
+    def complete(self, stage: str, cluster: str, pd: str) -> None:
+        """A leg ended at ``stage`` of ``cluster``, for a request PD cluster ``pd`` decodes."""
+        self._completed[stage, cluster, pd] += 1
 
-    def sample(self, now_s: float, queued: Mapping[str, int], instances: Mapping[str, int]) -> StageSample:
+    def sample(self, now_s: float, queued: Mapping[ClusterKey, int], instances: Mapping[ClusterKey, int]) -> ClusterSample:
         busy, done = self._taken
         interval = 0.0 if self._last_sample_s is None else now_s - self._last_sample_s
-        out = StageSample(interval, {k: self._completed[k] - done[k] for k in STAGES},
-                          {k: self._busy_s[k] - busy[k] for k in STAGES}, dict(queued), dict(instances))
+        out = ClusterSample(interval, {k: n for k in self._completed if (n := self._completed[k] - done[k])},
+                            {k: self._busy_s[k] - busy[k] for k in self._busy_s}, dict(queued), dict(instances))
         self._taken, self._last_sample_s = (collections.Counter(self._busy_s), collections.Counter(self._completed)), now_s
         return out
 

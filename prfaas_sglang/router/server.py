@@ -684,30 +684,40 @@ async def _control_loop(app: web.Application) -> None:
 
 
 async def _longterm_loop(app: web.Application) -> None:
-    """The long-term scheduler (``router.longterm``, the simulator's own policy object): a stage sample
-    every ``sample_s``; a decision converts the least-loaded workers through ``convert``.
-    A conversion that fails leaves the controller on the split that really serves."""
-    service, session = app[SERVICE_KEY], app[SESSION_KEY]
+    """The long-term scheduler (``router.longterm``, the simulator's own policy object), one controller
+    per PD cluster: a stage sample every ``sample_s``; a decision converts that cluster's least-loaded
+    workers through ``convert``. A conversion that fails leaves the controller on the split that really
+    serves."""
+    service = app[SERVICE_KEY]
     options = app[LONGTERM_KEY]
-    service.stage_sample(time.monotonic())  # the first sample starts here
+    service.stage_samples(time.monotonic())  # the first sample starts here
+    interval_s = min(ctl.settings.interval_s for ctl in service.longterm.values())
     while True:
-        await asyncio.sleep(min(options.sample_s, service.longterm.settings.interval_s))
+        await asyncio.sleep(min(options.sample_s, interval_s))
         now = time.monotonic()
-        replan = service.longterm.observe(now, service.stage_sample(now), service.controller.threshold_tokens)
-        if replan is None:
-            continue
-        from_role, to_role = ("decode", "prefill") if replan.convert > 0 else ("prefill", "decode")
-        candidates = [(w.name, float(service.open_legs(w.name))) for w in service.workers.values()
-                      if w.cluster == "pd" and w.role == from_role and w.routable and w.switch_url is not None]
-        chosen = pick_nodes(candidates, abs(replan.convert))
-        logger.info("long-term: convert %s to %s (%s)", ", ".join(chosen) or "nothing switchable", to_role, replan.reason)
-        results = await asyncio.gather(*(convert(service, RoleSwitchClient(session), name, to_role,
-                                                 drain_timeout_s=options.drain_timeout_s, runtime=replan.runtime,
-                                                 why=f"long-term: {replan.reason}", on_converted=lambda n: _unwatch(app, n))
-                                         for name in chosen), return_exceptions=True)
-        for err in (r for r in results if isinstance(r, BaseException)):
-            logger.error("long-term conversion failed: %s", err)
+        for pair, sample in service.stage_samples(now).items():
+            replan = service.longterm[pair].observe(now, sample, service.pairs[pair].controller.threshold_tokens)
+            if replan is not None:
+                await _convert_for(app, pair, replan)
         service.sync_longterm()  # a conversion that failed, or too few switchable workers: the split that serves
+
+
+async def _convert_for(app: web.Application, pair, replan) -> None:
+    """Carry out one long-term decision on PD cluster ``pair.pd``."""
+    service, session, options = app[SERVICE_KEY], app[SESSION_KEY], app[LONGTERM_KEY]
+    from_role, to_role = ("decode", "prefill") if replan.convert > 0 else ("prefill", "decode")
+    candidates = [(w.name, float(service.open_legs(w.name))) for w in service.workers.values()
+                  if w.cluster == "pd" and w.site == pair.pd and w.role == from_role and w.routable
+                  and w.switch_url is not None]
+    chosen = pick_nodes(candidates, abs(replan.convert))
+    logger.info("long-term %s: convert %s to %s (%s)", pair.pd, ", ".join(chosen) or "nothing switchable", to_role,
+                replan.reason)
+    results = await asyncio.gather(*(convert(service, RoleSwitchClient(session), name, to_role,
+                                             drain_timeout_s=options.drain_timeout_s, runtime=replan.runtime,
+                                             why=f"long-term: {replan.reason}", on_converted=lambda n: _unwatch(app, n))
+                                     for name in chosen), return_exceptions=True)
+    for err in (r for r in results if isinstance(r, BaseException)):
+        logger.error("long-term conversion failed: %s", err)
 
 
 async def _restore_index(app: web.Application, kv_index_url: str) -> None:
@@ -761,7 +771,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
         for worker in service.workers.values():
             if worker.facts is not None:
                 _watch_worker(service, worker, app[SUB_KEY])
-        loops = [_health_loop, _load_loop, _control_loop] + ([_longterm_loop] if service.longterm is not None else [])
+        loops = [_health_loop, _load_loop, _control_loop] + ([_longterm_loop] if service.longterm else [])
         app["tasks"] = [asyncio.create_task(loop(app), name=loop.__name__) for loop in loops]
         if kv_index_url is not None:
             app["tasks"].append(asyncio.create_task(_restore_index(app, kv_index_url), name="restore_index"))

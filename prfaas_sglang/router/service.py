@@ -33,7 +33,12 @@ from prfaas_sglang.protocol import BadRequest, EngineRequest
 from prfaas_sglang.router.calibration import CalibrationSettings, OnlineCalibration
 from prfaas_sglang.router.fleet import route_fleet
 from prfaas_sglang.router.link import LinkAggregator, link_share
-from prfaas_sglang.router.longterm import STAGES, LongTermController, StageMeter, StageSample
+from prfaas_sglang.router.longterm import (
+    LongTermController,
+    LongTermSettings,
+    StageMeter,
+    StageSample,
+)
 from prfaas_sglang.router.metrics import GaugeSample, RouterCounters
 from prfaas_sglang.router.policy import (
     PD,
@@ -163,7 +168,9 @@ class RouterService:
         self.counters = RouterCounters()
         self.recent: collections.deque = collections.deque(maxlen=50)
         self.waiting = 0  # requests waiting for decode room now
-        self.longterm: LongTermController | None = None  # the long-term scheduler, when it runs (--long-term)
+        # The long-term scheduler, when it runs (--long-term): one controller per PD cluster, keyed by the pair
+        # whose model it plans on (start_longterm).
+        self.longterm: dict[SitePair, LongTermController] = {}
         self.stage_meter = StageMeter()
         self.calibration = OnlineCalibration(config.calibration, self.site_kinds())
 
@@ -362,8 +369,9 @@ class RouterService:
             for other in self.pairs.values():  # every link of the PD cluster sees what its requests are
                 if other.pair.pd == ps.pair.pd:
                     other.controller.record(now_s, decision.uncached_tokens)
-            if self.longterm is not None:
-                self.longterm.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
+            for pair, ctl in self.longterm.items():
+                if pair.pd == ps.pair.pd:
+                    ctl.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
         self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
                             "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt,
@@ -398,7 +406,8 @@ class RouterService:
             if worker is not None:
                 worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.prefill_model_s, 0.0)
                 worker.prefill_requests = max(worker.prefill_requests - 1, 0)
-            self.stage_meter.complete("prfaas" if lease.decision.cluster == PRFAAS else "pd-prefill")
+            self.stage_meter.complete("prfaas" if lease.decision.cluster == PRFAAS else "pd-prefill", lease.prefill_site,
+                                      (lease.pair or self.pair.pair).pd)
 
     def leg_failed(self, decision: RouteDecision, leg: str, now_s: float) -> str:
         """A leg of ``decision`` failed (``prefill`` | ``decode``); returns the worker it ran on (not to be
@@ -427,7 +436,7 @@ class RouterService:
             worker = self.workers.get(lease.decision.decode)
             if worker is not None:
                 worker.release(lease.decode_ticket)
-            self.stage_meter.complete("pd-decode")
+            self.stage_meter.complete("pd-decode", (lease.pair or self.pair.pair).pd, (lease.pair or self.pair.pair).pd)
 
     # --- P/D conversion (the long-term scheduler's actuator; router/conversion.py drives it) ---
 
@@ -448,28 +457,47 @@ class RouterService:
 
     def poll_stages(self, now_s: float) -> None:
         """Feed the stage meter the loads just polled (routable workers only)."""
-        self.stage_meter.poll(now_s, [(self.stage_of(w), w.load.running, w.load.waiting,
+        self.stage_meter.poll(now_s, [(self.stage_of(w), w.site, w.load.running, w.load.waiting,
                                        w.facts.max_running_requests if w.facts else None)
                                       for w in self.workers.values() if w.routable and w.load is not None])
 
-    def stage_sample(self, now_s: float) -> StageSample:
-        """What each stage did since the previous call: the long-term controller's input."""
-        queued = dict.fromkeys(STAGES, 0)
-        instances = dict.fromkeys(STAGES, 0)
+    def stage_samples(self, now_s: float) -> dict[SitePair, StageSample]:
+        """What each stage did since the previous call, as each long-term controller's PD cluster sees it
+        (``ClusterSample.for_pd``; requests waiting for decode room count at the first pair's PD cluster)."""
+        queued, instances = collections.Counter(), collections.Counter()
         for w in self.workers.values():
             if w.routable:
-                instances[self.stage_of(w)] += 1
-                queued[self.stage_of(w)] += w.load.waiting if w.load else 0
-        queued["pd-decode"] += self.waiting
-        return self.stage_meter.sample(now_s, queued, instances)
+                instances[self.stage_of(w), w.site] += 1
+                queued[self.stage_of(w), w.site] += w.load.waiting if w.load else 0
+        queued["pd-decode", self.pair.pair.pd] += self.waiting
+        sample = self.stage_meter.sample(now_s, queued, instances)
+        links = self.prfaas_links()
+        return {pair: sample.for_pd(pair.pd, links) for pair in self.longterm}
+
+    def prfaas_links(self) -> dict[str, list[str]]:
+        """PrfaaS cluster -> the PD clusters it has a link to."""
+        out: dict[str, list[str]] = {}
+        for pair in self.pairs:
+            if pair.prfaas is not None:
+                out.setdefault(pair.prfaas, []).append(pair.pd)
+        return out
+
+    def start_longterm(self, settings: LongTermSettings) -> None:
+        """One long-term controller per PD cluster, on the model of its first pair (its PD split, and the
+        PrfaaS cluster of that link as the offload it plans for; a PD cluster fed by several PrfaaS clusters
+        is planned as if by that one, the others' work counting in its measured PrfaaS stage)."""
+        self.longterm = {}
+        for pair, ps in self.pairs.items():
+            if all(p.pd != pair.pd for p in self.longterm):
+                self.longterm[pair] = LongTermController(ps.runtime, settings)
 
     def converted(self, name: str, new_role: str, now_s: float, runtime: RuntimeModel | None = None,
                   why: str | None = None) -> float | None:
         """Worker ``name`` now serves ``new_role``: its record follows (facts forgotten: the caller
         re-reads them and re-subscribes its events; its blocks leave the KV index), it is back in
         service, and the model of every pair of its PD cluster moves to the new split (``runtime``: the
-        long-term controller's calibrated one, one-pair deployments; else the present model
-        ``with_split``) with ``t`` re-solved. Returns the new ``t`` (the first such pair's) or None
+        long-term controller's calibrated one, for the pair that controller plans on; else the present
+        model ``with_split``) with ``t`` re-solved. Returns the new ``t`` (the first such pair's) or None
         (unchanged, or a split the model cannot hold)."""
         worker = self.workers[name]
         worker.role, worker.facts, worker.load, worker.draining = new_role, None, None, False
@@ -482,7 +510,7 @@ class RouterService:
         self.sync_longterm()
         new_t = None
         for ps in (ps for ps in self.pairs.values() if ps.pair.pd == worker.site):
-            if runtime is not None:
+            if runtime is not None and ps.pair in self.longterm:
                 ps.runtime = runtime
             elif self._modelled_split(ps):
                 ps.runtime = ps.runtime.with_split(n_prefill)
@@ -500,12 +528,13 @@ class RouterService:
         return n_prefill + n_decode == ps.runtime.deployment.n_pd and min(n_prefill, n_decode) >= 1
 
     def sync_longterm(self) -> None:
-        """Put the long-term controller on the split that really serves (after any conversion, an
+        """Put each long-term controller on the split its PD cluster really serves (after any conversion, an
         operator's too, or one of its own that failed)."""
-        if self.longterm is not None and self._modelled_split():
-            n_prefill = self.pd_split()[0]
-            if n_prefill != self.longterm.runtime.n_prefill:
-                self.longterm.runtime = self.longterm.runtime.with_split(n_prefill)
+        for pair, ctl in self.longterm.items():
+            if self._modelled_split(self.pairs[pair]):
+                n_prefill = self.pd_split(pair.pd)[0]
+                if n_prefill != ctl.runtime.n_prefill:
+                    ctl.runtime = ctl.runtime.with_split(n_prefill)
 
     # --- control ----------------------------------------------------------------------
 
@@ -590,7 +619,7 @@ class RouterService:
                 "index_blocks": self.index.block_count(w.name) if w.name in self.index.workers() else None,
             } for w in self.workers.values()},
             "recent": list(self.recent)[-10:],
-            "long_term": self.longterm.describe() if self.longterm is not None else None,
+            "long_term": {pair.pd: {"link": str(pair), **ctl.describe()} for pair, ctl in self.longterm.items()} or None,
             "calibration": self.calibration.describe(),
         }
 

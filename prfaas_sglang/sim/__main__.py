@@ -13,7 +13,8 @@ Fleet size: ``--prfaas N --pd-prefill N --pd-decode N`` (instances of 8 GPUs); `
 A fleet of several clusters: ``--topology FILE`` (e.g. ``launch/fleet-scale.yaml``: 3 PD regions, 2
 PrfaaS sites, 1,024 GPUs); every cluster and link as the file says, arrivals entering per region by
 ``entry_share``, ``--load`` x the sum of the pairs' planned capacities (an upper bound: pairs share
-their PrfaaS clusters); ``--link-drop AT_S:GBPS:PRFAAS->PD`` names the link.
+their PrfaaS clusters); ``--link-drop AT_S:GBPS:PRFAAS->PD`` names the link; ``--scenario shift`` runs a
+long-term controller per PD cluster.
 """
 
 from __future__ import annotations
@@ -77,11 +78,10 @@ def build_topology(args: argparse.Namespace) -> tuple[Simulation, list, float]:
         doc = yaml.safe_load(args.topology.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError("--topology", f"cannot read {args.topology}: {err}") from None
-    if args.scenario == "shift":
-        raise ConfigError("--scenario", "shift runs the long-term controller, which plans one PD cluster")
     topology = parse_topology(doc, str(args.topology), args.topology.parent)
+    longterm = LongTermSettings() if args.scenario == "shift" and not args.fixed_split else None  # one per PD cluster
     try:
-        sim = Simulation(doc, SimSettings(link_schedule=tuple(_schedule(args))))
+        sim = Simulation(doc, SimSettings(longterm=longterm, link_schedule=tuple(_schedule(args))))
     except ValueError as err:
         raise ConfigError("--link-drop", str(err)) from None
     shares = {name: c.entry_share for name, c in topology.clusters.items() if c.kind == "pd" and c.entry_share}
@@ -92,7 +92,8 @@ def build_topology(args: argparse.Namespace) -> tuple[Simulation, list, float]:
         return sim, requests, max(r.arrival_s for r in requests)
     planned = sum(ps.runtime.capacity_rps() for ps in sim.service.pairs.values())
     rate = args.rate if args.rate is not None else args.load * planned
-    requests = list(arrivals.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens))
+    phases = arrivals.median_shift_phases(args.shift_at_s) if args.scenario == "shift" else ((0.0, arrivals.CASE_STUDY),)
+    requests = list(arrivals.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens, phases))
     return sim, arrivals.entering(requests, shares, args.seed), args.duration_s
 
 

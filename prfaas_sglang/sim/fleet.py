@@ -6,8 +6,8 @@ built by ``new_service`` from a topology document (``runtime.pair_models``, the 
 deployment model is built), so every request is placed by ``fleet.route_fleet`` / ``policy.route``
 on the same snapshots the live router takes, each link's threshold controller gets the same link
 view (a :class:`~prfaas_sglang.wire.telemetry.LinkSample` from that simulated link) and queue
-ledgers, the KV index gets the events a worker publishes, and the long-term controller
-(``router.longterm``, one-pair deployments) converts nodes. Only the I/O differs: SimPy events
+ledgers, the KV index gets the events a worker publishes, and the long-term controllers
+(``router.longterm``, one per PD cluster) convert nodes. Only the I/O differs: SimPy events
 instead of HTTP, ZMQ and Mooncake. A fleet (``Simulation(topology_doc)``) has a processor-shared
 link per PrfaaS -> PD pair and a node timing per cluster (its own accelerator or profile).
 
@@ -41,6 +41,7 @@ from prfaas_sglang.plan.model import OperatingPoint
 from prfaas_sglang.plan.workload import MOONCAKE_BLOCK_TOKENS, Workload
 from prfaas_sglang.router.calibration import CalibrationSettings
 from prfaas_sglang.router.longterm import (
+    ClusterSample,
     LongTermController,
     LongTermSettings,
     Replan,
@@ -194,10 +195,9 @@ class Simulation:
         else:
             self.routers[None] = new_service(config, models, workers_from_topology(topology))
         self.service = next(iter(self.routers.values()))  # the router (global), or the first region's
-        if s.longterm and (self.service.is_fleet() or len(self.routers) > 1):
-            raise ValueError("the long-term controller plans one PD cluster: not on a fleet of several")
-        self.longterm = LongTermController(self.runtime, s.longterm) if s.longterm else None
-        self.service.longterm = self.longterm  # the service records each routed request into it, as the router's does
+        if s.longterm:  # each router runs a controller per PD cluster it routes for, as the live one does
+            for router in self.routers.values():
+                router.start_longterm(s.longterm)
         self.links = {pair: SharedLink(self.env, model.link_bps) for pair, model in models.items() if pair.prfaas}
         self.link = next(iter(self.links.values()), None) or SharedLink(self.env, self.runtime.link_bps)
         for change in s.link_schedule:  # a link named that the fleet does not have: refused now, not mid-run
@@ -208,11 +208,16 @@ class Simulation:
         self.blocked: deque[SimRequest] = deque()
         self.series: list[dict] = []
         self.events: list[tuple[float, str]] = []
-        self._retired_busy = {"prfaas": 0.0, "pd-prefill": 0.0, "pd-decode": 0.0}
-        self._completed = {"prfaas": 0, "pd-prefill": 0, "pd-decode": 0}
+        self._retired_busy: collections.Counter = collections.Counter()  # (stage, cluster) -> busy s of retired nodes
+        self._completed: collections.Counter = collections.Counter()  # (stage, cluster, decoding PD cluster) -> legs
         self._seq: dict[str, int] = {}
         for record in {n: r for router in self.routers.values() for n, r in router.workers.items()}.values():
             self._bring_up(record, record.role)
+
+    @property
+    def longterm(self) -> dict[SitePair, LongTermController]:
+        """Every router's long-term controllers (one per PD cluster; empty: the split stays fixed)."""
+        return {pair: ctl for router in self.routers.values() for pair, ctl in router.longterm.items()}
 
     @property
     def gpus(self) -> int:
@@ -298,7 +303,7 @@ class Simulation:
 
     def _prefill_done(self, node: PrefillNode, req: SimRequest) -> None:
         req.prefill_done_s = self.env.now
-        self._completed["prfaas" if node.cluster == PRFAAS else "pd-prefill"] += 1
+        self._completed["prfaas" if node.cluster == PRFAAS else "pd-prefill", req.lease.prefill_site, req.lease.pair.pd] += 1
         self._publish(node, req)
         if node.cluster == PRFAAS:  # the prefill leg ends when its KV has shipped, as SGLang's (and the router sees)
             pair = req.lease.pair
@@ -332,7 +337,7 @@ class Simulation:
         self.nodes[req.decode_node].arrive(req)
 
     def _decode_done(self, node: DecodeNode, req: SimRequest) -> None:
-        self._completed["pd-decode"] += 1
+        self._completed["pd-decode", req.lease.pair.pd, req.lease.pair.pd] += 1
         if req.first_token_s is not None:  # the router learns from it at the end (the live one: at the first token)
             self._router(req).first_token(req.lease, req.first_token_s - req.dispatched_s, self.env.now)
         self._router(req).finish(req.lease)
@@ -388,36 +393,40 @@ class Simulation:
             raise ValueError(f"no link {name!r} (links: {', '.join(str(p) for p in self.links)})")
         return pair
 
-    def _stage_totals(self) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
-        busy = dict(self._retired_busy)
-        queued = {"prfaas": 0, "pd-prefill": 0, "pd-decode": len(self.blocked)}
-        instances = {"prfaas": 0, "pd-prefill": 0, "pd-decode": 0}
+    def _stage_totals(self) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+        """Busy seconds so far, queued and in-service nodes now, each by (stage, cluster)."""
+        busy, queued, instances = collections.Counter(self._retired_busy), collections.Counter(), collections.Counter()
         for name, node in self.nodes.items():
-            stage, record = self.stage_of(name), self._holding(name)[0].workers[name]
+            record = self._holding(name)[0].workers[name]
+            key = (self.stage_of(name), record.site)
             if isinstance(node, DecodeNode):
                 node._advance()
-                queued[stage] += len(node.waiting)
+                queued[key] += len(node.waiting)
             else:
-                queued[stage] += node.queue.waiting_jobs
-            busy[stage] += node.busy_s
+                queued[key] += node.queue.waiting_jobs
+            busy[key] += node.busy_s
             if record.healthy and not record.draining:
-                instances[stage] += 1
+                instances[key] += 1
+        queued["pd-decode", self.service.pair.pair.pd] += len(self.blocked)
         return busy, queued, instances
 
     def _sampler(self):
         interval = self.settings.sample_interval_s
-        last_busy, last_done = self._stage_totals()[0], dict(self._completed)
+        last_busy, last_done = self._stage_totals()[0], collections.Counter(self._completed)
         while True:
             yield self.env.timeout(interval)
             busy, queued, instances = self._stage_totals()
-            sample = StageSample(interval, {k: self._completed[k] - last_done[k] for k in last_done},
-                                 {k: busy[k] - last_busy[k] for k in busy}, queued, instances)
-            last_busy, last_done = busy, dict(self._completed)
-            self._record_series(sample)
-            if self.longterm is not None:
-                replan = self.longterm.observe(self.env.now, sample, self.service.controller.threshold_tokens)
-                if replan is not None:
-                    self._apply(replan)
+            sample = ClusterSample(interval, dict(self._completed - last_done), {k: busy[k] - last_busy[k] for k in busy},
+                                   queued, instances)
+            last_busy, last_done = busy, collections.Counter(self._completed)
+            self._record_series(sample.totals())
+            for router in self.routers.values():
+                links = router.prfaas_links()
+                for pair, ctl in router.longterm.items():
+                    replan = ctl.observe(self.env.now, sample.for_pd(pair.pd, links),
+                                         router.pairs[pair].controller.threshold_tokens)
+                    if replan is not None:
+                        self._apply(router, pair, replan)
 
     def _record_series(self, sample: StageSample) -> None:
         routed = collections.Counter()
@@ -447,27 +456,31 @@ class Simulation:
 
     # --- conversions ---------------------------------------------------------------------
 
-    def _apply(self, replan: Replan) -> None:
+    def _apply(self, router: RouterService, pair: SitePair, replan: Replan) -> None:
+        """Drain the chosen nodes of PD cluster ``pair.pd`` toward their new role; the router's models of
+        that cluster's pairs move to the new split at once (``pair``'s to the controller's calibrated one)."""
         from_role, to_role = ("decode", "prefill") if replan.convert > 0 else ("prefill", "decode")
-        candidates = [(name, self._load(name)) for name, r in self.service.workers.items()
-                      if r.cluster == PD and r.role == from_role and r.healthy and not r.draining]
+        candidates = [(name, self._load(name)) for name, r in router.workers.items()
+                      if r.cluster == PD and r.site == pair.pd and r.role == from_role and r.healthy and not r.draining]
         chosen = pick_nodes(candidates, abs(replan.convert))
         for name in chosen:
-            self.service.workers[name].draining = True
+            router.workers[name].draining = True
             self.env.process(self._convert(name, to_role))
-        self.service.runtime = replan.runtime
-        self.service.controller.replan(self.env.now, replan.runtime.research, replan.reason)
-        self.events.append((self.env.now, f"convert {', '.join(chosen)} to {to_role}; t -> "
-                                          f"{self.service.controller.threshold_tokens:.0f} ({replan.reason})"))
+        for ps in (ps for ps in router.pairs.values() if ps.pair.pd == pair.pd):
+            ps.runtime = replan.runtime if ps.pair == pair else ps.runtime.with_split(replan.n_prefill)
+            ps.controller.replan(self.env.now, ps.runtime.research, replan.reason)
+        where = f" of {pair.pd}" if self.service.is_fleet() else ""
+        self.events.append((self.env.now, f"convert {', '.join(chosen)}{where} to {to_role}; t -> "
+                                          f"{router.pairs[pair].controller.threshold_tokens:.0f} ({replan.reason})"))
 
     def _load(self, name: str) -> float:
         node = self.nodes[name]
         if isinstance(node, DecodeNode):
-            return len(node.running) + len(node.waiting) + self.service.workers[name].reserved_requests
+            return len(node.running) + len(node.waiting) + self._holding(name)[0].workers[name].reserved_requests
         return node.queue.remaining_tokens
 
     def _convert(self, name: str, role: str):
-        record = self.service.workers[name]
+        record = self._holding(name)[0].workers[name]
         while True:
             node = self.nodes[name]
             leases_open = record.reserved_requests if record.role == "decode" else 0
@@ -476,13 +489,14 @@ class Simulation:
             yield self.env.timeout(1.0)
         node = self.nodes[name]
         node._advance() if isinstance(node, DecodeNode) else None
-        self._retired_busy[self.stage_of(name)] += node.busy_s
+        self._retired_busy[self.stage_of(name), record.site] += node.busy_s
         node.retired = True
         if not node._wake.triggered:
             node._wake.succeed()
         del self.nodes[name]
         record.healthy = False
-        self.service.index.remove_worker(name)
+        for router in self._holding(name):
+            router.index.remove_worker(name)
         yield self.env.timeout(self.settings.switch_s)
         self._bring_up(record, role)
         self.events.append((self.env.now, f"{name} serves as {role}"))

@@ -263,16 +263,17 @@ def test_launcher_commands_for_switchable_nodes(tmp_path, mode, monkeypatch):
 
 
 def test_an_operators_conversion_moves_the_long_term_controllers_split_too():
-    from prfaas_sglang.router.longterm import LongTermController
+    from prfaas_sglang.router.longterm import LongTermSettings
 
     service = _service()
-    service.longterm = LongTermController(service.runtime)
-    assert service.longterm.runtime.n_prefill == 2
+    service.start_longterm(LongTermSettings())
+    (ctl,) = service.longterm.values()
+    assert ctl.runtime.n_prefill == 2
     service.converted("pd-prefill-0", "decode", 1.0)
-    assert service.longterm.runtime.n_prefill == 1 and service.longterm.runtime.n_decode == 3
-    service.longterm.runtime = service.longterm.runtime.with_split(2)  # a decision whose conversion then failed
+    assert ctl.runtime.n_prefill == 1 and ctl.runtime.n_decode == 3
+    ctl.runtime = ctl.runtime.with_split(2)  # a decision whose conversion then failed
     service.sync_longterm()
-    assert service.longterm.runtime.n_prefill == 1
+    assert ctl.runtime.n_prefill == 1
 
 
 def test_a_burst_between_two_load_polls_spreads_over_the_decode_workers():

@@ -219,7 +219,8 @@ def test_router_long_term_loop_converts_a_decode_worker_when_pd_prefill_saturate
                     break
         status = _status(url)
         assert status["model"]["instances"] == {"prfaas": 1, "pd_prefill": 3, "pd_decode": 1}, status["long_term"]
-        assert status["long_term"]["conversions"] == 1
+        (long_term,) = status["long_term"].values()  # one PD cluster, one controller
+        assert long_term["conversions"] == 1
         converted = [n for n in ("pd-decode-0", "pd-decode-1") if status["workers"][n]["role"] == "prefill"]
         assert len(converted) == 1
         assert requests.get(dep.workers[converted[0]].url + "/server_info", timeout=5).json()["disaggregation_mode"] == "prefill"

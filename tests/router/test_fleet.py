@@ -206,3 +206,30 @@ def _engine_request(n: int):
     from prfaas_sglang.protocol import EngineRequest
 
     return EngineRequest("generate", tuple(range(n)), 16, False, "r", None, None)
+
+
+def test_a_long_term_controller_per_pd_cluster_records_its_own_requests_and_moves_its_own_pairs():
+    from prfaas_sglang.router.longterm import LongTermSettings
+
+    service, _ = fleet_service()
+    service.start_longterm(LongTermSettings())
+    east, west = SitePair("pd-east", "prfaas-h200"), SitePair("pd-west", "prfaas-h200")
+    assert list(service.longterm) == [east, west]  # each PD cluster's first link
+    assert service.longterm[east].runtime.n_prefill == 3 and service.longterm[west].runtime.n_prefill == 1
+    for entry, n in (("pd-east", 3), ("pd-west", 1)):
+        for _ in range(n):
+            decision = service.decide(RouteInput(60_000, 60_016, {}), set(), 0.0, entry)
+            service.finish(service.begin(_engine_request(60_000), decision, 0.0, 0))
+    assert len(service.longterm[east]._routed) == 3 and len(service.longterm[west]._routed) == 1
+    samples = service.stage_samples(1.0)
+    assert samples[east].completed["pd-decode"] == 3 and samples[west].completed["pd-decode"] == 1
+    assert samples[east].instances["pd-prefill"] == 3 and samples[west].instances["pd-decode"] == 2
+
+    calibrated = service.pairs[west].runtime.with_split(2).calibrated({"prfaas": 1.5})
+    service.converted("west-d-1", "prefill", 2.0, runtime=calibrated)
+    assert service.pairs[west].runtime is calibrated  # the controller's own pair: its calibrated model
+    h100_west = service.pairs[SitePair("pd-west", "prfaas-h100")].runtime
+    assert h100_west.n_prefill == 2 and h100_west.deployment.prfaas.name != calibrated.deployment.prfaas.name
+    assert service.longterm[west].runtime.n_prefill == 2 and service.longterm[east].runtime.n_prefill == 3
+    assert service.pairs[east].runtime.n_prefill == 3  # the other PD cluster's pairs: untouched
+    assert set(service.status(2.0)["long_term"]) == {"pd-east", "pd-west"}

@@ -173,17 +173,47 @@ def test_stage_meter_integrates_load_polls_and_counts_completions():
 
     meter = StageMeter()
     meter.sample(0.0, {}, {})
-    meter.poll(0.0, [("pd-prefill", 1, 0, None), ("pd-decode", 32, 0, 64)])
-    meter.poll(0.5, [("pd-prefill", 0, 2, None), ("pd-decode", 64, 3, 64), ("prfaas", 0, 0, None)])
-    meter.poll(1.0, [("pd-prefill", 0, 0, None), ("pd-decode", 16, 0, 64)])
-    meter.poll(100.0, [("pd-prefill", 1, 0, None)])  # a stalled loop: at most MAX_POLL_GAP_S integrated
+    meter.poll(0.0, [("pd-prefill", "pd", 1, 0, None), ("pd-decode", "pd", 32, 0, 64)])
+    meter.poll(0.5, [("pd-prefill", "pd", 0, 2, None), ("pd-decode", "pd", 64, 3, 64), ("prfaas", "prfaas", 0, 0, None)])
+    meter.poll(1.0, [("pd-prefill", "pd", 0, 0, None), ("pd-decode", "pd", 16, 0, 64)])
+    meter.poll(100.0, [("pd-prefill", "pd", 1, 0, None)])  # a stalled loop: at most MAX_POLL_GAP_S integrated
     for stage in ("pd-prefill", "pd-prefill", "pd-decode"):
-        meter.complete(stage)
-    sample = meter.sample(100.0, {"pd-decode": 3}, {"prfaas": 1, "pd-prefill": 1, "pd-decode": 1})
+        meter.complete(stage, "pd", "pd")
+    sample = meter.sample(100.0, {("pd-decode", "pd"): 3},
+                          {("prfaas", "prfaas"): 1, ("pd-prefill", "pd"): 1, ("pd-decode", "pd"): 1}).totals()
     assert sample.interval_s == 100.0
     assert sample.busy_s["pd-prefill"] == pytest.approx(0.5 + StageMeter.MAX_POLL_GAP_S)  # busy, busy, idle, busy
     assert sample.busy_s["pd-decode"] == pytest.approx(0.5 * 1.0 + 0.5 * 0.25)  # occupancy 1 then 1/4
     assert sample.busy_s["prfaas"] == 0.0
     assert dict(sample.completed) == {"prfaas": 0, "pd-prefill": 2, "pd-decode": 1}
-    nothing = meter.sample(110.0, {}, {})  # differenced: nothing new since
+    nothing = meter.sample(110.0, {}, {}).totals()  # differenced: nothing new since
     assert sum(nothing.busy_s.values()) == 0 and sum(nothing.completed.values()) == 0 and nothing.interval_s == 10.0
+
+
+def test_each_pd_cluster_sees_its_own_stages_and_its_share_of_a_shared_prfaas_cluster():
+    """Two PD clusters, east and west; PrfaaS site "a" serves both, "b" only west. East's view holds a's
+    busy time, queue and instances by the share of a's completed prefills that east decodes, so a's rate
+    (completed over busy) is the same in both views and the two shares add up to a's totals."""
+    from prfaas_sglang.router.longterm import ClusterSample
+
+    sample = ClusterSample(10.0,
+                           {("prfaas", "a", "east"): 3, ("prfaas", "a", "west"): 1, ("prfaas", "b", "west"): 5,
+                            ("pd-prefill", "east", "east"): 7, ("pd-decode", "east", "east"): 9, ("pd-decode", "west", "west"): 2},
+                           {("prfaas", "a"): 8.0, ("prfaas", "b"): 4.0, ("pd-prefill", "east"): 6.0, ("pd-prefill", "west"): 1.0,
+                            ("pd-decode", "east"): 5.0},
+                           {("prfaas", "a"): 4, ("pd-decode", "west"): 3},
+                           {("prfaas", "a"): 2, ("prfaas", "b"): 1, ("pd-prefill", "east"): 1, ("pd-decode", "east"): 2,
+                            ("pd-prefill", "west"): 1, ("pd-decode", "west"): 1})
+    links = {"a": ["east", "west"], "b": ["west"]}
+    east, west = sample.for_pd("east", links), sample.for_pd("west", links)
+    assert east.completed == {"prfaas": 3, "pd-prefill": 7, "pd-decode": 9}
+    assert east.busy_s["prfaas"] == pytest.approx(8.0 * 3 / 4) and east.instances["prfaas"] == pytest.approx(1.5)
+    assert east.queued["prfaas"] == 3 and east.busy_s["pd-prefill"] == 6.0 and east.instances["pd-decode"] == 2
+    assert west.completed["prfaas"] == 6 and west.busy_s["prfaas"] == pytest.approx(8.0 / 4 + 4.0)
+    assert west.instances["prfaas"] == pytest.approx(0.5 + 1) and west.queued == {"prfaas": 1, "pd-prefill": 0, "pd-decode": 3}
+    assert east.busy_s["prfaas"] + west.busy_s["prfaas"] == pytest.approx(12.0)
+    idle = ClusterSample(10.0, {}, {("prfaas", "a"): 1.0}, {}, {("prfaas", "a"): 2})  # nothing completed: an equal share
+    assert idle.for_pd("east", links).instances["prfaas"] == 1.0
+    one_pair = ClusterSample(10.0, {("prfaas", "a", "east"): 2, ("pd-decode", "east", "east"): 1},
+                             {("prfaas", "a"): 3.0}, {("pd-decode", "east"): 1}, {("prfaas", "a"): 1, ("pd-decode", "east"): 1})
+    assert one_pair.for_pd("east", {"a": ["east"]}) == one_pair.totals()  # one pair: its one view is the whole

@@ -66,7 +66,8 @@ def test_a_conversion_drains_then_switches_and_loses_nothing():
     phases = arrivals.median_shift_phases(120, factor=3.0)
     requests = list(arrivals.poisson(rate, 900, 1, sim.runtime.output_tokens, phases))
     sim.run(requests, 900 + 1200)
-    assert sim.longterm.history, sim.longterm.describe()
+    (ctl,) = sim.longterm.values()
+    assert ctl.history, ctl.describe()
     converted = [e for e in sim.events if "serves as" in e[1]]
     assert converted
     assert all(r.finish_s is not None or r.rejected for r in requests)
@@ -162,6 +163,33 @@ def test_a_fleet_decodes_where_requests_enter_and_a_dropped_link_moves_its_own_o
 
 
 @pytest.mark.slow
+def test_each_pd_cluster_of_a_fleet_has_its_own_long_term_controller():
+    """launch/multi-cluster.yaml, 70% of arrivals entering west, the median input tripling at 120 s: each
+    PD cluster's controller converts its own decode nodes to prefill (east 3P/5D, west 1P/2D to start),
+    every pair of that cluster moves to the new split, the other cluster's stays, nothing is lost."""
+    import yaml
+
+    doc = yaml.safe_load((REPO_ROOT / "launch" / "multi-cluster.yaml").read_text())
+    sim = Simulation(doc, SimSettings(switch_s=20.0, longterm=LongTermSettings(
+        interval_s=30, window_s=120, min_dwell_s=60, confirm=1, min_requests=20)))
+    phases = arrivals.median_shift_phases(120, factor=3.0)
+    requests = arrivals.entering(list(arrivals.poisson(3.0, 600, 1, 1024, phases)), {"pd-east": 0.3, "pd-west": 0.7}, 1)
+    sim.run(requests, 1500)
+    assert {pair.pd for pair in sim.longterm} == {"pd-east", "pd-west"}
+    conversions = [e for _, e in sim.events if e.startswith("convert ")]
+    assert {pd for pd in ("pd-east", "pd-west") if any(f" of {pd} " in e for e in conversions)} == {"pd-east", "pd-west"}
+    for e in conversions:  # a cluster's controller converts that cluster's nodes only
+        names, pd = e.removeprefix("convert ").split(" of ")[0].split(", "), e.split(" of ")[1].split()[0]
+        assert all(sim.service.workers[n].site == pd for n in names), e
+    for pair, ctl in sim.longterm.items():
+        n_prefill = sum(r.site == pair.pd and r.cluster == "pd" and r.role == "prefill" for r in sim.service.workers.values())
+        assert ctl.history and ctl.runtime.n_prefill == n_prefill
+        assert all(ps.runtime.n_prefill == n_prefill for p, ps in sim.service.pairs.items() if p.pd == pair.pd)
+    assert all(r.finish_s is not None for r in requests)
+    _assert_nothing_held(sim)
+
+
+@pytest.mark.slow
 def test_cli_json_and_plot(tmp_path):
     out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--scenario", "case-study", "--duration-s", "600",
                           "--warmup-s", "120", "--json", "--plot", str(tmp_path)], capture_output=True, text=True,
@@ -186,7 +214,7 @@ def test_cli_refuses_bad_input():
                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 2 and "no trace file" in out.stderr
     fleet = REPO_ROOT / "launch" / "multi-cluster.yaml"
-    for extra, field in ((["--scenario", "shift"], "--scenario"), (["--link-drop", "10:1:prfaas-h300->pd-east"], "--link-drop"),
+    for extra, field in ((["--link-drop", "10:1:prfaas-h300->pd-east"], "--link-drop"),
                          (["--link-drop", "ten:1"], "--link-drop")):
         out = subprocess.run([sys.executable, "-m", "prfaas_sglang.sim", "--topology", str(fleet), *extra],
                              capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
