@@ -20,18 +20,26 @@ from prfaas_sglang.wire.blocks import HASH_SCHEME
 
 MODEL = REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
 
-# /server_info as SGLang 0.5.15's http_server builds it: asdict(server_args) + scheduler info + version +
-# describe_kv_events_publisher(). Resolving ServerArgs touches process-global state: run it in a subprocess.
+# /server_info as the installed SGLang's http_server builds it: 0.5.23's build_server_info (the resolved
+# arguments, scheduler info, describe_kv_events_publisher); 0.5.15's asdict(server_args) + scheduler info +
+# args.describe_kv_events_publisher(). Resolving ServerArgs touches process-global state: run it in a subprocess.
 PROBE = textwrap.dedent(f"""
     import dataclasses, json, sys
+    import sglang
     from sglang.srt.server_args import ServerArgs
     args = ServerArgs(model_path={str(MODEL)!r}, disaggregation_mode=sys.argv[1], disaggregation_transfer_backend="mooncake_tcp",
                       device="cuda", load_format="dummy", mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True,
                       served_model_name="tiny-hybrid", page_size=int(sys.argv[2]),
                       kv_events_config=json.dumps({{"publisher": "zmq", "endpoint": "tcp://*:5559", "topic": "kv-events"}}))
-    info = {{**dataclasses.asdict(args), "max_total_num_tokens": 123456, "max_req_input_len": 32767,
-            "version": "0.5.15", "kv_events": args.describe_kv_events_publisher()}}
-    print(json.dumps(info, default=str))
+    scheduler_info = {{"max_total_num_tokens": 123456, "max_req_input_len": 32767}}
+    try:
+        from sglang.srt.utils.common import build_server_info
+    except ImportError:
+        info = {{**dataclasses.asdict(args), **scheduler_info, "kv_events": args.describe_kv_events_publisher()}}
+    else:
+        args.resolve_once()  # 0.5.23 resolves apart from construction; its launcher does it before serving
+        info = build_server_info(args, scheduler_info)
+    print(json.dumps({{**info, "version": sglang.__version__}}, default=str))
 """)
 
 
@@ -84,15 +92,19 @@ def test_an_sglang_worker_serves_cache_moves_only_when_its_server_info_says_so(s
 
 
 def test_real_loads_parse():
-    """The body SGLang's /v1/loads builds: LoadSnapshot.from_get_loads_output(...).to_dict(include) per DP rank."""
-    from sglang.srt.managers.io_struct import GetLoadsReqOutput
+    """The body SGLang's /v1/loads builds per DP rank: 0.5.15 ``LoadSnapshot.from_get_loads_output(GetLoadsReqOutput)
+    .to_dict(include)``; 0.5.23 the scheduler's ``LoadSnapshot`` itself, ``.to_dict(include)``."""
+    from sglang.srt.managers import io_struct
     from sglang.srt.managers.load_snapshot import LoadSnapshot
 
-    ranks = [GetLoadsReqOutput(dp_rank=r, timestamp=0.0, num_running_reqs=3, num_waiting_reqs=1, num_waiting_uncached_tokens=900,
-                               num_used_tokens=5000, num_total_tokens=6000, max_total_num_tokens=100_000, token_usage=0.05,
-                               gen_throughput=10.0, cache_hit_rate=0.0, utilization=0.1, max_running_requests=64)
-             for r in range(2)]
-    load = parse_loads(json.loads(json.dumps({"timestamp": "x", "version": "0.5.15", "loads": [LoadSnapshot.from_get_loads_output(r).to_dict(None) for r in ranks]})))
+    fields = dict(timestamp=0.0, num_running_reqs=3, num_waiting_reqs=1, num_waiting_uncached_tokens=900,
+                  num_used_tokens=5000, num_total_tokens=6000, max_total_num_tokens=100_000, token_usage=0.05,
+                  gen_throughput=10.0, cache_hit_rate=0.0, utilization=0.1, max_running_requests=64)
+    if hasattr(io_struct, "GetLoadsReqOutput"):  # 0.5.15
+        ranks = [LoadSnapshot.from_get_loads_output(io_struct.GetLoadsReqOutput(dp_rank=r, **fields)) for r in range(2)]
+    else:
+        ranks = [LoadSnapshot(dp_rank=r, **fields) for r in range(2)]
+    load = parse_loads(json.loads(json.dumps({"timestamp": "x", "version": "0.5.15", "loads": [r.to_dict(None) for r in ranks]})))
     assert (load.running, load.waiting, load.used_tokens, load.max_total_tokens, load.waiting_uncached_tokens) == (6, 2, 10_000, 200_000, 1800)
 
 
