@@ -162,17 +162,19 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
 
 
 def load_tokenizer(args, topology, workers):
-    """The tokenizer by the documented order, or None (then requests must carry ids)."""
-    from prfaas_sglang.tokenizer import PromptTokenizer
+    """The tokenizer by the documented order, or None (then requests must carry ids); it renders a chat's
+    tools as the workers' SGLang release does (the newest any adopted worker reports)."""
+    from prfaas_sglang.tokenizer import PromptTokenizer, tools_as_sent
 
+    as_sent = any(tools_as_sent(w.facts.version) for w in workers.values() if w.facts)
     explicit = args.tokenizer or topology.model.tokenizer
     if explicit:
-        return PromptTokenizer.load(explicit, topology.base_dir)
+        return PromptTokenizer.load(explicit, topology.base_dir, as_sent)
     candidates = [topology.model.path] + [w.facts.tokenizer_path for w in workers.values() if w.facts]
     for ref in candidates:
         if ref:
             try:
-                return PromptTokenizer.load(ref, topology.base_dir)
+                return PromptTokenizer.load(ref, topology.base_dir, as_sent)
             except PrfaasError:
                 continue
     return None

@@ -63,12 +63,32 @@ def resolve(ref: str, base_dir: Path | None = None) -> str:
     return str(path.resolve()) if path.exists() else ref
 
 
-class PromptTokenizer:
-    """One loaded tokenizer; ``encode_*`` are pure functions of the request (thread-safe reads)."""
+# A request's ``tools`` reach the chat template as SGLang's pydantic ``Function`` dumps them: up to 0.5.15
+# every field in the model's order (description, name, parameters, strict: false); from 0.5.23 the keys the
+# client sent in the client's order, ``strict`` and ``defer_loading`` only when set (protocol.py's
+# ``Function._serialize``). The router renders as the workers' release does (their /server_info ``version``).
+TOOLS_AS_SENT_FROM_SGLANG = "0.5.23"
 
-    def __init__(self, tokenizer: Any, source: str):
+
+def tools_as_sent(sglang_version: str | None) -> bool:
+    """Whether SGLang ``sglang_version`` renders a request's tools as the client sent them (None: the pin's way)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return sglang_version is not None and Version(sglang_version) >= Version(TOOLS_AS_SENT_FROM_SGLANG)
+    except InvalidVersion:
+        return False
+
+
+class PromptTokenizer:
+    """One loaded tokenizer; ``encode_*`` are pure functions of the request (thread-safe reads).
+    ``tools_as_sent``: render tools as SGLang >= 0.5.23 does (:func:`tools_as_sent`); the router sets it
+    from the workers' release."""
+
+    def __init__(self, tokenizer: Any, source: str, tools_as_sent: bool = False):
         self.tokenizer = tokenizer
         self.source = source
+        self.tools_as_sent = tools_as_sent
         self.chat_template = getattr(tokenizer, "chat_template", None)
         self.content_format = detect_content_format(self.chat_template) if self.chat_template else "string"
         try:
@@ -78,7 +98,7 @@ class PromptTokenizer:
         self.special_ids = frozenset(tokenizer.all_special_ids)
 
     @classmethod
-    def load(cls, ref: str, base_dir: Path | None = None) -> PromptTokenizer:
+    def load(cls, ref: str, base_dir: Path | None = None, tools_as_sent: bool = False) -> PromptTokenizer:
         from transformers import AutoTokenizer
 
         source = resolve(ref, base_dir)
@@ -86,7 +106,7 @@ class PromptTokenizer:
             tok = AutoTokenizer.from_pretrained(source, clean_up_tokenization_spaces=False, use_fast=True)
         except (OSError, ValueError) as err:
             raise ConfigError("tokenizer", f"cannot load tokenizer {ref!r}: {str(err).splitlines()[0]}") from None
-        return cls(tok, source)
+        return cls(tok, source, tools_as_sent)
 
     @property
     def vocab_size(self) -> int:
@@ -126,7 +146,7 @@ class PromptTokenizer:
         messages = [_dump_message(m, i) for i, m in enumerate(_list(body.get("messages"), "messages"))]
         if not messages:
             raise TokenizeError("messages must be a non-empty list")
-        tools = _tools(body)
+        tools = _tools(body, self.tools_as_sent)
         for msg in messages:
             _normalize_tool_call_arguments(msg)
         processed = []
@@ -229,8 +249,9 @@ def _content_for_format(msg: dict, content_format: str) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _tools(body: dict) -> list[dict] | None:
-    """``request.tools`` as SGLang dumps them (``Tool`` / ``Function`` field order and defaults)."""
+def _tools(body: dict, as_sent: bool = False) -> list[dict] | None:
+    """``request.tools`` as SGLang dumps them (``Tool`` / ``Function`` field order and defaults; ``as_sent``:
+    0.5.23's ``Function``, the client's keys in its order, ``strict`` and ``defer_loading`` only when set)."""
     raw = body.get("tools")
     choice = body.get("tool_choice", "auto")
     if not raw or choice == "none":
@@ -241,11 +262,18 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise TokenizeError(f"tools[{i}].function.name is required")
         defer = tool.get("defer_loading")
-        function = {"description": fn.get("description"), "name": fn["name"], "parameters": fn.get("parameters"),
-                    "strict": fn.get("strict", False)}
-        fn_defer = fn.get("defer_loading", defer)
-        if fn_defer is not None:
-            function["defer_loading"] = fn_defer
+        fn_defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else defer
+        if as_sent:
+            model = {"description": fn.get("description"), "name": fn["name"], "parameters": fn.get("parameters"),
+                     "strict": fn.get("strict"), "defer_loading": fn_defer}
+            model = {k: v for k, v in model.items() if v is not None or k not in ("strict", "defer_loading")}
+            order = [k for k in fn if k in model] + [k for k in model if k not in fn]
+            function = {k: model[k] for k in order}
+        else:
+            function = {"description": fn.get("description"), "name": fn["name"], "parameters": fn.get("parameters"),
+                        "strict": fn.get("strict", False)}
+            if fn_defer is not None:
+                function["defer_loading"] = fn_defer
         tools.append({"type": tool.get("type", "function"), "function": function, "defer_loading": defer})
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")

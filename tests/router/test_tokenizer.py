@@ -1,16 +1,22 @@
-"""The router's token ids equal those SGLang 0.5.15's own tokenizer paths compute (its classes, on CPU).
+"""The router's token ids equal those SGLang's own tokenizer paths compute (its classes, on CPU), on each
+supported release (0.5.15 and 0.5.23).
 
-SGLang's side: ``get_tokenizer`` (its loader), ``TemplateManager`` (chat-template and content-format
-detection), ``OpenAIServingChat._process_messages`` (chat) and ``TokenizerManager._tokenize_texts``
-(text), with a stand-in for the parts of the TokenizerManager those read.
+SGLang's side (:class:`SGLangPaths`): a ``TokenizerManager`` filled by its own ``init_model_config`` and
+``init_tokenizer_and_processor`` (its loader ``get_tokenizer``), ``TemplateManager`` (chat-template and
+content-format detection), ``OpenAIServingChat._process_messages`` (chat) and
+``TokenizerManager._tokenize_texts`` (text).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
+import importlib.util
 import json
+import os
 import shutil
-import types
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +28,7 @@ from prfaas_sglang.tokenizer import (
     PromptTokenizer,
     TokenizeError,
     detect_content_format,
+    tools_as_sent,
 )
 
 STRING_TEMPLATE = (  # content is used as a string: SGLang flattens list parts with spaces
@@ -48,37 +55,81 @@ def variant(tmp_path, name: str, template: str | None = None, bos: bool = False)
     return str(out)
 
 
+def first_difference(ours: PromptTokenizer, mine: list[int], sglangs: list[int]) -> str:
+    """Where the router's ids and SGLang's part, as text (special tokens kept), for a failing assertion."""
+    at = next((i for i, (a, b) in enumerate(zip(mine, sglangs, strict=False)) if a != b), min(len(mine), len(sglangs)))
+
+    def text(ids: list[int]) -> str:
+        return ours.tokenizer.decode(ids[max(0, at - 24):at + 64], skip_special_tokens=False)
+
+    return (f"the router's ids ({len(mine)}) and SGLang's ({len(sglangs)}) part at token {at}:\n"
+            f"  router: ...{text(mine)!r}...\n  SGLang: ...{text(sglangs)!r}...")
+
+
 class SGLangPaths:
-    """SGLang 0.5.15's tokenization of one tokenizer, through its own classes."""
+    """SGLang's tokenization of one tokenizer, through its own classes (on CPU, no processes, no sockets).
+
+    Both releases: the ``ServerArgs`` of a launch of the tiny model with this tokenizer
+    (``--tokenizer-path``), a ``TokenizerManager`` that its own ``init_model_config`` and
+    ``init_tokenizer_and_processor`` fill (its loader ``get_tokenizer`` with the server's arguments),
+    ``TemplateManager.initialize_templates`` as the engine calls it (chat-template and content-format
+    detection), ``OpenAIServingChat(manager, templates)._process_messages`` (chat) and the manager's
+    ``_tokenize_texts`` (text).
+
+    0.5.15: ``TemplateManager`` is in ``sglang.srt.managers.template_manager``; the manager, the chat
+    server and the templates read the config from ``manager.server_args``.
+    0.5.23: ``TemplateManager`` moved to ``sglang.srt.parser.template_manager``; the config is read from
+    the published runtime context (``get_serving()``, ``get_model()``, ``manager.config_value(...)``), so
+    the ``ServerArgs`` is published, as the tokenizer process publishes it (role ``tokenizer``), into a
+    context of its own (``create_context``) that building and every call activate (``use_context``): the
+    process's own context stays as it was. Which applies is decided by what the modules provide.
+    """
 
     def __init__(self, path: str):
+        from helpers import REPO_ROOT
+        from sglang.srt import runtime_context
         from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
-        from sglang.srt.managers.template_manager import TemplateManager
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
-        from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+        from sglang.srt.server_args import ServerArgs
 
-        tok = get_tokenizer(path)
-        self.tm = types.SimpleNamespace(
-            tokenizer=tok, processor=None,
-            server_args=types.SimpleNamespace(tool_call_parser=None, reasoning_parser=None,
-                                              tokenizer_metrics_allowed_custom_labels=None),
-            model_config=types.SimpleNamespace(get_default_sampling_params=lambda: {},
-                                               hf_config=types.SimpleNamespace(model_type="qwen3_next",
-                                                                               architectures=["Qwen3NextForCausalLM"])))
-        self.templates = TemplateManager()
-        self.templates.initialize_templates(self.tm, model_path=path)
-        self.chat = OpenAIServingChat(self.tm, self.templates)
-        self.manager = object.__new__(TokenizerManager)
-        self.manager.tokenizer, self.manager.async_dynamic_batch_tokenizer = tok, None
+        moved = "sglang.srt.parser.template_manager"  # 0.5.23; 0.5.15: sglang.srt.managers.template_manager
+        TemplateManager = importlib.import_module(
+            moved if importlib.util.find_spec(moved) else "sglang.srt.managers.template_manager").TemplateManager
+
+        with mock.patch.dict(os.environ):  # resolving the arguments exports defaults for the server's processes
+            # CPU settings the tiny (hybrid Mamba) model's argument checks require; no tokenization reads them.
+            server_args = ServerArgs(model_path=str(REPO_ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3-next"),
+                                     tokenizer_path=path, device="cpu", mamba_radix_cache_strategy="no_buffer",
+                                     disable_overlap_schedule=True)
+            self.context = (runtime_context.create_context(server_args, role="tokenizer")  # 0.5.23
+                            if hasattr(runtime_context, "create_context") else None)
+        with self.active():
+            self.manager = object.__new__(TokenizerManager)
+            self.manager.server_args = server_args
+            self.manager.init_model_config()
+            self.manager.init_tokenizer_and_processor()
+            self.templates = TemplateManager()
+            self.templates.initialize_templates(self.manager, model_path=self.manager.model_path)
+            self.chat = OpenAIServingChat(self.manager, self.templates)
+
+    def active(self):
+        """0.5.23: this server's published config, for the duration; 0.5.15 publishes none."""
+        if self.context is None:
+            return contextlib.nullcontext()
+        from sglang.srt.runtime_context import use_context
+
+        return use_context(self.context)
 
     def chat_ids(self, body: dict) -> list[int]:
         from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 
-        request = ChatCompletionRequest(model="m", **body)
-        return list(self.chat._process_messages(request, is_multimodal=False).prompt_ids)
+        with self.active():
+            request = ChatCompletionRequest(model="m", **body)
+            return list(self.chat._process_messages(request, is_multimodal=False).prompt_ids)
 
     def text_ids(self, text: str) -> list[int]:
-        ids, _ = asyncio.run(self.manager._tokenize_texts(text))
+        with self.active():
+            ids, _ = asyncio.run(self.manager._tokenize_texts(text))
         return list(ids)
 
 
@@ -88,7 +139,10 @@ def tokenizers(tmp_path_factory):
     paths = {"shipped (openai content)": str(DATA_DIR / SHIPPED),
              "string content": variant(tmp, "string", STRING_TEMPLATE),
              "bos-adding": variant(tmp, "bos", bos=True)}
-    return {name: (PromptTokenizer.load(path), SGLangPaths(path)) for name, path in paths.items()}
+    import sglang  # the router renders tools as its workers' release does: here, the installed one
+
+    return {name: (PromptTokenizer.load(path, tools_as_sent=tools_as_sent(sglang.__version__)), SGLangPaths(path))
+            for name, path in paths.items()}
 
 
 LONG = " ".join(f"word{i % 97} prefill{i % 13}" for i in range(6_000))
@@ -127,7 +181,8 @@ REFUSED = [  # SGLang's request models refuse these (422/400): so does the route
 @pytest.mark.parametrize("body", CHATS, ids=range(len(CHATS)))
 def test_chat_ids_equal_sglangs(tokenizers, name, body):
     ours, theirs = tokenizers[name]
-    assert ours.encode_chat(json.loads(json.dumps(body))) == theirs.chat_ids(json.loads(json.dumps(body)))
+    mine, sglangs = ours.encode_chat(json.loads(json.dumps(body))), theirs.chat_ids(json.loads(json.dumps(body)))
+    assert mine == sglangs, first_difference(ours, mine, sglangs)
 
 
 @pytest.mark.parametrize("body", REFUSED, ids=range(len(REFUSED)))
@@ -145,11 +200,15 @@ def test_what_sglang_refuses_the_router_refuses(tokenizers, body):
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
 def test_text_ids_equal_sglangs(tokenizers, name, text):
     ours, theirs = tokenizers[name]
-    if not text:
-        with pytest.raises(ValueError):
-            theirs.text_ids(text)  # SGLang refuses empty text; our protocol refuses an empty prompt (400)
-        return
-    assert ours.encode_text(text) == theirs.text_ids(text)
+    if not text:  # both releases' /v1/completions refuse an empty prompt, as our protocol does (400)
+        try:
+            sglangs = theirs.text_ids(text)
+        except ValueError:
+            return  # 0.5.15's tokenizer refuses empty text too; 0.5.23's tokenizes it: then the ids must agree
+    else:
+        sglangs = theirs.text_ids(text)
+    mine = ours.encode_text(text)
+    assert mine == sglangs, first_difference(ours, mine, sglangs)
 
 
 @pytest.mark.parametrize("name", ["shipped (openai content)", "string content", "bos-adding"])
@@ -178,7 +237,8 @@ messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "u
 @given(msgs=messages)
 def test_generated_conversations_match(tokenizers, msgs):
     ours, theirs = tokenizers["shipped (openai content)"]
-    assert ours.encode_chat({"messages": msgs}) == theirs.chat_ids({"messages": msgs})
+    mine, sglangs = ours.encode_chat({"messages": msgs}), theirs.chat_ids({"messages": msgs})
+    assert mine == sglangs, first_difference(ours, mine, sglangs)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -248,3 +308,20 @@ def test_leg_bytes_parse_to_the_body_with_the_router_fields_set(obj, pad, stream
     assert json.loads(leg_bytes(body, None, extra)) == expected == orjson.loads(leg_bytes(body, None, extra))
     assert json.loads(leg_bytes(body, {"input_ids": [1, 2]}, extra)) == {"input_ids": [1, 2], **extra}
     assert json.loads(leg_bytes(ClientBody({}, b" {} "), None, extra)) == extra
+
+
+def test_tools_render_as_the_workers_release_does():
+    """0.5.15 dumps every Function field in the model's order with strict false; 0.5.23 the client's keys in the
+    client's order, strict and defer_loading only when set (a tool's defer_loading fills the function's)."""
+    from prfaas_sglang.tokenizer import _tools
+
+    body = {"tools": [{"type": "function", "defer_loading": True,
+                       "function": {"parameters": {"type": "object"}, "name": "w", "extra": 1}},
+                      {"type": "function", "function": {"name": "v", "strict": True, "description": "d"}}]}
+    assert [list(t["function"].items()) for t in _tools(body)] == [
+        [("description", None), ("name", "w"), ("parameters", {"type": "object"}), ("strict", False), ("defer_loading", True)],
+        [("description", "d"), ("name", "v"), ("parameters", None), ("strict", True)]]
+    assert [list(t["function"].items()) for t in _tools(body, as_sent=True)] == [
+        [("parameters", {"type": "object"}), ("name", "w"), ("description", None), ("defer_loading", True)],
+        [("name", "v"), ("strict", True), ("description", "d"), ("parameters", None)]]
+    assert [tools_as_sent(v) for v in ("0.5.15", "0.5.23", "0.6.0", None, "dev")] == [False, True, True, False, False]
