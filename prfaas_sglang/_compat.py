@@ -64,6 +64,9 @@ def base_version(version: str) -> str:
 # 0.5.15 has a radix cache class per model kind, which our state-reporting caches subclass; 0.5.23
 # has one unified tree, onto which those caches are not ported yet.
 RADIX_TREES = ("sglang/srt/mem_cache/mamba_radix_cache.py", "class MambaRadixCache(")
+# SGLang 0.5.23 writes each KV event as a tagged msgpack map (0.5.15: an array); the emulated engine's
+# publisher writes them as the installed SGLang does (``wire.kv_events.encode_batch``).
+KV_EVENT_MAPS = ("sglang/srt/disaggregation/kv_events.py", "Events are tagged msgpack maps")
 
 
 def installed_has(marker: tuple[str, str] | None, root: Path | None = None) -> bool:

@@ -138,9 +138,14 @@ def bind_socket(kind: int, endpoint: str, server: CurveServer | None, *, hwm: in
 
 class ZmqPublisher:
     """A PUB socket bound at ``endpoint`` (give the configured interface, not ``*``, unless all
-    interfaces are meant); with ``curve``, a CURVE server (see the module's docstring)."""
+    interfaces are meant); with ``curve``, a CURVE server (see the module's docstring). KV events
+    are encoded as the installed SGLang encodes them (``_compat.KV_EVENT_MAPS``: 0.5.23's tagged
+    maps; 0.5.15's arrays, also where no SGLang is installed)."""
 
     def __init__(self, endpoint: str, topic: str, hwm: int = 100_000, curve: CurveKeys | None = None):
+        from prfaas_sglang._compat import KV_EVENT_MAPS, installed_has
+
+        self._events_as_maps = installed_has(KV_EVENT_MAPS)
         self._server = CurveServer(curve) if curve is not None else None
         try:
             self._pub = bind_socket(zmq.PUB, endpoint, self._server, hwm=hwm)
@@ -161,7 +166,8 @@ class ZmqPublisher:
         publisher reports no state); nothing is sent when both are empty."""
         if not events and not state_events:
             return
-        payload = encode_batch(KVEventBatch(ts=wall_s, events=events, attn_dp_rank=0, state_events=state_events))
+        payload = encode_batch(KVEventBatch(ts=wall_s, events=events, attn_dp_rank=0, state_events=state_events),
+                               events_as_maps=self._events_as_maps)
         self._pub.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         self._seq += 1
 

@@ -116,10 +116,11 @@ class LayerStreamer:
         sender = getattr(req, "disagg_kv_sender", None)
         if sender is None or getattr(sender, "kv_mgr", None) is not self.manager or getattr(req, "pending_bootstrap", False):
             return []
-        # SGLang's own warm-up request (and any with a fake bootstrap host) holds a FakeKVSender on the
-        # same manager: no room, nothing to send. It crashed the prefill's first forward on CPU.
+        # SGLang's own warm-up and /health_generate requests (and any with a fake bootstrap host) hold a
+        # FakeKVSender on the same manager: nothing to send. It crashed the prefill's first forward on CPU.
+        # 0.5.15's has no room; 0.5.23's keeps the request's (0 for both), which a live request may also have.
         room = getattr(sender, "bootstrap_room", None)
-        if room is None:
+        if room is None or _is_fake(sender):
             return []
         infos = self.manager.transfer_infos.get(room)
         extend_end, row = _extend_end(req), _pool_row(req)
@@ -293,6 +294,13 @@ def stream_forward(original, scheduler, batch, *args, **kwargs):
     finally:
         _FORWARD.reset(token)
         streamer.end(fwd)
+
+
+def _is_fake(sender) -> bool:
+    """Whether ``sender`` is SGLang's ``FakeKVSender`` (a fake bootstrap host: nothing is sent)."""
+    from sglang.srt.disaggregation.fake.conn import FakeKVSender
+
+    return isinstance(sender, FakeKVSender)
 
 
 def _extend_end(req) -> int | None:

@@ -37,9 +37,10 @@ Wire history (ours follows upstream's; bump if upstream changes):
   3: StateStored and StateRemoved may carry ``window_tokens`` (trailing, optional; v2 decoders
      ignore it): ``"swa"`` events, sent only when a stored page loses its sliding-window KV
      (StateRemoved) or gets it back (StateStored).
-  Read, not written: SGLang 0.5.23 writes events as tagged maps (``{"type": "BlockStored",
-  ...}``, optional fields omitted, new ones such as ``cache_salt``) in the same batch array;
-  :func:`decode_batch` takes those too, so a kv-index of this pin reads a newer worker.
+  SGLang 0.5.23 writes events as tagged maps (``{"type": "BlockStored", ...}``, optional fields
+  omitted, new ones such as ``cache_salt``) in the same batch array; :func:`decode_batch` takes
+  those too, so a kv-index of this pin reads a newer worker, and :func:`encode_batch` writes them
+  (``events_as_maps``) where the emulated engine runs beside such an SGLang.
 """
 
 from __future__ import annotations
@@ -165,9 +166,21 @@ def _from_map(event) -> KVCacheEvent:
     return AllBlocksCleared()
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
+def _to_map(event) -> dict:
+    """``event`` as SGLang 0.5.23 writes it: ``{"type": <class>, <every field>}``, its one optional field
+    (``medium``) only when set."""
+    out = {"type": type(event).__struct_config__.tag, **msgspec.structs.asdict(event)}
+    if out.get("medium") is None:
+        out.pop("medium", None)
+    return out
+
+
+def encode_batch(batch: KVEventBatch, *, events_as_maps: bool = False) -> bytes:
     """Bytes of ``batch``. With ``state_events`` set, ``attn_dp_rank`` is written even when None,
-    so the state list is the 4th element."""
+    so the state list is the 4th element. ``events_as_maps``: the block events as SGLang 0.5.23
+    writes them (tagged maps); the batch and its state events stay arrays."""
+    if events_as_maps:
+        batch = msgspec.structs.replace(batch, events=[_to_map(e) for e in batch.events])
     return _ENCODER.encode(batch)
 
 

@@ -7,6 +7,7 @@ its ``group_concurrent_contiguous``, which decides how many requests the Mooncak
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from types import SimpleNamespace
 
@@ -17,9 +18,11 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from sglang.srt.disaggregation import decode as sglang_decode  # noqa: E402
 from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous  # noqa: E402
 from sglang.srt.disaggregation.decode import DecodePreallocQueue  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 
 from prfaas_sglang.hooks.contiguous_alloc import contiguous_prealloc, take_contiguous  # noqa: E402
@@ -75,9 +78,29 @@ class Decode:
         self.req_pool = ReqToTokenPool(size=8, max_context_len=POOL_TOKENS, device="cpu", enable_memory_saver=False)
         queue = DecodePreallocQueue.__new__(DecodePreallocQueue)  # SGLang's method; only what it reads
         queue.token_to_kv_pool_allocator, queue.req_to_token_pool = self.kv, self.req_pool
+        queue.token_to_kv_pool = self.kv.get_kvcache()  # as its __init__ sets it
         queue.scheduler = SimpleNamespace(server_args=SimpleNamespace(disaggregation_decode_enable_radix_cache=False),
                                           enable_hisparse=False, enable_decode_hicache=False)
+        if hasattr(BasePrefixCache, "maybe_hand_to_session"):
+            # 0.5.23: the pre-allocation hands a streaming session's row to the tree (a decode worker's
+            # UnifiedRadixCache, disabled without --disaggregation-decode-enable-radix-cache); only what it reads
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+            from sglang.srt.session.streaming_session import StreamingSession
+
+            queue.tree_cache = UnifiedRadixCache.__new__(UnifiedRadixCache)
+            queue.tree_cache.session = StreamingSession(queue.tree_cache)
         self.queue = queue
+
+    @staticmethod
+    def config():
+        """The process's config as the pre-allocation reads it: 0.5.23 reads the published config
+        (``get_disagg()``; published here for the call, then restored), 0.5.15 the scheduler's
+        ``server_args`` (set above)."""
+        if not hasattr(sglang_decode, "get_disagg"):
+            return contextlib.nullcontext()
+        from sglang.srt.runtime_context import get_context
+
+        return get_context().override_server_args(disaggregation_decode_enable_radix_cache=False)
 
     def fragment(self, block: int = 64) -> torch.Tensor:
         """Two requests decode side by side (each step's slots taken for the batch at once, so they
@@ -96,9 +119,14 @@ class Decode:
 
     def pre_alloc(self, n: int, hooked: bool) -> torch.Tensor:
         self.req = self._req(n)
-        if hooked:
-            return contiguous_prealloc(DecodePreallocQueue._pre_alloc, self.queue, self.req)
-        return DecodePreallocQueue._pre_alloc(self.queue, self.req)
+        with self.config():
+            if hooked:
+                return contiguous_prealloc(DecodePreallocQueue._pre_alloc, self.queue, self.req)
+            return DecodePreallocQueue._pre_alloc(self.queue, self.req)
+
+    def req_pool_idx(self) -> int:
+        """The request's row in the request pool (0.5.23 keeps it in ``req.kv``)."""
+        return (self.req.kv if hasattr(self.req, "kv") else self.req).req_pool_idx
 
     @staticmethod
     def _req(n: int):
@@ -126,7 +154,7 @@ def test_a_prompt_after_interleaved_decodes_is_one_request_per_layer_with_the_ho
     assert not set(loc.tolist()) & set(survivor.tolist())  # never a slot still in use
     free_now = set(decode.kv.free_pages.tolist()) | set(decode.kv.release_pages.tolist())
     assert not set(loc.tolist()) & free_now  # and no longer free
-    assert decode.req_pool.req_to_token[decode.req.req_pool_idx, :40].tolist() == loc.tolist()  # SGLang wrote what we returned
+    assert decode.req_pool.req_to_token[decode.req_pool_idx(), :40].tolist() == loc.tolist()  # SGLang wrote what we returned
     assert "alloc" not in vars(decode.kv)  # the override is gone: later allocs are SGLang's own
     # unhooked: the holes between the survivor's slots, one request each; hooked: the finished prompt's run
     assert _requests_per_layer(loc) == (1 if hooked else 40)

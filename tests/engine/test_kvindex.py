@@ -367,6 +367,24 @@ def test_a_newer_sglangs_map_encoded_events_are_read():
         decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nonsense"}]]))
 
 
+def test_events_written_as_maps_keep_the_batch_array_and_read_back_the_same():
+    """``encode_batch(events_as_maps=True)``: what the emulated engine writes beside SGLang 0.5.23
+    (tests/engine/test_pd.py decodes it with that release's own classes)."""
+    import msgspec
+
+    from prfaas_sglang.wire.kv_events import BlockRemoved, decode_batch, encode_batch
+
+    batch = KVEventBatch(2.5, [BlockStored([11], None, [1, 2, 3, 4], 4, None, "GPU"), BlockRemoved([11]),
+                               AllBlocksCleared()], 0, [StateStored(11, 4)])
+    payload = encode_batch(batch, events_as_maps=True)
+    ts, events, rank, states = msgspec.msgpack.decode(payload)
+    assert (ts, rank, states) == (2.5, 0, msgspec.msgpack.decode(encode_batch(batch))[3])
+    assert events == [{"type": "BlockStored", "block_hashes": [11], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+                       "block_size": 4, "lora_id": None, "medium": "GPU"},  # required fields always, optional None omitted
+                      {"type": "BlockRemoved", "block_hashes": [11]}, {"type": "AllBlocksCleared"}]
+    assert decode_batch(payload) == batch
+
+
 class TestSlidingWindowState:
     """``"swa"`` state events: per page, whether it still holds its window KV (SWARadixCache)."""
 

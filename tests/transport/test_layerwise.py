@@ -14,6 +14,7 @@ is ``test_sglang_streams_layers_as_the_forward_writes_them`` (a probe in a subpr
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 from array import array
@@ -272,8 +273,9 @@ def test_a_layer_counts_when_the_forward_context_holds_the_pool_it_was_planned_o
 
 def test_a_request_with_sglangs_fake_sender_is_not_streamed():
     """SGLang's disaggregation warm-up request (a fake bootstrap host) holds a ``FakeKVSender`` on the
-    prefill's own manager, without a bootstrap room: the plan skips it (it crashed the prefill's first
-    forward, real SGLang on CPU with PRFAAS_KV_LAYERWISE=1), and a real request beside it is planned."""
+    prefill's own manager (0.5.15's without a bootstrap room, 0.5.23's with the request's): the plan skips
+    it (it crashed the prefill's first forward, real SGLang on CPU with PRFAAS_KV_LAYERWISE=1), and a real
+    request beside it is planned."""
     import torch
     from sglang.srt.disaggregation.fake.conn import FakeKVSender
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -293,12 +295,20 @@ def test_a_request_with_sglangs_fake_sender_is_not_streamed():
         return types.SimpleNamespace(disagg_kv_sender=sender, pending_bootstrap=False, req_pool_idx=0, start_send_idx=0,
                                      origin_input_ids=list(range(total)), extend_range=types.SimpleNamespace(end=total))
 
-    fake = req(FakeKVSender(mgr, "2.2.2.2:8998", 0, [0], 0))
+    # as each release's PrefillBootstrapQueue.create_sender builds it (SGLang's warm-up and /health_generate
+    # send room 0): 0.5.15 with the destination TP ranks and PP rank, 0.5.23 whether the request names a DP rank
+    params = inspect.signature(FakeKVSender).parameters
+    per_release = ({"dest_tp_ranks": [0], "pp_rank": 0} if "dest_tp_ranks" in params
+                   else {"req_has_disagg_prefill_dp_rank": False})
+    fake = req(FakeKVSender(mgr=mgr, bootstrap_addr="2.2.2.2:8998", bootstrap_room=0, **per_release))
     real = req(Sender(mgr, room, session, on_send=lambda *_: None))
     sched = _scheduler(mgr, pool, req_pool, page_size)
     fwd = streamer.begin(sched, types.SimpleNamespace(reqs=[fake, real]))
     assert fwd is not None and len(fwd.chunks) == 1  # the real request's chunk only
     assert streamer.begin(sched, types.SimpleNamespace(reqs=[fake])) is None
+    # 0.5.23's fake sender keeps its request's room: one that is also a live request's is still not streamed
+    same_room = req(FakeKVSender(mgr=mgr, bootstrap_addr="2.2.2.2:8998", bootstrap_room=room, **per_release))
+    assert streamer.begin(sched, types.SimpleNamespace(reqs=[same_room])) is None
 
 
 @pytest.mark.slow

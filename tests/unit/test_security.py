@@ -303,7 +303,9 @@ def test_sglangs_publisher_binds_the_configured_host_with_curve_for_a_deployment
 def test_sglangs_replay_socket_is_a_curve_server_too_and_shutdown_closes_its_context(tmp_path, monkeypatch):
     """Issue #16 review: the replay ROUTER was made in the CURVE context but without CURVE (anyone
     could read back every buffered batch, i.e. prompts), and the CURVE context was never closed."""
-    from sglang.srt.disaggregation.kv_events import EventBatch
+    import inspect
+
+    from sglang.srt.disaggregation.kv_events import EventBatch, ZmqEventPublisher
 
     from prfaas_sglang.adapters.zmq import CurveKeys
     from prfaas_sglang.hooks import event_publisher
@@ -311,6 +313,8 @@ def test_sglangs_replay_socket_is_a_curve_server_too_and_shutdown_closes_its_con
     secret = tmp_path / "s"
     secret.write_bytes(b"0123456789abcdef-unit-test-secret")
     monkeypatch.setenv("PRFAAS_SECRET_FILE", str(secret))
+    # SGLang's replay answer: 0.5.15 ``(seq, payload)``; 0.5.23 the live frame ``(topic, seq, payload)``
+    replays_topic = "self._topic_bytes" in inspect.getsource(ZmqEventPublisher._service_replay)
     port, replay_port = _port(), _port()
     publisher = event_publisher.StateEventsZmqPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv-events",
                                                      replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
@@ -331,7 +335,12 @@ def test_sglangs_replay_socket_is_a_curve_server_too_and_shutdown_closes_its_con
         publisher.publish(EventBatch(ts=time.time(), events=[]))
         plain, ours = replay_client(None), replay_client(curve)
         assert ours.poll(5000), "the deployment's replay client got nothing"
-        seq, _payload = ours.recv_multipart()
+        frames = ours.recv_multipart()
+        if replays_topic:
+            topic, seq, _payload = frames
+            assert topic == b"kv-events"
+        else:
+            seq, _payload = frames
         assert int.from_bytes(seq, "big") == 0
         assert not plain.poll(500)  # no handshake without the deployment's key: nothing replayed
         plain.close()
@@ -347,19 +356,33 @@ def test_the_worker_api_key_hook_sets_sglangs_key_and_refuses_a_contradicting_on
 
     from prfaas_sglang.hooks.deployment_auth import DeploymentAuthError, set_worker_api_key
 
+    try:  # 0.5.23: resolution declares decisions over the frozen inputs; SGLang reads the resolved value
+        from sglang.srt.arg_groups.overrides import resolution_result
+        writes_record = False
+    except ImportError:  # 0.5.15: resolution writes the record
+        writes_record = True
+
+        def resolution_result(args, field):
+            return getattr(args, field)
+
     args = ServerArgs(model_path="dummy", device="cpu")
     monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
     set_worker_api_key(None, args)
-    assert args.api_key is None  # no secret: a stock server
+    assert resolution_result(args, "api_key") is None  # no secret: a stock server
     secret = tmp_path / "s"
     secret.write_bytes(b"0123456789abcdef-unit-test-secret")
     monkeypatch.setenv("PRFAAS_SECRET_FILE", str(secret))
     set_worker_api_key(None, args)
-    assert args.api_key == KEYS.worker_api_key
+    assert resolution_result(args, "api_key") == KEYS.worker_api_key
     set_worker_api_key(None, args)  # idempotent: every process resolving the args runs it
-    args.api_key = "operator-chosen"
+    assert resolution_result(args, "api_key") == KEYS.worker_api_key
+    if writes_record:  # 0.5.15: a key written over the record later
+        args.api_key = "operator-chosen"
+        with pytest.raises(DeploymentAuthError, match="differs"):
+            set_worker_api_key(None, args)
+    operator = ServerArgs(model_path="dummy", device="cpu", api_key="operator-chosen")  # --api-key given
     with pytest.raises(DeploymentAuthError, match="differs"):
-        set_worker_api_key(None, args)
+        set_worker_api_key(None, operator)
 
 
 def test_the_bootstrap_peer_hook_refuses_a_host_outside_the_topology(monkeypatch):
@@ -391,16 +414,28 @@ def test_the_bootstrap_peer_hook_lets_sglangs_own_health_probe_and_warmup_throug
 
     monkeypatch.setenv("PRFAAS_PEER_HOSTS", "10.0.0.1,10.0.0.2")
     health = GenerateReqInput(input_ids=[0], bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=0)
-    warmup = GenerateReqInput(input_ids=[[0], [0]], bootstrap_host=[FAKE_BOOTSTRAP_HOST] * 2, bootstrap_room=[0, 1])
     assert check_bootstrap_peer(None, health, [0]) is None
-    assert check_bootstrap_peer(None, warmup, [[0], [0]]) is None
+    # the PD warm-up as each release sends it (2 DP ranks): 0.5.23 one request per rank
+    # (_send_disaggregation_warmup_requests), 0.5.15 one batch with a host per rank
+    per_rank = getattr(http_server, "_send_disaggregation_warmup_requests", None)
+    if per_rank is not None:
+        for rank in range(2):
+            warmup = GenerateReqInput(input_ids=[10, 11, 12, 13], bootstrap_host=FAKE_BOOTSTRAP_HOST,
+                                      bootstrap_room=rank, routed_dp_rank=rank)
+            assert check_bootstrap_peer(None, warmup, [10, 11, 12, 13]) is None
+    else:
+        warmup = GenerateReqInput(input_ids=[[0], [0]], bootstrap_host=[FAKE_BOOTSTRAP_HOST] * 2, bootstrap_room=[0, 1])
+        assert check_bootstrap_peer(None, warmup, [[0], [0]]) is None
     mixed = GenerateReqInput(input_ids=[[0], [0]], bootstrap_host=[FAKE_BOOTSTRAP_HOST, "10.9.9.9"], bootstrap_room=[0, 1])
     with pytest.raises(ValueError, match="'10.9.9.9' is not a peer"):
         check_bootstrap_peer(None, mixed, [[0], [0]])
     # the marker is still what SGLang's probe and warm-up send (else this allowance is stale)
     source = inspect.getsource(http_server)
     assert "gri.bootstrap_host = FAKE_BOOTSTRAP_HOST" in source
-    assert '"bootstrap_host": [FAKE_BOOTSTRAP_HOST] * server_args.dp_size' in source
+    if per_rank is not None:
+        assert '"bootstrap_host": FAKE_BOOTSTRAP_HOST,' in inspect.getsource(per_rank)
+    else:
+        assert '"bootstrap_host": [FAKE_BOOTSTRAP_HOST] * server_args.dp_size' in source
 
 
 # --- the launcher ---------------------------------------------------------------------------
