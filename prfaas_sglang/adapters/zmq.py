@@ -208,9 +208,11 @@ class ZmqSubscriber:
     """Sources are watched from a running event loop; ``close()`` cancels them all. With
     ``curve``, every source must be a CURVE server holding the deployment's key.
 
-    Each source's :meth:`stats` say whether it is ``connected`` (its ZMTP handshake succeeded, so
-    the subscription went out with it): the readiness to wait for before publishing what must
-    arrive, in place of a sleep for PUB/SUB's slow joiner."""
+    Each source's :meth:`stats` say whether it is ``connected`` (its ZMTP handshake succeeded and
+    the subscription went out after it). It is not a delivery guarantee: the publisher applies the
+    subscription on its own I/O thread, so a frame published at that instant can still be filtered
+    out (PUB/SUB's slow joiner, seen under load in CI). What must arrive is sent again until it is
+    heard (KV events: sequence numbers and the publisher's replay)."""
 
     def __init__(self, rcvhwm: int = 100_000, curve: CurveKeys | None = None):
         self.ctx = zmq.asyncio.Context.instance()

@@ -229,10 +229,12 @@ def run_fleet(args) -> tuple[dict, Callable[[dict], str]]:
             results, wall_s = asyncio.run(replay(deployment.router.url, requests))
             status = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)
             sent = {f"{p}->{d}": net.sent_bytes(p, d) for p, d in net.links_mbit}
+            namespaces = net.namespaces()
             group.stop()  # before the namespaces go
     finally:
         group.stop()
-    return summarize_fleet(args, requests, results, wall_s, status, sent, log_dir), render_fleet
+    summary = summarize_fleet(args, requests, results, wall_s, status, sent, log_dir)
+    return {**summary, "namespaces": namespaces}, render_fleet
 
 
 def summarize_fleet(args, requests, results: list[RequestResult], wall_s: float, status: dict, sent: dict[str, int],

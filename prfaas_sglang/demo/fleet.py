@@ -55,6 +55,10 @@ class FleetNet:
     def prfaas_address(self, site: str) -> str:
         return self.nets[site].inner_ip
 
+    def namespaces(self) -> list[str]:
+        """The namespaces this fleet holds (its site claim and one per PrfaaS cluster), all removed on exit."""
+        return [f"{SITE_PREFIX}{self.tag}", *(net.ns for net in self.nets.values())]
+
     def __enter__(self) -> FleetNet:
         self.tag = claim_tag(SITE_PREFIX, TAGS)
         if self.tag is None:

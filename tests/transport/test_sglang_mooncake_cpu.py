@@ -14,6 +14,7 @@ import pytest
 from sglang_cpu import run_probe
 
 from prfaas_sglang.demo.cluster import PortPicker
+from prfaas_sglang.wire import telemetry
 
 
 def run_as(prfaas_worker: bool) -> dict:
@@ -32,8 +33,8 @@ def test_a_prfaas_prefill_worker_meters_and_publishes_its_kv_transfers():
     assert out["metered_transfers"] == 3 * (3 + 1)  # per request: one batch per chunk, then the aux
     assert not out["decode_has_telemetry"]  # only the prefill side of the WAN leg publishes
     samples = out["samples"]
-    assert samples and all(s["v"] == 4 for s in samples)
-    # v4: per decode peer (its Mooncake session), what the transfers came to; none failed here.
+    assert samples and all(s["v"] == telemetry.WIRE_VERSION for s in samples)
+    # Since v4: per decode peer (its Mooncake session), what the transfers came to; none failed here.
     peers = {name for s in samples for name in (s["peers"] or {})}
     assert len(peers) == 1 and all(s["failed"] == 0 for s in samples)
     assert sum(s["completed"] for s in samples) >= 1 and any(s["latency_p50_s"] for s in samples)

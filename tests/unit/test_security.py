@@ -201,8 +201,9 @@ def test_curve_streams_deliver_only_between_holders_of_the_deployment_key():
 
 
 def test_a_subscription_is_connected_from_its_handshake_until_its_publisher_goes_and_again_when_it_returns():
-    """``connected`` is the readiness a caller waits for before publishing what must arrive (no
-    slow-joiner sleep): set by the handshake, cleared when the publisher goes, set again on its return."""
+    """``connected``: set by the handshake, cleared when the publisher goes, set again on its return.
+    Once connected, the first frames heard are the publisher's (it may still drop one published at the
+    instant of the handshake, before it applied the subscription: so the test publishes until heard)."""
     from prfaas_sglang.adapters.zmq import ZmqPublisher, ZmqSubscriber
 
     async def wait_for(sub, predicate, timeout_s: float = 10.0) -> dict:
@@ -220,8 +221,11 @@ def test_a_subscription_is_connected_from_its_handshake_until_its_publisher_goes
         pub = ZmqPublisher(f"tcp://127.0.0.1:{port}", "t")
         try:
             await wait_for(sub, lambda s: s["connected"])
-            pub.publish_raw(b"first")  # once, right after the handshake: it arrives
-            await wait_for(sub, lambda s: s["frames"] == 1)
+            for _ in range(200):  # bounded: 10 s
+                pub.publish_raw(b"first")
+                await asyncio.sleep(0.05)
+                if got:
+                    break
             pub.close()
             await wait_for(sub, lambda s: not s["connected"])
             pub = ZmqPublisher(f"tcp://127.0.0.1:{port}", "t")
@@ -231,7 +235,8 @@ def test_a_subscription_is_connected_from_its_handshake_until_its_publisher_goes
             await sub.close()
 
     got, stats = asyncio.run(run())
-    assert got == [[b"t", b"first"]] and stats["connects"] == 2
+    assert got and all(frame == [b"t", b"first"] for frame in got) and stats["connects"] == 2
+    assert stats["frames"] == len(got)
 
 
 def test_a_curve_subscriber_with_another_key_is_refused_by_the_publisher_and_counted():
