@@ -235,6 +235,28 @@ HOOKS: tuple[HookSpec, ...] = (
         tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
     ),
     HookSpec(
+        name="kv-send-ack-drain",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._maybe_ack_drained_abort",
+        hook="prfaas_sglang.hooks.kv_send_hook:hold_drained_ack",
+        hook_type="around",
+        expected_signature="(self, room: 'int') -> 'None'",
+        subject="[transport] An aborted room's drained ACK waits for the sender's writes",
+        why=(
+            "SGLang 0.5.23 keeps an aborted room's decode pages until every prefill rank ACKs that its "
+            "writes drained, judged by its own count of chunks in flight; with kv-send a chunk is counted "
+            "done when its writes are queued, so the ACK would free pages still being written."
+        ),
+        how=(
+            "AROUND hook on the manager's drained-ACK check: with an AsyncKvSender, hold the ACK until "
+            "every batch queued or in flight at that moment has ended, then run SGLang's own check; "
+            "poison the room (the decode frees on its release timeout) when one of those batches failed."
+        ),
+        upstream_status="vendor-specific (exists because of kv-send)",
+        removal="with kv-send",
+        tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
+        only_if=("sglang/srt/disaggregation/common/conn.py", "def _maybe_ack_drained_abort("),
+    ),
+    HookSpec(
         name="kv-layerwise-batch",
         target="sglang.srt.managers.scheduler.Scheduler.run_batch",
         hook="prfaas_sglang.hooks.layerwise_hook:stream_forward",

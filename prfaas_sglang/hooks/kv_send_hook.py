@@ -2,7 +2,7 @@
 
 The sender is :class:`~prfaas_sglang.transport.kv_sender.AsyncKvSender` (what it does and why, and
 how a failed write fails its rooms). In a process started with ``PRFAAS_KV_ASYNC_SEND=1`` (the
-launcher sets it for the prfaas role), a prefill manager gets one and three hooks change how it sends:
+launcher sets it for the prfaas role), a prefill manager gets one and these hooks change how it sends:
 
 * ``kv-send-start`` (AFTER ``MooncakeKVManager.__init__``): attach the sender;
 * ``kv-send`` (AROUND ``_transfer_data``): a chunk's entries, adjacent ones merged
@@ -20,8 +20,12 @@ launcher sets it for the prfaas role), a prefill manager gets one and three hook
   write failed, or the room was in flight on a session when a write to it failed, return -1
   before sending the aux, so the decode never hears Success for KV that did not land.
 
-Left as upstream: a decode that aborts a room (a client abort) frees its pages at once, while the
-prefill side may still be sending the room's KV into them.
+* ``kv-send-ack-drain`` (AROUND ``_maybe_ack_drained_abort``, only where SGLang has it: 0.5.23's deferred
+  decode KV release): an aborted room's ACK, on which the decode frees its pages, waits until every batch
+  queued or in flight when SGLang would have sent it has ended; poisoned if one of them failed.
+
+Left as upstream on 0.5.15: a decode that aborts a room (a client abort) frees its pages at once, while the
+prefill side may still be sending the room's KV into them (that release has no ACK to hold there).
 ``PRFAAS_KV_ASYNC_SEND=0`` restores SGLang's sending.
 """
 
@@ -141,3 +145,28 @@ def aux_barrier(original, manager, req, prefill_aux_index, dst_aux_ptrs):
         return original(manager, req, prefill_aux_index, dst_aux_ptrs)
     finally:
         sender.set_synchronous(False)
+
+
+def hold_drained_ack(original, manager, room):
+    """AROUND hook on ``_maybe_ack_drained_abort`` (SGLang 0.5.23's deferred decode KV release): SGLang ACKs
+    an aborted room once its own count of chunks in flight is 0, and the decode then frees the room's pages;
+    with a sender, a chunk's writes may still be queued or on the wire after SGLang counted it done. So the
+    ACK waits for every batch open now (:meth:`AsyncKvSender.hold_ack`), then SGLang's own check runs (its
+    count, a poisoned room); when one of them failed, the room is poisoned instead, as SGLang does after a
+    failed send, and the decode frees the pages on its release timeout."""
+    sender = getattr(manager, _ATTR, None)
+    if sender is None:
+        return original(manager, room)
+
+    def fire(ok: bool) -> None:
+        if not ok:
+            manager.poison_deferred_ack_room(room)
+        original(manager, room)
+
+    try:
+        if sender.hold_ack(room, fire):
+            return None
+    except Exception:  # noqa: BLE001 - SGLang's transfer thread dies on an exception; never ACK unproven
+        logger.exception("prfaas_sglang: holding the drained ACK of room %s failed; poisoning it", room)
+        manager.poison_deferred_ack_room(room)
+    return original(manager, room)

@@ -51,6 +51,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from prfaas_sglang.adapters.prom import ProcessMetrics
 from prfaas_sglang.adapters.sockopts import ResetOnClose, set_lane_pacing
@@ -72,6 +74,15 @@ METRICS_PUBLISH_S = 1.0  # how often the pump brings its ProcessMetrics up to da
 # RTT at least, a stall after the stall bound): it is handed again once, after Mooncake's 1 s reconnect
 # cooldown (``SendLedger``).
 RETRY_WITHIN_S, RETRY_AFTER_S = 0.25, 1.2
+
+
+@dataclass(eq=False)
+class HeldAck:
+    """An aborted room's drained ACK, held until the batches open when it was asked for have ended."""
+
+    room: int
+    fire: Callable[[bool], None]
+    batches: list[Batch]  # every batch open when it was asked for (each stays failed once it failed)
 
 
 class AsyncKvSender:
@@ -127,6 +138,7 @@ class AsyncKvSender:
         self.stager = stager
         self._staged: set[int] = set()  # staging regions (offsets) whose entries are queued, in flight or to retry
         self._next_publish_s = 0.0
+        self._held_acks: list[HeldAck] = []  # aborted rooms whose drained ACK waits for writes in flight
         self._closed = False
         self._pump = threading.Thread(target=self._run, name="prfaas-kv-send", daemon=True)
         self._pump.start()
@@ -245,6 +257,38 @@ class AsyncKvSender:
                 return False
             return True
 
+    def hold_ack(self, room: int, fire) -> bool:
+        """An aborted ``room``'s drained ACK (SGLang 0.5.23's deferred decode KV release: the decode frees the
+        room's pages on it). True when it must wait: some batch is queued or in flight now (to any session,
+        abandoned ones included: a batch does not name its rooms, so every one open now is waited for, and
+        none opened later). The pump then calls ``fire(ok)`` once, off the lock, when all of those batches
+        ended: ``ok`` False when one of them failed (a write the engine timed out may not be proven stopped;
+        the caller poisons the ACK and the decode falls back to its release timeout). False: nothing is
+        open, the caller ACKs now."""
+        with self._lock:
+            open_now = [b for b in self.ledger.batches if not b.ended]
+            if not open_now or self._closed:
+                return False
+            self._held_acks.append(HeldAck(room, fire, open_now))
+            self._changed.notify_all()
+            return True
+
+    def _due_acks(self) -> list[HeldAck]:
+        """Under ``self._lock``: the held ACKs whose batches have all ended (taken off the list)."""
+        due = [h for h in self._held_acks if all(b.ended for b in h.batches)]
+        if due:
+            self._held_acks = [h for h in self._held_acks if h not in due]
+        return due
+
+    def _fire(self, due: list[HeldAck]) -> None:
+        """Off the lock: each held ACK's callback, with whether none of its batches failed (a fault is
+        logged, never stops the pump)."""
+        for held in due:
+            try:
+                held.fire(not any(b.failed for b in held.batches))
+            except Exception:  # noqa: BLE001
+                logger.exception("prfaas_sglang: the drained ACK of room %s failed", held.room)
+
     def _wait(self, session: str | None, done, bound_s: float | None = None) -> bool:
         """Sleep until nothing awaited is queued or in flight to ``session`` (None: nothing at all,
         abandoned writes included) or ``done()`` (read under the lock); False if the bound passed first."""
@@ -292,11 +336,13 @@ class AsyncKvSender:
             try:
                 self._publish()
                 with self._lock:
-                    while not self.ledger.batches and not self._closed:
+                    while not self.ledger.batches and not self._held_acks and not self._closed:
                         self._changed.wait()
                     if self._closed:
                         return
                     progressed = self._step()
+                    due = self._due_acks()
+                self._fire(due)
                 self._scan_resets()
                 self._pace()
             except Exception:  # noqa: BLE001 - the pump must outlive one bad step

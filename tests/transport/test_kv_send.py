@@ -304,6 +304,69 @@ class TestAsyncKvSender:
         assert sorted(e[1:] for e in engine.submitted) == sorted(_blocks(0, 6) + _blocks(0, 4))
 
 
+class AckingManager(types.SimpleNamespace):
+    """SGLang 0.5.23's side of an aborted room's drained ACK, recorded: the ACKs it would send, the rooms poisoned."""
+
+    def __init__(self, rooms: dict[int, str]):
+        super().__init__(**vars(_manager(rooms)))
+        self.acked: list[int] = []
+        self.poisoned: list[int] = []
+
+    def ack(self, room: int) -> None:  # the original _maybe_ack_drained_abort, as the hook is handed it
+        if room not in self.poisoned:
+            self.acked.append(room)
+
+    def poison_deferred_ack_room(self, room: int) -> None:
+        self.poisoned.append(room)
+
+
+class TestHeldAck:
+    """kv-send-ack-drain: the decode frees an aborted room's pages on its ACK, so none goes while a write
+    SGLang counted done is still queued or on the wire."""
+
+    @staticmethod
+    def _hold(sender_manager, room):
+        from prfaas_sglang.hooks.kv_send_hook import hold_drained_ack
+
+        return hold_drained_ack(lambda m, r: m.ack(r), sender_manager, room)
+
+    def test_the_ack_waits_for_the_writes_open_when_it_was_asked_for_and_no_later_ones(self):
+        engine, manager = FakeEngine(), AckingManager({1: "d:1", 2: "d:2"})
+        manager._prfaas_sender = AsyncKvSender(manager, engine, wait_bound_s=10.0, lanes=2)
+        assert manager._prfaas_sender.submit("d:1", _blocks(0, 3)) == 0
+        _until(lambda: len(engine.submitted) == 2)
+        self._hold(manager, 1)  # room 1 aborted while its chunk's writes are queued and on the wire
+        assert manager._prfaas_sender.submit("d:2", _blocks(1 << 30, 2)) == 0  # another room's, opened later
+        time.sleep(0.05)
+        assert manager.acked == []
+        engine.end(DONE, "d:1")
+        _until(lambda: len(engine.submitted) == 5)  # d:1's third write
+        assert manager.acked == []
+        engine.end(DONE, "d:1")
+        _until(lambda: manager.acked == [1])  # d:2's writes are still pending: they hold nothing up
+        assert any(e[0] == "d:2" for e in engine.submitted) and manager._prfaas_sender.ledger.pending("d:2")
+        assert manager.poisoned == []
+        engine.end(DONE)
+        assert manager._prfaas_sender.settle(10.0)
+        self._hold(manager, 2)  # nothing open: SGLang's own check runs at once
+        assert manager.acked == [1, 2]
+
+    def test_a_failed_write_poisons_the_room_instead_of_acking(self):
+        engine, manager = FakeEngine(), AckingManager({1: "d:1"})
+        manager._prfaas_sender = AsyncKvSender(manager, engine, wait_bound_s=10.0, lanes=2, retry_within_s=None)
+        assert manager._prfaas_sender.submit("d:1", _blocks(0, 2)) == 0
+        _until(lambda: len(engine.submitted) == 2)
+        self._hold(manager, 1)
+        engine.end(FAILED)
+        _until(lambda: manager.poisoned == [1])
+        assert manager.acked == []  # the decode frees the pages on its release timeout instead
+
+    def test_without_a_sender_sglangs_own_check_runs(self):
+        manager = AckingManager({1: "d:1"})
+        self._hold(manager, 1)
+        assert manager.acked == [1]
+
+
 class Heard:
     """A batch's listener: what the pump told it, in order."""
 
