@@ -652,7 +652,7 @@ def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySett
     if at is not None:
         out["at_capacity"] = {k: at[k] for k in ("load_rps", "attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
                                                  "goodput_rps", "token_goodput_tps", "refused", "refused_by_bucket",
-                                                 "offload_fraction", "arrivals")}
+                                                 "missed_by_bucket", "offload_fraction", "arrivals") if k in at}
     return out
 
 
@@ -752,6 +752,19 @@ def render_markdown(result: dict) -> str:
     return "\n\n".join(_render_condition(c) for c in result.get("conditions", [result]))
 
 
+def _render_misses(r: dict) -> list[str]:
+    """Where each row loses its attainment at its capacity probe (the lowest probe where none passed): misses
+    (refused, failed or late) / arrivals per prompt-length bucket. Empty for results recorded before it was."""
+    rows = [(name, (row.get("at_capacity") or {}).get("missed_by_bucket")) for name, row in r["rows"].items()]
+    if not any(by for _, by in rows):
+        return []
+    out = ["", "Misses (refused, failed or late) / arrivals by prompt length, at each row's capacity probe:", ""]
+    for name, by in rows:
+        if by:
+            out.append(f"- {name}: " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by.items()))
+    return out
+
+
 def _render_condition(r: dict) -> str:
     planned = r["planned_capacity_rps"]
     setting = r["setting"]
@@ -778,6 +791,7 @@ def _render_condition(r: dict) -> str:
             f"{_f(at.get('ttft_p99_s'), '{:.2f}')} | {_f(at.get('goodput_rps'))} | {_f(at.get('token_goodput_tps'), '{:.0f}')} | "
             f"{at.get('refused', 'n/a')} ({refused_long}) | {_f(at.get('offload_fraction'), '{:.2f}')} | "
             f"{_f(timing.get('prefill'), '{:.3f}')} / {_f(timing.get('decode'), '{:.2f}')} |")
+    lines += _render_misses(r)
     for target, x in r.get("ratios", {}).items():
         per_seed = x["capacity_ratio_vs_best_per_seed"]
         spread_txt = (f" (per seed: median {per_seed['median']:.2f}, [{per_seed['min']:.2f}, {per_seed['max']:.2f}])"

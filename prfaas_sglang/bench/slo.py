@@ -13,6 +13,8 @@ over all arrivals, so refusing work is never throughput.
     goodput_rps       met / the arrival window
     token_goodput     prompt tokens of the requests that met the SLO / the arrival window
     refused_by_bucket refusals per prompt-length bucket (long prompts refused show here)
+    missed_by_bucket  misses of either kind (refused, failed, late) per prompt-length bucket: where the
+                      attainment is lost
 
 :class:`CapacitySearch` finds, per attainment target (0.90 and 0.99), the highest offered
 load that meets it, by expanding and then bisecting (geometric midpoints) until the
@@ -67,6 +69,7 @@ class ProbeScore:
     goodput_rps: float
     token_goodput_tps: float
     refused_by_bucket: dict[str, list[int]]  # bucket -> [refused, arrivals]
+    missed_by_bucket: dict[str, list[int]] = field(default_factory=dict)  # bucket -> [missed, arrivals]
 
     def as_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(self).items()}
@@ -80,10 +83,13 @@ def score(outcomes: Sequence[Outcome], window_s: float, ttft_slo_s: float, tbt_s
     met = [o for o in outcomes if o.meets(ttft_slo_s, tbt_slo_s)]
     ttfts = [math.inf if o.ttft_s is None or o.refused or o.failed else o.ttft_s for o in outcomes]
     by_bucket: dict[str, list[int]] = {name: [0, 0] for _, _, name in LENGTH_BUCKETS}
+    missed_by: dict[str, list[int]] = {name: [0, 0] for _, _, name in LENGTH_BUCKETS}
     for o in outcomes:
-        cell = by_bucket[bucket_of(o.input_tokens)]
-        cell[0] += o.refused
-        cell[1] += 1
+        name = bucket_of(o.input_tokens)
+        by_bucket[name][0] += o.refused
+        by_bucket[name][1] += 1
+        missed_by[name][0] += not o.meets(ttft_slo_s, tbt_slo_s)
+        missed_by[name][1] += 1
     refused = sum(o.refused for o in outcomes)
     failed = sum(o.failed and not o.refused for o in outcomes)
     return ProbeScore(
@@ -92,7 +98,8 @@ def score(outcomes: Sequence[Outcome], window_s: float, ttft_slo_s: float, tbt_s
         attainment=len(met) / len(outcomes),
         ttft_p50_s=percentile(ttfts, 0.50), ttft_p90_s=percentile(ttfts, 0.90), ttft_p99_s=percentile(ttfts, 0.99),
         goodput_rps=len(met) / window_s, token_goodput_tps=sum(o.input_tokens for o in met) / window_s,
-        refused_by_bucket={k: v for k, v in by_bucket.items() if v[1]})
+        refused_by_bucket={k: v for k, v in by_bucket.items() if v[1]},
+        missed_by_bucket={k: v for k, v in missed_by.items() if v[1]})
 
 
 @dataclass

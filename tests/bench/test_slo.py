@@ -28,6 +28,11 @@ def test_a_miss_is_a_late_first_token_a_slow_stream_a_failure_or_no_answer():
                 Outcome(100, None, None, failed=True), Outcome(100, None, None)]
     s = score(outcomes, 1.0, TTFT, TBT)
     assert s.met == 1 and s.failed == 1 and s.unserved == 1 and s.refused == 0
+    # every kind of miss counts in its prompt's length bucket; the refusals' own count stays apart
+    late_long = [Outcome(20_000, 6.0, 0.01), Outcome(20_000, 2.0, 0.01), Outcome(50_000, None, None, refused=True)]
+    s = score(outcomes + late_long, 1.0, TTFT, TBT)
+    assert s.missed_by_bucket == {"<4K": [5, 6], "16K-32K": [1, 2], ">=32K": [1, 1]}
+    assert s.refused_by_bucket == {"<4K": [0, 6], "16K-32K": [0, 2], ">=32K": [1, 1]}
 
 
 def attainment(load: float, capacity: float = 1.0) -> float:

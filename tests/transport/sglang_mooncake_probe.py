@@ -7,7 +7,7 @@ process's Mooncake engine (``init_mooncake_transfer_engine``). Prints one JSON l
 (SGLang's listener threads are not daemons and there is no shutdown API).
 
 Environment: PRFAAS_ROLE / PRFAAS_TELEMETRY_PORT / PRFAAS_KV_ASYNC_SEND / PRFAAS_KV_LAYERWISE as the
-launcher or an operator sets them; PROBE_LAYERWISE=1 runs :func:`main_layerwise` instead of :func:`main`;
+launcher or an operator sets them; PROBE_LAYERWISE=1 runs :func:`main_layerwise` instead of :func:`main`, PROBE_ABORT=1 :func:`main_abort`;
 BOOT_PORT; PROBE_DECODE_RESERVE_PAGES (see below); PROBE_DST=contiguous: each room's decode pages are one run (else random, as the source's);
 FAIL_ROOM (optional): that room's KV is sent to a Mooncake session nobody listens on
 (``127.0.0.1:1``, with the real decode's registration), so the transfer engine refuses it; SGLang
@@ -186,6 +186,49 @@ def collected_metrics(async_sender, prefill_manager) -> dict | None:
     return samples
 
 
+def main_abort() -> dict:
+    """PROBE_ABORT=1 (SGLang with the deferred decode KV release, 0.5.23): the decode aborts room 1 right
+    after its three chunks were handed to SGLang's sender, and waits for the prefill's drained ACK, on which
+    SGLang's decode frees the room's pages. What the decode's pages held at the ACK is compared with what
+    they hold once every write has ended: whatever changed landed after the ACK, in pages SGLang would have
+    given to another request. PROBE_UNHOOK_ACK=1 puts SGLang's own ``_maybe_ack_drained_abort`` back (what
+    the check finds without the kv-send-ack-drain hook)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    from prfaas_sglang.bench.layerwise_bench import open_room
+
+    if os.environ.get("PROBE_UNHOOK_ACK"):
+        MooncakeKVManager._maybe_ack_drained_abort = CommonKVManager._maybe_ack_drained_abort
+    MooncakeKVBootstrapServer("127.0.0.1", BOOT_PORT)
+    time.sleep(0.3)
+    p_args, p_bufs, _ = kv_args(True)
+    d_args, d_bufs, _ = kv_args(False)
+    prefill = MooncakeKVManager(p_args, DisaggregationMode.PREFILL, SERVER_ARGS, False)
+    decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
+    src = np.arange(USED_PAGES, dtype=np.int32)[:192]
+    dst = np.random.default_rng(5).permutation(USED_PAGES)[:192].astype(np.int32)
+    sender, receiver = open_room(prefill, decode, f"127.0.0.1:{BOOT_PORT}", 1, dst)
+    sender.init(len(src), aux_index=1)
+    for start in range(0, len(src), 64):
+        sender.send(src[start:start + 64])
+    async_sender = prefill._prfaas_sender
+    queued_at_abort = sum(not b.ended for b in list(async_sender.ledger.batches))
+    receiver.abort()
+    deadline = time.time() + 30.0
+    while not decode.is_abort_release_safe(1, 1) and time.time() < deadline:
+        time.sleep(0.0005)  # about as soon as the decode could release the pages
+    acked = decode.is_abort_release_safe(1, 1)
+    at_ack = [d[dst].copy() for d in d_bufs]
+    open_at_ack = sum(not b.ended for b in list(async_sender.ledger.batches))
+    settled = async_sender.settle(30.0)
+    time.sleep(0.2)
+    changed = sum(int((d[dst] != before).any(axis=1).sum()) for d, before in zip(d_bufs, at_ack, strict=True))
+    landed = sum(int((d[dst] == p[src]).all(axis=1).sum()) for p, d in zip(p_bufs, d_bufs, strict=True))
+    return {"deferred_release": bool(prefill.enable_deferred_decode_kv_release), "acked": bool(acked),
+            "batches_open_at_abort": queued_at_abort, "batches_open_at_ack": open_at_ack, "settled": settled,
+            "pages_changed_after_ack": changed, "pages_landed": landed, "pages": len(dst) * len(d_bufs)}
+
+
 def main_layerwise() -> dict:
     """PROBE_LAYERWISE=1: three requests of three 64-token chunks through SGLang's scheduling code,
     written layer by layer and announced through the kv-layerwise hooks; after each layer, wait for
@@ -197,7 +240,8 @@ def main_layerwise() -> dict:
 
 if __name__ == "__main__":
     try:
-        print(json.dumps(main_layerwise() if os.environ.get("PROBE_LAYERWISE") else main()), flush=True)
+        main_of = main_layerwise if os.environ.get("PROBE_LAYERWISE") else main_abort if os.environ.get("PROBE_ABORT") else main
+        print(json.dumps(main_of()), flush=True)
     except BaseException as err:  # noqa: BLE001 - report, then hard-exit below
         print(json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
     sys.stdout.flush()

@@ -569,6 +569,25 @@ class TestKeepAlive:
 
 
 @pytest.mark.slow
+def test_with_deferred_decode_release_no_kv_lands_after_the_drained_ack_and_without_the_hook_some_does():
+    """SGLang 0.5.23's own receiver aborts a room whose chunks SGLang's sender has handed to ours; its
+    decode would free the pages on the prefill's drained ACK. With kv-send-ack-drain, no page changes
+    after the ACK; with SGLang's own ACK check put back, pages are still written after it."""
+    from prfaas_sglang.plugin import HOOKS
+
+    spec = next(h for h in HOOKS if h.name == "kv-send-ack-drain")
+    if not spec.applies():
+        pytest.skip(f"kv-send-ack-drain: {spec.where()} on the installed SGLang (the release has no drained ACK)")
+    env = {"PRFAAS_ROLE": "prfaas", "PRFAAS_KV_ASYNC_SEND": "1", "PROBE_ABORT": "1"}
+    held, unhooked = run_probe(**env), run_probe(**env, PROBE_UNHOOK_ACK="1")
+    for out in (held, unhooked):
+        assert out["deferred_release"] and out["acked"] and out["settled"], out
+        assert out["batches_open_at_abort"] > 0, out  # the abort came while writes were queued or on the wire
+    assert held["pages_changed_after_ack"] == 0 and held["batches_open_at_ack"] == 0, held
+    assert unhooked["pages_changed_after_ack"] > 0, unhooked
+
+
+@pytest.mark.slow
 def test_sglang_sends_each_chunk_asynchronously_and_the_kv_lands_intact():
     out = run_probe(PRFAAS_ROLE="prfaas", PRFAAS_KV_ASYNC_SEND="1", PRFAAS_TELEMETRY_PORT=str(PortPicker()()))
     assert all(r["sender"] == r["receiver"] == out["success"] and r["kv_intact"] and r["aux_intact"]
