@@ -20,6 +20,7 @@ with ``wait_each_layer``: each layer must land on the decode before the next is 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -51,6 +52,14 @@ def make_kv_args(kv_ptrs: list[int], kv_lens: list[int], kv_item_lens: list[int]
     a.page_size = 1
     a.system_dp_rank, a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = 0, 0, 0, None
     a.mla_compression_ratios = None
+    # What 0.5.23's managers also read (0.5.15 ignores them): an MHA pool's, as its model runner sets them
+    # (no layer ids: the peers pair buffers by position; no host mirror, no hybrid state, no draft).
+    a.kv_layer_ids, a.kv_cache_dtype_str, a.kv_layout = [], "auto", None
+    a.host_kv_data_ptrs = a.host_kv_data_lens = a.host_kv_item_lens = None
+    a.host_state_data_ptrs = a.host_state_data_lens = a.host_state_item_lens = None
+    a.state_layer_ids, a.state_slice_outer_counts, a.state_conv_shard_groups = [], [], []
+    a.is_hybrid_mla_backend, a.swa_kv_cache_layout, a.rust_http_port = False, None, None
+    a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers, a.num_draft_entries = 1, 0, 0, 0
     return a
 
 
@@ -93,7 +102,8 @@ def open_room(prefill, decode, addr: str, room: int, dst_pages: np.ndarray):
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver, MooncakeKVSender
 
-    sender = MooncakeKVSender(prefill, addr, room, [0], 0)
+    placement = ([0], 0) if "dest_tp_ranks" in inspect.signature(MooncakeKVSender).parameters else ()  # 0.5.15's
+    sender = MooncakeKVSender(prefill, addr, room, *placement)
     receiver = MooncakeKVReceiver(decode, addr, room)
     while not decode.try_ensure_parallel_info(addr):
         time.sleep(0.05)

@@ -153,14 +153,24 @@ def hold_drained_ack(original, manager, room):
     with a sender, a chunk's writes may still be queued or on the wire after SGLang counted it done. So the
     ACK waits for every batch open now (:meth:`AsyncKvSender.hold_ack`), then SGLang's own check runs (its
     count, a poisoned room); when one of them failed, the room is poisoned instead, as SGLang does after a
-    failed send, and the decode frees the pages on its release timeout."""
+    failed send, and the decode frees the pages on its release timeout. Nothing is held while a chunk of the
+    room is still inside SGLang (its count, read first, as SGLang's check does): that chunk's writes are not
+    queued yet (found end to end: an ACK held on the batches open at the abort fired while the next chunk's
+    writes, queued after it, were on the wire)."""
     sender = getattr(manager, _ATTR, None)
     if sender is None:
         return original(manager, room)
+    if getattr(manager, "_staging_outstanding", {}).get(room, 0) > 0:
+        # A chunk of the room is still inside SGLang, its writes not yet queued here: a hold now would miss
+        # them. SGLang checks again once that chunk is done (sent, or skipped as the room failed), through
+        # this hook, with every write of the room then queued or on the wire.
+        return None
 
     def fire(ok: bool) -> None:
         if not ok:
             manager.poison_deferred_ack_room(room)
+        elif getattr(manager, "_staging_outstanding", {}).get(room, 0) > 0:
+            return  # a chunk of the room reached SGLang meanwhile: its own check, after it, holds again
         original(manager, room)
 
     try:

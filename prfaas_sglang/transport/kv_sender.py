@@ -262,7 +262,7 @@ class AsyncKvSender:
         room's pages on it). True when it must wait: some batch is queued or in flight now (to any session,
         abandoned ones included: a batch does not name its rooms, so every one open now is waited for, and
         none opened later). The pump then calls ``fire(ok)`` once, off the lock, when all of those batches
-        ended: ``ok`` False when one of them failed (a write the engine timed out may not be proven stopped;
+        ended and no later hold of the same room waits (that one fires instead): ``ok`` False when one of them failed (a write the engine timed out may not be proven stopped;
         the caller poisons the ACK and the decode falls back to its release timeout). False: nothing is
         open, the caller ACKs now."""
         with self._lock:
@@ -274,11 +274,15 @@ class AsyncKvSender:
             return True
 
     def _due_acks(self) -> list[HeldAck]:
-        """Under ``self._lock``: the held ACKs whose batches have all ended (taken off the list)."""
+        """Under ``self._lock``: the held ACKs whose batches have all ended (taken off the list). A room held
+        again since (its later chunk's writes queued after the first hold) fires from its latest hold only."""
         due = [h for h in self._held_acks if all(b.ended for b in h.batches)]
-        if due:
-            self._held_acks = [h for h in self._held_acks if h not in due]
-        return due
+        if not due:
+            return []
+        self._held_acks = [h for h in self._held_acks if h not in due]
+        waiting = {h.room for h in self._held_acks}
+        latest = {h.room: h for h in due}  # held in order: the last one of a room is its latest
+        return [h for h in due if h.room not in waiting and latest[h.room] is h]
 
     def _fire(self, due: list[HeldAck]) -> None:
         """Off the lock: each held ACK's callback, with whether none of its batches failed (a fault is

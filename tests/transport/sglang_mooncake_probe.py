@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+import types
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
@@ -55,8 +56,36 @@ from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample  # noqa: E4
 single_rank_state()
 init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
 
+
+def published_server_args():
+    """0.5.23: the managers read a real ``ServerArgs`` and the serving config from the process's published
+    runtime context (as the scheduler process publishes it), so one is built and published; None on 0.5.15,
+    whose managers read only the arguments given (``manager_server_args``)."""
+    from sglang.srt import runtime_context
+
+    if not hasattr(runtime_context, "publish"):
+        return None
+    from pathlib import Path
+    from unittest import mock
+
+    from sglang.srt.server_args import ServerArgs
+
+    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3-next"
+    with mock.patch.dict(os.environ):  # resolving exports defaults for the server's processes
+        args = ServerArgs(model_path=str(tiny), device="cpu", host="127.0.0.1", port=30000,
+                          disaggregation_bootstrap_port=BOOT_PORT, disaggregation_mode="prefill",
+                          disaggregation_transfer_backend="mooncake", mamba_radix_cache_strategy="no_buffer",
+                          disable_overlap_schedule=True, served_model_name="probe",
+                          enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ)
+    runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0, gpu_id=0))
+    group = types.SimpleNamespace(world_size=1, rank_in_group=0)  # the groups a model runner would build
+    runtime_context.get_parallel().override_permanently(
+        **{name: group for name in ("tp_group", "pp_group", "attn_tp_group", "attn_cp_group")})
+    return args
+
+
 BOOT_PORT = int(os.environ["BOOT_PORT"])
-SERVER_ARGS = manager_server_args(  # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
+SERVER_ARGS = published_server_args() or manager_server_args(  # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
     "127.0.0.1", BOOT_PORT, enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ, served_model_name="probe",
     model_path="/m")
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
@@ -187,9 +216,10 @@ def collected_metrics(async_sender, prefill_manager) -> dict | None:
 
 
 def main_abort() -> dict:
-    """PROBE_ABORT=1 (SGLang with the deferred decode KV release, 0.5.23): the decode aborts room 1 right
-    after its three chunks were handed to SGLang's sender, and waits for the prefill's drained ACK, on which
-    SGLang's decode frees the room's pages. What the decode's pages held at the ACK is compared with what
+    """PROBE_ABORT=1 (SGLang with the deferred decode KV release, 0.5.23): the decode aborts room 1 while the
+    writes of its first two chunks are queued or on the wire, the prefill then sends the last chunk (which
+    SGLang skips, checking the drained ACK at once), and the decode waits for the ACK, on which SGLang's
+    decode frees the room's pages. What the decode's pages held at the ACK is compared with what
     they hold once every write has ended: whatever changed landed after the ACK, in pages SGLang would have
     given to another request. PROBE_UNHOOK_ACK=1 puts SGLang's own ``_maybe_ack_drained_abort`` back (what
     the check finds without the kv-send-ack-drain hook)."""
@@ -209,11 +239,16 @@ def main_abort() -> dict:
     dst = np.random.default_rng(5).permutation(USED_PAGES)[:192].astype(np.int32)
     sender, receiver = open_room(prefill, decode, f"127.0.0.1:{BOOT_PORT}", 1, dst)
     sender.init(len(src), aux_index=1)
-    for start in range(0, len(src), 64):
+    for start in range(0, len(src) - 64, 64):  # every chunk but the last: its aux would wait for the writes
         sender.send(src[start:start + 64])
     async_sender = prefill._prfaas_sender
+    deadline = time.time() + 10.0
+    while not any(not b.ended for b in list(async_sender.ledger.batches)) and time.time() < deadline:
+        time.sleep(0.0002)  # until SGLang's transfer thread has handed a chunk to our sender
     queued_at_abort = sum(not b.ended for b in list(async_sender.ledger.batches))
     receiver.abort()
+    time.sleep(0.01)
+    sender.send(src[-64:])  # the last chunk, after the abort: SGLang skips it and checks the ACK at once
     deadline = time.time() + 30.0
     while not decode.is_abort_release_safe(1, 1) and time.time() < deadline:
         time.sleep(0.0005)  # about as soon as the decode could release the pages

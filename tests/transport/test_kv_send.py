@@ -351,6 +351,25 @@ class TestHeldAck:
         self._hold(manager, 2)  # nothing open: SGLang's own check runs at once
         assert manager.acked == [1, 2]
 
+    def test_a_room_held_again_after_its_next_chunk_was_queued_acks_only_when_that_chunk_landed(self):
+        """As SGLang does: the abort's check holds on chunk 1's writes; chunk 2, then in SGLang's hands, is
+        queued, and SGLang's check after it holds again. Chunk 1 landing must not ACK."""
+        engine, manager = FakeEngine(), AckingManager({1: "d:1", 2: "d:2"})
+        manager._prfaas_sender = AsyncKvSender(manager, engine, wait_bound_s=10.0, lanes=1)
+        assert manager._prfaas_sender.submit("d:1", _blocks(0, 1)) == 0
+        _until(lambda: len(engine.submitted) == 1)
+        self._hold(manager, 1)
+        assert manager._prfaas_sender.submit("d:2", _blocks(1 << 30, 1)) == 0  # the room's next chunk (another rank)
+        self._hold(manager, 1)
+        _until(lambda: len(engine.submitted) == 2)
+        engine.end(DONE, "d:1")
+        time.sleep(0.05)
+        assert manager.acked == []
+        engine.end(DONE, "d:2")
+        _until(lambda: manager.acked == [1])
+        time.sleep(0.02)
+        assert manager.acked == [1]  # once
+
     def test_a_failed_write_poisons_the_room_instead_of_acking(self):
         engine, manager = FakeEngine(), AckingManager({1: "d:1"})
         manager._prfaas_sender = AsyncKvSender(manager, engine, wait_bound_s=10.0, lanes=2, retry_within_s=None)
