@@ -147,11 +147,12 @@ def start_checks_deployment(ctx: Context, stack: contextlib.ExitStack, shaped: b
 def check_hooks(ctx: Context) -> CheckResult:
     from prfaas_sglang.plugin import HOOKS
 
+    names = [h.name for h in HOOKS if h.applies()]  # the installed release's
     missing = {}
     for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0", "reference"):
         path = hook_report(ctx.work, name)
         lines = path.read_text().splitlines() if path.exists() else []
-        if problems := hook_report_problems(lines, [h.name for h in HOOKS if h.applies()]):
+        if problems := hook_report_problems(lines, names):
             missing[name] = problems
     if missing:
         return CheckResult("hooks", False, f"hook reports: {missing}")
@@ -165,7 +166,7 @@ def check_hooks(ctx: Context) -> CheckResult:
     if code == 0 or "deliberately-broken" not in log or "does not resolve" not in log:
         return CheckResult("hooks", False, f"a broken hook: exit {code}, message not found in its log")
     line = next(x for x in log.splitlines() if "deliberately-broken" in x)
-    return CheckResult("hooks", True, data={"hooks": [h.name for h in HOOKS if h.applies()], "broken_exit": code, "broken_message": line[-300:]})
+    return CheckResult("hooks", True, data={"hooks": names, "broken_exit": code, "broken_message": line[-300:]})
 
 
 def check_greedy_equal(ctx: Context) -> CheckResult:

@@ -147,6 +147,11 @@ def aux_barrier(original, manager, req, prefill_aux_index, dst_aux_ptrs):
         sender.set_synchronous(False)
 
 
+def _in_sglang(manager, room) -> bool:
+    """Whether SGLang 0.5.23's transfer worker holds a chunk of ``room`` (its count, as its own ACK check reads it)."""
+    return getattr(manager, "_staging_outstanding", {}).get(room, 0) > 0
+
+
 def hold_drained_ack(original, manager, room):
     """AROUND hook on ``_maybe_ack_drained_abort`` (SGLang 0.5.23's deferred decode KV release): SGLang ACKs
     an aborted room once its own count of chunks in flight is 0, and the decode then frees the room's pages;
@@ -160,7 +165,7 @@ def hold_drained_ack(original, manager, room):
     sender = getattr(manager, _ATTR, None)
     if sender is None:
         return original(manager, room)
-    if getattr(manager, "_staging_outstanding", {}).get(room, 0) > 0:
+    if _in_sglang(manager, room):
         # A chunk of the room is still inside SGLang, its writes not yet queued here: a hold now would miss
         # them. SGLang checks again once that chunk is done (sent, or skipped as the room failed), through
         # this hook, with every write of the room then queued or on the wire.
@@ -169,7 +174,7 @@ def hold_drained_ack(original, manager, room):
     def fire(ok: bool) -> None:
         if not ok:
             manager.poison_deferred_ack_room(room)
-        elif getattr(manager, "_staging_outstanding", {}).get(room, 0) > 0:
+        elif _in_sglang(manager, room):
             return  # a chunk of the room reached SGLang meanwhile: its own check, after it, holds again
         original(manager, room)
 

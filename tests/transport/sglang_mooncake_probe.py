@@ -115,18 +115,24 @@ def wait(obj, want, timeout_s=30.0):
     return obj.poll()
 
 
+def managers():
+    """SGLang's bootstrap server and a prefill and a decode Mooncake manager over fresh buffers (the prefill's
+    filled): ``(prefill, decode, (p_args, p_bufs, p_aux), (d_args, d_bufs, d_aux))``."""
+    MooncakeKVBootstrapServer("127.0.0.1", BOOT_PORT)
+    time.sleep(0.3)
+    p, d = kv_args(True), kv_args(False)
+    prefill = MooncakeKVManager(p[0], DisaggregationMode.PREFILL, SERVER_ARGS, False)
+    decode = MooncakeKVManager(d[0], DisaggregationMode.DECODE, SERVER_ARGS, False)
+    return prefill, decode, p, d
+
+
 def main() -> dict:
     sub = None
     if os.environ.get("PRFAAS_TELEMETRY_PORT"):
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
         sub.connect(f"tcp://127.0.0.1:{os.environ['PRFAAS_TELEMETRY_PORT']}")
-    MooncakeKVBootstrapServer("127.0.0.1", BOOT_PORT)
-    time.sleep(0.3)
-    p_args, p_bufs, p_aux = kv_args(True)
-    d_args, d_bufs, d_aux = kv_args(False)
-    prefill = MooncakeKVManager(p_args, DisaggregationMode.PREFILL, SERVER_ARGS, False)
-    decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
+    prefill, decode, (_, p_bufs, p_aux), (d_args, d_bufs, d_aux) = managers()
     reserve = None
     if RESERVE_PAGES:
         from prfaas_sglang.hooks.decode_stage import DecodeStaging, attach
@@ -229,12 +235,7 @@ def main_abort() -> dict:
 
     if os.environ.get("PROBE_UNHOOK_ACK"):
         MooncakeKVManager._maybe_ack_drained_abort = CommonKVManager._maybe_ack_drained_abort
-    MooncakeKVBootstrapServer("127.0.0.1", BOOT_PORT)
-    time.sleep(0.3)
-    p_args, p_bufs, _ = kv_args(True)
-    d_args, d_bufs, _ = kv_args(False)
-    prefill = MooncakeKVManager(p_args, DisaggregationMode.PREFILL, SERVER_ARGS, False)
-    decode = MooncakeKVManager(d_args, DisaggregationMode.DECODE, SERVER_ARGS, False)
+    prefill, decode, (_, p_bufs, _), (_, d_bufs, _) = managers()
     src = np.arange(USED_PAGES, dtype=np.int32)[:192]
     dst = np.random.default_rng(5).permutation(USED_PAGES)[:192].astype(np.int32)
     sender, receiver = open_room(prefill, decode, f"127.0.0.1:{BOOT_PORT}", 1, dst)
