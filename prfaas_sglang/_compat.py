@@ -61,9 +61,10 @@ def base_version(version: str) -> str:
 
 
 # What of SGLang's own layout decides which of our adapters applies (markers, never versions): SGLang
-# 0.5.15 has a radix cache class per model kind, which our state-reporting caches subclass; 0.5.23
-# has one unified tree, onto which those caches are not ported yet.
+# 0.5.15 has a radix cache class per model kind, which our state-reporting caches subclass
+# (hooks/hybrid_cache.py); 0.5.23 has one unified tree, with components (hooks/unified_cache.py).
 RADIX_TREES = ("sglang/srt/mem_cache/mamba_radix_cache.py", "class MambaRadixCache(")
+UNIFIED_TREE = ("sglang/srt/mem_cache/unified_cache/components/mamba.py", "class MambaComponent(")
 # SGLang 0.5.23 writes each KV event as a tagged msgpack map (0.5.15: an array); the emulated engine's
 # publisher writes them as the installed SGLang does (``wire.kv_events.encode_batch``).
 KV_EVENT_MAPS = ("sglang/srt/disaggregation/kv_events.py", "Events are tagged msgpack maps")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from prfaas_sglang._compat import (
     RADIX_TREES,
+    UNIFIED_TREE,
     installed_has,
     installed_sglang_version,
     require_supported,
@@ -748,25 +749,58 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         selected_by="--radix-cache-backend prfaas-hybrid",
         overrides=(
             ("sglang.srt.mem_cache.registry.default_radix_cache_factory", "(ctx: 'TreeCacheBuildContext') -> 'BasePrefixCache'"),
+            ("sglang.srt.mem_cache.registry.create_unified_radix_cache",
+             "(ctx: 'TreeCacheBuildContext', *, cache_class: 'type[UnifiedRadixCache] | None' = None) -> 'BasePrefixCache'"),
+            ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.__init__", "(self, params: 'CacheInitParams')"),
+            ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
+             "(self, params: 'MatchPrefixParams') -> 'MatchResult'"),
+            ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
+             "(self, req: 'Req', *, up_to: 'int', **kwargs) -> 'None'"),
+            ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.on_release",
+             "(self, req: 'Req', *, checkpointed: 'bool') -> 'None'"),
+            ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.reset", "(self) -> 'None'"),
+            ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.take_events", "(self)"),
+            ("sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent.commit_insert_component_data",
+             "(self, node: 'UnifiedTreeNode', is_new_leaf: 'bool', params: 'InsertParams', result: 'InsertResult', "
+             "cache_actions: 'list[CacheAction | ComponentAction]') -> 'None'"),
+            ("sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent.evict_component",
+             "(self, node: 'UnifiedTreeNode', device_frees: 'dict[ComponentType, list[torch.Tensor]]', "
+             "host_frees: 'dict[ComponentType, list[torch.Tensor]]', cache_actions: "
+             "'list[CacheAction | ComponentAction]', target: 'EvictLayer' = <EvictLayer.DEVICE: 1>) -> 'tuple[int, int]'"),
+            ("sglang.srt.mem_cache.events.KVCacheEventRecorder._node_event_hash_values", "(self, node: 'Any') -> 'list'"),
+            ("sglang.srt.mem_cache.events.KVCacheEventRecorder._namespace_seed",
+             "(self, node: 'Any') -> 'Optional[bytes]'"),
+            ("sglang.srt.mem_cache.common.checkpoint_kv_cache", "(req: 'Req', tree_cache: 'BasePrefixCache') -> 'None'"),
+            ("sglang.srt.mem_cache.common.release_kv_cache",
+             "(req: 'Req', tree_cache: 'BasePrefixCache', *, checkpoint: 'bool')"),
         ),
-        subject="[cache] prfaas-hybrid on SGLang's unified radix tree: upstream's cache, ours refused where not ported",
+        subject=("[cache] prfaas-hybrid on SGLang's unified radix tree: Mamba state events and a PrfaaS worker's "
+                 "prefill admission"),
         why=(
-            "SGLang 0.5.23 builds every radix cache as one unified tree (mem_cache/unified_radix_cache.py); the "
-            "caches prfaas-hybrid subclasses on 0.5.15 (MambaRadixCache, SWARadixCache, RadixCache's request "
-            "paths) are gone, so the same server flags must still start a worker there."
+            "SGLang 0.5.23 builds every radix cache as one unified tree (mem_cache/unified_radix_cache.py) whose "
+            "events, like 0.5.15's, publish pages only: a Mamba state stored on a prefix or evicted from it (its "
+            "pages staying) emits nothing, so a KV index overstates a hybrid model's hits. A PrfaaS worker's tree "
+            "must still keep one-off long prefills out."
         ),
         how=(
-            "The same backend name: on a release with the unified tree, hooks/cache_backend.build_unified builds "
-            "what upstream's default chain builds. Not ported yet, and refused rather than silently off: a PrfaaS "
-            "prefill worker's admission (PRFAAS_PREFILL_CACHE; the launcher does not set it there). Not ported: "
-            "the state events (batches carry none: consumers read \"reports no state\"), the decode radix cache "
-            "for Mamba models (upstream serves its own, state-aware), cache import/export."
+            "The same backend name: on a release with the unified tree, hooks/unified_cache.build_unified builds "
+            "SGLang's own tree (create_unified_radix_cache's cache_class) where the default chain builds a working "
+            "one. For a hybrid-SSM model its Mamba component is a subclass (CacheInitParams."
+            "component_registry_override; SGLang then runs its Python tree core) that tells the cache each node "
+            "whose device state it stored or evicted; the cache queues StateStored/StateRemoved, hashed as its "
+            "recorder hashes the node's last page, and take_events() hands them to the publisher inside the list "
+            "SGLang passes on. With PRFAAS_PREFILL_CACHE each request is decided at its first match and a "
+            "transfer-cache request is marked skip_radix_cache_insert, SGLang's own bar from the tree: no chunk is "
+            "checkpointed and release_kv_cache frees its KV and state once sent. Not ported (0.5.15 has them): the "
+            "checkpoint hint's keep-to-checkpoint, sliding-window state events, cache import/export; the decode "
+            "radix cache for Mamba models is upstream's own here (state-aware)."
         ),
-        upstream_status="port pending (issue #46): the state events onto the unified tree's MAMBA and SWA components",
-        removal="replaced by the port of prfaas-hybrid's caches onto the unified tree",
-        tests="tests/drift/test_hook_targets.py",
+        upstream_status="the shape of upstream's component-typed KV events (main's --enable-kv-events-component-types, "
+                        "sglang PR #32514; not in the 0.5.23 wheel)",
+        removal="when the pin reaches a release with component KV events and the kv-index reads them",
+        tests="tests/engine/test_unified_cache.py tests/drift/test_hook_targets.py",
         upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
-        only_if=("sglang/srt/mem_cache/unified_radix_cache.py", "class UnifiedRadixCache("),
+        only_if=UNIFIED_TREE,
     ),
     RegistrationSpec(
         name="prfaas-zmq",

@@ -64,6 +64,45 @@ def cpu_hybrid_cache(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int
     return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, page_size)
 
 
+def cpu_unified_hybrid_cache(page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True,
+                             admission=None, chunk_checkpoints: bool = True) -> CpuHybridCache:
+    """SGLang 0.5.23's unified tree for the same tiny hybrid layout, as the ``prfaas-hybrid`` backend
+    builds it (:class:`~prfaas_sglang.hooks.unified_cache.PrfaasUnifiedRadixCache`, a full-attention
+    and a state-reporting Mamba component) over fresh pools; page 1 without SGLang's extra buffer,
+    larger pages with it."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    from prfaas_sglang.hooks.unified_cache import PrfaasUnifiedRadixCache, StateEventsMambaComponent
+
+    set_global_server_args(page_size)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
+                                    state_size=4, conv_kernel=4)
+    extra = page_size > 1
+    req_pool = HybridReqToTokenPool(
+        size=4, mamba_size=mamba_slots, mamba_spec_state_size=4, max_context_len=kv_tokens, device="cpu",
+        enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+        enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
+    kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=page_size, head_num=2, head_dim=8,
+                                 full_attention_layer_ids=[1], device="cpu", mamba_pool=req_pool.mamba_pool)
+    if extra:
+        kv = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu",
+                                         kvcache=kv_pool, need_sort=False)
+    else:
+        kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
+                             page_size=page_size, enable_kv_cache_events=events, enable_mamba_extra_buffer=extra)
+    params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)  # as create_unified_radix_cache sets them
+    params.component_registry_override = {ComponentType.MAMBA: StateEventsMambaComponent}
+    cache = PrfaasUnifiedRadixCache(params, admission, chunk_checkpoints)
+    return CpuHybridCache(cache, kv, req_pool, kv_pool, params, page_size)
+
+
 def cpu_decode_hybrid_cache(cache_cls, kv_tokens: int, max_running: int, pre_alloc: int,
                             events: bool = True) -> CpuHybridCache:
     """A decode worker's pools for a hybrid model (page 1, ``no_buffer``): SGLang's

@@ -334,11 +334,14 @@ def unpack(bundle_dir: Path) -> Path:
 
 def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = None,
                profile: ServerProfile = GPU_PROFILE) -> dict[str, str]:
-    """The environment every process gets: the checkout, then the bundle's site (none on CPU:
-    ``root`` None), on PYTHONPATH; no hub access; none of this shell's PRFAAS_* or MC_* settings;
-    ``profile``'s variables."""
-    env = {k: v for k, v in (base if base is not None else os.environ).items() if not k.startswith(("PRFAAS_", "MC_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(checkout)] + ([str(root / "site")] if root is not None else []))
+    """The environment every process gets: the checkout, then the bundle's site, on PYTHONPATH (on CPU,
+    ``root`` None: no bundle, and this shell's own PYTHONPATH after the checkout, so the servers run the
+    SGLang this process runs, an overlay of another release included: ``make test-sglang``); no hub
+    access; none of this shell's PRFAAS_* or MC_* settings; ``profile``'s variables."""
+    base = base if base is not None else os.environ
+    env = {k: v for k, v in base.items() if not k.startswith(("PRFAAS_", "MC_"))}
+    after = [str(root / "site")] if root is not None else [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout)] + after)
     # SGLang's own flashinfer paths off too (the bundle carries no flashinfer JIT sources; bundle.REWRITES)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", SGLANG_IS_FLASHINFER_AVAILABLE="false")
     env.update(profile.env)

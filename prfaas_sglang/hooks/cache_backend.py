@@ -4,9 +4,10 @@ SGLang builds a worker's tree cache through its radix-cache registry (``--radix-
 and its KV-event publisher through its publisher factory (``--kv-events-config``);
 :func:`register_backends` binds our names there, in every SGLang process the plugin loads into.
 :func:`build_tree_cache` is the backend: SGLang's default choice, with the caches of
-:mod:`prfaas_sglang.hooks.hybrid_cache` (state events, prefill admission) in place of SGLang's, and on
-a decode worker with the decode radix cache :mod:`prfaas_sglang.hooks.decode_radix`'s. Both of those
-modules are the caches only; this one chooses among them, so neither imports the other's way back.
+:mod:`prfaas_sglang.hooks.hybrid_cache` (0.5.15) or :mod:`prfaas_sglang.hooks.unified_cache` (0.5.23)
+(state events, prefill admission) in place of SGLang's, and on a 0.5.15 decode worker with the decode
+radix cache :mod:`prfaas_sglang.hooks.decode_radix`'s. Those modules are the caches only; this one
+chooses among them, so none imports another's way back.
 """
 
 from __future__ import annotations
@@ -20,52 +21,47 @@ from prfaas_sglang.launch.command import EVENT_PUBLISHER, RADIX_CACHE_BACKEND
 
 def build_tree_cache(ctx: Any):
     """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
-    caches in place of ``MambaRadixCache`` and ``SWARadixCache`` (on a decode worker with the decode
-    radix cache, :class:`~prfaas_sglang.hooks.decode_radix.DecodeMambaRadixCache`). Reports the
-    pools' geometry first (:func:`~prfaas_sglang.hooks.hybrid_cache.report_pool_geometry`). On a
-    release with the unified tree: :func:`build_unified`."""
+    caches in place of SGLang's and a PrfaaS prefill worker's admission policy
+    (``PRFAAS_PREFILL_CACHE``). On a release with a cache class per model kind (0.5.15):
+    :func:`build_per_kind`; on one with the unified tree (0.5.23):
+    :func:`~prfaas_sglang.hooks.unified_cache.build_unified`. Reports the pools' geometry first
+    (:func:`~prfaas_sglang.hooks.pool_geometry.report_pool_geometry`)."""
+    from prfaas_sglang.hooks.pool_geometry import cache_capacity, report_pool_geometry
+    from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
+
+    report_pool_geometry(ctx.params)
+    admission, chunk_checkpoints = admission_from_env(*cache_capacity(ctx.params)), chunk_checkpoints_from_env()
+    if installed_has(RADIX_TREES):
+        return build_per_kind(ctx, admission, chunk_checkpoints)
+    from prfaas_sglang.hooks.unified_cache import build_unified
+
+    return build_unified(ctx, admission, chunk_checkpoints)
+
+
+def build_per_kind(ctx: Any, admission: Any, chunk_checkpoints: bool):
+    """SGLang 0.5.15's chain with :mod:`prfaas_sglang.hooks.hybrid_cache`'s caches in place of
+    ``MambaRadixCache``, ``SWARadixCache`` and (with an admission policy) ``RadixCache``; on a decode
+    worker, the decode radix cache (:class:`~prfaas_sglang.hooks.decode_radix.DecodeMambaRadixCache`)."""
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
-    if not installed_has(RADIX_TREES):
-        return build_unified(ctx)
     from prfaas_sglang.hooks.decode_radix import DecodeMambaRadixCache
     from prfaas_sglang.hooks.hybrid_cache import (
         AdmissionRadixCache,
         StateEventsMambaRadixCache,
         StateEventsSWARadixCache,
-        cache_capacity,
         default_builds_mamba_radix_cache,
         default_builds_radix_cache,
         default_builds_swa_radix_cache,
-        report_pool_geometry,
     )
-    from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
-
-    report_pool_geometry(ctx.params)
 
     if default_builds_mamba_radix_cache(ctx):
         if ctx.server_args.disaggregation_mode == "decode":  # the decode radix cache (patch 0001)
             return DecodeMambaRadixCache(ctx.params)
-        return StateEventsMambaRadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)), chunk_checkpoints_from_env())
+        return StateEventsMambaRadixCache(ctx.params, admission, chunk_checkpoints)
     if default_builds_swa_radix_cache(ctx):
-        return StateEventsSWARadixCache(ctx.params, admission_from_env(*cache_capacity(ctx.params)))
-    if default_builds_radix_cache(ctx) and (admission := admission_from_env(*cache_capacity(ctx.params))) is not None:
+        return StateEventsSWARadixCache(ctx.params, admission)
+    if default_builds_radix_cache(ctx) and admission is not None:
         return AdmissionRadixCache(ctx.params, admission)
-    return default_radix_cache_factory(ctx)
-
-
-def build_unified(ctx: Any):
-    """``prfaas-hybrid`` on a release with the unified radix tree (SGLang 0.5.23): upstream's own cache.
-    What our caches add there is not ported yet, and what depends on it is refused rather than silently
-    off: a PrfaaS prefill worker's admission (``PRFAAS_PREFILL_CACHE``) raises ValueError; the cache
-    reports no state events (its batches carry none, which consumers read as "reports no state")."""
-    from sglang.srt.mem_cache.registry import default_radix_cache_factory
-
-    from prfaas_sglang.envs import envs
-
-    if envs.PREFILL_CACHE.get() not in (None, "", "off"):
-        raise ValueError("PRFAAS_PREFILL_CACHE (a PrfaaS worker's prefill admission) is not ported to this SGLang's "
-                         "unified radix tree yet; unset it (the launcher: --prefill-cache off)")
     return default_radix_cache_factory(ctx)
 
 

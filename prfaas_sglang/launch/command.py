@@ -131,22 +131,13 @@ def with_peer_hosts(command: LaunchCommand, topology: Topology | None, environ: 
     return replace(command, env={**command.env, name: peers})
 
 
-def sglang_keeps_prefill_admission() -> bool:
-    """Whether the installed SGLang has the radix caches our prefill admission is built into (0.5.15; not
-    yet ported onto 0.5.23's unified tree); True where no SGLang is installed (an emulated engine's host)."""
-    from prfaas_sglang._compat import RADIX_TREES, installed_has, installed_sglang_root
-
-    return installed_sglang_root() is None or installed_has(RADIX_TREES)
-
-
-def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str, str],
-                           engine_admits: bool = True) -> dict[str, str]:
+def _prefill_cache_default(node: Node, environ: Mapping[str, str], env: dict[str, str]) -> dict[str, str]:
     """A PrfaaS node's prefix cache keeps shared prefixes, and one-off prompts only where the cache
     is large enough to hold them until they come back (``auto``, kvindex/admission.py), SGLang or
     emulated: sets ``PRFAAS_PREFILL_CACHE`` in ``env``, or, when ``environ`` has one, leaves it and
-    returns the default as kept (shown by --dry-run). ``engine_admits`` False: the engine has no admission
-    to set (:func:`sglang_keeps_prefill_admission`)."""
-    if node.role is not Role.PRFAAS or not engine_admits:
+    returns the default as kept (shown by --dry-run). Every supported SGLang applies it
+    (``hooks/hybrid_cache.py``, ``hooks/unified_cache.py``)."""
+    if node.role is not Role.PRFAAS:
         return {}
     if environ.get(envs.PREFILL_CACHE.name):
         return {envs.PREFILL_CACHE.name: PREFILL_CACHE_DEFAULT}
@@ -248,7 +239,7 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     env = {"PRFAAS_ROLE": node.role.value, "PRFAAS_KV_TRANSPORT": transport.value}
     if node.telemetry_port is not None:
         env["PRFAAS_TELEMETRY_PORT"] = str(node.telemetry_port)  # the kv-telemetry hook publishes there
-    kept = _prefill_cache_default(node, environ, env, sglang_keeps_prefill_admission())
+    kept = _prefill_cache_default(node, environ, env)
     if transport is KvTransport.TCP:
         env["MC_FORCE_TCP"] = "1"
         if wan_profile:  # the cross-cluster leg's profile, by role

@@ -1,11 +1,13 @@
-"""State-aware KV events from SGLang's own hybrid cache (``hooks/hybrid_cache.py``), on CPU.
+"""State-aware KV events from SGLang 0.5.15's own hybrid caches (``hooks/hybrid_cache.py``), on CPU.
 
 SGLang's real ``HybridReqToTokenPool``, ``TokenToKVPoolAllocator`` and ``MambaRadixCache``
 (our subclass through the registered ``prfaas-hybrid`` backend), SGLang's scheduler-side
 ``SchedulerKvEventsPublisher`` and ``EventPublisherFactory`` with the registered
 ``prfaas-zmq`` publisher, and SGLang's own batch decoder. CPU workarounds as in
 ``../shared/notes/sglang-0.5.15-internals.md`` section 4: ``device="cpu"``, the mamba chunk size
-set on the global server args, ``no_buffer`` (page 1) or ``extra_buffer`` (page 4).
+set on the global server args, ``no_buffer`` (page 1) or ``extra_buffer`` (page 4). These are the
+per-kind caches of a release that has them (marker ``_compat.RADIX_TREES``); on the unified tree
+(0.5.23) the port's tests are ``test_unified_cache.py``, on the same replay (``state_events_support.py``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prfaas_sglang._compat import RADIX_TREES, installed_has
 from prfaas_sglang.kvindex.feed import kv_event_handler
 from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.wire.kv_events import StateRemoved, StateStored, decode_batch
 
 torch = pytest.importorskip("torch")
 sglang_kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+if not installed_has(RADIX_TREES):
+    pytest.skip("SGLang 0.5.15's per-kind caches, which this release does not have; its unified tree's "
+                "port is tested in test_unified_cache.py", allow_module_level=True)
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from state_events_support import OPS, CacheOps, Wire, index_for, replay_and_compare  # noqa: E402
 
 from prfaas_sglang.hooks import cache_backend, event_publisher, hybrid_cache  # noqa: E402
 
@@ -35,67 +42,14 @@ KV_TOKENS = 96
 FLOW_SWA_TOKENS, FLOW_WINDOW_TOKENS = 56, 8  # Flows("swa"): two 40-token prompts in flight need 80 without window freeing
 
 
-class RealCache:
-    """A real SGLang hybrid pool and our state-reporting MambaRadixCache over it
-    (``bench/sglang_cpu.py``); operations as the scheduler performs them (alloc, evict when short,
-    insert, free a duplicate state slot)."""
+class RealCache(CacheOps):
+    """SGLang 0.5.15's real hybrid pool and our state-reporting MambaRadixCache over it."""
 
     def __init__(self, page_size: int, events: bool = True):
         from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache
 
-        built = cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, page_size, KV_TOKENS, MAMBA_SLOTS, events)
-        self.cache, self.kv, self.req_pool, self.kv_pool = built.cache, built.kv, built.req_pool, built.kv_pool
-        self.params, self.page_size = built.params, page_size
-
-    def insert(self, tokens: list[int]) -> bool:
-        n = len(tokens)
-        if n == 0 or n % self.page_size:
-            return False
-        if self.kv.available_size() < n:
-            self.cache.evict(EvictParams(num_tokens=n - self.kv.available_size()))
-        value = self.kv.alloc(n)
-        if value is None:
-            return False
-        slot = self.req_pool.mamba_allocator.alloc(1)
-        if slot is None:
-            self.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
-            slot = self.req_pool.mamba_allocator.alloc(1)
-        if slot is None:
-            self.kv.free(value)
-            return False
-        result = self.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=value, mamba_value=slot))
-        if result.mamba_exist:  # the state was already cached: the scheduler frees its own slot
-            self.req_pool.mamba_allocator.free(slot)
-        return True
-
-    def match(self, tokens: list[int]) -> int:
-        return len(self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).device_indices)
-
-
-class Wire:
-    """The cache's events through SGLang's scheduler-side batch, our publisher's v2 batch, its
-    bytes and the kv-index's feed (no socket: the ZMQ test below has one)."""
-
-    def __init__(self, index: KvIndex, worker: str = "w"):
-        self.handle = kv_event_handler(index, worker)
-        self.seq = 0
-        self.batches: list[bytes] = []
-
-    def flush(self, cache) -> None:
-        events = cache.take_events()
-        if not events:
-            return
-        batch = sglang_kv_events.KVEventBatch(ts=time.time(), events=events)  # as publish_kv_events builds it
-        payload = msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
-        self.batches.append(payload)
-        self.handle([b"kv-events", self.seq.to_bytes(8, "big"), payload])
-        self.seq += 1
-
-
-def index_for(page_size: int) -> KvIndex:
-    index = KvIndex(hybrid=True)
-    index.add_worker("w", "pd", block_size=page_size)
-    return index
+        super().__init__(cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, page_size, KV_TOKENS, MAMBA_SLOTS,
+                                          events))
 
 
 def test_a_tombstoned_state_stops_the_hit_in_the_index_as_in_the_cache():
@@ -123,17 +77,6 @@ def test_a_tombstoned_state_stops_the_hit_in_the_index_as_in_the_cache():
     assert inferred.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 4
 
 
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), st.lists(st.integers(0, 3), min_size=1, max_size=6)),
-        st.tuples(st.just("evict_full"), st.integers(1, 12)),
-        st.tuples(st.just("evict_mamba"), st.integers(1, 3)),
-        st.tuples(st.just("match"), st.lists(st.integers(0, 3), min_size=1, max_size=6)),
-    ),
-    min_size=1, max_size=14,
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 4])
 @settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -144,29 +87,6 @@ def test_the_index_hit_equals_the_real_caches_match_prefix(page_size, ops):
     batches predicts exactly the length ``MambaRadixCache.match_prefix`` returns."""
     replay_and_compare(RealCache(page_size), index_for(page_size), ops, page_size,
                        lambda n: EvictParams(num_tokens=0, mamba_num=n))
-
-
-def replay_and_compare(real, index: KvIndex, ops, page_size: int, evict_state) -> None:
-    """Run ``ops`` (insert / match a key of whole pages, evict full KV or state: ``evict_state(n)``)
-    on the real cache, publishing a batch after each; then, for every key inserted so far and the
-    operation's own, the index's hit must equal the cache's ``match_prefix``."""
-    wire = Wire(index)
-    seen: list[list[int]] = []
-    for op, arg, *extra in ops:
-        if op in ("insert", "match"):
-            key = [t for t in arg for _ in range(page_size)]  # whole pages, with sharing between keys
-            if op == "insert" and real.insert(key, *extra):
-                seen.append(key)
-            seen_now = seen + [key]
-        else:
-            real.cache.evict(EvictParams(num_tokens=arg * page_size) if op == "evict_full" else evict_state(arg))
-            seen_now = seen
-        wire.flush(real.cache)
-        for key in seen_now:
-            # The index reads the full pages of prompt[:-1]; SGLang matches the key it is given.
-            assert index.match(key + [0]).by_worker["w"] == real.match(key), (key, ops)
-        real.cache.take_events()  # match_prefix splits nodes (no events); nothing may be pending
-        assert not real.cache.take_events()
 
 
 def test_sglangs_own_decoder_reads_a_v2_batch_and_skips_the_state():

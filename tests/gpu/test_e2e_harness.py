@@ -192,6 +192,17 @@ def test_on_cpu_sglangs_own_health_check_outwaits_the_routers():
     assert float(e2e.bundle_env(None, REPO_ROOT, base={}, profile=e2e.GPU_PROFILE)["SGLANG_HEALTH_CHECK_TIMEOUT"]) > 60
 
 
+def test_on_cpu_the_servers_run_the_sglang_the_harness_runs(tmp_path):
+    """An overlay of another release on the harness's PYTHONPATH (``make test-sglang``) reaches every
+    server after the checkout (the first 0.5.23 run of the harness started 0.5.15 servers without it);
+    with a bundle, the bundle's site is the only SGLang."""
+    overlay = str(tmp_path / "sglang-0.5.23")
+    cpu = e2e.bundle_env(None, REPO_ROOT, base={"PYTHONPATH": overlay}, profile=e2e.CPU_PROFILE)
+    assert cpu["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), overlay]
+    gpu = e2e.bundle_env(tmp_path, REPO_ROOT, base={"PYTHONPATH": overlay}, profile=e2e.GPU_PROFILE)
+    assert gpu["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), str(tmp_path / "site")]
+
+
 def test_a_worker_is_unroutable_while_down_refused_draining_or_behind_a_downed_link():
     workers = {"prfaas-0": {"healthy": True, "refused": None, "draining": False},
                "pd-prefill-0": {"healthy": True, "refused": None, "draining": False},
@@ -240,7 +251,7 @@ def test_shaped_medians_take_answered_rows_and_compare_to_upstream():
 @pytest.mark.slow
 def test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading(tmp_path):
     site = e2e.broken_hook_site(tmp_path / "broken")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()"],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode != 0
@@ -399,7 +410,9 @@ def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
     from prfaas_sglang.plugin import HOOKS
 
     report = tmp_path / "hooks.jsonl"
-    env = {**os.environ, "PRFAAS_HOOK_REPORT": str(report), "PYTHONPATH": str(REPO_ROOT)}
+    # this process's SGLang, an overlay of another release included (make test-sglang)
+    env = {**os.environ, "PRFAAS_HOOK_REPORT": str(report),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     for _ in range(2):  # the HTTP server's process and the scheduler's each load the plugins
         proc = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()"],
                               capture_output=True, text=True, timeout=240, env=env)

@@ -31,7 +31,7 @@ def test_the_decode_step_is_timed_only_while_every_request_decodes():
 def test_pool_geometry_reads_a_hybrids_full_attention_kv_and_its_state_slots():
     """The layout of SGLang 0.5.15's pools for a linear-attention hybrid (HybridLinearKVPool around
     the full-attention pool; the Mamba pool's conv list and temporal state, [layers, slots, ...])."""
-    from prfaas_sglang.hooks.hybrid_cache import pool_geometry
+    from prfaas_sglang.hooks.pool_geometry import pool_geometry
 
     slots, tokens = 5, 17
     full = SimpleNamespace(k_buffer=[torch.zeros(tokens, 2, 64, dtype=torch.bfloat16)],

@@ -189,16 +189,12 @@ class TestPlan:
         """PRFAAS_PREFILL_CACHE=auto for the prfaas role (kvindex/admission.py); an operator's own
         value is kept and shown; other roles keep SGLang's behaviour."""
         from prfaas_sglang.kvindex.admission_env import admission_from_env
-        from prfaas_sglang.launch.command import sglang_keeps_prefill_admission
 
         prfaas = Node("p0", "prfaas", Role.PRFAAS, bootstrap_port=8998, kv_events_port=5557, model_path="/m")
         plan = sglang_command(prfaas, "python", {})
-        if sglang_keeps_prefill_admission():  # SGLang 0.5.15's radix caches (not yet ported onto 0.5.23's unified tree)
-            assert plan.env["PRFAAS_PREFILL_CACHE"] == "auto"
-            own = sglang_command(prfaas, "python", {"PRFAAS_PREFILL_CACHE": "all"})
-            assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept == {**own.env_kept, "PRFAAS_PREFILL_CACHE": "auto"}
-        else:
-            assert "PRFAAS_PREFILL_CACHE" not in plan.env
+        assert plan.env["PRFAAS_PREFILL_CACHE"] == "auto"  # either supported release applies it
+        own = sglang_command(prfaas, "python", {"PRFAAS_PREFILL_CACHE": "all"})
+        assert "PRFAAS_PREFILL_CACHE" not in own.env and own.env_kept == {**own.env_kept, "PRFAAS_PREFILL_CACHE": "auto"}
         for role in (Role.PD_PREFILL, Role.PD_DECODE):
             node = Node("x", "pd", role, bootstrap_port=8999 if role is Role.PD_PREFILL else None, model_path="/m",
                         port=30001)
