@@ -15,6 +15,8 @@ Benchmarks:
   aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
   decode-affinity  conversations with and without decode affinity (emulated hybrid workers, decode radix
                  cache): KV the decode workers receive, the part over the PrfaaS link, latency
+  decode-reuse   a hybrid decode radix cache on real SGLang pools: prompt tokens held per turn
+                 (0.5.15: ours, and a state-aware match on the same tree; 0.5.23: upstream's own)
   compare        goodput: our router vs homogeneous, naive, sglang-router (two settings) and smg,
                  identical arrivals per seed, the PrfaaS link shaped (tbf, netns; root);
                  --capacity: capacity at an SLO (>= 90% / 99% of all arrivals) against every peer
@@ -109,6 +111,10 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
      "conversations with and without decode affinity: KV the decode workers receive (and over "
      "the PrfaaS link), latency; emulated, same arrivals",
      "prfaas_sglang.bench.decode_affinity"),
+    ("decode-reuse",
+     "a hybrid model's decode radix cache on the installed SGLang's real pools: prompt tokens it held "
+     "per conversation turn (0.5.15: ours and a state-aware match on it; 0.5.23: upstream's)",
+     "prfaas_sglang.bench.decode_reuse"),
     ("chaos",
      "mixed load while workers, the router and the PrfaaS link fail (seeded faults; root)",
      "prfaas_sglang.bench.chaos"),

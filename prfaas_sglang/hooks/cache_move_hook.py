@@ -111,9 +111,15 @@ def agent_endpoint(port_args: Any) -> str | None:
     return name + ENDPOINT_SUFFIX
 
 
+# A prefix's import is an insert into one of SGLang 0.5.15's per-kind trees (hooks/cache_import.py); SGLang
+# 0.5.23's unified tree has none of those classes, and the import is not ported onto it yet.
+NOT_PORTED = "cache moves are not ported onto this SGLang's unified radix tree (SGLang 0.5.15 has them)"
+
+
 def unsupported_reason(server_args: Any, port_args: Any, role: str | None) -> str | None:
     """Why this server cannot serve cache moves, or None when it can (both processes ask, with the
     same answer: the routes answer 501 with it, and the scheduler starts no agent)."""
+    from prfaas_sglang._compat import RADIX_TREES, installed_has
     from prfaas_sglang.hooks.server_args import resolving
 
     server_args = resolving(server_args)
@@ -128,7 +134,7 @@ def unsupported_reason(server_args: Any, port_args: Any, role: str | None) -> st
         return f"cache moves need one scheduler (tp, pp and dp size 1), this server has {sizes}"
     if agent_endpoint(port_args) is None:
         return "cache moves need SGLang's ipc sockets (single-node server)"
-    return None
+    return None if installed_has(RADIX_TREES) else NOT_PORTED
 
 
 # --- scheduler-thread steps ---------------------------------------------------------------------
