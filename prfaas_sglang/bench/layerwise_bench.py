@@ -83,6 +83,34 @@ def manager_server_args(host: str, boot_port: int, **extra):
         "load_balance_method": "round_robin", "enable_trace": False, "chunked_prefill_size": 8192, **extra})
 
 
+def published_server_args(boot_port: int):
+    """0.5.23: the managers read a real ``ServerArgs`` and the serving config from the process's published
+    runtime context (as the scheduler process publishes it), so one is built (for the repository's tiny
+    hybrid model) and published; None on 0.5.15, whose managers read only the arguments given
+    (:func:`manager_server_args`)."""
+    from sglang.srt import runtime_context
+
+    if not hasattr(runtime_context, "publish"):
+        return None
+    from pathlib import Path
+    from unittest import mock
+
+    from sglang.srt.server_args import ServerArgs
+
+    tiny = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
+    with mock.patch.dict(os.environ):  # resolving exports defaults for the server's processes
+        args = ServerArgs(model_path=str(tiny), device="cpu", host="127.0.0.1", port=30000,
+                          disaggregation_bootstrap_port=boot_port, disaggregation_mode="prefill",
+                          disaggregation_transfer_backend="mooncake", mamba_radix_cache_strategy="no_buffer",
+                          disable_overlap_schedule=True, served_model_name="probe",
+                          enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ)
+    runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0, gpu_id=0))
+    group = types.SimpleNamespace(world_size=1, rank_in_group=0)  # the groups a model runner would build
+    runtime_context.get_parallel().override_permanently(
+        **{name: group for name in ("tp_group", "pp_group", "attn_tp_group", "attn_cp_group")})
+    return args
+
+
 def _kv_args(pool, aux: np.ndarray):
     return make_kv_args(*pool.get_contiguous_buf_infos(), aux)
 
@@ -96,6 +124,24 @@ def _wait(obj, want, timeout_s: float = 60.0):
     return obj.poll()
 
 
+def set_chunk(req, start: int, end: int) -> None:
+    """Make ``req``'s next forward the chunk ``[start, end)``, as SGLang's scheduler does: 0.5.15's
+    ``set_extend_range``, 0.5.23's ``prefix_len`` and ``extend_end``."""
+    if hasattr(req, "set_extend_range"):
+        req.set_extend_range(start, end)
+    else:
+        req.prefix_len, req.extend_end = start, end
+
+
+def set_pool_row(req, row: int) -> None:
+    """Give ``req`` row ``row`` of the request pool: 0.5.15's ``req_pool_idx``, 0.5.23's ``req.kv``."""
+    kv = getattr(req, "kv", None)
+    if kv is not None and hasattr(kv, "req_pool_idx"):
+        kv.req_pool_idx = row
+    else:
+        req.req_pool_idx = row
+
+
 def open_room(prefill, decode, addr: str, room: int, dst_pages: np.ndarray):
     """SGLang's bootstrap for ``room``: a sender on ``prefill``, a receiver on ``decode`` that registers
     ``dst_pages`` (aux row ``room % N_AUX``); returns both once the sender waits for input (or failed)."""
@@ -104,6 +150,10 @@ def open_room(prefill, decode, addr: str, room: int, dst_pages: np.ndarray):
 
     placement = ([0], 0) if "dest_tp_ranks" in inspect.signature(MooncakeKVSender).parameters else ()  # 0.5.15's
     sender = MooncakeKVSender(prefill, addr, room, *placement)
+    # SGLang 0.5.23's sender takes its page indices through pinned memory and a CUDA event (its GPU path);
+    # on CPU, the scheduler's other path, which every sender without host-tensor indices takes.
+    if getattr(sender, "supports_host_tensor_indices", False):
+        sender.supports_host_tensor_indices = False
     receiver = MooncakeKVReceiver(decode, addr, room)
     while not decode.try_ensure_parallel_info(addr):
         time.sleep(0.05)
@@ -149,7 +199,10 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
     sched = Scheduler()
     sched.disaggregation_mode, sched.enable_staging = DisaggregationMode.PREFILL, False
     sched.req_to_token_pool = req_pool
-    sched.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=1, get_kvcache=lambda: p_pool)
+    sched.token_to_kv_pool_allocator = types.SimpleNamespace(  # 0.5.23 asks for transfer ids: a static pool's
+        page_size=1, get_kvcache=lambda: p_pool, translate_kv_indices_for_transfer=lambda ids: ids)
+    # what SGLang 0.5.23's send path also reads (no overlap, no checksum, its chunk bookkeeping)
+    sched.enable_overlap, sched.kv_checksum_computer, sched.disagg_prefill_pending_chunk_rids = False, None, set()
     sched.disagg_metadata_buffers = types.SimpleNamespace(set_buf=lambda req: None)
     sched.disagg_prefill_bootstrap_queue = types.SimpleNamespace(kv_manager=prefill)
     # As SGLang's model runner runs a forward: the batch names no KV pool, the forward context does.
@@ -171,7 +224,8 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
         sender.init(tokens, aux_index=1)
         req = Req(rid=f"r{room}", origin_input_text="", origin_input_ids=array("q", range(tokens)),
                   sampling_params=SamplingParams(max_new_tokens=1))
-        req.req_pool_idx, req.start_send_idx, req.pending_bootstrap = 0, 0, False
+        req.start_send_idx, req.pending_bootstrap = 0, False
+        set_pool_row(req, 0)
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.disagg_kv_sender = sender
         req_pool.req_to_token[0, :tokens] = src.to(torch.int32)
@@ -180,7 +234,7 @@ def rounds(boot_port: int, server_args, requests: int = 3, tokens: int = 192, ch
         started = time.perf_counter()
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
-            req.set_extend_range(start, end)
+            set_chunk(req, start, end)
             locs = src[start:end]
             got = torch.from_numpy(dst[start:end].astype(np.int64))
 
@@ -257,7 +311,7 @@ def _probe_main() -> None:
 
         single_rank_state()
         init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
-        server_args = manager_server_args("127.0.0.1", opts["boot_port"])
+        server_args = published_server_args(opts["boot_port"]) or manager_server_args("127.0.0.1", opts["boot_port"])
         out = rounds(opts["boot_port"], server_args, opts["requests"], opts["tokens"], opts["chunk"], opts["layers"],
                      opts["heads"], opts["head_dim"], opts["forward_s"], fragmented=False)
         print(json.dumps(out), flush=True)

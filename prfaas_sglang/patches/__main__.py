@@ -129,8 +129,36 @@ def cmd_apply(series: Series, args) -> int:
     return 0
 
 
-def cmd_rebase_check(series: Series, args) -> int:
+DONE = ("same", "ported", "retired", "not applicable")  # a hook or backend row with nothing left to port
+
+
+def _hook_row(spec, pinned: Path, root: Path) -> dict:
+    """One hook's or registered backend's row of ``rebase-check`` against the tree at ``root``: ``retired``
+    (upstream does it itself), ``not applicable`` (for another release's layout), ``same`` (every target
+    as on the pin), ``ported`` (some targets differ from the pin's, each as the spec records for a
+    supported release), or ``needs a port``."""
     from prfaas_sglang.patches import upstream_api
+
+    where = spec.where(root)
+    statuses = []
+    if where == "applies":
+        if hasattr(spec, "overrides"):
+            pairs = [*spec.overrides, (spec.registry, ())]
+        else:
+            pairs = [(spec.target, spec.expected_signature)]
+        statuses = [upstream_api.compare(pinned, root, target, (sig,) if isinstance(sig, str) else tuple(sig))
+                    for target, sig in pairs]
+        bad = [s for s in statuses if s.status in ("changed", "missing")]
+        status = "needs a port" if bad else "ported" if any(s.status == "ported" for s in statuses) else "same"
+    else:
+        status = where
+    return {"name": spec.name, "mechanism": getattr(spec, "hook_type", "registry"), "status": status,
+            "upstream_has_it": where == "retired",
+            "targets": [{"target": s.target, "status": s.status, "detail": s.detail} for s in statuses
+                        if s.status != "same"]}
+
+
+def cmd_rebase_check(series: Series, args) -> int:
     from prfaas_sglang.plugin import HOOKS, REGISTRATIONS
 
     version = args.sglang_version
@@ -140,38 +168,23 @@ def cmd_rebase_check(series: Series, args) -> int:
         wheel = Path(args.wheel) if args.wheel else find_or_download_wheel(version)
         version = wheel_version(wheel)
         tree = unpack_wheel(wheel, Path(tmp))
-        report = evaluate_tree(series, tree)
-        patch_upstream = {pr.patch.name: upstream_api.marker_found(tree.root, pr.patch.upstream_marker)
-                          for pr in report.patches}
+        retired_patches = series.retired_in(tree.root)
+        report = evaluate_tree(series.for_tree(tree.root), tree)
         pinned = installed_tree().root
-        hooks = []
-        for spec in HOOKS + REGISTRATIONS:
-            targets = [t for t, _ in spec.overrides] + [spec.registry] if hasattr(spec, "overrides") else [spec.target]
-            upstream_has_it = upstream_api.marker_found(tree.root, spec.upstream_marker)
-            if spec.where(tree.root) == "not applicable":  # for another release's layout: nothing to port here
-                statuses, status = [], "not applicable"
-            else:
-                statuses = [upstream_api.compare(pinned, tree.root, t) for t in targets]
-                status = "same" if all(s.status == "same" for s in statuses) else "needs a port"
-            hooks.append({
-                "name": spec.name,
-                "mechanism": spec.hook_type,
-                "status": status,
-                "upstream_has_it": upstream_has_it,
-                "targets": [{"target": s.target, "status": s.status, "detail": s.detail} for s in statuses
-                            if s.status != "same"],
-            })
-    rows = [
+        hooks = [_hook_row(spec, pinned, tree.root) for spec in HOOKS + REGISTRATIONS]
+    rows = [{"patch": p.name, "status": "retired", "offsets": [], "failures": [], "upstream_has_it": True}
+            for p in retired_patches]
+    rows += [
         {
             "patch": pr.patch.name,
             "status": pr.status.value,
             "offsets": pr.offsets(),
             "failures": pr.failure_lines(),
-            "upstream_has_it": patch_upstream[pr.patch.name],
+            "upstream_has_it": False,
         }
         for pr in report.patches
     ]
-    hooks_ok = all(h["status"] in ("same", "not applicable") for h in hooks)
+    hooks_ok = all(h["status"] in DONE for h in hooks)
     if args.json:
         print(json.dumps({"sglang_version": version, "series_digest": series.digest, "ok": report.ok and hooks_ok,
                           "patches": rows, "hooks": hooks}, indent=2))
@@ -181,7 +194,7 @@ def cmd_rebase_check(series: Series, args) -> int:
         print("|---|---|---|---|")
         for row in rows:
             detail = "; ".join(row["failures"] or row["offsets"]) or "-"
-            print(f"| {row['patch']} | {row['status']} | {'yes: retire it' if row['upstream_has_it'] else 'no'} "
+            print(f"| {row['patch']} | {row['status']} | {'yes' if row['upstream_has_it'] else 'no'} "
                   f"| {detail} |")
         if not rows:
             print("| (series is empty) | - | - | nothing to rebase |")
@@ -190,10 +203,13 @@ def cmd_rebase_check(series: Series, args) -> int:
         print("|---|---|---|---|")
         for h in hooks:
             moved = "; ".join(f"{t['target']}: {t['status']} {t['detail']}".strip() for t in h["targets"]) or "-"
-            print(f"| {h['mechanism']} `{h['name']}` | {h['status']} | {'yes: retire it' if h['upstream_has_it'] else 'no'} "
+            print(f"| {h['mechanism']} `{h['name']}` | {h['status']} | {'yes' if h['upstream_has_it'] else 'no'} "
                   f"| {moved} |")
+        retired = [r["patch"] for r in rows if r["status"] == "retired"] + [h["name"] for h in hooks
+                                                                            if h["status"] == "retired"]
         print("result: " + ("every patch applies" if report.ok else "some patches FAIL")
-              + ("; every hook target is unchanged" if hooks_ok else "; some hooks need a port"))
+              + ("; nothing left to port" if hooks_ok else "; some hooks need a port")
+              + (f"; retired there (upstream does it itself): {', '.join(retired)}" if retired else ""))
     return 0 if report.ok and hooks_ok else 1
 
 

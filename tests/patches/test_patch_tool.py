@@ -262,9 +262,33 @@ class TestUpstreamApi:
         assert compare(pinned, newer, "sglang.srt.cache.Cache.take").status == "missing"
         assert compare(pinned, newer, "sglang.srt.gone.Thing.method").status == "missing"
         assert compare(pinned, newer, "sglang.srt.cache.release").status == "changed"
+        # a signature the spec records for a supported release is a port done
+        assert compare(pinned, newer, "sglang.srt.cache.release",
+                       ("(req: 'Req', tree_cache: 'BasePrefixCache', *, checkpoint: 'bool')",)).status == "changed"
+        assert compare(pinned, newer, "sglang.srt.cache.release",
+                       ("(req: 'Req', cache: 'X', *, checkpoint: 'bool')",)).status == "ported"
         assert marker_found(newer, ("sglang/srt/cache.py", "enable_component_events"))
         assert not marker_found(pinned, ("sglang/srt/cache.py", "enable_component_events"))
         assert not marker_found(newer, None)
+
+    def test_a_method_a_class_inherits_is_found_in_its_base(self, tmp_path):
+        from prfaas_sglang.patches.upstream_api import find_params
+
+        root = self.tree(tmp_path, "from sglang.srt.base import Common\n"
+                                   "class Receiver(Common):\n    def poll(self): ...\n")
+        (root / "sglang" / "srt" / "base.py").write_text("class Root:\n    def __init__(self, mgr): ...\n"
+                                                        "class Common(Root):\n    def ack(self, room): ...\n")
+        assert find_params(root, "sglang.srt.cache.Receiver.ack") == ("self", "room")  # one base up, another module
+        assert find_params(root, "sglang.srt.cache.Receiver") == ("self", "mgr")  # __init__ two bases up
+        assert find_params(root, "sglang.srt.cache.Receiver.gone") is None
+
+    def test_signature_text_reads_as_the_static_parameters(self):
+        from prfaas_sglang.patches.upstream_api import signature_params
+
+        assert signature_params("(self, node: 'UnifiedTreeNode', target: 'EvictLayer' = <EvictLayer.DEVICE: 1>) "
+                                "-> 'tuple[int, int]'") == ("self", "node", "target")
+        assert signature_params("(a, /, b: 'dict[str, int]' = {}, *args, c, **kw) -> None") == (
+            "a/", "b", "*args", "c", "**kw")
 
     def test_every_hook_and_override_is_found_in_the_installed_release(self, installed_sglang_root):
         """The static reader agrees with import-time signatures on the pinned release."""
@@ -287,7 +311,7 @@ class TestUpstreamApi:
         assert proc.returncode == 0, proc.stderr
         hooks = {h["name"]: h for h in json.loads(proc.stdout)["hooks"]}
         assert {"role-contract", "kv-send", "prfaas-hybrid", "prfaas-zmq"} <= set(hooks)
-        assert all(h["status"] == "same" and not h["upstream_has_it"]
-                   for name, h in hooks.items() if name != "kv-send-ack-drain")
-        # a hook only a newer release's layout takes is not a port this release needs
-        assert hooks["kv-send-ack-drain"]["status"] == "not applicable" and hooks["kv-send-ack-drain"]["targets"] == []
+        newer_only = {"kv-send-ack-drain", "prfaas-hybrid-unified"}
+        assert all(h["status"] == "same" and not h["upstream_has_it"] for name, h in hooks.items() if name not in newer_only)
+        # a hook or backend only a newer release's layout takes is not a port this release needs
+        assert all(hooks[n]["status"] == "not applicable" and hooks[n]["targets"] == [] for n in newer_only)

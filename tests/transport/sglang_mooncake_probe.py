@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-import types
+import traceback
 
 os.environ.setdefault("MC_FORCE_TCP", "1")
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
@@ -35,6 +35,7 @@ from prfaas_sglang.bench.layerwise_bench import (  # noqa: E402
     make_kv_args,
     manager_server_args,
     open_room,
+    published_server_args,
     single_rank_state,
 )
 from prfaas_sglang.plugin import register  # noqa: E402
@@ -57,35 +58,8 @@ single_rank_state()
 init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
 
 
-def published_server_args():
-    """0.5.23: the managers read a real ``ServerArgs`` and the serving config from the process's published
-    runtime context (as the scheduler process publishes it), so one is built and published; None on 0.5.15,
-    whose managers read only the arguments given (``manager_server_args``)."""
-    from sglang.srt import runtime_context
-
-    if not hasattr(runtime_context, "publish"):
-        return None
-    from pathlib import Path
-    from unittest import mock
-
-    from sglang.srt.server_args import ServerArgs
-
-    tiny = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "tiny-qwen3-next"
-    with mock.patch.dict(os.environ):  # resolving exports defaults for the server's processes
-        args = ServerArgs(model_path=str(tiny), device="cpu", host="127.0.0.1", port=30000,
-                          disaggregation_bootstrap_port=BOOT_PORT, disaggregation_mode="prefill",
-                          disaggregation_transfer_backend="mooncake", mamba_radix_cache_strategy="no_buffer",
-                          disable_overlap_schedule=True, served_model_name="probe",
-                          enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ)
-    runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0, gpu_id=0))
-    group = types.SimpleNamespace(world_size=1, rank_in_group=0)  # the groups a model runner would build
-    runtime_context.get_parallel().override_permanently(
-        **{name: group for name in ("tp_group", "pp_group", "attn_tp_group", "attn_cp_group")})
-    return args
-
-
 BOOT_PORT = int(os.environ["BOOT_PORT"])
-SERVER_ARGS = published_server_args() or manager_server_args(  # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
+SERVER_ARGS = published_server_args(BOOT_PORT) or manager_server_args(  # PROMETHEUS_MULTIPROC_DIR given: SGLang's --enable-metrics, as its launcher sets it up
     "127.0.0.1", BOOT_PORT, enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ, served_model_name="probe",
     model_path="/m")
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 4, 256, 64 << 10, 4, 64  # 128 MiB of KV per side
@@ -279,6 +253,7 @@ if __name__ == "__main__":
         main_of = main_layerwise if os.environ.get("PROBE_LAYERWISE") else main_abort if os.environ.get("PROBE_ABORT") else main
         print(json.dumps(main_of()), flush=True)
     except BaseException as err:  # noqa: BLE001 - report, then hard-exit below
+        traceback.print_exc()  # to stderr, which a failed run shows
         print(json.dumps({"error": f"{type(err).__name__}: {err}"}), flush=True)
     sys.stdout.flush()
     os._exit(0)

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang_cpu import run_probe
 
+from prfaas_sglang.bench.layerwise_bench import set_chunk, set_pool_row
 from prfaas_sglang.demo import netns
 from prfaas_sglang.transport.layerwise import LayerLedger, chunk_range, layer_blocks, runs
 
@@ -91,6 +92,7 @@ def _manager(pool, decode_pool, room: int, session: str, dst_pages: np.ndarray):
             self.kv_args = types.SimpleNamespace(kv_data_ptrs=ptrs, kv_item_lens=items, prefill_start_layer=0,
                                                  state_types=[])
             self.is_mla_backend, self.attn_tp_size, self.enable_custom_mem_pool = False, 1, False
+            self.is_hybrid_mla_backend, self.max_transfer_batch_indices = False, 0  # read by SGLang 0.5.23 (0: one batch)
             self.transfer_infos = {room: {session: types.SimpleNamespace(
                 mooncake_session_id=session, dst_kv_indices=dst_pages, is_dummy=False)}}
             self.decode_kv_args_table = {session: types.SimpleNamespace(
@@ -116,8 +118,11 @@ def _scheduler(mgr, pool, req_pool, page_size: int):
     sched = Scheduler()
     sched.disaggregation_mode = DisaggregationMode.PREFILL
     sched.enable_staging = False
+    # what SGLang 0.5.23's send path also reads
+    sched.enable_overlap, sched.kv_checksum_computer, sched.disagg_prefill_pending_chunk_rids = False, None, set()
     sched.req_to_token_pool = req_pool
-    sched.token_to_kv_pool_allocator = types.SimpleNamespace(page_size=page_size, get_kvcache=lambda: pool)
+    sched.token_to_kv_pool_allocator = types.SimpleNamespace(  # 0.5.23 also asks for transfer ids: a static pool's
+        page_size=page_size, get_kvcache=lambda: pool, translate_kv_indices_for_transfer=lambda ids: ids)
     sched.disagg_metadata_buffers = types.SimpleNamespace(set_buf=lambda req: None)
     sched.disagg_prefill_bootstrap_queue = types.SimpleNamespace(kv_manager=mgr)
     return sched
@@ -134,7 +139,10 @@ class Sender:
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk
 
-    def send(self, page_indices, state_indices=None):
+    def get_max_transfer_tokens(self) -> None:  # SGLang 0.5.23 asks; None: no DCP pack limit (its base class's)
+        return None
+
+    def send(self, page_indices, state_indices=None, **_):  # 0.5.23 also passes num_kv_tokens
         index_slice = slice(self.curr_idx, self.curr_idx + len(page_indices))
         self.curr_idx += len(page_indices)
         if not len(page_indices):
@@ -194,7 +202,8 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
 
     req = Req(rid="r", origin_input_text="", origin_input_ids=array("q", range(total)),
               sampling_params=SamplingParams(max_new_tokens=1))
-    req.req_pool_idx, req.start_send_idx, req.pending_bootstrap = 0, decode_prefix, False
+    req.start_send_idx, req.pending_bootstrap = decode_prefix, False
+    set_pool_row(req, 0)
     req.prefix_indices = torch.from_numpy(token_locs[:cached].astype(np.int64))
     req.disagg_kv_sender = Sender(mgr, room, session, on_send)
     batch = types.SimpleNamespace(reqs=[req], forward_mode=types.SimpleNamespace(is_extend=lambda: True))
@@ -208,7 +217,7 @@ def test_streamed_plus_what_sglang_still_sends_is_sglangs_send_block_for_block(
     start, n = cached, 0
     while True:
         end = min(start + chunk, total)
-        req.set_extend_range(start, end)
+        set_chunk(req, start, end)
         last = end == total
         layers_now = streamed[n % len(streamed)]
 
