@@ -92,3 +92,15 @@ def subscribe(endpoint: str, topic: bytes = b"", timeout_s: float = SUBSCRIBE_RE
         sock.disable_monitor()
         monitor.close(linger=0)
     return sock
+
+
+def retired_here(hook_name: str):
+    """A skip mark for the tests of a hook that the installed SGLang has retired (its ``upstream_marker``
+    is there: upstream does it itself, and the hook is neither installed nor checked)."""
+    import pytest
+
+    from prfaas_sglang.plugin import HOOKS
+
+    where = next(h for h in HOOKS if h.name == hook_name).where()
+    return pytest.mark.skipif(where == "retired", reason=f"{hook_name}: retired on this SGLang (upstream does it itself)")
+

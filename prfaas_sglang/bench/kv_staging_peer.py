@@ -41,7 +41,13 @@ RESERVE_PAGES = int(os.environ.get("RESERVE_PAGES", "0"))
 
 import numpy as np  # noqa: E402
 
-from prfaas_sglang.bench.layerwise_bench import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
+from prfaas_sglang.bench.layerwise_bench import (  # noqa: E402
+    make_kv_args,
+    manager_server_args,
+    new_sender,
+    published_server_args,
+    single_rank_state,
+)
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()
@@ -59,7 +65,8 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
 )
 
 single_rank_state()
-SERVER_ARGS = manager_server_args(PREFILL_IP, BOOT_PORT, device="cpu")
+SERVER_ARGS = (published_server_args(BOOT_PORT, PREFILL_IP, "decode" if sys.argv[1:2] == ["decode"] else "prefill")
+               or manager_server_args(PREFILL_IP, BOOT_PORT, device="cpu"))
 BOOTSTRAP_ADDR = f"{PREFILL_IP}:{BOOT_PORT}"
 
 
@@ -116,7 +123,7 @@ class Prefill:
         self.senders: dict[int, MooncakeKVSender] = {}
 
     def open(self, room: int) -> dict:
-        self.senders[room] = MooncakeKVSender(self.mgr, BOOTSTRAP_ADDR, room, [0], 0)
+        self.senders[room] = new_sender(self.mgr, BOOTSTRAP_ADDR, room)
         return {"ok": True}
 
     def send(self, room: int, timeout_s: float) -> dict:

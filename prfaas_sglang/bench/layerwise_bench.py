@@ -83,10 +83,10 @@ def manager_server_args(host: str, boot_port: int, **extra):
         "load_balance_method": "round_robin", "enable_trace": False, "chunked_prefill_size": 8192, **extra})
 
 
-def published_server_args(boot_port: int):
+def published_server_args(boot_port: int, host: str = "127.0.0.1", mode: str = "prefill"):
     """0.5.23: the managers read a real ``ServerArgs`` and the serving config from the process's published
     runtime context (as the scheduler process publishes it), so one is built (for the repository's tiny
-    hybrid model) and published; None on 0.5.15, whose managers read only the arguments given
+    hybrid model, disaggregation ``mode``) and published; None on 0.5.15, whose managers read only the arguments given
     (:func:`manager_server_args`)."""
     from sglang.srt import runtime_context
 
@@ -99,8 +99,8 @@ def published_server_args(boot_port: int):
 
     tiny = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
     with mock.patch.dict(os.environ):  # resolving exports defaults for the server's processes
-        args = ServerArgs(model_path=str(tiny), device="cpu", host="127.0.0.1", port=30000,
-                          disaggregation_bootstrap_port=boot_port, disaggregation_mode="prefill",
+        args = ServerArgs(model_path=str(tiny), device="cpu", host=host, port=30000,
+                          disaggregation_bootstrap_port=boot_port, disaggregation_mode=mode,
                           disaggregation_transfer_backend="mooncake", mamba_radix_cache_strategy="no_buffer",
                           disable_overlap_schedule=True, served_model_name="probe",
                           enable_metrics="PROMETHEUS_MULTIPROC_DIR" in os.environ)
@@ -142,18 +142,26 @@ def set_pool_row(req, row: int) -> None:
         req.req_pool_idx = row
 
 
+def new_sender(mgr, addr: str, room: int):
+    """SGLang's ``MooncakeKVSender`` for ``room``: 0.5.15's takes the destination TP ranks and PP rank too
+    (one rank: ``[0], 0``). On 0.5.23 its GPU index path (pinned memory, a CUDA event) is off: on CPU the
+    scheduler takes its other path, which every sender without host-tensor indices takes."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+    placement = ([0], 0) if "dest_tp_ranks" in inspect.signature(MooncakeKVSender).parameters else ()
+    sender = MooncakeKVSender(mgr, addr, room, *placement)
+    if getattr(sender, "supports_host_tensor_indices", False):
+        sender.supports_host_tensor_indices = False
+    return sender
+
+
 def open_room(prefill, decode, addr: str, room: int, dst_pages: np.ndarray):
     """SGLang's bootstrap for ``room``: a sender on ``prefill``, a receiver on ``decode`` that registers
     ``dst_pages`` (aux row ``room % N_AUX``); returns both once the sender waits for input (or failed)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver, MooncakeKVSender
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
 
-    placement = ([0], 0) if "dest_tp_ranks" in inspect.signature(MooncakeKVSender).parameters else ()  # 0.5.15's
-    sender = MooncakeKVSender(prefill, addr, room, *placement)
-    # SGLang 0.5.23's sender takes its page indices through pinned memory and a CUDA event (its GPU path);
-    # on CPU, the scheduler's other path, which every sender without host-tensor indices takes.
-    if getattr(sender, "supports_host_tensor_indices", False):
-        sender.supports_host_tensor_indices = False
+    sender = new_sender(prefill, addr, room)
     receiver = MooncakeKVReceiver(decode, addr, room)
     while not decode.try_ensure_parallel_info(addr):
         time.sleep(0.05)

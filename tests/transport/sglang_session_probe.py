@@ -50,7 +50,13 @@ os.environ.setdefault("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "1")
 import numpy as np  # noqa: E402
 
 from prfaas_sglang.adapters.sockopts import mooncake_connections  # noqa: E402
-from prfaas_sglang.bench.layerwise_bench import make_kv_args, manager_server_args, single_rank_state  # noqa: E402
+from prfaas_sglang.bench.layerwise_bench import (  # noqa: E402
+    make_kv_args,
+    manager_server_args,
+    new_sender,
+    published_server_args,
+    single_rank_state,
+)
 from prfaas_sglang.plugin import register  # noqa: E402
 
 register()
@@ -69,7 +75,8 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
 
 single_rank_state()
 
-SERVER_ARGS = manager_server_args(PREFILL_IP, BOOT_PORT)
+SERVER_ARGS = (published_server_args(BOOT_PORT, PREFILL_IP, "decode" if sys.argv[1:2] == ["decode"] else "prefill")
+               or manager_server_args(PREFILL_IP, BOOT_PORT))
 BOOTSTRAP_ADDR = f"{PREFILL_IP}:{BOOT_PORT}"
 NUM_LAYERS, NUM_PAGES, PAGE_BYTES, N_AUX, AUX_BYTES = 2, 128, 64 << 10, 4, 64  # 32 MiB of KV per side
 PAGES_PER_REQUEST, CHUNKS = 48, 4  # 12 MiB per request (~0.5 s at 200 Mbit/s), in four chunks
@@ -167,7 +174,7 @@ class Prefill:
             time.sleep(0.02)
 
     def open(self, room: int) -> dict:
-        self.senders[room] = MooncakeKVSender(self.mgr, BOOTSTRAP_ADDR, room, [0], 0)
+        self.senders[room] = new_sender(self.mgr, BOOTSTRAP_ADDR, room)
         return {"ok": True}
 
     def wait_input(self, room: int, timeout_s: float) -> dict:

@@ -81,7 +81,10 @@ def launcher_env(role: Role, probe: bool = True, telemetry_port: int | None = No
         env["PRFAAS_KV_KEEPALIVE"] = f"{k.idle_s},{k.interval_s},{k.probes}"
     if role is Role.PRFAAS and not async_send:
         env["PRFAAS_KV_ASYNC_SEND"] = "0"
-    return {k: v for k, v in env.items() if probe or k not in PROBE_VARS}
+    env = {k: v for k, v in env.items() if probe or k not in PROBE_VARS}
+    if not probe:  # SGLang's probe off, as 0.5.15 defaults it (0.5.23 turns it on by default, every 30 s)
+        env["SGLANG_ENABLE_FAILED_SESSION_PROBE"] = "0"
+    return env
 
 
 class Peer:
@@ -313,7 +316,7 @@ def test_with_the_profile_the_blacklisted_decode_session_is_probed_back_and_take
 
 
 @pytest.mark.slow
-def test_with_sglang_defaults_the_session_stays_blacklisted_and_the_next_request_fails_at_once(make_pair):
+def test_with_sglangs_probe_off_the_session_stays_blacklisted_and_the_next_request_fails_at_once(make_pair):
     pair = make_pair(None, probe=False)
     sent, received = pair.request(1)
     assert pair.is_ok(sent) and pair.is_ok(received) and received["kv_intact"]
@@ -357,7 +360,7 @@ def outlive_the_decode(pair: Pair, room: int) -> float:
 
 
 def check_the_next_request_goes_after_re_registration(pair: Pair) -> None:
-    """SGLang's defaults (no probe): request 3's re-registration of the decode's KV args lifts the blacklist."""
+    """SGLang's probe off (0.5.15's default): request 3's re-registration of the decode's KV args lifts the blacklist."""
     prefill, _ = pair.state()
     assert prefill["failed_sessions"] == [pair.session], prefill  # nothing probed it
     opened_at = time.monotonic()
@@ -417,8 +420,14 @@ def test_with_sglangs_own_sender_the_failed_kv_lands_late(make_pair):
     assert late > 0 and first_at is not None, "no KV of the failed request arrived after the link came back"
     print(f"\n{late} slots of the failed request's KV written {first_at - restored_at:.2f} s after the link came back")
 
-    # Upstream leak: the prefill's Failed notice for room 2 arrives after the receiver concluded and
-    # re-creates failure_records[2], which nothing pops again.
-    decode = poll(lambda: pair.decode.ask("state"), lambda s: s["failure_records"], 25)
-    assert decode["failure_records"] == [2], decode
+    # Upstream leak on the pin (0.5.15): the prefill's Failed notice for room 2 arrives after the receiver
+    # concluded and re-creates failure_records[2], which nothing pops again. 0.5.23 leaves none.
+    from prfaas_sglang._compat import base_version, installed_sglang_version
+    from prfaas_sglang._pin import PINNED_SGLANG_VERSION
+
+    if base_version(installed_sglang_version()) == PINNED_SGLANG_VERSION:
+        decode = poll(lambda: pair.decode.ask("state"), lambda s: s["failure_records"], 25)
+        assert decode["failure_records"] == [2], decode
+    else:
+        assert pair.decode.ask("state")["failure_records"] == []
     check_the_next_request_goes_after_re_registration(pair)

@@ -17,9 +17,15 @@ import types
 
 
 def server_args_defaults():
-    """ServerArgs' field defaults, without its __post_init__ (which loads a model config)."""
+    """ServerArgs' field defaults, without its __post_init__ (which loads a model config): a dataclass's
+    fields (0.5.15), else its constructor's defaults (0.5.23)."""
+    import inspect
+
     from sglang.srt.server_args import ServerArgs
 
+    if not dataclasses.is_dataclass(ServerArgs):
+        return types.SimpleNamespace(**{name: p.default for name, p in inspect.signature(ServerArgs).parameters.items()
+                                        if p.default is not inspect.Parameter.empty})
     return types.SimpleNamespace(**{
         f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
         for f in dataclasses.fields(ServerArgs)
@@ -76,8 +82,15 @@ def main() -> None:
     from prometheus_client import CollectorRegistry, generate_latest, multiprocess
     from sglang.srt.observability.metrics_collector import TokenizerMetricsCollector
 
-    collector = TokenizerMetricsCollector(server_args=server_args_defaults(), labels={"model_name": "m"})
-    collector.num_requests_total.labels(model_name="m").inc()
+    from prfaas_sglang.bench.layerwise_bench import published_server_args
+
+    # 0.5.23 reads its observability config from the process's published context, as a server process has it
+    server_args = published_server_args(0) or server_args_defaults()
+    collector = TokenizerMetricsCollector(server_args=server_args, labels={"model_name": "m"})
+    labels = {"model_name": "m"}
+    if "is_streaming" in collector.num_requests_total._labelnames:  # 0.5.23 labels the stream too
+        labels["is_streaming"] = "false"
+    collector.num_requests_total.labels(**labels).inc()
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
     print("EXPORTED" if b"sglang:num_requests_total" in generate_latest(registry) else "MISSING")
