@@ -31,13 +31,17 @@ PYTEST_JOBS ?= 4
 PYTEST := $(PY) -m pytest -q
 NONE_SELECTED_OK := || [ $$? -eq 5 ]
 
+# Then the leg of every other supported release (`make test-sglang SGLANG=<v>`): the tests that touch
+# SGLang's own code, on that release's overlay.
 test: env
 	$(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "not serial" --durations=30 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 	$(PYTEST) -m serial --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+	$(foreach v,$(OTHER_RELEASES),$(MAKE) --no-print-directory test-sglang SGLANG=$(v) &&) true
 
 test-sglang: env
 	@test -n "$(SGLANG)" || { echo "make test-sglang SGLANG=<version> (one of prfaas_sglang/_pin.py's supported releases)"; exit 2; }
-	PYTHONPATH=$(OVERLAY) $(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "sglang and not gpu and not serial" $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+	@echo "== the sglang $(SGLANG) leg: tests marked sglang, on $(OVERLAY)"
+	PYTHONPATH=$(OVERLAY) $(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "sglang and not gpu and not serial" -rs --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 
 # The inner loop: everything but the tests marked `slow` (real servers, long benchmarks).
 test-fast: env

@@ -847,13 +847,35 @@ class HookInstallError(SystemExit):
 
 
 def resolve_target(target: str) -> object:
-    """The object at dotted path ``target`` (module attribute or class attribute)."""
+    """The object at dotted path ``target`` (module attribute or class attribute). Where a module on the
+    path fails to import, raises that ImportError (``pkgutil.resolve_name`` would report only a missing
+    attribute of its package)."""
     owner_path, _, attr = target.rpartition(".")
-    owner = pkgutil.resolve_name(owner_path)
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except AttributeError as err:
+        _raise_import_failure(owner_path, err)
     raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
     if isinstance(raw, (classmethod, staticmethod)):
         return raw.__func__
     return getattr(owner, attr)
+
+
+def _raise_import_failure(dotted: str, err: AttributeError) -> None:
+    """Re-raise ``err`` as the ImportError of the first module on ``dotted`` that exists but fails to
+    import (a dependency it needs is missing, say); ``err`` itself where none does."""
+    parts = dotted.split(".")
+    for cut in range(1, len(parts) + 1):
+        name = ".".join(parts[:cut])
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as cause:
+            if cause.name == name:  # not a module: the rest of the path is attributes
+                break
+            raise ImportError(f"importing {name}: {cause}") from cause
+        except ImportError as cause:
+            raise ImportError(f"importing {name}: {cause}") from cause
+    raise err
 
 
 def reaches_hook(obj: object, hook: Callable) -> bool:

@@ -142,3 +142,18 @@ class TestVersionGate:
         require_pinned("0.5.23", "this environment")
         with pytest.raises(UpstreamVersionError, match="not installed"):
             require_pinned(None, "this environment")
+
+
+def test_a_target_whose_module_fails_to_import_names_the_missing_dependency(tmp_path, monkeypatch):
+    """pkgutil reports only "module 'pkg' has no attribute 'mod'"; a hook whose target sits behind a
+    missing dependency (SGLang 0.5.23's CPU engine without sgl_kernel) must say which."""
+    from prfaas_sglang.plugin import resolve_target
+
+    (tmp_path / "prfaas_probe_pkg").mkdir()
+    (tmp_path / "prfaas_probe_pkg" / "__init__.py").write_text("")
+    (tmp_path / "prfaas_probe_pkg" / "conn.py").write_text("import prfaas_no_such_kernel\nclass Manager:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="importing prfaas_probe_pkg.conn: No module named 'prfaas_no_such_kernel'"):
+        resolve_target("prfaas_probe_pkg.conn.Manager.__init__")
+    with pytest.raises(AttributeError):  # a path that is simply wrong stays an AttributeError
+        resolve_target("prfaas_probe_pkg.gone.Manager")
