@@ -45,14 +45,11 @@ from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
 from prfaas_sglang.hooks.event_publisher import EventsWithState
-from prfaas_sglang.kvindex.admission import Decision, PrefixAdmission
+from prfaas_sglang.kvindex.admission import MAX_PENDING_DECISIONS, Decision, PrefixAdmission
 from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
 from prfaas_sglang.launch.command import RADIX_CACHE_BACKEND  # noqa: F401 (re-exported for decode_radix)
 from prfaas_sglang.protocol import BadRequest, checkpoint_tokens
-from prfaas_sglang.wire.kv_events import StateRemoved, StateStored
-
-MEDIUM = "GPU"  # the device tree; a host tier would report its own medium
-MAX_PENDING_DECISIONS = 65_536  # requests decided but not finished (an aborted waiting request never finishes)
+from prfaas_sglang.wire.kv_events import DEVICE_MEDIUM, StateRemoved, StateStored
 
 
 class _PrefillAdmission:
@@ -203,7 +200,7 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
             if end is not None and end.mamba_value is not None and end.id not in self._stated:
                 # The end's prefix length: the start node's plus the key's (no walk from the root for it).
                 self._stated[end.id] = stated = (self._last_page_hash(end), self._prefix_len(node) + len(key))
-                self._state_queue.append(StateStored(*stated, "mamba", MEDIUM))
+                self._state_queue.append(StateStored(*stated, "mamba", DEVICE_MEDIUM))
         return result
 
     def _tombstone_internal_node(self, node: Any) -> None:
@@ -219,7 +216,7 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
     def _forget_state(self, node: Any) -> None:
         stated = self._stated.pop(node.id, None)
         if stated is not None:
-            self._state_queue.append(StateRemoved(*stated, "mamba", MEDIUM))
+            self._state_queue.append(StateRemoved(*stated, "mamba", DEVICE_MEDIUM))
 
     def _node_ending_at(self, start: Any, key: Any) -> Any | None:
         """The node whose end is ``key``'s end, walking down from ``start`` (after an insert the
@@ -360,9 +357,9 @@ class StateEventsSWARadixCache(_PrefillAdmission, SWARadixCache):
         for page, (holds, num_tokens) in held.items():
             if not holds and page not in self._missing:
                 self._missing[page] = num_tokens
-                out.append(StateRemoved(page, num_tokens, "swa", MEDIUM, window))
+                out.append(StateRemoved(page, num_tokens, "swa", DEVICE_MEDIUM, window))
             elif holds and page in self._missing:
-                out.append(StateStored(page, self._missing.pop(page), "swa", MEDIUM, window))
+                out.append(StateStored(page, self._missing.pop(page), "swa", DEVICE_MEDIUM, window))
         return out
 
     def _in_tree(self, node: Any) -> bool:

@@ -37,11 +37,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from prfaas_sglang.hooks.event_publisher import EventsWithState
-from prfaas_sglang.kvindex.admission import Decision, PrefixAdmission
-from prfaas_sglang.wire.kv_events import StateRemoved, StateStored
-
-MEDIUM = "GPU"  # the device tree; a host tier would report its own medium
-MAX_PENDING_DECISIONS = 65_536  # requests decided but not released (an aborted waiting request never is)
+from prfaas_sglang.kvindex.admission import MAX_PENDING_DECISIONS, Decision, PrefixAdmission
+from prfaas_sglang.wire.kv_events import DEVICE_MEDIUM, StateRemoved, StateStored
 
 
 class StateEventsMambaComponent(MambaComponent):
@@ -126,13 +123,13 @@ class PrfaasUnifiedRadixCache(UnifiedRadixCache):
         """``node`` holds a device state at its end (its component told so)."""
         if self.tree_core.kv_events.enabled and node.id not in self._stated:
             self._stated[node.id] = stated = (self._last_page_hash(node), _prefix_len(node, self.root_node))
-            self._state_queue.append(StateStored(*stated, "mamba", MEDIUM))
+            self._state_queue.append(StateStored(*stated, "mamba", DEVICE_MEDIUM))
 
     def state_removed(self, node: Any) -> None:
         """``node``'s device state was evicted (its pages may stay: a tombstone)."""
         stated = self._stated.pop(node.id, None)
         if stated is not None:
-            self._state_queue.append(StateRemoved(*stated, "mamba", MEDIUM))
+            self._state_queue.append(StateRemoved(*stated, "mamba", DEVICE_MEDIUM))
 
     def _last_page_hash(self, node: Any) -> int:
         """The block hash SGLang's own ``BlockStored`` gave ``node``'s last page (its recorder's hashing)."""

@@ -56,6 +56,9 @@ from dataclasses import dataclass, field
 MODES = ("all", "shared", "auto", "none")
 REUSE_WINDOW = 64  # re-sightings ``auto`` weighs (the most recent)
 MIN_REUSE_SAMPLES = 8  # below this many, ``auto`` keeps one-offs (a cache that has seen little is empty)
+# A cache keeps each request's decision from its first match until SGLang releases it, and forgets the
+# oldest beyond this many (an aborted waiting request is never released).
+MAX_PENDING_DECISIONS = 65_536
 
 
 class AdmissionConfigError(ValueError):

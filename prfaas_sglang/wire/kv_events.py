@@ -54,6 +54,7 @@ WIRE_VERSION = 3
 # publishes on; a worker's ``/server_info["kv_events"]["topic"]`` says which one it uses.
 KV_EVENTS_TOPIC = "kv-events"
 STATE_COMPONENTS = ("mamba", "swa")
+DEVICE_MEDIUM = "GPU"  # a state event's medium from a device tree (SGLang's StorageMedium.GPU); a host tier says its own
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
