@@ -123,7 +123,6 @@ class UpstreamDecode:
 
     def __init__(self, kv_tokens: int, state_slots: int):
         import torch
-        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -131,14 +130,12 @@ class UpstreamDecode:
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        from prfaas_sglang.bench.sglang_cpu import set_global_server_args
+        from prfaas_sglang.bench.sglang_cpu import set_global_server_args, tiny_mamba_params
 
         set_global_server_args(1)
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
-                                        state_size=4, conv_kernel=4)
         pool = HybridMambaDecodeReqToTokenPool(
             size=state_slots - PRE_ALLOC, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False,
-            cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+            cache_params=tiny_mamba_params(), mamba_layer_ids=[0],
             speculative_num_draft_tokens=None, enable_mamba_extra_buffer=False, pre_alloc_size=PRE_ALLOC,
             enable_overlap_schedule=False)
         kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,

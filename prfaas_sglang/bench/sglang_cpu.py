@@ -32,24 +32,29 @@ def set_global_server_args(page_size: int) -> None:
     set_global_server_args_for_scheduler(args)
 
 
-def cpu_hybrid_cache(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True,
-                     kv_buffers: bool = True) -> CpuHybridCache:
-    """``cache_cls`` (``MambaRadixCache`` or a subclass) over fresh pools of ``kv_tokens`` tokens and
-    ``mamba_slots`` state slots; ``kv_buffers`` adds the full-attention layer's KV buffers."""
-    import torch
+def tiny_mamba_params():
+    """SGLang's ``Mamba2CacheParams`` for the tiny layout: one linear-attention layer (layer 0)."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
+                                    state_size=4, conv_kernel=4)
+    return Mamba2CacheParams(shape=shape, layers=[0])
+
+
+def _hybrid_pools(page_size: int, kv_tokens: int, mamba_slots: int, events: bool, kv_buffers: bool) -> CpuHybridCache:
+    """Fresh hybrid pools and the ``CacheInitParams`` a tree over them is built from (``cache`` None):
+    ``kv_tokens`` tokens, ``mamba_slots`` state slots, SGLang's extra buffer for pages above 1."""
+    import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
     set_global_server_args(page_size)
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
-                                    state_size=4, conv_kernel=4)
     extra = page_size > 1
     req_pool = HybridReqToTokenPool(
         size=4, mamba_size=mamba_slots, mamba_spec_state_size=4, max_context_len=kv_tokens, device="cpu",
-        enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+        enable_memory_saver=False, cache_params=tiny_mamba_params(), mamba_layer_ids=[0],
         enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
     kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=page_size, head_num=2, head_dim=8,
                                  full_attention_layer_ids=[1], device="cpu",
@@ -61,7 +66,16 @@ def cpu_hybrid_cache(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int
         kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
                              page_size=page_size, enable_kv_cache_events=events, enable_mamba_extra_buffer=extra)
-    return CpuHybridCache(cache_cls(params), kv, req_pool, kv_pool, params, page_size)
+    return CpuHybridCache(None, kv, req_pool, kv_pool, params, page_size)
+
+
+def cpu_hybrid_cache(cache_cls, page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True,
+                     kv_buffers: bool = True) -> CpuHybridCache:
+    """``cache_cls`` (``MambaRadixCache`` or a subclass) over fresh pools of ``kv_tokens`` tokens and
+    ``mamba_slots`` state slots; ``kv_buffers`` adds the full-attention layer's KV buffers."""
+    built = _hybrid_pools(page_size, kv_tokens, mamba_slots, events, kv_buffers)
+    built.cache = cache_cls(built.params)
+    return built
 
 
 def cpu_unified_hybrid_cache(page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True,
@@ -70,37 +84,15 @@ def cpu_unified_hybrid_cache(page_size: int, kv_tokens: int, mamba_slots: int, e
     builds it (:class:`~prfaas_sglang.hooks.unified_cache.PrfaasUnifiedRadixCache`, a full-attention
     and a state-reporting Mamba component) over fresh pools; page 1 without SGLang's extra buffer,
     larger pages with it."""
-    import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     from prfaas_sglang.hooks.unified_cache import PrfaasUnifiedRadixCache, StateEventsMambaComponent
 
-    set_global_server_args(page_size)
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
-                                    state_size=4, conv_kernel=4)
-    extra = page_size > 1
-    req_pool = HybridReqToTokenPool(
-        size=4, mamba_size=mamba_slots, mamba_spec_state_size=4, max_context_len=kv_tokens, device="cpu",
-        enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
-        enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=None)
-    kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=page_size, head_num=2, head_dim=8,
-                                 full_attention_layer_ids=[1], device="cpu", mamba_pool=req_pool.mamba_pool)
-    if extra:
-        kv = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu",
-                                         kvcache=kv_pool, need_sort=False)
-    else:
-        kv = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
-                             page_size=page_size, enable_kv_cache_events=events, enable_mamba_extra_buffer=extra)
-    params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)  # as create_unified_radix_cache sets them
-    params.component_registry_override = {ComponentType.MAMBA: StateEventsMambaComponent}
-    cache = PrfaasUnifiedRadixCache(params, admission, chunk_checkpoints)
-    return CpuHybridCache(cache, kv, req_pool, kv_pool, params, page_size)
+    built = _hybrid_pools(page_size, kv_tokens, mamba_slots, events, kv_buffers=True)
+    built.params.tree_components = (ComponentType.FULL, ComponentType.MAMBA)  # as create_unified_radix_cache sets them
+    built.params.component_registry_override = {ComponentType.MAMBA: StateEventsMambaComponent}
+    built.cache = PrfaasUnifiedRadixCache(built.params, admission, chunk_checkpoints)
+    return built
 
 
 def cpu_decode_hybrid_cache(cache_cls, kv_tokens: int, max_running: int, pre_alloc: int,
@@ -110,18 +102,15 @@ def cpu_decode_hybrid_cache(cache_cls, kv_tokens: int, max_running: int, pre_all
     requests receiving KV (one state slot each, the decode pool's own sizing), a
     ``HybridLinearKVPool`` of ``kv_tokens`` with KV buffers, and ``cache_cls`` over them."""
     import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
     set_global_server_args(1)
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=4,
-                                    state_size=4, conv_kernel=4)
     req_pool = HybridMambaDecodeReqToTokenPool(
         size=max_running, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False,
-        cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0], speculative_num_draft_tokens=None,
+        cache_params=tiny_mamba_params(), mamba_layer_ids=[0], speculative_num_draft_tokens=None,
         enable_mamba_extra_buffer=False, pre_alloc_size=pre_alloc, enable_overlap_schedule=False)
     kv_pool = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,
                                  full_attention_layer_ids=[1], device="cpu", mamba_pool=req_pool.mamba_pool)

@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.swa_radix_cache import SWARadixCache
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
 from prfaas_sglang.hooks.event_publisher import EventsWithState
+from prfaas_sglang.hooks.radix_nodes import prefix_len
 from prfaas_sglang.kvindex.admission import MAX_PENDING_DECISIONS, Decision, PrefixAdmission
 from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env  # noqa: F401 (re-exported)
 from prfaas_sglang.launch.command import RADIX_CACHE_BACKEND  # noqa: F401 (re-exported for decode_radix)
@@ -236,7 +237,7 @@ class StateEventsMambaRadixCache(_PrefillAdmission, MambaRadixCache):
         return hash_str_to_int64(_hash_values(node, self.page_size)[-1])
 
     def _prefix_len(self, node: Any) -> int:
-        return _prefix_len(node, self.root_node)
+        return prefix_len(node, self.root_node)
 
 
 def _hash_values(node: Any, page_size: int) -> list[str]:
@@ -245,15 +246,6 @@ def _hash_values(node: Any, page_size: int) -> list[str]:
     if node.hash_value is None:
         node.hash_value = compute_node_hash_values(node, page_size)
     return node.hash_value
-
-
-def _prefix_len(node: Any, root: Any) -> int:
-    """Tokens from the root to ``node``'s end (a walk up its parents)."""
-    n = 0
-    while node is not None and node is not root:
-        n += len(node.key)
-        node = node.parent
-    return n
 
 
 class _TouchedLRUList(SwaLRUList):
@@ -344,7 +336,7 @@ class StateEventsSWARadixCache(_PrefillAdmission, SWARadixCache):
         gone: list[int] = []
         for node in {id(n): n for n in touched}.values():
             if self._in_tree(node):
-                start, in_list = _prefix_len(node.parent, self.root_node), self.swa_lru_list.in_list(node)
+                start, in_list = prefix_len(node.parent, self.root_node), self.swa_lru_list.in_list(node)
                 for i, page in enumerate(map(hash_str_to_int64, _hash_values(node, self.page_size))):
                     held[page] = (in_list, start + (i + 1) * self.page_size)
             elif node.hash_value is not None:  # left the tree (deleted, or merged into its parent)

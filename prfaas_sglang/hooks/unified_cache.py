@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
 from prfaas_sglang.hooks.event_publisher import EventsWithState
+from prfaas_sglang.hooks.radix_nodes import prefix_len
 from prfaas_sglang.kvindex.admission import MAX_PENDING_DECISIONS, Decision, PrefixAdmission
 from prfaas_sglang.wire.kv_events import DEVICE_MEDIUM, StateRemoved, StateStored
 
@@ -122,7 +123,7 @@ class PrfaasUnifiedRadixCache(UnifiedRadixCache):
     def state_stored(self, node: Any) -> None:
         """``node`` holds a device state at its end (its component told so)."""
         if self.tree_core.kv_events.enabled and node.id not in self._stated:
-            self._stated[node.id] = stated = (self._last_page_hash(node), _prefix_len(node, self.root_node))
+            self._stated[node.id] = stated = (self._last_page_hash(node), prefix_len(node, self.root_node))
             self._state_queue.append(StateStored(*stated, "mamba", DEVICE_MEDIUM))
 
     def state_removed(self, node: Any) -> None:
@@ -136,15 +137,6 @@ class PrfaasUnifiedRadixCache(UnifiedRadixCache):
         recorder = self.tree_core.kv_events
         page = recorder._node_event_hash_values(node)[-1]
         return namespaced_block_hash(hash_str_to_int64(page), namespace_seed=recorder._namespace_seed(node))
-
-
-def _prefix_len(node: Any, root: Any) -> int:
-    """Tokens from the root to ``node``'s end (a walk up its parents)."""
-    n = 0
-    while node is not None and node is not root:
-        n += len(node.key)
-        node = node.parent
-    return n
 
 
 def builds_unified(ctx: Any) -> bool:

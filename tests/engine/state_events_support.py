@@ -71,14 +71,33 @@ class Wire:
         self.batches: list[bytes] = []
 
     def flush(self, cache) -> None:
+        """Publish what the cache queued since the last batch, if anything (one scheduler step)."""
         events = cache.take_events()
-        if not events:
-            return
-        batch = sglang_kv_events.KVEventBatch(ts=time.time(), events=events)  # as publish_kv_events builds it
-        payload = msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
+        if events:
+            self.publish(events)
+
+    def publish(self, events) -> None:
+        """``events`` (a cache's ``take_events()``) as one published batch, fed to the index."""
+        payload = wire_bytes(events)
         self.batches.append(payload)
         self.handle([b"kv-events", self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
+
+
+def wire_bytes(events) -> bytes:
+    """A cache's events as our publisher writes them: SGLang's scheduler-side batch (as
+    ``publish_kv_events`` builds it), then wire v2, then msgpack."""
+    batch = sglang_kv_events.KVEventBatch(ts=time.time(), events=events)
+    return msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
+
+
+def both_decoders(cache) -> tuple:
+    """The cache's queued events as a published batch, read by SGLang's own decoder (which skips the
+    4th element) and by ours: (theirs, ours)."""
+    from prfaas_sglang.wire.kv_events import decode_batch
+
+    payload = wire_bytes(cache.take_events())
+    return msgspec.msgpack.Decoder(sglang_kv_events.KVEventBatch).decode(payload), decode_batch(payload)
 
 
 def index_for(page_size: int) -> KvIndex:

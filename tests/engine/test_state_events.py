@@ -33,7 +33,7 @@ if not installed_has(RADIX_TREES):
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from state_events_support import OPS, CacheOps, Wire, index_for, replay_and_compare  # noqa: E402
+from state_events_support import OPS, CacheOps, Wire, both_decoders, index_for, replay_and_compare  # noqa: E402
 
 from prfaas_sglang.hooks import cache_backend, event_publisher, hybrid_cache  # noqa: E402
 
@@ -65,8 +65,7 @@ def test_a_tombstoned_state_stops_the_hit_in_the_index_as_in_the_cache():
     real.cache.evict(EvictParams(num_tokens=0, mamba_num=1))  # LRU: the inner node's state -> tombstone
     events = real.cache.take_events()
     assert list(events) == [] and events.state_events == [StateRemoved(events.state_events[0].block_hash, 4, "mamba", "GPU")]
-    wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"),
-                 msgspec.msgpack.encode(event_publisher.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
+    wire.publish(events)
     assert real.match([1, 2, 3, 4, 9]) == index.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 0
     assert real.match([1, 2, 3, 4, 5, 6, 7]) == index.match([1, 2, 3, 4, 5, 6, 7, 0]).by_worker["w"] == 6
     # The same stream without state events (SGLang's own publisher): the index can only infer and overstates.
@@ -92,10 +91,7 @@ def test_the_index_hit_equals_the_real_caches_match_prefix(page_size, ops):
 def test_sglangs_own_decoder_reads_a_v2_batch_and_skips_the_state():
     real = RealCache(page_size=1)
     real.insert([5, 6, 7])
-    batch = sglang_kv_events.KVEventBatch(ts=1.5, events=real.cache.take_events())
-    payload = msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
-    theirs = msgspec.msgpack.Decoder(sglang_kv_events.KVEventBatch).decode(payload)
-    ours = decode_batch(payload)
+    theirs, ours = both_decoders(real.cache)
     assert [type(e).__name__ for e in theirs.events] == ["AllBlocksCleared"] + ["BlockStored"] * 3
     assert [e.block_hashes for e in theirs.events[1:]] == [e.block_hashes for e in ours.events[1:]]
     assert ours.state_events == [StateStored(ours.events[-1].block_hashes[0], 3, "mamba", "GPU")]
@@ -587,9 +583,7 @@ def test_a_dropped_window_stops_the_hit_in_the_index_as_in_the_cache():
     real.cache.evict(EvictParams(num_tokens=0, swa_num_tokens=6))  # window KV of the LRU side first
     events = real.cache.take_events()
     assert any(isinstance(e, StateRemoved) and e.component_type == "swa" for e in events.state_events)
-    wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"),
-                 msgspec.msgpack.encode(event_publisher.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
-    wire.seq += 1
+    wire.publish(events)
     for key in ([1, 2, 3], list(range(1, 7)) + [90], list(range(1, 7)) + [90, 91, 92, 93, 94]):
         assert index.match(key + [0]).by_worker["w"] == real.match(key), key
     assert real.match(list(range(1, 7)) + [90]) == 0 and index.block_count("w") >= 6  # pages held, hit 0

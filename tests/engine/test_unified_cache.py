@@ -13,12 +13,11 @@ import dataclasses
 from array import array
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from prfaas_sglang._compat import RADIX_TREES, installed_has
-from prfaas_sglang.wire.kv_events import StateRemoved, StateStored, decode_batch
+from prfaas_sglang.wire.kv_events import StateRemoved, StateStored
 
 torch = pytest.importorskip("torch")
 sglang_kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
@@ -27,9 +26,9 @@ if installed_has(RADIX_TREES):
                 "tested in test_state_events.py", allow_module_level=True)
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
-from state_events_support import OPS, CacheOps, Wire, index_for, replay_and_compare  # noqa: E402
+from state_events_support import OPS, CacheOps, Wire, both_decoders, index_for, replay_and_compare  # noqa: E402
 
-from prfaas_sglang.hooks import cache_backend, event_publisher, unified_cache  # noqa: E402
+from prfaas_sglang.hooks import cache_backend, unified_cache  # noqa: E402
 
 MAMBA_SLOTS = 6
 KV_TOKENS = 96
@@ -45,12 +44,6 @@ class RealCache(CacheOps):
 
         super().__init__(cpu_unified_hybrid_cache(page_size, KV_TOKENS, MAMBA_SLOTS, events, admission,
                                                   chunk_checkpoints))
-
-
-def publish(wire: Wire, events) -> None:
-    wire.handle([b"kv-events", wire.seq.to_bytes(8, "big"), msgspec.msgpack.encode(
-        event_publisher.to_wire_batch(sglang_kv_events.KVEventBatch(ts=0.0, events=events)))])
-    wire.seq += 1
 
 
 def test_an_evicted_state_stops_the_hit_in_the_index_as_in_the_cache():
@@ -69,7 +62,7 @@ def test_an_evicted_state_stops_the_hit_in_the_index_as_in_the_cache():
         assert real.cache.evict(EvictParams(num_tokens=0, mamba_num=1)).mamba_num_evicted == 1
         events = real.cache.take_events()
         removed += events.state_events
-        publish(wire, events)
+        wire.publish(events)
     assert all(isinstance(e, StateRemoved) and e.component_type == "mamba" for e in removed)
     assert real.match([1, 2, 3, 4, 9]) == index.match([1, 2, 3, 4, 9, 0]).by_worker["w"] == 0
     assert real.match([1, 2, 3, 4]) == 0  # the pages are still in the tree, the prefix is not resumable
@@ -92,10 +85,7 @@ def test_the_index_hit_equals_the_unified_trees_match_prefix(page_size, ops):
 def test_sglangs_own_decoder_reads_a_v2_batch_and_skips_the_state():
     real = RealCache(page_size=1)
     real.insert([5, 6, 7])
-    batch = sglang_kv_events.KVEventBatch(ts=1.5, events=real.cache.take_events())
-    payload = msgspec.msgpack.encode(event_publisher.to_wire_batch(batch))
-    theirs = msgspec.msgpack.Decoder(sglang_kv_events.KVEventBatch).decode(payload)
-    ours = decode_batch(payload)
+    theirs, ours = both_decoders(real.cache)
     assert [type(e).__name__ for e in theirs.events] == ["AllBlocksCleared", "BlockStored"]
     assert theirs.events[1].block_hashes == ours.events[1].block_hashes
     assert ours.state_events == [StateStored(ours.events[-1].block_hashes[-1], 3, "mamba", "GPU")]
