@@ -68,6 +68,16 @@ UNIFIED_TREE = ("sglang/srt/mem_cache/unified_cache/components/mamba.py", "class
 # SGLang 0.5.23 writes each KV event as a tagged msgpack map (0.5.15: an array); the emulated engine's
 # publisher writes them as the installed SGLang does (``wire.kv_events.encode_batch``).
 KV_EVENT_MAPS = ("sglang/srt/disaggregation/kv_events.py", "Events are tagged msgpack maps")
+# SGLang 0.5.23's CPU engine imports kernels of sgl_kernel's CPU build as its modules load; 0.5.15's does not.
+CPU_ENGINE_IMPORTS_SGL_KERNEL = ("sglang/kernels/ops/kvcache/cache_move.py", "from sgl_kernel import copy_all_layer_kv_cache_cpu")
+# SGLang 0.5.23 backs a decode server's retracted requests with a pinned host pool by default
+# (cudaHostRegister: no CUDA, no start); ``--disaggregation-decode-retraction-backup cpu_tensor`` is its other way.
+DECODE_RETRACTION_BACKUP = ("sglang/srt/mem_cache/kv_cache_builder.py", 'fields["disaggregation_decode_retraction_backup"]')
+# SGLang 0.5.23's prefill, under its overlap scheduler, records a CUDA event before an early send of a
+# cached prefix (torch.cuda.Event().record(forward_stream)): on its CPU engine that raises.
+OVERLAP_EARLY_SEND_CUDA_EVENT = ("sglang/srt/disaggregation/prefill.py", "ev.record(self.forward_stream)")
+# SGLang 0.5.23 serves /pd_role_switch (``--enable-pd-role-switch``): a PD worker turns into the other role in place.
+PD_ROLE_SWITCH = ("sglang/srt/disaggregation/role_switch.py", "def handle_pd_role_switch(")
 
 
 def installed_has(marker: tuple[str, str] | None, root: Path | None = None) -> bool:

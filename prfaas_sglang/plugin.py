@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prfaas_sglang._compat import (
+    PD_ROLE_SWITCH,
     RADIX_TREES,
     UNIFIED_TREE,
     installed_has,
@@ -256,6 +257,55 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="with kv-send",
         tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
         only_if=("sglang/srt/disaggregation/common/conn.py", "def _maybe_ack_drained_abort("),
+    ),
+    HookSpec(
+        name="cpu-sender-indices",
+        target="sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
+        hook="prfaas_sglang.hooks.cpu_engine:sender_host_indices_off",
+        hook_type="after",
+        expected_signature=("(self, mgr: 'CommonKVManager', bootstrap_addr: 'str', bootstrap_room: 'int', "
+                            "req_has_disagg_prefill_dp_rank: 'bool' = False)"),
+        subject="[engine] A CPU prefill server's Mooncake sender gets host page indices",
+        why=(
+            "SGLang 0.5.23's prefill hands a Mooncake sender its page indices through pinned memory and a CUDA "
+            "event, with no device check: a disaggregated server on its CPU engine fails at its first KV send "
+            "(no NVIDIA driver), so no PD deployment runs on CPU."
+        ),
+        how=(
+            "AFTER hook on the sender's constructor: under SGLang's CPU engine (sglang.srt.utils.is_cpu) the "
+            "instance says supports_host_tensor_indices = False, and the scheduler computes the same indices on "
+            "the host, as it does for every other sender."
+        ),
+        upstream_status="upstream bug (0.5.23): the host-index path needs a CUDA-device guard; to be reported",
+        removal="when SGLang's prefill guards its host-index path by device",
+        tests="tests/transport/test_layerwise.py tests/drift/test_hook_targets.py",
+        only_if=("sglang/srt/disaggregation/mooncake/conn.py", "supports_host_tensor_indices = True"),
+    ),
+    HookSpec(
+        name="decode-peer-rebootstrap",
+        target="sglang.srt.disaggregation.common.conn.CommonKVManager._on_heartbeat_success",
+        hook="prfaas_sglang.hooks.peer_rebootstrap:forget_rebuilt_prefill",
+        hook_type="after",
+        expected_signature="(self, bootstrap_addr: 'str')",
+        subject="[fault] A decode forgets a prefill that was switched in place and rebuilt",
+        why=(
+            "SGLang 0.5.23's decode caches a prefill's KV endpoints and registers with it once, and drops that "
+            "only when the prefill's bootstrap server stops answering. A prefill switched to decode and back by "
+            "/pd_role_switch rebuilds its KV manager on a new port, unregistered, while its bootstrap server "
+            "answers throughout: every decode that had served it sends later requests to the old port, and "
+            "they wait until they time out."
+        ),
+        how=(
+            "AFTER hook on the decode's successful-heartbeat hook (upstream's seam for backend cleanup): ask the "
+            "prefill's bootstrap server (/route) where the first cached rank is now; where it moved or is gone, "
+            "SGLang's own _handle_node_failure drops the cache and fails that prefill's rooms in flight, and the "
+            "next request bootstraps afresh. One GET per prefill per heartbeat."
+        ),
+        upstream_status="to report (sglang: a role switch leaves decode peers' connection cache stale)",
+        removal="when SGLang's decode re-bootstraps a prefill whose KV manager was rebuilt (e.g. a registration "
+                "generation in its bootstrap info)",
+        tests="tests/unit/test_peer_rebootstrap.py tests/gpu/test_harness_sglang_cpu.py tests/drift/test_hook_targets.py",
+        only_if=PD_ROLE_SWITCH,
     ),
     HookSpec(
         name="kv-layerwise-batch",

@@ -41,8 +41,10 @@ def pytest_configure(config):
 
 
 # A test module touches SGLang's own code when it imports sglang (anywhere in it), runs one of the
-# probes that do (tests/*/*_probe.py), or drives real SGLang through the CPU harness (``sglang_cpu``).
-_TOUCHES_SGLANG = re.compile(r"^\s*(?:from sglang[\s.]|import sglang\b)|_probe\.py|\bsglang_cpu\b|run_probe\(", re.M)
+# probes that do (tests/*/*_probe.py), or drives real SGLang through the CPU harness (``sglang_cpu``,
+# ``engine="sglang-cpu"``).
+_TOUCHES_SGLANG = re.compile(r"^\s*(?:from sglang[\s.]|import sglang\b)|_probe\.py|\bsglang_cpu\b|run_probe\("
+                             r"|engine=\"sglang-cpu\"", re.M)
 
 
 @functools.cache

@@ -94,6 +94,17 @@ def subscribe(endpoint: str, topic: bytes = b"", timeout_s: float = SUBSCRIBE_RE
     return sock
 
 
+def applies_here(hook_name: str):
+    """A skip mark for the tests of a hook the installed SGLang does not take (retired there, or its
+    ``only_if`` marker absent: a seam only another release has)."""
+    import pytest
+
+    from prfaas_sglang.plugin import HOOKS
+
+    where = next(h for h in HOOKS if h.name == hook_name).where()
+    return pytest.mark.skipif(where != "applies", reason=f"{hook_name}: {where} on this SGLang")
+
+
 def retired_here(hook_name: str):
     """A skip mark for the tests of a hook that the installed SGLang has retired (its ``upstream_marker``
     is there: upstream does it itself, and the hook is neither installed nor checked)."""

@@ -1,4 +1,4 @@
-"""The seven checks of ``bench gpu-e2e`` and the run that does them (:func:`run`; they need the GPU
+"""The checks of ``bench gpu-e2e`` and the run that does them (:func:`run`; they need the GPU
 machine; see ``gpu/e2e.py`` for what each shows). This module imports ``gpu/e2e.py``, never the
 other way round."""
 
@@ -118,7 +118,7 @@ def start_broken_hook(ctx: Context) -> subprocess.Popen:
     return ctx.broken_hook
 
 
-def start_checks_deployment(ctx: Context, stack: contextlib.ExitStack, shaped: bool) -> RunningDeployment:
+def start_checks_deployment(ctx: Context, stack: contextlib.ExitStack, shaped: bool, switchable: bool = False) -> RunningDeployment:
     """The one deployment every check uses. PrfaaS's prefix cache pinned to ``shared`` (the launcher's
     default is ``auto``, which keeps one-offs while it has seen too few re-sightings): kv-index and
     state-events check transfer cache. With ``shaped``: a namespace behind a :data:`SHAPED_RATE_MBIT`
@@ -126,13 +126,14 @@ def start_checks_deployment(ctx: Context, stack: contextlib.ExitStack, shaped: b
     host end (not loopback, which inside the namespace is the namespace's own), SGLang's KV endpoints
     pinned there too (its own address lookup could pick another local address), the topology
     stating the longest round trip the link will have (the WAN profile's stall bound scales with it),
-    and PrfaaS starts in the first of :data:`SHAPED_PROFILES`."""
+    and PrfaaS starts in the first of :data:`SHAPED_PROFILES`. ``switchable``: a second PD prefill, both
+    ``role_switch: in-place`` (role-switch)."""
     from prfaas_sglang.gpu.netlink import delay_unavailable, shaped_namespace
 
     cache = {"PRFAAS_PREFILL_CACHE": "shared"}
     if not shaped:
         return start_deployment(ctx.root, ctx.checkout, ctx.model_dir, ctx.procs, ctx.work, prfaas_env=cache,
-                                engine=ctx.engine, profile=ctx.profile)
+                                engine=ctx.engine, profile=ctx.profile, switchable=switchable)
     ns = ctx.shaped = stack.enter_context(shaped_namespace("prfaas-e2e", SHAPED_RATE_MBIT))
     ctx.delay_unavailable = delay_unavailable()
     _, kv_profile, env = SHAPED_PROFILES[0]
@@ -141,7 +142,8 @@ def start_checks_deployment(ctx: Context, stack: contextlib.ExitStack, shaped: b
                             prfaas_env={**cache, "SGLANG_HOST_IP": ns.inner_ip}, profile_env=env,
                             pd_env={"SGLANG_HOST_IP": ns.host_ip},
                             link=(SHAPED_RATE_MBIT / 1000, SHAPED_RTT_MS if ctx.delay_unavailable else SHAPED_DELAY_RTT_MS),
-                            startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S, engine=ctx.engine, profile=ctx.profile)
+                            startup_timeout_s=SHAPED_STARTUP_TIMEOUT_S, engine=ctx.engine, profile=ctx.profile,
+                            switchable=switchable)
 
 
 def check_hooks(ctx: Context) -> CheckResult:
@@ -149,7 +151,7 @@ def check_hooks(ctx: Context) -> CheckResult:
 
     names = [h.name for h in HOOKS if h.applies()]  # the installed release's
     missing = {}
-    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0", "reference"):
+    for name in (*ctx.dep.engines(), "reference"):
         path = hook_report(ctx.work, name)
         lines = path.read_text().splitlines() if path.exists() else []
         if problems := hook_report_problems(lines, names):
@@ -193,7 +195,8 @@ def check_greedy_equal(ctx: Context) -> CheckResult:
 
 def check_routing(ctx: Context) -> CheckResult:
     router = ctx.dep.url("router")
-    before = {n: http("GET", ctx.dep.url(n) + "/metrics")[2].decode() for n in ("prfaas-0", "pd-prefill-0", "pd-decode-0")}
+    pd_prefill = ctx.dep.engines("pd-prefill")
+    before = {n: http("GET", ctx.dep.url(n) + "/metrics")[2].decode() for n in ctx.dep.engines()}
     router_before = http("GET", router + "/metrics")[2].decode()
     wrong = []
     sent = {"prfaas": 0, "pd": 0}
@@ -220,7 +223,7 @@ def check_routing(ctx: Context) -> CheckResult:
     # (hook metrics-multiproc-values)
     if not exported:
         wrong.append("no engine exports sglang:num_requests_total (its HTTP process's metrics do not reach /metrics)")
-    elif (served["prfaas-0"] != sent["prfaas"] or served["pd-prefill-0"] != sent["pd"]
+    elif (served["prfaas-0"] != sent["prfaas"] or sum(served[n] for n in pd_prefill) != sent["pd"]
           or served["pd-decode-0"] != sum(sent.values())):
         wrong.append(f"engine request counters {served} disagree with sent {sent} (decode serves all)")
     data = {"routed": routed, "engines": served if exported else None}
@@ -539,9 +542,121 @@ def check_shaped_link(ctx: Context) -> CheckResult:
     return CheckResult("shaped-link", not problems, "; ".join(problems), data)
 
 
+ROLE_SWITCH_WORKER = "pd-prefill-1"  # the second PD prefill of a switchable deployment (e2e.pd_prefill_names)
+ROLE_SWITCH_LOAD_GAP_S = 0.5  # each of two clients: its next short prompt this long after an answer
+ROLE_SWITCH_SERVED = 3  # answers the converted worker must serve in each new role (its peer drained meanwhile)
+ROLE_SWITCH_SERVE_TIMEOUT_S = 120.0
+
+
+def _role_switch_load(ctx: Context, router: str, client: int, stop: threading.Event, answers: list[dict]) -> None:
+    """Short prompts (PD) from one client until ``stop``, each answer's status and route into ``answers``."""
+    case = {"name": "role-switch", "endpoint": "/v1/completions", "stream": False}
+    for i in range(10_000):
+        if stop.is_set():
+            return
+        ids = prompt_ids(ctx.profile.short_tokens[0], ctx.vocab_size or 4096, 20_000 + 1_000 * client + i)
+        started = time.monotonic()
+        try:
+            status, headers, payload = http("POST", router + "/v1/completions",
+                                            request_body(case, ids, None, ctx.profile.served_name), timeout_s=180)
+            why = None if status == 200 else payload[:200].decode(errors="replace")
+        except OSError as err:
+            status, headers, why = None, {}, str(err)
+        answers.append({"status": status, "route": route_header(headers), "why": why, "t0": started,
+                        "t1": time.monotonic()})
+        stop.wait(ROLE_SWITCH_LOAD_GAP_S)
+
+
+def _role_switch_step(ctx: Context, router: str, new_role: str) -> dict:
+    """One conversion through the router's admin API, then the worker's own view and the router's record."""
+    name, began = ROLE_SWITCH_WORKER, time.monotonic()
+    status, _, body = http("POST", router + f"/admin/workers/{name}/role", {"new_role": new_role, "drain_timeout_s": 120},
+                           timeout_s=300, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    step = {"to": new_role, "status": status, "seconds": round(time.monotonic() - began, 2)}
+    try:
+        step["reply"] = json.loads(body)
+    except ValueError:
+        step["reply"] = body[:300].decode(errors="replace")
+    if status != 200:
+        return step
+    # the mode it runs now: /model_info (0.5.23's /server_info reports the startup configuration)
+    step["server_mode"] = json.loads(http("GET", ctx.dep.url(name) + "/model_info")[2]).get("disaggregation_mode")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # re-adopted in its new role: healthy, its facts taken, not draining
+        record = (json.loads(http("GET", router + "/status")[2]).get("workers") or {}).get(name, {})
+        if (record.get("role") == new_role and record.get("healthy") and record.get("page_size")
+                and not record.get("refused") and not record.get("draining")):
+            step["readopted_s"] = round(time.monotonic() - began, 2)
+            break
+        time.sleep(0.5)
+    step["router_role"], step["router_refused"] = record.get("role"), record.get("refused")
+    return step
+
+
+def _served_in_role(ctx: Context, router: str, new_role: str, answers: list[dict]) -> dict:
+    """With the converted worker's one peer in its new role drained (the router routes around it), the
+    answers it serves in that role, up to :data:`ROLE_SWITCH_SERVED`; the peer is back in service after."""
+    name, peer = ROLE_SWITCH_WORKER, "pd-decode-0" if new_role == "decode" else "pd-prefill-0"
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    since = time.monotonic()
+    http("POST", router + f"/admin/workers/{peer}/drain", {"draining": True}, headers=auth)
+    try:
+        deadline, served = since + ROLE_SWITCH_SERVE_TIMEOUT_S, []
+        while time.monotonic() < deadline and len(served) < ROLE_SWITCH_SERVED:
+            time.sleep(0.5)
+            parts = [(a["route"] or "").split("/") for a in list(answers) if a["t0"] > since and a["status"] == 200]
+            served = [p for p in parts if len(p) == 3 and p[2 if new_role == "decode" else 1] == name]
+    finally:
+        http("POST", router + f"/admin/workers/{peer}/drain", {"draining": False}, headers=auth)
+    return {"served": len(served), "peer_drained": peer, "serve_s": round(time.monotonic() - since, 1)}
+
+
+def check_role_switch(ctx: Context) -> CheckResult:
+    """SGLang's own ``/pd_role_switch`` (0.5.23, ``role_switch: in-place``) driven by the router under
+    light load: two clients keep sending short prompts while the router's admin API turns
+    ``pd-prefill-1`` into a decode worker and back. It serves requests as a prefill first (so the decode
+    holds its endpoints), then in each new role (its peer in that role drained meanwhile, so the router
+    must use it). Every request is answered 200; after each step the worker's own ``/model_info`` says
+    its new mode and the router re-adopts it in that role."""
+    from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
+
+    if not installed_has(PD_ROLE_SWITCH):
+        return CheckResult("role-switch", False, "the installed SGLang has no /pd_role_switch (0.5.23 has)")
+    router, stop, answers, steps, before = ctx.dep.url("router"), threading.Event(), [], [], {}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        clients = [pool.submit(_role_switch_load, ctx, router, k, stop, answers) for k in range(2)]
+        try:
+            # first as the prefill it is, so that the decode caches its endpoints (what a switch back must undo)
+            before = _served_in_role(ctx, router, "prefill", answers)
+            for new_role in ("decode", "prefill"):
+                steps.append(_role_switch_step(ctx, router, new_role))
+                if steps[-1]["status"] != 200:
+                    break
+                steps[-1].update(_served_in_role(ctx, router, new_role, answers))
+        finally:
+            stop.set()
+            for client in clients:
+                client.result()
+    lost = [a for a in answers if a["status"] != 200]
+    data = {"served_before": before, "steps": steps, "requests": len(answers), "lost": len(lost)}
+    problems = [f"to {s['to']}: {s['status']} {s['reply']}" for s in steps if s["status"] != 200]
+    problems += [f"to {s['to']}: the worker says {s.get('server_mode')!r}, the router {s.get('router_role')!r} "
+                 f"(refused: {s.get('router_refused')})"
+                 for s in steps if s["status"] == 200 and not (s.get("server_mode") == s["to"] and "readopted_s" in s)]
+    problems += [f"as {s['to']}: served {s['served']} of {ROLE_SWITCH_SERVED} requests in {s['serve_s']} s"
+                 for s in ({**before, "to": "prefill (before)", "status": 200}, *steps)
+                 if s["status"] == 200 and s.get("served", 0) < ROLE_SWITCH_SERVED]
+    if len(steps) < 2 and not problems:
+        problems.append("the switch back did not run")
+    if lost:
+        problems.append(f"{len(lost)} of {len(answers)} requests lost: {lost[0]['status']} {lost[0]['why']}")
+    return CheckResult("role-switch", not problems, "; ".join(problems), data)
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Context], CheckResult]] = {
     "hooks": check_hooks, "greedy-equal": check_greedy_equal, "routing": check_routing, "kv-index": check_kv_index,
     "state-events": check_state_events, "failover": check_failover, "shaped-link": check_shaped_link,
+    "role-switch": check_role_switch,
 }
 
 
@@ -589,7 +704,7 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
                 start_broken_hook(ctx)
             # One deployment for every check: with shaped-link, PrfaaS sits behind the shaped veth from
             # the start, and that check switches its profile by restarting that server alone.
-            ctx.dep = start_checks_deployment(ctx, stack, shaped="shaped-link" in checks)
+            ctx.dep = start_checks_deployment(ctx, stack, shaped="shaped-link" in checks, switchable="role-switch" in checks)
             if ctx.reference:
                 wait_reference(procs, ctx.reference)
             facts["deployment_healthy_s"] = round(time.monotonic() - began, 1)

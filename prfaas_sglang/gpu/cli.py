@@ -44,12 +44,13 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         CHECKS,
         CPU_CHECKS,
         MOCK_CHECKS,
+        default_checks,
         gpu_unavailable,
     )
 
     mock, cpu = args.engine == "mock", args.engine == "sglang-cpu"
     checks = (tuple(dict.fromkeys(CHECK_ALIASES.get(c, c) for c in args.checks.split(","))) if args.checks
-              else (MOCK_CHECKS if mock else CPU_CHECKS if cpu else CHECKS))
+              else default_checks(args.engine))
     if unknown := [c for c in checks if c not in CHECKS]:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
     if cpu:  # real SGLang on CPU from this environment: no bundle, a tiny Llama unless --model-config

@@ -21,6 +21,8 @@ SGLang server (role ``single``) as the reference, then runs the checks:
                   TTFT at 8K and 32K tokens, SGLang's Mooncake settings, our WAN profile, and
                   our WAN profile with layer-wise streaming (PRFAAS_KV_LAYERWISE=1); outputs
                   identical to the unshaped run
+    role-switch   (SGLang 0.5.23, CPU) the router turns a PD prefill worker into decode and back
+                  through SGLang's own /pd_role_switch under light load; no request lost
 
 Every process runs in its own process group (``demo.cluster.ProcessGroup``, the one harness) and
 every group is killed on the way out (failure, Ctrl-C and SIGTERM included): SGLang's scheduler and
@@ -47,7 +49,7 @@ from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup, free_port
 from prfaas_sglang.plan.workload import case_study_lengths
 
-CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link")
+CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link", "role-switch")
 CHECK_ALIASES = {"wan-profile": "shaped-link"}  # issue #14's name for it: TTFT of the WAN profile over the shaped link
 # Flags every SGLang server gets (shared/notes/gpu.md): paths a slimmed sglang-kernel has, random
 # weights with one seed (greedy outputs then compare across servers), cached_tokens reported.
@@ -94,6 +96,28 @@ class ServerProfile:
     cost_model: str = "kimi-linear-1t-hybrid"
     router_args: tuple[str, ...] = ()  # the router's own flags (after the launcher's ``--``)
     shaped_repeats: int = 5  # shaped-link's timed prompts per length, link and profile, each a fresh one (no cache hit)
+    on_cpu: bool = False  # SGLang's CPU engine
+
+    def pd_flags(self, decodes: bool) -> tuple[str, ...]:
+        """What a disaggregated server gets beyond :attr:`flags` on the installed SGLang (``decodes``: it
+        decodes, or may become a decode server). On CPU, where that SGLang takes a CUDA-only path by
+        default: no overlap scheduler where a prefill's early send records a CUDA event
+        (``_compat.OVERLAP_EARLY_SEND_CUDA_EVENT``), and, to decode, retracted requests backed by CPU
+        tensors, not a CUDA-registered host pool (``_compat.DECODE_RETRACTION_BACKUP``); both 0.5.23."""
+        from prfaas_sglang._compat import (
+            DECODE_RETRACTION_BACKUP,
+            OVERLAP_EARLY_SEND_CUDA_EVENT,
+            installed_has,
+        )
+
+        if not self.on_cpu:
+            return ()
+        flags: tuple[str, ...] = ()
+        if installed_has(OVERLAP_EARLY_SEND_CUDA_EVENT):
+            flags += ("--disable-overlap-schedule",)
+        if decodes and installed_has(DECODE_RETRACTION_BACKUP):
+            flags += ("--disaggregation-decode-retraction-backup", "cpu_tensor")
+        return flags
 
 
 # SGLang's /health answers 503 once its scheduler has said nothing for SGLANG_HEALTH_CHECK_TIMEOUT (20 s),
@@ -117,9 +141,21 @@ CPU_PROFILE = ServerProfile(
     # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
     # prompt prefills for 5-10 s, and two 5 s misses took the PrfaaS server out of routing mid-check
     router_args=("--health-timeout-s", "30"),
-    shaped_repeats=3)  # a CPU prefill of 4,096 tokens takes seconds
+    shaped_repeats=3,  # a CPU prefill of 4,096 tokens takes seconds
+    on_cpu=True)
 # ``--engine sglang-cpu``: real SGLang on CPU; state-events needs a hybrid's Mamba cache, which the CPU engine lacks
-CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link")
+CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link", "role-switch")
+# role-switch needs SGLang's own /pd_role_switch (0.5.23; the GPU bundle's 0.5.15 has none) and a second,
+# switchable PD prefill in the deployment
+
+
+def default_checks(engine: str) -> tuple[str, ...]:
+    """What ``bench gpu-e2e`` runs when no ``--checks`` are given: every check of ``engine`` the SGLang
+    it runs can pass (role-switch only where that SGLang serves /pd_role_switch)."""
+    from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
+
+    checks = MOCK_CHECKS if engine == "mock" else CPU_CHECKS if engine == "sglang-cpu" else CHECKS
+    return tuple(c for c in checks if c != "role-switch" or (engine == "sglang-cpu" and installed_has(PD_ROLE_SWITCH)))
 
 
 NEED_REFERENCE = {"hooks", "greedy-equal", "shaped-link"}  # the plain server: its hook report, its answers
@@ -236,18 +272,29 @@ def output_mismatch(ours: dict, reference: dict) -> str | None:
     return None
 
 
+def pd_prefill_names(switchable: bool) -> tuple[str, ...]:
+    """The PD prefill nodes of :func:`e2e_topology`: two where one may turn into decode (the router never
+    converts the last of a role), else one."""
+    return ("pd-prefill-0", "pd-prefill-1") if switchable else ("pd-prefill-0",)
+
+
 def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0.1",
                  prfaas_host: str | None = None, link: tuple[float, float] = (1.0, 20.0),
-                 emulation: dict | None = None, profile: ServerProfile = GPU_PROFILE) -> dict:
+                 emulation: dict | None = None, profile: ServerProfile = GPU_PROFILE, switchable: bool = False) -> dict:
     """The topology the check starts: one PrfaaS node, one PD prefill, one PD decode, router and
     kv-index, the model's tokenizer in the router, every SGLang server with ``profile``'s flags;
-    ``link`` = (Gbit/s, RTT ms) stated for PrfaaS -> PD (the WAN profile is sized from it)."""
+    ``link`` = (Gbit/s, RTT ms) stated for PrfaaS -> PD (the WAN profile is sized from it). With
+    ``switchable`` (the role-switch check): a second PD prefill, both ``role_switch: in-place``."""
     def engine(name: str, role: str, prefill: bool, at: str = host) -> dict:
         node = {"name": name, "role": role, "host": at, "port": ports(), "kv_events_port": ports()}
         if prefill:
             node["bootstrap_port"] = ports()
         if role == "prfaas":
             node["telemetry_port"] = ports()
+        if role == "pd-prefill" and switchable:
+            node["role_switch"] = "in-place"
+        if flags := profile.pd_flags(decodes=role == "pd-decode" or "role_switch" in node):
+            node["extra_args"] = list(flags)
         return node
 
     doc = {
@@ -258,7 +305,8 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
             "prfaas-b": {"kind": "prfaas", "kv_transport": "tcp", "accelerator": "h200x8",
                          "nodes": [engine("prfaas-0", "prfaas", True, prfaas_host or host)]},
             "pd-a": {"kind": "pd", "kv_transport": "tcp", "accelerator": "h20x8",
-                     "nodes": [engine("pd-prefill-0", "pd-prefill", True), engine("pd-decode-0", "pd-decode", False)]},
+                     "nodes": [engine(name, "pd-prefill", True) for name in pd_prefill_names(switchable)]
+                     + [engine("pd-decode-0", "pd-decode", False)]},
             "control": {"kind": "control", "nodes": [{"name": "router", "role": "router", "host": host, "port": ports()},
                                                      {"name": "kv-index", "role": "kv-index", "host": host, "port": ports()}]},
         },
@@ -332,15 +380,32 @@ def unpack(bundle_dir: Path) -> Path:
     return root
 
 
+IMPORT_ONLY_DIR = Path(__file__).resolve().parent / "import_only"  # an sgl_kernel whose every kernel raises
+
+
+def needs_import_only_sgl_kernel() -> bool:
+    """Whether real SGLang servers on this CPU need :data:`IMPORT_ONLY_DIR`: the SGLang this process runs
+    imports ``sgl_kernel``'s CPU build under its CPU engine (``_compat.CPU_ENGINE_IMPORTS_SGL_KERNEL``, 0.5.23)
+    and no ``sgl_kernel`` is installed (PyPI has no CPU build)."""
+    import importlib.util
+
+    from prfaas_sglang._compat import CPU_ENGINE_IMPORTS_SGL_KERNEL, installed_has
+
+    return installed_has(CPU_ENGINE_IMPORTS_SGL_KERNEL) and importlib.util.find_spec("sgl_kernel") is None
+
+
 def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = None,
                profile: ServerProfile = GPU_PROFILE) -> dict[str, str]:
     """The environment every process gets: the checkout, then the bundle's site, on PYTHONPATH (on CPU,
     ``root`` None: no bundle, and this shell's own PYTHONPATH after the checkout, so the servers run the
-    SGLang this process runs, an overlay of another release included: ``make test-sglang``); no hub
+    SGLang this process runs, an overlay of another release included: ``make test-sglang``; last, where
+    :func:`needs_import_only_sgl_kernel`, :data:`IMPORT_ONLY_DIR`); no hub
     access; none of this shell's PRFAAS_* or MC_* settings; ``profile``'s variables."""
     base = base if base is not None else os.environ
     env = {k: v for k, v in base.items() if not k.startswith(("PRFAAS_", "MC_"))}
     after = [str(root / "site")] if root is not None else [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root is None and needs_import_only_sgl_kernel():
+        after.append(str(IMPORT_ONLY_DIR))
     env["PYTHONPATH"] = os.pathsep.join([str(checkout)] + after)
     # SGLang's own flashinfer paths off too (the bundle carries no flashinfer JIT sources; bundle.REWRITES)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", SGLANG_IS_FLASHINFER_AVAILABLE="false")
@@ -421,6 +486,11 @@ class RunningDeployment:
                     return node
         raise KeyError(name)
 
+    def engines(self, role: str | None = None) -> list[str]:
+        """The SGLang servers of the deployment (``role``: of that topology role only), in topology order."""
+        return [node["name"] for cluster in self.topology["clusters"].values() for node in cluster["nodes"]
+                if node["role"] not in ("router", "kv-index") and role in (None, node["role"])]
+
     def url(self, name: str) -> str:
         node = self.node(name)
         return f"http://{node['host']}:{node['port']}"
@@ -458,17 +528,18 @@ def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: 
                      startup_timeout_s: float = STARTUP_TIMEOUT_S,
                      pd_env: dict[str, str] | None = None, engine: str = "sglang",
                      host: str = "127.0.0.1", profile: ServerProfile = GPU_PROFILE,
-                     profile_env: dict[str, str] | None = None) -> RunningDeployment:
+                     profile_env: dict[str, str] | None = None, switchable: bool = False) -> RunningDeployment:
     """Start :data:`DEPLOYMENT` (names in ``procs``) and pin the router's threshold; raises
     :class:`~prfaas_sglang.demo.cluster.StartupError` (quoting the server's log) when any does not
     become healthy within ``startup_timeout_s``. ``prfaas_env`` / ``pd_env``: added to the
     PrfaaS server's / the PD servers' environment; ``kv_profile`` and ``profile_env``: the PrfaaS
     server's KV profile and the variables that go with it (what :meth:`RunningDeployment.restart_prfaas`
-    switches)."""
+    switches). ``switchable``: :func:`e2e_topology`'s second, switchable PD prefill."""
     import yaml
 
     topology = e2e_topology(model_dir, PortPicker(), host=host, prfaas_host=prfaas_host, link=link,
-                            emulation=MOCK_EMULATION if engine == "mock" else None, profile=profile)
+                            emulation=MOCK_EMULATION if engine == "mock" else None, profile=profile,
+                            switchable=switchable)
     config = work / f"topology{'-shaped' if prfaas_preexec else ''}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
     env = bundle_env(root, checkout, profile=profile)
@@ -478,10 +549,11 @@ def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: 
                             {**env, **(prfaas_env or {}), "PRFAAS_HOOK_REPORT": str(hook_report(work, "prfaas-0"))},
                             prfaas_preexec, startup_timeout_s)
     dep.start_prfaas(kv_profile, profile_env)
-    for name in ("pd-prefill-0", "pd-decode-0"):
+    pd_names = (*pd_prefill_names(switchable), "pd-decode-0")
+    for name in pd_names:
         procs.start(name, [*launch, "--node", name, *mock], {**(pd_env or {}), "PRFAAS_HOOK_REPORT": str(hook_report(work, name))},
                     base_env=env)
-    for name in ("prfaas-0", "pd-prefill-0", "pd-decode-0"):  # the error quotes the server's last words
+    for name in ("prfaas-0", *pd_names):  # the error quotes the server's last words
         procs.wait_healthy(dep.url(name) + "/health", procs.latest(name), timeout_s=startup_timeout_s)
     procs.start("kv-index", [*launch, "--node", "kv-index"], base_env=env)
     procs.wait_healthy(dep.url("kv-index") + "/health", procs.latest("kv-index"), timeout_s=120)

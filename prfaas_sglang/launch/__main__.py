@@ -217,8 +217,7 @@ def make_command(args: argparse.Namespace, extra: tuple[str, ...], unknown: list
                                os.environ, wan_link(topology, node), wan_profile=args.kv_profile == "wan")
         return with_peer_hosts(_supervised(_bound(command)), topology, os.environ)
     if node.role_switch == "in-place":
-        raise ConfigError(f"nodes.{node.name}.role_switch", "SGLang 0.5.15 has no /pd_role_switch; use role_switch: restart "
-                                                            "(the launcher restarts the engine in the other role)")
+        _require_in_place_switch(node)
     given = [flag for flag, value in (("--profile", args.profile), ("--speedup", args.speedup), ("--kv-scale", args.kv_scale))
              if value is not None]
     if given:
@@ -279,6 +278,17 @@ def _resolve(host: str) -> str:
     if not infos:
         raise OSError(f"{host} does not resolve")
     return infos[0][4][0]
+
+
+def _require_in_place_switch(node: Node) -> None:
+    """Raise ConfigError unless the installed SGLang serves ``/pd_role_switch`` (``_compat.PD_ROLE_SWITCH``:
+    0.5.23 does, 0.5.15 does not)."""
+    from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has, installed_sglang_version
+
+    if not installed_has(PD_ROLE_SWITCH):
+        raise ConfigError(f"nodes.{node.name}.role_switch",
+                          f"the installed SGLang ({installed_sglang_version() or 'none'}) has no /pd_role_switch; use "
+                          "role_switch: restart (the launcher restarts the engine in the other role)")
 
 
 def _supervised(command: LaunchCommand) -> LaunchCommand:

@@ -232,6 +232,8 @@ def sglang_command(node: Node, python: str, environ: Mapping[str, str], notes: t
     argv += ["--disaggregation-transfer-backend", "mooncake_tcp" if transport is KvTransport.TCP else "mooncake"]
     if node.bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(node.bootstrap_port)]
+    if node.role_switch == "in-place":  # SGLang's own /pd_role_switch (the launcher checked it has one)
+        argv += ["--enable-pd-role-switch"]
     events_argv, events_notes = _kv_events_args(node)
     argv += events_argv + list(node.extra_args)
     notes = notes + events_notes + port_range_notes(node, sglang_pd=True)

@@ -129,6 +129,7 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
     afterwards is left to the health loop. Returns name -> facts; nothing is modified.
     """
     from prfaas_sglang.router.workers import FactsError, check_facts, parse_server_info
+    from prfaas_sglang.wire.server_info import with_live_mode
 
     deadline = time.monotonic() + timeout_s
     pending, adopted = dict(workers), {}
@@ -139,6 +140,10 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
                 info = http_sync.get_json(worker.url + "/server_info", timeout_s=2.0, headers=headers)
             except http_sync.HttpError:
                 continue
+            try:  # SGLang 0.5.23 states the role it runs now there (one switched in place since it started)
+                info = with_live_mode(info, http_sync.get_json(worker.url + "/model_info", timeout_s=2.0, headers=headers))
+            except (http_sync.HttpError, ValueError):
+                pass
             try:
                 facts = parse_server_info(info)
             except FactsError as err:

@@ -6,6 +6,7 @@ One conversion (``convert``), the order upstream's role switch requires::
     draining = True              the policy routes around it; legs in flight go on
     open_legs() == 0             the router's own ledgers: every prefill leg ended, every decode
                                  reservation released (or drain_timeout_s: 504, back in service)
+    decode graph memory          to decode: what a decode peer's graphs take (its /metrics), sent along
     POST switch_url/pd_role_switch   the adapter (RoleSwitchClient): the worker itself
                                  (role_switch: in-place; the emulated engine, SGLang >= 0.5.23) or the
                                  launcher's supervisor (role_switch: restart; SGLang 0.5.15). "not idle"
@@ -15,6 +16,7 @@ One conversion (``convert``), the order upstream's role switch requires::
                                  re-read by the health loop (the new disaggregation mode checked), its
                                  KV-event subscription restarts, its blocks leave the index, the model
                                  moves to the new split and t is re-solved
+    to prefill                   drained rejoin_s more: its decode peers' heartbeat notices the rebuild
     refused, safe_to_restore     back in service in the old role (502 with the worker's message)
     failed, unsafe               unhealthy and still draining until an operator restarts it (502)
 
@@ -35,7 +37,11 @@ from prfaas_sglang.errors import PrfaasError
 from prfaas_sglang.router.service import RouterService
 from prfaas_sglang.router.workers import WorkerRecord, conversion_problem
 from prfaas_sglang.runtime import RuntimeModel
-from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
+from prfaas_sglang.wire.role_switch import (
+    RoleSwitchReply,
+    RoleSwitchRequest,
+    decode_graph_memory_gb,
+)
 
 logger = logging.getLogger("prfaas.router.conversion")
 
@@ -68,11 +74,29 @@ class RoleSwitchClient:
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float = 1800.0):
         self.session, self.timeout_s = session, timeout_s
 
-    async def switch(self, worker: WorkerRecord, new_role: str) -> RoleSwitchReply:
+    async def decode_graph_memory_gb(self, peers: list[WorkerRecord]) -> float | None:
+        """What the decode graphs take on the first of ``peers`` (decode workers) whose ``/metrics`` says
+        (``wire.role_switch.decode_graph_memory_gb``); None where none does (SGLang 0.5.15, the emulated
+        engine, metrics off, unreachable)."""
+        for peer in peers:
+            try:
+                async with self.session.get(peer.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    text = await resp.text() if resp.status == 200 else ""
+                found = decode_graph_memory_gb(text)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnicodeDecodeError) as err:
+                logger.info("no decode graph memory from %s: %s", peer.name, err or type(err).__name__)
+                continue
+            if found is not None:
+                return found
+        return None
+
+    async def switch(self, worker: WorkerRecord, new_role: str, decode_graph_gb: float | None = None) -> RoleSwitchReply:
         """The worker's (or its supervisor's) reply; a transport failure or an unreadable reply is
-        an unsafe failure (whether the worker switched is unknown)."""
+        an unsafe failure (whether the worker switched is unknown). ``decode_graph_gb``: upstream's
+        ``decode_cuda_graph_memory_gb``, sent when known."""
+        body = RoleSwitchRequest(new_role, decode_graph_gb).to_json()
         try:
-            async with self.session.post(worker.switch_url + "/pd_role_switch", json=RoleSwitchRequest(new_role).to_json(),
+            async with self.session.post(worker.switch_url + "/pd_role_switch", json=body,
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
                 body = await resp.read()
             reply = RoleSwitchReply.decode(body)
@@ -87,10 +111,12 @@ class RoleSwitchClient:
 
 async def convert(service: RouterService, client: RoleSwitchClient, name: str, new_role: str, *,
                   drain_timeout_s: float = 300.0, poll_s: float = 0.2, runtime: RuntimeModel | None = None,
-                  why: str | None = None, on_converted=None) -> Conversion:
+                  why: str | None = None, on_converted=None, rejoin_s: float = 0.0) -> Conversion:
     """Drain worker ``name``, switch it to ``new_role``, and make the router follow. Raises
     :class:`ConversionError` (the worker is back in service unless its reply said it is unsafe).
-    ``on_converted(name)`` runs after the records follow (the server restarts subscriptions there)."""
+    ``on_converted(name)`` runs after the records follow (the server restarts subscriptions there).
+    ``rejoin_s``: a worker that became a prefill stays drained this long before it is routed to
+    (``RouterConfig.prefill_rejoin_s``: its decode peers' heartbeat notices the rebuild)."""
     if (problem := conversion_problem(service.workers, name, new_role)) is not None:
         raise ConversionError(404 if name not in service.workers else 409, problem)
     worker = service.workers[name]
@@ -109,8 +135,12 @@ async def convert(service: RouterService, client: RoleSwitchClient, name: str, n
                                        "back in service, not converted")
         await asyncio.sleep(poll_s)
     drained = time.monotonic()
+    graph_gb = None
+    if new_role == "decode":  # upstream's worker sizes its decode graphs by a decode peer's
+        peers = [w for w in service.workers.values() if w.site == worker.site and w.role == "decode" and w.healthy]
+        graph_gb = await client.decode_graph_memory_gb(peers)
     while True:
-        reply = await client.switch(worker, new_role)
+        reply = await client.switch(worker, new_role, graph_gb)
         if reply.success or not reply.safe_to_restore or "not idle" not in reply.message or time.monotonic() > deadline:
             break
         await asyncio.sleep(max(poll_s, 0.5))  # the engine finishes what the router already saw end
@@ -125,6 +155,10 @@ async def convert(service: RouterService, client: RoleSwitchClient, name: str, n
     service.converted(name, new_role, time.monotonic(), runtime, why)
     if on_converted is not None:
         on_converted(name)
+    if new_role == "prefill" and rejoin_s > 0:
+        worker.draining = True
+        await asyncio.sleep(rejoin_s)
+        worker.draining = False
     logger.info("converted %s from %s to %s (drained in %.1f s, switched in %.1f s); t = %.0f", name, old_role, new_role,
                 drained - start, switched - drained, service.controller.threshold_tokens)
     return Conversion(name, old_role, new_role, drained - start, switched - drained, service.controller.threshold_tokens,

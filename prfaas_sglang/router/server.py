@@ -69,6 +69,7 @@ from prfaas_sglang.wire import kv_snapshot
 from prfaas_sglang.wire.auth import DeploymentKeys
 from prfaas_sglang.wire.cache_move import CacheImport, CacheImported
 from prfaas_sglang.wire.kv_events import KV_EVENTS_TOPIC
+from prfaas_sglang.wire.server_info import with_live_mode
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample
 from prfaas_sglang.wire.token_ids import split_ids
 
@@ -578,6 +579,14 @@ async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float =
         return await resp.json(content_type=None)
 
 
+async def _model_info(session: aiohttp.ClientSession, url: str) -> dict | None:
+    """A worker's ``/model_info`` (where SGLang 0.5.23 states its live role), or None when it has none to give."""
+    try:
+        return await _get_json(session, url + "/model_info")
+    except (aiohttp.ClientError, asyncio.TimeoutError, FactsError, ValueError):
+        return None
+
+
 def adopt_facts(service: RouterService, worker: WorkerRecord, info, sub: ZmqSubscriber | None) -> str | None:
     """Parse and check a worker's /server_info; on success start its event feed. Returns why it was refused."""
     try:
@@ -619,7 +628,8 @@ async def poll_health(service: RouterService, session: aiohttp.ClientSession, su
         async with session.get(worker.url + "/health", timeout=aiohttp.ClientTimeout(total=config.health_timeout_s)) as resp:
             answer = "ok" if resp.status == 200 else "down"
         if answer == "ok" and worker.facts is None:
-            info = await _get_json(session, worker.url + "/server_info")
+            info = with_live_mode(await _get_json(session, worker.url + "/server_info"),
+                                  await _model_info(session, worker.url))
             if not worker.poll_is_current(epoch):
                 return
             problem = adopt_facts(service, worker, info, sub)
@@ -714,7 +724,8 @@ async def _convert_for(app: web.Application, pair, replan) -> None:
                 replan.reason)
     results = await asyncio.gather(*(convert(service, RoleSwitchClient(session), name, to_role,
                                              drain_timeout_s=options.drain_timeout_s, runtime=replan.runtime,
-                                             why=f"long-term: {replan.reason}", on_converted=lambda n: _unwatch(app, n))
+                                             why=f"long-term: {replan.reason}", on_converted=lambda n: _unwatch(app, n),
+                                             rejoin_s=service.config.prefill_rejoin_s)
                                      for name in chosen), return_exceptions=True)
     for err in (r for r in results if isinstance(r, BaseException)):
         logger.error("long-term conversion failed: %s", err)
@@ -817,7 +828,7 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
 
     async def on_convert(app, name, new_role, drain_timeout_s):
         return await convert(service, RoleSwitchClient(app[SESSION_KEY]), name, new_role, drain_timeout_s=drain_timeout_s,
-                             on_converted=lambda n: _unwatch(app, n))
+                             on_converted=lambda n: _unwatch(app, n), rejoin_s=service.config.prefill_rejoin_s)
 
     add_admin_routes(app, SERVICE_KEY, on_register, on_deregister, on_convert)
     app.router.add_get("/health", health)

@@ -84,6 +84,10 @@ class RouterConfig:
     # Re-solve t when a calibrated prefill scale moves this far (relative) from the one t was solved with.
     replan_on_calibration: float = 0.15
     admission_timeout_s: float = 60.0  # how long a request may wait in the router for decode room
+    # A worker converted to prefill stays out of routing this long: a decode notices that a prefill rebuilt
+    # its KV manager at its next heartbeat (SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL, 5 s by default; hook
+    # decode-peer-rebootstrap), and until then it would send that prefill's requests to the old endpoint.
+    prefill_rejoin_s: float = 6.0
     max_waiting: int = 1024  # requests waiting for decode room; more are refused at once (429)
     served_models: frozenset[str] = frozenset()  # empty: the workers' name(s)
     threshold_tokens: float | None = None  # the operator's baseline t (overrides the topology's)

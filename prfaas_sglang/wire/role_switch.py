@@ -29,19 +29,44 @@ ROLES = ("prefill", "decode")
 @dataclass(frozen=True)
 class RoleSwitchRequest:
     new_role: str
+    # Upstream's: the device memory the decode graphs will take, measured on a decode peer (its
+    # ``sglang:graph_memory_usage_gb{phase="decode"}``, :func:`decode_graph_memory_gb`). A worker that would
+    # capture decode graphs on the switch refuses one to decode without it (safe to restore).
+    decode_cuda_graph_memory_gb: float | None = None
 
     def to_json(self) -> dict:
-        return {"new_role": self.new_role}
+        body: dict = {"new_role": self.new_role}
+        if self.decode_cuda_graph_memory_gb is not None:
+            body["decode_cuda_graph_memory_gb"] = self.decode_cuda_graph_memory_gb
+        return body
 
     @classmethod
     def decode(cls, payload) -> RoleSwitchRequest:
-        """ValueError for a body that is not ``{"new_role": "prefill" | "decode", ...}``; upstream's
-        optional fields (``decode_cuda_graph_bs``) are accepted and ignored."""
+        """ValueError for a body that is not ``{"new_role": "prefill" | "decode", ...}`` or whose
+        ``decode_cuda_graph_memory_gb`` is not a non-negative number; upstream's other optional fields
+        (``decode_cuda_graph_bs``) are accepted and ignored."""
         obj = json_object(payload, "role switch request")
         role = obj.get("new_role")
         if role not in ROLES:
             raise ValueError(f"invalid new_role {role!r} (expected prefill or decode)")
-        return cls(role)
+        graph_gb = obj.get("decode_cuda_graph_memory_gb")
+        if graph_gb is not None and (isinstance(graph_gb, bool) or not isinstance(graph_gb, (int, float)) or graph_gb < 0):
+            raise ValueError(f"decode_cuda_graph_memory_gb must be a non-negative number, got {graph_gb!r}")
+        return cls(role, None if graph_gb is None else float(graph_gb))
+
+
+DECODE_GRAPH_GAUGE = "sglang:graph_memory_usage_gb"  # SGLang >= 0.5.23, labelled by phase
+
+
+def decode_graph_memory_gb(metrics_text: str) -> float | None:
+    """The decode graphs' memory a worker's ``/metrics`` reports (:data:`DECODE_GRAPH_GAUGE`, phase
+    ``decode``; 0.0 where it captured none), or None where it reports none (SGLang 0.5.15, metrics off).
+    ValueError for a body that is not Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = [sample.value for family in text_string_to_metric_families(metrics_text) for sample in family.samples
+             if sample.name == DECODE_GRAPH_GAUGE and sample.labels.get("phase") == "decode"]
+    return max(found) if found else None
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,17 @@ def opt_int(obj: dict, key: str, lo: int = 0) -> int | None:
     return value
 
 
+def with_live_mode(info: Any, model_info: Any) -> Any:
+    """``info`` (a ``/server_info`` body) with the worker's live disaggregation mode where its ``/model_info``
+    body states one (pure). SGLang 0.5.23's ``/server_info`` reports the startup configuration, so a worker
+    switched in place by ``/pd_role_switch`` still names its first role there, while ``/model_info`` names
+    the one it runs now; 0.5.15 and the emulated engine state none there (``info`` comes back unchanged)."""
+    mode = model_info.get("disaggregation_mode") if isinstance(model_info, dict) else None
+    if not isinstance(info, dict) or not isinstance(mode, str):
+        return info
+    return {**info, "disaggregation_mode": mode}
+
+
 def parse_server_info(info: Any) -> WorkerFacts:
     """SGLang 0.5.15's ``/server_info`` (or the emulated engine's), decoded JSON -> the facts its
     readers use. :class:`FactsError` for a body that is not an object, has no page size (neither

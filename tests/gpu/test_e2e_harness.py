@@ -481,29 +481,49 @@ def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
     assert wrong.returncode == 2 and "runs shaped-link, routing, kv-index, failover only" in wrong.stderr
 
 
-@pytest.mark.slow
-def test_real_sglang_on_cpu_serves_both_routes_through_the_launcher():
-    """Real SGLang 0.5.15 servers on this CPU (``--engine sglang-cpu``: a tiny Llama, SGLang's CPU engine)
-    started by our launcher in every role, behind our router: short prompts prefilled on PD-P, long ones
-    on PrfaaS with their KV over Mooncake TCP through the kv-send hooks (staging buffer and decode reserve
-    on, as the profiles set them). Its first runs found faults no emulated engine shows (README,
-    "Real SGLang on CPU"); three checks keep them found:
+@pytest.mark.parametrize("release_has_it", [True, False])
+def test_a_switchable_deployment_has_two_pd_prefills_that_switch_in_place(tmp_path, monkeypatch, release_has_it):
+    """role-switch needs a PD prefill the router may convert (never the last of its role): the topology
+    then has two, both ``role_switch: in-place``; on CPU, where the installed SGLang backs retracted
+    decode requests with a CUDA-registered host pool (0.5.23), every server that decodes or may
+    (the decode, the switchable prefills) gets SGLang's other backend, and no PD server runs the overlap
+    scheduler whose early send records a CUDA event there; the GPU topology is unchanged."""
+    import yaml
 
-    * routing: the threshold's routes, and SGLang's own request counters agree (they were missing
-      from /metrics: hook ``metrics-multiproc-values``);
-    * kv-index: its predicted reuse equals SGLang's ``cached_tokens`` for a prompt's first, second and
-      third sighting and an extension (the PrfaaS worker keeps a prefix once seen twice);
-    * failover: the PrfaaS server killed with long requests in flight; each completes (re-run on PD-P)
-      or fails with a clear error, none hangs (all hung on SGLang's blocking abort notice to the dead
-      prefill: hook ``abort-notify-nonblocking``)."""
-    lines: list[str] = []
-    result = checks.run(None, None, ("routing", "kv-index", "failover"), lines.append, engine="sglang-cpu")
-    assert result["ok"], result["failed"]
-    assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
-    # SGLang's own counters agree: each prefill served its route's two, the decode all four
-    assert result["checks"]["routing"]["engines"] == {"prfaas-0": 2, "pd-prefill-0": 2, "pd-decode-0": 4}
-    rows = {row["prompt"]: row for row in result["checks"]["kv-index"]["rows"]}
-    assert rows["repeat"]["cached_tokens"] > 0 and rows["extend"]["cached_tokens"] > 0  # a cache that hits
-    failover = result["checks"]["failover"]
-    assert failover["completed"] + failover["failed"] == 24 and failover["prfaas_healthy"] is False
-    assert failover["redispatched"] >= 1  # the kill caught requests in flight, re-run on PD-P
+    from prfaas_sglang import _compat
+    from prfaas_sglang.demo.cluster import PortPicker
+    from prfaas_sglang.topology import load_topology
+
+    markers = (_compat.DECODE_RETRACTION_BACKUP, _compat.OVERLAP_EARLY_SEND_CUDA_EVENT)
+    monkeypatch.setattr(_compat, "installed_has", lambda marker, root=None: release_has_it and marker in markers)
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(e2e.e2e_topology(tmp_path, PortPicker(), profile=e2e.CPU_PROFILE, switchable=True)))
+    nodes = {n.name: n for n in load_topology(path).nodes}
+    assert [n for n in nodes if n.startswith("pd-prefill-")] == ["pd-prefill-0", "pd-prefill-1"]
+    assert {nodes[n].role_switch for n in ("pd-prefill-0", "pd-prefill-1")} == {"in-place"}
+    flag = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
+    for name in ("pd-prefill-0", "pd-prefill-1", "pd-decode-0"):
+        assert (nodes[name].extra_args[-2:] == flag) is release_has_it, name
+    assert flag[0] not in nodes["prfaas-0"].extra_args  # it never decodes
+    # and no overlap scheduler where 0.5.23's early send records a CUDA event, on every PD server
+    assert all(("--disable-overlap-schedule" in n.extra_args) is release_has_it for n in nodes.values()
+               if n.role in (Role.PRFAAS, Role.PD_PREFILL, Role.PD_DECODE))
+    plain = e2e.e2e_topology(tmp_path, PortPicker(), profile=e2e.GPU_PROFILE)
+    pd = plain["clusters"]["pd-a"]["nodes"]
+    assert [n["name"] for n in pd] == ["pd-prefill-0", "pd-decode-0"] and not any("role_switch" in n for n in pd)
+    assert not any("extra_args" in n for n in pd)  # the GPU profile: SGLang's defaults
+
+
+def test_an_import_only_sgl_kernel_imports_every_name_and_refuses_every_call(tmp_path):
+    """SGLang 0.5.23's CPU engine imports sgl_kernel's CPU build, which no registry carries: the harness's
+    servers get an import-only copy, last on their path and only where none is installed, whose
+    kernels raise, naming themselves, instead of computing anything."""
+    code = ("import sgl_kernel\nfrom sgl_kernel import copy_all_layer_kv_cache_cpu as k\n"
+            "try:\n    k(1, 2)\nexcept NotImplementedError as err:\n    print(type(err).__name__, err)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(e2e.IMPORT_ONLY_DIR)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("KernelNotBuilt sgl_kernel.copy_all_layer_kv_cache_cpu was called")
+    env = e2e.bundle_env(None, REPO_ROOT, base={"PYTHONPATH": "/overlay"}, profile=e2e.CPU_PROFILE)
+    assert (env["PYTHONPATH"].split(os.pathsep)[-1] == str(e2e.IMPORT_ONLY_DIR)) is e2e.needs_import_only_sgl_kernel()
+    assert str(e2e.IMPORT_ONLY_DIR) not in e2e.bundle_env(tmp_path, REPO_ROOT, base={}, profile=e2e.GPU_PROFILE)["PYTHONPATH"]

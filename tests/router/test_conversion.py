@@ -21,10 +21,62 @@ from prfaas_sglang.wire.role_switch import RoleSwitchReply, RoleSwitchRequest
 
 def test_request_is_upstreams_shape():
     assert RoleSwitchRequest("decode").to_json() == {"new_role": "decode"}
+    assert RoleSwitchRequest("decode", 1.5).to_json() == {"new_role": "decode", "decode_cuda_graph_memory_gb": 1.5}
     assert RoleSwitchRequest.decode({"new_role": "prefill", "decode_cuda_graph_bs": [1, 2]}).new_role == "prefill"
-    for bad in ({"new_role": "both"}, {}, b"[1]", b"{", {"new_role": None}):
+    assert RoleSwitchRequest.decode({"new_role": "decode", "decode_cuda_graph_memory_gb": 0}) == RoleSwitchRequest("decode", 0.0)
+    for bad in ({"new_role": "both"}, {}, b"[1]", b"{", {"new_role": None},
+                {"new_role": "decode", "decode_cuda_graph_memory_gb": -1},
+                {"new_role": "decode", "decode_cuda_graph_memory_gb": "2"},
+                {"new_role": "decode", "decode_cuda_graph_memory_gb": True}):
         with pytest.raises(ValueError):
             RoleSwitchRequest.decode(bad)
+
+
+GRAPH_METRICS = """# HELP sglang:graph_memory_usage_gb Memory used by captured device graphs in GB.
+# TYPE sglang:graph_memory_usage_gb gauge
+sglang:graph_memory_usage_gb{engine_type="decode",model_name="m",phase="prefill",tp_rank="0"} 0.0
+sglang:graph_memory_usage_gb{engine_type="decode",model_name="m",phase="decode",tp_rank="0"} 2.25
+"""
+
+
+def test_the_decode_graph_memory_is_read_from_a_decode_peers_metrics():
+    """Upstream's worker refuses a switch to decode that would capture graphs without their size, which
+    the caller measures on a decode peer: the first peer whose /metrics says, skipping one that is
+    down or does not (SGLang 0.5.15, the emulated engine)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from prfaas_sglang.router.workers import WorkerRecord
+    from prfaas_sglang.wire.role_switch import decode_graph_memory_gb
+
+    assert decode_graph_memory_gb(GRAPH_METRICS) == 2.25
+    assert decode_graph_memory_gb("sglang:num_requests_total 3\n") is None
+
+    async def scenario():
+        def app(text):
+            async def metrics(_):
+                return web.Response(text=text)
+
+            server = web.Application()
+            server.router.add_get("/metrics", metrics)
+            return TestServer(server)
+
+        async with app("sglang:num_requests_total 3\n") as without, app(GRAPH_METRICS) as with_graphs, \
+                aiohttp.ClientSession() as session:
+            def peer(name, url):
+                return WorkerRecord(name, url, "pd", "decode", "127.0.0.1", None, None, None)
+
+            client = RoleSwitchClient(session)
+            down = peer("down", "http://127.0.0.1:9")
+            found = await client.decode_graph_memory_gb([down, peer("old", str(without.make_url("")).rstrip("/")),
+                                                         peer("new", str(with_graphs.make_url("")).rstrip("/"))])
+            none = await client.decode_graph_memory_gb([down])
+            return found, none
+
+    assert asyncio.run(scenario()) == (2.25, None)
 
 
 def test_reply_reads_upstream_and_unknown_fields():
@@ -89,8 +141,13 @@ class _Client(RoleSwitchClient):
     def __init__(self, replies):
         self.replies, self.calls = list(replies), []
 
-    async def switch(self, worker, new_role):
+    async def decode_graph_memory_gb(self, peers):
+        self.peers = [p.name for p in peers]
+        return 0.5
+
+    async def switch(self, worker, new_role, decode_graph_gb=None):
         self.calls.append((worker.name, new_role))
+        self.graph_gb = decode_graph_gb
         return self.replies.pop(0)
 
 
@@ -116,6 +173,7 @@ def test_convert_waits_for_the_ledgers_then_restores_or_quarantines():
     with pytest.raises(ConversionError) as err:
         _run(convert(service, client, "pd-prefill-0", "decode", drain_timeout_s=5, poll_s=0.05))
     assert err.value.status == 502 and len(client.calls) == 2 and not worker.draining and worker.role == "prefill"
+    assert client.peers == ["pd-decode-0", "pd-decode-1"] and client.graph_gb == 0.5  # to decode: a decode peer's size
     # an unsafe failure: out of service until restarted
     client = _Client([RoleSwitchReply(False, "rebuild failed; restart required", "prefill", safe_to_restore=False)])
     with pytest.raises(ConversionError, match="until restarted"):
@@ -124,8 +182,20 @@ def test_convert_waits_for_the_ledgers_then_restores_or_quarantines():
     # success on another worker: the records follow and the hook runs
     seen = []
     client = _Client([RoleSwitchReply(True, "switched", "decode", "prefill")])
-    done = _run(convert(service, client, "pd-decode-0", "prefill", drain_timeout_s=5, poll_s=0.05, on_converted=seen.append))
+    async def rejoining():  # a new prefill stays drained while its decode peers' heartbeat notices the rebuild
+        task = asyncio.create_task(convert(service, client, "pd-decode-0", "prefill", drain_timeout_s=5, poll_s=0.05,
+                                           on_converted=seen.append, rejoin_s=0.3))
+        while not seen:
+            await asyncio.sleep(0.01)
+        during = (service.workers["pd-decode-0"].role, service.workers["pd-decode-0"].draining)
+        return during, await task
+
+    import asyncio
+
+    during, done = _run(rejoining())
+    assert during == ("prefill", True) and not service.workers["pd-decode-0"].draining
     assert (done.old_role, done.new_role) == ("decode", "prefill") and seen == ["pd-decode-0"]
+    assert client.graph_gb is None and not hasattr(client, "peers")  # to prefill: no graphs to size
     assert service.workers["pd-decode-0"].role == "prefill"
 
 
@@ -254,9 +324,15 @@ def test_launcher_commands_for_switchable_nodes(tmp_path, mode, monkeypatch):
     as_prefill = make_command(_launch_args(config, "pd-decode-0"), (), role=Role.PD_PREFILL)
     assert as_prefill.argv[as_prefill.argv.index("--role") + 1] == "pd-prefill"
     assert any("role supervisor" in n for n in decode.notes) == (mode == "restart")
-    if mode == "in-place":  # SGLang 0.5.15 cannot switch in place: refused before anything starts
-        with pytest.raises(ConfigError, match="no /pd_role_switch"):
-            make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
+    if mode == "in-place":
+        from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
+
+        if installed_has(PD_ROLE_SWITCH):  # SGLang 0.5.23: its own endpoint, turned on
+            sglang = make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
+            assert "--enable-pd-role-switch" in sglang.argv and not any("role supervisor" in n for n in sglang.notes)
+        else:  # SGLang 0.5.15 cannot switch in place: refused before anything starts
+            with pytest.raises(ConfigError, match="has no /pd_role_switch"):
+                make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
     else:
         sglang = make_command(_launch_args(config, "pd-decode-0", engine="sglang"), ())
         assert "--disaggregation-mode" in sglang.argv and any("role supervisor" in n for n in sglang.notes)

@@ -352,3 +352,18 @@ def test_bench_layerwise_smoke():
     assert on["layerwise"]["unplanned_bytes"] == 0 and on["layerwise"]["open_chunks"] == 0
     assert on["layerwise"]["streamed_bytes"] == 2 * out["kv_bytes_per_request"]
     assert out["on_after_forward_s"]["median"] >= 0 and out["off_after_forward_s"]["median"] >= 0
+
+
+@pytest.mark.parametrize("cpu_engine", [True, False])
+def test_a_cpu_engines_mooncake_sender_takes_the_host_index_path(monkeypatch, cpu_engine):
+    """Hook cpu-sender-indices: under SGLang's CPU engine a Mooncake sender says it takes no host-tensor
+    indices (0.5.23's path for them needs CUDA), so the scheduler computes them on the host; elsewhere,
+    and for every other sender, nothing changes."""
+    import sglang.srt.utils
+
+    from prfaas_sglang.hooks.cpu_engine import sender_host_indices_off
+
+    monkeypatch.setattr(sglang.srt.utils, "is_cpu", lambda: cpu_engine)
+    sender = types.SimpleNamespace(supports_host_tensor_indices=True)
+    assert sender_host_indices_off(None, sender, "mgr", "addr", 7) is None
+    assert sender.supports_host_tensor_indices is (not cpu_engine)

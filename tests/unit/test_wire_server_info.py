@@ -12,6 +12,7 @@ from prfaas_sglang.wire.server_info import (
     CacheMoveSection,
     FactsError,
     parse_server_info,
+    with_live_mode,
 )
 
 
@@ -60,3 +61,15 @@ def test_the_kv_index_reads_the_block_size_and_endpoint_the_router_reads(monkeyp
     assert parse_server_info(answers["http://w:1/server_info"]).kv_events == endpoint
     assert kvindex_main._block_size("http://w:2", None) == (32, None)
     assert kvindex_main._block_size("http://w:3", 8) == (8, None)  # malformed: the fallback, as when it does not answer
+
+
+def test_the_live_role_comes_from_model_info_where_the_worker_states_it():
+    """SGLang 0.5.23's /server_info is its startup configuration: a worker switched to decode in place
+    still says prefill there, while /model_info says decode. 0.5.15 and the emulated engine say nothing
+    there, and their /server_info stands."""
+    info = {"page_size": 1, "disaggregation_mode": "prefill"}
+    assert parse_server_info(with_live_mode(info, {"disaggregation_mode": "decode"})).disaggregation_mode == "decode"
+    assert info["disaggregation_mode"] == "prefill"  # not changed in place
+    for silent in (None, {}, {"model_path": "m"}, {"disaggregation_mode": 3}, [1]):
+        assert with_live_mode(info, silent) is info
+    assert with_live_mode([1], {"disaggregation_mode": "decode"}) == [1]  # a bad body is still parse_server_info's to refuse

@@ -1,0 +1,51 @@
+"""``bench gpu-e2e --engine sglang-cpu``: the harness's checks on real SGLang servers on this CPU, on every
+supported release (this module runs in the 0.5.23 leg too: it drives ``engine="sglang-cpu"``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
+from prfaas_sglang.gpu import checks
+
+
+@pytest.mark.slow
+def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_launcher():
+    """Real SGLang servers on this CPU (a tiny Llama, SGLang's CPU engine) started by our launcher in every
+    role, behind our router: short prompts prefilled on PD-P, long ones on PrfaaS with their KV over
+    Mooncake TCP through the kv-send hooks (staging buffer and decode reserve on, as the profiles set
+    them). Its first runs found faults no emulated engine shows (README, "Real SGLang on CPU"):
+
+    * routing: the threshold's routes, and SGLang's own request counters agree (they were missing
+      from /metrics: hook ``metrics-multiproc-values``);
+    * kv-index: its predicted reuse equals SGLang's ``cached_tokens`` for a prompt's first, second and
+      third sighting and an extension (the PrfaaS worker keeps a prefix once seen twice);
+    * failover: the PrfaaS server killed with long requests in flight; each completes (re-run on PD-P)
+      or fails with a clear error, none hangs (all hung on SGLang's blocking abort notice to the dead
+      prefill: hook ``abort-notify-nonblocking``);
+    * role-switch, where SGLang serves ``/pd_role_switch`` (0.5.23): the router turns a PD prefill
+      worker into decode and back in place while two clients send prompts; it serves requests in each
+      role and none is lost (a decode that had served it kept its old endpoint after the switch back:
+      hook ``decode-peer-rebootstrap``, ``RouterConfig.prefill_rejoin_s``)."""
+    switch = installed_has(PD_ROLE_SWITCH)
+    asked = ("routing", "kv-index", "failover") + (("role-switch",) if switch else ())
+    lines: list[str] = []
+    result = checks.run(None, None, asked, lines.append, engine="sglang-cpu")
+    assert result["ok"], result["failed"]
+    assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
+    # SGLang's own counters agree: the prefills served their route's two, the decode all four
+    engines = result["checks"]["routing"]["engines"]
+    assert (engines["prfaas-0"], engines["pd-decode-0"]) == (2, 4)
+    assert sum(n for name, n in engines.items() if name.startswith("pd-prefill-")) == 2
+    rows = {row["prompt"]: row for row in result["checks"]["kv-index"]["rows"]}
+    assert rows["repeat"]["cached_tokens"] > 0 and rows["extend"]["cached_tokens"] > 0  # a cache that hits
+    failover = result["checks"]["failover"]
+    assert failover["completed"] + failover["failed"] == 24 and failover["prfaas_healthy"] is False
+    assert failover["redispatched"] >= 1  # the kill caught requests in flight, re-run on PD-P
+    if switch:
+        role_switch = result["checks"]["role-switch"]
+        assert [(s["to"], s["status"], s["server_mode"]) for s in role_switch["steps"]] == [
+            ("decode", 200, "decode"), ("prefill", 200, "prefill")]
+        # in each role it served requests (its peer drained meanwhile), and nothing sent throughout was lost
+        assert all(s["served"] >= checks.ROLE_SWITCH_SERVED for s in role_switch["steps"])
+        assert role_switch["lost"] == 0 and role_switch["requests"] > 0
