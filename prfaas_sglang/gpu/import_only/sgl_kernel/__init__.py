@@ -11,6 +11,8 @@ directory on ``PYTHONPATH`` only when none is installed, and after everything el
 
 from __future__ import annotations
 
+IO_MODULES = ()  # the layering map (tests/unit/test_layering.py): nothing here does I/O
+
 
 class KernelNotBuilt(NotImplementedError):
     """A kernel of ``sgl_kernel``'s CPU build was called where only this import-only copy is present."""
