@@ -42,6 +42,7 @@ test-sglang: env
 	@test -n "$(SGLANG)" || { echo "make test-sglang SGLANG=<version> (one of prfaas_sglang/_pin.py's supported releases)"; exit 2; }
 	@echo "== the sglang $(SGLANG) leg: tests marked sglang, on $(OVERLAY)"
 	PYTHONPATH=$(OVERLAY) $(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "sglang and not gpu and not serial" -rs --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+	PYTHONPATH=$(OVERLAY) $(PYTEST) -m "sglang and not gpu and serial" -rs --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 
 # The inner loop: everything but the tests marked `slow` (real servers, long benchmarks).
 test-fast: env

@@ -10,6 +10,9 @@ from prfaas_sglang.gpu import checks
 
 
 @pytest.mark.slow
+# Four or five SGLang servers on the two cores: alone, after the parallel part. Beside it (its own file since
+# 2026-11-28, so --dist loadfile ran it next to other heavy files), two timing tests failed in two fresh-clone runs.
+@pytest.mark.serial
 def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_launcher():
     """Real SGLang servers on this CPU (a tiny Llama, SGLang's CPU engine) started by our launcher in every
     role, behind our router: short prompts prefilled on PD-P, long ones on PrfaaS with their KV over
