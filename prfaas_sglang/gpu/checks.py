@@ -20,6 +20,7 @@ from pathlib import Path
 
 from prfaas_sglang.demo.cluster import ProcessGroup, free_port
 from prfaas_sglang.gpu.e2e import (
+    ADMIN_HEADERS,
     ADMIN_TOKEN,
     GPU_PROFILE,
     NEED_REFERENCE,
@@ -571,7 +572,7 @@ def _role_switch_step(ctx: Context, router: str, new_role: str) -> dict:
     """One conversion through the router's admin API, then the worker's own view and the router's record."""
     name, began = ROLE_SWITCH_WORKER, time.monotonic()
     status, _, body = http("POST", router + f"/admin/workers/{name}/role", {"new_role": new_role, "drain_timeout_s": 120},
-                           timeout_s=300, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                           timeout_s=300, headers=ADMIN_HEADERS)
     step = {"to": new_role, "status": status, "seconds": round(time.monotonic() - began, 2)}
     try:
         step["reply"] = json.loads(body)
@@ -597,9 +598,8 @@ def _served_in_role(ctx: Context, router: str, new_role: str, answers: list[dict
     """With the converted worker's one peer in its new role drained (the router routes around it), the
     answers it serves in that role, up to :data:`ROLE_SWITCH_SERVED`; the peer is back in service after."""
     name, peer = ROLE_SWITCH_WORKER, "pd-decode-0" if new_role == "decode" else "pd-prefill-0"
-    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     since = time.monotonic()
-    http("POST", router + f"/admin/workers/{peer}/drain", {"draining": True}, headers=auth)
+    http("POST", router + f"/admin/workers/{peer}/drain", {"draining": True}, headers=ADMIN_HEADERS)
     try:
         deadline, served = since + ROLE_SWITCH_SERVE_TIMEOUT_S, []
         while time.monotonic() < deadline and len(served) < ROLE_SWITCH_SERVED:
@@ -607,7 +607,7 @@ def _served_in_role(ctx: Context, router: str, new_role: str, answers: list[dict
             parts = [(a["route"] or "").split("/") for a in list(answers) if a["t0"] > since and a["status"] == 200]
             served = [p for p in parts if len(p) == 3 and p[2 if new_role == "decode" else 1] == name]
     finally:
-        http("POST", router + f"/admin/workers/{peer}/drain", {"draining": False}, headers=auth)
+        http("POST", router + f"/admin/workers/{peer}/drain", {"draining": False}, headers=ADMIN_HEADERS)
     return {"served": len(served), "peer_drained": peer, "serve_s": round(time.monotonic() - since, 1)}
 
 

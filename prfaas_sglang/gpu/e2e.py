@@ -463,6 +463,7 @@ def metric_sum(text: str, name: str, label: str = "") -> float:
 # --- the run --------------------------------------------------------------------------------------
 
 ADMIN_TOKEN = "gpu-e2e"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # the router's admin API, as the harness calls it
 
 
 @dataclass
@@ -570,7 +571,7 @@ def start_router(procs: ProcessGroup, name: str, config: Path, env: dict[str, st
                 base_env=env)
     procs.wait_healthy(url + "/health", procs.latest(name), timeout_s=120)
     status, _, body = http("POST", url + "/admin/threshold", {"threshold_tokens": threshold_tokens},
-                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+                           headers=ADMIN_HEADERS)
     if status != 200:
         raise RuntimeError(f"{name}: pinning the threshold failed: {status} {body[:200]!r}")
 
