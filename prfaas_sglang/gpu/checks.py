@@ -413,8 +413,33 @@ def _timed_prompts(ctx: Context, router: str, profile: str, link: str, seed: int
             ctx.log(f"[shaped-link] {json.dumps(row)}")
             rows.append(row)
             if status != 200 or not (route or "").startswith("prfaas/"):  # {cluster kind}/{prefill}/{decode}
-                problems.append(f"{profile} {link} {num_tokens}: status {status}, route {route!r} (want prfaas/...)")
+                with contextlib.suppress(OSError, ValueError):
+                    row["router_says"] = why_routed(json.loads(http("GET", router + "/status", timeout_s=5)[2]), num_tokens)
+                problems.append(f"{profile} {link} {num_tokens}: status {status}, route {route!r} (want prfaas/...)"
+                                + (f"; the router: {row['router_says']}" if row.get("router_says") else ""))
     return rows, problems
+
+
+def why_routed(status: dict, num_tokens: int) -> str:
+    """The router's own account (its ``/status``) of its latest decision for a ``num_tokens`` prompt:
+    the attempts' clusters and reasons, and what could have kept a worker out or the request waiting
+    (link marked down, unhealthy, decode room), with the threshold controller's capacity estimate (pure)."""
+    mine = [r for r in status.get("recent") or [] if r.get("tokens") == num_tokens]
+    if mine:
+        rid = mine[-1].get("rid")
+        mine = [r for r in mine if r.get("rid") == rid]
+    parts = [f"attempt {r.get('attempt')}: {r.get('cluster')} ({r.get('reason')})" for r in mine]
+    if status.get("link_down_workers"):
+        parts.append(f"link down: {', '.join(status['link_down_workers'])}")
+    unhealthy = sorted(n for n, w in (status.get("workers") or {}).items() if not w.get("healthy", True))
+    if unhealthy:
+        parts.append(f"unhealthy: {', '.join(unhealthy)}")
+    decodes = {n: w for n, w in (status.get("workers") or {}).items() if w.get("role") == "decode"}
+    parts += [f"{n}: {w.get('kv_free_tokens')} KV tokens free, {w.get('reserved_tokens')} reserved" for n, w in decodes.items()]
+    estimate = (status.get("controller") or {}).get("capacity_est_bps")
+    if estimate is not None:
+        parts.append(f"capacity estimate {estimate / 1e6:.3g} Mbit/s")
+    return "; ".join(parts) or f"no decision for {num_tokens} tokens among the recent ones"
 
 
 class _LinkWatch:
@@ -422,7 +447,8 @@ class _LinkWatch:
     worker's telemetry, a window of about a second) read every 0.25 s in a thread; :meth:`summary`
     after: samples, those with a capacity measured, the peak capacity and egress, transfers seen
     delivered and failed (summed over samples, so a transfer can count more than once), samples
-    flagged congested, and the controller's capacity estimate at the end."""
+    flagged congested, the controller's capacity estimate at the end and its lowest, and the probes
+    the router sent meanwhile."""
 
     def __init__(self, router: str):
         self.router, self.views, self._stop = router, [], threading.Event()
@@ -445,19 +471,24 @@ class _LinkWatch:
         links = [v.get("link") or {} for v in self.views]
         measured = [link["capacity_bps"] for link in links if link.get("capacity_bps")]
         last = self.views[-1] if self.views else {}
+        estimates = [e for v in self.views if (e := (v.get("controller") or {}).get("capacity_est_bps")) is not None]
         return {"samples": len(links), "with_capacity": len(measured),
                 "peak_capacity_bps": max(measured, default=None),
                 "peak_egress_bps": max((link.get("egress_bps") or 0.0 for link in links), default=0.0),
                 "transfers_delivered_seen": sum(link.get("transfers_completed") or 0 for link in links),
                 "transfers_failed_seen": sum(link.get("transfers_failed") or 0 for link in links),
                 "congested_samples": sum(bool(link.get("congested")) for link in links),
-                "controller_capacity_est_bps": (last.get("controller") or {}).get("capacity_est_bps")}
+                "controller_capacity_est_bps": (last.get("controller") or {}).get("capacity_est_bps"),
+                "lowest_capacity_est_bps": min(estimates, default=None),
+                "probes": (last.get("probes") or 0) - (self.views[0].get("probes") or 0) if self.views else 0}
 
 
-def _shaped_profile(ctx: Context, profile: str, delay_rtt_ms: float | None) -> tuple[list[dict], list[str], list[dict]]:
+def _shaped_profile(ctx: Context, profile: str, delay_rtt_ms: float | None, first_seed: int) -> tuple[list[dict], list[str], list[dict]]:
     """On the deployment as it runs (PrfaaS in ``profile``): :func:`_timed_prompts` on the bare veth,
     then, with ``delay_rtt_ms``, again with that round trip added (netem), then the
-    seed-``num_tokens`` prompt's 16-token answer compared with the reference's."""
+    seed-``num_tokens`` prompt's 16-token answer compared with the reference's. Prompts are seeded from
+    ``first_seed``, one million per link: a profile's prompts are none of another's, or a prompt that
+    went to PD-P once would rightly go there again (its prefix cached there)."""
     from prfaas_sglang.gpu.netlink import set_delay
 
     rows, problems, telemetry = [], [], []
@@ -468,7 +499,7 @@ def _shaped_profile(ctx: Context, profile: str, delay_rtt_ms: float | None) -> t
             if delay_rtt_ms:
                 set_delay(rtt_ms)
             with _LinkWatch(router) as watch:  # what the PrfaaS worker's link telemetry told the router (#14)
-                got, wrong = _timed_prompts(ctx, router, profile, link, seed=8_000_000 + 1_000_000 * index)
+                got, wrong = _timed_prompts(ctx, router, profile, link, seed=first_seed + 1_000_000 * index)
             seen = {"profile": profile, "link": link, **watch.summary()}
             ctx.log(f"[shaped-link] the router's link view: {json.dumps(seen)}")
             rows, problems, telemetry = rows + got, problems + wrong, telemetry + [seen]
@@ -524,7 +555,7 @@ def check_shaped_link(ctx: Context) -> CheckResult:
         ctx.log(f"[shaped-link] the bare veth only: {ctx.delay_unavailable}")
     delay_rtt_ms = None if ctx.delay_unavailable else SHAPED_DELAY_RTT_MS
     rows, problems, telemetry, restarts_s = [], [], [], {}
-    for profile, kv_profile, env in SHAPED_PROFILES:
+    for number, (profile, kv_profile, env) in enumerate(SHAPED_PROFILES):
         if ctx.dep.prfaas_profile != (kv_profile, tuple(sorted((env or {}).items()))):
             try:
                 restarts_s[profile] = round(ctx.dep.restart_prfaas(kv_profile, env), 1)
@@ -532,7 +563,7 @@ def check_shaped_link(ctx: Context) -> CheckResult:
                 problems.append(f"{profile}: prfaas-0 did not restart: {type(err).__name__}: {err}")
                 continue
             ctx.log(f"[shaped-link] prfaas-0 restarted as {profile}, routable after {restarts_s[profile]} s")
-        got, wrong, seen = _shaped_profile(ctx, profile, delay_rtt_ms)
+        got, wrong, seen = _shaped_profile(ctx, profile, delay_rtt_ms, first_seed=8_000_000 + 10_000_000 * number)
         rows, problems, telemetry = rows + got, problems + wrong, telemetry + seen
     by_link = {link: shaped_medians([r for r in rows if r["link"] == link]) for link in dict.fromkeys(r["link"] for r in rows)}
     ctx.log(f"[shaped-link] {json.dumps(by_link)}")

@@ -92,8 +92,9 @@ class ServerProfile:
     served_name: str = "tiny-hybrid"
     # The topology's cost model: its attention kinds tell the kv-index whether prefix reuse stops at
     # state checkpoints (hybrid) or not; it must match the served model's (a dense model under a
-    # hybrid cost model: the index predicts no reuse where SGLang reuses the whole prefix).
-    cost_model: str = "kimi-linear-1t-hybrid"
+    # hybrid cost model: the index predicts no reuse where SGLang reuses the whole prefix). None: the
+    # served model's own config.json (plan.hf), so the router's KV bytes are what the servers ship.
+    cost_model: str | None = "kimi-linear-1t-hybrid"
     router_args: tuple[str, ...] = ()  # the router's own flags (after the launcher's ``--``)
     shaped_repeats: int = 5  # shaped-link's timed prompts per length, link and profile, each a fresh one (no cache hit)
     on_cpu: bool = False  # SGLang's CPU engine
@@ -137,7 +138,9 @@ CPU_PROFILE = ServerProfile(
      "--chunked-prefill-size", "2048", "--log-level", "info"),
     env=(("SGLANG_USE_CPU_ENGINE", "1"), SGLANG_HEALTH_WAIT),  # SGLang outwaits the router's two 30 s misses
     threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
-    served_name="tiny-llama", cost_model="qwen3-235b-a22b",  # a dense model's: the tiny Llama has no linear state
+    # The tiny Llama's own: 4 KiB of KV per token. A catalog model's (Qwen3-235B: 188 KiB) made the router
+    # reckon 48 times the bytes each prompt really ships, so no probe of a constrained link ever fit.
+    served_name="tiny-llama", cost_model=None,
     # SGLang's /health generates a token, queued behind the prefill running: on two cores a 4,096-token
     # prompt prefills for 5-10 s, and two 5 s misses took the PrfaaS server out of routing mid-check
     router_args=("--health-timeout-s", "30"),
@@ -278,6 +281,14 @@ def pd_prefill_names(switchable: bool) -> tuple[str, ...]:
     return ("pd-prefill-0", "pd-prefill-1") if switchable else ("pd-prefill-0",)
 
 
+def served_cost_model(model_dir: Path, name: str) -> dict:
+    """The topology's ``model.cost_model`` mapping for the model in ``model_dir`` (its ``config.json``)."""
+    from prfaas_sglang.plan.hf import model_from_hf_config
+    from prfaas_sglang.plan.scenario import model_mapping
+
+    return model_mapping(model_from_hf_config(json.loads((model_dir / "config.json").read_text()), name))
+
+
 def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0.1",
                  prfaas_host: str | None = None, link: tuple[float, float] = (1.0, 20.0),
                  emulation: dict | None = None, profile: ServerProfile = GPU_PROFILE, switchable: bool = False) -> dict:
@@ -300,7 +311,8 @@ def e2e_topology(model_dir: Path, ports: Callable[[], int], host: str = "127.0.0
     doc = {
         "version": 1,
         "model": {"path": str(model_dir), "served_name": profile.served_name, "tokenizer": str(model_dir),
-                  "cost_model": profile.cost_model, "extra_args": list(profile.flags)},
+                  "cost_model": profile.cost_model or served_cost_model(model_dir, profile.served_name),
+                  "extra_args": list(profile.flags)},
         "clusters": {
             "prfaas-b": {"kind": "prfaas", "kv_transport": "tcp", "accelerator": "h200x8",
                          "nodes": [engine("prfaas-0", "prfaas", True, prfaas_host or host)]},

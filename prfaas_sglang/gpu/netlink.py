@@ -15,18 +15,29 @@ TCPStore (SGLang's rank-0 rendezvous, with itself) timed out that way, and SGLan
 inside (real SGLang on CPU, 2026-11-26). ``enter`` therefore also gives the child its own mount
 namespace with a resolv.conf bound over ``/etc/resolv.conf`` that names no server: glibc asks
 127.0.0.1, nothing answers there, and a lookup fails at once. The host's is untouched.
+
+The veth's names and addresses are fixed, so one shaped namespace exists at a time on a host: the
+first holds an exclusive lock (``/run/prfaas-netns/shaped.lock``) while it lives, and a second is
+refused with :class:`ShapedLinkBusy` naming the holder, where it used to delete the first one's veth
+as stale and cut a running harness off its servers. Leftovers with no live holder are still removed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 HOST_IP, INNER_IP, PREFIX = "10.78.0.1", "10.78.0.2", 30
 HOST_IF, INNER_IF = "pfe2e0", "pfe2e1"
+RUN_DIR = "/run/prfaas-netns"
+
+
+class ShapedLinkBusy(RuntimeError):
+    """Another live process holds the host's one shaped namespace."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,34 @@ def asyncio_default_loops() -> Iterator[None]:
 
 @contextlib.contextmanager
 def shaped_namespace(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
-    """Create the namespace, veth and shaper; remove them on exit (also on error)."""
+    """Create the namespace, veth and shaper; remove them on exit (also on error). Raises
+    :class:`ShapedLinkBusy` while another process's shaped namespace lives."""
+    with _exclusive_lock(os.path.join(RUN_DIR, "shaped.lock")):
+        with _shaped(name, rate_mbit) as ns:
+            yield ns
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: str) -> Iterator[None]:
+    """Hold ``path`` locked (``flock``) for the block; the holder's pid is in the file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ShapedLinkBusy(f"the shaped link ({HOST_IF}, {HOST_IP}) is in use by process {holder}; "
+                                 "one at a time on a host") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock (a forked child's copy keeps it until it exits or execs)
+
+
+@contextlib.contextmanager
+def _shaped(name: str, rate_mbit: float) -> Iterator[ShapedNamespace]:
     from pyroute2 import netns
 
     resolv, owner = _write_no_dns_resolv_conf(name), os.getpid()
@@ -109,9 +147,8 @@ def _write_no_dns_resolv_conf(name: str) -> str:
     check, very likely removed by a forked pyroute2 helper that unwound through the directory's cleanup
     (not reproduced; fixed by ``bench.__main__.exit_on_sigterm``). This one is removed only by the
     process that made it."""
-    directory = "/run/prfaas-netns"
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{name}.resolv.conf")
+    os.makedirs(RUN_DIR, exist_ok=True)
+    path = os.path.join(RUN_DIR, f"{name}.resolv.conf")
     with open(path, "w") as f:
         f.write("# no DNS server is reachable from this network namespace: lookups fail at once\n")
     return path

@@ -25,7 +25,7 @@ Scenario file (all sections but ``paper`` required)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,21 @@ def _ints(obj: dict, path: str, required: set[str], optional: set[str] = frozens
         value = cc.number(obj, k, path, nonnegative=True, integer=True)
         if value is not None:
             out[k] = value
+    return out
+
+
+def model_mapping(model: ModelConfig) -> dict:
+    """``model`` in the form :func:`parse_model` reads (a topology's ``model.cost_model`` mapping):
+    ``parse_model(model_mapping(m)) == m``. Zero-valued fields of another attention kind are left out."""
+    def fields(part) -> dict:
+        return {k: v for k, v in asdict(part).items() if v or k == "kind"}
+
+    out = {"name": model.name, "source": model.source, "total_params_b": model.total_params_b,
+           "active_params_b": model.active_params_b, "weight_bytes_per_param": model.weight_bytes_per_param,
+           "kv_dtype_bytes": model.kv_dtype_bytes, "full_attention": fields(model.full_attention)}
+    for key in ("recurrent", "sliding_window", "moe"):
+        if getattr(model, key) is not None:
+            out[key] = fields(getattr(model, key))
     return out
 
 

@@ -18,8 +18,12 @@ profiles); no clocks, no sockets. The output is a :class:`RouteDecision`::
                         reason says so: nothing is credited that nobody moves.
     probe:              with ``probe_budget_bytes`` set (the threshold
                         controller asks to re-measure a constrained link), a
-                        request bound for PD-P whose KV fits the budget goes
-                        to PrfaaS instead, once.
+                        request whose KV fits the budget goes to PrfaaS as the
+                        probe, once: one bound for PD-P instead, one the rule
+                        sends there anyway as it is. No TTFT detour or early
+                        refusal takes a probe off the link: the estimate it
+                        would be judged by is what it re-measures (a floor
+                        estimate spilled every long prompt to PD for good).
     expected TTFT:      with ``ttft_target_s`` set, the rule's cluster is the
                         plan, not the last word: when its best worker's
                         expected TTFT (queue + prefill + KV over the link, from
@@ -191,6 +195,8 @@ def refuse_early(decision: RouteDecision, max_ttft_s: float | None) -> bool:
     A request slow on its own (a long prompt on an idle worker) is not refused for its length:
     its bound is ``max(max_ttft_s, 2 x its own prefill)``, so only waiting (queues, the link) refuses it.
     """
+    if decision.probe:  # sent knowingly: its budget bounds its cost, and it re-measures the estimate judged here
+        return False
     return max_ttft_s is not None and decision.estimated_ttft_s > max(max_ttft_s, 2 * decision.estimated_prefill_s)
 
 
@@ -238,10 +244,11 @@ def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
 
     cluster, credited, reason = choose_cluster(total, by_cluster, snap.threshold_tokens, snap.mode, snap.transfer_supported)
     probe = False
-    if cluster == PD and snap.probe_budget_bytes is not None and any(w.cluster == PRFAAS for w in prefills):
+    if snap.probe_budget_bytes is not None and any(w.cluster == PRFAAS for w in prefills):
         if snap.kv_bytes(total) <= snap.probe_budget_bytes:
-            cluster, credited, probe = PRFAAS, by_cluster.get(PRFAAS, 0), True
-            reason = f"probe of the constrained link ({reason})"
+            if cluster == PD:
+                cluster, credited = PRFAAS, by_cluster.get(PRFAAS, 0)
+            probe, reason = True, f"probe of the constrained link ({reason})"
     in_cluster = [w for w in prefills if w.cluster == cluster]
     if not in_cluster:
         other = PD if cluster == PRFAAS else PRFAAS

@@ -294,8 +294,10 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
             return await _run_legs(request, service, req, body, lease, timing)
         except (PrefillFailed, DecodeUnreachable) as err:
             leg = "prefill" if isinstance(err, PrefillFailed) else "decode"
-            tried.add(service.leg_failed(decision, leg, time.monotonic()))
+            tried.add(worker := service.leg_failed(decision, leg, time.monotonic()))
             service.counters.redispatched += 1
+            logger.warning("request %s: its %s leg on %s failed (%s)%s", req.rid, leg, worker, err,
+                           "; routing it again" if attempt == 0 else "")
             last_error, last_leg = str(err), leg
         finally:
             service.finish(lease)

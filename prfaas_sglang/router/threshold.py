@@ -48,6 +48,14 @@ queue-balance bias::
   model even a short one carries a fixed linear-attention state: a fixed
   one-second budget admitted only prompts under ~12K tokens, so a recovered link
   went unnoticed for 13 s when none arrived (bench bandwidth, seed 1).
+  A drop measured from a stall (busy, next to nothing delivered: the estimate
+  goes to its floor, 1e-3 of nominal) says nothing of the rate: probes are then
+  sized at the estimate the link had before the stall, or none would ever fit
+  and the floor would be for good (a second or so of a real SGLang sender
+  delivering nothing, on a 2-core box, kept a healthy link off for the rest of a
+  run). A probe that delivered nothing
+  doubles the wait before the next (up to ``probe_backoff_max`` times
+  ``probe_interval_s``), so a dead link costs a few requests, not one per interval.
 
 Queue marks are model seconds; ``time_scale`` (1 / an emulated engine's
 speedup) converts them to the engines' seconds, the unit of the queue signal.
@@ -87,6 +95,7 @@ class ControllerSettings:
     prior_weight: float = 100.0
     probe_interval_s: float = 2.0
     probe_max_s: float = 8.0
+    probe_backoff_max: int = 16  # unanswered probes stretch the interval up to this factor
     track_gain: float = 0.25  # while constrained: weight of each busy sample in the refined capacity
 
     def __post_init__(self):
@@ -96,8 +105,8 @@ class ControllerSettings:
             raise ValueError("need 0 < drop_ratio < 1 < rise_ratio and 0 < recovered_ratio <= 1")
         if not 0 < self.track_gain <= 1:
             raise ValueError("need 0 < track_gain <= 1")
-        if not 0 < self.probe_interval_s <= self.probe_max_s:
-            raise ValueError("need 0 < probe_interval_s <= probe_max_s")
+        if not 0 < self.probe_interval_s <= self.probe_max_s or self.probe_backoff_max < 1:
+            raise ValueError("need 0 < probe_interval_s <= probe_max_s and probe_backoff_max >= 1")
         if not 0 < self.queue_low_s < self.queue_high_s or self.step_factor <= 1 or self.time_scale <= 0:
             raise ValueError("need 0 < queue_low_s < queue_high_s, step_factor > 1, time_scale > 0")
 
@@ -156,6 +165,8 @@ class ThresholdController:
         self._last_research_s = -math.inf
         self._last_progress_s = -math.inf
         self._last_probe_s = -math.inf
+        self._probe_backoff = 1  # doubles per probe that delivered nothing
+        self._stalled_from_bps: float | None = None  # the estimate before a stall took it to the floor
         self._model_cache: dict[tuple[float, int], float] = {}
         self._workload_version = 0
         self._model_t = self._model(self.capacity_est_bps)
@@ -174,6 +185,7 @@ class ThresholdController:
         reasons = []
         if link is not None and link.egress_bps > 0:
             self._last_progress_s = now_s
+            self._probe_backoff = 1
         capacity_changed = False
         if link is not None and link.capacity_bps is not None:
             event = self._update_capacity(now_s, link)
@@ -203,16 +215,21 @@ class ThresholdController:
         return self.capacity_est_bps < self.settings.recovered_ratio * self.nominal_bps
 
     def probe_budget_bytes(self, now_s: float) -> float | None:
-        """KV bytes one probe may carry now, or None when no probe is due."""
+        """KV bytes one probe may carry now, or None when no probe is due (also under an admin override
+        of ``t``: the estimate still judges PrfaaS's expected TTFT, so it is still re-measured)."""
         s = self.settings
-        if not self.constrained or self.override_tokens is not None:
+        if not self.constrained:  # an override fixes t, not the link: the estimate still gates the TTFT SLO
             return None
         silent_s = now_s - max(self._last_probe_s, self._last_progress_s)
-        if silent_s < s.probe_interval_s:
+        if silent_s < s.probe_interval_s * self._probe_backoff:
             return None
-        return 0.5 * min(silent_s, s.probe_max_s) * self.capacity_est_bps / 8.0
+        rate_bps = self._stalled_from_bps if self._stalled_from_bps is not None else self.capacity_est_bps
+        return 0.5 * min(silent_s, s.probe_max_s) * rate_bps / 8.0
 
     def note_probe(self, now_s: float) -> None:
+        """A probe was sent now. One sent after a probe that saw nothing cross backs off."""
+        unanswered = self._last_probe_s > self._last_progress_s
+        self._probe_backoff = min(2 * self._probe_backoff, self.settings.probe_backoff_max) if unanswered else 1
         self._last_probe_s = now_s
 
     # --- admin -------------------------------------------------------------------------
@@ -255,7 +272,12 @@ class ThresholdController:
             self._drop_since = self._drop_since if self._drop_since is not None else now_s
             if now_s - self._drop_since >= s.confirm_s:
                 self._drop_since = None
-                self.capacity_est_bps = self._tracked_bps = max(m, 1e-3 * self.nominal_bps)
+                floor = 1e-3 * self.nominal_bps
+                if m < floor:  # a stall: no rate measured; keep what the link carried for sizing probes
+                    self._stalled_from_bps = self._stalled_from_bps or est
+                else:
+                    self._stalled_from_bps = None
+                self.capacity_est_bps = self._tracked_bps = max(m, floor)
                 self._capacity_reason = f"link delivers {m / 1e6:.1f} Mbit/s while busy {link.busy_fraction:.2f}"
                 return "changed"
             return None
@@ -265,7 +287,7 @@ class ThresholdController:
             if now_s - self._rise_since >= s.confirm_s:
                 self._rise_since = None
                 self.capacity_est_bps = self.nominal_bps if m >= s.recovered_ratio * self.nominal_bps else min(m, self.nominal_bps)
-                self._tracked_bps = self.capacity_est_bps
+                self._tracked_bps, self._stalled_from_bps = self.capacity_est_bps, None
                 self._capacity_reason = f"link capacity back to {self.capacity_est_bps / 1e6:.1f} Mbit/s"
                 return "changed"
             return None
@@ -276,7 +298,7 @@ class ThresholdController:
         self._tracked_bps = tracked
         if abs(tracked - est) < s.min_relative_change * est:
             return None
-        self.capacity_est_bps = min(tracked, self.nominal_bps)
+        self.capacity_est_bps, self._stalled_from_bps = min(tracked, self.nominal_bps), None
         self._capacity_reason = (f"link delivers {tracked / 1e6:.1f} Mbit/s while busy (estimate refined from "
                                  f"{est / 1e6:.1f})")
         return "refined"

@@ -18,6 +18,7 @@ from helpers import REPO_ROOT
 
 from prfaas_sglang.demo.cluster import ProcessGroup, log_tail
 from prfaas_sglang.gpu import checks, e2e
+from prfaas_sglang.gpu.tiny_model import tiny_cpu_config
 from prfaas_sglang.launch.command import sglang_command
 from prfaas_sglang.roles import Role, role_contract_violations
 from prfaas_sglang.topology import Node
@@ -106,8 +107,10 @@ def test_the_kv_index_is_told_the_served_models_kind(tmp_path, profile, hybrid):
     from prfaas_sglang.demo.cluster import PortPicker
     from prfaas_sglang.topology import load_topology
 
-    path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump(e2e.e2e_topology(tmp_path / "model", PortPicker(), profile=profile)))
+    path, model_dir = tmp_path / "t.yaml", tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(tiny_cpu_config(4096, 2, 0)))  # the CPU profile models it
+    path.write_text(yaml.safe_dump(e2e.e2e_topology(model_dir, PortPicker(), profile=profile)))
     assert runtime.from_topology(load_topology(path)).hybrid is hybrid
 
 
@@ -248,6 +251,22 @@ def test_shaped_medians_take_answered_rows_and_compare_to_upstream():
     assert shaped_medians([{"profile": "wan", "tokens": 1, "ttft_s": 1.0, "status": 200}])["ratio_to_upstream"] == {"wan": {}}
 
 
+def test_a_misrouted_prompt_is_explained_by_the_routers_own_status():
+    from prfaas_sglang.gpu.checks import why_routed
+
+    status = {"recent": [{"rid": "a", "tokens": 4096, "attempt": 0, "cluster": "prfaas", "reason": "uncached 4096 > t"},
+                         {"rid": "b", "tokens": 4096, "attempt": 0, "cluster": "prfaas", "reason": "uncached 4096 > t"},
+                         {"rid": "b", "tokens": 4096, "attempt": 1, "cluster": "pd", "reason": "spill to pd"},
+                         {"rid": "c", "tokens": 64, "attempt": 0, "cluster": "pd", "reason": "short"}],
+              "link_down_workers": ["prfaas-0"], "workers": {"prfaas-0": {"healthy": False, "role": "prefill"},
+                          "pd-decode-0": {"healthy": True, "role": "decode", "kv_free_tokens": 900, "reserved_tokens": 64}},
+              "controller": {"capacity_est_bps": 2e5}}
+    said = why_routed(status, 4096)
+    assert said == ("attempt 0: prfaas (uncached 4096 > t); attempt 1: pd (spill to pd); link down: prfaas-0; "
+                    "unhealthy: prfaas-0; pd-decode-0: 900 KV tokens free, 64 reserved; capacity estimate 0.2 Mbit/s")
+    assert why_routed({"recent": []}, 2048) == "no decision for 2048 tokens among the recent ones"
+
+
 @pytest.mark.slow
 def test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading(tmp_path):
     site = e2e.broken_hook_site(tmp_path / "broken")
@@ -280,11 +299,20 @@ def _root_with_netns() -> str | None:
 def test_the_shaped_namespace_binds_at_its_rate_and_is_removed():
     from pyroute2 import IPRoute, netns
 
-    from prfaas_sglang.gpu.netlink import HOST_IF, asyncio_default_loops, shaped_namespace
+    from prfaas_sglang.gpu.netlink import (
+        HOST_IF,
+        ShapedLinkBusy,
+        asyncio_default_loops,
+        shaped_namespace,
+    )
 
     rate_mbit = 40.0
     received = []
     with shaped_namespace("prfaas-test-shaped", rate_mbit) as ns:
+        with pytest.raises(ShapedLinkBusy, match=f"in use by process {os.getpid()}"):  # a second one waits its turn
+            with shaped_namespace("prfaas-test-shaped-2", rate_mbit):
+                pass
+        assert "prfaas-test-shaped" in netns.listnetns()  # and the first's link is untouched
         server = socket.create_server((ns.host_ip, 0))
         port = server.getsockname()[1]
 
@@ -497,6 +525,7 @@ def test_a_switchable_deployment_has_two_pd_prefills_that_switch_in_place(tmp_pa
     markers = (_compat.DECODE_RETRACTION_BACKUP, _compat.OVERLAP_EARLY_SEND_CUDA_EVENT)
     monkeypatch.setattr(_compat, "installed_has", lambda marker, root=None: release_has_it and marker in markers)
     path = tmp_path / "t.yaml"
+    (tmp_path / "config.json").write_text(json.dumps(tiny_cpu_config(4096, 2, 0)))
     path.write_text(yaml.safe_dump(e2e.e2e_topology(tmp_path, PortPicker(), profile=e2e.CPU_PROFILE, switchable=True)))
     nodes = {n.name: n for n in load_topology(path).nodes}
     assert [n for n in nodes if n.startswith("pd-prefill-")] == ["pd-prefill-0", "pd-prefill-1"]
@@ -527,3 +556,33 @@ def test_an_import_only_sgl_kernel_imports_every_name_and_refuses_every_call(tmp
     env = e2e.bundle_env(None, REPO_ROOT, base={"PYTHONPATH": "/overlay"}, profile=e2e.CPU_PROFILE)
     assert (env["PYTHONPATH"].split(os.pathsep)[-1] == str(e2e.IMPORT_ONLY_DIR)) is e2e.needs_import_only_sgl_kernel()
     assert str(e2e.IMPORT_ONLY_DIR) not in e2e.bundle_env(tmp_path, REPO_ROOT, base={}, profile=e2e.GPU_PROFILE)["PYTHONPATH"]
+
+
+def test_on_cpu_the_router_reckons_the_kv_the_served_model_ships(tmp_path):
+    """The CPU profile's cost model is the tiny Llama's own config.json: the router's KV bytes per prompt
+    are what the servers put on the link (4 layers x 4 KV heads x (64 + 64) x 2 bytes = 4 KiB a token),
+    so a probe sized in bytes of the link fits a prompt that really crosses in its time."""
+    import yaml
+
+    from prfaas_sglang import runtime
+    from prfaas_sglang.demo.cluster import PortPicker
+    from prfaas_sglang.topology import load_topology
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_cpu_config(4096, 2, 0)))
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(e2e.e2e_topology(tmp_path, PortPicker(), profile=e2e.CPU_PROFILE)))
+    model = runtime.from_topology(load_topology(path))
+    assert model.kv_bytes(4096) == 4096 * 4096
+    gpu = e2e.e2e_topology(tmp_path, PortPicker(), profile=e2e.GPU_PROFILE)
+    assert gpu["model"]["cost_model"] == "kimi-linear-1t-hybrid"  # the GPU profile names its catalog model
+
+
+def test_the_link_watch_sums_what_the_router_showed_while_it_watched():
+    watch = checks._LinkWatch("http://unused")
+    watch.views = [{"link": {"capacity_bps": 1.5e8, "egress_bps": 6e7, "transfers_completed": 2}, "probes": 3,
+                    "controller": {"capacity_est_bps": 2e8}},
+                   {"link": {"capacity_bps": None, "congested": True}, "probes": 4, "controller": {"capacity_est_bps": 2e5}},
+                   {"link": {}, "probes": 5, "controller": {"capacity_est_bps": 1e8}}]
+    assert watch.summary() == {"samples": 3, "with_capacity": 1, "peak_capacity_bps": 1.5e8, "peak_egress_bps": 6e7,
+                               "transfers_delivered_seen": 2, "transfers_failed_seen": 0, "congested_samples": 1,
+                               "controller_capacity_est_bps": 1e8, "lowest_capacity_est_bps": 2e5, "probes": 2}

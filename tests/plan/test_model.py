@@ -182,3 +182,18 @@ def test_naive_and_homogeneous_baselines_on_the_case_study():
     assert (naive.n_prefill, naive.n_decode, naive.offload_fraction) == (0, 8, 1.0)
     homo = homogeneous_baseline(CASE.deployment.pd, 12, CASE_WORKLOAD, 1024, 100e9)
     assert (homo.n_prefill, homo.n_decode) == (9, 3)
+
+
+def test_every_shipped_model_and_a_served_config_round_trip_through_their_topology_mapping():
+    """``model_mapping`` writes what ``parse_model`` reads (a topology's ``model.cost_model`` mapping): every
+    catalog model (MLA, recurrent, sliding-window, MoE among them) and a config.json's model come back equal."""
+    from prfaas_sglang.gpu.tiny_model import tiny_cpu_config
+    from prfaas_sglang.plan.hf import model_from_hf_config
+    from prfaas_sglang.plan.scenario import model_mapping, parse_model
+
+    catalog = Catalog()
+    models = [catalog.model(name) for name in catalog.names("models")]
+    models.append(model_from_hf_config(tiny_cpu_config(4096, 2, 0), "tiny-llama"))
+    for model in models:
+        assert parse_model(model_mapping(model)) == model, model.name
+    assert {"recurrent", "sliding_window", "moe"} <= {k for m in models for k in model_mapping(m)}  # every part seen

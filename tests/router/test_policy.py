@@ -176,6 +176,16 @@ class TestProbe:
     def test_no_probe_without_budget(self):
         assert not decide(8_000, {}).probe
 
+    def test_a_long_prompt_the_slo_would_spill_off_a_floor_link_stays_on_it_as_the_probe(self):
+        floor = Link(capacity_bps=2e5)  # a stall's estimate: 30 MB of KV would take 20 minutes
+        spilled = decide(30_000, {}, link=floor, max_ttft_s=5.0)
+        assert spilled.cluster == "pd" and spilled.reason.startswith("spill to pd within the TTFT SLO")
+        d = decide(30_000, {}, link=floor, max_ttft_s=5.0, probe=50e6)
+        assert d.cluster == "prfaas" and d.probe and d.reason.startswith("probe") and not refuse_early(d, 5.0)
+        assert decide(30_000, {}, link=floor, max_ttft_s=5.0, probe=10e6).cluster == "pd"  # over budget: the SLO rules
+        t = decide(30_000, {}, link=floor, target=5.0, probe=50e6)
+        assert t.cluster == "prfaas" and t.probe                                   # no expected-TTFT detour either
+
 
 class TestFaults:
     def test_prfaas_down_spills_to_pd(self):
@@ -379,6 +389,34 @@ class TestThresholdController:
         assert c.probe_budget_bytes(61.0) is None                # at most one per probe_interval_s
         assert c.probe_budget_bytes(62.0) == pytest.approx(0.5 * 2.0 * 40e6 / 8)  # and small again after one
 
+    def test_after_a_stall_probes_are_sized_at_the_rate_before_it_and_back_off_while_nothing_crosses(self):
+        """A stall (busy, nothing delivered) takes the estimate to its floor, which says nothing of the rate:
+        probes carry what the link carried before, or none would fit and the floor would be for good; a
+        probe that saw nothing cross doubles the wait before the next, and a crossing resets both."""
+        c = controller()
+        stalled = LinkView(0.0, 1.0, 0.0, 0.0, 0)
+        c.observe(0.0, stalled, IDLE)
+        c.observe(0.5, stalled, IDLE)
+        assert c.capacity_est_bps == pytest.approx(1e-3 * NOMINAL)
+        assert c.probe_budget_bytes(2.0) == pytest.approx(0.5 * 8.0 * NOMINAL / 8)  # never crossed: probe_max_s; not 1e-3 of it
+        c.note_probe(2.0)
+        assert c.probe_budget_bytes(4.0) == pytest.approx(0.5 * 2.0 * NOMINAL / 8)  # the first probe: no backoff yet
+        c.note_probe(4.0)                                                           # the one before delivered nothing
+        assert c.probe_budget_bytes(7.0) is None and c.probe_budget_bytes(8.0) is not None  # 4 s now
+        c.note_probe(8.0)
+        assert c.probe_budget_bytes(15.0) is None and c.probe_budget_bytes(16.0) is not None  # 8 s
+        c.observe(17.0, busy_link(100), IDLE)                                       # the probe crossed at 100 Mbit/s
+        c.observe(17.5, busy_link(100), IDLE)
+        assert c.capacity_est_bps == pytest.approx(100e6)                            # a rate again: no stall sizing
+        c.observe(19.5, LinkView(None, 0.0, 0.0, 0.0, 0), IDLE)
+        assert c.probe_budget_bytes(19.5) == pytest.approx(0.5 * 2.0 * 100e6 / 8)   # and no backoff
+
+    def test_a_measured_low_rate_sizes_probes_at_itself(self):
+        c = controller()
+        c.observe(0.0, busy_link(0.5), IDLE)
+        c.observe(0.5, busy_link(0.5), IDLE)
+        assert c.probe_budget_bytes(2.5) == pytest.approx(0.5 * 2.0 * 0.5e6 / 8)
+
     def test_routed_lengths_move_the_workload_estimate(self):
         seen = []
         c = ThresholdController(lambda bps, w: seen.append(w.mean_tokens) or 20_000.0, PRIOR, NOMINAL, 128, None,
@@ -394,6 +432,14 @@ class TestThresholdController:
         c.observe(0.0, busy_link(40), IDLE)
         assert c.observe(0.6, busy_link(40), IDLE) == pytest.approx(research(40e6, PRIOR), abs=128)
 
+    def test_an_override_of_t_still_probes_a_constrained_link(self):
+        c = controller()
+        c.override(0.0, 50_000)
+        c.observe(0.0, busy_link(40), IDLE)
+        c.observe(0.5, busy_link(40), IDLE)
+        assert c.threshold_tokens == 50_000 and c.capacity_est_bps == pytest.approx(40e6)
+        assert c.probe_budget_bytes(2.5) == pytest.approx(0.5 * 2.0 * 40e6 / 8)
+
     def test_override_and_clear(self):
         c = controller()
         assert c.override(0.0, 50_000) == 50_000 and c.threshold_tokens == 50_000
@@ -406,6 +452,33 @@ class TestThresholdController:
             ControllerSettings(drop_ratio=1.5)
         with pytest.raises(ValueError):
             ControllerSettings(queue_low_s=5, queue_high_s=1)
+
+
+def test_after_a_stall_the_next_long_prompt_probes_the_link_under_an_override_and_the_slo():
+    """The two together, as the CPU harness met them: ``t`` pinned by the admin, a TTFT SLO, and a
+    stall that put the estimate at its floor. The next long prompt, which the SLO would spill to PD
+    at the floor estimate, goes over the link as the probe once 2 s pass with nothing crossing; its
+    delivery at the link's rate lifts the estimate, and the prompts after it need no probe."""
+    c = controller()
+    c.override(0.0, 10_000)
+    c.observe(-0.5, busy_link(300), IDLE)  # the link carried KV at its rate, then stalled
+    stalled = LinkView(0.0, 1.0, 0.0, 0.0, 0)
+    c.observe(0.0, stalled, IDLE)
+    c.observe(0.5, stalled, IDLE)
+
+    def snap(now_s: float) -> ClusterSnapshot:
+        return ClusterSnapshot(WORKERS, c.threshold_tokens, BandwidthMode.SCARCE, COST, Link(c.capacity_est_bps), KV,
+                               probe_budget_bytes=c.probe_budget_bytes(now_s), max_ttft_s=5.0)
+
+    prompt = RouteInput(30_000, 30_016, {})  # 30 MB of KV: 0.6 s at 400 Mbit/s, 10 minutes at the floor
+    assert route(prompt, snap(1.0)).reason.startswith("spill to pd within the TTFT SLO")  # silence too short yet
+    probe = route(prompt, snap(2.5))
+    assert probe.cluster == "prfaas" and probe.probe
+    c.note_probe(2.5)
+    c.observe(3.0, busy_link(300), IDLE)
+    c.observe(3.5, busy_link(300), IDLE)
+    after = route(prompt, snap(3.6))
+    assert after.cluster == "prfaas" and not after.probe and c.capacity_est_bps == pytest.approx(NOMINAL)
 
 
 def test_the_runtime_models_research_raises_t_on_a_thin_link():
