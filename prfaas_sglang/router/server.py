@@ -309,6 +309,11 @@ async def dispatch(request: web.Request, kind: str) -> web.StreamResponse:
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 CACHE_MOVE_MIN_TIMEOUT_S = 5.0  # a move may take this long, or 4x the policy's estimate if longer
+# An idle pooled connection to a worker is dropped after this, before SGLang's HTTP server closes it
+# (uvicorn keep-alive, SGLANG_TIMEOUT_KEEP_ALIVE, 5 s). aiohttp's default keeps one 15 s, and a leg
+# sent on one the server had just closed failed writing its body ("Can not write request body"): the
+# router took a healthy PrfaaS worker out of routing and re-dispatched to PD (0.5.23 harness, 2026-11-28).
+WORKER_KEEPALIVE_S = 4.0
 
 
 def _prefix_ids(input_ids, num_tokens: int) -> list[int]:
@@ -777,8 +782,9 @@ def build_app(service: RouterService, kv_index_url: str | None = None, keys: Dep
     app[METRICS_KEY].register(RouterMetrics(app))
 
     async def on_startup(app):
-        app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024),
-                                                 headers=keys.bearer() if keys else None)
+        app[SESSION_KEY] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=WORKER_KEEPALIVE_S),
+            headers=keys.bearer() if keys else None)
         app[SUB_KEY] = ZmqSubscriber(curve=CurveKeys.from_deployment(keys))
         app[ROOM_KEY] = asyncio.Condition()
         for worker in service.workers.values():

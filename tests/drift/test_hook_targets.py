@@ -106,3 +106,14 @@ def test_where_a_change_applies_is_decided_by_markers(tmp_path):
     assert len(signature_drift([wrong])) == 1
     assert signature_drift([dataclasses.replace(wrong, only_if=("sglang/no/such/file.py", "x"))]) == []
     assert signature_drift([dataclasses.replace(wrong, expected_signature=("(nothing)", spec.expected_signature))]) == []
+
+
+def test_the_router_drops_an_idle_worker_connection_before_sglangs_server_closes_it():
+    """An idle pooled connection kept past the worker's keep-alive is one the server may close while the
+    router writes a leg's body on it: the leg fails and a healthy worker leaves routing. The router's
+    pool must let go first, on every supported release (SGLang's uvicorn keep-alive)."""
+    from sglang.srt.environ import envs
+
+    from prfaas_sglang.router.server import WORKER_KEEPALIVE_S
+
+    assert WORKER_KEEPALIVE_S < type(envs).SGLANG_TIMEOUT_KEEP_ALIVE.default
