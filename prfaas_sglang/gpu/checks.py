@@ -50,6 +50,7 @@ from prfaas_sglang.gpu.e2e import (
     start_reference,
     summary,
     unpack,
+    unroutable,
     wait_reference,
     wait_routable,
 )
@@ -422,18 +423,15 @@ def _timed_prompts(ctx: Context, router: str, profile: str, link: str, seed: int
 
 def why_routed(status: dict, num_tokens: int) -> str:
     """The router's own account (its ``/status``) of its latest decision for a ``num_tokens`` prompt:
-    the attempts' clusters and reasons, and what could have kept a worker out or the request waiting
-    (link marked down, unhealthy, decode room), with the threshold controller's capacity estimate (pure)."""
+    the attempts' clusters and reasons, and what could have kept a worker out (:func:`unroutable`) or
+    the request waiting (decode room), with the threshold controller's capacity estimate (pure)."""
     mine = [r for r in status.get("recent") or [] if r.get("tokens") == num_tokens]
     if mine:
         rid = mine[-1].get("rid")
         mine = [r for r in mine if r.get("rid") == rid]
     parts = [f"attempt {r.get('attempt')}: {r.get('cluster')} ({r.get('reason')})" for r in mine]
-    if status.get("link_down_workers"):
-        parts.append(f"link down: {', '.join(status['link_down_workers'])}")
-    unhealthy = sorted(n for n, w in (status.get("workers") or {}).items() if not w.get("healthy", True))
-    if unhealthy:
-        parts.append(f"unhealthy: {', '.join(unhealthy)}")
+    if out := unroutable(status):
+        parts.append(f"out of routing: {', '.join(out)}")
     decodes = {n: w for n, w in (status.get("workers") or {}).items() if w.get("role") == "decode"}
     parts += [f"{n}: {w.get('kv_free_tokens')} KV tokens free, {w.get('reserved_tokens')} reserved" for n, w in decodes.items()]
     estimate = (status.get("controller") or {}).get("capacity_est_bps")

@@ -262,8 +262,8 @@ def test_a_misrouted_prompt_is_explained_by_the_routers_own_status():
                           "pd-decode-0": {"healthy": True, "role": "decode", "kv_free_tokens": 900, "reserved_tokens": 64}},
               "controller": {"capacity_est_bps": 2e5}}
     said = why_routed(status, 4096)
-    assert said == ("attempt 0: prfaas (uncached 4096 > t); attempt 1: pd (spill to pd); link down: prfaas-0; "
-                    "unhealthy: prfaas-0; pd-decode-0: 900 KV tokens free, 64 reserved; capacity estimate 0.2 Mbit/s")
+    assert said == ("attempt 0: prfaas (uncached 4096 > t); attempt 1: pd (spill to pd); out of routing: prfaas-0; "
+                    "pd-decode-0: 900 KV tokens free, 64 reserved; capacity estimate 0.2 Mbit/s")
     assert why_routed({"recent": []}, 2048) == "no decision for 2048 tokens among the recent ones"
 
 
