@@ -43,6 +43,7 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         CHECK_ALIASES,
         CHECKS,
         CPU_CHECKS,
+        CPU_WITHOUT,
         MOCK_CHECKS,
         default_checks,
         gpu_unavailable,
@@ -55,7 +56,8 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
     if cpu:  # real SGLang on CPU from this environment: no bundle, a tiny Llama unless --model-config
         if wrong := [c for c in checks if c not in CPU_CHECKS]:
-            parser.error(f"--engine sglang-cpu runs {', '.join(CPU_CHECKS)} only, not {wrong}")
+            why = "".join(f"; {c}: {CPU_WITHOUT[c]}" for c in wrong if c in CPU_WITHOUT)
+            parser.error(f"--engine sglang-cpu runs {', '.join(CPU_CHECKS)} only, not {wrong}{why}")
     elif mock:  # the harness's dry run on CPU: emulated engines, no bundle
         if wrong := [c for c in checks if c not in MOCK_CHECKS]:
             parser.error(f"--engine mock runs {', '.join(MOCK_CHECKS)} only, not {wrong}")
@@ -156,7 +158,7 @@ def add_e2e_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checks", default=None, help="comma list (default: all); wan-profile is another name for shaped-link")
     parser.add_argument("--engine", choices=("sglang", "sglang-cpu", "mock"), default="sglang",
                         help="sglang-cpu: real SGLang on this machine's CPU (a tiny Llama unless --model-config; every check but "
-                             "state-events, which needs a hybrid; root for shaped-link); mock: the harness's own dry run with "
+                             "state-events, which needs a hybrid and, on CPU, AMX; root for shaped-link); mock: the harness's own dry run with "
                              "emulated engines (shaped-link, routing, kv-index, failover; needs --model-config, root); it checks "
                              "the harness, not SGLang")
     parser.add_argument("--json", action="store_true")

@@ -146,8 +146,12 @@ CPU_PROFILE = ServerProfile(
     router_args=("--health-timeout-s", "30"),
     shaped_repeats=3,  # a CPU prefill of 4,096 tokens takes seconds
     on_cpu=True)
-# ``--engine sglang-cpu``: real SGLang on CPU; state-events needs a hybrid's Mamba cache, which the CPU engine lacks
+# ``--engine sglang-cpu``: real SGLang on CPU. Not state-events: it needs a hybrid, and SGLang (0.5.15 and 0.5.23)
+# serves one on CPU only where the CPU has AMX (BENCHMARKS.md, "state-events on CPU: a hybrid needs AMX")
 CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link", "role-switch")
+CPU_WITHOUT = {"state-events": "it needs a hybrid model, and SGLang serves one on CPU only where the CPU has AMX "
+                               "(its gated RMSNorm runs sgl_kernel's CPU kernel there, else Triton, which has no CPU "
+                               "driver); run it on the GPU machine"}
 # role-switch needs SGLang's own /pd_role_switch (0.5.23; the GPU bundle's 0.5.15 has none) and a second,
 # switchable PD prefill in the deployment
 

@@ -497,7 +497,7 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     assert (Path(result["logs"]) / "prfaas-0.0.log").is_file() and (Path(result["logs"]) / "prfaas-0.1.log").is_file()
 
 
-def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
+def test_the_dry_run_and_the_cpu_engine_refuse_what_they_cannot_do(tmp_path):
     def run(*extra):
         return subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "gpu-e2e", "--engine", "mock", *extra],
                               capture_output=True, text=True, timeout=60)
@@ -507,6 +507,10 @@ def test_the_dry_run_refuses_what_it_cannot_do(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     wrong = run("--model-config", str(tmp_path), "--checks", "hooks")
     assert wrong.returncode == 2 and "runs shaped-link, routing, kv-index, failover only" in wrong.stderr
+    on_cpu = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "gpu-e2e", "--engine", "sglang-cpu",
+                             "--checks", "routing,state-events"], capture_output=True, text=True, timeout=60)
+    assert on_cpu.returncode == 2 and "not ['state-events']; state-events: it needs a hybrid" in on_cpu.stderr
+    assert "only where the CPU has AMX" in on_cpu.stderr
 
 
 @pytest.mark.parametrize("release_has_it", [True, False])
