@@ -79,6 +79,7 @@ PATHS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1
 # scheduler chooses among every PD cluster.
 ENTRY_HEADER = "x-prfaas-entry"
 LONG_TEXT_CHARS = 20_000  # tokenize longer prompts off the event loop
+LOGGED_WAIT_S = 1.0  # a request that waited this long for decode room gets a log line naming why
 
 SERVICE_KEY = web.AppKey("service", RouterService)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
@@ -219,7 +220,7 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str], ent
     service, room = app[SERVICE_KEY], app[ROOM_KEY]
     cfg = service.config
     deadline = time.monotonic() + cfg.admission_timeout_s
-    waited_since = None
+    waited_since, waited_for = None, ""
     request = service.route_input(req)  # the prompt is hashed once, not on every wake-up below
     try:
         while True:
@@ -231,7 +232,7 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str], ent
                     if service.waiting >= cfg.max_waiting:
                         raise Rejected(429, "queue_full", f"{service.waiting} requests already wait for decode room",
                                        retry_after_s=2) from None
-                    waited_since = time.monotonic()
+                    waited_since, waited_for = time.monotonic(), str(err)
                     service.waiting += 1
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -247,7 +248,10 @@ async def _decide(app: web.Application, req: EngineRequest, tried: set[str], ent
     finally:
         if waited_since is not None:
             service.waiting -= 1
-            service.counters.queue_wait.observe(time.monotonic() - waited_since)
+            waited_s = time.monotonic() - waited_since
+            service.counters.queue_wait.observe(waited_s)
+            if waited_s >= LOGGED_WAIT_S:
+                logger.info("request %s waited %.1f s in the router for decode room (%s)", req.rid, waited_s, waited_for)
     if refuse_early(decision, cfg.max_ttft_s):
         raise Rejected(503, "ttft_estimate", f"overloaded: estimated TTFT {decision.estimated_ttft_s:.1f} s exceeds "
                                              f"{cfg.max_ttft_s:g} s",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import aiohttp
@@ -130,6 +131,10 @@ def test_one_and_a_half_times_capacity_is_served_queued_or_refused_up_front(tmp_
     assert status["failed"] == {}
     assert sum(r["status"] == 200 for r in log) >= len(log) / 3  # most work is still served
     assert queue_waits > 0  # the decode-room wait was exercised, not just the happy path
+    # a wait of a second or more is in the router's log, with the reason it waited
+    waits = [line for line in (tmp_path / "logs" / "router.log").read_text().splitlines()
+             if "in the router for decode room (" in line]
+    assert waits and all(re.search(r"waited \d+\.\d s in the router for decode room \(.+\)", line) for line in waits)
     print({"capacity_rps": capacity, "requests": len(log), "served": sum(r["status"] == 200 for r in log),
            "rejected": status["rejected"]})
 
