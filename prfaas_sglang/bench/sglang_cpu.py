@@ -165,3 +165,36 @@ def cpu_swa_cache(cache_cls, page_size: int, full_tokens: int, swa_tokens: int, 
     params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=kv,
                              page_size=page_size, enable_kv_cache_events=events, sliding_window_size=window_tokens)
     return CpuHybridCache(cache_cls(params), kv, req_pool, pool, params, page_size)
+
+
+def cpu_full_cache(page_size: int, kv_tokens: int, events: bool = True, kv_buffers: bool = False) -> CpuHybridCache:
+    """The installed SGLang's prefix cache for a full-attention model over :func:`cpu_radix_cache`'s
+    pools: its ``RadixCache`` where it has a tree per model kind (0.5.15), else its unified tree with
+    one full-attention component (0.5.23; what ``create_unified_radix_cache`` builds for such a model,
+    on SGLang's default tree core)."""
+    from prfaas_sglang._compat import RADIX_TREES, installed_has
+
+    if installed_has(RADIX_TREES):
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        return cpu_radix_cache(RadixCache, page_size, kv_tokens, events, kv_buffers)
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    built = cpu_radix_cache(lambda params: None, page_size, kv_tokens, events, kv_buffers)
+    built.params.tree_components = (ComponentType.FULL,)
+    built.cache = UnifiedRadixCache(built.params)
+    return built
+
+
+def cpu_prefill_hybrid_cache(page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True) -> CpuHybridCache:
+    """The ``prfaas-hybrid`` prefill tree of the installed SGLang for the tiny hybrid layout, with KV
+    buffers: the state-reporting ``MambaRadixCache`` (0.5.15) or :func:`cpu_unified_hybrid_cache` (0.5.23)."""
+    from prfaas_sglang._compat import RADIX_TREES, installed_has
+
+    if installed_has(RADIX_TREES):
+        from prfaas_sglang.hooks.hybrid_cache import StateEventsMambaRadixCache
+
+        return cpu_hybrid_cache(StateEventsMambaRadixCache, page_size, kv_tokens, mamba_slots, events)
+    return cpu_unified_hybrid_cache(page_size, kv_tokens, mamba_slots, events)
+

@@ -264,6 +264,51 @@ def _index_worker(index: str, name: str) -> dict:
     return json.loads(http("GET", index + "/status")[2])["workers"].get(name, {})
 
 
+def check_cache_move(ctx: Context) -> CheckResult:
+    """A prefix cached on a PD prefill server only, moved to the PrfaaS server through the routes the
+    cache-move hooks add (a real server on each end, Mooncake TCP between them, SGLang's own tree
+    on each side): the import answers with the tokens it took, an import of it again takes none,
+    the kv-index sees them stored on PrfaaS, and a longer prompt sent there through the router reuses
+    them (SGLang's own ``cached_tokens``)."""
+    from prfaas_sglang.wire.cache_move import CacheImport, CacheImported
+
+    router, index, vocab = ctx.dep.url("router"), ctx.dep.url("kv-index"), ctx.vocab_size or 4096
+    case = {"name": "cache-move", "endpoint": "/v1/completions", "stream": False}
+    ids = prompt_ids(ctx.profile.short_tokens[1], vocab, 951)  # short: a PD prefill computes and keeps it
+    _, headers = _ask(router, case, ids, None, model=ctx.profile.served_name)
+    source = (route_header(headers) or "").split("/")
+    if len(source) != 3 or source[0] != "pd":
+        return CheckResult("cache-move", False, f"the short prompt was routed {route_header(headers)!r}, not to PD")
+    time.sleep(1.0)
+    before = _index_worker(index, "prfaas-0").get("blocks", 0)
+    body = CacheImport(ids, len(ids), ctx.dep.url(source[1]), 60.0).to_json()
+    answers = [http("POST", ctx.dep.url("prfaas-0") + "/prfaas/cache/import", body) for _ in range(2)]
+    data: dict = {"source": source[1], "tokens": len(ids), "answers": [[a[0], a[2][:300].decode(errors="replace")]
+                                                                       for a in answers]}
+    if any(status != 200 for status, _, _ in answers):
+        return CheckResult("cache-move", False, f"import answered {[a[0] for a in answers]}: {data['answers']}", data)
+    first, again = (CacheImported.decode(json.loads(payload)) for _, _, payload in answers)
+    time.sleep(1.0)
+    after = _index_worker(index, "prfaas-0").get("blocks", 0)
+    longer = extended(ids, ctx.profile.long_tokens[0], vocab, 952)  # long: to PrfaaS, past its moved prefix
+    answer, headers = _ask(router, case, longer, None, model=ctx.profile.served_name)
+    data.update(imported_tokens=first.imported_tokens, bytes=first.bytes, transfer_s=first.transfer_s,
+                again_imported=again.imported_tokens, again_cached=again.cached_tokens, blocks_before=before,
+                blocks_after=after, longer_route=route_header(headers), longer_cached_tokens=answer["cached_tokens"])
+    wrong = []
+    if first.imported_tokens < len(ids) // 2:
+        wrong.append(f"the import took {first.imported_tokens} of {len(ids)} tokens")
+    if again.imported_tokens != 0 or again.cached_tokens < first.imported_tokens:
+        wrong.append(f"importing it again took {again.imported_tokens} tokens, held {again.cached_tokens}")
+    if after <= before:
+        wrong.append(f"the kv-index saw no blocks stored on prfaas-0 ({before} -> {after})")
+    if not (route_header(headers) or "").startswith("prfaas/prfaas-0/"):
+        wrong.append(f"the longer prompt went {route_header(headers)!r}, not to prfaas-0")
+    elif answer["cached_tokens"] < first.imported_tokens:
+        wrong.append(f"prfaas-0 reused {answer['cached_tokens']} tokens of the {first.imported_tokens} moved to it")
+    return CheckResult("cache-move", not wrong, "; ".join(wrong), data)
+
+
 def check_state_events(ctx: Context) -> CheckResult:
     """Issue #15 on real SGLang: both prefill workers report their Mamba state checkpoints (the
     ``prfaas-hybrid`` cache and ``prfaas-zmq`` publisher are live); a PrfaaS worker (pinned to
@@ -685,7 +730,7 @@ def check_role_switch(ctx: Context) -> CheckResult:
 CHECK_FUNCTIONS: dict[str, Callable[[Context], CheckResult]] = {
     "hooks": check_hooks, "greedy-equal": check_greedy_equal, "routing": check_routing, "kv-index": check_kv_index,
     "state-events": check_state_events, "failover": check_failover, "shaped-link": check_shaped_link,
-    "role-switch": check_role_switch,
+    "role-switch": check_role_switch, "cache-move": check_cache_move,
 }
 
 

@@ -13,6 +13,9 @@ SGLang server (role ``single``) as the reference, then runs the checks:
                   and the engines' own request counters agree
     kv-index      the kv-index's predicted reusable length equals the engine's cached_tokens
                   for repeated and extended prompts, and the extension hits
+    cache-move    a prefix cached on PD-P only is moved to the PrfaaS server through the cache-move
+                  routes (Mooncake TCP between real servers); the kv-index sees it stored there and
+                  a longer prompt routed there reuses it
     state-events  both prefill servers report their Mamba state checkpoints (issue #15); the
                   PrfaaS server inserts no one-off long prompt and reuses one sent three times
     failover      the PrfaaS server is killed mid-run: every request completes via PD-P or fails
@@ -49,7 +52,8 @@ from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup, free_port
 from prfaas_sglang.plan.workload import case_study_lengths
 
-CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "state-events", "failover", "shaped-link", "role-switch")
+CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "cache-move", "state-events", "failover", "shaped-link",
+          "role-switch")
 CHECK_ALIASES = {"wan-profile": "shaped-link"}  # issue #14's name for it: TTFT of the WAN profile over the shaped link
 # Flags every SGLang server gets (shared/notes/gpu.md): paths a slimmed sglang-kernel has, random
 # weights with one seed (greedy outputs then compare across servers), cached_tokens reported.
@@ -148,7 +152,7 @@ CPU_PROFILE = ServerProfile(
     on_cpu=True)
 # ``--engine sglang-cpu``: real SGLang on CPU. Not state-events: it needs a hybrid, and SGLang (0.5.15 and 0.5.23)
 # serves one on CPU only where the CPU has AMX (BENCHMARKS.md, "state-events on CPU: a hybrid needs AMX")
-CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "failover", "shaped-link", "role-switch")
+CPU_CHECKS = ("hooks", "greedy-equal", "routing", "kv-index", "cache-move", "failover", "shaped-link", "role-switch")
 CPU_WITHOUT = {"state-events": "it needs a hybrid model, and SGLang serves one on CPU only where the CPU has AMX "
                                "(its gated RMSNorm runs sgl_kernel's CPU kernel there, else Triton, which has no CPU "
                                "driver); run it on the GPU machine"}

@@ -4,7 +4,8 @@ Works on SGLang's own pools (the token-to-KV pool behind the allocator, the requ
 Mamba state pool) and the state-reporting ``MambaRadixCache`` of
 :mod:`prfaas_sglang.hooks.hybrid_cache`, so an import is announced to the kv-index like any
 insert (``BlockStored`` per page, then ``StateStored``); or a full-attention model's
-``RadixCache`` (no state: the message's state list is empty). Wire format:
+``RadixCache`` (no state: the message's state list is empty). On SGLang 0.5.23's unified tree the
+same three functions come from :mod:`prfaas_sglang.hooks.cache_import_unified` (the end of this file). Wire format:
 :mod:`prfaas_sglang.wire.prefix_transfer`; served in an SGLang server by
 :mod:`prfaas_sglang.hooks.cache_move_hook`.
 
@@ -18,12 +19,14 @@ had are freed, as SGLang's insert does); on a refused message nothing is allocat
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from prfaas_sglang._compat import UNIFIED_TREE, installed_has
 from prfaas_sglang.wire.prefix_transfer import (
     PREFIX_TRANSFER_VERSION,
     PrefixTransfer,
@@ -34,6 +37,17 @@ from prfaas_sglang.wire.prefix_transfer import (
 
 class NoRoomError(PrefixTransferError):
     """The receiver has no room for the prefix (KV pages or a state slot) even after evicting."""
+
+
+class UnsupportedTree(PrefixTransferError):
+    """This worker's tree holds what a move does not carry (SGLang 0.5.23: a sliding-window component,
+    int8 Mamba checkpoints, replayed-SSM tensors): no move in or out of it."""
+
+
+def request_key(token_ids: list[int]) -> RadixKey:
+    """The key SGLang gives a request's tokens (an ``array('q')``, on 0.5.15 and 0.5.23 alike): a tree's
+    match asserts that both keys have one type, so a list key fails against what a server inserted."""
+    return RadixKey(array("q", token_ids))
 
 
 def _kv_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
@@ -59,7 +73,7 @@ def _state_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
 def usable_prefix_tokens(cache: Any, token_ids: list[int]) -> int:
     """Tokens of ``token_ids`` this cache would reuse now (its own ``match_prefix``: for a hybrid
     model, up to the last state checkpoint). Moves the match to the front of the LRU, nothing else."""
-    return len(cache.match_prefix(MatchPrefixParams(key=RadixKey(list(token_ids)))).device_indices)
+    return len(cache.match_prefix(MatchPrefixParams(key=request_key(token_ids))).device_indices)
 
 
 # msgpack framing: per message, its header and up to 5 bytes per token id; per blob, its name,
@@ -94,10 +108,27 @@ def _tensor(blob: TensorBlob, like: torch.Tensor, shape: tuple[int, ...]) -> tor
     return flat.view(like.dtype).reshape(shape).to(like.device)
 
 
+def _decoded(cache: Any, transfer: PrefixTransfer) -> tuple[int, list, list, list[torch.Tensor], list[torch.Tensor]]:
+    """(tokens, this cache's KV buffers, its state buffers, the message's KV rows, its state), each
+    tensor checked against this worker's layout; raises PrefixTransferError when it does not fit."""
+    n = len(transfer.token_ids)
+    if transfer.page_size != cache.page_size:
+        raise PrefixTransferError(f"page size {transfer.page_size}, this worker's is {cache.page_size}")
+    kv_buffers, state_buffers = _kv_buffers(cache), _state_buffers(cache)
+    if [b.name for b in transfer.kv] != [name for name, _ in kv_buffers]:
+        raise PrefixTransferError(f"KV layers {[b.name for b in transfer.kv]} do not match {[n for n, _ in kv_buffers]}")
+    if [b.name for b in transfer.state] != [name for name, _ in state_buffers]:
+        raise PrefixTransferError(f"state tensors {[b.name for b in transfer.state]} do not match "
+                                  f"{[n for n, _ in state_buffers]}")
+    kv = [_tensor(blob, buf, (n, *buf.shape[1:])) for blob, (_, buf) in zip(transfer.kv, kv_buffers, strict=True)]
+    state = [_tensor(blob, buf, (buf.shape[0], *buf.shape[2:])) for blob, (_, buf) in zip(transfer.state, state_buffers, strict=True)]
+    return n, kv_buffers, state_buffers, kv, state
+
+
 def export_prefix(cache: Any, token_ids: list[int]) -> PrefixTransfer | None:
     """The longest prefix of ``token_ids`` this cache can resume from (full-attention pages up to
     a state checkpoint), as a message; None when nothing is cached."""
-    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(token_ids))))
+    match = cache.match_prefix(MatchPrefixParams(key=request_key(token_ids)))
     indices, node = match.device_indices, match.last_device_node
     state_buffers = _state_buffers(cache)
     if len(indices) == 0 or (state_buffers and node.mamba_value is None):
@@ -116,18 +147,8 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     """Insert ``transfer``'s prefix as a prefix-cache entry; returns the tokens this cache did not
     hold before (0: it already reused the whole prefix). Raises PrefixTransferError when the
     message does not fit this worker's pools (page size, layers, dtypes, shapes)."""
-    n = len(transfer.token_ids)
-    if transfer.page_size != cache.page_size:
-        raise PrefixTransferError(f"page size {transfer.page_size}, this worker's is {cache.page_size}")
-    kv_buffers, state_buffers = _kv_buffers(cache), _state_buffers(cache)
-    if [b.name for b in transfer.kv] != [name for name, _ in kv_buffers]:
-        raise PrefixTransferError(f"KV layers {[b.name for b in transfer.kv]} do not match {[n for n, _ in kv_buffers]}")
-    if [b.name for b in transfer.state] != [name for name, _ in state_buffers]:
-        raise PrefixTransferError(f"state tensors {[b.name for b in transfer.state]} do not match "
-                                  f"{[n for n, _ in state_buffers]}")
-    kv = [_tensor(blob, buf, (n, *buf.shape[1:])) for blob, (_, buf) in zip(transfer.kv, kv_buffers, strict=True)]
-    state = [_tensor(blob, buf, (buf.shape[0], *buf.shape[2:])) for blob, (_, buf) in zip(transfer.state, state_buffers, strict=True)]
-    key = RadixKey(list(transfer.token_ids))
+    n, kv_buffers, state_buffers, kv, state = _decoded(cache, transfer)
+    key = request_key(transfer.token_ids)
     held = usable_prefix_tokens(cache, transfer.token_ids)
     if held >= n:
         return 0
@@ -157,3 +178,13 @@ def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
     if result.mamba_exist:
         mamba.free(slot)
     return n - held
+
+
+# SGLang 0.5.23 keeps every prefix in one tree (node ids, lock receipts, components): the same contract
+# there, from hooks/cache_import_unified.py. Decided here, once, by marker.
+if installed_has(UNIFIED_TREE):
+    from prfaas_sglang.hooks.cache_import_unified import (  # noqa: E402,F401,F811 - this module's API there
+        export_prefix,
+        import_prefix,
+        usable_prefix_tokens,
+    )

@@ -111,15 +111,9 @@ def agent_endpoint(port_args: Any) -> str | None:
     return name + ENDPOINT_SUFFIX
 
 
-# A prefix's import is an insert into one of SGLang 0.5.15's per-kind trees (hooks/cache_import.py); SGLang
-# 0.5.23's unified tree has none of those classes, and the import is not ported onto it yet.
-NOT_PORTED = "cache moves are not ported onto this SGLang's unified radix tree (SGLang 0.5.15 has them)"
-
-
 def unsupported_reason(server_args: Any, port_args: Any, role: str | None) -> str | None:
     """Why this server cannot serve cache moves, or None when it can (both processes ask, with the
     same answer: the routes answer 501 with it, and the scheduler starts no agent)."""
-    from prfaas_sglang._compat import RADIX_TREES, installed_has
     from prfaas_sglang.hooks.server_args import resolving
 
     server_args = resolving(server_args)
@@ -134,7 +128,7 @@ def unsupported_reason(server_args: Any, port_args: Any, role: str | None) -> st
         return f"cache moves need one scheduler (tp, pp and dp size 1), this server has {sizes}"
     if agent_endpoint(port_args) is None:
         return "cache moves need SGLang's ipc sockets (single-node server)"
-    return None if installed_has(RADIX_TREES) else NOT_PORTED
+    return None
 
 
 # --- scheduler-thread steps ---------------------------------------------------------------------
@@ -297,6 +291,7 @@ class CacheMoveAgent:
         :func:`landing_grace_s` (the source may still write) and released by a later move or ``close``."""
         from prfaas_sglang.hooks.cache_import import (
             NoRoomError,
+            UnsupportedTree,
             import_prefix,
             message_bound_bytes,
             usable_prefix_tokens,
@@ -326,6 +321,8 @@ class CacheMoveAgent:
             imported = self.steps.call(lambda: import_prefix(self.cache, transfer), deadline - time.monotonic())
         except NoRoomError as err:
             raise MoveRefused(503, str(err)) from None
+        except UnsupportedTree as err:
+            raise MoveRefused(501, str(err)) from None
         except PrefixTransferError as err:  # the source's layout is not this worker's
             raise MoveRefused(502, str(err)) from None
         self.stats["imports"] += 1
@@ -397,11 +394,14 @@ class CacheMoveAgent:
         page) to the caller's region; 409 when nothing of it is held."""
         import torch
 
-        from prfaas_sglang.hooks.cache_import import export_prefix
+        from prfaas_sglang.hooks.cache_import import UnsupportedTree, export_prefix
 
         self._check_peer(msg.session, "export destination")
         ids = msg.token_ids[:msg.num_tokens]
-        transfer = self.steps.call(lambda: export_prefix(self.cache, ids), DEFAULT_TIMEOUT_S)
+        try:
+            transfer = self.steps.call(lambda: export_prefix(self.cache, ids), DEFAULT_TIMEOUT_S)
+        except UnsupportedTree as err:
+            raise MoveRefused(501, str(err)) from None
         if transfer is None:
             raise MoveRefused(409, f"this worker holds none of the {msg.num_tokens} prefix tokens")
         payload = prefix_transfer.encode(transfer)

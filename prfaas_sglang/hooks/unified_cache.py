@@ -20,8 +20,8 @@ extension points that release provides, no patch:
 
 Not ported to this tree yet (0.5.15 has them): a checkpoint hint's keep-to-checkpoint (a hinted
 one-off is transfer cache here), sliding-window state events (an SWA model's batches carry no state
-list, which consumers read as "reports no state"), the decode radix cache (upstream's own serves
-decode), and cache import.
+list, which consumers read as "reports no state"), and the decode radix cache (upstream's own serves
+decode). Cache moves are ported: :mod:`prfaas_sglang.hooks.cache_import_unified`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One SGLang prefill worker's cache-move side on CPU, as a process (tests/engine/test_cache_move_sglang.py).
 
-Real: SGLang's pools and radix cache (our state-reporting ``MambaRadixCache``, or SGLang's own
-``RadixCache`` for a full-attention model), SGLang's Mooncake transfer engine over TCP, the agent
+Real: SGLang's pools and prefix cache (0.5.15: our state-reporting ``MambaRadixCache``, or SGLang's
+own ``RadixCache`` for a full-attention model; 0.5.23: its unified tree, ours or SGLang's own), SGLang's Mooncake transfer engine over TCP, the agent
 started by the ``cache-move-agent`` hook function, its steps run by the ``cache-move-steps`` hook
 function from a loop standing in for the scheduler's, the routes ``install_routes`` adds (the
 ``cache-move-routes`` hook's) on a FastAPI app behind SGLang's own ``--api-key`` middleware,
@@ -39,14 +39,20 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
     get_mooncake_transfer_engine,
     init_mooncake_transfer_engine,
 )
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.utils.auth import add_api_key_middleware  # noqa: E402
 
-from prfaas_sglang.bench.sglang_cpu import cpu_hybrid_cache, cpu_radix_cache  # noqa: E402
-from prfaas_sglang.hooks import hybrid_cache  # noqa: E402
+from prfaas_sglang.bench.sglang_cpu import cpu_full_cache, cpu_prefill_hybrid_cache  # noqa: E402
+from prfaas_sglang.hooks.cache_import import (  # noqa: E402
+    _blob,
+    _kv_buffers,
+    _state_buffers,
+    export_prefix,
+    import_prefix,
+    usable_prefix_tokens,
+)
 from prfaas_sglang.hooks.cache_move_hook import install_routes, run_steps, start_agent  # noqa: E402
 from prfaas_sglang.security import load_keys  # noqa: E402
+from prfaas_sglang.wire.prefix_transfer import PREFIX_TRANSFER_VERSION, PrefixTransfer  # noqa: E402
 
 KV_TOKENS, STATE_SLOTS = 256, 8
 PORT = int(os.environ["PROBE_PORT"])
@@ -55,61 +61,39 @@ AGENT: list = []  # the started agent
 
 
 def build():
+    """The installed SGLang's tree (0.5.15's per-kind caches or 0.5.23's unified tree), as a server builds it."""
     if MODEL == "full":
-        return cpu_radix_cache(RadixCache, 4, KV_TOKENS, events=False, kv_buffers=True)
-    return cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, 1, KV_TOKENS, STATE_SLOTS, events=False)
-
-
-def kv_buffers(built):
-    pool = built.kv.get_kvcache()
-    pool = getattr(pool, "full_kv_pool", pool)
-    return list(pool.k_buffer) + list(pool.v_buffer)
-
-
-def state_buffers(built):
-    if MODEL == "full":
-        return []
-    state = built.req_pool.mamba_pool.mamba_cache
-    return list(state.conv) + [state.temporal]
+        return cpu_full_cache(4, KV_TOKENS, events=False, kv_buffers=True)
+    return cpu_prefill_hybrid_cache(1, KV_TOKENS, STATE_SLOTS, events=False)
 
 
 def seed(built, tokens: list[int], gen: torch.Generator) -> None:
-    """Cache ``tokens`` as a finished prefill would, with random KV rows and state."""
+    """Cache ``tokens`` with random KV rows and state, as a finished prefill leaves them: through the
+    release's own insert, by way of ``import_prefix`` (which tests check against the buffers)."""
+    def rand(shape, like):
+        return torch.randn(shape, generator=gen).to(like.dtype)
+
     n = len(tokens)
-    if built.kv.available_size() < n:
-        built.cache.evict(EvictParams(num_tokens=n - built.kv.available_size()))
-    indices = built.kv.alloc(n)
-    for buf in kv_buffers(built):
-        buf[indices] = torch.randn(buf[indices].shape, generator=gen).to(buf.dtype)
-    if MODEL == "full":
-        result = built.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=indices))
-        built.kv.free(indices[:result.prefix_len])
-        return
-    slot = built.req_pool.mamba_allocator.alloc(1)
-    for buf in state_buffers(built):
-        buf[:, slot[0]] = torch.randn(buf[:, slot[0]].shape, generator=gen).to(buf.dtype)
-    if built.cache.insert(InsertParams(key=RadixKey(list(tokens)), value=indices, mamba_value=slot)).mamba_exist:
-        built.req_pool.mamba_allocator.free(slot)
+    kv = [_blob(name, rand((n, *buf.shape[1:]), buf)) for name, buf in _kv_buffers(built.cache)]
+    state = [_blob(name, rand((buf.shape[0], *buf.shape[2:]), buf)) for name, buf in _state_buffers(built.cache)]
+    import_prefix(built.cache, PrefixTransfer(PREFIX_TRANSFER_VERSION, list(tokens), built.cache.page_size, kv, state))
 
 
 def held(built, tokens: list[int]) -> dict:
-    match = built.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
-    idx = match.device_indices
+    """What this worker would reuse of ``tokens``, a digest of those tokens' KV rows and state, and
+    its pool accounting."""
     digest = hashlib.sha256()
-    for buf in kv_buffers(built):
-        digest.update(buf[idx].contiguous().view(torch.uint8).numpy().tobytes())
-    if len(idx) and MODEL != "full":
-        slot = int(match.last_device_node.mamba_value[0])
-        for buf in state_buffers(built):
-            digest.update(buf[:, slot].contiguous().view(torch.uint8).numpy().tobytes())
+    transfer = export_prefix(built.cache, tokens)
+    for blob in (transfer.kv + transfer.state) if transfer is not None else []:
+        digest.update(blob.data)
     size = built.cache.total_size()
-    cached_tokens = size if MODEL == "full" else size[0]
-    out = {"held": len(idx), "digest": digest.hexdigest(), "total": KV_TOKENS,
-           "free_plus_cached": built.kv.available_size() + cached_tokens}
+    sizes = size if isinstance(size, tuple) else (size,)
+    out = {"held": usable_prefix_tokens(built.cache, tokens), "digest": digest.hexdigest(), "total": KV_TOKENS,
+           "free_plus_cached": built.kv.available_size() + sizes[0]}
     if AGENT:
         out["quarantined_bytes"] = AGENT[0].quarantined_bytes
     if MODEL != "full":
-        out["state_free_plus_cached"] = built.req_pool.mamba_allocator.available_size() + size[1]
+        out["state_free_plus_cached"] = built.req_pool.mamba_allocator.available_size() + sizes[1]
         out["state_total"] = STATE_SLOTS
     return out
 

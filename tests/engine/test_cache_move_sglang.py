@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prfaas_sglang._compat import RADIX_TREES, installed_has
+from prfaas_sglang._compat import UNIFIED_TREE, installed_has
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.wire.auth import AUTH_HEADER, DeploymentKeys, sign
@@ -30,10 +30,6 @@ from prfaas_sglang.wire.cache_move import CacheExport, CacheImport, CacheImporte
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.mem_cache.radix_cache")
-# The moves themselves insert into SGLang 0.5.15's per-kind trees; on the unified tree (0.5.23) they are not
-# ported and every server refuses them (test_servers_that_cannot_move_answer_501_with_the_reason).
-moves_ported = pytest.mark.skipif(not installed_has(RADIX_TREES), reason="cache moves are not ported onto "
-                                  "SGLang 0.5.23's unified tree; their refusal there is tested")
 
 WORKER = Path(__file__).with_name("cache_move_worker.py")
 SECRET = b"a deployment secret for the cache-move tests, long enough"
@@ -66,8 +62,6 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline_s: float =
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    if not installed_has(RADIX_TREES):
-        pytest.skip("cache moves are not ported onto SGLang 0.5.23's unified tree; their refusal there is tested")
     """(source URL, target URL): the source caches SHORT and LONG, the target nothing."""
     tmp = tmp_path_factory.mktemp("cache-move")
     (tmp / "secret").write_bytes(SECRET)
@@ -226,13 +220,12 @@ def test_a_step_the_scheduler_has_not_started_by_the_deadline_is_cancelled_and_n
 
 
 def test_servers_that_cannot_move_answer_501_with_the_reason(monkeypatch):
-    """A server that cannot move says why, with a 501: its configuration, or (SGLang 0.5.23) the
-    release, whose unified tree the moves are not ported onto."""
+    """A server that cannot move says why, with a 501: its configuration."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
     from sglang.srt.server_args import ServerArgs
 
-    from prfaas_sglang.hooks.cache_move_hook import NOT_PORTED, install_routes, unsupported_reason
+    from prfaas_sglang.hooks.cache_move_hook import install_routes, unsupported_reason
 
     assert {"disaggregation_mode", "disaggregation_transfer_backend", "tp_size", "pp_size", "dp_size",
             "api_key"} <= set(inspect.signature(ServerArgs).parameters)  # what the reason reads, on either release
@@ -240,7 +233,7 @@ def test_servers_that_cannot_move_answer_501_with_the_reason(monkeypatch):
     args = SimpleNamespace(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake_tcp",
                            tp_size=2, pp_size=1, dp_size=1)
     able = unsupported_reason(SimpleNamespace(**{**vars(args), "tp_size": 1}), port_args, "prfaas")
-    assert able == (None if installed_has(RADIX_TREES) else NOT_PORTED)
+    assert able is None
     assert "tp, pp and dp size 1" in unsupported_reason(args, port_args, "prfaas")
     assert "prefill worker" in unsupported_reason(args, port_args, "pd-decode")
     assert "ipc" in unsupported_reason(SimpleNamespace(**{**vars(args), "tp_size": 1}),
@@ -273,29 +266,54 @@ def test_the_routes_hook_adds_them_to_sglangs_app_for_prefill_roles_only(monkeyp
     assert infos[0]["prfaas_cache_move"]["served"] is False and "prefill" in infos[0]["prfaas_cache_move"]["reason"]
 
 
-@moves_ported
-def test_a_full_attention_prefix_moves_with_its_bytes_and_a_partly_held_one_frees_its_duplicates():
-    """SGLang's own RadixCache (page 4, two MHA layers): no state travels; a target that already
-    holds the first page keeps it and takes the rest, with no page leaked."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+def _key(tokens: list[int]):
+    """A prefix cache's key for ``tokens`` as a server keys a request (``array('q')`` on both releases;
+    a list key fails 0.5.15's match against it: the harness's cache-move check found that)."""
+    from prfaas_sglang.hooks.cache_import import request_key
 
-    from prfaas_sglang.bench.sglang_cpu import cpu_radix_cache
+    return request_key(tokens)
+
+
+def _matched_rows(cache, tokens: list[int]) -> torch.Tensor:
+    """The KV buffer rows of what ``cache`` matches of ``tokens`` (SGLang 0.5.23: from the matched node
+    id, translated; 0.5.15: the match's own indices)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    match = cache.match_prefix(MatchPrefixParams(key=_key(tokens)))
+    if not installed_has(UNIFIED_TREE):
+        return match.device_indices
+    indices = cache.path_device_indices(match.last_device_node)
+    return cache.token_to_kv_pool_allocator.translate_kv_indices_for_transfer(indices)
+
+
+def _cached(cache) -> tuple[int, ...]:
+    """(tokens, state slots) the tree holds; (tokens,) for a full-attention 0.5.15 tree."""
+    size = cache.total_size()
+    return size if isinstance(size, tuple) else (size,)
+
+
+def test_a_full_attention_prefix_moves_with_its_bytes_and_a_partly_held_one_frees_its_duplicates():
+    """SGLang's own tree for a full-attention model (0.5.15's ``RadixCache``, 0.5.23's unified tree on
+    its Rust core; page 4, two MHA layers): no state travels; a target that already holds the first
+    page keeps it and takes the rest, with no page leaked (on 0.5.23 the tree frees the duplicate)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    from prfaas_sglang.bench.sglang_cpu import cpu_full_cache
     from prfaas_sglang.hooks.cache_import import export_prefix, import_prefix, message_bound_bytes
     from prfaas_sglang.wire import prefix_transfer
 
     def build():
-        return cpu_radix_cache(RadixCache, 4, 64, events=False, kv_buffers=True)
+        return cpu_full_cache(4, 64, events=False, kv_buffers=True)
 
     def cache_with_data(built, tokens, seed):
         gen = torch.Generator().manual_seed(seed)
         indices = built.kv.alloc(len(tokens))
         for buf in built.kv_pool.k_buffer + built.kv_pool.v_buffer:
             buf[indices] = torch.randn(buf[indices].shape, generator=gen).to(buf.dtype)
-        built.cache.insert(InsertParams(key=RadixKey(tokens), value=indices))
+        built.cache.insert(InsertParams(key=_key(tokens), value=indices))
 
     def rows(built, tokens):
-        idx = built.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).device_indices
+        idx = _matched_rows(built.cache, tokens)
         return len(idx), [buf[idx].clone() for buf in built.kv_pool.k_buffer + built.kv_pool.v_buffer]
 
     source, target = build(), build()
@@ -311,4 +329,52 @@ def test_a_full_attention_prefix_moves_with_its_bytes_and_a_partly_held_one_free
     n_dst, rows_dst = rows(target, tokens)
     assert n_src == n_dst == 12
     assert all(torch.equal(a[4:], b[4:]) for a, b in zip(rows_src, rows_dst, strict=True))  # the moved pages
-    assert target.kv.available_size() + target.cache.total_size() == 64
+    assert target.kv.available_size() + _cached(target.cache)[0] == 64
+
+
+def _random_transfer(cache, tokens: list[int], seed: int):
+    """A message of ``tokens`` shaped for ``cache``'s pools, with random KV rows and state."""
+    from prfaas_sglang.hooks.cache_import import _blob, _kv_buffers, _state_buffers
+    from prfaas_sglang.wire.prefix_transfer import PREFIX_TRANSFER_VERSION, PrefixTransfer
+
+    gen = torch.Generator().manual_seed(seed)
+    n = len(tokens)
+    kv = [_blob(name, torch.randn((n, *buf.shape[1:]), generator=gen).to(buf.dtype)) for name, buf in _kv_buffers(cache)]
+    state = [_blob(name, torch.randn((buf.shape[0], *buf.shape[2:]), generator=gen).to(buf.dtype))
+             for name, buf in _state_buffers(cache)]
+    return PrefixTransfer(PREFIX_TRANSFER_VERSION, list(tokens), cache.page_size, kv, state)
+
+
+def test_a_hybrid_prefix_moves_with_its_state_and_evicts_for_a_slot_when_every_one_is_taken():
+    """The ``prfaas-hybrid`` tree of the installed SGLang (page 1, the tiny Mamba layout): the target's
+    every state slot holds another prefix, so the import evicts one; the target then reuses the whole
+    prefix with the source's KV rows and state, bit for bit, and neither pages nor slots leak."""
+    from prfaas_sglang.bench.sglang_cpu import cpu_prefill_hybrid_cache
+    from prfaas_sglang.hooks.cache_import import (
+        _kv_buffers,
+        export_prefix,
+        import_prefix,
+        usable_prefix_tokens,
+    )
+
+    kv_tokens, slots = 64, 3
+    source, target = (cpu_prefill_hybrid_cache(1, kv_tokens, slots, events=False) for _ in range(2))
+    tokens = list(range(40, 52))
+    assert import_prefix(source.cache, _random_transfer(source.cache, tokens, 1)) == 12
+    for i in range(slots):  # the target's slots all taken
+        import_prefix(target.cache, _random_transfer(target.cache, list(range(100 + 10 * i, 105 + 10 * i)), 2 + i))
+    assert target.req_pool.mamba_allocator.available_size() == 0
+    moved = export_prefix(source.cache, tokens + [9])
+    assert moved.token_ids == tokens and moved.state
+    assert import_prefix(target.cache, moved) == 12
+    assert usable_prefix_tokens(target.cache, tokens) == 12
+    again = export_prefix(target.cache, tokens)
+    assert [b.data for b in again.kv + again.state] == [b.data for b in moved.kv + moved.state]
+    rows_src, rows_dst = _matched_rows(source.cache, tokens), _matched_rows(target.cache, tokens)
+    assert all(torch.equal(buf[rows_src], other[rows_dst]) for (_, buf), (_, other)
+               in zip(_kv_buffers(source.cache), _kv_buffers(target.cache), strict=True))
+    for built in (source, target):
+        tokens_held, slots_held = _cached(built.cache)
+        assert built.kv.available_size() + tokens_held == kv_tokens
+        assert built.req_pool.mamba_allocator.available_size() + slots_held == slots
+    assert import_prefix(target.cache, moved) == 0  # held already: nothing allocated

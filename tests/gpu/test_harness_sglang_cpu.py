@@ -23,6 +23,8 @@ def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_la
       from /metrics: hook ``metrics-multiproc-values``);
     * kv-index: its predicted reuse equals SGLang's ``cached_tokens`` for a prompt's first, second and
       third sighting and an extension (the PrfaaS worker keeps a prefix once seen twice);
+    * cache-move: a prefix cached on PD-P only is moved to the PrfaaS server through the cache-move
+      routes, and a longer prompt routed there reuses it (on 0.5.23 through its unified tree);
     * failover: the PrfaaS server killed with long requests in flight; each completes (re-run on PD-P)
       or fails with a clear error, none hangs (all hung on SGLang's blocking abort notice to the dead
       prefill: hook ``abort-notify-nonblocking``);
@@ -31,7 +33,7 @@ def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_la
       role and none is lost (a decode that had served it kept its old endpoint after the switch back:
       hook ``decode-peer-rebootstrap``, ``RouterConfig.prefill_rejoin_s``)."""
     switch = installed_has(PD_ROLE_SWITCH)
-    asked = ("routing", "kv-index", "failover") + (("role-switch",) if switch else ())
+    asked = ("routing", "kv-index", "cache-move", "failover") + (("role-switch",) if switch else ())
     lines: list[str] = []
     result = checks.run(None, None, asked, lines.append, engine="sglang-cpu")
     assert result["ok"], result["failed"]
@@ -42,6 +44,9 @@ def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_la
     assert sum(n for name, n in engines.items() if name.startswith("pd-prefill-")) == 2
     rows = {row["prompt"]: row for row in result["checks"]["kv-index"]["rows"]}
     assert rows["repeat"]["cached_tokens"] > 0 and rows["extend"]["cached_tokens"] > 0  # a cache that hits
+    move = result["checks"]["cache-move"]  # PD-P -> PrfaaS over Mooncake TCP, then reused there by SGLang
+    assert move["imported_tokens"] == move["tokens"] and move["again_imported"] == 0
+    assert move["longer_cached_tokens"] >= move["imported_tokens"]
     failover = result["checks"]["failover"]
     assert failover["completed"] + failover["failed"] == 24 and failover["prfaas_healthy"] is False
     assert failover["redispatched"] >= 1  # the kill caught requests in flight, re-run on PD-P

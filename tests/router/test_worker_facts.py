@@ -74,7 +74,6 @@ def test_an_sglang_worker_serves_cache_moves_only_when_its_server_info_says_so(s
 
     from sglang.srt.entrypoints import http_server
 
-    from prfaas_sglang._compat import RADIX_TREES, installed_has
     from prfaas_sglang.hooks.cache_move_hook import add_routes
 
     assert parse_server_info(sglang_server_info).cache_import is False  # a stock SGLang server
@@ -82,8 +81,7 @@ def test_an_sglang_worker_serves_cache_moves_only_when_its_server_info_says_so(s
     monkeypatch.setenv("PRFAAS_ROLE", "pd-prefill")
     monkeypatch.delenv("PRFAAS_SECRET_FILE", raising=False)
     port_args = SimpleNamespace(scheduler_input_ipc_name="ipc:///tmp/x")
-    movable = installed_has(RADIX_TREES)  # SGLang 0.5.23: not ported onto its unified tree, never served
-    for tp_size, served in ((1, movable), (2, False)):
+    for tp_size, served in ((1, True), (2, False)):
         args = SimpleNamespace(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake_tcp",
                                tp_size=tp_size, pp_size=1, dp_size=1)
         scheduler_infos = [{"max_total_num_tokens": 123456}]
