@@ -10,6 +10,7 @@ this process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import os
@@ -378,3 +379,34 @@ def test_a_hybrid_prefix_moves_with_its_state_and_evicts_for_a_slot_when_every_o
         assert built.kv.available_size() + tokens_held == kv_tokens
         assert built.req_pool.mamba_allocator.available_size() + slots_held == slots
     assert import_prefix(target.cache, moved) == 0  # held already: nothing allocated
+
+
+@pytest.mark.skipif(not installed_has(UNIFIED_TREE), reason="SGLang 0.5.15 has no unified tree")
+def test_a_unified_tree_a_move_cannot_carry_refuses_it_before_reading_or_allocating(monkeypatch):
+    """What a move would leave behind (int8 Mamba checkpoints, replayed-SSM tensors, a sliding-window
+    component) refuses export and import alike, naming it; the pools are untouched."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    from prfaas_sglang.bench.sglang_cpu import cpu_prefill_hybrid_cache
+    from prfaas_sglang.hooks.cache_import import UnsupportedTree, export_prefix, import_prefix
+
+    built = cpu_prefill_hybrid_cache(1, 32, 2, events=False)
+    tokens = list(range(60, 68))
+    import_prefix(built.cache, _random_transfer(built.cache, tokens, 1))
+    other = _random_transfer(built.cache, list(range(80, 84)), 2)
+    free = (built.kv.available_size(), built.req_pool.mamba_allocator.available_size())
+    state = built.req_pool.mamba_pool.mamba_cache
+    for setting, named in (
+            (lambda: monkeypatch.setattr(built.req_pool, "mamba_ckpt_pool", object(), raising=False), "int8 Mamba"),
+            (lambda: monkeypatch.setattr(built.req_pool.mamba_pool, "mamba_cache",
+                                         dataclasses.replace(state, replayssm_d=torch.zeros(1))), "replayssm"),
+            (lambda: monkeypatch.setitem(built.cache.components, ComponentType.SWA, object()), "sliding-window")):
+        with monkeypatch.context():
+            setting()
+            with pytest.raises(UnsupportedTree, match=named):
+                export_prefix(built.cache, tokens)
+            with pytest.raises(UnsupportedTree, match=named):
+                import_prefix(built.cache, other)
+        monkeypatch.undo()
+    assert (built.kv.available_size(), built.req_pool.mamba_allocator.available_size()) == free
+    assert export_prefix(built.cache, tokens).token_ids == tokens  # the same tree moves once nothing stands in the way
