@@ -13,6 +13,7 @@ per-kind caches of a release that has them (marker ``_compat.RADIX_TREES``); on 
 from __future__ import annotations
 
 import time
+from array import array
 from types import SimpleNamespace
 
 import msgspec
@@ -50,6 +51,13 @@ class RealCache(CacheOps):
 
         super().__init__(cpu_hybrid_cache(hybrid_cache.StateEventsMambaRadixCache, page_size, KV_TOKENS, MAMBA_SLOTS,
                                           events))
+
+
+class ServedCache(RealCache):
+    """The same, keyed as a server keys a request (``array("q")``): a cache move's export and import
+    match against what a server inserted, and the tree asserts both keys have one type."""
+
+    key_of = staticmethod(lambda tokens: array("q", tokens))
 
 
 def test_a_tombstoned_state_stops_the_hit_in_the_index_as_in_the_cache():
@@ -439,7 +447,7 @@ def test_accounting_holds_at_every_step_with_two_requests_in_flight(mode, chunk_
 def _fill(real: RealCache, tokens: list[int], seed: int) -> None:
     """Give the cached prefix ``tokens`` distinct KV rows and state (what a forward pass writes)."""
     gen = torch.Generator().manual_seed(seed)
-    match = real.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    match = real.cache.match_prefix(MatchPrefixParams(key=RadixKey(real.key_of(tokens))))
     for buf in (real.kv_pool.full_kv_pool.k_buffer + real.kv_pool.full_kv_pool.v_buffer):
         buf[match.device_indices] = torch.randn(buf[match.device_indices].shape, generator=gen).to(buf.dtype)
     slot = int(match.last_device_node.mamba_value[0])
@@ -449,7 +457,7 @@ def _fill(real: RealCache, tokens: list[int], seed: int) -> None:
 
 
 def _held(real: RealCache, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
-    match = real.cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+    match = real.cache.match_prefix(MatchPrefixParams(key=RadixKey(real.key_of(tokens))))
     slot = int(match.last_device_node.mamba_value[0]) if len(match.device_indices) else None
     full, state = real.kv_pool.full_kv_pool, real.req_pool.mamba_pool.mamba_cache
     rows = [buf[match.device_indices].clone() for buf in full.k_buffer + full.v_buffer]
@@ -465,7 +473,7 @@ def test_an_imported_prefix_matches_with_the_sources_length_and_bytes():
     from prfaas_sglang.hooks.cache_import import export_prefix, import_prefix
     from prfaas_sglang.wire import prefix_transfer
 
-    source, dest = RealCache(page_size=1), RealCache(page_size=1)
+    source, dest = ServedCache(page_size=1), ServedCache(page_size=1)
     prompt = list(range(40, 64))
     assert source.insert(prompt[:16]) and source.insert(prompt)  # states at 16 and 24
     _fill(source, prompt[:16], seed=1)
@@ -495,7 +503,7 @@ def test_an_import_that_does_not_fit_is_refused_and_allocates_nothing():
     from prfaas_sglang.wire import prefix_transfer
     from prfaas_sglang.wire.prefix_transfer import PrefixTransferError
 
-    source, dest = RealCache(page_size=1), RealCache(page_size=1)
+    source, dest = ServedCache(page_size=1), ServedCache(page_size=1)
     source.insert([5, 6, 7, 8])
     transfer = export_prefix(source.cache, [5, 6, 7, 8, 9])
     assert export_prefix(source.cache, [1, 2, 3]) is None
