@@ -198,3 +198,21 @@ def cpu_prefill_hybrid_cache(page_size: int, kv_tokens: int, mamba_slots: int, e
         return cpu_hybrid_cache(StateEventsMambaRadixCache, page_size, kv_tokens, mamba_slots, events)
     return cpu_unified_hybrid_cache(page_size, kv_tokens, mamba_slots, events)
 
+
+def random_prefix_transfer(cache, tokens: list[int], gen):
+    """A cache-move message of ``tokens`` shaped for ``cache``'s pools, with random KV rows and state
+    drawn from the ``torch.Generator`` ``gen``: what a finished prefill leaves, for seeding a tree
+    through ``import_prefix``."""
+    import torch
+
+    from prfaas_sglang.hooks.cache_import import _blob, _kv_buffers, _state_buffers
+    from prfaas_sglang.wire.prefix_transfer import PREFIX_TRANSFER_VERSION, PrefixTransfer
+
+    def rand(shape, like):
+        return torch.randn(shape, generator=gen).to(like.dtype)
+
+    n = len(tokens)
+    kv = [_blob(name, rand((n, *buf.shape[1:]), buf)) for name, buf in _kv_buffers(cache)]
+    state = [_blob(name, rand((buf.shape[0], *buf.shape[2:]), buf)) for name, buf in _state_buffers(cache)]
+    return PrefixTransfer(PREFIX_TRANSFER_VERSION, list(tokens), cache.page_size, kv, state)
+

@@ -41,18 +41,14 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
 )
 from sglang.srt.utils.auth import add_api_key_middleware  # noqa: E402
 
-from prfaas_sglang.bench.sglang_cpu import cpu_full_cache, cpu_prefill_hybrid_cache  # noqa: E402
-from prfaas_sglang.hooks.cache_import import (  # noqa: E402
-    _blob,
-    _kv_buffers,
-    _state_buffers,
-    export_prefix,
-    import_prefix,
-    usable_prefix_tokens,
+from prfaas_sglang.bench.sglang_cpu import (  # noqa: E402
+    cpu_full_cache,
+    cpu_prefill_hybrid_cache,
+    random_prefix_transfer,
 )
+from prfaas_sglang.hooks.cache_import import export_prefix, import_prefix, usable_prefix_tokens  # noqa: E402
 from prfaas_sglang.hooks.cache_move_hook import install_routes, run_steps, start_agent  # noqa: E402
 from prfaas_sglang.security import load_keys  # noqa: E402
-from prfaas_sglang.wire.prefix_transfer import PREFIX_TRANSFER_VERSION, PrefixTransfer  # noqa: E402
 
 KV_TOKENS, STATE_SLOTS = 256, 8
 PORT = int(os.environ["PROBE_PORT"])
@@ -70,13 +66,7 @@ def build():
 def seed(built, tokens: list[int], gen: torch.Generator) -> None:
     """Cache ``tokens`` with random KV rows and state, as a finished prefill leaves them: through the
     release's own insert, by way of ``import_prefix`` (which tests check against the buffers)."""
-    def rand(shape, like):
-        return torch.randn(shape, generator=gen).to(like.dtype)
-
-    n = len(tokens)
-    kv = [_blob(name, rand((n, *buf.shape[1:]), buf)) for name, buf in _kv_buffers(built.cache)]
-    state = [_blob(name, rand((buf.shape[0], *buf.shape[2:]), buf)) for name, buf in _state_buffers(built.cache)]
-    import_prefix(built.cache, PrefixTransfer(PREFIX_TRANSFER_VERSION, list(tokens), built.cache.page_size, kv, state))
+    import_prefix(built.cache, random_prefix_transfer(built.cache, tokens, gen))
 
 
 def held(built, tokens: list[int]) -> dict:

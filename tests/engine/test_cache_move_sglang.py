@@ -335,15 +335,9 @@ def test_a_full_attention_prefix_moves_with_its_bytes_and_a_partly_held_one_free
 
 def _random_transfer(cache, tokens: list[int], seed: int):
     """A message of ``tokens`` shaped for ``cache``'s pools, with random KV rows and state."""
-    from prfaas_sglang.hooks.cache_import import _blob, _kv_buffers, _state_buffers
-    from prfaas_sglang.wire.prefix_transfer import PREFIX_TRANSFER_VERSION, PrefixTransfer
+    from prfaas_sglang.bench.sglang_cpu import random_prefix_transfer
 
-    gen = torch.Generator().manual_seed(seed)
-    n = len(tokens)
-    kv = [_blob(name, torch.randn((n, *buf.shape[1:]), generator=gen).to(buf.dtype)) for name, buf in _kv_buffers(cache)]
-    state = [_blob(name, torch.randn((buf.shape[0], *buf.shape[2:]), generator=gen).to(buf.dtype))
-             for name, buf in _state_buffers(cache)]
-    return PrefixTransfer(PREFIX_TRANSFER_VERSION, list(tokens), cache.page_size, kv, state)
+    return random_prefix_transfer(cache, tokens, torch.Generator().manual_seed(seed))
 
 
 def test_a_hybrid_prefix_moves_with_its_state_and_evicts_for_a_slot_when_every_one_is_taken():
