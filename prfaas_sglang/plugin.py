@@ -41,10 +41,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prfaas_sglang._compat import (
+    DRAINED_ABORT_ACK,
+    HOST_TENSOR_INDICES,
+    KV_EVENTS_COMPONENT_TYPES,
+    MAMBA_CAPACITY_ENSURED,
+    METRICS_ROUTE_PATH,
     PD_ROLE_SWITCH,
     RADIX_TREES,
+    RECEIVER_SEND_TIMEOUT,
     UNIFIED_TREE,
-    installed_has,
+    Marker,
+    change_status,
     installed_sglang_version,
     require_supported,
 )
@@ -57,11 +64,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class ChangeNotes:
     """What a patch header says (Why, How, Upstream-Status, Removal, Tests), for a hook or a
-    registered backend. Where it applies is decided by markers (a file under the tree, a text),
-    never by a version compare: ``upstream_marker`` is where an SGLang release shows that it does
-    this itself (the change is *retired* there: not installed, not checked; ``rebase-check``
-    reports it); ``only_if`` names a marker a release must have for the change to apply there
-    (a hook on a target only newer releases have)."""
+    registered backend. Where it applies is decided by the upstream adapter's markers
+    (:class:`~prfaas_sglang._compat.Marker`, named there), never by a version compare:
+    ``upstream_marker`` is where an SGLang release shows that it does this itself (the change is
+    *retired* there: not installed, not checked; ``rebase-check`` reports it); ``only_if`` names a
+    marker a release must have for the change to apply there (a hook on a target only newer releases
+    have). ``tests``: space-separated paths, run on every supported release."""
 
     subject: str
     why: str
@@ -69,17 +77,13 @@ class ChangeNotes:
     upstream_status: str
     removal: str
     tests: str
-    upstream_marker: tuple[str, str] | None = None
-    only_if: tuple[str, str] | None = None
+    upstream_marker: Marker | tuple[str, str] | None = None
+    only_if: Marker | tuple[str, str] | None = None
 
     def where(self, root=None) -> str:
         """``"applies"``, ``"retired"`` (upstream does it itself) or ``"not applicable"`` on the installed
-        SGLang (``root``: another tree's directory holding ``sglang/``)."""
-        if installed_has(self.upstream_marker, root):
-            return "retired"
-        if self.only_if is not None and not installed_has(self.only_if, root):
-            return "not applicable"
-        return "applies"
+        SGLang (``root``: another tree's directory holding ``sglang/``): :func:`~prfaas_sglang._compat.change_status`."""
+        return change_status(self.upstream_marker, self.only_if, root)
 
     def applies(self, root=None) -> bool:
         return self.where(root) == "applies"
@@ -256,7 +260,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="vendor-specific (exists because of kv-send)",
         removal="with kv-send",
         tests="tests/transport/test_kv_send.py tests/drift/test_hook_targets.py",
-        only_if=("sglang/srt/disaggregation/common/conn.py", "def _maybe_ack_drained_abort("),
+        only_if=DRAINED_ABORT_ACK,
     ),
     HookSpec(
         name="cpu-sender-indices",
@@ -279,7 +283,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="upstream bug (0.5.23): the host-index path needs a CUDA-device guard; to be reported",
         removal="when SGLang's prefill guards its host-index path by device",
         tests="tests/transport/test_layerwise.py tests/drift/test_hook_targets.py",
-        only_if=("sglang/srt/disaggregation/mooncake/conn.py", "supports_host_tensor_indices = True"),
+        only_if=HOST_TENSOR_INDICES,
     ),
     HookSpec(
         name="decode-peer-rebootstrap",
@@ -437,7 +441,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="not-yet (upstream's fix in sgl-project/sglang#38634 allocates through alloc_req_slots)",
         removal="with patch 0001, when the pinned SGLang has the decode radix cache for Mamba/SSM models",
         tests="tests/engine/test_decode_radix_hybrid.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/mem_cache/allocation.py", "def ensure_mamba_capacity("),  # 0.5.23, #38634
+        upstream_marker=MAMBA_CAPACITY_ENSURED,  # 0.5.23, #38634
     ),
     HookSpec(
         name="decode-contiguous-kv",
@@ -552,7 +556,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="to report (sglang.srt.disaggregation.common.conn: abort notice blocks on a dead peer)",
         removal="when SGLang's abort notice sends without blocking or its receiver sockets get a send timeout",
         tests="tests/transport/test_receiver_sends.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/disaggregation/common/conn.py", "envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get() * 1000"),  # 0.5.23: receiver sockets send with a timeout
+        upstream_marker=RECEIVER_SEND_TIMEOUT,  # 0.5.23: receiver sockets send with a timeout
     ),
     HookSpec(
         name="metadata-send-nonblocking",
@@ -575,7 +579,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="to report (with abort-notify-nonblocking)",
         removal="with abort-notify-nonblocking",
         tests="tests/transport/test_receiver_sends.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/disaggregation/common/conn.py", "envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get() * 1000"),
+        upstream_marker=RECEIVER_SEND_TIMEOUT,
     ),
     HookSpec(
         name="metrics-route-path",
@@ -596,7 +600,7 @@ HOOKS: tuple[HookSpec, ...] = (
         upstream_status="to propose (sglang.srt.utils.common assumes every route has .path)",
         removal="when SGLang's middleware handles routes without .path, or FastAPI is pinned below 0.165",
         tests="tests/unit/test_http_metrics.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/observability/http_request_metrics.py", 'getattr(route, "path", request.url.path)'),
+        upstream_marker=METRICS_ROUTE_PATH,
     ),
     HookSpec(
         name="metrics-multiproc-values",
@@ -790,7 +794,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
                         "sglang PR #32514; not in the 0.5.23 wheel)",
         removal="when the pin reaches a release with component KV events and the kv-index reads them",
         tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
+        upstream_marker=KV_EVENTS_COMPONENT_TYPES,
         only_if=RADIX_TREES,
     ),
     RegistrationSpec(
@@ -849,7 +853,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
                         "sglang PR #32514; not in the 0.5.23 wheel)",
         removal="when the pin reaches a release with component KV events and the kv-index reads them",
         tests="tests/engine/test_unified_cache.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
+        upstream_marker=KV_EVENTS_COMPONENT_TYPES,
         only_if=UNIFIED_TREE,
     ),
     RegistrationSpec(
@@ -883,7 +887,7 @@ REGISTRATIONS: tuple[RegistrationSpec, ...] = (
         upstream_status="vendor-specific (upstream 0.5.23 puts component events in the event list instead)",
         removal="with prfaas-hybrid",
         tests="tests/engine/test_state_events.py tests/drift/test_hook_targets.py",
-        upstream_marker=("sglang/srt/server_args.py", "enable_kv_events_component_types"),
+        upstream_marker=KV_EVENTS_COMPONENT_TYPES,
     ),
 )
 

@@ -139,13 +139,13 @@ def bind_socket(kind: int, endpoint: str, server: CurveServer | None, *, hwm: in
 class ZmqPublisher:
     """A PUB socket bound at ``endpoint`` (give the configured interface, not ``*``, unless all
     interfaces are meant); with ``curve``, a CURVE server (see the module's docstring). KV events
-    are encoded as the installed SGLang encodes them (``_compat.KV_EVENT_MAPS``: 0.5.23's tagged
+    are encoded as the installed SGLang encodes them (``_compat.kv_events_as_maps``: 0.5.23's tagged
     maps; 0.5.15's arrays, also where no SGLang is installed)."""
 
     def __init__(self, endpoint: str, topic: str, hwm: int = 100_000, curve: CurveKeys | None = None):
-        from prfaas_sglang._compat import KV_EVENT_MAPS, installed_has
+        from prfaas_sglang._compat import kv_events_as_maps
 
-        self._events_as_maps = installed_has(KV_EVENT_MAPS)
+        self._events_as_maps = kv_events_as_maps()
         self._server = CurveServer(curve) if curve is not None else None
         try:
             self._pub = bind_socket(zmq.PUB, endpoint, self._server, hwm=hwm)

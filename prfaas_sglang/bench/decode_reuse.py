@@ -194,9 +194,9 @@ def _decode(built, req, answer: list[int], row_and_pos, advance) -> None:
 
 def run(seeds: list[int], conversation_count: int, turns: int, state_slots: list[int], kv_tokens: int) -> dict:
     """Per state-slot count and row: held prompt tokens / prompt tokens, pooled over seeds, and per seed."""
-    from prfaas_sglang._compat import RADIX_TREES, installed_has
+    from prfaas_sglang._compat import TreeKind, tree_kind
 
-    per_kind = installed_has(RADIX_TREES)
+    per_kind = tree_kind() is TreeKind.PER_KIND
     rows: dict[str, dict[int, dict]] = {}
     for slots in state_slots:
         for seed in seeds:

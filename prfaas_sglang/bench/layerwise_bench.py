@@ -32,6 +32,7 @@ from array import array
 
 import numpy as np
 
+from prfaas_sglang._compat.accessors import set_chunk, set_pool_row
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 
 N_AUX, AUX_BYTES = 4, 64
@@ -88,13 +89,14 @@ def published_server_args(boot_port: int, host: str = "127.0.0.1", mode: str = "
     runtime context (as the scheduler process publishes it), so one is built (for the repository's tiny
     hybrid model, disaggregation ``mode``) and published; None on 0.5.15, whose managers read only the arguments given
     (:func:`manager_server_args`)."""
-    from sglang.srt import runtime_context
+    from prfaas_sglang._compat import publishes_runtime_context
 
-    if not hasattr(runtime_context, "publish"):
+    if not publishes_runtime_context():
         return None
     from pathlib import Path
     from unittest import mock
 
+    from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
     tiny = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "models" / "tiny-qwen3-next"
@@ -122,24 +124,6 @@ def _wait(obj, want, timeout_s: float = 60.0):
             return obj.poll()
         time.sleep(0.001)
     return obj.poll()
-
-
-def set_chunk(req, start: int, end: int) -> None:
-    """Make ``req``'s next forward the chunk ``[start, end)``, as SGLang's scheduler does: 0.5.15's
-    ``set_extend_range``, 0.5.23's ``prefix_len`` and ``extend_end``."""
-    if hasattr(req, "set_extend_range"):
-        req.set_extend_range(start, end)
-    else:
-        req.prefix_len, req.extend_end = start, end
-
-
-def set_pool_row(req, row: int) -> None:
-    """Give ``req`` row ``row`` of the request pool: 0.5.15's ``req_pool_idx``, 0.5.23's ``req.kv``."""
-    kv = getattr(req, "kv", None)
-    if kv is not None and hasattr(kv, "req_pool_idx"):
-        kv.req_pool_idx = row
-    else:
-        req.req_pool_idx = row
 
 
 def new_sender(mgr, addr: str, room: int):
@@ -408,9 +392,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if (why := available()) is not None:
         inv.error(f"the shaped loopback {why}")
     result = run(args.rate_mbit, args.forward_s, args.tokens, args.tokens, args.layers, repeats=args.repeats)
-    header = (f"<!-- python -m prfaas_sglang.bench layerwise --rate-mbit {args.rate_mbit:g} --forward-s {args.forward_s:g} "
-              f"--tokens {args.tokens} --layers {args.layers} --repeats {args.repeats}; {inv.stamp} -->")
-    return inv.report(args, result, header, None)  # no Markdown table: JSON
+    return inv.report(args, result, None, None)  # no Markdown table: JSON
 
 
 SUBCOMMANDS = {"layerwise": Subcommand(add_arguments, cli)}

@@ -172,9 +172,9 @@ def cpu_full_cache(page_size: int, kv_tokens: int, events: bool = True, kv_buffe
     pools: its ``RadixCache`` where it has a tree per model kind (0.5.15), else its unified tree with
     one full-attention component (0.5.23; what ``create_unified_radix_cache`` builds for such a model,
     on SGLang's default tree core)."""
-    from prfaas_sglang._compat import RADIX_TREES, installed_has
+    from prfaas_sglang._compat import TreeKind, tree_kind
 
-    if installed_has(RADIX_TREES):
+    if tree_kind() is TreeKind.PER_KIND:
         from sglang.srt.mem_cache.radix_cache import RadixCache
 
         return cpu_radix_cache(RadixCache, page_size, kv_tokens, events, kv_buffers)
@@ -190,9 +190,9 @@ def cpu_full_cache(page_size: int, kv_tokens: int, events: bool = True, kv_buffe
 def cpu_prefill_hybrid_cache(page_size: int, kv_tokens: int, mamba_slots: int, events: bool = True) -> CpuHybridCache:
     """The ``prfaas-hybrid`` prefill tree of the installed SGLang for the tiny hybrid layout, with KV
     buffers: the state-reporting ``MambaRadixCache`` (0.5.15) or :func:`cpu_unified_hybrid_cache` (0.5.23)."""
-    from prfaas_sglang._compat import RADIX_TREES, installed_has
+    from prfaas_sglang._compat import TreeKind, tree_kind
 
-    if installed_has(RADIX_TREES):
+    if tree_kind() is TreeKind.PER_KIND:
         from prfaas_sglang.hooks.hybrid_cache import StateEventsMambaRadixCache
 
         return cpu_hybrid_cache(StateEventsMambaRadixCache, page_size, kv_tokens, mamba_slots, events)

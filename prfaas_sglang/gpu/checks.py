@@ -692,9 +692,9 @@ def check_role_switch(ctx: Context) -> CheckResult:
     holds its endpoints), then in each new role (its peer in that role drained meanwhile, so the router
     must use it). Every request is answered 200; after each step the worker's own ``/model_info`` says
     its new mode and the router re-adopts it in that role."""
-    from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
+    from prfaas_sglang._compat import serves_pd_role_switch
 
-    if not installed_has(PD_ROLE_SWITCH):
+    if not serves_pd_role_switch():
         return CheckResult("role-switch", False, "the installed SGLang has no /pd_role_switch (0.5.23 has)")
     router, stop, answers, steps, before = ctx.dep.url("router"), threading.Event(), [], [], {}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

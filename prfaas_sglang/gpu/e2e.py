@@ -107,20 +107,17 @@ class ServerProfile:
         """What a disaggregated server gets beyond :attr:`flags` on the installed SGLang (``decodes``: it
         decodes, or may become a decode server). On CPU, where that SGLang takes a CUDA-only path by
         default: no overlap scheduler where a prefill's early send records a CUDA event
-        (``_compat.OVERLAP_EARLY_SEND_CUDA_EVENT``), and, to decode, retracted requests backed by CPU
-        tensors, not a CUDA-registered host pool (``_compat.DECODE_RETRACTION_BACKUP``); both 0.5.23."""
-        from prfaas_sglang._compat import (
-            DECODE_RETRACTION_BACKUP,
-            OVERLAP_EARLY_SEND_CUDA_EVENT,
-            installed_has,
-        )
+        (``_compat.overlap_early_send_records_cuda_event``), and, to decode, retracted requests backed by
+        CPU tensors, not a CUDA-registered host pool (``_compat.decode_retraction_backup_pins_host_memory``);
+        both 0.5.23."""
+        from prfaas_sglang import _compat
 
         if not self.on_cpu:
             return ()
         flags: tuple[str, ...] = ()
-        if installed_has(OVERLAP_EARLY_SEND_CUDA_EVENT):
+        if _compat.overlap_early_send_records_cuda_event():
             flags += ("--disable-overlap-schedule",)
-        if decodes and installed_has(DECODE_RETRACTION_BACKUP):
+        if decodes and _compat.decode_retraction_backup_pins_host_memory():
             flags += ("--disaggregation-decode-retraction-backup", "cpu_tensor")
         return flags
 
@@ -163,10 +160,10 @@ CPU_WITHOUT = {"state-events": "it needs a hybrid model, and SGLang serves one o
 def default_checks(engine: str) -> tuple[str, ...]:
     """What ``bench gpu-e2e`` runs when no ``--checks`` are given: every check of ``engine`` the SGLang
     it runs can pass (role-switch only where that SGLang serves /pd_role_switch)."""
-    from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
+    from prfaas_sglang._compat import serves_pd_role_switch
 
     checks = MOCK_CHECKS if engine == "mock" else CPU_CHECKS if engine == "sglang-cpu" else CHECKS
-    return tuple(c for c in checks if c != "role-switch" or (engine == "sglang-cpu" and installed_has(PD_ROLE_SWITCH)))
+    return tuple(c for c in checks if c != "role-switch" or (engine == "sglang-cpu" and serves_pd_role_switch()))
 
 
 NEED_REFERENCE = {"hooks", "greedy-equal", "shaped-link"}  # the plain server: its hook report, its answers
@@ -405,13 +402,13 @@ IMPORT_ONLY_DIR = Path(__file__).resolve().parent / "import_only"  # an sgl_kern
 
 def needs_import_only_sgl_kernel() -> bool:
     """Whether real SGLang servers on this CPU need :data:`IMPORT_ONLY_DIR`: the SGLang this process runs
-    imports ``sgl_kernel``'s CPU build under its CPU engine (``_compat.CPU_ENGINE_IMPORTS_SGL_KERNEL``, 0.5.23)
+    imports ``sgl_kernel``'s CPU build under its CPU engine (``_compat.cpu_engine_imports_sgl_kernel``, 0.5.23)
     and no ``sgl_kernel`` is installed (PyPI has no CPU build)."""
     import importlib.util
 
-    from prfaas_sglang._compat import CPU_ENGINE_IMPORTS_SGL_KERNEL, installed_has
+    from prfaas_sglang._compat import cpu_engine_imports_sgl_kernel
 
-    return installed_has(CPU_ENGINE_IMPORTS_SGL_KERNEL) and importlib.util.find_spec("sgl_kernel") is None
+    return cpu_engine_imports_sgl_kernel() and importlib.util.find_spec("sgl_kernel") is None
 
 
 def bundle_env(root: Path | None, checkout: Path, base: dict[str, str] | None = None,

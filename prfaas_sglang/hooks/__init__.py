@@ -3,7 +3,7 @@
 Each module here is an adapter: it receives SGLang objects and calls logic elsewhere in the
 package (pure where it can be). The hook modules import sglang lazily (inside functions) so that
 importing them never pulls SGLang in; those that subclass SGLang's classes (``hybrid_cache``,
-``decode_radix``, ``cache_import``, and ``cache_backend`` through them) import it at module level.
+``decode_radix``, ``cache_import*``, and ``cache_backend`` through them) import it at module level.
 
 * ``role_contract``: a server whose settings contradict its PrfaaS role does not start;
 * ``kv_telemetry``: link telemetry from a PrfaaS prefill worker, each KV batch metered;
@@ -21,7 +21,12 @@ importing them never pulls SGLang in; those that subclass SGLang's classes (``hy
   decode-side radix cache for hybrid models (patch 0001's seam); ``cache_backend``: the
   ``prfaas-hybrid`` backend that chooses among them, registered with the publisher;
 * ``cache_move_hook``: cache moves' HTTP routes and scheduler-side agent; ``cache_import``: a
-  cached prefix exported from, or imported into, the scheduler's tree and pools.
+  cached prefix exported from, or imported into, the scheduler's tree and pools, on the tree the
+  upstream adapter names (``cache_import_radix``: 0.5.15's per-kind trees; ``cache_import_unified``:
+  0.5.23's unified tree).
+
+Nothing here tells SGLang releases apart: what differs is decided, or read, by the upstream adapter
+(:mod:`prfaas_sglang._compat`, :mod:`prfaas_sglang._compat.accessors`).
 """
 
 # The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): an I/O package;

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prfaas_sglang._compat import RADIX_TREES, installed_has
+from prfaas_sglang._compat import TreeKind, tree_kind
 from prfaas_sglang.hooks.event_publisher import StateEventsZmqPublisher
 from prfaas_sglang.launch.command import EVENT_PUBLISHER, RADIX_CACHE_BACKEND
 
@@ -22,16 +22,16 @@ from prfaas_sglang.launch.command import EVENT_PUBLISHER, RADIX_CACHE_BACKEND
 def build_tree_cache(ctx: Any):
     """The ``prfaas-hybrid`` radix-cache factory: SGLang's default choice, with the state-reporting
     caches in place of SGLang's and a PrfaaS prefill worker's admission policy
-    (``PRFAAS_PREFILL_CACHE``). On a release with a cache class per model kind (0.5.15):
-    :func:`build_per_kind`; on one with the unified tree (0.5.23):
-    :func:`~prfaas_sglang.hooks.unified_cache.build_unified`. Reports the pools' geometry first
+    (``PRFAAS_PREFILL_CACHE``). On a release with a cache class per model kind (0.5.15, by the upstream
+    adapter's :func:`~prfaas_sglang._compat.tree_kind`): :func:`build_per_kind`; on one with the unified
+    tree (0.5.23): :func:`~prfaas_sglang.hooks.unified_cache.build_unified`. Reports the pools' geometry first
     (:func:`~prfaas_sglang.hooks.pool_geometry.report_pool_geometry`)."""
     from prfaas_sglang.hooks.pool_geometry import cache_capacity, report_pool_geometry
     from prfaas_sglang.kvindex.admission_env import admission_from_env, chunk_checkpoints_from_env
 
     report_pool_geometry(ctx.params)
     admission, chunk_checkpoints = admission_from_env(*cache_capacity(ctx.params)), chunk_checkpoints_from_env()
-    if installed_has(RADIX_TREES):
+    if tree_kind() is TreeKind.PER_KIND:
         return build_per_kind(ctx, admission, chunk_checkpoints)
     from prfaas_sglang.hooks.unified_cache import build_unified
 

@@ -1,11 +1,12 @@
 """Engine side of a cross-cluster cache move: export a cached prefix, import it as prefix cache.
 
-Works on SGLang's own pools (the token-to-KV pool behind the allocator, the request pool's
-Mamba state pool) and the state-reporting ``MambaRadixCache`` of
-:mod:`prfaas_sglang.hooks.hybrid_cache`, so an import is announced to the kv-index like any
-insert (``BlockStored`` per page, then ``StateStored``); or a full-attention model's
-``RadixCache`` (no state: the message's state list is empty). On SGLang 0.5.23's unified tree the
-same three functions come from :mod:`prfaas_sglang.hooks.cache_import_unified` (the end of this file). Wire format:
+What every tree shares lives here: SGLang's own pools (the token-to-KV pool behind the allocator,
+the request pool's Mamba state pool) as named buffers, a message's blobs checked against them, the
+key a request's tokens get, the errors. The three functions a move calls -- :func:`usable_prefix_tokens`,
+:func:`export_prefix`, :func:`import_prefix` -- run on the installed SGLang's tree, whose module the
+upstream adapter chooses (``_compat.accessors.cache_move_backend``):
+:mod:`prfaas_sglang.hooks.cache_import_radix` for 0.5.15's radix trees per model kind,
+:mod:`prfaas_sglang.hooks.cache_import_unified` for 0.5.23's unified tree. Wire format:
 :mod:`prfaas_sglang.wire.prefix_transfer`; served in an SGLang server by
 :mod:`prfaas_sglang.hooks.cache_move_hook`.
 
@@ -23,16 +24,10 @@ from array import array
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from prfaas_sglang._compat import UNIFIED_TREE, installed_has
-from prfaas_sglang.wire.prefix_transfer import (
-    PREFIX_TRANSFER_VERSION,
-    PrefixTransfer,
-    PrefixTransferError,
-    TensorBlob,
-)
+from prfaas_sglang._compat.accessors import cache_move_backend
+from prfaas_sglang.wire.prefix_transfer import PrefixTransfer, PrefixTransferError, TensorBlob
 
 
 class NoRoomError(PrefixTransferError):
@@ -68,12 +63,6 @@ def _state_buffers(cache: Any) -> list[tuple[str, torch.Tensor]]:
         return []
     state = mamba_pool.mamba_cache
     return [(f"conv{i}", t) for i, t in enumerate(state.conv)] + [("temporal", state.temporal)]
-
-
-def usable_prefix_tokens(cache: Any, token_ids: list[int]) -> int:
-    """Tokens of ``token_ids`` this cache would reuse now (its own ``match_prefix``: for a hybrid
-    model, up to the last state checkpoint). Moves the match to the front of the LRU, nothing else."""
-    return len(cache.match_prefix(MatchPrefixParams(key=request_key(token_ids))).device_indices)
 
 
 # msgpack framing: per message, its header and up to 5 bytes per token id; per blob, its name,
@@ -125,66 +114,22 @@ def _decoded(cache: Any, transfer: PrefixTransfer) -> tuple[int, list, list, lis
     return n, kv_buffers, state_buffers, kv, state
 
 
+def usable_prefix_tokens(cache: Any, token_ids: list[int]) -> int:
+    """Tokens of ``token_ids`` this cache would reuse now (its own match: for a hybrid model, up to the
+    last state checkpoint). Moves the match to the front of the LRU, nothing else."""
+    return cache_move_backend().usable_prefix_tokens(cache, token_ids)
+
+
 def export_prefix(cache: Any, token_ids: list[int]) -> PrefixTransfer | None:
-    """The longest prefix of ``token_ids`` this cache can resume from (full-attention pages up to
-    a state checkpoint), as a message; None when nothing is cached."""
-    match = cache.match_prefix(MatchPrefixParams(key=request_key(token_ids)))
-    indices, node = match.device_indices, match.last_device_node
-    state_buffers = _state_buffers(cache)
-    if len(indices) == 0 or (state_buffers and node.mamba_value is None):
-        return None
-    cache.inc_lock_ref(node)
-    try:
-        kv = [_blob(name, buf[indices]) for name, buf in _kv_buffers(cache)]
-        slot = int(node.mamba_value[0]) if state_buffers else None
-        state = [_blob(name, buf[:, slot]) for name, buf in state_buffers]
-    finally:
-        cache.dec_lock_ref(node)
-    return PrefixTransfer(PREFIX_TRANSFER_VERSION, list(token_ids[: len(indices)]), cache.page_size, kv, state)
+    """The longest prefix of ``token_ids`` this cache can resume from (full-attention pages up to a state
+    checkpoint), as a message; None when nothing is cached. Raises :class:`UnsupportedTree` where the
+    tree holds what a move does not carry."""
+    return cache_move_backend().export_prefix(cache, token_ids)
 
 
 def import_prefix(cache: Any, transfer: PrefixTransfer) -> int:
-    """Insert ``transfer``'s prefix as a prefix-cache entry; returns the tokens this cache did not
-    hold before (0: it already reused the whole prefix). Raises PrefixTransferError when the
-    message does not fit this worker's pools (page size, layers, dtypes, shapes)."""
-    n, kv_buffers, state_buffers, kv, state = _decoded(cache, transfer)
-    key = request_key(transfer.token_ids)
-    held = usable_prefix_tokens(cache, transfer.token_ids)
-    if held >= n:
-        return 0
-    allocator = cache.token_to_kv_pool_allocator
-    if allocator.available_size() < n:
-        cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
-    indices = allocator.alloc(n)
-    if indices is None:
-        raise NoRoomError(f"no room for {n} tokens of KV")
-    for tensor, (_, buf) in zip(kv, kv_buffers, strict=True):
-        buf[indices] = tensor
-    if not state_buffers:  # full attention: SGLang's RadixCache leaves the pages it already had to the caller
-        result = cache.insert(InsertParams(key=key, value=indices))
-        allocator.free(indices[:result.prefix_len])
-        return n - held
-    mamba = cache.req_to_token_pool.mamba_allocator
-    slot = mamba.alloc(1)
-    if slot is None:
-        cache.evict(EvictParams(num_tokens=0, mamba_num=1))
-        slot = mamba.alloc(1)
-    if slot is None:
-        allocator.free(indices)
-        raise NoRoomError("no free state slot")
-    for tensor, (_, buf) in zip(state, state_buffers, strict=True):
-        buf[:, slot[0]] = tensor
-    result = cache.insert(InsertParams(key=key, value=indices, mamba_value=slot))  # frees duplicate pages itself
-    if result.mamba_exist:
-        mamba.free(slot)
-    return n - held
-
-
-# SGLang 0.5.23 keeps every prefix in one tree (node ids, lock receipts, components): the same contract
-# there, from hooks/cache_import_unified.py. Decided here, once, by marker.
-if installed_has(UNIFIED_TREE):
-    from prfaas_sglang.hooks.cache_import_unified import (  # noqa: E402,F401,F811 - this module's API there
-        export_prefix,
-        import_prefix,
-        usable_prefix_tokens,
-    )
+    """Insert ``transfer``'s prefix as a prefix-cache entry; returns the tokens this cache did not hold
+    before (0: it already reused the whole prefix). Raises PrefixTransferError when the message does not
+    fit this worker's pools (page size, layers, dtypes, shapes), :class:`NoRoomError` when nothing can be
+    evicted for it, :class:`UnsupportedTree` as :func:`export_prefix`."""
+    return cache_move_backend().import_prefix(cache, transfer)

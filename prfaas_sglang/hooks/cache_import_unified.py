@@ -1,8 +1,8 @@
 """Cache moves on SGLang's unified radix tree (SGLang 0.5.23): export a cached prefix, import one.
 
-The same contract as :mod:`prfaas_sglang.hooks.cache_import` (0.5.15's per-kind trees), which
-selects these functions where the installed SGLang has the unified tree (``_compat.UNIFIED_TREE``).
-What differs on this tree:
+The contract of :mod:`prfaas_sglang.hooks.cache_import`, which calls these functions where the upstream
+adapter says the installed SGLang has the unified tree (``_compat.accessors.cache_move_backend``; 0.5.15's
+per-kind trees: :mod:`prfaas_sglang.hooks.cache_import_radix`). What differs on this tree:
 
 * A match names its last node by id (``last_device_node``, an int) and its length
   (``device_prefix_len``); the node's pages come from ``path_device_indices``, and its Mamba state

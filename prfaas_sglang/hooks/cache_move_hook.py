@@ -114,7 +114,7 @@ def agent_endpoint(port_args: Any) -> str | None:
 def unsupported_reason(server_args: Any, port_args: Any, role: str | None) -> str | None:
     """Why this server cannot serve cache moves, or None when it can (both processes ask, with the
     same answer: the routes answer 501 with it, and the scheduler starts no agent)."""
-    from prfaas_sglang.hooks.server_args import resolving
+    from prfaas_sglang._compat.accessors import resolving
 
     server_args = resolving(server_args)
     if role not in PREFILL_ROLES:
@@ -561,7 +561,7 @@ def start_agent(result, scheduler, server_args, port_args, *args, **kwargs) -> N
     if engine is None:
         logger.warning("prfaas_sglang: no cache moves on this server: its prefill queue has no Mooncake engine")
         return None
-    from prfaas_sglang.hooks.server_args import resolving
+    from prfaas_sglang._compat.accessors import resolving
 
     scheduler.prfaas_cache_move = CacheMoveAgent(
         scheduler.tree_cache, engine, agent_endpoint(port_args), api_key=getattr(resolving(server_args), "api_key", None),

@@ -189,7 +189,9 @@ def reserve_pages(allocator, num_tokens: int) -> tuple[int, int] | None:
 
     if type(allocator).__name__ not in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"):
         return None
-    if getattr(allocator, "num_staged_pages", 0):  # a newer SGLang's pages set aside for later release: not all free
+    from prfaas_sglang._compat.accessors import staged_pages
+
+    if staged_pages(allocator):  # 0.5.23's pages set aside for a later release: not all free
         return None
     page_size = int(getattr(allocator, "page_size", 1) or 1)
     num_pages = num_tokens // page_size

@@ -38,7 +38,7 @@ class DeploymentAuthError(PrfaasError, ValueError):
 
 def set_worker_api_key(result, server_args) -> None:
     """AFTER hook: ``result`` is handle_pd_disaggregation's (None)."""
-    from prfaas_sglang.hooks.server_args import decide, resolving
+    from prfaas_sglang._compat.accessors import decide, resolving
 
     keys = load_keys()
     if keys is None:

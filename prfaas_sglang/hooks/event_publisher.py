@@ -5,7 +5,8 @@ publisher inside the list ``take_events()`` returns (:class:`EventsWithState`), 
 untouched; this publisher writes them as the batch's 4th element. It imports no cache of SGLang's, so
 it registers on every supported release (SGLang 0.5.23 dropped the radix-cache modules the caches of
 0.5.15 subclass). On a release whose publisher records its bound endpoints (0.5.23:
-``describe_local_source`` advertises them in ``/server_info``), ours records them too.
+``describe_local_source`` advertises them in ``/server_info``), ours records them too
+(``_compat.accessors.record_bound_endpoint``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StateEventsZmqPublisher(ZmqEventPublisher):
     def _socket_setup(self) -> None:
         import zmq
 
+        from prfaas_sglang._compat.accessors import record_bound_endpoint
         from prfaas_sglang.adapters.zmq import CurveKeys, CurveServer, bind_socket
         from prfaas_sglang.security import load_keys
 
@@ -58,12 +60,10 @@ class StateEventsZmqPublisher(ZmqEventPublisher):
             if self._curve_server is not None:
                 self._ctx = self._curve_server.ctx  # its ZAP handler belongs to this context
             self._pub = bind_socket(zmq.PUB, self._endpoint, self._curve_server, hwm=self._hwm)
-            if hasattr(self, "_local_pub_endpoint"):  # a release that advertises where it bound
-                self._local_pub_endpoint = self._bound_endpoint(self._pub)
+            record_bound_endpoint(self, self._pub)
         if self._replay_endpoint is not None and self._replay is None:
             self._replay = bind_socket(zmq.ROUTER, self._replay_endpoint, self._curve_server)
-            if hasattr(self, "_local_replay_endpoint"):
-                self._local_replay_endpoint = self._bound_endpoint(self._replay)
+            record_bound_endpoint(self, self._replay, replay=True)
 
     def shutdown(self) -> None:
         super().shutdown()  # closes the PUB and replay sockets

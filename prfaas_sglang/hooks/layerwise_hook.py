@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prfaas_sglang._compat.accessors import chunk_end, pool_row
 from prfaas_sglang.transport.layerwise import LayerLedger, chunk_range, layer_blocks, runs
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class LayerStreamer:
         if room is None or _is_fake(sender):
             return []
         infos = self.manager.transfer_infos.get(room)
-        extend_end, row = _extend_end(req), _pool_row(req)
+        extend_end, row = chunk_end(req), pool_row(req)
         if not infos or extend_end is None or row is None:
             return []
         first_token, first_page = self._cursors.get(room, (req.start_send_idx, sender.curr_idx))
@@ -301,18 +302,6 @@ def _is_fake(sender) -> bool:
     from sglang.srt.disaggregation.fake.conn import FakeKVSender
 
     return isinstance(sender, FakeKVSender)
-
-
-def _extend_end(req) -> int | None:
-    """Where this forward's chunk of ``req`` ends: ``extend_range.end`` (SGLang 0.5.15), ``extend_end`` (0.5.23)."""
-    extend = getattr(req, "extend_range", None)
-    return extend.end if extend is not None else getattr(req, "extend_end", None)
-
-
-def _pool_row(req) -> int | None:
-    """``req``'s row of ``req_to_token``: ``req.req_pool_idx`` (SGLang 0.5.15), ``req.kv.req_pool_idx`` (0.5.23)."""
-    row = getattr(req, "req_pool_idx", None)
-    return row if row is not None else getattr(getattr(req, "kv", None), "req_pool_idx", None)
 
 
 def layer_written(result, layer, q=None, k=None, v=None, forward_batch=None, *args, **kwargs):

@@ -31,7 +31,7 @@ def check_role_contract(result, server_args) -> None:
         transport = KvTransport(transport_name) if transport_name else None
     except (ConfigError, ValueError) as err:
         raise RoleContractError(f"prfaas_sglang: {err}") from None
-    from prfaas_sglang.hooks.server_args import resolving
+    from prfaas_sglang._compat.accessors import resolving
 
     resolved = resolving(server_args)  # SGLang 0.5.23 declares mooncake_tcp -> mooncake instead of writing it
     problems = role_contract_violations(

@@ -281,11 +281,11 @@ def _resolve(host: str) -> str:
 
 
 def _require_in_place_switch(node: Node) -> None:
-    """Raise ConfigError unless the installed SGLang serves ``/pd_role_switch`` (``_compat.PD_ROLE_SWITCH``:
+    """Raise ConfigError unless the installed SGLang serves ``/pd_role_switch`` (``_compat.serves_pd_role_switch``:
     0.5.23 does, 0.5.15 does not)."""
-    from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has, installed_sglang_version
+    from prfaas_sglang._compat import installed_sglang_version, serves_pd_role_switch
 
-    if not installed_has(PD_ROLE_SWITCH):
+    if not serves_pd_role_switch():
         raise ConfigError(f"nodes.{node.name}.role_switch",
                           f"the installed SGLang ({installed_sglang_version() or 'none'}) has no /pd_role_switch; use "
                           "role_switch: restart (the launcher restarts the engine in the other role)")

@@ -138,11 +138,12 @@ def _hook_row(spec, pinned: Path, root: Path) -> dict:
     as on the pin), ``ported`` (some targets differ from the pin's, each as the spec records for a
     supported release), or ``needs a port``."""
     from prfaas_sglang.patches import upstream_api
+    from prfaas_sglang.plugin import RegistrationSpec
 
     where = spec.where(root)
     statuses = []
     if where == "applies":
-        if hasattr(spec, "overrides"):
+        if isinstance(spec, RegistrationSpec):
             pairs = [*spec.overrides, (spec.registry, ())]
         else:
             pairs = [(spec.target, spec.expected_signature)]

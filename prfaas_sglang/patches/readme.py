@@ -24,9 +24,9 @@ WHERE = {"applies": "yes", "retired": "retired: upstream does it", "not applicab
 
 
 def _patch_where(patch: Patch, root: Path) -> str:
-    from prfaas_sglang._compat import installed_has
+    from prfaas_sglang._compat import change_status
 
-    return "retired" if installed_has(patch.upstream_marker, root) else "applies"
+    return change_status(patch.upstream_marker, root=root)
 
 
 def render_table(series: Series, hooks: Sequence, roots: dict[str, Path]) -> str:

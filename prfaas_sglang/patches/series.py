@@ -72,9 +72,9 @@ class Series:
     def for_tree(self, root: Path) -> Series:
         """The patches a tree (the directory holding ``sglang/``) needs: a patch whose Upstream-Marker
         is in the tree is retired there (upstream does it itself), neither applied nor required."""
-        from prfaas_sglang._compat import installed_has
+        from prfaas_sglang._compat import change_status
 
-        return Series(self.directory, tuple(p for p in self.patches if not installed_has(p.upstream_marker, root)))
+        return Series(self.directory, tuple(p for p in self.patches if change_status(p.upstream_marker, root=root) != "retired"))
 
     def retired_in(self, root: Path) -> tuple[Patch, ...]:
         """The patches :meth:`for_tree` leaves out of ``root``."""

@@ -144,7 +144,9 @@ def compare(pinned_root: Path, target_root: Path, dotted: str, recorded: tuple[s
 
 
 def marker_found(target_root: Path, marker: tuple[str, str] | None) -> bool:
-    """Whether ``marker``'s text is in its file in the tree (None: the spec names no marker)."""
-    from prfaas_sglang._compat import installed_has
+    """Whether ``marker``'s text is in its file in the tree, so that a change naming it as its upstream
+    marker is retired there (None: the spec names no marker); the upstream adapter's
+    :func:`~prfaas_sglang._compat.change_status`."""
+    from prfaas_sglang._compat import change_status
 
-    return installed_has(marker, target_root)
+    return change_status(marker, root=target_root) == "retired"

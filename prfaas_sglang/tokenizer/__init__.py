@@ -37,13 +37,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prfaas_sglang._compat import tool_function_dump, tools_as_sent
 from prfaas_sglang.errors import ConfigError, TokenizeError
 
 # The layering map (docs/architecture.md, checked by tests/unit/test_layering.py): an I/O package;
 # these modules of it are pure.
 PURE_MODULES = ()
 
-__all__ = ["PromptTokenizer", "TokenizeError", "detect_content_format", "resolve", "SHIPPED"]
+# tools_as_sent: the upstream adapter's decision, from the workers' reported release (the router's import)
+__all__ = ["PromptTokenizer", "TokenizeError", "detect_content_format", "resolve", "tools_as_sent", "SHIPPED"]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SHIPPED = "prfaas-tiny-chatml"
@@ -63,27 +65,10 @@ def resolve(ref: str, base_dir: Path | None = None) -> str:
     return str(path.resolve()) if path.exists() else ref
 
 
-# A request's ``tools`` reach the chat template as SGLang's pydantic ``Function`` dumps them: up to 0.5.15
-# every field in the model's order (description, name, parameters, strict: false); from 0.5.23 the keys the
-# client sent in the client's order, ``strict`` and ``defer_loading`` only when set (protocol.py's
-# ``Function._serialize``). The router renders as the workers' release does (their /server_info ``version``).
-TOOLS_AS_SENT_FROM_SGLANG = "0.5.23"
-
-
-def tools_as_sent(sglang_version: str | None) -> bool:
-    """Whether SGLang ``sglang_version`` renders a request's tools as the client sent them (None: the pin's way)."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return sglang_version is not None and Version(sglang_version) >= Version(TOOLS_AS_SENT_FROM_SGLANG)
-    except InvalidVersion:
-        return False
-
-
 class PromptTokenizer:
     """One loaded tokenizer; ``encode_*`` are pure functions of the request (thread-safe reads).
-    ``tools_as_sent``: render tools as SGLang >= 0.5.23 does (:func:`tools_as_sent`); the router sets it
-    from the workers' release."""
+    ``tools_as_sent``: render tools as SGLang >= 0.5.23 does (the upstream adapter's
+    :func:`~prfaas_sglang._compat.tools_as_sent`); the router sets it from the workers' release."""
 
     def __init__(self, tokenizer: Any, source: str, tools_as_sent: bool = False):
         self.tokenizer = tokenizer
@@ -251,7 +236,8 @@ def _content_for_format(msg: dict, content_format: str) -> dict:
 
 def _tools(body: dict, as_sent: bool = False) -> list[dict] | None:
     """``request.tools`` as SGLang dumps them (``Tool`` / ``Function`` field order and defaults; ``as_sent``:
-    0.5.23's ``Function``, the client's keys in its order, ``strict`` and ``defer_loading`` only when set)."""
+    0.5.23's ``Function``, the client's keys in its order, ``strict`` and ``defer_loading`` only when set:
+    the upstream adapter's :func:`~prfaas_sglang._compat.tool_function_dump`)."""
     raw = body.get("tools")
     choice = body.get("tool_choice", "auto")
     if not raw or choice == "none":
@@ -263,17 +249,7 @@ def _tools(body: dict, as_sent: bool = False) -> list[dict] | None:
             raise TokenizeError(f"tools[{i}].function.name is required")
         defer = tool.get("defer_loading")
         fn_defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else defer
-        if as_sent:
-            model = {"description": fn.get("description"), "name": fn["name"], "parameters": fn.get("parameters"),
-                     "strict": fn.get("strict"), "defer_loading": fn_defer}
-            model = {k: v for k, v in model.items() if v is not None or k not in ("strict", "defer_loading")}
-            order = [k for k in fn if k in model] + [k for k in model if k not in fn]
-            function = {k: model[k] for k in order}
-        else:
-            function = {"description": fn.get("description"), "name": fn["name"], "parameters": fn.get("parameters"),
-                        "strict": fn.get("strict", False)}
-            if fn_defer is not None:
-                function["defer_loading"] = fn_defer
+        function = tool_function_dump(fn, fn_defer, as_sent)
         tools.append({"type": tool.get("type", "function"), "function": function, "defer_loading": defer})
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")

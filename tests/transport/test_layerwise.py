@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang_cpu import run_probe
 
-from prfaas_sglang.bench.layerwise_bench import set_chunk, set_pool_row
+from prfaas_sglang._compat.accessors import set_chunk, set_pool_row
 from prfaas_sglang.demo import netns
 from prfaas_sglang.transport.layerwise import LayerLedger, chunk_range, layer_blocks, runs
 

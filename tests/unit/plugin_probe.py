@@ -37,7 +37,7 @@ def attempt(model_dir: str, env: dict, mode: str, backend: str = "mooncake_tcp")
         args = server_args(model_dir, mode, backend)
         if hasattr(args, "resolve_once"):  # SGLang 0.5.23 resolves on demand (0.5.15: in __post_init__)
             args.resolve_once()
-        from prfaas_sglang.hooks.server_args import resolving
+        from prfaas_sglang._compat.accessors import resolving
 
         view = resolving(args)
         return {"ok": True, "mode": view.disaggregation_mode, "backend": view.disaggregation_transfer_backend}

@@ -16,6 +16,7 @@ Rules (docs/architecture.md, "Layers"):
 7. One synchronous HTTP client: only ``adapters/http_sync.py`` imports one (``requests``, ``urllib.request``,
    ``http.client``).
 8. The GPU checks import the GPU harness, never the other way round.
+9. No circle of module-level imports (imports inside functions may point back).
 """
 
 from __future__ import annotations
@@ -59,15 +60,25 @@ class ImportGraph:
     def package_of(self, name: str) -> str:
         return name if self.is_package(name) else name.rsplit(".", 1)[0]
 
-    @cache  # noqa: B019
     def imports(self, name: str) -> tuple[frozenset[str], frozenset[str]]:
         """(modules of ours it imports, top-level external modules it imports); TYPE_CHECKING blocks excluded."""
+        return self._imports(name, module_level=False)
+
+    def module_level_imports(self, name: str) -> frozenset[str]:
+        """The modules of ours ``name`` imports as it is imported itself: its imports outside function bodies
+        (the ones that can make a circle at import time); TYPE_CHECKING blocks excluded."""
+        return self._imports(name, module_level=True)[0]
+
+    @cache  # noqa: B019
+    def _imports(self, name: str, module_level: bool) -> tuple[frozenset[str], frozenset[str]]:
         ours, external = set(), set()
         package = self.package_of(name)
 
         def visit(node):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.If) and _type_checking(child):
+                    continue
+                if module_level and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                     continue
                 if isinstance(child, ast.Import):
                     for alias in child.names:
@@ -94,6 +105,34 @@ class ImportGraph:
         visit(self.tree(name))
         ours.discard(name)
         return frozenset(ours), frozenset(external)
+
+    def import_cycles(self) -> list[list[str]]:
+        """The circles of :meth:`module_level_imports` (each a strongly connected set of two or more modules,
+        sorted); empty when the package imports without one."""
+        index: dict[str, int] = {}
+        low: dict[str, int] = {}
+        stack: list[str] = []
+        cycles: list[list[str]] = []
+
+        def connect(module: str) -> None:  # Tarjan's algorithm
+            index[module] = low[module] = len(index)
+            stack.append(module)
+            for target in self.module_level_imports(module):
+                if target not in index:
+                    connect(target)
+                    low[module] = min(low[module], low[target])
+                elif target in stack:
+                    low[module] = min(low[module], index[target])
+            if low[module] == index[module]:
+                component = stack[stack.index(module):]
+                del stack[stack.index(module):]
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+
+        for module in sorted(self.modules):
+            if module not in index:
+                connect(module)
+        return sorted(cycles)
 
     def libraries(self, name: str) -> frozenset[str]:
         """The top-level external packages ``name`` imports."""
@@ -265,9 +304,28 @@ def test_only_the_runtime_model_builds_a_deployment():
         assert not calls, f"{name} builds a planner Deployment; use prfaas_sglang.runtime"
 
 
+def test_module_level_imports_form_no_circle():
+    """Importing any module of the package never re-enters one still being imported (a circle at import
+    time works only by the order of its statements); imports inside functions may point back."""
+    assert GRAPH.import_cycles() == []
+
+
+def test_a_circle_of_module_level_imports_is_found_and_a_function_level_one_is_not(tmp_path):
+    graph = _write(tmp_path, {
+        "__init__.py": "IO_MODULES = ()\n",
+        "a.py": "from prfaas_sglang import b\n",
+        "b.py": "if True:\n    import prfaas_sglang.a\n",
+        "c.py": "from prfaas_sglang import d\n",
+        "d.py": "def late():\n    from prfaas_sglang import c\n",
+    })
+    assert graph.import_cycles() == [["prfaas_sglang.a", "prfaas_sglang.b"]]
+    assert "prfaas_sglang.c" in graph.imports("prfaas_sglang.d")[0]  # still an import, just not at import time
+    assert "prfaas_sglang.c" not in graph.module_level_imports("prfaas_sglang.d")
+
+
 def test_the_checker_sees_function_level_imports(tmp_path):
     """The graph includes imports inside functions (where the package puts its lazy ones)."""
-    assert "prfaas_sglang.router.server" in imports("prfaas_sglang.router.__main__")[0]
+    assert "prfaas_sglang.router.app" in imports("prfaas_sglang.router.__main__")[0]
     assert "aiohttp" in imports("prfaas_sglang.router.__main__")[1]
 
 

@@ -10,6 +10,7 @@ import asyncio
 import signal
 import sys
 
+from prfaas_sglang._pin import PINNED_SGLANG_VERSION, SUPPORTED_SGLANG_VERSIONS
 from prfaas_sglang.errors import ConfigError, PrfaasError
 from prfaas_sglang.roles import ROLE_SPECS, Role, parse_role
 
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PD roles: serve POST /pd_role_switch (turn prefill into decode or back when idle; "
                         "SGLang 0.5.23's flag of the same name)")
     p.add_argument("--kv-buffer-mb", type=int, default=1024, help="decode: landing buffer for KV in flight, MiB")
+    p.add_argument("--sglang-release", default=PINNED_SGLANG_VERSION,
+                   help=f"the SGLang release this worker reports as its version (one of "
+                        f"{', '.join(SUPPORTED_SGLANG_VERSIONS)}; default: the pin, %(default)s)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenize text/chat and detokenize outputs with this tokenizer (a shipped name such as "
                         "prfaas-tiny-chatml, or a directory); default: ids, or one pseudo-token per word")
@@ -94,6 +98,7 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--enable-pd-role-switch", "and --disaggregation-decode-enable-radix-cache do not combine yet")
     if args.disaggregation_decode_enable_radix_cache and spec.disaggregation_mode != "decode":
         raise ConfigError("--disaggregation-decode-enable-radix-cache", f"is for decode roles, not {role.value}")
+    _check_release(args.sglang_release)
     prefill_cache, min_shared, chunk_checkpoints = _cache_policy_from_env(args.cache_tokens)
     if spec.disaggregation_mode == "prefill":  # its KV sender reads the link at start: refuse a bad one here, by name
         from prfaas_sglang.envs import envs
@@ -113,7 +118,20 @@ def config_from_args(args: argparse.Namespace):
         chunked_prefill_size=None if args.chunked_prefill_size == -1 else args.chunked_prefill_size,
         keys=load_keys(), peer_hosts=peer_hosts(),
         prefill_cache=prefill_cache, prefill_cache_min_shared_tokens=min_shared, chunk_checkpoints=chunk_checkpoints,
+        sglang_release=args.sglang_release,
     )
+
+
+def _check_release(release: str) -> None:
+    """Raise ConfigError naming ``--sglang-release`` unless ``release`` is one the upstream adapter accepts
+    (a supported release, or ``PRFAAS_ALLOW_SGLANG_VERSION``'s)."""
+    from prfaas_sglang._compat import require_supported
+    from prfaas_sglang.errors import UpstreamVersionError
+
+    try:
+        require_supported(release, "--sglang-release")
+    except UpstreamVersionError as err:
+        raise ConfigError("--sglang-release", str(err)) from None
 
 
 def _cache_policy_from_env(cache_tokens: int) -> tuple[str, int, bool]:

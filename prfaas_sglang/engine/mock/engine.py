@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from prfaas_sglang._pin import PINNED_SGLANG_VERSION
 from prfaas_sglang.adapters import tcpinfo
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
@@ -109,6 +110,9 @@ class MockConfig:
     enable_pd_role_switch: bool = False  # serve /pd_role_switch (SGLang 0.5.23's --enable-pd-role-switch)
     keys: DeploymentKeys | None = None  # the deployment secret's keys (security.load_keys); None: no authentication
     peer_hosts: frozenset[str] | None = None  # hosts KV may go to or come from (security.peer_hosts); None: any
+    # the SGLang release this worker reports (/server_info and /v1/loads ``version``; a router renders chat tools
+    # as that release does): a supported one, the pin by default
+    sglang_release: str = PINNED_SGLANG_VERSION
 
     @property
     def advertise_host(self) -> str:

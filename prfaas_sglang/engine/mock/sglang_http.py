@@ -103,7 +103,8 @@ def api_key_middleware(engine: MockEngine):
 
 
 def _info(engine: MockEngine) -> dict:
-    """``/server_info``: the fields of SGLang 0.5.15's answer a router reads, plus ``prfaas``."""
+    """``/server_info``: the fields of SGLang 0.5.15's answer a router reads, plus ``prfaas``; ``version``
+    is the release the worker emulates (``MockConfig.sglang_release``)."""
     cfg = engine.config
     return {
         "model_path": cfg.served_model_name,
@@ -130,7 +131,7 @@ def _info(engine: MockEngine) -> dict:
                    "kv_scale": cfg.kv_scale, "block_hash": HASH_SCHEME, "hybrid": engine.timing.hybrid,
                    "telemetry_port": cfg.telemetry_port, "cache_import": cfg.mode == "prefill",
                    "role_switch": cfg.enable_pd_role_switch, "prefill_cache": cfg.prefill_cache},
-        "version": "0.5.15",
+        "version": cfg.sglang_release,
     }
 
 
@@ -249,7 +250,7 @@ def build_app(engine: MockEngine) -> web.Application:
 
     async def loads(request):
         return web.json_response({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                  "version": "0.5.15", "loads": [_load(engine)]})
+                                  "version": engine.config.sglang_release, "loads": [_load(engine)]})
 
     async def metrics(request):
         return web.Response(body=generate_latest(request.app[METRICS_KEY]), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
