@@ -42,8 +42,15 @@ from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.analytic import AnalyticPrefill, analytic_decode
-from prfaas_sglang.plan.fleet_model import Fleet, FleetLink, PdSite, PrfaasSite
-from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
+from prfaas_sglang.plan.fleet_model import (
+    Fleet,
+    FleetLink,
+    PdChoice,
+    PdSite,
+    PrfaasSite,
+    evaluate_fleet,
+)
+from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate, evaluate_pooled
 from prfaas_sglang.plan.profiles import DecodeProfile, InstanceClass, PrefillProfile, ScaledPrefill
 from prfaas_sglang.plan.scenario import (
     Catalog,
@@ -51,7 +58,7 @@ from prfaas_sglang.plan.scenario import (
     parse_measured_profile,
     parse_workload,
 )
-from prfaas_sglang.plan.search import best_threshold_for_split, search
+from prfaas_sglang.plan.search import best_threshold_for_split, search, search_pooled
 from prfaas_sglang.plan.workload import CASE_STUDY_LENGTHS, Workload
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.topology import ClusterSpec, Emulation, SitePair, Topology
@@ -205,6 +212,90 @@ class RuntimeModel:
         }
 
 
+
+@dataclass(frozen=True)
+class PdClusterModel:
+    """One PD cluster and every PrfaaS cluster linked to it: what its long-term controller plans the
+    cluster's split on. ``pairs``: each pair's one-pair model (:func:`pair_models`), the PD cluster and its
+    split the same in each. A request the cluster decodes may be prefilled on any of its PrfaaS clusters,
+    so the plan pools them (:func:`~prfaas_sglang.plan.model.evaluate_pooled`: ``Theta_prfaas`` adds up over
+    the links). A PrfaaS cluster shared with other PD clusters counts whole here, as it does in its pair
+    models; the stage rates the controller measures (``ClusterSample.for_pd``: this cluster's share)
+    show what it really gives. The cluster runs one ``t`` here: its pairs' lowest (a request longer than
+    that may be offloaded over some link). On one pair every answer is that pair's model's."""
+
+    pairs: Mapping[SitePair, RuntimeModel]
+
+    def __post_init__(self):
+        if not self.pairs:
+            raise ValueError("a PD cluster's model needs at least one pair")
+        if len({pair.pd for pair in self.pairs}) != 1:
+            raise ValueError(f"pairs of several PD clusters: {', '.join(map(str, self.pairs))}")
+        if len({(m.n_prefill, m.n_decode) for m in self.pairs.values()}) != 1:
+            raise ValueError("the pairs of one PD cluster disagree on its split")
+
+    @property
+    def _pd_side(self) -> RuntimeModel:
+        """A pair's model, for what every pair of the cluster shares: the PD cluster, its split, the scheduler."""
+        return next(iter(self.pairs.values()))
+
+    @property
+    def n_prefill(self) -> int:
+        return self._pd_side.n_prefill
+
+    @property
+    def n_decode(self) -> int:
+        return self._pd_side.n_decode
+
+    @property
+    def n_pd(self) -> int:
+        return self._pd_side.deployment.n_pd
+
+    def with_split(self, n_prefill: int) -> PdClusterModel:
+        """Every pair at ``n_prefill`` PD-P instances (:meth:`RuntimeModel.with_split`)."""
+        return PdClusterModel({pair: m.with_split(n_prefill) for pair, m in self.pairs.items()})
+
+    def calibrated(self, scales: Mapping[str, float]) -> PdClusterModel:
+        """Every pair scaled by what was measured (:meth:`RuntimeModel.calibrated`)."""
+        return PdClusterModel({pair: m.calibrated(scales) for pair, m in self.pairs.items()})
+
+    def _deployments(self, output_tokens: float | None = None) -> list[Deployment]:
+        return [m._with_output(output_tokens) for m in self.pairs.values()]
+
+    def plan_splits(self, workload: Workload, output_tokens: float | None = None) -> dict[int, OperatingPoint]:
+        """Every PD split's best operating point on ``workload`` (and ``L_out``), every link at its nominal
+        capacity: what the long-term controller chooses among."""
+        result = search_pooled(self._deployments(output_tokens), workload, self._pd_side.step_tokens)
+        return dict(zip(result.n_prefill_options, result.best_by_split, strict=True))
+
+    def evaluate_at(self, workload: Workload, threshold_tokens: float, output_tokens: float | None = None) -> OperatingPoint:
+        """Equation (6), pooled, at this split and ``t`` on ``workload``: the model's view of what runs now."""
+        return evaluate_pooled(self._deployments(output_tokens), workload.split(threshold_tokens), self.n_prefill,
+                               self.n_decode)
+
+    def prefill_rate(self, kind: str, tokens: float) -> float:
+        """Requests/s one busy instance of ``kind`` (prfaas | pd) prefills, ``tokens`` each, by the model: a
+        PD-P instance's, or the PrfaaS clusters' mean per instance (one cluster: its own)."""
+        if kind == "pd":
+            return 1.0 / self._pd_side.deployment.pd.prefill.prefill_s(tokens)
+        sites = [(m.deployment.n_prfaas, 1.0 / m.deployment.prfaas.prefill.prefill_s(tokens)) for m in self.pairs.values()]
+        if len(sites) == 1:
+            return sites[0][1]
+        return sum(n * rate for n, rate in sites) / max(sum(n for n, _ in sites), 1)
+
+    def decode_rate(self, output_tokens: float) -> float:
+        """Requests/s one full PD-D instance finishes at ``output_tokens`` each: ``BS_max / (T_decode L_out)``."""
+        decode = self._pd_side.decode
+        return decode.bs_max / (decode.step_s * output_tokens)
+
+
+def pd_cluster_models(models: Mapping[SitePair, RuntimeModel]) -> dict[str, PdClusterModel]:
+    """PD cluster -> the model of it and every PrfaaS cluster linked to it (``models``: :func:`pair_models`)."""
+    by_pd: dict[str, dict[SitePair, RuntimeModel]] = {}
+    for pair, model in models.items():
+        by_pd.setdefault(pair.pd, {})[pair] = model
+    return {pd: PdClusterModel(pairs) for pd, pairs in by_pd.items()}
+
 def _link_bps(topology: Topology, defaults: list[str]) -> float:
     for link in topology.links:
         kinds = {topology.cluster_kinds.get(link.src), topology.cluster_kinds.get(link.dst)}
@@ -257,6 +348,23 @@ def state_kind(model) -> str:
     return "+".join(kinds) or "none"
 
 
+@dataclass(frozen=True)
+class ServiceTargets:
+    """What the deployment promises its users, the same in every pair's model (``scheduler:``): the
+    output length the planner assumes, the decode SLO and the TTFT SLO (model time)."""
+
+    output_tokens: int
+    slo_tokens_per_s: float
+    ttft_slo_s: float
+
+
+def service_targets(topology: Topology) -> ServiceTargets:
+    """The topology's :class:`ServiceTargets`, each given or its default."""
+    spec = topology.scheduler
+    return ServiceTargets(spec.output_tokens or DEFAULT_OUTPUT_TOKENS, spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S,
+                          spec.ttft_slo_s or DEFAULT_TTFT_SLO_S)
+
+
 def _scheduler_inputs(topology: Topology, catalog: Catalog, defaults: list[str]):
     """(workload prior, L_out, decode SLO, cost model) from ``scheduler:`` and ``model:``, each input
     left to its default named in ``defaults``."""
@@ -270,8 +378,8 @@ def _scheduler_inputs(topology: Topology, catalog: Catalog, defaults: list[str])
                         (spec.ttft_slo_s, "scheduler.ttft_slo_s"), (topology.model.cost_model, "model.cost_model")):
         if given is None:
             defaults.append(name)
-    return (prior, spec.output_tokens or DEFAULT_OUTPUT_TOKENS, spec.slo_tokens_per_s or DEFAULT_SLO_TOKENS_PER_S,
-            topology.model.cost_model or DEFAULT_COST_MODEL)
+    targets = service_targets(topology)
+    return prior, targets.output_tokens, targets.slo_tokens_per_s, topology.model.cost_model or DEFAULT_COST_MODEL
 
 
 def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> RuntimeModel:
@@ -309,7 +417,7 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
                             count[Role.PD_PREFILL] + count[Role.PD_DECODE], _link_bps(topology, defaults), output_tokens)
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
-                        tuple(defaults), spec.ttft_slo_s or DEFAULT_TTFT_SLO_S, costs["pd"].state)
+                        tuple(defaults), service_targets(topology).ttft_slo_s, costs["pd"].state)
 
 
 def pair_models(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> dict[SitePair, RuntimeModel]:
@@ -322,6 +430,21 @@ def pair_models(topology: Topology, catalog: Catalog | None = None, emulated: bo
     catalog = catalog or Catalog(base_dir=topology.base_dir or Path.cwd())
     return {pair: from_topology(topology.restricted(pair), catalog, emulated) for pair in topology.pairs()}
 
+
+
+def planned_capacity_rps(topology: Topology, catalog: Catalog | None = None) -> float:
+    """Lambda_max of the deployment a topology describes, its PD splits as deployed, in model units (the
+    ``emulation:`` section ignored). One pair: :meth:`RuntimeModel.capacity_rps` at its baseline t. A fleet:
+    the fleet's linear program (``plan.fleet_model.evaluate_fleet``) at each PD cluster's split and the t it
+    runs (its pairs' lowest baseline t, as :class:`PdClusterModel`), so a PrfaaS cluster that serves several
+    PD clusters counts once, not once per pair."""
+    models = pair_models(topology, catalog, emulated=False)
+    if len(models) == 1:
+        return next(iter(models.values())).capacity_rps()
+    fleet, prior, _ = fleet_from_topology(topology, catalog)
+    choices = {pd: PdChoice(min(m.baseline_threshold_tokens for m in cluster.pairs.values()), cluster.n_prefill)
+               for pd, cluster in pd_cluster_models(models).items()}
+    return evaluate_fleet(fleet, prior, choices).lambda_max_rps
 
 def site_model(topology: Topology, site: str, catalog: Catalog | None = None) -> RuntimeModel:
     """The one-pair model of the first pair that holds cluster ``site``: its costs (``costs[kind]``), the

@@ -46,7 +46,7 @@ def saturated(fleet: FleetSpec, seed: int, load: float = 1.25, duration_s: float
     (the convexity of T_prefill), over the same arrivals, to tell that gap from simulator error."""
     sim = Simulation(fleet, SimSettings(admission_timeout_s=math.inf))
     t = sim.runtime.baseline_threshold_tokens
-    sim.service.controller.override(0.0, t)  # t pinned: the queue bias would move it under overload
+    sim.service.only_pair().controller.override(0.0, t)  # t pinned: the queue bias would move it under overload
     point = sim.runtime.operating_point()
     lengths = fleet.workload_prior or arrivals.CASE_STUDY
     requests = list(arrivals.poisson(load * point.lambda_max_rps, duration_s, seed, sim.runtime.output_tokens,
@@ -99,7 +99,8 @@ def _splits(fleet: FleetSpec, around: int, width: int) -> list[FleetSpec]:
             for n in range(max(1, around - width), min(n_pd - 1, around + width) + 1)]
 
 
-def study_paper(seeds: int, sweep: int = 2, common_duration_s: float = 1500.0) -> dict:
+def study_paper(seeds: int, sweep: int = 2, common_duration_s: float = 1500.0, duration_s: float = 1500.0,
+                iters: int = 7) -> dict:
     """PrfaaS-PD vs homogeneous (12 x 8xH20) vs naive heterogeneous (4 x 8xH200 prefill-only + 8 x 8xH20
     decode-only). Each PD system at every split within ``sweep`` of its planner's (a baseline's
     strongest configuration is measured, not assumed): the highest rate meeting the SLOs for 90% of
@@ -115,7 +116,8 @@ def study_paper(seeds: int, sweep: int = 2, common_duration_s: float = 1500.0) -
         for name, fleets in candidates.items():
             tried = []
             for fleet in fleets:
-                rate, s = max_rate(fleet, seed, 0.3, 6.0)
+                rate, s = max_rate(fleet, seed, 0.3, 6.0, duration_s=duration_s, warmup_s=min(300.0, duration_s / 5),
+                                   iters=iters)
                 tried.append((rate, fleet, s))
                 sweep_rows.append({"config": name, "seed": seed, "split": f"{fleet.n_prefill}P/{fleet.n_decode}D",
                                    "planner": fleet.n_prefill == planner[name], "max_rate_rps": rate})
@@ -353,9 +355,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if args.study == "scale" and (args.trace is None or not args.trace.is_file()):
         inv.error("--study scale needs --trace FILE (a Mooncake-format trace)")
     result = run(args.study, args.seeds, args.trace)
-    header = (f"<!-- python -m prfaas_sglang.bench sim --study {args.study} --seeds {args.seeds}"
-              f"{f' --trace {args.trace}' if args.trace else ''}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"sim": Subcommand(add_arguments, cli)}

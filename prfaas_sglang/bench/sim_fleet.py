@@ -80,10 +80,10 @@ def attainment(doc: dict, system: str, shares: dict[str, float], drop: tuple, ra
         schedule += [(at_s, gbps / factor, name), (at_s + for_s, gbps, name)]
     sim = Simulation(doc, SimSettings(max_ttft_s=TTFT_SLO_S, ttft_target_s=TTFT_SLO_S, seed=seed, link_schedule=tuple(schedule),
                                       routers="global" if system == "global" else "regional"))
-    requests = arrivals.entering(list(arrivals.poisson(rate_rps, duration_s, seed, sim.runtime.output_tokens)), shares, seed)
+    requests = arrivals.entering(list(arrivals.poisson(rate_rps, duration_s, seed, sim.targets.output_tokens)), shares, seed)
     sim.run(requests, duration_s + 600)
     window = [r for r in sim.requests if warmup_s <= r.arrival_s < duration_s]
-    return sum(meets_slo(r, TTFT_SLO_S, sim.runtime.slo_tokens_per_s) for r in window) / len(window) if window else 0.0
+    return sum(meets_slo(r, TTFT_SLO_S, sim.targets.slo_tokens_per_s) for r in window) / len(window) if window else 0.0
 
 
 def _link_gbps(doc: dict, name: str) -> float:
@@ -93,7 +93,7 @@ def _link_gbps(doc: dict, name: str) -> float:
 
 
 def study(seeds: int, rounds: int = 6, duration_s: float = 900.0, warmup_s: float = 120.0,
-          fleet_file: Path = FLEET_FILE) -> dict:
+          fleet_file: Path = FLEET_FILE, conditions: tuple[str, ...] = tuple(CONDITIONS)) -> dict:
     """Capacity at 90% per (condition, system), bisected from the joint plan's capacity."""
     doc = yaml.safe_load(fleet_file.read_text())
     topology = parse_topology(doc, str(fleet_file), fleet_file.parent)
@@ -102,7 +102,8 @@ def study(seeds: int, rounds: int = 6, duration_s: float = 900.0, warmup_s: floa
     planned_shares = {name: c.entry_share for name, c in topology.clusters.items() if c.kind == "pd" and c.entry_share}
     docs = {"global": doc, "regional": doc, "partition": partitioned(doc, split.instances)}
     rows = []
-    for condition, spec in CONDITIONS.items():
+    for condition in conditions:
+        spec = CONDITIONS[condition]
         shares = spec["shares"] or planned_shares
         for system in SYSTEMS:
             search = CapacitySearch(start=0.8 * split.capacity_rps, resolution=0.05, floor=0.05 * split.capacity_rps,

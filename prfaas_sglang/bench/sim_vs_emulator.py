@@ -35,9 +35,9 @@ import tempfile
 from pathlib import Path
 
 from prfaas_sglang.adapters import http_sync
-from prfaas_sglang.bench.fidelity import PRIOR, VOCAB
 from prfaas_sglang.demo.client import RequestResult, generate_ids, replay
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+from prfaas_sglang.plan.workload import case_study_lengths
 from prfaas_sglang.router.threshold import ControllerSettings
 from prfaas_sglang.sim import arrivals
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
@@ -45,6 +45,8 @@ from prfaas_sglang.sim.nodes import SimRequest
 from prfaas_sglang.sim.summary import summarize
 from prfaas_sglang.stats import percentile
 
+PRIOR = case_study_lengths(65_536).config()  # the case study's lengths, capped at 64K tokens
+VOCAB = 32_000
 ADMIN_TOKEN = "sim-vs-emulator"
 ADMISSION_TIMEOUT_S = 60.0  # model seconds, both sides
 
@@ -82,7 +84,7 @@ def simulate(spec: FleetSpec, plan: list[tuple[float, int]], duration_s: float, 
     sim = Simulation(spec, SimSettings(admission_timeout_s=ADMISSION_TIMEOUT_S, control_interval_s=interval_s,
                                        threshold=controller, ttft_target_s=spec.ttft_slo_s))
     if pin_tokens is not None:
-        sim.service.controller.override(0.0, pin_tokens)
+        sim.service.only_pair().controller.override(0.0, pin_tokens)
     blocks = 0
     requests = []
     for i, (t, n) in enumerate(plan):

@@ -12,12 +12,14 @@ replica on ``gpus_per_instance`` GPUs), as ``T_prefill`` is per instance.
     (6) Lambda_max    = min(Theta_prfaas / p, Theta_pd_p / (1 - p), Theta_pd_d)
 
 A term whose share of requests is zero (p = 0 for PrfaaS, p = 1 for PD-P)
-does not limit Lambda_max.
+does not limit Lambda_max. A PD cluster fed by several PrfaaS clusters, a link
+each (:func:`evaluate_pooled`): Theta_prfaas = sum_i Theta_prfaas_i in (6).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prfaas_sglang.errors import ConfigError
@@ -101,7 +103,38 @@ def evaluate(dep: Deployment, split: Split, n_prefill: int, n_decode: int) -> Op
         compute, bandwidth = theta_prfaas(dep.n_prfaas, dep.prfaas.prefill, split.mean_long_tokens, dep.egress_bps)
     else:
         compute = bandwidth = 0.0
-    prfaas = min(compute, bandwidth)
+    kv_bytes = dep.prfaas.prefill.kv_bytes(split.mean_long_tokens) if p > 0 else 0.0
+    return _operating_point(dep, split, n_prefill, n_decode, (compute, bandwidth, min(compute, bandwidth)), kv_bytes,
+                            dep.egress_bps)
+
+
+def evaluate_pooled(deps: Sequence[Deployment], split: Split, n_prefill: int, n_decode: int) -> OperatingPoint:
+    """Equation (6) for one PD cluster fed by several PrfaaS clusters, each over its own link: ``deps`` holds
+    one :class:`Deployment` per pair (the same PD cluster, split and ``L_out`` in each). A request longer
+    than ``t`` may be prefilled on any of them, so ``Theta_prfaas`` is the sum of each pair's equation (3)
+    and, at ``Lambda_max``, each carries the offload in proportion to its term: the fleet's linear program
+    (``fleet_model.py``) for one PD cluster. The compute and bandwidth terms, and the links' capacities, add
+    up alike. On one pair: :func:`evaluate`."""
+    if len(deps) == 1:
+        return evaluate(deps[0], split, n_prefill, n_decode)
+    p = split.offload_fraction
+    terms = [theta_prfaas(d.n_prfaas, d.prfaas.prefill, split.mean_long_tokens, d.egress_bps)
+             if p > 0 and d.n_prfaas > 0 else (0.0, 0.0) for d in deps]
+    carried = [min(term) for term in terms]
+    prfaas = sum(carried)
+    shares = [c / prfaas for c in carried] if prfaas > 0 else [1.0 / len(deps)] * len(deps)
+    kv_bytes = sum(share * d.prfaas.prefill.kv_bytes(split.mean_long_tokens) for share, d in zip(shares, deps, strict=True)) \
+        if p > 0 else 0.0
+    thetas = (sum(c for c, _ in terms), sum(b for _, b in terms), prfaas)
+    return _operating_point(deps[0], split, n_prefill, n_decode, thetas, kv_bytes, sum(d.egress_bps for d in deps))
+
+
+def _operating_point(dep: Deployment, split: Split, n_prefill: int, n_decode: int,
+                     prfaas_rps: tuple[float, float, float], kv_bytes: float, egress_capacity_bps: float) -> OperatingPoint:
+    """Equations (4)-(6) on ``dep``'s PD cluster, given equation (3)'s terms (compute, bandwidth, what the
+    PrfaaS side carries), the mean KV bytes an offloaded request ships and the egress capacity."""
+    compute, bandwidth, prfaas = prfaas_rps
+    p = split.offload_fraction
     pd_p = theta_pd_prefill(n_prefill, dep.pd.prefill, split.mean_short_tokens) if p < 1 else 0.0
     pd_d = theta_pd_decode(n_decode, dep.pd, dep.output_tokens)
 
@@ -112,7 +145,7 @@ def evaluate(dep: Deployment, split: Split, n_prefill: int, n_decode: int) -> Op
     }
     binding = min(limits, key=limits.get)
     lam = limits[binding]
-    egress_bps = lam * p * 8.0 * dep.prfaas.prefill.kv_bytes(split.mean_long_tokens) if p > 0 else 0.0
+    egress_bps = lam * p * 8.0 * kv_bytes if p > 0 else 0.0
     return OperatingPoint(
         threshold_tokens=split.threshold_tokens,
         n_prefill=n_prefill,
@@ -128,5 +161,5 @@ def evaluate(dep: Deployment, split: Split, n_prefill: int, n_decode: int) -> Op
         lambda_max_rps=lam,
         binding_stage=binding,
         egress_gbps=egress_bps / 1e9,
-        egress_utilization=egress_bps / dep.egress_bps,
+        egress_utilization=egress_bps / egress_capacity_bps,
     )

@@ -11,11 +11,11 @@ balance), not solved.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from prfaas_sglang.errors import ConfigError
-from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate
+from prfaas_sglang.plan.model import Deployment, OperatingPoint, evaluate, evaluate_pooled
 from prfaas_sglang.plan.profiles import InstanceClass
 from prfaas_sglang.plan.workload import Split, Workload
 
@@ -82,8 +82,16 @@ def _splits(dep: Deployment) -> list[int]:
 
 def search(dep: Deployment, workload: Workload, step_tokens: float = 128, progress: Progress | None = None) -> SearchResult:
     """Exhaustive 2-D search; ``progress(done, total)`` is called once per threshold."""
+    return search_pooled((dep,), workload, step_tokens, progress)
+
+
+def search_pooled(deps: Sequence[Deployment], workload: Workload, step_tokens: float = 128,
+                  progress: Progress | None = None) -> SearchResult:
+    """:func:`search` for one PD cluster fed by several PrfaaS clusters (``deps``: one deployment per pair,
+    :func:`~prfaas_sglang.plan.model.evaluate_pooled`); on one pair, :func:`search`."""
+    n_pd = deps[0].n_pd
     thresholds = threshold_grid(workload, step_tokens)
-    splits = _splits(dep)
+    splits = _splits(deps[0])
     surface: list[tuple[float, ...]] = []
     best: OperatingPoint | None = None
     by_split: list[OperatingPoint | None] = [None] * len(splits)
@@ -91,7 +99,7 @@ def search(dep: Deployment, workload: Workload, step_tokens: float = 128, progre
         split = workload.split(t)
         row = []
         for j, n_p in enumerate(splits):
-            point = evaluate(dep, split, n_p, dep.n_pd - n_p)
+            point = evaluate_pooled(deps, split, n_p, n_pd - n_p)
             row.append(point.lambda_max_rps)
             if _better(point, best):
                 best = point

@@ -121,14 +121,15 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
 
 
 def preflight(workers, topology, config, timeout_s: float, headers: dict | None = None,
-              cost_state: str | None = None) -> dict:
+              cost_states: dict | None = None) -> dict:
     """Every reachable worker's facts (waiting up to ``timeout_s`` for workers still starting), checked
-    (``cost_state``: the cost model's kind of state, which a worker's model must match).
+    (``cost_states``: each pair's cost model's kind of state, which the model of a worker in that pair
+    must match: ``workers.facts_problem``).
 
     Facts that contradict the deployment raise :class:`ConfigError`; a worker still down
     afterwards is left to the health loop. Returns name -> facts; nothing is modified.
     """
-    from prfaas_sglang.router.workers import FactsError, check_facts, parse_server_info
+    from prfaas_sglang.router.workers import FactsError, facts_problem, parse_server_info
     from prfaas_sglang.wire.server_info import with_live_mode
 
     deadline = time.monotonic() + timeout_s
@@ -149,7 +150,7 @@ def preflight(workers, topology, config, timeout_s: float, headers: dict | None 
             except FactsError as err:
                 raise ConfigError(f"worker {name}", f"bad /server_info: {err}") from None
             peers = [dataclasses.replace(workers[n], facts=f) for n, f in adopted.items()]
-            problem = check_facts(worker, facts, peers, topology.emulation, cost_state)
+            problem = facts_problem(worker, facts, peers, topology.emulation, cost_states or {})
             if problem:
                 raise ConfigError(f"worker {name}", problem)
             adopted[name] = facts
@@ -228,7 +229,7 @@ def make_service(args: argparse.Namespace):
     warn_if_open(keys, "router")
     topology = load_topology(args.config)
     # validates the scheduler's inputs (every pair's model) before waiting for workers
-    cost_state = next(iter(runtime.pair_models(topology).values())).state
+    cost_states = {pair: model.state for pair, model in runtime.pair_models(topology).items()}
     workers = workers_from_topology(topology)
     node = next(iter(topology.nodes_of(Role.ROUTER)), None)
     args.host = args.host or (node.host if node and node.host else "127.0.0.1")
@@ -243,7 +244,7 @@ def make_service(args: argparse.Namespace):
                           cache_transfer=args.cache_transfer, checkpoint_min_tokens=args.checkpoint_min_tokens or None,
                           decode_affinity_slack=args.decode_affinity_slack if args.decode_affinity_slack >= 0 else None,
                           kv_memo_bytes=kv_memo_bytes)
-    adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None, cost_state)
+    adopted = preflight(workers, topology, config, args.startup_timeout_s, keys.bearer() if keys else None, cost_states)
     emulated = any(is_emulated(f) for f in adopted.values()) if adopted else None
     models = runtime.pair_models(topology, emulated=emulated)
     model = next(iter(models.values()))  # the scheduler's section and the emulation are every pair's
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     from aiohttp import web
 
     from prfaas_sglang.procgc import freeze_startup_objects
-    from prfaas_sglang.router.server import build_app
+    from prfaas_sglang.router.app import build_app
 
     try:  # uvloop when installed (it is with the engine and mock environments): a faster event loop
         import uvloop
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if not keep_request_buffers_mapped():
         logging.getLogger("prfaas.router").info("malloc left at its defaults (not glibc, or MALLOC_* set)")
     # handler_cancellation: a client that disconnects cancels its request, and with it both PD legs.
-    from prfaas_sglang.router.server import LongTermOptions
+    from prfaas_sglang.router.loops import LongTermOptions
 
     options = LongTermOptions(drain_timeout_s=args.long_term_drain_timeout_s)
     app = build_app(service, kv_index_url, keys, options)

@@ -1,7 +1,8 @@
 """The router's admin API (``/admin/*``), behind ``Authorization: Bearer $PRFAAS_ADMIN_TOKEN``.
 
     POST   /admin/threshold          {"threshold_tokens": N | null, "link"?: "prfaas->pd"}
-                                          override t / back to the baseline, on one link or (no link) every one
+                                          override t / back to the baseline, on one link or (no link) every one;
+                                          answers each link's t (and, when that is one link, its t as threshold_tokens)
     POST   /admin/workers/{name}/drain    {"draining": true | false}  stop / resume routing to a worker
     POST   /admin/workers/{name}/role     {"new_role": "prefill" | "decode", "drain_timeout_s"?: 300}
                                           drain, switch, follow (router/conversion.py); 200 with what happened,
@@ -116,8 +117,8 @@ def add_admin_routes(app: web.Application, service_key, on_register, on_deregist
             return _err(400, f"link must be one of {', '.join(links)} (or absent: every link), got {link!r}")
         chosen = [links[link]] if link is not None else list(links.values())
         now = {str(ps.pair): ps.controller.override(time.monotonic(), value) for ps in chosen}
-        first = next(iter(now.values()))
-        return web.json_response({"threshold_tokens": first, "override": value is not None, "links": now})
+        one = {"threshold_tokens": next(iter(now.values()))} if len(now) == 1 else {}  # one link: its t
+        return web.json_response({**one, "override": value is not None, "links": now})
 
     async def drain(request):
         if (denied := _authorized(request)) is not None:

@@ -14,8 +14,8 @@ One conversion (``convert``), the order upstream's role switch requires::
                                  until the drain deadline
     success                      service.converted(): the record takes the new role, its facts are
                                  re-read by the health loop (the new disaggregation mode checked), its
-                                 KV-event subscription restarts, its blocks leave the index, the model
-                                 moves to the new split and t is re-solved
+                                 KV-event subscription restarts, its blocks leave the index, every pair
+                                 of its PD cluster moves to the new split and re-solves its t
     to prefill                   drained rejoin_s more: its decode peers' heartbeat notices the rebuild
     refused, safe_to_restore     back in service in the old role (502 with the worker's message)
     failed, unsafe               unhealthy and still draining until an operator restarts it (502)
@@ -36,7 +36,7 @@ import aiohttp
 from prfaas_sglang.errors import PrfaasError
 from prfaas_sglang.router.service import RouterService
 from prfaas_sglang.router.workers import WorkerRecord, conversion_problem
-from prfaas_sglang.runtime import RuntimeModel
+from prfaas_sglang.runtime import PdClusterModel
 from prfaas_sglang.wire.role_switch import (
     RoleSwitchReply,
     RoleSwitchRequest,
@@ -61,11 +61,13 @@ class Conversion:
     new_role: str
     drained_s: float  # from draining = True until the worker held no leg
     switched_s: float  # the role switch itself
-    threshold_tokens: float  # t after the re-solve
+    thresholds: dict[str, float]  # t of each pair of the worker's PD cluster (prfaas->pd) after the re-solve
     message: str
 
     def to_json(self) -> dict:
-        return dict(vars(self))
+        """Its fields; a PD cluster of one pair also gives that pair's t as ``threshold_tokens``."""
+        one = {"threshold_tokens": next(iter(self.thresholds.values()))} if len(self.thresholds) == 1 else {}
+        return {**vars(self), "thresholds": dict(self.thresholds), **one}
 
 
 class RoleSwitchClient:
@@ -110,7 +112,7 @@ class RoleSwitchClient:
 
 
 async def convert(service: RouterService, client: RoleSwitchClient, name: str, new_role: str, *,
-                  drain_timeout_s: float = 300.0, poll_s: float = 0.2, runtime: RuntimeModel | None = None,
+                  drain_timeout_s: float = 300.0, poll_s: float = 0.2, runtime: PdClusterModel | None = None,
                   why: str | None = None, on_converted=None, rejoin_s: float = 0.0) -> Conversion:
     """Drain worker ``name``, switch it to ``new_role``, and make the router follow. Raises
     :class:`ConversionError` (the worker is back in service unless its reply said it is unsafe).
@@ -122,7 +124,7 @@ async def convert(service: RouterService, client: RoleSwitchClient, name: str, n
     worker = service.workers[name]
     old_role = worker.role
     if old_role == new_role:
-        return Conversion(name, old_role, new_role, 0.0, 0.0, service.controller.threshold_tokens, "already in target role")
+        return Conversion(name, old_role, new_role, 0.0, 0.0, _thresholds(service, worker), "already in target role")
     if worker.draining:
         raise ConversionError(409, f"{name} is draining already (another conversion, or an operator's drain)")
     worker.draining = True
@@ -159,7 +161,12 @@ async def convert(service: RouterService, client: RoleSwitchClient, name: str, n
         worker.draining = True
         await asyncio.sleep(rejoin_s)
         worker.draining = False
-    logger.info("converted %s from %s to %s (drained in %.1f s, switched in %.1f s); t = %.0f", name, old_role, new_role,
-                drained - start, switched - drained, service.controller.threshold_tokens)
-    return Conversion(name, old_role, new_role, drained - start, switched - drained, service.controller.threshold_tokens,
-                      reply.message)
+    thresholds = _thresholds(service, worker)
+    logger.info("converted %s from %s to %s (drained in %.1f s, switched in %.1f s); t %s", name, old_role, new_role,
+                drained - start, switched - drained, ", ".join(f"{pair} {t:.0f}" for pair, t in thresholds.items()))
+    return Conversion(name, old_role, new_role, drained - start, switched - drained, thresholds, reply.message)
+
+
+def _thresholds(service: RouterService, worker: WorkerRecord) -> dict[str, float]:
+    """The ``t`` of each pair of ``worker``'s PD cluster, by link (``prfaas->pd``)."""
+    return {str(ps.pair): ps.controller.threshold_tokens for ps in service.pairs_of(worker.site)}

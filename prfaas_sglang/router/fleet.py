@@ -63,46 +63,40 @@ def route_fleet(request: RouteInput, snapshots: Mapping[SitePair, ClusterSnapsho
     cluster the request entered at (it decodes there); None: any. Raises :class:`UnknownEntry`, or
     ``NoDecodeRoom`` / ``NoHealthyWorker`` when no candidate cluster can take it now (room first:
     a request the caller may hold until room frees)."""
-    by_pd: dict[str, list[tuple[SitePair, ClusterSnapshot]]] = {}
+    if entry is not None and all(pair.pd != entry for pair in snapshots):
+        raise UnknownEntry(f"unknown entry cluster {entry!r} (PD clusters: {', '.join(dict.fromkeys(p.pd for p in snapshots))})")
+    by_pd: dict[str, list[FleetDecision]] = {}
+    errors: dict[str, list[NoHealthyWorker]] = {}
     for pair, snap in snapshots.items():
-        by_pd.setdefault(pair.pd, []).append((pair, snap))
-    if entry is not None:
-        if entry not in by_pd:
-            raise UnknownEntry(f"unknown entry cluster {entry!r} (PD clusters: {', '.join(by_pd)})")
-        by_pd = {entry: by_pd[entry]}
-    chosen, errors = [], []
-    for pairs in by_pd.values():
-        try:
-            chosen.append(_within(request, pairs))
-        except NoHealthyWorker as err:
-            errors.append(err)
+        if entry is None or pair.pd == entry:
+            try:
+                decided = FleetDecision(pair, route(request, snap))
+            except NoHealthyWorker as err:
+                errors.setdefault(pair.pd, []).append(err)
+                continue
+            by_pd.setdefault(pair.pd, []).append(decided)
+    chosen = [min(decided, key=lambda fd: _within(fd, snapshots)) for decided in by_pd.values()]
     if not chosen:
-        raise next((e for e in errors if isinstance(e, NoDecodeRoom)), errors[0])
-    def across(fd: FleetDecision) -> tuple:
-        snap = snapshots[fd.pair]
-        return (refuse_early(fd.decision, snap.max_ttft_s), fd.decision.estimated_ttft_s, -_decode_free(fd, snap),
-                str(fd.pair))
-
-    return min(chosen, key=across)
+        raise _first_of(_first_of(errs) for errs in errors.values())
+    return min(chosen, key=lambda fd: _across(fd, snapshots))
 
 
-def _within(request: RouteInput, pairs: list[tuple[SitePair, ClusterSnapshot]]) -> FleetDecision:
-    """The decision for one PD cluster over its pairs (see the module docstring)."""
-    decided, errors = [], []
-    for pair, snap in pairs:
-        try:
-            decided.append(FleetDecision(pair, route(request, snap)))
-        except NoHealthyWorker as err:
-            errors.append(err)
-    if not decided:
-        raise next((e for e in errors if isinstance(e, NoDecodeRoom)), errors[0])
-    snaps = dict(pairs)
+def _within(fd: FleetDecision, snapshots: Mapping[SitePair, ClusterSnapshot]) -> tuple:
+    """The order of one PD cluster's decisions over its pairs (the module docstring)."""
+    d = fd.decision
+    return refuse_early(d, snapshots[fd.pair].max_ttft_s), d.cluster != PRFAAS, d.estimated_ttft_s, str(fd.pair)
 
-    def within(fd: FleetDecision) -> tuple:
-        d = fd.decision
-        return refuse_early(d, snaps[fd.pair].max_ttft_s), d.cluster != PRFAAS, d.estimated_ttft_s, str(fd.pair)
 
-    return min(decided, key=within)
+def _across(fd: FleetDecision, snapshots: Mapping[SitePair, ClusterSnapshot]) -> tuple:
+    """The order of the PD clusters' chosen decisions (the module docstring)."""
+    snap = snapshots[fd.pair]
+    return refuse_early(fd.decision, snap.max_ttft_s), fd.decision.estimated_ttft_s, -_decode_free(fd, snap), str(fd.pair)
+
+
+def _first_of(errors) -> NoHealthyWorker:
+    """A ``NoDecodeRoom`` among ``errors`` (a request may wait for room), else the first."""
+    errors = list(errors)
+    return next((e for e in errors if isinstance(e, NoDecodeRoom)), errors[0])
 
 
 def _decode_free(fd: FleetDecision, snap: ClusterSnapshot) -> int:

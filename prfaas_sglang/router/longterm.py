@@ -21,10 +21,15 @@ and decode when the split no longer fits the load. One decision, every ``interva
       now - last conversion >= min_dwell_s                   a conversion drains and restarts nodes
     and move at most ``max_step`` nodes toward the target, never below one node per role.
 
+The model is the PD cluster's (:class:`~prfaas_sglang.runtime.PdClusterModel`): the cluster and every
+PrfaaS cluster linked to it, their capacities pooled, so a PD cluster fed by several PrfaaS clusters is
+planned from all its pairs; on one pair, that pair's model.
+
 The paper's drift, ``Theta_prfaas + Theta_pd_p`` against ``Theta_pd_d``, is in every
 :class:`Replan` (``drift``: their ratio at the split that ran; 1 is balanced) and in
 :meth:`describe`. With a conversion comes the threshold for the new split: the caller hands
-``replan.runtime.research`` to the threshold controller (:meth:`ThresholdController.replan`).
+each of its pairs' model in ``replan.runtime.pairs`` (its ``research``) to that pair's threshold
+controller (:meth:`ThresholdController.replan`).
 
 Who applies a decision: the router (emulated deployment: the engine's role-switch endpoint;
 SGLang 0.5.15: drain and restart through the launcher) and the simulator (its own nodes). A node
@@ -40,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prfaas_sglang.plan.workload import EmpiricalLengths
-from prfaas_sglang.runtime import RuntimeModel
+from prfaas_sglang.runtime import PdClusterModel
 
 STAGES = ("prfaas", "pd-prefill", "pd-decode")
 
@@ -101,13 +106,13 @@ class Replan:
     target_rps: float  # Lambda_max of the split the controller moves toward (maybe several steps away)
     drift: float  # (Theta_prfaas + Theta_pd_p) / Theta_pd_d at the split that ran
     scales: Mapping[str, float]
-    runtime: RuntimeModel  # the calibrated model at the new split (its ``research`` gives t)
+    runtime: PdClusterModel  # the calibrated model at the new split (each pair's ``research`` gives its t)
     reason: str
 
 
 @dataclass
 class LongTermController:
-    runtime: RuntimeModel  # the split in force now (model units as the router observes them)
+    runtime: PdClusterModel  # the split in force now (model units as the router observes them)
     settings: LongTermSettings = field(default_factory=LongTermSettings)
 
     scales: dict[str, float] = field(init=False)
@@ -131,7 +136,8 @@ class LongTermController:
         self._routed.append((now_s, max(uncached_tokens, 1), max(output_tokens, 1), cluster))
 
     def observe(self, now_s: float, sample: StageSample, threshold_tokens: float) -> Replan | None:
-        """Take one sample (``threshold_tokens``: the ``t`` that ran); returns a conversion or None."""
+        """Take one sample (``threshold_tokens``: the ``t`` that ran, the PD cluster's one: its pairs'
+        lowest); returns a conversion or None."""
         s = self.settings
         self._samples.append((now_s, sample))
         self._trim(now_s)
@@ -167,7 +173,7 @@ class LongTermController:
         self._last = {"target_n_prefill": best, "gain": gain, "drift": drift, "saturated": saturated,
                       "busy": busy, "streak": self._streak, "current_rps": current_rps,
                       "target_rps": plans[best].lambda_max_rps}
-        why = (f"split {n_now}P/{self.runtime.n_decode}D -> best {best}P/{self.runtime.deployment.n_pd - best}D "
+        why = (f"split {n_now}P/{self.runtime.n_decode}D -> best {best}P/{self.runtime.n_pd - best}D "
                f"(+{gain:.0%} Lambda_max), drift {drift:.2f}, saturated: {', '.join(saturated) or 'none'}")
         if not wants:
             self._last["decision"] = f"stay: {why}"
@@ -179,7 +185,7 @@ class LongTermController:
             self._last["decision"] = f"dwell ({now_s - self._last_change_s:.0f} s < {s.min_dwell_s:.0f} s): {why}"
             return None
 
-        n_pd = self.runtime.deployment.n_pd
+        n_pd = self.runtime.n_pd
         step = s.max_step or max(1, n_pd // 4)
         n_new = min(max(n_now + max(-step, min(step, best - n_now)), 1), n_pd - 1)
         if n_new == n_now:
@@ -233,11 +239,10 @@ class LongTermController:
         Modelled as the equations do it, on what the stage really got: prefill ``1 / T(mean uncached
         length routed there)``, decode ``BS_max / (T_decode * mean L_out)``. So a scale holds the
         model's error (``E[T(l)]`` against ``T(E[l])``, a profile that is off), not a change of ``t``."""
-        dep = self.runtime.deployment
-        modelled: dict[str, float | None] = {"pd-decode": dep.pd.decode.bs_max / (dep.pd.decode.step_s * out_tokens)}
-        for stage, cluster, cls in (("prfaas", "prfaas", dep.prfaas), ("pd-prefill", "pd", dep.pd)):
+        modelled: dict[str, float | None] = {"pd-decode": self.runtime.decode_rate(out_tokens)}
+        for stage, cluster in (("prfaas", "prfaas"), ("pd-prefill", "pd")):
             lens = [r[1] for r in self._routed if r[3] == cluster]
-            modelled[stage] = 1.0 / cls.prefill.prefill_s(sum(lens) / len(lens)) if lens else None
+            modelled[stage] = self.runtime.prefill_rate(cluster, sum(lens) / len(lens)) if lens else None
         lo, hi = self.settings.scale_bounds
         for stage in STAGES:
             busy_s = sum(smp.busy_s.get(stage, 0.0) for _, smp in self._samples)

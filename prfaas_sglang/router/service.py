@@ -1,12 +1,13 @@
 """The router's state and decisions, without I/O: the HTTP front end and its loops call in with ``now_s``.
 
-One request, top to bottom (``server.dispatch`` drives it)::
+One request, top to bottom (``server.dispatch``, the HTTP handler, drives it)::
 
     ids      = tokenizer(body)                   protocol.parse_request (SGLang's paths)
     check    = fits the context and some decode pool, or 400 now
     decision = decide(route_input(ids))          KvIndex.match (once per attempt) -> fleet.route_fleet(RouteInput,
                                                  a snapshot per pair) -> policy.route in each pair
-                                                 NoDecodeRoom: the caller waits for room, then 503/429
+                                                 NoDecodeRoom: the caller waits for room (start_waiting
+                                                 at its entry), then 503/429
     lease    = begin(decision)                   ledgers in: prefill seconds, decode tokens
     ...legs run...
     prefill_done(lease)                          prefill seconds out (the queue signal)
@@ -19,12 +20,16 @@ The service holds a :class:`PairState` per pair of the topology (``Topology.pair
 and a PrfaaS cluster linked to it): the pair's one-pair model, its link's controller, telemetry
 and KV backlog. A one-pair deployment has one; a fleet has one per link, and the global scheduler
 (``router/fleet.py``) chooses among them per request. Workers belong to a *site* (their topology
-cluster); the calibration learns each site's scale.
+cluster); the calibration learns each site's scale. Nothing here stands for "the" pair: every method
+names its pair or its PD cluster, and what only a one-pair deployment has (``/status``'s top-level
+threshold, link and model) is a view of :meth:`RouterService.only_pair`. The long-term controller runs
+per PD cluster, on the model of all its pairs (``runtime.PdClusterModel``).
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from prfaas_sglang.kvindex.index import KvIndex
@@ -34,8 +39,10 @@ from prfaas_sglang.router.calibration import CalibrationSettings, OnlineCalibrat
 from prfaas_sglang.router.fleet import route_fleet
 from prfaas_sglang.router.link import LinkAggregator, link_share
 from prfaas_sglang.router.longterm import (
+    ClusterSample,
     LongTermController,
     LongTermSettings,
+    Replan,
     StageMeter,
     StageSample,
 )
@@ -51,11 +58,16 @@ from prfaas_sglang.router.policy import (
     checkpoint_at,
 )
 from prfaas_sglang.router.threshold import ControllerSettings, QueueView, ThresholdController
-from prfaas_sglang.router.workers import WorkerRecord
-from prfaas_sglang.runtime import RuntimeModel
+from prfaas_sglang.router.workers import WorkerFacts, WorkerRecord, facts_problem
+from prfaas_sglang.runtime import PdClusterModel, RuntimeModel, pd_cluster_models
 from prfaas_sglang.topology import Emulation, SitePair
 from prfaas_sglang.wire.blocks import PageIdMemo
 from prfaas_sglang.wire.telemetry import LinkSample
+
+
+class NotOnePair(RuntimeError):
+    """Asked for the only pair of a deployment that has several (a fleet): name the pair instead."""
+
 
 MIN_BODY_BYTES = 4 << 20
 MAX_BODY_BYTES = 64 << 20  # the HTTP server's own cap, whatever the context
@@ -143,6 +155,8 @@ class Lease:
 
     rid: str
     decision: RouteDecision
+    pair: SitePair  # the pair it was routed in (its link holds link_bytes; its PD cluster decodes it)
+    prefill_site: str  # the cluster that prefills it (whose calibration its first token teaches)
     decode_tokens: int
     decode_ticket: int  # the decode worker's reservation (WorkerRecord.reserve)
     prefill_open: bool = True
@@ -151,8 +165,6 @@ class Lease:
     link_bytes: float = 0.0  # its KV in the link's ledger (PrfaaS legs), until the prefill leg ends
     compute_model_s: float = 0.0  # queue + prefill at dispatch, before calibration (what calibration compares)
     first_token_seen: bool = False
-    pair: SitePair | None = None  # the pair it was routed in (its link holds link_bytes)
-    prefill_site: str = PD  # the cluster that prefills it (whose calibration its first token teaches)
 
     @property
     def link_s(self) -> float:
@@ -171,10 +183,9 @@ class RouterService:
         self.index, self.tokenizer = index, tokenizer
         self.counters = RouterCounters()
         self.recent: collections.deque = collections.deque(maxlen=50)
-        self.waiting = 0  # requests waiting for decode room now
-        # The long-term scheduler, when it runs (--long-term): one controller per PD cluster, keyed by the pair
-        # whose model it plans on (start_longterm).
-        self.longterm: dict[SitePair, LongTermController] = {}
+        self.waiting_by_entry: collections.Counter = collections.Counter()  # entry (None: any) -> requests waiting for decode room
+        # The long-term scheduler, when it runs (--long-term): one controller per PD cluster (start_longterm).
+        self.longterm: dict[str, LongTermController] = {}
         self.stage_meter = StageMeter()
         self.calibration = OnlineCalibration(config.calibration, self.site_kinds())
 
@@ -189,34 +200,24 @@ class RouterService:
                 out[pair.prfaas] = PRFAAS
         return out
 
-    @property
-    def pair(self) -> PairState:
-        """The first pair: in a one-pair deployment, the deployment's (its model, controller, link)."""
+    def only_pair(self) -> PairState:
+        """The pair of a one-pair deployment; :class:`NotOnePair` on a fleet (whose callers name a pair)."""
+        if len(self.pairs) != 1:
+            raise NotOnePair(f"this deployment has {len(self.pairs)} pairs ({', '.join(map(str, self.pairs))}); name one")
         return next(iter(self.pairs.values()))
 
-    @property
-    def runtime(self) -> RuntimeModel:
-        return self.pair.runtime
+    def pairs_of(self, pd: str) -> list[PairState]:
+        """The pairs of PD cluster ``pd`` (each PrfaaS cluster linked to it; a homogeneous one: its own)."""
+        return [ps for ps in self.pairs.values() if ps.pair.pd == pd]
 
-    @runtime.setter
-    def runtime(self, value: RuntimeModel) -> None:
-        self.pair.runtime = value
-
-    @property
-    def controller(self) -> ThresholdController:
-        return self.pair.controller
-
-    @property
-    def link(self) -> LinkAggregator:
-        return self.pair.link
+    def pd_sites(self) -> list[str]:
+        """The PD clusters, in the pairs' order."""
+        return list(dict.fromkeys(pair.pd for pair in self.pairs))
 
     @property
     def link_backlog_bytes(self) -> float:
         """KV of open PrfaaS legs, every link together: routed toward a link, not yet delivered."""
         return sum(ps.backlog_bytes for ps in self.pairs.values())
-
-    def is_fleet(self) -> bool:
-        return len(self.pairs) > 1
 
     def take_telemetry(self, worker: str, sample: LinkSample, now_s: float, wall_s: float | None = None) -> None:
         """A link sample from PrfaaS worker ``worker``: each of its site's pairs takes the share of it that
@@ -245,6 +246,12 @@ class RouterService:
         reported = next((w.facts.served_model_name for w in self.workers.values()
                          if w.facts is not None and w.facts.served_model_name), None)
         return [reported or "default"]
+
+    def facts_problem(self, worker: WorkerRecord, facts: WorkerFacts) -> str | None:
+        """Why ``facts`` cannot be right for ``worker`` (None: they can): ``workers.facts_problem`` against its
+        peers, the topology's emulation and the cost model of every pair that holds its cluster."""
+        return facts_problem(worker, facts, list(self.workers.values()), self.emulation_spec,
+                             {pair: ps.runtime.state for pair, ps in self.pairs.items()})
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this deployment does not serve (no model field: accepted)."""
@@ -308,9 +315,8 @@ class RouterService:
         scale = self.calibration.prefill_scale(w.site) if w.role == "prefill" else 1.0
         return state if scale == 1.0 else replace(state, queue_s=state.queue_s * scale)
 
-    def snapshot(self, exclude: set[str], now_s: float, ps: PairState | None = None) -> ClusterSnapshot:
-        """What the policy sees of one pair (default: the first): its workers, its link, its threshold."""
-        ps = ps or self.pair
+    def snapshot(self, exclude: set[str], now_s: float, ps: PairState) -> ClusterSnapshot:
+        """What the policy sees of pair ``ps``: its workers, its link, its threshold."""
         view = ps.link.view(now_s)
         link = Link(ps.controller.capacity_est_bps, view.egress_bps if view else 0.0, 0.0, ps.backlog_bytes)
         exclude = exclude | self.link_down(now_s, ps) | {w for w, until in ps.suspended.items() if until > now_s}
@@ -353,7 +359,11 @@ class RouterService:
         return decision
 
     def begin(self, req: EngineRequest, decision: RouteDecision, now_s: float, attempt: int) -> Lease:
-        ps = self.pairs[decision.pair] if decision.pair is not None else self.pair
+        """Dispatch ``decision`` (one of :meth:`decide`'s, which name their pair): its work enters the ledgers of
+        its workers, its pair's link and routed counts, and (first attempt) the controllers of its PD cluster."""
+        if decision.pair not in self.pairs:
+            raise ValueError(f"a decision of pair {decision.pair} (decide() names one of {', '.join(map(str, self.pairs))})")
+        ps = self.pairs[decision.pair]
         prefill, decode = self.workers[decision.prefill], self.workers[decision.decode]
         site = ps.site(decision.cluster)
         scale, offset_s = self.calibration.prefill_scale(site), self.calibration.prefill_offset_s(site)
@@ -373,18 +383,17 @@ class RouterService:
             for other in self.pairs.values():  # every link of the PD cluster sees what its requests are
                 if other.pair.pd == ps.pair.pd:
                     other.controller.record(now_s, decision.uncached_tokens)
-            for pair, ctl in self.longterm.items():
-                if pair.pd == ps.pair.pd:
-                    ctl.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
+            if (ctl := self.longterm.get(ps.pair.pd)) is not None:
+                ctl.record(now_s, decision.uncached_tokens, req.kv_tokens - len(req.input_ids), decision.cluster)
         self.recent.append({"rid": req.rid, "cluster": decision.cluster, "prefill": decision.prefill,
                             "decode": decision.decode, "cached_tokens": decision.cached_tokens,
                             "tokens": len(req.input_ids), "reason": decision.reason, "attempt": attempt,
                             "decode_held_tokens": decision.decode_held_tokens, "link": str(ps.pair)})
         link_bytes = ps.runtime.kv_bytes(len(req.input_ids)) if decision.cluster == PRFAAS else 0.0
         ps.backlog_bytes += link_bytes
-        return Lease(req.rid, decision, req.kv_tokens, ticket, prefill_model_s=prefill_model_s, link_bytes=link_bytes,
-                     compute_model_s=max(decision.estimated_queue_s + decision.estimated_prefill_s - offset_s, 0.0) / scale,
-                     pair=ps.pair, prefill_site=site)
+        return Lease(req.rid, decision, ps.pair, site, req.kv_tokens, ticket, prefill_model_s=prefill_model_s,
+                     link_bytes=link_bytes,
+                     compute_model_s=max(decision.estimated_queue_s + decision.estimated_prefill_s - offset_s, 0.0) / scale)
 
     def first_token(self, lease: Lease, observed_s: float, now_s: float) -> None:
         """The request's first token reached the router at ``now_s``, ``observed_s`` after its legs were
@@ -394,16 +403,16 @@ class RouterService:
             self.calibration.first_token(lease.prefill_site, lease.compute_model_s, lease.link_s, observed_s,
                                          lease.decision.estimated_ttft_s, now_s)
 
-    def token_gap(self, observed_s: float, now_s: float) -> None:
-        """Two chunks of a decode stream ``observed_s`` apart, the second at ``now_s`` (the model's step:
-        its decode profile's)."""
-        self.calibration.token_gap(observed_s, self.runtime.decode.step_s, now_s)
+    def token_gap(self, lease: Lease, observed_s: float, now_s: float) -> None:
+        """Two chunks of ``lease``'s decode stream ``observed_s`` apart, the second at ``now_s`` (the model's
+        step: the decode profile of its pair's PD cluster)."""
+        self.calibration.token_gap(observed_s, self.pairs[lease.pair].runtime.decode.step_s, now_s)
 
     def prefill_done(self, lease: Lease) -> None:
         """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""
         if lease.prefill_open:
             lease.prefill_open = False
-            ps = self.pairs.get(lease.pair) if lease.pair is not None else self.pair
+            ps = self.pairs.get(lease.pair)
             if ps is not None:
                 ps.backlog_bytes = max(ps.backlog_bytes - lease.link_bytes, 0.0)
             worker = self.workers.get(lease.decision.prefill)
@@ -411,7 +420,7 @@ class RouterService:
                 worker.outstanding_prefill_s = max(worker.outstanding_prefill_s - lease.prefill_model_s, 0.0)
                 worker.prefill_requests = max(worker.prefill_requests - 1, 0)
             self.stage_meter.complete("prfaas" if lease.decision.cluster == PRFAAS else "pd-prefill", lease.prefill_site,
-                                      (lease.pair or self.pair.pair).pd)
+                                      lease.pair.pd)
 
     def leg_failed(self, decision: RouteDecision, leg: str, now_s: float) -> str:
         """A leg of ``decision`` failed (``prefill`` | ``decode``); returns the worker it ran on (not to be
@@ -424,7 +433,7 @@ class RouterService:
         if worker is None:
             return name
         worker.failures += 1
-        ps = self.pairs.get(decision.pair) if decision.pair is not None else None
+        ps = self.pairs.get(decision.pair)
         links = sum(1 for pair in self.pairs if pair.prfaas == worker.site)
         if leg == "prefill" and decision.cluster == PRFAAS and ps is not None and links > 1:
             ps.suspended[name] = now_s + self.config.health_interval_s * self.config.health_misses_to_down
@@ -440,7 +449,31 @@ class RouterService:
             worker = self.workers.get(lease.decision.decode)
             if worker is not None:
                 worker.release(lease.decode_ticket)
-            self.stage_meter.complete("pd-decode", (lease.pair or self.pair.pair).pd, (lease.pair or self.pair.pair).pd)
+            self.stage_meter.complete("pd-decode", lease.pair.pd, lease.pair.pd)
+
+    # --- waiting for decode room (the front end holds such a request; router/server.py) ---
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in the router for decode room now."""
+        return sum(self.waiting_by_entry.values())
+
+    def start_waiting(self, entry: str | None) -> None:
+        """A request that entered at PD cluster ``entry`` (None: any) waits for decode room."""
+        self.waiting_by_entry[entry] += 1
+
+    def stop_waiting(self, entry: str | None) -> None:
+        """That request waits no more (routed, or refused)."""
+        self.waiting_by_entry[entry] -= 1
+
+    def waiting_at(self) -> collections.Counter:
+        """PD cluster -> requests waiting for its decode room: those that entered there, and every request
+        without an entry at each PD cluster (any of them would do)."""
+        out = collections.Counter()
+        for entry, n in self.waiting_by_entry.items():
+            for pd in [entry] if entry is not None else self.pd_sites():
+                out[pd] += n
+        return out
 
     # --- P/D conversion (the long-term scheduler's actuator; router/conversion.py drives it) ---
 
@@ -449,10 +482,9 @@ class RouterService:
         worker = self.workers[name]
         return worker.prefill_requests + worker.reserved_requests
 
-    def pd_split(self, site: str | None = None) -> tuple[int, int]:
-        """(PD prefill, PD decode) workers of PD cluster ``site`` (default: the first pair's) in service or
-        about to be (draining ones count where they are)."""
-        site = site or self.pair.pair.pd
+    def pd_split(self, site: str) -> tuple[int, int]:
+        """(PD prefill, PD decode) workers of PD cluster ``site`` in service or about to be (draining ones
+        count where they are)."""
         pd = [w for w in self.workers.values() if w.site == site and w.cluster == PD]
         return sum(w.role == "prefill" for w in pd), sum(w.role == "decode" for w in pd)
 
@@ -465,18 +497,35 @@ class RouterService:
                                        w.facts.max_running_requests if w.facts else None)
                                       for w in self.workers.values() if w.routable and w.load is not None])
 
-    def stage_samples(self, now_s: float) -> dict[SitePair, StageSample]:
+    def stage_samples(self, now_s: float) -> dict[str, StageSample]:
         """What each stage did since the previous call, as each long-term controller's PD cluster sees it
-        (``ClusterSample.for_pd``; requests waiting for decode room count at the first pair's PD cluster)."""
+        (:meth:`pd_views`); requests waiting in the router for decode room queue at the PD clusters they wait
+        for (:meth:`waiting_at`)."""
         queued, instances = collections.Counter(), collections.Counter()
         for w in self.workers.values():
             if w.routable:
                 instances[self.stage_of(w), w.site] += 1
                 queued[self.stage_of(w), w.site] += w.load.waiting if w.load else 0
-        queued["pd-decode", self.pair.pair.pd] += self.waiting
-        sample = self.stage_meter.sample(now_s, queued, instances)
+        for pd, n in self.waiting_at().items():
+            queued["pd-decode", pd] += n
+        return self.pd_views(self.stage_meter.sample(now_s, queued, instances))
+
+    def pd_views(self, sample: ClusterSample) -> dict[str, StageSample]:
+        """Each long-term controller's PD cluster's view of ``sample`` (``ClusterSample.for_pd``)."""
         links = self.prfaas_links()
-        return {pair: sample.for_pd(pair.pd, links) for pair in self.longterm}
+        return {pd: sample.for_pd(pd, links) for pd in self.longterm}
+
+    def observe_longterm(self, now_s: float, samples: Mapping[str, StageSample]) -> dict[str, Replan]:
+        """Each PD cluster's long-term controller takes its sample (``samples``: :meth:`stage_samples`, or the
+        simulator's) at the ``t`` its cluster ran (:meth:`pd_threshold_tokens`); the decisions, per PD cluster."""
+        decisions = {pd: self.longterm[pd].observe(now_s, sample, self.pd_threshold_tokens(pd))
+                     for pd, sample in samples.items()}
+        return {pd: replan for pd, replan in decisions.items() if replan is not None}
+
+    def pd_threshold_tokens(self, pd: str) -> float:
+        """The ``t`` PD cluster ``pd`` runs, as its long-term controller models it (one per cluster): its pairs'
+        lowest (a request longer than that may be offloaded over some link); one pair: that pair's."""
+        return min(ps.controller.threshold_tokens for ps in self.pairs_of(pd))
 
     def prfaas_links(self) -> dict[str, list[str]]:
         """PrfaaS cluster -> the PD clusters it has a link to."""
@@ -487,22 +536,18 @@ class RouterService:
         return out
 
     def start_longterm(self, settings: LongTermSettings) -> None:
-        """One long-term controller per PD cluster, on the model of its first pair (its PD split, and the
-        PrfaaS cluster of that link as the offload it plans for; a PD cluster fed by several PrfaaS clusters
-        is planned as if by that one, the others' work counting in its measured PrfaaS stage)."""
-        self.longterm = {}
-        for pair, ps in self.pairs.items():
-            if all(p.pd != pair.pd for p in self.longterm):
-                self.longterm[pair] = LongTermController(ps.runtime, settings)
+        """One long-term controller per PD cluster, on the model of all its pairs (``runtime.PdClusterModel``:
+        its PD split, and every PrfaaS cluster linked to it as the offload it plans for)."""
+        models = pd_cluster_models({pair: ps.runtime for pair, ps in self.pairs.items()})
+        self.longterm = {pd: LongTermController(model, settings) for pd, model in models.items()}
 
-    def converted(self, name: str, new_role: str, now_s: float, runtime: RuntimeModel | None = None,
-                  why: str | None = None) -> float | None:
+    def converted(self, name: str, new_role: str, now_s: float, runtime: PdClusterModel | None = None,
+                  why: str | None = None) -> dict[SitePair, float]:
         """Worker ``name`` now serves ``new_role``: its record follows (facts forgotten: the caller
         re-reads them and re-subscribes its events; its blocks leave the KV index), it is back in
-        service, and the model of every pair of its PD cluster moves to the new split (``runtime``: the
-        long-term controller's calibrated one, for the pair that controller plans on; else the present
-        model ``with_split``) with ``t`` re-solved. Returns the new ``t`` (the first such pair's) or None
-        (unchanged, or a split the model cannot hold)."""
+        service, and every pair of its PD cluster moves to the new split (:meth:`follow_split`;
+        ``runtime``: the long-term controller's calibrated model of the cluster). Returns the pairs
+        whose ``t`` the re-solve moved, with the new ``t``."""
         worker = self.workers[name]
         worker.role, worker.facts, worker.load, worker.draining = new_role, None, None, False
         worker.epoch += 1  # polls in flight describe the old role: the loops drop their answers
@@ -512,31 +557,36 @@ class RouterService:
             self.index.remove_worker(name)
         n_prefill, n_decode = self.pd_split(worker.site)
         self.sync_longterm()
-        new_t = None
-        for ps in (ps for ps in self.pairs.values() if ps.pair.pd == worker.site):
-            if runtime is not None and ps.pair in self.longterm:
-                ps.runtime = runtime
-            elif self._modelled_split(ps):
-                ps.runtime = ps.runtime.with_split(n_prefill)
-            else:
-                continue  # workers registered beyond the topology: the model's split stays
-            t = ps.controller.replan(now_s, ps.runtime.research, why or f"{name} -> {new_role} ({n_prefill}P/{n_decode}D)")
-            new_t = t if new_t is None else new_t
-        return new_t
+        if runtime is None and not self._modelled_split(worker.site):
+            return {}  # workers registered beyond the topology: the model's split stays
+        return self.follow_split(worker.site, n_prefill, now_s, runtime,
+                                 why or f"{name} -> {new_role} ({n_prefill}P/{n_decode}D)")
 
-    def _modelled_split(self, ps: PairState | None = None) -> bool:
-        """Whether the PD workers' roles are a split the pair's model can hold (its PD instance count, one per
-        role at least); default: the first pair."""
-        ps = ps or self.pair
-        n_prefill, n_decode = self.pd_split(ps.pair.pd)
-        return n_prefill + n_decode == ps.runtime.deployment.n_pd and min(n_prefill, n_decode) >= 1
+    def follow_split(self, pd: str, n_prefill: int, now_s: float, runtime: PdClusterModel | None, why: str) -> dict[SitePair, float]:
+        """Every pair of PD cluster ``pd`` moves to ``n_prefill`` PD-P instances (``runtime``: the calibrated
+        model of the cluster at its new split, each pair's own model in it; None: each pair's present model
+        ``with_split``) and re-solves its ``t``. Returns the pairs whose ``t`` moved, with the new ``t``."""
+        moved = {}
+        for ps in self.pairs_of(pd):
+            ps.runtime = runtime.pairs[ps.pair] if runtime is not None else ps.runtime.with_split(n_prefill)
+            t = ps.controller.replan(now_s, ps.runtime.research, why)
+            if t is not None:
+                moved[ps.pair] = t
+        return moved
+
+    def _modelled_split(self, pd: str) -> bool:
+        """Whether the workers' roles in PD cluster ``pd`` are a split its model can hold (its PD instance
+        count, one per role at least)."""
+        n_prefill, n_decode = self.pd_split(pd)
+        (n_pd,) = {ps.runtime.deployment.n_pd for ps in self.pairs_of(pd)}  # the cluster's size: every pair's
+        return n_prefill + n_decode == n_pd and min(n_prefill, n_decode) >= 1
 
     def sync_longterm(self) -> None:
         """Put each long-term controller on the split its PD cluster really serves (after any conversion, an
         operator's too, or one of its own that failed)."""
-        for pair, ctl in self.longterm.items():
-            if self._modelled_split(self.pairs[pair]):
-                n_prefill = self.pd_split(pair.pd)[0]
+        for pd, ctl in self.longterm.items():
+            if self._modelled_split(pd):
+                n_prefill = self.pd_split(pd)[0]
                 if n_prefill != ctl.runtime.n_prefill:
                     ctl.runtime = ctl.runtime.with_split(n_prefill)
 
@@ -548,9 +598,8 @@ class RouterService:
         scale = self.calibration.prefill_scale(site) if ws else 1.0
         return scale * sum(w.outstanding_prefill_s for w in ws) / len(ws) if ws else 0.0
 
-    def queues(self, ps: PairState | None = None) -> QueueView:
-        """Outstanding prefill seconds per instance of the pair's clusters (default: the first pair's), calibrated."""
-        ps = ps or self.pair
+    def queues(self, ps: PairState) -> QueueView:
+        """Outstanding prefill seconds per instance of pair ``ps``'s clusters, calibrated."""
         return QueueView(self.site_queue_s(ps.pair.prfaas), self.site_queue_s(ps.pair.pd))
 
     def control_tick(self, now_s: float) -> dict[SitePair, float]:
@@ -581,30 +630,25 @@ class RouterService:
                                           "backlog_bytes": view.backlog_bytes, "congested": view.congested,
                                           "transfers_completed": view.completed, "transfers_failed": view.failed}
 
-    def pairs_status(self, now_s: float) -> dict:
-        """Per pair (``prfaas->pd``): its threshold and controller, its link as telemetry shows it, its
-        queues, the KV routed toward it, what it routed."""
-        return {str(pair): {"prfaas": pair.prfaas, "pd": pair.pd, "threshold_tokens": ps.controller.threshold_tokens,
-                            "controller": ps.controller.describe(), "link": self._link_status(ps, now_s),
-                            "link_down_workers": sorted(self.link_down(now_s, ps)), "queues_s": vars(self.queues(ps)),
-                            "backlog_bytes": ps.backlog_bytes, "routed": dict(ps.routed),
-                            "model": ps.runtime.describe()}
-                for pair, ps in self.pairs.items()}
+    def pair_status(self, ps: PairState, now_s: float) -> dict:
+        """Pair ``ps``: its threshold, controller and the threshold's history, its link as telemetry shows it,
+        its queues, the KV routed toward it, what it routed, its model."""
+        return {"prfaas": ps.pair.prfaas, "pd": ps.pair.pd, "threshold_tokens": ps.controller.threshold_tokens,
+                "controller": ps.controller.describe(),
+                "threshold_history": [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in ps.controller.history],
+                "link": self._link_status(ps, now_s), "link_down_workers": sorted(self.link_down(now_s, ps)),
+                "queues_s": vars(self.queues(ps)), "backlog_bytes": ps.backlog_bytes, "routed": dict(ps.routed),
+                "model": ps.runtime.describe()}
 
     def status(self, now_s: float) -> dict:
-        """The router's state; the link, threshold, model and queue fields at the top are the first pair's
-        (a one-pair deployment's own), ``pairs`` has every pair's."""
-        return {
-            "threshold_tokens": self.controller.threshold_tokens,
-            "controller": self.controller.describe(),
+        """The router's state: ``pairs`` has every pair's (:meth:`pair_status`, by ``prfaas->pd``). A one-pair
+        deployment also shows its pair's threshold, controller, history, model, link and queues at the top."""
+        body = {
             "bandwidth_mode": self.config.mode.value,
-            "model": self.runtime.describe(),
             "served_models": self.model_names(),
             "tokenizer": getattr(self.tokenizer, "source", None),
-            "link": self._link_status(self.pair, now_s),
             "link_down_workers": sorted(self.link_down(now_s)),
             "telemetry_discarded_late": sum(ps.link.discarded for ps in self.pairs.values()),
-            "queues_s": vars(self.queues()),
             "routed": dict(self.counters.routed),
             "redispatched": self.counters.redispatched,
             "spilled": self.counters.spilled,
@@ -612,7 +656,7 @@ class RouterService:
             "rejected": dict(self.counters.rejected),
             "failed": dict(self.counters.failed),
             "waiting_for_decode_room": self.waiting,
-            "pairs": self.pairs_status(now_s),
+            "pairs": {str(pair): self.pair_status(ps, now_s) for pair, ps in self.pairs.items()},
             "workers": {w.name: {
                 "cluster": w.cluster, "site": w.site, "role": w.role, "healthy": w.healthy, "draining": w.draining, "refused": w.refused,
                 "page_size": w.facts.page_size if w.facts else None,
@@ -623,9 +667,14 @@ class RouterService:
                 "index_blocks": self.index.block_count(w.name) if w.name in self.index.workers() else None,
             } for w in self.workers.values()},
             "recent": list(self.recent)[-10:],
-            "long_term": {pair.pd: {"link": str(pair), **ctl.describe()} for pair, ctl in self.longterm.items()} or None,
+            "long_term": {pd: {"links": [str(pair) for pair in ctl.runtime.pairs], **ctl.describe()}
+                          for pd, ctl in self.longterm.items()} or None,
             "calibration": self.calibration.describe(),
         }
+        if len(self.pairs) == 1:
+            (only,) = body["pairs"].values()
+            body.update({k: only[k] for k in ("threshold_tokens", "controller", "threshold_history", "model", "link", "queues_s")})
+        return body
 
     def metrics_gauges(self, now_s: float) -> list[GaugeSample]:
         """The router's gauges now, as (name, labels, value) (``router/metrics.py`` exports them): a link's
@@ -673,6 +722,6 @@ def new_service(config: RouterConfig, models: RuntimeModel | dict[SitePair, Runt
             raise ValueError(f"one model, one pair: the workers are in clusters {sites}")
         models = {SitePair(sites[PD][0], sites[PRFAAS][0] if sites[PRFAAS] else None): models}
     pairs = {pair: new_pair(pair, model, config, config.telemetry_stale_s) for pair, model in models.items()}
-    hybrid = next(iter(models.values())).hybrid
+    hybrid = any(model.hybrid for model in models.values())  # one index: reuse stops at states if any pair's model has them
     index = KvIndex(hybrid=hybrid, memo=PageIdMemo(max_segments=None, max_bytes=config.kv_memo_bytes))
     return RouterService(config, pairs, workers, index, tokenizer, emulation_spec)

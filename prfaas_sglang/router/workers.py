@@ -31,13 +31,14 @@ emulated engine scaled differently from the topology's ``emulation:``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.roles import ROLE_SPECS
 from prfaas_sglang.router.policy import WorkerState
-from prfaas_sglang.topology import Emulation, Topology
+from prfaas_sglang.topology import Emulation, SitePair, Topology
 from prfaas_sglang.wire.blocks import HASH_SCHEME
 from prfaas_sglang.wire.server_info import FactsError as FactsError
 from prfaas_sglang.wire.server_info import KvEventsEndpoint as KvEventsEndpoint
@@ -247,6 +248,18 @@ def conversion_problem(records: dict[str, WorkerRecord], name: str, new_role: st
                   and w.healthy and not w.draining]
         if not others:
             return f"{name} is the last serving {record.role} worker of {record.site}; converting it would leave none"
+    return None
+
+
+def facts_problem(record: WorkerRecord, facts: WorkerFacts, peers: list[WorkerRecord], emulation: Emulation | None,
+                  cost_states: Mapping[SitePair, str]) -> str | None:
+    """:func:`check_facts` against the kind of state of every pair's cost model that holds the worker's
+    cluster (``cost_states``: pair -> ``RuntimeModel.state``; a PrfaaS cluster linked to several PD clusters
+    must fit each); the first problem, or None."""
+    states = dict.fromkeys(state for pair, state in cost_states.items() if record.site in (pair.pd, pair.prfaas))
+    for state in states or [None]:
+        if (problem := check_facts(record, facts, peers, emulation, state)) is not None:
+            return problem
     return None
 
 

@@ -12,9 +12,10 @@ Fleet size: ``--prfaas N --pd-prefill N --pd-decode N`` (instances of 8 GPUs); `
 
 A fleet of several clusters: ``--topology FILE`` (e.g. ``launch/fleet-scale.yaml``: 3 PD regions, 2
 PrfaaS sites, 1,024 GPUs); every cluster and link as the file says, arrivals entering per region by
-``entry_share``, ``--load`` x the sum of the pairs' planned capacities (an upper bound: pairs share
-their PrfaaS clusters); ``--link-drop AT_S:GBPS:PRFAAS->PD`` names the link; ``--scenario shift`` runs a
-long-term controller per PD cluster.
+``entry_share``, ``--load`` x the fleet's planned capacity as deployed (``runtime.planned_capacity_rps``:
+the fleet model's linear program at each PD cluster's split, a PrfaaS cluster shared by several PD
+clusters counted once); ``--link-drop AT_S:GBPS:PRFAAS->PD`` names the link; ``--scenario shift`` runs a
+long-term controller per PD cluster, planning on all the cluster's pairs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.router.longterm import LongTermSettings
+from prfaas_sglang.runtime import planned_capacity_rps
 from prfaas_sglang.sim import arrivals
 from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 from prfaas_sglang.sim.summary import plot, summarize
@@ -90,10 +92,9 @@ def build_topology(args: argparse.Namespace) -> tuple[Simulation, list, float]:
             raise ConfigError("--trace", "the trace scenario needs a Mooncake-format trace file")
         requests = arrivals.entering(arrivals.trace(args.trace, args.copies), shares, args.seed)
         return sim, requests, max(r.arrival_s for r in requests)
-    planned = sum(ps.runtime.capacity_rps() for ps in sim.service.pairs.values())
-    rate = args.rate if args.rate is not None else args.load * planned
+    rate = args.rate if args.rate is not None else args.load * planned_capacity_rps(sim.topology)
     phases = arrivals.median_shift_phases(args.shift_at_s) if args.scenario == "shift" else ((0.0, arrivals.CASE_STUDY),)
-    requests = list(arrivals.poisson(rate, args.duration_s, args.seed, sim.runtime.output_tokens, phases))
+    requests = list(arrivals.poisson(rate, args.duration_s, args.seed, sim.targets.output_tokens, phases))
     return sim, arrivals.entering(requests, shares, args.seed), args.duration_s
 
 
@@ -111,7 +112,10 @@ def build(args: argparse.Namespace) -> tuple[Simulation, list, float]:
     if any(len(change) > 2 for change in schedule):
         raise ConfigError("--link-drop", "a one-pair fleet has one link: AT_S:GBPS")
     longterm = LongTermSettings() if args.scenario == "shift" and not args.fixed_split else None
-    sim = Simulation(fleet, SimSettings(longterm=longterm, link_schedule=tuple(schedule)))
+    try:
+        sim = Simulation(fleet, SimSettings(longterm=longterm, link_schedule=tuple(schedule)))
+    except ValueError as err:  # a link change on a fleet without a PrfaaS cluster
+        raise ConfigError("--link-drop", str(err)) from None
     if args.scenario == "trace":
         if args.trace is None:
             raise ConfigError("--trace", "the trace scenario needs a Mooncake-format trace file")
@@ -134,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = time.perf_counter() - started
     warmup = min(args.warmup_s, end_s / 2)
     summary = summarize(sim, warmup, end_s)
+    links = sim.series[-1]["links"] if sim.series else {}
+    thresholds = {str(pair): ps.controller.threshold_tokens for router in sim.routers.values() for pair, ps in router.pairs.items()}
     fleet = ({"prfaas": sim.fleet.n_prfaas, "pd_prefill": sim.fleet.n_prefill, "pd_decode": sim.fleet.n_decode,
-              "link_gbps": sim.fleet.link_gbps} if sim.fleet is not None else
-             {"topology": str(args.topology), "links": sim.series[-1]["links"] if sim.series else {}})
+              "link_gbps": sim.fleet.link_gbps} if sim.fleet is not None else {"topology": str(args.topology), "links": links})
     summary.update({"scenario": args.scenario, "gpus": sim.gpus, "requests": len(requests),
                     "wall_s": round(wall_s, 2), "fleet": fleet,
-                    "planner_lambda_max_rps": sum(ps.runtime.capacity_rps() for ps in sim.service.pairs.values()),
-                    "final_threshold_tokens": sim.service.controller.threshold_tokens,
+                    "planner_lambda_max_rps": planned_capacity_rps(sim.topology),
+                    "final_thresholds": thresholds,  # each link's t at the end
+                    **({"final_threshold_tokens": next(iter(thresholds.values()))} if len(thresholds) == 1 else {}),
                     "events": [[round(t, 1), what] for t, what in sim.events]})
     if args.plot is not None:
         summary["plots"] = [str(p) for p in plot(sim, args.plot)]

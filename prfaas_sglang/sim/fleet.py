@@ -57,7 +57,7 @@ from prfaas_sglang.router.policy import (
     RouteInput,
     refuse_early,
 )
-from prfaas_sglang.router.service import RouterConfig, RouterService, new_service
+from prfaas_sglang.router.service import NotOnePair, RouterConfig, RouterService, new_service
 from prfaas_sglang.router.threshold import ControllerSettings
 from prfaas_sglang.router.workers import (
     WorkerFacts,
@@ -65,7 +65,13 @@ from prfaas_sglang.router.workers import (
     WorkerRecord,
     workers_from_topology,
 )
-from prfaas_sglang.runtime import RuntimeModel, from_topology, pair_models
+from prfaas_sglang.runtime import (
+    RuntimeModel,
+    ServiceTargets,
+    from_topology,
+    pair_models,
+    service_targets,
+)
 from prfaas_sglang.sim.nodes import DecodeNode, PrefillNode, SharedLink, SimRequest
 from prfaas_sglang.topology import SitePair, parse_topology
 from prfaas_sglang.wire.blocks import HASH_SCHEME
@@ -141,7 +147,7 @@ class SimSettings:
     sample_interval_s: float = 10.0  # time series and long-term samples
     longterm: LongTermSettings | None = None  # None: the split stays fixed
     switch_s: float = 60.0  # a drained node is down this long while it changes role
-    # (at_s, gbps) or (at_s, gbps, "prfaas->pd"): a link's capacity changes (two fields: the first link)
+    # (at_s, gbps) or (at_s, gbps, "prfaas->pd"): a link's capacity changes (two fields: a one-link fleet's link)
     link_schedule: tuple[tuple, ...] = ()
     mode: BandwidthMode = BandwidthMode.SCARCE
     admission_timeout_s: float = 60.0
@@ -173,8 +179,9 @@ class Simulation:
         self.env = simpy.Environment()
         topology = parse_topology(fleet.topology() if isinstance(fleet, FleetSpec) else fleet, "simulated fleet")
         self.topology = topology
-        models = pair_models(topology, emulated=False)
-        self.runtime: RuntimeModel = next(iter(models.values()))  # the first pair's (a one-pair fleet's own)
+        self.models: dict[SitePair, RuntimeModel] = (models := pair_models(topology, emulated=False))
+        self.targets: ServiceTargets = service_targets(topology)  # L_out and the SLOs, every pair's
+        self.hybrid = any(model.hybrid for model in models.values())  # the served model's prefix reuse stops at states
         self.timing = {}
         for pair, model in models.items():
             for kind, site in ((PD, pair.pd), (PRFAAS, pair.prfaas)):
@@ -194,15 +201,15 @@ class Simulation:
                 self.routers[pd] = new_service(config, mine, records)
         else:
             self.routers[None] = new_service(config, models, workers_from_topology(topology))
-        self.service = next(iter(self.routers.values()))  # the router (global), or the first region's
         if s.longterm:  # each router runs a controller per PD cluster it routes for, as the live one does
             for router in self.routers.values():
                 router.start_longterm(s.longterm)
         self.links = {pair: SharedLink(self.env, model.link_bps) for pair, model in models.items() if pair.prfaas}
-        self.link = next(iter(self.links.values()), None) or SharedLink(self.env, self.runtime.link_bps)
-        for change in s.link_schedule:  # a link named that the fleet does not have: refused now, not mid-run
+        for change in s.link_schedule:  # a link the fleet does not have: refused now, not mid-run
             if len(change) > 2:
                 self._pair_named(change[2])
+            else:
+                self._only_link()
         self.nodes: dict[str, PrefillNode | DecodeNode] = {}
         self.requests: list[SimRequest] = []
         self.blocked: deque[SimRequest] = deque()
@@ -215,9 +222,23 @@ class Simulation:
             self._bring_up(record, record.role)
 
     @property
-    def longterm(self) -> dict[SitePair, LongTermController]:
-        """Every router's long-term controllers (one per PD cluster; empty: the split stays fixed)."""
-        return {pair: ctl for router in self.routers.values() for pair, ctl in router.longterm.items()}
+    def runtime(self) -> RuntimeModel:
+        """The model of a one-pair simulation; :class:`NotOnePair` on a fleet (each pair's: ``models``)."""
+        if len(self.models) != 1:
+            raise NotOnePair(f"a fleet of {len(self.models)} pairs has a model per pair (sim.models)")
+        return next(iter(self.models.values()))
+
+    @property
+    def service(self) -> RouterService:
+        """The router (one global router over every pair); regional routers: ``routers``, by PD cluster."""
+        if None not in self.routers:
+            raise ValueError("regional routers: sim.routers[pd] is each PD cluster's")
+        return self.routers[None]
+
+    @property
+    def longterm(self) -> dict[str, LongTermController]:
+        """Every router's long-term controllers, by PD cluster (empty: the split stays fixed)."""
+        return {pd: ctl for router in self.routers.values() for pd, ctl in router.longterm.items()}
 
     @property
     def gpus(self) -> int:
@@ -275,6 +296,7 @@ class Simulation:
             self.requests.append(req)
             if not self._dispatch(req):
                 self.blocked.append(req)
+                self._router(req).start_waiting(req.entry)  # what the long-term controllers see queue
 
     def _dispatch(self, req: SimRequest) -> bool:
         """Route and start ``req``; False when it must wait for decode room (the caller queues it)."""
@@ -295,7 +317,7 @@ class Simulation:
         req.lease = router.begin(req, decision, self.env.now, 0)
         req.dispatched_s = self.env.now
         node = self.nodes[decision.prefill]
-        held = node.cache.match(blocks, self.runtime.hybrid) * BLOCK
+        held = node.cache.match(blocks, self.hybrid) * BLOCK
         req.cluster, req.prefill_node, req.decode_node = decision.cluster, decision.prefill, decision.decode
         req.uncached_tokens = req.input_tokens - min(held, req.input_tokens - 1)
         node.submit(req, req.uncached_tokens)
@@ -325,7 +347,7 @@ class Simulation:
         if new:
             events.append(BlockStored(block_hashes=new, parent_block_hash=parent, token_ids=[], block_size=BLOCK,
                                       lora_id=None))
-        states = [StateStored(block_hash=blocks[-1], num_tokens=len(blocks) * BLOCK)] if self.runtime.hybrid else None
+        states = [StateStored(block_hash=blocks[-1], num_tokens=len(blocks) * BLOCK)] if self.hybrid else None
         self._seq[node.name] += 1
         for router in self._holding(node.name):  # every router subscribes to the worker's events
             router.index.apply(node.name, self._seq[node.name], events, states)
@@ -347,12 +369,11 @@ class Simulation:
         while self.blocked:
             req = self.blocked[0]
             if self.env.now - req.arrival_s > self.settings.admission_timeout_s:
-                self.blocked.popleft()
                 req.rejected = "no decode room within the admission timeout"
-                continue
-            if not self._dispatch(req):
+            elif not self._dispatch(req):
                 return
             self.blocked.popleft()
+            self._router(req).stop_waiting(req.entry)
 
     # --- control loops ---------------------------------------------------------------------
 
@@ -380,12 +401,18 @@ class Simulation:
     def _capacity_changes(self):
         for change in sorted(self.settings.link_schedule, key=lambda c: c[0]):
             at_s, gbps = change[0], change[1]
-            link = self.link if len(change) == 2 else self.links[self._pair_named(change[2])]
+            link = self.links[self._pair_named(change[2]) if len(change) > 2 else self._only_link()]
             if at_s > self.env.now:
                 yield self.env.timeout(at_s - self.env.now)
             link.set_capacity(gbps * 1e9)
             named = f"link {change[2]}" if len(change) > 2 else "link"
             self.events.append((self.env.now, f"{named} capacity {gbps:g} Gbit/s"))
+
+    def _only_link(self) -> SitePair:
+        """The link of a fleet that has one (a capacity change that names none is its)."""
+        if len(self.links) != 1:
+            raise ValueError(f"the fleet has {len(self.links)} links: a link change names one (AT_S:GBPS:PRFAAS->PD)")
+        return next(iter(self.links))
 
     def _pair_named(self, name: str) -> SitePair:
         pair = next((p for p in self.links if str(p) == name), None)
@@ -407,7 +434,9 @@ class Simulation:
             busy[key] += node.busy_s
             if record.healthy and not record.draining:
                 instances[key] += 1
-        queued["pd-decode", self.service.pair.pair.pd] += len(self.blocked)
+        for router in self.routers.values():  # requests waiting in the router for decode room
+            for pd, n in router.waiting_at().items():
+                queued["pd-decode", pd] += n
         return busy, queued, instances
 
     def _sampler(self):
@@ -421,12 +450,8 @@ class Simulation:
             last_busy, last_done = busy, collections.Counter(self._completed)
             self._record_series(sample.totals())
             for router in self.routers.values():
-                links = router.prfaas_links()
-                for pair, ctl in router.longterm.items():
-                    replan = ctl.observe(self.env.now, sample.for_pd(pair.pd, links),
-                                         router.pairs[pair].controller.threshold_tokens)
-                    if replan is not None:
-                        self._apply(router, pair, replan)
+                for pd, replan in router.observe_longterm(self.env.now, router.pd_views(sample)).items():
+                    self._apply(router, pd, replan)
 
     def _record_series(self, sample: StageSample) -> None:
         routed = collections.Counter()
@@ -434,20 +459,25 @@ class Simulation:
             routed.update(router.counters.routed)
         total = sum(routed.values())
         workers = {n: r for router in self.routers.values() for n, r in router.workers.items()}
-        view = self.service.link.view(self.env.now)
+        pairs = [ps for router in self.routers.values() for ps in router.pairs.values()]
+        links = {str(ps.pair): {"threshold_tokens": ps.controller.threshold_tokens,
+                                "capacity_est_gbps": ps.controller.capacity_est_bps / 1e9,
+                                "link_capacity_gbps": self.links[ps.pair].capacity_bps / 1e9 if ps.pair in self.links else None,
+                                "egress_gbps": view.egress_bps / 1e9 if (view := ps.link.view(self.env.now)) is not None else 0.0,
+                                "routed": dict(ps.routed)} for ps in pairs}
+        one = {}  # a one-pair fleet's link, at the top as well
+        if len(pairs) == 1:
+            only = links[str(pairs[0].pair)]
+            one = {"threshold_tokens": only["threshold_tokens"], "capacity_est_gbps": only["capacity_est_gbps"],
+                   "link_capacity_gbps": only["link_capacity_gbps"] or pairs[0].runtime.link_bps / 1e9}
         self.series.append({
-            "t_s": self.env.now, "threshold_tokens": self.service.controller.threshold_tokens,
+            "t_s": self.env.now,
             "n_prefill": sum(1 for r in workers.values() if r.cluster == PD and r.role == "prefill"),
             "n_decode": sum(1 for r in workers.values() if r.role == "decode"),
             "offload_fraction": routed.get(PRFAAS, 0) / total if total else 0.0,
-            "egress_gbps": view.egress_bps / 1e9 if view is not None else 0.0,
-            "link_capacity_gbps": self.link.capacity_bps / 1e9,
-            "capacity_est_gbps": self.service.controller.capacity_est_bps / 1e9,
-            "links": {str(pair): {"threshold_tokens": ps.controller.threshold_tokens,
-                                  "capacity_est_gbps": ps.controller.capacity_est_bps / 1e9,
-                                  "link_capacity_gbps": self.links[pair].capacity_bps / 1e9 if pair in self.links else None,
-                                  "routed": dict(ps.routed)}
-                      for router in self.routers.values() for pair, ps in router.pairs.items()},
+            "egress_gbps": sum(link["egress_gbps"] for link in links.values()),  # every link's
+            **one,
+            "links": links,
             "busy": {k: (sample.busy_s[k] / (sample.interval_s * sample.instances[k]) if sample.instances[k] else 0.0)
                      for k in sample.busy_s},
             "queued": dict(sample.queued),
@@ -456,22 +486,22 @@ class Simulation:
 
     # --- conversions ---------------------------------------------------------------------
 
-    def _apply(self, router: RouterService, pair: SitePair, replan: Replan) -> None:
-        """Drain the chosen nodes of PD cluster ``pair.pd`` toward their new role; the router's models of
-        that cluster's pairs move to the new split at once (``pair``'s to the controller's calibrated one)."""
+    def _apply(self, router: RouterService, pd: str, replan: Replan) -> None:
+        """Drain the chosen nodes of PD cluster ``pd`` toward their new role; the router's models of that
+        cluster's pairs move to the new split at once (the controller's calibrated model of each)."""
         from_role, to_role = ("decode", "prefill") if replan.convert > 0 else ("prefill", "decode")
         candidates = [(name, self._load(name)) for name, r in router.workers.items()
-                      if r.cluster == PD and r.site == pair.pd and r.role == from_role and r.healthy and not r.draining]
+                      if r.cluster == PD and r.site == pd and r.role == from_role and r.healthy and not r.draining]
         chosen = pick_nodes(candidates, abs(replan.convert))
         for name in chosen:
             router.workers[name].draining = True
             self.env.process(self._convert(name, to_role))
-        for ps in (ps for ps in router.pairs.values() if ps.pair.pd == pair.pd):
-            ps.runtime = replan.runtime if ps.pair == pair else ps.runtime.with_split(replan.n_prefill)
-            ps.controller.replan(self.env.now, ps.runtime.research, replan.reason)
-        where = f" of {pair.pd}" if self.service.is_fleet() else ""
-        self.events.append((self.env.now, f"convert {', '.join(chosen)}{where} to {to_role}; t -> "
-                                          f"{router.pairs[pair].controller.threshold_tokens:.0f} ({replan.reason})"))
+        router.follow_split(pd, replan.n_prefill, self.env.now, replan.runtime, replan.reason)
+        where = f" of {pd}" if len(router.pairs) > 1 else ""
+        pairs = router.pairs_of(pd)
+        t = (f"{pairs[0].controller.threshold_tokens:.0f}" if len(pairs) == 1 else
+             ", ".join(f"{ps.controller.threshold_tokens:.0f} on {ps.pair}" for ps in pairs))
+        self.events.append((self.env.now, f"convert {', '.join(chosen)}{where} to {to_role}; t -> {t} ({replan.reason})"))
 
     def _load(self, name: str) -> float:
         node = self.nodes[name]

@@ -19,7 +19,7 @@ def meets_slo(req, ttft_slo_s: float, slo_tokens_per_s: float) -> bool:
 
 def summarize(sim: Simulation, start_s: float, end_s: float) -> dict:
     """Requests that *arrived* in ``[start_s, end_s)``; goodput = those meeting both SLOs per second."""
-    rt = sim.runtime
+    rt = sim.targets
     window = [r for r in sim.requests if start_s <= r.arrival_s < end_s]
     done = [r for r in window if r.finish_s is not None]
     good = [r for r in done if meets_slo(r, rt.ttft_slo_s, rt.slo_tokens_per_s)]
@@ -53,7 +53,8 @@ def summarize(sim: Simulation, start_s: float, end_s: float) -> dict:
 
 
 def plot(sim: Simulation, out_dir: Path) -> list[Path]:
-    """Time series: t and the split, offload and egress, stage utilisation; PNGs in ``out_dir``."""
+    """Time series: each link's t and the split, egress and each link's capacity, stage utilisation; PNGs
+    in ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +64,8 @@ def plot(sim: Simulation, out_dir: Path) -> list[Path]:
     ts = [s["t_s"] / 60 for s in sim.series]
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     ax = axes[0]
-    ax.plot(ts, [s["threshold_tokens"] / 1e3 for s in sim.series], label="t (K tokens)")
+    for link in sim.series[0]["links"] if sim.series else ():
+        ax.plot(ts, [s["links"][link]["threshold_tokens"] / 1e3 for s in sim.series], label=f"t (K tokens), {link}")
     ax2 = ax.twinx()
     ax2.step(ts, [s["n_prefill"] for s in sim.series], where="post", color="tab:red", label="PD-P nodes")
     ax2.step(ts, [s["n_decode"] for s in sim.series], where="post", color="tab:green", label="PD-D nodes")
@@ -72,9 +74,12 @@ def plot(sim: Simulation, out_dir: Path) -> list[Path]:
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
     ax = axes[1]
-    ax.plot(ts, [s["egress_gbps"] for s in sim.series], label="egress Gbit/s")
-    ax.plot(ts, [s["link_capacity_gbps"] for s in sim.series], label="link capacity Gbit/s", linestyle="--")
-    ax.plot(ts, [s["capacity_est_gbps"] for s in sim.series], label="router's estimate", linestyle=":")
+    ax.plot(ts, [s["egress_gbps"] for s in sim.series], label="egress Gbit/s (every link)")
+    for link in sim.series[0]["links"] if sim.series else ():
+        if sim.series[0]["links"][link]["link_capacity_gbps"] is not None:
+            ax.plot(ts, [s["links"][link]["link_capacity_gbps"] for s in sim.series], label=f"capacity {link}", linestyle="--")
+            ax.plot(ts, [s["links"][link]["capacity_est_gbps"] for s in sim.series], label=f"router's estimate {link}",
+                    linestyle=":")
     ax.set_ylabel("Gbit/s")
     ax.legend(loc="upper left")
     ax = axes[2]

@@ -79,8 +79,9 @@ def test_the_service_keeps_its_ledger_in_model_seconds_and_predicts_calibrated(t
                      SimSettings(calibration=CalibrationSettings(enabled=False, prior_scales=(("pd", 2.0),))))
     service = sim.service
     assert isinstance(service.config, RouterConfig)
-    snap = service.snapshot(set(), 0.0)
-    assert snap.prefill_cost[PD].prefill_s(8000) == pytest.approx(2.0 * service.runtime.prefill_cost(PD).prefill_s(8000))
+    ps = service.only_pair()
+    snap = service.snapshot(set(), 0.0, ps)
+    assert snap.prefill_cost[PD].prefill_s(8000) == pytest.approx(2.0 * ps.runtime.prefill_cost(PD).prefill_s(8000))
     from prfaas_sglang.router.policy import RouteInput
 
     req = EngineRequest("generate", tuple(range(8000)), 64, True, "r", None, None)
@@ -152,7 +153,7 @@ def test_a_cluster_shunned_on_a_burst_of_slow_first_tokens_gets_requests_again_a
     from prfaas_sglang.sim.fleet import FleetSpec, SimSettings, Simulation
 
     service = Simulation(FleetSpec(1, 1, 1, output_tokens=64), SimSettings()).service
-    total = int(service.controller.threshold_tokens * 2)
+    total = int(service.only_pair().controller.threshold_tokens * 2)
     long_prompt = RouteInput(total, total + 64, {})
     first = service.decide(long_prompt, set(), 0.0)
     assert first.cluster == PRFAAS

@@ -117,24 +117,26 @@ def test_conversion_problem_names_each_refusal():
 
 def test_converted_moves_the_records_index_and_model():
     service = _service()
-    before_t = service.controller.threshold_tokens
+    ps = service.only_pair()
+    before_t = ps.controller.threshold_tokens
     service.index.add_worker("pd-prefill-0", "pd", 512)
     worker = service.workers["pd-prefill-0"]
     worker.draining, worker.prefill_requests, worker.outstanding_prefill_s = True, 0, 0.0
-    assert service.pd_split() == (2, 2)
-    new_t = service.converted("pd-prefill-0", "decode", 100.0)
+    assert service.pd_split(ps.pair.pd) == (2, 2)
+    new_t = service.converted("pd-prefill-0", "decode", 100.0).get(ps.pair)
     assert worker.role == "decode" and worker.facts is None and not worker.draining and not worker.routable
     assert "pd-prefill-0" not in service.index.workers()
-    assert (service.runtime.n_prefill, service.runtime.n_decode) == (1, 3)
+    assert (ps.runtime.n_prefill, ps.runtime.n_decode) == (1, 3)
     # fewer PD-P instances: the planner's t moves down (more prompts are long enough for PrfaaS)
     assert new_t is not None and new_t < before_t
-    assert service.controller.history[-1][2].startswith("replan: pd-prefill-0 -> decode")
+    assert ps.controller.history[-1][2].startswith("replan: pd-prefill-0 -> decode")
 
 
 def test_converted_keeps_the_operators_threshold():
     service = _service(threshold=6_000)
-    assert service.converted("pd-prefill-0", "decode", 1.0) is None
-    assert service.controller.threshold_tokens == 6_000 and service.runtime.n_prefill == 1
+    assert service.converted("pd-prefill-0", "decode", 1.0) == {}  # no pair's t moved
+    ps = service.only_pair()
+    assert ps.controller.threshold_tokens == 6_000 and ps.runtime.n_prefill == 1
 
 
 class _Client(RoleSwitchClient):
@@ -209,7 +211,7 @@ def test_a_poll_answered_before_the_role_change_is_not_written_after_it():
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from prfaas_sglang.router.server import poll_health, poll_load
+    from prfaas_sglang.router.loops import poll_health, poll_load
 
     service = _service()
     worker = service.workers["pd-prefill-0"]
@@ -271,7 +273,7 @@ def test_the_first_health_pass_asks_only_the_workers_the_preflight_did_not_adopt
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from prfaas_sglang.router.server import SERVICE_KEY, SESSION_KEY, SUB_KEY, _health_loop
+    from prfaas_sglang.router.loops import health_loop
 
     service = _service()
     service.config = dataclasses.replace(service.config, health_interval_s=0.3)
@@ -291,7 +293,7 @@ def test_the_first_health_pass_asks_only_the_workers_the_preflight_did_not_adopt
         async with TestServer(app) as server, aiohttp.ClientSession() as session:
             for name, worker in service.workers.items():
                 worker.url = str(server.make_url(f"/{name}")).rstrip("/")
-            loop = asyncio.create_task(_health_loop({SERVICE_KEY: service, SESSION_KEY: session, SUB_KEY: None}))
+            loop = asyncio.create_task(health_loop(service, session, None))
             await asyncio.sleep(0.15)
             first = list(asked)
             await asyncio.sleep(0.3)

@@ -213,8 +213,9 @@ def test_a_long_term_controller_per_pd_cluster_records_its_own_requests_and_move
 
     service, _ = fleet_service()
     service.start_longterm(LongTermSettings())
-    east, west = SitePair("pd-east", "prfaas-h200"), SitePair("pd-west", "prfaas-h200")
-    assert list(service.longterm) == [east, west]  # each PD cluster's first link
+    east, west = "pd-east", "pd-west"
+    assert list(service.longterm) == [east, west]  # one per PD cluster, planning on every pair of it
+    assert all(set(service.longterm[pd].runtime.pairs) == {p for p in service.pairs if p.pd == pd} for pd in (east, west))
     assert service.longterm[east].runtime.n_prefill == 3 and service.longterm[west].runtime.n_prefill == 1
     for entry, n in (("pd-east", 3), ("pd-west", 1)):
         for _ in range(n):
@@ -225,11 +226,13 @@ def test_a_long_term_controller_per_pd_cluster_records_its_own_requests_and_move
     assert samples[east].completed["pd-decode"] == 3 and samples[west].completed["pd-decode"] == 1
     assert samples[east].instances["pd-prefill"] == 3 and samples[west].instances["pd-decode"] == 2
 
-    calibrated = service.pairs[west].runtime.with_split(2).calibrated({"prfaas": 1.5})
+    calibrated = service.longterm[west].runtime.with_split(2).calibrated({"prfaas": 1.5})
     service.converted("west-d-1", "prefill", 2.0, runtime=calibrated)
-    assert service.pairs[west].runtime is calibrated  # the controller's own pair: its calibrated model
+    h200_west = SitePair("pd-west", "prfaas-h200")
+    assert service.pairs[h200_west].runtime is calibrated.pairs[h200_west]  # the controller's calibrated model
     h100_west = service.pairs[SitePair("pd-west", "prfaas-h100")].runtime
-    assert h100_west.n_prefill == 2 and h100_west.deployment.prfaas.name != calibrated.deployment.prfaas.name
+    assert h100_west is calibrated.pairs[SitePair("pd-west", "prfaas-h100")]  # of every pair of its cluster
+    assert h100_west.n_prefill == 2 and h100_west.deployment.prfaas.name != calibrated.pairs[h200_west].deployment.prfaas.name
     assert service.longterm[west].runtime.n_prefill == 2 and service.longterm[east].runtime.n_prefill == 3
-    assert service.pairs[east].runtime.n_prefill == 3  # the other PD cluster's pairs: untouched
+    assert service.pairs[SitePair("pd-east", "prfaas-h200")].runtime.n_prefill == 3  # the other PD cluster's pairs: untouched
     assert set(service.status(2.0)["long_term"]) == {"pd-east", "pd-west"}

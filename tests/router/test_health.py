@@ -33,7 +33,7 @@ def test_a_worker_whose_health_answers_slowly_stays_routable_and_a_silent_one_go
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from prfaas_sglang.router.server import poll_health
+    from prfaas_sglang.router.loops import poll_health
 
     service = _service()
     service.config = dataclasses.replace(service.config, health_timeout_s=0.5, health_misses_to_down=2)

@@ -318,11 +318,12 @@ def test_the_router_routes_around_a_prfaas_worker_silent_while_busy():
     service = new_service(RouterConfig(), runtime.from_topology(topology), workers_from_topology(topology))
     prfaas = next(w for w in service.workers.values() if w.cluster == "prfaas")
     assert prfaas.telemetry_endpoint
+    ps = service.only_pair()
 
     def listed(now_s: float) -> set[str]:
-        return {w.name for w in service.snapshot(set(), now_s).workers}
+        return {w.name for w in service.snapshot(set(), now_s, ps).workers}
 
-    service.link.update(prfaas.name, LinkSample(prfaas.name, 100.0, 1e6, 0.5, 1e6, 1), now_s=0.0, wall_s=100.0)
+    ps.link.update(prfaas.name, LinkSample(prfaas.name, 100.0, 1e6, 0.5, 1e6, 1), now_s=0.0, wall_s=100.0)
     prfaas.outstanding_prefill_s = 3.0  # a long prefill and its transfer in flight
     assert prfaas.name in listed(1.0)
     assert prfaas.name not in listed(4.0)  # silent for 4 s with work in flight: the link is presumed down
@@ -332,5 +333,5 @@ def test_the_router_routes_around_a_prfaas_worker_silent_while_busy():
     assert f'prfaas_router_link_down{{link="prfaas-b->pd-a",worker="{prfaas.name}"}} 1' in rendered
     prfaas.outstanding_prefill_s = 0.0
     assert prfaas.name not in listed(6.0)
-    service.link.update(prfaas.name, LinkSample(prfaas.name, 106.0, 1e6, 0.5, 1e6, 1), now_s=6.0, wall_s=106.0)
+    ps.link.update(prfaas.name, LinkSample(prfaas.name, 106.0, 1e6, 0.5, 1e6, 1), now_s=6.0, wall_s=106.0)
     assert prfaas.name in listed(6.1)

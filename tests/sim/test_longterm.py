@@ -15,7 +15,9 @@ from prfaas_sglang.router.longterm import (
     pick_nodes,
 )
 from prfaas_sglang.router.threshold import ThresholdController
+from prfaas_sglang.runtime import PdClusterModel
 from prfaas_sglang.sim.fleet import FleetSpec
+from prfaas_sglang.topology import SitePair
 
 SETTINGS = LongTermSettings(interval_s=60, window_s=300, min_dwell_s=300, confirm=2, min_requests=50)
 
@@ -24,6 +26,11 @@ SETTINGS = LongTermSettings(interval_s=60, window_s=300, min_dwell_s=300, confir
 def runtime():
     """The case study's deployment (4 PrfaaS, 8 PD) built the product's way, at 3P/5D."""
     return FleetSpec(4, 3, 5).runtime()
+
+
+def cluster(runtime):
+    """The PD cluster's model the long-term controller plans on: here its one pair's (FleetSpec names them)."""
+    return PdClusterModel({SitePair("pd", "prfaas"): runtime})
 
 
 def lengths(median_factor: float, n: int, seed: int = 0) -> list[int]:
@@ -58,7 +65,7 @@ def feed(ctl: LongTermController, start_s: float, end_s: float, lens: list[int],
 
 
 def test_longer_prompts_on_a_saturated_prefill_side_convert_decode_nodes(runtime):
-    ctl = LongTermController(runtime, SETTINGS)
+    ctl = LongTermController(cluster(runtime), SETTINGS)
     saturated = sample({"prfaas": 1.0, "pd-prefill": 1.0, "pd-decode": 0.3}, 3, 5)
     decisions = feed(ctl, 0, 600, lengths(2.0, 600), saturated)
     assert decisions, ctl.describe()
@@ -75,7 +82,7 @@ def test_longer_prompts_on_a_saturated_prefill_side_convert_decode_nodes(runtime
 
 
 def test_confirmation_is_needed(runtime):
-    ctl = LongTermController(runtime, SETTINGS)
+    ctl = LongTermController(cluster(runtime), SETTINGS)
     saturated = sample({"prfaas": 1.0, "pd-prefill": 1.0, "pd-decode": 0.3}, 3, 5)
     for i, n in enumerate(lengths(2.0, 300)):
         ctl.record(i * 0.2, n, 1024)
@@ -87,7 +94,7 @@ def test_confirmation_is_needed(runtime):
 @pytest.mark.slow
 def test_an_idle_fleet_is_not_resplit(runtime):
     """The model would gain, but no stage is busy and no queue grows: nothing to win now."""
-    ctl = LongTermController(runtime, SETTINGS)
+    ctl = LongTermController(cluster(runtime), SETTINGS)
     idle = sample({"prfaas": 0.3, "pd-prefill": 0.3, "pd-decode": 0.1}, 3, 5)
     assert feed(ctl, 0, 900, lengths(2.0, 600), idle) == []
     assert ctl.describe()["decision"].startswith("stay") and ctl.describe()["gain"] > SETTINGS.min_gain
@@ -95,7 +102,7 @@ def test_an_idle_fleet_is_not_resplit(runtime):
 
 @pytest.mark.slow
 def test_a_growing_queue_counts_as_saturation(runtime):
-    ctl = LongTermController(runtime, SETTINGS)
+    ctl = LongTermController(cluster(runtime), SETTINGS)
     for i, n in enumerate(lengths(2.0, 600)):
         ctl.record(i, n, 1024)
     decisions = []
@@ -109,7 +116,7 @@ def test_a_growing_queue_counts_as_saturation(runtime):
 def test_short_prompts_move_nodes_to_decode_and_never_below_one_per_role(runtime):
     """Short prompts with long outputs: decode binds; the controller moves prefill nodes to decode, at
     most down to one PD-P node."""
-    ctl = LongTermController(runtime.with_split(6), dataclasses.replace(SETTINGS, min_dwell_s=0, confirm=1, max_step=8))
+    ctl = LongTermController(cluster(runtime.with_split(6)), dataclasses.replace(SETTINGS, min_dwell_s=0, confirm=1, max_step=8))
     smp = sample({"prfaas": 0.2, "pd-prefill": 0.3, "pd-decode": 1.0}, 6, 2)
     lens = [random.Random(i).randint(200, 600) for i in range(600)]
     for i, n in enumerate(lens):
@@ -123,7 +130,7 @@ def test_short_prompts_move_nodes_to_decode_and_never_below_one_per_role(runtime
 
 
 def test_calibration_follows_a_slow_prefill_stage_but_not_an_underfull_decode(runtime):
-    ctl = LongTermController(runtime, SETTINGS)
+    ctl = LongTermController(cluster(runtime), SETTINGS)
     lens = lengths(1.0, 400)
     pd_rate = 1 / runtime.deployment.pd.prefill.prefill_s(sum(lens) / len(lens))
     decode_rate = runtime.decode.bs_max / (runtime.decode.step_s * 1024)

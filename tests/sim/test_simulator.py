@@ -175,16 +175,16 @@ def test_each_pd_cluster_of_a_fleet_has_its_own_long_term_controller():
     phases = arrivals.median_shift_phases(120, factor=3.0)
     requests = arrivals.entering(list(arrivals.poisson(3.0, 600, 1, 1024, phases)), {"pd-east": 0.3, "pd-west": 0.7}, 1)
     sim.run(requests, 1500)
-    assert {pair.pd for pair in sim.longterm} == {"pd-east", "pd-west"}
+    assert set(sim.longterm) == {"pd-east", "pd-west"}
     conversions = [e for _, e in sim.events if e.startswith("convert ")]
     assert {pd for pd in ("pd-east", "pd-west") if any(f" of {pd} " in e for e in conversions)} == {"pd-east", "pd-west"}
     for e in conversions:  # a cluster's controller converts that cluster's nodes only
         names, pd = e.removeprefix("convert ").split(" of ")[0].split(", "), e.split(" of ")[1].split()[0]
         assert all(sim.service.workers[n].site == pd for n in names), e
-    for pair, ctl in sim.longterm.items():
-        n_prefill = sum(r.site == pair.pd and r.cluster == "pd" and r.role == "prefill" for r in sim.service.workers.values())
+    for pd, ctl in sim.longterm.items():
+        n_prefill = sum(r.site == pd and r.cluster == "pd" and r.role == "prefill" for r in sim.service.workers.values())
         assert ctl.history and ctl.runtime.n_prefill == n_prefill
-        assert all(ps.runtime.n_prefill == n_prefill for p, ps in sim.service.pairs.items() if p.pd == pair.pd)
+        assert all(ps.runtime.n_prefill == n_prefill for p, ps in sim.service.pairs.items() if p.pd == pd)
     assert all(r.finish_s is not None for r in requests)
     _assert_nothing_held(sim)
 
