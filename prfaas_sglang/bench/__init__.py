@@ -2,8 +2,8 @@
 
 Each subcommand lives in the module that registers it (its ``SUBCOMMANDS``: :mod:`.subcommands`);
 ``__main__``'s ``COMMANDS`` says which: mostly the module of the same name; ``compare`` is
-``capacity``'s (over ``compare``'s own flags), ``mock-fidelity`` is ``mock``'s (``fidelity`` with
-``--load``), ``router-overhead`` and ``router-gc`` are ``router``'s, ``layerwise`` is
+``capacity``'s (over ``compare``'s own flags), ``mock-fidelity`` is ``mock``'s,
+``router-overhead`` and ``router-gc`` are ``router``'s, ``layerwise`` is
 ``layerwise_bench``'s, and ``gpu-bundle``, ``gpu-e2e``, ``profile`` and ``predict`` are
 :mod:`prfaas_sglang.gpu.cli`'s. Beside them: ``capacity_rows`` and ``slo`` (what ``compare --capacity``
 compares and how it scores, pure), ``sim_vs_emulator`` (``sim --study emulator``), ``sglang_cpu``

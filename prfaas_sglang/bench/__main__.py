@@ -3,8 +3,7 @@
 Benchmarks:
   plan           planner search time (case study, 128- and 32-token grids), and the
                  case-study optimum under other values of the two calibrated MFUs
-  mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer;
-                 --load: each stage saturated, throughput vs the planner's Theta (eq. 3-6), TTFT at 50/80%
+  mock-fidelity  emulated engine: measured TTFT vs profile prefill / speedup + KV transfer
   kvindex        global KV index: event ingest rate, match latency for a 128K-token prompt
   state-events   what state events cost: SGLang's MambaRadixCache vs ours on the conversation
                  trace (events, bytes per second of trace, CPU time of cache calls + encoding)
@@ -12,7 +11,6 @@ Benchmarks:
                  the trace's long requests: prefill tokens saved, tokens inserted, evictions
   bandwidth      router + emulated workers; the PrfaaS link throttled 10x (tbf, netns) mid-run (root)
   router-overhead  latency the router adds vs direct PD dispatch, at a fixed rate
-  aiperf-check   the same trace through our router with AIPerf and with our client: TTFT agreement
   decode-affinity  conversations with and without decode affinity (emulated hybrid workers, decode radix
                  cache): KV the decode workers receive, the part over the PrfaaS link, latency
   decode-reuse   a hybrid decode radix cache on real SGLang pools: prompt tokens held per turn
@@ -88,7 +86,6 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("compare",
      "goodput: our router vs every baseline, identical arrivals, several seeds, shaped link",
      "prfaas_sglang.bench.capacity"),
-    ("aiperf-check", "TTFT of one trace through our router: AIPerf vs our client", "prfaas_sglang.bench.aiperf_check"),
     ("bandwidth", "throttle the PrfaaS link 10x mid-run; the router's t over time", "prfaas_sglang.bench.bandwidth"),
     ("transport", "Mooncake TCP over an emulated WAN link: WAN profile vs defaults", "prfaas_sglang.bench.transport"),
     ("mock-kv",
@@ -145,9 +142,10 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def build_parser(chosen: str | None = None) -> tuple[argparse.ArgumentParser, Subcommand | None]:
+def build_parser(chosen: str | None = None) -> tuple[argparse.ArgumentParser,
+                                                    tuple[Subcommand, argparse.ArgumentParser] | None]:
     """The CLI's parser: every subcommand with its help, and the flags of ``chosen`` (whose module is the
-    only one imported); with ``chosen``'s registration (None when it names no subcommand)."""
+    only one imported); with ``chosen``'s registration and its parser (None when it names no subcommand)."""
     parser = argparse.ArgumentParser(prog="python -m prfaas_sglang.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="name", required=True)
@@ -155,18 +153,19 @@ def build_parser(chosen: str | None = None) -> tuple[argparse.ArgumentParser, Su
     for name, help_, module in COMMANDS:
         subparser = sub.add_parser(name, help=help_)
         if name == chosen:
-            registered = importlib.import_module(module).SUBCOMMANDS[name]
-            registered.add_arguments(subparser)
+            registered = importlib.import_module(module).SUBCOMMANDS[name], subparser
+            registered[0].add_arguments(subparser)
     return parser, registered
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # the subcommand is the first argument that is not an option (the top level has none but --help)
-    parser, subcommand = build_parser(next((a for a in argv if not a.startswith("-")), None))
-    args = parser.parse_args(argv)
+    parser, registered = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    args = parser.parse_args(argv)  # exits on --help or without a known subcommand: registered is set past here
+    subcommand, subparser = registered
     exit_on_sigterm()
-    return subcommand.run(args, Invocation.now(parser))
+    return subcommand.run(args, Invocation.now(parser, subparser))
 
 
 if __name__ == "__main__":

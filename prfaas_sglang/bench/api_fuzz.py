@@ -132,9 +132,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if args.max_examples < 1 or args.max_time <= 0:
         inv.error("--max-examples must be >= 1 and --max-time > 0")
     result = run(args.max_examples, args.seed, args.max_time)
-    header = (f"<!-- python -m prfaas_sglang.bench api-fuzz --max-examples {args.max_examples} --seed {args.seed}; "
-              f"{inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"api-fuzz": Subcommand(add_arguments, cli)}

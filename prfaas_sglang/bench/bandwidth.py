@@ -47,7 +47,7 @@ from pathlib import Path
 
 import aiohttp
 
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.demo.netns import Netns
 from prfaas_sglang.plan.workload import case_study_lengths
@@ -266,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--factor", type=float, default=10.0, help="throttled rate = nominal / factor")
     parser.add_argument("--load-rps", type=float, default=2.0,
                         help="Poisson arrivals/s; at 2 the old t overloads the throttled link 1.34x, at 3 2x")
-    parser.add_argument("--phases", default="15,60,20", help="seconds clear, throttled, clear")
+    parser.add_argument("--phases", type=CommaList(float), default="15,60,20", help="seconds clear, throttled, clear")
     parser.add_argument("--speedup", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
@@ -276,7 +276,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
-    phases = tuple(float(x) for x in args.phases.split(","))
+    phases = args.phases
     if len(phases) != 3 or min(phases) <= 0 or args.factor <= 1:
         inv.error("--phases needs three positive numbers and --factor must be > 1")
     result = run(args.nominal_mbit, args.factor, args.load_rps, phases, args.speedup, seed=args.seed)
@@ -284,10 +284,8 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
         plot(result, args.plot)
     if args.series:
         args.series.write_text(json.dumps({k: result[k] for k in ("series", "history", "requests_log")}))
-    header = (f"<!-- python -m prfaas_sglang.bench bandwidth --nominal-mbit {args.nominal_mbit:g} --factor {args.factor:g} "
-              f"--load-rps {args.load_rps:g} --seed {args.seed}; {inv.stamp} -->")
     result = {k: v for k, v in result.items() if k not in ("series", "history", "requests_log")} | {"history": result["history"]}
-    return inv.report(args, result, header, lambda r: json.dumps(r, indent=2))  # no table: the summary as JSON
+    return inv.report(args, result, None, lambda r: json.dumps(r, indent=2))  # no table: the summary as JSON
 
 
 SUBCOMMANDS = {"bandwidth": Subcommand(add_arguments, cli)}

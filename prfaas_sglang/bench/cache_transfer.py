@@ -4,8 +4,12 @@ prompt length and link rate, next to what the router's cost model predicts.
 Deployment (emulated engines, every node through the launcher): 1 PrfaaS worker (8xH200 profile)
 in a network namespace whose egress ``tbf`` shapes at the link's rate (modelled capacity x
 kv_scale x speedup on the wire, as ``bench compare``), 1 PD-P and 1 PD-D (8xH20). Per link rate,
-three routers over the same workers, abundant mode, early rejection off, ``t`` pinned below the
-shortest prompt:
+four routers over the same workers, abundant mode, early rejection off, ``t`` pinned below the
+shortest prompt, placement by the paper's rule alone (``--placement threshold``: placement by expected
+TTFT would move a long prompt off PrfaaS wherever it and its KV over the link are expected later than
+PD-P, so where the prefix lands would depend on the link; here it is fixed). Every request's route is
+checked against the rule's (the warm-up on PrfaaS; the timed turn on PD-P, or on PrfaaS under ``off``):
+a run that went elsewhere stops the benchmark rather than fill a column with another measurement.
 
     always   the move is forced wherever the other cluster's cache is longer
     never    never moved: PD-P recomputes the prefix
@@ -15,7 +19,10 @@ shortest prompt:
     auto     the product: the cost model decides (move when ``transfer_s < saved prefill``)
 
 Per prompt length and repeat, for each router, a fresh random prompt ``P`` is sent once (it
-prefills on PrfaaS, which keeps it), then ``P`` + ``suffix`` (routed to PD-P: its uncached length
+prefills on PrfaaS, whose cache keeps every prefill: ``PRFAAS_PREFILL_CACHE=all``; under the
+launcher's ``auto`` a one-off prompt needed a second send to be kept, and the rule sent that one, only
+the tail after ``P``'s last state checkpoint uncached, to PD-P wherever ``t`` was above the tail),
+then ``P`` + ``suffix`` (routed to PD-P: its uncached length
 after the best cache is the suffix); the TTFT of that second request (streamed, one output token)
 is what is recorded, with the router's decision; then the next turn (``P`` + suffix + suffix), which
 shows where the prefix now lives (moved or recomputed: PD-P, locally; off: PrfaaS again, across the
@@ -39,7 +46,7 @@ import time
 from pathlib import Path
 
 from prfaas_sglang.adapters import http_sync
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand
 from prfaas_sglang.demo.cluster import (
     ProcessGroup,
     local_topology,
@@ -48,8 +55,12 @@ from prfaas_sglang.demo.cluster import (
     start_router,
 )
 from prfaas_sglang.demo.netns import Netns
+from prfaas_sglang.envs import envs
 
 MODES = ("always", "never", "off", "auto")
+# where the rule sends P + suffix (X-Prfaas-Route's cluster): after the best cache only the suffix is new,
+# unless ``off`` judges each cluster's cache alone (then all of P is new to PD-P)
+TIMED_ROUTE = {"always": "pd/", "never": "pd/", "off": "prfaas/", "auto": "pd/"}
 PAGE = 512
 ACCELERATORS = ("h200x8", "h20x8")
 _COST = re.compile(r"\(([\d.]+) s (<|>=) recompute ([\d.]+) s\)")
@@ -87,20 +98,30 @@ def _ttft(url: str, ids: list[int]) -> tuple[float, dict]:
     raise RuntimeError(f"{url}: the stream ended without an event")
 
 
-def _one(url: str, rng: random.Random, length: int, suffix: int) -> dict:
-    """Warm ``P`` on PrfaaS through ``url`` (sent twice, so its cache keeps it), then time ``P`` +
-    suffix; what the router decided."""
+def _route(url: str, headers, expected: str, what: str) -> str:
+    """The router's ``X-Prfaas-Route``, which must name ``expected``'s cluster (RuntimeError with the
+    router's reason otherwise)."""
+    route = headers.get("x-prfaas-route") or ""
+    if not route.startswith(expected):
+        reason = http_sync.get_json(url + "/status", timeout_s=5)["recent"][-1]["reason"]
+        raise RuntimeError(f"{what} was routed {route or 'nowhere'}, not {expected}: {reason}")
+    return route
+
+
+def _one(url: str, mode: str, rng: random.Random, length: int, suffix: int) -> dict:
+    """Warm ``P`` on PrfaaS through ``url`` (its cache keeps every prefill), then time ``P`` + suffix;
+    what the router decided."""
     prompt = [rng.randrange(1, 1 << 31) for _ in range(length)]
     before = http_sync.get_json(url + "/status", timeout_s=5)["workers"]["prfaas-0"]["index_blocks"] or 0
-    # Twice: the PrfaaS worker's cache keeps a prefix seen twice, and not always a one-off (PRFAAS_PREFILL_CACHE=auto).
-    for _ in range(2):
-        warm = http_sync.post(url + "/generate", json_body={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
-                              timeout_s=600)
-        if warm.status != 200 or not warm.headers.get("x-prfaas-route", "").startswith("prfaas/"):
-            raise RuntimeError(f"the warm-up did not prefill on PrfaaS: {warm.status} {warm.headers.get('x-prfaas-route')}")
+    warm = http_sync.post(url + "/generate", json_body={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
+                          timeout_s=600)
+    if warm.status != 200:
+        raise RuntimeError(f"{url}: the warm-up failed: HTTP {warm.status}")
+    _route(url, warm.headers, "prfaas/", f"the warm-up of {length} tokens")
     _wait_index(url, "prfaas-0", before + length // PAGE - 1)
     grown = prompt + [rng.randrange(1, 1 << 31) for _ in range(suffix)]
     ttft_s, headers = _ttft(url, grown)
+    _route(url, headers, TIMED_ROUTE[mode], f"{mode}: the timed turn")
     recent = http_sync.get_json(url + "/status", timeout_s=5)["recent"][-1]
     cost = _COST.search(recent["reason"])
     time.sleep(0.2)  # the KV events of the turn reach the router's index
@@ -129,19 +150,21 @@ def run(rates_gbps: tuple[float, ...] = (2.0, 10.0, 50.0), lengths: tuple[int, .
                    "--bootstrap-timeout-s", "60")
         doc = _topology(net, rates_gbps[0], speedup, kv_scale, threshold)
         deployment = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")},
-                                      wrap={"prfaas": net.wrap}, name="workers")
+                                      wrap={"prfaas": net.wrap}, node_env={"prfaas": {envs.PREFILL_CACHE.name: "all"}},
+                                      name="workers")
         for rate in rates_gbps:
             wire_mbit = rate * 1e3 * kv_scale * speedup
             net.throttle(wire_mbit)
             doc["links"][0]["bandwidth_gbps"] = wire_mbit / 1e3  # the same workers; only the link the routers see differs
             routers = {mode: start_router(group, doc, "--bandwidth-mode", "abundant", "--no-early-rejection",
-                                          "--cache-transfer", mode, name=f"router-{rate:g}-{mode}") for mode in MODES}
+                                          "--placement", "threshold", "--cache-transfer", mode,
+                                          name=f"router-{rate:g}-{mode}") for mode in MODES}
             try:
                 rows = {str(n): {mode: [] for mode in MODES} for n in lengths}
                 for length in lengths:
                     for _ in range(repeats):
                         for mode in MODES:
-                            rows[str(length)][mode].append(_one(routers[mode].url, rng, length, suffix))
+                            rows[str(length)][mode].append(_one(routers[mode].url, mode, rng, length, suffix))
             finally:
                 for handle in routers.values():
                     _stop(handle.proc)
@@ -167,7 +190,7 @@ def _summarise(rate: float, wire_mbit: float, lengths, rows: dict, speedup: floa
         cell = rows[str(n)]
         moved = [r["ttft_s"] for r in cell["always"] if r["moved"]]
         recomputed = [r["ttft_s"] for r in cell["never"] if not r["moved"]]
-        remote = [r["ttft_s"] for r in cell["off"] if (r["route"] or "").startswith("prfaas/")]
+        remote = [r["ttft_s"] for r in cell["off"]]  # on PrfaaS, each (checked by _one)
         auto = cell["auto"]
         predicted = next((r for r in auto if r["predicted_transfer_s"] is not None), None)
         table.append({
@@ -233,8 +256,9 @@ def render_markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rates-gbps", default="2,10,50", help="modelled link rates, comma list")
-    parser.add_argument("--lengths", default="8192,16384,32768,65536", help="cached prefix lengths, comma list (tokens)")
+    parser.add_argument("--rates-gbps", type=CommaList(float), default="2,10,50", help="modelled link rates, comma list")
+    parser.add_argument("--lengths", type=CommaList(int), default="8192,16384,32768,65536",
+                        help="cached prefix lengths, comma list (tokens)")
     parser.add_argument("--suffix-tokens", type=int, default=512, help="the new turn after the cached prefix")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speedup", type=float, default=4.0)
@@ -245,19 +269,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
     from prfaas_sglang.demo.netns import available
 
-    try:
-        rates = tuple(float(x) for x in args.rates_gbps.split(","))
-        lengths = tuple(int(x) for x in args.lengths.split(","))
-    except ValueError:
-        inv.error("--rates-gbps takes numbers and --lengths integers, comma separated")
+    rates, lengths = args.rates_gbps, args.lengths
     if min(rates) <= 0 or min(lengths) < 2 * PAGE or args.suffix_tokens < 1 or args.repeats < 1:
         inv.error(f"rates must be > 0, lengths >= {2 * PAGE}, --suffix-tokens and --repeats >= 1")
     if (why := available()) is not None:
         inv.error(f"the shaped PrfaaS link {why}")
     result = run(rates, lengths, args.suffix_tokens, args.repeats, args.speedup, seed=args.seed)
-    header = (f"<!-- python -m prfaas_sglang.bench cache-transfer --rates-gbps {args.rates_gbps} --lengths {args.lengths} "
-              f"--suffix-tokens {args.suffix_tokens} --repeats {args.repeats} --speedup {args.speedup:g}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"cache-transfer": Subcommand(add_arguments, cli)}

@@ -468,11 +468,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
                   f">= --down-s + 2)")
     result = run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, faults=faults,
                  rounds=rounds, front=args.front)
-    header = (f"<!-- python -m prfaas_sglang.bench chaos --duration {args.duration:g} --rate {args.rate:g} "
-              f"--down-s {args.down_s:g} --rounds {rounds} --seed {args.seed}"
-              f"{'' if args.faults is None else ' --faults ' + ','.join(faults)}{'' if args.front else ' --no-front'}; "
-              f"{inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"chaos": Subcommand(add_arguments, cli)}

@@ -393,6 +393,4 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     runs = [run(Setting(args.workload, args.link, load, args.duration, args.speedup, ttft_slo_s=args.ttft_slo_s),
                 args.seeds, rows) for load in loads]
     result = runs[0] if len(runs) == 1 else {"loads": runs}
-    header = (f"<!-- python -m prfaas_sglang.bench compare --workload {args.workload} --link {args.link} --load {args.load} "
-              f"--seeds {args.seeds} --duration {args.duration:g} --speedup {args.speedup:g}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)

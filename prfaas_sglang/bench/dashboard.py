@@ -38,12 +38,15 @@ from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
 SPEEDUP, KV_SCALE, OUTPUT_TOKENS, MAX_INPUT_TOKENS = 20.0, 0.01, 64, 65_536
 
 
-def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s: float = 1.0) -> dict:
+def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s: float = 1.0,
+        tokenizer: str | None = SHIPPED) -> dict:
     """Run the traffic, draw the dashboard from Prometheus's results to ``out_png``, and return the run's
     counts, ``points`` (query_range steps drawn) and ``no_data`` (queries that returned no series).
-    Raises :class:`~prfaas_sglang.bench.prometheus.PrometheusError` if Prometheus is missing, a target is
+    Text prompts through ``tokenizer``; None: token ids, and no process loads a tokenizer (the smoke's
+    way: a tokenizer costs every process seconds of imports). Raises
+    :class:`~prfaas_sglang.bench.prometheus.PrometheusError` if Prometheus is missing, a target is
     down, or a query is rejected; the processes' logs and Prometheus's files stay in a temp dir."""
-    text = workloads.TextSource(PromptTokenizer.load(SHIPPED))
+    text = workloads.TextSource(PromptTokenizer.load(tokenizer)) if tokenizer else None
     half = duration_s / 2
     arrivals = workloads.arrivals("case-study", half, rate, OUTPUT_TOKENS, MAX_INPUT_TOKENS, seed, SPEEDUP, text,
                                   model="prfaas-demo")
@@ -51,7 +54,7 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
                                model="prfaas-demo")
     burst = [dataclasses.replace(a, offset_s=a.offset_s + half) for a in burst]
     doc = demo_topology(workloads.prior("case-study", MAX_INPUT_TOKENS), speedup=SPEEDUP, kv_scale=KV_SCALE,
-                        output_tokens=OUTPUT_TOKENS, tokenizer=SHIPPED, served_name="prfaas-demo")
+                        output_tokens=OUTPUT_TOKENS, tokenizer=tokenizer, served_name="prfaas-demo")
     doc["clusters"]["control"]["nodes"].append({"name": "kv-index", "role": "kv-index", "host": "127.0.0.1",
                                                 "port": free_port()})
     targets = [ScrapeTarget(n["role"], n["name"], f"http://{n['host']}:{n['port']}")
@@ -100,9 +103,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if args.duration <= 0 or args.rate <= 0:
         inv.error("--duration and --rate must be > 0")
     result = run(args.duration, args.rate, args.out, seed=args.seed)
-    header = (f"<!-- python -m prfaas_sglang.bench dashboard --duration {args.duration:g} --rate {args.rate:g} "
-              f"--seed {args.seed} --out {args.out}; {inv.stamp} -->")
-    return inv.report(args, result, header, None)  # no Markdown report: JSON
+    return inv.report(args, result, None, None)  # no Markdown report: JSON
 
 
 SUBCOMMANDS = {"dashboard": Subcommand(add_arguments, cli)}

@@ -136,10 +136,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if min(args.seeds, args.conversations, args.turns) < 1 or args.decode_workers < 2:
         inv.error("--seeds, --conversations and --turns must be >= 1, --decode-workers >= 2")
     result = run(args.seeds, args.conversations, args.turns, args.decode_workers, tuple(args.models.split(",")))
-    header = (f"<!-- python -m prfaas_sglang.bench decode-affinity --seeds {args.seeds} --conversations "
-              f"{args.conversations} --turns {args.turns} --decode-workers {args.decode_workers} "
-              f"--models {args.models}; {inv.stamp} -->")
-    return inv.report(args, result, header, markdown)
+    return inv.report(args, result, None, markdown)
 
 
 SUBCOMMANDS = {"decode-affinity": Subcommand(add_arguments, cli)}

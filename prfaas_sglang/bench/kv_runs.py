@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand, trace_path
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand, trace_path
 
 MIB = 1 << 20
 
@@ -425,7 +425,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of the trace replayed")
     parser.add_argument("--warmup", type=float, default=120.0, help="seconds before requests are measured")
-    parser.add_argument("--page-sizes", default="1,64")
+    parser.add_argument("--page-sizes", type=CommaList(int), default="1,64")
     parser.add_argument("--decode-pool-tokens", type=int, default=1 << 20)
     parser.add_argument("--prefill-pool-tokens", type=int, default=1 << 19)
     parser.add_argument("--prefill-inflight", type=int, default=2, help="requests whose pages the PrfaaS worker still holds")
@@ -446,10 +446,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
-    try:
-        pages = tuple(int(p) for p in args.page_sizes.split(","))
-    except ValueError:
-        inv.error("--page-sizes must be a comma list of integers")
+    pages = args.page_sizes
     if (min(pages) < 1 or args.duration <= 0 or args.warmup < 0 or args.step_ms <= 0 or args.lanes < 1
             or min(args.decode_pool_tokens, args.prefill_pool_tokens, args.prefill_inflight,
                    args.bytes_per_token_layer) < 1 or args.rtt_ms < 0 or args.rate_gbps <= 0):
@@ -470,12 +467,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
                  prefill_inflight=args.prefill_inflight, warmup_s=args.warmup,
                  bytes_per_token_layer=args.bytes_per_token_layer, prefill_cache=args.prefill_cache,
                  model=(args.lanes, args.rtt_ms, args.rate_gbps))
-    header = (f"<!-- python -m prfaas_sglang.bench kv-runs{' --prefill-cache' if args.prefill_cache else ''} "
-              f"--duration {args.duration:g} --warmup {args.warmup:g} "
-              f"--page-sizes {args.page_sizes} --step-ms {args.step_ms:g} --decode-pool-tokens {args.decode_pool_tokens} "
-              f"--prefill-pool-tokens {args.prefill_pool_tokens}"
-              f"{f' --measure {args.measure} --seed {args.seed}' if args.measure else ''}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"kv-runs": Subcommand(add_arguments, cli)}

@@ -184,11 +184,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
         inv.error(f"the emulated link {why}")
     result = run(args.rate_mbit, args.rtt_ms, args.requests, args.repeats, args.layers, args.request_pages,
                  args.page_bytes, args.mean_run, args.chunks, args.staging_mib)
-    header = (f"<!-- python -m prfaas_sglang.bench kv-staging --rate-mbit {args.rate_mbit:g} --rtt-ms {args.rtt_ms:g} "
-              f"--requests {args.requests} --repeats {args.repeats} --layers {args.layers} --request-pages "
-              f"{args.request_pages} --page-bytes {args.page_bytes} --mean-run {args.mean_run} --chunks {args.chunks} "
-              f"--staging-mib {args.staging_mib}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"kv-staging": Subcommand(add_arguments, cli)}

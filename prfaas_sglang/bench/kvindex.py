@@ -10,7 +10,7 @@ import random
 import statistics
 import time
 
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.kvindex.index import KvIndex
 from prfaas_sglang.wire.blocks import PageIdMemo
@@ -221,31 +221,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-blocks", type=int, default=None,
                         help="instead: an index holding this many page-1 blocks; its GC pause, tracked objects, memory")
     parser.add_argument("--workers", type=int, default=4, help="with --held-blocks: workers holding them")
-    parser.add_argument("--page-sizes", default=None,
+    parser.add_argument("--page-sizes", type=CommaList(int), default=None,
                         help="instead: one match's cost per worker page size (comma list), a 32K-token prompt held and new")
     parser.add_argument("--json", action="store_true")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if args.page_sizes is not None:
-        try:
-            sizes = tuple(int(x) for x in args.page_sizes.split(","))
-        except ValueError:
-            inv.error("--page-sizes: a comma list of integers")
-        if not sizes or min(sizes) < 1:
+        if min(args.page_sizes) < 1:
             inv.error("--page-sizes must be >= 1")
-        result = by_page_size(sizes)
-        header = f"<!-- python -m prfaas_sglang.bench kvindex --page-sizes {args.page_sizes}; {inv.stamp} -->"
+        result = by_page_size(args.page_sizes)
     elif args.held_blocks is not None:
         if args.held_blocks < 1 or args.workers < 1:
             inv.error("--held-blocks and --workers must be >= 1")
         result = held(args.held_blocks, args.workers)
-        header = (f"<!-- python -m prfaas_sglang.bench kvindex --held-blocks {args.held_blocks} --workers {args.workers}; "
-                  f"{inv.stamp} -->")
     else:
         result = run()
-        header = f"<!-- python -m prfaas_sglang.bench kvindex; {inv.stamp} -->"
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"kvindex": Subcommand(add_arguments, cli)}

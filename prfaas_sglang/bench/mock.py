@@ -91,22 +91,14 @@ def render_markdown(rows: list[dict]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=1.0)
     parser.add_argument("--kv-scale", type=float, default=0.01)
-    parser.add_argument("--load", action="store_true",
-                        help="saturate each stage of a small deployment; throughput vs the planner's Theta, TTFT at 50/80%%")
     parser.add_argument("--json", action="store_true")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
-    """``mock-fidelity``; with ``--load``, :func:`prfaas_sglang.bench.fidelity.cli`."""
     if not args.speedup > 0 or not 0 < args.kv_scale <= 1:
         inv.error("--speedup must be > 0 and --kv-scale in (0, 1]")
-    if args.load:
-        from prfaas_sglang.bench import fidelity
-
-        return fidelity.cli(args, inv)
     result = run(args.speedup, args.kv_scale)
-    header = f"<!-- python -m prfaas_sglang.bench mock-fidelity --speedup {args.speedup:g}; {inv.stamp} -->"
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"mock-fidelity": Subcommand(add_arguments, cli)}

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand
 from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup
 from prfaas_sglang.engine.mock.timing import load_timing
 from prfaas_sglang.launch.command import mock_command
@@ -145,7 +145,7 @@ def render_markdown(result: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-mbit", type=float, default=1000.0)
     parser.add_argument("--rtt-ms", type=float, default=20.0)
-    parser.add_argument("--losses", default="0,0.001", help="comma list of random loss rates, one condition each")
+    parser.add_argument("--losses", type=CommaList(float), default="0,0.001", help="comma list of random loss rates, one condition each")
     parser.add_argument("--payload-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
@@ -154,18 +154,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
     from prfaas_sglang.transport.linkem import unavailable
 
-    try:
-        losses = tuple(float(x) for x in args.losses.split(","))
-    except ValueError:
-        inv.error("--losses must be a comma list of numbers")
+    losses = args.losses
     if args.rate_mbit <= 0 or args.rtt_ms < 0 or args.payload_mib < 1 or args.repeats < 1 or not all(0 <= x < 1 for x in losses):
         inv.error("--rate-mbit, --payload-mib and --repeats must be positive, --rtt-ms >= 0, losses in [0, 1)")
     if (why := unavailable()) is not None:
         inv.error(f"the emulated link {why}")
     result = run(args.rate_mbit, args.rtt_ms, losses, args.payload_mib, args.repeats)
-    header = (f"<!-- python -m prfaas_sglang.bench mock-kv --rate-mbit {args.rate_mbit:g} --rtt-ms {args.rtt_ms:g} "
-              f"--losses {args.losses} --payload-mib {args.payload_mib} --repeats {args.repeats}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"mock-kv": Subcommand(add_arguments, cli)}

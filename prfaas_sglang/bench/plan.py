@@ -106,8 +106,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     if args.repeat < 1:
         inv.error("--repeat must be >= 1")
     result = run(args.repeat)
-    header = f"<!-- python -m prfaas_sglang.bench plan --repeat {args.repeat}; {inv.stamp} -->"
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"plan": Subcommand(add_arguments, cli)}

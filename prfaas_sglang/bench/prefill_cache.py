@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from prfaas_sglang.bench.state_events import BLOCK_TOKENS, prompt_from_hash_ids
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand, trace_path
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand, trace_path
 
 MODES = ("all", "shared", "auto", "none")
 
@@ -87,25 +87,20 @@ def render_markdown(result: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
     parser.add_argument("--min-tokens", type=int, default=16_384, help="the requests a length threshold sends to PrfaaS")
-    parser.add_argument("--cache-tokens", default="262144,1048576,4194304,16777216", help="comma list of capacities, tokens")
+    parser.add_argument("--cache-tokens", type=CommaList(int), default="262144,1048576,4194304,16777216", help="comma list of capacities, tokens")
     parser.add_argument("--requests", type=int, default=None, help="stop after this many long requests")
     parser.add_argument("--json", action="store_true")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
-    try:
-        caps = tuple(int(c) for c in args.cache_tokens.split(","))
-    except ValueError:
-        inv.error("--cache-tokens must be a comma list of integers")
+    caps = args.cache_tokens
     if args.min_tokens < 1 or any(c < 512 for c in caps) or (args.requests is not None and args.requests < 1):
         inv.error("--min-tokens and --requests must be >= 1 and every capacity >= 512")
     try:
         result = run(trace_path(args.trace), args.min_tokens, caps, args.requests)
     except ValueError as err:
         inv.error(str(err))
-    header = (f"<!-- python -m prfaas_sglang.bench prefill-cache --min-tokens {args.min_tokens} "
-              f"--cache-tokens {args.cache_tokens}{f' --requests {args.requests}' if args.requests else ''}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"prefill-cache": Subcommand(add_arguments, cli)}

@@ -455,13 +455,7 @@ def overhead_cli(args: argparse.Namespace, inv: Invocation) -> int:
     result = {kind: run(rate, args.duration, args.prompt_tokens, kind, front=args.front, router_cpu=args.router_cpu,
                         peers=peers, wakeup_samples=args.wakeup_samples, page_size=args.page_size) for kind in kinds}
     result = result[kinds[0]] if len(kinds) == 1 else result
-    header = (f"<!-- python -m prfaas_sglang.bench router-overhead --rate {rate:g} --prompt-tokens {args.prompt_tokens} "
-              f"--duration {args.duration:g}{' --front' if args.front else ''}"
-              f"{f' --peers {args.peers}' if peers else ''}"
-              f"{f' --wakeup-samples {args.wakeup_samples}' if args.wakeup_samples else ''}"
-              f"{f' --page-size {args.page_size}' if args.page_size is not None else ''}"
-              f"{f' --router-cpu {args.router_cpu}' if args.router_cpu is not None else ''}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
@@ -471,8 +465,7 @@ def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
 
 def gc_cli(args: argparse.Namespace, inv: Invocation) -> int:
     result = gc_pause(None if args.no_tokenizer else SHIPPED)
-    header = f"<!-- python -m prfaas_sglang.bench router-gc{' --no-tokenizer' if args.no_tokenizer else ''}; {inv.stamp} -->"
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"router-overhead": Subcommand(add_overhead_arguments, overhead_cli),

@@ -24,7 +24,7 @@ import gc
 import statistics
 import time
 
-from prfaas_sglang.bench.subcommands import Invocation, Subcommand, trace_path
+from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand, trace_path
 
 BLOCK_TOKENS = 512
 VOCAB = 32_000
@@ -228,7 +228,7 @@ def render_markdown(result: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--page-sizes", default="1,64", help="comma list (1: no_buffer; > 1: extra_buffer)")
+    parser.add_argument("--page-sizes", type=CommaList(int), default="1,64", help="comma list (1: no_buffer; > 1: extra_buffer)")
     parser.add_argument("--cache", choices=("mamba", "swa"), default="mamba",
                         help="mamba: MambaRadixCache vs ours; swa: SWARadixCache vs ours (per-page window events)")
     parser.add_argument("--window-tokens", type=int, default=4096, help="--cache swa: the sliding window")
@@ -237,19 +237,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
     trace = trace_path(args.trace)
-    try:
-        pages = tuple(int(p) for p in args.page_sizes.split(","))
-    except ValueError:
-        inv.error("--page-sizes must be a comma list of integers")
+    pages = args.page_sizes
     if args.requests < 1 or any(p < 1 for p in pages):
         inv.error("--requests and every page size must be >= 1")
     if args.window_tokens < 1:
         inv.error("--window-tokens must be >= 1")
     result = run(trace, args.requests, pages, cache=args.cache, window_tokens=args.window_tokens)
-    header = (f"<!-- python -m prfaas_sglang.bench state-events --requests {args.requests} "
-              f"--page-sizes {args.page_sizes} --cache {args.cache}"
-              f"{f' --window-tokens {args.window_tokens}' if args.cache == 'swa' else ''}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"state-events": Subcommand(add_arguments, cli)}

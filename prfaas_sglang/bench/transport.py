@@ -395,16 +395,7 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
                  args.repeats, not args.no_table, not args.no_slow_start_after_idle, args.lanes,
                  args.tcp_buffer_mib << 20 if args.tcp_buffer_mib else None, args.engine_queued_row,
                  args.unpaced_row, not args.no_tcp_timestamps, args.headroom_row)
-    header = (f"<!-- python -m prfaas_sglang.bench transport --rate-mbit {args.rate_mbit:g} --payload-mib {args.payload_mib} "
-              f"--request-mib {args.request_mib:g}{f' --lanes {args.lanes}' if args.lanes else ''} "
-              f"--conditions {args.conditions} --repeats {args.repeats}"
-              f"{' --no-slow-start-after-idle' if args.no_slow_start_after_idle else ''}"
-              f"{f' --tcp-buffer-mib {args.tcp_buffer_mib}' if args.tcp_buffer_mib else ''}"
-              f"{' --no-tcp-timestamps' if args.no_tcp_timestamps else ''}"
-              f"{' --engine-queued-row' if args.engine_queued_row else ''}"
-              f"{' --unpaced-row' if args.unpaced_row else ''}"
-              f"{f' --headroom-row {args.headroom_row:g}' if args.headroom_row is not None else ''}; {inv.stamp} -->")
-    return inv.report(args, result, header, render_markdown)
+    return inv.report(args, result, None, render_markdown)
 
 
 SUBCOMMANDS = {"transport": Subcommand(add_arguments, cli)}

@@ -1,8 +1,9 @@
-"""``bench kvindex --page-sizes``: every row measures what it names, the emulated engine's cache included."""
+"""``bench kvindex``, each of its three reports at a small size (in process, under a second each): every
+row measures what it names, the emulated engine's cache included."""
 
 from __future__ import annotations
 
-from prfaas_sglang.bench.kvindex import by_page_size, render_markdown
+from prfaas_sglang.bench.kvindex import by_page_size, held, render_markdown, run
 
 
 def test_the_page_size_table_matches_the_held_prompt_whole_and_times_every_column():
@@ -14,3 +15,17 @@ def test_the_page_size_table_matches_the_held_prompt_whole_and_times_every_colum
             assert row[key] > 0, key
     table = render_markdown(result).splitlines()
     assert len(table) == 4 and table[0].count("|") == table[2].count("|") == 6
+
+
+def test_ingest_counts_every_event_of_every_worker_and_a_128k_prompt_is_matched():
+    result = run(workers=2, prompts_per_worker=3, match_runs=2)
+    assert result["workers"] == 3 and result["events"] > 0 and result["match_tokens"] == 131_072
+    assert result["ingest_events_per_s"] > 0 and result["match_p50_ms"] > 0
+    assert render_markdown(result).splitlines()[2].startswith(f"| 3 | {result['events']:,} |")
+
+
+def test_a_held_index_reports_every_block_it_was_given_and_what_holding_them_costs():
+    result = held(blocks=5_000, workers=2, chain_blocks=1_000, collections=1)
+    assert result["blocks"] == 5_000 and result["lookup_blocks"] == 1_000
+    assert result["gc_tracked_objects"] > 0 and result["ingest_blocks_per_s"] > 0
+    assert render_markdown(result).splitlines()[2].startswith("| 5,000 | 2 |")

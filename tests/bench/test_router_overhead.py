@@ -1,4 +1,5 @@
-"""``bench router-overhead``: its structure end to end, and the pinning that gives the router its own core."""
+"""``bench router-overhead`` and ``bench router-gc``: their structure end to end, and the pinning that gives
+the router its own core."""
 
 from __future__ import annotations
 
@@ -86,3 +87,12 @@ def test_bench_router_overhead_routes_the_same_requests_through_a_compiled_peer(
     assert "through smg (compiled peer)" in bench.render_markdown(result)
     with pytest.raises(ValueError, match="unknown peer routers"):
         bench.run(peers=("nginx",))
+
+
+def test_bench_router_gc_freezes_what_a_router_process_holds_at_start():
+    """A fresh process holding the router's modules (one collection, no tokenizer, about a second): after
+    ``freeze_startup_objects`` the collector no longer tracks what start-up made, and the report says so."""
+    result = bench.gc_pause(None, collections=1)
+    before, after = result["before"], result["after"]
+    assert result["frozen_objects"] > 0 and after["tracked_objects"] < before["tracked_objects"] - result["frozen_objects"] / 2
+    assert f"({result['frozen_objects']:,} frozen)" in bench.render_markdown(result)
