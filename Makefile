@@ -4,11 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prfaas-env-stamp
 
-.PHONY: env test test-fast test-sglang lint check-patches rebase-check readme clean-env aiperf-env
+.PHONY: env test test-fast test-sglang test-durations lint check-patches rebase-check readme clean-env
 
 # Every other supported SGLang beside the pinned one, as an overlay ($(VENV)/sglang-<version>,
-# scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs every test that touches SGLang's
-# own code (marker sglang) on it.
+# scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs the tests that differ by release
+# (marker sglang) on it.
 # `make env` builds an overlay for every supported release but the pin (prfaas_sglang/_pin.py).
 SGLANG ?=
 OVERLAY := $(VENV)/sglang-$(SGLANG)
@@ -23,30 +23,30 @@ $(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_s
 	VENV=$(VENV) bash scripts/setup-env.sh
 	touch $(STAMP)
 
-# The suite runs on parallel workers (pytest-xdist), a test file per worker at a time (its module-scoped
-# deployments stay shared), more workers than the 2 cores because most tests wait on servers. Tests
-# marked `serial` measure what other tests' load would skew: they run after, alone. Exit status 5 (no
-# test selected: a PYTEST_ARGS path without serial tests, say) is not a failure.
+# The suite (scripts/run-tests.sh): the pinned release's tests on parallel workers (pytest-xdist), a group
+# of tests per worker at a time (a file, or the files that share a deployment: tests/conftest.py), longest
+# first, more workers than the 2 cores because many tests wait on servers; then the tests marked `serial`
+# (what other tests' load would skew), alone; then every other supported release's leg (the tests marked
+# sglang: those that differ by release). It ends with the suite's own report: each phase's time, the ten
+# slowest tests. PYTEST_ARGS narrows every phase (a path, -k ...).
 PYTEST_JOBS ?= 4
-PYTEST := $(PY) -m pytest -q
-NONE_SELECTED_OK := || [ $$? -eq 5 ]
+export PYTEST_JOBS PYTEST_ARGS VENV
 
-# Then the leg of every other supported release (`make test-sglang SGLANG=<v>`): the tests that touch
-# SGLang's own code, on that release's overlay.
 test: env
-	$(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "not serial" --durations=30 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
-	$(PYTEST) -m serial --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
-	$(foreach v,$(OTHER_RELEASES),$(MAKE) --no-print-directory test-sglang SGLANG=$(v) &&) true
+	bash scripts/run-tests.sh all
 
+# One release's leg alone: `make test-sglang SGLANG=0.5.23`.
 test-sglang: env
 	@test -n "$(SGLANG)" || { echo "make test-sglang SGLANG=<version> (one of prfaas_sglang/_pin.py's supported releases)"; exit 2; }
-	@echo "== the sglang $(SGLANG) leg: tests marked sglang, on $(OVERLAY)"
-	PYTHONPATH=$(OVERLAY) $(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "sglang and not gpu and not serial" -rs --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
-	PYTHONPATH=$(OVERLAY) $(PYTEST) -m "sglang and not gpu and serial" -rs --durations=10 $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+	bash scripts/run-tests.sh leg $(SGLANG)
+
+# The groups' durations the suite orders its work by (tests/durations.json), from the last run's report.
+test-durations:
+	$(PY) scripts/test_report.py $(VENV)/test-report --write-durations tests/durations.json
 
 # The inner loop: everything but the tests marked `slow` (real servers, long benchmarks).
 test-fast: env
-	$(PYTEST) -n $(PYTEST_JOBS) --dist loadfile -m "not slow and not serial" $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not slow and not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 lint: env
 	$(VENV)/bin/ruff check .
@@ -61,11 +61,6 @@ rebase-check: env
 
 readme: env
 	$(PY) -m prfaas_sglang.patches readme --write
-
-# AIPerf (the independent client of `bench aiperf-check`) pins packages SGLang's environment
-# cannot take (orjson, pyzmq, ...): it gets its own.
-aiperf-env:
-	python3.11 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf==0.13.0
 
 clean-env:
 	rm -rf $(VENV)

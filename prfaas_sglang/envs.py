@@ -264,6 +264,12 @@ class Envs:
         "Tests and examples: the Mooncake conversation trace (JSONL) to replay; default "
         "../shared/data/mooncake_conversation_trace.jsonl beside the checkout.",
     )
+    TEST_REPORT = EnvVar(
+        "PRFAAS_TEST_REPORT",
+        None,
+        "The test suite (tests/conftest.py): a JSONL file each test's duration, outcome and group is "
+        "appended to, for the report `make test` prints at its end (scripts/test_report.py).",
+    )
 
     @classmethod
     def all(cls) -> list[EnvVar]:

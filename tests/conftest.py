@@ -8,16 +8,20 @@ SGLang.
 from __future__ import annotations
 
 import functools
+import json
 import os
-import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from helpers import FIXTURE_PATCHES, REPO_ROOT, run_py  # noqa: F401 - re-exported for tests
 from hypothesis import settings
 
+from prfaas_sglang.envs import envs
+
+pytest_plugins = ["deployments"]  # emulated deployments shared across test files (tests/deployments.py)
 # CI (CI=true) draws the same hypothesis examples on every run, so a red build is reproducible;
 # local runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -40,32 +44,85 @@ def pytest_configure(config):
     os.environ["PRFAAS_PORT_RANGE"] = f"{low + index * width}-{low + (index + 1) * width}"
 
 
-# A test module touches SGLang's own code when it imports sglang (anywhere in it), runs one of the
-# probes that do (tests/*/*_probe.py), or drives real SGLang through the CPU harness (``sglang_cpu``,
-# ``engine="sglang-cpu"``).
-_TOUCHES_SGLANG = re.compile(r"^\s*(?:from sglang[\s.]|import sglang\b)|_probe\.py|\bsglang_cpu\b|run_probe\("
-                             r"|engine=\"sglang-cpu\"", re.M)
-
-
 @functools.cache
-def touches_sglang(path: Path) -> bool:
-    """Whether the test module at ``path`` touches SGLang's own code (marker ``sglang``: the subset
-    `make test-sglang SGLANG=VERSION` runs against another supported release); tests/drift always does."""
-    return path.parent.name == "drift" or bool(_TOUCHES_SGLANG.search(path.read_text()))
+def release_leg() -> tuple[str, ...]:
+    """The tests that differ by SGLang release (:func:`prfaas_sglang._compat.release_tests.release_dependent_tests`):
+    marked ``sglang``, what `make test-sglang SGLANG=VERSION` runs against another supported release."""
+    from prfaas_sglang._compat.release_tests import release_dependent_tests
+
+    return release_dependent_tests()
 
 
+def in_release_leg(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` is one of :func:`release_leg` (its file, class or test named there)."""
+    base = nodeid.split("[", 1)[0]
+    return any(base == entry or base.startswith(entry + "::") for entry in release_leg())
+
+
+DURATIONS = REPO_ROOT / "tests" / "durations.json"  # group -> seconds, from a whole run (scripts/test_report.py)
+SLOW_TEST_S, QUICK_TEST_S = 15.0, 0.05  # a group's estimate where DURATIONS does not know it
+
+
+def group_of(item) -> str:
+    """The item's ``xdist_group``: the one it names (a deployment shared across files), else its file's path,
+    so a file's module-scoped fixtures are made once, on the worker that runs the whole file."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return Path(item.path).relative_to(REPO_ROOT).as_posix()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Marks ``sglang`` where a module touches SGLang's code (:func:`touches_sglang`: a rule, not a list).
-    The files with the most tests marked ``slow`` run first (the order is stable otherwise): under
-    pytest-xdist's ``--dist loadfile`` a long file started last would run alone at the end."""
+    """Marks ``sglang`` on the release leg's tests; gives every test its group (:func:`group_of`), and orders
+    the groups longest first (``tests/durations.json``, else a count of its tests marked ``slow``): pytest-xdist
+    (``--dist loadgroup --no-loadscope-reorder``) hands them out in this order, so no long one starts last."""
     for item in items:
-        if touches_sglang(Path(item.path)):
+        if in_release_leg(item.nodeid):
             item.add_marker(pytest.mark.sglang)
-    slow_per_file: dict[str, int] = {}
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    estimate: dict[str, float] = {}
     for item in items:
-        slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+        group = group_of(item)
+        estimate[group] = estimate.get(group, 0.0) + (SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
+    cost = {group: known.get(group, guess) for group, guess in estimate.items()}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-slow_per_file[item.path], order[id(item)]))
+    items.sort(key=lambda item: (-cost[group_of(item)], group_of(item), order[id(item)]))
+
+
+PHASE_OUTCOMES = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    item.stash.setdefault(PHASE_OUTCOMES, []).append(report.outcome)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``PRFAAS_TEST_REPORT`` set, appends the test's wall time (setup, call and teardown), outcome and
+    group to that file: the suite's own total and slowest tests, printed at the end of `make test`."""
+    began = time.monotonic()
+    yield
+    path = envs.TEST_REPORT.get()
+    if path:
+        outcomes = item.stash.get(PHASE_OUTCOMES, [])
+        nodeid = item.nodeid  # pytest-xdist (--dist loadgroup) appends "@GROUP"
+        if nodeid.rfind("@") > nodeid.rfind("]"):
+            nodeid = nodeid.rsplit("@", 1)[0]
+        record = {"test": nodeid, "group": group_of(item), "s": round(time.monotonic() - began, 3),
+                  "outcome": next((o for o in outcomes if o != "passed"), "passed"), "pid": os.getpid()}
+        with open(path, "a") as out:  # one short line per write: appends from parallel workers stay whole
+            out.write(json.dumps(record) + "\n")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The SGLang zygote this process started (tests/zygote.py), if it did, goes with it."""
+    if "zygote" in sys.modules:
+        sys.modules["zygote"].stop()
 
 
 @pytest.fixture(autouse=True)

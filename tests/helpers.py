@@ -115,3 +115,11 @@ def retired_here(hook_name: str):
     where = next(h for h in HOOKS if h.name == hook_name).where()
     return pytest.mark.skipif(where == "retired", reason=f"{hook_name}: retired on this SGLang (upstream does it itself)")
 
+
+
+def harness_checks() -> tuple[str, ...]:
+    """The harness's checks the suite runs on real SGLang on CPU (tests/deployments.py: sglang_cpu): role-switch
+    where the installed SGLang serves it."""
+    from prfaas_sglang._compat import serves_pd_role_switch
+
+    return ("routing", "kv-index", "cache-move", "failover") + (("role-switch",) if serves_pd_role_switch() else ())

@@ -30,6 +30,9 @@ COMPARED_WITH_SGLANG = (
     "tests/unit/test_launch.py",  # the launcher's flags through SGLang's ServerArgs, its publisher and cache factories
     "tests/router/test_worker_facts.py",  # SGLang's /server_info, /v1/loads and io_struct, parsed as the router does
     "tests/bench/test_state_events_bench.py",  # the bench drives the installed SGLang's caches
+    # SGLang's own processes (a real server's, its plugin loader) verify every hook, or stop on a broken one
+    "tests/gpu/test_e2e_harness.py::test_every_sglang_process_reports_the_hooks_it_verified",
+    "tests/gpu/test_e2e_harness.py::test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading",
 )
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

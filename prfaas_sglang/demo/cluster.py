@@ -420,15 +420,22 @@ def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_a
                                     n.get("telemetry_port"), n.get("switch_port"))
     for proc, url in procs:
         group.wait_healthy(url + "/health", proc)
-    router = None
+    return LocalDeployment(config, workers, start_topology_router(group, config, doc, *router_args, env=router_env))
+
+
+def start_topology_router(group: ProcessGroup, config: Path, doc: dict, *router_args: str,
+                          env: dict[str, str] | None = None) -> RouterHandle | None:
+    """The router node of ``doc`` (written at ``config``) through the launcher, as :func:`start_deployment` starts
+    it (``python -m prfaas_sglang.launch --config CONFIG ROUTER_ARGS``, ``env`` added), once it answers /health;
+    None where ``doc`` names no router. On its own: a router over workers that are already running."""
     router_node = next((n for n in topology_nodes(doc).values() if n["role"] == "router"), None)
-    if router_node is not None:
-        proc = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), *router_args],
-                           env=router_env)
-        url = f"http://{router_node['host']}:{router_node['port']}"
-        group.wait_healthy(url + "/health", proc, timeout_s=90)
-        router = RouterHandle(url, config, proc)
-    return LocalDeployment(config, workers, router)
+    if router_node is None:
+        return None
+    proc = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), *router_args],
+                       env=env)
+    url = f"http://{router_node['host']}:{router_node['port']}"
+    group.wait_healthy(url + "/health", proc, timeout_s=90)
+    return RouterHandle(url, config, proc)
 
 
 # --- lower level (tests of single workers, peers) ------------------------------------------

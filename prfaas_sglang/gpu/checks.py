@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -745,14 +745,24 @@ def run_order(checks: Iterable[str]) -> list[str]:
     return first + [c for c in checks if c not in ("shaped-link", "failover")] + last
 
 
-def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
-        engine: str = "sglang") -> dict:
-    """Run ``checks``; ``engine="mock"``: the harness's dry run on emulated engines (``model_config``
-    the model directory, no bundle, no reference server, :data:`~prfaas_sglang.gpu.e2e.MOCK_CHECKS` only); ``engine="sglang-cpu"``:
-    real SGLang on CPU from this environment (no bundle; ``model_config``, else a tiny Llama made here;
-    :data:`~prfaas_sglang.gpu.e2e.CPU_CHECKS`). The summary: :func:`~prfaas_sglang.gpu.e2e.summary`."""
-    checkout, began = Path(__file__).resolve().parents[2], time.monotonic()
-    profile = profile_for(engine)
+class DeploymentFailed(RuntimeError):
+    """What :func:`deployment` needed did not start; the message names the cause."""
+
+
+@contextlib.contextmanager
+def deployment(engine: str, checks: Iterable[str], log: Callable[[str], None], *, bundle_dir: Path | None = None,
+               model_config: Path | None = None, facts: dict | None = None) -> Iterator[Context]:
+    """What ``checks`` run on, started once, as a :class:`Context`: the plain reference server where they need
+    it (:data:`~prfaas_sglang.gpu.e2e.NEED_REFERENCE`; :func:`ensure_reference` starts it later for a caller
+    that needs it for something else), the broken-hook server for ``hooks``, and the one deployment (shaped
+    with ``shaped-link``, switchable with ``role-switch``). Every server is stopped, and the shaped namespace
+    removed, when the block ends. ``engine``: ``sglang`` (the unpacked bundle's), ``sglang-cpu`` (this
+    environment's SGLang on CPU; ``model_config``, else a tiny Llama made here) or ``mock`` (emulated
+    engines: the harness's dry run). ``facts`` (a dict) gets the versions, the work and log directories,
+    the seconds to a healthy deployment and what outlived its TERM. Raises :class:`DeploymentFailed`."""
+    checks, began = tuple(checks), time.monotonic()
+    facts = {} if facts is None else facts
+    checkout, profile = Path(__file__).resolve().parents[2], profile_for(engine)
     root = unpack(bundle_dir) if engine == "sglang" else None
     if root is not None and str(root / "site") not in sys.path:  # this process too: what the machine lacks (aiohttp, zmq, ...)
         sys.path.append(str(root / "site"))
@@ -764,46 +774,91 @@ def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, .
         model_config = work / "model"
     model_dir = model_config or (root / "model")
     procs = ProcessGroup(work / "logs")
-    results: list[CheckResult] = []
-    facts: dict = {"work_dir": str(work), "model": str(model_dir), "engine": engine}
+    facts.update(work_dir=str(work), model=str(model_dir), engine=engine)
     with contextlib.ExitStack() as stack:  # the shaped namespace, removed after every server stopped
         try:
             ctx = Context(root, checkout, model_dir, procs, work, log, engine=engine, profile=profile)
-            if engine == "sglang":
-                facts["versions"] = preflight(root, checkout)
-                log(f"[gpu-e2e] versions: {facts['versions']}")
-            if engine != "mock" and set(checks) & NEED_REFERENCE:
-                ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
-            if engine != "mock" and "hooks" in checks:  # it stops at start-up: started now, read by the check
-                start_broken_hook(ctx)
-            # One deployment for every check: with shaped-link, PrfaaS sits behind the shaped veth from
-            # the start, and that check switches its profile by restarting that server alone.
-            ctx.dep = start_checks_deployment(ctx, stack, shaped="shaped-link" in checks, switchable="role-switch" in checks)
-            if ctx.reference:
-                wait_reference(procs, ctx.reference)
+            try:
+                if engine == "sglang":
+                    facts["versions"] = preflight(root, checkout)
+                    log(f"[gpu-e2e] versions: {facts['versions']}")
+                if engine != "mock" and set(checks) & NEED_REFERENCE:
+                    ctx.reference = start_reference(root, checkout, model_dir, procs, wait=False, profile=profile)
+                if engine != "mock" and "hooks" in checks:  # it stops at start-up: started now, read by the check
+                    start_broken_hook(ctx)
+                # One deployment for every check: with shaped-link, PrfaaS sits behind the shaped veth from
+                # the start, and that check switches its profile by restarting that server alone.
+                ctx.dep = start_checks_deployment(ctx, stack, shaped="shaped-link" in checks,
+                                                  switchable="role-switch" in checks)
+                if ctx.reference:
+                    wait_reference(procs, ctx.reference)
+            except Exception as err:  # noqa: BLE001 - whatever stopped the start is the cause every check reports
+                raise DeploymentFailed(f"{type(err).__name__}: {err}") from err
             facts["deployment_healthy_s"] = round(time.monotonic() - began, 1)
             log(f"[gpu-e2e] deployment healthy after {facts['deployment_healthy_s']} s")
-            for name in run_order(checks):
-                started = time.monotonic()
-                try:
-                    result = CHECK_FUNCTIONS[name](ctx)
-                except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
-                    result = CheckResult(name, False, f"{type(err).__name__}: {err}")
-                result.data["seconds"] = round(time.monotonic() - started, 1)
-                log(result.line())
-                results.append(result)
-        except Exception as err:  # noqa: BLE001 - start-up failed: every requested check fails with the cause
-            for name in checks:
-                if name not in {r.name for r in results}:
-                    results.append(CheckResult(name, False, f"deployment did not start: {type(err).__name__}: {err}"))
-                    log(results[-1].line())
+            yield ctx
         finally:
             facts["killed_after_term"] = procs.stop()
             facts["logs"] = str(procs.log_dir)
-            facts["total_s"] = round(time.monotonic() - began, 1)
-    if not results:
-        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_checks(ctx: Context, checks: Iterable[str]) -> list[CheckResult]:
+    """Run ``checks`` on ``ctx`` in :func:`run_order`, each logged as it ends; a check that crashes is its own
+    FAIL, and the others still run. ``failover`` leaves the PrfaaS server down (:func:`restore` restarts it)."""
+    results = []
+    for name in run_order(checks):
+        started = time.monotonic()
+        try:
+            result = CHECK_FUNCTIONS[name](ctx)
+        except Exception as err:  # noqa: BLE001 - a check's crash is its FAIL line, the others still run
+            result = CheckResult(name, False, f"{type(err).__name__}: {err}")
+        result.data["seconds"] = round(time.monotonic() - started, 1)
+        ctx.log(result.line())
+        results.append(result)
+    return results
+
+
+def restore(ctx: Context) -> None:
+    """Bring ``ctx``'s deployment back to how :func:`deployment` left it for the next user: the PrfaaS server
+    restarted (in the profile it ran) if it is not healthy, as after ``failover``; returns once the router
+    routes to every worker."""
+    try:
+        healthy = http("GET", ctx.dep.url("prfaas-0") + "/health", timeout_s=10)[0] == 200
+    except OSError:  # no answer: killed
+        healthy = False
+    if not healthy:
+        kv_profile, env = ctx.dep.prfaas_profile
+        ctx.log(f"[gpu-e2e] prfaas-0 restarted after {ctx.dep.restart_prfaas(kv_profile, dict(env) or None):.1f} s")
+    wait_routable(ctx.dep.url("router"))
+
+
+def ensure_reference(ctx: Context) -> str:
+    """The plain reference server's URL, started (and waited for) now if :func:`deployment` did not."""
+    if not ctx.reference:
+        ctx.reference = start_reference(ctx.root, ctx.checkout, ctx.model_dir, ctx.procs, wait=True, profile=ctx.profile)
+    return ctx.reference
+
+
+def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
+        engine: str = "sglang") -> dict:
+    """Run ``checks`` on their own :func:`deployment`; ``engine="mock"``: the harness's dry run on emulated
+    engines (``model_config`` the model directory, no bundle, no reference server,
+    :data:`~prfaas_sglang.gpu.e2e.MOCK_CHECKS` only); ``engine="sglang-cpu"``: real SGLang on CPU from this
+    environment (no bundle; ``model_config``, else a tiny Llama made here; :data:`~prfaas_sglang.gpu.e2e.CPU_CHECKS`).
+    The summary: :func:`~prfaas_sglang.gpu.e2e.summary`."""
+    began, facts, results = time.monotonic(), {}, []
+    try:
+        with deployment(engine, checks, log, bundle_dir=bundle_dir, model_config=model_config, facts=facts) as ctx:
+            results = run_checks(ctx, checks)
+    except DeploymentFailed as err:  # start-up failed: every requested check fails with the cause
+        results = [CheckResult(name, False, f"deployment did not start: {err}") for name in checks]
+        for result in results:
+            log(result.line())
+    facts["total_s"] = round(time.monotonic() - began, 1)
+    if not results:  # nothing asked: no logs worth keeping
+        shutil.rmtree(facts["work_dir"], ignore_errors=True)
     return summary(results, facts)
 
 
-__all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "preflight", "run", "run_order"]
+__all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "DeploymentFailed", "deployment", "ensure_reference", "preflight",
+           "restore", "run", "run_checks", "run_order"]

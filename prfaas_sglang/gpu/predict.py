@@ -139,41 +139,49 @@ def summarize(rows: list[dict], status: dict) -> dict:
 
 
 def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable[[str], None], requests: int = 50,
-        variants: tuple[str, ...] = VARIANTS, roofline_accelerator: str = "h200x8", roofline_gpus: int = 1) -> dict:
+        variants: tuple[str, ...] = VARIANTS, roofline_accelerator: str = "h200x8", roofline_gpus: int = 1,
+        dep: RunningDeployment | None = None, model_dir: Path | None = None) -> dict:
+    """Each of ``variants`` (:func:`variant_docs`) as a router of its own over one deployment, driven with
+    ``requests`` prompts: what it predicted against what it saw. ``dep``: a running deployment of ``engine``
+    (serving ``model_dir``) to use, left running; else one is started, and stopped at the end."""
     import yaml
 
     checkout, started = Path(__file__).resolve().parents[2], time.monotonic()
     profile = profile_for(engine)
-    root = unpack(bundle_dir) if engine == "sglang" else None
+    root = unpack(bundle_dir) if engine == "sglang" and dep is None else None
     if root is not None and str(root / "site") not in sys.path:  # what the GPU machine lacks, as checks.run adds it
         sys.path.append(str(root / "site"))
     work = Path(tempfile.mkdtemp(prefix="prfaas-predict-"))
-    if engine == "sglang-cpu":
+    if model_dir is None and engine == "sglang-cpu":
         from prfaas_sglang.gpu.tiny_model import make_model
 
         make_model(work / "model", cpu=True, log=log)
         model_dir = work / "model"
-    else:
-        model_dir = root / "model"
+    model_dir = model_dir or root / "model"
     model_config = json.loads((model_dir / "config.json").read_text())
     docs = variant_docs(yaml.safe_load(measured_path.read_text()), model_config, roofline_accelerator, roofline_gpus)
     lengths = [n for _ in range(requests) for n in (*profile.short_tokens, *profile.long_tokens)][:requests]
-    procs, results = ProcessGroup(work / "logs"), {}
+    own = dep is None  # a deployment of its own: stopped at the end
+    procs, results = ProcessGroup(work / "logs") if own else dep.procs, {}
     try:
-        dep = start_deployment(root, checkout, model_dir, procs, work, engine=engine, profile=profile)
-        log(f"[predict] deployment healthy after {time.monotonic() - started:.1f} s")
+        if own:
+            dep = start_deployment(root, checkout, model_dir, procs, work, engine=engine, profile=profile)
+            log(f"[predict] deployment healthy after {time.monotonic() - started:.1f} s")
         for index, name in enumerate(variants):  # each its own prompts: none hits what another left cached
             path = work / f"profile-{name}.yaml"
             path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
             args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
             router = start_variant_router(dep, name, path, args, profile.threshold_tokens, work)
-            rows = drive(router, lengths, int(model_config["vocab_size"]), profile.served_name,
-                         seed=4_000_000 + 100_000 * index)
-            status = json.loads(http("GET", router + "/status")[2])
+            try:
+                rows = drive(router, lengths, int(model_config["vocab_size"]), profile.served_name,
+                             seed=4_000_000 + 100_000 * index)
+                status = json.loads(http("GET", router + "/status")[2])
+            finally:
+                procs.stop([f"router-{name}"])
             results[name] = {"rows": rows, **summarize(rows, status)}
             log(f"[predict] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'rows'})}")
-            procs.stop([f"router-{name}"])
     finally:
-        procs.stop()
+        if own:
+            procs.stop()
     return {"engine": engine, "requests": requests, "lengths": sorted(set(lengths)), "variants": results,
             "measured": str(measured_path), "seconds": round(time.monotonic() - started, 1)}

@@ -6,24 +6,30 @@ from __future__ import annotations
 import msgspec
 import pytest
 import requests
-from conftest import DECODE_PROFILE, PREFILL_PROFILE, start_worker
+from deployments import EMULATED_PAIR
 
-from prfaas_sglang.demo.cluster import start_peer_router
+from prfaas_sglang.demo.cluster import ProcessGroup, start_peer_router
 
+# The peer routers run over the standard pair's PrfaaS (as their prefill) and PD-D workers (tests/deployments.py).
+pytestmark = pytest.mark.xdist_group(EMULATED_PAIR)
 PEERS = {"sglang-router": "0.3.2", "smg": "1.13.0"}
 
 
 @pytest.fixture(scope="module", params=sorted(PEERS))
-def router(request, module_procs):
+def router(request, emulated_pair, tmp_path_factory):
     import importlib.metadata
 
     version = PEERS[request.param]
     assert importlib.metadata.version(request.param) == version
-    prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20")
-    decode = start_worker(module_procs, "pd-decode", DECODE_PROFILE, "--speedup", "20")
-    url = start_peer_router(module_procs, request.param, [prefill], [decode], prefill_policy="cache_aware",
-                            decode_policy="round_robin")
-    return url, decode
+    emulated_pair.reset()
+    group = ProcessGroup(tmp_path_factory.mktemp(request.param) / "logs")
+    try:
+        prefill, decode = emulated_pair.worker("prfaas"), emulated_pair.worker("pd-decode")
+        url = start_peer_router(group, request.param, [prefill], [decode], prefill_policy="cache_aware",
+                                decode_policy="round_robin")
+        yield url, decode
+    finally:
+        group.stop()
 
 
 def sse_events(resp) -> list[str]:
@@ -82,15 +88,15 @@ def test_router_spreads_nothing_it_should_not(router):
 
 
 @pytest.mark.slow
-def test_a_peer_router_whose_picked_port_was_taken_starts_again_on_new_ports(module_procs, monkeypatch):
+def test_a_peer_router_whose_picked_port_was_taken_starts_again_on_new_ports(emulated_pair, procs, monkeypatch):
     """A port picked free can be taken before the peer router binds it (CI saw sglang-router exit with
     "Address already in use" for its Prometheus port): it is started again on new ports, not failed."""
     import socket
 
     from prfaas_sglang.demo import cluster
 
-    prefill = start_worker(module_procs, "prfaas", PREFILL_PROFILE, "--speedup", "20")
-    decode = start_worker(module_procs, "pd-decode", DECODE_PROFILE, "--speedup", "20")
+    emulated_pair.reset()
+    prefill, decode = emulated_pair.worker("prfaas"), emulated_pair.worker("pd-decode")
     with socket.socket() as held:
         held.bind(("0.0.0.0", 0))
         held.listen()
@@ -102,9 +108,9 @@ def test_a_peer_router_whose_picked_port_was_taken_starts_again_on_new_ports(mod
             return picks[-1]
 
         monkeypatch.setattr(cluster.PortPicker, "__call__", pick)
-        url = start_peer_router(module_procs, "sglang-router", [prefill], [decode], name="peer-port-race",
+        url = start_peer_router(procs, "sglang-router", [prefill], [decode], name="peer-port-race",
                                 decode_policy="round_robin")
-    starts = [p for p in module_procs.procs if p.name == "peer-port-race"]
+    starts = [p for p in procs.procs if p.name == "peer-port-race"]
     assert len(starts) == 2 and starts[0].returncode not in (None, 0) and starts[1].poll() is None
     assert url == f"http://127.0.0.1:{picks[2]}" and taken not in picks[2:]
     r = requests.post(url + "/generate", json={"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 3}}, timeout=60)

@@ -432,23 +432,21 @@ def test_the_shaped_namespace_is_made_under_uvloops_policy_too():
 
 
 @pytest.mark.slow
-def test_every_sglang_process_reports_the_hooks_it_verified(tmp_path):
+@pytest.mark.serial  # it reads the session's real-SGLang deployment (tests/deployments.py), whose users run alone
+@pytest.mark.xdist_group("sglang-cpu")
+def test_every_sglang_process_reports_the_hooks_it_verified(sglang_cpu):
     """SGLang loads plugins before it configures logging, so the plugin's INFO lines never print;
-    check a reads PRFAAS_HOOK_REPORT instead: one line per process, every hook verified."""
+    check a reads PRFAAS_HOOK_REPORT instead: one line per process, every hook verified. Read from every
+    server of the session's deployment, on the release this session runs (an overlay included)."""
     from prfaas_sglang.plugin import HOOKS
 
-    report = tmp_path / "hooks.jsonl"
-    # this process's SGLang, an overlay of another release included (make test-sglang)
-    env = {**os.environ, "PRFAAS_HOOK_REPORT": str(report),
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    for _ in range(2):  # the HTTP server's process and the scheduler's each load the plugins
-        proc = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()"],
-                              capture_output=True, text=True, timeout=240, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = report.read_text().splitlines()
     names = [h.name for h in HOOKS if h.applies()]  # the installed release's
-    assert len(lines) == 2 and all(json.loads(line)["hooks"] == names for line in lines)
-    assert e2e.hook_report_problems(lines, names) == []
+    reports = {name: e2e.hook_report(sglang_cpu.work, name).read_text().splitlines() for name in sglang_cpu.dep.engines()}
+    assert len(reports) >= 3
+    for name, lines in reports.items():  # the HTTP server's process and the scheduler's each load the plugins
+        assert len(lines) >= 2 and all(json.loads(line)["hooks"] == names for line in lines), (name, lines)
+        assert e2e.hook_report_problems(lines, names) == [], name
+    lines = reports["pd-decode-0"]
     assert e2e.hook_report_problems(lines[:1], names) == ["1 process(es) reported, at least 2 expected"]
     partial = json.dumps({"pid": 1, "hooks": names[:1]})
     assert "did not verify" in e2e.hook_report_problems([lines[0], partial], names)[0]

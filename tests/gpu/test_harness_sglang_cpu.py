@@ -4,16 +4,18 @@ supported release (this module runs in the 0.5.23 leg too: it drives ``engine="s
 from __future__ import annotations
 
 import pytest
+from helpers import harness_checks
 
-from prfaas_sglang._compat import PD_ROLE_SWITCH, installed_has
 from prfaas_sglang.gpu import checks
+from prfaas_sglang.gpu.e2e import summary
 
 
 @pytest.mark.slow
 # Four or five SGLang servers on the two cores: alone, after the parallel part. Beside it (its own file since
 # 2026-11-28, so --dist loadfile ran it next to other heavy files), two timing tests failed in two fresh-clone runs.
 @pytest.mark.serial
-def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_launcher():
+@pytest.mark.xdist_group("sglang-cpu")  # the session's real-SGLang deployment (tests/deployments.py)
+def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_launcher(sglang_cpu_ready):
     """Real SGLang servers on this CPU (a tiny Llama, SGLang's CPU engine) started by our launcher in every
     role, behind our router: short prompts prefilled on PD-P, long ones on PrfaaS with their KV over
     Mooncake TCP through the kv-send hooks (staging buffer and decode reserve on, as the profiles set
@@ -32,10 +34,9 @@ def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_la
       worker into decode and back in place while two clients send prompts; it serves requests in each
       role and none is lost (a decode that had served it kept its old endpoint after the switch back:
       hook ``decode-peer-rebootstrap``, ``RouterConfig.prefill_rejoin_s``)."""
-    switch = installed_has(PD_ROLE_SWITCH)
-    asked = ("routing", "kv-index", "cache-move", "failover") + (("role-switch",) if switch else ())
-    lines: list[str] = []
-    result = checks.run(None, None, asked, lines.append, engine="sglang-cpu")
+    asked = harness_checks()  # on the session's deployment (conftest.py); its next user restores what failover killed
+    switch = "role-switch" in asked
+    result = summary(checks.run_checks(sglang_cpu_ready, asked), {})
     assert result["ok"], result["failed"]
     assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
     # SGLang's own counters agree: the prefills served their route's two, the decode all four

@@ -4,10 +4,7 @@ not the numbers); the lent GPU's run is in BENCHMARKS.md and ships as
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -47,17 +44,9 @@ def test_pool_geometry_reads_a_hybrids_full_attention_kv_and_its_state_slots():
     assert geometry["state_slots"] == 4 and geometry["kv_pool_tokens"] == 16
 
 
-@pytest.fixture(scope="module")
-def cpu_profile(tmp_path_factory):
-    """``bench profile --engine sglang-cpu`` once: (the profile file, the command's JSON result)."""
-    out = tmp_path_factory.mktemp("profile") / "cpu.yaml"
-    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "profile", "--engine", "sglang-cpu",
-                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads(proc.stdout)
-
-
 @pytest.mark.slow
+@pytest.mark.serial  # a measurement of the engine's times (and calibration's input): alone, beside the shared deployment
+@pytest.mark.xdist_group("sglang-cpu")
 def test_profile_on_real_sglang_on_cpu_writes_a_profile_the_planner_loads(cpu_profile):
     """The whole pipeline on SGLang's CPU engine (a tiny Llama): server through the launcher, prefill,
     cached prefix, decode steps, the engine's own pools, the file, the roofline beside it."""
@@ -100,18 +89,24 @@ def test_the_variants_are_the_roofline_the_measured_profile_and_it_twice_as_slow
 
 @pytest.mark.slow
 @pytest.mark.serial  # the real engine's TTFTs are what it learns from: other tests' load on the 2 cores skews them
-def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_what_it_sees(cpu_profile):
+@pytest.mark.xdist_group("sglang-cpu")
+def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_what_it_sees(cpu_profile, sglang_cpu_ready):
     """``bench predict`` on SGLang's CPU engine: the measured profile as given, then twice as slow with
     the router's online calibration. On two cores the PD path's TTFT is mostly a per-request cost
-    (bootstrap, KV hand-over, the decode's first step) with a tenfold spread between identical
-    requests, so the error does not fall below 15% here (BENCHMARKS.md); what must hold is that
-    calibration moves the predictions toward what is seen, in both clusters."""
+    (bootstrap, KV hand-over, the decode's first step), so the error does not fall below 15% here
+    (BENCHMARKS.md); what must hold is that calibration moves the predictions toward what is seen, in
+    both clusters, and that the scale it learns corrects the profile's error in its direction.
+
+    Until 2026-11-29 this asserted a scale above 1 in both clusters: every idle SGLang scheduler polled
+    without pause (a core each; the servers now run with --sleep-on-idle), so the three servers the
+    predictions ran on were slower than the one the profile was measured on by more than the profile's
+    2x. With that contention gone, what the scale must do follows from the uncalibrated error."""
+    from prfaas_sglang.gpu import predict
+
     out, _ = cpu_profile
-    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "predict", "--engine", "sglang-cpu", "--measured",
-                           str(out), "--variants", "measured,off-2x", "--requests", "16", "--json"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    variants = json.loads(proc.stdout)["variants"]
+    ctx = sglang_cpu_ready  # its variant routers run over the session's deployment (tests/deployments.py)
+    variants = predict.run("sglang-cpu", None, out, ctx.log, requests=16, variants=("measured", "off-2x"), dep=ctx.dep,
+                           model_dir=ctx.model_dir)["variants"]
     given, calibrated = variants["measured"], variants["off-2x"]
     assert given["calibration"] is False and calibrated["calibration"] is True
     for cluster in ("pd", "prfaas"):  # |log(predicted / seen)|, the median request's
@@ -119,5 +114,8 @@ def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_
         after = abs(math.log(calibrated["median_ratio_predicted_to_seen"][cluster]))
         assert after < before, (cluster, given["median_ratio_predicted_to_seen"], calibrated["median_ratio_predicted_to_seen"])
     scales = calibrated["prefill_scale"]  # per cluster of the topology (by name, since the fleet change)
-    assert len(scales) == 2 and all(scale > 1.0 for scale in scales.values()), scales
+    assert len(scales) == 2, scales
+    for cluster, scale in scales.items():  # the 2x profile over-predicts where the measured one already is not short
+        over_predicts = 2 * given["median_ratio_predicted_to_seen"][cluster.split("-")[0]] > 1
+        assert (scale < 1) == over_predicts, (cluster, scales, given["median_ratio_predicted_to_seen"])
     assert all(row["predicted_s"] and row["seen_s"] > 0 for row in calibrated["rows"])

@@ -9,10 +9,11 @@ import json
 
 import pytest
 import requests
+from deployments import EMULATED_PAIR
 from test_conversion import _service
 from test_router_e2e import wait_for_index
 
-from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+from prfaas_sglang.demo.cluster import local_topology
 from prfaas_sglang.protocol import (
     CHECKPOINT_PARAM,
     BadRequest,
@@ -87,17 +88,17 @@ def _cached(response: requests.Response) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(EMULATED_PAIR)
 @pytest.mark.parametrize("hints", [True, False])
-def test_end_to_end_the_second_sighting_leaves_a_state_at_the_shared_prefix(tmp_path, hints):
-    """Emulated hybrid workers, chunk checkpoints every 8,192 tokens: a 1,536-token prefix followed by
-    1,536 unique tokens, three times, on PD-P. The first leaves blocks but no state at 1,536; the
-    router then asks the second for one there (the worker keeps it and reports it); the third
-    resumes there. With ``--checkpoint-min-tokens 0`` it never asks and the third reuses nothing."""
-    group = ProcessGroup(tmp_path / "logs")
-    doc = local_topology(speedup=50, kv_scale=0.002, threshold_tokens=8192, telemetry=False)
-    d = start_deployment(group, doc, "--no-early-rejection", *(() if hints else ("--checkpoint-min-tokens", "0")),
-                         name="hints" if hints else "no-hints")
-    try:
+def test_end_to_end_the_second_sighting_leaves_a_state_at_the_shared_prefix(emulated_pair, tmp_path, hints):
+    """Emulated hybrid workers (the standard pair, tests/deployments.py), chunk checkpoints every 8,192
+    tokens: a 1,536-token prefix followed by 1,536 unique tokens, three times, on PD-P. The first leaves
+    blocks but no state at 1,536; the router then asks the second for one there (the worker keeps it and
+    reports it); the third resumes there. With ``--checkpoint-min-tokens 0`` it never asks and the third
+    reuses nothing."""
+    with emulated_pair.deployment(tmp_path / "logs", "--no-early-rejection",
+                                  *(() if hints else ("--checkpoint-min-tokens", "0")), threshold_tokens=8192,
+                                  name="hints" if hints else "no-hints") as d:
         stem = list(range(20_000, 20_000 + 3 * PAGE))
 
         def send(k: int) -> requests.Response:
@@ -117,8 +118,6 @@ def test_end_to_end_the_second_sighting_leaves_a_state_at_the_shared_prefix(tmp_
             assert _cached(third) == len(stem) and hinted >= 1
         else:
             assert _cached(third) == 0 and hinted == 0
-    finally:
-        group.stop()
 
 
 def test_a_negative_checkpoint_minimum_is_refused(tmp_path):

@@ -11,19 +11,23 @@ import time
 
 import pytest
 import requests
+from deployments import SharedWorkers
 
-from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
+from prfaas_sglang.demo.cluster import local_topology
 
 THRESHOLD = 6_000  # first turns of 9K go to PrfaaS (their KV crosses the link), later additions are PD-sized
 ARGS = ("--bootstrap-timeout-s", "10", "--context-tokens", "65536")
 
 
-def _deploy(tmp_path, *router_args: str):
-    group = ProcessGroup(tmp_path / "logs")
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """The workers, started once: each test lends them (their caches flushed) with a router of its own."""
     doc = local_topology(pd_prefill=1, pd_decode=2, speedup=20, kv_scale=0.002, threshold_tokens=THRESHOLD,
-                         telemetry=False, decode_events=True)
+                         telemetry=False, decode_events=True, router=False)
     engine_args = {"prfaas": ARGS, "pd-prefill": ARGS, "pd-decode": ARGS + ("--disaggregation-decode-enable-radix-cache",)}
-    return group, start_deployment(group, doc, *router_args, engine_args=engine_args)
+    shared = SharedWorkers.start(tmp_path_factory.mktemp("affinity") / "logs", doc, engine_args)
+    yield shared
+    shared.stop()
 
 
 def _status(url: str) -> dict:
@@ -70,12 +74,9 @@ def _conversations(url: str, n_conversations: int = 3, turns: int = 3) -> list[d
 
 
 @pytest.mark.slow
-def test_a_conversation_stays_on_the_decode_worker_that_holds_it_and_ships_only_what_is_new(tmp_path):
-    group, dep = _deploy(tmp_path)
-    try:
+def test_a_conversation_stays_on_the_decode_worker_that_holds_it_and_ships_only_what_is_new(workers, tmp_path):
+    with workers.deployment(tmp_path / "logs") as dep:
         turns = _conversations(dep.router.url)
-    finally:
-        group.stop()
     first = {t["conversation"]: t["decode"] for t in turns if t["turn"] == 0}
     assert len(set(first.values())) == 2  # the first turns spread (most free KV): nothing is held yet
     for t in turns:
@@ -87,17 +88,14 @@ def test_a_conversation_stays_on_the_decode_worker_that_holds_it_and_ships_only_
 
 
 @pytest.mark.slow
-def test_without_affinity_the_router_still_knows_what_each_decode_worker_holds(tmp_path):
+def test_without_affinity_the_router_still_knows_what_each_decode_worker_holds(workers, tmp_path):
     """The same conversations with affinity off (``--decode-affinity-slack -1``): the decode worker is
     chosen by free KV alone (``tests/router/test_policy.py::TestDecodeAffinity``), and whatever it
     lands on, the router's index predicted exactly what that worker's cache supplied; the metric
     adds it up."""
-    group, dep = _deploy(tmp_path, "--decode-affinity-slack", "-1")
-    try:
+    with workers.deployment(tmp_path / "logs", "--decode-affinity-slack", "-1") as dep:
         turns = _conversations(dep.router.url)
         metrics = requests.get(dep.router.url + "/metrics", timeout=5).text
-    finally:
-        group.stop()
     for t in turns:
         assert t["held"] == t["predicted"], t
     held_total = next(float(line.split()[-1]) for line in metrics.splitlines()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import requests
-from helpers import start_real_time_pd_pair
+from deployments import REALTIME_PAIR
 
 from prfaas_sglang.demo.cluster import (
     ProcessGroup,
@@ -24,6 +24,7 @@ from prfaas_sglang.demo.cluster import (
 )
 from prfaas_sglang.router.front import may_resend
 
+pytestmark = pytest.mark.xdist_group(REALTIME_PAIR)  # the router runs over the shared real-time pair (tests/deployments.py)
 VOCAB = 4096
 
 
@@ -32,13 +33,13 @@ def ids(start: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(realtime_pair, tmp_path_factory):
     """PD-P and PD-D (real time, so requests are in flight when the router dies), the router, and
     the front before it (retry window 20 s)."""
     group = ProcessGroup(tmp_path_factory.mktemp("front") / "logs")
     try:
-        topology = start_real_time_pd_pair(group)
-        router = start_router(group, topology, "--no-early-rejection", "--health-interval-s", "0.5")
+        realtime_pair.reset()
+        router = start_router(group, realtime_pair.doc, "--no-early-rejection", "--health-interval-s", "0.5")
         front = start_front(group, router.url, retry_window_s=20)
         yield {"group": group, "front": front, "router": router}
     finally:

@@ -9,9 +9,10 @@ import time
 import pytest
 import requests
 import yaml
+from deployments import EMULATED_PAIR
 from helpers import wait_subscribed
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port, start_mock_worker
+from prfaas_sglang.demo.cluster import ProcessGroup, free_port
 
 EXTRA = ["--speedup", "50", "--kv-scale", "0.002"]
 
@@ -32,11 +33,12 @@ def prefill_through(pp0, d0, prompt: list[int], room: int, index_url: str, min_b
 
 
 @pytest.mark.slow
-def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
+@pytest.mark.xdist_group(EMULATED_PAIR)
+def test_kvindex_service_answers_matches_from_worker_events(emulated_pair, tmp_path):
     group = ProcessGroup(tmp_path / "logs")
     try:
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        emulated_pair.reset()  # the standard pair's PD-P and PD-D (tests/deployments.py), named pp0 and d0 here
+        pp0, d0 = emulated_pair.worker("pd-prefill"), emulated_pair.worker("pd-decode")
         topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {"a": {"kind": "pd", "nodes": [
             {"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port, "kv_events_port": pp0.kv_events_port},
             {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
@@ -68,14 +70,15 @@ def test_kvindex_service_answers_matches_from_worker_events(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_router_started_after_the_events_takes_the_kv_index_services_view(tmp_path):
+@pytest.mark.xdist_group(EMULATED_PAIR)
+def test_a_router_started_after_the_events_takes_the_kv_index_services_view(emulated_pair, tmp_path):
     """Issue #16: a restarted router's KV index was empty until new events refilled it, so the first
     requests after a restart were routed as if nothing were cached. It now takes the kv-index
     service's snapshot at start-up (``GET /snapshot``, wire/kv_snapshot.py)."""
     group = ProcessGroup(tmp_path / "logs")
     try:
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA, events=True)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        emulated_pair.reset()  # the standard pair's PD-P and PD-D (tests/deployments.py), named pp0 and d0 here
+        pp0, d0 = emulated_pair.worker("pd-prefill"), emulated_pair.worker("pd-decode")
         index_port, router_port = free_port(), free_port()
         topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {
             "a": {"kind": "pd", "nodes": [

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+from deployments import EMULATED_PAIR, REALTIME_PAIR
 from helpers import wait_subscribed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,7 +29,6 @@ THRESHOLD = 10_000
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SPEEDUP, KV_SCALE = 50, 0.002
-EXTRA = ["--speedup", str(SPEEDUP), "--kv-scale", str(KV_SCALE), "--bootstrap-timeout-s", "5"]
 P0, PP0, D0 = "prfaas-0", "pd-prefill-0", "pd-decode-0"
 LOCAL, REMOTE = f"pd/{PP0}/{D0}", f"prfaas/{P0}/{D0}"
 
@@ -360,10 +360,12 @@ def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
 
 
 @pytest.mark.slow
-def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path):
+@pytest.mark.xdist_group(EMULATED_PAIR)
+def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(emulated_pair, tmp_path):
     """Telemetry in the worker wire format, published here as a PrfaaS worker would, goes through the
     router's subscriber and aggregator into the controller: a busy link delivering a tenth of nominal
-    raises t within 2 s; a fast link brings it back to the baseline."""
+    raises t within 2 s; a fast link brings it back to the baseline. The workers: the standard pair
+    (tests/deployments.py; no request reaches them)."""
     import threading
 
     import zmq
@@ -375,9 +377,8 @@ def test_router_raises_t_on_saturation_telemetry_and_lowers_on_recovery(tmp_path
     telemetry_port = free_port()
     pub.bind(f"tcp://127.0.0.1:{telemetry_port}")
     try:
-        p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", EXTRA)
-        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", EXTRA)
-        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", EXTRA)
+        emulated_pair.reset()
+        p0, pp0, d0 = (emulated_pair.worker(role) for role in ("prfaas", "pd-prefill", "pd-decode"))
         topology = {"version": 1, "emulation": {"speedup": SPEEDUP, "kv_scale": KV_SCALE}, "clusters": {
             "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": p0.bootstrap_port,
                                                "telemetry_port": telemetry_port}]},
@@ -533,23 +534,24 @@ def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path
         group.stop()
 
 
-def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_event(tmp_path):
+@pytest.mark.xdist_group(REALTIME_PAIR)
+def test_a_decode_worker_killed_mid_stream_ends_the_stream_with_an_error_event(realtime_pair, tmp_path):
     """Issue #16: after tokens streamed, a decode failure must end the stream with a well-formed
     error event, not a bare end of stream (nor a second response). The decode worker runs in real
-    time (speedup 1, ~200 tokens) and is killed once the first tokens arrived."""
+    time (speedup 1, ~200 tokens; the shared real-time pair of tests/deployments.py, whose next user
+    finds it started again) and is killed once the first tokens arrived."""
     import json
-
-    from helpers import start_real_time_pd_pair
 
     group = ProcessGroup(tmp_path / "logs")
     try:
-        url = start_router(group, start_real_time_pd_pair(group), "--no-early-rejection").url
+        realtime_pair.reset()
+        url = start_router(group, realtime_pair.doc, "--no-early-rejection").url
         resp = generate(url, list(range(3_000_000, 3_000_300)), stream=True, max_new=400)
         assert resp.status_code == 200
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith(b"data: "))
         assert b"error" not in first
-        proc = next(p for p in group.procs if p.name == "d0")
+        proc = realtime_pair.group.latest("d0")
         os.killpg(proc.pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith(b"data: ")]
         assert rest[-1] == b"data: [DONE]", rest[-3:]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import pytest
-from helpers import REPO_ROOT, run_py
+import zygote
+from helpers import REPO_ROOT
 
 from prfaas_sglang.router.workers import (
     FactsError,
@@ -44,7 +46,7 @@ PROBE = textwrap.dedent(f"""
 
 
 def _probe(mode: str, page_size: int = 64) -> dict:
-    proc = run_py(["-c", PROBE, mode, str(page_size)], timeout=180)
+    proc = zygote.run([sys.executable, "-c", PROBE, mode, str(page_size)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,12 +1,14 @@
-"""Run ``sglang_mooncake_probe.py`` (SGLang's own Mooncake classes on CPU) in a subprocess and read its result."""
+"""Run ``sglang_mooncake_probe.py`` (SGLang's own Mooncake classes on CPU) in a process of its own, forked from
+the test process's SGLang zygote (``tests/zygote.py``), and read its result."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import zygote
 
 from prfaas_sglang.demo.cluster import PortPicker
 
@@ -18,7 +20,7 @@ def run_probe(**env_vars: str) -> dict:
     session-probe variable, plus ``env_vars`` and a free BOOT_PORT. Fails on a probe error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_", "SGLANG_ENABLE_FAILED"))}
     env.update(BOOT_PORT=str(PortPicker()()), **env_vars)
-    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=240, env=env)
+    proc = zygote.run([sys.executable, str(PROBE)], env=env, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stdout[-1500:] + proc.stderr[-3000:]
     out = json.loads(lines[-1])

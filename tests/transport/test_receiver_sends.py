@@ -2,8 +2,8 @@
 ``metadata-send-nonblocking``).
 
 SGLang 0.5.15's own ``MooncakeKVReceiver`` (its ``send_metadata`` and ``abort``) with its own cached
-ZMQ sockets and a real prefill endpoint (``receiver_sends_probe.py``, one process per case, so a send
-that never returns cannot hang pytest): both reach a live prefill rank; once that rank has died,
+ZMQ sockets and a real prefill endpoint (``receiver_sends_probe.py``, one process per case, forked from the
+SGLang zygote, so a send that never returns cannot hang pytest): both reach a live prefill rank; once that rank has died,
 stock SGLang blocks in either send for good (the decode scheduler's main thread, in a server), and
 with our plugin both return at once: the metadata's room is failed, the abort's room stays failed.
 """
@@ -11,11 +11,11 @@ with our plugin both return at once: the metadata's room is failed, the abort's 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 from helpers import retired_here
 
 # Both hooks are retired together on SGLang 0.5.23 (its receiver sockets send with a timeout).
@@ -26,8 +26,7 @@ PROBE = Path(__file__).with_name("receiver_sends_probe.py")
 
 def run_probe(mode: str, dead: str) -> dict[str, dict]:
     """Steps the probe printed, by name (the probe reports a send that does not return as ``blocked``)."""
-    out = subprocess.run([sys.executable, str(PROBE), mode, dead], capture_output=True, text=True,
-                         timeout=300).stdout
+    out = zygote.run([sys.executable, str(PROBE), mode, dead], timeout=300).stdout
     return {step["step"]: step for step in map(json.loads, filter(lambda line: line.startswith("{"),
                                                                    out.splitlines()))}
 

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zygote
 
 from prfaas_sglang.adapters.sockopts import KeepAliveSettings
 from prfaas_sglang.demo.cluster import PortPicker
@@ -91,11 +92,12 @@ class Peer:
     """One probe process: JSON commands on stdin, answers on stdout (read by a thread, so every
     wait has a timeout), stderr to a log file."""
 
-    def __init__(self, name: str, argv: tuple[str, ...], env: dict[str, str], log: Path):
+    def __init__(self, name: str, wrap: tuple[str, ...], argv: tuple[str, ...], env: dict[str, str], log: Path):
         self.name, self.log = name, log
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=env)
+        # forked from the SGLang zygote (tests/zygote.py), which enters the wrap's network namespace
+        self.proc = zygote.popen(list(argv), wrap=wrap, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                 env=env)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.hello: dict = {}
@@ -151,10 +153,10 @@ class Pair:
         prefill_env = {**launcher_env(Role.PRFAAS, probe, telemetry_port=pick(), async_send=async_send), **common,
                        "PEER_IP": link.ip_a}
         decode_env = {**launcher_env(Role.PD_DECODE), **common, "PEER_IP": link.ip_b}
-        self.prefill = Peer("prefill", (*link.wrap_a, sys.executable, str(PROBE), "prefill"), prefill_env,
+        self.prefill = Peer("prefill", link.wrap_a, (sys.executable, str(PROBE), "prefill"), prefill_env,
                             tmp / "prefill.log")
         peers.append(self.prefill)
-        self.decode = Peer("decode", (*link.wrap_b, sys.executable, str(PROBE), "decode"), decode_env,
+        self.decode = Peer("decode", link.wrap_b, (sys.executable, str(PROBE), "decode"), decode_env,
                            tmp / "decode.log")
         peers.append(self.decode)
         self.prefill.hello = self.prefill.answer(150)  # each imports SGLang: ~10 s of CPU

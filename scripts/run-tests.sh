@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The suite's phases, then its own report (scripts/test_report.py): `make test` runs every phase,
+# `make test-sglang SGLANG=<v>` the release leg of <v> alone.
+#
+#   scripts/run-tests.sh all            the pinned release's suite and every other supported release's leg
+#   scripts/run-tests.sh leg VERSION    the tests marked sglang (tests/conftest.py: the release-dependent
+#                                       ones, prfaas_sglang/_compat/release_tests.py) on VERSION's overlay
+#
+# Each phase runs on parallel workers (pytest-xdist), a group of tests per worker at a time (a file, or the
+# files that share one deployment: tests/conftest.py), the groups longest first. `all` runs the other
+# releases' legs beside the pinned release's parallel phase (the two fill each other's idle time; each
+# session picks its ports from its own half of the range), then the tests marked `serial` (what other
+# tests' load would skew) alone. Every phase runs even after one fails; the exit status is the first
+# failure's. PYTEST_ARGS (a path, -k ...) narrows every phase; a phase that selects no test (pytest's
+# status 5) is not a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=$VENV/bin/python
+JOBS=${PYTEST_JOBS:-4}
+LEG_JOBS=${PYTEST_LEG_JOBS:-2}
+REPORT_DIR=${TEST_REPORT_DIR:-$VENV/test-report}
+read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
+
+phase() {  # phase NAME PYTHONPATH-OVERLAY PORT-RANGE PYTEST-ARGS...
+  local name=$1 overlay=$2 ports=$3 start rc
+  shift 3
+  echo "== $name"
+  start=$(date +%s.%N)
+  env ${overlay:+PYTHONPATH=$overlay${PYTHONPATH:+:$PYTHONPATH}} ${ports:+PRFAAS_PORT_RANGE=$ports} \
+    PRFAAS_TEST_REPORT="$REPORT_DIR/$name.jsonl" \
+    "$PY" -m pytest -q "$@" "${EXTRA[@]}"
+  rc=$?
+  [ "$rc" -eq 5 ] && rc=0
+  echo "$name $start $(date +%s.%N) $rc" >> "$REPORT_DIR/phases"
+}
+
+parallel() { echo -n "-n $1 --dist loadgroup --no-loadscope-reorder"; }
+
+# A leg's serial tests run beside its others: they are serial for the pinned phase's timing tests (none of
+# which differ by release), and share one real-SGLang deployment in one worker (xdist group sglang-cpu).
+leg() {  # leg VERSION PORT-RANGE JOBS: the tests that differ by release, on VERSION's overlay (make env builds it)
+  local version=$1 overlay=$VENV/sglang-$1
+  if [ ! -f "$overlay/.complete" ]; then
+    echo "no overlay for sglang $version at $overlay (make env)" >&2
+    echo "sglang-$version 0 0 2" >> "$REPORT_DIR/phases"
+    return
+  fi
+  # shellcheck disable=SC2046
+  phase "sglang-$version" "$overlay" "$2" $(parallel "$3") -m "sglang and not gpu" -rs
+}
+
+others() {  # every supported release but the pin, one after another
+  local version
+  for version in $(python3 prfaas_sglang/_pin.py --others); do leg "$version" "$1" "$LEG_JOBS"; done
+}
+
+rm -rf "$REPORT_DIR" && mkdir -p "$REPORT_DIR"
+case "${1:-all}" in
+  all)
+    read -r low high < <("$PY" -c "from prfaas_sglang.demo.cluster import own_port_range; print(*own_port_range())")
+    mid=$(( (low + high) / 2 ))
+    others "$mid-$high" > "$REPORT_DIR/legs.log" 2>&1 &
+    legs=$!
+    # shellcheck disable=SC2046
+    phase pinned "" "$low-$mid" $(parallel "$JOBS") -m "not serial"
+    wait "$legs"
+    cat "$REPORT_DIR/legs.log"
+    phase pinned-serial "" "" -m serial ;;
+  leg)
+    leg "${2:?usage: scripts/run-tests.sh leg VERSION}" "" "$JOBS" ;;
+  *)
+    echo "usage: scripts/run-tests.sh [all | leg VERSION]" >&2; exit 2 ;;
+esac
+"$PY" scripts/test_report.py "$REPORT_DIR"
+status=$(awk '$4 != 0 {print $4; exit}' "$REPORT_DIR/phases")
+exit "${status:-0}"
