@@ -23,13 +23,15 @@ LEG_JOBS=${PYTEST_LEG_JOBS:-2}
 REPORT_DIR=${TEST_REPORT_DIR:-$VENV/test-report}
 read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
 
+# Each release builds SGLang's native block hash (a torch extension the tests compare ours with) into a
+# directory of its own: in one directory each release's build replaced the other's, on every run.
 phase() {  # phase NAME PYTHONPATH-OVERLAY PORT-RANGE PYTEST-ARGS...
   local name=$1 overlay=$2 ports=$3 start rc
   shift 3
   echo "== $name"
   start=$(date +%s.%N)
   env ${overlay:+PYTHONPATH=$overlay${PYTHONPATH:+:$PYTHONPATH}} ${ports:+PRFAAS_PORT_RANGE=$ports} \
-    PRFAAS_TEST_REPORT="$REPORT_DIR/$name.jsonl" \
+    TORCH_EXTENSIONS_DIR="$VENV/torch-extensions/$(basename "${overlay:-pinned}")" PRFAAS_TEST_REPORT="$REPORT_DIR/$name.jsonl" \
     "$PY" -m pytest -q "$@" "${EXTRA[@]}"
   rc=$?
   [ "$rc" -eq 5 ] && rc=0

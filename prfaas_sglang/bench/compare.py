@@ -369,6 +369,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo-s", type=float, default=None,
                         help="TTFT SLO, emulated seconds (default 5; --capacity: 5 on the abundant link, 10 on the scarce)")
     parser.add_argument("--speedup", type=float, default=None, help="emulated time's speedup (default 2; --capacity: 4)")
+    parser.add_argument("--tokenizer", choices=("shipped", "none"), default="shipped",
+                        help="without --capacity: text prompts, tokenized by the router and the engines with the "
+                             "shipped tokenizer (default), or token ids (none: no process loads a tokenizer)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -390,7 +393,9 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
 
     if (why := available()) is not None and any(DEPLOYMENT_OF[r] != "homogeneous" for r in rows):
         inv.error(f"the shaped PrfaaS link {why}")
-    runs = [run(Setting(args.workload, args.link, load, args.duration, args.speedup, ttft_slo_s=args.ttft_slo_s),
+    tokenizer = SHIPPED if args.tokenizer == "shipped" else None
+    runs = [run(Setting(args.workload, args.link, load, args.duration, args.speedup, ttft_slo_s=args.ttft_slo_s,
+                        tokenizer=tokenizer),
                 args.seeds, rows) for load in loads]
     result = runs[0] if len(runs) == 1 else {"loads": runs}
     return inv.report(args, result, None, render_markdown)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.bench.transport import default_env
+from prfaas_sglang.bench.zygote import Zygote
 from prfaas_sglang.demo.cluster import PortPicker
 from prfaas_sglang.roles import Role
 from prfaas_sglang.transport.linkem import EmulatedLink
@@ -42,14 +43,14 @@ MODES = ("adjacent", "prefill-staged", "both-staged", "contiguous")
 
 
 class _Peer:
-    """One end, started at construction; :meth:`ready` waits for its start line (so both ends of a
-    mode import SGLang at once), and the caller closes it whatever happens."""
+    """One end, forked from ``zygote`` at construction (SGLang imported once for every mode's ends);
+    :meth:`ready` waits for its start line, and the caller closes it whatever happens."""
 
-    def __init__(self, wrap: tuple[str, ...], role: str, env: dict[str, str], log: Path):
+    def __init__(self, zygote: Zygote, wrap: tuple[str, ...], role: str, env: dict[str, str], log: Path):
         self.role, self.log_path = role, log
         self.log = open(log, "a")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen((*wrap, *PEER, role), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, bufsize=1)
+        self.proc = zygote.popen([*PEER, role], wrap=wrap, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=self.log)
         self.success: int | None = None
 
     def ready(self) -> _Peer:
@@ -92,23 +93,24 @@ def _envs(mode: str, link: EmulatedLink, wan: WanLink, geometry: dict[str, int],
 def run(rate_mbit: float = 1000.0, rtt_ms: float = 20.0, requests: int = 3, repeats: int = 3, layers: int = 4,
         request_pages: int = 4096, page_bytes: int = 2048, mean_run: int = 64, chunks: int = 4,
         staging_mib: int = 256, tag: int | None = None, log_dir: Path | None = None) -> dict:
-    """See the module docstring. ``repeats`` rounds, each every mode in fresh processes (order rotated)."""
+    """See the module docstring. ``repeats`` rounds, each every mode in fresh processes (order rotated),
+    forked from one process that imported SGLang (:class:`~prfaas_sglang.bench.zygote.Zygote`)."""
     log_dir = Path(log_dir or "/tmp/prfaas-kv-staging")
     log_dir.mkdir(parents=True, exist_ok=True)
     geometry = {"LAYERS": layers, "POOL_PAGES": 4 * request_pages, "PAGE_BYTES": page_bytes,
                 "REQUEST_PAGES": request_pages, "CHUNKS": chunks, "MEAN_RUN": mean_run}
     kv_bytes = 2 * layers * request_pages * page_bytes
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
-    with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link:
+    with EmulatedLink(tag=tag, rate_mbit=rate_mbit, rtt_ms=rtt_ms) as link, Zygote() as zygote:
         wan = WanLink(rate_mbit * 1e6, rtt_ms / 1e3)
         for repeat in range(repeats):
             for mode in MODES[repeat % len(MODES):] + MODES[:repeat % len(MODES)]:
                 prefill_env, decode_env = _envs(mode, link, wan, geometry, staging_mib, request_pages * 2,
                                                 PortPicker()())
-                prefill = _Peer(link.wrap_a, "prefill", prefill_env, log_dir / f"{mode}-prefill.log")
+                prefill = _Peer(zygote, link.wrap_a, "prefill", prefill_env, log_dir / f"{mode}-prefill.log")
                 decode = None
                 try:
-                    decode = _Peer(link.wrap_b, "decode", decode_env, log_dir / f"{mode}-decode.log")
+                    decode = _Peer(zygote, link.wrap_b, "decode", decode_env, log_dir / f"{mode}-decode.log")
                     prefill.ready()
                     decode.ready()
                     rooms = [1000 * (repeat + 1)] + [1000 * (repeat + 1) + i for i in range(1, requests + 1)]

@@ -468,7 +468,7 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     delays: list[float | None] = []
     monkeypatch.setattr(netlink, "delay_unavailable", lambda: None)
     monkeypatch.setattr(netlink, "set_delay", delays.append)
-    profile = dataclasses.replace(e2e.GPU_PROFILE, shaped_repeats=2)  # the GPU's 5 add time, not coverage, here
+    profile = dataclasses.replace(e2e.GPU_PROFILE, shaped_repeats=1)  # the GPU's 5 add time, not coverage, here
     monkeypatch.setattr(checks, "profile_for", lambda engine: profile)
     make_model(tmp_path / "model", log=lambda _line: None)
     lines: list[str] = []

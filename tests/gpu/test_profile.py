@@ -108,6 +108,8 @@ def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_
     variants = predict.run("sglang-cpu", None, out, ctx.log, requests=16, variants=("measured", "off-2x"), dep=ctx.dep,
                            model_dir=ctx.model_dir)["variants"]
     given, calibrated = variants["measured"], variants["off-2x"]
+    print(f"\npredicted / seen, median: measured {given['median_ratio_predicted_to_seen']}, off-2x calibrated "
+          f"{calibrated['median_ratio_predicted_to_seen']} (scale {calibrated['prefill_scale']})")
     assert given["calibration"] is False and calibrated["calibration"] is True
     for cluster in ("pd", "prfaas"):  # |log(predicted / seen)|, the median request's
         before = abs(math.log(given["median_ratio_predicted_to_seen"][cluster]))

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"shaped l
 
 @pytest.mark.slow
 def test_compare_runs_every_row_and_reports_ratios():
-    proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--seeds", "1", "--duration", "4", "--load", "0.5", "--json"], timeout=600)
+    # token ids: ten engines and two routers need no tokenizer (3 CPU-s each to load); text goes through the demo
+    proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--seeds", "1", "--duration", "4", "--load", "0.5",
+                   "--tokenizer", "none", "--json"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)["result"]
     assert set(result["rows"]) == set(compare.ROWS)
@@ -42,7 +44,7 @@ def test_compare_runs_every_row_and_reports_ratios():
 def test_the_scarce_link_binds_the_naive_row():
     """Every prefill remote over the scarce link: the wire carries >= 90% of the capacity at its peak
     and never more than the capacity plus the tbf bucket over any window."""
-    setting = compare.Setting(link="scarce", duration_s=10.0)
+    setting = compare.Setting(link="scarce", duration_s=10.0, tokenizer=None)  # token ids: the link, not the text
     result = compare.run(setting, seeds=1, rows=("naive",))
     run = result["rows"]["naive"]["per_seed"][0]
     assert run["requests_failed"] == 0 and run["offload_fraction"] == 1.0

@@ -7,10 +7,13 @@ HookRegistry and the functions it patches are process-global.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, run_py
+import zygote
+from helpers import REPO_ROOT
 
 from prfaas_sglang.errors import UpstreamVersionError
 from prfaas_sglang.plugin import HOOKS
@@ -25,8 +28,9 @@ SCENARIOS = ("role_contract", "unresolvable_target", "apply_fails", "load_plugin
 
 @pytest.fixture(scope="module")
 def probes() -> dict:
-    """Every scenario's result, from one process that imports SGLang once and forks per scenario."""
-    proc = run_py([str(PROBE), ",".join(SCENARIOS), str(TINY_MODEL)], env={"PRFAAS_ROLE": ""}, timeout=240)
+    """Every scenario's result, from one process (forked from the SGLang zygote) that forks per scenario."""
+    proc = zygote.run([sys.executable, str(PROBE), ",".join(SCENARIOS), str(TINY_MODEL)],
+                      env={**os.environ, "PRFAAS_ROLE": ""}, timeout=240)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE-RESULT ")]
     assert lines, f"the probe printed no result\nstdout:{proc.stdout[-2000:]}\nstderr:{proc.stderr[-3000:]}"
     results = json.loads(lines[-1][len("PROBE-RESULT ") :])
