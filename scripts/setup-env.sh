@@ -6,6 +6,9 @@
 #
 # Idempotent: re-running only installs what changed. Needs root (or sudo) for
 # apt-get the first time; needs only the package registries (PyPI, Debian).
+# Python packages go in with uv (one resolver pass for the requirements and this
+# project), from the indexes and wheel directories pip is configured with on this
+# machine (torch's CUDA build lies on its disk; uv does not read pip's settings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,60 +16,54 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 WHEEL_CACHE=${PRFAAS_WHEEL_CACHE:-.cache/wheels}
 PIN=$("$PYTHON" prfaas_sglang/_pin.py)
+UV_VERSION=0.13.9
 
 log() { printf '[setup-env] %s\n' "$*"; }
 
-# 1. Mooncake's engine.so links libibverbs.so.1, even when it only uses TCP.
-if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
-  log "installing libibverbs1 (apt)"
+# 1. Debian's packages, in one update and one install:
+#    libibverbs1  Mooncake's engine.so links libibverbs.so.1, even when it only uses TCP;
+#    libssl-dev   SGLang builds its block-hash extension (torch cpp_extension, -lcrypto) on first use,
+#                 and the tests compare our hash with it;
+#    gcc          the launcher builds the bind shim (prfaas_sglang/native/bindshim.c), SGLang's extension too;
+#    prometheus   Debian's 2.42: `bench dashboard` and the dashboard's end-to-end test start their own (a
+#                 free port, a temp config and storage dir); nothing depends on its system service.
+missing=()
+/sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
+dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
+command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if [ "${#missing[@]}" -gt 0 ]; then
+  log "installing ${missing[*]} (apt)"
   SUDO=""
   if [ "$(id -u)" != 0 ]; then
-    command -v sudo >/dev/null || { echo "error: libibverbs1 is missing and this user cannot apt-get install it" >&2; exit 1; }
+    command -v sudo >/dev/null || { echo "error: ${missing[*]} missing and this user cannot apt-get install" >&2; exit 1; }
     SUDO=sudo
   fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# 1b. SGLang builds its block-hash extension (torch cpp_extension, -lcrypto) on
-#     first use; the tests compare our hash with it.
-if ! dpkg -s libssl-dev >/dev/null 2>&1; then
-  log "installing libssl-dev (apt)"
-  SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libssl-dev >/dev/null
-fi
-
-# 1c. A C compiler: the launcher builds the bind shim (prfaas_sglang/native/bindshim.c) with it,
-#     and SGLang's extension above needs one too.
-if ! command -v cc >/dev/null 2>&1; then
-  log "installing gcc (apt)"
-  SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc libc6-dev >/dev/null
-fi
-
-# 1d. Prometheus (Debian's, 2.42): `bench dashboard` and the dashboard's end-to-end test start their
-#     own (a free port, a temp config and storage dir) and evaluate every panel's query through it.
-#     Nothing here depends on the package's system service.
-if ! command -v prometheus >/dev/null 2>&1; then
-  log "installing prometheus (apt)"
-  SUDO=""; [ "$(id -u)" != 0 ] && SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-fi
-
-# 2. The virtual environment and the CPU test requirements.
+# 2. The virtual environment, with uv in it.
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-log "installing requirements/cpu-test.txt"
-"${PIP[@]}" -r requirements/cpu-test.txt
+if [ "$("$VENV/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+fi
 
-# 3. The pinned SGLang, pristine, without its GPU dependency set. The wheel is
+# pip's indexes, wheel directories and constraints on this machine, for uv.
+UV=("$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode)
+pip_setting() { "$VENV/bin/python" -m pip config get "global.$1" 2>/dev/null || true; }
+for url in ${PIP_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}; do UV+=(--extra-index-url "$url"); done
+for dir in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do UV+=(--find-links "$dir"); done
+for file in ${PIP_CONSTRAINT:-$(pip_setting constraint)}; do [ -f "$file" ] && UV+=(--constraint "$file"); done
+
+# 3. The CPU test requirements and this project, editable, with the test extra: one resolution.
+log "installing requirements/cpu-test.txt and prfaas-sglang (editable, [test])"
+"${UV[@]}" -r requirements/cpu-test.txt -e '.[test]'
+
+# 4. The pinned SGLang, pristine, without its GPU dependency set. The wheel is
 #    kept in the cache that `python -m prfaas_sglang.patches` also reads.
 mkdir -p "$WHEEL_CACHE"
 if ! ls "$WHEEL_CACHE"/sglang-"$PIN"-*.whl >/dev/null 2>&1; then
@@ -76,12 +73,8 @@ fi
 installed=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('sglang'))" 2>/dev/null || true)
 if [ "$installed" != "$PIN" ]; then
   log "installing sglang==$PIN --no-deps"
-  "${PIP[@]}" --no-deps --force-reinstall "$WHEEL_CACHE"/sglang-"$PIN"-*.whl
+  "${UV[@]}" --no-deps --reinstall "$(ls "$WHEEL_CACHE"/sglang-"$PIN"-*.whl | head -1)"
 fi
-
-# 4. This project, editable, with the test extra.
-log "installing prfaas-sglang (editable, [test])"
-"${PIP[@]}" -e '.[test]'
 
 # 5. The patch series (patches/series) onto the installed SGLang; idempotent. A
 #    patch that does not apply stops here, naming the patch and hunk.

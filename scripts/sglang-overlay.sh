@@ -13,9 +13,13 @@ PY=$VENV/bin/python
 if [ ! -f "$OVERLAY/.complete" ]; then
   rm -rf "$OVERLAY"
   printf '[sglang-overlay] installing sglang==%s into %s\n' "$VERSION" "$OVERLAY" >&2
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$OVERLAY" "sglang==$VERSION"
-  if [ -f "requirements/sglang-$VERSION.txt" ]; then
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$OVERLAY" -r "requirements/sglang-$VERSION.txt"
+  reqs=()
+  [ -f "requirements/sglang-$VERSION.txt" ] && reqs=(-r "requirements/sglang-$VERSION.txt")
+  # uv where make env put it (scripts/setup-env.sh), in one pass; pip otherwise
+  if [ -x "$VENV/bin/uv" ]; then
+    "$VENV/bin/uv" pip install --quiet --python "$PY" --compile-bytecode --no-deps --target "$OVERLAY" "sglang==$VERSION" "${reqs[@]}"
+  else
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$OVERLAY" "sglang==$VERSION" "${reqs[@]}"
   fi
   touch "$OVERLAY/.complete"
 fi

@@ -5,8 +5,8 @@
 REPORT_DIR holds one ``<phase>.jsonl`` per phase (a line per test: ``tests/conftest.py`` appends it
 where ``PRFAAS_TEST_REPORT`` names the file) and ``phases`` (a line per phase: name, start and end in
 epoch seconds, exit status, written by the runner; phases may overlap). Prints each phase's wall time
-(from the first phase's start) and test count, the whole run's (first start to last end), and its ten
-slowest tests. ``--write-durations`` stores each group's summed seconds (the
+(from the first phase's start) and test count, the whole run's (first start to last end), every test
+that failed, the ten slowest tests and the ten costliest in CPU. ``--write-durations`` stores each group's summed seconds (the
 largest over the phases), which ``tests/conftest.py`` orders the groups by, longest first.
 """
 
@@ -35,6 +35,10 @@ def read_tests(report_dir: Path, phase: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+def _failed(report_dir: Path, phase: str) -> list[str]:
+    return [t["test"] for t in read_tests(report_dir, phase) if t["outcome"] in ("failed", "error")]
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
@@ -49,18 +53,25 @@ def render(report_dir: Path) -> tuple[str, dict[str, float]]:
         outcomes = Counter(t["outcome"] for t in tests)
         said = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
         window = f"{(start - began) / 60:4.1f}-{(end - began) / 60:4.1f} min" if start else "not run"
+        cpu_min = sum(t.get("cpu_s", 0.0) for t in tests) / 60
         lines.append(f"{name:<16} {window:>13} ({minutes(end - start):>8}), {sum(t['s'] for t in tests) / 60:5.1f} "
-                     f"test-min: {said or 'no test'}{'' if status == 0 else f' (exit {status})'}")
+                     f"test-min, {cpu_min:5.1f} CPU-min: {said or 'no test'}{'' if status == 0 else f' (exit {status})'}")
         per_group = Counter()
         for t in tests:
             per_group[t["group"]] += t["s"]
-            every.append((t["s"], name, t["test"]))
+            every.append((t["s"], t.get("cpu_s"), name, t["test"]))
         for group, seconds in per_group.items():
             durations[group] = round(max(durations.get(group, 0.0), seconds), 1)
     total_s = max((end for _, start, end, _ in phases if start), default=began) - began
     lines.append(f"{'the whole run':<16} {minutes(total_s):>13}, {len(every)} tests")
-    lines.append(f"the {SLOWEST} slowest tests (setup, call and teardown):")
-    lines += [f"  {seconds:7.1f} s  {phase:<16} {test}" for seconds, phase, test in sorted(every, reverse=True)[:SLOWEST]]
+    failed = [(phase, test) for phase in [p[0] for p in phases] for test in _failed(report_dir, phase)]
+    lines += [f"failed: {phase:<16} {test}" for phase, test in failed]
+    lines.append(f"the {SLOWEST} slowest tests (setup, call and teardown; wall and CPU seconds):")
+    lines += [f"  {seconds:7.1f} s {cpu_s or 0:7.1f} CPU-s  {phase:<16} {test}"
+              for seconds, cpu_s, phase, test in sorted(every, key=lambda e: e[0], reverse=True)[:SLOWEST]]
+    lines.append(f"the {SLOWEST} costliest in CPU:")
+    lines += [f"  {cpu_s or 0:7.1f} CPU-s  {phase:<16} {test}"
+              for _, cpu_s, phase, test in sorted(every, key=lambda e: e[1] or 0, reverse=True)[:SLOWEST]]
     return "\n".join(lines), durations
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -98,6 +99,11 @@ def pytest_collection_modifyitems(config, items):
 PHASE_OUTCOMES = pytest.StashKey[list]()
 
 
+def _cpu_s() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
@@ -106,9 +112,11 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With ``PRFAAS_TEST_REPORT`` set, appends the test's wall time (setup, call and teardown), outcome and
-    group to that file: the suite's own total and slowest tests, printed at the end of `make test`."""
-    began = time.monotonic()
+    """With ``PRFAAS_TEST_REPORT`` set, appends the test's wall time (setup, call and teardown), its CPU
+    time (this process's and its reaped children's: a child still running, a deployment the next test shares,
+    is counted where it is reaped), outcome and group to that file: the suite's own total and slowest tests,
+    printed at the end of `make test`."""
+    began, cpu_began = time.monotonic(), _cpu_s()
     yield
     path = envs.TEST_REPORT.get()
     if path:
@@ -117,6 +125,7 @@ def pytest_runtest_protocol(item, nextitem):
         if nodeid.rfind("@") > nodeid.rfind("]"):
             nodeid = nodeid.rsplit("@", 1)[0]
         record = {"test": nodeid, "group": group_of(item), "s": round(time.monotonic() - began, 3),
+                  "cpu_s": round(_cpu_s() - cpu_began, 3),
                   "outcome": next((o for o in outcomes if o != "passed"), "passed"), "pid": os.getpid()}
         with open(path, "a") as out:  # one short line per write: appends from parallel workers stay whole
             out.write(json.dumps(record) + "\n")
