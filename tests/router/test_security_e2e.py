@@ -23,6 +23,7 @@ from unittest import mock
 import psutil
 import pytest
 import requests
+from helpers import wait_subscribed
 
 from prfaas_sglang.demo.cluster import ProcessGroup, local_topology, start_deployment
 from prfaas_sglang.wire.auth import AUTH_HEADER, DeploymentKeys, sign
@@ -66,6 +67,8 @@ def secured(tmp_path_factory):
 @pytest.mark.slow
 def test_requests_flow_with_signed_hand_offs_and_authenticated_event_streams(secured):
     _, d, _ = secured
+    # a PUB/SUB join: the store event published before the router's handshake would be lost (a loaded CI machine)
+    wait_subscribed(d.router.url + "/status", ["kv:prfaas-0", "link:prfaas-0"])
     ids = list(range(3_000_000, 3_000_000 + 16 * PAGE))
     for _ in range(2):  # the PrfaaS cache keeps (and reports) a prefix seen twice, not a one-off prompt
         r = requests.post(d.router.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}},
