@@ -270,14 +270,6 @@ class Envs:
         "The test suite (tests/conftest.py): a JSONL file each test's duration, outcome and group is "
         "appended to, for the report `make test` prints at its end (scripts/test_report.py).",
     )
-    TEST_QUIET_FLAG = EnvVar(
-        "PRFAAS_TEST_QUIET_FLAG",
-        None,
-        "The test suite (tests/conftest.py, fixture quiet): a file whose existence says no other test session "
-        "runs on this machine any more; the tests that measure time wait for it. `make test` starts its serial "
-        "phase while the parallel one still runs, and creates the file when that one ends (scripts/run-tests.sh). "
-        "Unset: nothing waits.",
-    )
 
     @classmethod
     def all(cls) -> list[EnvVar]:

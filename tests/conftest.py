@@ -80,8 +80,7 @@ def group_of(item) -> str:
 def pytest_collection_modifyitems(config, items):
     """Marks ``sglang`` on the release leg's tests; gives every test its group (:func:`group_of`), and orders
     the groups longest first (``tests/durations.json``, else a count of its tests marked ``slow``): pytest-xdist
-    (``--dist loadgroup --no-loadscope-reorder``) hands them out in this order, so no long one starts last. The
-    tests that wait for a quiet machine (fixture :func:`quiet`) go after all others."""
+    (``--dist loadgroup --no-loadscope-reorder``) hands them out in this order, so no long one starts last."""
     for item in items:
         if in_release_leg(item.nodeid):
             item.add_marker(pytest.mark.sglang)
@@ -94,27 +93,7 @@ def pytest_collection_modifyitems(config, items):
         estimate[group] = estimate.get(group, 0.0) + (SLOW_TEST_S if item.get_closest_marker("slow") else QUICK_TEST_S)
     cost = {group: known.get(group, guess) for group, guess in estimate.items()}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: ("quiet" in getattr(item, "fixturenames", ()), -cost[group_of(item)], group_of(item),
-                                 order[id(item)]))
-
-
-QUIET_WAIT_S = 3600.0
-
-
-@pytest.fixture(scope="session")
-def quiet():
-    """Waits until no other test session runs on this machine: a test that measures time (or a fixture whose
-    result is a measurement) takes it. Where ``PRFAAS_TEST_QUIET_FLAG`` names a file, until that file exists
-    (`make test` starts its serial phase while the parallel one still runs, so that the serial tests that do
-    not measure start their servers then, and creates the file when the parallel one ends); else at once."""
-    path = envs.TEST_QUIET_FLAG.get()
-    if not path:
-        return
-    deadline = time.monotonic() + QUIET_WAIT_S
-    while not Path(path).exists():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{path} did not appear within {QUIET_WAIT_S:.0f} s (scripts/run-tests.sh creates it)")
-        time.sleep(1.0)
+    items.sort(key=lambda item: (-cost[group_of(item)], group_of(item), order[id(item)]))
 
 
 PHASE_OUTCOMES = pytest.StashKey[list]()

@@ -211,10 +211,9 @@ def sglang_cpu_ready(sglang_cpu):
 
 
 @pytest.fixture(scope="session")
-def cpu_profile(quiet, cpu_model, tmp_path_factory):
+def cpu_profile(cpu_model, tmp_path_factory):
     """``bench profile --engine sglang-cpu`` once, on :func:`cpu_model`: (the profile file, the command's JSON
-    result). Its server is its own, started and stopped by the command; a measurement, so on a quiet machine
-    (``quiet``, tests/conftest.py)."""
+    result). Its server is its own, started and stopped by the command."""
     import json
     import subprocess
     import sys

@@ -90,8 +90,7 @@ def test_the_variants_are_the_roofline_the_measured_profile_and_it_twice_as_slow
 @pytest.mark.slow
 @pytest.mark.serial  # the real engine's TTFTs are what it learns from: other tests' load on the 2 cores skews them
 @pytest.mark.xdist_group("sglang-cpu")
-def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_what_it_sees(quiet, cpu_profile,
-                                                                                              sglang_cpu_ready):
+def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_what_it_sees(cpu_profile, sglang_cpu_ready):
     """``bench predict`` on SGLang's CPU engine: the measured profile as given, then twice as slow with
     the router's online calibration. On two cores the PD path's TTFT is mostly a per-request cost
     (bootstrap, KV hand-over, the decode's first step), so the error does not fall below 15% here

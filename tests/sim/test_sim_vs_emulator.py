@@ -11,7 +11,7 @@ from prfaas_sglang.bench import sim_vs_emulator
 
 @pytest.mark.slow
 @pytest.mark.serial  # emulated latencies against simulated ones: other tests' load on the 2 cores skews the emulated side
-def test_simulator_agrees_with_the_emulated_deployment_on_the_same_arrivals(quiet, tmp_path):
+def test_simulator_agrees_with_the_emulated_deployment_on_the_same_arrivals(tmp_path):
     data = sim_vs_emulator.run(seeds=1, loads=(0.5,), duration_s=90.0, warmup_s=10.0, log_dir=tmp_path, modes=("t pinned",))
     row = data["rows"][0]
     sim, emu = row["sim"], row["emulator"]
@@ -25,7 +25,7 @@ def test_simulator_agrees_with_the_emulated_deployment_on_the_same_arrivals(quie
 
 @pytest.mark.slow
 @pytest.mark.serial  # emulated latencies against simulated ones: other tests' load on the 2 cores skews the emulated side
-def test_a_simulated_fleet_agrees_with_the_emulated_fleet_on_the_same_arrivals(quiet, tmp_path):
+def test_a_simulated_fleet_agrees_with_the_emulated_fleet_on_the_same_arrivals(tmp_path):
     """launch/multi-cluster.yaml, one node per role per cluster: 2 PrfaaS clusters, 2 PD regions, a link each
     shaped on its own (demo/fleet.py) against the simulator's fleet, the same arrivals entering 70/30."""
     data = sim_vs_emulator.run_fleet(seeds=1, load_rps=1.5, duration_s=90.0, warmup_s=10.0, log_dir=tmp_path)

@@ -68,7 +68,7 @@ SAMPLES_PER_S = 4  # the emulated engine publishes one LinkSample every 0.25 s (
 
 @pytest.mark.slow
 @pytest.mark.serial  # a drop seen within a second of telemetry: other tests' load on the 2 cores delays the samples
-def test_a_10x_drop_mid_transfer_shows_within_a_second_and_the_flag_clears(quiet, setup):
+def test_a_10x_drop_mid_transfer_shows_within_a_second_and_the_flag_clears(setup):
     samples: list[tuple[float, LinkSample]] = []
     stop = threading.Event()
 
