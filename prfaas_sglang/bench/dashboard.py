@@ -25,12 +25,13 @@ from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import (
+    PortPicker,
     ProcessGroup,
     demo_topology,
-    free_port,
     start_deployment,
     start_node,
     topology_nodes,
+    topology_ports,
 )
 from prfaas_sglang.launch import grafana
 from prfaas_sglang.tokenizer import SHIPPED, PromptTokenizer
@@ -55,14 +56,16 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
     burst = [dataclasses.replace(a, offset_s=a.offset_s + half) for a in burst]
     doc = demo_topology(workloads.prior("case-study", MAX_INPUT_TOKENS), speedup=SPEEDUP, kv_scale=KV_SCALE,
                         output_tokens=OUTPUT_TOKENS, tokenizer=tokenizer, served_name="prfaas-demo")
+    pick = PortPicker(taken=topology_ports(doc))  # the deployment's ports are picked, not yet bound
     doc["clusters"]["control"]["nodes"].append({"name": "kv-index", "role": "kv-index", "host": "127.0.0.1",
-                                                "port": free_port()})
+                                                "port": pick()})
     targets = [ScrapeTarget(n["role"], n["name"], f"http://{n['host']}:{n['port']}")
                for n in topology_nodes(doc).values()]
     work_dir = Path(tempfile.mkdtemp(prefix="prfaas-dashboard-"))
     group = ProcessGroup(work_dir)
     # started first: its first scrape comes ~5 s after start, while the deployment comes up
-    with Prometheus.start(targets, work_dir / "prometheus", scrape_interval_s=interval_s) as prom:
+    with Prometheus.start(targets, work_dir / "prometheus", scrape_interval_s=interval_s,
+                          avoid_ports=topology_ports(doc)) as prom:
         try:
             context = ("--context-tokens", str(2 * MAX_INPUT_TOKENS + OUTPUT_TOKENS))
             dep = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")})

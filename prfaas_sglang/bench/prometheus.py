@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from prfaas_sglang.adapters import http_sync
-from prfaas_sglang.demo.cluster import ProcessGroup, StartupError, free_port
+from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup, StartupError
 from prfaas_sglang.errors import PrfaasError
 
 __all__ = ["NoDataError", "Prometheus", "PrometheusError", "QueryError", "ScrapeTarget", "Series", "scrape_config"]
@@ -106,11 +106,14 @@ class Prometheus:
 
     @classmethod
     def start(cls, targets: Iterable[ScrapeTarget], work_dir: Path, *, scrape_interval_s: float = 1.0,
-              binary: str = BINARY, timeout_s: float = 30.0) -> Prometheus:
+              binary: str = BINARY, timeout_s: float = 30.0, avoid_ports: Iterable[int] = ()) -> Prometheus:
         """Start a Prometheus scraping ``targets``, its config, storage and log under ``work_dir``; return once ready.
+        Its port is none of the targets' and none of ``avoid_ports`` (ports picked for servers not yet started:
+        a Prometheus started first took one of them, and that server could not bind it).
 
         Raises :class:`PrometheusError` when ``binary`` is not on PATH or does not become ready."""
         targets = tuple(targets)
+        pick = PortPicker(taken={*avoid_ports, *(urllib.parse.urlsplit(t.url).port for t in targets)})
         path = shutil.which(binary)
         if path is None:
             raise PrometheusError(f"{binary!r} is not on PATH: scripts/setup-env.sh installs Debian's "
@@ -120,7 +123,7 @@ class Prometheus:
         config.write_text(json.dumps(scrape_config(targets, scrape_interval_s), indent=1))  # JSON is YAML
         group = ProcessGroup(work_dir)
         for attempt in range(START_ATTEMPTS):
-            port = free_port()
+            port = pick()
             storage = work_dir / f"data-{attempt}"
             proc = group.start("prometheus", [path, f"--config.file={config}", f"--storage.tsdb.path={storage}",
                                               f"--web.listen-address=127.0.0.1:{port}"])

@@ -139,11 +139,13 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
 
 
 class PortPicker:
-    """Free ports (:func:`free_port`) that are also distinct from each other: one topology (or one
-    worker) needs each of its ports once, and nothing holds a picked port until its server binds it."""
+    """Free ports (:func:`free_port`) that are also distinct from each other and from ``taken``: one
+    topology (or one worker) needs each of its ports once, and nothing holds a picked port until its
+    server binds it (a port picked for a server not started yet is free to any other pick: pass it in
+    ``taken``)."""
 
-    def __init__(self) -> None:
-        self._taken: set[int] = set()
+    def __init__(self, taken: Iterable[int] = ()) -> None:
+        self._taken: set[int] = set(taken)
 
     def __call__(self, host: str = "127.0.0.1") -> int:
         port = free_port(host)
@@ -357,6 +359,14 @@ def write_topology(doc: dict, path: Path) -> Path:
 
 def topology_nodes(doc: dict) -> dict[str, dict]:
     return {n["name"]: n for c in doc["clusters"].values() for n in c["nodes"]}
+
+
+NODE_PORT_KEYS = ("port", "bootstrap_port", "kv_events_port", "telemetry_port", "switch_port")
+
+
+def topology_ports(doc: dict) -> set[int]:
+    """Every port a topology document's nodes bind once started: what another pick for the same run avoids."""
+    return {n[key] for n in topology_nodes(doc).values() for key in NODE_PORT_KEYS if n.get(key)}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import yaml
 from deployments import EMULATED_PAIR
 from helpers import wait_subscribed
 
-from prfaas_sglang.demo.cluster import ProcessGroup, free_port
+from prfaas_sglang.demo.cluster import PortPicker, ProcessGroup, free_port
 
 EXTRA = ["--speedup", "50", "--kv-scale", "0.002"]
 
@@ -79,7 +79,8 @@ def test_a_router_started_after_the_events_takes_the_kv_index_services_view(emul
     try:
         emulated_pair.reset()  # the standard pair's PD-P and PD-D (tests/deployments.py), named pp0 and d0 here
         pp0, d0 = emulated_pair.worker("pd-prefill"), emulated_pair.worker("pd-decode")
-        index_port, router_port = free_port(), free_port()
+        pick = PortPicker()  # distinct: nothing binds them before the topology starts
+        index_port, router_port = pick(), pick()
         topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {
             "a": {"kind": "pd", "nodes": [
                 {"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port,
@@ -123,11 +124,12 @@ def test_the_kv_index_waits_for_a_worker_that_starts_after_it(tmp_path):
     asked again (``--wait-workers-s``) instead of failing the kv-index at once; past the wait it
     fails with the worker named."""
     group = ProcessGroup(tmp_path / "logs")
-    pick_port, events_port, index_port, boot = free_port(), free_port(), free_port(), free_port()
+    pick = PortPicker()  # distinct: nothing binds them before the topology starts
+    pick_port, events_port, index_port, boot, decode_port = pick(), pick(), pick(), pick(), pick()
     topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {"a": {"kind": "pd", "nodes": [
         {"name": "pp0", "role": "pd-prefill", "host": "127.0.0.1", "port": pick_port, "bootstrap_port": boot,
          "kv_events_port": events_port},
-        {"name": "d0", "role": "pd-decode", "host": "127.0.0.1", "port": free_port()}]}}}  # no events: not waited for
+        {"name": "d0", "role": "pd-decode", "host": "127.0.0.1", "port": decode_port}]}}}  # no events: not waited for
     config = tmp_path / "t.yaml"
     config.write_text(yaml.safe_dump(topology))
     try:

@@ -67,6 +67,19 @@ def test_a_worker_slice_bounds_the_picks_and_a_malformed_one_is_refused(monkeypa
             cluster.own_port_range()
 
 
+def test_a_picker_never_returns_a_port_picked_for_a_server_not_yet_started(monkeypatch):
+    """A topology's ports are picked, then bound when its servers start; another pick of the same run
+    (the dashboard bench's Prometheus and kv-index) must avoid them, or the server starting later finds its
+    port taken (fresh-clone run, issue #58: a Prometheus started first held a PD-P worker's bootstrap port)."""
+    doc = cluster.local_topology(role_switch="restart")
+    ports = cluster.topology_ports(doc)
+    named = {n[key] for n in cluster.topology_nodes(doc).values() for key in cluster.NODE_PORT_KEYS if n.get(key)}
+    assert ports == named and any(n.get("switch_port") for n in cluster.topology_nodes(doc).values())
+    monkeypatch.setenv("PRFAAS_PORT_RANGE", "27000-27004")
+    pick = cluster.PortPicker(taken={27000, 27001, 27002})
+    assert pick() == 27003  # the only one left; free_port alone would answer any of the four
+
+
 def test_the_range_is_read_from_the_kernel(tmp_path):
     path = tmp_path / "range"
     path.write_text("40000\t50000\n")
