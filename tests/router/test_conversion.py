@@ -5,6 +5,7 @@ nodes. The live path is tests/router/test_conversion_e2e.py."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -294,9 +295,14 @@ def test_the_first_health_pass_asks_only_the_workers_the_preflight_did_not_adopt
             for name, worker in service.workers.items():
                 worker.url = str(server.make_url(f"/{name}")).rstrip("/")
             loop = asyncio.create_task(health_loop(service, session, None))
-            await asyncio.sleep(0.15)
+            deadline = time.monotonic() + 10.0
+            while not asked:  # the first pass, however loaded the machine (a fixed 0.15 s was not, in CI's leg)
+                assert time.monotonic() < deadline, "no health pass"
+                await asyncio.sleep(0.01)
             first = list(asked)
-            await asyncio.sleep(0.3)
+            while set(asked) != set(names):  # a later pass asks every worker
+                assert time.monotonic() < deadline, asked
+                await asyncio.sleep(0.01)
             loop.cancel()
             return first, asked
 
