@@ -11,8 +11,8 @@
 # releases' legs beside the pinned release's parallel phase (the two fill each other's idle time; each
 # session picks its ports from its own half of the range), then the tests marked `serial` (what other
 # tests' load would skew) alone. Starting the serial phase's real-SGLang deployment beside the parallel
-# phase's end gained nothing (17.8 and 18.6 min against 17.4: the cores were already full). Every phase runs even after one fails; the exit status is the first
-# failure's. PYTEST_ARGS (a path, -k ...) narrows every phase; a phase that selects no test (pytest's
+# phase's end gained nothing (17.8 and 18.6 min against 17.4: the cores were already full). Every phase
+# runs even after one fails; the exit status is the first failure's. PYTEST_ARGS (a path, -k ...) narrows every phase; a phase that selects no test (pytest's
 # status 5) is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."

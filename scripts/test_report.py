@@ -35,17 +35,13 @@ def read_tests(report_dir: Path, phase: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def _failed(report_dir: Path, phase: str) -> list[str]:
-    return [t["test"] for t in read_tests(report_dir, phase) if t["outcome"] in ("failed", "error")]
-
-
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
 def render(report_dir: Path) -> tuple[str, dict[str, float]]:
     """The report's text, and each group's seconds (largest over the phases)."""
-    lines, every, durations = ["== the suite's own report"], [], {}
+    lines, every, failed, durations = ["== the suite's own report"], [], [], {}
     phases = read_phases(report_dir)
     began = min((start for _, start, _, _ in phases if start), default=0.0)
     for name, start, end, status in phases:
@@ -60,11 +56,12 @@ def render(report_dir: Path) -> tuple[str, dict[str, float]]:
         for t in tests:
             per_group[t["group"]] += t["s"]
             every.append((t["s"], t.get("cpu_s"), name, t["test"]))
+            if t["outcome"] in ("failed", "error"):
+                failed.append((name, t["test"]))
         for group, seconds in per_group.items():
             durations[group] = round(max(durations.get(group, 0.0), seconds), 1)
     total_s = max((end for _, start, end, _ in phases if start), default=began) - began
     lines.append(f"{'the whole run':<16} {minutes(total_s):>13}, {len(every)} tests")
-    failed = [(phase, test) for phase in [p[0] for p in phases] for test in _failed(report_dir, phase)]
     lines += [f"failed: {phase:<16} {test}" for phase, test in failed]
     lines.append(f"the {SLOWEST} slowest tests (setup, call and teardown; wall and CPU seconds):")
     lines += [f"  {seconds:7.1f} s {cpu_s or 0:7.1f} CPU-s  {phase:<16} {test}"
