@@ -56,7 +56,7 @@ from prfaas_sglang import runtime
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench import capacity_rows as rows_mod
 from prfaas_sglang.bench import compare
-from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row
+from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row, emulated_knobs, peer_args
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
@@ -334,16 +334,18 @@ def start_row_router(row: Row, up: Up, group: ProcessGroup) -> str:
     """A fresh router process for ``row`` over ``up``; returns its URL. A peer's ``bucket`` policy gives its
     first registered prefill worker the shortest prompts, and the peers register workers in no fixed order
     (sglang-router: a random id's; smg: its job queue's): the router is started again until its log shows
-    the PD-P worker first."""
+    the PD-P worker first. A peer's time-valued knobs reach it in wall time at the deployment's speedup
+    (:func:`~prfaas_sglang.bench.capacity_rows.peer_args`)."""
+    args = peer_args(row.args, up.doc["emulation"]["speedup"])
     if row.router == "prfaas":
-        return start_router(group, up.doc, *row.args, name=row.name).url
+        return start_router(group, up.doc, *args, name=row.name).url
     prfaas, pd_p, pd_d = up.workers("prfaas"), up.workers("pd-prefill"), up.workers("pd-decode")
     prefill = prfaas if row.prefill == "prfaas" else pd_p + prfaas  # PD-P first: the short bucket
     log = group.log_dir / f"{row.name}.log"
     for _ in range(BUCKET_ORDER_TRIES):
         offset = log.stat().st_size if log.exists() else 0
         url = start_peer_router(group, row.router, prefill, pd_d, prefill_policy=row.prefill_policy,
-                                decode_policy=row.decode_policy, name=row.name, extra_args=row.args)
+                                decode_policy=row.decode_policy, name=row.name, extra_args=args)
         if row.prefill_policy != "bucket" or len(prefill) < 2 or bucket_first(log, offset, len(prefill)) == prefill[0].url:
             return url
         group.stop(grace_s=1.0)
@@ -555,7 +557,8 @@ def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tu
     for family in families:
         grid = rows_mod.family_rows(family)[:1] if quick else rows_mod.family_rows(family)
         if len(grid) == 1:
-            out[family] = {"grid": [{"row": grid[0].name, "attainment": {}, "mean": None, "why": grid[0].why}],
+            out[family] = {"grid": [{"row": grid[0].name, "attainment": {}, "mean": None, "why": grid[0].why,
+                                     "emulated_knobs": emulated_knobs(grid[0].args, setting.speedup)}],
                            "best": grid[0].name, "loads_x_planned": []}
             continue
         table = []
@@ -569,10 +572,12 @@ def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tu
                         att[f"{frac:g}"] = score(run["outcomes"], run["window_s"], setting.ttft_slo,
                                                  setting.tbt_slo).attainment
                 except RowFailed as err:
-                    table.append({"row": row.name, "attainment": {}, "mean": -1.0, "why": row.why, "error": str(err)})
+                    table.append({"row": row.name, "attainment": {}, "mean": -1.0, "why": row.why, "error": str(err),
+                                  "emulated_knobs": emulated_knobs(row.args, setting.speedup)})
                     log(f"sweep {family} {row.name}: FAILED {err}")
                     continue
-                table.append({"row": row.name, "attainment": att, "mean": statistics.fmean(att.values()), "why": row.why})
+                table.append({"row": row.name, "attainment": att, "mean": statistics.fmean(att.values()), "why": row.why,
+                              "emulated_knobs": emulated_knobs(row.args, setting.speedup)})
                 log(f"sweep {family} {row.name}: {att}")
         best = max(table, key=lambda x: (x["mean"], -len(x["row"])))
         out[family] = {"grid": table, "best": best["row"], "loads_x_planned": list(SWEEP_LOADS)}
@@ -927,6 +932,12 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     peers = tuple(args.peers.split(",")) if args.peers else None
     if peers and (unknown := [n for n in peers if n not in rows_mod.ALL or rows_mod.ALL[n].family == "ours"]):
         inv.error(f"unknown peer rows {unknown}")
+    swept = [r for f in families for r in (rows_mod.family_rows(f)[:1] if args.quick else rows_mod.family_rows(f))]
+    for row in swept + [rows_mod.ALL[n] for n in peers or ()]:
+        try:  # every peer knob the run may start, at this speedup: refused before any deployment starts
+            peer_args(row.args, setting.speedup)
+        except rows_mod.KnobClockError as err:
+            inv.error(f"{row.name}: {err}")
     starts = {}
     for item in args.start:
         name, _, value = item.partition("=")

@@ -19,15 +19,93 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prfaas_sglang.errors import ConfigError
+
 # (PrfaaS, PD prefill, PD decode) instances; shaped: the PrfaaS egress crosses the link
 DEPLOYMENTS = {"hetero": (1, 1, 1), "naive": (1, 0, 2), "homog-2p1d": (0, 2, 1), "homog-1p2d": (0, 1, 2)}
 SHAPED = ("hetero", "naive")
 
 
+class KnobClockError(ConfigError):
+    """A peer's time-valued knob that the peer cannot be given at this speedup (it takes whole wall seconds)."""
+
+
+def _whole(flag: str, value: float, stated: str) -> str:
+    """``value`` as the peer's argument: both peers take whole numbers of at least 1 (argparse ``type=int``)."""
+    if value < 1 or abs(value - round(value)) > 1e-9:
+        raise KnobClockError(flag, f"{stated}: the peer takes whole numbers of at least 1 only")
+    return str(round(value))
+
+
+@dataclass(frozen=True)
+class EmulatedSeconds:
+    """A peer flag whose value is a duration, stated on the emulated clock: the peer gets
+    ``seconds / speedup`` wall seconds, a whole number (speedups that express it: ``seconds / k``)."""
+
+    flag: str
+    seconds: float
+
+    def wall(self, speedup: float) -> str:
+        wall_s = self.seconds / speedup
+        return _whole(self.flag, wall_s, f"{self.seconds:g} emulated s is {wall_s:g} wall s at speedup {speedup:g}")
+
+
+@dataclass(frozen=True)
+class PerEmulatedSecond:
+    """A peer flag whose value is a rate, per emulated second: the peer gets ``rate x speedup`` per wall
+    second, a whole number."""
+
+    flag: str
+    rate: float
+
+    def wall(self, speedup: float) -> str:
+        per_wall_s = self.rate * speedup
+        return _whole(self.flag, per_wall_s, f"{self.rate:g} per emulated s is {per_wall_s:g} per wall s at speedup "
+                                             f"{speedup:g}")
+
+
+@dataclass(frozen=True)
+class Fastest:
+    """A peer's period flag (a poll or re-balance interval) at the smallest value it accepts, 1 wall second:
+    ``speedup`` emulated seconds, the peer's own floor on this clock (a run at speedup 1 gives it 1 s)."""
+
+    flag: str
+
+    def wall(self, speedup: float) -> str:
+        return "1"
+
+
+Knob = EmulatedSeconds | PerEmulatedSecond | Fastest
+
+
+def peer_args(args: tuple[str | Knob, ...], speedup: float) -> tuple[str, ...]:
+    """A row's flags as the peer process gets them at ``speedup``: each time-valued knob converted from the
+    emulated clock to wall time (:class:`KnobClockError` where the peer cannot take the value)."""
+    out: list[str] = []
+    for arg in args:
+        out.extend((arg.flag, arg.wall(speedup)) if isinstance(arg, EmulatedSeconds | PerEmulatedSecond | Fastest) else (arg,))
+    return tuple(out)
+
+
+def emulated_knobs(args: tuple[str | Knob, ...], speedup: float) -> dict[str, float]:
+    """Each time-valued knob of ``args`` on the emulated clock at ``speedup`` (what a reader compares with the SLO):
+    seconds for durations and periods, per second for rates."""
+    out = {}
+    for arg in args:
+        if isinstance(arg, EmulatedSeconds):
+            out[arg.flag] = arg.seconds
+        elif isinstance(arg, PerEmulatedSecond):
+            out[arg.flag] = arg.rate
+        elif isinstance(arg, Fastest):
+            out[arg.flag] = float(speedup)
+    return out
+
+
 @dataclass(frozen=True)
 class Row:
     """One router over one deployment. ``router``: ``prfaas`` (ours) or a peer (``sglang-router``, ``smg``);
-    ``args``: its flags beyond the workers and policies; ``prefill``: which prefill workers a peer is given
+    ``args``: its flags beyond the workers and policies (a peer's time-valued ones as :data:`Knob`, on the
+    emulated clock: :func:`peer_args` renders them for a speedup); ``prefill``: which prefill workers a peer is given
     (``all``: the PD-P worker first, then PrfaaS, so a length bucket puts the short prompts on PD-P; ``prfaas``:
     the PrfaaS worker alone)."""
 
@@ -35,7 +113,7 @@ class Row:
     family: str  # ours | sglang-router | smg | naive | homogeneous
     deployment: str
     router: str
-    args: tuple[str, ...] = ()
+    args: tuple[str | Knob, ...] = ()
     prefill: str = "all"
     prefill_policy: str = "cache_aware"
     decode_policy: str | None = None  # None: start_peer_router's choice (power_of_two over 2+ decode workers)
@@ -56,36 +134,39 @@ OURS = (
             "cluster while it meets the SLO)"),
 )
 
-# Every peer knob in seconds is wall time, and the emulation runs `speedup` times faster: each interval is
-# set to its smallest value, so no peer reacts slower than it could.
+# Every time-valued peer knob is stated on the emulated clock (EmulatedSeconds, PerEmulatedSecond) and
+# converted for the run's speedup; a poll or re-balance period is the peer's smallest (Fastest: 1 wall s,
+# `speedup` emulated s). Both peers take whole seconds only: at the default speedup 4 a queue timeout is a
+# multiple of 4 emulated seconds; a shorter one needs a run at a speedup that expresses it (KnobClockError).
 # sglang-router 0.3.2. Its load signals: in-flight counts it keeps itself (cache_aware, which for a
 # streamed PD request starts counting only after the prefill answered) or /get_load polled every
 # --worker-startup-check-interval (power_of_two; default 30 s). Its admission: a token bucket of
 # --max-concurrent-requests refilled at --rate-limit-tokens-per-second, a queue, 408 on its timeout.
-SR_FLAGS_ADMISSION = ("--rate-limit-tokens-per-second", "1", "--queue-size", "256", "--queue-timeout-secs", "1")
+SR_FLAGS_ADMISSION = (PerEmulatedSecond("--rate-limit-tokens-per-second", 1), "--queue-size", "256",
+                      EmulatedSeconds("--queue-timeout-secs", 4))
 SGLANG_ROUTER = (
     Row("sr-cache_aware", "sglang-router", "hetero", "sglang-router", why="its default"),
     Row("sr-round_robin", "sglang-router", "hetero", "sglang-router", prefill_policy="round_robin",
         why="speed-blind 50/50 split"),
-    Row("sr-power_of_two", "sglang-router", "hetero", "sglang-router", ("--worker-startup-check-interval", "1"),
-        prefill_policy="power_of_two", why="its load-aware policy, loads polled every second (default 30 s)"),
-    Row("sr-bucket", "sglang-router", "hetero", "sglang-router", ("--bucket-adjust-interval-secs", "1"),
+    Row("sr-power_of_two", "sglang-router", "hetero", "sglang-router", (Fastest("--worker-startup-check-interval"),),
+        prefill_policy="power_of_two", why="its load-aware policy, loads polled as often as it can (default 30 s)"),
+    Row("sr-bucket", "sglang-router", "hetero", "sglang-router", (Fastest("--bucket-adjust-interval-secs"),),
         prefill_policy="bucket", why="its length-aware policy: short prompts on the first worker (PD-P), long on "
-        "PrfaaS; boundaries re-balanced every second (default 5 s)"),
+        "PrfaaS; boundaries re-balanced as often as it can (default 5 s)"),
     Row("sr-prfaas-only", "sglang-router", "hetero", "sglang-router", prefill="prfaas",
         why="the fast worker does every prefill (the obvious setting of a length-blind router)"),
     Row("sr-cache_aware-admit8", "sglang-router", "hetero", "sglang-router",
         ("--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION), why="its admission: ~8 in flight (Little's law "
-        "at the planned capacity), a 1 s queue timeout"),
+        "at the planned capacity), a 4 s queue timeout (emulated)"),
     Row("sr-power_of_two-admit8", "sglang-router", "hetero", "sglang-router",
-        ("--worker-startup-check-interval", "1", "--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION),
+        (Fastest("--worker-startup-check-interval"), "--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION),
         prefill_policy="power_of_two", why="load-aware policy with its admission"),
 )
 
 # smg 1.13. Loads polled every --load-monitor-interval (default 10 s); overload protection (on by
 # default) leaves out a worker reporting >= 8 waiting requests or >= 0.8 KV usage and, when all are
 # out, bypasses the policy. --job-queue-concurrency 1 registers workers in flag order (bucket order).
-SMG_FRESH = ("--load-monitor-interval", "1", "--job-queue-concurrency", "1")
+SMG_FRESH = (Fastest("--load-monitor-interval"), "--job-queue-concurrency", "1")
 SMG_P2_LEAST = ("--power-of-two-load-metric", "least_requests", *SMG_FRESH)
 SMG = (
     Row("smg-cache_aware", "smg", "hetero", "smg", ("--job-queue-concurrency", "1"), why="its default"),
@@ -99,8 +180,8 @@ SMG = (
     Row("smg-round_robin", "smg", "hetero", "smg", ("--job-queue-concurrency", "1"), prefill_policy="round_robin",
         why="speed-blind split"),
     Row("smg-bucket", "smg", "hetero", "smg", ("--job-queue-concurrency", "1", "--disable-worker-overload-protection",
-                                                "--bucket-adjust-interval-secs", "1"),
-        prefill_policy="bucket", why="its length-aware policy, PD-P on the short bucket, re-balanced every second "
+                                                Fastest("--bucket-adjust-interval-secs")),
+        prefill_policy="bucket", why="its length-aware policy, PD-P on the short bucket, re-balanced as often as it can "
         "(overload protection off: with it a bucket whose worker is marked overloaded answers 503)"),
     Row("smg-p2-inflight2", "smg", "hetero", "smg",
         (*SMG_P2_LEAST, "--prefill-max-inflight-requests-per-worker", "2", "--prefill-queue-size", "4096"),
@@ -111,8 +192,9 @@ SMG = (
         prefill_policy="power_of_two", why="the same, 4 legs per worker"),
     Row("smg-p2-inflight2-timeout", "smg", "hetero", "smg",
         (*SMG_P2_LEAST, "--prefill-max-inflight-requests-per-worker", "2", "--prefill-queue-size", "4096",
-         "--prefill-queue-timeout-secs", "1"),
-        prefill_policy="power_of_two", why="its nearest thing to early rejection: refuse what waited 1 s in its queue"),
+         EmulatedSeconds("--prefill-queue-timeout-secs", 4)),
+        prefill_policy="power_of_two", why="its nearest thing to early rejection: refuse what waited 4 s (emulated) in "
+        "its queue"),
     Row("smg-p2-shed", "smg", "hetero", "smg", (*SMG_P2_LEAST, "--worker-overload-shed"), prefill_policy="power_of_two",
         why="its overload protection shedding (503) instead of steering"),
 )

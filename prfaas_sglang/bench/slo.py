@@ -21,6 +21,14 @@ load that meets it, by expanding and then bisecting (geometric midpoints) until 
 bracket ``[lo, hi]`` satisfies ``hi / lo <= 1 + resolution``: ``lo`` passed, ``hi`` failed.
 Attainment is assumed to fall with load; a pass above a recorded failure is not credited
 (the bracket stays conservative). One probe informs every target.
+
+:func:`capacity_interval` estimates the same capacity with a confidence interval from a fixed grid
+of loads around the crossing (every load's arrivals, in arrival order, per run): attainment fitted
+non-increasing in load (isotonic, weighted by arrivals), the crossing of ``target`` interpolated in
+log load between the two grid loads that bracket it, and a percentile interval from a bootstrap over
+arrivals (in blocks, since a run's neighbouring arrivals share a queue). On synthetic curves of
+several shapes and a 9-load grid 5-10% apart it covers the true crossing in 92-96 of 100 trials
+(tests/bench/test_slo.py). :func:`ratio_interval` divides two such estimates replicate by replicate.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from prfaas_sglang.stats import percentile
 
@@ -191,3 +201,89 @@ def spread(values: Iterable[float]) -> dict | None:
     """Median, min and max (None for no values)."""
     vs = [v for v in values if v is not None]
     return {"median": statistics.median(vs), "min": min(vs), "max": max(vs)} if vs else None
+
+
+@dataclass(frozen=True)
+class CapacityInterval:
+    """Capacity at ``target`` attainment (a load, in the grid's unit) with its ``confidence`` interval
+    ``[low, high]``. ``censored``: ``"below-grid"`` when the fit misses ``target`` already at the lowest
+    load (capacity is at most that load, reported as it), ``"above-grid"`` when it meets it at the
+    highest (at least that load); None when the grid brackets the crossing. ``samples``: the bootstrap
+    replicates' capacities (what :func:`ratio_interval` divides)."""
+
+    target: float
+    capacity: float
+    low: float
+    high: float
+    confidence: float
+    censored: str | None
+    samples: tuple[float, ...] = field(repr=False, compare=False)
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "capacity": self.capacity, "low": self.low, "high": self.high,
+                "confidence": self.confidence, "censored": self.censored, "resamples": len(self.samples)}
+
+
+def fitted_crossing(loads: np.ndarray, met: np.ndarray, arrivals: np.ndarray, target: float) -> tuple[float, str | None]:
+    """Where attainment, fitted non-increasing in load, crosses ``target``: interpolated in log load
+    between the last grid load at or above it and the first below it; the end load and how it is
+    censored when the fit never crosses. ``loads`` ascending; ``met`` and ``arrivals`` per load."""
+    from scipy.optimize import isotonic_regression
+
+    fit = isotonic_regression(met / arrivals, weights=arrivals, increasing=False).x
+    below = np.flatnonzero(fit < target)
+    if below.size == 0:
+        return float(loads[-1]), "above-grid"
+    i = int(below[0])
+    if i == 0:
+        return float(loads[0]), "below-grid"
+    share = (fit[i - 1] - target) / (fit[i - 1] - fit[i])
+    return float(np.exp(np.log(loads[i - 1]) + share * (np.log(loads[i]) - np.log(loads[i - 1])))), None
+
+
+def _resampled_met(run: np.ndarray, rng: np.random.Generator, resamples: int, block_arrivals: int) -> np.ndarray:
+    """Met arrivals of ``resamples`` block-bootstrap copies of one run (circular blocks of ``block_arrivals``)."""
+    k = run.size
+    blocks = -(-k // block_arrivals)
+    starts = rng.integers(0, k, (resamples, blocks))
+    index = (starts[:, :, None] + np.arange(block_arrivals)).reshape(resamples, -1)[:, :k] % k
+    return run[index].sum(axis=1)
+
+
+def capacity_interval(runs_by_load: Mapping[float, Sequence[Sequence[bool]]], target: float, rng: np.random.Generator, *,
+                      resamples: int = 1000, confidence: float = 0.95, block_arrivals: int = 10) -> CapacityInterval:
+    """Capacity at ``target`` from a load grid (see the module): ``runs_by_load`` maps each offered load to
+    its runs (one per seed), each the arrivals' met-or-not in arrival order. Needs two loads or more, every
+    one with arrivals. ``rng`` (numpy's) draws the bootstrap; the result is a function of it and the data."""
+    loads = np.array(sorted(runs_by_load), dtype=float)
+    if loads.size < 2 or not 0 < target < 1 or not 0 < confidence < 1 or resamples < 1 or block_arrivals < 1:
+        raise ValueError("need two loads or more, 0 < target < 1, 0 < confidence < 1, resamples >= 1, block >= 1")
+    runs = [[np.asarray(run, dtype=bool) for run in runs_by_load[load] if len(run)] for load in loads]
+    if any(not rs for rs in runs):
+        raise ValueError("every load needs arrivals")
+    arrivals = np.array([sum(r.size for r in rs) for rs in runs], dtype=float)
+    met = np.array([sum(int(r.sum()) for r in rs) for rs in runs], dtype=float)
+    capacity, censored = fitted_crossing(loads, met, arrivals, target)
+    met_by_copy = np.stack([sum(_resampled_met(r, rng, resamples, min(block_arrivals, r.size)) for r in rs) for rs in runs],
+                           axis=1)
+    samples = [fitted_crossing(loads, copy.astype(float), arrivals, target)[0] for copy in met_by_copy]
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(samples, [tail, 1 - tail])
+    return CapacityInterval(target, capacity, float(low), float(high), confidence, censored, tuple(samples))
+
+
+def ratio_interval(ours: CapacityInterval, theirs: CapacityInterval) -> dict:
+    """``ours / theirs`` with the interval of the replicates' ratios (replicate by replicate; the two rows'
+    bootstraps are independent, which for rows run on the same arrivals errs wide), at the smaller of
+    the two confidences. ``ahead``: the interval's lower bound exceeds 1. Ratios are None where a
+    capacity is 0."""
+    if len(ours.samples) != len(theirs.samples):
+        raise ValueError("the two estimates need the same number of bootstrap replicates")
+    confidence = min(ours.confidence, theirs.confidence)
+    a, b = np.array(ours.samples), np.array(theirs.samples)
+    if theirs.capacity <= 0 or (b <= 0).any():
+        return {"ratio": None, "low": None, "high": None, "confidence": confidence, "ahead": False}
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(a / b, [tail, 1 - tail])
+    return {"ratio": ours.capacity / theirs.capacity, "low": float(low), "high": float(high), "confidence": confidence,
+            "ahead": bool(low > 1)}

@@ -17,9 +17,17 @@ and decode when the split no longer fits the load. One decision, every ``interva
         queue grew by more than one request per instance)    an idle fleet is not re-split
       the same direction for ``confirm`` decisions running   hysteresis against one noisy window
       (undoing the last conversion within 2 x min_dwell_s:    no flapping between two splits)
-       twice the gain)
+       ``reversal_gain_factor`` x the gain)
+      not undoing the last conversion while PD-P and PD-D    a cluster saturated on both sides
+        are both saturated                                   gains nothing by moving a node back
       now - last conversion >= min_dwell_s                   a conversion drains and restarts nodes
     and move at most ``max_step`` nodes toward the target, never below one node per role.
+
+Far above capacity every stage is saturated, and the model's best split follows each window's
+lengths: a 3-node cluster (one conversion moves a third of it) alternated 1P/2D <-> 2P/1D every
+dwell period, each reversal clearing even twice ``min_gain`` (BENCHMARKS, the long-term controller
+per PD cluster, load 0.8). Whichever way a node moves there, the other stage is still saturated:
+so the conversion stands until one side has room again.
 
 The model is the PD cluster's (:class:`~prfaas_sglang.runtime.PdClusterModel`): the cluster and every
 PrfaaS cluster linked to it, their capacities pooled, so a PD cluster fed by several PrfaaS clusters is
@@ -55,7 +63,9 @@ class LongTermSettings:
     interval_s: float = 60.0  # decide at most this often (model seconds)
     window_s: float = 300.0  # what a decision looks at
     min_dwell_s: float = 300.0  # no conversion sooner than this after the last one
-    min_gain: float = 0.05  # Lambda_max gain the model must predict
+    min_gain: float = 0.05  # Lambda_max gain the model must predict (a fraction of the split's own best)
+    # Undoing the last conversion within 2 x min_dwell_s needs this many times min_gain (hysteresis).
+    reversal_gain_factor: float = 2.0
     confirm: int = 2  # consecutive decisions wanting the same direction
     busy_high: float = 0.85  # a stage this busy is saturated (and decode's rate can be measured)
     min_busy: float = 0.2  # a prefill stage less busy than this tells nothing about its rate
@@ -68,6 +78,8 @@ class LongTermSettings:
             raise ValueError("need 0 < interval_s <= window_s")
         if self.min_dwell_s < 0 or self.min_gain < 0 or self.confirm < 1 or self.min_requests < 1:
             raise ValueError("need min_dwell_s >= 0, min_gain >= 0, confirm >= 1, min_requests >= 1")
+        if self.reversal_gain_factor < 1:
+            raise ValueError("need reversal_gain_factor >= 1")
         if not 0 < self.min_busy < self.busy_high <= 1:
             raise ValueError("need 0 < min_busy < busy_high <= 1")
         if self.max_step is not None and self.max_step < 1:
@@ -166,15 +178,22 @@ class LongTermController:
         saturated = self._saturated(busy)
 
         direction = (best > n_now) - (best < n_now)
-        # Undoing the last conversion soon after it needs twice the gain: no flapping between two splits.
-        reversal = direction == -self._last_direction and now_s - self._last_change_s < 2 * s.min_dwell_s
-        wants = direction != 0 and gain >= s.min_gain * (2 if reversal else 1) and bool(saturated)
+        undo = direction != 0 and direction == -self._last_direction
+        # Undoing the last conversion soon after it needs more gain: no flapping between two splits.
+        reversal = undo and now_s - self._last_change_s < 2 * s.min_dwell_s
+        # With both PD stages saturated a node moved back leaves the other side saturated: nothing gained.
+        undo_saturated = undo and {"pd-prefill", "pd-decode"} <= set(saturated)
+        needed = s.min_gain * (s.reversal_gain_factor if reversal else 1)
+        wants = direction != 0 and gain >= needed and bool(saturated) and not undo_saturated
         self._streak = (self._streak + direction if self._streak * direction > 0 else direction) if wants else 0
         self._last = {"target_n_prefill": best, "gain": gain, "drift": drift, "saturated": saturated,
                       "busy": busy, "streak": self._streak, "current_rps": current_rps,
                       "target_rps": plans[best].lambda_max_rps}
         why = (f"split {n_now}P/{self.runtime.n_decode}D -> best {best}P/{self.runtime.n_pd - best}D "
                f"(+{gain:.0%} Lambda_max), drift {drift:.2f}, saturated: {', '.join(saturated) or 'none'}")
+        if undo_saturated:
+            self._last["decision"] = f"stay (PD-P and PD-D both saturated: no undoing the last conversion): {why}"
+            return None
         if not wants:
             self._last["decision"] = f"stay: {why}"
             return None

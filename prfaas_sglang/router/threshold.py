@@ -20,6 +20,14 @@ queue-balance bias::
   exceeds ``rise_ratio`` of it for ``confirm_s`` (back to nominal once within
   ``recovered_ratio`` of it). A capacity change re-searches ``model_t`` and
   resets ``bias`` to 1 (the queues it answered belonged to the old link).
+  A drop confirmed by a sample of a link not saturated (busy below ``busy_high``:
+  little traffic in its window, a transfer's gap or a slow start) lowers the
+  estimate at most to ``light_drop_ratio`` of it: such a rate says little of
+  the link, and one of them once took it to the floor, where a 2,048-token
+  request was predicted 67 s and early rejection would have refused what the
+  link carried. Only saturated samples take it further (a stall: the floor).
+  A sample of an idle link (busy below ``busy_hold``, with or without a rate)
+  ends a pending drop, so samples apart by a silence never confirm one.
   A drop is taken at the sample that confirmed it, often one of the transition
   (writes begun at the old rate land late) and low by a fifth; the rise rule
   cannot correct that. So while constrained, the busy samples that are neither a
@@ -48,9 +56,9 @@ queue-balance bias::
   model even a short one carries a fixed linear-attention state: a fixed
   one-second budget admitted only prompts under ~12K tokens, so a recovered link
   went unnoticed for 13 s when none arrived (bench bandwidth, seed 1).
-  A drop measured from a stall (busy, next to nothing delivered: the estimate
-  goes to its floor, 1e-3 of nominal) says nothing of the rate: probes are then
-  sized at the estimate the link had before the stall, or none would ever fit
+  A drop measured from a stall (saturated, next to nothing delivered: the estimate
+  goes to its floor, ``CAPACITY_FLOOR_RATIO`` of nominal) says nothing of the rate:
+  probes are then sized at the estimate the link had before the stall, or none would ever fit
   and the floor would be for good (a second or so of a real SGLang sender
   delivering nothing, on a 2-core box, kept a healthy link off for the rest of a
   run). A probe that delivered nothing
@@ -69,6 +77,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prfaas_sglang.plan.workload import BlendedWorkload, Workload
+
+CAPACITY_FLOOR_RATIO = 1e-3  # the capacity estimate's floor, as a fraction of nominal_bps (where a stall puts it)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,11 @@ class ControllerSettings:
     probe_max_s: float = 8.0
     probe_backoff_max: int = 16  # unanswered probes stretch the interval up to this factor
     track_gain: float = 0.25  # while constrained: weight of each busy sample in the refined capacity
+    # A drop confirmed by a sample busy below busy_high lowers the estimate to no less than this
+    # ratio of it: a lightly used link's rate is not its capacity. Half: one such sample at most
+    # doubles a predicted transfer time (never 1,000x, the floor); a saturated sample still sets
+    # the level it measured at once, and each further confirmed drop halves it again.
+    light_drop_ratio: float = 0.5
 
     def __post_init__(self):
         if not 0 < self.busy_hold <= self.busy_high <= 1:
@@ -105,6 +120,8 @@ class ControllerSettings:
             raise ValueError("need 0 < drop_ratio < 1 < rise_ratio and 0 < recovered_ratio <= 1")
         if not 0 < self.track_gain <= 1:
             raise ValueError("need 0 < track_gain <= 1")
+        if not 0 < self.light_drop_ratio < 1:
+            raise ValueError("need 0 < light_drop_ratio < 1")
         if not 0 < self.probe_interval_s <= self.probe_max_s or self.probe_backoff_max < 1:
             raise ValueError("need 0 < probe_interval_s <= probe_max_s and probe_backoff_max >= 1")
         if not 0 < self.queue_low_s < self.queue_high_s or self.step_factor <= 1 or self.time_scale <= 0:
@@ -187,6 +204,8 @@ class ThresholdController:
             self._last_progress_s = now_s
             self._probe_backoff = 1
         capacity_changed = False
+        if link is not None and link.capacity_bps is None and link.busy_fraction < s.busy_hold:
+            self._drop_since = None  # an idle link: a later low sample starts a drop, never confirms one alone
         if link is not None and link.capacity_bps is not None:
             event = self._update_capacity(now_s, link)
             if event is not None:
@@ -272,13 +291,17 @@ class ThresholdController:
             self._drop_since = self._drop_since if self._drop_since is not None else now_s
             if now_s - self._drop_since >= s.confirm_s:
                 self._drop_since = None
-                floor = 1e-3 * self.nominal_bps
-                if m < floor:  # a stall: no rate measured; keep what the link carried for sizing probes
+                floor = CAPACITY_FLOOR_RATIO * self.nominal_bps
+                light = link.busy_fraction < s.busy_high  # not saturated: a bounded step down, never a stall
+                level = max(m, s.light_drop_ratio * est) if light else m
+                if level < floor:  # a stall: no rate measured; keep what the link carried for sizing probes
                     self._stalled_from_bps = self._stalled_from_bps or est
                 else:
                     self._stalled_from_bps = None
-                self.capacity_est_bps = self._tracked_bps = max(m, floor)
+                self.capacity_est_bps = self._tracked_bps = max(level, floor)
                 self._capacity_reason = f"link delivers {m / 1e6:.1f} Mbit/s while busy {link.busy_fraction:.2f}"
+                if level > m:
+                    self._capacity_reason += f" (lightly used: estimate lowered only to {level / 1e6:.1f})"
                 return "changed"
             return None
         self._drop_since = None

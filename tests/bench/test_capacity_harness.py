@@ -101,3 +101,43 @@ def test_ratios_pool_and_spread_over_seeds():
     # a seed where the peer met the target at no probed load has no finite ratio: it is left out of the spread
     assert r["vs"]["smg"]["per_seed"] == {"median": pytest.approx((4.0 + 1.1 / 0.3) / 2), "min": pytest.approx(1.1 / 0.3),
                                            "max": 4.0}
+
+
+@pytest.mark.parametrize(("speedup", "timeout", "rate"), [(4.0, "1", "4"), (2.0, "2", "2"), (1.0, "4", "1")])
+def test_a_peers_time_valued_knobs_reach_it_in_wall_time_at_the_deployments_speedup(tmp_path, monkeypatch, speedup,
+                                                                                   timeout, rate):
+    """sglang-router's admission row: a 4 s queue timeout and 1 token a second on the emulated clock, its load poll
+    at its fastest. The flags the peer process is started with are those, in wall time at the speedup."""
+    from types import SimpleNamespace
+
+    from prfaas_sglang.bench.capacity_rows import ALL
+
+    started = {}
+    monkeypatch.setattr(capacity, "start_peer_router", lambda *a, **kw: started.update(kw) or "http://peer")
+    worker = SimpleNamespace(url="http://w", bootstrap_port=1)
+    up = capacity.Up("hetero", None, SimpleNamespace(workers={"prfaas-0": worker, "pd-prefill-0": worker,
+                                                               "pd-decode-0": worker}),
+                     {"emulation": {"speedup": speedup}}, None)
+    capacity.start_row_router(ALL["sr-power_of_two-admit8"], up, SimpleNamespace(log_dir=tmp_path))
+    args = started["extra_args"]
+    flag = dict(zip(args[::2], args[1::2], strict=True))
+    assert flag["--queue-timeout-secs"] == timeout and flag["--rate-limit-tokens-per-second"] == rate
+    assert flag["--worker-startup-check-interval"] == "1" and flag["--max-concurrent-requests"] == "8"
+
+
+def test_a_knob_the_peer_cannot_take_at_this_speedup_is_refused_with_its_name():
+    from prfaas_sglang.bench.capacity_rows import (
+        ALL,
+        EmulatedSeconds,
+        KnobClockError,
+        emulated_knobs,
+        peer_args,
+    )
+
+    with pytest.raises(KnobClockError, match="--queue-timeout-secs: 4 emulated s is 0.5 wall s at speedup 8"):
+        peer_args(ALL["sr-cache_aware-admit8"].args, 8.0)
+    with pytest.raises(KnobClockError, match="6 emulated s is 1.5 wall s at speedup 4: the peer takes whole numbers"):
+        peer_args((EmulatedSeconds("--prefill-queue-timeout-secs", 6),), 4.0)
+    # What a reader compares with the SLO: the knobs on the emulated clock (the poll period is the peer's floor).
+    assert emulated_knobs(ALL["sr-power_of_two-admit8"].args, 4.0) == {
+        "--worker-startup-check-interval": 4.0, "--rate-limit-tokens-per-second": 1, "--queue-timeout-secs": 4}

@@ -1,13 +1,22 @@
-"""Capacity at an SLO (bench/slo.py, pure): scoring over all arrivals, and the bisection's brackets."""
+"""Capacity at an SLO (bench/slo.py, pure): scoring over all arrivals, the bisection's brackets, and the
+interval estimate from a load grid."""
 
 from __future__ import annotations
 
 import math
 import random
 
+import numpy as np
 import pytest
 
-from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score
+from prfaas_sglang.bench.slo import (
+    CapacitySearch,
+    Outcome,
+    capacity_interval,
+    per_seed_capacity,
+    ratio_interval,
+    score,
+)
 
 TTFT, TBT = 5.0, 0.025
 
@@ -90,3 +99,81 @@ def test_noisy_attainment_still_ends_with_a_bracket():
 def test_per_seed_capacity_stops_at_the_first_miss():
     assert per_seed_capacity({0.5: 0.95, 0.7: 0.91, 0.8: 0.89, 0.9: 0.92}, 0.9) == 0.7
     assert per_seed_capacity({0.5: 0.85}, 0.9) == 0.0
+
+
+# Synthetic attainment curves of different shapes (none is the estimator's own form): load -> P(met).
+CURVES = {
+    "logistic": lambda load: 1 / (1 + math.exp((load - 1.0) / 0.08)),
+    "weibull": lambda load: math.exp(-(load**6)),
+    "kink": lambda load: 1.0 if load < 0.8 else max(0.0, 1 - 2.5 * (load - 0.8)),
+}
+
+
+def true_crossing(curve, target: float = 0.9) -> float:
+    lo, hi = 0.01, 3.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if curve(mid) >= target else (lo, mid)
+    return lo
+
+
+def grid_runs(curve, center: float, rng: np.random.Generator, arrivals: int = 200, step: float = 1.05) -> dict:
+    """A 9-load grid ``step`` apart around ``center``, one run of independent arrivals per load."""
+    return {center * step**k: [rng.random(arrivals) < curve(center * step**k)] for k in range(-4, 5)}
+
+
+@pytest.mark.parametrize("shape", sorted(CURVES))
+def test_the_interval_covers_a_known_crossing_in_at_least_90_of_100_seeded_trials(shape):
+    curve, covered = CURVES[shape], 0
+    crossing = true_crossing(curve)
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        runs = grid_runs(curve, crossing * rng.uniform(0.9, 1.1), rng)  # the grid is not centred on the answer
+        est = capacity_interval(runs, 0.9, rng, resamples=300, block_arrivals=1)
+        assert est.low <= est.capacity <= est.high and est.censored is None
+        covered += est.low <= crossing <= est.high
+    assert covered >= 90, covered
+
+
+def test_more_arrivals_narrow_the_interval_and_blocks_widen_it_for_correlated_runs():
+    curve, crossing = CURVES["logistic"], true_crossing(CURVES["logistic"])
+    width = {}
+    for arrivals in (100, 1600):
+        rng = np.random.default_rng(7)
+        est = capacity_interval(grid_runs(curve, crossing, rng, arrivals), 0.9, rng, resamples=300, block_arrivals=1)
+        width[arrivals] = est.high - est.low
+    assert width[1600] < width[100] / 2
+    # Runs whose arrivals come in streaks (a slow period misses ten in a row): blocks see the streaks.
+    rng = np.random.default_rng(3)
+    streaky = {load: [np.repeat(rng.random(20) < curve(load), 10)] for load in (crossing * 1.05**k for k in range(-4, 5))}
+    iid = capacity_interval(streaky, 0.9, np.random.default_rng(1), resamples=300, block_arrivals=1)
+    blocked = capacity_interval(streaky, 0.9, np.random.default_rng(1), resamples=300, block_arrivals=10)
+    assert blocked.high - blocked.low > iid.high - iid.low
+
+
+def test_a_grid_that_does_not_bracket_the_crossing_says_so():
+    rng = np.random.default_rng(0)
+    every_load_meets = {load: [np.ones(50, dtype=bool)] for load in (1.0, 1.2, 1.4)}
+    est = capacity_interval(every_load_meets, 0.9, rng, resamples=50)
+    assert est.censored == "above-grid" and est.capacity == 1.4
+    none_meets = {load: [np.zeros(50, dtype=bool)] for load in (1.0, 1.2)}
+    assert capacity_interval(none_meets, 0.9, rng, resamples=50).censored == "below-grid"
+    with pytest.raises(ValueError):
+        capacity_interval({1.0: [[True]]}, 0.9, rng)
+    with pytest.raises(ValueError):
+        capacity_interval({1.0: [[True]], 2.0: [[]]}, 0.9, rng)
+
+
+def test_a_ratio_is_ahead_only_when_its_interval_clears_one():
+    curve = CURVES["logistic"]
+    crossing = true_crossing(curve)
+
+    def estimate(scale: float, seed: int):
+        rng = np.random.default_rng(seed)
+        shifted = lambda load: curve(load / scale)  # noqa: E731 - the same curve, its crossing scale times further
+        return capacity_interval(grid_runs(shifted, crossing * scale, rng, 400), 0.9, rng, resamples=300, block_arrivals=1)
+
+    far = ratio_interval(estimate(1.5, 1), estimate(1.0, 2))
+    assert far["ahead"] and far["low"] < 1.5 < far["high"] and far["low"] > 1
+    same = ratio_interval(estimate(1.0, 3), estimate(1.0, 4))
+    assert not same["ahead"] and same["low"] <= 1 <= same["high"]

@@ -447,6 +447,48 @@ class TestThresholdController:
         assert c.observe(1.6, busy_link(40), IDLE) is None and c.threshold_tokens == 50_000  # overridden
         assert c.override(2.0, None) == pytest.approx(research(40e6, PRIOR), abs=128)
 
+    def test_a_lone_low_sample_of_a_lightly_used_link_does_not_take_the_estimate_to_the_floor(self):
+        """Issue #59: a pending drop confirmed by one low sample of a link not saturated (busy 0.6: a gap,
+        a slow start) took the estimate to that sample's rate, here the floor, where a 2,048-token request
+        was predicted at 1,000x its time and early rejection refused it. Now such a sample lowers the
+        estimate at most to light_drop_ratio of it; after a silence a low sample confirms nothing alone;
+        saturated samples still set their level, a stall's the floor."""
+        def prfaas_ttft_s(capacity_bps: float):
+            d = decide(2_048, {}, t=1_024, link=Link(capacity_bps))
+            assert d.cluster == "prfaas"
+            return d
+
+        nominal = prfaas_ttft_s(NOMINAL).estimated_ttft_s
+        lightly_used = LinkView(0.3e6, 0.6, 0.2e6, 0.2e6, 4_000_000)  # 0.3 Mbit/s while busy 60% of the window
+        for first in (busy_link(250), LinkView(0.0, 0.95, 0.0, 0.0, 4_000_000)):  # a drop pending: low, or a stall's edge
+            c = controller()
+            assert c.observe(0.0, first, IDLE) is None
+            assert c.observe(0.5, lightly_used, IDLE) is not None and c.constrained
+            assert c.capacity_est_bps == pytest.approx(c.settings.light_drop_ratio * NOMINAL)
+            assert "lightly used" in c.history[-1][2]
+            d = prfaas_ttft_s(c.capacity_est_bps)
+            assert d.estimated_ttft_s <= nominal / c.settings.light_drop_ratio and not refuse_early(d, 1.0)
+            c.observe(1.0, busy_link(40), IDLE)  # saturated samples still take it to what the link delivers
+            c.observe(1.5, busy_link(40), IDLE)
+            assert c.capacity_est_bps == pytest.approx(40e6)
+
+        after_silence = controller()
+        after_silence.observe(0.0, busy_link(250), IDLE)  # a drop pending, then the link idle for 10 s
+        for k in range(1, 40):
+            after_silence.observe(0.25 * k, LinkView(None, 0.0, 0.0, 0.0, 0), IDLE)
+        assert after_silence.observe(10.0, LinkView(0.3e6, 0.95, 0.3e6, 0.3e6, 4_000_000), IDLE) is None
+        assert after_silence.capacity_est_bps == NOMINAL
+
+        stall = controller()
+        stalled = LinkView(0.0, 1.0, 0.0, 0.0, 4_000_000)  # busy all window, 4 MB waiting, nothing delivered
+        stall.observe(0.0, stalled, IDLE)
+        stall.observe(0.25, stalled, IDLE)
+        assert stall.observe(0.5, stalled, IDLE) is not None
+        assert stall.capacity_est_bps == pytest.approx(1e-3 * NOMINAL)
+        assert refuse_early(prfaas_ttft_s(stall.capacity_est_bps), 1.0)  # a real stall: the floor, as before
+        with pytest.raises(ValueError, match="light_drop_ratio"):
+            ControllerSettings(light_drop_ratio=1.0)
+
     def test_bad_settings(self):
         with pytest.raises(ValueError):
             ControllerSettings(drop_ratio=1.5)

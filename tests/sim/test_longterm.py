@@ -224,3 +224,62 @@ def test_each_pd_cluster_sees_its_own_stages_and_its_share_of_a_shared_prfaas_cl
     one_pair = ClusterSample(10.0, {("prfaas", "a", "east"): 2, ("pd-decode", "east", "east"): 1},
                              {("prfaas", "a"): 3.0}, {("pd-decode", "east"): 1}, {("prfaas", "a"): 1, ("pd-decode", "east"): 1})
     assert one_pair.for_pd("east", {"a": ["east"]}) == one_pair.totals()  # one pair: its one view is the whole
+
+
+def region(*phases: tuple[float, float], busy, settings: LongTermSettings = SETTINGS) -> tuple[LongTermController, list]:
+    """A 3-node PD region (1P/2D; one conversion moves a third of it), one request a second for each
+    ``(duration_s, median factor)`` phase, a sample every 10 s at the controller's split with the stages
+    busy as ``busy(n_prefill)`` says and the queue of each fully busy one growing; returns the controller
+    and its decisions."""
+    three = FleetSpec(1, 1, 2).runtime()
+    ctl = LongTermController(cluster(three), settings)
+    decisions, now = [], 0.0
+    for seed, (duration_s, factor) in enumerate(phases):
+        lens = lengths(factor, int(duration_s), seed)
+        for k in range(0, len(lens), 10):
+            for i, n in enumerate(lens[k:k + 10]):
+                ctl.record(now + i, n, 1024)
+            now += 10
+            n_p, n_d = ctl.runtime.n_prefill, ctl.runtime.n_decode
+            stages = busy(n_p)
+            smp = sample(stages, n_p, n_d, queued={k: int(now // 10) for k, b in stages.items() if b >= 1.0})
+            d = ctl.observe(now, smp, three.baseline_threshold_tokens)
+            decisions += [d] if d else []
+    return ctl, decisions
+
+
+# Long prompts (median x2) make 2P/1D the model's best split of the 3-node region, short ones (x0.5) 1P/2D,
+# each by far more than twice min_gain (+28%, +60%): the windows' lengths alone flip the target.
+ALTERNATING = [(900.0, 2.0), (900.0, 0.5), (900.0, 2.0), (900.0, 0.5)]
+
+
+def test_a_3_node_region_far_above_capacity_does_not_flap_between_1p2d_and_2p1d():
+    """Issue #59: far above capacity every stage is saturated; the region converted 1P/2D -> 2P/1D and
+    back every dwell period as the window's lengths moved the model's best split. With both PD stages
+    saturated a node moved back leaves the other side saturated: the first conversion stands."""
+    ctl, decisions = region(*ALTERNATING, busy=lambda n_p: {"prfaas": 1.0, "pd-prefill": 1.0, "pd-decode": 1.0})
+    assert [(d.n_prefill, d.n_decode) for d in decisions] == [(2, 1)], [d.reason for d in decisions]
+    assert ctl.runtime.n_prefill == 2
+    assert ctl.describe()["target_n_prefill"] == 1 and "both saturated" in ctl.describe()["decision"]
+
+
+def test_a_3_node_region_with_a_real_imbalance_converts_once_and_can_still_undo_it():
+    """Prefill saturated, decode with room: one conversion to 2P/1D, held over many dwell periods while
+    the lengths keep it best. Once decode is the saturated side and prefill has room, short prompts undo it:
+    only a cluster saturated on both sides keeps its split."""
+    def prefill_bound(n_p):
+        return {"prfaas": 1.0, "pd-prefill": 1.0, "pd-decode": 0.3}
+
+    _, decisions = region((3600.0, 2.0), busy=prefill_bound)
+    assert [(d.n_prefill, d.n_decode) for d in decisions] == [(2, 1)]
+
+    def decode_bound_after(n_p):  # at 2P/1D the one decode node is the bottleneck, prefill idles
+        return prefill_bound(n_p) if n_p == 1 else {"prfaas": 0.5, "pd-prefill": 0.4, "pd-decode": 1.0}
+
+    _, decisions = region((900.0, 2.0), (1800.0, 0.5), busy=decode_bound_after)
+    assert [(d.n_prefill, d.n_decode) for d in decisions] == [(2, 1), (1, 2)]
+
+
+def test_reversal_gain_factor_is_checked():
+    with pytest.raises(ValueError, match="reversal_gain_factor"):
+        LongTermSettings(reversal_gain_factor=0.5)
