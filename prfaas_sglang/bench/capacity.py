@@ -109,6 +109,10 @@ class CapacitySetting:
     prefill_bias: float = 1.0
     decode_bias: float = 1.0
     noise_sigma: float = 0.2
+    # The engines' service-time truth (engine/mock/truth.py): "batched", a form the router's roofline does not
+    # have (per-forward and per-request costs, a decode step rising with the batch, slow periods), so placement
+    # and admission are judged where the router's prediction is not exact; "profile", the roofline's own form.
+    truth_model: str = "batched"
     resolution: float = 0.10  # of the 90% capacity: hi / lo <= 1.10
     resolution_99: float = 0.20  # of the 99% capacity
     give_up_slos: float = 2.5  # no first token by arrival + this x the TTFT SLO: the request is a miss
@@ -298,7 +302,8 @@ class Fleet:
     def _engine_args(self, role: str, index: int) -> tuple[str, ...]:
         s = self.setting
         return ("--context-tokens", str(2 * MAX_INPUT_TOKENS + s.output_tokens), "--prefill-bias", f"{s.prefill_bias:g}",
-                "--decode-bias", f"{s.decode_bias:g}", "--noise-sigma", f"{s.noise_sigma:g}", "--noise-seed", str(index))
+                "--decode-bias", f"{s.decode_bias:g}", "--noise-sigma", f"{s.noise_sigma:g}", "--noise-seed", str(index),
+                "--truth-model", s.truth_model)
 
     @staticmethod
     def _stop(up: Up) -> None:
@@ -777,7 +782,8 @@ def _render_condition(r: dict) -> str:
              f"planned capacity of the {r.get('deployment', 'hetero')} deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
              f"{setting['scored_per_seed']} scored arrivals per probe; resolution hi/lo <= {1 + setting['resolution']:g} "
              f"(90%), {1 + setting['resolution_99']:g} (99%); speedup {setting['speedup']:g}, engine noise sigma "
-             f"{setting['noise_sigma']:g}; {r['wall_s'] / 60:.0f} min", "",
+             f"{setting['noise_sigma']:g}, engine truth {setting.get('truth_model', 'profile')}; outputs "
+             f"{setting['output_tokens']} tokens; {r['wall_s'] / 60:.0f} min", "",
              "| row | capacity @90% (req/s) | x planned | per seed [min, max] | @99% | attainment | TTFT p50 / p90 / p99 (s, all arrivals) "
              "| goodput (req/s) | prompt tok/s in SLO | refused (of which >=16K) | offload | engine timing error (prefill / decode) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

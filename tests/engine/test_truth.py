@@ -10,7 +10,7 @@ from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo.cluster import scrape_metric
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, PrefillJob
 from prfaas_sglang.engine.mock.timing import load_timing
-from prfaas_sglang.engine.mock.truth import ServiceTruth
+from prfaas_sglang.engine.mock.truth import ServiceTruth, forward_costs
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.router.workers import parse_server_info
 
@@ -66,3 +66,59 @@ def test_the_bias_slows_the_engine_by_its_factor_and_the_router_sees_no_differen
     facts = [parse_server_info(info) for info in infos]
     assert facts[0].emulated == facts[1].emulated and facts[0].max_total_tokens == facts[1].max_total_tokens
     assert not any("bias" in str(info) or "noise" in str(info) for info in infos)
+
+
+def run_queue(queue: ChunkedPrefill, jobs: list[PrefillJob]) -> float:
+    for job in jobs:
+        queue.add(job)
+    total = 0.0
+    while (forward := queue.next_forward()) is not None:
+        total += forward.duration_s
+        queue.complete(forward)
+    return total
+
+
+def test_a_batched_engine_prefills_a_batch_for_less_than_the_sum_of_its_parts_while_the_routers_model_is_unchanged():
+    """``--truth-model batched``: eight short prompts in one forward cost less than each alone (the per-forward cost
+    is paid once), a long one about as much as its profile cost (compute dominates), and a decode step rises with the
+    batch beyond the profile's. The router's model is the same timing object throughout: only the engine's truth
+    changed."""
+    timing = load_timing(PREFILL_PROFILE, 1.0, 0.01, None)
+    before = (timing.prefill_s(512), timing.prefill_s(60_000), timing.decode_step_s(1, 4096), timing.decode_step_s(64, 4096))
+    batched, costs = ServiceTruth(model="batched"), forward_costs(timing)
+
+    def queue() -> ChunkedPrefill:
+        return ChunkedPrefill(8192, timing.prefill_s, forward_s=lambda pieces: batched.forward_s(pieces, costs))
+
+    together = run_queue(queue(), [PrefillJob(512) for _ in range(8)])
+    alone = sum(run_queue(queue(), [PrefillJob(512)]) for _ in range(8))
+    assert together < 0.8 * alone
+    assert run_queue(queue(), [PrefillJob(512)]) > 1.5 * timing.prefill_s(512)  # a short prompt: fixed costs dominate
+    long_s = run_queue(queue(), [PrefillJob(60_000)])  # eight chunks: each pays the per-forward cost again
+    assert timing.prefill_s(60_000) < long_s < 1.1 * timing.prefill_s(60_000)
+    steps = [batched.decode_step_s(timing.decode_step_s(batch, 4096), batch) / timing.decode_step_s(batch, 4096)
+             for batch in (1, 16, 64)]
+    assert steps[0] < steps[1] < steps[2] and steps[2] > 1.5
+    # The profile truth keeps the profile's own form, and nothing above moved the router's model.
+    profile = ServiceTruth()
+    assert run_queue(ChunkedPrefill(8192, timing.prefill_s, forward_s=lambda p: profile.forward_s(p, costs)),
+                     [PrefillJob(60_000)]) == pytest.approx(timing.prefill_s(60_000))
+    assert profile.decode_step_s(0.02, 64) == 0.02 and profile.slowdown(1e6) == 1.0 and not batched.exact
+    assert before == (timing.prefill_s(512), timing.prefill_s(60_000), timing.decode_step_s(1, 4096),
+                      timing.decode_step_s(64, 4096))
+
+
+def test_slow_periods_come_in_runs_not_as_independent_draws():
+    """The batched truth's noise is not i.i.d.: durations in a slow period are all slowed, and the periods' shares of
+    time follow their mean lengths (15 s slow against 120 s normal: about 11% slow)."""
+    from prfaas_sglang.engine.mock.truth import NORMAL_MEAN_S, SLOW_FACTOR, SLOW_MEAN_S
+
+    truth = ServiceTruth(model="batched", seed=5)
+    factors = [truth.slowdown(1000.0 + 0.1 * k) for k in range(200_000)]  # 20,000 emulated s, any origin
+    slow_share = sum(f == SLOW_FACTOR for f in factors) / len(factors)
+    assert set(factors) == {1.0, SLOW_FACTOR}
+    assert slow_share == pytest.approx(SLOW_MEAN_S / (SLOW_MEAN_S + NORMAL_MEAN_S), abs=0.04)
+    changes = sum(a != b for a, b in zip(factors, factors[1:], strict=False))
+    assert changes < 2 * 20_000 / (SLOW_MEAN_S + NORMAL_MEAN_S) * 1.5  # runs of hundreds of samples, not coin flips
+    with pytest.raises(ConfigError, match="--truth-model"):
+        ServiceTruth(model="oracle")

@@ -23,6 +23,7 @@ def test_quick_capacity_run(tmp_path):
     result = json.loads(proc.stdout)["result"]
     assert result["condition"] == "case-study/abundant" and result["best_config"] == {"sglang-router": "sr-cache_aware"}
     setting = capacity.CapacitySetting(**result["setting"])
+    assert setting.truth_model == "batched"  # the engines' truth is named, and is not the router's own form
     assert set(result["rows"]) == {"prfaas", "sr-cache_aware"}
     for name, row in result["rows"].items():
         probes = {p["load_rps"]: p for p in row["probes"]}
@@ -47,3 +48,4 @@ def test_quick_capacity_run(tmp_path):
     # a piece merges, and the merged document renders
     merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out)], timeout=60)
     assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant**") == 1, merged.stderr
+    assert "engine truth batched" in merged.stdout

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prfaas-tiny-chatml, or a directory); default: ids, or one pseudo-token per word")
     p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
                    help="how long a prefill waits for its decode partner and a decode for room or KV (SGLang: 300)")
+    from prfaas_sglang.engine.mock.truth import TRUTH_MODELS
+
     truth = p.add_argument_group("service-time truth (engine/mock/truth.py: apart from the topology's cost model; "
                                  "never reported to a router)")
     truth.add_argument("--prefill-bias", type=float, default=1.0,
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     truth.add_argument("--noise-sigma", type=float, default=0.0,
                        help="log-normal noise (mean one) per request's prefill and per decode step, this sigma")
     truth.add_argument("--noise-seed", type=int, default=0, help="the noise's random seed")
+    truth.add_argument("--truth-model", choices=TRUTH_MODELS, default="profile",
+                       help="profile: the profile's own form (chunks sum to T(l)); batched: per-forward and per-request "
+                            "costs, a decode step rising with the batch, slow periods (engine/mock/truth.py)")
     return p
 
 
@@ -66,7 +71,7 @@ def truth_from_args(args: argparse.Namespace):
     """The engine's :class:`~prfaas_sglang.engine.mock.truth.ServiceTruth` (raises ConfigError naming a bad flag)."""
     from prfaas_sglang.engine.mock.truth import ServiceTruth
 
-    return ServiceTruth(args.prefill_bias, args.decode_bias, args.noise_sigma, args.noise_seed)
+    return ServiceTruth(args.prefill_bias, args.decode_bias, args.noise_sigma, args.noise_seed, args.truth_model)
 
 
 def config_from_args(args: argparse.Namespace):

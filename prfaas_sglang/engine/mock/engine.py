@@ -56,7 +56,7 @@ from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransf
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
 from prfaas_sglang.engine.mock.timing import EngineTiming
-from prfaas_sglang.engine.mock.truth import ServiceTruth
+from prfaas_sglang.engine.mock.truth import ServiceTruth, forward_costs
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hosts import local_host
 from prfaas_sglang.kvindex.admission import PrefixAdmission
@@ -242,8 +242,14 @@ class MockEngine:
 
     def _queues(self) -> tuple[ChunkedPrefill, KvPool]:
         """Fresh scheduler state: the chunked-prefill queue and the decode KV pool (tokens)."""
-        return (ChunkedPrefill(self.config.chunked_prefill_size, self.timing.prefill_s),
+        costs = forward_costs(self.timing)
+        return (ChunkedPrefill(self.config.chunked_prefill_size, self.timing.prefill_s,
+                               forward_s=lambda pieces: self.truth.forward_s(pieces, costs)),
                 KvPool(self.config.max_total_tokens or self.timing.kv_pool_tokens))
+
+    def _slowdown(self) -> float:
+        """The truth's slow-period factor now (its clock: emulated seconds, this process's monotonic x speedup)."""
+        return self.truth.slowdown(time.monotonic() * self.timing.speedup)
 
     @property
     def _bind_host(self) -> str:
@@ -522,9 +528,9 @@ class MockEngine:
                 self._prefill_wake.clear()
                 await self._prefill_wake.wait()
                 continue
-            began = time.perf_counter()
-            await asyncio.sleep(forward.duration_s)
-            self.stats.forward_intended_s += forward.duration_s
+            began, duration_s = time.perf_counter(), forward.duration_s * self._slowdown()
+            await asyncio.sleep(duration_s)
+            self.stats.forward_intended_s += duration_s
             self.stats.forward_actual_s += time.perf_counter() - began
             for job in self.prefills.complete(forward):
                 done = self._prefill_done.get(job)
@@ -805,7 +811,8 @@ class MockEngine:
             if not self.running:
                 continue
             context = sum(len(s.req.input_ids) + len(s.tokens) for s in self.running) / len(self.running)
-            step_s = self.timing.decode_step_s(len(self.running), context) * self.truth.decode_factor()
+            profile_step_s = self.timing.decode_step_s(len(self.running), context)
+            step_s = self.truth.decode_step_s(profile_step_s, len(self.running)) * self.truth.decode_factor() * self._slowdown()
             began = time.perf_counter()
             await asyncio.sleep(step_s)
             self.stats.forward_intended_s += step_s

@@ -90,16 +90,21 @@ class ChunkedPrefill:
     """FCFS chunked prefill over a queue of :class:`PrefillJob`.
 
     ``cost_s(n)``: seconds to prefill ``n`` uncached tokens of one request from
-    scratch (non-decreasing; called with ``n >= 1``). Usage, one forward at a
-    time: ``fwd = next_forward()``; run it for ``fwd.duration_s``; then
-    ``complete(fwd)`` returns the jobs it finished (removed from the queue).
+    scratch (non-decreasing; called with ``n >= 1``). ``forward_s(pieces)``: a
+    forward's duration from its pieces' costs, each ``(cost_s, starts_a_request)``;
+    None: their sum (the telescoping above; ``truth.ServiceTruth.forward_s`` gives
+    another form). Usage, one forward at a time: ``fwd = next_forward()``; run it
+    for ``fwd.duration_s``; then ``complete(fwd)`` returns the jobs it finished
+    (removed from the queue).
     """
 
     def __init__(self, chunk_tokens: int | None, cost_s: Callable[[int], float],
-                 max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS):
+                 max_forward_tokens: int = DEFAULT_MAX_FORWARD_TOKENS,
+                 forward_s: Callable[[list[tuple[float, bool]]], float] | None = None):
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
         self.chunk_tokens, self.cost_s, self.max_forward_tokens = chunk_tokens, cost_s, max_forward_tokens
+        self.forward_s = forward_s
         self._queue: collections.deque[PrefillJob] = collections.deque()
 
     def __len__(self) -> int:
@@ -155,7 +160,8 @@ class ChunkedPrefill:
                 budget -= take
         if not pieces:
             return None
-        return Forward(tuple(pieces), sum(self._piece_cost_s(p) for p in pieces))
+        costs = [(self._piece_cost_s(p), p.start == 0) for p in pieces]
+        return Forward(tuple(pieces), self.forward_s(costs) if self.forward_s else sum(cost for cost, _ in costs))
 
     def complete(self, forward: Forward) -> list[PrefillJob]:
         """Apply a finished forward; returns the jobs it completed. Pieces of removed jobs are ignored."""
