@@ -83,6 +83,9 @@ SERVED_NAME = "prfaas-capacity"
 # At 2 Gbps a 64K prompt's KV alone takes 5.2 s on the wire (and 8.7 s to prefill on PD-P): a 5 s SLO
 # would be missed by ~14% of requests at any load, so no row could reach 90%.
 TTFT_SLO_S = {"abundant": 5.0, "scarce": 10.0}
+# The paper's case study: 1024 output tokens at a 40 tok/s TBT SLO, so decode capacity (equation 5) is part of
+# every comparison. 64-token outputs are a named secondary condition ("out-64"; the quick smoke's).
+CASE_STUDY_OUTPUT_TOKENS = 1024
 SWEEP_LOADS = (0.4, 0.7)  # x the planned capacity of the hetero deployment
 # The lowest load probed, x planned: a capacity below it reads 0 (a probe's scored window grows as 1 / load:
 # at 0.2x, 67 arrivals take 4 emulated minutes).
@@ -100,7 +103,7 @@ class CapacitySetting:
     link_drop: bool = False
     speedup: float = 4.0
     kv_scale: float = 0.01
-    output_tokens: int = 64
+    output_tokens: int = CASE_STUDY_OUTPUT_TOKENS
     ttft_slo_s: float | None = None  # emulated; None: TTFT_SLO_S[link]
     tbt_tokens_per_s: float = 40.0
     seeds: int = 3
@@ -142,6 +145,8 @@ class CapacitySetting:
             parts.append(f"ttft-{self.ttft_slo_s:g}s")
         if self.prefill_bias != 1.0 or self.decode_bias != 1.0:
             parts.append(f"bias-{self.prefill_bias:g}")
+        if self.output_tokens != CASE_STUDY_OUTPUT_TOKENS:
+            parts.append(f"out-{self.output_tokens}")
         return "/".join(parts)
 
 
@@ -866,6 +871,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="where ROW's bisection starts, x the planned capacity (repeatable; default: above the "
                           "sweep's best load that met 90%%, 0.9 without one), e.g. a capacity another run found")
     cap.add_argument("--link-drop", action="store_true", help="the link's capacity / 4 for one emulated minute")
+    cap.add_argument("--output-tokens", type=int, default=None,
+                     help=f"tokens each request generates (default {CASE_STUDY_OUTPUT_TOKENS}, the paper's case study; "
+                          "--quick: 64); another length is named in the condition (out-N)")
     cap.add_argument("--bias", type=float, default=None,
                      help="the engines' prefill and decode take this x the profile (the study: ours with calibration "
                           "on, off, and with the true scale given; no peers)")
@@ -918,6 +926,10 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
                               speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s)
     if args.seeds is not None:
         setting = dataclasses.replace(setting, seeds=args.seeds)
+    if args.output_tokens is not None:
+        if not 1 <= args.output_tokens <= 8192:
+            inv.error("--output-tokens must be in [1, 8192]")
+        setting = dataclasses.replace(setting, output_tokens=args.output_tokens)
     if args.rounds is not None:
         if args.rounds < 1:
             inv.error("--rounds must be >= 1")
@@ -930,7 +942,8 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         ours = ours or ("prfaas", "prfaas-no-calibration", rows_mod.oracle_row(args.bias).name)
     if args.quick:  # the CI smoke: the method end to end at its smallest (its figures mean nothing)
         setting = dataclasses.replace(setting, seeds=1, scored_per_seed=12, sweep_scored=8, warmup_s=5.0,
-                                      resolution=0.5, resolution_99=1.0, max_rounds=3, speedup=args.speedup or 8.0)
+                                      resolution=0.5, resolution_99=1.0, max_rounds=3, speedup=args.speedup or 8.0,
+                                      output_tokens=args.output_tokens or 64)
         families = tuple(f for f in families if f == "sglang-router")[:1]
         ours = ours or ("prfaas",)
     if ours and (unknown := [n for n in ours if not _known_row(n)]):
@@ -958,7 +971,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
                  log=lambda m: print(m, file=sys.stderr, flush=True))
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
-              f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''}"
+              f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''} --output-tokens {setting.output_tokens}"
               f"{f' --rounds {args.rounds}' if args.rounds else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
               f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")
@@ -981,8 +994,11 @@ def _fleet_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]:
             inv.error("--entry: shares must be >= 0 and sum to 1")
     if args.nodes_per_role is not None and args.nodes_per_role < 1:
         inv.error("--nodes-per-role must be >= 1")
+    if args.output_tokens is not None and not 1 <= args.output_tokens <= 8192:
+        inv.error("--output-tokens must be in [1, 8192]")
     setting = CapacitySetting(workload=args.workload, speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s or 10.0,
-                              seeds=args.seeds or 3, max_rounds=args.rounds or 8)
+                              seeds=args.seeds or 3, max_rounds=args.rounds or 8,
+                              output_tokens=args.output_tokens or (64 if args.quick else CASE_STUDY_OUTPUT_TOKENS))
     if args.quick:
         setting = dataclasses.replace(setting, seeds=1, scored_per_seed=20, warmup_s=10.0, resolution=0.5,
                                       resolution_99=1.0, max_rounds=3)

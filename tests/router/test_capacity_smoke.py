@@ -21,7 +21,7 @@ def test_quick_capacity_run(tmp_path):
     proc = run_py(["-m", "prfaas_sglang.bench", "compare", "--capacity", "--quick", "--json", "--out", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)["result"]
-    assert result["condition"] == "case-study/abundant" and result["best_config"] == {"sglang-router": "sr-cache_aware"}
+    assert result["condition"] == "case-study/abundant/out-64" and result["best_config"] == {"sglang-router": "sr-cache_aware"}
     setting = capacity.CapacitySetting(**result["setting"])
     assert setting.truth_model == "batched"  # the engines' truth is named, and is not the router's own form
     assert set(result["rows"]) == {"prfaas", "sr-cache_aware"}
@@ -47,5 +47,5 @@ def test_quick_capacity_run(tmp_path):
         assert ratio["capacity_ratio_vs_best"] == pytest.approx(result["rows"]["prfaas"]["capacity_rps"]["0.9"] / theirs)
     # a piece merges, and the merged document renders
     merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out)], timeout=60)
-    assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant**") == 1, merged.stderr
-    assert "engine truth batched" in merged.stdout
+    assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant/out-64**") == 1, merged.stderr
+    assert "engine truth batched" in merged.stdout and "outputs 64 tokens" in merged.stdout
