@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 
 from prfaas_sglang import runtime
 from prfaas_sglang.adapters import http_sync
@@ -58,7 +59,16 @@ from prfaas_sglang.bench import capacity_rows as rows_mod
 from prfaas_sglang.bench import compare
 from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row, emulated_knobs, peer_args
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
-from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
+from prfaas_sglang.bench.slo import (
+    CapacityInterval,
+    CapacitySearch,
+    Outcome,
+    capacity_interval,
+    per_seed_capacity,
+    ratio_interval,
+    score,
+    spread,
+)
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
@@ -122,6 +132,11 @@ class CapacitySetting:
     drop_s: float = 60.0  # emulated, with link_drop
     sweep_scored: int = 50  # scored arrivals per sweep run (one seed)
     max_rounds: int = 8
+    # The interval (bench/slo.py capacity_interval): after the bisection, each reported row on grid_loads loads
+    # grid_step apart around its bisected 90% capacity, every seed; 0 loads: no interval.
+    grid_loads: int = 7
+    grid_step: float = 1.06
+    grid_resamples: int = 1000
 
     @property
     def ttft_slo(self) -> float:
@@ -651,6 +666,47 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
     return out
 
 
+# Arrivals a bootstrap block holds: a run's neighbouring arrivals share a queue, so they are resampled together.
+GRID_BLOCK_ARRIVALS = 10
+
+
+def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySetting, rows: list[Row],
+         centres: dict[str, float], seed_rng: random.Random, log) -> dict[str, tuple[CapacityInterval, list[dict]]]:
+    """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
+    order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]`` (its bisected
+    capacity), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
+    over them. A row whose router will not start (:class:`RowFailed`) is left out. Returns row -> (the estimate,
+    the grid's attainment per load)."""
+    n, step = setting.grid_loads, setting.grid_step
+    loads = {r.name: [round(centres[r.name] * step ** (k - (n - 1) / 2), 9) for k in range(n)] for r in rows}
+    runs: dict[str, dict[float, list[list[bool]]]] = {r.name: {load: [] for load in loads[r.name]} for r in rows}
+    seeds, failed = list(range(setting.seeds)), set()
+    seed_rng.shuffle(seeds)
+    for seed in seeds:
+        order = [(row, load) for row in rows for load in loads[row.name]]
+        seed_rng.shuffle(order)
+        for row, load in order:
+            if row.name in failed:
+                continue
+            try:
+                met = probe(row, load, seed)
+            except RowFailed as err:
+                failed.add(row.name)
+                log(f"grid {row.name}: FAILED {err}")
+                continue
+            runs[row.name][load].append(met)
+            log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
+    rng = np.random.default_rng(seed_rng.randrange(2**32))
+    out = {}
+    for row in (r for r in rows if r.name not in failed):
+        by_load = runs[row.name]
+        est = capacity_interval(by_load, 0.9, rng, resamples=setting.grid_resamples, block_arrivals=GRID_BLOCK_ARRIVALS)
+        table = [{"load_rps": load, "attainment": sum(map(sum, rs)) / sum(map(len, rs)), "arrivals": sum(map(len, rs))}
+                 for load, rs in sorted(by_load.items())]
+        out[row.name] = (est, table)
+    return out
+
+
 def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySetting) -> dict:
     by_seed: dict[str, dict[float, float]] = {}
     for p in probes:
@@ -676,8 +732,11 @@ def nearest_probe(probes: list[dict], load: float) -> dict | None:
     return passing[0] if passing else None
 
 
-def ratios(rows: dict, families: dict[str, str]) -> dict:
-    """Ours over each family's best, pooled and per seed; ``capacity_ratio_vs_best`` against the best of all."""
+def ratios(rows: dict, families: dict[str, str], intervals: dict[str, CapacityInterval] | None = None) -> dict:
+    """Ours over each family's best, pooled and per seed; ``capacity_ratio_vs_best`` against the best of all.
+    With ``intervals`` (the grid's estimates, by row), each 90% ratio also gets ``interval``: the ratio of the two
+    estimates with its confidence interval and ``ahead`` (its lower bound above 1)."""
+    intervals = intervals or {}
     ours = rows.get("prfaas")
     if ours is None:
         return {}
@@ -695,6 +754,8 @@ def ratios(rows: dict, families: dict[str, str]) -> dict:
                         if other["per_seed_capacity_rps"][target].get(k)]
             per_family[fam] = {"row": families[fam], "ratio": ours["capacity_rps"][target] / theirs if theirs else None,
                                "per_seed": spread(per_seed)}
+            if target == "0.9" and "prfaas" in intervals and families[fam] in intervals:
+                per_family[fam]["interval"] = ratio_interval(intervals["prfaas"], intervals[families[fam]])
         out[target] = {"vs": per_family, "best_other": families[best_family],
                        "capacity_ratio_vs_best": per_family[best_family]["ratio"],
                        "capacity_ratio_vs_best_per_seed": per_family[best_family]["per_seed"]}
@@ -734,11 +795,24 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
                                                "wall_s": time.monotonic() - started}, indent=1))
 
         checkpoint({})
-        capacity = bisect(runner, setting, planned, ours_rows + [rows_mod.ALL[n] for n in best.values()], log,
-                          random.Random(seed), starts, checkpoint)
+        reported = ours_rows + [rows_mod.ALL[n] for n in best.values()]
+        seed_rng = random.Random(seed)
+        capacity = bisect(runner, setting, planned, reported, log, seed_rng, starts, checkpoint)
+        intervals = {}
+        if setting.grid_loads >= 2:
+            def probe(row: Row, load: float, seed_no: int) -> list[bool]:
+                run_ = runner.run(row, load, seed_no, setting.scored_per_seed)
+                return [o.meets(setting.ttft_slo, setting.tbt_slo) for o in run_["outcomes"]]
+
+            alive = [r for r in reported if "failed" not in capacity[r.name]]
+            centres = {r.name: capacity[r.name]["capacity_rps"]["0.9"] or FLOOR * planned for r in alive}
+            intervals = grid(probe, setting, alive, centres, seed_rng, log)
+            for name, (est, table) in intervals.items():
+                capacity[name]["interval"] = {**est.as_dict(), "grid": table}
     finally:
         fleet.close()
-    return {**head, "rows": capacity, "ratios": ratios(capacity, best), "wall_s": time.monotonic() - started}
+    return {**head, "rows": capacity, "ratios": ratios(capacity, best, {k: v[0] for k, v in intervals.items()}),
+            "wall_s": time.monotonic() - started}
 
 
 def merge(documents: list[dict]) -> dict:
@@ -808,11 +882,13 @@ def _render_condition(r: dict) -> str:
             f"{at.get('refused', 'n/a')} ({refused_long}) | {_f(at.get('offload_fraction'), '{:.2f}')} | "
             f"{_f(timing.get('prefill'), '{:.3f}')} / {_f(timing.get('decode'), '{:.2f}')} |")
     lines += _render_misses(r)
+    lines += _render_intervals(r)
     for target, x in r.get("ratios", {}).items():
         per_seed = x["capacity_ratio_vs_best_per_seed"]
         spread_txt = (f" (per seed: median {per_seed['median']:.2f}, [{per_seed['min']:.2f}, {per_seed['max']:.2f}])"
                       if per_seed else "")
-        versus = ", ".join(f"{fam} ({v['row']}) {_f(v['ratio'], '{:.2f}')}" for fam, v in x["vs"].items())
+        versus = ", ".join(f"{fam} ({v['row']}) {_f(v['ratio'], '{:.2f}')}{_ratio_interval_text(v.get('interval'))}"
+                           for fam, v in x["vs"].items())
         lines.append(f"\ncapacity_ratio_vs_best @{float(target):.0%}: **{_f(x['capacity_ratio_vs_best'], '{:.2f}')}** "
                      f"vs {x['best_other']}{spread_txt}; ours / each family's best: {versus}")
     lines += _render_calibration(r)
@@ -831,6 +907,27 @@ def _render_condition(r: dict) -> str:
             lines.append(f"| {fam} | {g['row']} | " + " | ".join(_f(g["attainment"].get(f"{x:g}")) for x in loads)
                          + f" | {chosen} | {g.get('error') or g['why']} |")
     return "\n".join(lines)
+
+
+def _render_intervals(r: dict) -> list[str]:
+    """Each row's 90% capacity from the load grid, with its interval (bench/slo.py ``capacity_interval``)."""
+    rows = [(name, row["interval"]) for name, row in r["rows"].items() if row.get("interval")]
+    if not rows:
+        return []
+    first = rows[0][1]
+    out = ["", f"Capacity @90% on a grid of {len(first['grid'])} loads around each bisected capacity, every seed "
+               f"({first['confidence']:.0%} interval, block bootstrap over arrivals, {first['resamples']} resamples):", ""]
+    for name, iv in rows:
+        censored = f" ({iv['censored']})" if iv["censored"] else ""
+        out.append(f"- {name}: {iv['capacity']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]{censored}; attainment by load: "
+                   + ", ".join(f"{g['load_rps']:.3f}: {g['attainment']:.3f}" for g in iv["grid"]))
+    return out
+
+
+def _ratio_interval_text(iv: dict | None) -> str:
+    if not iv or iv.get("ratio") is None:
+        return ""
+    return f" (grid {iv['ratio']:.2f} [{iv['low']:.2f}, {iv['high']:.2f}]{', ahead' if iv['ahead'] else ''})"
 
 
 def _render_calibration(r: dict) -> list[str]:
@@ -943,7 +1040,8 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     if args.quick:  # the CI smoke: the method end to end at its smallest (its figures mean nothing)
         setting = dataclasses.replace(setting, seeds=1, scored_per_seed=12, sweep_scored=8, warmup_s=5.0,
                                       resolution=0.5, resolution_99=1.0, max_rounds=3, speedup=args.speedup or 8.0,
-                                      output_tokens=args.output_tokens or 64)
+                                      output_tokens=args.output_tokens or 64, grid_loads=2, grid_step=1.5,
+                                      grid_resamples=200)
         families = tuple(f for f in families if f == "sglang-router")[:1]
         ours = ours or ("prfaas",)
     if ours and (unknown := [n for n in ours if not _known_row(n)]):

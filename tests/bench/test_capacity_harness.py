@@ -141,3 +141,42 @@ def test_a_knob_the_peer_cannot_take_at_this_speedup_is_refused_with_its_name():
     # What a reader compares with the SLO: the knobs on the emulated clock (the poll period is the peer's floor).
     assert emulated_knobs(ALL["sr-power_of_two-admit8"].args, 4.0) == {
         "--worker-startup-check-interval": 4.0, "--rate-limit-tokens-per-second": 1, "--queue-timeout-secs": 4}
+
+
+def test_the_grid_probes_every_row_load_and_seed_once_interleaved_and_its_intervals_reach_the_ratios():
+    """bench/capacity.py ``grid``, with a probe whose attainment curve is known: ours crosses 90% at 1.0 req/s, the
+    peer at 0.5. Every (row, load, seed) is probed once, rows interleaved; each estimate lands near its crossing
+    (coverage itself is tested over 100 trials in test_slo.py) and the ratio's interval (in ``ratios``) says ours
+    is ahead."""
+    import random
+
+    import numpy as np
+
+    from prfaas_sglang.bench.capacity_rows import ALL
+
+    ours, peer = ALL["prfaas"], ALL["sr-cache_aware"]
+    crossing = {"prfaas": 1.0, "sr-cache_aware": 0.5}
+    calls = []
+    rng = np.random.default_rng(0)
+
+    def probe(row, load, seed):
+        calls.append((row.name, load, seed))
+        p = 1 / (1 + math.exp((load / crossing[row.name] - 1.12) / 0.05))  # 0.9 at load = crossing x ~1.0
+        return list(rng.random(300) < p)
+
+    setting = dataclasses.replace(SETTING, seeds=2, grid_loads=7, grid_step=1.06, grid_resamples=300)
+    centres = {"prfaas": 1.05, "sr-cache_aware": 0.48}  # the bisection's, a little off
+    out = capacity.grid(probe, setting, [ours, peer], centres, random.Random(1), log=lambda _m: None)
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 2 * 7 * 2
+    assert [name for name, _, _ in calls[:6]] != ["prfaas"] * 6 or [n for n, _, _ in calls[6:12]] != ["prfaas"] * 6
+    truth = {name: crossing[name] * (1.12 + 0.05 * math.log(1 / 9)) for name in crossing}
+    for name, (est, table) in out.items():
+        assert est.low < est.capacity < est.high and abs(est.capacity / truth[name] - 1) < 0.05, (name, est, truth[name])
+        assert est.censored is None
+        assert len(table) == 7 and all(t["arrivals"] == 600 for t in table)
+    rows = {name: {"capacity_rps": {"0.9": est.capacity, "0.99": 0.0},
+                   "per_seed_capacity_rps": {"0.9": {}, "0.99": {}}} for name, (est, _) in out.items()}
+    result = capacity.ratios(rows, {"sglang-router": "sr-cache_aware"}, {name: est for name, (est, _) in out.items()})
+    ratio = result["0.9"]["vs"]["sglang-router"]["interval"]
+    assert ratio["ahead"] and ratio["low"] < 2.0 < ratio["high"]
+    assert "interval" not in result["0.99"]["vs"]["sglang-router"]

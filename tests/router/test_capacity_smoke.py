@@ -32,6 +32,9 @@ def test_quick_capacity_run(tmp_path):
             assert p["met"] + p["refused"] + p["failed"] + p["unserved"] <= p["arrivals"]
             assert p["attainment"] == pytest.approx(p["met"] / p["arrivals"])
             assert p["engine_timing_error"]["prefill"] is not None
+        grid = row["interval"]["grid"]  # the interval's load grid, around the bisected capacity, every seed
+        assert len(grid) == setting.grid_loads and all(g["arrivals"] == setting.seeds * setting.scored_per_seed for g in grid)
+        assert row["interval"]["low"] <= row["interval"]["capacity"] <= row["interval"]["high"]
         for target in ("0.9", "0.99"):
             lo, hi = row["search"]["brackets"][target]["lo"], row["search"]["brackets"][target]["hi"]
             assert row["capacity_rps"][target] == (lo or 0.0)
@@ -45,7 +48,11 @@ def test_quick_capacity_run(tmp_path):
     theirs = result["rows"]["sr-cache_aware"]["capacity_rps"]["0.9"]
     if theirs:
         assert ratio["capacity_ratio_vs_best"] == pytest.approx(result["rows"]["prfaas"]["capacity_rps"]["0.9"] / theirs)
+    grid_ratio = ratio["vs"]["sglang-router"]["interval"]  # the ratio of the two grid estimates, with its interval
+    if grid_ratio["ratio"] is not None:
+        assert grid_ratio["low"] <= grid_ratio["high"] and grid_ratio["ahead"] == (grid_ratio["low"] > 1)
     # a piece merges, and the merged document renders
     merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out)], timeout=60)
     assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant/out-64**") == 1, merged.stderr
     assert "engine truth batched" in merged.stdout and "outputs 64 tokens" in merged.stdout
+    assert "Capacity @90% on a grid of 2 loads" in merged.stdout
