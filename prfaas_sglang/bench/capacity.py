@@ -56,19 +56,10 @@ import numpy as np
 from prfaas_sglang import runtime
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench import capacity_rows as rows_mod
-from prfaas_sglang.bench import compare
+from prfaas_sglang.bench import compare, slo
 from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row, emulated_knobs, peer_args
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
-from prfaas_sglang.bench.slo import (
-    CapacityInterval,
-    CapacitySearch,
-    Outcome,
-    capacity_interval,
-    per_seed_capacity,
-    ratio_interval,
-    score,
-    spread,
-)
+from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
@@ -671,7 +662,7 @@ GRID_BLOCK_ARRIVALS = 10
 
 
 def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySetting, rows: list[Row],
-         centres: dict[str, float], seed_rng: random.Random, log) -> dict[str, tuple[CapacityInterval, list[dict]]]:
+         centres: dict[str, float], seed_rng: random.Random, log) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
     """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
     order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]`` (its bisected
     capacity), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
@@ -700,7 +691,7 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
     out = {}
     for row in (r for r in rows if r.name not in failed):
         by_load = runs[row.name]
-        est = capacity_interval(by_load, 0.9, rng, resamples=setting.grid_resamples, block_arrivals=GRID_BLOCK_ARRIVALS)
+        est = slo.capacity_interval(by_load, 0.9, rng, resamples=setting.grid_resamples, block_arrivals=GRID_BLOCK_ARRIVALS)
         table = [{"load_rps": load, "attainment": sum(map(sum, rs)) / sum(map(len, rs)), "arrivals": sum(map(len, rs))}
                  for load, rs in sorted(by_load.items())]
         out[row.name] = (est, table)
@@ -732,7 +723,7 @@ def nearest_probe(probes: list[dict], load: float) -> dict | None:
     return passing[0] if passing else None
 
 
-def ratios(rows: dict, families: dict[str, str], intervals: dict[str, CapacityInterval] | None = None) -> dict:
+def ratios(rows: dict, families: dict[str, str], intervals: dict[str, slo.CapacityInterval] | None = None) -> dict:
     """Ours over each family's best, pooled and per seed; ``capacity_ratio_vs_best`` against the best of all.
     With ``intervals`` (the grid's estimates, by row), each 90% ratio also gets ``interval``: the ratio of the two
     estimates with its confidence interval and ``ahead`` (its lower bound above 1)."""
@@ -755,7 +746,7 @@ def ratios(rows: dict, families: dict[str, str], intervals: dict[str, CapacityIn
             per_family[fam] = {"row": families[fam], "ratio": ours["capacity_rps"][target] / theirs if theirs else None,
                                "per_seed": spread(per_seed)}
             if target == "0.9" and "prfaas" in intervals and families[fam] in intervals:
-                per_family[fam]["interval"] = ratio_interval(intervals["prfaas"], intervals[families[fam]])
+                per_family[fam]["interval"] = slo.ratio_interval(intervals["prfaas"], intervals[families[fam]])
         out[target] = {"vs": per_family, "best_other": families[best_family],
                        "capacity_ratio_vs_best": per_family[best_family]["ratio"],
                        "capacity_ratio_vs_best_per_seed": per_family[best_family]["per_seed"]}
