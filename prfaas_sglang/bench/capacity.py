@@ -979,6 +979,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--out", type=Path, default=None, help="also write the JSON result here (a piece to --merge)")
     cap.add_argument("--merge", type=Path, nargs="+", default=None,
                      help="merge pieces written with --out (no run) and print them")
+    cap.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                     help="also write attainment against offered load, one PNG per condition (bench/capacity_plots.py)")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:
@@ -989,6 +991,14 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
     result, header = _capacity_run(args, inv)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
+    if args.plot is not None:
+        from prfaas_sglang.bench.capacity_plots import write_attainment_plots
+
+        try:
+            for path in write_attainment_plots(result, args.plot):
+                print(f"wrote {path}", file=sys.stderr)
+        except ConfigError as err:
+            inv.error(str(err))
     return inv.report(args, result, header, render_markdown)
 
 

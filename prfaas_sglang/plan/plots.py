@@ -16,7 +16,8 @@ from prfaas_sglang.plan.model import evaluate
 from prfaas_sglang.plan.report import Plan
 
 
-def write_plots(plan: Plan, out_dir: Path) -> list[Path]:
+def pyplot():
+    """matplotlib's ``pyplot`` on the Agg backend (files only); :class:`ConfigError` naming ``--plot`` without it."""
     try:
         import matplotlib
 
@@ -24,6 +25,11 @@ def write_plots(plan: Plan, out_dir: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ConfigError("--plot", "needs matplotlib (pip install 'prfaas-sglang[plot]')") from err
+    return plt
+
+
+def write_plots(plan: Plan, out_dir: Path) -> list[Path]:
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     dep, workload, best = plan.scenario.deployment, plan.scenario.workload, plan.best
     split_at_best = workload.split(best.threshold_tokens)

@@ -180,3 +180,18 @@ def test_the_grid_probes_every_row_load_and_seed_once_interleaved_and_its_interv
     ratio = result["0.9"]["vs"]["sglang-router"]["interval"]
     assert ratio["ahead"] and ratio["low"] < 2.0 < ratio["high"]
     assert "interval" not in result["0.99"]["vs"]["sglang-router"]
+
+
+def test_the_attainment_plot_draws_every_measurement_of_every_row_one_png_per_condition(tmp_path):
+    from prfaas_sglang.bench.capacity_plots import row_points, write_attainment_plots
+
+    row = {"probes": [{"load_rps": 0.5, "attainment": 1.0, "arrivals": 70}, {"load_rps": 0.8, "attainment": 0.6, "arrivals": 70}],
+           "interval": {"capacity": 0.7, "low": 0.65, "high": 0.74,
+                        "grid": [{"load_rps": 0.8, "attainment": 0.55, "arrivals": 210}, {"load_rps": 0.7, "attainment": 0.9,
+                                                                                          "arrivals": 210}]}}
+    assert row_points(row) == [(0.5, 1.0, 70), (0.7, 0.9, 210), (0.8, 0.55, 210)]  # the grid's where both measured
+    conditions = [{"condition": c, "ttft_slo_s": 5.0, "setting": {"output_tokens": 1024}, "rows": {"prfaas": row}}
+                  for c in ("case-study/abundant", "case-study/scarce")]
+    paths = write_attainment_plots({"conditions": conditions}, tmp_path)
+    assert [p.name for p in paths] == ["attainment-case-study_abundant.png", "attainment-case-study_scarce.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
