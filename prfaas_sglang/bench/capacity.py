@@ -88,6 +88,7 @@ TTFT_SLO_S = {"abundant": 5.0, "scarce": 10.0}
 # every comparison. 64-token outputs are a named secondary condition ("out-64"; the quick smoke's).
 CASE_STUDY_OUTPUT_TOKENS = 1024
 SWEEP_LOADS = (0.4, 0.7)  # x the planned capacity of the hetero deployment
+MAX_CLOSE = 2  # configurations bisected beside a family's best when the sweep cannot tell them apart
 # The lowest load probed, x planned: a capacity below it reads 0 (a probe's scored window grows as 1 / load:
 # at 0.2x, 67 arrivals take 4 emulated minutes).
 FLOOR = 0.2
@@ -121,7 +122,8 @@ class CapacitySetting:
     resolution_99: float = 0.20  # of the 99% capacity
     give_up_slos: float = 2.5  # no first token by arrival + this x the TTFT SLO: the request is a miss
     drop_s: float = 60.0  # emulated, with link_drop
-    sweep_scored: int = 50  # scored arrivals per sweep run (one seed)
+    sweep_scored: int = 50  # scored arrivals per sweep run
+    sweep_seeds: int = 2  # seeds each configuration of a sweep runs
     max_rounds: int = 8
     # The interval (bench/slo.py capacity_interval): after the bisection, each reported row on grid_loads loads
     # grid_step apart around its bisected 90% capacity, every seed; 0 loads: no interval.
@@ -567,47 +569,65 @@ def timing_error(runs: list[dict]) -> dict:
 
 def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tuple[str, ...], log,
           quick: bool = False) -> dict:
-    """Each family's grid at ``SWEEP_LOADS`` x planned on seed 0; the best by mean attainment (a grid of one
-    configuration is not run: it is the best)."""
+    """Each family's grid at ``SWEEP_LOADS`` x planned on ``setting.sweep_seeds`` seeds; the best by mean attainment
+    (pooled over seeds, averaged over the loads) with its standard error, and ``close``: the configurations (at most
+    :data:`MAX_CLOSE`) whose mean is within the two standard errors combined of the best's, bisected beside it (a
+    grid of one configuration is not run: it is the best)."""
     out = {}
     for family in families:
         grid = rows_mod.family_rows(family)[:1] if quick else rows_mod.family_rows(family)
         if len(grid) == 1:
             out[family] = {"grid": [{"row": grid[0].name, "attainment": {}, "mean": None, "why": grid[0].why,
                                      "emulated_knobs": emulated_knobs(grid[0].args, setting.speedup)}],
-                           "best": grid[0].name, "loads_x_planned": []}
+                           "best": grid[0].name, "close": [], "loads_x_planned": [], "seeds": 0}
             continue
         table = []
         for deployment in dict.fromkeys(r.deployment for r in grid):
             runner.fleet.keep_only({deployment})
             for row in (r for r in grid if r.deployment == deployment):
-                att = {}
+                entry = {"row": row.name, "why": row.why, "emulated_knobs": emulated_knobs(row.args, setting.speedup)}
                 try:
-                    for frac in SWEEP_LOADS:
-                        run = runner.run(row, frac * planned, 0, setting.sweep_scored)
-                        att[f"{frac:g}"] = score(run["outcomes"], run["window_s"], setting.ttft_slo,
-                                                 setting.tbt_slo).attainment
+                    met = {f"{frac:g}": [0, 0] for frac in SWEEP_LOADS}  # load -> [met, arrivals] over seeds
+                    for seed in range(setting.sweep_seeds):
+                        for frac in SWEEP_LOADS:
+                            run = runner.run(row, frac * planned, seed, setting.sweep_scored)
+                            got = score(run["outcomes"], run["window_s"], setting.ttft_slo, setting.tbt_slo)
+                            met[f"{frac:g}"][0] += got.met
+                            met[f"{frac:g}"][1] += got.arrivals
                 except RowFailed as err:
-                    table.append({"row": row.name, "attainment": {}, "mean": -1.0, "why": row.why, "error": str(err),
-                                  "emulated_knobs": emulated_knobs(row.args, setting.speedup)})
+                    table.append({**entry, "attainment": {}, "mean": -1.0, "stderr": None, "error": str(err)})
                     log(f"sweep {family} {row.name}: FAILED {err}")
                     continue
-                table.append({"row": row.name, "attainment": att, "mean": statistics.fmean(att.values()), "why": row.why,
-                              "emulated_knobs": emulated_knobs(row.args, setting.speedup)})
-                log(f"sweep {family} {row.name}: {att}")
+                att = {k: m / n for k, (m, n) in met.items()}
+                stderr = math.sqrt(sum(a * (1 - a) / met[k][1] for k, a in att.items())) / len(att)
+                table.append({**entry, "attainment": att, "mean": statistics.fmean(att.values()), "stderr": stderr})
+                log(f"sweep {family} {row.name}: {att} (+- {stderr:.3f})")
         best = max(table, key=lambda x: (x["mean"], -len(x["row"])))
-        out[family] = {"grid": table, "best": best["row"], "loads_x_planned": list(SWEEP_LOADS)}
+        close = sorted((x for x in table if x is not best and x["stderr"] is not None and best["stderr"] is not None
+                        and best["mean"] - x["mean"] < math.hypot(best["stderr"], x["stderr"])),
+                       key=lambda x: -x["mean"])[:MAX_CLOSE]
+        out[family] = {"grid": table, "best": best["row"], "close": [x["row"] for x in close],
+                       "loads_x_planned": list(SWEEP_LOADS), "seeds": setting.sweep_seeds}
     return out
 
 
-def start_from_sweep(family: dict) -> float:
-    """Where the bisection of a family's best starts (x planned): just above the highest sweep load it met 90% at
-    (0.9 without a sweep)."""
-    best = next(x for x in family["grid"] if x["row"] == family["best"])
+def start_from_sweep(family: dict, row: str | None = None) -> float:
+    """Where the bisection of a family's ``row`` (default: its best) starts (x planned): just above the highest sweep
+    load it met 90% at (0.9 without a sweep)."""
+    best = next(x for x in family["grid"] if x["row"] == (row or family["best"]))
     if not best["attainment"]:
         return 0.9
     passed = [float(k) for k, a in best["attainment"].items() if a >= 0.9]
     return 1.2 * max(passed) if passed else 0.7 * min(float(k) for k in best["attainment"])
+
+
+def final_best(swept: dict, capacity: dict) -> dict[str, str]:
+    """Each family's configuration with the highest bisected 90% capacity among the sweep's best and the ones the
+    sweep could not tell from it (``close``); the sweep's best on a tie or where none was bisected."""
+    def cap90(name: str) -> float:
+        return (capacity.get(name) or {}).get("capacity_rps", {}).get("0.9", -1.0)
+
+    return {fam: max([x["best"], *x.get("close", [])], key=cap90) for fam, x in swept.items()}
 
 
 def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[Row], log, seed_rng: random.Random,
@@ -771,14 +791,14 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
         if peers is not None:
             families = tuple(dict.fromkeys(rows_mod.ALL[p].family for p in peers))
             swept = {rows_mod.ALL[p].family: {"grid": [{"row": p, "attainment": {}, "mean": None, "why": "given (--peers)"}],
-                                               "best": p, "loads_x_planned": []} for p in peers}
+                                               "best": p, "close": [], "loads_x_planned": []} for p in peers}
         else:
             swept = sweep(runner, setting, planned, families, log, quick)
-        best = {fam: swept[fam]["best"] for fam in families}
-        starts = {swept[fam]["best"]: start_from_sweep(swept[fam]) for fam in families} | (starts or {})
+        candidates = {name: fam for fam in families for name in (swept[fam]["best"], *swept[fam].get("close", []))}
+        starts = {name: start_from_sweep(swept[fam], name) for name, fam in candidates.items()} | (starts or {})
         head = {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
                 "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
-                "sweep": swept, "best_config": best, "logs": str(log_dir)}
+                "sweep": swept, "logs": str(log_dir)}
 
         def checkpoint(rows: dict) -> None:
             if partial is not None:
@@ -786,9 +806,11 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
                                                "wall_s": time.monotonic() - started}, indent=1))
 
         checkpoint({})
-        reported = ours_rows + [rows_mod.ALL[n] for n in best.values()]
         seed_rng = random.Random(seed)
-        capacity = bisect(runner, setting, planned, reported, log, seed_rng, starts, checkpoint)
+        capacity = bisect(runner, setting, planned, ours_rows + [rows_mod.ALL[n] for n in candidates], log, seed_rng,
+                          starts, checkpoint)
+        best = final_best({fam: swept[fam] for fam in families}, capacity)
+        reported = ours_rows + [rows_mod.ALL[n] for n in best.values()]
         intervals = {}
         if setting.grid_loads >= 2:
             def probe(row: Row, load: float, seed_no: int) -> list[bool]:
@@ -802,8 +824,8 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
                 capacity[name]["interval"] = {**est.as_dict(), "grid": table}
     finally:
         fleet.close()
-    return {**head, "rows": capacity, "ratios": ratios(capacity, best, {k: v[0] for k, v in intervals.items()}),
-            "wall_s": time.monotonic() - started}
+    return {**head, "best_config": best, "rows": capacity,
+            "ratios": ratios(capacity, best, {k: v[0] for k, v in intervals.items()}), "wall_s": time.monotonic() - started}
 
 
 def merge(documents: list[dict]) -> dict:
@@ -890,13 +912,17 @@ def _render_condition(r: dict) -> str:
     sweep_rows = [(fam, g) for fam, x in r.get("sweep", {}).items() for g in x["grid"] if g["attainment"] or g.get("error")]
     if sweep_rows:
         loads = next(x["loads_x_planned"] for x in r["sweep"].values() if x["loads_x_planned"])
-        lines += ["", "Sweep (seed 0; attainment at " + ", ".join(f"{x:g}x" for x in loads) + " planned):", "",
-                  "| family | configuration | " + " | ".join(f"{x:g}x" for x in loads) + " | chosen | why |",
-                  "|---|---|" + "---|" * len(loads) + "---|---|"]
+        seeds = max((x.get("seeds", 1) for x in r["sweep"].values()), default=1)
+        lines += ["", f"Sweep ({seeds} seed(s) pooled; attainment at " + ", ".join(f"{x:g}x" for x in loads)
+                  + " planned, their mean's standard error):", "",
+                  "| family | configuration | " + " | ".join(f"{x:g}x" for x in loads) + " | +- | chosen | why |",
+                  "|---|---|" + "---|" * len(loads) + "---|---|---|"]
         for fam, g in sweep_rows:
-            chosen = "**best**" if r["sweep"][fam]["best"] == g["row"] else ""
+            swept_fam = r["sweep"][fam]
+            chosen = ("**best**" if swept_fam["best"] == g["row"] else
+                      "close: bisected too" if g["row"] in swept_fam.get("close", []) else "")
             lines.append(f"| {fam} | {g['row']} | " + " | ".join(_f(g["attainment"].get(f"{x:g}")) for x in loads)
-                         + f" | {chosen} | {g.get('error') or g['why']} |")
+                         + f" | {_f(g.get('stderr'))} | {chosen} | {g.get('error') or g['why']} |")
     return "\n".join(lines)
 
 
@@ -1042,7 +1068,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         setting = dataclasses.replace(setting, seeds=1, scored_per_seed=12, sweep_scored=8, warmup_s=5.0,
                                       resolution=0.5, resolution_99=1.0, max_rounds=3, speedup=args.speedup or 8.0,
                                       output_tokens=args.output_tokens or 64, grid_loads=2, grid_step=1.5,
-                                      grid_resamples=200)
+                                      grid_resamples=200, sweep_seeds=1)
         families = tuple(f for f in families if f == "sglang-router")[:1]
         ours = ours or ("prfaas",)
     if ours and (unknown := [n for n in ours if not _known_row(n)]):

@@ -13,6 +13,13 @@ Deployments (the paper's case study in miniature, 32 H200 + 64 H20 GPUs vs 96 H2
     naive        PrfaaS (8xH200, shaped link) + 2 PD-D: every prefill remote
     homog-2p1d   3 x 8xH20, two prefill and one decode instance
     homog-1p2d   3 x 8xH20, one prefill and two decode instances
+
+Admission is swept for every family (issue #59): sglang-router's concurrency cap over
+:data:`CONCURRENCY_CAPS` with its queue, smg's own cap, in-flight limits, queue timeout and shedding,
+on the heterogeneous deployment and on naive and homogeneous ones alike. The ``dynamo-like``
+family is a baseline of the kind Dynamo's conditional disaggregation offers, run by our router's
+code (``--placement conditional``): the length rule, PrfaaS only while its queue is under a cap,
+no early rejection, configured as an operator would.
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ class Row:
     the PrfaaS worker alone)."""
 
     name: str
-    family: str  # ours | sglang-router | smg | naive | homogeneous
+    family: str  # ours | sglang-router | smg | naive | homogeneous | dynamo-like
     deployment: str
     router: str
     args: tuple[str | Knob, ...] = ()
@@ -144,6 +151,14 @@ OURS = (
 # --max-concurrent-requests refilled at --rate-limit-tokens-per-second, a queue, 408 on its timeout.
 SR_FLAGS_ADMISSION = (PerEmulatedSecond("--rate-limit-tokens-per-second", 1), "--queue-size", "256",
                       EmulatedSeconds("--queue-timeout-secs", 4))
+CONCURRENCY_CAPS = (4, 8, 16, 32)  # in flight at once, swept for every family whose router has a cap
+
+
+def sr_admission(cap: int) -> tuple[str | Knob, ...]:
+    """sglang-router's admission (smg's is the same flags): at most ``cap`` in flight, the token bucket refilled
+    at ``cap`` a second (its default, on the emulated clock), a queue that refuses after 4 emulated seconds."""
+    return ("--max-concurrent-requests", str(cap), PerEmulatedSecond("--rate-limit-tokens-per-second", cap),
+            "--queue-size", "256", EmulatedSeconds("--queue-timeout-secs", 4))
 SGLANG_ROUTER = (
     Row("sr-cache_aware", "sglang-router", "hetero", "sglang-router", why="its default"),
     Row("sr-round_robin", "sglang-router", "hetero", "sglang-router", prefill_policy="round_robin",
@@ -161,6 +176,10 @@ SGLANG_ROUTER = (
     Row("sr-power_of_two-admit8", "sglang-router", "hetero", "sglang-router",
         (Fastest("--worker-startup-check-interval"), "--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION),
         prefill_policy="power_of_two", why="load-aware policy with its admission"),
+    *(Row(f"sr-{policy}-cap{cap}", "sglang-router", "hetero", "sglang-router", (*extra, *sr_admission(cap)),
+          prefill_policy=policy, why=f"its admission swept: {cap} in flight, the bucket refilled at {cap}/s")
+      for policy, extra in (("cache_aware", ()), ("power_of_two", (Fastest("--worker-startup-check-interval"),)))
+      for cap in CONCURRENCY_CAPS),
 )
 
 # smg 1.13. Loads polled every --load-monitor-interval (default 10 s); overload protection (on by
@@ -197,6 +216,9 @@ SMG = (
         "its queue"),
     Row("smg-p2-shed", "smg", "hetero", "smg", (*SMG_P2_LEAST, "--worker-overload-shed"), prefill_policy="power_of_two",
         why="its overload protection shedding (503) instead of steering"),
+    *(Row(f"smg-p2-cap{cap}", "smg", "hetero", "smg", (*SMG_P2_LEAST, *sr_admission(cap)), prefill_policy="power_of_two",
+          why=f"its own concurrency cap swept: {cap} in flight, a queue timing out after 4 s (emulated)")
+      for cap in CONCURRENCY_CAPS),
 )
 
 NAIVE = (
@@ -206,6 +228,15 @@ NAIVE = (
     Row("naive-smg-power_of_two", "naive", "naive", "smg", SMG_P2_LEAST, prefill_policy="round_robin",
         decode_policy="power_of_two", why="smg, fewest in flight on the decode leg (one prefill worker: smg "
         "refuses power_of_two over one)"),
+    *(Row(f"naive-sr-cap{cap}", "naive", "naive", "sglang-router", sr_admission(cap),
+          why=f"sglang-router's admission swept: {cap} in flight (a remote prefill queue kept short)")
+      for cap in CONCURRENCY_CAPS),
+    Row("naive-smg-inflight2", "naive", "naive", "smg",
+        (*SMG_P2_LEAST, "--prefill-max-inflight-requests-per-worker", "2", "--prefill-queue-size", "4096",
+         EmulatedSeconds("--prefill-queue-timeout-secs", 4)), prefill_policy="round_robin", decode_policy="power_of_two",
+        why="smg's prefill in-flight limit and queue timeout on the one remote prefill worker"),
+    Row("naive-smg-shed", "naive", "naive", "smg", (*SMG_P2_LEAST, "--worker-overload-shed"), prefill_policy="round_robin",
+        decode_policy="power_of_two", why="smg's overload shedding (503)"),
 )
 
 HOMOGENEOUS = tuple(
@@ -218,7 +249,21 @@ HOMOGENEOUS = tuple(
             prefill_policy="power_of_two" if split == "2p1d" else "round_robin",
             decode_policy="power_of_two" if split == "1p2d" else "round_robin",
             why="fewest in flight where a leg has two workers (smg refuses power_of_two over one)"),
+        *(Row(f"homog-{split}-sr-cap{cap}", "homogeneous", f"homog-{split}", "sglang-router", sr_admission(cap),
+              why=f"sglang-router's admission swept: {cap} in flight") for cap in CONCURRENCY_CAPS),
+        Row(f"homog-{split}-smg-shed", "homogeneous", f"homog-{split}", "smg", (*SMG_P2_LEAST, "--worker-overload-shed"),
+            prefill_policy="power_of_two" if split == "2p1d" else "round_robin",
+            decode_policy="power_of_two" if split == "1p2d" else "round_robin", why="smg's overload shedding (503)"),
     ))
+
+# The Dynamo-like baseline (labelled as such; our router's code in a mode of its own): the length rule at the
+# topology's t, PrfaaS only while its prefill workers hold fewer than the cap, no early rejection.
+DYNAMO_LIKE = tuple(
+    Row(f"dynamo-like-q{cap}", "dynamo-like", "hetero", "prfaas",
+        ("--placement", "conditional", "--remote-queue-cap", str(cap), "--no-early-rejection"),
+        why=f"a baseline of the kind Dynamo's conditional disaggregation offers: remote prefill above t while fewer "
+            f"than {cap} wait there")
+    for cap in (1, 2, 4, 8))
 
 # Ours with a model that disagrees with the engines (the bias study): calibration off, and the
 # operator's measured scale given up front (the model then matches the truth's mean).
@@ -231,9 +276,9 @@ def oracle_row(bias: float) -> Row:
 NO_CALIBRATION = Row("prfaas-no-calibration", "ours", "hetero", "prfaas", ("--no-calibration",),
                      why="the topology's model as given, no online calibration")
 
-PEERS = SGLANG_ROUTER + SMG + NAIVE + HOMOGENEOUS
+PEERS = SGLANG_ROUTER + SMG + NAIVE + HOMOGENEOUS + DYNAMO_LIKE
 ALL = {r.name: r for r in OURS + PEERS + (NO_CALIBRATION,)}
-FAMILIES = ("sglang-router", "smg", "naive", "homogeneous")
+FAMILIES = ("sglang-router", "smg", "naive", "homogeneous", "dynamo-like")
 
 
 def row_named(name: str) -> Row:

@@ -62,9 +62,13 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                         "exceeds max(this, 2 x its own prefill); default: the topology's scheduler.ttft_slo_s "
                         "(on the engines' clock)")
     p.add_argument("--no-early-rejection", action="store_true", help="admit whatever the estimated TTFT")
-    p.add_argument("--placement", choices=("ttft", "threshold"), default="ttft",
+    p.add_argument("--placement", choices=("ttft", "threshold", "conditional"), default="ttft",
                    help="ttft: the threshold's cluster unless its expected TTFT (queue + prefill + the link, calibrated) "
-                        "exceeds --ttft-target-s and the other cluster's is lower; threshold: the paper's rule alone")
+                        "exceeds --ttft-target-s and the other cluster's is lower; threshold: the paper's rule alone; "
+                        "conditional: a baseline of the kind Dynamo's conditional disaggregation offers, the rule's "
+                        "PrfaaS only while its prefill workers hold fewer than --remote-queue-cap requests")
+    p.add_argument("--remote-queue-cap", type=int, default=None,
+                   help="--placement conditional: requests PrfaaS's prefill workers may hold before long prompts stay on PD")
     p.add_argument("--ttft-target-s", type=float, default=None,
                    help="placement by expected TTFT: the threshold's cluster keeps a request whose expected TTFT is "
                         "within this (engines' seconds); beyond it, the cluster with the lower one wins (default: the "
@@ -205,6 +209,10 @@ def make_service(args: argparse.Namespace):
         raise ConfigError("--bandwidth-mode", f"expected scarce or abundant, got {args.bandwidth_mode!r}") from None
     if args.ttft_target_s is not None and not args.ttft_target_s >= 0:
         raise ConfigError("--ttft-target-s", f"must be >= 0, got {args.ttft_target_s}")
+    if (args.placement == "conditional") != (args.remote_queue_cap is not None):
+        raise ConfigError("--remote-queue-cap", "goes with --placement conditional, and it with this")
+    if args.remote_queue_cap is not None and args.remote_queue_cap < 1:
+        raise ConfigError("--remote-queue-cap", f"must be >= 1, got {args.remote_queue_cap}")
     for flag, value in (("--max-ttft-s", args.max_ttft_s), ("--threshold", args.threshold)):
         if value is not None and not value > 0:
             raise ConfigError(flag, f"must be > 0, got {value}")
@@ -252,7 +260,8 @@ def make_service(args: argparse.Namespace):
     max_ttft_s = None if args.no_early_rejection else slo_s
     ttft_target_s = None if args.placement != "ttft" else (slo_s if args.ttft_target_s is None else args.ttft_target_s)
     config = dataclasses.replace(config, controller=ControllerSettings(time_scale=1.0 / model.emulation.speedup),
-                                 max_ttft_s=max_ttft_s, ttft_target_s=ttft_target_s, calibration=calibration)
+                                 max_ttft_s=max_ttft_s, ttft_target_s=ttft_target_s, calibration=calibration,
+                                 remote_queue_cap=args.remote_queue_cap)
     try:
         service = new_service(config, models, workers, emulation_spec=topology.emulation)
     except ValueError as err:  # a --prefill-scale naming no cluster of the topology

@@ -145,6 +145,9 @@ class ClusterSnapshot:
     probe_budget_bytes: float | None = None
     max_ttft_s: float | None = None  # early rejection's bound (observed seconds); None: off
     ttft_target_s: float | None = None  # placement by expected TTFT beyond this (observed seconds); None: the rule alone
+    # Conditional placement (the Dynamo-like baseline): the rule's PrfaaS only while its prefill workers hold
+    # fewer requests than this, else PD; None: off.
+    remote_queue_cap: int | None = None
     # A decode worker holding the prefix wins while its free KV is at least (1 - slack) of the
     # roomiest's; None: the roomiest always (no decode affinity).
     decode_affinity_slack: float | None = 0.1
@@ -243,6 +246,11 @@ def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
             by_cluster[c] = max(by_cluster.get(c, 0), n)
 
     cluster, credited, reason = choose_cluster(total, by_cluster, snap.threshold_tokens, snap.mode, snap.transfer_supported)
+    if snap.remote_queue_cap is not None and cluster == PRFAAS:
+        queued = sum(w.running for w in prefills if w.cluster == PRFAAS)
+        if queued >= snap.remote_queue_cap:
+            cluster, credited = PD, by_cluster.get(PD, 0)
+            reason = f"conditional: PrfaaS holds {queued} >= {snap.remote_queue_cap} requests ({reason})"
     probe = False
     if snap.probe_budget_bytes is not None and any(w.cluster == PRFAAS for w in prefills):
         if snap.kv_bytes(total) <= snap.probe_budget_bytes:

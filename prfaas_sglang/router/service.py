@@ -92,6 +92,7 @@ class RouterConfig:
     # Placement by expected TTFT (policy.route): a request whose rule-chosen cluster predicts a TTFT beyond
     # this goes to the other cluster when that one's prediction is lower; None: the paper's rule alone.
     ttft_target_s: float | None = None
+    remote_queue_cap: int | None = None  # conditional placement (policy.ClusterSnapshot): the Dynamo-like baseline
     calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
     # Re-solve t when a calibrated prefill scale moves this far (relative) from the one t was solved with.
     replan_on_calibration: float = 0.15
@@ -327,7 +328,8 @@ class RouterService:
             link=link, kv_bytes=ps.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
             transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
             probe_budget_bytes=ps.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s,
-            ttft_target_s=self.config.ttft_target_s, decode_affinity_slack=self.config.decode_affinity_slack)
+            ttft_target_s=self.config.ttft_target_s, remote_queue_cap=self.config.remote_queue_cap,
+            decode_affinity_slack=self.config.decode_affinity_slack)
 
     def transfer_supported(self) -> bool:
         """Whether a cached prefix can move: not turned off, and every prefill worker serves the moves

@@ -195,3 +195,38 @@ def test_the_attainment_plot_draws_every_measurement_of_every_row_one_png_per_co
     paths = write_attainment_plots({"conditions": conditions}, tmp_path)
     assert [p.name for p in paths] == ["attainment-case-study_abundant.png", "attainment-case-study_scarce.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_the_sweep_pools_seeds_and_bisects_what_it_cannot_tell_from_the_best():
+    """Every configuration of a family runs on ``sweep_seeds`` seeds at each sweep load; one within the two standard
+    errors of the best is ``close`` (bisected beside it), one far below is not, a router that will not start is
+    recorded; after the bisection the family's best is the close one if it reached the higher capacity."""
+    from types import SimpleNamespace
+
+    from prfaas_sglang.bench.capacity_rows import family_rows
+    from prfaas_sglang.bench.slo import Outcome
+
+    rows = family_rows("naive")
+    level = {r.name: 0.2 for r in rows} | {rows[0].name: 0.80, rows[1].name: 0.78, rows[2].name: 0.40}
+    calls = []
+
+    def run(row, load, seed, scored):
+        calls.append((row.name, seed))
+        if row.name == rows[3].name:
+            raise capacity.RowFailed("no start")
+        met = round(level[row.name] * scored)
+        outcomes = [Outcome(100, 0.1 if k < met else None) for k in range(scored)]
+        return {"outcomes": outcomes, "window_s": 10.0}
+
+    runner = SimpleNamespace(run=run, fleet=SimpleNamespace(keep_only=lambda kinds: None))
+    setting = dataclasses.replace(SETTING, sweep_seeds=2, sweep_scored=50)
+    out = capacity.sweep(runner, setting, 1.0, ("naive",), log=lambda _m: None)["naive"]
+    assert out["best"] == rows[0].name and out["close"] == [rows[1].name] and out["seeds"] == 2
+    assert {seed for name, seed in calls if name == rows[0].name} == {0, 1}
+    assert sum(name == rows[0].name for name, _ in calls) == 2 * len(capacity.SWEEP_LOADS)
+    by_row = {g["row"]: g for g in out["grid"]}
+    assert by_row[rows[3].name]["error"] == "no start" and by_row[rows[0].name]["stderr"] == pytest.approx(
+        math.sqrt(0.8 * 0.2 / 100) / math.sqrt(2), rel=1e-6)
+    bisected = {rows[0].name: {"capacity_rps": {"0.9": 0.50}}, rows[1].name: {"capacity_rps": {"0.9": 0.55}}}
+    assert capacity.final_best({"naive": out}, bisected) == {"naive": rows[1].name}
+    assert capacity.final_best({"naive": out}, {}) == {"naive": rows[0].name}

@@ -53,6 +53,31 @@ def decide(total, by_worker, t=10_000, mode=BandwidthMode.SCARCE, workers=WORKER
     return route(RouteInput(total, decode_tokens or total + 16, by_worker, held_by_worker=held), snap)
 
 
+def test_conditional_placement_sends_long_prompts_to_prfaas_only_while_its_queue_is_under_the_cap():
+    """The Dynamo-like baseline (``--placement conditional``): the length rule, then PD whenever PrfaaS's prefill
+    workers already hold ``remote_queue_cap`` requests; short prompts stay on PD either way."""
+    def conditional(running_on_p0: int, total: int = 30_000):
+        workers = [dataclasses.replace(w, running=running_on_p0) if w.name == "p0" else w for w in WORKERS]
+        snap = ClusterSnapshot(workers, 10_000, BandwidthMode.SCARCE, COST, FAT, KV, remote_queue_cap=2)
+        return route(RouteInput(total, total + 16, {}), snap)
+
+    assert conditional(1).cluster == "prfaas"
+    held = conditional(2)
+    assert held.cluster == "pd" and "conditional: PrfaaS holds 2 >= 2" in held.reason
+    assert conditional(0, total=8_000).cluster == "pd"
+    assert decide(30_000, {}).cluster == "prfaas"  # off by default: the rule alone
+
+
+@pytest.mark.parametrize("flags", [["--placement", "conditional"], ["--remote-queue-cap", "2"],
+                                   ["--placement", "conditional", "--remote-queue-cap", "0"]])
+def test_the_conditional_placement_and_its_cap_go_together_and_are_refused_by_name(flags):
+    from prfaas_sglang.errors import ConfigError
+    from prfaas_sglang.router.__main__ import build_parser, make_service
+
+    with pytest.raises(ConfigError, match="--remote-queue-cap"):
+        make_service(build_parser().parse_args(["--config", "never-read.yaml", *flags]))
+
+
 class TestThresholdRule:
     @pytest.mark.parametrize("total, cached, cluster", [
         (8_000, {}, "pd"),                      # short: local
