@@ -118,6 +118,7 @@ class CapacitySetting:
     # have (per-forward and per-request costs, a decode step rising with the batch, slow periods), so placement
     # and admission are judged where the router's prediction is not exact; "profile", the roofline's own form.
     truth_model: str = "batched"
+    prior: str | None = None  # the router's workload prior (case-study or trace:PATH); None: the case study
     resolution: float = 0.10  # of the 90% capacity: hi / lo <= 1.10
     resolution_99: float = 0.20  # of the 99% capacity
     give_up_slos: float = 2.5  # no first token by arrival + this x the TTFT SLO: the request is a miss
@@ -155,15 +156,24 @@ class CapacitySetting:
             parts.append(f"bias-{self.prefill_bias:g}")
         if self.output_tokens != CASE_STUDY_OUTPUT_TOKENS:
             parts.append(f"out-{self.output_tokens}")
+        if self.prior is not None:
+            parts.append(f"prior-{self.prior.split('/')[-1]}")
         return "/".join(parts)
 
 
 # --- arrivals ------------------------------------------------------------------------------------
 
 
+def prior_workload(setting: CapacitySetting) -> str:
+    """What the router is told to plan for: ``setting.prior`` where given, else the case study. Never the trace
+    being evaluated unless asked for by name: a router handed the answer is judged on nothing it learnt (the
+    shift's second half is not in the case study either)."""
+    return setting.prior or "case-study"
+
+
 def prior(setting: CapacitySetting) -> dict:
-    """The topology's ``scheduler.workload``: what the router plans for (the shift's second half is not in it)."""
-    return workloads.prior("case-study" if setting.workload == "shift" else setting.workload, MAX_INPUT_TOKENS)
+    """The topology's ``scheduler.workload`` (:func:`prior_workload`'s)."""
+    return workloads.prior(prior_workload(setting), MAX_INPUT_TOKENS)
 
 
 class Stream:
@@ -874,7 +884,8 @@ def _render_condition(r: dict) -> str:
              f"planned capacity of the {r.get('deployment', 'hetero')} deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
              f"{setting['scored_per_seed']} scored arrivals per probe; resolution hi/lo <= {1 + setting['resolution']:g} "
              f"(90%), {1 + setting['resolution_99']:g} (99%); speedup {setting['speedup']:g}, engine noise sigma "
-             f"{setting['noise_sigma']:g}, engine truth {setting.get('truth_model', 'profile')}; outputs "
+             f"{setting['noise_sigma']:g}, engine truth {setting.get('truth_model', 'profile')}; the router's prior "
+             f"{setting.get('prior') or 'case-study'}; outputs "
              f"{setting['output_tokens']} tokens; {r['wall_s'] / 60:.0f} min", "",
              "| row | capacity @90% (req/s) | x planned | per seed [min, max] | @99% | attainment | TTFT p50 / p90 / p99 (s, all arrivals) "
              "| goodput (req/s) | prompt tok/s in SLO | refused (of which >=16K) | offload | engine timing error (prefill / decode) |",
@@ -985,6 +996,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="where ROW's bisection starts, x the planned capacity (repeatable; default: above the "
                           "sweep's best load that met 90%%, 0.9 without one), e.g. a capacity another run found")
     cap.add_argument("--link-drop", action="store_true", help="the link's capacity / 4 for one emulated minute")
+    cap.add_argument("--prior", default=None, metavar="WORKLOAD",
+                     help="the router's workload prior (case-study or trace:PATH); default: the case study, whatever the "
+                          "workload evaluated (a trace condition's router does not start from the trace)")
     cap.add_argument("--output-tokens", type=int, default=None,
                      help=f"tokens each request generates (default {CASE_STUDY_OUTPUT_TOKENS}, the paper's case study; "
                           "--quick: 64); another length is named in the condition (out-N)")
@@ -1054,6 +1068,12 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         if not 1 <= args.output_tokens <= 8192:
             inv.error("--output-tokens must be in [1, 8192]")
         setting = dataclasses.replace(setting, output_tokens=args.output_tokens)
+    if args.prior is not None:
+        try:
+            workloads.prior(args.prior, MAX_INPUT_TOKENS)
+        except ConfigError as err:
+            inv.error(f"--prior: {err.problem}")
+        setting = dataclasses.replace(setting, prior=args.prior)
     if args.rounds is not None:
         if args.rounds < 1:
             inv.error("--rounds must be >= 1")
@@ -1097,6 +1117,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''} --output-tokens {setting.output_tokens}"
+              f"{f' --prior {args.prior}' if args.prior else ''}"
               f"{f' --rounds {args.rounds}' if args.rounds else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
               f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")

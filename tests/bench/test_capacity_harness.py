@@ -230,3 +230,16 @@ def test_the_sweep_pools_seeds_and_bisects_what_it_cannot_tell_from_the_best():
     bisected = {rows[0].name: {"capacity_rps": {"0.9": 0.50}}, rows[1].name: {"capacity_rps": {"0.9": 0.55}}}
     assert capacity.final_best({"naive": out}, bisected) == {"naive": rows[1].name}
     assert capacity.final_best({"naive": out}, {}) == {"naive": rows[0].name}
+
+
+def test_on_a_trace_condition_the_routers_prior_is_not_the_trace_it_is_judged_on(tmp_path):
+    """The topology the capacity run writes tells the router to plan for the case study while the arrivals come from
+    the trace; a prior is the evaluated trace only when named (and the condition then says so)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 2000, "output_length": 10, "hash_ids": [1]}\n')
+    setting = CapacitySetting(workload=f"trace:{trace}")
+    doc = capacity.topology(setting, "hetero")
+    assert doc["scheduler"]["workload"]["kind"] != "trace" and capacity.prior_workload(setting) == "case-study"
+    named = dataclasses.replace(setting, prior=f"trace:{trace}")
+    assert capacity.topology(named, "hetero")["scheduler"]["workload"]["kind"] == "trace"
+    assert named.condition.endswith("prior-t.jsonl") and "prior" not in setting.condition
