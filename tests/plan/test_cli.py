@@ -131,3 +131,15 @@ def test_negative_bandwidth_in_a_scenario_file(tmp_path):
     scenario["link"]["egress_gbps"] = -5
     proc = plan_cli("--scenario", str(write(tmp_path / "s.yaml", scenario)))
     assert proc.returncode == 2 and "error: link.egress_gbps: must be a positive number" in proc.stderr
+
+
+def test_the_plan_prints_capacity_at_the_slo_beside_lambda_max_and_refuses_a_bad_slo():
+    result = json.loads(plan_cli("--scenario", "case-study", "--ttft-slo-s", "5", "--json").stdout)
+    at, best = result["slo"]["at_plan"], result["slo"]["best_for_slo"]
+    assert at["threshold_tokens"] == result["threshold_tokens"] and at["lambda_max_rps"] == result["lambda_max_rps"]
+    assert 0 < at["capacity_rps"] < at["lambda_max_rps"] and best["capacity_rps"] >= at["capacity_rps"]
+    assert result["slo"]["ttft_slo_s"] == 5 and result["slo"]["target"] == 0.9
+    table = plan_cli("--scenario", "case-study", "--ttft-slo-s", "10").stdout
+    assert "capacity at the TTFT SLO (10 s, 90% of arrivals" in table and "best for the SLO" in table
+    bad = plan_cli("--scenario", "case-study", "--ttft-slo-s", "0")
+    assert bad.returncode == 2 and "--ttft-slo-s" in bad.stderr
