@@ -119,6 +119,7 @@ class CapacitySetting:
     # and admission are judged where the router's prediction is not exact; "profile", the roofline's own form.
     truth_model: str = "batched"
     prior: str | None = None  # the router's workload prior (case-study or trace:PATH); None: the case study
+    decode_radix_cache: bool = True  # decode workers keep a radix cache of what they decoded (every row's engines)
     resolution: float = 0.10  # of the 90% capacity: hi / lo <= 1.10
     resolution_99: float = 0.20  # of the 99% capacity
     give_up_slos: float = 2.5  # no first token by arrival + this x the TTFT SLO: the request is a miss
@@ -326,7 +327,8 @@ class Fleet:
         s = self.setting
         return ("--context-tokens", str(2 * MAX_INPUT_TOKENS + s.output_tokens), "--prefill-bias", f"{s.prefill_bias:g}",
                 "--decode-bias", f"{s.decode_bias:g}", "--noise-sigma", f"{s.noise_sigma:g}", "--noise-seed", str(index),
-                "--truth-model", s.truth_model)
+                "--truth-model", s.truth_model,
+                *(("--disaggregation-decode-enable-radix-cache",) if s.decode_radix_cache and role == "pd-decode" else ()))
 
     @staticmethod
     def _stop(up: Up) -> None:
@@ -775,7 +777,7 @@ def ratios(rows: dict, families: dict[str, str], intervals: dict[str, slo.Capaci
                         if other["per_seed_capacity_rps"][target].get(k)]
             per_family[fam] = {"row": families[fam], "ratio": ours["capacity_rps"][target] / theirs if theirs else None,
                                "per_seed": spread(per_seed)}
-            if target == "0.9" and "prfaas" in intervals and families[fam] in intervals:
+            if float(target) == slo.TARGETS[0] and "prfaas" in intervals and families[fam] in intervals:  # the grid's
                 per_family[fam]["interval"] = slo.ratio_interval(intervals["prfaas"], intervals[families[fam]])
         out[target] = {"vs": per_family, "best_other": families[best_family],
                        "capacity_ratio_vs_best": per_family[best_family]["ratio"],
@@ -884,7 +886,8 @@ def _render_condition(r: dict) -> str:
              f"planned capacity of the {r.get('deployment', 'hetero')} deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
              f"{setting['scored_per_seed']} scored arrivals per probe; resolution hi/lo <= {1 + setting['resolution']:g} "
              f"(90%), {1 + setting['resolution_99']:g} (99%); speedup {setting['speedup']:g}, engine noise sigma "
-             f"{setting['noise_sigma']:g}, engine truth {setting.get('truth_model', 'profile')}; the router's prior "
+             f"{setting['noise_sigma']:g}, engine truth {setting.get('truth_model', 'profile')}, decode radix cache "
+             f"{'on' if setting.get('decode_radix_cache') else 'off'}; the router's prior "
              f"{setting.get('prior') or 'case-study'}; outputs "
              f"{setting['output_tokens']} tokens; {r['wall_s'] / 60:.0f} min", "",
              "| row | capacity @90% (req/s) | x planned | per seed [min, max] | @99% | attainment | TTFT p50 / p90 / p99 (s, all arrivals) "

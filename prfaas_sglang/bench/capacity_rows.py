@@ -136,6 +136,9 @@ OURS = (
         why="ablation: the paper's threshold rule (with the SLO spill of early rejection), admission on"),
     Row("prfaas-rule-only", "ours", "hetero", "prfaas", ("--placement", "threshold", "--no-early-rejection"),
         why="ablation: the paper's threshold rule alone"),
+    Row("prfaas-auto-mode", "ours", "hetero", "prfaas", ("--bandwidth-mode", "auto"),
+        why="the paper's abundant mode where the link's measured capacity allows it (judge the prefix by the longer "
+            "cache of either cluster and move it across), scarce mode otherwise"),
     Row("prfaas-target-0", "ours", "hetero", "prfaas", ("--ttft-target-s", "0"),
         why="placement target 0: always the cluster with the lower expected TTFT (the default keeps the rule's "
             "cluster while it meets the SLO)"),

@@ -138,6 +138,9 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
         return s.getsockname()[1]
 
 
+PICK_ATTEMPTS = 256  # picks a PortPicker makes before it says its range is spent
+
+
 class PortPicker:
     """Free ports (:func:`free_port`) that are also distinct from each other and from ``taken``: one
     topology (or one worker) needs each of its ports once, and nothing holds a picked port until its
@@ -148,11 +151,14 @@ class PortPicker:
         self._taken: set[int] = set(taken)
 
     def __call__(self, host: str = "127.0.0.1") -> int:
-        port = free_port(host)
-        while port in self._taken:
+        """A port; :class:`StartupError` when :data:`PICK_ATTEMPTS` picks in a row were all taken already."""
+        for _ in range(PICK_ATTEMPTS):
             port = free_port(host)
-        self._taken.add(port)
-        return port
+            if port not in self._taken:
+                self._taken.add(port)
+                return port
+        low, top = own_port_range()
+        raise StartupError(f"no free port in {low}-{top} that is not already picked ({len(self._taken)} picked)")
 
 
 

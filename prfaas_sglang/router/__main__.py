@@ -47,7 +47,9 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     p.add_argument("--host", default=None, help="bind address (default: the topology's router node, else 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the topology's router node)")
     p.add_argument("--threshold", type=float, help="baseline threshold t, tokens (default: the planner's, from the topology)")
-    p.add_argument("--bandwidth-mode", default="scarce", help="scarce | abundant (paper section 3.4.3)")
+    p.add_argument("--bandwidth-mode", default="scarce",
+                   help="scarce | abundant (paper section 3.4.3) | auto: per pair, abundant while the plan's KV at "
+                        "Lambda_max fills at most half the link's measured capacity (policy.mode_from_link)")
     p.add_argument("--tokenizer", default=None, help="tokenizer name or directory (default: model.tokenizer of the topology)")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument("--cache-transfer", choices=("auto", "off", "always", "never"), default="auto",
@@ -204,9 +206,9 @@ def make_service(args: argparse.Namespace):
     from prfaas_sglang.wire.blocks import memo_bytes_from_mib
 
     try:
-        mode = BandwidthMode(args.bandwidth_mode)
+        mode = BandwidthMode.SCARCE if args.bandwidth_mode == "auto" else BandwidthMode(args.bandwidth_mode)
     except ValueError:
-        raise ConfigError("--bandwidth-mode", f"expected scarce or abundant, got {args.bandwidth_mode!r}") from None
+        raise ConfigError("--bandwidth-mode", f"expected scarce, abundant or auto, got {args.bandwidth_mode!r}") from None
     if args.ttft_target_s is not None and not args.ttft_target_s >= 0:
         raise ConfigError("--ttft-target-s", f"must be >= 0, got {args.ttft_target_s}")
     if (args.placement == "conditional") != (args.remote_queue_cap is not None):
@@ -244,7 +246,7 @@ def make_service(args: argparse.Namespace):
     args.port = args.port or (node.port if node else None)
     if args.port is None:
         raise ConfigError("--port", "is required (the topology has no router node with a port)")
-    config = RouterConfig(mode=mode, phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
+    config = RouterConfig(mode=mode, auto_mode=args.bandwidth_mode == "auto", phase_timeout_s=args.phase_timeout_s, max_ttft_s=args.max_ttft_s,
                           admission_timeout_s=args.admission_timeout_s, max_waiting=args.max_waiting,
                           health_interval_s=args.health_interval_s, load_interval_s=args.load_interval_s,
                           health_timeout_s=args.health_timeout_s, health_misses_to_down=args.health_misses_to_down,

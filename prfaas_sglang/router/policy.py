@@ -84,6 +84,17 @@ class BandwidthMode(str, enum.Enum):
     ABUNDANT = "abundant"
 
 
+# ``--bandwidth-mode auto``: the link counts as abundant while the plan's KV at its Lambda_max would fill at most
+# this share of the capacity telemetry measures (the link does not bind, with room for bursts).
+ABUNDANT_MAX_UTILIZATION = 0.5
+
+
+def mode_from_link(planned_egress_utilization: float) -> BandwidthMode:
+    """The paper's mode from the link as measured: abundant while the plan's egress at Lambda_max, over the link's
+    measured capacity, is at most :data:`ABUNDANT_MAX_UTILIZATION`; scarce otherwise."""
+    return BandwidthMode.ABUNDANT if planned_egress_utilization <= ABUNDANT_MAX_UTILIZATION else BandwidthMode.SCARCE
+
+
 @dataclass(frozen=True)
 class WorkerState:
     name: str
@@ -226,6 +237,16 @@ def choose_cluster(total_tokens: int, by_cluster: Mapping[str, int], threshold_t
     return cluster, prefix, f"uncached after the best cache {total_tokens - prefix} {op} t {threshold_tokens:g}"
 
 
+def conditional(prefills: Sequence[WorkerState], by_cluster: Mapping[str, int], cap: int, credited: int,
+                reason: str) -> tuple[str, int, str]:
+    """The Dynamo-like baseline's second condition on a prompt the rule sends to PrfaaS: PD instead once PrfaaS's
+    prefill workers hold ``cap`` requests (cluster, prefix credited, reason)."""
+    queued = sum(w.running for w in prefills if w.cluster == PRFAAS)
+    if queued < cap:
+        return PRFAAS, credited, reason
+    return PD, by_cluster.get(PD, 0), f"conditional: PrfaaS holds {queued} >= {cap} requests ({reason})"
+
+
 def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
     """Choose prefill worker, decode worker and any cross-cluster cache transfer. Pure."""
     total, by_worker = request.total_tokens, request.by_worker
@@ -247,10 +268,7 @@ def route(request: RouteInput, snap: ClusterSnapshot) -> RouteDecision:
 
     cluster, credited, reason = choose_cluster(total, by_cluster, snap.threshold_tokens, snap.mode, snap.transfer_supported)
     if snap.remote_queue_cap is not None and cluster == PRFAAS:
-        queued = sum(w.running for w in prefills if w.cluster == PRFAAS)
-        if queued >= snap.remote_queue_cap:
-            cluster, credited = PD, by_cluster.get(PD, 0)
-            reason = f"conditional: PrfaaS holds {queued} >= {snap.remote_queue_cap} requests ({reason})"
+        cluster, credited, reason = conditional(prefills, by_cluster, snap.remote_queue_cap, credited, reason)
     probe = False
     if snap.probe_budget_bytes is not None and any(w.cluster == PRFAAS for w in prefills):
         if snap.kv_bytes(total) <= snap.probe_budget_bytes:

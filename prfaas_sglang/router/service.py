@@ -56,6 +56,7 @@ from prfaas_sglang.router.policy import (
     RouteDecision,
     RouteInput,
     checkpoint_at,
+    mode_from_link,
 )
 from prfaas_sglang.router.threshold import ControllerSettings, QueueView, ThresholdController
 from prfaas_sglang.router.workers import WorkerFacts, WorkerRecord, facts_problem
@@ -77,6 +78,7 @@ BODY_BYTES_PER_TOKEN = 64  # an id is at most 11 bytes of JSON; a token of text 
 @dataclass(frozen=True)
 class RouterConfig:
     mode: BandwidthMode = BandwidthMode.SCARCE
+    auto_mode: bool = False  # --bandwidth-mode auto: each pair's mode from its link's measured capacity (mode_from_link)
     phase_timeout_s: float = 600.0
     health_interval_s: float = 2.0
     # SGLang's /health runs a one-token generate and answers on a 1 s poll once the scheduler has
@@ -133,6 +135,18 @@ class PairState:
     planned_scales: dict[str, float] = field(default_factory=lambda: {PRFAAS: 1.0, PD: 1.0})  # t was solved with these
     routed: collections.Counter = field(default_factory=collections.Counter)  # cluster kind -> requests
     suspended: dict[str, float] = field(default_factory=dict)  # worker -> until when a failed leg keeps it off this link
+    auto_mode: tuple[float, BandwidthMode] | None = None  # (the capacity estimate it was chosen at, the mode)
+
+    def mode(self, config: RouterConfig) -> BandwidthMode:
+        """The mode the policy routes this pair in: the configured one, or (``auto``) the one its link's measured
+        capacity gives, chosen again whenever the estimate changes."""
+        if not config.auto_mode:
+            return config.mode
+        capacity_bps = self.controller.capacity_est_bps
+        if self.auto_mode is None or self.auto_mode[0] != capacity_bps:
+            utilization = self.runtime.operating_point(capacity_bps).egress_utilization
+            self.auto_mode = (capacity_bps, mode_from_link(utilization))
+        return self.auto_mode[1]
 
     def site(self, kind: str) -> str | None:
         """The pair's cluster of ``kind`` (prfaas | pd)."""
@@ -323,7 +337,7 @@ class RouterService:
         exclude = exclude | self.link_down(now_s, ps) | {w for w, until in ps.suspended.items() if until > now_s}
         return ClusterSnapshot(
             workers=[self._worker_state(w) for w in self.workers.values() if ps.holds(w) and w.name not in exclude],
-            threshold_tokens=ps.controller.threshold_tokens, mode=self.config.mode,
+            threshold_tokens=ps.controller.threshold_tokens, mode=ps.mode(self.config),
             prefill_cost={PRFAAS: self.prefill_cost(ps, PRFAAS), PD: self.prefill_cost(ps, PD)},
             link=link, kv_bytes=ps.runtime.kv_bytes, transfer_supported=self.transfer_supported(),
             transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
@@ -636,6 +650,7 @@ class RouterService:
         """Pair ``ps``: its threshold, controller and the threshold's history, its link as telemetry shows it,
         its queues, the KV routed toward it, what it routed, its model."""
         return {"prfaas": ps.pair.prfaas, "pd": ps.pair.pd, "threshold_tokens": ps.controller.threshold_tokens,
+                "bandwidth_mode": ps.mode(self.config).value,
                 "controller": ps.controller.describe(),
                 "threshold_history": [{"t_s": t, "threshold_tokens": v, "why": why} for t, v, why in ps.controller.history],
                 "link": self._link_status(ps, now_s), "link_down_workers": sorted(self.link_down(now_s, ps)),
@@ -646,7 +661,7 @@ class RouterService:
         """The router's state: ``pairs`` has every pair's (:meth:`pair_status`, by ``prfaas->pd``). A one-pair
         deployment also shows its pair's threshold, controller, history, model, link and queues at the top."""
         body = {
-            "bandwidth_mode": self.config.mode.value,
+            "bandwidth_mode": "auto" if self.config.auto_mode else self.config.mode.value,
             "served_models": self.model_names(),
             "tokenizer": getattr(self.tokenizer, "source", None),
             "link_down_workers": sorted(self.link_down(now_s)),

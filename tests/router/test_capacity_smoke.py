@@ -55,7 +55,7 @@ def test_quick_capacity_run(tmp_path):
     merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out), "--plot", str(tmp_path / "plots")],
                     timeout=60)
     assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant/out-64**") == 1, merged.stderr
-    assert "engine truth batched" in merged.stdout and "outputs 64 tokens" in merged.stdout
+    assert "engine truth batched, decode radix cache on" in merged.stdout and "outputs 64 tokens" in merged.stdout
     assert "Capacity @90% on a grid of 2 loads" in merged.stdout
     plot = tmp_path / "plots" / "attainment-case-study_abundant_out-64.png"  # one per condition
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in plot.parent.iterdir()] == [plot.name]

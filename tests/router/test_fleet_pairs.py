@@ -247,3 +247,27 @@ class TestRequestPath:
         decision = service.decide(RouteInput(2_000, 2_016, {}), set(), 0.0, "pd-west")
         with pytest.raises(ValueError, match="decide"):
             service.begin(_request(2_000), dataclasses.replace(decision, pair=None), 0.0, 0)
+
+
+def test_auto_bandwidth_mode_is_chosen_per_pair_from_its_links_measured_capacity():
+    """``--bandwidth-mode auto``: a pair is routed in abundant mode while the plan's KV at Lambda_max fills at most
+    half its link's measured capacity, in scarce mode once telemetry has its link lower, and only that pair
+    changes; a fixed mode is what it says."""
+    from prfaas_sglang.router.policy import ABUNDANT_MAX_UTILIZATION, BandwidthMode, mode_from_link
+
+    assert mode_from_link(ABUNDANT_MAX_UTILIZATION) is BandwidthMode.ABUNDANT
+    assert mode_from_link(1.01 * ABUNDANT_MAX_UTILIZATION) is BandwidthMode.SCARCE
+    service = fleet_service(RouterConfig(auto_mode=True))
+    modes = {pair: ps.mode(service.config) for pair, ps in service.pairs.items()}
+    utilization = {pair: ps.runtime.operating_point(ps.controller.capacity_est_bps).egress_utilization
+                   for pair, ps in service.pairs.items()}
+    assert modes == {pair: mode_from_link(u) for pair, u in utilization.items()}
+    roomy = next(pair for pair, mode in modes.items() if mode is BandwidthMode.ABUNDANT)
+    ps = service.pairs[roomy]
+    ps.controller.capacity_est_bps = ps.controller.nominal_bps * utilization[roomy] / (1.5 * ABUNDANT_MAX_UTILIZATION) / 2
+    assert ps.mode(service.config) is BandwidthMode.SCARCE
+    assert {pair: p.mode(service.config) for pair, p in service.pairs.items() if pair != roomy} == \
+        {pair: mode for pair, mode in modes.items() if pair != roomy}
+    assert service.pair_status(ps, 0.0)["bandwidth_mode"] == "scarce" and service.status(0.0)["bandwidth_mode"] == "auto"
+    assert fleet_service(RouterConfig(mode=BandwidthMode.ABUNDANT)).pairs[roomy].mode(RouterConfig(mode=BandwidthMode.ABUNDANT)) \
+        is BandwidthMode.ABUNDANT

@@ -78,6 +78,8 @@ def test_a_picker_never_returns_a_port_picked_for_a_server_not_yet_started(monke
     monkeypatch.setenv("PRFAAS_PORT_RANGE", "27000-27004")
     pick = cluster.PortPicker(taken={27000, 27001, 27002})
     assert pick() == 27003  # the only one left; free_port alone would answer any of the four
+    with pytest.raises(cluster.StartupError, match="no free port in 27000-27004 that is not already picked"):
+        pick()  # the range is spent: a typed error, not a loop without end
 
 
 def test_the_range_is_read_from_the_kernel(tmp_path):
