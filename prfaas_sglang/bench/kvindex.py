@@ -80,7 +80,8 @@ def held(blocks: int = 2_000_000, workers: int = 4, chain_blocks: int = 4096, sh
     per token), spread over ``workers`` in chains of ``chain_blocks``, a ``shared`` fraction of the
     chains held by two workers. Reports what holding it costs the router's process: the garbage
     collector's full-collection pause (median of ``collections``), the objects it tracks for the
-    index, and resident memory; plus ingest rate and a lookup of one held chain."""
+    index (a difference of two counts: the process's own churn moves it by a few either way), and
+    resident memory; plus ingest rate and a lookup of one held chain."""
     rng = random.Random(seed)
     index = KvIndex(hybrid=True)
     names = [f"w{w}" for w in range(workers)]

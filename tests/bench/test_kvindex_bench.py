@@ -27,5 +27,8 @@ def test_ingest_counts_every_event_of_every_worker_and_a_128k_prompt_is_matched(
 def test_a_held_index_reports_every_block_it_was_given_and_what_holding_them_costs():
     result = held(blocks=5_000, workers=2, chain_blocks=1_000, collections=1)
     assert result["blocks"] == 5_000 and result["lookup_blocks"] == 1_000
-    assert result["gc_tracked_objects"] > 0 and result["ingest_blocks_per_s"] > 0
+    # A difference of two gc.get_objects() counts: a held index adds a handful of tracked objects whatever its
+    # size, and the process's own churn between the counts moves it by a few either way (-7 in a fresh-clone run,
+    # -8 on a first call alone): what must hold is that 5,000 blocks are not thousands of tracked objects.
+    assert abs(result["gc_tracked_objects"]) < 100 and result["ingest_blocks_per_s"] > 0
     assert render_markdown(result).splitlines()[2].startswith("| 5,000 | 2 |")
