@@ -12,8 +12,8 @@
 # session picks its ports from its own half of the range), then the tests marked `serial` (what other
 # tests' load would skew) alone. Starting the serial phase's real-SGLang deployment beside the parallel
 # phase's end gained nothing (17.8 and 18.6 min against 17.4: the cores were already full). Every phase
-# runs even after one fails; the exit status is the first failure's. PYTEST_ARGS (a path, -k ...) narrows every phase; a phase that selects no test (pytest's
-# status 5) is not a failure.
+# runs even after one fails; the exit status is the first failure's. PYTEST_ARGS (a path, -k ...) narrows
+# every phase; a phase that selects no test (pytest's status 5) is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -723,7 +723,7 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
     out = {}
     for row in (r for r in rows if r.name not in failed):
         by_load = runs[row.name]
-        est = slo.capacity_interval(by_load, 0.9, rng, resamples=setting.grid_resamples, block_arrivals=GRID_BLOCK_ARRIVALS)
+        est = slo.capacity_interval(by_load, slo.TARGETS[0], rng, resamples=setting.grid_resamples, block_arrivals=GRID_BLOCK_ARRIVALS)
         table = [{"load_rps": load, "attainment": sum(map(sum, rs)) / sum(map(len, rs)), "arrivals": sum(map(len, rs))}
                  for load, rs in sorted(by_load.items())]
         out[row.name] = (est, table)

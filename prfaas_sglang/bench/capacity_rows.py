@@ -56,6 +56,9 @@ class EmulatedSeconds:
         wall_s = self.seconds / speedup
         return _whole(self.flag, wall_s, f"{self.seconds:g} emulated s is {wall_s:g} wall s at speedup {speedup:g}")
 
+    def emulated(self, speedup: float) -> float:
+        return self.seconds
+
 
 @dataclass(frozen=True)
 class PerEmulatedSecond:
@@ -70,6 +73,9 @@ class PerEmulatedSecond:
         return _whole(self.flag, per_wall_s, f"{self.rate:g} per emulated s is {per_wall_s:g} per wall s at speedup "
                                              f"{speedup:g}")
 
+    def emulated(self, speedup: float) -> float:
+        return self.rate
+
 
 @dataclass(frozen=True)
 class Fastest:
@@ -81,6 +87,9 @@ class Fastest:
     def wall(self, speedup: float) -> str:
         return "1"
 
+    def emulated(self, speedup: float) -> float:
+        return float(speedup)
+
 
 Knob = EmulatedSeconds | PerEmulatedSecond | Fastest
 
@@ -90,22 +99,14 @@ def peer_args(args: tuple[str | Knob, ...], speedup: float) -> tuple[str, ...]:
     emulated clock to wall time (:class:`KnobClockError` where the peer cannot take the value)."""
     out: list[str] = []
     for arg in args:
-        out.extend((arg.flag, arg.wall(speedup)) if isinstance(arg, EmulatedSeconds | PerEmulatedSecond | Fastest) else (arg,))
+        out.extend((arg,) if isinstance(arg, str) else (arg.flag, arg.wall(speedup)))
     return tuple(out)
 
 
 def emulated_knobs(args: tuple[str | Knob, ...], speedup: float) -> dict[str, float]:
     """Each time-valued knob of ``args`` on the emulated clock at ``speedup`` (what a reader compares with the SLO):
     seconds for durations and periods, per second for rates."""
-    out = {}
-    for arg in args:
-        if isinstance(arg, EmulatedSeconds):
-            out[arg.flag] = arg.seconds
-        elif isinstance(arg, PerEmulatedSecond):
-            out[arg.flag] = arg.rate
-        elif isinstance(arg, Fastest):
-            out[arg.flag] = float(speedup)
-    return out
+    return {arg.flag: arg.emulated(speedup) for arg in args if not isinstance(arg, str)}
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,14 @@ OURS = (
 # streamed PD request starts counting only after the prefill answered) or /get_load polled every
 # --worker-startup-check-interval (power_of_two; default 30 s). Its admission: a token bucket of
 # --max-concurrent-requests refilled at --rate-limit-tokens-per-second, a queue, 408 on its timeout.
-SR_FLAGS_ADMISSION = (PerEmulatedSecond("--rate-limit-tokens-per-second", 1), "--queue-size", "256",
-                      EmulatedSeconds("--queue-timeout-secs", 4))
 CONCURRENCY_CAPS = (4, 8, 16, 32)  # in flight at once, swept for every family whose router has a cap
 
 
-def sr_admission(cap: int) -> tuple[str | Knob, ...]:
+def sr_admission(cap: int, refill_per_s: float | None = None) -> tuple[str | Knob, ...]:
     """sglang-router's admission (smg's is the same flags): at most ``cap`` in flight, the token bucket refilled
-    at ``cap`` a second (its default, on the emulated clock), a queue that refuses after 4 emulated seconds."""
-    return ("--max-concurrent-requests", str(cap), PerEmulatedSecond("--rate-limit-tokens-per-second", cap),
+    at ``refill_per_s`` a second (default ``cap``, its own default, on the emulated clock), a queue that refuses
+    after 4 emulated seconds."""
+    return ("--max-concurrent-requests", str(cap), PerEmulatedSecond("--rate-limit-tokens-per-second", refill_per_s or cap),
             "--queue-size", "256", EmulatedSeconds("--queue-timeout-secs", 4))
 SGLANG_ROUTER = (
     Row("sr-cache_aware", "sglang-router", "hetero", "sglang-router", why="its default"),
@@ -174,10 +174,10 @@ SGLANG_ROUTER = (
     Row("sr-prfaas-only", "sglang-router", "hetero", "sglang-router", prefill="prfaas",
         why="the fast worker does every prefill (the obvious setting of a length-blind router)"),
     Row("sr-cache_aware-admit8", "sglang-router", "hetero", "sglang-router",
-        ("--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION), why="its admission: ~8 in flight (Little's law "
+        sr_admission(8, refill_per_s=1), why="its admission: ~8 in flight (Little's law "
         "at the planned capacity), a 4 s queue timeout (emulated)"),
     Row("sr-power_of_two-admit8", "sglang-router", "hetero", "sglang-router",
-        (Fastest("--worker-startup-check-interval"), "--max-concurrent-requests", "8", *SR_FLAGS_ADMISSION),
+        (Fastest("--worker-startup-check-interval"), *sr_admission(8, refill_per_s=1)),
         prefill_policy="power_of_two", why="load-aware policy with its admission"),
     *(Row(f"sr-{policy}-cap{cap}", "sglang-router", "hetero", "sglang-router", (*extra, *sr_admission(cap)),
           prefill_policy=policy, why=f"its admission swept: {cap} in flight, the bucket refilled at {cap}/s")

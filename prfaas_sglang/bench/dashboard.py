@@ -56,7 +56,8 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
     burst = [dataclasses.replace(a, offset_s=a.offset_s + half) for a in burst]
     doc = demo_topology(workloads.prior("case-study", MAX_INPUT_TOKENS), speedup=SPEEDUP, kv_scale=KV_SCALE,
                         output_tokens=OUTPUT_TOKENS, tokenizer=tokenizer, served_name="prfaas-demo")
-    pick = PortPicker(taken=topology_ports(doc))  # the deployment's ports are picked, not yet bound
+    reserved = topology_ports(doc)  # the deployment's ports: picked, not yet bound
+    pick = PortPicker(taken=reserved)
     doc["clusters"]["control"]["nodes"].append({"name": "kv-index", "role": "kv-index", "host": "127.0.0.1",
                                                 "port": pick()})
     targets = [ScrapeTarget(n["role"], n["name"], f"http://{n['host']}:{n['port']}")
@@ -65,7 +66,7 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
     group = ProcessGroup(work_dir)
     # started first: its first scrape comes ~5 s after start, while the deployment comes up
     with Prometheus.start(targets, work_dir / "prometheus", scrape_interval_s=interval_s,
-                          avoid_ports=topology_ports(doc)) as prom:
+                          avoid_ports=reserved) as prom:  # the kv-index's own port is a target's
         try:
             context = ("--context-tokens", str(2 * MAX_INPUT_TOKENS + OUTPUT_TOKENS))
             dep = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")})

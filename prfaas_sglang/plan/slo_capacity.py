@@ -109,6 +109,20 @@ class SloPoint:
         return dict(vars(self))
 
 
+@dataclass(frozen=True)
+class _Point:
+    """An operating point's bounds and its arrivals split by stage: prefill times and transfer times of the
+    lengths above the threshold (PrfaaS), prefill times of the rest (PD-P)."""
+
+    lambda_max_rps: float
+    decode_rps: float
+    share: float  # of arrivals above the threshold
+    n_prefill: int
+    t_long: np.ndarray
+    x_long: np.ndarray
+    t_short: np.ndarray
+
+
 class SloModel:
     """Attainment and capacity at a TTFT SLO for ``dep`` on ``workload`` (lengths drawn once, from ``rng``)."""
 
@@ -122,37 +136,45 @@ class SloModel:
         self._t_prfaas = np.array([prfaas.prefill_s(n) for n in self.lengths])
         self._t_pd = np.array([pd.prefill_s(n) for n in self.lengths])
         self._x_link = np.array([8.0 * prfaas.kv_bytes(n) / dep.egress_bps for n in self.lengths])
+        self._points: dict[tuple[float, int, int], _Point] = {}
+
+    def _point(self, threshold_tokens: float, n_prefill: int, n_decode: int) -> _Point:
+        """What every rate at one operating point shares, computed once (the bisection asks for it 41 times)."""
+        key = (threshold_tokens, n_prefill, n_decode)
+        if key not in self._points:
+            op = evaluate(self.dep, self.workload.split(threshold_tokens), n_prefill, n_decode)
+            long = (self.lengths > threshold_tokens) & (self.dep.n_prfaas > 0)
+            self._points[key] = _Point(op.lambda_max_rps, op.theta_pd_decode_rps, float(long.mean()), n_prefill,
+                                       self._t_prfaas[long], self._x_link[long], self._t_pd[~long])
+        return self._points[key]
 
     def attainment(self, rate_rps: float, threshold_tokens: float, n_prefill: int, n_decode: int) -> float:
         """The share of arrivals at ``rate_rps`` whose TTFT meets the SLO (none once decode is past equation 5)."""
-        point = evaluate(self.dep, self.workload.split(threshold_tokens), n_prefill, n_decode)
-        if rate_rps > point.theta_pd_decode_rps:
+        pt = self._point(threshold_tokens, n_prefill, n_decode)
+        if rate_rps > pt.decode_rps:
             return 0.0
-        long = (self.lengths > threshold_tokens) & (self.dep.n_prfaas > 0)
-        share = long.mean()
-        remote = queue(rate_rps * share, self.dep.n_prfaas, self._t_prfaas[long])
-        link = queue(rate_rps * share, 1, self._x_link[long])
-        local = queue(rate_rps * (1 - share), n_prefill, self._t_pd[~long])
-        met_long = p_within(self.ttft_slo_s - self._t_prfaas[long] - self._x_link[long], remote, link)
-        met_short = p_within(self.ttft_slo_s - self._t_pd[~long], local)
+        remote = queue(rate_rps * pt.share, self.dep.n_prfaas, pt.t_long)
+        link = queue(rate_rps * pt.share, 1, pt.x_long)
+        local = queue(rate_rps * (1 - pt.share), pt.n_prefill, pt.t_short)
+        met_long = p_within(self.ttft_slo_s - pt.t_long - pt.x_long, remote, link)
+        met_short = p_within(self.ttft_slo_s - pt.t_short, local)
         return float((met_long.sum() + met_short.sum()) / self.lengths.size)
 
     def stability_limit_rps(self, threshold_tokens: float, n_prefill: int, n_decode: int) -> float:
         """The rate past which some stage's queue grows without bound: each stage's servers over its share's mean
         service time (equation 6 takes the service time at the mean length instead, which for a prefill cost
         that grows faster than linearly is the smaller: Lambda_max can exceed this), and equation 5."""
-        long = (self.lengths > threshold_tokens) & (self.dep.n_prfaas > 0)
-        share = long.mean()
-        limits = [evaluate(self.dep, self.workload.split(threshold_tokens), n_prefill, n_decode).theta_pd_decode_rps]
-        if share > 0:
-            limits += [self.dep.n_prfaas / (share * self._t_prfaas[long].mean()), 1 / (share * self._x_link[long].mean())]
-        if share < 1:
-            limits.append(n_prefill / ((1 - share) * self._t_pd[~long].mean()))
+        pt = self._point(threshold_tokens, n_prefill, n_decode)
+        limits = [pt.decode_rps]
+        if pt.share > 0:
+            limits += [self.dep.n_prfaas / (pt.share * pt.t_long.mean()), 1 / (pt.share * pt.x_long.mean())]
+        if pt.share < 1:
+            limits.append(n_prefill / ((1 - pt.share) * pt.t_short.mean()))
         return min(limits)
 
     def capacity(self, threshold_tokens: float, n_prefill: int, n_decode: int) -> SloPoint:
         """The highest arrival rate meeting ``target`` at this point (0 when even an idle deployment misses it)."""
-        bound = evaluate(self.dep, self.workload.split(threshold_tokens), n_prefill, n_decode).lambda_max_rps
+        bound = self._point(threshold_tokens, n_prefill, n_decode).lambda_max_rps
         lo, hi = 0.0, bound
         if self.attainment(1e-9 * bound, threshold_tokens, n_prefill, n_decode) < self.target:
             hi = 0.0
