@@ -4,7 +4,8 @@
 # SGLang's HTTP, PD-dispatch and KV-event protocols from the outside. It also
 # carries the emulated engine (--engine mock: GPU-less deployments, e.g. the
 # manifests of `launch --emit k8s --engine mock` on a CPU Kubernetes cluster),
-# which ships KV over Mooncake TCP (libibverbs1: Mooncake's engine links it; iproute2:
+# which ships KV over Mooncake TCP (libibverbs1, libnuma1, libcurl4: Mooncake's engine links them, checked
+# against the wheel's own NEEDED entries by tests/unit/test_docker.py; iproute2:
 # `ss`, through which an emulated PrfaaS worker's link telemetry reads its lanes' TCP state,
 # the congestion flag and a capacity that moves within a transfer).
 #
@@ -17,7 +18,7 @@ COPY pyproject.toml README.md ./
 COPY prfaas_sglang ./prfaas_sglang
 COPY patches ./patches
 COPY launch /etc/prfaas/examples
-RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 iproute2 && rm -rf /var/lib/apt/lists/* \
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 iproute2 && rm -rf /var/lib/apt/lists/* \
  && python3 -m pip install --no-cache-dir ".[router,mock]" && rm -rf /src
 WORKDIR /
 ENTRYPOINT ["python3", "-m", "prfaas_sglang.launch"]

@@ -105,6 +105,7 @@ class RuntimeModel:
     defaults_used: tuple[str, ...]  # which inputs fell back to a default
     ttft_slo_s: float = DEFAULT_TTFT_SLO_S  # model time
     state: str = "none"  # the PD cost model's kind of state (:func:`state_kind`): what workers must serve
+    layerwise: bool = False  # the link's PrfaaS side streams KV by layer (links[].layerwise; plan/overlap.py)
 
     @property
     def hybrid(self) -> bool:
@@ -202,7 +203,7 @@ class RuntimeModel:
         return {
             "instances": {"prfaas": self.deployment.n_prfaas, "pd_prefill": self.n_prefill, "pd_decode": self.n_decode},
             "cost": {k: c.source for k, c in self.costs.items()},
-            "link_gbps": self.link_bps / 1e9,
+            "link_gbps": self.link_bps / 1e9, "kv_layerwise": self.layerwise,
             "workload_prior": getattr(self.prior, "name", type(self.prior).__name__),
             "output_tokens": self.output_tokens, "slo_tokens_per_s": self.slo_tokens_per_s, "ttft_slo_s": self.ttft_slo_s,
             "decode_bs_max": self.decode.bs_max,
@@ -303,6 +304,14 @@ def _link_bps(topology: Topology, defaults: list[str]) -> float:
             return link.bandwidth_gbps * 1e9
     defaults.append("link")
     return DEFAULT_LINK_BPS
+
+
+def _link_layerwise(topology: Topology) -> bool:
+    """Whether the first PrfaaS <-> PD link (the one :func:`_link_bps` reads) streams KV by layer."""
+    for link in topology.links:
+        if {topology.cluster_kinds.get(link.src), topology.cluster_kinds.get(link.dst)} == {"prfaas", "pd"}:
+            return link.layerwise
+    return False
 
 
 def _cluster_cost(topology: Topology, kind: str, catalog: Catalog, model_ref, workload: Workload,
@@ -417,7 +426,8 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
                             count[Role.PD_PREFILL] + count[Role.PD_DECODE], _link_bps(topology, defaults), output_tokens)
     return RuntimeModel(deployment, count[Role.PD_PREFILL], count[Role.PD_DECODE], prior, output_tokens, slo,
                         spec.threshold_step_tokens or DEFAULT_STEP_TOKENS, emulation, costs, spec.threshold_tokens,
-                        tuple(defaults), service_targets(topology).ttft_slo_s, costs["pd"].state)
+                        tuple(defaults), service_targets(topology).ttft_slo_s, costs["pd"].state,
+                        _link_layerwise(topology))
 
 
 def pair_models(topology: Topology, catalog: Catalog | None = None, emulated: bool | None = None) -> dict[SitePair, RuntimeModel]:

@@ -44,6 +44,8 @@ Schema (version 1; every field marked optional may be left out)::
             extra_args: [...]        # appended after model.extra_args
     links:
       - {from: <cluster>, to: <cluster>, bandwidth_gbps: 100, rtt_ms: 5}
+        # layerwise: true  -> the PrfaaS workers stream each layer's KV as the prefill writes it
+        #                     (PRFAAS_KV_LAYERWISE) and the router's TTFT estimate counts the overlap
     scheduler:                   # optional: what the global scheduler assumes until it measures
       workload: {kind: lognormal, mu: 9.9, sigma: 1.0, min_tokens: 128, max_tokens: 131072}
                                  #   prior of incremental lengths (the planner's workload schema)
@@ -121,6 +123,7 @@ class Link:
     dst: str
     bandwidth_gbps: float
     rtt_ms: float | None = None
+    layerwise: bool = False  # the PrfaaS side streams KV by layer (plan/overlap.py)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,9 @@ class KubernetesSpec:
     cluster_domain: str = "cluster.local"
     monitoring_namespace: str = "monitoring"
     router_front_port: int | None = 8099  # None: no front in the router pod
+    # role (or "front") -> {"cpu": ..., "memory": ...}: a container's resource requests, over launch/k8s.py's
+    # defaults (sized for what the role runs: an emulated engine or a control process takes a fraction of a core)
+    requests: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def namespace(self, cluster: str) -> str:
         return self.namespaces.get(cluster, cluster)
@@ -417,14 +423,17 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     for i, raw in enumerate(raw_links):
         lpath = f"links[{i}]"
         obj = _mapping(raw, lpath)
-        _check_keys(obj, {"from", "to", "bandwidth_gbps", "rtt_ms"}, lpath)
+        _check_keys(obj, {"from", "to", "bandwidth_gbps", "rtt_ms", "layerwise"}, lpath)
         for key in ("from", "to"):
             if obj.get(key) not in kinds:
                 raise ConfigError(f"{lpath}.{key}", f"unknown cluster {obj.get(key)!r} (clusters: {', '.join(kinds)})")
         bandwidth = number(obj, "bandwidth_gbps", lpath, positive=True)
         if bandwidth is None:
             raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
-        links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True)))
+        layerwise = obj.get("layerwise", False)
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"{lpath}.layerwise", f"must be true or false, got {layerwise!r}")
+        links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True), layerwise))
     _check_fleet_links(kinds, nodes, links)
     return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
                     _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir,
@@ -531,7 +540,7 @@ def _parse_kubernetes(raw: Any, kinds: dict[str, str], node_names: set[str]) -> 
     obj = _mapping(raw, "kubernetes")
     path = "kubernetes"
     _check_keys(obj, {"namespaces", "images", "secret", "gpu_resource", "model_claim", "external_hosts", "peer_cidrs",
-                      "cluster_domain", "monitoring_namespace", "router_front_port"}, path)
+                      "cluster_domain", "monitoring_namespace", "router_front_port", "requests"}, path)
     front_port = obj.get("router_front_port", KubernetesSpec.router_front_port)
     if front_port is not None and (isinstance(front_port, bool) or not isinstance(front_port, int)
                                    or not 1 <= front_port <= 65535):
@@ -566,7 +575,28 @@ def _parse_kubernetes(raw: Any, kinds: dict[str, str], node_names: set[str]) -> 
         monitoring_namespace=dns_label(obj.get("monitoring_namespace", defaults.monitoring_namespace),
                                        f"{path}.monitoring_namespace"),
         router_front_port=front_port,
+        requests=_parse_requests(obj.get("requests", {}), f"{path}.requests"),
     )
+
+
+# A Kubernetes quantity as a request takes it: cpu "250m" / "0.5" / "2", memory "256Mi" / "1G" / "1073741824".
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+
+
+def _parse_requests(raw: Any, path: str) -> dict[str, dict[str, str]]:
+    """``kubernetes.requests``: role (or ``front``) -> ``{cpu, memory}``, each a Kubernetes quantity."""
+    known = {role.value for role in Role} | {"front"}
+    out: dict[str, dict[str, str]] = {}
+    for role, value in _mapping(raw, path).items():
+        if role not in known:
+            raise ConfigError(f"{path}.{role}", f"unknown role (roles: {', '.join(sorted(known))})")
+        obj = _mapping(value, f"{path}.{role}")
+        _check_keys(obj, {"cpu", "memory"}, f"{path}.{role}")
+        for key, quantity in obj.items():
+            if not isinstance(quantity, (str, int, float)) or isinstance(quantity, bool) or not _QUANTITY.match(str(quantity)):
+                raise ConfigError(f"{path}.{role}.{key}", f"not a Kubernetes quantity: {quantity!r} (e.g. 250m, 1Gi)")
+        out[role] = {key: str(q) for key, q in obj.items()}
+    return out
 
 
 def load_topology(path: Path) -> Topology:

@@ -120,6 +120,7 @@ class CapacitySetting:
     truth_model: str = "batched"
     prior: str | None = None  # the router's workload prior (case-study or trace:PATH); None: the case study
     decode_radix_cache: bool = True  # decode workers keep a radix cache of what they decoded (every row's engines)
+    layerwise: bool = False  # the link streams KV by layer (links[].layerwise): every row's PrfaaS engines, our router's estimate
     resolution: float = 0.10  # of the 90% capacity: hi / lo <= 1.10
     resolution_99: float = 0.20  # of the 99% capacity
     give_up_slos: float = 2.5  # no first token by arrival + this x the TTFT SLO: the request is a miss
@@ -159,6 +160,8 @@ class CapacitySetting:
             parts.append(f"out-{self.output_tokens}")
         if self.prior is not None:
             parts.append(f"prior-{self.prior.split('/')[-1]}")
+        if self.layerwise:
+            parts.append("layerwise")
         return "/".join(parts)
 
 
@@ -262,6 +265,8 @@ def topology(setting: CapacitySetting, kind: str, net: Netns | None = None) -> d
                          served_name=SERVED_NAME, accelerators=ACCELERATORS, link_gbps=setting.wire_mbit / 1e3,
                          ttft_slo_s=setting.ttft_slo, router=False,
                          **({"hosts": {"prfaas": net.inner_ip}, "host": net.outer_ip} if net is not None else {}))
+    for link in doc["links"]:
+        link["layerwise"] = setting.layerwise
     return doc
 
 
@@ -999,6 +1004,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="where ROW's bisection starts, x the planned capacity (repeatable; default: above the "
                           "sweep's best load that met 90%%, 0.9 without one), e.g. a capacity another run found")
     cap.add_argument("--link-drop", action="store_true", help="the link's capacity / 4 for one emulated minute")
+    cap.add_argument("--layerwise", action="store_true",
+                     help="the PrfaaS engines stream KV by layer group while they prefill (the topology's "
+                          "links[].layerwise, every row) and our router's estimate overlaps it; named in the condition")
     cap.add_argument("--prior", default=None, metavar="WORKLOAD",
                      help="the router's workload prior (case-study or trace:PATH); default: the case study, whatever the "
                           "workload evaluated (a trace condition's router does not start from the trace)")
@@ -1064,7 +1072,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     if args.ttft_slo_s is not None and not args.ttft_slo_s > 0:
         inv.error("--ttft-slo-s must be > 0")
     setting = CapacitySetting(workload=args.workload, link=args.link, link_drop=args.link_drop,
-                              speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s)
+                              speedup=args.speedup or 4.0, ttft_slo_s=args.ttft_slo_s, layerwise=args.layerwise)
     if args.seeds is not None:
         setting = dataclasses.replace(setting, seeds=args.seeds)
     if args.output_tokens is not None:
@@ -1118,7 +1126,8 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
                  partial=args.out.with_suffix(".partial.json") if args.out else None,
                  log=lambda m: print(m, file=sys.stderr, flush=True))
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
-              f"{' --link-drop' if args.link_drop else ''}{f' --bias {args.bias:g}' if args.bias else ''}"
+              f"{' --link-drop' if args.link_drop else ''}{' --layerwise' if args.layerwise else ''}"
+              f"{f' --bias {args.bias:g}' if args.bias else ''}"
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''} --output-tokens {setting.output_tokens}"
               f"{f' --prior {args.prior}' if args.prior else ''}"
               f"{f' --rounds {args.rounds}' if args.rounds else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"

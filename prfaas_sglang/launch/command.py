@@ -310,13 +310,14 @@ def wan_link(topology: Topology | None, node: Node) -> WanLink | None:
     kinds = topology.cluster_kinds
     for link in topology.links:
         if kinds.get(link.src) == "prfaas" and kinds.get(link.dst) == "pd" and node.cluster in (link.src, link.dst):
-            return WanLink(link.bandwidth_gbps * 1e9, link.rtt_ms / 1e3 if link.rtt_ms is not None else None)
+            return WanLink(link.bandwidth_gbps * 1e9, link.rtt_ms / 1e3 if link.rtt_ms is not None else None,
+                           link.layerwise)
     return None
 
 
 # What of the WAN profile the emulated engine honours: Mooncake's own settings, and its PrfaaS worker's
 # sender (the kv-send hooks' AsyncKvSender); the rest configures SGLang's hooks, which it does not run.
-_MOCK_PROFILE = ("PRFAAS_KV_ASYNC_SEND", "PRFAAS_KV_LANE_PACING")
+_MOCK_PROFILE = ("PRFAAS_KV_ASYNC_SEND", "PRFAAS_KV_LANE_PACING", "PRFAAS_KV_LAYERWISE")
 
 
 def mock_command(node: Node, python: str, profile: str, mock_args: tuple[str, ...] = (),

@@ -158,6 +158,25 @@ def _probe(path: str, period_s: int, failures: int, port: str = "http") -> dict:
             "failureThreshold": failures}
 
 
+# Containers' resource requests by what they run, unless ``kubernetes.requests`` says otherwise: an emulated engine
+# sleeps through its forwards and a control process routes at a fraction of a core (the local two-cluster
+# example then asks 0.7 CPU in all, which a 2-CPU node schedules); an SGLang engine asks its GPUs as well, and
+# its host side (tokenizer, scheduler, detokenizer processes) a core or more.
+DEFAULT_REQUESTS = {
+    "engine-mock": {"cpu": "100m", "memory": "256Mi"},
+    "engine-sglang": {"cpu": "2", "memory": "16Gi"},
+    "router": {"cpu": "250m", "memory": "256Mi"},
+    "kv-index": {"cpu": "100m", "memory": "128Mi"},
+    "front": {"cpu": "50m", "memory": "64Mi"},
+}
+
+
+def requests_for(spec: KubernetesSpec, role: str, engine: Engine) -> dict[str, str]:
+    """A container's cpu and memory requests: the topology's ``kubernetes.requests[role]`` over the defaults."""
+    default = DEFAULT_REQUESTS.get(role) or DEFAULT_REQUESTS["engine-sglang" if engine is Engine.SGLANG else "engine-mock"]
+    return {**default, **spec.requests.get(role, {})}
+
+
 def _container(topology: Topology, w: Workload, engine: Engine) -> dict:
     spec = topology.kubernetes
     engine_role = ROLE_SPECS[w.role].is_engine_role
@@ -168,13 +187,13 @@ def _container(topology: Topology, w: Workload, engine: Engine) -> dict:
                     "valueFrom": {"secretKeyRef": {"name": spec.secret, "key": ADMIN_TOKEN_KEY, "optional": True}}})
     mounts = [{"name": "topology", "mountPath": CONFIG_MOUNT, "subPath": "topology.yaml", "readOnly": True},
               {"name": "deployment-secret", "mountPath": SECRET_DIR, "readOnly": True}]
-    resources: dict = {"requests": {"cpu": "500m", "memory": "1Gi"}}
+    resources: dict = {"requests": requests_for(spec, w.role.value, engine)}
     if engine_role:
         env += [{"name": "MC_MIN_RPC_PORT", "value": str(MOONCAKE_RPC_PORTS[0])},
                 {"name": "MC_MAX_RPC_PORT", "value": str(MOONCAKE_RPC_PORTS[1])}]
         if engine is Engine.SGLANG:
             gpus = str(w.nodes[0].tp_size or 1)
-            resources = {"requests": {spec.gpu_resource: gpus}, "limits": {spec.gpu_resource: gpus}}
+            resources = {"requests": {**resources["requests"], spec.gpu_resource: gpus}, "limits": {spec.gpu_resource: gpus}}
             mounts.append({"name": "shm", "mountPath": "/dev/shm"})
             if spec.model_claim and topology.model.path:
                 mounts.append({"name": "model", "mountPath": topology.model.path, "readOnly": True})
@@ -222,7 +241,7 @@ def _front_container(topology: Topology, w: Workload, port: int) -> dict:
         "ports": [{"name": "client", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": _probe("/front/health", 5, 3, "client"),
         "livenessProbe": _probe("/front/health", 10, 6, "client"),
-        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}},
+        "resources": {"requests": requests_for(topology.kubernetes, "front", Engine.MOCK)},
     }
 
 

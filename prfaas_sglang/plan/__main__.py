@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttft-slo-s", type=float, metavar="S",
                         help="also the capacity at this TTFT SLO (90%% of arrivals within S s; plan/slo_capacity.py) of the "
                              "plan and of the threshold and split best for it, beside Lambda_max")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="with --ttft-slo-s: the PrfaaS workers stream KV by layer (a topology's links[].layerwise), "
+                             "so a long prompt's transfer overlaps its prefill (plan/overlap.py)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write split_search.png and threshold_search.png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (automatic for large grids)")
@@ -261,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_plots(plan, args.plot)
             if not args.json:
                 print("wrote " + ", ".join(str(p) for p in paths))
-        slo = slo_report(plan, args.ttft_slo_s) if args.ttft_slo_s is not None else None
+        if args.layerwise and args.ttft_slo_s is None:
+            raise ConfigError("--layerwise", "applies with --ttft-slo-s only (Lambda_max does not depend on it)")
+        slo = slo_report(plan, args.ttft_slo_s, args.layerwise) if args.ttft_slo_s is not None else None
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -271,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(plan))
     if slo:
         at, best = slo["at_plan"], slo["best_for_slo"]
+        streamed = "; KV streamed by layer" if slo["layerwise"] else ""
         print(f"\ncapacity at the TTFT SLO ({slo['ttft_slo_s']:g} s, {slo['target']:.0%} of arrivals; a queueing "
-              f"approximation per stage):\n  the plan ({at['threshold_tokens'] / 1000:.1f}K, {at['n_prefill']}P/"
+              f"approximation per stage{streamed}):\n  the plan ({at['threshold_tokens'] / 1000:.1f}K, {at['n_prefill']}P/"
               f"{at['n_decode']}D): {at['capacity_rps']:.3f} req/s of Lambda_max {at['lambda_max_rps']:.3f}\n"
               f"  best for the SLO ({best['threshold_tokens'] / 1000:.1f}K, {best['n_prefill']}P/{best['n_decode']}D): "
               f"{best['capacity_rps']:.3f} req/s (its Lambda_max {best['lambda_max_rps']:.3f})")
@@ -282,21 +288,22 @@ def main(argv: list[str] | None = None) -> int:
 SLO_THRESHOLDS = 24  # thresholds the SLO search tries: quantiles of the workload's lengths, and the plan's
 
 
-def slo_report(plan, ttft_slo_s: float) -> dict:
-    """Capacity at ``ttft_slo_s`` of the plan's point, and the (threshold, split) best for it."""
+def slo_report(plan, ttft_slo_s: float, layerwise: bool = False) -> dict:
+    """Capacity at ``ttft_slo_s`` of the plan's point, and the (threshold, split) best for it (``layerwise``: the
+    KV streams while the prefill runs)."""
     import random
 
     from prfaas_sglang.plan.slo_capacity import TARGET, SloModel
 
     if not ttft_slo_s > 0:
         raise ConfigError("--ttft-slo-s", f"must be > 0, got {ttft_slo_s!r}")
-    model = SloModel(plan.scenario.deployment, plan.scenario.workload, ttft_slo_s, random.Random(0))
+    model = SloModel(plan.scenario.deployment, plan.scenario.workload, ttft_slo_s, random.Random(0), layerwise=layerwise)
     best = plan.best
     at_plan = model.capacity(best.threshold_tokens, best.n_prefill, best.n_decode)
     ordered = sorted(model.lengths)
     thresholds = sorted({best.threshold_tokens, *(ordered[(k * len(ordered)) // SLO_THRESHOLDS]
                                                   for k in range(1, SLO_THRESHOLDS))})
-    return {"ttft_slo_s": ttft_slo_s, "target": TARGET, "at_plan": at_plan.to_json(),
+    return {"ttft_slo_s": ttft_slo_s, "target": TARGET, "layerwise": layerwise, "at_plan": at_plan.to_json(),
             "best_for_slo": model.best(thresholds).to_json()}
 
 

@@ -13,7 +13,8 @@ arrival rate at which ``target`` (0.90) of arrivals meet the SLO; this module es
 Each queue is M/G/c: the probability of waiting is Erlang C at utilisation rho, and a wait, when there is
 one, is exponential with the Allen-Cunneen mean ``E[S] (1 + cs^2) / 2 / (c (1 - rho))`` (cs: the service
 time's coefficient of variation). A long prompt's TTFT is the PrfaaS wait, its prefill, the link's wait and
-its transfer (the two waits independent); a short one's the PD-P wait and its prefill. Attainment at rate
+its transfer (the two waits independent; with ``layerwise``, prefill and transfer overlap as
+``plan.overlap.kv_finish_s`` says instead of adding up); a short one's the PD-P wait and its prefill. Attainment at rate
 lambda averages ``P(TTFT <= SLO)`` over lengths drawn from the workload (``rng`` draws them: pure), and the
 capacity is found by bisection on lambda (attainment falls with it). The approximation ignores early
 rejection, placement by expected TTFT and chunked prefill's interleaving, which the router and the
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prfaas_sglang.plan.model import Deployment, evaluate
+from prfaas_sglang.plan.overlap import STREAM_GROUPS, kv_finish_s
 from prfaas_sglang.plan.workload import Workload
 
 TARGET = 0.90
@@ -119,7 +121,8 @@ class _Point:
     share: float  # of arrivals above the threshold
     n_prefill: int
     t_long: np.ndarray
-    x_long: np.ndarray
+    x_long: np.ndarray  # the link's service time (all the KV)
+    done_long: np.ndarray  # prefill and transfer without waiting: their sum, or their overlap (layerwise)
     t_short: np.ndarray
 
 
@@ -127,7 +130,7 @@ class SloModel:
     """Attainment and capacity at a TTFT SLO for ``dep`` on ``workload`` (lengths drawn once, from ``rng``)."""
 
     def __init__(self, dep: Deployment, workload: Workload, ttft_slo_s: float, rng: random.Random,
-                 target: float = TARGET, samples: int = LENGTH_SAMPLES):
+                 target: float = TARGET, samples: int = LENGTH_SAMPLES, layerwise: bool = False):
         if not ttft_slo_s > 0 or not 0 < target < 1:
             raise ValueError("need ttft_slo_s > 0 and 0 < target < 1")
         self.dep, self.workload, self.ttft_slo_s, self.target = dep, workload, ttft_slo_s, target
@@ -136,6 +139,9 @@ class SloModel:
         self._t_prfaas = np.array([prfaas.prefill_s(n) for n in self.lengths])
         self._t_pd = np.array([pd.prefill_s(n) for n in self.lengths])
         self._x_link = np.array([8.0 * prfaas.kv_bytes(n) / dep.egress_bps for n in self.lengths])
+        state_s, groups = 8.0 * prfaas.kv_bytes(0) / dep.egress_bps, STREAM_GROUPS if layerwise else None
+        self._done = np.array([kv_finish_s(t, x - min(state_s, x), min(state_s, x), groups)
+                               for t, x in zip(self._t_prfaas, self._x_link, strict=True)])
         self._points: dict[tuple[float, int, int], _Point] = {}
 
     def _point(self, threshold_tokens: float, n_prefill: int, n_decode: int) -> _Point:
@@ -145,7 +151,7 @@ class SloModel:
             op = evaluate(self.dep, self.workload.split(threshold_tokens), n_prefill, n_decode)
             long = (self.lengths > threshold_tokens) & (self.dep.n_prfaas > 0)
             self._points[key] = _Point(op.lambda_max_rps, op.theta_pd_decode_rps, float(long.mean()), n_prefill,
-                                       self._t_prfaas[long], self._x_link[long], self._t_pd[~long])
+                                       self._t_prfaas[long], self._x_link[long], self._done[long], self._t_pd[~long])
         return self._points[key]
 
     def attainment(self, rate_rps: float, threshold_tokens: float, n_prefill: int, n_decode: int) -> float:
@@ -156,7 +162,7 @@ class SloModel:
         remote = queue(rate_rps * pt.share, self.dep.n_prfaas, pt.t_long)
         link = queue(rate_rps * pt.share, 1, pt.x_long)
         local = queue(rate_rps * (1 - pt.share), pt.n_prefill, pt.t_short)
-        met_long = p_within(self.ttft_slo_s - pt.t_long - pt.x_long, remote, link)
+        met_long = p_within(self.ttft_slo_s - pt.done_long, remote, link)
         met_short = p_within(self.ttft_slo_s - pt.t_short, local)
         return float((met_long.sum() + met_short.sum()) / self.lengths.size)
 

@@ -42,7 +42,9 @@ profiles); no clocks, no sockets. The output is a :class:`RouteDecision`::
 
 Within the chosen cluster the prefill worker with the lowest estimated TTFT
 wins: ``queue_s + T_prefill(l_total - cached_on_that_worker)``, plus, for
-PrfaaS, shipping ``S_kv(l_total)`` over the link, and never less than the
+PrfaaS, shipping ``S_kv(l_total)`` over the link (after the prefill, or, where the PrfaaS
+workers stream by layer (``kv_stream_groups``), overlapping it: ``plan.overlap.kv_finish_s``),
+and never less than the
 link takes to drain what is routed toward it already and this request's KV
 (``(backlog + S_kv) / capacity``): on a busy link the KV waits for the link. When the chosen cluster has
 no usable prefill worker the request *spills* to the other one (the reason
@@ -63,6 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prfaas_sglang.errors import PrfaasError
+from prfaas_sglang.plan.overlap import kv_finish_s
 from prfaas_sglang.plan.profiles import PrefillProfile
 from prfaas_sglang.topology import SitePair
 
@@ -162,6 +165,9 @@ class ClusterSnapshot:
     # A decode worker holding the prefix wins while its free KV is at least (1 - slack) of the
     # roomiest's; None: the roomiest always (no decode affinity).
     decode_affinity_slack: float | None = 0.1
+    # PrfaaS workers stream their KV in this many layer groups as they prefill (plan.overlap); None: it
+    # leaves after the prefill.
+    kv_stream_groups: int | None = None
 
 
 @dataclass(frozen=True)
@@ -332,15 +338,21 @@ def _place(request: RouteInput, snap: ClusterSnapshot, cluster: str, credited: i
 
     profile = snap.prefill_cost[cluster]
     own_bytes = snap.kv_bytes(total)
-    ship_s = (transfer_s(own_bytes, snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0
-    drain_s = (transfer_s(snap.link.backlog_bytes + own_bytes, snap.link, spare_only=False) or 0.0) if cluster == PRFAAS else 0.0
+    # Over the link (PrfaaS only): the full-attention KV, which may stream as it is written, then the state.
+    stream_s = tail_s = drain_s = 0.0
+    if cluster == PRFAAS and snap.link.capacity_bps > 0:
+        tail_bytes = min(snap.kv_bytes(0), own_bytes)
+        stream_s = 8.0 * (own_bytes - tail_bytes) / snap.link.capacity_bps
+        tail_s = snap.link.rtt_s + 8.0 * tail_bytes / snap.link.capacity_bps
+        drain_s = transfer_s(snap.link.backlog_bytes + own_bytes, snap.link, spare_only=False)
 
     def cached_on(w: WorkerState) -> int:
         return credited if transfer else by_worker.get(w.name, 0)
 
     def ttft(w: WorkerState) -> float:
-        compute = w.queue_s + profile.prefill_s(max(total - cached_on(w), 1)) + (transfer.estimated_s if transfer else 0.0)
-        return max(compute + ship_s, drain_s)
+        start_s = w.queue_s + (transfer.estimated_s if transfer else 0.0)
+        compute_s = profile.prefill_s(max(total - cached_on(w), 1))
+        return max(start_s + kv_finish_s(compute_s, stream_s, tail_s, snap.kv_stream_groups), drain_s)
 
     prefill = min(in_cluster, key=lambda w: (ttft(w), w.name))
     cached = cached_on(prefill)

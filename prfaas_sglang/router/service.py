@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from prfaas_sglang.kvindex.index import KvIndex
+from prfaas_sglang.plan.overlap import STREAM_GROUPS
 from prfaas_sglang.plan.profiles import ScaledPrefill
 from prfaas_sglang.protocol import BadRequest, EngineRequest
 from prfaas_sglang.router.calibration import CalibrationSettings, OnlineCalibration
@@ -343,7 +344,8 @@ class RouterService:
             transfer_override={"always": True, "never": False}.get(self.config.cache_transfer),
             probe_budget_bytes=ps.controller.probe_budget_bytes(now_s), max_ttft_s=self.config.max_ttft_s,
             ttft_target_s=self.config.ttft_target_s, remote_queue_cap=self.config.remote_queue_cap,
-            decode_affinity_slack=self.config.decode_affinity_slack)
+            decode_affinity_slack=self.config.decode_affinity_slack,
+            kv_stream_groups=STREAM_GROUPS if ps.runtime.layerwise else None)
 
     def transfer_supported(self) -> bool:
         """Whether a cached prefix can move: not turned off, and every prefill worker serves the moves

@@ -22,7 +22,9 @@ the counters the long-term controller samples (completed, busy instance-seconds,
 
 The cross-cluster KV ships after the prefill ends (SGLang 0.5.15 sends per chunk, so real
 transfers overlap the prefill a little: the simulator is pessimistic there by up to one chunk's
-worth). In-cluster PD-P -> PD-D over RDMA is free. Both are stated in the report.
+worth; a layer-wise link, ``links[].layerwise``, overlaps most of it, which the simulator does not
+model: the emulated engine and ``plan.overlap`` do). In-cluster PD-P -> PD-D over RDMA is free. Both
+are stated in the report.
 """
 
 from __future__ import annotations

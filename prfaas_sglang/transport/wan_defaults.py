@@ -67,6 +67,7 @@ class WanLink:
 
     rate_bps: float | None = None
     rtt_s: float | None = None
+    layerwise: bool = False  # links[].layerwise: the PrfaaS worker streams its KV by layer
 
 
 MOONCAKE_DEFAULT_LANES, MOONCAKE_MAX_LANES = 4, 16
@@ -141,7 +142,17 @@ def sender_profile(link: WanLink) -> tuple[EnvDefault, ...]:
         EnvDefault("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S", str(SESSION_PROBE_INTERVAL_S),
                    "a blacklisted session is probed this often (SGLang: 30 s) and taken back once it answers"),
         *lane_pacing(link),
+        *layerwise(link),
     )
+
+
+def layerwise(link: WanLink) -> tuple[EnvDefault, ...]:
+    """``PRFAAS_KV_LAYERWISE`` for a link the topology marks ``layerwise``; nothing otherwise."""
+    if not link.layerwise:
+        return ()
+    return (EnvDefault("PRFAAS_KV_LAYERWISE", "1",
+                       "each layer's KV leaves as the forward writes it, so most of the transfer overlaps the "
+                       "prefill (links[].layerwise; the router's estimate counts the overlap, plan/overlap.py)"),)
 
 
 def receiver_profile(link: WanLink) -> tuple[EnvDefault, ...]:

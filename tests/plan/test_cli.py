@@ -143,3 +143,18 @@ def test_the_plan_prints_capacity_at_the_slo_beside_lambda_max_and_refuses_a_bad
     assert "capacity at the TTFT SLO (10 s, 90% of arrivals" in table and "best for the SLO" in table
     bad = plan_cli("--scenario", "case-study", "--ttft-slo-s", "0")
     assert bad.returncode == 2 and "--ttft-slo-s" in bad.stderr
+
+
+def test_layerwise_streaming_is_priced_in_the_slo_capacity_and_needs_an_slo(capsys):
+    from prfaas_sglang.plan.__main__ import main as plan_main
+
+    def slo(*flags):
+        assert plan_main(["--scenario", "case-study", "--ttft-slo-s", "5", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["slo"]
+
+    after, streamed = slo(), slo("--layerwise")
+    assert not after["layerwise"] and streamed["layerwise"]
+    assert streamed["at_plan"]["capacity_rps"] >= after["at_plan"]["capacity_rps"]
+    assert streamed["at_plan"]["lambda_max_rps"] == after["at_plan"]["lambda_max_rps"]  # a throughput bound: unchanged
+    assert plan_main(["--scenario", "case-study", "--layerwise"]) == 2
+    assert "--layerwise: applies with --ttft-slo-s only" in capsys.readouterr().err

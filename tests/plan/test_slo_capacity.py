@@ -61,3 +61,21 @@ def test_capacity_at_an_slo_stays_under_lambda_max_and_follows_the_slo(case_stud
     assert model.attainment(1.01 * best.theta_pd_decode_rps, *point) == 0.0  # past equation 5: the TBT SLO fails
     chosen = model.best([best.threshold_tokens, 16_000, 40_000])
     assert chosen.capacity_rps >= capacities[5.0].capacity_rps
+
+
+def test_layerwise_overlap_raises_capacity_most_where_the_link_is_scarce(case_study):
+    """Streamed KV (``layerwise``) meets the SLO at a higher rate than KV sent after the prefill, and the gain is
+    larger on a link a tenth as fast, where the transfer is a larger share of each long prompt's TTFT."""
+    scenario, best = case_study
+    point = (best.threshold_tokens, best.n_prefill, best.n_decode)
+
+    def gain(dep) -> float:
+        after, streamed = (SloModel(dep, scenario.workload, 5.0, random.Random(0), layerwise=lw).capacity(*point)
+                           for lw in (False, True))
+        assert streamed.capacity_rps >= after.capacity_rps > 0
+        return streamed.capacity_rps / after.capacity_rps
+
+    import dataclasses
+
+    scarce = dataclasses.replace(scenario.deployment, egress_bps=scenario.deployment.egress_bps / 10)
+    assert gain(scarce) > gain(scenario.deployment) >= 1.0

@@ -641,6 +641,53 @@ class TestLinkBacklog:
         assert decide(30_000, {}, link=link, target=0.0).cluster == "pd"  # PD-P: 1.2 s
 
 
+class TestLayerwiseOverlap:
+    """PrfaaS workers that stream their KV by layer (``kv_stream_groups``): the estimate overlaps the transfer
+    with the prefill (``plan.overlap.kv_finish_s``) instead of adding them."""
+
+    SLOW = Link(capacity_bps=0.8e9)  # 30K tokens: 0.3 s of prefill on PrfaaS, 0.3 s of KV on the link
+
+    def streamed(self, total, link, kv=KV, groups=8, max_ttft_s=None, workers=WORKERS):
+        snap = ClusterSnapshot(workers, 10_000, BandwidthMode.SCARCE, COST, link, kv, kv_stream_groups=groups,
+                               max_ttft_s=max_ttft_s)
+        return route(RouteInput(total, total + 16, {}), snap)
+
+    @pytest.mark.parametrize(("groups", "expected_s"), [(None, 0.3 + 0.3), (1, 0.3 + 0.3), (8, 0.3 / 8 + 0.3)])
+    def test_the_estimate_is_the_overlapped_finish(self, groups, expected_s):
+        d = self.streamed(30_000, self.SLOW, groups=groups)
+        assert d.cluster == "prfaas" and d.estimated_ttft_s == pytest.approx(expected_s)
+
+    def test_the_state_goes_after_the_last_group(self):
+        kv = lambda tokens: 2.0e6 + 1000.0 * tokens  # noqa: E731 - a hybrid's fixed state (20 ms here) plus 1 KB a token
+        d = self.streamed(30_000, self.SLOW, kv=kv)
+        assert d.estimated_ttft_s == pytest.approx(max(0.3 + 0.3 / 8, 0.3 / 8 + 0.3) + 2.0e6 * 8 / 0.8e9)
+
+    def test_a_request_the_sequential_estimate_spills_stays_on_prfaas_when_the_kv_streams(self):
+        """PrfaaS 0.3 s queued: sequentially 0.9 s, over the 0.7 s bound, so it spills to PD-P (1.2 s, its own
+        prefill's length); streamed, 0.64 s, within it."""
+        queued = [dataclasses.replace(w, queue_s=0.3) if w.name == "p0" else w for w in WORKERS]
+        sequential = self.streamed(30_000, self.SLOW, groups=None, max_ttft_s=0.7, workers=queued)
+        streamed = self.streamed(30_000, self.SLOW, max_ttft_s=0.7, workers=queued)
+        assert sequential.cluster == "pd" and "within the TTFT SLO" in sequential.reason
+        assert streamed.cluster == "prfaas" and streamed.estimated_ttft_s == pytest.approx(0.3 + 0.3 / 8 + 0.3)
+
+    def test_pd_prefills_are_unchanged(self):
+        assert self.streamed(8_000, self.SLOW).estimated_ttft_s == self.streamed(8_000, self.SLOW, groups=None).estimated_ttft_s
+
+
+@pytest.mark.parametrize(("p", "x", "tail"), [(1.0, 0.2, 0.0), (0.2, 1.0, 0.1), (1.0, 1.0, 0.5), (0.0, 1.0, 0.0)])
+def test_the_overlapped_finish_lies_between_the_slower_part_and_the_sum(p, x, tail):
+    from prfaas_sglang.plan.overlap import kv_finish_s
+
+    sequential = kv_finish_s(p, x, tail, None)
+    assert sequential == pytest.approx(p + x + tail) == pytest.approx(kv_finish_s(p, x, tail, 1))
+    finishes = [kv_finish_s(p, x, tail, g) for g in (2, 4, 8, 64)]
+    assert all(max(p, x) + tail <= f <= sequential for f in finishes)
+    assert finishes == sorted(finishes, reverse=True)  # more groups, less left over after the prefill
+    with pytest.raises(ValueError):
+        kv_finish_s(p, x, tail, 0)
+
+
 def test_early_rejection_refuses_waiting_not_length():
     from prfaas_sglang.router.policy import RouteDecision, refuse_early
 

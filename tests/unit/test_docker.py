@@ -99,6 +99,46 @@ def test_images_that_publish_link_telemetry_carry_ss(name):
     assert any(re.search(r"\biproute2\b", cmd) for cmd in installs), installs
 
 
+# The system libraries Mooncake's TCP engine links that a slim Python image lacks, by the Debian package that has
+# them; the C runtime is in every base. A library neither here, in the base, nor in the wheel fails the test below.
+DEBIAN_PACKAGE_OF = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}
+C_RUNTIME = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libstdc++.so.6", "libgcc_s.so.1",
+             "ld-linux-x86-64.so.2"}
+
+
+def test_the_emulated_engines_image_has_every_library_mooncakes_engine_links():
+    """The control-plane image runs the emulated engine, which imports ``mooncake.engine``: every shared library the
+    installed wheel's engine names (its ELF NEEDED entries) is bundled in the wheel, in the C runtime, or installed
+    by the image's apt-get (an image without libnuma1 and libcurl4 failed ``import mooncake.engine`` at start)."""
+    import mooncake
+
+    engine = Path(mooncake.__file__).parent / "engine.so"
+    dynamic = subprocess.run(["readelf", "-d", str(engine)], capture_output=True, text=True, check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic))
+    assert "libc.so.6" in needed, dynamic  # read as expected
+    bundled = {p.name for d in (engine.parent, engine.parent.parent / "mooncake_transfer_engine_non_cuda.libs")
+               if d.is_dir() for p in d.iterdir()}
+    system = needed - bundled - C_RUNTIME
+    assert not system - DEBIAN_PACKAGE_OF.keys(), f"map these to their Debian packages: {system - DEBIAN_PACKAGE_OF.keys()}"
+    runs = " ".join(args for word, args in instructions(REPO_ROOT / "docker" / "control-plane.Dockerfile") if word == "RUN")
+    installs = " ".join(re.findall(r"apt-get install[^&]*", runs)).split()
+    assert {DEBIAN_PACKAGE_OF[lib] for lib in system} <= set(installs), installs
+
+
+def test_the_control_plane_extras_carry_the_tokenizer_they_load():
+    """``[router,mock]`` (the control-plane image) loads the topology's tokenizer with ``transformers``
+    (``prfaas_sglang/tokenizer``) and renders chat templates with ``jinja2``: both extras carry them (the image's
+    router crashed at start on ``No module named 'transformers'``)."""
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("router", "mock"):
+        names = {re.split(r"[<>=!~; \[]", req, maxsplit=1)[0].lower() for req in extras[extra]}
+        assert {"transformers", "jinja2"} <= names, (extra, names)
+    source = (REPO_ROOT / "prfaas_sglang" / "tokenizer" / "__init__.py").read_text()
+    assert "from transformers import AutoTokenizer" in source and "import jinja2" in source
+
+
 def test_dockerignore_keeps_local_environments_out():
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".cache" in ignored

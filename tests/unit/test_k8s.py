@@ -220,6 +220,9 @@ def test_clusters_in_other_kubernetes_clusters_by_external_hosts_and_cidrs():
     ({"secrets": "x"}, "kubernetes.secrets"),
     ({"router_front_port": 70000}, "kubernetes.router_front_port"),
     ({"router_front_port": "8099"}, "kubernetes.router_front_port"),
+    ({"requests": {"pd-decoder": {"cpu": "1"}}}, "kubernetes.requests.pd-decoder"),
+    ({"requests": {"router": {"cpu": "lots"}}}, "kubernetes.requests.router.cpu"),
+    ({"requests": {"router": {"gpu": "1"}}}, "kubernetes.requests.router.gpu"),
 ])
 def test_bad_kubernetes_fields_are_refused_with_their_path(section, path):
     raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
@@ -300,6 +303,27 @@ def test_statefulsets_group_ordinal_nodes_and_keep_others_apart():
     assert {"pd-d-0", "pd-d-1", "pd-d-4"} <= loads and "pd-d" not in loads
 
 
+def _cpu_millis(quantity: str) -> int:
+    return int(quantity[:-1]) if quantity.endswith("m") else int(float(quantity) * 1000)
+
+
+def test_the_emulated_example_fits_a_two_cpu_node_and_requests_follow_the_topology():
+    """Requests sized by what each container runs: the local two-cluster example with emulated engines asks well
+    under the 2 CPUs of a small node (at 500m a pod, two of its pods stayed Pending there); an operator's
+    ``kubernetes.requests`` replaces a role's defaults."""
+    cpu = lambda files: {c["name"]: _cpu_millis(c["resources"]["requests"]["cpu"])  # noqa: E731
+                         for _, _, sts, _, _ in _pods(files) for c in sts["spec"]["template"]["spec"]["containers"]}
+    emulated = cpu(emit("local-two-cluster.yaml", Engine.MOCK))
+    assert sum(emulated.values()) <= 1000, emulated
+    assert emulated["router"] > emulated["pd-decode"] and "front" in emulated
+    raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
+    raw["kubernetes"] = {"requests": {"pd-decode": {"cpu": "1500m", "memory": "2Gi"}}}
+    files = emit("local-two-cluster.yaml", Engine.MOCK, raw)
+    decode = next(c for _, _, _, c, _ in _pods(files) if c["name"] == "pd-decode")
+    assert decode["resources"]["requests"] == {"cpu": "1500m", "memory": "2Gi"}
+    assert cpu(files)["pd-prefill"] == emulated["pd-prefill"]
+
+
 def test_sglang_pods_request_gpus_and_mount_the_secret_not_embed_it():
     files = emit("paper-case-study.yaml", Engine.SGLANG)
     for _, _pod, sts, container, _ in _pods(files):
@@ -309,6 +333,7 @@ def test_sglang_pods_request_gpus_and_mount_the_secret_not_embed_it():
         assert secret["secret"]["secretName"] == "prfaas-deployment" and secret["secret"]["defaultMode"] == 0o400
         if container["name"] in ("prfaas", "pd-prefill", "pd-decode"):
             assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+            assert container["resources"]["requests"]["nvidia.com/gpu"] == "8" and "cpu" in container["resources"]["requests"]
             assert container["image"].startswith("prfaas-sglang/" + ("prfaas-prefill" if container["name"] == "prfaas" else "local-pd"))
         if container["name"] == "router":
             assert env["PRFAAS_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "admin-token"

@@ -116,6 +116,30 @@ class TestWanProfile:
         own = mock_command(node(Role.PRFAAS), "python", "h200x8", environ={"MC_TCP_LANES_PER_PEER": "8"}, link=link)
         assert "MC_TCP_LANES_PER_PEER" not in own.env and own.env_kept["MC_TCP_LANES_PER_PEER"] == "4"
 
+    def test_a_layerwise_link_streams_on_its_prfaas_workers_and_in_the_routers_estimate(self, tmp_path):
+        """``links[].layerwise``: PRFAAS_KV_LAYERWISE on the PrfaaS worker (SGLang's and the emulated one's), none
+        elsewhere; the router's model of the pair knows it (its estimate overlaps, ``router.policy``)."""
+        from prfaas_sglang.launch.command import wan_link
+        from prfaas_sglang.runtime import from_topology
+
+        text = (REPO_ROOT / "launch" / "local-two-cluster.yaml").read_text()
+        plain = parse_topology(yaml.safe_load(text), base_dir=REPO_ROOT / "launch")
+        raw = yaml.safe_load(text)
+        for link in raw["links"]:
+            link["layerwise"] = True
+        streamed = parse_topology(raw, base_dir=REPO_ROOT / "launch")
+        for topology, expected in ((plain, False), (streamed, True)):
+            prfaas = topology.nodes_of(Role.PRFAAS)[0]
+            link = wan_link(topology, prfaas)
+            assert link.layerwise is expected and from_topology(topology).layerwise is expected
+            env = mock_command(prfaas, "python", "h200x8", link=link).env
+            assert (env.get("PRFAAS_KV_LAYERWISE") == "1") is expected
+            assert ({d.name: d.value for d in mooncake_env(Role.PRFAAS, link)}.get("PRFAAS_KV_LAYERWISE") == "1") is expected
+            assert all(d.name != "PRFAAS_KV_LAYERWISE" for d in mooncake_env(Role.PD_DECODE, link))
+        raw["links"][0]["layerwise"] = "yes"
+        with pytest.raises(ConfigError, match=r"links\[0\]\.layerwise: must be true or false"):
+            parse_topology(raw, base_dir=REPO_ROOT / "launch")
+
     def test_bounds_scale_with_the_link(self):
         fast, slow = WanLink(1e9, 0.02), WanLink(10e6, 0.2)
         assert stall_timeout_s(fast) == 5 < stall_timeout_s(slow)  # 1 MiB at 10 Mbit/s is 0.84 s a slice

@@ -59,6 +59,7 @@ from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.engine.mock.truth import ServiceTruth, forward_costs
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hosts import local_host
+from prfaas_sglang.plan.overlap import STREAM_GROUPS, ready_bytes
 from prfaas_sglang.kvindex.admission import PrefixAdmission
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
@@ -121,6 +122,23 @@ class MockConfig:
     @property
     def mode(self) -> str:
         return ROLE_SPECS[self.role].disaggregation_mode
+
+
+@dataclass
+class _Written:
+    """A streamed prefill's progress: tokens of its uncached part whose KV every layer group has written
+    (fractional inside a forward); ``wake`` is set whenever it moves or the prefill ends."""
+
+    wake: asyncio.Event
+    tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """What :meth:`MockEngine._ship` needs of a prefill still running: its progress and its task."""
+
+    written: _Written
+    computing: asyncio.Future
 
 
 def async_send(role: Role) -> bool:
@@ -196,6 +214,10 @@ class MockEngine:
         self.prefill_inflight_tokens = 0  # and their prompt tokens
         self.prefills, self.pool = self._queues()
         self._prefill_done: dict[PrefillJob, asyncio.Future] = {}
+        # Streaming by layer group (PRFAAS_KV_LAYERWISE, as the kv-layerwise hooks on SGLang): what of each
+        # job's KV the forwards have written so far, and a wake-up for its shipper.
+        self.layerwise = bool(envs.KV_LAYERWISE.get())
+        self._written: dict[PrefillJob, _Written] = {}
         self._prefill_wake = asyncio.Event()
         self._decode_waiting = 0  # decode: waiting for pool room, for KV, or for a batch slot
         self._room = asyncio.Condition()  # decode: signalled when pool tokens or landing bytes are freed
@@ -487,19 +509,23 @@ class MockEngine:
             # Prefix cache or transfer cache (decided at the match, as the SGLang backend does): a
             # transfer-cache prefill is never inserted; its KV is the request's until shipped.
             decision = self.admission.decide(req.input_ids, match.cached_tokens, req.checkpoint_tokens)
-            await self._compute(PrefillJob(len(req.input_ids) - match.cached_tokens, cost_factor=self.truth.prefill_factor()))
-            if decision.keep:  # a state also where the request asked for one (a router's checkpoint hint)
-                asked = () if req.checkpoint_tokens is None else (req.checkpoint_tokens,)
-                kept = req.input_ids if decision.keep_tokens is None else req.input_ids[: decision.keep_tokens]
-                events, states = split_state_events(self.cache.insert(kept, checkpoints_at=asked))
-                if self.publisher:  # a hybrid model's cache reports its state checkpoints (wire v2)
-                    self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
+            job = PrefillJob(len(req.input_ids) - match.cached_tokens, cost_factor=self.truth.prefill_factor())
+            written = _Written(asyncio.Event()) if self.layerwise else None
+            computing = asyncio.ensure_future(self._compute_and_keep(req, job, decision, written))
             try:
-                registration: Registration = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
-            except asyncio.TimeoutError:
-                raise BadRequest(503, f"no decode worker registered bootstrap room {room} within "
-                                      f"{self.config.bootstrap_timeout_s:g} s") from None
-            return await self._ship(req, registration, match.cached_tokens)
+                if written is None:  # the KV leaves once the prefill is done (SGLang without the layerwise hooks)
+                    await computing
+                try:
+                    registration: Registration = await asyncio.wait_for(asyncio.shield(future),
+                                                                        max(deadline - time.monotonic(), 0.001))
+                except asyncio.TimeoutError:
+                    raise BadRequest(503, f"no decode worker registered bootstrap room {room} within "
+                                          f"{self.config.bootstrap_timeout_s:g} s") from None
+                return await self._ship(req, registration, match.cached_tokens, _Stream(written, computing)
+                                        if written is not None else None)
+            finally:
+                if not computing.done():
+                    computing.cancel()
         finally:
             self.prefill_inflight_reqs -= 1
             self.prefill_inflight_tokens -= len(req.input_ids)
@@ -507,6 +533,24 @@ class MockEngine:
                 del self._rooms[room]
             if not future.done():
                 future.cancel()
+
+    async def _compute_and_keep(self, req: EngineRequest, job: PrefillJob, decision, written: _Written | None) -> None:
+        """Prefill ``job`` (its KV written layer group by layer group into ``written``, when streaming), then keep
+        what the cache admission decided and publish its KV events."""
+        if written is not None:
+            self._written[job] = written
+        try:
+            await self._compute(job)
+        finally:
+            self._written.pop(job, None)
+            if written is not None:
+                written.wake.set()
+        if decision.keep:  # a state also where the request asked for one (a router's checkpoint hint)
+            asked = () if req.checkpoint_tokens is None else (req.checkpoint_tokens,)
+            kept = req.input_ids if decision.keep_tokens is None else req.input_ids[: decision.keep_tokens]
+            events, states = split_state_events(self.cache.insert(kept, checkpoints_at=asked))
+            if self.publisher:  # a hybrid model's cache reports its state checkpoints (wire v2)
+                self.publisher.publish(events, time.time(), states if self.cache.hybrid else None)
 
     async def _compute(self, job: PrefillJob) -> None:
         """Queue ``job`` for the prefill loop and wait until its last chunk is computed."""
@@ -529,7 +573,10 @@ class MockEngine:
                 await self._prefill_wake.wait()
                 continue
             began, duration_s = time.perf_counter(), forward.duration_s * self._slowdown()
-            await asyncio.sleep(duration_s)
+            if self.layerwise:
+                await self._forward_by_layer_group(forward, duration_s)
+            else:
+                await asyncio.sleep(duration_s)
             self.stats.forward_intended_s += duration_s
             self.stats.forward_actual_s += time.perf_counter() - began
             for job in self.prefills.complete(forward):
@@ -537,7 +584,21 @@ class MockEngine:
                 if done is not None and not done.done():
                     done.set_result(None)
 
-    async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int) -> KvReady:
+    async def _forward_by_layer_group(self, forward, duration_s: float) -> None:
+        """Run ``forward`` as :data:`STREAM_GROUPS` equal steps; after step ``k`` each piece has written ``k/G`` of
+        its tokens' KV (every layer group of them up to ``k``), which its shipper may send at once."""
+        for k in range(1, STREAM_GROUPS + 1):
+            await asyncio.sleep(duration_s / STREAM_GROUPS)
+            for piece in forward.pieces:
+                written = self._written.get(piece.job)
+                if written is not None:
+                    written.tokens = piece.start + (piece.end - piece.start) * k / STREAM_GROUPS
+                    written.wake.set()
+
+    async def _ship(self, req: EngineRequest, registration: Registration, cached_tokens: int,
+                    stream: _Stream | None = None) -> KvReady:
+        """Send the request's KV beyond what the decode holds, and tell the decode worker. ``stream``: the
+        prefill is still running; each layer group's KV goes as soon as it is written."""
         first_token = self.output_token(prompt_seed(req.input_ids), 0)
         room = req.bootstrap.room
         transfer_s, error = None, None
@@ -549,19 +610,18 @@ class MockEngine:
             error = f"decode region of {registration.length} bytes is smaller than the KV ({length})"
         else:
             start = time.perf_counter()
-            transfer_id = next(self._transfer_ids)
-            self.meter.start(transfer_id, time.monotonic(), length, registration.session)
             try:
                 if self.fail_kv_transfers > 0:  # metered as a failed transfer, as a broken link's would be
                     self.fail_kv_transfers -= 1
+                    self._metered_failure(length, registration.session)
                     raise KvTransferError("injected fault: the KV transfer failed (POST /prfaas/faults)")
-                await self.kv.write(registration.session, registration.addr, length,
-                                    lambda n, since_s, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n, since_s))
+                if stream is None:
+                    await self._write_metered(registration, 0, length)
+                else:
+                    await self._write_streamed(req, registration, cached_tokens, length, stream)
                 transfer_s = time.perf_counter() - start
             except KvTransferError as err:
                 error = str(err)
-            finally:
-                self.meter.end(transfer_id, time.monotonic(), transfer_s is not None)
         ready = KvReady(room, error is None, length, cached_tokens, first_token, transfer_s, error)
         try:
             async with self._post_signed(registration.notify_url, ready.to_json()) as resp:
@@ -578,7 +638,43 @@ class MockEngine:
         self.stats.requests_ok += 1
         return ready
 
-    # --- cache moves between prefill workers (wire.cache_move) ---------------------------
+    def _metered_failure(self, length: int, session: str) -> None:
+        transfer_id = next(self._transfer_ids)
+        self.meter.start(transfer_id, time.monotonic(), length, session)
+        self.meter.end(transfer_id, time.monotonic(), False)
+
+    async def _write_metered(self, registration: Registration, offset: int, length: int) -> None:
+        """Bytes ``[offset, offset + length)`` of the request's KV into its decode region, as one metered transfer."""
+        transfer_id = next(self._transfer_ids)
+        self.meter.start(transfer_id, time.monotonic(), length, registration.session)
+        ok = False
+        try:
+            await self.kv.write(registration.session, registration.addr + offset, length,
+                                lambda n, since_s, tid=transfer_id: self.meter.progress(tid, time.monotonic(), n, since_s))
+            ok = True
+        finally:
+            self.meter.end(transfer_id, time.monotonic(), ok)
+
+    async def _write_streamed(self, req: EngineRequest, registration: Registration, cached_tokens: int, length: int,
+                              stream: _Stream) -> None:
+        """Send what the prefill has written and the link has not carried, in one write each time, until all
+        ``length`` bytes are across: the full-attention KV as its layer groups are written (cached tokens from
+        the start), the state at the end. Raises what the prefill raised (it was abandoned or failed)."""
+        total, held = len(req.input_ids), min(registration.decode_prefix_len, len(req.input_ids))
+        stream_bytes = max(length - self.timing.kv_bytes_beyond(total, total), 0)  # all but the state at the end
+        sent = 0
+        while sent < length:
+            stream.written.wake.clear()
+            done = stream.computing.done()
+            if done:
+                stream.computing.result()  # the prefill's own error, if it failed
+            ready_tokens = total if done else cached_tokens + stream.written.tokens
+            ready = ready_bytes(stream_bytes, length, total, held, ready_tokens)
+            if ready > sent:
+                await self._write_metered(registration, sent, ready - sent)
+                sent = ready
+            elif not done:
+                await stream.written.wake.wait()
 
     async def export_prefix(self, msg: CacheExport) -> dict:
         """Source: write the KV and state of a prefix this worker holds to another worker's region

@@ -130,7 +130,8 @@ def _info(engine: MockEngine) -> dict:
         "prfaas": {"engine": "mock", "role": cfg.role.value, "profile": cfg.profile, "speedup": cfg.speedup,
                    "kv_scale": cfg.kv_scale, "block_hash": HASH_SCHEME, "hybrid": engine.timing.hybrid,
                    "telemetry_port": cfg.telemetry_port, "cache_import": cfg.mode == "prefill",
-                   "role_switch": cfg.enable_pd_role_switch, "prefill_cache": cfg.prefill_cache},
+                   "role_switch": cfg.enable_pd_role_switch, "prefill_cache": cfg.prefill_cache,
+                   "kv_layerwise": engine.layerwise},
         "version": cfg.sglang_release,
     }
 
