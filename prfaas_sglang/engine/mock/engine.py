@@ -59,8 +59,8 @@ from prfaas_sglang.engine.mock.timing import EngineTiming
 from prfaas_sglang.engine.mock.truth import ServiceTruth, forward_costs
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hosts import local_host
-from prfaas_sglang.plan.overlap import STREAM_GROUPS, ready_bytes
 from prfaas_sglang.kvindex.admission import PrefixAdmission
+from prfaas_sglang.plan.overlap import STREAM_GROUPS, ready_bytes
 from prfaas_sglang.protocol import BadRequest, EngineRequest, output_token, prompt_seed
 from prfaas_sglang.roles import ROLE_SPECS, Role
 from prfaas_sglang.security import check_peer
