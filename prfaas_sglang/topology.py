@@ -46,6 +46,8 @@ Schema (version 1; every field marked optional may be left out)::
       - {from: <cluster>, to: <cluster>, bandwidth_gbps: 100, rtt_ms: 5}
         # layerwise: true  -> the PrfaaS workers stream each layer's KV as the prefill writes it
         #                     (PRFAAS_KV_LAYERWISE) and the router's TTFT estimate counts the overlap
+        # encrypt: true    -> everything between the two sides' hosts crosses a WireGuard tunnel
+        #                     (transport/tunnel_plan.py; `launch --tunnel`), UDP tunnel_port (51820)
     scheduler:                   # optional: what the global scheduler assumes until it measures
       workload: {kind: lognormal, mu: 9.9, sigma: 1.0, min_tokens: 128, max_tokens: 131072}
                                  #   prior of incremental lengths (the planner's workload schema)
@@ -124,6 +126,8 @@ class Link:
     bandwidth_gbps: float
     rtt_ms: float | None = None
     layerwise: bool = False  # the PrfaaS side streams KV by layer (plan/overlap.py)
+    encrypt: bool = False  # WireGuard between the two sides' hosts (transport/tunnel_plan.py)
+    tunnel_port: int = 51820  # the tunnel's UDP port on every host of the link
 
 
 @dataclass(frozen=True)
@@ -423,17 +427,23 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     for i, raw in enumerate(raw_links):
         lpath = f"links[{i}]"
         obj = _mapping(raw, lpath)
-        _check_keys(obj, {"from", "to", "bandwidth_gbps", "rtt_ms", "layerwise"}, lpath)
+        _check_keys(obj, {"from", "to", "bandwidth_gbps", "rtt_ms", "layerwise", "encrypt", "tunnel_port"}, lpath)
         for key in ("from", "to"):
             if obj.get(key) not in kinds:
                 raise ConfigError(f"{lpath}.{key}", f"unknown cluster {obj.get(key)!r} (clusters: {', '.join(kinds)})")
         bandwidth = number(obj, "bandwidth_gbps", lpath, positive=True)
         if bandwidth is None:
             raise ConfigError(f"{lpath}.bandwidth_gbps", "is required")
-        layerwise = obj.get("layerwise", False)
-        if not isinstance(layerwise, bool):
-            raise ConfigError(f"{lpath}.layerwise", f"must be true or false, got {layerwise!r}")
-        links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True), layerwise))
+        flags = {}
+        for key in ("layerwise", "encrypt"):
+            flags[key] = obj.get(key, False)
+            if not isinstance(flags[key], bool):
+                raise ConfigError(f"{lpath}.{key}", f"must be true or false, got {flags[key]!r}")
+        tunnel_port = obj.get("tunnel_port", Link.tunnel_port)
+        if isinstance(tunnel_port, bool) or not isinstance(tunnel_port, int) or not 1 <= tunnel_port <= 65535:
+            raise ConfigError(f"{lpath}.tunnel_port", f"must be a port number, got {tunnel_port!r}")
+        links.append(Link(obj["from"], obj["to"], bandwidth, number(obj, "rtt_ms", lpath, positive=True),
+                          flags["layerwise"], flags["encrypt"], tunnel_port))
     _check_fleet_links(kinds, nodes, links)
     return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
                     _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir,

@@ -26,12 +26,16 @@ log() { printf '[setup-env] %s\n' "$*"; }
 #                 and the tests compare our hash with it;
 #    gcc          the launcher builds the bind shim (prfaas_sglang/native/bindshim.c), SGLang's extension too;
 #    prometheus   Debian's 2.42: `bench dashboard` and the dashboard's end-to-end test start their own (a
-#                 free port, a temp config and storage dir); nothing depends on its system service.
+#                 free port, a temp config and storage dir); nothing depends on its system service;
+#    wireguard-go, wireguard-tools  encrypted links (links[].encrypt; adapters/wireguard.py): the userspace
+#                 WireGuard where the kernel has no module, and `wg` to configure either.
 missing=()
 /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v wireguard-go >/dev/null 2>&1 || missing+=(wireguard-go)
+command -v wg >/dev/null 2>&1 || missing+=(wireguard-tools)
 if [ "${#missing[@]}" -gt 0 ]; then
   log "installing ${missing[*]} (apt)"
   SUDO=""

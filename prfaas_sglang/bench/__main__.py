@@ -21,6 +21,8 @@ Benchmarks:
                  at its best configuration (swept), by bisection on offered load
   transport      KV over Mooncake TCP across an emulated WAN link (rate, RTT, loss; netns + linkem;
                  root): our WAN profile vs SGLang's Mooncake settings, request size x lanes
+  tunnel         KV through an encrypted link's WireGuard tunnel vs in clear, same link, turns alternating;
+                 the tunnel daemons' CPU per Gbit (netns + linkem + wireguard-go; root)
   kv-runs        the request sizes SGLang's Mooncake sender makes once its allocators have served a
                  trace a while (SGLang's allocators and grouping on CPU), and the goodput they allow
   kv-staging     SGLang's Mooncake path on CPU across an emulated WAN link (netns + linkem; root), pages
@@ -88,6 +90,9 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
      "prfaas_sglang.bench.capacity"),
     ("bandwidth", "throttle the PrfaaS link 10x mid-run; the router's t over time", "prfaas_sglang.bench.bandwidth"),
     ("transport", "Mooncake TCP over an emulated WAN link: WAN profile vs defaults", "prfaas_sglang.bench.transport"),
+    ("tunnel",
+     "KV through an encrypted link's WireGuard tunnel vs in clear, side by side on an emulated WAN link (root)",
+     "prfaas_sglang.bench.tunnel"),
     ("mock-kv",
      "the emulated engine's KV over an emulated WAN link: the hooks' sender vs SGLang's way",
      "prfaas_sglang.bench.mock_kv"),

@@ -17,7 +17,11 @@ seeded order:
   for the router to see the telemetry go silent and route around the PrfaaS worker);
 * ``link-throttle``: the PrfaaS link at 1/10 of its rate for ``2 * down_s``;
 * ``http-fuzz``: ``fuzz_requests`` malformed HTTP requests (bad JSON, wrong types, absurd
-  sizes, bad headers) sent to the router alongside the load.
+  sizes, bad headers) sent to the router alongside the load;
+* ``tunnel-down`` (with ``--encrypt``: the link is ``encrypt: true`` and each side's host holds its
+  WireGuard tunnel, ``adapters/wireguard.py``): the PrfaaS side's tunnel interface removed for
+  ``4 * down_s`` (its routes fail closed: nothing to the other side leaves, in clear or at all), then
+  brought up again.
 
 Every request is classified: ``ok``; ``error`` (an HTTP error with a JSON message, or a stream
 that ends with an error event); ``reset`` (the connection broke: counted apart, and expected
@@ -47,6 +51,7 @@ DEADLINE_S = 60.0
 PROBE_INTERVAL_S = 0.25
 FAULTS = ("kill-pd-decode-0", "kill-pd-prefill-0", "kill-prfaas-0", "kill-router", "zmq-garbage",
           "link-blackhole", "link-throttle", "http-fuzz")
+ENCRYPTED_FAULTS = ("tunnel-down",)  # with --encrypt only
 
 
 @dataclass
@@ -193,8 +198,9 @@ class Chaos:
     """The deployment, its processes' argv for restarts, and the fault actions."""
 
     def __init__(self, group, deployment, config: Path, net, engine_args: dict, router_args: tuple[str, ...],
-                 front_url: str | None = None):
+                 front_url: str | None = None, tunnels: list | None = None):
         self.group, self.d, self.config, self.net = group, deployment, config, net
+        self.tunnels = tunnels or []  # with --encrypt: [the PrfaaS side's, the other side's]
         self.engine_args, self.router_args = engine_args, router_args
         self.procs = {p.name: p for p in group.procs}
         self.url = front_url or deployment.router.url  # where clients send: the front, when one runs
@@ -264,6 +270,10 @@ async def _inject(chaos: Chaos, fault: str, down_s: float, seed: int, state: dic
         subprocess.run(["ip", "link", "set", chaos.net.outer, "down"], check=True, capture_output=True)
         await asyncio.sleep(4 * down_s)
         subprocess.run(["ip", "link", "set", chaos.net.outer, "up"], check=True, capture_output=True)
+    elif fault == "tunnel-down":
+        chaos.tunnels[0].take_down_interface()
+        await asyncio.sleep(4 * down_s)
+        await asyncio.to_thread(chaos.tunnels[0].up)
     elif fault == "link-throttle":
         chaos.net.throttle(rate_mbit / 10)
         await asyncio.sleep(2 * down_s)
@@ -356,7 +366,7 @@ def _rss_summary(samples: list) -> dict:
 
 def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: float = 3.0, fuzz_requests: int = 200,
         rate_mbit: float = 400.0, faults: tuple[str, ...] = FAULTS, rounds: int = 1, log_dir: Path | None = None,
-        front: bool = True) -> dict:
+        front: bool = True, encrypt: bool = False) -> dict:
     """One run; ``rounds``: how many times every fault is injected (the slots shrink to fit); ``front``:
     clients reach the router through ``router/front.py`` (its retry window 20 s), which ``kill-router``
     leaves running."""
@@ -374,19 +384,65 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
     engine_args = {r: engine for r in ("prfaas", "pd-prefill", "pd-decode")}
     router_args = ("--no-early-rejection", "--phase-timeout-s", "20", "--admission-timeout-s", "10",
                    "--health-interval-s", "0.5")
+    tunnels: list = []
+    capture = None
     with Netns() as net:
         try:
             net.throttle(rate_mbit)
             doc = local_topology(hosts={"prfaas": net.inner_ip}, host=net.outer_ip, link_gbps=rate_mbit / 1000,
                                  speedup=50, kv_scale=0.002, threshold_tokens=6000, output_tokens=8)
+            if encrypt:
+                doc["links"][0]["encrypt"] = True
+                tunnels = _tunnels(doc, net)
+                capture = _capture(net.outer)  # everything between the PrfaaS namespace and the rest, from the start
             d = start_deployment(group, doc, *router_args, wrap={"prfaas": net.wrap}, engine_args=engine_args, name="chaos")
             front_url = start_front(group, d.router.url) if front else None
-            chaos = Chaos(group, d, d.config, net, engine_args, router_args, front_url)
+            chaos = Chaos(group, d, d.config, net, engine_args, router_args, front_url, tunnels)
             result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults, rounds))
+            if capture is not None:
+                out, _ = capture.communicate(timeout=30)
+                result["wire"] = {**json.loads(out), "tunnel_port": tunnels[0].plan.listen_port}
             result["logs"] = str(log_dir)
+            result["encrypted"] = encrypt
             return result
         finally:
             group.stop()
+            if capture is not None and capture.poll() is None:
+                capture.kill()
+            for tunnel in tunnels:
+                tunnel.down()
+
+
+def _capture(device: str):
+    """A capture of ``device`` (``bench/wire_capture.py``) running until its stdin closes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "prfaas_sglang.bench.wire_capture", device, (b"\x00" * 8).hex()],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the capture of {device} did not start")
+    return proc
+
+
+def _tunnels(doc: dict, net) -> list:
+    """Each side's tunnel for the encrypted link of ``doc`` (the PrfaaS host's in ``net``, the rest's here), up."""
+    from prfaas_sglang.adapters.wireguard import Tunnel, public_keys
+    from prfaas_sglang.topology import parse_topology
+    from prfaas_sglang.transport.tunnel_plan import plan
+    from prfaas_sglang.wire.auth import DeploymentKeys
+
+    keys, topology = DeploymentKeys.from_secret(os.urandom(32)), parse_topology(doc)
+    tunnels = []
+    try:
+        for host, wrap in ((net.inner_ip, net.wrap), (net.outer_ip, ())):
+            tunnels.append(Tunnel(plan(topology, host, public_keys(keys)), keys.tunnel_private_key(host), wrap=wrap))
+            tunnels[-1].up()
+    except BaseException:
+        for tunnel in tunnels:
+            tunnel.down()
+        raise
+    return tunnels
 
 
 def verdict(result: dict) -> list[str]:
@@ -405,6 +461,10 @@ def verdict(result: dict) -> list[str]:
             problems.append(f"{name}: {v['prfaas:kv_pool_used_tokens']:.0f} KV-pool tokens held at rest")
         if v.get("leaked_kv_bytes"):
             problems.append(f"{name}: {v['leaked_kv_bytes']:.0f} landing-buffer bytes held at rest")
+    wire = result.get("wire")
+    if wire is not None:  # the link encrypted: nothing but the tunnel's UDP crossed it
+        if wire["ports"] != [wire["tunnel_port"]] or set(wire["protocols"]) - {"udp"} or wire["not_ipv4"] or wire["dropped"]:
+            problems.append(f"the encrypted link carried more than its tunnel: {wire}")
     for r in result["faults"]:
         if r["recovery_s"] is None:
             problems.append(f"{r['fault']}: not recovered ({r.get('not_recovered_because')})")
@@ -432,6 +492,8 @@ def render_markdown(result: dict) -> str:
                                             f"{v.get('prfaas:kv_pool_used_tokens', 0):.0f}, KV bytes {v['leaked_kv_bytes']:.0f}"
                                             for n, v in result["leaks"].items()),
               *([f"Front: {result['front_counters']}"] if result.get("front_counters") else []),
+              *([f"The link encrypted: {result['wire']['packets']} packets crossed it, protocols "
+                 f"{result['wire']['protocols']}, ports common to all {result['wire']['ports']}"] if result.get("wire") else []),
               "Verdict: " + ("; ".join(verdict(result)) or "pass")]
     return "\n".join(lines)
 
@@ -449,6 +511,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front", action=argparse.BooleanOptionalAction, default=True,
                         help="clients reach the router through its front (python -m prfaas_sglang.router.front), which a "
                              "router kill leaves running, as in the Kubernetes deployment (default); --no-front: directly")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="the PrfaaS link encrypted (links[].encrypt: a WireGuard tunnel on each side's host), and the "
+                             "tunnel-down fault among the faults")
     parser.add_argument("--json", action="store_true")
 
 
@@ -459,15 +524,21 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
         inv.error("--duration must be >= 20, --rate and --down-s > 0, --fuzz-requests >= 0")
     if (why := available()) is not None:
         inv.error(f"the PrfaaS link's namespace {why}")
-    faults = FAULTS if args.faults is None else tuple(f.strip() for f in args.faults.split(",") if f.strip())
-    if not faults or set(faults) - set(FAULTS):
-        inv.error(f"--faults must name some of {', '.join(FAULTS)}")
+    known = FAULTS + (ENCRYPTED_FAULTS if args.encrypt else ())
+    faults = known if args.faults is None else tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    if not faults or set(faults) - set(known):
+        inv.error(f"--faults must name some of {', '.join(known)}")
+    if args.encrypt:
+        from prfaas_sglang.adapters.wireguard import unavailable as no_tunnel
+
+        if (why := no_tunnel()) is not None:
+            inv.error(f"--encrypt: {why}")
     rounds = args.rounds or max(int(args.duration // 200), 1)
     if rounds < 1 or args.duration / (rounds * len(faults)) < args.down_s + 2:
         inv.error(f"--rounds must be >= 1, with room for each fault (--duration / (rounds x {len(faults)}) "
                   f">= --down-s + 2)")
     result = run(args.duration, args.rate, args.seed, args.down_s, args.fuzz_requests, faults=faults,
-                 rounds=rounds, front=args.front)
+                 rounds=rounds, front=args.front, encrypt=args.encrypt)
     return inv.report(args, result, None, render_markdown)
 
 

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--emit", choices=("k8s",), help="write Kubernetes manifests for --config's topology "
                                                          "(one directory per cluster, plus monitoring/) and exit")
     parser.add_argument("--out", type=Path, help="with --emit: the output directory (default: k8s-<topology name>)")
+    parser.add_argument("--tunnel", action="store_true",
+                        help="hold this host's WireGuard tunnel for the topology's encrypted links (links[].encrypt) until "
+                             "stopped: the host of --node, or --host; needs PRFAAS_SECRET_FILE and CAP_NET_ADMIN. A node on "
+                             "an encrypted link refuses to start without it")
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
     parser.add_argument("--json", action="store_true", help="with --dry-run: print the command as JSON")
     return parser
@@ -321,8 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(ours)
     if args.emit:
         return _emit(args, unknown, extra)
+    if args.tunnel:
+        return _run_tunnel(args)
     try:
         command = make_command(args, extra, unknown)
+        if not args.dry_run:
+            _require_tunnel(args, command.node)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -372,6 +380,64 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
     clusters = sorted({rel.split("/")[0] for rel in files} - {"monitoring"})
     print(f"wrote {len(files)} files under {out}/ ({', '.join(clusters)}, monitoring); "
           f"apply with: kubectl apply -k {out}/<cluster>")
+    return 0
+
+
+def _tunnel_plan(args: argparse.Namespace, host: str, public_key):
+    from prfaas_sglang.transport.tunnel_plan import plan
+
+    return plan(load_topology(args.config), host, public_key)
+
+
+def _require_tunnel(args: argparse.Namespace, node: Node) -> None:
+    """Refuse to start a node on an encrypted link whose host's tunnel is not up: its traffic would be dropped
+    (the tunnel's routes fail closed) or, with no tunnel ever set up, sent in clear."""
+    if not args.config or not node.host:
+        return
+    tunnel = _tunnel_plan(args, node.host, lambda host: "")
+    if tunnel is None:
+        return
+    from prfaas_sglang.adapters.wireguard import not_up
+
+    if (why := not_up(tunnel)) is not None:
+        raise ConfigError(f"links ({', '.join(tunnel.links)}) encrypt",
+                          f"the tunnel of host {node.host} is not up ({why}); start it first: python -m "
+                          f"prfaas_sglang.launch --config {args.config} --tunnel --host {node.host}")
+
+
+def _run_tunnel(args: argparse.Namespace) -> int:
+    """``--tunnel``: bring up the host's tunnel and hold it until SIGTERM or SIGINT. Stopping removes the interface
+    and leaves the peers' addresses blackholed (fail closed: nothing leaves in clear while the tunnel is away); a
+    restart brings it back. ``ip rule del priority 9000; ip route flush table 28917`` undoes that for good."""
+    import signal
+
+    from prfaas_sglang.adapters.wireguard import Tunnel, public_keys
+    from prfaas_sglang.security import load_keys
+
+    try:
+        if not args.config:
+            raise ConfigError("--config", "--tunnel needs the topology whose encrypted links it serves")
+        host = args.host or (resolve_node(args)[0].host if args.node else None)
+        if not host:
+            raise ConfigError("--host", "--tunnel needs the host it runs for (--host, or --node)")
+        keys = load_keys()
+        if keys is None:
+            raise ConfigError("PRFAAS_SECRET_FILE", "an encrypted link's keys derive from the deployment secret; none is set")
+        tunnel_plan = _tunnel_plan(args, host, public_keys(keys))
+        if tunnel_plan is None:
+            raise ConfigError("--host", f"{host} is on no encrypted link of {args.config}")
+        tunnel = Tunnel(tunnel_plan, keys.tunnel_private_key(host))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        tunnel.up()
+    except PrfaasError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    try:
+        print(f"tunnel {tunnel_plan.interface} up on {host}:{tunnel_plan.listen_port} for "
+              f"{', '.join(tunnel_plan.links)}: peers {', '.join(tunnel_plan.peer_hosts)}", flush=True)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    finally:
+        tunnel.take_down_interface()
     return 0
 
 

@@ -12,6 +12,8 @@
 * ``lane_pacing``: equal pacing of the lanes of one coalesced batch (pure);
 * ``layerwise``: layer-wise streaming's per-layer plan and ledger (pure; the hooks are
   ``hooks/layerwise_hook``);
+* ``tunnel_plan``: what an encrypted link puts through WireGuard, and each host's tunnel (pure; the
+  interface and routes are ``adapters/wireguard``'s);
 * ``linkem``: an emulated WAN link between two network namespaces (a fixture of the tests and
   benchmarks).
 """

@@ -62,6 +62,7 @@ class DeploymentKeys:
     worker_api_key: str
     zmq_server_seed: bytes
     zmq_client_seed: bytes
+    tunnel_seed: bytes = b""  # the WireGuard keys of the hosts (tunnel_private_key)
 
     @classmethod
     def from_secret(cls, secret: bytes) -> DeploymentKeys:
@@ -73,7 +74,15 @@ class DeploymentKeys:
         return cls(handoff_key=_derive(secret, "handoff"),
                    worker_api_key=_derive(secret, "worker-api-key").hex(),
                    zmq_server_seed=_derive(secret, "zmq-curve-server"),
-                   zmq_client_seed=_derive(secret, "zmq-curve-client"))
+                   zmq_client_seed=_derive(secret, "zmq-curve-client"),
+                   tunnel_seed=_derive(secret, "wireguard"))
+
+    def tunnel_private_key(self, host: str) -> bytes:
+        """The WireGuard private key (32 bytes; WireGuard clamps it) of the tunnel endpoint at ``host``: every
+        holder of the secret derives every host's key, so the peers of an encrypted link need no key exchange."""
+        if not self.tunnel_seed:
+            raise ValueError("these keys were not derived from a secret (DeploymentKeys.from_secret)")
+        return hmac.new(self.tunnel_seed, b"host:" + host.encode(), hashlib.sha256).digest()
 
     def __repr__(self) -> str:
         return "DeploymentKeys(<hidden>)"

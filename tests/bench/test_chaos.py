@@ -1,6 +1,6 @@
 """The 60 s chaos run in CI (issue #16 item 5): every fault once (kill -9 and restart of each worker
-and of the router, malformed ZMQ frames, a black-holed and a throttled PrfaaS link, fuzzed HTTP)
-under a mixed load, clients behind the router's front (the default, as in Kubernetes). Asserted:
+and of the router, malformed ZMQ frames, a black-holed and a throttled PrfaaS link, fuzzed HTTP, and, the link
+being encrypted, its WireGuard tunnel taken down) under a mixed load, clients behind the router's front (the default, as in Kubernetes). Asserted:
 what does not depend on timing (nothing hung, no stream truncated without an error event, every
 non-ok answer a typed error, no connection broken, nothing held at rest, every fault recovered
 from); without the front, connections broken only by the router's own death. Recovery times and
@@ -22,14 +22,16 @@ pytestmark = pytest.mark.skipif(netns.available() is not None, reason=f"the Prfa
 
 @pytest.mark.slow
 def test_sixty_seconds_of_chaos_leave_nothing_hung_truncated_reset_or_held():
-    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "chaos", "--duration", "60", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "prfaas_sglang.bench", "chaos", "--duration", "60", "--encrypt", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)["result"]
     assert chaos.verdict(result) == [], chaos.render_markdown(result)
     tally = result["tally"]
     assert tally["sent"] >= 60 and tally["ok"] >= tally["sent"] // 2, tally
-    assert sorted(r["fault"] for r in result["faults"]) == sorted(chaos.FAULTS)
+    # the link encrypted (--encrypt): its tunnel taken down is one more fault, routed around like a dead link
+    assert sorted(r["fault"] for r in result["faults"]) == sorted(chaos.FAULTS + chaos.ENCRYPTED_FAULTS)
+    assert result["encrypted"] is True
     garbage = next(r for r in result["faults"] if r["fault"] == "zmq-garbage")
     assert garbage["garbage_frames"] > 0
     fuzz = next(r for r in result["faults"] if r["fault"] == "http-fuzz")

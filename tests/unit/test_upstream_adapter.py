@@ -437,7 +437,7 @@ def test_the_emulated_engine_reports_the_release_it_is_given_the_pin_by_default(
     assert config_from_args(_engine_args()).sglang_release == PINNED_SGLANG_VERSION
     other = next(v for v in SUPPORTED_SGLANG_VERSIONS if v != PINNED_SGLANG_VERSION)
     config = config_from_args(_engine_args("--sglang-release", other))
-    engine = types.SimpleNamespace(config=config, tokenizer=None, max_total_tokens=1024,
+    engine = types.SimpleNamespace(config=config, tokenizer=None, max_total_tokens=1024, layerwise=False,
                                    timing=types.SimpleNamespace(max_batch=8, hybrid=False))
     assert _info(engine)["version"] == other
     with pytest.raises(ConfigError, match="--sglang-release"):

@@ -1,0 +1,179 @@
+"""A host's WireGuard tunnel, up and down (I/O): the kernel's WireGuard where the host has it, ``wireguard-go`` otherwise.
+
+What it sets up is :class:`~prfaas_sglang.transport.tunnel_plan.TunnelPlan`'s (interface, peers, the policy
+routing that sends each peer's address into the tunnel and drops it when the tunnel is gone); this module
+only runs ``ip``, ``wg`` and ``wireguard-go`` for it. ``wrap`` (e.g. ``("ip", "netns", "exec", NS)``) runs
+every command in another network namespace. Needs CAP_NET_ADMIN (root, or a pod's NET_ADMIN).
+
+    with Tunnel(plan, keys.tunnel_private_key(host)):
+        ...   # traffic to plan.peer_hosts is encrypted; it is dropped, never sent in clear, once the tunnel goes
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+from prfaas_sglang.errors import PrfaasError
+from prfaas_sglang.transport.tunnel_plan import (
+    FWMARK,
+    KEEPALIVE_S,
+    RULE_PRIORITY,
+    TABLE,
+    TUNNEL_MTU,
+    TunnelPlan,
+)
+from prfaas_sglang.wire.auth import DeploymentKeys
+
+
+class TunnelError(PrfaasError):
+    """A tunnel cannot be brought up here (no WireGuard, no privilege) or a command of it failed."""
+
+
+def unavailable(userspace: str | None = None) -> str | None:
+    """None when a :class:`Tunnel` can be brought up here, else why not."""
+    if shutil.which("wg") is None:
+        return "needs wireguard-tools (wg)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (ip)"
+    if os.geteuid() != 0:
+        return "needs CAP_NET_ADMIN (root)"
+    if not _kernel_module() and shutil.which(userspace or "wireguard-go") is None:
+        return "needs the kernel's WireGuard or wireguard-go"
+    return None
+
+
+def _kernel_module() -> bool:
+    return os.path.isdir("/sys/module/wireguard")
+
+
+def public_key(private: bytes) -> str:
+    """The base64 public key of a 32-byte private key (``wg pubkey``, which clamps it as WireGuard does)."""
+    proc = subprocess.run(["wg", "pubkey"], input=base64.b64encode(private).decode() + "\n", capture_output=True,
+                          text=True, timeout=10)
+    if proc.returncode != 0:
+        raise TunnelError(f"wg pubkey failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def public_keys(keys: DeploymentKeys):
+    """``host -> public key`` for :func:`~prfaas_sglang.transport.tunnel_plan.plan`, from the deployment's keys."""
+    return lambda host: public_key(keys.tunnel_private_key(host))
+
+
+def not_up(plan: TunnelPlan, wrap: tuple[str, ...] = ()) -> str | None:
+    """None when ``plan``'s tunnel is up here (its interface, with a peer for each of the plan's), else what is missing."""
+    if shutil.which("wg") is None:
+        return "wireguard-tools (wg) is not installed"
+    proc = subprocess.run([*wrap, "wg", "show", plan.interface, "peers"], capture_output=True, text=True, timeout=10)
+    if proc.returncode != 0:
+        return f"no tunnel interface {plan.interface}"
+    if len(proc.stdout.split()) != len(plan.peers):
+        return f"{plan.interface} has {len(proc.stdout.split())} peers, the plan {len(plan.peers)}"
+    return None
+
+
+class Tunnel:
+    """The tunnel of ``plan`` while the context is open (``up``/``down`` otherwise). ``userspace``: the
+    wireguard-go binary to use where the kernel has no WireGuard (default: ``wireguard-go`` on PATH)."""
+
+    def __init__(self, plan: TunnelPlan, private_key: bytes, wrap: tuple[str, ...] = (), userspace: str | None = None):
+        self.plan, self._private, self.wrap = plan, private_key, wrap
+        self.userspace = userspace or "wireguard-go"
+        self._daemon: subprocess.Popen | None = None
+        self.kernel = False
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([*self.wrap, *args], capture_output=True, text=True, timeout=30)
+        if check and proc.returncode != 0:
+            raise TunnelError(f"{' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
+        return proc
+
+    def up(self) -> None:
+        why = unavailable(self.userspace)
+        if why:
+            raise TunnelError(f"cannot bring up the tunnel of {self.plan.host}: {why}")
+        name = self.plan.interface
+        try:
+            self._interface(name)
+            with tempfile.NamedTemporaryFile("w", prefix="prfaas-wg-", delete=True) as key:
+                os.chmod(key.name, 0o600)
+                key.write(base64.b64encode(self._private).decode() + "\n")
+                key.flush()
+                peers = [arg for p in self.plan.peers
+                         for arg in ("peer", p.public_key, "endpoint", f"{_bracket(p.host)}:{p.port}",
+                                     "allowed-ips", _prefix(p.host), "persistent-keepalive", str(KEEPALIVE_S))]
+                self._run("wg", "set", name, "private-key", key.name, "listen-port", str(self.plan.listen_port),
+                          "fwmark", str(FWMARK), *peers)
+            self._run("ip", "link", "set", name, "mtu", str(TUNNEL_MTU), "up")
+            for peer in self.plan.peer_hosts:
+                family = "-6" if ":" in peer else "-4"
+                self._run("ip", family, "route", "replace", "blackhole", _prefix(peer), "table", str(TABLE), "metric", "100")
+                self._run("ip", family, "route", "replace", _prefix(peer), "dev", name, "src", self.plan.host,
+                          "table", str(TABLE), "metric", "1")
+            for family in sorted({"-6" if ":" in p else "-4" for p in self.plan.peer_hosts}):
+                # never deleted while up: between a delete and an add, the peers' traffic would take the main table
+                if not self._run("ip", family, "rule", "show", "priority", str(RULE_PRIORITY)).stdout.strip():
+                    self._run("ip", family, "rule", "add", "not", "fwmark", str(FWMARK), "table", str(TABLE),
+                              "priority", str(RULE_PRIORITY))
+        except BaseException:
+            self.down()
+            raise
+
+    def _interface(self, name: str) -> None:
+        """The kernel's WireGuard interface where it has one, else a wireguard-go daemon of ours (foreground)."""
+        self._run("ip", "link", "del", name, check=False)  # a stale one of an earlier run
+        if _kernel_module() and self._run("ip", "link", "add", name, "type", "wireguard", check=False).returncode == 0:
+            self.kernel = True
+            return
+        env = {**os.environ, "WG_PROCESS_FOREGROUND": "1", "LOG_LEVEL": "error"}
+        self._daemon = subprocess.Popen([*self.wrap, self.userspace, name], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 10
+        while self._run("ip", "link", "show", name, check=False).returncode != 0:
+            if self._daemon.poll() is not None or time.monotonic() > deadline:
+                raise TunnelError(f"{self.userspace} {name} did not start: {(self._daemon.stderr.read() or '').strip()[-300:]}")
+            time.sleep(0.05)
+        while self._run("wg", "show", name, check=False).returncode != 0:  # its control socket, a moment later
+            if self._daemon.poll() is not None or time.monotonic() > deadline:
+                raise TunnelError(f"{self.userspace} {name} opened no control socket")
+            time.sleep(0.05)
+
+    def down(self) -> None:
+        """Remove the interface, the rule and the routes (what ``up`` added); safe to call twice."""
+        for family in ("-4", "-6"):
+            self._run("ip", family, "rule", "del", "priority", str(RULE_PRIORITY), check=False)
+            self._run("ip", family, "route", "flush", "table", str(TABLE), check=False)
+        self.take_down_interface()
+
+    def take_down_interface(self) -> None:
+        """The interface alone goes (what a crashed tunnel looks like): the blackhole routes stay, so traffic to
+        the peers is dropped, not sent in clear."""
+        self._run("ip", "link", "del", self.plan.interface, check=False)
+        if self._daemon is not None:
+            self._daemon.terminate()
+            try:
+                self._daemon.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._daemon.kill()
+                self._daemon.wait()
+            self._daemon = None
+
+    def __enter__(self) -> Tunnel:
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def _prefix(host: str) -> str:
+    return f"{host}/128" if ":" in host else f"{host}/32"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,120 @@
+"""What crosses an encrypted link, and how each host's WireGuard tunnel is set up for it (pure).
+
+A topology link with ``encrypt: true`` puts everything between its two sides' hosts through WireGuard:
+Mooncake's KV, SGLang's bootstrap registration, the router's legs to the PrfaaS workers, KV events and
+telemetry. The PrfaaS cluster is one side; the PD cluster and the control plane (which talks to every
+worker) the other. The tunnel is *transparent*: the hosts keep the addresses the topology gives them,
+so no engine, no Mooncake session and no bootstrap address changes; each host routes its traffic to a
+peer host's address into the tunnel by policy routing, as ``wg-quick`` does::
+
+    ip rule  not fwmark FWMARK  lookup TABLE       (the tunnel's own UDP carries FWMARK: it skips TABLE)
+    TABLE:   PEER/32 dev IFACE src HOST  metric 1  (into the tunnel)
+             blackhole PEER/32           metric 100 (fails closed: with the tunnel gone nothing leaves in
+                                                     clear; the link fails, and the router routes around it)
+
+Keys: each host's private key is derived from the deployment secret and its address
+(:meth:`~prfaas_sglang.wire.auth.DeploymentKeys.tunnel_private_key`), so every holder of the secret
+knows every peer's public key; a host without the secret cannot complete a handshake, and receives
+nothing. The I/O (interface, keys, routes) is :mod:`prfaas_sglang.adapters.wireguard`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.topology import Topology
+
+FWMARK = 0x70F5  # the tunnel's UDP packets: routed by the main table, never back into the tunnel
+TABLE = 0x70F5  # the routing table holding the peers' routes
+RULE_PRIORITY = 9000  # before the main table's rule (32766)
+TUNNEL_MTU = 1420  # 1500 less WireGuard's 80 bytes of IPv6-sized overhead
+KEEPALIVE_S = 25  # keeps a NAT's mapping of the tunnel's UDP flow
+
+
+@dataclass(frozen=True)
+class Peer:
+    host: str  # its address: the tunnel endpoint, and the one address routed into the tunnel
+    port: int
+    public_key: str  # base64, as ``wg`` takes it
+
+
+@dataclass(frozen=True)
+class TunnelPlan:
+    """One host's tunnel: its interface, its port, and the peer hosts it reaches only through it."""
+
+    host: str
+    interface: str
+    listen_port: int
+    peers: tuple[Peer, ...]
+    links: tuple[str, ...]  # the encrypted links it serves ("src->dst"), for logs and errors
+
+    @property
+    def peer_hosts(self) -> tuple[str, ...]:
+        return tuple(p.host for p in self.peers)
+
+
+def interface_name(host: str) -> str:
+    """``pwg`` + 8 hex digits of the host's address: unique per host on one machine (wireguard-go's control
+    socket, ``/var/run/wireguard/<name>.sock``, is shared by every network namespace), 11 characters."""
+    return "pwg" + hashlib.blake2b(host.encode(), digest_size=4).hexdigest()
+
+
+def _sides(topology: Topology, src: str, dst: str) -> tuple[set[str], set[str]]:
+    """(PrfaaS side's clusters, the other side's) of a link: the control clusters join the PD side."""
+    kinds = topology.cluster_kinds
+    prfaas = {c for c in (src, dst) if kinds.get(c) == "prfaas"}
+    other = {c for c in (src, dst) if kinds.get(c) != "prfaas"} | {c for c, k in kinds.items() if k == "control"}
+    return prfaas, other - prfaas
+
+
+def _hosts(topology: Topology, clusters: Iterable[str]) -> set[str]:
+    clusters = set(clusters)
+    return {n.host for n in topology.nodes if n.cluster in clusters and n.host}
+
+
+def encrypted_peers(topology: Topology, host: str) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """Peer host -> (its link's tunnel port, the links through which ``host`` reaches it encrypted). Raises
+    :class:`ConfigError` where one host is on both sides of an encrypted link (nothing to encrypt between
+    a host and itself: give each side its own address) or two links give one peer different ports."""
+    peers: dict[str, tuple[int, tuple[str, ...]]] = {}
+    for i, link in enumerate(topology.links):
+        if not link.encrypt:
+            continue
+        prfaas, other = _sides(topology, link.src, link.dst)
+        a, b = _hosts(topology, prfaas), _hosts(topology, other)
+        for h in sorted(a | b):
+            try:
+                ipaddress.ip_address(h)
+            except ValueError:
+                raise ConfigError(f"links[{i}].encrypt", f"host {h} is not an IP address (the tunnel routes each "
+                                                         "peer's address into itself)") from None
+        if shared := a & b:
+            raise ConfigError(f"links[{i}].encrypt", f"host {sorted(shared)[0]} is on both sides of the link "
+                                                     "(a tunnel joins distinct addresses)")
+        far = b if host in a else a if host in b else set()
+        for peer in far:
+            port, names = peers.get(peer, (link.tunnel_port, ()))
+            if port != link.tunnel_port:
+                raise ConfigError(f"links[{i}].tunnel_port", f"host {peer} is on two encrypted links with "
+                                                             f"ports {port} and {link.tunnel_port}")
+            peers[peer] = (port, (*names, f"{link.src}->{link.dst}"))
+    return peers
+
+
+def plan(topology: Topology, host: str, public_key: Callable[[str], str]) -> TunnelPlan | None:
+    """``host``'s tunnel, or None when no encrypted link reaches it. ``public_key(host)``: a host's public key
+    (the adapter derives it from the deployment secret)."""
+    peers = encrypted_peers(topology, host)
+    if not peers:
+        return None
+    ports = {link.tunnel_port for link in topology.links
+             if link.encrypt and host in _hosts(topology, set().union(*_sides(topology, link.src, link.dst)))}
+    if len(ports) > 1:
+        raise ConfigError("links", f"host {host} is on encrypted links with tunnel ports {sorted(ports)}: one port a host")
+    names = sorted({n for _, links in peers.values() for n in links})
+    return TunnelPlan(host, interface_name(host), ports.pop(),
+                      tuple(Peer(h, port, public_key(h)) for h, (port, _) in sorted(peers.items())), tuple(names))

@@ -1,0 +1,205 @@
+"""Encrypted links (``links[].encrypt``): a WireGuard tunnel per host, transparent to Mooncake, failing closed.
+
+Two network namespaces joined by the link emulator, a PrfaaS host in one and a PD host in the other; each
+brings up the tunnel its topology plans for it (``transport/tunnel_plan.py``, ``adapters/wireguard.py``;
+wireguard-go, as this kernel has no WireGuard). A capture on the PD side's link device sees what crosses
+the wire. Needs root, /dev/net/tun, wireguard-go and wg (scripts/setup-env.sh installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prfaas_sglang.adapters.wireguard import Tunnel, TunnelError, public_keys
+from prfaas_sglang.errors import ConfigError
+from prfaas_sglang.topology import parse_topology
+from prfaas_sglang.transport.linkem import EmulatedLink
+from prfaas_sglang.transport.tunnel_plan import plan
+from prfaas_sglang.wire.auth import DeploymentKeys
+
+PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
+CAPTURE = (sys.executable, "-m", "prfaas_sglang.bench.wire_capture")
+KEYS = DeploymentKeys.from_secret(b"a deployment secret of 32 bytes!")
+PATTERN = b"\x01" * 64  # transport_peer's payload is ones: a run of them in a packet is KV in clear
+TUNNEL_PORT = 51820
+
+
+def raw_topology(prfaas_host: str, pd_host: str, encrypt: bool = True) -> dict:
+    return {
+        "version": 1,
+        "clusters": {"prfaas": {"kind": "prfaas", "nodes": [{"name": "prfaas-0", "role": "prfaas", "host": prfaas_host,
+                                                             "port": 30000, "bootstrap_port": 8998}]},
+                     "pd": {"kind": "pd", "nodes": [{"name": "pd-decode-0", "role": "pd-decode", "host": pd_host, "port": 30001},
+                                                    {"name": "pd-prefill-0", "role": "pd-prefill", "host": pd_host,
+                                                     "port": 30002, "bootstrap_port": 8999}]}},
+        "links": [{"from": "prfaas", "to": "pd", "bandwidth_gbps": 1, "encrypt": encrypt}]}
+
+
+def topology(prfaas_host: str, pd_host: str, encrypt: bool = True):
+    return parse_topology(raw_topology(prfaas_host, pd_host, encrypt))
+
+
+def test_the_plan_puts_each_side_behind_the_other_and_refuses_what_it_cannot_encrypt():
+    topo = topology("10.1.0.1", "10.2.0.1")
+    keys = {}
+    prfaas = plan(topo, "10.1.0.1", lambda h: keys.setdefault(h, f"key-of-{h}"))
+    pd = plan(topo, "10.2.0.1", lambda h: f"key-of-{h}")
+    assert prfaas.peer_hosts == ("10.2.0.1",) and pd.peer_hosts == ("10.1.0.1",)
+    assert prfaas.peers[0].public_key == "key-of-10.2.0.1" and prfaas.listen_port == TUNNEL_PORT
+    assert prfaas.interface != pd.interface and len(prfaas.interface) <= 15
+    assert plan(topology("10.1.0.1", "10.2.0.1", encrypt=False), "10.1.0.1", str) is None
+    assert plan(topo, "10.9.9.9", str) is None  # a host on no encrypted link
+    with pytest.raises(ConfigError, match=r"links\[0\]\.encrypt: host 127.0.0.1 is on both sides"):
+        plan(topology("127.0.0.1", "127.0.0.1"), "127.0.0.1", str)
+    with pytest.raises(ConfigError, match=r"links\[0\]\.encrypt: host pd-0.example is not an IP address"):
+        plan(topology("10.1.0.1", "pd-0.example"), "10.1.0.1", str)
+
+
+def test_every_host_derives_every_peers_key_from_the_secret_alone():
+    assert KEYS.tunnel_private_key("10.1.0.1") == DeploymentKeys.from_secret(b"a deployment secret of 32 bytes!").tunnel_private_key("10.1.0.1")
+    assert KEYS.tunnel_private_key("10.1.0.1") != KEYS.tunnel_private_key("10.2.0.1")
+    assert KEYS.tunnel_private_key("10.1.0.1") != DeploymentKeys.from_secret(b"another secret, also 32 bytes!!").tunnel_private_key("10.1.0.1")
+
+
+@pytest.fixture
+def link():
+    with EmulatedLink(tag=None, rate_mbit=400, rtt_ms=2) as link:
+        yield link
+
+
+def tunnels(link: EmulatedLink, b_keys: DeploymentKeys = KEYS) -> tuple[Tunnel, Tunnel]:
+    topo = topology(link.ip_a, link.ip_b)
+    a = Tunnel(plan(topo, link.ip_a, public_keys(KEYS)), KEYS.tunnel_private_key(link.ip_a), wrap=link.wrap_a)
+    b = Tunnel(plan(topo, link.ip_b, public_keys(KEYS)), b_keys.tunnel_private_key(link.ip_b), wrap=link.wrap_b)
+    return a, b
+
+
+class Capture:
+    """What crosses B's link device meanwhile: per packet its protocol, ports and whether it holds the payload."""
+
+    def __init__(self, link: EmulatedLink):
+        self.proc = subprocess.Popen((*link.wrap_b, *CAPTURE, link.tun_b, PATTERN.hex()),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def stop(self) -> dict:
+        out, _ = self.proc.communicate(timeout=30)
+        return json.loads(out)
+
+
+def kv_transfer(link: EmulatedLink, payload_mib: int, timeout_s: float = 60) -> dict:
+    """One Mooncake TCP transfer of ones from A to B (bench transport's peers); its answer."""
+    recv = subprocess.Popen((*link.wrap_b, *PEER, "recv", "--host", link.ip_b, "--buffer-mib", str(payload_mib)),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={"MC_FORCE_TCP": "1", "PATH": "/usr/bin:/bin", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
+                                 "MC_TRANSFER_TIMEOUT": "10"})
+    try:
+        landing = json.loads(recv.stdout.readline())
+        send = subprocess.Popen((*link.wrap_a, *PEER, "send", "--host", link.ip_a, "--buffer-mib", str(payload_mib),
+                                 "--peer", landing["session"], "--addr", str(landing["addr"])),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env={"MC_FORCE_TCP": "1", "PATH": "/usr/bin:/bin", "MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
+                                     "MC_TRANSFER_TIMEOUT": "10"})
+        assert send.stdout.readline()
+        job = {"payload_bytes": payload_mib << 20, "request_bytes": 1 << 20, "chunk_bytes": 8 << 20}
+        out, _ = send.communicate(json.dumps(job) + "\n", timeout=timeout_s)
+        return json.loads(out.splitlines()[0]) if out.strip() else {"ok": False}
+    finally:
+        recv.stdin.close()
+        recv.wait(timeout=10)
+
+
+def test_kv_through_the_tunnel_shows_none_of_its_bytes_on_the_link(link):
+    a, b = tunnels(link)
+    with a, b:
+        capture = Capture(link)
+        result = kv_transfer(link, 16)
+        seen = capture.stop()
+    assert result["ok"], result
+    assert seen["dropped"] == 0 and seen["bytes"] > 16 << 20  # the capture saw every packet; the KV crossed here
+    assert seen["protocols"] == {"udp": seen["packets"]}  # nothing but WireGuard's UDP
+    assert seen["ports"] == [TUNNEL_PORT] and seen["with_pattern"] == 0
+
+
+def test_a_host_without_the_key_receives_nothing(link):
+    """B's tunnel holds a key from another secret: the handshake never completes, so A's KV reaches B neither
+    decrypted nor in clear, and the transfer fails."""
+    a, b = tunnels(link, b_keys=DeploymentKeys.from_secret(b"an impostor's secret, 32 bytes!!"))
+    with a, b:
+        capture = Capture(link)
+        result = kv_transfer(link, 4, timeout_s=90)
+        seen = capture.stop()
+        assert not result["ok"]
+        assert seen["with_pattern"] == 0 and set(seen["protocols"]) <= {"udp"} and seen["bytes"] < 64 << 10
+
+
+def test_a_tunnel_taken_down_fails_closed(link):
+    """The interface gone (a crashed tunnel): the peer's address is a blackhole, not a way around in clear."""
+    a, b = tunnels(link)
+    with a, b:
+        assert kv_transfer(link, 1)["ok"]
+        a.take_down_interface()
+        capture = Capture(link)
+        connect = subprocess.run((*link.wrap_a, sys.executable, "-c",
+                                  f"import socket; socket.create_connection(({link.ip_b!r}, 9), timeout=3)"),
+                                 capture_output=True, text=True, timeout=30)
+        time.sleep(0.2)
+        seen = capture.stop()
+    assert connect.returncode != 0 and "Invalid argument" in connect.stderr  # a blackhole route refuses the connect
+    assert seen["packets"] == 0
+
+
+def test_a_tunnel_that_cannot_come_up_says_why(link):
+    a, _ = tunnels(link)
+    a.userspace = "/nonexistent/wireguard-go"
+    with pytest.raises(TunnelError, match="cannot bring up the tunnel|did not start"):
+        a.up()
+
+
+def test_the_launcher_holds_a_hosts_tunnel_and_a_node_on_the_link_refuses_to_start_without_it(link, tmp_path):
+    """``launch --tunnel --host H`` brings H's tunnel up, holds it and takes it down on SIGTERM; an engine node on
+    the encrypted link refuses to start (one line, the command to run) while its host has no tunnel."""
+    import yaml
+
+    from prfaas_sglang.adapters.wireguard import not_up
+
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(raw_topology(link.ip_a, link.ip_b)))
+    doc = topology(link.ip_a, link.ip_b)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a deployment secret of 32 bytes!")
+    secret.chmod(0o600)
+    env = {"PRFAAS_SECRET_FILE": str(secret), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    launch = (*link.wrap_a, sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config))
+    refused = subprocess.run((*launch, "--node", "prfaas-0", "--engine", "mock", "--profile", "kimi-linear-1t-hybrid@h200x8"),
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"the tunnel of host {link.ip_a} is not up" in refused.stderr and "--tunnel --host" in refused.stderr
+    holder = subprocess.Popen((*launch, "--tunnel", "--node", "prfaas-0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert holder.stdout.readline().startswith("tunnel pwg"), holder.stderr.read()
+        tunnel_plan = plan(doc, link.ip_a, lambda h: "")
+        assert not_up(tunnel_plan, link.wrap_a) is None
+    finally:
+        holder.terminate()
+        assert holder.wait(timeout=20) == 0
+    assert not_up(tunnel_plan, link.wrap_a) is not None  # taken down with the holder
+    lonely = subprocess.run((*launch, "--tunnel", "--host", "10.9.9.9"), capture_output=True, text=True, env=env, timeout=60)
+    assert lonely.returncode == 2 and "--host: 10.9.9.9 is on no encrypted link" in lonely.stderr
+
+
+def test_the_tunnel_bench_measures_both_paths_side_by_side():
+    """``bench tunnel`` at its smallest: the same link, a transfer through the tunnel and one in clear, each counted,
+    and the tunnel daemons' CPU per gigabit (the figures themselves are BENCHMARKS.md's, not asserted here)."""
+    from prfaas_sglang.bench import tunnel
+
+    result = tunnel.run(rate_mbit=200, rtt_ms=2, payloads_mib=(4,), repeats=1)
+    (row,) = result["rows"]
+    assert row["tunnel_fraction"] > 0 and row["clear_fraction"] > 0 and row["ratio"] is not None
+    assert result["tunnel"] in ("kernel", "wireguard-go") and (row["wg_cpu_s_per_gbit"] or 0) >= 0
