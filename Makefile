@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prfaas-env-stamp
 
-.PHONY: env test test-fast test-sglang test-durations lint check-patches rebase-check readme clean-env
+.PHONY: env images test test-fast test-sglang test-durations lint check-patches rebase-check readme clean-env
 
 # Every other supported SGLang beside the pinned one, as an overlay ($(VENV)/sglang-<version>,
 # scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs the tests that differ by release
@@ -47,6 +47,11 @@ test-durations:
 # The inner loop: everything but the tests marked `slow` (real servers, long benchmarks).
 test-fast: env
 	$(PY) -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not slow and not serial" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# Every image of docker/, each checked to import what its roles run (python -m prfaas_sglang.launch.images;
+# where no registry can be pulled from, on a Debian base bootstrapped here and the engines' CPU stand-in).
+images: env
+	$(PY) -m prfaas_sglang.launch.images build
 
 lint: env
 	$(VENV)/bin/ruff check .

@@ -69,16 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", type=Path, default=None,
                    help="a fleet topology (several PrfaaS and PD clusters, a link each) to run on this box instead of "
                         "the one-pair demo (needs root: a namespace per PrfaaS cluster, a shaped link per pair)")
+    p.add_argument("--containers", metavar="IMAGE", default=None,
+                   help="run the one-pair demo from a built image, one container per node (podman), the PrfaaS container "
+                        "in its own network namespace behind a shaped link (root; demo/containers.py)")
     p.add_argument("--nodes-per-role", type=int, default=1,
                    help="--topology: keep this many nodes of each role per cluster (0: all of them)")
     return p
 
 
-def topology_for(args) -> dict:
-    """The demo's deployment (:func:`~prfaas_sglang.demo.cluster.demo_topology`) for these flags."""
+def topology_for(args, **where) -> dict:
+    """The demo's deployment (:func:`~prfaas_sglang.demo.cluster.demo_topology`) for these flags (``where``: its hosts)."""
     return demo_topology(workloads.prior(args.workload, args.max_input_tokens), speedup=args.speedup, kv_scale=args.kv_scale,
                          output_tokens=args.output_tokens, tokenizer=None if args.tokenizer == "none" else args.tokenizer,
-                         served_name=SERVED_NAME)
+                         served_name=SERVED_NAME, **where)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -159,6 +162,8 @@ def run_pair(args) -> tuple[dict, Callable[[dict], str]]:
                                   args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
     log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-demo-"))
     group = ProcessGroup(log_dir)
+    if args.containers:
+        return _run_containers(args, requests, group, log_dir)
     try:
         deployment = start_deployment(group, topology_for(args), engine_args=_context_args(args))
         threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
@@ -167,6 +172,34 @@ def run_pair(args) -> tuple[dict, Callable[[dict], str]]:
     finally:
         group.stop()
     return summarize(args, results, wall_s, egress, threshold, log_dir), render
+
+
+def _run_containers(args, requests, group: ProcessGroup, log_dir: Path) -> tuple[dict, Callable[[dict], str]]:
+    """``--containers IMAGE``: the same deployment and load, every node a container of the image
+    (``demo/containers.py``), the PrfaaS one in its own namespace behind the shaped link."""
+    from prfaas_sglang.demo import containers
+    from prfaas_sglang.demo.cluster import topology_nodes
+    from prfaas_sglang.demo.netns import Netns, available
+
+    containers.check(args.containers)
+    if (why := available()) is not None:
+        raise ConfigError("--containers", f"the PrfaaS container's namespace {why}")
+    with Netns() as net:
+        doc = topology_for(args, host=net.outer_ip, hosts={"prfaas": net.inner_ip})
+        net.throttle(doc["links"][0]["bandwidth_gbps"] * 1e3 * args.kv_scale * args.speedup)
+        pods = containers.Containers(args.containers, f"demo{net.tag}", log_dir)
+        wrap = {name: pods.wrap(name, net.ns if n["role"] == "prfaas" else None) for name, n in topology_nodes(doc).items()}
+        try:
+            deployment = start_deployment(group, doc, engine_args=_context_args(args), wrap=wrap,
+                                          python=containers.CONTAINER_PYTHON)
+            threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
+            results, wall_s = asyncio.run(replay(deployment.router.url, requests))
+            egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
+        finally:
+            group.stop()
+            pods.remove()
+    summary = summarize(args, results, wall_s, egress, threshold, log_dir)
+    return {**summary, "containers": {"image": args.containers, "nodes": sorted(wrap), "prfaas_netns": net.ns}}, render
 
 
 def _context_args(args) -> dict[str, tuple[str, ...]]:

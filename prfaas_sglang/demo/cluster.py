@@ -347,12 +347,13 @@ def local_topology(*, prfaas: int = 1, pd_prefill: int = 1, pd_decode: int = 1, 
 
 
 def demo_topology(workload_prior: dict, *, speedup: float, kv_scale: float, output_tokens: int, tokenizer: str | None,
-                  served_name: str, link_gbps: float = 100.0, threshold_tokens: float | None = None) -> dict:
+                  served_name: str, link_gbps: float = 100.0, threshold_tokens: float | None = None,
+                  host: str = "127.0.0.1", hosts: dict[str, str] | None = None) -> dict:
     """The demo's deployment, also the comparison benchmark's: 1 PrfaaS (8xH200) + 1 PD-P and 1 PD-D (8xH20),
-    a router, ``workload_prior`` as the scheduler's prior."""
+    a router, ``workload_prior`` as the scheduler's prior (``host``/``hosts``: as :func:`local_topology`)."""
     return local_topology(speedup=speedup, kv_scale=kv_scale, workload=workload_prior, output_tokens=output_tokens,
                           tokenizer=tokenizer, served_name=served_name, accelerators=("h200x8", "h20x8"),
-                          link_gbps=link_gbps, threshold_tokens=threshold_tokens)
+                          link_gbps=link_gbps, threshold_tokens=threshold_tokens, host=host, hosts=hosts)
 
 
 def write_topology(doc: dict, path: Path) -> Path:
@@ -415,11 +416,13 @@ def start_node(group: ProcessGroup, config: Path, name: str, *args: str, engine:
 
 def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_args: dict[str, tuple[str, ...]] | None = None,
                      wrap: dict[str, tuple[str, ...]] | None = None, router_env: dict[str, str] | None = None,
-                     name: str = "topology", node_env: dict[str, dict[str, str]] | None = None) -> LocalDeployment:
+                     name: str = "topology", node_env: dict[str, dict[str, str]] | None = None,
+                     python: str = sys.executable) -> LocalDeployment:
     """Write ``doc``, start every engine node (emulated) through the launcher, wait for health, then the router.
 
     ``engine_args[node or role]`` are extra emulated-engine flags (after ``--``); ``wrap[node or role]`` prefixes
-    the command (a network namespace); ``node_env[node or role]`` adds to an engine's environment."""
+    the command (a network namespace, a container: ``demo/containers.py``; the router's is ``wrap["router"]``), and
+    ``python`` is the interpreter there; ``node_env[node or role]`` adds to an engine's environment."""
     config = write_topology(doc, group.log_dir / f"{name}.yaml")
     engine_args, wrap, node_env = engine_args or {}, wrap or {}, node_env or {}
     workers, procs = {}, []
@@ -429,25 +432,27 @@ def start_deployment(group: ProcessGroup, doc: dict, *router_args: str, engine_a
         key = n["name"] if n["name"] in engine_args else n["role"]
         proc = start_node(group, config, n["name"], extra=engine_args.get(key, ()),
                           wrap=wrap.get(n["name"], wrap.get(n["role"], ())),
-                          env=node_env.get(n["name"], node_env.get(n["role"])))
+                          env=node_env.get(n["name"], node_env.get(n["role"])), python=python)
         url = f"http://{n['host']}:{n['port']}"
         procs.append((proc, url))
         workers[n["name"]] = Worker(n["name"], url, n["port"], n.get("bootstrap_port"), n.get("kv_events_port"),
                                     n.get("telemetry_port"), n.get("switch_port"))
     for proc, url in procs:
         group.wait_healthy(url + "/health", proc)
-    return LocalDeployment(config, workers, start_topology_router(group, config, doc, *router_args, env=router_env))
+    return LocalDeployment(config, workers, start_topology_router(group, config, doc, *router_args, env=router_env,
+                                                                   wrap=wrap.get("router", ()), python=python))
 
 
 def start_topology_router(group: ProcessGroup, config: Path, doc: dict, *router_args: str,
-                          env: dict[str, str] | None = None) -> RouterHandle | None:
+                          env: dict[str, str] | None = None, wrap: tuple[str, ...] = (),
+                          python: str = sys.executable) -> RouterHandle | None:
     """The router node of ``doc`` (written at ``config``) through the launcher, as :func:`start_deployment` starts
     it (``python -m prfaas_sglang.launch --config CONFIG ROUTER_ARGS``, ``env`` added), once it answers /health;
     None where ``doc`` names no router. On its own: a router over workers that are already running."""
     router_node = next((n for n in topology_nodes(doc).values() if n["role"] == "router"), None)
     if router_node is None:
         return None
-    proc = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), *router_args],
+    proc = group.start("router", [*wrap, python, "-m", "prfaas_sglang.launch", "--config", str(config), *router_args],
                        env=env)
     url = f"http://{router_node['host']}:{router_node['port']}"
     group.wait_healthy(url + "/health", proc, timeout_s=90)

@@ -168,3 +168,20 @@ def test_installed_wheel_finds_its_packaged_series(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", str(site / "prfaas_sglang" / "_patches")]
+
+
+def test_make_images_builds_every_dockerfile_and_checks_what_each_role_imports():
+    """``make images`` (``launch/images.py``) covers every Dockerfile under the tag the Kubernetes output deploys,
+    and each image's import list names modules that exist (here, in the development environment, the control
+    plane's all import; the engine images' GPU-stack ones are the only ones a CPU stand-in may lack)."""
+    from prfaas_sglang.launch.images import IMAGES, check
+    from prfaas_sglang.launch.k8s import DEFAULT_IMAGES
+
+    assert {REPO_ROOT / i.dockerfile for i in IMAGES.values()} == set(DOCKERFILES)
+    assert {i.tag for i in IMAGES.values()} == set(DEFAULT_IMAGES.values())
+    for name, image in IMAGES.items():
+        args = re.findall(r"^ARG (\w+)=(\S+)", (REPO_ROOT / image.dockerfile).read_text(), re.M)
+        assert (image.base_arg, image.default_base) in args, name
+        assert set(image.needs_gpu_stack) <= set(image.imports)
+        assert all(importlib.util.find_spec(m.split(".")[0]) is not None for m in image.imports), name
+    assert check("control-plane")["failed"] == {}
