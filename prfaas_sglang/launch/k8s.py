@@ -50,6 +50,14 @@ DEFAULT_IMAGES = {  # the tags docker/*.Dockerfile's build lines give (push them
     "pd": "prfaas-sglang/local-pd:0.1.0",
     "control": "prfaas-sglang/control-plane:0.1.0",
 }
+# What the manifests assume of the cluster, at the head of each kustomization: an API server that keeps a
+# NetworkPolicy port range (endPort: beta and on by default from 1.22, GA in 1.25; a 1.20 API server drops it
+# without a word, leaving one port of Mooncake's range open) and cluster DNS answering the pods' names.
+MIN_KUBERNETES = "1.25"
+REQUIREMENTS_NOTE = (f"# Needs Kubernetes >= {MIN_KUBERNETES}: the NetworkPolicies' port ranges (endPort) are dropped silently by\n"
+                     "# older API servers. Needs cluster DNS (e.g. CoreDNS) resolving <pod>.<service>.<namespace>.svc.<domain>:\n"
+                     "# the topology's hosts are those names. Create the deployment secret first (README: Kubernetes).\n")
+
 # Every port a topology node may have (topology.PORT_KEYS), as a container port name (<= 15 chars).
 PORT_NAMES = {key: {"port": "http", "switch_port": "role-switch"}.get(key, key.removesuffix("_port").replace("_", "-"))
               for key in PORT_KEYS}
@@ -438,7 +446,7 @@ def render(raw: dict, topology: Topology, engine: Engine, dashboard_json: str | 
             files[f"{cluster}/{w.name}.yaml"] = _dump(workload_manifests(topology, w, engine))
         files[f"{cluster}/networkpolicy.yaml"] = _dump(network_policies(topology, loads, cluster, engine))
         resources = ["namespace.yaml", "topology.yaml", *(f"{w.name}.yaml" for w in mine), "networkpolicy.yaml"]
-        files[f"{cluster}/kustomization.yaml"] = yaml.safe_dump(
+        files[f"{cluster}/kustomization.yaml"] = REQUIREMENTS_NOTE + yaml.safe_dump(
             {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": ns,
              "resources": resources}, sort_keys=False)
     for name, docs in monitoring_manifests(topology, loads).items():

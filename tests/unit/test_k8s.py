@@ -22,7 +22,7 @@ from prfaas_sglang.topology import load_topology, parse_topology
 REPO = Path(__file__).resolve().parents[2]
 CASES = [("paper-case-study.yaml", Engine.SGLANG), ("paper-case-study.yaml", Engine.MOCK),
          ("local-two-cluster.yaml", Engine.MOCK), ("switchable", Engine.SGLANG)]
-K8S_VERSIONS = ("1.30.0", "1.33.0", "1.37.0")
+K8S_VERSIONS = ("1.25.0", "1.30.0", "1.33.0", "1.37.0")  # the oldest: k8s.MIN_KUBERNETES
 
 
 def _switchable() -> dict:
@@ -72,6 +72,9 @@ def test_manifests_validate_against_kubernetes_schemas(name, engine):
     assert {"Namespace", "ConfigMap", "StatefulSet", "Service", "NetworkPolicy", "ServiceMonitor"} <= kinds
     for rel, text in files.items():  # kustomize-ready: every listed resource exists
         if rel.endswith("kustomization.yaml"):
+            # what it assumes of the cluster, said where kubectl apply -k reads: the oldest schema checked, and DNS
+            assert f"Needs Kubernetes >= {k8s.MIN_KUBERNETES}" in text and "cluster DNS" in text
+            assert min(K8S_VERSIONS, key=lambda v: tuple(map(int, v.split(".")))) == k8s.MIN_KUBERNETES + ".0"
             kust = yaml.safe_load(text)
             cluster = rel.split("/")[0]
             assert all(f"{cluster}/{r}" in files for r in kust["resources"]), kust
