@@ -11,6 +11,7 @@ Run inside the namespace that holds the device (``ip netns exec NS ...``) by ``b
 
 from __future__ import annotations
 
+import errno
 import json
 import select
 import socket
@@ -36,7 +37,12 @@ def main() -> None:
         if sys.stdin in ready and not sys.stdin.readline():
             break
         if sock in ready:
-            data, address = sock.recvfrom(1 << 17)
+            try:
+                data, address = sock.recvfrom(1 << 17)
+            except OSError as err:  # the device was set down meanwhile (a black-holed link): nothing crossed it
+                if err.errno != errno.ENETDOWN:
+                    raise
+                continue
             if address[1] == ETH_P_ARP:
                 continue
             if address[1] == ETH_P_IPV6 and len(data) >= 24 and data[6] in (0, 58) and (data[8:10] == b"\xfe\x80"
