@@ -517,13 +517,17 @@ class Runner:
             url = self._start_router(row, up, group)
             phases["router_up"] = time.monotonic()
             before = [scrape_metric(w.url, "prfaas:requests_ok_total") for w in prefills]
+            kv_before = sum(scrape_metric(w.url, "prfaas:kv_bytes_sent_total") for w in prfaas)
             timing_before = [engine_timing(w.url) for w in engines]
+            replay_began = time.monotonic()
             drop_at = (arrivals[scored_range.start].offset_s if s.link_drop and len(scored_range) else math.inf)
             give_up = s.give_up_slos * s.ttft_slo / s.speedup
             with LinkDrop(up.net if s.link_drop else None, s.wire_mbit, drop_at, s.drop_s / s.speedup):
                 results = asyncio.run(replay_scored(url, arrivals, scored_range, give_up,
                                                     s.output_tokens * s.tbt_slo * 4 / s.speedup))
             phases["replayed"] = time.monotonic()
+            kv_sent = sum(scrape_metric(w.url, "prfaas:kv_bytes_sent_total") for w in prfaas) - kv_before
+            replay_s = phases["replayed"] - replay_began
             status = http_sync.get_json(url + "/status", timeout_s=5) if row.router == "prfaas" else None
             done = [scrape_metric(w.url, "prfaas:requests_ok_total") - b for w, b in zip(prefills, before, strict=True)]
             timing = [(w.name.startswith("pd-decode"),) + tuple(a - b for a, b in zip(engine_timing(w.url), tb, strict=True))
@@ -536,6 +540,8 @@ class Runner:
         remote = sum(done[: len(prfaas)])
         return {"row": row.name, "load": lam, "seed": seed, "outcomes": outcomes, "clean_start": clean,
                 "window_s": len(scored_range) / lam, "offload_fraction": remote / sum(done) if sum(done) else 0.0,
+                # the PrfaaS link's mean utilisation over the replay: KV bytes its workers sent / the shaped rate
+                "link_utilization": 8 * kv_sent / (replay_s * s.wire_mbit * 1e6) if prfaas and replay_s > 0 else None,
                 "calibration": (status or {}).get("calibration"), "routed": (status or {}).get("routed"),
                 "engine_timing_s": {stage: [sum(t[i] for t in timing if t[0] == decode) for i in (1, 2)]
                                     for stage, decode in (("prefill", False), ("decode", True))},
@@ -567,6 +573,8 @@ def probe_summary(runs: list[dict], setting: CapacitySetting) -> dict:
     summary["per_seed_attainment"] = {str(r["seed"]): score(r["outcomes"], r["window_s"], setting.ttft_slo,
                                                             setting.tbt_slo).attainment for r in runs}
     summary["offload_fraction"] = statistics.fmean(r["offload_fraction"] for r in runs)
+    utilization = [r["link_utilization"] for r in runs if r.get("link_utilization") is not None]
+    summary["link_utilization"] = statistics.fmean(utilization) if utilization else None
     summary["dirty_starts"] = sum(not r["clean_start"] for r in runs)
     summary["engine_timing_error"] = timing_error(runs)
     calib = [r["calibration"] for r in runs if r.get("calibration")]
@@ -751,7 +759,8 @@ def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySett
     if at is not None:
         out["at_capacity"] = {k: at[k] for k in ("load_rps", "attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
                                                  "goodput_rps", "token_goodput_tps", "refused", "refused_by_bucket",
-                                                 "missed_by_bucket", "offload_fraction", "arrivals") if k in at}
+                                                 "missed_by_bucket", "offload_fraction", "link_utilization", "arrivals")
+                              if k in at}
     return out
 
 
@@ -874,13 +883,16 @@ def render_markdown(result: dict) -> str:
 def _render_misses(r: dict) -> list[str]:
     """Where each row loses its attainment at its capacity probe (the lowest probe where none passed): misses
     (refused, failed or late) / arrivals per prompt-length bucket. Empty for results recorded before it was."""
-    rows = [(name, (row.get("at_capacity") or {}).get("missed_by_bucket")) for name, row in r["rows"].items()]
-    if not any(by for _, by in rows):
+    rows = [(name, row.get("at_capacity") or {}) for name, row in r["rows"].items()]
+    if not any(at.get("missed_by_bucket") for _, at in rows):
         return []
-    out = ["", "Misses (refused, failed or late) / arrivals by prompt length, at each row's capacity probe:", ""]
-    for name, by in rows:
-        if by:
-            out.append(f"- {name}: " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by.items()))
+    out = ["", "Misses (refused, failed or late) / arrivals by prompt length, and the PrfaaS link's mean utilisation, "
+           "at each row's capacity probe:", ""]
+    for name, at in rows:
+        if by := at.get("missed_by_bucket"):
+            link = at.get("link_utilization")
+            out.append(f"- {name}: " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by.items())
+                       + ("" if link is None else f"; link {link:.0%} busy"))
     return out
 
 

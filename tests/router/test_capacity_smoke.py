@@ -44,6 +44,11 @@ def test_quick_capacity_run(tmp_path):
                 assert probes[hi]["attainment"] < float(target) and (lo is None or lo < hi)
     ours = result["rows"]["prfaas"]["probes"]
     assert all(p.get("calibration") for p in ours), "our router reports its calibration"
+    # the PrfaaS link's utilisation per probe (the KV its workers sent over the replay / the shaped rate): where
+    # anything was offloaded, it is the link's share that was busy
+    for p in ours:
+        assert p["link_utilization"] is not None and 0 <= p["link_utilization"] <= 1.2
+        assert (p["link_utilization"] > 0) == (p["offload_fraction"] > 0)
     ratio = result["ratios"]["0.9"]
     theirs = result["rows"]["sr-cache_aware"]["capacity_rps"]["0.9"]
     if theirs:
