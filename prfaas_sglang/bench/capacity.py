@@ -57,7 +57,7 @@ from prfaas_sglang import runtime
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench import capacity_rows as rows_mod
 from prfaas_sglang.bench import compare, slo
-from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, SHAPED, Row, emulated_knobs, peer_args
+from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, LAYERWISE, SHAPED, Row, emulated_knobs, peer_args
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
@@ -266,7 +266,7 @@ def topology(setting: CapacitySetting, kind: str, net: Netns | None = None) -> d
                          ttft_slo_s=setting.ttft_slo, router=False,
                          **({"hosts": {"prfaas": net.inner_ip}, "host": net.outer_ip} if net is not None else {}))
     for link in doc["links"]:
-        link["layerwise"] = setting.layerwise
+        link["layerwise"] = setting.layerwise or kind in LAYERWISE
     return doc
 
 

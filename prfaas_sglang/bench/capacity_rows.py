@@ -29,8 +29,12 @@ from dataclasses import dataclass
 from prfaas_sglang.errors import ConfigError
 
 # (PrfaaS, PD prefill, PD decode) instances; shaped: the PrfaaS egress crosses the link
-DEPLOYMENTS = {"hetero": (1, 1, 1), "naive": (1, 0, 2), "homog-2p1d": (0, 2, 1), "homog-1p2d": (0, 1, 2)}
-SHAPED = ("hetero", "naive")
+DEPLOYMENTS = {"hetero": (1, 1, 1), "naive": (1, 0, 2), "homog-2p1d": (0, 2, 1), "homog-1p2d": (0, 1, 2),
+               "hetero-layerwise": (1, 1, 1)}
+SHAPED = ("hetero", "naive", "hetero-layerwise")
+# Deployments whose link streams KV by layer (links[].layerwise): the PrfaaS engines send each layer group as it is
+# written, and our router's estimate overlaps it. A separate deployment, so an ablation row runs beside the rest.
+LAYERWISE = ("hetero-layerwise",)
 
 
 class KnobClockError(ConfigError):
@@ -143,6 +147,9 @@ OURS = (
     Row("prfaas-target-0", "ours", "hetero", "prfaas", ("--ttft-target-s", "0"),
         why="placement target 0: always the cluster with the lower expected TTFT (the default keeps the rule's "
             "cluster while it meets the SLO)"),
+    Row("prfaas-layerwise", "ours", "hetero-layerwise", "prfaas", (),
+        why="ablation: the same router over engines that stream their KV by layer group while they prefill "
+            "(links[].layerwise; its estimate overlaps prefill and transfer)"),
 )
 
 # Every time-valued peer knob is stated on the emulated clock (EmulatedSeconds, PerEmulatedSecond) and

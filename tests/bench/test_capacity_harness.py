@@ -243,3 +243,21 @@ def test_on_a_trace_condition_the_routers_prior_is_not_the_trace_it_is_judged_on
     named = dataclasses.replace(setting, prior=f"trace:{trace}")
     assert capacity.topology(named, "hetero")["scheduler"]["workload"]["kind"] == "trace"
     assert named.condition.endswith("prior-t.jsonl") and "prior" not in setting.condition
+
+
+def test_the_layerwise_ablation_row_runs_our_router_over_a_deployment_whose_link_streams():
+    """``prfaas-layerwise``: our router, unchanged, over a deployment of its own whose topology marks the link
+    ``layerwise`` (its PrfaaS engines stream by layer group, its router's estimate overlaps), beside ``prfaas`` on the
+    plain one: an ablation inside one run. ``--layerwise`` turns it on for every deployment of the condition."""
+    from prfaas_sglang import runtime
+    from prfaas_sglang.bench import capacity_rows
+    from prfaas_sglang.topology import parse_topology
+
+    row = capacity_rows.ALL["prfaas-layerwise"]
+    assert row.family == "ours" and row.router == "prfaas" and row.args == capacity_rows.ALL["prfaas"].args
+    setting = capacity.CapacitySetting()
+    streams = {kind: runtime.from_topology(parse_topology(capacity.topology(setting, kind))).layerwise
+               for kind in ("hetero", row.deployment)}
+    assert streams == {"hetero": False, "hetero-layerwise": True}
+    assert capacity.topology(dataclasses.replace(setting, layerwise=True), "hetero")["links"][0]["layerwise"] is True
+    assert capacity_rows.DEPLOYMENTS[row.deployment] == capacity_rows.DEPLOYMENTS["hetero"] and row.deployment in capacity_rows.SHAPED
