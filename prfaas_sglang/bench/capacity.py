@@ -57,7 +57,14 @@ from prfaas_sglang import runtime
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench import capacity_rows as rows_mod
 from prfaas_sglang.bench import compare, slo
-from prfaas_sglang.bench.capacity_rows import DEPLOYMENTS, LAYERWISE, SHAPED, Row, emulated_knobs, peer_args
+from prfaas_sglang.bench.capacity_rows import (
+    DEPLOYMENTS,
+    LAYERWISE,
+    SHAPED,
+    Row,
+    emulated_knobs,
+    peer_args,
+)
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
