@@ -20,10 +20,10 @@ import os
 import statistics
 import subprocess
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 from prfaas_sglang.adapters.wireguard import Tunnel, public_keys
+from prfaas_sglang.bench.mock_kv import _cpu_s
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 from prfaas_sglang.bench.transport import (
     PEER,
@@ -40,11 +40,6 @@ from prfaas_sglang.transport.wan_defaults import WanLink
 from prfaas_sglang.wire.auth import DeploymentKeys
 
 REQUEST_BYTES = 16 << 20  # bench transport's ours: a 64 MiB chunk's KV over 4 lanes
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _topology(host_a: str, host_b: str):

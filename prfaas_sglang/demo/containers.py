@@ -34,7 +34,7 @@ def unavailable(image: str) -> str | None:
     return None
 
 
-def _ulimits() -> tuple[str, ...]:
+def ulimits() -> tuple[str, ...]:
     """This process's process and file limits, as the containers' own: runc cannot set a limit above the caller's
     hard limit, and podman's defaults may be above it."""
     out: list[str] = []
@@ -58,7 +58,7 @@ class Containers:
         name = f"prfaas-{self.tag}-{node}"
         self.names.append(name)
         network = f"ns:/var/run/netns/{netns}" if netns else "host"
-        return ("podman", "run", "--rm", "--name", name, "--network", network, *_ulimits(),
+        return ("podman", "run", "--rm", "--name", name, "--network", network, *ulimits(),
                 "-v", f"{self.config_dir}:{self.config_dir}:ro", "--entrypoint", "", self.image)
 
     def remove(self) -> None:

@@ -21,7 +21,6 @@ import argparse
 import importlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -114,12 +113,9 @@ class Builder:
         return time.monotonic() - t0
 
     def run_python(self, tag: str, *args: str) -> subprocess.CompletedProcess:
-        limits = []
-        for flag, which in (("nproc", resource.RLIMIT_NPROC), ("nofile", resource.RLIMIT_NOFILE)):
-            soft, hard = resource.getrlimit(which)
-            if hard != resource.RLIM_INFINITY:
-                limits += ["--ulimit", f"{flag}={min(soft, hard)}:{hard}"]
-        return self._run("run", "--rm", "--network", "host", *limits, "--entrypoint", "python3", tag, *args, timeout_s=300)
+        from prfaas_sglang.demo.containers import ulimits
+
+        return self._run("run", "--rm", "--network", "host", *ulimits(), "--entrypoint", "python3", tag, *args, timeout_s=300)
 
     def size_mb(self, tag: str) -> float:
         out = self._run("image", "inspect", "--format", "{{.Size}}", tag, timeout_s=60).stdout.strip()
