@@ -10,11 +10,12 @@ engine clusters name the variant's profile file (``clusters.<c>.profile``):
     measured     the profile ``bench profile`` measured (``--measured``); calibration off
     off-2x       that profile with every time doubled; the router's online calibration on
 
-Each router gets the same prompts, one at a time (lengths cycling over the engine profile's
-short and long ones, so both clusters serve), each streamed with a few output tokens. Per
-request: the TTFT the router predicted when it routed (``Server-Timing: ttft-estimate``, the
-number placement and early rejection compare with the SLO) and the TTFT the client saw; from
-each router, its own error series (``/status`` ``calibration.ttft_error_series``: mean
+Each router gets prompts of the same lengths, one at a time (lengths cycling over the engine
+profile's short and long ones, so both clusters serve), each streamed with a few output tokens; the
+routers' requests interleave (each length to every router in turn), so that a slow spell of the
+machine falls on every variant alike. Per request: the TTFT the router predicted when it routed
+(``Server-Timing: ttft-estimate``, the number placement and early rejection compare with the SLO)
+and the TTFT the client saw; from each router, its own error series (``/status`` ``calibration.ttft_error_series``: mean
 ``|predicted - observed| / observed`` per 25 requests, observed from its dispatch) and the
 scales it learned.
 """
@@ -110,14 +111,19 @@ def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, 
     return url
 
 
-def drive(router: str, lengths: list[int], vocab: int, model: str, seed: int) -> list[dict]:
-    """One request per length, one at a time: predicted and seen TTFT, and the route."""
-    rows = []
+def drive(routers: dict[str, str], lengths: list[int], vocab: int, model: str, seeds: dict[str, int]) -> dict[str, list[dict]]:
+    """One request per length for each router, one at a time and interleaved (each length goes to every
+    router in turn), so that a slow spell of the machine falls on every variant alike: per router, each
+    request's predicted and seen TTFT and its route. ``seeds``: each router's first prompt seed (its own
+    prompts, so none hits what another left cached)."""
+    rows: dict[str, list[dict]] = {name: [] for name in routers}
     for i, num_tokens in enumerate(lengths):
-        seen_s, headers = stream_ttft(router, prompt_ids(num_tokens, vocab, seed + i), model)
-        predicted = ttft_estimate_s(headers.get("Server-Timing") or headers.get("server-timing") or "")
-        route = route_header(headers) or ""
-        rows.append({"tokens": num_tokens, "cluster": route.split("/")[0], "predicted_s": predicted, "seen_s": seen_s})
+        for name, router in routers.items():
+            seen_s, headers = stream_ttft(router, prompt_ids(num_tokens, vocab, seeds[name] + i), model)
+            predicted = ttft_estimate_s(headers.get("Server-Timing") or headers.get("server-timing") or "")
+            route = route_header(headers) or ""
+            rows[name].append({"tokens": num_tokens, "cluster": route.split("/")[0], "predicted_s": predicted,
+                               "seen_s": seen_s})
     return rows
 
 
@@ -167,19 +173,21 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
         if own:
             dep = start_deployment(root, checkout, model_dir, procs, work, engine=engine, profile=profile)
             log(f"[predict] deployment healthy after {time.monotonic() - started:.1f} s")
-        for index, name in enumerate(variants):  # each its own prompts: none hits what another left cached
-            path = work / f"profile-{name}.yaml"
-            path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
-            args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
-            router = start_variant_router(dep, name, path, args, profile.threshold_tokens, work)
-            try:
-                rows = drive(router, lengths, int(model_config["vocab_size"]), profile.served_name,
-                             seed=4_000_000 + 100_000 * index)
+        routers = {}
+        try:
+            for name in variants:  # every variant's router up before the first request: their requests interleave
+                path = work / f"profile-{name}.yaml"
+                path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
+                args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
+                routers[name] = start_variant_router(dep, name, path, args, profile.threshold_tokens, work)
+            rows = drive(routers, lengths, int(model_config["vocab_size"]), profile.served_name,
+                         seeds={name: 4_000_000 + 100_000 * index for index, name in enumerate(variants)})
+            for name, router in routers.items():
                 status = json.loads(http("GET", router + "/status")[2])
-            finally:
-                procs.stop([f"router-{name}"])
-            results[name] = {"rows": rows, **summarize(rows, status)}
-            log(f"[predict] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'rows'})}")
+                results[name] = {"rows": rows[name], **summarize(rows[name], status)}
+                log(f"[predict] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'rows'})}")
+        finally:
+            procs.stop([f"router-{name}" for name in routers])
     finally:
         if own:
             procs.stop()
