@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.prfaas-env-stamp
 
-.PHONY: env images test test-fast test-sglang test-durations lint check-patches rebase-check readme clean-env
+.PHONY: env images test test-fast test-sglang test-durations lint check-patches rebase-check docs clean-env
 
 # Every other supported SGLang beside the pinned one, as an overlay ($(VENV)/sglang-<version>,
 # scripts/sglang-overlay.sh); `make test-sglang SGLANG=0.5.23` runs the tests that differ by release
@@ -64,8 +64,11 @@ check-patches: env
 rebase-check: env
 	PY=$(PY) bash scripts/rebase-check.sh $(or $(SGLANG_VERSION),latest)
 
-readme: env
-	$(PY) -m prfaas_sglang.patches readme --write
+# The documentation site, into site/: the reference pages rendered from the code (docs/reference/), then
+# mkdocs build --strict (a broken link, a missing page or an unknown anchor fails it).
+docs: env
+	$(PY) -m prfaas_sglang.docsite write
+	$(PY) -m prfaas_sglang.docsite build
 
 clean-env:
 	rm -rf $(VENV)

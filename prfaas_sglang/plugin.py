@@ -25,7 +25,7 @@ upstream. No other plugin we know of hooks these targets.
 
 Each :class:`HookSpec` and :class:`RegistrationSpec` carries the same fields as
 a patch header (Why, How, Upstream-Status, Removal, Tests) and is listed in the
-README's "changes vs upstream" table.
+site's table of changes against upstream (docs/reference/hooks.md).
 """
 
 from __future__ import annotations
@@ -706,7 +706,7 @@ class RegistrationSpec(ChangeNotes):
     selected_by: str
     overrides: tuple[tuple[str, str | tuple[str, ...]], ...]  # (target, its signature(s) where this applies)
 
-    hook_type = "registry"  # the README table's mechanism column
+    hook_type = "registry"  # the changes table's mechanism column (docs/reference/hooks.md)
 
     @property
     def target(self) -> str:

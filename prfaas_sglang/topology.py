@@ -15,7 +15,8 @@ Schema (version 1; every field marked optional may be left out)::
       served_name: my-model      # optional: the name clients ask for (default: what the workers report)
       tokenizer: DIR | NAME      # optional: the router's tokenizer (default: path); a shipped name
                                  #   (prfaas-tiny-chatml) or a directory; none: ids only
-      cost_model: NAME | PATH    # optional: the planner's model config (default kimi-linear-1t-hybrid)
+      cost_model: NAME | PATH    # optional: the planner's model config (default kimi-linear-1t-hybrid);
+                                 #   a shipped name, a file, or the config inline as a mapping
       extra_args: [...]          # passed to sglang.launch_server
     clusters:
       <name>:
@@ -47,7 +48,8 @@ Schema (version 1; every field marked optional may be left out)::
         # layerwise: true  -> the PrfaaS workers stream each layer's KV as the prefill writes it
         #                     (PRFAAS_KV_LAYERWISE) and the router's TTFT estimate counts the overlap
         # encrypt: true    -> everything between the two sides' hosts crosses a WireGuard tunnel
-        #                     (transport/tunnel_plan.py; `launch --tunnel`), UDP tunnel_port (51820)
+        #                     (transport/tunnel_plan.py; `launch --tunnel`)
+        # tunnel_port: 51820 -> the tunnel's UDP port on both sides (encrypt)
     scheduler:                   # optional: what the global scheduler assumes until it measures
       workload: {kind: lognormal, mu: 9.9, sigma: 1.0, min_tokens: 128, max_tokens: 131072}
                                  #   prior of incremental lengths (the planner's workload schema)
@@ -75,6 +77,8 @@ Schema (version 1; every field marked optional may be left out)::
       router_front_port: 8099    # the router pod's front (router/front.py), which the router's client
                                  #   Service targets, so clients keep their connections when the
                                  #   router container restarts; null: clients reach the router directly
+      requests: {<role>: {cpu: 250m, memory: 256Mi}}  # per role (or front): the containers' resource
+                                 #   requests (default: launch/k8s.py DEFAULT_REQUESTS)
 """
 
 from __future__ import annotations
@@ -429,7 +433,7 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
         obj = _mapping(raw, lpath)
         _check_keys(obj, {"from", "to", "bandwidth_gbps", "rtt_ms", "layerwise", "encrypt", "tunnel_port"}, lpath)
         for key in ("from", "to"):
-            if obj.get(key) not in kinds:
+            if not isinstance(obj.get(key), str) or obj[key] not in kinds:
                 raise ConfigError(f"{lpath}.{key}", f"unknown cluster {obj.get(key)!r} (clusters: {', '.join(kinds)})")
         bandwidth = number(obj, "bandwidth_gbps", lpath, positive=True)
         if bandwidth is None:

@@ -28,7 +28,8 @@ log() { printf '[setup-env] %s\n' "$*"; }
 #    prometheus   Debian's 2.42: `bench dashboard` and the dashboard's end-to-end test start their own (a
 #                 free port, a temp config and storage dir); nothing depends on its system service;
 #    wireguard-go, wireguard-tools  encrypted links (links[].encrypt; adapters/wireguard.py): the userspace
-#                 WireGuard where the kernel has no module, and `wg` to configure either.
+#                 WireGuard where the kernel has no module, and `wg` to configure either;
+#    chromium     the documentation's test opens the built site headless and keeps a screenshot.
 missing=()
 /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
@@ -36,6 +37,7 @@ command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v wireguard-go >/dev/null 2>&1 || missing+=(wireguard-go)
 command -v wg >/dev/null 2>&1 || missing+=(wireguard-tools)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ "${#missing[@]}" -gt 0 ]; then
   log "installing ${missing[*]} (apt)"
   SUDO=""
@@ -63,9 +65,9 @@ for url in ${PIP_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}; do UV+=(--ext
 for dir in ${PIP_FIND_LINKS:-$(pip_setting find-links)}; do UV+=(--find-links "$dir"); done
 for file in ${PIP_CONSTRAINT:-$(pip_setting constraint)}; do [ -f "$file" ] && UV+=(--constraint "$file"); done
 
-# 3. The CPU test requirements and this project, editable, with the test extra: one resolution.
-log "installing requirements/cpu-test.txt and prfaas-sglang (editable, [test])"
-"${UV[@]}" -r requirements/cpu-test.txt -e '.[test]'
+# 3. The CPU test requirements and this project, editable, with the test and docs extras: one resolution.
+log "installing requirements/cpu-test.txt and prfaas-sglang (editable, [test,docs])"
+"${UV[@]}" -r requirements/cpu-test.txt -e '.[test,docs]'
 
 # 4. The pinned SGLang, pristine, without its GPU dependency set. The wheel is
 #    kept in the cache that `python -m prfaas_sglang.patches` also reads.

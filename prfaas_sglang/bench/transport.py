@@ -362,7 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the host's)")
     parser.add_argument("--no-tcp-timestamps", action="store_true",
                         help="net.ipv4.tcp_timestamps=0 on both ends, every row: 12 more payload bytes per segment "
-                             "(host advice, with its caveats: README)")
+                             "(host advice, with its caveats: docs/kv-transport.md)")
     parser.add_argument("--engine-queued-row", action="store_true",
                         help="add a row with every request handed to the engine at once (the kv-send hooks before they "
                              "kept the queue): what keeping it costs")

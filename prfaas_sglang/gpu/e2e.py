@@ -200,7 +200,7 @@ class CheckResult:
 def gpu_unavailable(dev_dir: Path = Path("/dev")) -> str | None:
     """Why this machine cannot run the check (one line), or None: an NVIDIA device node is needed."""
     if not (dev_dir / "nvidiactl").exists() and not any(dev_dir.glob("nvidia[0-9]*")):
-        return "no NVIDIA GPU on this machine (no /dev/nvidia*); run it on the lent GPU machine (README, 'Real SGLang on a GPU')"
+        return "no NVIDIA GPU on this machine (no /dev/nvidia*); run it on the lent GPU machine (docs/real-sglang.md)"
     return None
 
 

@@ -22,7 +22,7 @@
 Without the variables the first two do nothing, so installing the plugin never changes a stock
 server's behaviour for valid requests.
 SGLang's bootstrap server (``--disaggregation-bootstrap-port``) still takes unauthenticated
-registrations; README "Security" names the network policy that must close it.
+registrations; docs/security.md names the network policy that must close it.
 """
 
 from __future__ import annotations

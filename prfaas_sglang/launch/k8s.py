@@ -56,7 +56,7 @@ DEFAULT_IMAGES = {  # the tags docker/*.Dockerfile's build lines give (push them
 MIN_KUBERNETES = "1.25"
 REQUIREMENTS_NOTE = (f"# Needs Kubernetes >= {MIN_KUBERNETES}: the NetworkPolicies' port ranges (endPort) are dropped silently by\n"
                      "# older API servers. Needs cluster DNS (e.g. CoreDNS) resolving <pod>.<service>.<namespace>.svc.<domain>:\n"
-                     "# the topology's hosts are those names. Create the deployment secret first (README: Kubernetes).\n")
+                     "# the topology's hosts are those names. Create the deployment secret first (docs/kubernetes.md).\n")
 
 # Every port a topology node may have (topology.PORT_KEYS), as a container port name (<= 15 chars).
 PORT_NAMES = {key: {"port": "http", "switch_port": "role-switch"}.get(key, key.removesuffix("_port").replace("_", "-"))

@@ -7,7 +7,7 @@
 ``series`` parses the series and its headers, ``unidiff`` parses and applies unified diffs (both
 pure), ``applier`` evaluates and applies a whole series against a ``tree`` (an installed sglang, an
 unpacked or rewritten wheel), ``upstream_api`` reads statically where our hooks and backends meet
-SGLang, and ``readme`` generates the README's "changes vs upstream" table.
+SGLang, and ``changes_table`` renders the table of changes against upstream (the site's reference page).
 """
 
 from __future__ import annotations

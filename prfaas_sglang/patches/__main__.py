@@ -1,6 +1,6 @@
-"""``python -m prfaas_sglang.patches``: list, lint, check, apply, rebase-check, readme.
+"""``python -m prfaas_sglang.patches``: list, lint, check, apply, rebase-check.
 
-Exit codes: 0 ok; 1 a check found problems (lint, stale README, rebase fails);
+Exit codes: 0 ok; 1 a check found problems (lint, rebase fails);
 2 bad usage; 3 wrong SGLang version; 4 the series does not apply.
 """
 
@@ -15,7 +15,6 @@ from pathlib import Path
 from prfaas_sglang._compat import require_pinned, require_supported
 from prfaas_sglang._pin import PINNED_SGLANG_VERSION, REBASE_TARGET_SGLANG_VERSION
 from prfaas_sglang.errors import PatchError, PrfaasError
-from prfaas_sglang.patches import readme as readme_mod
 from prfaas_sglang.patches.applier import (
     SeriesReport,
     apply_to_tree,
@@ -217,21 +216,6 @@ def cmd_rebase_check(series: Series, args) -> int:
     return 0 if report.ok and hooks_ok else 1
 
 
-def cmd_readme(series: Series, args) -> int:
-    from prfaas_sglang.plugin import HOOKS, REGISTRATIONS
-
-    path = Path(args.readme)
-    if args.print:
-        print(readme_mod.render_table(series, HOOKS + REGISTRATIONS, readme_mod.release_roots()))
-        return 0
-    current = readme_mod.refresh(path, series, HOOKS + REGISTRATIONS, write=args.write)
-    if current:
-        print(f"{path}: changes-vs-upstream table is current")
-        return 0
-    print(f"{path}: changes-vs-upstream table is stale; run `python -m prfaas_sglang.patches readme --write`")
-    return 1
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m prfaas_sglang.patches",
@@ -251,11 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
     rebase.add_argument("--sglang-version", default=REBASE_TARGET_SGLANG_VERSION, help="a release, or 'latest' (default: %(default)s)")
     rebase.add_argument("--wheel", default=None, help="use this wheel instead of downloading")
     rebase.add_argument("--json", action="store_true")
-    readme = sub.add_parser("readme", help="check (default) or --write the README's changes-vs-upstream table")
-    readme.add_argument("--readme", default=str(_REPO_ROOT / "README.md"))
-    mode = readme.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true")
-    mode.add_argument("--print", action="store_true")
     return parser
 
 
@@ -271,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
             "check": cmd_check,
             "apply": cmd_apply,
             "rebase-check": cmd_rebase_check,
-            "readme": cmd_readme,
         }[args.command]
         return handler(series, args)
     except PrfaasError as err:

@@ -56,7 +56,7 @@ def deployment(tmp_path_factory):
     files = k8s.render(raw, topology, Engine.MOCK, grafana.build_json())
     pick = PortPicker()
     ports = {(n["name"], key): pick() for c in raw["clusters"].values() for n in c["nodes"] for key in k8s.PORT_NAMES if key in n}
-    # the Secret, as README "Deploying on Kubernetes" creates it
+    # the Secret, as docs/kubernetes.md creates it
     secret_dir = tmp / "secret"
     secret_dir.mkdir()
     (secret_dir / k8s.SECRET_KEY).write_bytes(secrets.token_bytes(32))

@@ -19,7 +19,7 @@ def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_la
     """Real SGLang servers on this CPU (a tiny Llama, SGLang's CPU engine) started by our launcher in every
     role, behind our router: short prompts prefilled on PD-P, long ones on PrfaaS with their KV over
     Mooncake TCP through the kv-send hooks (staging buffer and decode reserve on, as the profiles set
-    them). Its first runs found faults no emulated engine shows (README, "Real SGLang on CPU"):
+    them). Its first runs found faults no emulated engine shows (docs/real-sglang.md):
 
     * routing: the threshold's routes, and SGLang's own request counters agree (they were missing
       from /metrics: hook ``metrics-multiproc-values``);

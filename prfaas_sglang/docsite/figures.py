@@ -1,0 +1,80 @@
+"""The site's pictures that are drawn from data, never by hand.
+
+    architecture.svg   a topology file's clusters, their nodes by role, and the links between them
+                       (``launch/multi-cluster.yaml``: two PrfaaS sites, two PD regions, one control
+                       plane), laid out as the request path runs: control on top, PrfaaS left, PD right
+
+Pure: a :class:`Topology` in, SVG text out (deterministic, so the committed figure is checked like a
+generated page). ``docs/dashboard.png`` is drawn by ``python -m prfaas_sglang.bench dashboard`` from a
+live run's metrics.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from prfaas_sglang.topology import Topology
+
+NODE_W, NODE_H, GAP, PAD, TITLE_H = 150, 26, 6, 12, 34
+COLUMN_GAP, ROW_GAP = 260, 60
+ROLE_FILL = {"prfaas": "#f4b183", "pd-prefill": "#9dc3e6", "pd-decode": "#a9d18e", "router": "#d9d9d9",
+             "kv-index": "#d9d9d9", "single": "#d9d9d9"}
+KIND_TITLE = {"prfaas": "PrfaaS cluster", "pd": "PD cluster", "control": "control plane"}
+
+
+def _box(x: float, y: float, w: float, h: float, fill: str, rx: int = 6, stroke: str = "#404040") -> str:
+    return f'<rect x="{x:.0f}" y="{y:.0f}" width="{w:.0f}" height="{h:.0f}" rx="{rx}" fill="{fill}" stroke="{stroke}"/>'
+
+
+def _text(x: float, y: float, text: str, size: int = 12, weight: str = "normal", anchor: str = "middle") -> str:
+    return (f'<text x="{x:.0f}" y="{y:.0f}" font-family="sans-serif" font-size="{size}" font-weight="{weight}" '
+            f'text-anchor="{anchor}">{escape(text)}</text>')
+
+
+def architecture_svg(topology: Topology, title: str) -> str:
+    """The topology as a picture: one box per cluster holding its nodes, a line per link labelled with its
+    bandwidth and round-trip time (and ``encrypted`` / ``layer-wise`` when set)."""
+    kinds = topology.cluster_kinds
+    columns = {"prfaas": [c for c in kinds if kinds[c] == "prfaas"], "pd": [c for c in kinds if kinds[c] == "pd"]}
+    nodes_of = {c: [n for n in topology.nodes if n.cluster == c] for c in kinds}
+
+    def height(cluster: str) -> float:
+        return TITLE_H + len(nodes_of[cluster]) * (NODE_H + GAP) + PAD
+
+    control = [c for c in kinds if kinds[c] == "control"]
+    top = 50 + max((height(c) for c in control), default=0) + (ROW_GAP if control else 0)
+    boxes: dict[str, tuple[float, float, float, float]] = {}
+    width = 2 * PAD + NODE_W
+    for column, key in enumerate(("prfaas", "pd")):
+        y = top
+        for cluster in columns[key]:
+            boxes[cluster] = (40 + column * (width + COLUMN_GAP), y, width, height(cluster))
+            y += height(cluster) + ROW_GAP / 2
+    total_w = 80 + 2 * width + COLUMN_GAP
+    for cluster in control:
+        boxes[cluster] = ((total_w - width) / 2, 50, width, height(cluster))
+    total_h = max(y + h for _, y, _, h in boxes.values()) + 30
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w:.0f}" height="{total_h:.0f}" '
+           f'viewBox="0 0 {total_w:.0f} {total_h:.0f}">', '<rect width="100%" height="100%" fill="white"/>',
+           _text(total_w / 2, 28, title, 15, "bold")]
+    for link in topology.links:  # under the boxes
+        (x1, y1, w1, h1), (x2, y2, _, h2) = boxes[link.src], boxes[link.dst]
+        ax, ay, bx, by = x1 + w1, y1 + h1 / 2, x2, y2 + h2 / 2
+        out.append(f'<line x1="{ax:.0f}" y1="{ay:.0f}" x2="{bx:.0f}" y2="{by:.0f}" stroke="#c55a11" stroke-width="2"/>')
+        label = f"{link.bandwidth_gbps:g} Gbps" + (f", {link.rtt_ms:g} ms" if link.rtt_ms is not None else "")
+        flags = [f for f, on in (("encrypted", link.encrypt), ("layer-wise", link.layerwise)) if on]
+        mx, my = ax + (bx - ax) * 0.35, ay + (by - ay) * 0.35
+        out.append(_text(mx, my - 4, label + (f" ({', '.join(flags)})" if flags else ""), 11))
+    for cluster, (x, y, w, h) in boxes.items():
+        out.append(_box(x, y, w, h, "#f7f7f7", 10, "#808080"))
+        out.append(_text(x + w / 2, y + 15, cluster, 12, "bold"))
+        out.append(_text(x + w / 2, y + 28, KIND_TITLE[kinds[cluster]], 10))
+        for i, node in enumerate(nodes_of[cluster]):
+            ny = y + TITLE_H + i * (NODE_H + GAP)
+            out.append(_box(x + PAD, ny, NODE_W, NODE_H, ROLE_FILL.get(node.role.value, "#ffffff"), 4))
+            out.append(_text(x + PAD + NODE_W / 2, ny + 17, f"{node.name} ({node.role.value})", 10))
+    out.append(_text(total_w / 2, total_h - 10, "KV crosses each PrfaaS-to-PD link over Ethernet (Mooncake TCP); "
+                     "the router routes each request by its uncached length", 10))
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

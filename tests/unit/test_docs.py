@@ -1,0 +1,129 @@
+"""The documentation: a short README, a site that builds in strict mode, reference pages generated from
+the code and never stale, runnable commands accepted by their parsers, a benchmarks page that leads
+with its summary table, and a built site a browser can read."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from prfaas_sglang.docsite import reference
+from prfaas_sglang.docsite.__main__ import build_site
+from prfaas_sglang.docsite.commands import check_command, runnable_commands
+
+REPO_ROOT = reference.REPO_ROOT
+DOCS = REPO_ROOT / "docs"
+README = REPO_ROOT / "README.md"
+README_MAX_LINES = 200
+
+
+def _pages() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def _nav_pages(nav: list) -> list[str]:
+    out = []
+    for entry in nav:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        out += _nav_pages(value) if isinstance(value, list) else [value]
+    return out
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    built = build_site(out)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return out
+
+
+def test_the_readme_is_short_and_links_a_newcomers_three_questions_into_the_site():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+    links = set(re.findall(r"\]\((docs/[^)#\s]+)", README.read_text()))
+    for page in links:
+        assert (REPO_ROOT / page).is_file(), f"README links {page}, which does not exist"
+    # how do I run it on my machine; how do I deploy two clusters; what does it gain over sglang-router
+    assert {"docs/quickstart.md", "docs/deployment.md", "docs/benchmarks/index.md"} <= links
+
+
+def test_every_generated_reference_page_is_current():
+    assert reference.stale_pages() == [], "a reference page is stale: python -m prfaas_sglang.docsite write"
+
+
+def test_the_topology_reference_names_every_key_the_parser_accepts():
+    """Each key ``parse_topology`` checks for (its ``check_keys`` sets) is a field of the schema the
+    reference page is rendered from, so a new field cannot reach users undocumented."""
+    import ast
+
+    from prfaas_sglang import topology
+
+    tree = ast.parse(Path(topology.__file__).read_text())
+    accepted = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_check_keys" and isinstance(node.args[1], ast.Set):
+            accepted |= {e.value for e in node.args[1].elts}
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_NODE_KEYS" for t in node.targets):
+            accepted |= {e.value for e in node.value.elts}
+    documented = {re.split(r"[.\[\]]+", f.path.replace("[]", ""))[-1] for f in reference.schema_fields(topology.__doc__)}
+    documented |= {"cpu", "memory"}  # kubernetes.requests.<role>'s keys, shown in its example
+    assert accepted - documented == set()
+
+
+def test_the_site_builds_in_strict_mode_with_every_page_in_its_nav(site):
+    config = yaml.unsafe_load((REPO_ROOT / "mkdocs.yml").read_text())
+    for page in _nav_pages(config["nav"]):
+        assert (site / page.replace(".md", ".html")).is_file(), page
+    for generated in reference.PAGES:
+        assert (site / "reference" / generated.replace(".md", ".html")).is_file()
+
+
+def test_a_broken_link_fails_the_build(tmp_path):
+    shutil.copytree(DOCS, tmp_path / "docs")
+    shutil.copy(REPO_ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    with (tmp_path / "docs" / "quickstart.md").open("a") as page:
+        page.write("\nSee [the missing page](no-such-page.md).\n")
+    built = build_site(tmp_path / "site", config=tmp_path / "mkdocs.yml")
+    assert built.returncode != 0
+    assert "no-such-page.md" in built.stdout + built.stderr
+
+
+def test_every_command_marked_runnable_is_accepted_by_its_parser():
+    commands = {(page.relative_to(REPO_ROOT), c) for page in _pages() for c in runnable_commands(page.read_text())}
+    assert len(commands) >= 10, "the pages mark their commands <!-- runnable -->"
+    problems = [f"{page}: {command}: {problem}" for page, command in sorted(commands)
+                if (problem := check_command(command))]
+    assert problems == []
+
+
+def test_a_command_its_parser_refuses_is_reported():
+    assert "unrecognized arguments: --no-such-flag" in check_command("python -m prfaas_sglang.plan --no-such-flag")
+    assert check_command("make no-such-target") == "no make target no-such-target"
+    assert check_command("curl http://localhost:8000").startswith("cannot be checked")
+
+
+def test_the_benchmarks_page_leads_with_its_summary_table():
+    text = (DOCS / "benchmarks" / "index.md").read_text()
+    body = re.split(r"^# .*$", text, maxsplit=1, flags=re.M)[1].lstrip("\n")  # past the H1
+    assert body.startswith("|"), "the first thing under the title is the summary table"
+    for archived in sorted((DOCS / "benchmarks" / "archive").glob("*.md")):
+        assert '!!! note "Archive"' in archived.read_text() or archived.name == "index.md", archived
+
+
+def test_a_headless_browser_reads_the_built_home_and_reference_pages(site, tmp_path):
+    assert shutil.which("chromium"), "make env installs chromium (scripts/setup-env.sh)"
+    report_dir = Path(os.environ.get("PRFAAS_TEST_REPORT", tmp_path / "report")).parent
+    for page, heading in (("index.html", "prfaas-sglang"), ("reference/cli.html", "Command lines")):
+        shot = report_dir / f"docs-{page.replace('/', '-')}.png"
+        argv = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,900",
+                f"--user-data-dir={tmp_path / 'profile'}"]
+        dom = subprocess.run([*argv, "--dump-dom", (site / page).as_uri()], capture_output=True, text=True, timeout=120)
+        assert re.search(rf"<h1[^>]*>\s*{re.escape(heading)}", dom.stdout), (page, dom.stderr[-2000:])
+        subprocess.run([*argv, f"--screenshot={shot}", (site / page).as_uri()], capture_output=True, timeout=120)
+        assert shot.stat().st_size > 10_000, shot  # a rendered page, kept as the test's artefact
