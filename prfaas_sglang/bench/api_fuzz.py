@@ -123,9 +123,9 @@ def render_markdown(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-examples", type=int, default=250, help="cases per operation")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="schemathesis's random seed")
     parser.add_argument("--max-time", type=float, default=900.0, help="seconds")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

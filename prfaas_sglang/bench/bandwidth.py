@@ -267,12 +267,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-rps", type=float, default=2.0,
                         help="Poisson arrivals/s; at 2 the old t overloads the throttled link 1.34x, at 3 2x")
     parser.add_argument("--phases", type=CommaList(float), default="15,60,20", help="seconds clear, throttled, clear")
-    parser.add_argument("--speedup", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speedup", type=float, default=10.0,
+                        help="the emulated engines divide every duration by this")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed for arrivals and prompt lengths")
     parser.add_argument("--plot", type=Path, default=None, help="write the time series as a PNG here")
     parser.add_argument("--series", type=Path, default=None,
                         help="write the sampled /status series and the requests as JSON here")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

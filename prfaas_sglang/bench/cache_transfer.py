@@ -260,10 +260,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=CommaList(int), default="8192,16384,32768,65536",
                         help="cached prefix lengths, comma list (tokens)")
     parser.add_argument("--suffix-tokens", type=int, default=512, help="the new turn after the cached prefix")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--speedup", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed turns per prompt length and router")
+    parser.add_argument("--speedup", type=float, default=4.0,
+                        help="the emulated engines divide every duration by this")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for the prompts")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

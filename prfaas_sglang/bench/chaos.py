@@ -502,9 +502,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="load window, seconds (the faults spread over it)")
     parser.add_argument("--rate", type=float, default=2.0, help="requests/s")
     parser.add_argument("--down-s", type=float, default=3.0, help="how long each fault lasts")
-    parser.add_argument("--fuzz-requests", type=int, default=200)
+    parser.add_argument("--fuzz-requests", type=int, default=200,
+                        help="malformed HTTP requests the http-fuzz fault sends the router")
     parser.add_argument("--rounds", type=int, default=None, help="every fault this many times (default: one per 200 s, at least 1)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed for the load, the fault order and the fuzzed requests")
     parser.add_argument("--faults", default=None,
                         help="comma list of the faults to inject (default: all; e.g. all but kill-router to follow one "
                              "router process's memory over the whole run)")
@@ -514,7 +516,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encrypt", action="store_true",
                         help="the PrfaaS link encrypted (links[].encrypt: a WireGuard tunnel on each side's host), and the "
                              "tunnel-down fault among the faults")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -361,7 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``compare``'s own flags (:mod:`prfaas_sglang.bench.capacity` registers the subcommand, adding ``--capacity``'s)."""
     parser.add_argument("--workload", default="case-study", help="case-study | trace:PATH (--capacity: also shift)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds (default: 5; --capacity: 3)")
-    parser.add_argument("--link", choices=("abundant", "scarce"), default="abundant")
+    parser.add_argument("--link", choices=("abundant", "scarce"), default="abundant",
+                        help="modelled PrfaaS link per instance: abundant 25 Gbit/s, scarce 2")
     parser.add_argument("--load", default="0.8",
                         help="offered load as a fraction of the planned capacity; a comma list sweeps (e.g. 0.5,1,1.5,2)")
     parser.add_argument("--rows", default=None, help="comma list of rows (default: all)")
@@ -372,7 +373,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", choices=("shipped", "none"), default="shipped",
                         help="without --capacity: text prompts, tokenized by the router and the engines with the "
                              "shipped tokenizer (default), or token ids (none: no process loads a tokenizer)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

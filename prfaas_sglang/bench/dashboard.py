@@ -98,9 +98,12 @@ def run(duration_s: float, rate: float, out_png: Path, seed: int = 0, interval_s
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (the second half at 3x --rate)")
     parser.add_argument("--rate", type=float, default=0.6, help="case-study arrivals per second (first half)")
-    parser.add_argument("--out", type=Path, default=Path("docs/dashboard.png"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("docs/dashboard.png"),
+                        help="the PNG to write")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed for arrivals, lengths and prompts")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON (it does anyway: no Markdown report)")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

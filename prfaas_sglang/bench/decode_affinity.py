@@ -124,12 +124,16 @@ def markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--decode-workers", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="runs per model and row, seeds 0..N-1 (each its own conversations)")
+    parser.add_argument("--conversations", type=int, default=6,
+                        help="conversations served at once")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="turns per conversation, sent in order")
+    parser.add_argument("--decode-workers", type=int, default=2,
+                        help="PD decode workers (at least 2)")
     parser.add_argument("--models", default="kimi-linear-1t-hybrid,qwen3-235b-a22b", help="cost models, comma list")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

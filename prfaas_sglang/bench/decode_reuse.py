@@ -235,11 +235,13 @@ def render(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default="1,2,3", help="comma list")
-    parser.add_argument("--conversations", type=int, default=12)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=12,
+                        help="conversations sharing a system prompt, their turns interleaved")
+    parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
     parser.add_argument("--state-slots", default="3,6,12,24", help="comma list: a decode pool's state slots")
-    parser.add_argument("--kv-tokens", type=int, default=65_536)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--kv-tokens", type=int, default=65_536,
+                        help="the decode worker's KV pool (and longest context), tokens")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, invocation: Invocation) -> int:

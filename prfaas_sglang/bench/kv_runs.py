@@ -425,9 +425,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of the trace replayed")
     parser.add_argument("--warmup", type=float, default=120.0, help="seconds before requests are measured")
-    parser.add_argument("--page-sizes", type=CommaList(int), default="1,64")
-    parser.add_argument("--decode-pool-tokens", type=int, default=1 << 20)
-    parser.add_argument("--prefill-pool-tokens", type=int, default=1 << 19)
+    parser.add_argument("--page-sizes", type=CommaList(int), default="1,64",
+                        help="comma list of KV page sizes to replay, tokens (1: also with the "
+                             "decode-contiguous-kv allocation)")
+    parser.add_argument("--decode-pool-tokens", type=int, default=1 << 20,
+                        help="the decode worker's KV pool, tokens")
+    parser.add_argument("--prefill-pool-tokens", type=int, default=1 << 19,
+                        help="the PrfaaS worker's KV pool, tokens")
     parser.add_argument("--prefill-inflight", type=int, default=2, help="requests whose pages the PrfaaS worker still holds")
     parser.add_argument("--prefill-cache", action="store_true",
                         help="the PrfaaS worker keeps prompts in SGLang's radix cache (LRU eviction when short), so its "
@@ -435,14 +439,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-ms", type=float, default=30.0, help="one decode step (every running request, one token)")
     parser.add_argument("--bytes-per-token-layer", type=int, default=2048,
                         help="K (or V) of one token in one layer (2048: 8 KV heads of dim 128, bf16)")
-    parser.add_argument("--lanes", type=int, default=4)
-    parser.add_argument("--rtt-ms", type=float, default=20.0)
-    parser.add_argument("--rate-gbps", type=float, default=1.0)
+    parser.add_argument("--lanes", type=int, default=4,
+                        help="lane model: Mooncake lanes per peer")
+    parser.add_argument("--rtt-ms", type=float, default=20.0,
+                        help="the link's round-trip time, ms (lane model and --measure)")
+    parser.add_argument("--rate-gbps", type=float, default=1.0,
+                        help="the link's rate, Gbit/s (lane model and --measure)")
     parser.add_argument("--measure", type=int, default=0,
                         help="also send N sampled requests' transfers (page 1, both allocations) over real Mooncake TCP "
                              "on an emulated link of --rate-gbps and --rtt-ms (root, linkem)")
     parser.add_argument("--seed", type=int, default=0, help="which transfers --measure samples")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -161,17 +161,24 @@ def render_markdown(r: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate-mbit", type=float, default=1000.0)
-    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="the emulated link's rate, Mbit/s")
+    parser.add_argument("--rtt-ms", type=float, default=20.0,
+                        help="the emulated link's round-trip time, ms")
     parser.add_argument("--requests", type=int, default=3, help="measured requests per mode and repeat")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--request-pages", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds, each running every mode in fresh processes")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="layers of KV per request (K and V each)")
+    parser.add_argument("--request-pages", type=int, default=4096,
+                        help="pages of KV per request and layer (at least --chunks)")
     parser.add_argument("--page-bytes", type=int, default=2048, help="one page of one KV buffer (page 1, 8 heads of 128, bf16)")
     parser.add_argument("--mean-run", type=int, default=64, help="mean length of a run of consecutive pages, either side")
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--staging-mib", type=int, default=256)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--chunks", type=int, default=4,
+                        help="chunks each request's KV is sent in, as chunked prefill sends it")
+    parser.add_argument("--staging-mib", type=int, default=256,
+                        help="the PrfaaS side's staging buffer in the staged modes, MiB")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

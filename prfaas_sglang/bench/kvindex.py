@@ -224,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="with --held-blocks: workers holding them")
     parser.add_argument("--page-sizes", type=CommaList(int), default=None,
                         help="instead: one match's cost per worker page size (comma list), a 32K-token prompt held and new")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -376,12 +376,17 @@ def _spread(values: list[float]) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate-mbit", type=float, default=400.0)
+    parser.add_argument("--rate-mbit", type=float, default=400.0,
+                        help="the shaped loopback's rate, Mbit/s")
     parser.add_argument("--forward-s", type=float, default=0.3, help="the emulated forward's duration per chunk (wall)")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tokens", type=int, default=2048,
+                        help="prompt tokens per request, prefilled as one chunk")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="layers of the emulated model (the forward split evenly over them)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="probe runs with layer-wise streaming off and on each, in alternation")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON (it does anyway: no Markdown report)")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -89,9 +89,11 @@ def render_markdown(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speedup", type=float, default=1.0)
-    parser.add_argument("--kv-scale", type=float, default=0.01)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--speedup", type=float, default=1.0,
+                        help="the workers divide every emulated duration by this")
+    parser.add_argument("--kv-scale", type=float, default=0.01,
+                        help="fraction of a request's modelled KV bytes really sent, in (0, 1]")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -143,12 +143,16 @@ def render_markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate-mbit", type=float, default=1000.0)
-    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="the emulated link's rate, Mbit/s")
+    parser.add_argument("--rtt-ms", type=float, default=20.0,
+                        help="the emulated link's round-trip time, ms")
     parser.add_argument("--losses", type=CommaList(float), default="0,0.001", help="comma list of random loss rates, one condition each")
-    parser.add_argument("--payload-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--payload-mib", type=int, default=64,
+                        help="KV bytes each request ships, MiB")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="measured requests per sender and loss rate, after one not counted")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -98,8 +98,10 @@ def render_markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeat", type=int, default=20,
+                        help="timed runs of the search at the 128-token step (32-token step: "
+                             "a quarter of that, at least 3)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-tokens", type=int, default=16_384, help="the requests a length threshold sends to PrfaaS")
     parser.add_argument("--cache-tokens", type=CommaList(int), default="262144,1048576,4194304,16777216", help="comma list of capacities, tokens")
     parser.add_argument("--requests", type=int, default=None, help="stop after this many long requests")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -421,8 +421,11 @@ def render_markdown(r: dict) -> str:
 
 def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=None, help="requests/s (default: 200, or 5 for prompts over 1K tokens)")
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=10.0,
+                        help="load window, seconds (the paths take turns within it)")
+    parser.add_argument("--prompt-tokens", type=int, default=16,
+                        help="prompt length, tokens (over 1,024: --rate 5 and --prompt both "
+                             "by default)")
     parser.add_argument("--prompt", choices=("ids", "text", "both"), default=None,
                         help="input_ids, /generate text, or both (default: ids, or both for prompts over 1K tokens)")
     parser.add_argument("--front", action="store_true", help="also a path through the router's front (router/front.py)")
@@ -434,7 +437,7 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also measure this machine's cost of waking a process, this many round trips (0: not)")
     parser.add_argument("--router-cpu", type=int, default=None,
                         help="pin the router to this CPU and the workers and client to the others (its own core, as deployed)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def overhead_cli(args: argparse.Namespace, inv: Invocation) -> int:
@@ -460,7 +463,7 @@ def overhead_cli(args: argparse.Namespace, inv: Invocation) -> int:
 
 def add_gc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-tokenizer", action="store_true", help="without the shipped tokenizer loaded")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def gc_cli(args: argparse.Namespace, inv: Invocation) -> int:

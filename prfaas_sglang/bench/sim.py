@@ -343,10 +343,18 @@ def render_markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--study", choices=("analytic", "emulator", "paper", "shift", "scale", "bias", "fleet"), required=True)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--study", required=True,
+                        choices=("analytic", "emulator", "paper", "shift", "scale", "bias",
+                                 "fleet"),
+                        help="analytic: vs the analytic model; emulator: vs the emulated "
+                             "deployment; paper: the case study; shift: a workload shift under "
+                             "the long-term controller; scale: the simulator's cost on --trace; "
+                             "bias: calibration against a biased truth; fleet: a fleet's global "
+                             "scheduler vs per-region baselines")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds 0..N-1 per setting (not used by scale)")
     parser.add_argument("--trace", type=Path, default=None, help="scale: a Mooncake-format trace (one hour)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -227,12 +227,13 @@ def render_markdown(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="Mooncake trace JSONL (default: PRFAAS_TRACE_PATH or ../shared/data)")
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=200,
+                        help="replay the trace's first N requests, in order")
     parser.add_argument("--page-sizes", type=CommaList(int), default="1,64", help="comma list (1: no_buffer; > 1: extra_buffer)")
     parser.add_argument("--cache", choices=("mamba", "swa"), default="mamba",
                         help="mamba: MambaRadixCache vs ours; swa: SWARadixCache vs ours (per-page window events)")
     parser.add_argument("--window-tokens", type=int, default=4096, help="--cache swa: the sliding window")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

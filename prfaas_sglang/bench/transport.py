@@ -346,14 +346,17 @@ def render_markdown(r: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate-mbit", type=float, default=1000.0)
-    parser.add_argument("--payload-mib", type=int, default=256)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="the emulated link's rate, Mbit/s")
+    parser.add_argument("--payload-mib", type=int, default=256,
+                        help="bytes per timed transfer, MiB")
     parser.add_argument("--request-mib", type=float, default=16.0, help="our coalesced request size (a 64 MiB chunk over 4 lanes)")
     parser.add_argument("--default-request-kib", type=int, default=128, help="SGLang's request on a fragmented pool")
     parser.add_argument("--lanes", type=int, default=None,
                         help="our lanes per peer, 1..16 (default: what the WAN profile gives this link)")
     parser.add_argument("--conditions", default="clean,lossy", help="comma list of: clean, lossy, lossy-cubic, lossy-bbr")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed transfers per row and condition (the median is reported)")
     parser.add_argument("--no-table", action="store_true", help="skip the request size x lanes table")
     parser.add_argument("--no-slow-start-after-idle", action="store_true",
                         help="net.ipv4.tcp_slow_start_after_idle=0 on both ends: connections keep their window across idle gaps")
@@ -372,7 +375,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headroom-row", type=float, default=None, metavar="H",
                         help="add a row of ours with its lanes' caps at headroom H (0..1) over the equal share, in a "
                              "sender of its own: the profile's headroom against H in the same run")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

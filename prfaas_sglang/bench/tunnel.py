@@ -134,13 +134,16 @@ def render_markdown(r: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rate-mbit", type=float, default=1000.0)
-    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="the emulated link's rate, Mbit/s")
+    parser.add_argument("--rtt-ms", type=float, default=20.0,
+                        help="the emulated link's round-trip time, ms")
     parser.add_argument("--payloads-mib", default="64,256,1024", help="comma list of payload sizes")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed transfers per payload size, tunnel and clear (median reported)")
     parser.add_argument("--wireguard-go", default=None, metavar="PATH",
                         help="the userspace WireGuard binary (default: wireguard-go on PATH)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def cli(args: argparse.Namespace, inv: Invocation) -> int:

@@ -59,12 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=1.0, help="case-study: Poisson arrivals per second")
     p.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request (trace: capped at this)")
     p.add_argument("--max-input-tokens", type=int, default=65_536, help="longer prompts are truncated")
-    p.add_argument("--speedup", type=float, default=20.0)
-    p.add_argument("--kv-scale", type=float, default=0.01)
+    p.add_argument("--speedup", type=float, default=20.0,
+                   help="workers divide every emulated duration by this (emulated time = wall x "
+                        "speedup); trace timestamps are compressed by it too")
+    p.add_argument("--kv-scale", type=float, default=0.01,
+                   help="fraction of each request's modelled KV bytes really sent between workers")
     p.add_argument("--tokenizer", default=SHIPPED, help="the model's tokenizer (text prompts); 'none': token ids")
-    p.add_argument("--max-requests", type=int, default=2_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-requests", type=int, default=2_000,
+                   help="send at most this many requests")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed for arrivals, lengths, prompt text and entry clusters")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--keep-logs", type=Path, default=None, help="write every process's log here (default: a temp dir)")
     p.add_argument("--topology", type=Path, default=None,
                    help="a fleet topology (several PrfaaS and PD clusters, a link each) to run on this box instead of "

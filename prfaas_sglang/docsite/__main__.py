@@ -28,7 +28,9 @@ def build_site(site_dir: Path, config: Path = REPO_ROOT / "mkdocs.yml") -> subpr
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prfaas_sglang.docsite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("write", "check", "build"))
+    parser.add_argument("command", choices=("write", "check", "build"),
+                        help="write: render docs/reference/; check: exit 1 if a page is stale; "
+                             "build: check, then mkdocs build --strict")
     parser.add_argument("--site-dir", type=Path, default=REPO_ROOT / "site", help="where build writes the site")
     args = parser.parse_args(argv)
     rendered = render_all()

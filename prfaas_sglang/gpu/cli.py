@@ -148,7 +148,8 @@ def add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
                         help="packed-size budget (default: 64 MiB carry less 8 for the checkout)")
     parser.add_argument("--model-config", type=Path, default=None,
                         help="a hybrid config.json (or its directory) instead of the tiny model's")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true",
+                        help="print the bundle's manifest as JSON (progress to stderr)")
 
 
 def add_e2e_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,7 +162,9 @@ def add_e2e_arguments(parser: argparse.ArgumentParser) -> None:
                              "state-events, which needs a hybrid and, on CPU, AMX; root for shaped-link); mock: the harness's own dry run with "
                              "emulated engines (shaped-link, routing, kv-index, failover; needs --model-config, root); it checks "
                              "the harness, not SGLang")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true",
+                        help="print the whole result as JSON (progress to stderr); "
+                             "default: only ok, passed and failed")
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,18 +177,27 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roofline-accelerator", default="h200x8",
                         help="the accelerator file the roofline uses (its per-GPU specs)")
     parser.add_argument("--roofline-gpus", type=int, default=1, help="GPUs of it the roofline counts (the server's)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON (progress to stderr)")
 
 
 def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("sglang", "sglang-cpu"), default="sglang")
+    parser.add_argument("--engine", choices=("sglang", "sglang-cpu"), default="sglang",
+                        help="sglang: the GPU machine, from --bundle (the tiny hybrid); "
+                             "sglang-cpu: real SGLang on this CPU, a tiny Llama")
     parser.add_argument("--bundle", type=Path, default=None, help="the gpu-bundle output directory (--engine sglang)")
     parser.add_argument("--measured", type=Path, required=True, help="the profile bench profile wrote for this engine")
     parser.add_argument("--requests", type=int, default=50, help="per router, one at a time")
-    parser.add_argument("--variants", default="roofline,measured,off-2x")
-    parser.add_argument("--roofline-accelerator", default="h200x8")
-    parser.add_argument("--roofline-gpus", type=int, default=1)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--variants", default="roofline,measured,off-2x",
+                        help="comma list of cost profiles to compare, each behind its own router: "
+                             "roofline, measured, off-2x (the measured one, times doubled)")
+    parser.add_argument("--roofline-accelerator", default="h200x8",
+                        help="the accelerator file the roofline variant uses (its per-GPU specs)")
+    parser.add_argument("--roofline-gpus", type=int, default=1,
+                        help="GPUs of it the roofline variant counts (the server's)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the whole result as JSON, per-request rows included "
+                             "(progress to stderr)")
 
 
 SUBCOMMANDS = {

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prfaas_sglang.kvindex", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, required=True, help="topology YAML listing the workers")
-    p.add_argument("--host", default=None)
+    p.add_argument("--host", default=None,
+                   help="bind address (default: the topology's kv-index node, else 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: the topology's kv-index node")
     p.add_argument("--page-size", type=int, default=None, help="block size for workers that do not report theirs")
     p.add_argument("--wait-workers-s", type=float, default=300.0,

@@ -192,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build every image (or --only), then check each")
     b.add_argument("--only", default=None, help=f"comma list of: {', '.join(IMAGES)}")
     b.add_argument("--builder", default=None, help="podman or docker (default: podman where installed)")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
     c = sub.add_parser("check", help="inside an image: import its role's modules; one JSON line")
-    c.add_argument("image", choices=sorted(IMAGES))
+    c.add_argument("image", choices=sorted(IMAGES),
+                   help="the image this runs in: whose modules to import")
     args = parser.parse_args(argv)
     if args.command == "check":
         result = check(args.image)

@@ -11,7 +11,8 @@ from prfaas_sglang.native import NativeBuildError, build_bind_shim
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prfaas_sglang.native")
-    parser.add_argument("action", choices=("build",))
+    parser.add_argument("action", choices=("build",),
+                        help="build: compile the bind shim if not yet built; print its path")
     parser.parse_args(argv)
     try:
         print(build_bind_shim())

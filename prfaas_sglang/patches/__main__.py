@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     rebase = sub.add_parser("rebase-check", help="try the series on another sglang release; per-patch table")
     rebase.add_argument("--sglang-version", default=REBASE_TARGET_SGLANG_VERSION, help="a release, or 'latest' (default: %(default)s)")
     rebase.add_argument("--wheel", default=None, help="use this wheel instead of downloading")
-    rebase.add_argument("--json", action="store_true")
+    rebase.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
 

@@ -51,7 +51,9 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
                    help="scarce | abundant (paper section 3.4.3) | auto: per pair, abundant while the plan's KV at "
                         "Lambda_max fills at most half the link's measured capacity (policy.mode_from_link)")
     p.add_argument("--tokenizer", default=None, help="tokenizer name or directory (default: model.tokenizer of the topology)")
-    p.add_argument("--phase-timeout-s", type=float, default=600.0)
+    p.add_argument("--phase-timeout-s", type=float, default=600.0,
+                   help="time limit on each leg sent to a worker (prefill, decode) and on a cache "
+                        "move, seconds")
     p.add_argument("--cache-transfer", choices=("auto", "off", "always", "never"), default="auto",
                    help="abundant mode: move a prefix cached in the other cluster when the cost model says so "
                         "(auto: where every prefill worker can import one), never (off), or force the move "
@@ -123,7 +125,8 @@ def add_router_arguments(p: argparse.ArgumentParser, with_config: bool = True) -
     lt.add_argument("--long-term-confirm", type=int, default=2, help="decisions in a row wanting the same direction")
     lt.add_argument("--long-term-drain-timeout-s", type=float, default=300.0,
                     help="a conversion whose worker still holds requests after this is abandoned (back in service)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO",
+                   help="Python logging level (DEBUG, INFO, WARNING, ...)")
 
 
 def preflight(workers, topology, config, timeout_s: float, headers: dict | None = None,

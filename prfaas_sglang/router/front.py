@@ -175,8 +175,8 @@ def build_app(config: FrontConfig) -> web.Application:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m prfaas_sglang.router.front", description=__doc__.split("\n\n")[0])
     parser.add_argument("--router", required=True, help="the router's URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address the front listens on")
+    parser.add_argument("--port", type=int, required=True, help="port the front listens on")
     parser.add_argument("--retry-window-s", type=float, default=10.0,
                         help="how long a request waits for an unreachable router before a 503 (default 10)")
     args = parser.parse_args(argv)

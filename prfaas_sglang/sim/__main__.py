@@ -36,25 +36,35 @@ from prfaas_sglang.sim.summary import plot, summarize
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prfaas_sglang.sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", choices=("case-study", "shift", "trace"), default="case-study")
-    p.add_argument("--prfaas", type=int, default=4)
+    p.add_argument("--scenario", choices=("case-study", "shift", "trace"), default="case-study",
+                   help="case-study: Poisson arrivals of the paper's lengths; shift: the same, the "
+                        "median input doubling at --shift-at-s; trace: replay --trace")
+    p.add_argument("--prfaas", type=int, default=4, help="PrfaaS prefill instances (8 GPUs each)")
     p.add_argument("--pd-prefill", type=int, default=None, help="default: the planner's split of --pd")
     p.add_argument("--pd", type=int, default=8, help="PD instances (split by the planner unless --pd-prefill)")
-    p.add_argument("--link-gbps", type=float, default=100.0)
-    p.add_argument("--link-drop", action="append", default=[], metavar="AT_S:GBPS")
+    p.add_argument("--link-gbps", type=float, default=100.0,
+                   help="PrfaaS-to-PD link capacity, Gbit/s")
+    p.add_argument("--link-drop", action="append", default=[], metavar="AT_S:GBPS",
+                   help="at AT_S seconds set the link to GBPS Gbit/s (repeatable; with --topology "
+                        "AT_S:GBPS:PRFAAS->PD names the link)")
     p.add_argument("--load", type=float, default=0.8, help="arrival rate as a fraction of the planner's Lambda_max")
     p.add_argument("--rate", type=float, default=None, help="arrival rate (req/s), instead of --load")
-    p.add_argument("--duration-s", type=float, default=1800.0)
+    p.add_argument("--duration-s", type=float, default=1800.0,
+                   help="arrivals for this long, simulated seconds (not with trace)")
     p.add_argument("--warmup-s", type=float, default=600.0, help="excluded from the summary")
-    p.add_argument("--shift-at-s", type=float, default=600.0)
+    p.add_argument("--shift-at-s", type=float, default=600.0,
+                   help="shift: when the median input doubles, simulated seconds")
     p.add_argument("--fixed-split", action="store_true", help="no long-term controller")
-    p.add_argument("--trace", type=Path, default=None)
-    p.add_argument("--copies", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="trace: the Mooncake-format trace file to replay")
+    p.add_argument("--copies", type=int, default=1,
+                   help="trace: replay this many copies at once, each with its own block ids")
+    p.add_argument("--seed", type=int, default=0, help="random seed for arrivals and lengths")
     p.add_argument("--topology", type=Path, default=None, help="a fleet of several clusters (case-study or trace "
                    "arrivals; the fleet-size flags do not apply)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--plot", type=Path, default=None, metavar="DIR")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help="write time-series PNGs (thresholds, egress, utilisation) into DIR")
     return p.parse_args(argv)
 
 

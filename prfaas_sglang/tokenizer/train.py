@@ -90,10 +90,13 @@ def train(corpus: list[Path], out: Path, vocab_size: int = 4096, bos: bool = Fal
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prfaas_sglang.tokenizer.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("corpus", nargs="+", type=Path)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--bos", action="store_true")
+    p.add_argument("corpus", nargs="+", type=Path, help="plain-text files to train on")
+    p.add_argument("--out", type=Path, required=True,
+                   help="directory to write tokenizer.json, tokenizer_config.json and recipe.json")
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="vocabulary size, special tokens included (at least 300)")
+    p.add_argument("--bos", action="store_true",
+                   help="prepend <|endoftext|> as a BOS token to every encoded sequence")
     args = p.parse_args(argv)
     missing = [str(c) for c in args.corpus if not c.is_file()]
     if missing or args.vocab_size < 300:

@@ -57,6 +57,11 @@ def test_every_generated_reference_page_is_current():
     assert reference.stale_pages() == [], "a reference page is stale: python -m prfaas_sglang.docsite write"
 
 
+def test_every_flag_of_every_command_line_says_what_it_does():
+    undocumented = [line for line in (DOCS / "reference" / "cli.md").read_text().splitlines() if line.endswith("|  |")]
+    assert undocumented == [], "give these flags a help= (the reference page shows it)"
+
+
 def test_the_topology_reference_names_every_key_the_parser_accepts():
     """Each key ``parse_topology`` checks for (its ``check_keys`` sets) is a field of the schema the
     reference page is rendered from, so a new field cannot reach users undocumented."""

@@ -18,13 +18,14 @@ from prfaas_sglang.roles import ROLE_SPECS, Role, parse_role
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m prfaas_sglang.engine.mock", description=__doc__)
     p.add_argument("--role", required=True, help="prfaas | pd-prefill | pd-decode")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="interface the HTTP server binds to")
+    p.add_argument("--port", type=int, required=True, help="the HTTP (SGLang API) port")
     p.add_argument("--bootstrap-port", type=int, help="prefill roles: the bootstrap server's port")
     p.add_argument("--kv-events-port", type=int, help="publish SGLang KV events on tcp://HOST:PORT")
     p.add_argument("--telemetry-port", type=int, help="prefill roles: publish link telemetry on tcp://HOST:PORT")
     p.add_argument("--profile", required=True, help="MODEL@ACCELERATOR (planner data) or a measured profile YAML")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name the API reports (default: the MODEL part of --profile)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide every emulated duration by this")
     p.add_argument("--kv-scale", type=float, default=0.01, help="ship S_kv(l) * kv_scale real bytes per request")
     p.add_argument("--max-batch", type=int, default=None, help="decode batch limit (default: the profile's)")
