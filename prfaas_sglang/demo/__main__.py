@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--containers", metavar="IMAGE", default=None,
                    help="run the one-pair demo from a built image, one container per node (podman), the PrfaaS container "
                         "in its own network namespace behind a shaped link (root; demo/containers.py)")
+    p.add_argument("--against", metavar="URL", default=None,
+                   help="send the load to this running router (a Kubernetes Service, a deployment of your own) and "
+                        "start nothing; the served model's name is read from its /v1/models")
     p.add_argument("--nodes-per-role", type=int, default=1,
                    help="--topology: keep this many nodes of each role per cluster (0: all of them)")
     return p
@@ -163,9 +166,14 @@ def main(argv: list[str] | None = None) -> int:
 def run_pair(args) -> tuple[dict, Callable[[dict], str]]:
     """The one-pair demo: its deployment under the workload; the summary and how to render it."""
     text = _checked(args)
+    served = _served_name(args.against) if args.against else SERVED_NAME
     requests = workloads.arrivals(args.workload, args.duration, args.rate, args.output_tokens, args.max_input_tokens,
-                                  args.seed, args.speedup, text, args.max_requests, SERVED_NAME)
+                                  args.seed, args.speedup, text, args.max_requests, served)
     log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-demo-"))
+    if args.against:
+        threshold = http_sync.get_json(args.against + "/status", timeout_s=5).get("threshold_tokens")
+        results, wall_s = asyncio.run(replay(args.against, requests))
+        return {**summarize(args, results, wall_s, 0.0, threshold, log_dir), "against": args.against}, render
     group = ProcessGroup(log_dir)
     if args.containers:
         return _run_containers(args, requests, group, log_dir)
@@ -205,6 +213,17 @@ def _run_containers(args, requests, group: ProcessGroup, log_dir: Path) -> tuple
             pods.remove()
     summary = summarize(args, results, wall_s, egress, threshold, log_dir)
     return {**summary, "containers": {"image": args.containers, "nodes": sorted(wrap), "prfaas_netns": net.ns}}, render
+
+
+def _served_name(router_url: str) -> str:
+    """The model a running router serves (the first of its ``/v1/models``)."""
+    try:
+        models = http_sync.get_json(router_url + "/v1/models", timeout_s=10)["data"]
+    except (PrfaasError, KeyError, TypeError) as err:
+        raise ConfigError("--against", f"no router answers at {router_url} ({err})") from None
+    if not models:
+        raise ConfigError("--against", f"{router_url} serves no model yet (/v1/models is empty)")
+    return models[0]["id"]
 
 
 def _context_args(args) -> dict[str, tuple[str, ...]]:

@@ -3,6 +3,9 @@
     architecture.svg   a topology file's clusters, their nodes by role, and the links between them
                        (``launch/multi-cluster.yaml``: two PrfaaS sites, two PD regions, one control
                        plane), laid out as the request path runs: control on top, PrfaaS left, PD right
+    kv-efficiency.svg  the KV transport's goodput over the shaped rate against the link's rate, ours and
+                       SGLang's own Mooncake settings, clean and lossy: recorded ``bench transport --json``
+                       documents (``docs/benchmarks/data/transport-*.json``)
 
 Pure: a :class:`Topology` in, SVG text out (deterministic, so the committed figure is checked like a
 generated page). ``docs/dashboard.png`` is drawn by ``python -m prfaas_sglang.bench dashboard`` from a
@@ -78,3 +81,62 @@ def architecture_svg(topology: Topology, title: str) -> str:
                      "the router routes each request by its uncached length", 10))
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+CHART_W, CHART_H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 640, 360, 64, 180, 40, 48
+PALETTE = ("#c55a11", "#2e75b6", "#548235", "#7030a0", "#bf9000", "#404040")
+
+
+def line_chart_svg(title: str, x_label: str, y_label: str, series: dict[str, list[tuple[float, float]]],
+                   y_max: float = 1.0, dashed: tuple[str, ...] = ()) -> str:
+    """Each series as a polyline with its points marked, y from 0 to ``y_max``, x from 0 to the largest x;
+    the legend to the right. ``dashed``: the series drawn dashed."""
+    xs = [x for points in series.values() for x, _ in points]
+    x_max = max(xs, default=1.0) * 1.05
+    plot_w, plot_h = CHART_W - MARGIN_L - MARGIN_R, CHART_H - MARGIN_T - MARGIN_B
+
+    def px(x: float) -> float:
+        return MARGIN_L + plot_w * x / x_max
+
+    def py(y: float) -> float:
+        return MARGIN_T + plot_h * (1 - min(y, y_max) / y_max)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}">',
+           '<rect width="100%" height="100%" fill="white"/>', _text(CHART_W / 2, 22, title, 13, "bold"),
+           f'<rect x="{MARGIN_L}" y="{MARGIN_T}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#808080"/>']
+    for i in range(6):
+        y = y_max * i / 5
+        out += [f'<line x1="{MARGIN_L}" y1="{py(y):.1f}" x2="{MARGIN_L + plot_w}" y2="{py(y):.1f}" stroke="#e0e0e0"/>',
+                _text(MARGIN_L - 6, py(y) + 4, f"{y:g}", 10, anchor="end")]
+    for i in range(6):
+        x = x_max / 1.05 * i / 5
+        out.append(_text(px(x), MARGIN_T + plot_h + 16, f"{x:g}", 10))
+    out += [_text(MARGIN_L + plot_w / 2, CHART_H - 10, x_label, 11),
+            f'<text x="16" y="{MARGIN_T + plot_h / 2:.0f}" font-family="sans-serif" font-size="11" text-anchor="middle" '
+            f'transform="rotate(-90 16 {MARGIN_T + plot_h / 2:.0f})">{escape(y_label)}</text>']
+    for i, (name, points) in enumerate(series.items()):
+        colour, dash = PALETTE[i % len(PALETTE)], ' stroke-dasharray="5,4"' if name in dashed else ""
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in sorted(points))
+        out.append(f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
+        out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points]
+        ly = MARGIN_T + 14 + 18 * i
+        out += [f'<line x1="{CHART_W - MARGIN_R + 12}" y1="{ly - 4}" x2="{CHART_W - MARGIN_R + 36}" y2="{ly - 4}" '
+                f'stroke="{colour}" stroke-width="2"{dash}/>', _text(CHART_W - MARGIN_R + 42, ly, name, 10, anchor="start")]
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def kv_efficiency_svg(documents: list[dict]) -> str:
+    """Goodput over the shaped rate against the link's rate, from ``bench transport --json`` documents (their
+    ``result``): ours and SGLang's own settings, per condition (clean, lossy, ...)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for doc in sorted(documents, key=lambda d: d["result"]["rate_mbit"]):
+        result = doc["result"]
+        for cond in result["conditions"]:
+            name = cond.get("condition") or cond.get("name")
+            series.setdefault(f"ours, {name}", []).append((result["rate_mbit"], cond["goodput_fraction"]))
+            series.setdefault(f"SGLang's settings, {name}", []).append((result["rate_mbit"], cond["default_goodput_fraction"]))
+    payloads = sorted({d["result"]["payload_mib"] for d in documents})
+    return line_chart_svg(f"KV transport over an emulated WAN link ({', '.join(map(str, payloads))} MiB transfers)",
+                          "link rate (Mbit/s)", "goodput / shaped rate", series,
+                          dashed=tuple(n for n in series if n.startswith("SGLang")))

@@ -384,13 +384,29 @@ def architecture_figure() -> str:
     return architecture_svg(load_topology(ARCHITECTURE_TOPOLOGY), f"launch/{ARCHITECTURE_TOPOLOGY.name}")
 
 
-FIGURES: dict[str, Callable[[], str]] = {"architecture.svg": architecture_figure}
+DATA_DIR = REPO_ROOT / "docs" / "benchmarks" / "data"  # recorded benchmark documents the figures are drawn from
+
+
+def kv_efficiency_figure() -> str:
+    import json
+
+    from prfaas_sglang.docsite.figures import kv_efficiency_svg
+
+    return kv_efficiency_svg([json.loads(path.read_text()) for path in sorted(DATA_DIR.glob("transport-*.json"))])
+
+
+def figures() -> dict[str, Callable[[], str]]:
+    """The figures drawn from data: each whose data is in the checkout."""
+    drawn = {"architecture.svg": architecture_figure}
+    if any(DATA_DIR.glob("transport-*.json")):
+        drawn["kv-efficiency.svg"] = kv_efficiency_figure
+    return drawn
 
 
 def render_all() -> dict[Path, str]:
     """Every generated file of the site (the reference pages and the figures drawn from data), by path."""
     return {**{REFERENCE_DIR / name: render() for name, render in PAGES.items()},
-            **{FIGURES_DIR / name: render() for name, render in FIGURES.items()}}
+            **{FIGURES_DIR / name: render() for name, render in figures().items()}}
 
 
 def stale_pages(rendered: dict[Path, str] | None = None) -> list[Path]:

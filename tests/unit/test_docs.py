@@ -132,3 +132,16 @@ def test_a_headless_browser_reads_the_built_home_and_reference_pages(site, tmp_p
         assert re.search(rf"<h1[^>]*>\s*{re.escape(heading)}", dom.stdout), (page, dom.stderr[-2000:])
         subprocess.run([*argv, f"--screenshot={shot}", (site / page).as_uri()], capture_output=True, timeout=120)
         assert shot.stat().st_size > 10_000, shot  # a rendered page, kept as the test's artefact
+
+
+def test_the_kv_efficiency_figure_draws_each_row_and_condition_across_the_recorded_rates():
+    from prfaas_sglang.docsite.figures import kv_efficiency_svg
+
+    docs = [{"result": {"rate_mbit": rate, "payload_mib": 64, "conditions": [
+        {"condition": c, "goodput_fraction": 0.9, "default_goodput_fraction": 0.2} for c in ("clean", "lossy")]}}
+        for rate in (1000, 200, 500)]
+    svg = kv_efficiency_svg(docs)
+    assert svg.count("<polyline") == 4 and svg.count("<circle") == 12  # ours and SGLang's, clean and lossy; 3 rates
+    assert svg.count('stroke-dasharray="5,4"') == 2 * 2  # SGLang's two lines and their legend entries
+    xs = [float(p.split(",")[0]) for p in re.search(r'<polyline points="([^"]+)"', svg).group(1).split()]
+    assert xs == sorted(xs)  # drawn in order of rate, whatever the order the documents came in
