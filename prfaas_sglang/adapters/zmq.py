@@ -47,6 +47,15 @@ class BadFrame(ValueError):
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _WATCHED_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# A subscriber gives up a connection attempt after this, and libzmq resolves the endpoint's name again on the
+# next one. Without it a publisher that came back elsewhere under the same name (a Kubernetes pod recreated:
+# its DNS name now names a new IP) was reached only after the kernel gave up on SYNs to the old address: on
+# the one-node cluster of scripts/k8s-local.sh the router heard a recreated PrfaaS pod's telemetry again
+# after 3.5 minutes, routing nothing to it meanwhile (its link marked down).
+CONNECT_TIMEOUT_MS = 2_000
+# ZMTP heartbeats: a publisher whose host vanished without closing the connection (no FIN) is dropped, and
+# reconnected to, after HEARTBEAT_TIMEOUT_MS without an answer.
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1_000, 5_000
 
 
 @dataclass(frozen=True, repr=False)
@@ -226,6 +235,9 @@ class ZmqSubscriber:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, topic)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         stats = SourceStats(endpoint)
         if self.curve is not None:
             sock.curve_secretkey = self.curve.client_secret

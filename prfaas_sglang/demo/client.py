@@ -81,12 +81,14 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
                 if resp.headers.get("Retry-After"):
                     result.retry_after_s = float(resp.headers["Retry-After"])
                 return result
-            count = 0
+            count, failure = 0, None
             async for raw in resp.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: {"):
                     continue
                 obj = json.loads(line[6:])
+                if isinstance(obj.get("error"), dict):  # the router's (or SGLang's) failure event
+                    failure = str(obj["error"].get("message") or obj["error"])[:200]
                 if obj.get("usage"):
                     result.input_tokens = obj["usage"].get("prompt_tokens", result.input_tokens)
                 if "output_ids" in obj:
@@ -106,6 +108,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
                     result.token_gaps_s.append(now - last)
                 last, count = now, new
             result.output_tokens = count
+            if count == 0:  # a 200 without a token is no answer: say what the stream said, if anything
+                result.error = f"stream ended without a token: {failure or 'no error event'}"
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         result.error = str(err) or type(err).__name__
     return result

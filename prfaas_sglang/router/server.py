@@ -19,7 +19,10 @@ The path, top to bottom (the decisions are :class:`~prfaas_sglang.router.service
 Faults: when the prefill leg fails before anything was streamed, the decode
 leg is aborted (its connection closed, so the worker frees its KV), the
 prefill worker is marked unhealthy and the request is routed again with a new
-room (``redispatched``); after that it fails with 502. A stream that breaks
+room (``redispatched``); after that it fails with 502. A decode leg that fails
+before anything was streamed though the prefill leg answered counts as the
+prefill's failure when the prefill worker no longer answers its health check
+(it went away before the decode took the KV). A stream that breaks
 after it started ends with an error event (``{"error": {"code": 502, ...}}``)
 and ``[DONE]``, never a second response.
 """
@@ -401,14 +404,25 @@ class Legs:
         self.resp = resp = await self.decode_task
         if resp.status >= 500:  # before anything reached the client: a failed transfer is re-dispatched
             await _raise_if_prefill_failed(prefill_task, self.timeout_s)
+            await self._raise_if_prefill_worker_gone()
         first = b""
         if self.req.stream and resp.status == 200:
             first = await _first_event(resp, prefill_task)
             if (stream_failure(first) or 0) >= 500:
                 await _raise_if_prefill_failed(prefill_task, self.timeout_s)
+                await self._raise_if_prefill_worker_gone()
         if not self.req.stream or resp.status != 200:
             return await self._whole(resp)
         return await self._relay_stream(first, resp)
+
+    async def _raise_if_prefill_worker_gone(self) -> None:
+        """The decode leg failed before anything reached the client, though the prefill leg answered or gave
+        no verdict: the decode may have failed to take the KV from a prefill worker that went away in between,
+        its bootstrap server with it (a Kubernetes pod deleted mid-request: scripts/k8s-local.sh's drill). Then
+        PrefillFailed, so the request is routed again; a prefill worker that answers leaves the decode's
+        failure to relay."""
+        if why := await worker_gone(self.request.app[SESSION_KEY], self.prefill.url, PREFILL_PROBE_S):
+            raise PrefillFailed(f"the decode leg could not take the KV: prefill worker {self.prefill.name} is gone ({why})")
 
     async def _whole(self, resp: aiohttp.ClientResponse) -> web.Response:
         """The decode worker's whole answer (not streamed, or an error)."""
@@ -564,6 +578,19 @@ async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, t
 
 
 PREFILL_VERDICT_S = 5.0  # after a decode failure, how long the prefill leg's own verdict is awaited
+PREFILL_PROBE_S = 1.0  # then, when the prefill leg answered, how long its worker's /health is given
+
+
+async def worker_gone(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """Why the worker at ``url`` is gone (no 200 from its ``/health`` within ``timeout_s``: refused, reset,
+    silent, or another status), or None when it answers."""
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return None if resp.status == 200 else f"/health answered {resp.status}"
+    except asyncio.TimeoutError:
+        return f"no answer from /health within {timeout_s:g} s"
+    except aiohttp.ClientError as err:
+        return str(err) or type(err).__name__
 
 
 async def _raise_if_prefill_failed(prefill_task: asyncio.Task, timeout_s: float) -> None:

@@ -385,3 +385,26 @@ def test_a_fleet_topology_the_router_could_not_schedule_gets_no_manifests(tmp_pa
                            "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "clusters.pd-west" in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_the_local_clusters_dns_names_every_service_and_every_statefulset_pod():
+    """scripts/k8s_local_dns.py, which feeds dnsmasq in the one-node cluster of scripts/k8s-local.sh, answers
+    the names the emitted manifests use: a Service's (its cluster IP, or its endpoints when headless) and a
+    StatefulSet pod's ``<pod>.<service>.<namespace>.svc.<domain>``, not-ready pods included (the manifests
+    publish them, so a process can bind its own name before it is ready)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k8s_local_dns", Path(__file__).parents[2] / "scripts" / "k8s_local_dns.py")
+    dns = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dns)
+    services = [{"metadata": {"namespace": "control", "name": "router-api"}, "spec": {"clusterIP": "10.96.0.7"}},
+                {"metadata": {"namespace": "pd-a", "name": "pd-decode"}, "spec": {"clusterIP": "None"}}]
+    endpoints = [{"metadata": {"namespace": "pd-a", "name": "pd-decode"}, "subsets": [
+        {"addresses": [{"ip": "10.88.0.5", "hostname": "pd-decode-0"}],
+         "notReadyAddresses": [{"ip": "10.88.0.6", "hostname": "pd-decode-1"}]}]}]
+    assert dns.records(services, endpoints, "cluster.local") == [
+        ("10.88.0.5", "pd-decode-0.pd-decode.pd-a.svc.cluster.local"),
+        ("10.88.0.5", "pd-decode.pd-a.svc.cluster.local"),
+        ("10.88.0.6", "pd-decode-1.pd-decode.pd-a.svc.cluster.local"),
+        ("10.88.0.6", "pd-decode.pd-a.svc.cluster.local"),
+        ("10.96.0.7", "router-api.control.svc.cluster.local")]

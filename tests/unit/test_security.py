@@ -239,6 +239,49 @@ def test_a_subscription_is_connected_from_its_handshake_until_its_publisher_goes
     assert stats["frames"] == len(got)
 
 
+def test_a_publisher_that_stops_answering_without_closing_is_dropped_by_the_heartbeat():
+    """A publisher whose host vanished sends no FIN: only ZMTP heartbeats tell. A publisher process
+    stopped (SIGSTOP: its kernel still holds the connection, its I/O thread answers no PING) reads as
+    disconnected within the heartbeat's timeout, so the subscriber reconnects, resolving the name again
+    (a recreated Kubernetes pod under the same name: scripts/k8s-local.sh's drill)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from prfaas_sglang.adapters.zmq import HEARTBEAT_TIMEOUT_MS, ZmqSubscriber
+
+    port = _port()
+    code = ("import sys, time, zmq; s = zmq.Context().socket(zmq.PUB); s.bind(sys.argv[1]); print('up', flush=True)\n"
+            "while True: s.send_multipart([b't', b'x']); time.sleep(0.05)")
+    pub = subprocess.Popen([sys.executable, "-c", code, f"tcp://127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True)
+
+    async def run() -> float:
+        sub = ZmqSubscriber()
+        try:
+            sub.watch("s", f"tcp://127.0.0.1:{port}", b"t", lambda frames: None)
+            deadline = time.monotonic() + 10
+            while not sub.stats(time.monotonic())["s"]["connected"]:
+                assert time.monotonic() < deadline, "never connected"
+                await asyncio.sleep(0.02)
+            os.kill(pub.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            while sub.stats(time.monotonic())["s"]["connected"]:
+                assert time.monotonic() - stopped < 3 * HEARTBEAT_TIMEOUT_MS / 1e3, "still connected to a silent publisher"
+                await asyncio.sleep(0.05)
+            return time.monotonic() - stopped
+        finally:
+            await sub.close()
+
+    try:
+        assert pub.stdout.readline().strip() == "up"
+        asyncio.run(run())
+    finally:
+        pub.kill()
+        os.kill(pub.pid, signal.SIGCONT)
+        pub.wait(timeout=10)
+
+
 def test_a_curve_subscriber_with_another_key_is_refused_by_the_publisher_and_counted():
     from prfaas_sglang.adapters.zmq import CurveKeys, ZmqSubscriber
 
