@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,6 +370,17 @@ def flush(up: Up) -> None:
         http_sync.post(w.url + "/flush_cache", timeout_s=5).raise_for_status()
 
 
+def restart_slow_periods(up: Up, seed: int) -> None:
+    """Every engine's slow periods start afresh, each from a seed of ``seed`` and its name: every row run on
+    ``seed`` meets the same slow spells at the same emulated offsets from its start (common random numbers),
+    whatever ran on the engines before. Without this a spell's phase was each engine's elapsed time, which
+    the rows' order and their runs' lengths decided: two runs of one row on one seed differed by up to 0.25
+    in capacity (issue #59, 2026-11-29)."""
+    for name, w in sorted(up.deployment.workers.items()):
+        period_seed = zlib.crc32(f"{seed}/{name}".encode())
+        http_sync.post(w.url + "/prfaas/truth", json_body={"period_seed": period_seed}, timeout_s=5).raise_for_status()
+
+
 BUCKET_ORDER_TRIES = 6
 
 
@@ -515,6 +527,7 @@ class Runner:
         phases = {"begin": time.monotonic()}
         clean = wait_idle(up)
         flush(up)
+        restart_slow_periods(up, seed)
         phases["idle"] = time.monotonic()
         group = ProcessGroup(self.log_dir / "routers")
         prfaas = up.workers("prfaas")

@@ -205,6 +205,7 @@ class FleetRunner:
         arrivals = [dataclasses.replace(a, headers={"x-prfaas-entry": e}) for a, e in zip(arrivals, entries, strict=True)]
         clean = capacity.wait_idle(up)
         capacity.flush(up)
+        capacity.restart_slow_periods(up, seed)
         group = ProcessGroup(self.log_dir / "routers")
         try:
             urls = {entry: start_router(group, doc, name=f"{row.name}-{entry or 'all'}").url for entry, doc in up.docs[row.name]}

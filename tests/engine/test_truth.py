@@ -122,3 +122,22 @@ def test_slow_periods_come_in_runs_not_as_independent_draws():
     assert changes < 2 * 20_000 / (SLOW_MEAN_S + NORMAL_MEAN_S) * 1.5  # runs of hundreds of samples, not coin flips
     with pytest.raises(ConfigError, match="--truth-model"):
         ServiceTruth(model="oracle")
+
+
+def test_restarted_slow_periods_repeat_the_same_spells_from_the_restart_whatever_ran_before():
+    """Common random numbers for the capacity benchmark (bench/capacity.py restart_slow_periods): two engines
+    that ran for different times meet the same slow spells at the same offsets once both restart their periods
+    with one seed; another seed gives other spells."""
+    offsets = [0.5 * k for k in range(4_000)]  # 2,000 emulated s after the restart
+
+    def spells(ran_s: float, period_seed: int) -> list[float]:
+        truth = ServiceTruth(model="batched", seed=3)
+        for k in range(int(ran_s)):  # what ran before: its own periods advanced
+            truth.slowdown(float(k))
+        truth.restart_periods(period_seed)
+        start = ran_s + 10.0
+        return [truth.slowdown(start + x) for x in offsets]
+
+    first, later = spells(100.0, 42), spells(5_000.0, 42)
+    assert first == later and 1.0 in first and max(first) > 1.0  # the same schedule, and it has slow spells
+    assert spells(100.0, 43) != first

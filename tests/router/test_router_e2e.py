@@ -342,6 +342,14 @@ def test_mock_fault_injection_refuses_bad_input(deployment):
         assert resp.status_code == 400 and "fail_kv_transfers" in resp.json()["error"]["message"]
 
 
+def test_the_slow_period_restart_takes_a_seed_and_refuses_anything_else(deployment):
+    url = deployment["prfaas"].url + "/prfaas/truth"
+    for bad in ({"period_seed": -1}, {"period_seed": "7"}, {"period_seed": True}, {"seed": 7}, [7], {}):
+        resp = requests.post(url, json=bad, timeout=5)
+        assert resp.status_code == 400 and "period_seed" in resp.json()["error"]["message"]
+    assert requests.post(url, json={"period_seed": 7}, timeout=5).json() == {"period_seed": 7}
+
+
 def test_prfaas_worker_killed_requests_fall_back_to_pd(deployment):
     """Run last: kills the PrfaaS worker. Long prompts then prefill on PD-P; no request is lost."""
     url, group = deployment["url"], deployment["group"]

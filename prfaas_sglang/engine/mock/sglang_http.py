@@ -8,7 +8,8 @@ internal /prfaas/kv_ready (decode), upstream's /pd_role_switch (with
 ``--enable-pd-role-switch``; ``wire.role_switch``) and /prfaas/faults (fault injection for tests:
 ``{"fail_kv_transfers": N}`` fails the next N KV transfers of a prefill worker as a
 broken link would: both legs answer 502; ``{"fail_role_switch": true}`` fails the next role
-switch while rebuilding). Prefill roles (and switchable decode workers) also serve the bootstrap
+switch while rebuilding) and /prfaas/truth (``{"period_seed": N}``: the slow periods of its service truth
+start afresh from N; a benchmark restarts every engine's before each run). Prefill roles (and switchable decode workers) also serve the bootstrap
 endpoints (/health, /prfaas/register) on ``--bootstrap-port``. /version is
 not served (404), as SGLang does not serve it.
 
@@ -288,6 +289,19 @@ def build_app(engine: MockEngine) -> web.Application:
         engine.fail_kv_transfers, engine.fail_role_switch = n, fail_switch
         return web.json_response({"fail_kv_transfers": n, "fail_role_switch": fail_switch})
 
+    async def truth_periods(request):
+        """``{"period_seed": N}``: the engine's slow periods start afresh from N (``ServiceTruth.restart_periods``;
+        a benchmark's control, before each run: the router never calls it)."""
+        try:
+            body = await _json_body(request)
+            seed = body.get("period_seed") if isinstance(body, dict) and set(body) == {"period_seed"} else None
+            if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+                raise BadRequest(400, "expected {\"period_seed\": <non-negative int>}")
+        except BadRequest as err:
+            return error_response(err.status, err.message)
+        engine.truth.restart_periods(seed)
+        return web.json_response({"period_seed": seed})
+
     async def role_switch(request):
         """Upstream's /pd_role_switch (``wire.role_switch``): 200 and the reply on success, 400 otherwise."""
         try:
@@ -349,6 +363,7 @@ def build_app(engine: MockEngine) -> web.Application:
     app.router.add_get("/v1/loads", loads)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/prfaas/truth", truth_periods)
     app.router.add_post("/prfaas/kv_ready", kv_ready)
     app.router.add_post("/prfaas/faults", faults)
     app.router.add_post("/pd_role_switch", role_switch)

@@ -109,7 +109,15 @@ class ServiceTruth:
         if self.model not in TRUTH_MODELS:
             raise ConfigError("--truth-model", f"must be one of {', '.join(TRUTH_MODELS)}, got {self.model!r}")
         self._rng = random.Random(self.seed)
-        self._periods = random.Random(self.seed + 1)
+        self.restart_periods(self.seed + 1)
+
+    def restart_periods(self, period_seed: int) -> None:
+        """Start the slow periods afresh from ``period_seed``, counted from the next :meth:`slowdown` call (a
+        normal period first). A benchmark that restarts every engine's periods with the same seed at the start of
+        each run gives every row it compares the same slow spells at the same offsets (common random numbers),
+        however long the engines ran before."""
+        self._periods = random.Random(period_seed)
+        self._slow, self._origin_s = False, None
         self._period_ends_s = self._periods.expovariate(1 / NORMAL_MEAN_S)
 
     @property
