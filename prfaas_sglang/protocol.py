@@ -398,6 +398,11 @@ def stream_failure(event: bytes) -> int | None:
         obj = json.loads(data[5:])
     except ValueError:
         return None
+    return event_failure(obj)
+
+
+def event_failure(obj) -> int | None:
+    """:func:`stream_failure` of an event already parsed (its ``data:`` JSON)."""
     if not isinstance(obj, dict):
         return None
     error = obj.get("error")

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from prfaas_sglang.protocol import event_failure
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -64,6 +66,14 @@ class RequestResult:
         return sum(self.token_gaps_s) / len(self.token_gaps_s) if self.token_gaps_s else 0.0
 
 
+def _failure_message(obj: dict) -> str:
+    """What a failure event says (its error's or its abort's message), at most 200 characters."""
+    error, meta = obj.get("error"), obj.get("meta_info")
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    said = next((x.get("message") for x in (error, reason, obj) if isinstance(x, dict) and x.get("message")), None)
+    return str(said or obj)[:200]
+
+
 async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arrival,
                          result: RequestResult | None = None) -> RequestResult:
     """POST ``arrival`` with ``stream: true``; never raises for HTTP or connection errors. ``result``
@@ -87,8 +97,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
                 if not line.startswith("data: {"):
                     continue
                 obj = json.loads(line[6:])
-                if isinstance(obj.get("error"), dict):  # the router's (or SGLang's) failure event
-                    failure = str(obj["error"].get("message") or obj["error"])[:200]
+                if (code := event_failure(obj)) is not None:  # the router's (or SGLang's) failure event
+                    failure = f"{code}: {_failure_message(obj)}"
                 if obj.get("usage"):
                     result.input_tokens = obj["usage"].get("prompt_tokens", result.input_tokens)
                 if "output_ids" in obj:

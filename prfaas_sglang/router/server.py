@@ -403,24 +403,23 @@ class Legs:
                 return web.Response(body=payload, status=status, headers=self.headers, content_type="application/json")
         self.resp = resp = await self.decode_task
         if resp.status >= 500:  # before anything reached the client: a failed transfer is re-dispatched
-            await _raise_if_prefill_failed(prefill_task, self.timeout_s)
-            await self._raise_if_prefill_worker_gone()
+            await self._raise_if_prefill_side_failed()
         first = b""
         if self.req.stream and resp.status == 200:
             first = await _first_event(resp, prefill_task)
             if (stream_failure(first) or 0) >= 500:
-                await _raise_if_prefill_failed(prefill_task, self.timeout_s)
-                await self._raise_if_prefill_worker_gone()
+                await self._raise_if_prefill_side_failed()
         if not self.req.stream or resp.status != 200:
             return await self._whole(resp)
         return await self._relay_stream(first, resp)
 
-    async def _raise_if_prefill_worker_gone(self) -> None:
-        """The decode leg failed before anything reached the client, though the prefill leg answered or gave
-        no verdict: the decode may have failed to take the KV from a prefill worker that went away in between,
-        its bootstrap server with it (a Kubernetes pod deleted mid-request: scripts/k8s-local.sh's drill). Then
-        PrefillFailed, so the request is routed again; a prefill worker that answers leaves the decode's
-        failure to relay."""
+    async def _raise_if_prefill_side_failed(self) -> None:
+        """The decode leg failed before anything reached the client: PrefillFailed (the request is routed
+        again) when the prefill leg failed too (:func:`_raise_if_prefill_failed`), or when it answered or gave
+        no verdict but its worker went away in between, its bootstrap server with it, so the decode could not
+        take the KV (a Kubernetes pod deleted mid-request: scripts/k8s-local.sh's drill). A prefill worker
+        that answers leaves the decode's failure to relay."""
+        await _raise_if_prefill_failed(self.prefill_task, self.timeout_s)
         if why := await worker_gone(self.request.app[SESSION_KEY], self.prefill.url, PREFILL_PROBE_S):
             raise PrefillFailed(f"the decode leg could not take the KV: prefill worker {self.prefill.name} is gone ({why})")
 
