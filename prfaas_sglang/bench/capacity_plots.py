@@ -26,13 +26,19 @@ def row_points(row: dict) -> list[tuple[float, float, int]]:
     return [(load, att, n) for load, (att, n) in sorted(points.items())]
 
 
-def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
-    """One ``attainment-<condition>.png`` per condition of ``result`` (a run's or a merge's document) in ``out_dir``."""
-    plt = pyplot()
+def wilson_band(attainment: float, arrivals: int) -> tuple[float, float]:
+    """The 95% Wilson interval of an attainment measured over ``arrivals`` (SciPy, imported here)."""
     try:
         from scipy.stats import binomtest
     except ImportError as err:
         raise ConfigError("--plot", "needs scipy (pip install 'prfaas-sglang[fleet]')") from err
+    band = binomtest(round(attainment * arrivals), arrivals).proportion_ci(0.95, method="wilson")
+    return band.low, band.high
+
+
+def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
+    """One ``attainment-<condition>.png`` per condition of ``result`` (a run's or a merge's document) in ``out_dir``."""
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for cond in result.get("conditions", [result]):
@@ -42,9 +48,9 @@ def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
             if not points:
                 continue
             loads = [p[0] for p in points]
-            bands = [binomtest(round(att * n), n).proportion_ci(0.95, method="wilson") for _, att, n in points]
+            bands = [wilson_band(att, n) for _, att, n in points]
             (line,) = ax.plot(loads, [p[1] for p in points], "o-", ms=3, label=name)
-            ax.fill_between(loads, [b.low for b in bands], [b.high for b in bands], color=line.get_color(), alpha=0.15)
+            ax.fill_between(loads, [b[0] for b in bands], [b[1] for b in bands], color=line.get_color(), alpha=0.15)
             interval = row.get("interval")
             if interval and interval.get("capacity"):
                 ax.errorbar([interval["capacity"]], [TARGET], color=line.get_color(), capsize=4, fmt="D", ms=4,

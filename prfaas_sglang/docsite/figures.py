@@ -6,6 +6,9 @@
     kv-efficiency.svg  the KV transport's goodput over the shaped rate against the link's rate, ours and
                        SGLang's own Mooncake settings, clean and lossy: recorded ``bench transport --json``
                        documents (``docs/benchmarks/data/transport-*.json``)
+    attainment-*.svg   per capacity condition, each row's attainment against offered load with each
+                       point's 95% interval and the 90% target: recorded capacity documents
+                       (``docs/benchmarks/data/capacity-*.json``, ``bench compare --capacity --json``'s shape)
 
 Pure: a :class:`Topology` in, SVG text out (deterministic, so the committed figure is checked like a
 generated page). ``docs/dashboard.png`` is drawn by ``python -m prfaas_sglang.bench dashboard`` from a
@@ -14,6 +17,7 @@ live run's metrics.
 
 from __future__ import annotations
 
+import math
 from html import escape
 
 from prfaas_sglang.topology import Topology
@@ -84,13 +88,28 @@ def architecture_svg(topology: Topology, title: str) -> str:
 
 
 CHART_W, CHART_H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 640, 360, 64, 180, 40, 48
-PALETTE = ("#c55a11", "#2e75b6", "#548235", "#7030a0", "#bf9000", "#404040")
+PALETTE = ("#c55a11", "#2e75b6", "#548235", "#7030a0", "#bf9000", "#404040", "#00a0a0", "#d03080")
+
+
+def nice_step(span: float, max_ticks: int = 6) -> float:
+    """The smallest of 1, 2, 2.5, 5 times a power of ten that cuts ``span`` into at most ``max_ticks`` intervals."""
+    magnitude = 10 ** math.floor(math.log10(span / max_ticks)) if span > 0 else 1.0
+    return next(m * magnitude for m in (1, 2, 2.5, 5, 10) if span / (m * magnitude) <= max_ticks + 1e-9)
+
+
+def ticks(low: float, high: float) -> list[float]:
+    step = nice_step(high - low)
+    first = math.ceil(low / step - 1e-9)
+    return [round(k * step, 9) for k in range(first, math.floor(high / step + 1e-9) + 1)]
 
 
 def line_chart_svg(title: str, x_label: str, y_label: str, series: dict[str, list[tuple[float, float]]],
-                   y_max: float = 1.0, dashed: tuple[str, ...] = ()) -> str:
-    """Each series as a polyline with its points marked, y from 0 to ``y_max``, x from 0 to the largest x;
-    the legend to the right. ``dashed``: the series drawn dashed."""
+                   y_max: float = 1.0, dashed: tuple[str, ...] = (), y_min: float = 0.0,
+                   bars: dict[str, list[tuple[float, float, float]]] | None = None,
+                   guide: tuple[float, str] | None = None) -> str:
+    """Each series as a polyline with its points marked, y from ``y_min`` to ``y_max``, x from 0 to the largest
+    x; the legend to the right. ``dashed``: the series drawn dashed; ``bars``: per series, vertical error bars
+    ``(x, low, high)`` in its colour; ``guide``: a grey dashed line across at that y, with its label."""
     xs = [x for points in series.values() for x, _ in points]
     x_max = max(xs, default=1.0) * 1.05
     plot_w, plot_h = CHART_W - MARGIN_L - MARGIN_R, CHART_H - MARGIN_T - MARGIN_B
@@ -99,18 +118,20 @@ def line_chart_svg(title: str, x_label: str, y_label: str, series: dict[str, lis
         return MARGIN_L + plot_w * x / x_max
 
     def py(y: float) -> float:
-        return MARGIN_T + plot_h * (1 - min(y, y_max) / y_max)
+        return MARGIN_T + plot_h * (1 - (min(max(y, y_min), y_max) - y_min) / (y_max - y_min))
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}">',
            '<rect width="100%" height="100%" fill="white"/>', _text(CHART_W / 2, 22, title, 13, "bold"),
            f'<rect x="{MARGIN_L}" y="{MARGIN_T}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#808080"/>']
-    for i in range(6):
-        y = y_max * i / 5
+    for y in ticks(y_min, y_max):
         out += [f'<line x1="{MARGIN_L}" y1="{py(y):.1f}" x2="{MARGIN_L + plot_w}" y2="{py(y):.1f}" stroke="#e0e0e0"/>',
                 _text(MARGIN_L - 6, py(y) + 4, f"{y:g}", 10, anchor="end")]
-    for i in range(6):
-        x = x_max / 1.05 * i / 5
+    for x in ticks(0.0, x_max):
         out.append(_text(px(x), MARGIN_T + plot_h + 16, f"{x:g}", 10))
+    if guide is not None:
+        out += [f'<line x1="{MARGIN_L}" y1="{py(guide[0]):.1f}" x2="{MARGIN_L + plot_w}" y2="{py(guide[0]):.1f}" '
+                f'stroke="#808080" stroke-dasharray="6,4"/>',
+                _text(MARGIN_L + 4, py(guide[0]) + 13, guide[1], 10, anchor="start")]
     out += [_text(MARGIN_L + plot_w / 2, CHART_H - 10, x_label, 11),
             f'<text x="16" y="{MARGIN_T + plot_h / 2:.0f}" font-family="sans-serif" font-size="11" text-anchor="middle" '
             f'transform="rotate(-90 16 {MARGIN_T + plot_h / 2:.0f})">{escape(y_label)}</text>']
@@ -119,6 +140,8 @@ def line_chart_svg(title: str, x_label: str, y_label: str, series: dict[str, lis
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in sorted(points))
         out.append(f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
         out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{colour}"/>' for x, y in points]
+        out += [f'<line x1="{px(x):.1f}" y1="{py(lo):.1f}" x2="{px(x):.1f}" y2="{py(hi):.1f}" stroke="{colour}" '
+                f'stroke-width="1" opacity="0.6"/>' for x, lo, hi in (bars or {}).get(name, ())]
         ly = MARGIN_T + 14 + 18 * i
         out += [f'<line x1="{CHART_W - MARGIN_R + 12}" y1="{ly - 4}" x2="{CHART_W - MARGIN_R + 36}" y2="{ly - 4}" '
                 f'stroke="{colour}" stroke-width="2"{dash}/>', _text(CHART_W - MARGIN_R + 42, ly, name, 10, anchor="start")]
@@ -140,3 +163,27 @@ def kv_efficiency_svg(documents: list[dict]) -> str:
     return line_chart_svg(f"KV transport over an emulated WAN link ({', '.join(map(str, payloads))} MiB transfers)",
                           "link rate (Mbit/s)", "goodput / shaped rate", series,
                           dashed=tuple(n for n in series if n.startswith("SGLang")))
+
+
+TARGET = 0.9  # the share of all arrivals that must meet the SLO at a row's capacity
+
+
+def attainment_svg(document: dict) -> str:
+    """One capacity condition's rows (``document``: a ``bench compare --capacity --json`` result or a recorded
+    one in its shape, its first condition): attainment against offered load through every measured point,
+    each with its 95% Wilson interval over its arrivals, and the 90% target dashed across."""
+    from prfaas_sglang.bench.capacity_plots import row_points, wilson_band
+
+    cond = document.get("conditions", [document])[0]
+    series: dict[str, list[tuple[float, float]]] = {}
+    bars: dict[str, list[tuple[float, float, float]]] = {}
+    for name, row in cond["rows"].items():
+        label = name.split(" (")[0]
+        points = row_points(row)
+        series[label] = [(load, att) for load, att, _ in points]
+        bars[label] = [(load, *wilson_band(att, n)) for load, att, n in points]
+    lowest = min((lo for rows in bars.values() for _, lo, _ in rows), default=TARGET)
+    y_min = min(int(lowest * 10) / 10, 0.8)
+    return line_chart_svg(f"{cond['condition']}: {cond.get('link', '')}, TTFT SLO {cond.get('ttft_slo_s', 0):g} s",
+                          "offered load (req/s, emulated)", "attainment (all arrivals)", series, y_min=y_min,
+                          bars=bars, guide=(TARGET, "90% of arrivals within the SLO"))

@@ -395,11 +395,23 @@ def kv_efficiency_figure() -> str:
     return kv_efficiency_svg([json.loads(path.read_text()) for path in sorted(DATA_DIR.glob("transport-*.json"))])
 
 
+def attainment_figure(path: Path) -> Callable[[], str]:
+    def render() -> str:
+        import json
+
+        from prfaas_sglang.docsite.figures import attainment_svg
+
+        return attainment_svg(json.loads(path.read_text()))
+    return render
+
+
 def figures() -> dict[str, Callable[[], str]]:
     """The figures drawn from data: each whose data is in the checkout."""
     drawn = {"architecture.svg": architecture_figure}
     if any(DATA_DIR.glob("transport-*.json")):
         drawn["kv-efficiency.svg"] = kv_efficiency_figure
+    for path in sorted(DATA_DIR.glob("capacity-*.json")):
+        drawn[f"attainment-{path.stem.removeprefix('capacity-')}.svg"] = attainment_figure(path)
     return drawn
 
 

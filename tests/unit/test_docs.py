@@ -145,3 +145,20 @@ def test_the_kv_efficiency_figure_draws_each_row_and_condition_across_the_record
     assert svg.count('stroke-dasharray="5,4"') == 2 * 2  # SGLang's two lines and their legend entries
     xs = [float(p.split(",")[0]) for p in re.search(r'<polyline points="([^"]+)"', svg).group(1).split()]
     assert xs == sorted(xs)  # drawn in order of rate, whatever the order the documents came in
+
+
+def test_the_attainment_figure_draws_every_row_through_its_probes_with_their_intervals_and_the_target():
+    from prfaas_sglang.docsite.figures import attainment_svg, ticks
+
+    doc = {"conditions": [{"condition": "abundant-5s", "link": "abundant", "ttft_slo_s": 5, "rows": {
+        "ours (defaults)": {"probes": [{"load_rps": 0.8, "attainment": 0.95, "arrivals": 200},
+                                       {"load_rps": 1.2, "attainment": 0.80, "arrivals": 200}]},
+        "naive at its best (cache_aware)": {"probes": [{"load_rps": 0.5, "attainment": 0.91, "arrivals": 20}]}}}]}
+    svg = attainment_svg(doc)
+    assert svg.count("<polyline") == 2 and svg.count("<circle") == 3 and "ours</text>" in svg and "naive at its best</text>" in svg
+    bars = re.findall(r'<line x1="([\d.]+)" y1="([\d.]+)" x2="\1" y2="([\d.]+)" stroke="#[0-9a-f]+" stroke-width="1" opacity', svg)
+    spans = [float(y1) - float(y2) for _, y1, y2 in sorted(bars, key=lambda b: float(b[0]))]
+    assert len(spans) == 3 and spans[0] > 2 * max(spans[1:])  # naive's probe, at the lowest load, had 20 arrivals
+    assert "90% of arrivals within the SLO" in svg and 'stroke-dasharray="6,4"' in svg
+    assert ticks(0.0, 1.26) == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]
+    assert ticks(0.7, 1.0) == [0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]
