@@ -29,6 +29,8 @@ log() { printf '[setup-env] %s\n' "$*"; }
 #                 free port, a temp config and storage dir); nothing depends on its system service;
 #    wireguard-go, wireguard-tools  encrypted links (links[].encrypt; adapters/wireguard.py): the userspace
 #                 WireGuard where the kernel has no module, and `wg` to configure either;
+#    nftables     the tunnel's netfilter lock: a peer's packets that routing would send outside the tunnel
+#                 are dropped and counted, never sent in clear;
 #    chromium     the documentation's test opens the built site headless and keeps a screenshot.
 missing=()
 /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
@@ -37,6 +39,7 @@ command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v wireguard-go >/dev/null 2>&1 || missing+=(wireguard-go)
 command -v wg >/dev/null 2>&1 || missing+=(wireguard-tools)
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ "${#missing[@]}" -gt 0 ]; then
   log "installing ${missing[*]} (apt)"

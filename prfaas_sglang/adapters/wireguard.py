@@ -7,12 +7,18 @@ every command in another network namespace. Needs CAP_NET_ADMIN (root, or a pod'
 
     with Tunnel(plan, keys.tunnel_private_key(host)):
         ...   # traffic to plan.peer_hosts is encrypted; it is dropped, never sent in clear, once the tunnel goes
+
+Two locks keep a peer's traffic out of the clear. Routing (the plan's rule and table) sends it into the
+tunnel and blackholes it when the tunnel is gone. A netfilter filter (``nft``, where the host has it) drops
+whatever would still leave for a peer by another interface, the tunnel's own UDP excepted, and counts it
+(:meth:`Tunnel.blocked_packets`): a count above zero means routing failed to hold, and nothing leaked.
 """
 
 from __future__ import annotations
 
 import base64
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -86,6 +92,7 @@ class Tunnel:
         self.userspace = userspace or "wireguard-go"
         self._daemon: subprocess.Popen | None = None
         self.kernel = False
+        self.filtered = False  # the netfilter lock is set (``nft`` here)
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run([*self.wrap, *args], capture_output=True, text=True, timeout=30)
@@ -120,9 +127,36 @@ class Tunnel:
                 if not self._run("ip", family, "rule", "show", "priority", str(RULE_PRIORITY)).stdout.strip():
                     self._run("ip", family, "rule", "add", "not", "fwmark", str(FWMARK), "table", str(TABLE),
                               "priority", str(RULE_PRIORITY))
+            self._filter()
         except BaseException:
-            self.down()
+            self.take_down_interface()  # what failed leaves the peers blackholed, and other tunnels here untouched
             raise
+
+    @property
+    def _filter_table(self) -> str:
+        return f"prfaas_{self.plan.interface}"
+
+    def _filter(self) -> None:
+        """The netfilter lock: packets for a peer leave by the tunnel's interface or carry the tunnel's mark (its
+        own UDP), else they are counted and dropped. Replaced whole, so a second ``up`` leaves one copy."""
+        if shutil.which("nft") is None:
+            return
+        v4 = ", ".join(p for p in self.plan.peer_hosts if ":" not in p)
+        v6 = ", ".join(p for p in self.plan.peer_hosts if ":" in p)
+        rules = "".join(f"        {family} daddr {{ {hosts} }} oifname != \"{self.plan.interface}\" meta mark != {FWMARK} "
+                        "counter drop\n" for family, hosts in (("ip", v4), ("ip6", v6)) if hosts)
+        self._run("nft", "delete", "table", "inet", self._filter_table, check=False)
+        chains = "".join(f"    chain {hook} {{\n        type filter hook {hook} priority 0; policy accept;\n{rules}    }}\n"
+                         for hook in ("output", "forward"))  # this host's own traffic, and what it routes for others
+        self._run("nft", f"table inet {self._filter_table} {{\n{chains}}}")
+        self.filtered = True
+
+    def blocked_packets(self) -> int | None:
+        """Packets the netfilter lock dropped since ``up`` (routing would have sent them in clear); None without it."""
+        if not self.filtered:
+            return None
+        proc = self._run("nft", "list", "table", "inet", self._filter_table, check=False)
+        return sum(int(n) for n in re.findall(r"counter packets (\d+)", proc.stdout)) if proc.returncode == 0 else None
 
     def _interface(self, name: str) -> None:
         """The kernel's WireGuard interface where it has one, else a wireguard-go daemon of ours (foreground)."""
@@ -144,11 +178,20 @@ class Tunnel:
             time.sleep(0.05)
 
     def down(self) -> None:
-        """Remove the interface, the rule and the routes (what ``up`` added); safe to call twice."""
-        for family in ("-4", "-6"):
-            self._run("ip", family, "rule", "del", "priority", str(RULE_PRIORITY), check=False)
-            self._run("ip", family, "route", "flush", "table", str(TABLE), check=False)
+        """Remove what ``up`` added for this tunnel: its interface, its peers' routes, its netfilter table, and the
+        rule once no tunnel here has a route left in the table (the rule is every tunnel's on this host: taking it
+        with another tunnel up would send that one's peers' traffic in clear). Safe to call twice."""
         self.take_down_interface()
+        for peer in self.plan.peer_hosts:
+            family = "-6" if ":" in peer else "-4"
+            self._run("ip", family, "route", "del", "blackhole", _prefix(peer), "table", str(TABLE), "metric", "100",
+                      check=False)
+        for family in ("-4", "-6"):
+            if not self._run("ip", family, "route", "show", "table", str(TABLE), check=False).stdout.strip():
+                self._run("ip", family, "rule", "del", "priority", str(RULE_PRIORITY), check=False)
+        if self.filtered:
+            self._run("nft", "delete", "table", "inet", self._filter_table, check=False)
+            self.filtered = False
 
     def take_down_interface(self) -> None:
         """The interface alone goes (what a crashed tunnel looks like): the blackhole routes stay, so traffic to

@@ -284,6 +284,24 @@ async def _inject(chaos: Chaos, fault: str, down_s: float, seed: int, state: dic
     return record
 
 
+async def _paths(chaos: Chaos, changes: list, state: dict, stop: asyncio.Event) -> None:
+    """With --encrypt: each side's route to the other (``ip route get``), every 0.25 s; ``changes`` gets
+    ``[seconds, side, route]`` whenever one differs from its last (evidence for a stray on the link)."""
+    import subprocess
+
+    sides = {"pd": ((), chaos.net.inner_ip), "prfaas": (chaos.net.wrap, chaos.net.outer_ip)}
+    last: dict[str, str] = {}
+    while not stop.is_set():
+        for side, (wrap, peer) in sides.items():
+            proc = await asyncio.to_thread(subprocess.run, [*wrap, "ip", "route", "get", peer], capture_output=True,
+                                           text=True)
+            route = " ".join((proc.stdout or proc.stderr).split()[:6])
+            if last.get(side) != route:
+                last[side] = route
+                changes.append([round(time.monotonic() - state["t0"], 2), side, route])
+        await asyncio.sleep(0.25)
+
+
 async def _rss(pid_of, samples: list, state: dict, stop: asyncio.Event) -> None:
     import psutil
 
@@ -301,7 +319,7 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
     import aiohttp
 
     url = chaos.url
-    state = {"t0": time.monotonic(), "router_down": False}
+    state = {"t0": time.monotonic(), "t0_unix_s": time.time(), "router_down": False}
     tally, records, rss = Tally(), [], []
     stop = asyncio.Event()
     order = []
@@ -311,6 +329,8 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
         order += batch
     load = asyncio.create_task(_load(url, rate, duration_s, seed, tally, state))
     sampler = asyncio.create_task(_rss(lambda: chaos.procs["router"].pid, rss, state, stop))
+    path_changes: list = []
+    paths = asyncio.create_task(_paths(chaos, path_changes, state, stop)) if chaos.tunnels else None
     slot = duration_s * 0.8 / max(len(order), 1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
         for i, fault in enumerate(order):
@@ -333,9 +353,12 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
                 front_counters = await resp.json()
     stop.set()
     await sampler
+    if paths is not None:
+        await paths
     return {"tally": vars(tally), "faults": records, "leaks": leaks, "router_rss": _rss_summary(rss),
             "duration_s": duration_s, "rate_rps": rate, "seed": seed, "rounds": rounds, "down_s": down_s,
-            "front": url != chaos.d.router.url, "front_counters": front_counters}
+            "front": url != chaos.d.router.url, "front_counters": front_counters, "t0_unix_s": state["t0_unix_s"],
+            "path_changes": path_changes}
 
 
 def _leak_view(metrics: str) -> dict:
@@ -394,14 +417,18 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
             if encrypt:
                 doc["links"][0]["encrypt"] = True
                 tunnels = _tunnels(doc, net)
-                capture = _capture(net.outer)  # everything between the PrfaaS namespace and the rest, from the start
+                capture = _capture(net.outer, tunnels[0].plan.listen_port)  # all that crossed, from the start
             d = start_deployment(group, doc, *router_args, wrap={"prfaas": net.wrap}, engine_args=engine_args, name="chaos")
             front_url = start_front(group, d.router.url) if front else None
             chaos = Chaos(group, d, d.config, net, engine_args, router_args, front_url, tunnels)
             result = asyncio.run(_experiment(chaos, duration_s, rate, seed, down_s, fuzz_requests, rate_mbit, faults, rounds))
             if capture is not None:
                 out, _ = capture.communicate(timeout=30)
-                result["wire"] = {**json.loads(out), "tunnel_port": tunnels[0].plan.listen_port}
+                wire = json.loads(out)
+                for stray in wire["strays"]:  # when, on the faults' clock
+                    stray[0] = round(stray[0] - result["t0_unix_s"], 2)
+                result["wire"] = {**wire, "tunnel_port": tunnels[0].plan.listen_port,
+                                  "blocked": {side: t.blocked_packets() for side, t in zip(("prfaas", "pd"), tunnels, strict=True)}}
             result["logs"] = str(log_dir)
             result["encrypted"] = encrypt
             return result
@@ -413,12 +440,13 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
                 tunnel.down()
 
 
-def _capture(device: str):
-    """A capture of ``device`` (``bench/wire_capture.py``) running until its stdin closes."""
+def _capture(device: str, port: int):
+    """A capture of ``device`` (``bench/wire_capture.py``) running until its stdin closes; ``port``: the tunnel's."""
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "prfaas_sglang.bench.wire_capture", device, (b"\x00" * 8).hex()],
+    proc = subprocess.Popen([sys.executable, "-m", "prfaas_sglang.bench.wire_capture", device, (b"\x00" * 8).hex(),
+                             str(port)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the capture of {device} did not start")
@@ -493,7 +521,13 @@ def render_markdown(result: dict) -> str:
                                             for n, v in result["leaks"].items()),
               *([f"Front: {result['front_counters']}"] if result.get("front_counters") else []),
               *([f"The link encrypted: {result['wire']['packets']} packets crossed it, protocols "
-                 f"{result['wire']['protocols']}, ports common to all {result['wire']['ports']}"] if result.get("wire") else []),
+                 f"{result['wire']['protocols']}, ports common to all {result['wire']['ports']}; dropped by the "
+                 f"netfilter lock, by side: {result['wire'].get('blocked')}",
+                 *(f"  not the tunnel's, at {s[0]} s: {s[1]} {s[2]} -> {s[3]} {s[4] or ''}".rstrip()
+                   for s in result["wire"].get("strays", ())),
+                 *([f"  then: {result['wire']['at_first_stray']}"] if result["wire"].get("at_first_stray") else []),
+                 *([f"  routes to the peer, as they changed: {result['path_changes']}"] if result.get("path_changes") else [])]
+                if result.get("wire") else []),
               "Verdict: " + ("; ".join(verdict(result)) or "pass")]
     return "\n".join(lines)
 

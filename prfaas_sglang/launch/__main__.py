@@ -408,7 +408,8 @@ def _require_tunnel(args: argparse.Namespace, node: Node) -> None:
 def _run_tunnel(args: argparse.Namespace) -> int:
     """``--tunnel``: bring up the host's tunnel and hold it until SIGTERM or SIGINT. Stopping removes the interface
     and leaves the peers' addresses blackholed (fail closed: nothing leaves in clear while the tunnel is away); a
-    restart brings it back. ``ip rule del priority 9000; ip route flush table 28917`` undoes that for good."""
+    restart brings it back. ``ip rule del priority 9000; ip route flush table 28917`` and ``nft delete table inet
+    prfaas_<interface>`` (the netfilter lock, where ``nft`` is installed) undo that for good."""
     import signal
 
     from prfaas_sglang.adapters.wireguard import Tunnel, public_keys

@@ -65,9 +65,11 @@ def test_the_verdict_names_each_kind_of_failure():
     bad["tally"].update(hung=1, truncated=2, reset_outside_router_faults=3, untyped_errors=["502: <html>"])
     bad["leaks"]["w"].update({"prfaas:open_rooms": 1.0, "leaked_kv_bytes": 4096.0})
     bad["faults"] = [{"fault": "kill-router", "recovery_s": None, "not_recovered_because": "link down ['prfaas-0']"}, {"fault": "http-fuzz", "recovery_s": 0.1, "statuses": {"500": 1}}]
+    bad["wire"] = {"ports": [51820, 22777], "tunnel_port": 51820, "protocols": {"udp": 9, "tcp": 1}, "not_ipv4": 0,
+                   "dropped": 0}
     problems = " | ".join(chaos.verdict(bad))
     for words in ("1 hung", "2 truncated", "3 reset_outside_router_faults", "untyped", "rooms open", "landing-buffer bytes",
-                  "kill-router: not recovered (link down", "http-fuzz: answered 500"):
+                  "kill-router: not recovered (link down", "http-fuzz: answered 500", "carried more than its tunnel"):
         assert words in problems, (words, problems)
 
 

@@ -8,7 +8,9 @@ the wire. Needs root, /dev/net/tun, wireguard-go and wg (scripts/setup-env.sh in
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from prfaas_sglang.adapters.wireguard import Tunnel, TunnelError, public_keys
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.topology import parse_topology
 from prfaas_sglang.transport.linkem import EmulatedLink
-from prfaas_sglang.transport.tunnel_plan import plan
+from prfaas_sglang.transport.tunnel_plan import RULE_PRIORITY, plan
 from prfaas_sglang.wire.auth import DeploymentKeys
 
 PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
@@ -152,6 +154,39 @@ def test_a_tunnel_taken_down_fails_closed(link):
         seen = capture.stop()
     assert connect.returncode != 0 and "Invalid argument" in connect.stderr  # a blackhole route refuses the connect
     assert seen["packets"] == 0
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="the netfilter lock needs nftables (scripts/setup-env.sh installs it)")
+def test_routing_that_fails_to_hold_still_sends_nothing_in_clear(link):
+    """The policy rule gone (what a second tunnel's cleanup once did): the netfilter lock drops A's packets for B
+    that would leave by the link in clear, and counts them; nothing but the tunnel's UDP crosses."""
+    a, b = tunnels(link)
+    with a, b:
+        assert a.filtered and a.blocked_packets() == 0
+        subprocess.run((*link.wrap_a, "ip", "-4", "rule", "del", "priority", str(RULE_PRIORITY)), check=True)
+        capture = Capture(link)
+        connect = subprocess.run((*link.wrap_a, sys.executable, "-c",
+                                  f"import socket; socket.create_connection(({link.ip_b!r}, 9), timeout=2)"),
+                                 capture_output=True, text=True, timeout=30)
+        seen = capture.stop()
+        assert connect.returncode != 0 and a.blocked_packets() > 0
+    assert set(seen["protocols"]) <= {"udp"} and seen["ports"] in ([], [TUNNEL_PORT])
+
+
+def test_a_tunnel_that_fails_to_come_up_leaves_the_hosts_other_tunnel_whole(link):
+    """A second tunnel on a host whose port is taken fails, and its cleanup takes its own interface only: the rule
+    and routes that keep the first one's peers out of the clear stay, and KV still crosses encrypted."""
+    a, b = tunnels(link)
+    with a, b:
+        second = Tunnel(dataclasses.replace(a.plan, interface="pwgsecond"), KEYS.tunnel_private_key(link.ip_a),
+                        wrap=link.wrap_a)
+        with pytest.raises(TunnelError, match="in use"):
+            second.up()
+        capture = Capture(link)
+        result = kv_transfer(link, 1)
+        seen = capture.stop()
+    assert result["ok"], result
+    assert seen["protocols"] == {"udp": seen["packets"]} and seen["ports"] == [TUNNEL_PORT]
 
 
 def test_a_tunnel_that_cannot_come_up_says_why(link):
