@@ -18,7 +18,10 @@ COPY pyproject.toml README.md ./
 COPY prfaas_sglang ./prfaas_sglang
 COPY patches ./patches
 COPY launch /etc/prfaas/examples
-RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 iproute2 && rm -rf /var/lib/apt/lists/* \
+# wireguard-go, wireguard-tools, nftables: a pod on an encrypted link holds its tunnel (launch --tunnel, the
+# manifests' `tunnel` container): the kernel's WireGuard where the host has the module, wireguard-go otherwise.
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 iproute2 \
+    wireguard-go wireguard-tools nftables && rm -rf /var/lib/apt/lists/* \
  && python3 -m pip install --no-cache-dir ".[router,mock]" && rm -rf /src
 WORKDIR /
 ENTRYPOINT ["python3", "-m", "prfaas_sglang.launch"]

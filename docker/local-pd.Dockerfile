@@ -24,6 +24,9 @@ RUN python3 -m pip wheel --no-deps -w /wheels . \
 # dependency set), add Mooncake's CUDA 13 transfer engine and this package.
 FROM ${SGLANG_IMAGE}
 COPY --from=builder /wheels /wheels
+# iproute2, wireguard-tools, nftables: the pod's tunnel on an encrypted link (launch --tunnel) uses the host kernel's
+# WireGuard (GPU hosts' kernels have it; the image's base has no wireguard-go package).
+RUN apt-get update && apt-get install -y --no-install-recommends iproute2 wireguard-tools nftables && rm -rf /var/lib/apt/lists/*
 # The bind shim (Mooncake's listeners on the node's address) is compiled here, not at start.
 ENV PRFAAS_NATIVE_DIR=/opt/prfaas/native
 RUN python3 -m pip install --no-deps --force-reinstall /wheels/sglang-*+prfaas.*.whl \

@@ -26,7 +26,9 @@ FROM ${SGLANG_IMAGE}
 COPY --from=builder /wheels /wheels
 # iproute2: `ss`, through which the kv-telemetry hook reads the Mooncake lanes' TCP state (the
 # congestion flag, and a capacity that moves within a transfer); without it telemetry has no TCP view.
-RUN apt-get update && apt-get install -y --no-install-recommends iproute2 && rm -rf /var/lib/apt/lists/*
+# wireguard-tools, nftables: the pod's tunnel on an encrypted link (launch --tunnel) uses the host kernel's WireGuard
+# (GPU hosts' kernels have it; the image's base has no wireguard-go package).
+RUN apt-get update && apt-get install -y --no-install-recommends iproute2 wireguard-tools nftables && rm -rf /var/lib/apt/lists/*
 # The bind shim (Mooncake's listeners on the node's address) is compiled here, not at start.
 ENV PRFAAS_NATIVE_DIR=/opt/prfaas/native
 RUN python3 -m pip install --no-deps --force-reinstall /wheels/sglang-*+prfaas.*.whl \

@@ -251,6 +251,18 @@ class Envs:
         "Role supervisor (a node with role_switch: restart): how long an engine restarted in its other PD role "
         "may take to answer /health 200 before the node is declared unhealthy (restart required).",
     )
+    TUNNEL_WAIT_S = EnvVar(
+        "PRFAAS_TUNNEL_WAIT_S",
+        "0",
+        "A node on an encrypted link: how long it waits for its host's tunnel (launch --tunnel, a sidecar in "
+        "Kubernetes) to come up before refusing to start. 0: refuse at once.",
+    )
+    TUNNEL_RESOLVE_S = EnvVar(
+        "PRFAAS_TUNNEL_RESOLVE_S",
+        "5",
+        "launch --tunnel, where the topology's hosts are names (Kubernetes pods): how often it resolves its "
+        "peers again, to follow one recreated at a new address.",
+    )
     PORT_RANGE = EnvVar(
         "PRFAAS_PORT_RANGE",
         None,

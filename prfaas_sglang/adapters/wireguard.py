@@ -31,7 +31,9 @@ from prfaas_sglang.transport.tunnel_plan import (
     RULE_PRIORITY,
     TABLE,
     TUNNEL_MTU,
+    Peer,
     TunnelPlan,
+    moved_peers,
 )
 from prfaas_sglang.wire.auth import DeploymentKeys
 
@@ -94,8 +96,8 @@ class Tunnel:
         self.kernel = False
         self.filtered = False  # the netfilter lock is set (``nft`` here)
 
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*self.wrap, *args], capture_output=True, text=True, timeout=30)
+    def _run(self, *args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run([*self.wrap, *args], capture_output=True, text=True, timeout=30, input=stdin)
         if check and proc.returncode != 0:
             raise TunnelError(f"{' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
         return proc
@@ -111,17 +113,12 @@ class Tunnel:
                 os.chmod(key.name, 0o600)
                 key.write(base64.b64encode(self._private).decode() + "\n")
                 key.flush()
-                peers = [arg for p in self.plan.peers
-                         for arg in ("peer", p.public_key, "endpoint", f"{_bracket(p.host)}:{p.port}",
-                                     "allowed-ips", _prefix(p.host), "persistent-keepalive", str(KEEPALIVE_S))]
+                peers = [arg for p in self.plan.peers for arg in _peer_args(p)]
                 self._run("wg", "set", name, "private-key", key.name, "listen-port", str(self.plan.listen_port),
                           "fwmark", str(FWMARK), *peers)
             self._run("ip", "link", "set", name, "mtu", str(TUNNEL_MTU), "up")
             for peer in self.plan.peer_hosts:
-                family = "-6" if ":" in peer else "-4"
-                self._run("ip", family, "route", "replace", "blackhole", _prefix(peer), "table", str(TABLE), "metric", "100")
-                self._run("ip", family, "route", "replace", _prefix(peer), "dev", name, "src", self.plan.host,
-                          "table", str(TABLE), "metric", "1")
+                self._route(peer)
             for family in sorted({"-6" if ":" in p else "-4" for p in self.plan.peer_hosts}):
                 # never deleted while up: between a delete and an add, the peers' traffic would take the main table
                 if not self._run("ip", family, "rule", "show", "priority", str(RULE_PRIORITY)).stdout.strip():
@@ -131,6 +128,38 @@ class Tunnel:
         except BaseException:
             self.take_down_interface()  # what failed leaves the peers blackholed, and other tunnels here untouched
             raise
+
+    def _route(self, peer: str) -> None:
+        """``peer``'s address into the tunnel, and blackholed beneath (what holds while the interface is gone)."""
+        family = "-6" if ":" in peer else "-4"
+        self._run("ip", family, "route", "replace", "blackhole", _prefix(peer), "table", str(TABLE), "metric", "100")
+        self._run("ip", family, "route", "replace", _prefix(peer), "dev", self.plan.interface, "src", self.plan.address,
+                  "table", str(TABLE), "metric", "1")
+
+    def _unroute(self, peer: str) -> None:
+        family = "-6" if ":" in peer else "-4"
+        for route in (("dev", self.plan.interface, "metric", "1"), ("metric", "100")):
+            kind = ("blackhole",) if route[0] == "metric" else ()
+            self._run("ip", family, "route", "del", *kind, _prefix(peer), "table", str(TABLE), *route, check=False)
+
+    def update(self, new: TunnelPlan) -> list[tuple[str, str]]:
+        """Follow peers whose names resolved to new addresses (a recreated pod): each moved peer's endpoint and
+        allowed address, its routes and the netfilter lock, the new address blackholed before the old one is
+        released. Returns (old, new) addresses of the peers moved; the plan must be this host's, resolved again."""
+        if (new.host, new.interface, new.address) != (self.plan.host, self.plan.interface, self.plan.address):
+            raise TunnelError(f"an update of the tunnel of {self.plan.host} is for another host or address "
+                              f"({new.host} at {new.address}): bring a new tunnel up instead")
+        moved = moved_peers(self.plan, new)
+        for _, after in moved:
+            self._run("wg", "set", self.plan.interface, *_peer_args(after))
+            self._route(after.address)
+        self.plan = new
+        if moved:
+            self._filter()
+            for before, _ in moved:
+                if before.address not in new.peer_hosts:  # two peers may have swapped addresses
+                    self._unroute(before.address)
+        return [(before.address, after.address) for before, after in moved]
 
     @property
     def _filter_table(self) -> str:
@@ -145,10 +174,11 @@ class Tunnel:
         v6 = ", ".join(p for p in self.plan.peer_hosts if ":" in p)
         rules = "".join(f"        {family} daddr {{ {hosts} }} oifname != \"{self.plan.interface}\" meta mark != {FWMARK} "
                         "counter drop\n" for family, hosts in (("ip", v4), ("ip6", v6)) if hosts)
-        self._run("nft", "delete", "table", "inet", self._filter_table, check=False)
         chains = "".join(f"    chain {hook} {{\n        type filter hook {hook} priority 0; policy accept;\n{rules}    }}\n"
                          for hook in ("output", "forward"))  # this host's own traffic, and what it routes for others
-        self._run("nft", f"table inet {self._filter_table} {{\n{chains}}}")
+        table = self._filter_table  # one transaction: created if missing, emptied, filled (never a moment without)
+        self._run("nft", "-f", "-", stdin=f"table inet {table} {{}}\ndelete table inet {table}\n"
+                                         f"table inet {table} {{\n{chains}}}\n")
         self.filtered = True
 
     def blocked_packets(self) -> int | None:
@@ -183,9 +213,7 @@ class Tunnel:
         with another tunnel up would send that one's peers' traffic in clear). Safe to call twice."""
         self.take_down_interface()
         for peer in self.plan.peer_hosts:
-            family = "-6" if ":" in peer else "-4"
-            self._run("ip", family, "route", "del", "blackhole", _prefix(peer), "table", str(TABLE), "metric", "100",
-                      check=False)
+            self._unroute(peer)
         for family in ("-4", "-6"):
             if not self._run("ip", family, "route", "show", "table", str(TABLE), check=False).stdout.strip():
                 self._run("ip", family, "rule", "del", "priority", str(RULE_PRIORITY), check=False)
@@ -212,6 +240,12 @@ class Tunnel:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+
+def _peer_args(peer: Peer) -> tuple[str, ...]:
+    """``wg set`` arguments of one peer: its key, its address as endpoint and as the one address it may send from."""
+    return ("peer", peer.public_key, "endpoint", f"{_bracket(peer.address)}:{peer.port}", "allowed-ips",
+            _prefix(peer.address), "persistent-keepalive", str(KEEPALIVE_S))
 
 
 def _prefix(host: str) -> str:

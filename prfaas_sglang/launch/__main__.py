@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from prfaas_sglang.envs import envs
@@ -383,23 +384,36 @@ def _emit(args: argparse.Namespace, unknown: list[str], extra: tuple[str, ...]) 
     return 0
 
 
+def _tunnel_address(host: str) -> str:
+    """A topology host name's address now, for the tunnel; ConfigError when it has none."""
+    try:
+        return _resolve(host)
+    except OSError as err:
+        raise ConfigError("--tunnel", f"host {host} does not resolve ({err})") from None
+
+
 def _tunnel_plan(args: argparse.Namespace, host: str, public_key):
     from prfaas_sglang.transport.tunnel_plan import plan
 
-    return plan(load_topology(args.config), host, public_key)
+    return plan(load_topology(args.config), host, public_key, resolve=_tunnel_address)
 
 
 def _require_tunnel(args: argparse.Namespace, node: Node) -> None:
-    """Refuse to start a node on an encrypted link whose host's tunnel is not up: its traffic would be dropped
-    (the tunnel's routes fail closed) or, with no tunnel ever set up, sent in clear."""
+    """Refuse to start a node on an encrypted link whose host's tunnel is not up (after waiting up to
+    ``PRFAAS_TUNNEL_WAIT_S`` for it): its traffic would be dropped (the tunnel's routes fail closed) or, with no
+    tunnel ever set up, sent in clear."""
     if not args.config or not node.host:
         return
-    tunnel = _tunnel_plan(args, node.host, lambda host: "")
+    from prfaas_sglang.adapters.wireguard import not_up
+    from prfaas_sglang.transport.tunnel_plan import plan
+
+    tunnel = plan(load_topology(args.config), node.host, lambda host: "", resolve=lambda host: host)  # names as they are
     if tunnel is None:
         return
-    from prfaas_sglang.adapters.wireguard import not_up
-
-    if (why := not_up(tunnel)) is not None:
+    deadline = time.monotonic() + float(envs.TUNNEL_WAIT_S.parse(float) or 0)
+    while (why := not_up(tunnel)) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if why is not None:
         raise ConfigError(f"links ({', '.join(tunnel.links)}) encrypt",
                           f"the tunnel of host {node.host} is not up ({why}); start it first: python -m "
                           f"prfaas_sglang.launch --config {args.config} --tunnel --host {node.host}")
@@ -436,10 +450,32 @@ def _run_tunnel(args: argparse.Namespace) -> int:
     try:
         print(f"tunnel {tunnel_plan.interface} up on {host}:{tunnel_plan.listen_port} for "
               f"{', '.join(tunnel_plan.links)}: peers {', '.join(tunnel_plan.peer_hosts)}", flush=True)
-        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+        _hold_tunnel(args, tunnel, public_keys(keys))
     finally:
         tunnel.take_down_interface()
     return 0
+
+
+def _hold_tunnel(args: argparse.Namespace, tunnel, public_key) -> None:
+    """Until SIGTERM or SIGINT; where the topology's hosts are names, resolve them again every
+    ``PRFAAS_TUNNEL_RESOLVE_S`` and move a peer that came back at a new address (a recreated pod)."""
+    import signal
+
+    from prfaas_sglang.transport.tunnel_plan import is_address
+
+    stop = {signal.SIGTERM, signal.SIGINT}
+    if all(is_address(p.host) for p in tunnel.plan.peers):
+        signal.sigwait(stop)
+        return
+    every_s = float(envs.TUNNEL_RESOLVE_S.parse(float) or 5)
+    while signal.sigtimedwait(stop, every_s) is None:
+        try:
+            moved = tunnel.update(_tunnel_plan(args, tunnel.plan.host, public_key))
+        except PrfaasError as err:  # a name that does not resolve now (its pod is being recreated): try again
+            print(f"tunnel {tunnel.plan.interface}: {err}", file=sys.stderr, flush=True)
+            continue
+        for old, new in moved:
+            print(f"tunnel {tunnel.plan.interface}: peer {old} moved to {new}", flush=True)
 
 
 def _run_supervisor(args: argparse.Namespace, extra: tuple[str, ...], unknown: list[str], command: LaunchCommand) -> int:

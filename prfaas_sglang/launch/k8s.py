@@ -8,6 +8,11 @@ One directory per topology cluster, kustomize-ready::
     OUT/<cluster>/<workload>.yaml      StatefulSet + headless Service (+ the router's client Service,
                                        which targets the front beside the router: router/front.py)
     OUT/<cluster>/networkpolicy.yaml   default deny, then what the topology's data paths need
+
+A pod on an encrypted link (``links[].encrypt``) carries a ``tunnel`` container beside its node: the launcher
+holding the pod's WireGuard tunnel (``launch --tunnel --node``; NET_ADMIN and ``/dev/net/tun`` from the host),
+which resolves its peers' pod names and follows a recreated pod to its new address; the node's own process
+waits for it (``PRFAAS_TUNNEL_WAIT_S``), and the cluster's policies admit the tunnel's UDP from the other side.
     OUT/monitoring/...                 ServiceMonitor, a plain Prometheus scrape config, the dashboard
 
 Every node of the topology is a StatefulSet pod, and every process is the launcher
@@ -38,6 +43,7 @@ from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.launch.command import SGLANG_PD_ZMQ_PORTS
 from prfaas_sglang.roles import ROLE_SPECS, Engine, Role
 from prfaas_sglang.topology import PORT_KEYS, KubernetesSpec, Node, Topology, dns_label
+from prfaas_sglang.transport.tunnel_plan import tunnel_clusters
 from prfaas_sglang.transport.wan_defaults import MOONCAKE_RPC_PORTS
 
 CONFIG_MOUNT = "/etc/prfaas/topology.yaml"
@@ -176,7 +182,9 @@ DEFAULT_REQUESTS = {
     "router": {"cpu": "250m", "memory": "256Mi"},
     "kv-index": {"cpu": "100m", "memory": "128Mi"},
     "front": {"cpu": "50m", "memory": "64Mi"},
+    "tunnel": {"cpu": "250m", "memory": "64Mi"},  # wireguard-go: about 0.65 of a core at 1 Gbit/s (tunnel.md)
 }
+TUNNEL_WAIT_S = 120  # how long a node waits for its pod's tunnel container (they start together)
 
 
 def requests_for(spec: KubernetesSpec, role: str, engine: Engine) -> dict[str, str]:
@@ -221,7 +229,27 @@ def _container(topology: Topology, w: Workload, engine: Engine) -> dict:
     }
     if engine_role:  # model load (SGLang: minutes) before liveness counts
         container["startupProbe"] = _probe("/health", 10, 180 if engine is Engine.SGLANG else 30)
+    if w.cluster in tunnel_clusters(topology):
+        env.append({"name": "PRFAAS_TUNNEL_WAIT_S", "value": str(TUNNEL_WAIT_S)})
     return container
+
+
+def _tunnel_container(topology: Topology, w: Workload, engine: Engine) -> dict:
+    """The pod's WireGuard tunnel, held by the launcher (``--tunnel``) in the pod's network namespace."""
+    node = "$(POD_NAME)" if w.per_pod_node else w.nodes[0].name
+    return {
+        "name": "tunnel",
+        "image": _image(topology, w, engine),
+        "command": ["python3", "-m", "prfaas_sglang.launch"],
+        "args": ["--config", CONFIG_MOUNT, "--tunnel", "--node", node],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "PRFAAS_SECRET_FILE", "value": f"{SECRET_DIR}/{SECRET_KEY}"}],
+        "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}},
+        "resources": {"requests": requests_for(topology.kubernetes, "tunnel", engine)},
+        "volumeMounts": [{"name": "topology", "mountPath": CONFIG_MOUNT, "subPath": "topology.yaml", "readOnly": True},
+                         {"name": "deployment-secret", "mountPath": SECRET_DIR, "readOnly": True},
+                         {"name": "dev-net-tun", "mountPath": "/dev/net/tun"}],
+    }
 
 
 def front_port(topology: Topology, w: Workload) -> int | None:
@@ -258,6 +286,8 @@ def _volumes(topology: Topology, w: Workload, engine: Engine) -> list[dict]:
     volumes = [{"name": "topology", "configMap": {"name": TOPOLOGY_CONFIGMAP}},
                {"name": "deployment-secret", "secret": {"secretName": spec.secret, "defaultMode": 0o400,
                                                        "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}}]
+    if w.cluster in tunnel_clusters(topology):
+        volumes.append({"name": "dev-net-tun", "hostPath": {"path": "/dev/net/tun", "type": "CharDevice"}})
     if ROLE_SPECS[w.role].is_engine_role and engine is Engine.SGLANG:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}})
         if spec.model_claim and topology.model.path:
@@ -273,6 +303,8 @@ def workload_manifests(topology: Topology, w: Workload, engine: Engine) -> list[
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(w.ports["http"]), "prometheus.io/path": "/metrics"}
     front = front_port(topology, w)
     containers = [_container(topology, w, engine)] + ([_front_container(topology, w, front)] if front else [])
+    if w.cluster in tunnel_clusters(topology):
+        containers.append(_tunnel_container(topology, w, engine))
     sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": w.name, "namespace": ns, "labels": labels},
            "spec": {"serviceName": w.name, "replicas": len(w.nodes), "podManagementPolicy": "Parallel",
                     "selector": {"matchLabels": selector},
@@ -366,6 +398,8 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str, en
             if "role-switch" in ports:
                 rules.append({"from": routers, "ports": [{"port": ports["role-switch"], "protocol": "TCP"}]})
         rules.append({"from": monitoring, "ports": [{"port": ports["http"], "protocol": "TCP"}]})
+        if (tunnel_port := tunnel_clusters(topology).get(cluster)) is not None:  # the link's traffic, encrypted
+            rules.append({"from": routers + control + engines, "ports": [{"port": tunnel_port, "protocol": "UDP"}]})
         out.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                     "metadata": {"name": f"{w.name}-ingress", "namespace": ns, "labels": _labels(w)},
                     "spec": {"podSelector": {"matchLabels": {LABEL_APP: APP, LABEL_INSTANCE: w.name}},

@@ -12,7 +12,13 @@ peer host's address into the tunnel by policy routing, as ``wg-quick`` does::
              blackhole PEER/32           metric 100 (fails closed: with the tunnel gone nothing leaves in
                                                      clear; the link fails, and the router routes around it)
 
-Keys: each host's private key is derived from the deployment secret and its address
+Hosts are addresses or names. A name (Kubernetes: a pod's stable DNS name, whose address changes when the
+pod is recreated) is resolved by the caller's ``resolve`` (I/O stays out of here): the plan carries each
+peer's name, for its key and interface, and the address it resolved to, for the tunnel's endpoint and
+routes. The holder (``launch --tunnel``) resolves again every few seconds and moves a peer whose address
+changed (:func:`moved_peers`).
+
+Keys: each host's private key is derived from the deployment secret and its host (address or name)
 (:meth:`~prfaas_sglang.wire.auth.DeploymentKeys.tunnel_private_key`), so every holder of the secret
 knows every peer's public key; a host without the secret cannot complete a handshake, and receives
 nothing. The I/O (interface, keys, routes) is :mod:`prfaas_sglang.adapters.wireguard`'s.
@@ -37,9 +43,14 @@ KEEPALIVE_S = 25  # keeps a NAT's mapping of the tunnel's UDP flow
 
 @dataclass(frozen=True)
 class Peer:
-    host: str  # its address: the tunnel endpoint, and the one address routed into the tunnel
+    host: str  # as the topology names it (an address or a name): its key derives from it
     port: int
     public_key: str  # base64, as ``wg`` takes it
+    address: str = ""  # what ``host`` resolved to: the tunnel endpoint, and the one address routed into the tunnel
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            object.__setattr__(self, "address", self.host)
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,30 @@ class TunnelPlan:
     listen_port: int
     peers: tuple[Peer, ...]
     links: tuple[str, ...]  # the encrypted links it serves ("src->dst"), for logs and errors
+    address: str = ""  # what ``host`` resolved to: the source address of what it sends into the tunnel
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            object.__setattr__(self, "address", self.host)
 
     @property
     def peer_hosts(self) -> tuple[str, ...]:
-        return tuple(p.host for p in self.peers)
+        """The peers' addresses (what is routed into the tunnel)."""
+        return tuple(p.address for p in self.peers)
+
+
+def is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def moved_peers(old: TunnelPlan, new: TunnelPlan) -> list[tuple[Peer, Peer]]:
+    """(before, after) of each peer whose address changed between two resolutions of one host's plan."""
+    before = {p.host: p for p in old.peers}
+    return [(before[p.host], p) for p in new.peers if p.host in before and before[p.host].address != p.address]
 
 
 def interface_name(host: str) -> str:
@@ -76,10 +107,22 @@ def _hosts(topology: Topology, clusters: Iterable[str]) -> set[str]:
     return {n.host for n in topology.nodes if n.cluster in clusters and n.host}
 
 
-def encrypted_peers(topology: Topology, host: str) -> dict[str, tuple[int, tuple[str, ...]]]:
+def tunnel_clusters(topology: Topology) -> dict[str, int]:
+    """Cluster -> tunnel port, for every cluster whose hosts hold a tunnel (either side of an encrypted link; the
+    control clusters join the PD side)."""
+    out: dict[str, int] = {}
+    for link in topology.links:
+        if link.encrypt:
+            for side in _sides(topology, link.src, link.dst):
+                out.update(dict.fromkeys(side, link.tunnel_port))
+    return out
+
+
+def encrypted_peers(topology: Topology, host: str, names: bool = False) -> dict[str, tuple[int, tuple[str, ...]]]:
     """Peer host -> (its link's tunnel port, the links through which ``host`` reaches it encrypted). Raises
     :class:`ConfigError` where one host is on both sides of an encrypted link (nothing to encrypt between
-    a host and itself: give each side its own address) or two links give one peer different ports."""
+    a host and itself: give each side its own address), two links give one peer different ports, or (unless
+    ``names``: the caller resolves them) a host is not an IP address."""
     peers: dict[str, tuple[int, tuple[str, ...]]] = {}
     for i, link in enumerate(topology.links):
         if not link.encrypt:
@@ -87,11 +130,10 @@ def encrypted_peers(topology: Topology, host: str) -> dict[str, tuple[int, tuple
         prfaas, other = _sides(topology, link.src, link.dst)
         a, b = _hosts(topology, prfaas), _hosts(topology, other)
         for h in sorted(a | b):
-            try:
-                ipaddress.ip_address(h)
-            except ValueError:
+            if not names and not is_address(h):
                 raise ConfigError(f"links[{i}].encrypt", f"host {h} is not an IP address (the tunnel routes each "
-                                                         "peer's address into itself)") from None
+                                                         "peer's address into itself; a name needs a resolver, as "
+                                                         "launch --tunnel has)")
         if shared := a & b:
             raise ConfigError(f"links[{i}].encrypt", f"host {sorted(shared)[0]} is on both sides of the link "
                                                      "(a tunnel joins distinct addresses)")
@@ -105,10 +147,13 @@ def encrypted_peers(topology: Topology, host: str) -> dict[str, tuple[int, tuple
     return peers
 
 
-def plan(topology: Topology, host: str, public_key: Callable[[str], str]) -> TunnelPlan | None:
+def plan(topology: Topology, host: str, public_key: Callable[[str], str],
+         resolve: Callable[[str], str] | None = None) -> TunnelPlan | None:
     """``host``'s tunnel, or None when no encrypted link reaches it. ``public_key(host)``: a host's public key
-    (the adapter derives it from the deployment secret)."""
-    peers = encrypted_peers(topology, host)
+    (the adapter derives it from the deployment secret). ``resolve(name)``: a host name's address, for
+    topologies whose hosts are names (None: every host must be an address). Raises :class:`ConfigError` where
+    two hosts resolve to one address (a tunnel joins distinct addresses)."""
+    peers = encrypted_peers(topology, host, names=resolve is not None)
     if not peers:
         return None
     ports = {link.tunnel_port for link in topology.links
@@ -116,5 +161,15 @@ def plan(topology: Topology, host: str, public_key: Callable[[str], str]) -> Tun
     if len(ports) > 1:
         raise ConfigError("links", f"host {host} is on encrypted links with tunnel ports {sorted(ports)}: one port a host")
     names = sorted({n for _, links in peers.values() for n in links})
+
+    def address(h: str) -> str:
+        return h if resolve is None or is_address(h) else resolve(h)
+    own = address(host)
+    resolved = {h: address(h) for h in peers}
+    clashes = sorted(h for h, a in resolved.items() if a == own or list(resolved.values()).count(a) > 1)
+    if clashes:
+        raise ConfigError("links", f"hosts {', '.join(clashes)} resolve to one address ({resolved[clashes[0]]}) "
+                                   f"with another host of the tunnel of {host}")
     return TunnelPlan(host, interface_name(host), ports.pop(),
-                      tuple(Peer(h, port, public_key(h)) for h, (port, _) in sorted(peers.items())), tuple(names))
+                      tuple(Peer(h, port, public_key(h), resolved[h]) for h, (port, _) in sorted(peers.items())),
+                      tuple(names), own)

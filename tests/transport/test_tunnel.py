@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import select
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,7 @@ from prfaas_sglang.adapters.wireguard import Tunnel, TunnelError, public_keys
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.topology import parse_topology
 from prfaas_sglang.transport.linkem import EmulatedLink
-from prfaas_sglang.transport.tunnel_plan import RULE_PRIORITY, plan
+from prfaas_sglang.transport.tunnel_plan import RULE_PRIORITY, moved_peers, plan
 from prfaas_sglang.wire.auth import DeploymentKeys
 
 PEER = (sys.executable, "-m", "prfaas_sglang.bench.transport_peer")
@@ -60,6 +62,20 @@ def test_the_plan_puts_each_side_behind_the_other_and_refuses_what_it_cannot_enc
         plan(topology("127.0.0.1", "127.0.0.1"), "127.0.0.1", str)
     with pytest.raises(ConfigError, match=r"links\[0\]\.encrypt: host pd-0.example is not an IP address"):
         plan(topology("10.1.0.1", "pd-0.example"), "10.1.0.1", str)
+
+
+def test_a_plan_between_names_resolves_them_and_says_which_peer_moved():
+    topo = topology("prfaas-0.x", "pd-0.x")
+    addresses = {"prfaas-0.x": "10.1.0.1", "pd-0.x": "10.2.0.1"}
+    first = plan(topo, "prfaas-0.x", lambda h: f"key-of-{h}", resolve=addresses.__getitem__)
+    assert (first.address, first.peers[0].host, first.peer_hosts) == ("10.1.0.1", "pd-0.x", ("10.2.0.1",))
+    assert first.peers[0].public_key == "key-of-pd-0.x"  # keys by name: a recreated pod keeps its key
+    again = plan(topo, "prfaas-0.x", lambda h: f"key-of-{h}", resolve={**addresses, "pd-0.x": "10.2.0.7"}.__getitem__)
+    assert again.interface == first.interface
+    assert [(b.address, a.address) for b, a in moved_peers(first, again)] == [("10.2.0.1", "10.2.0.7")]
+    assert moved_peers(first, first) == []
+    with pytest.raises(ConfigError, match="resolve to one address"):
+        plan(topo, "prfaas-0.x", str, resolve=lambda h: "10.1.0.1")
 
 
 def test_every_host_derives_every_peers_key_from_the_secret_alone():
@@ -227,6 +243,74 @@ def test_the_launcher_holds_a_hosts_tunnel_and_a_node_on_the_link_refuses_to_sta
     assert not_up(tunnel_plan, link.wrap_a) is not None  # taken down with the holder
     lonely = subprocess.run((*launch, "--tunnel", "--host", "10.9.9.9"), capture_output=True, text=True, env=env, timeout=60)
     assert lonely.returncode == 2 and "--host: 10.9.9.9 is on no encrypted link" in lonely.stderr
+
+
+def _hosts_file(ns: str, entries: dict[str, str]) -> None:
+    """``ip netns exec NS`` sees this as /etc/hosts: the names a Kubernetes cluster's DNS would give."""
+    directory = Path("/etc/netns") / ns
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "hosts").write_text("".join(f"{address} {name}\n" for name, address in entries.items()))
+
+
+def test_a_tunnel_between_names_follows_a_peer_that_comes_back_at_a_new_address(link, tmp_path):
+    """Hosts given as names (Kubernetes pods' DNS names): each ``--tunnel`` holder resolves them, keys derive from
+    the names, and when B's pod comes back at another address, A's holder moves B's peer there within a few
+    resolutions; the KV to B's new address crosses encrypted."""
+    import yaml
+
+    names = {"prfaas-0.test": link.ip_a, "pd-0.test": link.ip_b}
+    moved_to = f"10.217.{link.tag}.2"
+    for ns in (link.ns_a, link.ns_b):
+        _hosts_file(ns, names)
+    config = tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(raw_topology("prfaas-0.test", "pd-0.test")))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a deployment secret of 32 bytes!")
+    secret.chmod(0o600)
+    env = {"PRFAAS_SECRET_FILE": str(secret), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PRFAAS_TUNNEL_RESOLVE_S": "0.3"}
+
+    def hold(wrap, node):
+        proc = subprocess.Popen((*wrap, sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), "--tunnel",
+                                 "--node", node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = proc.stdout.readline()
+        assert line.startswith("tunnel pwg"), proc.stderr.read()
+        return proc, line
+
+    a, a_line = hold(link.wrap_a, "prfaas-0")
+    b, _ = hold(link.wrap_b, "pd-decode-0")
+    try:
+        assert f"peers {link.ip_b}" in a_line  # the name, resolved
+        capture = Capture(link)
+        first = kv_transfer(link, 1)
+        b.terminate()  # B's pod goes, and comes back at another address
+        assert b.wait(timeout=20) == 0
+        subprocess.run((*link.wrap_b, "ip", "addr", "add", f"{moved_to}/32", "dev", link.tun_b), check=True)
+        subprocess.run((*link.wrap_a, "ip", "route", "add", f"{moved_to}/32", "dev", link.tun_a), check=True)
+        for ns in (link.ns_a, link.ns_b):
+            _hosts_file(ns, {**names, "pd-0.test": moved_to})
+        b, _ = hold(link.wrap_b, "pd-decode-0")
+        ready, _, _ = select.select([a.stdout], [], [], 15)  # a few resolutions, 0.3 s apart
+        assert ready and a.stdout.readline().strip().endswith(f"peer {link.ip_b} moved to {moved_to}")
+        second = kv_transfer(_Moved(link, moved_to), 1)
+        seen = capture.stop()
+    finally:
+        for proc in (a, b):
+            proc.terminate()
+            proc.wait(timeout=20)
+        for ns in (link.ns_a, link.ns_b):
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+    assert first["ok"] and second["ok"], (first, second)
+    assert seen["protocols"] == {"udp": seen["packets"]} and seen["ports"] == [TUNNEL_PORT] and seen["with_pattern"] == 0
+
+
+class _Moved:
+    """``link`` with B at another address, for :func:`kv_transfer`."""
+
+    def __init__(self, link: EmulatedLink, ip_b: str):
+        self._link, self.ip_b = link, ip_b
+
+    def __getattr__(self, name: str):
+        return getattr(self._link, name)
 
 
 def test_the_tunnel_bench_measures_both_paths_side_by_side():

@@ -99,6 +99,17 @@ def test_images_that_publish_link_telemetry_carry_ss(name):
     assert any(re.search(r"\biproute2\b", cmd) for cmd in installs), installs
 
 
+@pytest.mark.parametrize("name", ["prfaas-prefill.Dockerfile", "local-pd.Dockerfile", "control-plane.Dockerfile"])
+def test_every_image_can_hold_its_pods_tunnel(name):
+    """A pod on an encrypted link runs ``launch --tunnel`` in its ``tunnel`` container (launch/k8s.py): every image
+    has ``ip``, ``wg`` and ``nft``; the emulated engine's (Debian's base) has wireguard-go for kernels without the
+    module, the engine images rely on the GPU host's kernel WireGuard."""
+    runs = " ".join(args for word, args in instructions(REPO_ROOT / "docker" / name) if word == "RUN")
+    installs = " ".join(re.findall(r"apt-get install[^&]*", runs.replace("\\", " "))).split()
+    assert {"iproute2", "wireguard-tools", "nftables"} <= set(installs), installs
+    assert ("wireguard-go" in installs) == (name == "control-plane.Dockerfile")
+
+
 # The system libraries Mooncake's TCP engine links that a slim Python image lacks, by the Debian package that has
 # them; the C runtime is in every base. A library neither here, in the base, nor in the wheel fails the test below.
 DEBIAN_PACKAGE_OF = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}

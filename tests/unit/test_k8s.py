@@ -21,7 +21,7 @@ from prfaas_sglang.topology import load_topology, parse_topology
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = [("paper-case-study.yaml", Engine.SGLANG), ("paper-case-study.yaml", Engine.MOCK),
-         ("local-two-cluster.yaml", Engine.MOCK), ("switchable", Engine.SGLANG)]
+         ("local-two-cluster.yaml", Engine.MOCK), ("switchable", Engine.SGLANG), ("encrypted", Engine.MOCK)]
 K8S_VERSIONS = ("1.25.0", "1.30.0", "1.33.0", "1.37.0")  # the oldest: k8s.MIN_KUBERNETES
 
 
@@ -40,15 +40,25 @@ def _switchable() -> dict:
     return doc
 
 
+def _encrypted() -> dict:
+    """The local two-cluster example with its PrfaaS link encrypted."""
+    raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
+    raw["links"][0]["encrypt"] = True
+    return raw
+
+
+RAW = {"switchable": _switchable, "encrypted": _encrypted}
+
+
 def topology_of(name: str):
-    if name == "switchable":
-        return parse_topology(_switchable())
+    if name in RAW:
+        return parse_topology(RAW[name]())
     return load_topology(REPO / "launch" / name)
 
 
 def emit(name: str, engine: Engine, raw: dict | None = None) -> dict[str, str]:
-    path = REPO / "launch" / name
-    raw = raw if raw is not None else _switchable() if name == "switchable" else yaml.safe_load(path.read_text())
+    path = REPO / "launch" / (name if name not in RAW else "local-two-cluster.yaml")
+    raw = raw if raw is not None else RAW[name]() if name in RAW else yaml.safe_load(path.read_text())
     return k8s.render(raw, parse_topology(raw, str(path), path.parent), engine, grafana.build_json())
 
 
@@ -161,6 +171,28 @@ def _allowed(policy: dict, port: int) -> list[dict]:
 def _components(entries: list[dict]) -> set[tuple[str, str]]:
     return {(e["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"], c)
             for e in entries if "podSelector" in e for expr in e["podSelector"]["matchExpressions"] for c in expr["values"]}
+
+
+def test_pods_on_an_encrypted_link_carry_their_tunnel_and_their_policies_admit_its_udp_only_from_the_other_side():
+    files = emit("encrypted", Engine.MOCK)
+    pods = list(_pods(files))
+    assert {cluster for cluster, *_ in pods} == set(topology_of("encrypted").cluster_kinds)  # every cluster holds one
+    for _cluster, _pod, sts, container, _ in pods:
+        spec = sts["spec"]["template"]["spec"]
+        tunnel = next(c for c in spec["containers"] if c["name"] == "tunnel")
+        args, unknown = build_parser().parse_known_args(tunnel["args"])
+        assert args.tunnel and unknown == [] and tunnel["securityContext"]["capabilities"]["add"] == ["NET_ADMIN"]
+        assert {"name": "dev-net-tun", "mountPath": "/dev/net/tun"} in tunnel["volumeMounts"]
+        assert {"name": "dev-net-tun", "hostPath": {"path": "/dev/net/tun", "type": "CharDevice"}} in spec["volumes"]
+        assert {"name": "PRFAAS_TUNNEL_WAIT_S", "value": str(k8s.TUNNEL_WAIT_S)} in container["env"]  # the node waits
+    for _, policy in docs(files):
+        if policy["kind"] == "NetworkPolicy" and "ingress" in policy["spec"]:
+            udp = [r for r in policy["spec"]["ingress"] if r["ports"][0]["protocol"] == "UDP"]
+            assert [r["ports"] for r in udp] == [[{"port": 51820, "protocol": "UDP"}]], policy["metadata"]["name"]
+            assert all("from" in r and r["from"] for r in udp)  # from the deployment's pods, not anywhere
+    plain = emit("local-two-cluster.yaml", Engine.MOCK)
+    assert "tunnel" not in "".join(c["name"] for *_, sts, _, _ in _pods(plain) for c in sts["spec"]["template"]["spec"]["containers"])
+    assert "UDP" not in "".join(plain.values()) and "NET_ADMIN" not in "".join(plain.values())
 
 
 def test_network_policies_admit_only_the_topologys_paths():
