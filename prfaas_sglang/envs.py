@@ -254,8 +254,9 @@ class Envs:
     TUNNEL_WAIT_S = EnvVar(
         "PRFAAS_TUNNEL_WAIT_S",
         "0",
-        "A node on an encrypted link: how long it waits for its host's tunnel (launch --tunnel, a sidecar in "
-        "Kubernetes) to come up before refusing to start. 0: refuse at once.",
+        "A node on an encrypted link: how long it waits for its host's tunnel (launch --tunnel, a container in "
+        "its pod on Kubernetes) to come up before refusing to start; launch --tunnel: how long it waits for its "
+        "peers' names to resolve. 0: refuse at once.",
     )
     TUNNEL_RESOLVE_S = EnvVar(
         "PRFAAS_TUNNEL_RESOLVE_S",

@@ -398,6 +398,19 @@ def _tunnel_plan(args: argparse.Namespace, host: str, public_key):
     return plan(load_topology(args.config), host, public_key, resolve=_tunnel_address)
 
 
+def _resolved_plan(args: argparse.Namespace, host: str, public_key):
+    """:func:`_tunnel_plan`, waiting up to ``PRFAAS_TUNNEL_WAIT_S`` for names that do not resolve yet (Kubernetes:
+    peer pods not created yet), rather than exit and be restarted with a growing back-off."""
+    deadline = time.monotonic() + float(envs.TUNNEL_WAIT_S.parse(float) or 0)
+    while True:
+        try:
+            return _tunnel_plan(args, host, public_key)
+        except ConfigError as err:
+            if err.field != "--tunnel" or time.monotonic() >= deadline:
+                raise
+            time.sleep(1.0)
+
+
 def _require_tunnel(args: argparse.Namespace, node: Node) -> None:
     """Refuse to start a node on an encrypted link whose host's tunnel is not up (after waiting up to
     ``PRFAAS_TUNNEL_WAIT_S`` for it): its traffic would be dropped (the tunnel's routes fail closed) or, with no
@@ -438,7 +451,7 @@ def _run_tunnel(args: argparse.Namespace) -> int:
         keys = load_keys()
         if keys is None:
             raise ConfigError("PRFAAS_SECRET_FILE", "an encrypted link's keys derive from the deployment secret; none is set")
-        tunnel_plan = _tunnel_plan(args, host, public_keys(keys))
+        tunnel_plan = _resolved_plan(args, host, public_keys(keys))
         if tunnel_plan is None:
             raise ConfigError("--host", f"{host} is on no encrypted link of {args.config}")
         tunnel = Tunnel(tunnel_plan, keys.tunnel_private_key(host))

@@ -185,6 +185,9 @@ DEFAULT_REQUESTS = {
     "tunnel": {"cpu": "250m", "memory": "64Mi"},  # wireguard-go: about 0.65 of a core at 1 Gbit/s (tunnel.md)
 }
 TUNNEL_WAIT_S = 120  # how long a node waits for its pod's tunnel container (they start together)
+# wireguard-go's control sockets: the node's container asks them (`wg show`) whether its pod's tunnel is up, and
+# containers share the pod's network namespace but not their files (the kernel's WireGuard answers over netlink)
+WIREGUARD_RUN_MOUNT = {"name": "wireguard-run", "mountPath": "/var/run/wireguard"}
 
 
 def requests_for(spec: KubernetesSpec, role: str, engine: Engine) -> dict[str, str]:
@@ -231,6 +234,7 @@ def _container(topology: Topology, w: Workload, engine: Engine) -> dict:
         container["startupProbe"] = _probe("/health", 10, 180 if engine is Engine.SGLANG else 30)
     if w.cluster in tunnel_clusters(topology):
         env.append({"name": "PRFAAS_TUNNEL_WAIT_S", "value": str(TUNNEL_WAIT_S)})
+        mounts.append(WIREGUARD_RUN_MOUNT)  # where it asks wireguard-go whether the tunnel is up
     return container
 
 
@@ -243,12 +247,13 @@ def _tunnel_container(topology: Topology, w: Workload, engine: Engine) -> dict:
         "command": ["python3", "-m", "prfaas_sglang.launch"],
         "args": ["--config", CONFIG_MOUNT, "--tunnel", "--node", node],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "PRFAAS_SECRET_FILE", "value": f"{SECRET_DIR}/{SECRET_KEY}"}],
+                {"name": "PRFAAS_SECRET_FILE", "value": f"{SECRET_DIR}/{SECRET_KEY}"},
+                {"name": "PRFAAS_TUNNEL_WAIT_S", "value": str(TUNNEL_WAIT_S)}],  # for the peers' names to resolve
         "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}},
         "resources": {"requests": requests_for(topology.kubernetes, "tunnel", engine)},
         "volumeMounts": [{"name": "topology", "mountPath": CONFIG_MOUNT, "subPath": "topology.yaml", "readOnly": True},
                          {"name": "deployment-secret", "mountPath": SECRET_DIR, "readOnly": True},
-                         {"name": "dev-net-tun", "mountPath": "/dev/net/tun"}],
+                         {"name": "dev-net-tun", "mountPath": "/dev/net/tun"}, WIREGUARD_RUN_MOUNT],
     }
 
 
@@ -287,7 +292,8 @@ def _volumes(topology: Topology, w: Workload, engine: Engine) -> list[dict]:
                {"name": "deployment-secret", "secret": {"secretName": spec.secret, "defaultMode": 0o400,
                                                        "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}}]
     if w.cluster in tunnel_clusters(topology):
-        volumes.append({"name": "dev-net-tun", "hostPath": {"path": "/dev/net/tun", "type": "CharDevice"}})
+        volumes += [{"name": "dev-net-tun", "hostPath": {"path": "/dev/net/tun", "type": "CharDevice"}},
+                    {"name": "wireguard-run", "emptyDir": {}}]
     if ROLE_SPECS[w.role].is_engine_role and engine is Engine.SGLANG:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}})
         if spec.model_claim and topology.model.path:

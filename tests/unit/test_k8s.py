@@ -185,6 +185,7 @@ def test_pods_on_an_encrypted_link_carry_their_tunnel_and_their_policies_admit_i
         assert {"name": "dev-net-tun", "mountPath": "/dev/net/tun"} in tunnel["volumeMounts"]
         assert {"name": "dev-net-tun", "hostPath": {"path": "/dev/net/tun", "type": "CharDevice"}} in spec["volumes"]
         assert {"name": "PRFAAS_TUNNEL_WAIT_S", "value": str(k8s.TUNNEL_WAIT_S)} in container["env"]  # the node waits
+        assert k8s.WIREGUARD_RUN_MOUNT in container["volumeMounts"] and k8s.WIREGUARD_RUN_MOUNT in tunnel["volumeMounts"]
     for _, policy in docs(files):
         if policy["kind"] == "NetworkPolicy" and "ingress" in policy["spec"]:
             udp = [r for r in policy["spec"]["ingress"] if r["ports"][0]["protocol"] == "UDP"]
