@@ -137,10 +137,11 @@ class Tunnel:
                   "table", str(TABLE), "metric", "1")
 
     def _unroute(self, peer: str) -> None:
-        family = "-6" if ":" in peer else "-4"
-        for route in (("dev", self.plan.interface, "metric", "1"), ("metric", "100")):
-            kind = ("blackhole",) if route[0] == "metric" else ()
-            self._run("ip", family, "route", "del", *kind, _prefix(peer), "table", str(TABLE), *route, check=False)
+        """What :meth:`_route` added for ``peer`` (each may be gone already: the interface's goes with it)."""
+        family, table = "-6" if ":" in peer else "-4", ("table", str(TABLE))
+        self._run("ip", family, "route", "del", _prefix(peer), "dev", self.plan.interface, *table, "metric", "1",
+                  check=False)
+        self._run("ip", family, "route", "del", "blackhole", _prefix(peer), *table, "metric", "100", check=False)
 
     def update(self, new: TunnelPlan) -> list[tuple[str, str]]:
         """Follow peers whose names resolved to new addresses (a recreated pod): each moved peer's endpoint and

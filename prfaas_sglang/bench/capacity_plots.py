@@ -12,28 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from prfaas_sglang.bench.slo import row_points, wilson_band
 from prfaas_sglang.errors import ConfigError
 from prfaas_sglang.plan.plots import pyplot
 
 TARGET = 0.9
-
-
-def row_points(row: dict) -> list[tuple[float, float, int]]:
-    """(load, attainment, arrivals) of every measurement of one row, by load: the bisection's probes and the
-    grid's loads (the grid's where both measured one load)."""
-    points = {p["load_rps"]: (p["attainment"], p["arrivals"]) for p in row.get("probes", []) if p.get("arrivals")}
-    points |= {g["load_rps"]: (g["attainment"], g["arrivals"]) for g in (row.get("interval") or {}).get("grid", [])}
-    return [(load, att, n) for load, (att, n) in sorted(points.items())]
-
-
-def wilson_band(attainment: float, arrivals: int) -> tuple[float, float]:
-    """The 95% Wilson interval of an attainment measured over ``arrivals`` (SciPy, imported here)."""
-    try:
-        from scipy.stats import binomtest
-    except ImportError as err:
-        raise ConfigError("--plot", "needs scipy (pip install 'prfaas-sglang[fleet]')") from err
-    band = binomtest(round(attainment * arrivals), arrivals).proportion_ci(0.95, method="wilson")
-    return band.low, band.high
 
 
 def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
@@ -48,7 +31,10 @@ def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
             if not points:
                 continue
             loads = [p[0] for p in points]
-            bands = [wilson_band(att, n) for _, att, n in points]
+            try:
+                bands = [wilson_band(att, n) for _, att, n in points]
+            except ImportError as err:
+                raise ConfigError("--plot", "needs scipy (pip install 'prfaas-sglang[fleet]')") from err
             (line,) = ax.plot(loads, [p[1] for p in points], "o-", ms=3, label=name)
             ax.fill_between(loads, [b[0] for b in bands], [b[1] for b in bands], color=line.get_color(), alpha=0.15)
             interval = row.get("interval")

@@ -287,3 +287,20 @@ def ratio_interval(ours: CapacityInterval, theirs: CapacityInterval) -> dict:
     low, high = np.quantile(a / b, [tail, 1 - tail])
     return {"ratio": ours.capacity / theirs.capacity, "low": float(low), "high": float(high), "confidence": confidence,
             "ahead": bool(low > 1)}
+
+
+def row_points(row: dict) -> list[tuple[float, float, int]]:
+    """(load, attainment, arrivals) of every measurement of one capacity row (a ``bench compare --capacity`` row),
+    by load: the bisection's probes and the grid's loads (the grid's where both measured one load)."""
+    points = {p["load_rps"]: (p["attainment"], p["arrivals"]) for p in row.get("probes", []) if p.get("arrivals")}
+    points |= {g["load_rps"]: (g["attainment"], g["arrivals"]) for g in (row.get("interval") or {}).get("grid", [])}
+    return [(load, att, n) for load, (att, n) in sorted(points.items())]
+
+
+def wilson_band(attainment: float, arrivals: int) -> tuple[float, float]:
+    """The 95% Wilson interval of an attainment measured over ``arrivals`` (SciPy's ``binomtest``, imported here:
+    ImportError without it)."""
+    from scipy.stats import binomtest
+
+    band = binomtest(round(attainment * arrivals), arrivals).proportion_ci(0.95, method="wilson")
+    return band.low, band.high

@@ -172,7 +172,7 @@ def attainment_svg(document: dict) -> str:
     """One capacity condition's rows (``document``: a ``bench compare --capacity --json`` result or a recorded
     one in its shape, its first condition): attainment against offered load through every measured point,
     each with its 95% Wilson interval over its arrivals, and the 90% target dashed across."""
-    from prfaas_sglang.bench.capacity_plots import row_points, wilson_band
+    from prfaas_sglang.bench.slo import row_points, wilson_band
 
     cond = document.get("conditions", [document])[0]
     series: dict[str, list[tuple[float, float]]] = {}

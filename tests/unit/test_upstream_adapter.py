@@ -58,8 +58,6 @@ ALLOWED = {
         "resolve_target's error report: which module on a hook target's path fails to import, on any release",
     ("prfaas_sglang.plan.plots", "ImportError probe", "matplotlib"):
         "an optional third-party dependency (plots): a typed error names the extra to install",
-    ("prfaas_sglang.bench.capacity_plots", "ImportError probe", "scipy"):
-        "an optional third-party dependency (the attainment plots' Wilson bands): a typed error names the extra",
     ("prfaas_sglang.plan.fleet_model", "ImportError probe", "scipy"):
         "an optional third-party dependency (the fleet LP): a typed error names the extra to install",
     ("prfaas_sglang.router.__main__", "ImportError probe", "uvloop"):
