@@ -368,6 +368,7 @@ class Legs:
         self.timeout_s = service.config.phase_timeout_s
         self.prefill_task: asyncio.Task | None = None
         self.decode_task: asyncio.Task | None = None
+        self.gone_task: asyncio.Task | None = None  # raises once the prefill worker has left (see _prefill_worker_gone)
         self.resp: aiohttp.ClientResponse | None = None
         self.stream: web.StreamResponse | None = None
         self.at_event_end = True  # what the client got of the stream so far ends at an event boundary
@@ -389,11 +390,25 @@ class Legs:
         decode_cm = session.post(self.decode.url + path, data=leg_bytes(self.body, None, bootstrap), headers=JSON_HEADERS,
                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         self.decode_task = asyncio.create_task(decode_cm.__aenter__())
+        self.gone_task = asyncio.create_task(self._prefill_worker_gone())
+
+    async def _prefill_worker_gone(self) -> None:
+        """Raises PrefillFailed once the prefill worker has left: the health checks took it out and a probe of its
+        ``/health`` confirms. A worker deleted or partitioned away can go silent rather than refuse (behind an
+        encrypted link's tunnel, or a WAN that drops): its legs would wait out the phase timeout, the decode its
+        bootstrap timeout, while nothing has reached the client and the request could go elsewhere."""
+        session = self.request.app[SESSION_KEY]
+        while True:
+            await asyncio.sleep(GONE_POLL_S)
+            if not self.prefill.healthy and (why := await worker_gone(session, self.prefill.url, PREFILL_PROBE_S)):
+                raise PrefillFailed(f"prefill worker {self.prefill.name} left before the KV arrived ({why})")
 
     async def answer(self) -> web.StreamResponse:
         """The client's answer: a prefill worker's 4xx, the decode worker's response, or its stream."""
         prefill_task, service = self.prefill_task, self.service
-        done, _ = await asyncio.wait({self.decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({self.decode_task, prefill_task, self.gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        if self.gone_task in done:
+            raise self.gone_task.exception()  # nothing streamed yet: the caller re-dispatches
         if prefill_task in done:
             if prefill_task.exception() is not None:
                 raise prefill_task.exception()  # nothing streamed yet: the caller re-dispatches
@@ -401,14 +416,15 @@ class Legs:
             if status != 200:  # a client error: relay it, the decode leg is aborted in close()
                 service.counters.rejected["worker_4xx"] += 1
                 return web.Response(body=payload, status=status, headers=self.headers, content_type="application/json")
-        self.resp = resp = await self.decode_task
+        self.resp = resp = await _unless_failed(self.decode_task, self.gone_task)
         if resp.status >= 500:  # before anything reached the client: a failed transfer is re-dispatched
             await self._raise_if_prefill_side_failed()
         first = b""
         if self.req.stream and resp.status == 200:
-            first = await _first_event(resp, prefill_task)
+            first = await _first_event(resp, prefill_task, self.gone_task)
             if (stream_failure(first) or 0) >= 500:
                 await self._raise_if_prefill_side_failed()
+        self.gone_task.cancel()  # the decode answered: the prefill worker's departure no longer matters
         if not self.req.stream or resp.status != 200:
             return await self._whole(resp)
         return await self._relay_stream(first, resp)
@@ -478,7 +494,7 @@ class Legs:
 
     async def close(self) -> None:
         """Cancel what is still running (closing the decode connection makes the worker free its KV)."""
-        tasks = [t for t in (self.decode_task, self.prefill_task) if t is not None]
+        tasks = [t for t in (self.decode_task, self.prefill_task, self.gone_task) if t is not None]
         for task in tasks:
             if not task.done():
                 task.cancel()
@@ -578,6 +594,7 @@ async def _prefill_leg(session, prefill: WorkerRecord, path: str, data: bytes, t
 
 PREFILL_VERDICT_S = 5.0  # after a decode failure, how long the prefill leg's own verdict is awaited
 PREFILL_PROBE_S = 1.0  # then, when the prefill leg answered, how long its worker's /health is given
+GONE_POLL_S = 0.5  # how often a request waiting for its KV looks whether its prefill worker was taken out
 
 
 async def worker_gone(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
@@ -604,16 +621,27 @@ async def _raise_if_prefill_failed(prefill_task: asyncio.Task, timeout_s: float)
         pass
 
 
-async def _first_event(resp: aiohttp.ClientResponse, prefill_task: asyncio.Task) -> bytes:
+async def _unless_failed(task: asyncio.Task, *watchers: asyncio.Task):
+    """``task``'s result, unless a watcher (a task that only ever fails: a prefill leg, its worker's departure)
+    fails first: then that failure is raised (nothing has reached the client yet)."""
+    watching = set(watchers)
+    while not task.done():
+        done, _ = await asyncio.wait({task, *watching}, return_when=asyncio.FIRST_COMPLETED)
+        for watcher in done - {task}:
+            if not watcher.cancelled() and watcher.exception() is not None:
+                raise watcher.exception()
+            watching.discard(watcher)  # it ended well (a prefill leg answered): nothing more to watch there
+    return task.result()
+
+
+async def _first_event(resp: aiohttp.ClientResponse, *watchers: asyncio.Task) -> bytes:
     """The decode stream's first SSE event (up to its blank line), read before the client is
     answered: SGLang sends 200 at once and reports a failure as an event. While it waits, a
-    failed prefill leg raises its PrefillFailed (nothing has reached the client yet)."""
+    failed prefill leg or a prefill worker gone raises its PrefillFailed (nothing has reached the
+    client yet)."""
     first_task = asyncio.create_task(_read_first_event(resp.content))
     try:
-        done, _ = await asyncio.wait({first_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-        if first_task not in done and prefill_task.exception() is not None:
-            raise prefill_task.exception()
-        return await first_task
+        return await _unless_failed(first_task, *watchers)
     finally:
         if not first_task.done():
             first_task.cancel()
