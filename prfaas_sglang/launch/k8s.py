@@ -378,6 +378,7 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str, en
     out = [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": {"name": "default-deny-ingress", "namespace": ns},
             "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}]
+    tunnel_port = tunnel_clusters(topology).get(cluster)  # None: this cluster's pods hold no tunnel
     routers, control, engines = (_peers(topology, loads, {Role.ROUTER}), _peers(topology, loads, CONTROL_ROLES),
                                  _peers(topology, loads, ENGINE_ROLES, linked_clusters(topology, cluster)))
     for w in (w for w in loads if w.cluster == cluster):
@@ -404,7 +405,7 @@ def network_policies(topology: Topology, loads: list[Workload], cluster: str, en
             if "role-switch" in ports:
                 rules.append({"from": routers, "ports": [{"port": ports["role-switch"], "protocol": "TCP"}]})
         rules.append({"from": monitoring, "ports": [{"port": ports["http"], "protocol": "TCP"}]})
-        if (tunnel_port := tunnel_clusters(topology).get(cluster)) is not None:  # the link's traffic, encrypted
+        if tunnel_port is not None:  # the link's traffic, encrypted
             rules.append({"from": routers + control + engines, "ports": [{"port": tunnel_port, "protocol": "UDP"}]})
         out.append({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                     "metadata": {"name": f"{w.name}-ingress", "namespace": ns, "labels": _labels(w)},
