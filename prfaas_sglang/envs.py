@@ -54,6 +54,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """A parser for :meth:`EnvVar.parse`: a finite number of seconds >= 0 (ValueError otherwise)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"must be a number of seconds >= 0, not {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvBool(EnvVar):
     def get(self) -> bool:  # type: ignore[override]

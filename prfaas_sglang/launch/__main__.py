@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from prfaas_sglang.envs import envs
+from prfaas_sglang.envs import envs, seconds
 from prfaas_sglang.errors import ConfigError, PrfaasError, RoleNotAvailableError
 from prfaas_sglang.hosts import is_wildcard
 from prfaas_sglang.launch.command import (
@@ -401,7 +401,7 @@ def _tunnel_plan(args: argparse.Namespace, host: str, public_key):
 def _resolved_plan(args: argparse.Namespace, host: str, public_key):
     """:func:`_tunnel_plan`, waiting up to ``PRFAAS_TUNNEL_WAIT_S`` for names that do not resolve yet (Kubernetes:
     peer pods not created yet), rather than exit and be restarted with a growing back-off."""
-    deadline = time.monotonic() + float(envs.TUNNEL_WAIT_S.parse(float) or 0)
+    deadline = time.monotonic() + (envs.TUNNEL_WAIT_S.parse(seconds) or 0.0)
     while True:
         try:
             return _tunnel_plan(args, host, public_key)
@@ -423,7 +423,7 @@ def _require_tunnel(args: argparse.Namespace, node: Node) -> None:
     tunnel = plan(load_topology(args.config), node.host, lambda host: "", resolve=lambda host: host)  # names as they are
     if tunnel is None:
         return
-    deadline = time.monotonic() + float(envs.TUNNEL_WAIT_S.parse(float) or 0)
+    deadline = time.monotonic() + (envs.TUNNEL_WAIT_S.parse(seconds) or 0.0)
     while (why := not_up(tunnel)) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
     if why is not None:
@@ -451,6 +451,7 @@ def _run_tunnel(args: argparse.Namespace) -> int:
         keys = load_keys()
         if keys is None:
             raise ConfigError("PRFAAS_SECRET_FILE", "an encrypted link's keys derive from the deployment secret; none is set")
+        every_s = envs.TUNNEL_RESOLVE_S.parse(seconds) or 5.0  # 0: the default; a bad value stops here, tunnel down
         tunnel_plan = _resolved_plan(args, host, public_keys(keys))
         if tunnel_plan is None:
             raise ConfigError("--host", f"{host} is on no encrypted link of {args.config}")
@@ -463,13 +464,13 @@ def _run_tunnel(args: argparse.Namespace) -> int:
     try:
         print(f"tunnel {tunnel_plan.interface} up on {host}:{tunnel_plan.listen_port} for "
               f"{', '.join(tunnel_plan.links)}: peers {', '.join(tunnel_plan.peer_hosts)}", flush=True)
-        _hold_tunnel(args, tunnel, public_keys(keys))
+        _hold_tunnel(args, tunnel, public_keys(keys), every_s)
     finally:
         tunnel.take_down_interface()
     return 0
 
 
-def _hold_tunnel(args: argparse.Namespace, tunnel, public_key) -> None:
+def _hold_tunnel(args: argparse.Namespace, tunnel, public_key, every_s: float) -> None:
     """Until SIGTERM or SIGINT; where the topology's hosts are names, resolve them again every
     ``PRFAAS_TUNNEL_RESOLVE_S`` and move a peer that came back at a new address (a recreated pod)."""
     import signal
@@ -480,7 +481,6 @@ def _hold_tunnel(args: argparse.Namespace, tunnel, public_key) -> None:
     if all(is_address(p.host) for p in tunnel.plan.peers):
         signal.sigwait(stop)
         return
-    every_s = float(envs.TUNNEL_RESOLVE_S.parse(float) or 5)
     while signal.sigtimedwait(stop, every_s) is None:
         try:
             moved = tunnel.update(_tunnel_plan(args, tunnel.plan.host, public_key))

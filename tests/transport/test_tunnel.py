@@ -243,6 +243,10 @@ def test_the_launcher_holds_a_hosts_tunnel_and_a_node_on_the_link_refuses_to_sta
     assert not_up(tunnel_plan, link.wrap_a) is not None  # taken down with the holder
     lonely = subprocess.run((*launch, "--tunnel", "--host", "10.9.9.9"), capture_output=True, text=True, env=env, timeout=60)
     assert lonely.returncode == 2 and "--host: 10.9.9.9 is on no encrypted link" in lonely.stderr
+    bad = subprocess.run((*launch, "--tunnel", "--node", "prfaas-0"), capture_output=True, text=True, timeout=60,
+                         env={**env, "PRFAAS_TUNNEL_RESOLVE_S": "-1"})
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "PRFAAS_TUNNEL_RESOLVE_S: must be" in bad.stderr
+    assert not_up(tunnel_plan, link.wrap_a) is not None  # refused before any tunnel came up
 
 
 def _hosts_file(ns: str, entries: dict[str, str]) -> None:
