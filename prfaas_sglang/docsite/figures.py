@@ -185,5 +185,6 @@ def attainment_svg(document: dict) -> str:
     lowest = min((lo for rows in bars.values() for _, lo, _ in rows), default=TARGET)
     y_min = min(int(lowest * 10) / 10, 0.8)
     return line_chart_svg(f"{cond['condition']}: {cond.get('link', '')}, TTFT SLO {cond.get('ttft_slo_s', 0):g} s",
-                          "offered load (req/s, emulated)", "attainment (all arrivals)", series, y_min=y_min,
+                          f"offered load (req/s, emulated; {cond.get('setting', {}).get('output_tokens', '?')}-token outputs)",
+                          "attainment (all arrivals)", series, y_min=y_min,
                           bars=bars, guide=(TARGET, "90% of arrivals within the SLO"))

@@ -150,7 +150,7 @@ def test_the_kv_efficiency_figure_draws_each_row_and_condition_across_the_record
 def test_the_attainment_figure_draws_every_row_through_its_probes_with_their_intervals_and_the_target():
     from prfaas_sglang.docsite.figures import attainment_svg, ticks
 
-    doc = {"conditions": [{"condition": "abundant-5s", "link": "abundant", "ttft_slo_s": 5, "rows": {
+    doc = {"conditions": [{"condition": "abundant-5s", "link": "abundant", "ttft_slo_s": 5, "setting": {"output_tokens": 64}, "rows": {
         "ours (defaults)": {"probes": [{"load_rps": 0.8, "attainment": 0.95, "arrivals": 200},
                                        {"load_rps": 1.2, "attainment": 0.80, "arrivals": 200}]},
         "naive at its best (cache_aware)": {"probes": [{"load_rps": 0.5, "attainment": 0.91, "arrivals": 20}]}}}]}
@@ -160,5 +160,6 @@ def test_the_attainment_figure_draws_every_row_through_its_probes_with_their_int
     spans = [float(y1) - float(y2) for _, y1, y2 in sorted(bars, key=lambda b: float(b[0]))]
     assert len(spans) == 3 and spans[0] > 2 * max(spans[1:])  # naive's probe, at the lowest load, had 20 arrivals
     assert "90% of arrivals within the SLO" in svg and 'stroke-dasharray="6,4"' in svg
+    assert "64-token outputs" in svg and "SLO 5 s" in svg  # what was measured is on the figure
     assert ticks(0.0, 1.26) == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]
     assert ticks(0.7, 1.0) == [0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0]
