@@ -107,7 +107,12 @@ GPU_ONLY = {"sglang-kernel": None}
 # distribution metadata, not by path). The checkout goes first on PYTHONPATH on the GPU machine,
 # so its code is what runs.
 PROJECT = "prfaas-sglang"
-NOT_CARRIED = frozenset({PROJECT})
+# Loaded in the trace only because the CPU environment has it: transformers imports scipy at import
+# when it is installed (its availability probes), and nothing on the server's path calls it; this
+# environment has it for the planner's LP and the capacity bench's statistics. Carried, it is 109 MiB
+# unpacked and put the bundle 19 MiB over its budget (2026-11-29).
+PROBED_ONLY = frozenset({"scipy"})
+NOT_CARRIED = frozenset({PROJECT}) | PROBED_ONLY
 
 # Members never loaded on an H100 with the triton attention backend (shared/notes/gpu.md):
 # sglang-kernel's FlashAttention and FlashMLA builds and its sm100 ops (an H100 is sm90);

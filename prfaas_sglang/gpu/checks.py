@@ -840,25 +840,46 @@ def ensure_reference(ctx: Context) -> str:
 
 
 def run(bundle_dir: Path | None, model_config: Path | None, checks: tuple[str, ...], log: Callable[[str], None],
-        engine: str = "sglang") -> dict:
+        engine: str = "sglang", then: tuple[str, Callable[[Context], dict]] | None = None) -> dict:
     """Run ``checks`` on their own :func:`deployment`; ``engine="mock"``: the harness's dry run on emulated
     engines (``model_config`` the model directory, no bundle, no reference server,
     :data:`~prfaas_sglang.gpu.e2e.MOCK_CHECKS` only); ``engine="sglang-cpu"``: real SGLang on CPU from this
     environment (no bundle; ``model_config``, else a tiny Llama made here; :data:`~prfaas_sglang.gpu.e2e.CPU_CHECKS`).
-    The summary: :func:`~prfaas_sglang.gpu.e2e.summary`."""
+    ``then``: (name, step) run on the same deployment after the checks but before ``failover`` (which kills
+    a server), every server restored first; its result goes under the summary's ``name``, a crash as
+    ``{"error": ...}``, which fails ``ok``. The summary: :func:`~prfaas_sglang.gpu.e2e.summary`."""
     began, facts, results = time.monotonic(), {}, []
     try:
         with deployment(engine, checks, log, bundle_dir=bundle_dir, model_config=model_config, facts=facts) as ctx:
-            results = run_checks(ctx, checks)
+            results = run_checks(ctx, [c for c in checks if c != "failover"])
+            if then is not None:
+                facts[then[0]] = run_step(ctx, *then)
+            results += run_checks(ctx, [c for c in checks if c == "failover"])
     except DeploymentFailed as err:  # start-up failed: every requested check fails with the cause
         results = [CheckResult(name, False, f"deployment did not start: {err}") for name in checks]
         for result in results:
             log(result.line())
     facts["total_s"] = round(time.monotonic() - began, 1)
-    if not results:  # nothing asked: no logs worth keeping
+    if not results and then is None:  # nothing asked: no logs worth keeping
         shutil.rmtree(facts["work_dir"], ignore_errors=True)
-    return summary(results, facts)
+    result = summary(results, facts)
+    if then is not None and (then[0] not in facts or "error" in facts[then[0]]):
+        result["ok"] = False
+    return result
+
+
+def run_step(ctx: Context, name: str, step: Callable[[Context], dict]) -> dict:
+    """``step(ctx)`` after :func:`restore`, timed; a crash is ``{"error": ...}`` (logged), not the run's end."""
+    started = time.monotonic()
+    try:
+        restore(ctx)
+        result = step(ctx)
+    except Exception as err:  # noqa: BLE001 - the failover check still runs after it
+        result = {"error": f"{type(err).__name__}: {err}"}
+        ctx.log(f"FAIL {name}: {result['error']}")
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
 
 
 __all__ = ["ADMIN_TOKEN", "CHECK_FUNCTIONS", "Context", "DeploymentFailed", "deployment", "ensure_reference", "preflight",
-           "restore", "run", "run_checks", "run_order"]
+           "restore", "run", "run_checks", "run_order", "run_step"]

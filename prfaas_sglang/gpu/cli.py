@@ -70,13 +70,30 @@ def e2e_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 2
         if args.bundle is None or not args.bundle.is_dir():
             parser.error(f"--bundle {args.bundle}: not a directory (build it with: bench gpu-bundle --out DIR)")
+    if args.predict is not None:
+        if mock:
+            parser.error("--predict runs on real SGLang only (--engine sglang or sglang-cpu)")
+        if not args.predict.is_file():
+            parser.error(f"--predict {args.predict}: no such file (write one with: bench profile --out FILE)")
+        if args.predict_requests < 1:
+            parser.error("--predict-requests must be >= 1")
     # the checks import the harness (gpu/e2e.py), not the other way round
     from prfaas_sglang.gpu.checks import run
 
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
-    result = run(args.bundle, args.model_config, checks, log, engine=args.engine)
-    print(json.dumps(result, indent=2) if args.json else json.dumps({k: result[k] for k in ("ok", "passed", "failed")}))
+    log = _log(args)
+    then = None if args.predict is None else ("predict", _predict_step(args, log))
+    result = run(args.bundle, args.model_config, checks, log, engine=args.engine, then=then)
+    shown = ("ok", "passed", "failed") + (("predict",) if then else ())
+    print(json.dumps(result, indent=2) if args.json else json.dumps({k: result[k] for k in shown if k in result}))
     return 0 if result["ok"] else 1
+
+
+def _predict_step(args: argparse.Namespace, log):
+    """``bench predict``'s run as a step on gpu-e2e's deployment (``--predict``): every variant, rows kept."""
+    from prfaas_sglang.gpu.predict import run as predict
+
+    return lambda ctx: predict(args.engine, None, args.predict, log, requests=args.predict_requests,
+                               dep=ctx.dep, model_dir=ctx.model_dir)
 
 
 def _gpu_unready(command: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
@@ -162,6 +179,10 @@ def add_e2e_arguments(parser: argparse.ArgumentParser) -> None:
                              "state-events, which needs a hybrid and, on CPU, AMX; root for shaped-link); mock: the harness's own dry run with "
                              "emulated engines (shaped-link, routing, kv-index, failover; needs --model-config, root); it checks "
                              "the harness, not SGLang")
+    parser.add_argument("--predict", type=Path, default=None, metavar="MEASURED",
+                        help="also run bench predict (every variant) on the same deployment, after the checks and "
+                             "before failover, against this measured profile")
+    parser.add_argument("--predict-requests", type=int, default=50, help="with --predict: requests per router")
     parser.add_argument("--json", action="store_true",
                         help="print the whole result as JSON (progress to stderr); "
                              "default: only ok, passed and failed")

@@ -54,7 +54,8 @@ def test_wanted_drops_the_preinstalled_swaps_mooncake_and_adds_the_gpu_only():
     traced = {"sglang": {"version": "0.5.15", "files": []}, "torch": {"version": "2.14.1", "files": []},
               "nvidia-cuda-runtime": {"version": "13", "files": []}, "orjson": {"version": "3.13.0", "files": []},
               "mooncake-transfer-engine-non-cuda": {"version": "0.3.13.post1", "files": []},
-              "prfaas-sglang": {"version": "0.1.0", "files": []}}
+              "prfaas-sglang": {"version": "0.1.0", "files": []},
+              "scipy": {"version": "1.17.1", "files": []}}  # only transformers' probe loads it
     got = {spec.normalize(w.name): w.version for w in spec.wanted(traced, ["sglang-kernel==0.4.4"])}
     assert got == {"sglang": "0.5.15", "orjson": "3.13.0", "mooncake-transfer-engine-cuda13": "0.3.13.post1",
                    "sglang-kernel": "0.4.4"}

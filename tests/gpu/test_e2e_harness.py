@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -472,9 +473,15 @@ def test_the_shaped_link_check_runs_end_to_end_on_emulated_engines(tmp_path, mon
     monkeypatch.setattr(checks, "profile_for", lambda engine: profile)
     make_model(tmp_path / "model", log=lambda _line: None)
     lines: list[str] = []
-    result = checks.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock")
+
+    def step(ctx):  # what gpu-e2e --predict runs here: on the same deployment, every server up, before failover
+        return {"checks_before": [line.split()[1] for line in lines if line.startswith(("PASS", "FAIL"))],
+                "prfaas_health": e2e.http("GET", ctx.dep.url("prfaas-0") + "/health")[0]}
+
+    result = checks.run(None, tmp_path / "model", e2e.MOCK_CHECKS, lines.append, engine="mock", then=("step", step))
     assert result["ok"], result["failed"]
     assert result["passed"] == ["shaped-link", "routing", "kv-index", "failover"]  # the link first, then the shared deployment
+    assert result["step"]["checks_before"] == ["shaped-link", "routing", "kv-index"] and result["step"]["prfaas_health"] == 200
     kv_rows = {r["prompt"]: r for r in result["checks"]["kv-index"]["rows"]}
     assert kv_rows["extend"]["cached_tokens"] == kv_rows["extend"]["predicted"] > 0
     assert result["checks"]["routing"]["routed"] == {"prfaas": 2, "pd": 2}
@@ -588,3 +595,20 @@ def test_the_link_watch_sums_what_the_router_showed_while_it_watched():
     assert watch.summary() == {"samples": 3, "with_capacity": 1, "peak_capacity_bps": 1.5e8, "peak_egress_bps": 6e7,
                                "transfers_delivered_seen": 2, "transfers_failed_seen": 0, "congested_samples": 1,
                                "controller_capacity_est_bps": 1e8, "lowest_capacity_est_bps": 2e5, "probes": 2}
+
+
+def test_a_step_after_the_checks_that_crashes_is_its_own_error_not_the_runs_end(monkeypatch):
+    """``gpu-e2e --predict``'s step: a crash is logged and returned (the summary's ``ok`` then fails) and
+    the failover check still runs after it; every server is restored before the step."""
+    restored, lines = [], []
+    monkeypatch.setattr(checks, "restore", restored.append)
+    ctx = types.SimpleNamespace(log=lines.append)
+
+    def crash(_ctx):
+        raise RuntimeError("no router")
+
+    got = checks.run_step(ctx, "predict", crash)
+    assert got["error"] == "RuntimeError: no router" and got["seconds"] >= 0
+    assert lines == ["FAIL predict: RuntimeError: no router"] and restored == [ctx]
+    ran = checks.run_step(ctx, "predict", lambda _ctx: {"rows": 3})
+    assert ran["rows"] == 3 and set(ran) == {"rows", "seconds"} and len(restored) == 2
