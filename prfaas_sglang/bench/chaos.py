@@ -49,6 +49,7 @@ from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 
 DEADLINE_S = 60.0
 PROBE_INTERVAL_S = 0.25
+BOOTSTRAP_TIMEOUT_S = 10.0  # the workers' (--bootstrap-timeout-s): how long an unclaimed room may stay open
 FAULTS = ("kill-pd-decode-0", "kill-pd-prefill-0", "kill-prfaas-0", "kill-router", "zmq-garbage",
           "link-blackhole", "link-throttle", "http-fuzz")
 ENCRYPTED_FAULTS = ("tunnel-down",)  # with --encrypt only
@@ -341,12 +342,7 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
                 session, url, state["t0"] + record["ended_s"])
             records.append(record)
         await load
-        await asyncio.sleep(3.0)  # let the last finished requests release what they held
-        leaks = {}
-        for name, w in chaos.d.workers.items():
-            async with session.get(w.url + "/metrics") as resp:
-                text = await resp.text()
-            leaks[name] = _leak_view(text)
+        leaks, rest_s = await _at_rest(session, chaos, state)
         front_counters = None
         if url != chaos.d.router.url:
             async with session.get(url + "/front/health") as resp:
@@ -358,7 +354,27 @@ async def _experiment(chaos: Chaos, duration_s: float, rate: float, seed: int, d
     return {"tally": vars(tally), "faults": records, "leaks": leaks, "router_rss": _rss_summary(rss),
             "duration_s": duration_s, "rate_rps": rate, "seed": seed, "rounds": rounds, "down_s": down_s,
             "front": url != chaos.d.router.url, "front_counters": front_counters, "t0_unix_s": state["t0_unix_s"],
-            "path_changes": path_changes}
+            "path_changes": path_changes, "rest_s": rest_s}
+
+
+async def _at_rest(session, chaos: Chaos, state: dict) -> tuple[dict, float]:
+    """What each worker holds once the load and every fault are over (:func:`_leak_view`), and when (s after
+    the experiment's start). A room whose request was moved away while its worker sat behind a fault (a tunnel
+    down: the router's close cannot reach it) is freed by the worker's bootstrap timeout or by the close's
+    retransmission once the path is back, so the workers get up to :data:`BOOTSTRAP_TIMEOUT_S` and 5 s more
+    to drain, polled; whatever is held after that is a leak."""
+    await asyncio.sleep(3.0)  # let the last finished requests release what they held
+    deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S + 5.0
+    while True:
+        leaks = {}
+        for name, w in chaos.d.workers.items():
+            async with session.get(w.url + "/metrics") as resp:
+                leaks[name] = _leak_view(await resp.text())
+        held = any(v.get("prfaas:open_rooms") or v.get("prfaas:kv_pool_used_tokens") or v.get("leaked_kv_bytes")
+                   for v in leaks.values())
+        if not held or time.monotonic() >= deadline:
+            return leaks, round(time.monotonic() - state["t0"], 2)
+        await asyncio.sleep(0.5)
 
 
 def _leak_view(metrics: str) -> dict:
@@ -403,7 +419,7 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-chaos-"))
     group = ProcessGroup(log_dir)
-    engine = ("--bootstrap-timeout-s", "10", "--context-tokens", "32768")
+    engine = ("--bootstrap-timeout-s", f"{BOOTSTRAP_TIMEOUT_S:g}", "--context-tokens", "32768")
     engine_args = {r: engine for r in ("prfaas", "pd-prefill", "pd-decode")}
     router_args = ("--no-early-rejection", "--phase-timeout-s", "20", "--admission-timeout-s", "10",
                    "--health-interval-s", "0.5")
@@ -516,7 +532,7 @@ def render_markdown(result: dict) -> str:
     lines += ["", f"Router RSS growth (longest-lived process): {rss['growth_longest_lived']:+.1%}; "
               + "; ".join(f"pid {p['pid']}: {p['rss_warm_mb']:.0f} -> {p['rss_end_mb']:.0f} MB over {p['lived_s']:.0f} s"
                           for p in rss["processes"]),
-              "Held at rest: " + "; ".join(f"{n}: rooms {v.get('prfaas:open_rooms', 0):.0f}, pool tokens "
+              f"Held at rest (checked at {result['rest_s']:.1f} s): " + "; ".join(f"{n}: rooms {v.get('prfaas:open_rooms', 0):.0f}, pool tokens "
                                             f"{v.get('prfaas:kv_pool_used_tokens', 0):.0f}, KV bytes {v['leaked_kv_bytes']:.0f}"
                                             for n, v in result["leaks"].items()),
               *([f"Front: {result['front_counters']}"] if result.get("front_counters") else []),

@@ -69,7 +69,11 @@ class MonotoneCurve:
 
     Between points it never overshoots, so non-decreasing data give a
     non-decreasing curve. Outside the points it continues linearly with the end
-    slopes (clamped at >= 0), so it stays non-decreasing everywhere.
+    slopes (clamped at >= 0), so it stays non-decreasing everywhere. Below the
+    first point (at ``x0 > 0``) it never falls under the line through the origin,
+    ``y0 * x / x0``: a steep first slope extrapolated down would otherwise reach 0
+    (a 64-token prefill priced at nothing where the profile starts at 256 tokens:
+    CI's calibration test of 2026-11-29 saw a predicted TTFT of 0).
     """
 
     def __init__(self, xs: Sequence[float], ys: Sequence[float]):
@@ -94,7 +98,8 @@ class MonotoneCurve:
         if len(xs) == 1:
             return ys[0]
         if x <= xs[0]:
-            return ys[0] + max(m[0], 0.0) * (x - xs[0])
+            linear = ys[0] + max(m[0], 0.0) * (x - xs[0])
+            return max(linear, ys[0] * x / xs[0]) if xs[0] > 0 and x > 0 else linear
         if x >= xs[-1]:
             return ys[-1] + max(m[-1], 0.0) * (x - xs[-1])
         i = bisect.bisect_right(xs, x) - 1

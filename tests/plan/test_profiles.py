@@ -44,6 +44,17 @@ class TestTabulated:
         assert profile.kv_bytes(32768) == pytest.approx(32e6)
         assert profile.prefill_s(65536) > 5.0
 
+    def test_below_the_first_point_a_prefill_costs_at_least_its_share_of_the_first(self):
+        """The first slope here (0.8 s over 7,168 tokens) extrapolated down reaches 0 before 64 tokens:
+        a prompt shorter than every measured one is priced at no less than ``y0 * x / x0``, never 0."""
+        profile = TabulatedPrefill("m", self.POINTS)
+        assert profile.prefill_s(64) == pytest.approx(0.1 * 64 / 1024)
+        assert 0 < profile.prefill_s(16) < profile.prefill_s(64) < profile.prefill_s(512) < 0.1
+        # a flat first slope (a fixed cost dominates, as on the H200): the slope's line, which lies above
+        flat = TabulatedPrefill("f", [{"tokens": 1024, "prefill_s": 0.03, "kv_bytes": 1e6},
+                                      {"tokens": 2048, "prefill_s": 0.035, "kv_bytes": 2e6}])
+        assert flat.prefill_s(64) == pytest.approx(0.03 - 0.005 / 1024 * 960)
+
     @pytest.mark.parametrize("index, key, value, message", [
         (2, "prefill_s", 0.5, "prefill_s: must be non-decreasing"),
         (1, "kv_bytes", 0.5e6, "kv_bytes: must be non-decreasing"),
