@@ -7,6 +7,13 @@
 # Build context: the repository root. The SGLang base image must carry the
 # pinned release (prfaas_sglang/_pin.py); tests/unit/test_docker.py checks that.
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.15-cu130
+ARG WIREGUARD_GO_BASE=debian:bookworm-slim
+
+# wireguard-go, for the pod's tunnel where the host's kernel has no WireGuard module: Debian trixie's, the
+# binary alone (scripts/install-wireguard-go.sh says why not an older one); any Debian base will do here.
+FROM ${WIREGUARD_GO_BASE} AS wireguard-go
+COPY scripts/install-wireguard-go.sh /tmp/
+RUN bash /tmp/install-wireguard-go.sh /opt/wireguard-go
 
 # Stage 1: the patched SGLang wheel (sglang-0.5.15+prfaas.<series-digest>) and
 # this package's wheel, built with the same Python the runtime uses.
@@ -26,9 +33,10 @@ FROM ${SGLANG_IMAGE}
 COPY --from=builder /wheels /wheels
 # iproute2: `ss`, through which the kv-telemetry hook reads the Mooncake lanes' TCP state (the
 # congestion flag, and a capacity that moves within a transfer); without it telemetry has no TCP view.
-# wireguard-tools, nftables: the pod's tunnel on an encrypted link (launch --tunnel) uses the host kernel's WireGuard
-# (GPU hosts' kernels have it; the image's base has no wireguard-go package).
+# wireguard-tools, nftables, wireguard-go: the pod's tunnel on an encrypted link (launch --tunnel): the host
+# kernel's WireGuard where it has the module (GPU hosts' kernels usually do), wireguard-go otherwise.
 RUN apt-get update && apt-get install -y --no-install-recommends iproute2 wireguard-tools nftables && rm -rf /var/lib/apt/lists/*
+COPY --from=wireguard-go /opt/wireguard-go/wireguard-go /usr/local/bin/wireguard-go
 # The bind shim (Mooncake's listeners on the node's address) is compiled here, not at start.
 ENV PRFAAS_NATIVE_DIR=/opt/prfaas/native
 RUN python3 -m pip install --no-deps --force-reinstall /wheels/sglang-*+prfaas.*.whl \

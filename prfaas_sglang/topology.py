@@ -27,6 +27,9 @@ Schema (version 1; every field marked optional may be left out)::
         entry_share: 0.6           # optional, pd clusters: the share of all arrivals that enter here (a
                                    #   region's users; decoded here). Every pd cluster or none; none: one
                                    #   global entry, the scheduler chooses where each request decodes
+        cidrs: [10.20.0.0/16]      # optional: the address ranges its hosts (pods) take. Across an encrypted
+                                   #   link, the far side's tunnels send nothing for them outside the tunnel:
+                                   #   an address there not yet resolved (a pod just recreated) is dropped
         nodes:
           - name: <unique>
             role: prfaas | pd-prefill | pd-decode | router | kv-index
@@ -153,6 +156,7 @@ class ClusterSpec:
     accelerator: str | None = None  # the planner's accelerator class
     profile: str | None = None  # or a measured profile file
     entry_share: float | None = None  # pd: the share of arrivals entering here; None: one global entry
+    cidrs: tuple[str, ...] = ()  # the address ranges its hosts take (tunnels lock them: transport/tunnel_plan.py)
 
 
 @dataclass(frozen=True)
@@ -393,7 +397,7 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     for cname, craw in clusters.items():
         cpath = f"clusters.{cname}"
         cluster = _mapping(craw, cpath)
-        _check_keys(cluster, {"kind", "kv_transport", "accelerator", "profile", "entry_share", "nodes"}, cpath)
+        _check_keys(cluster, {"kind", "kv_transport", "accelerator", "profile", "entry_share", "cidrs", "nodes"}, cpath)
         kind = cluster.get("kind")
         if kind not in CLUSTER_KINDS:
             raise ConfigError(f"{cpath}.kind", f"must be one of {', '.join(CLUSTER_KINDS)}, got {kind!r}")
@@ -411,7 +415,8 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
         entry_share = number(cluster, "entry_share", cpath, nonnegative=True, at_most=1.0)
         if entry_share is not None and kind != "pd":
             raise ConfigError(f"{cpath}.entry_share", "only a pd cluster is an entry (its region's users decode there)")
-        specs[str(cname)] = ClusterSpec(str(cname), kind, transport, accelerator, profile, entry_share)
+        specs[str(cname)] = ClusterSpec(str(cname), kind, transport, accelerator, profile, entry_share,
+                                        _cidrs(cluster.get("cidrs", []), f"{cpath}.cidrs"))
         raw_nodes = cluster.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             raise ConfigError(f"{cpath}.nodes", "must be a non-empty list")
@@ -452,6 +457,23 @@ def parse_topology(data: Any, source: str = "topology", base_dir: Path | None = 
     return Topology(version, tuple(nodes), tuple(links), kinds, model_spec, specs,
                     _parse_scheduler(top.get("scheduler", {})), _parse_emulation(top.get("emulation")), base_dir,
                     _parse_kubernetes(top.get("kubernetes", {}), kinds, {n.name for n in nodes}))
+
+
+def _cidrs(raw: Any, path: str) -> tuple[str, ...]:
+    """A list of address ranges (``10.20.0.0/16``, ``fd00::/64``), each as ``ipaddress`` writes it."""
+    import ipaddress
+
+    if not isinstance(raw, list):
+        raise ConfigError(path, f"must be a list of address ranges (10.20.0.0/16), got {raw!r}")
+    out = []
+    for i, item in enumerate(raw):
+        try:
+            if not isinstance(item, str):
+                raise TypeError("a string")
+            out.append(str(ipaddress.ip_network(item)))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{path}[{i}]", f"not an address range with its host bits zero: {item!r} ({err})") from None
+    return tuple(out)
 
 
 def _check_fleet_links(kinds: dict[str, str], nodes: list[Node], links: list[Link]) -> None:

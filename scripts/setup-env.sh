@@ -27,8 +27,8 @@ log() { printf '[setup-env] %s\n' "$*"; }
 #    gcc          the launcher builds the bind shim (prfaas_sglang/native/bindshim.c), SGLang's extension too;
 #    prometheus   Debian's 2.42: `bench dashboard` and the dashboard's end-to-end test start their own (a
 #                 free port, a temp config and storage dir); nothing depends on its system service;
-#    wireguard-go, wireguard-tools  encrypted links (links[].encrypt; adapters/wireguard.py): the userspace
-#                 WireGuard where the kernel has no module, and `wg` to configure either;
+#    wireguard-tools  encrypted links (links[].encrypt; adapters/wireguard.py): `wg` configures the kernel's
+#                 WireGuard or wireguard-go, the userspace one where the kernel has no module (step 1b);
 #    nftables     the tunnel's netfilter lock: a peer's packets that routing would send outside the tunnel
 #                 are dropped and counted, never sent in clear;
 #    chromium     the documentation's test opens the built site headless and keeps a screenshot.
@@ -37,7 +37,6 @@ missing=()
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
-command -v wireguard-go >/dev/null 2>&1 || missing+=(wireguard-go)
 command -v wg >/dev/null 2>&1 || missing+=(wireguard-tools)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
@@ -50,6 +49,18 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# 1b. wireguard-go from Debian trixie into /usr/local/bin (bookworm's misses the tunnel's throughput target;
+#     scripts/install-wireguard-go.sh says why); nothing when one as recent is there.
+if ! bash scripts/install-wireguard-go.sh --check /usr/local/bin; then
+  if [ "$(id -u)" = 0 ]; then
+    bash scripts/install-wireguard-go.sh /usr/local/bin
+  elif command -v sudo >/dev/null; then
+    sudo bash scripts/install-wireguard-go.sh /usr/local/bin
+  else
+    log "warning: no recent wireguard-go in /usr/local/bin; as root: scripts/install-wireguard-go.sh"
+  fi
 fi
 
 # 2. The virtual environment, with uv in it.

@@ -119,7 +119,9 @@ class Tunnel:
             self._run("ip", "link", "set", name, "mtu", str(TUNNEL_MTU), "up")
             for peer in self.plan.peer_hosts:
                 self._route(peer)
-            for family in sorted({"-6" if ":" in p else "-4" for p in self.plan.peer_hosts}):
+            for cidr in self.plan.locked:  # the far side's ranges: what no peer route covers is dropped
+                self._run("ip", _family(cidr), "route", "replace", "blackhole", cidr, "table", str(TABLE), "metric", "100")
+            for family in sorted({_family(p) for p in (*self.plan.peer_hosts, *self.plan.locked)}):
                 # never deleted while up: between a delete and an add, the peers' traffic would take the main table
                 if not self._run("ip", family, "rule", "show", "priority", str(RULE_PRIORITY)).stdout.strip():
                     self._run("ip", family, "rule", "add", "not", "fwmark", str(FWMARK), "table", str(TABLE),
@@ -171,8 +173,8 @@ class Tunnel:
         own UDP), else they are counted and dropped. Replaced whole, so a second ``up`` leaves one copy."""
         if shutil.which("nft") is None:
             return
-        v4 = ", ".join(p for p in self.plan.peer_hosts if ":" not in p)
-        v6 = ", ".join(p for p in self.plan.peer_hosts if ":" in p)
+        v4 = ", ".join(d for d in self.plan.locked_destinations() if ":" not in d)
+        v6 = ", ".join(d for d in self.plan.locked_destinations() if ":" in d)
         rules = "".join(f"        {family} daddr {{ {hosts} }} oifname != \"{self.plan.interface}\" meta mark != {FWMARK} "
                         "counter drop\n" for family, hosts in (("ip", v4), ("ip6", v6)) if hosts)
         chains = "".join(f"    chain {hook} {{\n        type filter hook {hook} priority 0; policy accept;\n{rules}    }}\n"
@@ -215,6 +217,12 @@ class Tunnel:
         self.take_down_interface()
         for peer in self.plan.peer_hosts:
             self._unroute(peer)
+        for cidr in self.plan.locked:  # unless another tunnel here still routes a peer inside it
+            routes = self._run("ip", _family(cidr), "route", "show", "table", str(TABLE), check=False).stdout.splitlines()
+            inside = [r for r in routes if not r.startswith("blackhole") and _within(r.split()[0], cidr)]
+            if not inside:
+                self._run("ip", _family(cidr), "route", "del", "blackhole", cidr, "table", str(TABLE), "metric", "100",
+                          check=False)
         for family in ("-4", "-6"):
             if not self._run("ip", family, "route", "show", "table", str(TABLE), check=False).stdout.strip():
                 self._run("ip", family, "rule", "del", "priority", str(RULE_PRIORITY), check=False)
@@ -247,6 +255,20 @@ def _peer_args(peer: Peer) -> tuple[str, ...]:
     """``wg set`` arguments of one peer: its key, its address as endpoint and as the one address it may send from."""
     return ("peer", peer.public_key, "endpoint", f"{_bracket(peer.address)}:{peer.port}", "allowed-ips",
             _prefix(peer.address), "persistent-keepalive", str(KEEPALIVE_S))
+
+
+def _family(destination: str) -> str:
+    return "-6" if ":" in destination else "-4"
+
+
+def _within(destination: str, cidr: str) -> bool:
+    """Whether ``destination`` (an address or a prefix, as ``ip route`` prints it) lies inside ``cidr``."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_network(destination, strict=False).subnet_of(ipaddress.ip_network(cidr))
+    except (ValueError, TypeError):
+        return False
 
 
 def _prefix(host: str) -> str:

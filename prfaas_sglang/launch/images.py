@@ -8,7 +8,8 @@ it. Where it cannot (no container registry reachable), the control plane builds 
 with Debian's Python 3.11 bootstrapped here by ``mmdebstrap`` (the same Python as the slim image), and the
 engine images build their own layers (this package's wheel, the patched SGLang wheel, ``patches check``, the
 bind shim) on ``docker/stand-in/sglang-cpu.Containerfile``: that root plus the pinned SGLang wheel without
-its dependencies. Every image built on a stand-in says so in its ``io.prfaas.stand-in`` label, and the report
+its dependencies. Every image's ``wireguard-go`` stage (``WIREGUARD_GO_BASE``, ``debian:bookworm-slim``) runs on
+that root too when its default cannot be pulled. Every image built on a stand-in says so in its ``io.prfaas.stand-in`` label, and the report
 names it. pip inside a build reaches the package index with the host's CA bundle mounted for the build only
 (never in a layer). After each build, ``check`` runs inside the image: every module of :data:`IMAGES`'s
 ``imports`` must import; ``needs_gpu_stack`` ones are reported apart on a stand-in (they need the CUDA
@@ -36,6 +37,7 @@ HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 BASE_TAG = "localhost/prfaas-sglang/debian-python:3.11-bookworm"
 STAND_IN_TAG = f"localhost/prfaas-sglang/sglang-cpu-stand-in:{PINNED_SGLANG_VERSION}"
 STAND_IN_FILE = "docker/stand-in/sglang-cpu.Containerfile"
+WIREGUARD_GO_ARG, WIREGUARD_GO_BASE = "WIREGUARD_GO_BASE", "debian:bookworm-slim"  # every Dockerfile's wireguard-go stage
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,12 @@ class BuildError(RuntimeError):
     pass
 
 
+TUNNEL_PROGRAMS = ("ip", "wg", "nft", "wireguard-go")  # what launch --tunnel runs, in every image (a pod's tunnel)
+
+
 def check(name: str) -> dict:
-    """Inside an image: import each module of ``IMAGES[name].imports``; {"ok": [...], "failed": {module: error}}."""
+    """Inside an image: import each module of ``IMAGES[name].imports`` and find each of :data:`TUNNEL_PROGRAMS`;
+    {"ok": [...], "failed": {module or program: error}, "wireguard_go": its version line}."""
     ok, failed = [], {}
     for module in IMAGES[name].imports:
         try:
@@ -81,7 +87,11 @@ def check(name: str) -> dict:
             ok.append(module)
         except Exception as err:  # noqa: BLE001 - every kind of import failure is the report
             failed[module] = f"{type(err).__name__}: {err}"[:300]
-    return {"image": name, "ok": ok, "failed": failed}
+    for program in TUNNEL_PROGRAMS:
+        (ok.append(program) if shutil.which(program) else failed.update({program: "not on PATH"}))
+    version = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True) if shutil.which("wireguard-go") else None
+    return {"image": name, "ok": ok, "failed": failed,
+            "wireguard_go": version.stdout.splitlines()[0] if version and version.stdout else None}
 
 
 class Builder:
@@ -161,8 +171,11 @@ def build(names: tuple[str, ...], builder: Builder, log) -> dict:
                     builder.build(STAND_IN_FILE, STAND_IN_TAG, {"PYTHON_IMAGE": python_base,
                                                                 "SGLANG_VERSION": PINNED_SGLANG_VERSION})
                 base, stand_in = STAND_IN_TAG, f"{STAND_IN_FILE} for {image.default_base} (no torch, CUDA or kernels)"
+        wireguard_go_base = WIREGUARD_GO_BASE
+        if not builder.exists(wireguard_go_base) and not builder.pull(wireguard_go_base):
+            wireguard_go_base = bootstrap_base(builder, log)
         log(f"building {image.tag} on {base}")
-        seconds = builder.build(image.dockerfile, image.tag, {image.base_arg: base})
+        seconds = builder.build(image.dockerfile, image.tag, {image.base_arg: base, WIREGUARD_GO_ARG: wireguard_go_base})
         proc = builder.run_python(image.tag, "-m", "prfaas_sglang.launch.images", "check", name)
         try:
             checked = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -171,16 +184,19 @@ def build(names: tuple[str, ...], builder: Builder, log) -> dict:
         expected_missing = set(image.needs_gpu_stack) if stand_in else set()
         report["images"][name] = {"tag": image.tag, "base": base, "stand_in": stand_in, "build_s": round(seconds, 1),
                                   "size_mb": builder.size_mb(image.tag), "imports_ok": checked["ok"],
+                                  "wireguard_go": checked.get("wireguard_go"),
                                   "needs_gpu_stack": {m: e for m, e in checked["failed"].items() if m in expected_missing},
                                   "failed": {m: e for m, e in checked["failed"].items() if m not in expected_missing}}
     return report
 
 
 def render(report: dict) -> str:
-    lines = ["| image | base | build s | size MB | imports | not on this base |", "|---|---|---|---|---|---|"]
+    lines = ["| image | base | build s | size MB | imports and tunnel programs | wireguard-go | not on this base |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["images"].values():
         imports = f"{len(r['imports_ok'])} ok" + (f", FAILED {sorted(r['failed'])}" if r["failed"] else "")
         lines.append(f"| {r['tag']} | {r['stand_in'] or r['base']} | {r['build_s']} | {r['size_mb']} | {imports} | "
+                     f"{r.get('wireguard_go') or '-'} | "
                      f"{'; '.join(f'{m} ({e})' for m, e in r['needs_gpu_stack'].items()) or '-'} |")
     return "\n".join(lines)
 

@@ -12,6 +12,11 @@ peer host's address into the tunnel by policy routing, as ``wg-quick`` does::
              blackhole PEER/32           metric 100 (fails closed: with the tunnel gone nothing leaves in
                                                      clear; the link fails, and the router routes around it)
 
+A cluster may name the address ranges its hosts take (``clusters.<c>.cidrs``: a datacenter's pod range).
+The far side's ranges are then blackholed in TABLE too, beneath the peers' routes, and locked by the
+adapter's netfilter filter: an address there that the tunnel does not route yet (a pod recreated at a
+new address, before its name resolves again) gets nothing, rather than something in clear.
+
 Hosts are addresses or names. A name (Kubernetes: a pod's stable DNS name, whose address changes when the
 pod is recreated) is resolved by the caller's ``resolve`` (I/O stays out of here): the plan carries each
 peer's name, for its key and interface, and the address it resolved to, for the tunnel's endpoint and
@@ -63,6 +68,7 @@ class TunnelPlan:
     peers: tuple[Peer, ...]
     links: tuple[str, ...]  # the encrypted links it serves ("src->dst"), for logs and errors
     address: str = ""  # what ``host`` resolved to: the source address of what it sends into the tunnel
+    locked: tuple[str, ...] = ()  # the far side's address ranges: only the tunnel may carry anything for them
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -72,6 +78,12 @@ class TunnelPlan:
     def peer_hosts(self) -> tuple[str, ...]:
         """The peers' addresses (what is routed into the tunnel)."""
         return tuple(p.address for p in self.peers)
+
+    def locked_destinations(self) -> tuple[str, ...]:
+        """What the netfilter lock covers: the locked ranges, and each peer address outside them (as prefixes)."""
+        ranges = [ipaddress.ip_network(r) for r in self.locked]
+        alone = [h for h in self.peer_hosts if not any(ipaddress.ip_address(h) in r for r in ranges)]
+        return (*self.locked, *alone)
 
 
 def is_address(host: str) -> bool:
@@ -172,4 +184,22 @@ def plan(topology: Topology, host: str, public_key: Callable[[str], str],
                                    f"with another host of the tunnel of {host}")
     return TunnelPlan(host, interface_name(host), ports.pop(),
                       tuple(Peer(h, port, public_key(h), resolved[h]) for h, (port, _) in sorted(peers.items())),
-                      tuple(names), own)
+                      tuple(names), own, _locked(topology, host, own))
+
+
+def _locked(topology: Topology, host: str, own: str) -> tuple[str, ...]:
+    """The far sides' ``cidrs`` for ``host`` across its encrypted links; ConfigError when one holds ``own`` (the
+    host would lock itself out of its own side: one cluster's pod range given for both sides, say)."""
+    far: set[str] = set()
+    for link in topology.links:
+        if link.encrypt:
+            prfaas, other = _sides(topology, link.src, link.dst)
+            far |= other if host in _hosts(topology, prfaas) else prfaas if host in _hosts(topology, other) else set()
+    locked = []
+    for cluster in sorted(far):
+        for cidr in topology.clusters[cluster].cidrs if cluster in topology.clusters else ():
+            if ipaddress.ip_address(own) in ipaddress.ip_network(cidr):
+                raise ConfigError(f"clusters.{cluster}.cidrs", f"{cidr} holds {host}'s own address {own}, on the other "
+                                                               "side of the encrypted link (give each side's own range)")
+            locked.append(cidr)
+    return tuple(dict.fromkeys(locked))

@@ -78,6 +78,29 @@ def test_a_plan_between_names_resolves_them_and_says_which_peer_moved():
         plan(topo, "prfaas-0.x", str, resolve=lambda h: "10.1.0.1")
 
 
+def test_a_plan_locks_the_far_sides_ranges_and_refuses_one_that_holds_its_own_host():
+    """``clusters.<c>.cidrs``: each host's tunnel locks the other side's ranges (and its peers outside them); a
+    range given for the far side that holds the host itself (one pod range for both sides) is refused by name;
+    a bad range is refused by its path."""
+    raw = raw_topology("10.1.0.1", "10.2.0.1")
+    raw["clusters"]["prfaas"]["cidrs"] = ["10.1.0.0/16"]
+    raw["clusters"]["pd"]["cidrs"] = ["10.2.0.0/16", "fd00:2::/64"]
+    topo = parse_topology(raw)
+    prfaas, pd = plan(topo, "10.1.0.1", str), plan(topo, "10.2.0.1", str)
+    assert prfaas.locked == ("10.2.0.0/16", "fd00:2::/64") and pd.locked == ("10.1.0.0/16",)
+    assert prfaas.locked_destinations() == ("10.2.0.0/16", "fd00:2::/64")  # the peer lies inside: the range covers it
+    raw["clusters"]["pd"]["cidrs"] = ["10.3.0.0/16"]  # the peer outside the range: locked on its own too
+    assert plan(parse_topology(raw), "10.1.0.1", str).locked_destinations() == ("10.3.0.0/16", "10.2.0.1")
+    raw["clusters"]["pd"]["cidrs"] = ["10.0.0.0/8"]  # one range for both sides
+    with pytest.raises(ConfigError, match=r"clusters\.pd\.cidrs: 10\.0\.0\.0/8 holds 10\.1\.0\.1's own address"):
+        plan(parse_topology(raw), "10.1.0.1", str)
+    for bad, field in ((["10.2.0.1/16"], r"clusters\.pd\.cidrs\[0\]: not an address range"), ("10.2.0.0/16", r"clusters\.pd\.cidrs: must be a list"),
+                       ([16], r"clusters\.pd\.cidrs\[0\]")):
+        raw["clusters"]["pd"]["cidrs"] = bad
+        with pytest.raises(ConfigError, match=field):
+            parse_topology(raw)
+
+
 def test_every_host_derives_every_peers_key_from_the_secret_alone():
     assert KEYS.tunnel_private_key("10.1.0.1") == DeploymentKeys.from_secret(b"a deployment secret of 32 bytes!").tunnel_private_key("10.1.0.1")
     assert KEYS.tunnel_private_key("10.1.0.1") != KEYS.tunnel_private_key("10.2.0.1")
@@ -187,6 +210,45 @@ def test_routing_that_fails_to_hold_still_sends_nothing_in_clear(link):
         seen = capture.stop()
         assert connect.returncode != 0 and a.blocked_packets() > 0
     assert set(seen["protocols"]) <= {"udp"} and seen["ports"] in ([], [TUNNEL_PORT])
+
+
+def test_an_address_of_the_far_range_the_tunnel_does_not_route_yet_receives_nothing(link):
+    """B's range locked (``clusters.pd.cidrs``): B back at an address the tunnel has not resolved yet (a pod just
+    recreated) is reachable on the link, yet A's connection to it is refused before a packet leaves; once the
+    tunnel moves B's peer there, the KV crosses encrypted; after ``down`` the range is no longer held."""
+    moved_to = f"10.217.{link.tag}.2"
+    raw = raw_topology(link.ip_a, link.ip_b)
+    raw["clusters"]["pd"]["cidrs"] = [f"10.217.{link.tag}.0/24"]
+    a = Tunnel(plan(parse_topology(raw), link.ip_a, public_keys(KEYS)), KEYS.tunnel_private_key(link.ip_a), wrap=link.wrap_a)
+    subprocess.run((*link.wrap_b, "ip", "addr", "add", f"{moved_to}/32", "dev", link.tun_b), check=True)
+    subprocess.run((*link.wrap_a, "ip", "route", "add", f"{moved_to}/32", "dev", link.tun_a), check=True)
+
+    def connect() -> tuple[subprocess.CompletedProcess, dict]:
+        capture = Capture(link)
+        proc = subprocess.run((*link.wrap_a, sys.executable, "-c",
+                               f"import socket; socket.create_connection(({moved_to!r}, 9), timeout=2)"),
+                              capture_output=True, text=True, timeout=30)
+        time.sleep(0.2)
+        return proc, capture.stop()
+
+    without_range, _ = tunnels(link)
+    with without_range:  # the control: the tunnel knows only B's old address, so the new one is reached in clear
+        _, seen = connect()
+        assert seen["protocols"].get("tcp", 0) > 0, seen
+    _, b = tunnels(link)
+    with a, b:
+        proc, seen = connect()
+        assert proc.returncode != 0 and "Invalid argument" in proc.stderr, proc.stderr  # the range's blackhole
+        assert set(seen["protocols"]) <= {"udp"} and seen["with_pattern"] == 0, seen
+        moved = dataclasses.replace(a.plan, peers=(dataclasses.replace(a.plan.peers[0], address=moved_to),))
+        assert a.update(moved) == [(link.ip_b, moved_to)]  # what the holder does once the name resolves again
+        capture = Capture(link)
+        result = kv_transfer(_Moved(link, moved_to), 1)
+        seen = capture.stop()
+        assert result["ok"], result
+        assert seen["protocols"] == {"udp": seen["packets"]} and seen["with_pattern"] == 0
+    routes = subprocess.run((*link.wrap_a, "ip", "route", "show", "table", "all"), capture_output=True, text=True).stdout
+    assert f"10.217.{link.tag}.0/24" not in routes
 
 
 def test_a_tunnel_that_fails_to_come_up_leaves_the_hosts_other_tunnel_whole(link):

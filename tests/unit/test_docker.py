@@ -102,12 +102,18 @@ def test_images_that_publish_link_telemetry_carry_ss(name):
 @pytest.mark.parametrize("name", ["prfaas-prefill.Dockerfile", "local-pd.Dockerfile", "control-plane.Dockerfile"])
 def test_every_image_can_hold_its_pods_tunnel(name):
     """A pod on an encrypted link runs ``launch --tunnel`` in its ``tunnel`` container (launch/k8s.py): every image
-    has ``ip``, ``wg`` and ``nft``; the emulated engine's (Debian's base) has wireguard-go for kernels without the
-    module, the engine images rely on the GPU host's kernel WireGuard."""
-    runs = " ".join(args for word, args in instructions(REPO_ROOT / "docker" / name) if word == "RUN")
+    has ``ip``, ``wg`` and ``nft``, and wireguard-go for hosts whose kernel lacks the module: the binary of a Debian
+    stage that ran ``scripts/install-wireguard-go.sh`` (trixie's; bookworm's package misses the tunnel's throughput
+    target), not the base's own package, on the final image's path."""
+    steps = instructions(REPO_ROOT / "docker" / name)
+    runs = " ".join(args for word, args in steps if word == "RUN")
     installs = " ".join(re.findall(r"apt-get install[^&]*", runs.replace("\\", " "))).split()
-    assert {"iproute2", "wireguard-tools", "nftables"} <= set(installs), installs
-    assert ("wireguard-go" in installs) == (name == "control-plane.Dockerfile")
+    assert {"iproute2", "wireguard-tools", "nftables"} <= set(installs) and "wireguard-go" not in installs, installs
+    stage = [args for word, args in steps if word == "FROM" and args.endswith(" AS wireguard-go")]
+    assert stage == ["${WIREGUARD_GO_BASE} AS wireguard-go"], stage
+    assert "bash /tmp/install-wireguard-go.sh /opt/wireguard-go" in runs
+    copies = [args for word, args in steps if word == "COPY" and args.startswith("--from=wireguard-go ")]
+    assert copies == ["--from=wireguard-go /opt/wireguard-go/wireguard-go /usr/local/bin/wireguard-go"], copies
 
 
 # The system libraries Mooncake's TCP engine links that a slim Python image lacks, by the Debian package that has
@@ -196,3 +202,23 @@ def test_make_images_builds_every_dockerfile_and_checks_what_each_role_imports()
         assert set(image.needs_gpu_stack) <= set(image.imports)
         assert all(importlib.util.find_spec(m.split(".")[0]) is not None for m in image.imports), name
     assert check("control-plane")["failed"] == {}
+
+
+@pytest.mark.parametrize("version, recent", [("0.0.20220316", False), ("0.0.20230223", True), ("0.0.20250522", True),
+                                             (None, False)])
+def test_the_wireguard_go_installer_keeps_a_recent_one_and_replaces_an_older_one(tmp_path, version, recent):
+    """``scripts/install-wireguard-go.sh --check DIR`` (setup-env's test before it installs): 0 when DIR's
+    wireguard-go is at least trixie's v0.0.20230223, 1 when older (bookworm's) or absent; a recent one is kept as
+    it is, without the network."""
+    if version is not None:
+        fake = tmp_path / "wireguard-go"
+        fake.write_text(f"#!/bin/sh\necho 'wireguard-go v{version}'\necho\necho 'Userspace WireGuard daemon'\n")
+        fake.chmod(0o755)
+    script = REPO_ROOT / "scripts" / "install-wireguard-go.sh"
+    check = subprocess.run(["bash", str(script), "--check", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == (0 if recent else 1), check.stderr
+    if recent:  # nothing to do: no apt, no change
+        before = (tmp_path / "wireguard-go").read_text()
+        kept = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=30,
+                              env={"PATH": "/usr/bin:/bin", "http_proxy": "http://127.0.0.1:9"})
+        assert kept.returncode == 0 and (tmp_path / "wireguard-go").read_text() == before, kept.stderr
