@@ -418,26 +418,31 @@ class Legs:
                 return web.Response(body=payload, status=status, headers=self.headers, content_type="application/json")
         self.resp = resp = await _unless_failed(self.decode_task, self.gone_task)
         if resp.status >= 500:  # before anything reached the client: a failed transfer is re-dispatched
-            await self._raise_if_prefill_side_failed()
+            await self._raise_if_prefill_side_failed(resp.status)
         first = b""
         if self.req.stream and resp.status == 200:
             first = await _first_event(resp, prefill_task, self.gone_task)
-            if (stream_failure(first) or 0) >= 500:
-                await self._raise_if_prefill_side_failed()
+            if (failed := stream_failure(first) or 0) >= 500:
+                await self._raise_if_prefill_side_failed(failed)
         self.gone_task.cancel()  # the decode answered: the prefill worker's departure no longer matters
         if not self.req.stream or resp.status != 200:
             return await self._whole(resp)
         return await self._relay_stream(first, resp)
 
-    async def _raise_if_prefill_side_failed(self) -> None:
-        """The decode leg failed before anything reached the client: PrefillFailed (the request is routed
-        again) when the prefill leg failed too (:func:`_raise_if_prefill_failed`), or when it answered or gave
-        no verdict but its worker went away in between, its bootstrap server with it, so the decode could not
-        take the KV (a Kubernetes pod deleted mid-request: scripts/k8s-local.sh's drill). A prefill worker
-        that answers leaves the decode's failure to relay."""
+    async def _raise_if_prefill_side_failed(self, status: int) -> None:
+        """The decode leg failed with ``status`` before anything reached the client: PrefillFailed (the request
+        is routed again) when the prefill leg failed too (:func:`_raise_if_prefill_failed`); when its worker
+        went away in between, its bootstrap server with it, so the decode could not take the KV (a Kubernetes
+        pod deleted mid-request: scripts/k8s-local.sh's drill); or when the decode says 502, its upstream (the
+        prefill's bootstrap server, the KV's path) failed although the router reaches the worker: a path
+        between the two that another route avoids (a recreated PrfaaS pod that the decode's tunnel has not
+        followed yet, the same drill with the link encrypted). A prefill worker that answers leaves any other
+        failure of the decode to relay."""
         await _raise_if_prefill_failed(self.prefill_task, self.timeout_s)
         if why := await worker_gone(self.request.app[SESSION_KEY], self.prefill.url, PREFILL_PROBE_S):
             raise PrefillFailed(f"the decode leg could not take the KV: prefill worker {self.prefill.name} is gone ({why})")
+        if status == 502:
+            raise PrefillFailed(f"the decode leg could not take the KV from {self.prefill.name} (its answer: 502)")
 
     async def _whole(self, resp: aiohttp.ClientResponse) -> web.Response:
         """The decode worker's whole answer (not streamed, or an error)."""

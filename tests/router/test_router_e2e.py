@@ -525,6 +525,33 @@ def test_prfaas_killed_while_requests_are_in_flight_loses_none(tmp_path, how):
         group.stop()
 
 
+def test_a_decode_that_cannot_reach_a_live_prefills_bootstrap_is_routed_around(tmp_path):
+    """The router reaches the PrfaaS worker, the decode does not reach its bootstrap server (a recreated pod that
+    the decode's tunnel has not followed yet: the encrypted Kubernetes drill's one failure). The decode's 502
+    came to the client though nothing had streamed; now the request is routed again (PD-P), streamed or not."""
+    group = ProcessGroup(tmp_path / "logs")
+    fast = ["--speedup", "50", "--kv-scale", "0.002", "--bootstrap-timeout-s", "5"]
+    try:  # p0 waits for a decode as SGLang does (300 s): its leg gives no verdict while the request waits
+        p0 = start_mock_worker(group, "p0", "prfaas", "kimi-linear-1t-hybrid@h200x8", [*fast[:-1], "300"])
+        pp0 = start_mock_worker(group, "pp0", "pd-prefill", "kimi-linear-1t-hybrid@h20x8", fast)
+        d0 = start_mock_worker(group, "d0", "pd-decode", "kimi-linear-1t-hybrid@h20x8", fast)
+        topology = {"version": 1, "emulation": {"speedup": 50, "kv_scale": 0.002}, "clusters": {
+            # p0's bootstrap port as the decode is told it: nothing listens there
+            "b": {"kind": "prfaas", "nodes": [{"name": "p0", "role": "prfaas", "port": p0.port, "bootstrap_port": free_port()}]},
+            "a": {"kind": "pd", "nodes": [{"name": "pp0", "role": "pd-prefill", "port": pp0.port, "bootstrap_port": pp0.bootstrap_port},
+                                          {"name": "d0", "role": "pd-decode", "port": d0.port}]}}}
+        url = start_router(group, topology, "--threshold", str(THRESHOLD), "--no-early-rejection",
+                           "--health-interval-s", "60").url
+        answers = [generate(url, list(range(3_000_000 + 40_000 * k, 3_000_000 + 40_000 * k + 30_000)), stream=(k == 1))
+                   for k in range(2)]  # far above t: PrfaaS first
+        assert [r.status_code for r in answers] == [200, 200], [r.text[:300] for r in answers]
+        assert all(r.headers["x-prfaas-route"] == "pd/pp0/d0" for r in answers)
+        status = requests.get(url + "/status", timeout=5).json()
+        assert status["redispatched"] >= 1 and status["failed"] == {}
+    finally:
+        group.stop()
+
+
 def test_a_dead_decode_worker_is_routed_around_before_anything_streamed(tmp_path):
     """Issue #16: a decode leg that cannot reach its worker went to the client as 502 though nothing
     had streamed. Now the request is routed again (another decode worker, a new room), the dead
