@@ -9,6 +9,8 @@ One directory per topology cluster, kustomize-ready::
                                        which targets the front beside the router: router/front.py)
     OUT/<cluster>/networkpolicy.yaml   default deny, then what the topology's data paths need
 
+Every link is encrypted here unless the topology says ``encrypt: false`` (:func:`encrypted_by_default`: links
+join datacenters, and the KV, bootstrap, legs, events and telemetry crossing them would otherwise travel in clear).
 A pod on an encrypted link (``links[].encrypt``) carries a ``tunnel`` container beside its node: the launcher
 holding the pod's WireGuard tunnel (``launch --tunnel --node``; NET_ADMIN and ``/dev/net/tun`` from the host),
 which resolves its peers' pod names and follows a recreated pod to its new address; the node's own process
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import yaml
 
@@ -467,9 +469,25 @@ def _dump(docs: list[dict]) -> str:
     return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
+def encrypted_by_default(raw: dict, topology: Topology) -> tuple[dict, Topology]:
+    """``raw`` and ``topology`` with ``encrypt: true`` on every link that does not set ``encrypt`` (the
+    manifests' default; ``encrypt: false`` opts a link out, e.g. where pods may not hold NET_ADMIN)."""
+    unset = [i for i, link in enumerate(raw.get("links") or []) if isinstance(link, dict) and "encrypt" not in link]
+    if not unset:
+        return raw, topology
+    raw = copy.deepcopy(raw)
+    links = list(topology.links)
+    for i in unset:
+        raw["links"][i]["encrypt"] = True
+        links[i] = replace(links[i], encrypt=True)
+    return raw, replace(topology, links=tuple(links))
+
+
 def render(raw: dict, topology: Topology, engine: Engine, dashboard_json: str | None = None) -> dict[str, str]:
     """Every manifest file for ``topology`` (``raw``: the same file as loaded YAML), as
-    ``{relative path: text}``. Raises :class:`ConfigError` naming the field that cannot deploy."""
+    ``{relative path: text}``; every link encrypted unless it says ``encrypt: false``
+    (:func:`encrypted_by_default`). Raises :class:`ConfigError` naming the field that cannot deploy."""
+    raw, topology = encrypted_by_default(raw, topology)
     _check(topology, raw, engine)
     loads = workloads(topology)
     hosts = pod_hosts(topology, loads)

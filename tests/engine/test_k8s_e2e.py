@@ -38,7 +38,11 @@ def _pods(files: dict[str, str]):
 
 def _loopback(view: dict, ports: dict[tuple[str, str], int]) -> dict:
     """The ConfigMap's topology with every host on loopback and every port a free one (one mapping
-    for the whole deployment, so clusters still agree on each other's addresses)."""
+    for the whole deployment, so clusters still agree on each other's addresses). Its links are not
+    encrypted: a tunnel joins distinct addresses, and loopback is one (the tunnel containers run in
+    scripts/k8s-local.sh's real cluster and tests/transport/test_tunnel.py)."""
+    for link in view.get("links", []):
+        link["encrypt"] = False
     for cluster in view["clusters"].values():
         for node in cluster["nodes"]:
             node["host"] = "127.0.0.1"

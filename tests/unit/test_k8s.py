@@ -174,6 +174,7 @@ def _components(entries: list[dict]) -> set[tuple[str, str]]:
 
 
 def test_pods_on_an_encrypted_link_carry_their_tunnel_and_their_policies_admit_its_udp_only_from_the_other_side():
+    """Every link is encrypted in the manifests unless it says ``encrypt: false``."""
     files = emit("encrypted", Engine.MOCK)
     pods = list(_pods(files))
     assert {cluster for cluster, *_ in pods} == set(topology_of("encrypted").cluster_kinds)  # every cluster holds one
@@ -191,7 +192,11 @@ def test_pods_on_an_encrypted_link_carry_their_tunnel_and_their_policies_admit_i
             udp = [r for r in policy["spec"]["ingress"] if r["ports"][0]["protocol"] == "UDP"]
             assert [r["ports"] for r in udp] == [[{"port": 51820, "protocol": "UDP"}]], policy["metadata"]["name"]
             assert all("from" in r and r["from"] for r in udp)  # from the deployment's pods, not anywhere
-    plain = emit("local-two-cluster.yaml", Engine.MOCK)
+    # the default: the example's link does not say, and is encrypted as if it said so
+    assert emit("local-two-cluster.yaml", Engine.MOCK) == files
+    opted_out = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
+    opted_out["links"][0]["encrypt"] = False
+    plain = emit("local-two-cluster.yaml", Engine.MOCK, opted_out)
     assert "tunnel" not in "".join(c["name"] for *_, sts, _, _ in _pods(plain) for c in sts["spec"]["template"]["spec"]["containers"])
     assert "UDP" not in "".join(plain.values()) and "NET_ADMIN" not in "".join(plain.values())
 
@@ -289,7 +294,7 @@ def test_the_router_pod_has_its_front_and_the_client_service_goes_through_it():
     files = emit("local-two-cluster.yaml", Engine.MOCK)
     found = {d["kind"] + "/" + d["metadata"]["name"]: d for _, d in docs(files)}
     pod = found["StatefulSet/router"]["spec"]["template"]["spec"]
-    router, front = pod["containers"]
+    router, front = pod["containers"][:2]  # then the tunnel (the link encrypted by default)
     assert front["name"] == "front" and front["command"] == ["python3", "-m", "prfaas_sglang.router.front"]
     args = dict(zip(front["args"][::2], front["args"][1::2], strict=True))
     router_port = next(p["containerPort"] for p in router["ports"] if p["name"] == "http")
@@ -304,7 +309,7 @@ def test_the_router_pod_has_its_front_and_the_client_service_goes_through_it():
     raw = yaml.safe_load((REPO / "launch" / "local-two-cluster.yaml").read_text())
     raw["kubernetes"] = {"router_front_port": None}
     found = {d["kind"] + "/" + d["metadata"]["name"]: d for _, d in docs(emit("local-two-cluster.yaml", Engine.MOCK, raw))}
-    assert len(found["StatefulSet/router"]["spec"]["template"]["spec"]["containers"]) == 1
+    assert [c["name"] for c in found["StatefulSet/router"]["spec"]["template"]["spec"]["containers"]] == ["router", "tunnel"]
     assert found["Service/router-api"]["spec"]["ports"][0]["targetPort"] == "http"
     raw["kubernetes"] = {"router_front_port": router_port}
     with pytest.raises(ConfigError) as err:
