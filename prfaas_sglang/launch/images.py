@@ -88,10 +88,15 @@ def check(name: str) -> dict:
         except Exception as err:  # noqa: BLE001 - every kind of import failure is the report
             failed[module] = f"{type(err).__name__}: {err}"[:300]
     for program in TUNNEL_PROGRAMS:
-        (ok.append(program) if shutil.which(program) else failed.update({program: "not on PATH"}))
-    version = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True) if shutil.which("wireguard-go") else None
-    return {"image": name, "ok": ok, "failed": failed,
-            "wireguard_go": version.stdout.splitlines()[0] if version and version.stdout else None}
+        if shutil.which(program):
+            ok.append(program)
+        else:
+            failed[program] = "not on PATH"
+    version = None
+    if shutil.which("wireguard-go"):
+        out = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = out.splitlines()[0] if out else None
+    return {"image": name, "ok": ok, "failed": failed, "wireguard_go": version}
 
 
 class Builder:
