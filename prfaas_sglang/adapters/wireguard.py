@@ -85,16 +85,43 @@ def not_up(plan: TunnelPlan, wrap: tuple[str, ...] = ()) -> str | None:
     return None
 
 
+HOLDER_LOCK_DIR = "/var/run/wireguard"  # wireguard-go's sockets' directory: where two holders of a name would clash
+
+
 class Tunnel:
     """The tunnel of ``plan`` while the context is open (``up``/``down`` otherwise). ``userspace``: the
-    wireguard-go binary to use where the kernel has no WireGuard (default: ``wireguard-go`` on PATH)."""
+    wireguard-go binary to use where the kernel has no WireGuard (default: ``wireguard-go`` on PATH).
+    One holder per interface name: ``up`` takes an exclusive lock beside wireguard-go's socket (released by
+    ``down`` or the holder's exit), so a second holder of the same host's tunnel is refused instead of
+    replacing the live interface under the first."""
 
     def __init__(self, plan: TunnelPlan, private_key: bytes, wrap: tuple[str, ...] = (), userspace: str | None = None):
         self.plan, self._private, self.wrap = plan, private_key, wrap
         self.userspace = userspace or "wireguard-go"
         self._daemon: subprocess.Popen | None = None
+        self._lock: int | None = None  # the holder lock's file descriptor while up
         self.kernel = False
         self.filtered = False  # the netfilter lock is set (``nft`` here)
+
+    def _hold(self) -> None:
+        """The holder lock of this interface name, or TunnelError naming it when another holder has it."""
+        import fcntl
+
+        os.makedirs(HOLDER_LOCK_DIR, exist_ok=True)
+        path = os.path.join(HOLDER_LOCK_DIR, f"{self.plan.interface}.prfaas-holder")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TunnelError(f"the tunnel {self.plan.interface} of {self.plan.host} is held by another process here "
+                              f"({path}); stop that holder first") from None
+        self._lock = fd
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor drops its flock
+            self._lock = None
 
     def _run(self, *args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess:
         proc = subprocess.run([*self.wrap, *args], capture_output=True, text=True, timeout=30, input=stdin)
@@ -107,6 +134,8 @@ class Tunnel:
         if why:
             raise TunnelError(f"cannot bring up the tunnel of {self.plan.host}: {why}")
         name = self.plan.interface
+        if self._lock is None:
+            self._hold()
         try:
             self._interface(name)
             with tempfile.NamedTemporaryFile("w", prefix="prfaas-wg-", delete=True) as key:
@@ -129,6 +158,7 @@ class Tunnel:
             self._filter()
         except BaseException:
             self.take_down_interface()  # what failed leaves the peers blackholed, and other tunnels here untouched
+            self._release()
             raise
 
     def _route(self, peer: str) -> None:
@@ -229,6 +259,7 @@ class Tunnel:
         if self.filtered:
             self._run("nft", "delete", "table", "inet", self._filter_table, check=False)
             self.filtered = False
+        self._release()
 
     def take_down_interface(self) -> None:
         """The interface alone goes (what a crashed tunnel looks like): the blackhole routes stay, so traffic to

@@ -77,7 +77,9 @@ def _failure_message(obj: dict) -> str:
 async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arrival,
                          result: RequestResult | None = None) -> RequestResult:
     """POST ``arrival`` with ``stream: true``; never raises for HTTP or connection errors. ``result``
-    (optional) is filled as the stream goes, so a caller that cancels the task keeps what came."""
+    (optional) is filled as the stream goes, so a caller that cancels the task keeps what came. A stream is
+    ok only when it carried a token, no failure event, and its ``[DONE]``: one that breaks after its first
+    token is an error naming how many came."""
     result = result if result is not None else RequestResult(arrival.input_tokens or 0)
     body = {**arrival.body, "stream": True}
     start = last = time.perf_counter()
@@ -91,9 +93,12 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
                 if resp.headers.get("Retry-After"):
                     result.retry_after_s = float(resp.headers["Retry-After"])
                 return result
-            count, failure = 0, None
+            count, failure, done = 0, None, False
             async for raw in resp.content:
                 line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                    continue
                 if not line.startswith("data: {"):
                     continue
                 obj = json.loads(line[6:])
@@ -120,6 +125,10 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
             result.output_tokens = count
             if count == 0:  # a 200 without a token is no answer: say what the stream said, if anything
                 result.error = f"stream ended without a token: {failure or 'no error event'}"
+            elif failure is not None:  # it broke after it started (the router's or SGLang's failure event)
+                result.error = f"stream failed after {count} tokens: {failure}"
+            elif not done:  # the connection ended without the stream's end
+                result.error = f"stream cut after {count} tokens (no [DONE])"
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         result.error = str(err) or type(err).__name__
     return result

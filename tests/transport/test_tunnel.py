@@ -253,13 +253,17 @@ def test_an_address_of_the_far_range_the_tunnel_does_not_route_yet_receives_noth
 
 def test_a_tunnel_that_fails_to_come_up_leaves_the_hosts_other_tunnel_whole(link):
     """A second tunnel on a host whose port is taken fails, and its cleanup takes its own interface only: the rule
-    and routes that keep the first one's peers out of the clear stay, and KV still crosses encrypted."""
+    and routes that keep the first one's peers out of the clear stay, and KV still crosses encrypted. A second
+    holder of the same host's tunnel is refused before it touches anything (it would replace the live interface)."""
     a, b = tunnels(link)
     with a, b:
         second = Tunnel(dataclasses.replace(a.plan, interface="pwgsecond"), KEYS.tunnel_private_key(link.ip_a),
                         wrap=link.wrap_a)
         with pytest.raises(TunnelError, match="in use"):
             second.up()
+        same = Tunnel(a.plan, KEYS.tunnel_private_key(link.ip_a), wrap=link.wrap_a)
+        with pytest.raises(TunnelError, match=f"the tunnel {a.plan.interface} of {link.ip_a} is held by another process"):
+            same.up()
         capture = Capture(link)
         result = kv_transfer(link, 1)
         seen = capture.stop()
