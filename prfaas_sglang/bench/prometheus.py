@@ -191,29 +191,35 @@ class Prometheus:
         return results
 
     def wait_scraped(self, since_unix_s: float, scrapes: int = 1, timeout_s: float = 30.0) -> None:
-        """Return once every target has been scraped at least ``scrapes`` times after ``since_unix_s``
-        and its latest scrape succeeded. ``scrapes=2`` leaves two samples of every series the targets
-        exported at ``since_unix_s``: enough for ``rate``. Raises :class:`PrometheusError` naming a target
-        whose latest scrape failed (with Prometheus's error), or after ``timeout_s``."""
+        """Return once every target has been scraped successfully at least ``scrapes`` times after
+        ``since_unix_s`` and its latest scrape succeeded. ``scrapes=2`` leaves two samples of every series the
+        targets exported at ``since_unix_s``: enough for ``rate``. A scrape that failed before the target
+        came up (refused while it starts) does not count. Raises :class:`PrometheusError` naming a target whose
+        latest scrape failed after it had been up (with Prometheus's error), or after ``timeout_s`` naming the
+        targets short of their scrapes and their last errors."""
         wanted = {(t.job, t.pod) for t in self.targets}
         deadline = time.monotonic() + timeout_s
         counts: dict[tuple[str, str], float] = {}
         while True:
             window_ms = math.ceil((time.time() - since_unix_s) * 1000)
-            if window_ms > 0:
+            if window_ms > 0:  # up is 1 for a scrape that succeeded, 0 for one that failed: the sum counts the former
                 counts = {(s.labels.get("job", ""), s.labels.get("pod", "")): s.points[0][1]
-                          for s in self.query(f"count_over_time(up[{window_ms}ms])")}
+                          for s in self.query(f"sum_over_time(up[{window_ms}ms])")}
                 if all(counts.get(key, 0) >= scrapes for key in wanted):
                     break
             if time.monotonic() > deadline:
                 missing = sorted(f"{job}/{pod}: {counts.get((job, pod), 0):g}" for job, pod in wanted
                                  if counts.get((job, pod), 0) < scrapes)
-                raise PrometheusError(f"not every target scraped {scrapes}x within {timeout_s:g} s: {missing}")
+                raise PrometheusError(f"not every target scraped {scrapes}x within {timeout_s:g} s: {missing}"
+                                      + "".join(f"; {d}" for d in self._down()))
             time.sleep(POLL_S)
-        down = [t for t in self._get("/api/v1/targets", {"state": "active"})["activeTargets"] if t["health"] != "up"]
-        if down:
-            raise PrometheusError("targets down: " + "; ".join(
-                f"{t['labels'].get('pod')} ({t['scrapeUrl']}): {t['lastError']}" for t in down))
+        if down := self._down():
+            raise PrometheusError("targets down: " + "; ".join(down))
+
+    def _down(self) -> list[str]:
+        """Each target whose latest scrape failed: its pod, URL and Prometheus's error."""
+        return [f"{t['labels'].get('pod')} ({t['scrapeUrl']}): {t['lastError']}"
+                for t in self._get("/api/v1/targets", {"state": "active"})["activeTargets"] if t["health"] != "up"]
 
 
 def _tail(path: Path, chars: int = 4000) -> str:
