@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -123,3 +124,19 @@ def harness_checks() -> tuple[str, ...]:
     from prfaas_sglang._compat import serves_pd_role_switch
 
     return ("routing", "kv-index", "cache-move", "failover") + (("role-switch",) if serves_pd_role_switch() else ())
+
+
+@contextlib.asynccontextmanager
+async def serving(app):
+    """``app`` (an aiohttp ``web.Application``) served on a free loopback port while the block runs; yields its
+    base URL. For tests that stand a small HTTP peer in front of the code under test."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

@@ -17,6 +17,7 @@ whatever would still leave for a peer by another interface, the tunnel's own UDP
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import re
 import shutil
@@ -163,14 +164,14 @@ class Tunnel:
 
     def _route(self, peer: str) -> None:
         """``peer``'s address into the tunnel, and blackholed beneath (what holds while the interface is gone)."""
-        family = "-6" if ":" in peer else "-4"
+        family = _family(peer)
         self._run("ip", family, "route", "replace", "blackhole", _prefix(peer), "table", str(TABLE), "metric", "100")
         self._run("ip", family, "route", "replace", _prefix(peer), "dev", self.plan.interface, "src", self.plan.address,
                   "table", str(TABLE), "metric", "1")
 
     def _unroute(self, peer: str) -> None:
         """What :meth:`_route` added for ``peer`` (each may be gone already: the interface's goes with it)."""
-        family, table = "-6" if ":" in peer else "-4", ("table", str(TABLE))
+        family, table = _family(peer), ("table", str(TABLE))
         self._run("ip", family, "route", "del", _prefix(peer), "dev", self.plan.interface, *table, "metric", "1",
                   check=False)
         self._run("ip", family, "route", "del", "blackhole", _prefix(peer), *table, "metric", "100", check=False)
@@ -203,8 +204,9 @@ class Tunnel:
         own UDP), else they are counted and dropped. Replaced whole, so a second ``up`` leaves one copy."""
         if shutil.which("nft") is None:
             return
-        v4 = ", ".join(d for d in self.plan.locked_destinations() if ":" not in d)
-        v6 = ", ".join(d for d in self.plan.locked_destinations() if ":" in d)
+        destinations = self.plan.locked_destinations()
+        v4 = ", ".join(d for d in destinations if ":" not in d)
+        v6 = ", ".join(d for d in destinations if ":" in d)
         rules = "".join(f"        {family} daddr {{ {hosts} }} oifname != \"{self.plan.interface}\" meta mark != {FWMARK} "
                         "counter drop\n" for family, hosts in (("ip", v4), ("ip6", v6)) if hosts)
         chains = "".join(f"    chain {hook} {{\n        type filter hook {hook} priority 0; policy accept;\n{rules}    }}\n"
@@ -294,8 +296,6 @@ def _family(destination: str) -> str:
 
 def _within(destination: str, cidr: str) -> bool:
     """Whether ``destination`` (an address or a prefix, as ``ip route`` prints it) lies inside ``cidr``."""
-    import ipaddress
-
     try:
         return ipaddress.ip_network(destination, strict=False).subnet_of(ipaddress.ip_network(cidr))
     except (ValueError, TypeError):

@@ -161,7 +161,7 @@ def bootstrap_base(builder: Builder, log) -> str:
 
 def build(names: tuple[str, ...], builder: Builder, log) -> dict:
     """Build ``names`` (each on its own base where pullable, else the stand-ins), then check each; the report."""
-    report = {"builder": builder.tool, "images": {}}
+    report, wireguard_go_base = {"builder": builder.tool, "images": {}}, None
     for name in names:
         image = IMAGES[name]
         stand_in = None
@@ -176,9 +176,9 @@ def build(names: tuple[str, ...], builder: Builder, log) -> dict:
                     builder.build(STAND_IN_FILE, STAND_IN_TAG, {"PYTHON_IMAGE": python_base,
                                                                 "SGLANG_VERSION": PINNED_SGLANG_VERSION})
                 base, stand_in = STAND_IN_TAG, f"{STAND_IN_FILE} for {image.default_base} (no torch, CUDA or kernels)"
-        wireguard_go_base = WIREGUARD_GO_BASE
-        if not builder.exists(wireguard_go_base) and not builder.pull(wireguard_go_base):
-            wireguard_go_base = bootstrap_base(builder, log)
+        if wireguard_go_base is None:  # once per build: every image's stage uses the same
+            wireguard_go_base = (WIREGUARD_GO_BASE if builder.exists(WIREGUARD_GO_BASE) or builder.pull(WIREGUARD_GO_BASE)
+                                 else bootstrap_base(builder, log))
         log(f"building {image.tag} on {base}")
         seconds = builder.build(image.dockerfile, image.tag, {image.base_arg: base, WIREGUARD_GO_ARG: wireguard_go_base})
         proc = builder.run_python(image.tag, "-m", "prfaas_sglang.launch.images", "check", name)

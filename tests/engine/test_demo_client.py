@@ -7,9 +7,9 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers import serving
 
 from prfaas_sglang.demo.client import generate_ids, stream_request
-from prfaas_sglang.demo.cluster import free_port
 
 TOKENS = [b'data: {"output_ids": [5], "meta_info": {"prompt_tokens": 3}}\n\n',
           b'data: {"output_ids": [5, 6], "meta_info": {"prompt_tokens": 3}}\n\n']
@@ -36,15 +36,8 @@ def test_a_stream_is_an_answer_only_when_it_ends_whole(events, error):
 
         app = web.Application()
         app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with aiohttp.ClientSession() as session:
-                return await stream_request(session, f"http://127.0.0.1:{port}", generate_ids(0.0, [1, 2, 3], 2))
-        finally:
-            await runner.cleanup()
+        async with serving(app) as url, aiohttp.ClientSession() as session:
+            return await stream_request(session, url, generate_ids(0.0, [1, 2, 3], 2))
 
     result = asyncio.run(scenario())
     assert result.error == error and result.ok == (error is None)

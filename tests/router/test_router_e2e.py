@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 from deployments import EMULATED_PAIR, REALTIME_PAIR
-from helpers import wait_subscribed
+from helpers import serving, wait_subscribed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -452,17 +452,10 @@ def test_prefill_client_error_is_returned_not_raised():
 
         app = web.Application()
         app.router.add_post("/generate", prefill_400)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            prefill = server.WorkerRecord("p", f"http://127.0.0.1:{port}", "pd", "prefill", "127.0.0.1", 1, None, healthy=True)
-            async with aiohttp.ClientSession() as session:
-                status, _ = await server._prefill_leg(session, prefill, "/generate", {"input_ids": [1]}, 5)
+        async with serving(app) as url, aiohttp.ClientSession() as session:
+            prefill = server.WorkerRecord("p", url, "pd", "prefill", "127.0.0.1", 1, None, healthy=True)
+            status, _ = await server._prefill_leg(session, prefill, "/generate", {"input_ids": [1]}, 5)
             return status, prefill.healthy
-        finally:
-            await runner.cleanup()
 
     assert asyncio.run(scenario()) == (400, True)
 

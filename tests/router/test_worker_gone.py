@@ -4,23 +4,20 @@ the prefill worker went away in between (the request is then routed again). Real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import aiohttp
 from aiohttp import web
+from helpers import serving
 
 from prfaas_sglang.router.server import worker_gone
 
 
-async def _serve(handler) -> tuple[web.AppRunner, str]:
+def _health(handler) -> web.Application:
     app = web.Application()
     app.router.add_get("/health", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}"
+    return app
 
 
 def test_a_worker_that_answers_is_not_gone_and_one_that_is_refused_silent_or_failing_is():
@@ -37,19 +34,17 @@ def test_a_worker_that_answers_is_not_gone_and_one_that_is_refused_silent_or_fai
             await released.wait()
             return web.Response(text="late")
 
-        runners, out = [], {}
-        async with aiohttp.ClientSession() as session:
-            for name, handler in (("ok", ok), ("failing", failing), ("silent", silent)):
-                runner, url = await _serve(handler)
-                runners.append(runner)
-                out[name] = await worker_gone(session, url, timeout_s=0.5)
-            with socket.socket() as s:  # a port nothing listens on: refused
-                s.bind(("127.0.0.1", 0))
-                closed = s.getsockname()[1]
-            out["refused"] = await worker_gone(session, f"http://127.0.0.1:{closed}", timeout_s=0.5)
-        released.set()
-        for runner in runners:
-            await runner.cleanup()
+        out = {}
+        async with contextlib.AsyncExitStack() as servers:
+            async with aiohttp.ClientSession() as session:
+                for name, handler in (("ok", ok), ("failing", failing), ("silent", silent)):
+                    url = await servers.enter_async_context(serving(_health(handler)))
+                    out[name] = await worker_gone(session, url, timeout_s=0.5)
+                with socket.socket() as s:  # a port nothing listens on: refused
+                    s.bind(("127.0.0.1", 0))
+                    closed = s.getsockname()[1]
+                out["refused"] = await worker_gone(session, f"http://127.0.0.1:{closed}", timeout_s=0.5)
+            released.set()
         return out
 
     gone = asyncio.run(run())
