@@ -101,7 +101,7 @@ def test_measure_sends_each_allocations_requests_over_real_mooncake():
     assert unavailable() is None, unavailable()  # this project's machines and CI run as root with a compiler
     holes, run = [64 << 10] * 10, [640 << 10]
     out = kv_runs.measure([(holes, holes[:5] + [320 << 10], run), (holes[:4], [256 << 10], [256 << 10])],
-                          rate_mbit=200, rtt_ms=4, layers=2, tag=231)
+                          rate_mbit=200, rtt_ms=4, layers=2)
     assert out["layers"] == 2
     assert out["sglang"]["requests"] == 2 * 14 and out["contiguous"]["requests"] == 2 * 7
     assert out["contiguous+staged"]["requests"] == 2 * 2

@@ -13,7 +13,7 @@ def test_every_mode_lands_the_kv_intact_and_staging_takes_the_writes_down_to_one
 
     assert unavailable() is None, unavailable()  # this project's machines and CI run as root with a compiler
     out = kv_staging.run(rate_mbit=400, rtt_ms=4, requests=1, repeats=1, layers=2, request_pages=512, mean_run=16,
-                         chunks=2, staging_mib=64, tag=233, log_dir=tmp_path)
+                         chunks=2, staging_mib=64, log_dir=tmp_path)
     modes = out["modes"]
     for mode in kv_staging.MODES:
         assert modes[mode]["requests"] == 1 and modes[mode]["failed"] == 0 and modes[mode]["kv_intact"], mode
