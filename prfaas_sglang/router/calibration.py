@@ -15,12 +15,19 @@ worker's outstanding prefill work and this request's), ``link_s`` the KV's time 
 the link (telemetry measures the link, so it is not calibrated here) and ``s`` the
 cluster's scale. When the first token comes after ``y`` seconds, the sample says
 ``y - link_s`` seconds of compute were ``queue_u + prefill_u`` in the model. The
-scale is the ratio of sums over the cluster's last ``window`` samples, shrunk toward
-the prior scale ``s0`` (1, or what the operator measured: ``prior_scales``) by
-``prior_weight_s`` seconds of pseudo-observation (few samples move it little),
-clamped to ``[min_scale, max_scale]``::
+scale is the ratio of sums ``r`` over the cluster's last ``window`` samples (``n`` of them),
+shrunk toward the prior scale ``s0`` (1, or what the operator measured: ``prior_scales``) by
+``prior_samples`` pseudo-samples (few samples move it little), clamped to
+``[min_scale, max_scale]``::
 
-    s = (sum(y - link_s) + prior_weight_s * s0) / (sum(queue_u + prefill_u) + prior_weight_s)
+    r = sum(y - link_s) / sum(queue_u + prefill_u)
+    s = (n * r + prior_samples * s0) / (n + prior_samples)
+
+The prior's strength is counted in samples, not in seconds, so the scale learns as fast on a
+fast engine as on a slow one. A prior of 2 model-seconds (as this was until 2026-11-30) outweighed
+about 30 requests of the tiny hybrid on a lent H200 (each modelled at tens of milliseconds), and
+calibration from a profile 2x off still erred by 86% after 20 requests there; on CPU, where one
+prefill is modelled at seconds, the same 2 s was about one sample.
 
 A real engine also spends time per request that no prefill profile holds: with SGLang's PD
 disaggregation, the bootstrap handshake, the KV's hand-over to the decode worker and its first
@@ -71,7 +78,7 @@ class CalibrationSettings:
     enabled: bool = True  # False: scales stay at the prior (the model as given), errors are still recorded
     prior_scales: tuple[tuple[str, float], ...] = ()  # (cluster, scale) measured beforehand; others 1
     window: int = 64  # recent samples per cluster (and of decode gaps, x 16)
-    prior_weight_s: float = 2.0  # model seconds of pseudo-observation at scale 1
+    prior_samples: float = 2.0  # pseudo-samples at the prior scale, per cluster (decode gaps: the same)
     min_scale: float = 0.25
     max_scale: float = 4.0
     offset: bool = True  # learn a per-request offset beside the scale (False: the scale alone)
@@ -86,8 +93,8 @@ class CalibrationSettings:
             raise ValueError("max_age_s must be > 0 (or None)")
         if not 0 < self.min_scale <= 1 <= self.max_scale:
             raise ValueError("need 0 < min_scale <= 1 <= max_scale")
-        if self.prior_weight_s < 0:
-            raise ValueError("prior_weight_s must be >= 0")
+        if self.prior_samples < 0:
+            raise ValueError("prior_samples must be >= 0")
         for cluster, scale in self.prior_scales:
             if not cluster or not self.min_scale <= scale <= self.max_scale:
                 raise ValueError(f"prior scale {cluster}={scale}: a cluster (its name, or prfaas | pd for every "
@@ -95,12 +102,13 @@ class CalibrationSettings:
 
 
 class _Ratio:
-    """Ratio of sums over the last ``window`` (observed, modelled) pairs, shrunk toward 1."""
+    """Ratio of sums over the last ``window`` (observed, modelled) pairs, shrunk toward ``prior_value``
+    by ``prior_samples`` pseudo-samples."""
 
-    def __init__(self, window: int, prior_weight: float, prior_value: float = 1.0):
+    def __init__(self, window: int, prior_samples: float, prior_value: float = 1.0):
         self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self.newest_s: float | None = None  # when the newest pair was added
-        self.prior_weight, self.prior_value = prior_weight, prior_value
+        self.prior_samples, self.prior_value = prior_samples, prior_value
         self.observed_sum = self.modelled_sum = 0.0
 
     def add(self, observed: float, modelled: float, now_s: float) -> None:
@@ -122,9 +130,14 @@ class _Ratio:
         self.observed_sum = self.modelled_sum = 0.0
         return True
 
+    def _shrunk(self, observed_sum: float) -> float:
+        n = len(self.pairs)
+        if n == 0 or self.modelled_sum <= 0:
+            return self.prior_value
+        return (n * observed_sum / self.modelled_sum + self.prior_samples * self.prior_value) / (n + self.prior_samples)
+
     def value(self) -> float:
-        den = self.modelled_sum + self.prior_weight
-        return (self.observed_sum + self.prior_weight * self.prior_value) / den if den > 0 else self.prior_value
+        return self._shrunk(self.observed_sum)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -134,8 +147,8 @@ class _OffsetRatio(_Ratio):
     """:class:`_Ratio` of ``observed - a`` over ``modelled``, where ``a`` is the least-squares intercept
     of observed on modelled over the window, shrunk toward 0 (module docstring)."""
 
-    def __init__(self, window: int, prior_weight: float, prior_value: float, offset_prior_samples: float):
-        super().__init__(window, prior_weight, prior_value)
+    def __init__(self, window: int, prior_samples: float, prior_value: float, offset_prior_samples: float):
+        super().__init__(window, prior_samples, prior_value)
         self.offset_prior_samples = offset_prior_samples
         self._offset = 0.0  # refitted on each sample: read on every routing decision
 
@@ -165,9 +178,7 @@ class _OffsetRatio(_Ratio):
         return min(max(intercept, 0.0), min(y for y, _ in self.pairs))
 
     def value(self) -> float:
-        den = self.modelled_sum + self.prior_weight
-        observed = self.observed_sum - len(self.pairs) * self.offset()
-        return (observed + self.prior_weight * self.prior_value) / den if den > 0 else self.prior_value
+        return self._shrunk(self.observed_sum - len(self.pairs) * self.offset())
 
 
 class OnlineCalibration:
@@ -186,9 +197,9 @@ class OnlineCalibration:
         def start(c: str) -> float:
             return prior.get(c, prior.get(clusters[c], 1.0))
 
-        self._prefill = {c: _OffsetRatio(s.window, s.prior_weight_s, start(c), s.offset_prior_samples)
-                         if s.offset else _Ratio(s.window, s.prior_weight_s, start(c)) for c in clusters}
-        self._decode = _Ratio(s.window * 16, s.prior_weight_s / 10)
+        self._prefill = {c: _OffsetRatio(s.window, s.prior_samples, start(c), s.offset_prior_samples)
+                         if s.offset else _Ratio(s.window, s.prior_samples, start(c)) for c in clusters}
+        self._decode = _Ratio(s.window * 16, s.prior_samples)
         self.errors: list[float] = []  # relative TTFT prediction error, in completion order
         self.samples = dict.fromkeys(clusters, 0)
 

@@ -14,16 +14,28 @@ def feed(cal: OnlineCalibration, cluster: str, true_scale: float, n: int, link_s
 
 
 def test_the_scale_converges_to_the_ratio_of_observed_to_modelled_compute():
-    cal = OnlineCalibration(CalibrationSettings(window=32, prior_weight_s=2.0))
+    cal = OnlineCalibration(CalibrationSettings(window=32, prior_samples=2.0))
     feed(cal, "pd", 1.4, 64)
     assert cal.prefill_scale("pd") == pytest.approx(1.4, rel=0.03)
     assert cal.prefill_scale("prfaas") == 1.0  # another cluster's samples move nothing here
 
 
 def test_few_samples_move_the_scale_little():
-    cal = OnlineCalibration(CalibrationSettings(prior_weight_s=10.0))
+    cal = OnlineCalibration(CalibrationSettings(prior_samples=10.0))
     feed(cal, "prfaas", 2.0, 1)
     assert 1.0 < cal.prefill_scale("prfaas") < 1.2
+
+
+@pytest.mark.parametrize("seconds_per_model_second", [0.001, 1.0, 1000.0])
+def test_the_prior_weighs_as_many_samples_whatever_the_engines_speed(seconds_per_model_second):
+    """A profile 2x off on an engine whose prefills take milliseconds learns as fast as on one whose
+    take seconds: the prior counts samples, not model-seconds (on a lent H200 the tiny hybrid's
+    prefills were modelled at tens of ms, and a 2-second prior outweighed about 30 requests)."""
+    cal = OnlineCalibration(CalibrationSettings(prior_samples=2.0))
+    for i in range(6):
+        modelled = seconds_per_model_second * (1.0 + 0.1 * (i % 3))
+        cal.first_token("pd", modelled, 0.0, 0.5 * modelled, modelled, float(i))
+    assert cal.prefill_scale("pd") == pytest.approx((6 * 0.5 + 2 * 1.0) / 8)
 
 
 def test_the_link_time_is_not_calibrated():
@@ -41,7 +53,7 @@ def test_disabled_keeps_the_prior_and_still_records_the_error():
 
 
 def test_the_error_falls_as_requests_complete():
-    cal = OnlineCalibration(CalibrationSettings(prior_weight_s=1.0, error_group=10))
+    cal = OnlineCalibration(CalibrationSettings(prior_samples=0.5, error_group=10))
     for _ in range(60):  # the router predicts with the scale it has learned so far
         scale = cal.prefill_scale("pd")
         cal.first_token("pd", 2.0, 0.0, 2.0 * 1.5, 2.0 * scale, 0.0)
@@ -99,7 +111,7 @@ def test_the_service_keeps_its_ledger_in_model_seconds_and_predicts_calibrated(t
 def test_a_per_request_offset_is_learned_beside_the_scale():
     """A real engine's fixed cost per request (SGLang PD: the bootstrap, the KV's hand-over, the first
     decode step) beside compute 1.5x the model's: a scale alone cannot fit short and long prompts."""
-    cal = OnlineCalibration(CalibrationSettings(window=64, prior_weight_s=0.5))
+    cal = OnlineCalibration(CalibrationSettings(window=64, prior_samples=1.0))
     for i in range(64):
         modelled = 0.02 + 0.2 * (i % 8)  # a short prompt and longer ones
         cal.first_token("pd", modelled, 0.0, 0.3 + 1.5 * modelled, modelled, 0.0)
@@ -107,7 +119,7 @@ def test_a_per_request_offset_is_learned_beside_the_scale():
     assert cal.prefill_scale("pd") == pytest.approx(1.5, rel=0.05)
     short = cal.prefill_offset_s("pd") + cal.prefill_scale("pd") * 0.02
     assert short == pytest.approx(0.3 + 1.5 * 0.02, rel=0.1)  # the ratio alone would predict ~0.03 s here
-    off = OnlineCalibration(CalibrationSettings(window=64, prior_weight_s=0.5, offset=False))
+    off = OnlineCalibration(CalibrationSettings(window=64, prior_samples=1.0, offset=False))
     for i in range(64):
         modelled = 0.02 + 0.2 * (i % 8)
         off.first_token("pd", modelled, 0.0, 0.3 + 1.5 * modelled, modelled, 0.0)
