@@ -584,12 +584,20 @@ def start_deployment(root: Path | None, checkout: Path, model_dir: Path, procs: 
 
 
 def start_router(procs: ProcessGroup, name: str, config: Path, env: dict[str, str], router_args: list[str], url: str,
-                 threshold_tokens: int) -> None:
+                 threshold_tokens: int, wait: bool = True) -> None:
     """Start the router node of ``config`` as ``name`` in ``procs`` (``router_args`` after the
-    launcher's ``--``), wait until ``url`` is healthy, and pin its threshold through the admin API."""
+    launcher's ``--``), then, unless ``wait`` is False, :func:`router_ready`. To start several side by side
+    (each start is mostly imports), start each with ``wait=False``, then wait for each."""
     launch = [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), "--node", "router"]
     procs.start(name, [*launch, *(("--", *router_args) if router_args else ())], {"PRFAAS_ADMIN_TOKEN": ADMIN_TOKEN},
                 base_env=env)
+    if wait:
+        router_ready(procs, name, url, threshold_tokens)
+
+
+def router_ready(procs: ProcessGroup, name: str, url: str, threshold_tokens: int) -> None:
+    """Wait until router ``name`` of ``procs`` answers healthy at ``url``, and pin its threshold through
+    the admin API (RuntimeError if that is refused)."""
     procs.wait_healthy(url + "/health", procs.latest(name), timeout_s=120)
     status, _, body = http("POST", url + "/admin/threshold", {"threshold_tokens": threshold_tokens},
                            headers=ADMIN_HEADERS)

@@ -40,6 +40,7 @@ from prfaas_sglang.gpu.e2e import (
     prompt_ids,
     request_body,
     route_header,
+    router_ready,
     start_deployment,
     start_router,
     unpack,
@@ -91,9 +92,10 @@ def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int
 
 
 def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str],
-                         threshold_tokens: int, work: Path) -> str:
+                         threshold_tokens: int, work: Path, wait: bool = True) -> str:
     """A router of its own (``router-{name}``) over ``dep``'s workers and kv-index, every engine
-    cluster costed by ``profile_path``; its URL once healthy, the threshold pinned."""
+    cluster costed by ``profile_path``; its URL, once healthy with the threshold pinned unless ``wait``
+    is False (then :func:`~prfaas_sglang.gpu.e2e.router_ready`)."""
     import yaml
 
     topology = json.loads(json.dumps(dep.topology))
@@ -107,7 +109,7 @@ def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, 
                 url = f"http://{node['host']}:{node['port']}"
     config = work / f"topology-{name}.yaml"
     config.write_text(yaml.safe_dump(topology, sort_keys=False))
-    start_router(dep.procs, f"router-{name}", config, dep.env, router_args, url, threshold_tokens)
+    start_router(dep.procs, f"router-{name}", config, dep.env, router_args, url, threshold_tokens, wait=wait)
     return url
 
 
@@ -179,7 +181,9 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
                 path = work / f"profile-{name}.yaml"
                 path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
                 args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
-                routers[name] = start_variant_router(dep, name, path, args, profile.threshold_tokens, work)
+                routers[name] = start_variant_router(dep, name, path, args, profile.threshold_tokens, work, wait=False)
+            for name, router in routers.items():  # started side by side: about 20 s each on the H200's host
+                router_ready(dep.procs, f"router-{name}", router, profile.threshold_tokens)
             rows = drive(routers, lengths, int(model_config["vocab_size"]), profile.served_name,
                          seeds={name: 4_000_000 + 100_000 * index for index, name in enumerate(variants)})
             for name, router in routers.items():
