@@ -40,24 +40,21 @@ command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v wg >/dev/null 2>&1 || missing+=(wireguard-tools)
 command -v nft >/dev/null 2>&1 || missing+=(nftables)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+# Steps 1 and 1b run commands as root: directly, or through sudo where there is one.
+can_root() { [ "$(id -u)" = 0 ] || command -v sudo >/dev/null; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 if [ "${#missing[@]}" -gt 0 ]; then
   log "installing ${missing[*]} (apt)"
-  SUDO=""
-  if [ "$(id -u)" != 0 ]; then
-    command -v sudo >/dev/null || { echo "error: ${missing[*]} missing and this user cannot apt-get install" >&2; exit 1; }
-    SUDO=sudo
-  fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  can_root || { echo "error: ${missing[*]} missing and this user cannot apt-get install" >&2; exit 1; }
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 # 1b. wireguard-go from Debian trixie into /usr/local/bin (bookworm's misses the tunnel's throughput target;
 #     scripts/install-wireguard-go.sh says why); nothing when one as recent is there.
 if ! bash scripts/install-wireguard-go.sh --check /usr/local/bin; then
-  if [ "$(id -u)" = 0 ]; then
-    bash scripts/install-wireguard-go.sh /usr/local/bin
-  elif command -v sudo >/dev/null; then
-    sudo bash scripts/install-wireguard-go.sh /usr/local/bin
+  if can_root; then
+    as_root bash scripts/install-wireguard-go.sh /usr/local/bin
   else
     log "warning: no recent wireguard-go in /usr/local/bin; as root: scripts/install-wireguard-go.sh"
   fi

@@ -249,10 +249,9 @@ class Tunnel:
         self.take_down_interface()
         for peer in self.plan.peer_hosts:
             self._unroute(peer)
+        routed = {family: self._routed(family) for family in {_family(cidr) for cidr in self.plan.locked}}
         for cidr in self.plan.locked:  # unless another tunnel here still routes a peer inside it
-            routes = self._run("ip", _family(cidr), "route", "show", "table", str(TABLE), check=False).stdout.splitlines()
-            inside = [r for r in routes if not r.startswith("blackhole") and _within(r.split()[0], cidr)]
-            if not inside:
+            if not any(_within(destination, cidr) for destination in routed[_family(cidr)]):
                 self._run("ip", _family(cidr), "route", "del", "blackhole", cidr, "table", str(TABLE), "metric", "100",
                           check=False)
         for family in ("-4", "-6"):
@@ -262,6 +261,11 @@ class Tunnel:
             self._run("nft", "delete", "table", "inet", self._filter_table, check=False)
             self.filtered = False
         self._release()
+
+    def _routed(self, family: str) -> list[str]:
+        """The destinations the tunnels' table routes in ``family`` (``-4``/``-6``), blackholes aside."""
+        lines = self._run("ip", family, "route", "show", "table", str(TABLE), check=False).stdout.splitlines()
+        return [line.split()[0] for line in lines if line and not line.startswith("blackhole")]
 
     def take_down_interface(self) -> None:
         """The interface alone goes (what a crashed tunnel looks like): the blackhole routes stay, so traffic to

@@ -93,7 +93,7 @@ def check(name: str) -> dict:
         else:
             failed[program] = "not on PATH"
     version = None
-    if shutil.which("wireguard-go"):
+    if "wireguard-go" in ok:
         out = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True, timeout=30).stdout
         version = out.splitlines()[0] if out else None
     return {"image": name, "ok": ok, "failed": failed, "wireguard_go": version}
