@@ -192,6 +192,15 @@ class Envs:
         "the launcher for the prfaas role where the topology states the link; a malformed value stops "
         "startup. The emulated engine's PrfaaS worker also sizes its writes from the rate.",
     )
+    POLL_WAIT_MS = EnvVar(
+        "PRFAAS_POLL_WAIT_MS",
+        None,
+        "SGLang worker: after a loop iteration that ran no batch, its scheduler waits up to this many "
+        "milliseconds for a request on its input sockets instead of polling again at once (the "
+        "scheduler-poll-wait hook). For servers that share a machine's CPU cores: a PD server with a request "
+        "in flight otherwise spins a whole core while it waits for KV or a bootstrap. Unset (SGLang's busy "
+        "poll) unless the CPU harness or the test suite sets it; a malformed value stops the scheduler.",
+    )
     PREFILL_CACHE = EnvVar(
         "PRFAAS_PREFILL_CACHE",
         None,

@@ -692,6 +692,27 @@ HOOKS: tuple[HookSpec, ...] = (
         removal="with cache-move-routes",
         tests="tests/engine/test_cache_move_sglang.py tests/drift/test_hook_targets.py",
     ),
+    HookSpec(
+        name="scheduler-poll-wait",
+        target="sglang.srt.managers.scheduler.Scheduler.on_idle",
+        hook="prfaas_sglang.hooks.poll_wait:wait_for_input",
+        hook_type="after",
+        expected_signature="(self)",
+        subject="[engine] A scheduler that ran no batch waits on its sockets instead of spinning",
+        why=(
+            "--sleep-on-idle sleeps only when the scheduler is fully idle: a PD server with a request in "
+            "flight but nothing to run polls its queues without pause, a whole core (a decode burned 1.98 "
+            "CPU-s beside its prefill's 1.94 s, on two cores shared with that prefill)."
+        ),
+        how=(
+            "AFTER hook on Scheduler.on_idle (called when a loop iteration ran no batch): with "
+            "PRFAAS_POLL_WAIT_MS set, poll the tokenizer's and RPC sockets for up to that long; a new "
+            "request wakes it at once, a transfer's end is seen at most that late. Unset: nothing."
+        ),
+        upstream_status="not yet proposed (SGLang: an idle wait while disaggregation queues wait)",
+        removal="when SGLang's PD loops wait instead of polling while their queues wait on I/O",
+        tests="tests/unit/test_poll_wait.py tests/drift/test_hook_targets.py",
+    ),
 )
 
 

@@ -21,6 +21,7 @@ from helpers import FIXTURE_PATCHES, REPO_ROOT, run_py  # noqa: F401 - re-export
 from hypothesis import HealthCheck, settings
 
 from prfaas_sglang.envs import envs
+from prfaas_sglang.gpu.e2e import CPU_POLL_WAIT
 
 pytest_plugins = ["deployments"]  # emulated deployments shared across test files (tests/deployments.py)
 # The suite runs its workers beside servers on two cores: how long an example takes to draw or to run
@@ -31,6 +32,12 @@ _UNTIMED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("suite", **_UNTIMED)
 settings.register_profile("ci", derandomize=True, print_blob=True, **_UNTIMED)
 settings.load_profile("ci" if os.environ.get("CI") else "suite")
+
+# Every real SGLang server a test starts shares the two cores with the rest of the suite: its scheduler
+# waits on its sockets, 5 ms at a time, while a request is in flight with nothing to run (the
+# scheduler-poll-wait hook), instead of spinning a core (gpu/e2e.py CPU_PROFILE sets the same). A test of
+# SGLang's own busy poll unsets it.
+os.environ.setdefault(*CPU_POLL_WAIT)
 
 
 def pytest_configure(config):

@@ -135,11 +135,11 @@ def profile_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def predict_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from prfaas_sglang.errors import ConfigError
-    from prfaas_sglang.gpu.predict import VARIANTS, run
+    from prfaas_sglang.gpu.predict import ALL_VARIANTS, run
 
     variants = tuple(v for v in args.variants.split(",") if v)
-    if unknown := [v for v in variants if v not in VARIANTS]:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if unknown := [v for v in variants if v not in ALL_VARIANTS]:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(ALL_VARIANTS)}")
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     if not args.measured.is_file():
@@ -211,7 +211,8 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=50, help="per router, one at a time")
     parser.add_argument("--variants", default="roofline,measured,off-2x",
                         help="comma list of cost profiles to compare, each behind its own router: "
-                             "roofline, measured, off-2x (the measured one, times doubled)")
+                             "roofline, measured, off-2x (the measured one, times doubled), off-2x-given "
+                             "(the same without calibration)")
     parser.add_argument("--roofline-accelerator", default="h200x8",
                         help="the accelerator file the roofline variant uses (its per-GPU specs)")
     parser.add_argument("--roofline-gpus", type=int, default=1,

@@ -135,13 +135,17 @@ GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(SGLANG_HEALTH_WAIT,))
 # --sleep-on-idle: an idle scheduler otherwise polls its sockets without pause, a whole core each (measured
 # 2026-11-29: 10.1 CPU-s in 10 s idle, 0.1 with it); four or five servers on two cores starved the one that
 # worked, which spread identical requests' TTFTs tenfold. It sleeps only when fully idle (no request in any
-# queue, PD's included) and wakes on the tokenizer's socket.
+# queue, PD's included) and wakes on the tokenizer's socket. PRFAAS_POLL_WAIT_MS (the scheduler-poll-wait
+# hook) covers the rest: a PD server with a request in flight but nothing to run (a decode waiting for its KV)
+# spun a core beside the prefill it waited for (1.98 CPU-s in a 1.94 s PrfaaS prefill, 2026-11-30); it now
+# waits 5 ms at a time on its sockets.
+CPU_POLL_WAIT = ("PRFAAS_POLL_WAIT_MS", "5")
 CPU_PROFILE = ServerProfile(
     ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
      "--mem-fraction-static", "0.15", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--sleep-on-idle", "--log-level", "info"),
-    env=(("SGLANG_USE_CPU_ENGINE", "1"), SGLANG_HEALTH_WAIT),  # SGLang outwaits the router's two 30 s misses
+    env=(("SGLANG_USE_CPU_ENGINE", "1"), SGLANG_HEALTH_WAIT, CPU_POLL_WAIT),  # SGLang outwaits the router's two 30 s misses
     threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
     # The tiny Llama's own: 4 KiB of KV per token. A catalog model's (Qwen3-235B: 188 KiB) made the router
     # reckon 48 times the bytes each prompt really ships, so no probe of a constrained link ever fit.

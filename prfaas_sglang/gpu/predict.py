@@ -9,6 +9,8 @@ engine clusters name the variant's profile file (``clusters.<c>.profile``):
                  ``--roofline-accelerator``, tabulated; calibration off: the model as given
     measured     the profile ``bench profile`` measured (``--measured``); calibration off
     off-2x       that profile with every time doubled; the router's online calibration on
+    off-2x-given the off-2x profile, calibration off: where off-2x starts from (not run by default;
+                 the tests compare the two)
 
 Each router gets prompts of the same lengths, one at a time (lengths cycling over the engine
 profile's short and long ones, so both clusters serve), each streamed with a few output tokens; the
@@ -46,7 +48,9 @@ from prfaas_sglang.gpu.e2e import (
     unpack,
 )
 
-VARIANTS = ("roofline", "measured", "off-2x")
+VARIANTS = ("roofline", "measured", "off-2x")  # what runs by default
+ALL_VARIANTS = (*VARIANTS, "off-2x-given")
+CALIBRATED = ("off-2x",)  # the variants whose router calibrates online
 OUTPUT_TOKENS = 4
 
 
@@ -74,7 +78,7 @@ def ttft_estimate_s(server_timing: str) -> float | None:
 
 
 def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int) -> dict[str, dict]:
-    """The three profile files (pure but for reading the shipped accelerator)."""
+    """Every variant's profile file (pure but for reading the shipped accelerator)."""
     from prfaas_sglang.plan.analytic import AnalyticPrefill, decode_step_s
     from prfaas_sglang.plan.hf import model_from_hf_config
     from prfaas_sglang.plan.measured import scaled, tabulate
@@ -88,7 +92,8 @@ def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int
     roofline = tabulate(AnalyticPrefill(model, accel), tokens, DecodeProfile(bs_max, decode_step_s(model, accel, bs_max, tokens[0])),
                         f"roofline-{model.name}@{gpus}x{accel.name}", "plan/hf.py + the accelerator file",
                         state=measured.get("state", "none"))
-    return {"roofline": roofline, "measured": measured, "off-2x": scaled(measured, 2.0)}
+    off = scaled(measured, 2.0)
+    return {"roofline": roofline, "measured": measured, "off-2x": off, "off-2x-given": off}
 
 
 def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str],
@@ -180,7 +185,7 @@ def run(engine: str, bundle_dir: Path | None, measured_path: Path, log: Callable
             for name in variants:  # every variant's router up before the first request: their requests interleave
                 path = work / f"profile-{name}.yaml"
                 path.write_text(yaml.safe_dump(docs[name], sort_keys=False))
-                args = [*profile.router_args, *(["--no-calibration"] if name != "off-2x" else [])]
+                args = [*profile.router_args, *(["--no-calibration"] if name not in CALIBRATED else [])]
                 routers[name] = start_variant_router(dep, name, path, args, profile.threshold_tokens, work, wait=False)
             for name, router in routers.items():  # started side by side: about 20 s each on the H200's host
                 router_ready(dep.procs, f"router-{name}", router, profile.threshold_tokens)

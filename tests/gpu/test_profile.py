@@ -91,11 +91,11 @@ def test_the_variants_are_the_roofline_the_measured_profile_and_it_twice_as_slow
 @pytest.mark.serial  # the real engine's TTFTs are what it learns from: other tests' load on the 2 cores skews them
 @pytest.mark.xdist_group("sglang-cpu")
 def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_what_it_sees(cpu_profile, sglang_cpu_ready):
-    """``bench predict`` on SGLang's CPU engine: the measured profile as given, and twice as slow with
+    """``bench predict`` on SGLang's CPU engine: the measured profile twice as slow, as given and with
     the router's online calibration, their requests interleaved. On two cores the PD path's TTFT is mostly a per-request cost
     (bootstrap, KV hand-over, the decode's first step), so the error does not fall below 15% here
     (BENCHMARKS.md); what must hold is that calibration moves the predictions toward what is seen, in
-    both clusters, and that the scale it learns corrects the profile's error in its direction.
+    both clusters, and that the correction goes the error's way.
 
     Until 2026-11-29 this asserted a scale above 1 in both clusters: every idle SGLang scheduler polled
     without pause (a core each; the servers now run with --sleep-on-idle), so the three servers the
@@ -105,24 +105,36 @@ def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_
     Until 2026-11-29 the two variants also ran one after the other: CI's run of 667b901 saw the PD
     path's TTFTs several times slower while the calibrated router ran (PD median predicted / seen 0.31
     as given, 0.15 calibrated, with a learnt scale of 2.7 on a profile already doubled), which fails
-    the assertion for a reason that is not the calibration's. Interleaved, a slow spell falls on both."""
+    the assertion for a reason that is not the calibration's. Interleaved, a slow spell falls on both.
+
+    Until 2026-11-30 the calibrated router was compared with the measured profile as given, not with the
+    doubled one it starts from: with the PD decode no longer spinning a core beside the prefill it waits
+    for (the scheduler-poll-wait hook), the measured profile predicted PrfaaS within 11% (median ratio
+    0.90), closer than 16 requests calibrate a 2x error to (1.30). The baseline is now the off-2x router
+    without calibration, run beside it."""
     from prfaas_sglang.gpu import predict
 
     out, _ = cpu_profile
     ctx = sglang_cpu_ready  # its variant routers run over the session's deployment (tests/deployments.py)
-    variants = predict.run("sglang-cpu", None, out, ctx.log, requests=16, variants=("measured", "off-2x"), dep=ctx.dep,
+    variants = predict.run("sglang-cpu", None, out, ctx.log, requests=16, variants=("off-2x-given", "off-2x"), dep=ctx.dep,
                            model_dir=ctx.model_dir)["variants"]
-    given, calibrated = variants["measured"], variants["off-2x"]
-    print(f"\npredicted / seen, median: measured {given['median_ratio_predicted_to_seen']}, off-2x calibrated "
-          f"{calibrated['median_ratio_predicted_to_seen']} (scale {calibrated['prefill_scale']})")
+    given, calibrated = variants["off-2x-given"], variants["off-2x"]
+    print(f"\npredicted / seen, median: off-2x as given {given['median_ratio_predicted_to_seen']}, calibrated "
+          f"{calibrated['median_ratio_predicted_to_seen']} (scale {calibrated['prefill_scale']}, offset "
+          f"{calibrated['prefill_offset_s']})")
     assert given["calibration"] is False and calibrated["calibration"] is True
     for cluster in ("pd", "prfaas"):  # |log(predicted / seen)|, the median request's
         before = abs(math.log(given["median_ratio_predicted_to_seen"][cluster]))
         after = abs(math.log(calibrated["median_ratio_predicted_to_seen"][cluster]))
         assert after < before, (cluster, given["median_ratio_predicted_to_seen"], calibrated["median_ratio_predicted_to_seen"])
+    # The correction goes the error's way: up where the doubled profile under-predicts (the PD path, whose
+    # TTFT on two cores is mostly per-request cost), down where it over-predicts. Not read from the scale
+    # alone: the router learns a per-request offset beside it, and where that offset takes the fixed cost,
+    # a doubled profile's scale rightly falls although the median request is under-predicted (2026-11-30:
+    # PD 0.72 -> 0.92 with a scale of 0.88).
     scales = calibrated["prefill_scale"]  # per cluster of the topology (by name, since the fleet change)
     assert len(scales) == 2, scales
-    for cluster, scale in scales.items():  # the 2x profile over-predicts where the measured one already is not short
-        over_predicts = 2 * given["median_ratio_predicted_to_seen"][cluster.split("-")[0]] > 1
-        assert (scale < 1) == over_predicts, (cluster, scales, given["median_ratio_predicted_to_seen"])
+    for cluster in ("pd", "prfaas"):
+        before, after = given["median_ratio_predicted_to_seen"][cluster], calibrated["median_ratio_predicted_to_seen"][cluster]
+        assert (after > before) == (before < 1), (cluster, before, after, scales, calibrated["prefill_offset_s"])
     assert all(row["predicted_s"] and row["seen_s"] > 0 for row in calibrated["rows"])
