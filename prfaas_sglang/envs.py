@@ -300,6 +300,14 @@ class Envs:
         "The test suite (tests/conftest.py): a JSONL file each test's duration, outcome and group is "
         "appended to, for the report `make test` prints at its end (scripts/test_report.py).",
     )
+    TEST_SERIAL_PLAN = EnvVar(
+        "PRFAAS_TEST_SERIAL_PLAN",
+        None,
+        "The test suite (tests/conftest.py): a directory where a session writes the files of the tests "
+        "marked serial it collected, as `alone` (those of the real-SGLang deployment's group, one after "
+        "another) and `beside` (the light ones, which run beside each other); scripts/run-tests.sh runs "
+        "the serial phases on them.",
+    )
 
     @classmethod
     def all(cls) -> list[EnvVar]:

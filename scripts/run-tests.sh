@@ -10,7 +10,7 @@
 # files that share one deployment: tests/conftest.py), the groups longest first. `all` runs the other
 # releases' legs beside the pinned release's parallel phase (the two fill each other's idle time; each
 # session picks its ports from its own half of the range), then the tests marked `serial` (what other
-# tests' load would skew) alone. Starting the serial phase's real-SGLang deployment beside the parallel
+# tests' load would skew) alone (serial, below). Starting the serial phase's real-SGLang deployment beside the parallel
 # phase's end gained nothing (17.8 and 18.6 min against 17.4: the cores were already full). Every phase
 # runs even after one fails; the exit status is the first failure's. PYTEST_ARGS (a path, -k ...) narrows
 # every phase; a phase that selects no test (pytest's status 5) is not a failure.
@@ -20,6 +20,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 JOBS=${PYTEST_JOBS:-4}
+# `all`: the pinned release's parallel phase beside the other releases' legs. One worker more than alone: once
+# the legs end (about two thirds of the way), four left the two cores idle a third of the time.
+ALL_JOBS=${PYTEST_ALL_JOBS:-$((JOBS + 1))}
 LEG_JOBS=${PYTEST_LEG_JOBS:-2}
 REPORT_DIR=${TEST_REPORT_DIR:-$VENV/test-report}
 read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
@@ -63,6 +66,23 @@ leg() {  # leg VERSION PORT-RANGE JOBS: the tests that differ by release, on VER
   phase "sglang-$version" "$overlay" "$2" $(parallel "$3") -m "sglang and not gpu" -rs "${files[@]}"
 }
 
+# The tests marked serial, after the parallel phases: the real-SGLang deployment's group alone, one test after
+# another, then the light timing tests (a few emulated engines each) beside each other, two at a time: together
+# they use a fraction of one core (tests/conftest.py write_serial_plan, from the pinned phase's collection).
+# Without that plan, or with PYTEST_ARGS (which the plan's node ids would repeat), every serial test in one process.
+serial() {
+  local plan=$REPORT_DIR/serial-plan alone=() beside=()
+  if [ "${#EXTRA[@]}" -gt 0 ] || [ ! -f "$plan/alone" ] || [ ! -f "$plan/beside" ]; then
+    phase pinned-serial "" "" -m serial
+    return
+  fi
+  mapfile -t alone < "$plan/alone"
+  mapfile -t beside < "$plan/beside"
+  [ "${#alone[@]}" -gt 0 ] && phase pinned-serial "" "" -m serial "${alone[@]}"
+  # shellcheck disable=SC2046
+  [ "${#beside[@]}" -gt 0 ] && phase pinned-serial-beside "" "" $(parallel 2) -m serial "${beside[@]}"
+}
+
 others() {  # every supported release but the pin, one after another
   local version
   for version in $(python3 prfaas_sglang/_pin.py --others); do leg "$version" "$1" "$LEG_JOBS"; done
@@ -76,10 +96,10 @@ case "${1:-all}" in
     PHASE_THREADS=1 others "$mid-$high" > "$REPORT_DIR/legs.log" 2>&1 &
     legs=$!
     # shellcheck disable=SC2046
-    PHASE_THREADS=1 phase pinned "" "$low-$mid" $(parallel "$JOBS") -m "not serial"
+    PHASE_THREADS=1 PRFAAS_TEST_SERIAL_PLAN="$REPORT_DIR/serial-plan" phase pinned "" "$low-$mid" $(parallel "$ALL_JOBS") -m "not serial"
     wait "$legs"
     cat "$REPORT_DIR/legs.log"
-    phase pinned-serial "" "" -m serial ;;
+    serial ;;
   leg)
     leg "${2:?usage: scripts/run-tests.sh leg VERSION}" "" "$JOBS" ;;
   *)

@@ -101,6 +101,30 @@ def pytest_collection_modifyitems(config, items):
     cost = {group: known.get(group, guess) for group, guess in estimate.items()}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (-cost[group_of(item)], group_of(item), order[id(item)]))
+    write_serial_plan(items)
+
+
+def write_serial_plan(items) -> None:
+    """With ``PRFAAS_TEST_SERIAL_PLAN`` (a directory; the pinned release's parallel phase, which collects the
+    whole suite and deselects the serial tests after this hook), the node ids of the tests marked ``serial``:
+    ``alone``, those of the real-SGLang deployment's group (:data:`deployments.SGLANG_CPU`: four or five
+    servers on the two cores), which run one after another with nothing beside them; ``beside``, the rest,
+    timing tests on a few emulated engines (a tenth of a core each, measured 2026-11-30), which run beside
+    each other after them. scripts/run-tests.sh runs the two; each pytest-xdist worker writes the same."""
+    plan_dir = envs.TEST_SERIAL_PLAN.get()
+    if not plan_dir:
+        return
+    from deployments import SGLANG_CPU
+
+    plan: dict[str, list[str]] = {"alone": [], "beside": []}
+    for item in items:  # in the order they would run; before pytest-xdist appends "@GROUP" to the node ids
+        if item.get_closest_marker("serial") is not None:
+            plan["alone" if group_of(item) == SGLANG_CPU else "beside"].append(item.nodeid)
+    Path(plan_dir).mkdir(parents=True, exist_ok=True)
+    for name, nodeids in plan.items():
+        tmp = Path(plan_dir) / f".{name}.{os.getpid()}"
+        tmp.write_text("".join(f"{nodeid}\n" for nodeid in nodeids))
+        os.replace(tmp, Path(plan_dir) / name)
 
 
 PHASE_OUTCOMES = pytest.StashKey[list]()
