@@ -20,9 +20,6 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 JOBS=${PYTEST_JOBS:-4}
-# `all`: the pinned release's parallel phase beside the other releases' legs. One worker more than alone: once
-# the legs end (about two thirds of the way), four left the two cores idle a third of the time.
-ALL_JOBS=${PYTEST_ALL_JOBS:-$((JOBS + 1))}
 LEG_JOBS=${PYTEST_LEG_JOBS:-2}
 REPORT_DIR=${TEST_REPORT_DIR:-$VENV/test-report}
 read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
@@ -96,7 +93,7 @@ case "${1:-all}" in
     PHASE_THREADS=1 others "$mid-$high" > "$REPORT_DIR/legs.log" 2>&1 &
     legs=$!
     # shellcheck disable=SC2046
-    PHASE_THREADS=1 PRFAAS_TEST_SERIAL_PLAN="$REPORT_DIR/serial-plan" phase pinned "" "$low-$mid" $(parallel "$ALL_JOBS") -m "not serial"
+    PHASE_THREADS=1 PRFAAS_TEST_SERIAL_PLAN="$REPORT_DIR/serial-plan" phase pinned "" "$low-$mid" $(parallel "$JOBS") -m "not serial"
     wait "$legs"
     cat "$REPORT_DIR/legs.log"
     serial ;;

@@ -1,4 +1,5 @@
-"""What crosses a link device: capture until stdin closes, then print a summary (encrypted links' evidence).
+"""What crosses a link device: capture until stdin closes and the packets queued by then are read, then print a
+summary (encrypted links' evidence).
 
 Run inside the namespace that holds the device (``ip netns exec NS ...``) by ``bench chaos --encrypt`` and
 ``tests/transport/test_tunnel.py``. Needs root (an AF_PACKET socket).
@@ -68,16 +69,22 @@ def main() -> None:
     packets = nbytes = with_pattern = not_ipv4 = link_local = 0
     protocols: dict[str, int] = {}
     common: set[int] | None = None
+    closing = False  # stdin has ended: what the kernel already queued for this socket is still counted
     while True:
-        ready, _, _ = select.select([sock, sys.stdin], [], [])
-        if sys.stdin in ready and not sys.stdin.readline():
-            break
+        ready, _, _ = select.select([sock] if closing else [sock, sys.stdin], [], [], 0 if closing else None)
+        if closing and not ready:
+            break  # drained: on loaded cores this loop ran behind, and the queue held the transfer's tail (MiBs)
+        if not closing and sys.stdin in ready and not sys.stdin.readline():
+            closing = True
+            continue
         if sock in ready:
             try:
                 data, ancillary, _, address = sock.recvmsg(1 << 17, 64)
             except OSError as err:  # the device was set down meanwhile (a black-holed link): nothing crossed it
                 if err.errno != errno.ENETDOWN:
                     raise
+                if closing:
+                    break  # a device that is down queues nothing more
                 continue
             if address[1] == ETH_P_ARP:
                 continue
