@@ -130,8 +130,10 @@ SGLANG_HEALTH_WAIT = ("SGLANG_HEALTH_CHECK_TIMEOUT", "120")
 GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(SGLANG_HEALTH_WAIT,))
 # The CPU engine sizes its pool from the memory free before and after its model loaded, like the GPU's:
 # with five servers loading at once (the reference and the broken-hook one beside the deployment), 0.05
-# left "no memory for the KV cache" (2026-11-27, others' imports took 5.3% meanwhile); the pool is
-# capped by --max-total-tokens either way.
+# left "no memory for the KV cache" (2026-11-27, others' imports took 5.3% meanwhile), and 0.15 in a fresh
+# run whose parallel phase was packed tighter (2026-11-30: 16.35% taken meanwhile, the 0.5.23 leg's
+# deployment did not start); 0.4 tolerates others taking 40%. The pool is capped by --max-total-tokens
+# either way (65,536 tokens, 256 MiB of the tiny Llama's KV).
 # --sleep-on-idle: an idle scheduler otherwise polls its sockets without pause, a whole core each (measured
 # 2026-11-29: 10.1 CPU-s in 10 s idle, 0.1 with it); four or five servers on two cores starved the one that
 # worked, which spread identical requests' TTFTs tenfold. It sleeps only when fully idle (no request in any
@@ -143,7 +145,7 @@ CPU_POLL_WAIT = ("PRFAAS_POLL_WAIT_MS", "5")
 CPU_PROFILE = ServerProfile(
     ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
-     "--mem-fraction-static", "0.15", "--max-total-tokens", "65536", "--max-running-requests", "8",
+     "--mem-fraction-static", "0.4", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--sleep-on-idle", "--log-level", "info"),
     env=(("SGLANG_USE_CPU_ENGINE", "1"), SGLANG_HEALTH_WAIT, CPU_POLL_WAIT),  # SGLang outwaits the router's two 30 s misses
     threshold_tokens=1024, short_tokens=(64, 512), long_tokens=(2048, 4096),
