@@ -24,12 +24,12 @@ LEG_JOBS=${PYTEST_LEG_JOBS:-2}
 REPORT_DIR=${TEST_REPORT_DIR:-$VENV/test-report}
 read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
 
-# Each release builds SGLang's native block hash (a torch extension the tests compare ours with) into a
-# directory of its own: in one directory each release's build replaced the other's, on every run.
 # A parallel phase runs its workers and their servers beside the other phase's on two cores, where torch's
 # intra-op threads (one per core in every process, by default) only wait at each other's barriers: a CPU
 # SGLang server decoding 256 tokens took 1.2 CPU-s with two and 0.7 with one, in the same time, on an idle
 # machine (2026-11-30). The serial phase has the cores to itself and keeps torch's default.
+# Each release builds SGLang's native block hash (a torch extension the tests compare ours with) into a
+# directory of its own: in one directory each release's build replaced the other's, on every run.
 phase() {  # phase NAME PYTHONPATH-OVERLAY PORT-RANGE PYTEST-ARGS... (PHASE_THREADS: OMP_NUM_THREADS, if set)
   local name=$1 overlay=$2 ports=$3 start rc
   shift 3

@@ -35,8 +35,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "suite")
 
 # Every real SGLang server a test starts shares the two cores with the rest of the suite: its scheduler
 # waits on its sockets, 5 ms at a time, while a request is in flight with nothing to run (the
-# scheduler-poll-wait hook), instead of spinning a core (gpu/e2e.py CPU_PROFILE sets the same). A test of
-# SGLang's own busy poll unsets it.
+# scheduler-poll-wait hook), instead of spinning a core (gpu/e2e.py CPU_PROFILE sets the same).
 os.environ.setdefault(*CPU_POLL_WAIT)
 
 
