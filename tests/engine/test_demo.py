@@ -44,6 +44,9 @@ def test_demo_case_study(tmp_path):
 
 
 @pytest.mark.slow
+# The router sheds what its TTFT estimate puts past the SLO, and at speedup 20 a second a starved core holds an
+# engine back is 20 emulated ones: beside the parallel phase it shed 16-18 of 60 (runs 32, 34, 36, 2026-11-30).
+@pytest.mark.serial
 def test_demo_trace_replay():
     trace = TRACE
     proc = run_py(["-m", "prfaas_sglang.demo", "--workload", f"trace:{trace}", "--duration", "4", "--max-requests", "60",

@@ -195,6 +195,43 @@ def collected_metrics(async_sender, prefill_manager) -> dict | None:
     return samples
 
 
+ABORT_HOLD_S = 2.0  # how long main_abort holds the writes when no ACK comes first
+
+
+class HeldWrites:
+    """The transfer engine, with every write handed to it held back until ``release`` is set: the sender gets
+    an id at once and reads it as pending (nothing waits on a lock); once released, the held writes go to the
+    engine as they are next read."""
+
+    def __init__(self, engine, release):
+        self.engine, self.release = engine, release
+        self.held: dict[int, tuple] = {}
+        self.real: dict[int, int] = {}
+
+    def transfer_submit_write(self, session, *entry) -> int:
+        if self.release.is_set():
+            return self.engine.transfer_submit_write(session, *entry)
+        write_id = -(len(self.held) + len(self.real) + 1)  # never an engine's id (those are positive)
+        self.held[write_id] = (session, entry)
+        return write_id
+
+    def transfer_check_status(self, write_id: int) -> int:
+        from prfaas_sglang.transport.kv_send import FAILED, PENDING
+
+        if write_id in self.held:
+            if not self.release.is_set():
+                return PENDING
+            session, entry = self.held.pop(write_id)
+            self.real[write_id] = self.engine.transfer_submit_write(session, *entry)
+        if write_id in self.real:
+            real = self.real[write_id]
+            return self.engine.transfer_check_status(real) if real else FAILED
+        return self.engine.transfer_check_status(write_id)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 def main_abort() -> dict:
     """PROBE_ABORT=1 (SGLang with the deferred decode KV release, 0.5.23): the decode aborts room 1 while the
     writes of its first two chunks are queued or on the wire, the prefill then sends the last chunk (which
@@ -202,7 +239,13 @@ def main_abort() -> dict:
     decode frees the room's pages. What the decode's pages held at the ACK is compared with what
     they hold once every write has ended: whatever changed landed after the ACK, in pages SGLang would have
     given to another request. PROBE_UNHOOK_ACK=1 puts SGLang's own ``_maybe_ack_drained_abort`` back (what
-    the check finds without the kv-send-ack-drain hook)."""
+    the check finds without the kv-send-ack-drain hook).
+
+    The race is not left to the machine's load: the writes are held (:class:`HeldWrites`) until the decode
+    has its ACK or :data:`ABORT_HOLD_S` has passed, whichever comes first, so whether writes are still open
+    at the ACK depends only on what SGLang's check waits for."""
+    import threading
+
     from sglang.srt.disaggregation.common.conn import CommonKVManager
 
     from prfaas_sglang.bench.layerwise_bench import open_room
@@ -210,6 +253,8 @@ def main_abort() -> dict:
     if os.environ.get("PROBE_UNHOOK_ACK"):
         MooncakeKVManager._maybe_ack_drained_abort = CommonKVManager._maybe_ack_drained_abort
     prefill, decode, (_, p_bufs, _), (_, d_bufs, _) = managers()
+    release = threading.Event()
+    prefill._prfaas_sender.engine = HeldWrites(prefill._prfaas_sender.engine, release)
     src = np.arange(USED_PAGES, dtype=np.int32)[:192]
     dst = np.random.default_rng(5).permutation(USED_PAGES)[:192].astype(np.int32)
     sender, receiver = open_room(prefill, decode, f"127.0.0.1:{BOOT_PORT}", 1, dst)
@@ -221,6 +266,7 @@ def main_abort() -> dict:
     while not any(not b.ended for b in list(async_sender.ledger.batches)) and time.time() < deadline:
         time.sleep(0.0002)  # until SGLang's transfer thread has handed a chunk to our sender
     queued_at_abort = sum(not b.ended for b in list(async_sender.ledger.batches))
+    threading.Timer(ABORT_HOLD_S, release.set).start()  # a check that waits for the writes gets them then
     receiver.abort()
     time.sleep(0.01)
     sender.send(src[-64:])  # the last chunk, after the abort: SGLang skips it and checks the ACK at once
@@ -230,6 +276,7 @@ def main_abort() -> dict:
     acked = decode.is_abort_release_safe(1, 1)
     at_ack = [d[dst].copy() for d in d_bufs]
     open_at_ack = sum(not b.ended for b in list(async_sender.ledger.batches))
+    release.set()
     settled = async_sender.settle(30.0)
     time.sleep(0.2)
     changed = sum(int((d[dst] != before).any(axis=1).sum()) for d, before in zip(d_bufs, at_ack, strict=True))
