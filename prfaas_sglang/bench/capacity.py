@@ -69,6 +69,7 @@ from prfaas_sglang.bench.capacity_rows import (
 from prfaas_sglang.bench.compare import ACCELERATORS, LINKS_GBPS, MAX_INPUT_TOKENS, LinkThread
 from prfaas_sglang.bench.slo import CapacitySearch, Outcome, per_seed_capacity, score, spread
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
+from prfaas_sglang.bench.zygote import Zygotes
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
 from prfaas_sglang.demo.cluster import (
@@ -514,6 +515,10 @@ class Runner:
         self.setting, self.fleet, self.log_dir, self.log = setting, fleet, log_dir, log
         self.text = workloads.TextSource(PromptTokenizer.load(SHIPPED))
         self.streams: dict[int, Stream] = {}
+        self.zygotes = Zygotes()  # what each run's fresh peer router is forked from (close() stops them)
+
+    def close(self) -> None:
+        self.zygotes.stop()
 
     def stream(self, seed: int) -> Stream:
         if seed not in self.streams:
@@ -529,7 +534,7 @@ class Runner:
         flush(up)
         restart_slow_periods(up, seed)
         phases["idle"] = time.monotonic()
-        group = ProcessGroup(self.log_dir / "routers")
+        group = ProcessGroup(self.log_dir / "routers", zygotes=self.zygotes)
         prfaas = up.workers("prfaas")
         prefills = prfaas + up.workers("pd-prefill")
         engines = list(up.deployment.workers.values())
@@ -869,6 +874,7 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
             for name, (est, table) in intervals.items():
                 capacity[name]["interval"] = {**est.as_dict(), "grid": table}
     finally:
+        runner.close()
         fleet.close()
     return {**head, "best_config": best, "rows": capacity,
             "ratios": ratios(capacity, best, {k: v[0] for k, v in intervals.items()}), "wall_s": time.monotonic() - started}

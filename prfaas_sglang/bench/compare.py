@@ -53,6 +53,7 @@ from pathlib import Path
 from prfaas_sglang import runtime
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench.subcommands import Invocation
+from prfaas_sglang.bench.zygote import Zygotes
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import (
@@ -280,29 +281,10 @@ def run(setting: Setting = Setting(), seeds: int = 5, rows: tuple[str, ...] = RO
            "planned_capacity_rps": hetero_model(setting).capacity_rps() / setting.speedup,
            "threshold_tokens": hetero_model(setting).baseline_threshold_tokens,
            "homogeneous_split": homogeneous_split(setting), "arrivals": [len(arrivals[s]) for s in range(seeds)]}
-    for kind in ("hetero", "naive", "homogeneous"):
-        kind_rows = [r for r in rows if DEPLOYMENT_OF[r] == kind]
-        if not kind_rows:
-            continue
-        group = ProcessGroup(log_dir / kind)
-        net = Netns() if kind != "homogeneous" else None
-        try:
-            if net is not None:
-                net.__enter__()
-                net.throttle(setting.wire_mbit)
-            doc = topology(setting, kind, net)
-            context = ("--context-tokens", str(2 * MAX_INPUT_TOKENS + setting.output_tokens))
-            deployment = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")},
-                                          wrap={"prfaas": net.wrap} if net else None, name=kind)
-            workers = list(deployment.workers.values())
-            prfaas_worker = deployment.workers.get("prfaas-0")
-            for row, url in _routers(kind, group, deployment, kind_rows, doc).items():
-                for seed in range(seeds):
-                    per_seed[row].append(_replay_row(url, arrivals[seed], setting, workers, prfaas_worker, net))
-        finally:
-            group.stop()
-            if net is not None:
-                net.__exit__(None, None, None)
+    with Zygotes() as zygotes:  # what the peer routers of every deployment are forked from
+        for kind in ("hetero", "naive", "homogeneous"):
+            if any(DEPLOYMENT_OF[r] == kind for r in rows):
+                _run_deployment(kind, setting, seeds, rows, log_dir, arrivals, per_seed, zygotes)
     out["rows"] = {row: aggregate(per_seed[row]) for row in rows}
     ours = out["rows"].get("prfaas", {}).get("goodput_rps", {}).get("median")
     medians = {row: r["goodput_rps"]["median"] for row, r in out["rows"].items() if row != "prfaas"}
@@ -312,6 +294,32 @@ def run(setting: Setting = Setting(), seeds: int = 5, rows: tuple[str, ...] = RO
     out["best_other_row"] = best
     out["goodput_ratio_vs_best"] = (ours / others[best]) if best and others[best] and ours is not None else None
     return out
+
+
+def _run_deployment(kind: str, setting: Setting, seeds: int, rows: tuple[str, ...], log_dir: Path,
+                    arrivals: dict, per_seed: dict[str, list[dict]], zygotes: Zygotes) -> None:
+    """Start ``kind``'s deployment (and its shaped link), replay every seed through each of its rows' routers
+    into ``per_seed``, and stop it all."""
+    kind_rows = [r for r in rows if DEPLOYMENT_OF[r] == kind]
+    group = ProcessGroup(log_dir / kind, zygotes=zygotes)
+    net = Netns() if kind != "homogeneous" else None
+    try:
+        if net is not None:
+            net.__enter__()
+            net.throttle(setting.wire_mbit)
+        doc = topology(setting, kind, net)
+        context = ("--context-tokens", str(2 * MAX_INPUT_TOKENS + setting.output_tokens))
+        deployment = start_deployment(group, doc, engine_args={r: context for r in ("prfaas", "pd-prefill", "pd-decode")},
+                                      wrap={"prfaas": net.wrap} if net else None, name=kind)
+        workers = list(deployment.workers.values())
+        prfaas_worker = deployment.workers.get("prfaas-0")
+        for row, url in _routers(kind, group, deployment, kind_rows, doc).items():
+            for seed in range(seeds):
+                per_seed[row].append(_replay_row(url, arrivals[seed], setting, workers, prfaas_worker, net))
+    finally:
+        group.stop()
+        if net is not None:
+            net.__exit__(None, None, None)
 
 
 SPREAD = ("goodput_rps", "ttft_p50_s", "ttft_p90_s", "tbt_p99_s", "offload_fraction", "egress_gbps", "link_utilisation",

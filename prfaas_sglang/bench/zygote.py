@@ -15,7 +15,11 @@ interpreter or ``PYTHONPATH``, or a variable a preloaded module read when it was
 (:data:`READ_AT_IMPORT`). The zygote forks only while it has no thread but its main one, and exits when
 the process that started it does.
 
-Usage as a program: ``python -m prfaas_sglang.bench.zygote SOCKET`` (what :meth:`Zygote.start` runs).
+What it preloads is :data:`PRELOAD` unless given: ``Zygote(preload=("sglang_router.launch_router",))`` forks
+a peer router that would otherwise import SGLang's server code afresh each start (its mini load balancer does).
+
+Usage as a program: ``python -m prfaas_sglang.bench.zygote SOCKET [MODULE ...]`` (what :meth:`Zygote.start`
+runs; the modules to preload, :data:`PRELOAD` when none).
 """
 
 from __future__ import annotations
@@ -119,10 +123,10 @@ def _child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def serve(path: str) -> None:
-    """Preload, then fork a child per request on ``path``; each client hears the child's pid, then its exit
-    status. Exits when the parent process is gone."""
-    for name in PRELOAD:
+def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
+    """Preload ``preload`` (each where it imports), then fork a child per request on ``path``; each client
+    hears the child's pid, then its exit status. Exits when the parent process is gone."""
+    for name in preload:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     if threading.active_count() != 1:
@@ -225,7 +229,8 @@ class Zygote:
     """One zygote process (:func:`serve`) and the runs it forks; ``with Zygote() as z:`` starts it (on first
     :meth:`popen` or :meth:`run` otherwise) and stops it, with every run still going."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+        self.preload = tuple(preload)
         self._dir = tempfile.mkdtemp(prefix="prfaas-zygote-")
         self.path = os.path.join(self._dir, "sock")
         self.proc: subprocess.Popen | None = None
@@ -238,11 +243,11 @@ class Zygote:
         self.stop()
 
     def start(self) -> None:
-        """Start the zygote and wait for its preload (about 10 CPU-seconds); a no-op once started."""
+        """Start the zygote and wait for its preload (SGLang's: about 10 CPU-seconds); a no-op once started."""
         if self.proc is not None:
             return
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.path], stdout=subprocess.PIPE, text=True,
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.path, *self.preload], stdout=subprocess.PIPE,
+                                     text=True, stdin=subprocess.DEVNULL)
         if self.proc.stdout.readline().strip() != "ready":  # the preload's import errors go to stderr
             raise RuntimeError(f"the SGLang zygote did not start (exit {self.proc.wait()})")
 
@@ -323,6 +328,32 @@ class Zygote:
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+class Zygotes:
+    """Zygotes by what they preload, each started on first use and all stopped together: what a run shares
+    among the process groups it starts and stops (``with Zygotes() as zygotes:``)."""
+
+    def __init__(self) -> None:
+        self._by_preload: dict[tuple[str, ...], Zygote] = {}
+
+    def __enter__(self) -> Zygotes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def get(self, preload: tuple[str, ...]) -> Zygote:
+        """The zygote of ``preload`` (made now if there is none; it starts on its first fork)."""
+        if preload not in self._by_preload:
+            self._by_preload[preload] = Zygote(preload=preload)
+        return self._by_preload[preload]
+
+    def stop(self) -> None:
+        """Stop every zygote (and what still runs of its forks); a later :meth:`get` makes one afresh."""
+        for zygote in self._by_preload.values():
+            zygote.stop()
+        self._by_preload.clear()
+
+
 def forkable(argv: list[str], env: dict[str, str]) -> bool:
     """Whether ``argv`` is ``python SCRIPT|-m MODULE|-c CODE ...`` with this interpreter, run with this
     ``PYTHONPATH`` and no variable a preloaded module read at import (:data:`READ_AT_IMPORT`)."""
@@ -366,4 +397,4 @@ def _communicate(proc: ZygoteProcess, input: str | None, timeout: float | None) 
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], tuple(sys.argv[2:]) or PRELOAD)

@@ -28,10 +28,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.envs import envs
 from prfaas_sglang.errors import PrfaasError
+
+if TYPE_CHECKING:
+    from prfaas_sglang.bench.zygote import Zygotes
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +174,7 @@ class Launch:
     env: Mapping[str, str]  # added to base_env
     base_env: Mapping[str, str] | None  # None: the owner's environment at start
     preexec_fn: Callable[[], None] | None
+    fork_from: tuple[str, ...] = ()  # the modules of the zygote it was forked from (none: started afresh)
 
 
 @dataclass
@@ -182,28 +187,47 @@ class ProcessGroup:
     twice), each with ``.name`` and ``.launch`` (a :class:`Launch`). :meth:`stop` TERMs each
     group, waits, then KILLs each group (children that outlived their parent too). A forked copy
     of the owner (pyroute2's netns helpers are one) neither kills nor stops anything: the
-    children are its parent's."""
+    children are its parent's.
+
+    A child started ``fork_from`` some modules is forked from a process that imported them once (a
+    :class:`~prfaas_sglang.bench.zygote.Zygote` of ``zygotes``, which the caller may share among groups and
+    stops itself; None: the group's own, stopped with all its children), where it can be (``python -m``,
+    a script or ``-c`` with this interpreter and ``PYTHONPATH``, no ``preexec_fn``): for a program whose
+    imports cost more than its start (a peer router that imports SGLang's server code). Such a child is as
+    much of a ``Popen`` as the group uses."""
 
     log_dir: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
     _owner_pid: int = field(default_factory=os.getpid, init=False, repr=False)
+    zygotes: Zygotes | None = None
+    _own_zygotes: Zygotes | None = field(default=None, init=False, repr=False)
 
     def _owned_here(self) -> bool:
         return os.getpid() == self._owner_pid
 
     def start(self, name: str, argv: list[str], env: Mapping[str, str] | None = None, *,
               base_env: Mapping[str, str] | None = None,
-              preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen:
+              preexec_fn: Callable[[], None] | None = None, fork_from: tuple[str, ...] = ()) -> subprocess.Popen:
         """Start ``argv`` as ``name``, its output appended to ``log_dir/<name>.log`` (a restart keeps
         the earlier life's). Its environment: ``base_env`` (None: this process's), ``env`` added.
-        ``preexec_fn`` runs in the child after it got its own session (entering a network namespace)."""
+        ``preexec_fn`` runs in the child after it got its own session (entering a network namespace).
+        ``fork_from``: forked from this group's zygote of those modules where it can be (see the class)."""
+        from prfaas_sglang.bench.zygote import Zygotes, forkable
+
         self.log_dir.mkdir(parents=True, exist_ok=True)
         environ = {**(os.environ if base_env is None else base_env), **(env or {})}
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child holds its own descriptor
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True,
-                                    preexec_fn=preexec_fn)
+            if fork_from and preexec_fn is None and forkable(list(argv), environ):
+                if self.zygotes is None and self._own_zygotes is None:
+                    self._own_zygotes = Zygotes()
+                zygote = (self.zygotes or self._own_zygotes).get(tuple(fork_from))
+                proc = zygote.popen(list(argv), env=environ, stdout=log, stderr=subprocess.STDOUT)
+            else:
+                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environ,
+                                        start_new_session=True, preexec_fn=preexec_fn)
         proc.name = name
-        proc.launch = Launch(tuple(argv), dict(env or {}), None if base_env is None else dict(base_env), preexec_fn)
+        proc.launch = Launch(tuple(argv), dict(env or {}), None if base_env is None else dict(base_env), preexec_fn,
+                             tuple(fork_from))
         self.procs.append(proc)
         return proc
 
@@ -220,7 +244,8 @@ class ProcessGroup:
     def restart(self, name: str) -> subprocess.Popen:
         """Start process ``name`` again exactly as it was last started (argv, environment, preexec_fn)."""
         launch: Launch = self.latest(name).launch
-        return self.start(name, list(launch.argv), launch.env, base_env=launch.base_env, preexec_fn=launch.preexec_fn)
+        return self.start(name, list(launch.argv), launch.env, base_env=launch.base_env, preexec_fn=launch.preexec_fn,
+                          fork_from=launch.fork_from)
 
     def log(self, name: str) -> str:
         """What ``name`` has written so far (every life of it); empty when nothing."""
@@ -250,7 +275,7 @@ class ProcessGroup:
         """TERM the process group of every child (or of those named ``names``), wait ``grace_s`` in all,
         then KILL each group (what outlived its parent goes too). Returns the names that had to be
         KILLed while their child still ran. Children stopped by name are forgotten (the name can be
-        started afresh); stopping all keeps them listed."""
+        started afresh); stopping all keeps them listed and stops the group's own zygotes."""
         if not self._owned_here():
             return []
         wanted = None if names is None else set(names)
@@ -281,6 +306,8 @@ class ProcessGroup:
                     logger.warning("%s (pid %d) outlived SIGKILL by 10 s", proc.name, proc.pid)
         if wanted is not None:
             self.procs = [p for p in self.procs if p not in chosen]
+        elif self._own_zygotes is not None:  # every child gone: the group's own zygotes too (not a shared one)
+            self._own_zygotes.stop()
         return killed
 
 
@@ -463,6 +490,9 @@ def start_topology_router(group: ProcessGroup, config: Path, doc: dict, *router_
 
 
 PEER_ROUTERS = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router"}
+# sglang-router 0.3's launcher imports SGLang's server code for its mini load balancer (6 CPU-s a start, the
+# Rust router's own start a fraction of it): a group forks its starts from one process that imported it.
+PEER_ROUTER_PRELOAD = {"sglang-router": ("sglang_router.launch_router",)}
 PEER_PORT_ATTEMPTS = 3  # starts of a peer router whose picked port another process took first
 
 
@@ -488,7 +518,7 @@ def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], dec
                 "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--host", host, "--port", str(port),
                 "--prometheus-host", host, "--prometheus-port", str(pick(host)), *extra_args]
         logged_before = len(group.log(name or kind))
-        proc = group.start(name or kind, argv)
+        proc = group.start(name or kind, argv, fork_from=PEER_ROUTER_PRELOAD.get(kind, ()))
         url = f"http://{host}:{port}"
         try:
             group.wait_healthy(url + "/health", proc, timeout_s=timeout_s)

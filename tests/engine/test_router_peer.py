@@ -3,6 +3,8 @@ in PD mode in front of emulated workers."""
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 import requests
@@ -115,3 +117,43 @@ def test_a_peer_router_whose_picked_port_was_taken_starts_again_on_new_ports(emu
     assert url == f"http://127.0.0.1:{picks[2]}" and taken not in picks[2:]
     r = requests.post(url + "/generate", json={"input_ids": list(range(600)), "sampling_params": {"max_new_tokens": 3}}, timeout=60)
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_sglang_router_starts_fork_from_one_zygote_that_outlives_the_groups_sharing_it(emulated_pair, tmp_path):
+    """sglang-router imports SGLang's server code each start (6 CPU-s): the starts of groups that share a
+    :class:`~prfaas_sglang.bench.zygote.Zygotes` fork from one process that imported it once, route, and
+    stop with their group; the zygote stops with the pool, not the group. smg (a light launcher) starts
+    afresh."""
+    from prfaas_sglang.bench.zygote import Zygotes
+
+    emulated_pair.reset()
+    prefill, decode = emulated_pair.worker("prfaas"), emulated_pair.worker("pd-decode")
+    with Zygotes() as zygotes:
+        parents = []
+        for i in range(2):
+            group = ProcessGroup(tmp_path / f"run-{i}", zygotes=zygotes)
+            try:
+                url = start_peer_router(group, "sglang-router", [prefill], [decode], decode_policy="round_robin")
+                proc = group.latest("sglang-router")
+                parents.append(_parent_of(proc.pid))
+                r = requests.post(url + "/generate", json={"input_ids": list(range(600)),
+                                                           "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+                assert r.status_code == 200 and len(r.json()["output_ids"]) == 3
+            finally:
+                group.stop()
+            assert proc.poll() is not None  # gone with its group
+        zygote = zygotes.get(("sglang_router.launch_router",))
+        assert parents == [zygote.proc.pid] * 2 and zygote.proc.poll() is None  # one zygote, alive after both groups
+    assert zygote.proc.poll() is not None
+    group = ProcessGroup(tmp_path / "smg")
+    try:
+        start_peer_router(group, "smg", [prefill], [decode], decode_policy="round_robin")
+        assert _parent_of(group.latest("smg").pid) == os.getpid()
+    finally:
+        group.stop()

@@ -31,6 +31,9 @@ CAPTURE = (sys.executable, "-m", "prfaas_sglang.bench.wire_capture")
 KEYS = DeploymentKeys.from_secret(b"a deployment secret of 32 bytes!")
 PATTERN = b"\x01" * 64  # transport_peer's payload is ones: a run of them in a packet is KV in clear
 TUNNEL_PORT = 51820
+# A launcher's environment without the virtual environment's bin: the system's, /usr/local first (where
+# scripts/install-wireguard-go.sh puts wireguard-go: without it a machine with no older one in /usr/bin failed)
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def raw_topology(prfaas_host: str, pd_host: str, encrypt: bool = True) -> dict:
@@ -291,7 +294,7 @@ def test_the_launcher_holds_a_hosts_tunnel_and_a_node_on_the_link_refuses_to_sta
     secret = tmp_path / "secret"
     secret.write_bytes(b"a deployment secret of 32 bytes!")
     secret.chmod(0o600)
-    env = {"PRFAAS_SECRET_FILE": str(secret), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    env = {"PRFAAS_SECRET_FILE": str(secret), "PATH": SYSTEM_PATH}
     launch = (*link.wrap_a, sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config))
     refused = subprocess.run((*launch, "--node", "prfaas-0", "--engine", "mock", "--profile", "kimi-linear-1t-hybrid@h200x8"),
                              capture_output=True, text=True, env=env, timeout=60)
@@ -337,7 +340,7 @@ def test_a_tunnel_between_names_follows_a_peer_that_comes_back_at_a_new_address(
     secret = tmp_path / "secret"
     secret.write_bytes(b"a deployment secret of 32 bytes!")
     secret.chmod(0o600)
-    env = {"PRFAAS_SECRET_FILE": str(secret), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PRFAAS_TUNNEL_RESOLVE_S": "0.3"}
+    env = {"PRFAAS_SECRET_FILE": str(secret), "PATH": SYSTEM_PATH, "PRFAAS_TUNNEL_RESOLVE_S": "0.3"}
 
     def hold(wrap, node):
         proc = subprocess.Popen((*wrap, sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config), "--tunnel",
