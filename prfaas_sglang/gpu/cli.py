@@ -212,7 +212,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default="roofline,measured,off-2x",
                         help="comma list of cost profiles to compare, each behind its own router: "
                              "roofline, measured, off-2x (the measured one, times doubled), off-2x-given "
-                             "(the same without calibration)")
+                             "(the same without calibration), off-half and off-half-given (times halved)")
     parser.add_argument("--roofline-accelerator", default="h200x8",
                         help="the accelerator file the roofline variant uses (its per-GPU specs)")
     parser.add_argument("--roofline-gpus", type=int, default=1,

@@ -11,6 +11,10 @@ engine clusters name the variant's profile file (``clusters.<c>.profile``):
     off-2x       that profile with every time doubled; the router's online calibration on
     off-2x-given the off-2x profile, calibration off: where off-2x starts from (not run by default;
                  the tests compare the two)
+    off-half     that profile with every time halved, calibration on; off-half-given the same, calibration
+                 off (neither run by default): a route's TTFT holds its prefill and more (the KV hand-over,
+                 the decode's first step), so a halved profile is off by 2x or more on any machine, where
+                 how far a doubled one is off depends on how much more (the tests compare the two)
 
 Each router gets prompts of the same lengths, one at a time (lengths cycling over the engine
 profile's short and long ones, so both clusters serve), each streamed with a few output tokens; the
@@ -49,8 +53,8 @@ from prfaas_sglang.gpu.e2e import (
 )
 
 VARIANTS = ("roofline", "measured", "off-2x")  # what runs by default
-ALL_VARIANTS = (*VARIANTS, "off-2x-given")
-CALIBRATED = ("off-2x",)  # the variants whose router calibrates online
+ALL_VARIANTS = (*VARIANTS, "off-2x-given", "off-half", "off-half-given")
+CALIBRATED = ("off-2x", "off-half")  # the variants whose router calibrates online
 OUTPUT_TOKENS = 4
 
 
@@ -92,8 +96,9 @@ def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int
     roofline = tabulate(AnalyticPrefill(model, accel), tokens, DecodeProfile(bs_max, decode_step_s(model, accel, bs_max, tokens[0])),
                         f"roofline-{model.name}@{gpus}x{accel.name}", "plan/hf.py + the accelerator file",
                         state=measured.get("state", "none"))
-    off = scaled(measured, 2.0)
-    return {"roofline": roofline, "measured": measured, "off-2x": off, "off-2x-given": off}
+    off, half = scaled(measured, 2.0), scaled(measured, 0.5)
+    return {"roofline": roofline, "measured": measured, "off-2x": off, "off-2x-given": off, "off-half": half,
+            "off-half-given": half}
 
 
 def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str],
