@@ -12,9 +12,10 @@ engine clusters name the variant's profile file (``clusters.<c>.profile``):
     off-2x-given the off-2x profile, calibration off: where off-2x starts from (not run by default;
                  the tests compare the two)
     off-half     that profile with every time halved, calibration on; off-half-given the same, calibration
-                 off (neither run by default): a route's TTFT holds its prefill and more (the KV hand-over,
-                 the decode's first step), so a halved profile is off by 2x or more on any machine, where
-                 how far a doubled one is off depends on how much more (the tests compare the two)
+                 off (neither run by default; the tests compare the two): a route's TTFT holds its prefill
+                 and more (the KV hand-over, the decode's first step), so a halved profile under-predicts
+                 unless the measured one is twice too slow, where how far a doubled one is off depends on
+                 how much more, which differs by machine
 
 Each router gets prompts of the same lengths, one at a time (lengths cycling over the engine
 profile's short and long ones, so both clusters serve), each streamed with a few output tokens; the
