@@ -249,7 +249,7 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.path, *self.preload], stdout=subprocess.PIPE,
                                      text=True, stdin=subprocess.DEVNULL)
         if self.proc.stdout.readline().strip() != "ready":  # the preload's import errors go to stderr
-            raise RuntimeError(f"the SGLang zygote did not start (exit {self.proc.wait()})")
+            raise RuntimeError(f"the zygote of {', '.join(self.preload)} did not start (exit {self.proc.wait()})")
 
     def stop(self) -> None:
         """Stop the zygote (its runs' process groups are killed with it)."""

@@ -217,11 +217,11 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         environ = {**(os.environ if base_env is None else base_env), **(env or {})}
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child holds its own descriptor
-            if fork_from and preexec_fn is None and forkable(list(argv), environ):
+            if fork_from and preexec_fn is None and forkable(argv := list(argv), environ):
                 if self.zygotes is None and self._own_zygotes is None:
                     self._own_zygotes = Zygotes()
                 zygote = (self.zygotes or self._own_zygotes).get(tuple(fork_from))
-                proc = zygote.popen(list(argv), env=environ, stdout=log, stderr=subprocess.STDOUT)
+                proc = zygote.popen(argv, env=environ, stdout=log, stderr=subprocess.STDOUT)
             else:
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environ,
                                         start_new_session=True, preexec_fn=preexec_fn)

@@ -16,6 +16,7 @@ then fails the room on both sides and blacklists that session, not the real one.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import
     init_mooncake_transfer_engine,
 )
 
+from prfaas_sglang.transport.kv_send import FAILED, PENDING  # noqa: E402
 from prfaas_sglang.wire.telemetry import TELEMETRY_TOPIC, LinkSample  # noqa: E402
 
 single_rank_state()
@@ -207,17 +209,16 @@ class HeldWrites:
         self.engine, self.release = engine, release
         self.held: dict[int, tuple] = {}
         self.real: dict[int, int] = {}
+        self._ids = itertools.count(-1, -1)  # never an engine's id (those are positive)
 
     def transfer_submit_write(self, session, *entry) -> int:
         if self.release.is_set():
             return self.engine.transfer_submit_write(session, *entry)
-        write_id = -(len(self.held) + len(self.real) + 1)  # never an engine's id (those are positive)
+        write_id = next(self._ids)
         self.held[write_id] = (session, entry)
         return write_id
 
     def transfer_check_status(self, write_id: int) -> int:
-        from prfaas_sglang.transport.kv_send import FAILED, PENDING
-
         if write_id in self.held:
             if not self.release.is_set():
                 return PENDING
