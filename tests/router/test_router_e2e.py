@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -288,14 +290,27 @@ def test_router_metrics_after_traffic(deployment):
 @pytest.mark.slow
 def test_early_rejection_with_retry_after(deployment):
     """A second router over the same workers, with a TTFT bound only an idle worker meets: a burst of
-    long prompts queues up, and what would wait is refused up front with 503 + Retry-After."""
+    long prompts queues up, and what would wait is refused up front with 503 + Retry-After.
+
+    The burst's bodies are encoded first and its eight requests leave together (a barrier): at speedup 50 a
+    12,000-token prefill lasts a few tens of ms of wall, and a starved test process that encoded each body
+    as its thread started sent them about that far apart, so none queued and none was refused (runs 40 and
+    44, 2026-11-30; beside three spinning processes 5 of 8 were refused)."""
     port = free_port()
     proc = deployment["group"].start("router-strict", [sys.executable, "-m", "prfaas_sglang.router", "--config",
                                                       str(deployment["config"]), "--port", str(port), "--max-ttft-s", "0.0001"])
     url = f"http://127.0.0.1:{port}"
     deployment["group"].wait_healthy(url + "/health", proc)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda i: generate(url, list(range(970_000 + i * 20_000, 970_000 + i * 20_000 + 12_000))), range(8)))
+    bodies = [json.dumps({"input_ids": in_vocab(list(range(970_000 + i * 20_000, 970_000 + i * 20_000 + 12_000))),
+                          "sampling_params": {"max_new_tokens": 3}}) for i in range(8)]
+    together = threading.Barrier(len(bodies))
+
+    def send(body: str) -> requests.Response:
+        together.wait(timeout=30)
+        return requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(send, bodies))
     refused = [r for r in answers if r.status_code == 503]
     assert refused and any(r.status_code == 200 for r in answers), [r.status_code for r in answers]
     assert all(int(r.headers["Retry-After"]) >= 1 and "estimated TTFT" in r.json()["error"]["message"] for r in refused)
