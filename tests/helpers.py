@@ -18,6 +18,10 @@ TRACE = Path(envs.TRACE_PATH.get() or REPO_ROOT.parent / "shared" / "data" / "mo
 
 
 INTERRUPT_GRACE_S = 30.0  # a timed-out command's time to stop what it started, after SIGINT
+# A hang guard, not a timing, for a test's own process that imports SGLang and serves or probes once: alone
+# 30-40 s, but beside the loaded suite on a slow machine a Mooncake probe took 170 s, then more than 240, and the
+# HTTP-metrics probes and cache-move workers more than 180 (2026-11-30, fresh runs 42, 43, 45).
+SGLANG_PROCESS_GUARD_S = 600.0
 
 
 def run_py(args: list[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: Path = REPO_ROOT):

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import SGLANG_PROCESS_GUARD_S
 
 from prfaas_sglang._compat import UNIFIED_TREE, installed_has
 from prfaas_sglang.adapters import http_sync
@@ -47,7 +48,7 @@ def _start(port: int, tmp: Path, seed_prefixes: list[list[int]]) -> subprocess.P
     return subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline_s: float = 180.0) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, deadline_s: float = SGLANG_PROCESS_GUARD_S) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if proc.poll() is not None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import zygote
+from helpers import SGLANG_PROCESS_GUARD_S
 
 from prfaas_sglang.demo.cluster import PortPicker
 
@@ -20,10 +21,7 @@ def run_probe(**env_vars: str) -> dict:
     session-probe variable, plus ``env_vars`` and a free BOOT_PORT. Fails on a probe error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRFAAS_", "MC_", "SGLANG_ENABLE_FAILED"))}
     env.update(BOOT_PORT=str(PortPicker()()), **env_vars)
-    # A hang guard, not a timing: alone the probe takes about 30 s (0.5.23, metrics on: 38 s, 35 CPU-s), but in the
-    # release leg beside the pinned phase on a slower machine it got a fifth of a core and took 170 s, then
-    # past 240 (2026-11-30, fresh runs 42 and 43).
-    proc = zygote.run([sys.executable, str(PROBE)], env=env, timeout=600)
+    proc = zygote.run([sys.executable, str(PROBE)], env=env, timeout=SGLANG_PROCESS_GUARD_S)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stdout[-1500:] + proc.stderr[-3000:]
     out = json.loads(lines[-1])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import zygote
-from helpers import retired_here
+from helpers import SGLANG_PROCESS_GUARD_S, retired_here
 
 
 @pytest.mark.slow
@@ -31,8 +31,8 @@ def _probe(mode: str) -> str:
     zygote; the metrics modes start afresh: what they test is the order in which a fresh process imports
     prometheus_client and SGLang, which a process that preloaded SGLang has already fixed."""
     argv = [sys.executable, str(Path(__file__).with_name("metrics_multiproc_probe.py")), mode]
-    proc = (zygote.run(argv, timeout=180) if mode == "route-path"
-            else subprocess.run(argv, capture_output=True, text=True, timeout=180))
+    proc = (zygote.run(argv, timeout=SGLANG_PROCESS_GUARD_S) if mode == "route-path"
+            else subprocess.run(argv, capture_output=True, text=True, timeout=SGLANG_PROCESS_GUARD_S))
     return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
 
 
