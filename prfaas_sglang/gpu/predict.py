@@ -54,8 +54,9 @@ from prfaas_sglang.gpu.e2e import (
 )
 
 VARIANTS = ("roofline", "measured", "off-2x")  # what runs by default
-ALL_VARIANTS = (*VARIANTS, "off-2x-given", "off-half", "off-half-given")
-CALIBRATED = ("off-2x", "off-half")  # the variants whose router calibrates online
+OFF_BY = {"off-2x": 2.0, "off-half": 0.5}  # the measured profile with every time scaled by this
+CALIBRATED = tuple(OFF_BY)  # the variants whose router calibrates online; each also runs as NAME-given, without
+ALL_VARIANTS = (*VARIANTS, *(name for name in OFF_BY if name not in VARIANTS), *(f"{name}-given" for name in OFF_BY))
 OUTPUT_TOKENS = 4
 
 
@@ -97,9 +98,8 @@ def variant_docs(measured: dict, model_config: dict, accelerator: str, gpus: int
     roofline = tabulate(AnalyticPrefill(model, accel), tokens, DecodeProfile(bs_max, decode_step_s(model, accel, bs_max, tokens[0])),
                         f"roofline-{model.name}@{gpus}x{accel.name}", "plan/hf.py + the accelerator file",
                         state=measured.get("state", "none"))
-    off, half = scaled(measured, 2.0), scaled(measured, 0.5)
-    return {"roofline": roofline, "measured": measured, "off-2x": off, "off-2x-given": off, "off-half": half,
-            "off-half-given": half}
+    off = {name: scaled(measured, factor) for name, factor in OFF_BY.items()}
+    return {"roofline": roofline, "measured": measured, **off, **{f"{name}-given": doc for name, doc in off.items()}}
 
 
 def start_variant_router(dep: RunningDeployment, name: str, profile_path: Path, router_args: list[str],

@@ -111,8 +111,8 @@ def test_on_real_sglang_on_cpu_calibration_moves_the_routers_predictions_toward_
     Until 2026-11-30 the calibrated router was compared with the measured profile as given, not with the
     doubled one it starts from: with the PD decode no longer spinning a core beside the prefill it waits
     for (the scheduler-poll-wait hook), the measured profile predicted PrfaaS within 11% (median ratio
-    0.90), closer than 16 requests calibrate a 2x error to (1.30). The baseline is now the off-2x router
-    without calibration, run beside it.
+    0.90), closer than 16 requests calibrate a 2x error to (1.30). The baseline became the router on the
+    same starting profile without calibration, run beside it.
 
     Until 2026-11-30 the profile was doubled, not halved: how far a doubled profile is off depends on how much
     a route's TTFT holds beyond its prefill, which differs by machine. On a slower machine (runs 37 and 38 of

@@ -61,9 +61,17 @@ def in_vocab(tokens: list[int]) -> list[int]:
     return [(t * 40503) % VOCAB for t in tokens]
 
 
+def generate_body(tokens: list[int], stream: bool = False, max_new: int = 3) -> str:
+    """A /generate request's JSON body, encoded (a burst encodes its bodies before any leaves)."""
+    return json.dumps({"input_ids": in_vocab(tokens), "sampling_params": {"max_new_tokens": max_new}, "stream": stream})
+
+
+def post_generate(url: str, body: str, stream: bool = False):
+    return requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=60, stream=stream)
+
+
 def generate(url: str, tokens: list[int], stream: bool = False, max_new: int = 3):
-    return requests.post(url + "/generate", json={"input_ids": in_vocab(tokens), "sampling_params": {"max_new_tokens": max_new},
-                                                  "stream": stream}, timeout=60, stream=stream)
+    return post_generate(url, generate_body(tokens, stream, max_new), stream)
 
 
 def wait_for_index(url: str, worker: str, min_blocks: int) -> None:
@@ -301,13 +309,12 @@ def test_early_rejection_with_retry_after(deployment):
                                                       str(deployment["config"]), "--port", str(port), "--max-ttft-s", "0.0001"])
     url = f"http://127.0.0.1:{port}"
     deployment["group"].wait_healthy(url + "/health", proc)
-    bodies = [json.dumps({"input_ids": in_vocab(list(range(970_000 + i * 20_000, 970_000 + i * 20_000 + 12_000))),
-                          "sampling_params": {"max_new_tokens": 3}}) for i in range(8)]
+    bodies = [generate_body(list(range(970_000 + i * 20_000, 970_000 + i * 20_000 + 12_000))) for i in range(8)]
     together = threading.Barrier(len(bodies))
 
     def send(body: str) -> requests.Response:
         together.wait(timeout=30)
-        return requests.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+        return post_generate(url, body)
 
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(send, bodies))
