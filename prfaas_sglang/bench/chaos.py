@@ -223,6 +223,19 @@ class Chaos:
         await asyncio.to_thread(self.group.wait_healthy, url + "/health", proc, 90)
 
 
+async def _status(session, url: str) -> dict:
+    async with session.get(url + "/status") as resp:
+        return await resp.json()
+
+
+def _why(status: dict) -> str:
+    """What the router last decided and on what (the threshold, the link estimate), for a probe that failed."""
+    ctl, recent = status.get("controller") or {}, status.get("recent") or [{}]
+    est, nominal = ctl.get("capacity_est_bps"), ctl.get("nominal_bps")
+    link = f", link estimate {est / nominal:.3f} of nominal" if est and nominal else ""
+    return f" (t {status.get('threshold_tokens')}{link}; last route: {recent[-1].get('reason')})"
+
+
 async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> tuple[float | None, str | None]:
     """Seconds from ``since`` until every worker is healthy and a probe on each path succeeds, or
     ``None`` and what the last probe saw when ``limit_s`` passes first."""
@@ -230,20 +243,21 @@ async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> 
     last = "no probe answered"
     while time.monotonic() - since < limit_s:
         try:
-            async with session.get(url + "/status") as resp:
-                status = await resp.json()
+            status = await _status(session, url)
             unhealthy = sorted(n for n, w in status["workers"].items() if not w["healthy"])
             last = f"unhealthy {unhealthy}, link down {status.get('link_down_workers')}"
             if not unhealthy and not status.get("link_down_workers"):
-                answers = []
+                answers, seen = [], []
                 for long in (False, True):
                     body = _body(rng, long, False, rng.randrange(10**6))
                     async with session.post(url + "/generate", json=body) as resp:
                         route = resp.headers.get("x-prfaas-route", "")
                         answers.append(resp.status == 200 and route.startswith("prfaas/" if long else "pd/"))
-                        last = f"{'long' if long else 'short'} probe: {resp.status} routed {route or None}"
+                        seen.append(f"{'long' if long else 'short'} probe: {resp.status} routed {route or None}")
+                last = ", ".join(seen)
                 if all(answers):
                     return time.monotonic() - since, None
+                last += _why(await _status(session, url))
         except Exception as exc:  # noqa: BLE001 - the router may be restarting
             last = f"{type(exc).__name__}: {exc}"
         await asyncio.sleep(PROBE_INTERVAL_S)
