@@ -736,8 +736,8 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
     """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
     order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]`` (its bisected
     capacity), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
-    over them. A row whose router will not start (:class:`RowFailed`) is left out. Returns row -> (the estimate,
-    the grid's attainment per load)."""
+    over them, every row's bootstrap taking the same seeds (its ratios paired by seed). A row whose router will
+    not start (:class:`RowFailed`) is left out. Returns row -> (the estimate, the grid's attainment per load)."""
     n, step = setting.grid_loads, setting.grid_step
     loads = {r.name: [round(centres[r.name] * step ** (k - (n - 1) / 2), 9) for k in range(n)] for r in rows}
     runs: dict[str, dict[float, list[list[bool]]]] = {r.name: {load: [] for load in loads[r.name]} for r in rows}
@@ -758,10 +758,12 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
             runs[row.name][load].append(met)
             log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
     rng = np.random.default_rng(seed_rng.randrange(2**32))
+    draws = slo.seed_draws(rng, len(seeds), setting.grid_resamples)  # every row the same seeds: ratios paired
     out = {}
     for row in (r for r in rows if r.name not in failed):
         by_load = runs[row.name]
-        est = slo.capacity_interval(by_load, slo.TARGETS[0], rng, resamples=setting.grid_resamples, block_arrivals=GRID_BLOCK_ARRIVALS)
+        est = slo.capacity_interval(by_load, slo.TARGETS[0], rng, resamples=setting.grid_resamples,
+                                    block_arrivals=GRID_BLOCK_ARRIVALS, draws=draws)
         table = [{"load_rps": load, "attainment": sum(map(sum, rs)) / sum(map(len, rs)), "arrivals": sum(map(len, rs))}
                  for load, rs in sorted(by_load.items())]
         out[row.name] = (est, table)

@@ -26,9 +26,12 @@ Attainment is assumed to fall with load; a pass above a recorded failure is not 
 of loads around the crossing (every load's arrivals, in arrival order, per run): attainment fitted
 non-increasing in load (isotonic, weighted by arrivals), the crossing of ``target`` interpolated in
 log load between the two grid loads that bracket it, and a percentile interval from a bootstrap over
-arrivals (in blocks, since a run's neighbouring arrivals share a queue). On synthetic curves of
-several shapes and a 9-load grid 5-10% apart it covers the true crossing in 92-96 of 100 trials
-(tests/bench/test_slo.py). :func:`ratio_interval` divides two such estimates replicate by replicate.
+seeds and then over each taken run's arrivals (in blocks, since a run's neighbouring arrivals share a
+queue). On synthetic curves of several shapes and a 9-load grid 5-10% apart it covers the true crossing
+in 92-96 of 100 trials (tests/bench/test_slo.py). Resampling arrivals alone misses what varies from run
+to run (a seed's slow periods move its whole curve): with three seeds whose crossings spread by 5%, that
+interval covered 69 of 100, the two stages 84 (fewer seeds than the spread needs still cover short).
+:func:`ratio_interval` divides two such estimates replicate by replicate, paired by seed.
 """
 
 from __future__ import annotations
@@ -250,32 +253,59 @@ def _resampled_met(run: np.ndarray, rng: np.random.Generator, resamples: int, bl
     return run[index].sum(axis=1)
 
 
+def seed_draws(rng: np.random.Generator, seeds: int, resamples: int = 1000) -> np.ndarray:
+    """Which seeds each bootstrap replicate takes, with replacement: ``(resamples, seeds)`` indices. Pass
+    the same draws to every row of one grid so that its rows' replicates are paired seed by seed (rows run
+    on one seed share its arrivals and the engines' slow periods: the ratio's interval sees that)."""
+    if seeds < 1 or resamples < 1:
+        raise ValueError("need seeds >= 1 and resamples >= 1")
+    return rng.integers(0, seeds, (resamples, seeds))
+
+
 def capacity_interval(runs_by_load: Mapping[float, Sequence[Sequence[bool]]], target: float, rng: np.random.Generator, *,
-                      resamples: int = 1000, confidence: float = 0.95, block_arrivals: int = 10) -> CapacityInterval:
+                      resamples: int = 1000, confidence: float = 0.95, block_arrivals: int = 10,
+                      draws: np.ndarray | None = None) -> CapacityInterval:
     """Capacity at ``target`` from a load grid (see the module): ``runs_by_load`` maps each offered load to
-    its runs (one per seed), each the arrivals' met-or-not in arrival order. Needs two loads or more, every
-    one with arrivals. ``rng`` (numpy's) draws the bootstrap; the result is a function of it and the data."""
+    its runs, each the arrivals' met-or-not in arrival order; the i-th run of every load is seed i's (one
+    run per seed and load, as :func:`~prfaas_sglang.bench.capacity.grid` runs them). Needs two loads or
+    more, every one with arrivals. The bootstrap has two stages: each replicate takes the seeds
+    ``draws`` names (:func:`seed_draws`; drawn here when None), the same seeds at every load (a seed's
+    runs share its slow periods and arrivals, so a run-to-run effect moves its whole curve), then
+    resamples each taken run's arrivals in blocks. With one seed only the second stage varies.
+    ``rng`` (numpy's) draws the bootstrap; the result is a function of it and the data."""
     loads = np.array(sorted(runs_by_load), dtype=float)
     if loads.size < 2 or not 0 < target < 1 or not 0 < confidence < 1 or resamples < 1 or block_arrivals < 1:
         raise ValueError("need two loads or more, 0 < target < 1, 0 < confidence < 1, resamples >= 1, block >= 1")
-    runs = [[np.asarray(run, dtype=bool) for run in runs_by_load[load] if len(run)] for load in loads]
-    if any(not rs for rs in runs):
-        raise ValueError("every load needs arrivals")
+    runs = [[np.asarray(run, dtype=bool) for run in runs_by_load[load]] for load in loads]
+    seeds = len(runs[0])
+    if any(len(rs) != seeds for rs in runs) or any(not any(r.size for r in rs) for rs in runs):
+        raise ValueError("every load needs arrivals, and one run per seed (the same seeds at every load)")
+    draws = seed_draws(rng, seeds, resamples) if draws is None else np.asarray(draws)
+    if draws.shape != (resamples, seeds) or draws.min() < 0 or draws.max() >= seeds:
+        raise ValueError(f"draws must be ({resamples}, {seeds}) seed indices")
     arrivals = np.array([sum(r.size for r in rs) for rs in runs], dtype=float)
     met = np.array([sum(int(r.sum()) for r in rs) for rs in runs], dtype=float)
     capacity, censored = fitted_crossing(loads, met, arrivals, target)
-    met_by_copy = np.stack([sum(_resampled_met(r, rng, resamples, min(block_arrivals, r.size)) for r in rs) for rs in runs],
-                           axis=1)
-    samples = [fitted_crossing(loads, copy.astype(float), arrivals, target)[0] for copy in met_by_copy]
+    met_by_copy, arrivals_by_copy = np.zeros((resamples, loads.size)), np.zeros((resamples, loads.size))
+    rows = np.arange(resamples)
+    for i, rs in enumerate(runs):
+        sizes = np.array([r.size for r in rs], dtype=float)
+        for slot in range(seeds):  # each slot's runs resampled afresh: a seed taken twice is two copies
+            copies = np.stack([_resampled_met(r, rng, resamples, min(block_arrivals, r.size)) if r.size
+                               else np.zeros(resamples) for r in rs])
+            met_by_copy[:, i] += copies[draws[:, slot], rows]
+            arrivals_by_copy[:, i] += sizes[draws[:, slot]]
+    samples = [fitted_crossing(loads, m, np.maximum(a, 1.0), target)[0] for m, a in zip(met_by_copy, arrivals_by_copy, strict=True)]
     tail = (1 - confidence) / 2
     low, high = np.quantile(samples, [tail, 1 - tail])
     return CapacityInterval(target, capacity, float(low), float(high), confidence, censored, tuple(samples))
 
 
 def ratio_interval(ours: CapacityInterval, theirs: CapacityInterval) -> dict:
-    """``ours / theirs`` with the interval of the replicates' ratios (replicate by replicate; the two rows'
-    bootstraps are independent, which for rows run on the same arrivals errs wide), at the smaller of
-    the two confidences. ``ahead``: the interval's lower bound exceeds 1. Ratios are None where a
+    """``ours / theirs`` with the interval of the replicates' ratios, replicate by replicate: paired seed by
+    seed when the two estimates took the same ``draws`` (:func:`capacity_interval`; a grid passes one to
+    every row), so what a seed does to both rows (its arrivals, the engines' slow periods) divides out, as
+    it does in the ratio itself. At the smaller of the two confidences. ``ahead``: the interval's lower bound exceeds 1. Ratios are None where a
     capacity is 0."""
     if len(ours.samples) != len(theirs.samples):
         raise ValueError("the two estimates need the same number of bootstrap replicates")

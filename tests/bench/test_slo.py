@@ -16,6 +16,7 @@ from prfaas_sglang.bench.slo import (
     per_seed_capacity,
     ratio_interval,
     score,
+    seed_draws,
 )
 
 TTFT, TBT = 5.0, 0.025
@@ -149,6 +150,43 @@ def test_more_arrivals_narrow_the_interval_and_blocks_widen_it_for_correlated_ru
     iid = capacity_interval(streaky, 0.9, np.random.default_rng(1), resamples=300, block_arrivals=1)
     blocked = capacity_interval(streaky, 0.9, np.random.default_rng(1), resamples=300, block_arrivals=10)
     assert blocked.high - blocked.low > iid.high - iid.low
+
+
+def seeded_grid(curve, center: float, shifts: np.ndarray, rng: np.random.Generator, arrivals: int = 70) -> dict:
+    """A 7-load grid 6% apart around ``center`` (as bench capacity runs it), one run per seed and load; seed i's
+    whole curve stretched by ``shifts[i]`` along the load (what its slow periods and arrivals do to every load)."""
+    return {center * 1.06**k: [rng.random(arrivals) < curve(center * 1.06**k / s) for s in shifts] for k in range(-3, 4)}
+
+
+def test_resampling_seeds_covers_a_run_to_run_spread_that_resampling_arrivals_misses():
+    curve, sigma, seeds, covered = CURVES["logistic"], 0.05, 3, {"seeds": 0, "arrivals": 0}
+    z = np.linspace(-4, 4, 161)
+    weight = np.exp(-z**2 / 2) / np.exp(-z**2 / 2).sum()
+    crossing = true_crossing(lambda load: float(sum(w * curve(load / math.exp(sigma * zi)) for zi, w in zip(z, weight, strict=True))))
+    for trial in range(100):  # the estimand: where the attainment pooled over every possible seed crosses 90%
+        rng = np.random.default_rng(trial)
+        runs = seeded_grid(curve, crossing * rng.uniform(0.9, 1.1), np.exp(sigma * rng.standard_normal(seeds)), rng)
+        for stage, draws in (("seeds", None), ("arrivals", np.tile(np.arange(seeds), (200, 1)))):
+            est = capacity_interval(runs, 0.9, np.random.default_rng(trial), resamples=200, block_arrivals=1, draws=draws)
+            covered[stage] += est.low <= crossing <= est.high
+    assert covered["seeds"] >= 80 and covered["seeds"] >= covered["arrivals"] + 10, covered
+
+
+def test_a_ratio_paired_by_seed_divides_out_what_a_seed_does_to_both_rows():
+    curve, crossing = CURVES["logistic"], true_crossing(CURVES["logistic"])
+    rng = np.random.default_rng(5)
+    shifts = np.exp(0.1 * rng.standard_normal(4))  # both rows met the same seeds' slow periods
+    ours = seeded_grid(lambda load: curve(load / 1.3), crossing * 1.3, shifts, rng, 200)
+    theirs = seeded_grid(curve, crossing, shifts, rng, 200)
+    draws = seed_draws(np.random.default_rng(0), 4, 300)
+    paired = ratio_interval(capacity_interval(ours, 0.9, rng, resamples=300, block_arrivals=1, draws=draws),
+                            capacity_interval(theirs, 0.9, rng, resamples=300, block_arrivals=1, draws=draws))
+    unpaired = ratio_interval(capacity_interval(ours, 0.9, rng, resamples=300, block_arrivals=1, draws=draws),
+                              capacity_interval(theirs, 0.9, rng, resamples=300, block_arrivals=1))
+    assert paired["low"] <= 1.3 <= paired["high"] and paired["ahead"]
+    assert paired["high"] - paired["low"] < 0.7 * (unpaired["high"] - unpaired["low"])
+    with pytest.raises(ValueError):
+        capacity_interval(ours, 0.9, rng, resamples=300, draws=seed_draws(rng, 3, 300))  # 4 seeds ran, not 3
 
 
 def test_a_grid_that_does_not_bracket_the_crossing_says_so():
