@@ -732,16 +732,19 @@ GRID_BLOCK_ARRIVALS = 10
 
 
 def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySetting, rows: list[Row],
-         centres: dict[str, float], seed_rng: random.Random, log) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
+         centres: dict[str, float], seed_rng: random.Random, log,
+         checkpoint: Callable[[dict], None] | None = None) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
     """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
     order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]`` (its bisected
     capacity), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
     over them, every row's bootstrap taking the same seeds (its ratios paired by seed). A row whose router will
-    not start (:class:`RowFailed`) is left out. Returns row -> (the estimate, the grid's attainment per load)."""
+    not start (:class:`RowFailed`) is left out. ``checkpoint(runs)`` gets every run so far after each (row ->
+    load -> seed -> its arrivals met, "1" or "0" each, in arrival order). Returns row -> (the estimate, the grid's
+    attainment per load)."""
     n, step = setting.grid_loads, setting.grid_step
     loads = {r.name: [round(centres[r.name] * step ** (k - (n - 1) / 2), 9) for k in range(n)] for r in rows}
     runs: dict[str, dict[float, list[list[bool]]]] = {r.name: {load: [] for load in loads[r.name]} for r in rows}
-    seeds, failed = list(range(setting.seeds)), set()
+    seeds, failed, done = list(range(setting.seeds)), set(), {}
     seed_rng.shuffle(seeds)
     for seed in seeds:
         order = [(row, load) for row in rows for load in loads[row.name]]
@@ -756,7 +759,10 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
                 log(f"grid {row.name}: FAILED {err}")
                 continue
             runs[row.name][load].append(met)
+            done.setdefault(row.name, {}).setdefault(f"{load:g}", {})[str(seed)] = "".join("1" if m else "0" for m in met)
             log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
+            if checkpoint is not None:
+                checkpoint(done)
     rng = np.random.default_rng(seed_rng.randrange(2**32))
     draws = slo.seed_draws(rng, len(seeds), setting.grid_resamples)  # every row the same seeds: ratios paired
     out = {}
@@ -832,7 +838,7 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
     """The sweep, then the bisection of ours and each family's best; the result document. ``quick``: each
     family's grid is its first configuration alone (no sweep runs). ``peers``: these peer rows are bisected
     as each family's best, without a sweep (the best found in another condition's sweep). ``partial``: the
-    document so far is written there after the sweep and after each round (a run cut short keeps them).
+    document so far is written there after the sweep, after each round and after each grid run (a run cut short keeps them).
     ``starts``: where these rows' bisections start, x planned (over the sweep's)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-capacity-"))
     planned = planned_capacity(setting)
@@ -853,10 +859,10 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
                 "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
                 "sweep": swept, "logs": str(log_dir)}
 
-        def checkpoint(rows: dict) -> None:
+        def checkpoint(rows: dict, grid_runs: dict | None = None) -> None:
             if partial is not None:
-                partial.write_text(json.dumps({**head, "rows": rows, "partial": True,
-                                               "wall_s": time.monotonic() - started}, indent=1))
+                partial.write_text(json.dumps({**head, "rows": rows, "partial": True, "wall_s": time.monotonic() - started,
+                                               **({"grid_runs": grid_runs} if grid_runs else {})}, indent=1))
 
         checkpoint({})
         seed_rng = random.Random(seed)
@@ -872,7 +878,8 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
 
             alive = [r for r in reported if "failed" not in capacity[r.name]]
             centres = {r.name: capacity[r.name]["capacity_rps"]["0.9"] or FLOOR * planned for r in alive}
-            intervals = grid(probe, setting, alive, centres, seed_rng, log)
+            intervals = grid(probe, setting, alive, centres, seed_rng, log,
+                             lambda runs: checkpoint(capacity, runs))  # a run cut short keeps the grid's runs
             for name, (est, table) in intervals.items():
                 capacity[name]["interval"] = {**est.as_dict(), "grid": table}
     finally:

@@ -4,6 +4,7 @@ across loads, the shift, what a client's result counts as, the bucket order read
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -166,8 +167,13 @@ def test_the_grid_probes_every_row_load_and_seed_once_interleaved_and_its_interv
 
     setting = dataclasses.replace(SETTING, seeds=2, grid_loads=7, grid_step=1.06, grid_resamples=300)
     centres = {"prfaas": 1.05, "sr-cache_aware": 0.48}  # the bisection's, a little off
-    out = capacity.grid(probe, setting, [ours, peer], centres, random.Random(1), log=lambda _m: None)
+    kept = []  # what a run cut short keeps: the checkpoint after every probe
+    out = capacity.grid(probe, setting, [ours, peer], centres, random.Random(1), log=lambda _m: None,
+                        checkpoint=lambda runs: kept.append(json.loads(json.dumps(runs))))
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 2 * 7 * 2
+    assert len(kept) == len(calls) and sum(len(seeds) for loads in kept[-1].values() for seeds in loads.values()) == 28
+    assert all(len(run) == 300 and set(run) <= {"0", "1"} for loads in kept[-1].values() for seeds in loads.values()
+               for run in seeds.values())
     assert [name for name, _, _ in calls[:6]] != ["prfaas"] * 6 or [n for n, _, _ in calls[6:12]] != ["prfaas"] * 6
     truth = {name: crossing[name] * (1.12 + 0.05 * math.log(1 / 9)) for name in crossing}
     for name, (est, table) in out.items():
