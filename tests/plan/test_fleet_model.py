@@ -251,6 +251,16 @@ def test_the_planner_cli_plans_a_topology_and_refuses_scenario_flags_beside_it()
     assert proc.returncode == 2 and "--link-gbps" in proc.stderr and "prfaas-h200:pd-east" in proc.stderr
 
 
+def test_the_planner_refuses_capacity_at_the_slo_for_a_topology_instead_of_ignoring_it(capsys):
+    from prfaas_sglang.plan.__main__ import main
+
+    topology = str(REPO_ROOT / "launch" / "multi-cluster.yaml")
+    for extra in (["--ttft-slo-s", "5"], ["--layerwise"]):
+        assert main(["--topology", topology, *extra]) == 2
+        err = capsys.readouterr()
+        assert extra[0] in err.err and "--topology" in err.err and err.out == ""
+
+
 def test_what_if_changes_the_fleet_and_is_refused_by_name_when_it_names_nothing():
     from prfaas_sglang.plan.__main__ import what_if
 
