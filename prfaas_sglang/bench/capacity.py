@@ -744,7 +744,7 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
     n, step = setting.grid_loads, setting.grid_step
     loads = {r.name: [round(centres[r.name] * step ** (k - (n - 1) / 2), 9) for k in range(n)] for r in rows}
     runs: dict[str, dict[float, list[list[bool]]]] = {r.name: {load: [] for load in loads[r.name]} for r in rows}
-    seeds, failed, done = list(range(setting.seeds)), set(), {}
+    seeds, failed = list(range(setting.seeds)), set()
     seed_rng.shuffle(seeds)
     for seed in seeds:
         order = [(row, load) for row in rows for load in loads[row.name]]
@@ -759,10 +759,10 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
                 log(f"grid {row.name}: FAILED {err}")
                 continue
             runs[row.name][load].append(met)
-            done.setdefault(row.name, {}).setdefault(f"{load:g}", {})[str(seed)] = "".join("1" if m else "0" for m in met)
             log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
-            if checkpoint is not None:
-                checkpoint(done)
+            if checkpoint is not None:  # the i-th run of a load is seeds[i]'s: seeds run one after another
+                checkpoint({name: {f"{ld:g}": {str(seeds[i]): "".join("1" if m else "0" for m in run) for i, run in enumerate(rs)}
+                                   for ld, rs in by_load.items() if rs} for name, by_load in runs.items()})
     rng = np.random.default_rng(seed_rng.randrange(2**32))
     draws = slo.seed_draws(rng, len(seeds), setting.grid_resamples)  # every row the same seeds: ratios paired
     out = {}
