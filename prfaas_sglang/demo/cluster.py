@@ -54,6 +54,10 @@ def scrape_metric(url: str, name: str) -> float:
 
 HEALTH_POLL_S = 0.2  # between two readiness probes
 HEALTH_REQUEST_TIMEOUT_S = 5.0  # one probe (SGLang's /health runs a one-token forward)
+# A hang guard on one process's start (an emulated engine, a router, a peer router, the front), not a
+# timing: an idle 2-core machine starts an emulated engine with a tokenizer in about 6 s (5 CPU-s, most of
+# them importing transformers and torch); on CI's loaded machine two such starts took more than 60 s.
+START_TIMEOUT_S = 180.0
 
 
 def log_tail(text: str, lines: int = 3, width: int = 300) -> str:
@@ -252,7 +256,7 @@ class ProcessGroup:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def wait_healthy(self, url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    def wait_healthy(self, url: str, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
         """:func:`wait_healthy` for ``proc`` of this group: the error names it and quotes its log."""
         wait_healthy(url, timeout_s, proc=proc, log_path=self.log_dir / f"{proc.name}.log", name=proc.name)
 
@@ -482,7 +486,7 @@ def start_topology_router(group: ProcessGroup, config: Path, doc: dict, *router_
     proc = group.start("router", [*wrap, python, "-m", "prfaas_sglang.launch", "--config", str(config), *router_args],
                        env=env)
     url = f"http://{router_node['host']}:{router_node['port']}"
-    group.wait_healthy(url + "/health", proc, timeout_s=90)
+    group.wait_healthy(url + "/health", proc)
     return RouterHandle(url, config, proc)
 
 
@@ -498,7 +502,7 @@ PEER_PORT_ATTEMPTS = 3  # starts of a peer router whose picked port another proc
 
 def start_peer_router(group: ProcessGroup, kind: str, prefill: list[Worker], decode: list[Worker], *,
                       prefill_policy: str = "cache_aware", decode_policy: str | None = None,
-                      host: str = "127.0.0.1", name: str | None = None, timeout_s: float = 90,
+                      host: str = "127.0.0.1", name: str | None = None, timeout_s: float = START_TIMEOUT_S,
                       extra_args: tuple[str, ...] = ()) -> str:
     """Start a PyPI PD router (``sglang-router`` 0.3.x or ``smg`` 1.x) over these workers; returns its URL
     once it routes (smg registers workers in the background after ``/health`` answers, so this waits
@@ -576,7 +580,7 @@ def start_front(group: ProcessGroup, router_url: str, retry_window_s: float = 20
     proc = group.start(name, [sys.executable, "-m", "prfaas_sglang.router.front", "--router", router_url,
                               "--port", str(port), "--retry-window-s", f"{retry_window_s:g}"])
     url = f"http://127.0.0.1:{port}"
-    group.wait_healthy(url + "/front/health", proc, timeout_s=30)
+    group.wait_healthy(url + "/front/health", proc)
     return url
 
 
@@ -588,5 +592,5 @@ def start_router(group: ProcessGroup, topology: dict, *args: str, name: str = "r
     proc = group.start(name, [python, "-m", "prfaas_sglang.router", "--config", str(config), "--host", "127.0.0.1",
                               "--port", str(port), *args], env=env)
     url = f"http://127.0.0.1:{port}"
-    group.wait_healthy(url + "/health", proc, timeout_s=90)
+    group.wait_healthy(url + "/health", proc)
     return RouterHandle(url, config, proc)

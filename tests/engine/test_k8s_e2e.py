@@ -98,7 +98,7 @@ def deployment(tmp_path_factory):
         prometheus = Prometheus.start([ScrapeTarget(pod.rsplit("-", 1)[0], pod, info["url"]) for pod, info in pods.items()],
                                       tmp / "prometheus", scrape_interval_s=0.5)
         for pod, info in pods.items():  # all at once, as StatefulSets start: router and kv-index wait for workers
-            group.wait_healthy(info["url"] + "/health", next(p for p in group.procs if p.name == pod), timeout_s=90)
+            group.wait_healthy(info["url"] + "/health", next(p for p in group.procs if p.name == pod))
         yield {"pods": pods, "ports": ports, "router": pods["router-0"]["url"], "files": files, "group": group,
                "prometheus": prometheus, "started_s": started_s}
     finally:

@@ -78,7 +78,7 @@ def test_requests_in_flight_and_arriving_while_the_router_is_dead_are_answered_o
         rest = [line for line in lines if line.startswith(b"data: ")]
         time.sleep(1.0)
         restarted = group.restart("router")
-        group.wait_healthy(router.url + "/health", restarted, 60)
+        group.wait_healthy(router.url + "/health", restarted)
         answers = [f.result() for f in in_flight + arriving]
     assert [r.status_code for r in answers] == [200] * 4, [r.text[:200] for r in answers]
     assert all(json.loads(r.text)["meta_info"]["completion_tokens"] == 300 for r in answers)

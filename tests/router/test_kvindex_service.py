@@ -101,7 +101,7 @@ def test_a_router_started_after_the_events_takes_the_kv_index_services_view(emul
         # the router starts after every event was published: only the snapshot can tell it
         router = group.start("router", [sys.executable, "-m", "prfaas_sglang.launch", "--config", str(config)])
         router_url = f"http://127.0.0.1:{router_port}"
-        group.wait_healthy(router_url + "/health", router, timeout_s=90)
+        group.wait_healthy(router_url + "/health", router)
         deadline = time.monotonic() + 10
         while requests.get(router_url + "/status", timeout=5).json()["workers"]["pp0"]["index_blocks"] in (None, 0):
             assert time.monotonic() < deadline, "the router never took the kv-index service's blocks"
@@ -144,7 +144,7 @@ def test_the_kv_index_waits_for_a_worker_that_starts_after_it(tmp_path):
         group.start("pp0", [sys.executable, "-m", "prfaas_sglang.engine.mock", "--role", "pd-prefill", "--host", "127.0.0.1",
                             "--port", str(pick_port), "--bootstrap-port", str(boot), "--kv-events-port", str(events_port),
                             "--profile", "kimi-linear-1t-hybrid@h20x8", *EXTRA])
-        group.wait_healthy(f"http://127.0.0.1:{index_port}/health", proc, timeout_s=60)
+        group.wait_healthy(f"http://127.0.0.1:{index_port}/health", proc)
         status = requests.get(f"http://127.0.0.1:{index_port}/status", timeout=5).json()
         assert status["workers"]["pp0"]["blocks"] == 0 and "pp0" in status["subscriptions"]
     finally:

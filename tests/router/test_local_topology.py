@@ -46,7 +46,7 @@ def shipped(tmp_path_factory):
             group.wait_healthy(f"http://127.0.0.1:{node['port']}/health", proc)
         nodes = topology_nodes(doc)
         router = group.start("router", launch)  # no --node: the topology's router node
-        group.wait_healthy(f"http://127.0.0.1:{nodes['router']['port']}/health", router, timeout_s=90)
+        group.wait_healthy(f"http://127.0.0.1:{nodes['router']['port']}/health", router)
         kv_index = group.start("kv-index", [*launch, "--node", "kv-index"])
         group.wait_healthy(f"http://127.0.0.1:{nodes['kv-index']['port']}/health", kv_index)
         yield {"router": f"http://127.0.0.1:{nodes['router']['port']}", "kv_index": f"http://127.0.0.1:{nodes['kv-index']['port']}",
