@@ -1024,12 +1024,15 @@ def _render_calibration(r: dict) -> list[str]:
             continue
         scales = {c: statistics.median(x["prefill_scale"][c] for x in runs) for c in ("prfaas", "pd")}
         groups = min(len(x["ttft_error_series"]) for x in runs)
-        series = [statistics.median(x["ttft_error_series"][i]["mean_relative_error"] for x in runs) for i in range(groups)]
+        # the window's median error; a run recorded before the series carried it, its mean (so labelled)
+        key = "median_relative_error" if all("median_relative_error" in g for x in runs for g in x["ttft_error_series"]) \
+            else "mean_relative_error"
+        series = [statistics.median(x["ttft_error_series"][i][key] for x in runs) for i in range(groups)]
         if not out:
             out += ["", "Our router at its capacity probe (median over seeds): learned prefill scales, and the TTFT "
                         "prediction error |predicted - observed| / observed per 25 completed requests of a run:", ""]
         out.append(f"- {name} @ {at['load_rps']:.3f} req/s: scale prfaas {scales['prfaas']:.2f}, pd {scales['pd']:.2f}; "
-                   f"error " + " -> ".join(f"{e:.2f}" for e in series))
+                   f"error ({key.split('_')[0]} of a window) " + " -> ".join(f"{e:.2f}" for e in series))
     return out
 
 

@@ -22,7 +22,7 @@ profile's short and long ones, so both clusters serve), each streamed with a few
 routers' requests interleave (each length to every router in turn), so that a slow spell of the
 machine falls on every variant alike. Per request: the TTFT the router predicted when it routed
 (``Server-Timing: ttft-estimate``, the number placement and early rejection compare with the SLO)
-and the TTFT the client saw; from each router, its own error series (``/status`` ``calibration.ttft_error_series``: mean
+and the TTFT the client saw; from each router, its own error series (``/status`` ``calibration.ttft_error_series``: median and mean
 ``|predicted - observed| / observed`` per 25 requests, observed from its dispatch) and the
 scales it learned.
 """

@@ -68,6 +68,7 @@ it in consecutive groups, so the error can be seen falling as requests complete.
 from __future__ import annotations
 
 import collections
+import statistics
 from dataclasses import dataclass
 
 CLUSTERS = ("prfaas", "pd")
@@ -246,9 +247,12 @@ class OnlineCalibration:
                 ratio.forget_if_quiet_since(now_s - self.settings.max_age_s)
 
     def error_series(self) -> list[dict]:
-        """Mean relative TTFT error per consecutive group of ``error_group`` completed requests."""
+        """The relative TTFT error ``|predicted - observed| / observed`` per consecutive group of
+        ``error_group`` completed requests: its median (what a typical request sees; a few requests
+        caught in a slow period do not move it) and its mean."""
         g = self.settings.error_group
-        return [{"requests": f"{i + 1}-{i + len(chunk)}", "mean_relative_error": sum(chunk) / len(chunk)}
+        return [{"requests": f"{i + 1}-{i + len(chunk)}", "median_relative_error": statistics.median(chunk),
+                 "mean_relative_error": sum(chunk) / len(chunk)}
                 for i in range(0, len(self.errors), g) for chunk in [self.errors[i:i + g]]]
 
     def describe(self) -> dict:

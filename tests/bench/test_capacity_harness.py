@@ -267,3 +267,19 @@ def test_the_layerwise_ablation_row_runs_our_router_over_a_deployment_whose_link
     assert streams == {"hetero": False, "hetero-layerwise": True}
     assert capacity.topology(dataclasses.replace(setting, layerwise=True), "hetero")["links"][0]["layerwise"] is True
     assert capacity_rows.DEPLOYMENTS[row.deployment] == capacity_rows.DEPLOYMENTS["hetero"] and row.deployment in capacity_rows.SHAPED
+
+
+def test_the_report_shows_each_windows_median_prediction_error_and_says_when_an_old_run_had_only_the_mean():
+    def run(windows: list[dict]) -> dict:
+        return {"prefill_scale": {"prfaas": 0.8, "pd": 1.0}, "ttft_error_series": windows}
+
+    new = [{"requests": "1-25", "median_relative_error": 0.30, "mean_relative_error": 0.50},
+           {"requests": "26-50", "median_relative_error": 0.10, "mean_relative_error": 0.40}]
+    old = [{"requests": "1-25", "mean_relative_error": 0.50}, {"requests": "26-50", "mean_relative_error": 0.40}]
+
+    def report(runs: list[dict]) -> str:
+        row = {"capacity_rps": {"0.9": 0.3}, "probes": [{"load_rps": 0.3, "calibration": runs}]}
+        return "\n".join(capacity._render_calibration({"rows": {"prfaas": row}}))
+
+    assert "error (median of a window) 0.30 -> 0.10" in report([run(new), run(new)])
+    assert "error (mean of a window) 0.50 -> 0.40" in report([run(new), run(old)])

@@ -62,6 +62,15 @@ def test_the_error_falls_as_requests_complete():
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.02
 
 
+def test_a_windows_median_error_is_what_a_typical_request_sees_and_its_mean_carries_the_outliers():
+    cal = OnlineCalibration(CalibrationSettings(enabled=False, error_group=5))
+    for observed_s in (1.0, 1.0, 1.0, 1.0, 0.1):  # one answered ten times faster than predicted
+        cal.first_token("pd", 1.0, 0.0, observed_s, 1.1, 0.0)
+    (window,) = cal.error_series()
+    assert window["median_relative_error"] == pytest.approx(0.1)
+    assert window["mean_relative_error"] == pytest.approx((4 * 0.1 + 10.0) / 5)
+
+
 def test_scales_are_clamped_and_settings_checked():
     cal = OnlineCalibration(CalibrationSettings(max_scale=4.0))
     feed(cal, "pd", 100.0, 64)
