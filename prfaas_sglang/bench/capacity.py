@@ -1068,6 +1068,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "on, off, and with the true scale given; no peers)")
     cap.add_argument("--rounds", type=int, default=None,
                      help="stop after this many bisection rounds (default 8); the brackets reached are the result")
+    cap.add_argument("--scored", type=int, default=None, metavar="N",
+                     help="scored arrivals per seed and probe (default 70); more for a long look at one load, such "
+                          "as the calibration's error after 100 completed requests")
+    cap.add_argument("--grid-loads", type=int, default=None, metavar="N",
+                     help="loads of the grid around each bisected capacity (default 7); 0: no grid, the bisection's "
+                          "bracket is the result and no interval is given")
     cap.add_argument("--topology", type=Path, default=None,
                      help="a fleet of several clusters (bench/capacity_fleet.py): the global scheduler against a "
                           "router per region and the best static partition, on one emulated deployment of the file")
@@ -1139,6 +1145,14 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         if args.rounds < 1:
             inv.error("--rounds must be >= 1")
         setting = dataclasses.replace(setting, max_rounds=args.rounds)
+    if args.scored is not None:
+        if not 10 <= args.scored <= 2000:
+            inv.error("--scored must be in [10, 2000]")
+        setting = dataclasses.replace(setting, scored_per_seed=args.scored)
+    if args.grid_loads is not None:
+        if args.grid_loads == 1 or not 0 <= args.grid_loads <= 15:
+            inv.error("--grid-loads must be 0 (no grid) or in [2, 15]")
+        setting = dataclasses.replace(setting, grid_loads=args.grid_loads)
     if args.bias is not None:
         if not 0.1 <= args.bias <= 10:
             inv.error("--bias must be in [0.1, 10]")
@@ -1180,7 +1194,8 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
               f"{f' --bias {args.bias:g}' if args.bias else ''}"
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''} --output-tokens {setting.output_tokens}"
               f"{f' --prior {args.prior}' if args.prior else ''}"
-              f"{f' --rounds {args.rounds}' if args.rounds else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
+              f"{f' --rounds {args.rounds}' if args.rounds else ''}{f' --scored {args.scored}' if args.scored else ''}"
+              f"{f' --grid-loads {args.grid_loads}' if args.grid_loads is not None else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
               f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")
     return result, header

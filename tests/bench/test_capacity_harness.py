@@ -283,3 +283,18 @@ def test_the_report_shows_each_windows_median_prediction_error_and_says_when_an_
 
     assert "error (median of a window) 0.30 -> 0.10" in report([run(new), run(new)])
     assert "error (mean of a window) 0.50 -> 0.40" in report([run(new), run(old)])
+
+
+@pytest.mark.parametrize(("flags", "words"), [(["--scored", "5"], "--scored must be in [10, 2000]"),
+                                             (["--grid-loads", "1"], "--grid-loads must be 0 (no grid) or in [2, 15]")])
+def test_a_probe_length_or_grid_the_method_cannot_use_is_refused_before_anything_starts(flags, words, capsys):
+    import argparse
+
+    from prfaas_sglang.bench.subcommands import Invocation
+
+    parser = argparse.ArgumentParser()
+    capacity.add_arguments(parser)
+    args = parser.parse_args(["--capacity", "--families", "none", "--ours", "prfaas", *flags])
+    with pytest.raises(SystemExit) as exit_:
+        capacity._capacity_run(args, Invocation.now(parser))
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
