@@ -597,6 +597,10 @@ def probe_summary(runs: list[dict], setting: CapacitySetting) -> dict:
     summary = score(pooled, window, setting.ttft_slo, setting.tbt_slo).as_dict()
     summary["per_seed_attainment"] = {str(r["seed"]): score(r["outcomes"], r["window_s"], setting.ttft_slo,
                                                             setting.tbt_slo).attainment for r in runs}
+    # each scored arrival, in arrival order: "1" met, "0" not (a refusal is a miss): whether attainment drifts
+    # within a run (queues still growing at its end), which the pooled figure cannot show
+    summary["met_in_arrival_order"] = {str(r["seed"]): "".join("1" if o.meets(setting.ttft_slo, setting.tbt_slo) else "0"
+                                                               for o in r["outcomes"]) for r in runs}
     summary["offload_fraction"] = statistics.fmean(r["offload_fraction"] for r in runs)
     utilization = [r["link_utilization"] for r in runs if r.get("link_utilization") is not None]
     summary["link_utilization"] = statistics.fmean(utilization) if utilization else None

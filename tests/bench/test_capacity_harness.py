@@ -298,3 +298,17 @@ def test_a_probe_length_or_grid_the_method_cannot_use_is_refused_before_anything
     with pytest.raises(SystemExit) as exit_:
         capacity._capacity_run(args, Invocation.now(parser))
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_probe_keeps_each_seeds_arrivals_met_in_arrival_order_so_a_drift_within_a_run_shows():
+    from prfaas_sglang.bench.slo import Outcome
+
+    setting = CapacitySetting()
+    ok, late, refused = (Outcome(1000, 1.0, 0.01), Outcome(1000, setting.ttft_slo + 1, 0.01),
+                         Outcome(1000, None, refused=True))
+    runs = [{"seed": seed, "outcomes": outcomes, "window_s": 10.0, "offload_fraction": 0.5, "clean_start": True,
+             "engine_timing_s": {"prefill": [1.0, 1.0], "decode": [1.0, 1.0]}}
+            for seed, outcomes in ((0, [ok, ok, late, refused]), (1, [ok, late]))]
+    summary = capacity.probe_summary(runs, setting)
+    assert summary["met_in_arrival_order"] == {"0": "1100", "1": "10"}
+    assert summary["per_seed_attainment"] == {"0": 0.5, "1": 0.5}
