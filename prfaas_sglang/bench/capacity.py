@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -590,6 +590,11 @@ class Runner:
 # --- the search ----------------------------------------------------------------------------------
 
 
+def met_string(met: Iterable[bool]) -> str:
+    """Arrivals met or not, in order, as the JSON keeps them: "1" met, "0" not."""
+    return "".join("1" if m else "0" for m in met)
+
+
 def probe_summary(runs: list[dict], setting: CapacitySetting) -> dict:
     """One row at one load: the pooled score over its seeds, and each seed's attainment."""
     pooled = [o for r in runs for o in r["outcomes"]]
@@ -599,8 +604,8 @@ def probe_summary(runs: list[dict], setting: CapacitySetting) -> dict:
                                                             setting.tbt_slo).attainment for r in runs}
     # each scored arrival, in arrival order: "1" met, "0" not (a refusal is a miss): whether attainment drifts
     # within a run (queues still growing at its end), which the pooled figure cannot show
-    summary["met_in_arrival_order"] = {str(r["seed"]): "".join("1" if o.meets(setting.ttft_slo, setting.tbt_slo) else "0"
-                                                               for o in r["outcomes"]) for r in runs}
+    summary["met_in_arrival_order"] = {str(r["seed"]): met_string(o.meets(setting.ttft_slo, setting.tbt_slo)
+                                                                  for o in r["outcomes"]) for r in runs}
     summary["offload_fraction"] = statistics.fmean(r["offload_fraction"] for r in runs)
     utilization = [r["link_utilization"] for r in runs if r.get("link_utilization") is not None]
     summary["link_utilization"] = statistics.fmean(utilization) if utilization else None
@@ -765,7 +770,7 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
             runs[row.name][load].append(met)
             log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
             if checkpoint is not None:  # the i-th run of a load is seeds[i]'s: seeds run one after another
-                checkpoint({name: {f"{ld:g}": {str(seeds[i]): "".join("1" if m else "0" for m in run) for i, run in enumerate(rs)}
+                checkpoint({name: {f"{ld:g}": {str(seeds[i]): met_string(run) for i, run in enumerate(rs)}
                                    for ld, rs in by_load.items() if rs} for name, by_load in runs.items()})
     rng = np.random.default_rng(seed_rng.randrange(2**32))
     draws = slo.seed_draws(rng, len(seeds), setting.grid_resamples)  # every row the same seeds: ratios paired
