@@ -48,6 +48,7 @@ from pathlib import Path
 from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.bench.subcommands import CommaList, Invocation, Subcommand
 from prfaas_sglang.demo.cluster import (
+    CONTROL_REQUEST_TIMEOUT_S,
     ProcessGroup,
     local_topology,
     scrape_metric,
@@ -77,7 +78,7 @@ def _topology(net: Netns, rate_gbps: float, speedup: float, kv_scale: float, thr
 def _wait_index(url: str, worker: str, at_least: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (http_sync.get_json(url + "/status", timeout_s=5)["workers"][worker]["index_blocks"] or 0) >= at_least:
+        if (http_sync.get_json(url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["workers"][worker]["index_blocks"] or 0) >= at_least:
             return
         time.sleep(0.05)
     raise RuntimeError(f"{url}: the KV index never saw {at_least} blocks of {worker}")
@@ -103,7 +104,7 @@ def _route(url: str, headers, expected: str, what: str) -> str:
     router's reason otherwise)."""
     route = headers.get("x-prfaas-route") or ""
     if not route.startswith(expected):
-        reason = http_sync.get_json(url + "/status", timeout_s=5)["recent"][-1]["reason"]
+        reason = http_sync.get_json(url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["recent"][-1]["reason"]
         raise RuntimeError(f"{what} was routed {route or 'nowhere'}, not {expected}: {reason}")
     return route
 
@@ -112,7 +113,7 @@ def _one(url: str, mode: str, rng: random.Random, length: int, suffix: int) -> d
     """Warm ``P`` on PrfaaS through ``url`` (its cache keeps every prefill), then time ``P`` + suffix;
     what the router decided."""
     prompt = [rng.randrange(1, 1 << 31) for _ in range(length)]
-    before = http_sync.get_json(url + "/status", timeout_s=5)["workers"]["prfaas-0"]["index_blocks"] or 0
+    before = http_sync.get_json(url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["workers"]["prfaas-0"]["index_blocks"] or 0
     warm = http_sync.post(url + "/generate", json_body={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}},
                           timeout_s=600)
     if warm.status != 200:
@@ -122,7 +123,7 @@ def _one(url: str, mode: str, rng: random.Random, length: int, suffix: int) -> d
     grown = prompt + [rng.randrange(1, 1 << 31) for _ in range(suffix)]
     ttft_s, headers = _ttft(url, grown)
     _route(url, headers, TIMED_ROUTE[mode], f"{mode}: the timed turn")
-    recent = http_sync.get_json(url + "/status", timeout_s=5)["recent"][-1]
+    recent = http_sync.get_json(url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["recent"][-1]
     cost = _COST.search(recent["reason"])
     time.sleep(0.2)  # the KV events of the turn reach the router's index
     next_s, next_headers = _ttft(url, grown + [rng.randrange(1, 1 << 31) for _ in range(suffix)])

@@ -73,6 +73,7 @@ from prfaas_sglang.bench.zygote import Zygotes
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import Arrival, RequestResult, completion_text, stream_request
 from prfaas_sglang.demo.cluster import (
+    CONTROL_REQUEST_TIMEOUT_S,
     LocalDeployment,
     ProcessGroup,
     StartupError,
@@ -356,7 +357,7 @@ def wait_idle(up: Up, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            loads = [http_sync.get_json(w.url + "/v1/loads", timeout_s=5)["loads"][0] for w in up.deployment.workers.values()]
+            loads = [http_sync.get_json(w.url + "/v1/loads", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["loads"][0] for w in up.deployment.workers.values()]
         except OSError:
             loads = None
         if loads and all(x["num_running_reqs"] == 0 and x["num_waiting_reqs"] == 0 and x["num_used_tokens"] == 0
@@ -368,7 +369,7 @@ def wait_idle(up: Up, timeout_s: float = 60.0) -> bool:
 
 def flush(up: Up) -> None:
     for w in up.deployment.workers.values():
-        http_sync.post(w.url + "/flush_cache", timeout_s=5).raise_for_status()
+        http_sync.post(w.url + "/flush_cache", timeout_s=CONTROL_REQUEST_TIMEOUT_S).raise_for_status()
 
 
 def restart_slow_periods(up: Up, seed: int) -> None:
@@ -379,7 +380,7 @@ def restart_slow_periods(up: Up, seed: int) -> None:
     in capacity (issue #59, 2026-11-29)."""
     for name, w in sorted(up.deployment.workers.items()):
         period_seed = zlib.crc32(f"{seed}/{name}".encode())
-        http_sync.post(w.url + "/prfaas/truth", json_body={"period_seed": period_seed}, timeout_s=5).raise_for_status()
+        http_sync.post(w.url + "/prfaas/truth", json_body={"period_seed": period_seed}, timeout_s=CONTROL_REQUEST_TIMEOUT_S).raise_for_status()
 
 
 BUCKET_ORDER_TRIES = 6
@@ -553,7 +554,7 @@ class Runner:
             phases["replayed"] = time.monotonic()
             kv_sent = sum(scrape_metric(w.url, "prfaas:kv_bytes_sent_total") for w in prfaas) - kv_before
             replay_s = phases["replayed"] - replay_began
-            status = http_sync.get_json(url + "/status", timeout_s=5) if row.router == "prfaas" else None
+            status = http_sync.get_json(url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S) if row.router == "prfaas" else None
             done = [scrape_metric(w.url, "prfaas:requests_ok_total") - b for w, b in zip(prefills, before, strict=True)]
             timing = [(w.name.startswith("pd-decode"),) + tuple(a - b for a, b in zip(engine_timing(w.url), tb, strict=True))
                       for w, tb in zip(engines, timing_before, strict=True)]

@@ -57,6 +57,7 @@ from prfaas_sglang.bench.zygote import Zygotes
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import replay
 from prfaas_sglang.demo.cluster import (
+    CONTROL_REQUEST_TIMEOUT_S,
     ProcessGroup,
     local_topology,
     scrape_metric,
@@ -231,7 +232,7 @@ def summarise(results: list, wall_s: float, window_s: float, setting: Setting, o
 def flush_caches(workers) -> None:
     """``POST /flush_cache`` to each worker (between rows: every row starts with cold caches)."""
     for w in workers:
-        http_sync.post(w.url + "/flush_cache", timeout_s=5).raise_for_status()
+        http_sync.post(w.url + "/flush_cache", timeout_s=CONTROL_REQUEST_TIMEOUT_S).raise_for_status()
 
 
 def _replay_row(url: str, arrivals: list, setting: Setting, workers, prfaas_worker, net: Netns | None) -> dict:

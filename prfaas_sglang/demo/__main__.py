@@ -40,6 +40,7 @@ from prfaas_sglang.adapters import http_sync
 from prfaas_sglang.demo import workloads
 from prfaas_sglang.demo.client import RequestResult, replay
 from prfaas_sglang.demo.cluster import (
+    CONTROL_REQUEST_TIMEOUT_S,
     ProcessGroup,
     demo_topology,
     scrape_metric,
@@ -171,7 +172,7 @@ def run_pair(args) -> tuple[dict, Callable[[dict], str]]:
                                   args.seed, args.speedup, text, args.max_requests, served)
     log_dir = args.keep_logs or Path(tempfile.mkdtemp(prefix="prfaas-demo-"))
     if args.against:
-        threshold = http_sync.get_json(args.against + "/status", timeout_s=5).get("threshold_tokens")
+        threshold = http_sync.get_json(args.against + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S).get("threshold_tokens")
         results, wall_s = asyncio.run(replay(args.against, requests))
         return {**summarize(args, results, wall_s, 0.0, threshold, log_dir), "against": args.against}, render
     group = ProcessGroup(log_dir)
@@ -179,7 +180,7 @@ def run_pair(args) -> tuple[dict, Callable[[dict], str]]:
         return _run_containers(args, requests, group, log_dir)
     try:
         deployment = start_deployment(group, topology_for(args), engine_args=_context_args(args))
-        threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
+        threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["threshold_tokens"]
         results, wall_s = asyncio.run(replay(deployment.router.url, requests))
         egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
     finally:
@@ -205,7 +206,7 @@ def _run_containers(args, requests, group: ProcessGroup, log_dir: Path) -> tuple
         try:
             deployment = start_deployment(group, doc, engine_args=_context_args(args), wrap=wrap,
                                           python=containers.CONTAINER_PYTHON)
-            threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)["threshold_tokens"]
+            threshold = http_sync.get_json(deployment.router.url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)["threshold_tokens"]
             results, wall_s = asyncio.run(replay(deployment.router.url, requests))
             egress = scrape_metric(deployment.worker("prfaas").url, "prfaas:kv_bytes_sent_total")
         finally:
@@ -284,7 +285,7 @@ def run_fleet(args) -> tuple[dict, Callable[[dict], str]]:
             wrap = {n["name"]: net.nets[site].wrap for site in prfaas for n in doc["clusters"][site]["nodes"]}
             deployment = start_deployment(group, doc, engine_args=_context_args(args), wrap=wrap)
             results, wall_s = asyncio.run(replay(deployment.router.url, requests))
-            status = http_sync.get_json(deployment.router.url + "/status", timeout_s=5)
+            status = http_sync.get_json(deployment.router.url + "/status", timeout_s=CONTROL_REQUEST_TIMEOUT_S)
             sent = {f"{p}->{d}": net.sent_bytes(p, d) for p, d in net.links_mbit}
             namespaces = net.namespaces()
             group.stop()  # before the namespaces go

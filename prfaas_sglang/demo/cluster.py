@@ -47,7 +47,7 @@ class StartupError(PrfaasError):
 def scrape_metric(url: str, name: str) -> float:
     """One unlabelled-or-labelled sample ``name`` from ``{url}/metrics`` (0.0 when absent); raises
     :class:`~prfaas_sglang.adapters.http_sync.HttpError` when the page cannot be had."""
-    text = http_sync.get_text(url + "/metrics", timeout_s=5)
+    text = http_sync.get_text(url + "/metrics", timeout_s=CONTROL_REQUEST_TIMEOUT_S)
     match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 
@@ -58,6 +58,10 @@ HEALTH_REQUEST_TIMEOUT_S = 5.0  # one probe (SGLang's /health runs a one-token f
 # timing: an idle 2-core machine starts an emulated engine with a tokenizer in about 6 s (5 CPU-s, most of
 # them importing transformers and torch); on CI's loaded machine two such starts took more than 60 s.
 START_TIMEOUT_S = 180.0
+# A hang guard on one of the harness's own requests to a server it started (a metrics scrape, /status, a
+# flush, /v1/loads), not a timing: on CI's loaded machine a router that served nothing for a whole probe did
+# not answer /status within 5 s (2026-11-30, test_capacity_smoke), and the run ended on it.
+CONTROL_REQUEST_TIMEOUT_S = 30.0
 
 
 def log_tail(text: str, lines: int = 3, width: int = 300) -> str:

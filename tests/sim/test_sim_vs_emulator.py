@@ -12,7 +12,12 @@ from prfaas_sglang.bench import sim_vs_emulator
 @pytest.mark.slow
 @pytest.mark.serial  # emulated latencies against simulated ones: other tests' load on the 2 cores skews the emulated side
 def test_simulator_agrees_with_the_emulated_deployment_on_the_same_arrivals(tmp_path):
-    data = sim_vs_emulator.run(seeds=1, loads=(0.5,), duration_s=90.0, warmup_s=10.0, log_dir=tmp_path, modes=("t pinned",))
+    """At speedup 1.25, not the bench's 5, as the fleet's check below: the emulated side's own wall-time costs
+    count speedup-fold. Emulated TTFT p50 against the simulator's 2.95 s, 2026-11-30, on this project's 2-core
+    machine alone: at 5, 3.42 and 3.35 (0.86, 0.88); at 1.25, 3.06 twice (0.96). Fresh run 51 read 4.47 at 5
+    beside the fleet's check (0.66)."""
+    data = sim_vs_emulator.run(seeds=1, loads=(0.5,), duration_s=90.0, warmup_s=10.0, speedup=1.25, log_dir=tmp_path,
+                               modes=("t pinned",))
     row = data["rows"][0]
     sim, emu = row["sim"], row["emulator"]
     assert emu["arrived"] == sim["arrived"] > 20
