@@ -1081,6 +1081,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--scored", type=int, default=None, metavar="N",
                      help="scored arrivals per seed and probe (default 70); more for a long look at one load, such "
                           "as the calibration's error after 100 completed requests")
+    cap.add_argument("--warmup-s", type=float, default=None, metavar="S",
+                     help="emulated seconds of unscored arrivals before each probe's scored ones (default 15)")
     cap.add_argument("--grid-loads", type=int, default=None, metavar="N",
                      help="loads of the grid around each bisected capacity (default 7); 0: no grid, the bisection's "
                           "bracket is the result and no interval is given")
@@ -1159,6 +1161,10 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         if not 10 <= args.scored <= 2000:
             inv.error("--scored must be in [10, 2000]")
         setting = dataclasses.replace(setting, scored_per_seed=args.scored)
+    if args.warmup_s is not None:
+        if not 0 <= args.warmup_s <= 600:
+            inv.error("--warmup-s must be in [0, 600]")
+        setting = dataclasses.replace(setting, warmup_s=args.warmup_s)
     if args.grid_loads is not None:
         if args.grid_loads == 1 or not 0 <= args.grid_loads <= 15:
             inv.error("--grid-loads must be 0 (no grid) or in [2, 15]")
@@ -1205,6 +1211,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''} --output-tokens {setting.output_tokens}"
               f"{f' --prior {args.prior}' if args.prior else ''}"
               f"{f' --rounds {args.rounds}' if args.rounds else ''}{f' --scored {args.scored}' if args.scored else ''}"
+              f"{f' --warmup-s {args.warmup_s:g}' if args.warmup_s is not None else ''}"
               f"{f' --grid-loads {args.grid_loads}' if args.grid_loads is not None else ''}{' --quick' if args.quick else ''}{f' --peers {args.peers}' if args.peers else ''}"
               f"{f' --ours {args.ours}' if args.ours else ''}{''.join(f' --start {x}' for x in args.start)} "
               f"--seeds {setting.seeds} --speedup {setting.speedup:g}; {inv.stamp} -->")
