@@ -737,6 +737,21 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
     return out
 
 
+def grid_centre(result: dict, setting: CapacitySetting, floor_rps: float) -> float:
+    """Where a row's grid is centred: its bisected 90% capacity (the highest load that passed). A row with no
+    passing load but a failing one (its bisection cut short by ``--rounds``, or failing at the floor) gets the
+    grid below that load, its top load there; until 2026-11-30 it got the floor, so a row whose one probe
+    failed just above its crossing was gridded far below it, where every load passed. A row never probed
+    gets ``floor_rps``."""
+    bracket = result["search"]["brackets"]["0.9"]
+    lo, hi = bracket["lo"], bracket["hi"]
+    if lo is not None:
+        return lo
+    if hi is not None:
+        return hi / setting.grid_step ** ((setting.grid_loads - 1) / 2)
+    return floor_rps
+
+
 # Arrivals a bootstrap block holds: a run's neighbouring arrivals share a queue, so they are resampled together.
 GRID_BLOCK_ARRIVALS = 10
 
@@ -887,7 +902,7 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
                 return [o.meets(setting.ttft_slo, setting.tbt_slo) for o in run_["outcomes"]]
 
             alive = [r for r in reported if "failed" not in capacity[r.name]]
-            centres = {r.name: capacity[r.name]["capacity_rps"]["0.9"] or FLOOR * planned for r in alive}
+            centres = {r.name: grid_centre(capacity[r.name], setting, FLOOR * planned) for r in alive}
             intervals = grid(probe, setting, alive, centres, seed_rng, log,
                              lambda runs: checkpoint(capacity, runs))  # a run cut short keeps the grid's runs
             for name, (est, table) in intervals.items():

@@ -313,3 +313,16 @@ def test_a_probe_keeps_each_seeds_arrivals_met_in_arrival_order_so_a_drift_withi
     summary = capacity.probe_summary(runs, setting)
     assert summary["met_in_arrival_order"] == {"0": "1100", "1": "10"}
     assert summary["per_seed_attainment"] == {"0": 0.5, "1": 0.5}
+
+
+def test_a_row_the_bisection_left_without_a_passing_load_is_gridded_just_below_its_failing_load():
+    setting = CapacitySetting(grid_loads=5, grid_step=1.06)
+
+    def result(lo, hi):
+        return {"search": {"brackets": {"0.9": {"lo": lo, "hi": hi}}}}
+
+    assert capacity.grid_centre(result(0.30, 0.33), setting, floor_rps=0.2) == 0.30  # the bisected capacity
+    centre = capacity.grid_centre(result(None, 0.33), setting, floor_rps=0.2)  # one probe, failed (--rounds 1)
+    top = centre * setting.grid_step ** ((setting.grid_loads - 1) / 2)
+    assert top == pytest.approx(0.33) and centre > 0.2  # the grid's top at the failing load, not the floor
+    assert capacity.grid_centre(result(None, None), setting, floor_rps=0.2) == 0.2
