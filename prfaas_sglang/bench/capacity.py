@@ -14,8 +14,8 @@ refusal, a failure or a request never served is a miss (``bench/slo.py``). Metho
 * **Bisection on offered load** (``slo.CapacitySearch``): expand by 1.5x until bracketed, then
   geometric midpoints until ``hi / lo <= 1 + resolution``. Each probe pools ``seeds`` seeds of
   ``scored_per_seed`` scored arrivals (>= 200 per row and probe at the defaults), after a
-  warm-up of ``warmup_s`` that is not scored and followed by a cool-down that keeps the load on
-  until the last scored request is done. Rows are interleaved per probe and seed in a random
+  warm-up that is not scored (as long as the cool-down unless ``warmup_s`` is given) and followed
+  by a cool-down that keeps the load on until the last scored request is done. Rows are interleaved per probe and seed in a random
   order; before each run the deployment is idle and its caches flushed, and the row's router is
   started afresh (nothing carries over between runs).
 * **Identical arrivals.** A seed is one stream of prompts at unit rate; a probe at rate
@@ -120,7 +120,12 @@ class CapacitySetting:
     tbt_tokens_per_s: float = 40.0
     seeds: int = 3
     scored_per_seed: int = 70
-    warmup_s: float = 15.0  # emulated
+    # Emulated seconds of unscored arrivals before the scored ones; None: as long as the cool-down (the longest a
+    # scored request may take), so that the first scored arrival meets queues and a decode batch already at
+    # their steady population. A fixed 15 s, with 1024-token outputs (25.6 s of decode each), made the first 70
+    # scored arrivals meet the SLO 0.045 more often than the next 230 (3 seeds at 0.293 req/s); with 60 s,
+    # 0.011 (issue #59, 2026-11-30).
+    warmup_s: float | None = None
     prefill_bias: float = 1.0
     decode_bias: float = 1.0
     noise_sigma: float = 0.2
@@ -152,6 +157,16 @@ class CapacitySetting:
     @property
     def tbt_slo(self) -> float:
         return self.decode_bias / self.tbt_tokens_per_s
+
+    @property
+    def cooldown(self) -> float:
+        """Emulated seconds the load stays on after the last scored arrival: until it must be done."""
+        return self.give_up_slos * self.ttft_slo + self.output_tokens * self.tbt_slo * 2
+
+    @property
+    def warmup(self) -> float:
+        """Emulated seconds of unscored arrivals before the scored ones (``warmup_s``, else the cool-down)."""
+        return self.cooldown if self.warmup_s is None else self.warmup_s
 
     @property
     def wire_mbit(self) -> float:
@@ -238,7 +253,7 @@ class Stream:
 
     def _arrival(self, i: int, offset: float, n: int, blocks: tuple[int, ...], lam: float) -> Arrival:
         s = self.setting
-        if s.workload == "shift" and offset >= s.warmup_s + s.scored_per_seed / lam / 2:
+        if s.workload == "shift" and offset >= s.warmup + s.scored_per_seed / lam / 2:
             n = min(2 * n, MAX_INPUT_TOKENS)  # from the middle of the scored window: the median doubles
         key = (i, n)
         if key not in self._texts:
@@ -255,12 +270,11 @@ class Stream:
 def schedule(stream: Stream, setting: CapacitySetting, lam: float, scored: int) -> tuple[list[Arrival], range]:
     """A run's arrivals (wall offsets) and which of them are scored: the warm-up, ``scored`` arrivals, and a
     cool-down that keeps the load on until the last scored request must be done."""
-    window_s = scored / lam
-    cooldown_s = setting.give_up_slos * setting.ttft_slo + setting.output_tokens * setting.tbt_slo * 2
-    timed = stream.arrivals(lam, setting.warmup_s + window_s * 1.6 + cooldown_s + 10)
-    first = next((i for i, (t, _) in enumerate(timed) if t >= setting.warmup_s), len(timed))
+    window_s, warmup_s, cooldown_s = scored / lam, setting.warmup, setting.cooldown
+    timed = stream.arrivals(lam, warmup_s + window_s * 1.6 + cooldown_s + 10)
+    first = next((i for i, (t, _) in enumerate(timed) if t >= warmup_s), len(timed))
     last = min(first + scored, len(timed))
-    end_s = (timed[last - 1][0] if last > first else setting.warmup_s) + cooldown_s
+    end_s = (timed[last - 1][0] if last > first else warmup_s) + cooldown_s
     arrivals = [a for t, a in timed if t <= end_s]
     return arrivals, range(first, last)
 
@@ -1097,7 +1111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="scored arrivals per seed and probe (default 70); more for a long look at one load, such "
                           "as the calibration's error after 100 completed requests")
     cap.add_argument("--warmup-s", type=float, default=None, metavar="S",
-                     help="emulated seconds of unscored arrivals before each probe's scored ones (default 15)")
+                     help="emulated seconds of unscored arrivals before each probe's scored ones (default: as long as the "
+                          "cool-down, the longest a scored request may take: 63.7 s for the case study)")
     cap.add_argument("--grid-loads", type=int, default=None, metavar="N",
                      help="loads of the grid around each bisected capacity (default 7); 0: no grid, the bisection's "
                           "bracket is the result and no interval is given")

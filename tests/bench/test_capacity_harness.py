@@ -39,6 +39,12 @@ def test_a_run_scores_the_arrivals_after_the_warm_up_and_keeps_the_load_on_after
     assert all(t < SETTING.warmup_s for t in offsets[: scored.start]) and offsets[scored.start] >= SETTING.warmup_s
     cooldown = SETTING.give_up_slos * SETTING.ttft_slo + SETTING.output_tokens * SETTING.tbt_slo * 2
     assert offsets[-1] == pytest.approx(offsets[scored.stop - 1] + cooldown, abs=3.0)
+    # unless given, the warm-up lasts as long as a scored request may take: with 1024-token outputs the decode
+    # batch a scored arrival meets has filled (2 x 25.6 s of decode at 40 tok/s, and 2.5 TTFT SLOs)
+    default = dataclasses.replace(SETTING, warmup_s=None)
+    arrivals, scored = schedule(Stream(default, 0, Words()), default, 1.0, 30)
+    first = arrivals[scored.start].offset_s * default.speedup
+    assert default.warmup == cooldown == pytest.approx(63.7) and default.warmup <= first < default.warmup + 10
 
 
 @pytest.mark.slow
