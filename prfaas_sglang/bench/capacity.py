@@ -15,8 +15,8 @@ refusal, a failure or a request never served is a miss (``bench/slo.py``). Metho
   geometric midpoints until ``hi / lo <= 1 + resolution``. Each probe pools ``seeds`` seeds of
   ``scored_per_seed`` scored arrivals (>= 200 per row and probe at the defaults), after a
   warm-up that is not scored (as long as the cool-down unless ``warmup_s`` is given) and followed
-  by a cool-down that keeps the load on until the last scored request is done. Rows are interleaved per probe and seed in a random
-  order; before each run the deployment is idle and its caches flushed, and the row's router is
+  by a cool-down that keeps the load on until the last scored request is done. Rows are
+  interleaved per probe and seed in a random order; before each run the deployment is idle and its caches flushed, and the row's router is
   started afresh (nothing carries over between runs).
 * **Identical arrivals.** A seed is one stream of prompts at unit rate; a probe at rate
   ``lambda`` plays it with every offset divided by ``lambda``, so rows and loads see the same
@@ -382,8 +382,8 @@ def wait_idle(up: Up, timeout_s: float = 60.0) -> bool:
 
 
 def flush(up: Up) -> None:
-    for w in up.deployment.workers.values():
-        http_sync.post(w.url + "/flush_cache", timeout_s=CONTROL_REQUEST_TIMEOUT_S).raise_for_status()
+    """Every worker's caches emptied (:func:`compare.flush_caches`)."""
+    compare.flush_caches(up.deployment.workers.values())
 
 
 def restart_slow_periods(up: Up, seed: int) -> None:
