@@ -7,13 +7,13 @@
 #                                       ones, prfaas_sglang/_compat/release_tests.py) on VERSION's overlay
 #
 # Each phase runs on parallel workers (pytest-xdist), a group of tests per worker at a time (a file, or the
-# files that share one deployment: tests/conftest.py), the groups longest first. `all` runs the other
-# releases' legs beside the pinned release's parallel phase (the two fill each other's idle time; each
-# session picks its ports from its own half of the range), then the tests marked `serial` (what other
-# tests' load would skew) alone (serial, below). Starting the serial phase's real-SGLang deployment beside the parallel
-# phase's end gained nothing (17.8 and 18.6 min against 17.4: the cores were already full). Every phase
-# runs even after one fails; the exit status is the first failure's. PYTEST_ARGS (a path, -k ...) narrows
-# every phase; a phase that selects no test (pytest's status 5) is not a failure.
+# files that share one deployment: tests/conftest.py), the groups longest first. `all` runs three at once: the
+# pinned release's parallel phase, the other releases' legs and the tests marked `serial` (what other tests' load
+# would skew). The first two run at a lower priority (nice 10, PHASE_NICE): the serial tests take the cores
+# when they want them and the others fill the rest, so their wants no longer add up after the others' in wall
+# time (runs 52-53: 5.3 min of serial phases at 0.6 of a core). Each picks its ports from its own third of the
+# range. Every phase runs even after one fails; the exit status is the first failure's. PYTEST_ARGS (a path, -k
+# ...) narrows every phase; a phase that selects no test (pytest's status 5) is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,12 +35,12 @@ read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
 # machine (2026-11-30). The serial phase has the cores to itself and keeps torch's default.
 # Each release builds SGLang's native block hash (a torch extension the tests compare ours with) into a
 # directory of its own: in one directory each release's build replaced the other's, on every run.
-phase() {  # phase NAME PYTHONPATH-OVERLAY PORT-RANGE PYTEST-ARGS... (PHASE_THREADS: OMP_NUM_THREADS, if set)
+phase() {  # phase NAME PYTHONPATH-OVERLAY PORT-RANGE PYTEST-ARGS... (PHASE_THREADS: OMP_NUM_THREADS; PHASE_NICE: nice)
   local name=$1 overlay=$2 ports=$3 start rc
   shift 3
   echo "== $name"
   start=$(date +%s.%N)
-  env ${overlay:+PYTHONPATH=$overlay${PYTHONPATH:+:$PYTHONPATH}} ${ports:+PRFAAS_PORT_RANGE=$ports} \
+  nice -n "${PHASE_NICE:-0}" env ${overlay:+PYTHONPATH=$overlay${PYTHONPATH:+:$PYTHONPATH}} ${ports:+PRFAAS_PORT_RANGE=$ports} \
     ${PHASE_THREADS:+OMP_NUM_THREADS=$PHASE_THREADS} \
     TORCH_EXTENSIONS_DIR="$VENV/torch-extensions/$(basename "${overlay:-pinned}")" PRFAAS_TEST_REPORT="$REPORT_DIR/$name.jsonl" \
     "$PY" -m pytest -q "$@" "${EXTRA[@]}"
@@ -68,21 +68,34 @@ leg() {  # leg VERSION PORT-RANGE JOBS: the tests that differ by release, on VER
   phase "sglang-$version" "$overlay" "$2" $(parallel "$3") -m "sglang and not gpu" -rs "${files[@]}"
 }
 
-# The tests marked serial, after the parallel phases: the real-SGLang deployment's group alone, one test after
-# another, then the light timing tests (a few emulated engines each) beside each other, two at a time: together
-# they use a fraction of one core (tests/conftest.py write_serial_plan, from the pinned phase's collection).
-# Without that plan, or with PYTEST_ARGS (which the plan's node ids would repeat), every serial test in one process.
-serial() {
-  local plan=$REPORT_DIR/serial-plan alone=() beside=()
+# The tests marked serial, at the parallel phases' side and at a higher priority than theirs: the real-SGLang
+# deployment's group one test after another, and beside it the light timing tests (a few emulated engines each),
+# two at a time (tests/conftest.py write_serial_plan: the pinned phase's collection writes the plan, which this
+# waits for). Measured beside three spinning processes at nice 10 (2026-11-30): all seven passed, the group in
+# 201 s (150 s alone), the timing tests in 172 s (165 s). Torch single-threaded, as beside the legs. Without the
+# plan (the pinned phase ended without writing it), or with PYTEST_ARGS (which the plan's node ids would
+# repeat), every serial test in one process.
+serial() {  # serial PORT-RANGE PINNED-PID
+  local plan=$REPORT_DIR/serial-plan alone=() beside=() alone_pid=
+  if [ "${#EXTRA[@]}" -eq 0 ]; then
+    while { [ ! -f "$plan/alone" ] || [ ! -f "$plan/beside" ]; } && kill -0 "$2" 2>/dev/null; do sleep 1; done
+  fi
   if [ "${#EXTRA[@]}" -gt 0 ] || [ ! -f "$plan/alone" ] || [ ! -f "$plan/beside" ]; then
-    phase pinned-serial "" "" -m serial
+    phase pinned-serial "" "$1" -m serial
     return
   fi
   mapfile -t alone < "$plan/alone"
   mapfile -t beside < "$plan/beside"
-  [ "${#alone[@]}" -gt 0 ] && phase pinned-serial "" "" -m serial "${alone[@]}"
+  if [ "${#alone[@]}" -gt 0 ]; then
+    phase pinned-serial "" "$1" -m serial "${alone[@]}" > "$REPORT_DIR/serial-alone.log" 2>&1 &
+    alone_pid=$!
+  fi
   # shellcheck disable=SC2046
-  [ "${#beside[@]}" -gt 0 ] && phase pinned-serial-beside "" "" $(parallel 2) -m serial "${beside[@]}"
+  [ "${#beside[@]}" -gt 0 ] && phase pinned-serial-beside "" "$1" $(parallel 2) -m serial "${beside[@]}"
+  if [ -n "$alone_pid" ]; then
+    wait "$alone_pid"
+    cat "$REPORT_DIR/serial-alone.log"
+  fi
 }
 
 others() {  # every supported release but the pin, one after another
@@ -94,14 +107,17 @@ rm -rf "$REPORT_DIR" && mkdir -p "$REPORT_DIR"
 case "${1:-all}" in
   all)
     read -r low high < <("$PY" -c "from prfaas_sglang.demo.cluster import own_port_range; print(*own_port_range())")
-    mid=$(( (low + high) / 2 ))
-    PHASE_THREADS=1 others "$mid-$high" > "$REPORT_DIR/legs.log" 2>&1 &
+    third=$(( (high - low) / 3 ))
+    PHASE_NICE=10 PHASE_THREADS=1 others "$(( low + third ))-$(( low + 2 * third ))" > "$REPORT_DIR/legs.log" 2>&1 &
     legs=$!
     # shellcheck disable=SC2046
-    PHASE_THREADS=1 PRFAAS_TEST_SERIAL_PLAN="$REPORT_DIR/serial-plan" phase pinned "" "$low-$mid" $(parallel "$JOBS") -m "not serial"
+    PHASE_NICE=10 PHASE_THREADS=1 PRFAAS_TEST_SERIAL_PLAN="$REPORT_DIR/serial-plan" \
+      phase pinned "" "$low-$(( low + third ))" $(parallel "$JOBS") -m "not serial" &
+    pinned=$!
+    PHASE_THREADS=1 serial "$(( low + 2 * third ))-$high" "$pinned" > "$REPORT_DIR/serial.log" 2>&1
+    wait "$pinned"
     wait "$legs"
-    cat "$REPORT_DIR/legs.log"
-    serial ;;
+    cat "$REPORT_DIR/legs.log" "$REPORT_DIR/serial.log" ;;
   leg)
     leg "${2:?usage: scripts/run-tests.sh leg VERSION}" "" "$JOBS" ;;
   *)
