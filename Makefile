@@ -26,8 +26,8 @@ $(STAMP): requirements/cpu-test.txt pyproject.toml scripts/setup-env.sh prfaas_s
 # The suite (scripts/run-tests.sh): the pinned release's tests on parallel workers (pytest-xdist), a group
 # of tests per worker at a time (a file, or the files that share a deployment: tests/conftest.py), longest
 # first, more workers than the 2 cores because many tests wait on servers; beside them every other supported
-# release's leg (the tests marked sglang: those that differ by release); then the tests marked `serial`
-# (what other tests' load would skew), alone. It ends with the suite's own report: each phase's
+# release's leg (the tests marked sglang: those that differ by release); and beside both, at a higher
+# priority (the two run at nice 10), the tests marked `serial` (what other tests' load would skew). It ends with the suite's own report: each phase's
 # time, every failed test, the ten slowest and the ten costliest tests. PYTEST_ARGS narrows every phase.
 PYTEST_JOBS ?= 4
 export PYTEST_JOBS PYTEST_ARGS VENV

@@ -305,8 +305,8 @@ class Envs:
         None,
         "The test suite (tests/conftest.py): a directory where a session writes the files of the tests "
         "marked serial it collected, as `alone` (those of the real-SGLang deployment's group, one after "
-        "another) and `beside` (the light ones, which run beside each other); scripts/run-tests.sh runs "
-        "the serial phases on them.",
+        "another) and `beside` (the light ones, which run beside each other); scripts/run-tests.sh waits "
+        "for them and runs the serial phases on them beside the others.",
     )
 
     @classmethod

@@ -107,9 +107,10 @@ def write_serial_plan(items) -> None:
     """With ``PRFAAS_TEST_SERIAL_PLAN`` (a directory; the pinned release's parallel phase, which collects the
     whole suite and deselects the serial tests after this hook), the node ids of the tests marked ``serial``:
     ``alone``, those of the real-SGLang deployment's group (:data:`deployments.SGLANG_CPU`: four or five
-    servers on the two cores), which run one after another with nothing beside them; ``beside``, the rest,
-    timing tests on a few emulated engines (a tenth of a core each, measured 2026-11-30), which run beside
-    each other after them. scripts/run-tests.sh runs the two; each pytest-xdist worker writes the same."""
+    servers on the two cores), which run one after another; ``beside``, the rest, timing tests on a few
+    emulated engines (a tenth of a core each, measured 2026-11-30), which run beside each other and beside
+    them. scripts/run-tests.sh waits for the plan and runs the two beside the parallel phases, at a higher
+    priority than theirs; each pytest-xdist worker writes the same."""
     plan_dir = envs.TEST_SERIAL_PLAN.get()
     if not plan_dir:
         return
