@@ -842,32 +842,41 @@ def nearest_probe(probes: list[dict], load: float) -> dict | None:
 
 
 def ratios(rows: dict, families: dict[str, str], intervals: dict[str, slo.CapacityInterval] | None = None) -> dict:
-    """Ours over each family's best, pooled and per seed; ``capacity_ratio_vs_best`` against the best of all.
-    With ``intervals`` (the grid's estimates, by row), each 90% ratio also gets ``interval``: the ratio of the two
-    estimates with its confidence interval and ``ahead`` (its lower bound above 1)."""
+    """Ours over each family's best, pooled and per seed; ``capacity_ratio_vs_best`` against the best of all;
+    ``ablations``: ours over each of our other rows that ran (an ablation, or the model as given), the same
+    way. With ``intervals`` (the grid's estimates, by row), each 90% ratio also gets ``interval``: the ratio of the
+    two estimates with its confidence interval and ``ahead`` (its lower bound above 1)."""
     intervals = intervals or {}
-    ours = rows.get("prfaas")
-    if ours is None:
+    if "prfaas" not in rows:
         return {}
+    ablations = [name for name in rows if name != "prfaas" and rows_mod.is_ours(name)]
     out = {}
     for target in ("0.9", "0.99"):
-        others = {fam: rows[name] for fam, name in families.items() if name in rows}
-        if not others:
-            continue
-        best_family = max(others, key=lambda f: others[f]["capacity_rps"][target])
-        per_family = {}
-        for fam, other in others.items():
-            theirs = other["capacity_rps"][target]
-            seeds = ours["per_seed_capacity_rps"][target]
-            per_seed = [seeds[k] / other["per_seed_capacity_rps"][target][k] for k in seeds
-                        if other["per_seed_capacity_rps"][target].get(k)]
-            per_family[fam] = {"row": families[fam], "ratio": ours["capacity_rps"][target] / theirs if theirs else None,
-                               "per_seed": spread(per_seed)}
-            if float(target) == slo.TARGETS[0] and "prfaas" in intervals and families[fam] in intervals:  # the grid's
-                per_family[fam]["interval"] = slo.ratio_interval(intervals["prfaas"], intervals[families[fam]])
-        out[target] = {"vs": per_family, "best_other": families[best_family],
-                       "capacity_ratio_vs_best": per_family[best_family]["ratio"],
-                       "capacity_ratio_vs_best_per_seed": per_family[best_family]["per_seed"]}
+        per_family = {fam: {"row": name, **_versus(rows, name, target, intervals)}
+                      for fam, name in families.items() if name in rows}
+        per_ablation = {name: _versus(rows, name, target, intervals) for name in ablations}
+        x = {"ablations": per_ablation} if per_ablation else {}
+        if per_family:
+            best_family = max(per_family, key=lambda f: rows[per_family[f]["row"]]["capacity_rps"][target])
+            x |= {"vs": per_family, "best_other": families[best_family],
+                  "capacity_ratio_vs_best": per_family[best_family]["ratio"],
+                  "capacity_ratio_vs_best_per_seed": per_family[best_family]["per_seed"]}
+        if x:
+            out[target] = x
+    return out
+
+
+def _versus(rows: dict, name: str, target: str, intervals: dict[str, slo.CapacityInterval]) -> dict:
+    """Ours (row ``prfaas``) over row ``name`` at ``target``: pooled, its spread over seeds (a seed where that row
+    met the target at no probed load has no finite ratio and is left out) and, at 90% where the grid estimated
+    both, the paired interval."""
+    ours, theirs = rows["prfaas"], rows[name]
+    pooled = theirs["capacity_rps"][target]
+    their_seeds = theirs["per_seed_capacity_rps"][target]
+    per_seed = [v / their_seeds[k] for k, v in ours["per_seed_capacity_rps"][target].items() if their_seeds.get(k)]
+    out = {"ratio": ours["capacity_rps"][target] / pooled if pooled else None, "per_seed": spread(per_seed)}
+    if float(target) == slo.TARGETS[0] and "prfaas" in intervals and name in intervals:
+        out["interval"] = slo.ratio_interval(intervals["prfaas"], intervals[name])
     return out
 
 
@@ -1002,13 +1011,7 @@ def _render_condition(r: dict) -> str:
     lines += _render_misses(r)
     lines += _render_intervals(r)
     for target, x in r.get("ratios", {}).items():
-        per_seed = x["capacity_ratio_vs_best_per_seed"]
-        spread_txt = (f" (per seed: median {per_seed['median']:.2f}, [{per_seed['min']:.2f}, {per_seed['max']:.2f}])"
-                      if per_seed else "")
-        versus = ", ".join(f"{fam} ({v['row']}) {_f(v['ratio'], '{:.2f}')}{_ratio_interval_text(v.get('interval'))}"
-                           for fam, v in x["vs"].items())
-        lines.append(f"\ncapacity_ratio_vs_best @{float(target):.0%}: **{_f(x['capacity_ratio_vs_best'], '{:.2f}')}** "
-                     f"vs {x['best_other']}{spread_txt}; ours / each family's best: {versus}")
+        lines += _render_ratios(target, x)
     lines += _render_calibration(r)
     if "global_over" in r:  # a fleet (bench/capacity_fleet.py)
         lines += ["", f"Entry shares {r['entry_shares']}; the partition (planned for the file's shares): {r['partition']} "
@@ -1029,6 +1032,25 @@ def _render_condition(r: dict) -> str:
             lines.append(f"| {fam} | {g['row']} | " + " | ".join(_f(g["attainment"].get(f"{x:g}")) for x in loads)
                          + f" | {_f(g.get('stderr'))} | {chosen} | {g.get('error') or g['why']} |")
     return "\n".join(lines)
+
+
+def _render_ratios(target: str, x: dict) -> list[str]:
+    """One target's ratios (:func:`ratios`): against the best peer and each family's best, then each ablation."""
+    def spread_text(per_seed: dict | None) -> str:
+        return f" (per seed: median {per_seed['median']:.2f}, [{per_seed['min']:.2f}, {per_seed['max']:.2f}])" if per_seed else ""
+
+    def each(pairs) -> str:
+        return ", ".join(f"{label} {_f(v['ratio'], '{:.2f}')}{_ratio_interval_text(v.get('interval'))}" for label, v in pairs)
+
+    lines = []
+    if "vs" in x:
+        lines.append(f"\ncapacity_ratio_vs_best @{float(target):.0%}: **{_f(x['capacity_ratio_vs_best'], '{:.2f}')}** "
+                     f"vs {x['best_other']}{spread_text(x['capacity_ratio_vs_best_per_seed'])}; ours / each family's best: "
+                     + each((f"{fam} ({v['row']})", v) for fam, v in x["vs"].items()))
+    if x.get("ablations"):
+        lines.append(f"\nours (prfaas) / each of our other rows @{float(target):.0%}: "
+                     + each(((f"{name}{spread_text(v['per_seed'])}", v) for name, v in x["ablations"].items())))
+    return lines
 
 
 def _render_intervals(r: dict) -> list[str]:

@@ -291,6 +291,12 @@ ALL = {r.name: r for r in OURS + PEERS + (NO_CALIBRATION,)}
 FAMILIES = ("sglang-router", "smg", "naive", "homogeneous", "dynamo-like")
 
 
+def is_ours(name: str) -> bool:
+    """Whether the row called ``name`` runs our router (ours, an ablation of it, or the model given or scaled);
+    False for a peer's and for a name no row has."""
+    return name.startswith("prfaas-measured-") or (name in ALL and ALL[name].family == "ours")
+
+
 def row_named(name: str) -> Row:
     """A row by name (``prfaas-measured-B``: ours with the true scale B given; KeyError for an unknown one)."""
     if name.startswith("prfaas-measured-"):

@@ -110,6 +110,36 @@ def test_ratios_pool_and_spread_over_seeds():
                                            "max": 4.0}
 
 
+def test_each_of_our_other_rows_gets_its_ratio_and_paired_interval_even_without_a_peer():
+    """An ablation run (``--families none --ours prfaas,prfaas-no-calibration``) has no peer to compare with, yet
+    the question it asks is ours over the other: that ratio, its spread over seeds and the grid's paired interval,
+    in the document and its rendering. A peer's row is not taken for one of ours."""
+    from prfaas_sglang.bench.slo import CapacityInterval
+
+    def row(pooled, seeds):
+        return {"capacity_rps": {"0.9": pooled, "0.99": pooled / 2},
+                "per_seed_capacity_rps": {"0.9": seeds, "0.99": {k: v / 2 for k, v in seeds.items()}}}
+
+    def estimate(capacity, samples):
+        return CapacityInterval(0.9, capacity, min(samples), max(samples), 0.95, None, tuple(samples))
+
+    rows = {"prfaas": row(1.2, {"0": 1.2, "1": 1.0}), "prfaas-no-calibration": row(1.0, {"0": 1.0, "1": 1.0}),
+            "sr-power_of_two-admit8": row(0.6, {"0": 0.6, "1": 0.5})}
+    intervals = {"prfaas": estimate(1.2, [1.1, 1.2, 1.3, 1.25]), "prfaas-no-calibration": estimate(1.0, [1.0, 1.0, 1.0, 1.0])}
+    r = ratios(rows, {}, intervals)
+    assert set(r) == {"0.9", "0.99"} and "vs" not in r["0.9"]
+    assert set(r["0.9"]["ablations"]) == {"prfaas-no-calibration"}  # the peer's row is no ablation of ours
+    ablation = r["0.9"]["ablations"]["prfaas-no-calibration"]
+    assert ablation["ratio"] == pytest.approx(1.2) and ablation["per_seed"] == {"median": pytest.approx(1.1), "min": 1.0,
+                                                                                "max": pytest.approx(1.2)}
+    assert ablation["interval"]["low"] > 1 and ablation["interval"]["ahead"]  # every paired replicate above 1
+    assert "interval" not in r["0.99"]["ablations"]["prfaas-no-calibration"]  # the grid estimates 90% only
+    with_peer = ratios(rows, {"sglang-router": "sr-power_of_two-admit8"}, intervals)["0.9"]
+    assert with_peer["best_other"] == "sr-power_of_two-admit8" and with_peer["ablations"] == r["0.9"]["ablations"]
+    text = capacity._render_ratios("0.9", r["0.9"])
+    assert len(text) == 1 and "prfaas-no-calibration" in text[0] and "1.20" in text[0] and ", ahead" in text[0]
+
+
 @pytest.mark.parametrize(("speedup", "timeout", "rate"), [(4.0, "1", "4"), (2.0, "2", "2"), (1.0, "4", "1")])
 def test_a_peers_time_valued_knobs_reach_it_in_wall_time_at_the_deployments_speedup(tmp_path, monkeypatch, speedup,
                                                                                    timeout, rate):
