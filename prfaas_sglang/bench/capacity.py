@@ -1105,7 +1105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--quick", action="store_true", help="a smoke run: one seed, few arrivals, coarse bisection, "
                                                           "ours and sglang-router's default only (under 10 min)")
     cap.add_argument("--families", default=None,
-                     help="peer families swept and bisected: comma list of sglang-router, smg, naive, homogeneous, "
+                     help=f"peer families swept and bisected: comma list of {', '.join(rows_mod.FAMILIES)}, "
                           "or none (default: all)")
     cap.add_argument("--ours", default=None, help="our rows (default: prfaas and its ablations)")
     cap.add_argument("--peers", default=None,
