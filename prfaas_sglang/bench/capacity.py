@@ -937,13 +937,52 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
             "ratios": ratios(capacity, best, {k: v[0] for k, v in intervals.items()}), "wall_s": time.monotonic() - started}
 
 
+def piece_of(cond: dict) -> str:
+    """What one run of a condition compared: the peer families it swept (``none``) and our rows."""
+    families = ",".join(cond.get("sweep") or {}) or "none"
+    return f"{families}; ours {','.join(name for name in cond['rows'] if rows_mod.is_ours(name))}"
+
+
 def merge(documents: list[dict]) -> dict:
-    """Pieces (one condition each, or already merged) into one document keyed by condition."""
-    conditions: dict[str, dict] = {}
+    """Runs (their documents, or merged ones) into one document. A condition may run in pieces, each one family
+    (``--families``) beside ours: one entry per condition and piece (:func:`piece_of`; a later run of the same
+    piece replaces the earlier), each stamped ``piece`` where its condition has several, and per such condition
+    ``across[condition]``: the best peer of all its pieces and ours over it as measured in that peer's own piece
+    (a ratio never divides figures from two runs). The pieces of one condition must have run with one setting:
+    ConfigError naming the fields that differ."""
+    pieces: dict[tuple[str, str], dict] = {}
     for doc in documents:
         for cond in doc.get("conditions", [doc]):
-            conditions[cond["condition"]] = cond
-    return {"conditions": list(conditions.values())}
+            pieces[(cond["condition"], piece_of(cond))] = cond
+    by_condition: dict[str, list[dict]] = {}
+    for (name, _), cond in pieces.items():
+        by_condition.setdefault(name, []).append(cond)
+    across = {}
+    for name, conds in by_condition.items():
+        if len(conds) < 2:
+            continue
+        first = conds[0]["setting"]
+        differ = sorted({key for cond in conds[1:] for key in first.keys() | cond["setting"].keys()
+                         if cond["setting"].get(key) != first.get(key)})
+        if differ:
+            raise ConfigError("--merge", f"the pieces of {name} ran with different settings ({', '.join(differ)}): "
+                                         "their capacities are not comparable")
+        by_condition[name] = [{**cond, "piece": piece_of(cond)} for cond in conds]  # the documents given stay as they are
+        across[name] = best_across(conds)
+    return {"conditions": [c for conds in by_condition.values() for c in conds], **({"across": across} if across else {})}
+
+
+def best_across(conds: list[dict]) -> dict | None:
+    """The peer row with the highest 90% capacity over the pieces ``conds`` of one condition, and ours over it
+    from its own piece (pooled, per seed, the grid's interval where it ran); None where no piece ran a peer."""
+    candidates = [(cond["rows"][v["row"]]["capacity_rps"]["0.9"], family, v, cond)
+                  for cond in conds for family, v in cond.get("ratios", {}).get("0.9", {}).get("vs", {}).items()]
+    if not candidates:
+        return None
+    capacity, family, versus, cond = max(candidates, key=lambda c: c[0])
+    return {"best_other": versus["row"], "family": family, "piece": piece_of(cond), "capacity_rps": capacity,
+            "ours_rps": cond["rows"]["prfaas"]["capacity_rps"]["0.9"], "ratio": versus["ratio"],
+            "per_seed": versus["per_seed"], "interval": versus.get("interval")}
 
 
 def load(path: Path) -> dict:
@@ -959,8 +998,17 @@ def _f(x, fmt="{:.3f}") -> str:
 
 
 def render_markdown(result: dict) -> str:
-    """Per condition: the capacity table, the ratios, the sweep."""
-    return "\n\n".join(_render_condition(c) for c in result.get("conditions", [result]))
+    """Per condition (and piece): the capacity table, the ratios, the sweep; then, per condition run in pieces,
+    ours over the best peer of them all (:func:`best_across`)."""
+    return "\n\n".join([_render_condition(c) for c in result.get("conditions", [result])] + _render_across(result))
+
+
+def _render_across(result: dict) -> list[str]:
+    """A line per condition run in pieces: its best peer of all pieces and ours over it from that piece."""
+    return [f"{name}, across its pieces: " + ("no piece ran a peer" if best is None else
+            f"the best peer is {best['best_other']} ({best['family']}, {_f(best['capacity_rps'])} req/s, in piece "
+            f"{best['piece']}); ours / it, from that piece: {_f(best['ratio'], '{:.2f}')}"
+            f"{_ratio_interval_text(best.get('interval'))}") for name, best in (result.get("across") or {}).items()]
 
 
 def _render_misses(r: dict) -> list[str]:
@@ -982,7 +1030,7 @@ def _render_misses(r: dict) -> list[str]:
 def _render_condition(r: dict) -> str:
     planned = r["planned_capacity_rps"]
     setting = r["setting"]
-    lines = [f"**{r['condition']}**: TTFT SLO {r['ttft_slo_s']:g} s, mean TBT <= {1e3 * r['tbt_slo_s']:g} ms (emulated); "
+    lines = [f"**{r['condition']}**{f' (piece: {p})' if (p := r.get('piece')) else ''}: TTFT SLO {r['ttft_slo_s']:g} s, mean TBT <= {1e3 * r['tbt_slo_s']:g} ms (emulated); "
              f"planned capacity of the {r.get('deployment', 'hetero')} deployment {planned:.3f} req/s; {setting['seeds']} seeds x "
              f"{setting['scored_per_seed']} scored arrivals per probe; resolution hi/lo <= {1 + setting['resolution']:g} "
              f"(90%), {1 + setting['resolution_99']:g} (99%); speedup {setting['speedup']:g}, engine noise sigma "
@@ -1149,7 +1197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="--topology: keep this many nodes of each role per cluster (default: all)")
     cap.add_argument("--out", type=Path, default=None, help="also write the JSON result here (a piece to --merge)")
     cap.add_argument("--merge", type=Path, nargs="+", default=None,
-                     help="merge pieces written with --out (no run) and print them")
+                     help="merge runs written with --out (no run) and print them; a condition may run in pieces, "
+                          "each one peer family (--families) beside ours")
     cap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                      help="also write attainment against offered load, one PNG per condition (bench/capacity_plots.py)")
 

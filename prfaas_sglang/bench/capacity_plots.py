@@ -1,4 +1,4 @@
-"""Attainment against offered load, one PNG per condition of a ``bench compare --capacity`` result
+"""Attainment against offered load, one PNG per condition (or piece of one) of a ``bench compare --capacity`` result
 (matplotlib and SciPy, imported lazily; writes files).
 
 Every row is a line through what it was measured at (the bisection's probes and the interval's load grid,
@@ -20,7 +20,8 @@ TARGET = 0.9
 
 
 def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
-    """One ``attainment-<condition>.png`` per condition of ``result`` (a run's or a merge's document) in ``out_dir``."""
+    """One ``attainment-<condition>.png`` per condition of ``result`` (a run's or a merge's document) in ``out_dir``;
+    ``attainment-<condition>-<families>.png`` per piece of a condition run in pieces."""
     plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -50,7 +51,8 @@ def write_attainment_plots(result: dict, out_dir: Path) -> list[Path]:
                      f"{cond.get('setting', {}).get('output_tokens', '?')} tokens", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / f"attainment-{re.sub(r'[^A-Za-z0-9.-]+', '_', cond['condition'])}.png"
+        name = cond["condition"] + (f"-{cond['piece'].split(';')[0]}" if cond.get("piece") else "")  # a piece: its families
+        path = out_dir / f"attainment-{re.sub(r'[^A-Za-z0-9.-]+', '_', name)}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)

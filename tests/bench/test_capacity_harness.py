@@ -19,6 +19,7 @@ from prfaas_sglang.bench.capacity import (
     schedule,
 )
 from prfaas_sglang.demo.client import RequestResult
+from prfaas_sglang.errors import ConfigError
 
 
 class Words:
@@ -138,6 +139,34 @@ def test_each_of_our_other_rows_gets_its_ratio_and_paired_interval_even_without_
     assert with_peer["best_other"] == "sr-power_of_two-admit8" and with_peer["ablations"] == r["0.9"]["ablations"]
     text = capacity._render_ratios("0.9", r["0.9"])
     assert len(text) == 1 and "prfaas-no-calibration" in text[0] and "1.20" in text[0] and ", ahead" in text[0]
+
+
+def test_a_condition_run_in_pieces_merges_and_takes_ours_over_the_best_peer_from_that_peers_own_piece():
+    """A condition too long for one run (a sweep per family) runs one family per piece, ours beside it each time.
+    Merged, every piece stays itself, and ours over the best peer of them all is the ratio measured in that peer's
+    piece, never ours from one run over a peer from another. Pieces of one condition run with another setting
+    are refused; a piece run again replaces the earlier run."""
+    def row(pooled):
+        return {"capacity_rps": {"0.9": pooled, "0.99": pooled / 2},
+                "per_seed_capacity_rps": {"0.9": {"0": pooled}, "0.99": {"0": pooled / 2}}}
+
+    def piece(family, peer, ours, theirs, seeds=3):
+        rows = {"prfaas": row(ours), peer: row(theirs)}
+        return {"condition": "c", "setting": {"seeds": seeds}, "sweep": {family: {}}, "rows": rows,
+                "ratios": ratios(rows, {family: peer})}
+
+    by_sr, by_naive = piece("sglang-router", "sr-cache_aware", 1.0, 0.5), piece("naive", "naive-sr-cap8", 0.9, 0.6)
+    merged = capacity.merge([by_sr, by_naive, piece("naive", "naive-sr-cap8", 0.9, 0.6)])  # naive's piece twice
+    assert [c["piece"] for c in merged["conditions"]] == ["sglang-router; ours prfaas", "naive; ours prfaas"]
+    best = merged["across"]["c"]
+    assert best["best_other"] == "naive-sr-cap8" and best["piece"] == "naive; ours prfaas"
+    assert best["ratio"] == pytest.approx(0.9 / 0.6) and best["ours_rps"] == 0.9  # not 1.0 / 0.6 across two runs
+    (text,) = capacity._render_across(merged)
+    assert text.startswith("c, across its pieces: the best peer is naive-sr-cap8") and "from that piece: 1.50" in text
+    alone = capacity.merge([by_sr])
+    assert "across" not in alone and "piece" not in alone["conditions"][0]
+    with pytest.raises(ConfigError, match="seeds"):
+        capacity.merge([by_sr, piece("naive", "naive-sr-cap8", 0.9, 0.6, seeds=2)])
 
 
 @pytest.mark.parametrize(("speedup", "timeout", "rate"), [(4.0, "1", "4"), (2.0, "2", "2"), (1.0, "4", "1")])
