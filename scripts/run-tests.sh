@@ -32,7 +32,7 @@ read -r -a EXTRA <<< "${PYTEST_ARGS:-}"
 # A parallel phase runs its workers and their servers beside the other phase's on two cores, where torch's
 # intra-op threads (one per core in every process, by default) only wait at each other's barriers: a CPU
 # SGLang server decoding 256 tokens took 1.2 CPU-s with two and 0.7 with one, in the same time, on an idle
-# machine (2026-11-30). The serial phase has the cores to itself and keeps torch's default.
+# machine (2026-11-30). The serial tests, which now run beside both, are single-threaded too.
 # Each release builds SGLang's native block hash (a torch extension the tests compare ours with) into a
 # directory of its own: in one directory each release's build replaced the other's, on every run.
 phase() {  # phase NAME PYTHONPATH-OVERLAY PORT-RANGE PYTEST-ARGS... (PHASE_THREADS: OMP_NUM_THREADS; PHASE_NICE: nice)

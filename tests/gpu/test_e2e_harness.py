@@ -433,7 +433,7 @@ def test_the_shaped_namespace_is_made_under_uvloops_policy_too():
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # it reads the session's real-SGLang deployment (tests/deployments.py), whose users run alone
+@pytest.mark.serial  # it reads the session's real-SGLang deployment (tests/deployments.py), whose users run serial
 @pytest.mark.xdist_group("sglang-cpu")
 def test_every_sglang_process_reports_the_hooks_it_verified(sglang_cpu):
     """SGLang loads plugins before it configures logging, so the plugin's INFO lines never print;

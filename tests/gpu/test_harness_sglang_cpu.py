@@ -11,8 +11,9 @@ from prfaas_sglang.gpu.e2e import summary
 
 
 @pytest.mark.slow
-# Four or five SGLang servers on the two cores: alone, after the parallel part. Beside it (its own file since
-# 2026-11-28, so --dist loadfile ran it next to other heavy files), two timing tests failed in two fresh-clone runs.
+# Four or five SGLang servers on the two cores: serial, so at a higher priority than the parallel part (which runs at
+# nice 10). Among it at equal priority (its own file since 2026-11-28, so --dist loadfile ran it next to other heavy
+# files), two timing tests failed in two fresh-clone runs.
 @pytest.mark.serial
 @pytest.mark.xdist_group("sglang-cpu")  # the session's real-SGLang deployment (tests/deployments.py)
 def test_real_sglang_on_cpu_serves_both_routes_and_switches_roles_through_the_launcher(sglang_cpu_ready):
