@@ -642,11 +642,12 @@ def timing_error(runs: list[dict]) -> dict:
 
 
 def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tuple[str, ...], log,
-          quick: bool = False) -> dict:
+          quick: bool = False, checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Each family's grid at ``SWEEP_LOADS`` x planned on ``setting.sweep_seeds`` seeds; the best by mean attainment
     (pooled over seeds, averaged over the loads) with its standard error, and ``close``: the configurations (at most
     :data:`MAX_CLOSE`) whose mean is within the two standard errors combined of the best's, bisected beside it (a
-    grid of one configuration is not run: it is the best)."""
+    grid of one configuration is not run: it is the best). ``checkpoint``: called after each configuration with
+    the sweep so far (the families done, and the current one's ``grid``), so a run cut short keeps it."""
     out = {}
     for family in families:
         grid = rows_mod.family_rows(family)[:1] if quick else rows_mod.family_rows(family)
@@ -671,11 +672,13 @@ def sweep(runner: Runner, setting: CapacitySetting, planned: float, families: tu
                 except RowFailed as err:
                     table.append({**entry, "attainment": {}, "mean": -1.0, "stderr": None, "error": str(err)})
                     log(f"sweep {family} {row.name}: FAILED {err}")
-                    continue
-                att = {k: m / n for k, (m, n) in met.items()}
-                stderr = math.sqrt(sum(a * (1 - a) / met[k][1] for k, a in att.items())) / len(att)
-                table.append({**entry, "attainment": att, "mean": statistics.fmean(att.values()), "stderr": stderr})
-                log(f"sweep {family} {row.name}: {att} (+- {stderr:.3f})")
+                else:
+                    att = {k: m / n for k, (m, n) in met.items()}
+                    stderr = math.sqrt(sum(a * (1 - a) / met[k][1] for k, a in att.items())) / len(att)
+                    table.append({**entry, "attainment": att, "mean": statistics.fmean(att.values()), "stderr": stderr})
+                    log(f"sweep {family} {row.name}: {att} (+- {stderr:.3f})")
+                if checkpoint is not None:
+                    checkpoint({**out, family: {"grid": table, "partial": True}})
         best = max(table, key=lambda x: (x["mean"], -len(x["row"])))
         close = sorted((x for x in table if x is not best and x["stderr"] is not None and best["stderr"] is not None
                         and best["mean"] - x["mean"] < math.hypot(best["stderr"], x["stderr"])),
@@ -900,7 +903,13 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
             swept = {rows_mod.ALL[p].family: {"grid": [{"row": p, "attainment": {}, "mean": None, "why": "given (--peers)"}],
                                                "best": p, "close": [], "loads_x_planned": []} for p in peers}
         else:
-            swept = sweep(runner, setting, planned, families, log, quick)
+            def sweep_checkpoint(so_far: dict) -> None:
+                if partial is not None:
+                    partial.write_text(json.dumps({"condition": setting.condition, "setting": dataclasses.asdict(setting),
+                                                   "sweep": so_far, "rows": {}, "partial": True,
+                                                   "wall_s": time.monotonic() - started}, indent=1))
+
+            swept = sweep(runner, setting, planned, families, log, quick, checkpoint=sweep_checkpoint)
         candidates = {name: fam for fam in families for name in (swept[fam]["best"], *swept[fam].get("close", []))}
         starts = {name: start_from_sweep(swept[fam], name) for name, fam in candidates.items()} | (starts or {})
         head = {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,

@@ -291,8 +291,11 @@ def test_the_sweep_pools_seeds_and_bisects_what_it_cannot_tell_from_the_best():
 
     runner = SimpleNamespace(run=run, fleet=SimpleNamespace(keep_only=lambda kinds: None))
     setting = dataclasses.replace(SETTING, sweep_seeds=2, sweep_scored=50)
-    out = capacity.sweep(runner, setting, 1.0, ("naive",), log=lambda _m: None)["naive"]
+    kept = []  # what a run cut short would keep: the sweep so far, after each configuration
+    out = capacity.sweep(runner, setting, 1.0, ("naive",), log=lambda _m: None,
+                         checkpoint=lambda so_far: kept.append([g["row"] for g in so_far["naive"]["grid"]]))["naive"]
     assert out["best"] == rows[0].name and out["close"] == [rows[1].name] and out["seeds"] == 2
+    assert kept == [[r.name for r in rows[:k]] for k in range(1, len(rows) + 1)]  # the one that failed to start too
     assert {seed for name, seed in calls if name == rows[0].name} == {0, 1}
     assert sum(name == rows[0].name for name, _ in calls) == 2 * len(capacity.SWEEP_LOADS)
     by_row = {g["row"]: g for g in out["grid"]}
