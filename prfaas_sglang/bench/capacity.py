@@ -1128,7 +1128,10 @@ def _render_intervals(r: dict) -> list[str]:
 def _ratio_interval_text(iv: dict | None) -> str:
     if not iv or iv.get("ratio") is None:
         return ""
-    return f" (grid {iv['ratio']:.2f} [{iv['low']:.2f}, {iv['high']:.2f}]{', ahead' if iv['ahead'] else ''})"
+    def bound(x: float | None) -> str:  # None: a censored estimate leaves that side open (slo.ratio_interval)
+        return "?" if x is None else f"{x:.2f}"
+
+    return f" (grid {iv['ratio']:.2f} [{bound(iv['low'])}, {bound(iv['high'])}]{', ahead' if iv['ahead'] else ''})"
 
 
 def _render_calibration(r: dict) -> list[str]:

@@ -305,7 +305,10 @@ def ratio_interval(ours: CapacityInterval, theirs: CapacityInterval) -> dict:
     """``ours / theirs`` with the interval of the replicates' ratios, replicate by replicate: paired seed by
     seed when the two estimates took the same ``draws`` (:func:`capacity_interval`; a grid passes one to
     every row), so what a seed does to both rows (its arrivals, the engines' slow periods) divides out, as
-    it does in the ratio itself. At the smaller of the two confidences. ``ahead``: the interval's lower bound exceeds 1. Ratios are None where a
+    it does in the ratio itself. At the smaller of the two confidences. A censored estimate bounds the ratio on
+    one side only: where ours is at least its grid's top (``above-grid``) or theirs at most its grid's bottom
+    (``below-grid``), the ratio may be higher (``high`` None); where ours is at most its bottom or theirs at
+    least its top, lower (``low`` None). ``ahead``: a lower bound that exceeds 1. Ratios are None where a
     capacity is 0."""
     if len(ours.samples) != len(theirs.samples):
         raise ValueError("the two estimates need the same number of bootstrap replicates")
@@ -314,9 +317,11 @@ def ratio_interval(ours: CapacityInterval, theirs: CapacityInterval) -> dict:
     if theirs.capacity <= 0 or (b <= 0).any():
         return {"ratio": None, "low": None, "high": None, "confidence": confidence, "ahead": False}
     tail = (1 - confidence) / 2
-    low, high = np.quantile(a / b, [tail, 1 - tail])
-    return {"ratio": ours.capacity / theirs.capacity, "low": float(low), "high": float(high), "confidence": confidence,
-            "ahead": bool(low > 1)}
+    low, high = (float(q) for q in np.quantile(a / b, [tail, 1 - tail]))
+    low_holds = ours.censored != "below-grid" and theirs.censored != "above-grid"
+    high_holds = ours.censored != "above-grid" and theirs.censored != "below-grid"
+    return {"ratio": ours.capacity / theirs.capacity, "low": low if low_holds else None,
+            "high": high if high_holds else None, "confidence": confidence, "ahead": low_holds and low > 1}
 
 
 def row_points(row: dict) -> list[tuple[float, float, int]]:

@@ -215,3 +215,29 @@ def test_a_ratio_is_ahead_only_when_its_interval_clears_one():
     assert far["ahead"] and far["low"] < 1.5 < far["high"] and far["low"] > 1
     same = ratio_interval(estimate(1.0, 3), estimate(1.0, 4))
     assert not same["ahead"] and same["low"] <= 1 <= same["high"]
+
+
+def test_a_ratio_of_censored_estimates_is_bounded_on_one_side_only_and_never_ahead_for_it():
+    """Both grids met the target at every load (issue #59's first piece, 2026-12-01: ours 0.259 and the peer's
+    0.248, each its grid's top): each capacity is only a floor, so ours over theirs is unknown either way and
+    nothing is ahead. Ours above its grid over a peer that crossed within its own: a floor on the ratio."""
+    rng = np.random.default_rng(0)
+    draws = seed_draws(rng, 1, 50)
+
+    def grid(loads, met_at):
+        return {load: [np.array([k < met_at(load) * 50 for k in range(50)])] for load in loads}
+
+    ours_above = capacity_interval(grid((0.230, 0.244, 0.259), lambda _: 1.0), 0.9, rng, resamples=50, draws=draws)
+    theirs_above = capacity_interval(grid((0.221, 0.234, 0.248), lambda _: 1.0), 0.9, rng, resamples=50, draws=draws)
+    assert ours_above.censored == theirs_above.censored == "above-grid"
+    both = ratio_interval(ours_above, theirs_above)
+    assert both["ratio"] == pytest.approx(0.259 / 0.248) and both["low"] is None and both["high"] is None
+    assert not both["ahead"]
+    theirs_within = capacity_interval(grid((0.10, 0.12, 0.14, 0.16), lambda load: 1.0 if load < 0.13 else 0.5), 0.9,
+                                      rng, resamples=50, draws=draws)
+    assert theirs_within.censored is None
+    floor = ratio_interval(ours_above, theirs_within)
+    assert floor["high"] is None and floor["low"] > 1 and floor["ahead"]  # ours at least 0.259: at least this far ahead
+    from prfaas_sglang.bench.capacity import _ratio_interval_text
+
+    assert _ratio_interval_text(both) == f" (grid {0.259 / 0.248:.2f} [?, ?])"
