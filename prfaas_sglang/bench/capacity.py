@@ -897,30 +897,28 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
     runner = Runner(setting, fleet, log_dir, log)
     started = time.monotonic()
     ours_rows = [rows_mod.row_named(n) for n in (ours if ours is not None else [r.name for r in rows_mod.OURS])]
+    head = {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
+            "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
+            "logs": str(log_dir)}
+
+    def write_partial(doc: dict) -> None:  # the document so far, where a run cut short leaves it
+        if partial is not None:
+            partial.write_text(json.dumps({**head, **doc, "partial": True, "wall_s": time.monotonic() - started}, indent=1))
+
+    def checkpoint(rows: dict, grid_runs: dict | None = None) -> None:
+        write_partial({"rows": rows, **({"grid_runs": grid_runs} if grid_runs else {})})
+
     try:
         if peers is not None:
             families = tuple(dict.fromkeys(rows_mod.ALL[p].family for p in peers))
             swept = {rows_mod.ALL[p].family: {"grid": [{"row": p, "attainment": {}, "mean": None, "why": "given (--peers)"}],
                                                "best": p, "close": [], "loads_x_planned": []} for p in peers}
         else:
-            def sweep_checkpoint(so_far: dict) -> None:
-                if partial is not None:
-                    partial.write_text(json.dumps({"condition": setting.condition, "setting": dataclasses.asdict(setting),
-                                                   "sweep": so_far, "rows": {}, "partial": True,
-                                                   "wall_s": time.monotonic() - started}, indent=1))
-
-            swept = sweep(runner, setting, planned, families, log, quick, checkpoint=sweep_checkpoint)
+            swept = sweep(runner, setting, planned, families, log, quick,
+                          checkpoint=lambda so_far: write_partial({"sweep": so_far, "rows": {}}))
         candidates = {name: fam for fam in families for name in (swept[fam]["best"], *swept[fam].get("close", []))}
         starts = {name: start_from_sweep(swept[fam], name) for name, fam in candidates.items()} | (starts or {})
-        head = {"condition": setting.condition, "setting": dataclasses.asdict(setting), "ttft_slo_s": setting.ttft_slo,
-                "tbt_slo_s": setting.tbt_slo, "planned_capacity_rps": planned, "wire_mbit": setting.wire_mbit,
-                "sweep": swept, "logs": str(log_dir)}
-
-        def checkpoint(rows: dict, grid_runs: dict | None = None) -> None:
-            if partial is not None:
-                partial.write_text(json.dumps({**head, "rows": rows, "partial": True, "wall_s": time.monotonic() - started,
-                                               **({"grid_runs": grid_runs} if grid_runs else {})}, indent=1))
-
+        head["sweep"] = swept
         checkpoint({})
         seed_rng = random.Random(seed)
         capacity = bisect(runner, setting, planned, ours_rows + [rows_mod.ALL[n] for n in candidates], log, seed_rng,
@@ -963,33 +961,36 @@ def merge(documents: list[dict]) -> dict:
     for doc in documents:
         for cond in doc.get("conditions", [doc]):
             pieces[(cond["condition"], piece_of(cond))] = cond
-    by_condition: dict[str, list[dict]] = {}
-    for (name, _), cond in pieces.items():
-        by_condition.setdefault(name, []).append(cond)
-    across = {}
-    for name, conds in by_condition.items():
-        if len(conds) < 2:
+    by_condition: dict[str, list[tuple[str, dict]]] = {}
+    for (name, piece), cond in pieces.items():
+        by_condition.setdefault(name, []).append((piece, cond))
+    conditions, across = [], {}
+    for name, entries in by_condition.items():
+        if len(entries) == 1:
+            conditions.append(entries[0][1])
             continue
+        conds = [{**cond, "piece": piece} for piece, cond in entries]  # copies: the documents given stay as they are
         first = conds[0]["setting"]
         differ = sorted({key for cond in conds[1:] for key in first.keys() | cond["setting"].keys()
                          if cond["setting"].get(key) != first.get(key)})
         if differ:
             raise ConfigError("--merge", f"the pieces of {name} ran with different settings ({', '.join(differ)}): "
                                          "their capacities are not comparable")
-        by_condition[name] = [{**cond, "piece": piece_of(cond)} for cond in conds]  # the documents given stay as they are
+        conditions += conds
         across[name] = best_across(conds)
-    return {"conditions": [c for conds in by_condition.values() for c in conds], **({"across": across} if across else {})}
+    return {"conditions": conditions, **({"across": across} if across else {})}
 
 
 def best_across(conds: list[dict]) -> dict | None:
-    """The peer row with the highest 90% capacity over the pieces ``conds`` of one condition, and ours over it
-    from its own piece (pooled, per seed, the grid's interval where it ran); None where no piece ran a peer."""
+    """The peer row with the highest 90% capacity over the pieces ``conds`` of one condition (each stamped with its
+    ``piece``), and ours over it from its own piece (pooled, per seed, the grid's interval where it ran); None
+    where no piece ran a peer."""
     candidates = [(cond["rows"][v["row"]]["capacity_rps"]["0.9"], family, v, cond)
                   for cond in conds for family, v in cond.get("ratios", {}).get("0.9", {}).get("vs", {}).items()]
     if not candidates:
         return None
     capacity, family, versus, cond = max(candidates, key=lambda c: c[0])
-    return {"best_other": versus["row"], "family": family, "piece": piece_of(cond), "capacity_rps": capacity,
+    return {"best_other": versus["row"], "family": family, "piece": cond["piece"], "capacity_rps": capacity,
             "ours_rps": cond["rows"]["prfaas"]["capacity_rps"]["0.9"], "ratio": versus["ratio"],
             "per_seed": versus["per_seed"], "interval": versus.get("interval")}
 
