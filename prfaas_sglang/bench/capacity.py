@@ -1238,7 +1238,10 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
 def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]:
     """``compare --capacity`` (or ``--merge``): the setting from the flags, the run, its header line."""
     if args.merge:
-        return merge([load(p) for p in args.merge]), f"<!-- merged {len(args.merge)} pieces; {inv.stamp} -->"
+        try:
+            return merge([load(p) for p in args.merge]), f"<!-- merged {len(args.merge)} pieces; {inv.stamp} -->"
+        except ConfigError as err:  # pieces of one condition run with different settings
+            inv.error(str(err))
     from prfaas_sglang.demo.netns import available
 
     if (why := available()) is not None:

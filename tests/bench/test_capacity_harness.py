@@ -141,7 +141,7 @@ def test_each_of_our_other_rows_gets_its_ratio_and_paired_interval_even_without_
     assert len(text) == 1 and "prfaas-no-calibration" in text[0] and "1.20" in text[0] and ", ahead" in text[0]
 
 
-def test_a_condition_run_in_pieces_merges_and_takes_ours_over_the_best_peer_from_that_peers_own_piece():
+def test_a_condition_run_in_pieces_merges_and_takes_ours_over_the_best_peer_from_that_peers_own_piece(tmp_path, capsys):
     """A condition too long for one run (a sweep per family) runs one family per piece, ours beside it each time.
     Merged, every piece stays itself, and ours over the best peer of them all is the ratio measured in that peer's
     piece, never ours from one run over a peer from another. Pieces of one condition run with another setting
@@ -167,6 +167,15 @@ def test_a_condition_run_in_pieces_merges_and_takes_ours_over_the_best_peer_from
     assert "across" not in alone and "piece" not in alone["conditions"][0]
     with pytest.raises(ConfigError, match="seeds"):
         capacity.merge([by_sr, piece("naive", "naive-sr-cap8", 0.9, 0.6, seeds=2)])
+    # from the command line: a usage error naming the field, not a traceback
+    from prfaas_sglang.bench.__main__ import main
+
+    paths = [tmp_path / "sr.json", tmp_path / "naive.json"]
+    for path, doc in zip(paths, (by_sr, piece("naive", "naive-sr-cap8", 0.9, 0.6, seeds=2)), strict=True):
+        path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as ended:
+        main(["compare", "--merge", *map(str, paths)])
+    assert ended.value.code == 2 and "different settings (seeds)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("speedup", "timeout", "rate"), [(4.0, "1", "4"), (2.0, "2", "2"), (1.0, "4", "1")])
