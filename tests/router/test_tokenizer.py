@@ -265,6 +265,33 @@ def test_shipped_tokenizer_is_what_its_recipe_says():
     assert tok.decode(tok.encode_text(text)) == text  # byte-level: nothing is unknown
 
 
+def test_a_tokenizer_whose_config_names_the_fast_class_loads_as_autotokenizer_loads_it(tmp_path):
+    """The shipped tokenizer loads with the class its config names (without AutoTokenizer's mappings): the
+    same class, vocabulary, specials, template and ids as AutoTokenizer's. A directory that also holds a model
+    config, or names another class, is AutoTokenizer's to resolve."""
+    import shutil
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from prfaas_sglang.tokenizer import _loader, resolve
+
+    source = resolve(SHIPPED)
+    assert _loader(source) is PreTrainedTokenizerFast
+    ours, auto = PromptTokenizer.load(SHIPPED).tokenizer, AutoTokenizer.from_pretrained(
+        source, clean_up_tokenization_spaces=False, use_fast=True)
+    assert type(ours) is type(auto) and ours.get_vocab() == auto.get_vocab()
+    assert ours.all_special_ids == auto.all_special_ids and ours.chat_template == auto.chat_template
+    text = "Grüße 東京 😀 <|im_start|>user\nhi<|im_end|>"
+    assert ours([text])["input_ids"] == auto([text])["input_ids"]
+    with_model = shutil.copytree(source, tmp_path / "with-model")
+    (with_model / "config.json").write_text("{}")
+    assert _loader(str(with_model)) is AutoTokenizer
+    other = shutil.copytree(source, tmp_path / "other")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2TokenizerFast"}))
+    assert _loader(str(other)) is AutoTokenizer and _loader("org/hub-id") is AutoTokenizer
+
+
 def test_a_missing_tokenizer_is_a_config_error():
     from prfaas_sglang.errors import ConfigError
 
