@@ -30,6 +30,7 @@ site's table of changes against upstream (docs/reference/hooks.md).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -968,6 +969,19 @@ def reaches_hook(obj: object, hook: Callable) -> bool:
         obj = getattr(obj, "__wrapped__", None)
         seen += 1
     return False
+
+
+def import_hook_modules(specs: Sequence[HookSpec] = HOOKS) -> None:
+    """Import what :func:`install_hooks` would import for ``specs`` (each applicable hook and its target's
+    module), registering nothing: a process that forks probes (:mod:`prfaas_sglang.bench.zygote`) preloads
+    it, and a probe that registers the plugin then pays for the registration only. A target that does not
+    resolve is left to :func:`install_hooks` to report."""
+    for spec in specs:
+        if not spec.applies():
+            continue
+        with contextlib.suppress(ImportError, AttributeError, ValueError):
+            spec.load_hook()
+            resolve_target(spec.target)
 
 
 def install_hooks(specs: Sequence[HookSpec]) -> list[HookSpec]:

@@ -7,19 +7,22 @@ importing SGLang costs that process about 10 CPU-seconds. A :class:`Zygote` (a p
 SGLang's heavy modules once, then forks a child per run. The child takes the run's arguments,
 environment, working directory, network namespace and standard streams (passed over a Unix socket),
 runs ``python SCRIPT|-m MODULE|-c CODE ARGS`` as python would, and exits with its status, skipping the
-interpreter's teardown (``os._exit``): what a run reports, it prints before it ends.
+interpreter's teardown (``os._exit``): what a run reports, it prints before it ends. The plugin's hooks and
+their targets are preloaded too (``prfaas_sglang.plugin:import_hook_modules``, registering nothing): a probe
+that registers the plugin spent 1.4 of the registration's 2.1 CPU-seconds importing them (2026-12-01).
 
 :meth:`Zygote.popen` stands in for ``subprocess.Popen`` and :meth:`Zygote.run` for ``subprocess.run``;
 both start a plain subprocess instead where a fork would not see what the run asks for: another
-interpreter or ``PYTHONPATH``, or a variable a preloaded module read when it was imported
-(:data:`READ_AT_IMPORT`). The zygote forks only while it has no thread but its main one, and exits when
+interpreter or ``PYTHONPATH``, or another value of a variable the preload read (the zygote records every
+variable read while it preloads, and reports them when it is ready). The zygote forks only while it has no thread but its main one, and exits when
 the process that started it does.
 
 What it preloads is :data:`PRELOAD` unless given: ``Zygote(preload=("sglang_router.launch_router",))`` forks
 a peer router that would otherwise import SGLang's server code afresh each start (its mini load balancer does).
 
-Usage as a program: ``python -m prfaas_sglang.bench.zygote SOCKET [MODULE ...]`` (what :meth:`Zygote.start`
-runs; the modules to preload, :data:`PRELOAD` when none).
+Usage as a program: ``python -m prfaas_sglang.bench.zygote SOCKET [MODULE[:FUNCTION] ...]`` (what
+:meth:`Zygote.start` runs; the modules to preload, each function called once its module is imported,
+:data:`PRELOAD` when none).
 """
 
 from __future__ import annotations
@@ -42,13 +45,11 @@ import time
 import traceback
 from pathlib import Path
 
-# What a probe imports first: each preloaded where the installed release has it.
+# What a probe imports first: each preloaded where the installed release has it; MODULE:FUNCTION calls it.
 PRELOAD = ("torch", "numpy", "zmq", "sglang.srt.server_args", "sglang.srt.disaggregation.base.conn",
            "sglang.srt.disaggregation.mooncake.conn", "sglang.srt.disaggregation.kv_events",
-           "sglang.srt.mem_cache.radix_cache", "sglang.srt.managers.io_struct", "sglang.srt.plugins")
-# Variables a preloaded module reads when it is imported (prometheus_client picks its value class from this
-# one): a probe that sets one runs in a plain subprocess.
-READ_AT_IMPORT = ("PROMETHEUS_MULTIPROC_DIR",)
+           "sglang.srt.mem_cache.radix_cache", "sglang.srt.managers.io_struct", "sglang.srt.plugins",
+           "prfaas_sglang.plugin:import_hook_modules")
 CLONE_NEWNET = 0x40000000
 HEADER = struct.Struct("!I")  # the length of a JSON message that follows
 
@@ -123,12 +124,63 @@ def _child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+class _RecordingEnviron(os._Environ):
+    """``os.environ`` (the very mapping: its data is shared) that records the names read through it one at a
+    time (``environ[name]``, ``.get``, ``in``, ``os.getenv``), each with the value it first read (None: unset).
+    A read of the whole environment reads no name in particular and is not recorded: a read while an
+    iteration over it is under way (``for name in environ``, ``.items()``, ``.values()``), or one of the reads
+    that follow ``.keys()`` in its order (``dict(environ)``, ``.copy()``)."""
+
+    def __init__(self, environ: os._Environ) -> None:
+        super().__init__(environ._data, environ.encodekey, environ.decodekey, environ.encodevalue,
+                         environ.decodevalue)
+        self.read: dict[str, str | None] = {}
+        self._iterating = 0
+        self._whole: list[str] = []  # the names .keys() gave, in its order, not yet read
+
+    def __iter__(self):
+        self._iterating += 1
+        try:
+            yield from super().__iter__()
+        finally:
+            self._iterating -= 1
+
+    def keys(self):
+        self._whole = list(super().__iter__())[::-1]
+        return super().keys()
+
+    def __getitem__(self, key: str) -> str:
+        if self._whole and self._whole[-1] == key:
+            self._whole.pop()
+        elif not self._iterating:
+            self._whole = []
+            self.read.setdefault(key, super().__getitem__(key) if self.encodekey(key) in self._data else None)
+        return super().__getitem__(key)
+
+
+def _preload(preload: tuple[str, ...]) -> dict[str, list[str | None]]:
+    """Import each of ``preload`` (``MODULE`` or ``MODULE:FUNCTION``) where it imports; the environment
+    variables read meanwhile (through ``os.environ`` or ``os.getenv``), each with the value it first read and
+    its value once the preload is done (a module may set what it read unset: a fresh process that has it set
+    to that value ends the same)."""
+    environ, os.environ = os.environ, _RecordingEnviron(os.environ)
+    try:
+        for entry in preload:
+            name, _, function = entry.partition(":")
+            with contextlib.suppress(ImportError):
+                module = importlib.import_module(name)
+                if function:
+                    getattr(module, function)()
+        return {name: [first, environ.get(name)] for name, first in os.environ.read.items()}
+    finally:
+        os.environ = environ  # noqa: B003 - the recorder shares its data: putting it back changes no variable
+
+
 def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
-    """Preload ``preload`` (each where it imports), then fork a child per request on ``path``; each client
-    hears the child's pid, then its exit status. Exits when the parent process is gone."""
-    for name in preload:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
+    """Preload ``preload`` (:func:`_preload`), then fork a child per request on ``path``; each client hears
+    the child's pid, then its exit status. Exits when the parent process is gone. Its first line on
+    standard output: ``ready`` and the JSON object of the variables the preload read (:func:`_preload`)."""
+    read = _preload(preload)
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: {threading.active_count()} threads after the preload; a fork would not be safe")
     parent = os.getppid()
@@ -138,7 +190,7 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> None:
     waiting: dict[int, socket.socket] = {}  # child pid -> its client
     with selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
-        print("ready", flush=True)
+        print("ready", json.dumps(read, sort_keys=True), flush=True)
         while os.getppid() == parent:
             if selector.select(timeout=0.05):
                 conn, _ = listener.accept()
@@ -234,6 +286,7 @@ class Zygote:
         self._dir = tempfile.mkdtemp(prefix="prfaas-zygote-")
         self.path = os.path.join(self._dir, "sock")
         self.proc: subprocess.Popen | None = None
+        self.read_at_import: dict[str, list[str | None]] = {}  # each variable the preload read -> its values (_preload)
 
     def __enter__(self) -> Zygote:
         self.start()
@@ -248,8 +301,10 @@ class Zygote:
             return
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.path, *self.preload], stdout=subprocess.PIPE,
                                      text=True, stdin=subprocess.DEVNULL)
-        if self.proc.stdout.readline().strip() != "ready":  # the preload's import errors go to stderr
+        word, _, read = self.proc.stdout.readline().partition(" ")
+        if word != "ready":  # the preload's import errors go to stderr
             raise RuntimeError(f"the zygote of {', '.join(self.preload)} did not start (exit {self.proc.wait()})")
+        self.read_at_import = json.loads(read)
 
     def stop(self) -> None:
         """Stop the zygote (its runs' process groups are killed with it)."""
@@ -260,6 +315,12 @@ class Zygote:
             os.unlink(self.path)
         with contextlib.suppress(OSError):
             os.rmdir(self._dir)
+
+    def sees_as_preloaded(self, env: dict[str, str]) -> bool:
+        """Whether a run in ``env`` sees every variable the preload read as the preload did (the zygote is
+        started to know)."""
+        self.start()
+        return all(env.get(name) in values for name, values in self.read_at_import.items())
 
     def _spawn(self, argv: list[str], env: dict[str, str], cwd: str, netns: str | None,
                streams: list[int]) -> tuple[socket.socket, int]:
@@ -275,11 +336,11 @@ class Zygote:
     def popen(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
               wrap: tuple[str, ...] = (), stdin=None, stdout=None, stderr=None):
         """``subprocess.Popen([*wrap, *argv], text=True, ...)``, forked from the zygote where :func:`forkable`
-        (else that very Popen). ``wrap``: none or ``ip netns exec NAME``. ``stdin``, ``stdout``, ``stderr``:
-        ``subprocess.PIPE``, ``subprocess.DEVNULL``, a file object, ``subprocess.STDOUT`` (stderr) or None
-        (this process's; stdin: none)."""
+        and every variable the preload read has its value then (else that very Popen). ``wrap``: none or ``ip
+        netns exec NAME``. ``stdin``, ``stdout``, ``stderr``: ``subprocess.PIPE``, ``subprocess.DEVNULL``, a
+        file object, ``subprocess.STDOUT`` (stderr) or None (this process's; stdin: none)."""
         env = dict(os.environ if env is None else env)
-        if not forkable(argv, env):
+        if not (forkable(argv, env) and self.sees_as_preloaded(env)):
             return subprocess.Popen([*wrap, *argv], env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=True)
         ours: list[int | None] = [None, None, None]
         theirs: list[int] = []
@@ -356,9 +417,8 @@ class Zygotes:
 
 def forkable(argv: list[str], env: dict[str, str]) -> bool:
     """Whether ``argv`` is ``python SCRIPT|-m MODULE|-c CODE ...`` with this interpreter, run with this
-    ``PYTHONPATH`` and no variable a preloaded module read at import (:data:`READ_AT_IMPORT`)."""
+    ``PYTHONPATH`` (what a zygote also needs: the values the preload read, :meth:`Zygote.popen`)."""
     return (len(argv) >= 2 and argv[0] == sys.executable and (argv[1] in ("-c", "-m") or argv[1].endswith(".py"))
-            and not any(name in env for name in READ_AT_IMPORT)
             and env.get("PYTHONPATH", "") == os.environ.get("PYTHONPATH", ""))
 
 

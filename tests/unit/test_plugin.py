@@ -161,3 +161,18 @@ def test_a_target_whose_module_fails_to_import_names_the_missing_dependency(tmp_
         resolve_target("prfaas_probe_pkg.conn.Manager.__init__")
     with pytest.raises(AttributeError):  # a path that is simply wrong stays an AttributeError
         resolve_target("prfaas_probe_pkg.gone.Manager")
+
+
+def test_importing_what_the_hooks_need_registers_and_patches_nothing():
+    """What the zygote preloads for probes that register the plugin (plugin.import_hook_modules): no hook
+    registered, no target patched (a stock probe forked after it is stock)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from prfaas_sglang.plugin import import_hook_modules, reaches_hook, resolve_target
+
+    applicable = [spec for spec in HOOKS if spec.applies()]
+    registered = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    hooked = {spec.name for spec in applicable if reaches_hook(resolve_target(spec.target), spec.load_hook())}
+    import_hook_modules()
+    assert {target: list(hooks) for target, hooks in HookRegistry._hooks.items()} == registered
+    assert {spec.name for spec in applicable if reaches_hook(resolve_target(spec.target), spec.load_hook())} == hooked
