@@ -144,7 +144,7 @@ class CapacitySetting:
     sweep_seeds: int = 2  # seeds each configuration of a sweep runs
     max_rounds: int = 8
     # The interval (bench/slo.py capacity_interval): after the bisection, each reported row on grid_loads loads
-    # grid_step apart around its bisected 90% capacity, every seed; 0 loads: no interval.
+    # grid_step apart in its bisection's 90% bracket (grid_centre), every seed; 0 loads: no interval.
     grid_loads: int = 7
     grid_step: float = 1.06
     grid_resamples: int = 1000
@@ -755,17 +755,22 @@ def bisect(runner: Runner, setting: CapacitySetting, planned: float, rows: list[
 
 
 def grid_centre(result: dict, setting: CapacitySetting, floor_rps: float) -> float:
-    """Where a row's grid is centred: its bisected 90% capacity (the highest load that passed). A row with no
-    passing load but a failing one (its bisection cut short by ``--rounds``, or failing at the floor) gets the
-    grid below that load, its top load there; until 2026-11-30 it got the floor, so a row whose one probe
-    failed just above its crossing was gridded far below it, where every load passed. A row never probed
-    gets ``floor_rps``."""
+    """Where a row's grid is centred: the middle (geometric) of its bisection's 90% bracket, where the crossing
+    is likeliest; at the bracket's resolution that is about its bisected capacity. Until 2026-12-01 it was the
+    bisected capacity (the highest load that passed): a bracket cut wide by ``--rounds`` (0.244-0.352 req/s in
+    the first abundant piece) got a grid below its crossing, every load of it passing. A row with no passing
+    load but a failing one (its bisection cut short, or failing at the floor) gets the grid below that load,
+    its top load there; a row with a passing load and none failing, the grid above it, its bottom load there.
+    A row never probed gets ``floor_rps``."""
     bracket = result["search"]["brackets"]["0.9"]
     lo, hi = bracket["lo"], bracket["hi"]
-    if lo is not None:
-        return lo
+    half_span = setting.grid_step ** ((setting.grid_loads - 1) / 2)
+    if lo is not None and hi is not None:
+        return math.sqrt(lo * hi)
     if hi is not None:
-        return hi / setting.grid_step ** ((setting.grid_loads - 1) / 2)
+        return hi / half_span
+    if lo is not None:
+        return lo * half_span
     return floor_rps
 
 
@@ -777,8 +782,8 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
          centres: dict[str, float], seed_rng: random.Random, log,
          checkpoint: Callable[[dict], None] | None = None) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
     """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
-    order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]`` (its bisected
-    capacity), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
+    order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]``
+    (:func:`grid_centre`: in its bisection's bracket), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
     over them, every row's bootstrap taking the same seeds (its ratios paired by seed). A row whose router will
     not start (:class:`RowFailed`) is left out. ``checkpoint(runs)`` gets every run so far after each (row ->
     load -> seed -> its arrivals met, "1" or "0" each, in arrival order). Returns row -> (the estimate, the grid's

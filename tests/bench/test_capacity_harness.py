@@ -392,14 +392,20 @@ def test_a_probe_keeps_each_seeds_arrivals_met_in_arrival_order_so_a_drift_withi
     assert summary["per_seed_attainment"] == {"0": 0.5, "1": 0.5}
 
 
-def test_a_row_the_bisection_left_without_a_passing_load_is_gridded_just_below_its_failing_load():
+def test_a_rows_grid_is_centred_in_its_bracket_and_beside_a_one_sided_one():
     setting = CapacitySetting(grid_loads=5, grid_step=1.06)
+    half_span = setting.grid_step ** ((setting.grid_loads - 1) / 2)
 
     def result(lo, hi):
         return {"search": {"brackets": {"0.9": {"lo": lo, "hi": hi}}}}
 
-    assert capacity.grid_centre(result(0.30, 0.33), setting, floor_rps=0.2) == 0.30  # the bisected capacity
+    narrow = capacity.grid_centre(result(0.30, 0.31), setting, floor_rps=0.2)
+    assert 0.30 < narrow < 0.31  # at the bracket's resolution: about the bisected capacity
+    wide = capacity.grid_centre(result(0.244, 0.352), setting, floor_rps=0.2)  # cut wide by --rounds 2
+    assert wide == pytest.approx((0.244 * 0.352) ** 0.5)  # the grid's middle in the bracket's, not at its bottom
+    assert wide / half_span > 0.244 and wide * half_span < 0.352
     centre = capacity.grid_centre(result(None, 0.33), setting, floor_rps=0.2)  # one probe, failed (--rounds 1)
-    top = centre * setting.grid_step ** ((setting.grid_loads - 1) / 2)
-    assert top == pytest.approx(0.33) and centre > 0.2  # the grid's top at the failing load, not the floor
+    assert centre * half_span == pytest.approx(0.33) and centre > 0.2  # the grid's top at the failing load
+    centre = capacity.grid_centre(result(0.5, None), setting, floor_rps=0.2)  # passed at the top of the search
+    assert centre / half_span == pytest.approx(0.5)  # the grid's bottom at the passing load
     assert capacity.grid_centre(result(None, None), setting, floor_rps=0.2) == 0.2

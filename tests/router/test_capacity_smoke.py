@@ -32,7 +32,7 @@ def test_quick_capacity_run(tmp_path):
             assert p["met"] + p["refused"] + p["failed"] + p["unserved"] <= p["arrivals"]
             assert p["attainment"] == pytest.approx(p["met"] / p["arrivals"])
             assert p["engine_timing_error"]["prefill"] is not None
-        grid = row["interval"]["grid"]  # the interval's load grid, around the bisected capacity, every seed
+        grid = row["interval"]["grid"]  # the interval's load grid, in the bisection's bracket, every seed
         assert len(grid) == setting.grid_loads and all(g["arrivals"] == setting.seeds * setting.scored_per_seed for g in grid)
         assert row["interval"]["low"] <= row["interval"]["capacity"] <= row["interval"]["high"]
         for target in ("0.9", "0.99"):
