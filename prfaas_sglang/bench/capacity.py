@@ -1202,7 +1202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="emulated seconds of unscored arrivals before each probe's scored ones (default: as long as the "
                           "cool-down, the longest a scored request may take: 63.7 s for the case study)")
     cap.add_argument("--grid-loads", type=int, default=None, metavar="N",
-                     help="loads of the grid around each bisected capacity (default 7); 0: no grid, the bisection's "
+                     help="loads of the grid in each bisection's bracket (default 7); 0: no grid, the bisection's "
                           "bracket is the result and no interval is given")
     cap.add_argument("--topology", type=Path, default=None,
                      help="a fleet of several clusters (bench/capacity_fleet.py): the global scheduler against a "
