@@ -13,9 +13,9 @@ that registers the plugin spent 1.4 of the registration's 2.1 CPU-seconds import
 
 :meth:`Zygote.popen` stands in for ``subprocess.Popen`` and :meth:`Zygote.run` for ``subprocess.run``;
 both start a plain subprocess instead where a fork would not see what the run asks for: another
-interpreter or ``PYTHONPATH``, or another value of a variable the preload read (the zygote records every
-variable read while it preloads, and reports them when it is ready). The zygote forks only while it has no thread but its main one, and exits when
-the process that started it does.
+interpreter or ``PYTHONPATH``, or another value of a variable the preload read by name (the zygote records
+each while it preloads, and reports them when it is ready). The zygote forks only while it has no thread but
+its main one, and exits when the process that started it does.
 
 What it preloads is :data:`PRELOAD` unless given: ``Zygote(preload=("sglang_router.launch_router",))`` forks
 a peer router that would otherwise import SGLang's server code afresh each start (its mini load balancer does).
