@@ -783,8 +783,8 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
          checkpoint: Callable[[dict], None] | None = None) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
     """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
     order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]``
-    (:func:`grid_centre`: in its bisection's bracket), every seed, rows, loads and seeds interleaved at random; :func:`~prfaas_sglang.bench.slo.capacity_interval`
-    over them, every row's bootstrap taking the same seeds (its ratios paired by seed). A row whose router will
+    (:func:`grid_centre`: in its bisection's bracket), every seed, rows, loads and seeds interleaved at random;
+    :func:`~prfaas_sglang.bench.slo.capacity_interval` over them, every row's bootstrap taking the same seeds (its ratios paired by seed). A row whose router will
     not start (:class:`RowFailed`) is left out. ``checkpoint(runs)`` gets every run so far after each (row ->
     load -> seed -> its arrivals met, "1" or "0" each, in arrival order). Returns row -> (the estimate, the grid's
     attainment per load)."""

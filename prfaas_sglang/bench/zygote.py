@@ -336,12 +336,14 @@ class Zygote:
     def popen(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
               wrap: tuple[str, ...] = (), stdin=None, stdout=None, stderr=None):
         """``subprocess.Popen([*wrap, *argv], text=True, ...)``, forked from the zygote where :func:`forkable`
-        and every variable the preload read has its value then (else that very Popen). ``wrap``: none or ``ip
+        and every variable the preload read has its value then (else that very Popen, in a session of its own as
+        a forked run is: a caller may signal its process group). ``wrap``: none or ``ip
         netns exec NAME``. ``stdin``, ``stdout``, ``stderr``: ``subprocess.PIPE``, ``subprocess.DEVNULL``, a
         file object, ``subprocess.STDOUT`` (stderr) or None (this process's; stdin: none)."""
         env = dict(os.environ if env is None else env)
         if not (forkable(argv, env) and self.sees_as_preloaded(env)):
-            return subprocess.Popen([*wrap, *argv], env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=True)
+            return subprocess.Popen([*wrap, *argv], env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=True,
+                                    start_new_session=True)  # its own process group, as a forked run's
         ours: list[int | None] = [None, None, None]
         theirs: list[int] = []
         for i, spec in enumerate((stdin, stdout, stderr)):

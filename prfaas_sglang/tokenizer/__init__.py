@@ -25,8 +25,8 @@ processor (image, audio or video parts) raise :class:`TokenizeError`.
 ``load("prfaas-tiny-chatml")`` resolves a shipped tokenizer
 (``tokenizer/data/``); anything else is a directory or hub id for
 ``AutoTokenizer`` (a directory whose config names ``PreTrainedTokenizerFast``
-loads with that class directly, as AutoTokenizer would: ``_loader``). ``train`` is the shipped tokenizer's recipe
-(``python -m prfaas_sglang.tokenizer.train``).
+loads with that class directly, as AutoTokenizer would: ``_loader``).
+``train`` is the shipped tokenizer's recipe (``python -m prfaas_sglang.tokenizer.train``).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def _loader(source: str) -> Any:
     """What loads ``source``: ``AutoTokenizer``, except for a directory that holds no model config and whose
     ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` and no code of its own (the shipped
     tokenizers), which AutoTokenizer would load with that very class. Imported alone, that class saves every
-    process that loads such a tokenizer (emulated engines, routers) 1.7 of AutoTokenizer's 4.5 CPU-s: the
-    auto classes' model mappings (2026-12-01)."""
+    process that loads such a tokenizer (emulated engines, routers) the auto classes' model mappings: an
+    emulated engine with one started in 2.6 CPU-s instead of 4.1 (2026-12-01)."""
     path = Path(source)
     try:
         config = json.loads((path / "tokenizer_config.json").read_text()) if path.is_dir() else {}

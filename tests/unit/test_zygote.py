@@ -40,14 +40,16 @@ def zygote(tmp_path, monkeypatch):
 
 
 def _run(z: Zygote, **changes: str | None):
+    """(forked, what the run printed); every run, forked or not, leads a process group of its own."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in changes}
     env.update({k: v for k, v in changes.items() if v is not None})
-    proc = z.popen([sys.executable, "-c", REPORT], env=env, stdout=subprocess.PIPE)
-    out = proc.stdout.read().strip()
-    assert proc.wait() == 0
-    return isinstance(proc, ZygoteProcess), out
+    proc = z.popen([sys.executable, "-c", REPORT + "; import os; print(os.getpgid(0) == os.getpid())"], env=env,
+                   stdout=subprocess.PIPE)
+    report, own_group = proc.stdout.read().strip().splitlines()
+    assert proc.wait() == 0 and own_group == "True"
+    return isinstance(proc, ZygoteProcess), report
 
 
 def test_a_run_is_forked_only_where_it_sees_every_variable_the_preload_read_by_name(zygote):
