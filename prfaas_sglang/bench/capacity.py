@@ -144,10 +144,12 @@ class CapacitySetting:
     sweep_seeds: int = 2  # seeds each configuration of a sweep runs
     max_rounds: int = 8
     # The interval (bench/slo.py capacity_interval): after the bisection, each reported row on grid_loads loads
-    # grid_step apart in its bisection's 90% bracket (grid_centre), every seed; 0 loads: no interval.
+    # grid_step apart in its bisection's 90% bracket (grid_centre), every seed, pooled with the bisection's own
+    # runs; 0 loads: no interval.
     grid_loads: int = 7
     grid_step: float = 1.06
     grid_resamples: int = 1000
+    grid_extensions: int = 2  # loads a censored estimate may add beyond its runs, one at a time (bench/capacity.py grid)
 
     @property
     def ttft_slo(self) -> float:
@@ -777,49 +779,93 @@ def grid_centre(result: dict, setting: CapacitySetting, floor_rps: float) -> flo
 # Arrivals a bootstrap block holds: a run's neighbouring arrivals share a queue, so they are resampled together.
 GRID_BLOCK_ARRIVALS = 10
 
+RunsByLoad = dict[float, dict[int, list[list[bool]]]]  # load -> seed -> that seed's runs there (arrivals met, in order)
+
+
+def probe_runs(result: dict) -> RunsByLoad:
+    """The bisection's runs of one row (``row_result``'s probes, each seed's arrivals in ``met_in_arrival_order``):
+    they are measurements of the same curve as the grid's, and the interval pools them. A probe recorded
+    before arrivals were kept (no ``met_in_arrival_order``) is left out."""
+    out: RunsByLoad = {}
+    for p in result.get("probes", []):
+        for seed, met in (p.get("met_in_arrival_order") or {}).items():
+            out.setdefault(round(p["load_rps"], 9), {}).setdefault(int(seed), []).append([c == "1" for c in met])
+    return out
+
+
+def estimate(runs: RunsByLoad, seeds: int, rng: np.random.Generator, draws: np.ndarray,
+             setting: CapacitySetting) -> tuple[slo.CapacityInterval, list[dict]]:
+    """A row's 90% capacity with its interval from every run it has (:func:`slo.capacity_interval`, seeds ``0 ..
+    seeds - 1`` in ``draws``' order), and the table it was fitted to: per load, the pooled attainment, its
+    arrivals and runs."""
+    by_load = {load: [runs[load].get(seed, []) for seed in range(seeds)] for load in sorted(runs)}
+    est = slo.capacity_interval(by_load, slo.TARGETS[0], rng, resamples=setting.grid_resamples,
+                                block_arrivals=GRID_BLOCK_ARRIVALS, draws=draws)
+    table = []
+    for load, by_seed in by_load.items():
+        taken = [run for rs in by_seed for run in rs]
+        arrivals = sum(map(len, taken))
+        table.append({"load_rps": load, "attainment": sum(map(sum, taken)) / max(arrivals, 1), "arrivals": arrivals,
+                      "runs": len(taken)})
+    return est, table
+
 
 def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySetting, rows: list[Row],
          centres: dict[str, float], seed_rng: random.Random, log,
-         checkpoint: Callable[[dict], None] | None = None) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
+         checkpoint: Callable[[dict], None] | None = None,
+         prior: dict[str, RunsByLoad] | None = None) -> dict[str, tuple[slo.CapacityInterval, list[dict]]]:
     """Each row's 90% capacity with its interval: ``probe(row, load, seed)`` (each arrival met or not, in arrival
     order) on ``setting.grid_loads`` loads ``setting.grid_step`` apart centred on ``centres[row]``
-    (:func:`grid_centre`: in its bisection's bracket), every seed, rows, loads and seeds interleaved at random;
-    :func:`~prfaas_sglang.bench.slo.capacity_interval` over them, every row's bootstrap taking the same seeds (its ratios paired by seed). A row whose router will
-    not start (:class:`RowFailed`) is left out. ``checkpoint(runs)`` gets every run so far after each (row ->
-    load -> seed -> its arrivals met, "1" or "0" each, in arrival order). Returns row -> (the estimate, the grid's
-    attainment per load)."""
+    (:func:`grid_centre`: in its bisection's bracket), every seed, rows, loads and seeds interleaved at random.
+    The estimate (:func:`estimate`) pools these runs with ``prior[row]``, the row's bisection runs
+    (:func:`probe_runs`): one curve, measured twice. Where it is censored (the fit never crosses 90%, or crosses
+    before its lowest load), the row gets one more load a step beyond its runs on that side, every seed, up to
+    ``setting.grid_extensions`` times. Every row's bootstrap takes the same seeds (its ratios paired by seed). A
+    row whose router will not start (:class:`RowFailed`) is left out. ``checkpoint(runs)`` gets every grid run so
+    far after each (row -> load -> seed -> its arrivals met, "1" or "0" each, in arrival order). Returns row ->
+    (the estimate, the table it was fitted to)."""
     n, step = setting.grid_loads, setting.grid_step
-    loads = {r.name: [round(centres[r.name] * step ** (k - (n - 1) / 2), 9) for k in range(n)] for r in rows}
-    runs: dict[str, dict[float, list[list[bool]]]] = {r.name: {load: [] for load in loads[r.name]} for r in rows}
-    seeds, failed = list(range(setting.seeds)), set()
-    seed_rng.shuffle(seeds)
-    for seed in seeds:
-        order = [(row, load) for row in rows for load in loads[row.name]]
-        seed_rng.shuffle(order)
-        for row, load in order:
-            if row.name in failed:
-                continue
-            try:
-                met = probe(row, load, seed)
-            except RowFailed as err:
-                failed.add(row.name)
-                log(f"grid {row.name}: FAILED {err}")
-                continue
-            runs[row.name][load].append(met)
-            log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
-            if checkpoint is not None:  # the i-th run of a load is seeds[i]'s: seeds run one after another
-                checkpoint({name: {f"{ld:g}": {str(seeds[i]): met_string(run) for i, run in enumerate(rs)}
-                                   for ld, rs in by_load.items() if rs} for name, by_load in runs.items()})
+    prior = prior or {}
+    runs: dict[str, RunsByLoad] = {r.name: {ld: {s: list(rs) for s, rs in by_seed.items()}
+                                            for ld, by_seed in prior.get(r.name, {}).items()} for r in rows}
+    mine: dict[str, dict[float, dict[int, list[bool]]]] = {r.name: {} for r in rows}  # the grid's own runs
+    failed: set[str] = set()
+
+    def measure(todo: list[tuple[Row, float]]) -> None:  # every seed at each (row, load), interleaved at random
+        seeds = list(range(setting.seeds))
+        seed_rng.shuffle(seeds)
+        for seed in seeds:
+            order = list(todo)
+            seed_rng.shuffle(order)
+            for row, load in order:
+                if row.name in failed:
+                    continue
+                try:
+                    met = probe(row, load, seed)
+                except RowFailed as err:
+                    failed.add(row.name)
+                    log(f"grid {row.name}: FAILED {err}")
+                    continue
+                runs[row.name].setdefault(load, {}).setdefault(seed, []).append(met)
+                mine[row.name].setdefault(load, {})[seed] = met
+                log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
+                if checkpoint is not None:
+                    checkpoint({name: {f"{ld:g}": {str(sd): met_string(run) for sd, run in by_seed.items()}
+                                       for ld, by_seed in by_load.items()} for name, by_load in mine.items()})
+
+    measure([(r, round(centres[r.name] * step ** (k - (n - 1) / 2), 9)) for r in rows for k in range(n)])
     rng = np.random.default_rng(seed_rng.randrange(2**32))
-    draws = slo.seed_draws(rng, len(seeds), setting.grid_resamples)  # every row the same seeds: ratios paired
-    out = {}
-    for row in (r for r in rows if r.name not in failed):
-        by_load = runs[row.name]
-        est = slo.capacity_interval(by_load, slo.TARGETS[0], rng, resamples=setting.grid_resamples,
-                                    block_arrivals=GRID_BLOCK_ARRIVALS, draws=draws)
-        table = [{"load_rps": load, "attainment": sum(map(sum, rs)) / sum(map(len, rs)), "arrivals": sum(map(len, rs))}
-                 for load, rs in sorted(by_load.items())]
-        out[row.name] = (est, table)
+    draws = slo.seed_draws(rng, setting.seeds, setting.grid_resamples)  # every row the same seeds: ratios paired
+    out: dict[str, tuple[slo.CapacityInterval, list[dict]]] = {}
+    for extension in range(setting.grid_extensions + 1):
+        out = {r.name: estimate(runs[r.name], setting.seeds, rng, draws, setting) for r in rows if r.name not in failed}
+        censored = [(r, out[r.name][0].censored) for r in rows if r.name in out and out[r.name][0].censored]
+        if not censored or extension == setting.grid_extensions:
+            break
+        todo = [(r, round(max(runs[r.name]) * step if side == "above-grid" else min(runs[r.name]) / step, 9))
+                for r, side in censored]
+        log("grid: censored, one more load: " + ", ".join(f"{r.name} @ {load:.3f}" for r, load in todo))
+        measure(todo)
     return out
 
 
@@ -938,10 +984,17 @@ def run(setting: CapacitySetting, families: tuple[str, ...] = rows_mod.FAMILIES,
 
             alive = [r for r in reported if "failed" not in capacity[r.name]]
             centres = {r.name: grid_centre(capacity[r.name], setting, FLOOR * planned) for r in alive}
-            intervals = grid(probe, setting, alive, centres, seed_rng, log,
-                             lambda runs: checkpoint(capacity, runs))  # a run cut short keeps the grid's runs
+            kept: dict = {}
+
+            def keep(runs: dict) -> None:  # a run cut short keeps the grid's runs; so does the document
+                kept.update(runs)
+                checkpoint(capacity, runs)
+
+            intervals = grid(probe, setting, alive, centres, seed_rng, log, keep,
+                             prior={r.name: probe_runs(capacity[r.name]) for r in alive})
             for name, (est, table) in intervals.items():
                 capacity[name]["interval"] = {**est.as_dict(), "grid": table}
+            head["grid_runs"] = kept
     finally:
         runner.close()
         fleet.close()
@@ -1122,12 +1175,14 @@ def _render_intervals(r: dict) -> list[str]:
     if not rows:
         return []
     first = rows[0][1]
-    out = ["", f"Capacity @90% on a grid of {len(first['grid'])} loads around each bisected capacity, every seed "
-               f"({first['confidence']:.0%} interval, block bootstrap over arrivals, {first['resamples']} resamples):", ""]
+    out = ["", "Capacity @90% fitted to every run of the row, a grid of loads in its bisection's bracket and the "
+               f"bisection's own probes, every seed ({first['confidence']:.0%} interval, bootstrap over seeds, runs and "
+               f"blocks of arrivals, {first['resamples']} resamples):", ""]
     for name, iv in rows:
         censored = f" ({iv['censored']})" if iv["censored"] else ""
         out.append(f"- {name}: {iv['capacity']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]{censored}; attainment by load: "
-                   + ", ".join(f"{g['load_rps']:.3f}: {g['attainment']:.3f}" for g in iv["grid"]))
+                   + ", ".join(f"{g['load_rps']:.3f}: {g['attainment']:.3f}" + (f" ({g['runs']} runs)" if g.get("runs") else "")
+                               for g in iv["grid"]))
     return out
 
 

@@ -26,8 +26,8 @@ Attainment is assumed to fall with load; a pass above a recorded failure is not 
 of loads around the crossing (every load's arrivals, in arrival order, per run): attainment fitted
 non-increasing in load (isotonic, weighted by arrivals), the crossing of ``target`` interpolated in
 log load between the two grid loads that bracket it, and a percentile interval from a bootstrap over
-seeds and then over each taken run's arrivals (in blocks, since a run's neighbouring arrivals share a
-queue). On synthetic curves of several shapes and a 9-load grid 5-10% apart it covers the true crossing
+seeds, then over each taken seed's runs at a load, then over each taken run's arrivals (in blocks, since
+a run's neighbouring arrivals share a queue). On synthetic curves of several shapes and a 9-load grid 5-10% apart it covers the true crossing
 in 92-96 of 100 trials (tests/bench/test_slo.py). Resampling arrivals alone misses what varies from run
 to run (a seed's slow periods move its whole curve): with three seeds whose crossings spread by 5%, that
 interval covered 69 of 100, the two stages 84 (fewer seeds than the spread needs still cover short).
@@ -262,43 +262,58 @@ def seed_draws(rng: np.random.Generator, seeds: int, resamples: int = 1000) -> n
     return rng.integers(0, seeds, (resamples, seeds))
 
 
-def capacity_interval(runs_by_load: Mapping[float, Sequence[Sequence[bool]]], target: float, rng: np.random.Generator, *,
-                      resamples: int = 1000, confidence: float = 0.95, block_arrivals: int = 10,
-                      draws: np.ndarray | None = None) -> CapacityInterval:
-    """Capacity at ``target`` from a load grid (see the module): ``runs_by_load`` maps each offered load to
-    its runs, each the arrivals' met-or-not in arrival order; the i-th run of every load is seed i's (one
-    run per seed and load, as :func:`~prfaas_sglang.bench.capacity.grid` runs them). Needs two loads or
-    more, every one with arrivals. The bootstrap has two stages: each replicate takes the seeds
-    ``draws`` names (:func:`seed_draws`; drawn here when None), the same seeds at every load (a seed's
-    runs share its slow periods and arrivals, so a run-to-run effect moves its whole curve), then
-    resamples each taken run's arrivals in blocks. With one seed only the second stage varies.
-    ``rng`` (numpy's) draws the bootstrap; the result is a function of it and the data."""
+def capacity_interval(runs_by_load: Mapping[float, Sequence[Sequence[Sequence[bool]]]], target: float,
+                      rng: np.random.Generator, *, resamples: int = 1000, confidence: float = 0.95,
+                      block_arrivals: int = 10, draws: np.ndarray | None = None) -> CapacityInterval:
+    """Capacity at ``target`` from runs at several loads (see the module). ``runs_by_load[load][i]`` holds seed
+    ``i``'s runs at that load (none, one, or several: a bisection's probe and a grid's run at one load), each
+    run the arrivals' met-or-not in arrival order. Every load lists the same seeds; needs two loads or more,
+    every one with arrivals. The bootstrap has three stages: each replicate takes the seeds ``draws`` names
+    (:func:`seed_draws`; drawn here when None), the same seeds at every load (a seed's runs share its arrivals
+    and slow periods, so what it does moves its whole curve); at each load it takes as many of each taken
+    seed's runs there as it has, with replacement (runs of one seed and load differ too: a 2% change in load
+    moved one seed from 0.97 to 0.76); then it resamples each taken run's arrivals in blocks. With one seed and
+    one run per load only the last stage varies. ``rng`` (numpy's) draws the bootstrap; the result is a
+    function of it and the data."""
     loads = np.array(sorted(runs_by_load), dtype=float)
     if loads.size < 2 or not 0 < target < 1 or not 0 < confidence < 1 or resamples < 1 or block_arrivals < 1:
         raise ValueError("need two loads or more, 0 < target < 1, 0 < confidence < 1, resamples >= 1, block >= 1")
-    runs = [[np.asarray(run, dtype=bool) for run in runs_by_load[load]] for load in loads]
+    runs = [[[np.asarray(run, dtype=bool) for run in seed_runs] for seed_runs in runs_by_load[load]] for load in loads]
     seeds = len(runs[0])
-    if any(len(rs) != seeds for rs in runs) or any(not any(r.size for r in rs) for rs in runs):
-        raise ValueError("every load needs arrivals, and one run per seed (the same seeds at every load)")
+    if any(len(by_seed) != seeds for by_seed in runs) or any(not any(r.size for rs in by_seed for r in rs) for by_seed in runs):
+        raise ValueError("every load needs arrivals, and the same seeds at every load")
     draws = seed_draws(rng, seeds, resamples) if draws is None else np.asarray(draws)
     if draws.shape != (resamples, seeds) or draws.min() < 0 or draws.max() >= seeds:
         raise ValueError(f"draws must be ({resamples}, {seeds}) seed indices")
-    arrivals = np.array([sum(r.size for r in rs) for rs in runs], dtype=float)
-    met = np.array([sum(int(r.sum()) for r in rs) for rs in runs], dtype=float)
+    arrivals = np.array([sum(r.size for rs in by_seed for r in rs) for by_seed in runs], dtype=float)
+    met = np.array([sum(int(r.sum()) for rs in by_seed for r in rs) for by_seed in runs], dtype=float)
     capacity, censored = fitted_crossing(loads, met, arrivals, target)
     met_by_copy, arrivals_by_copy = np.zeros((resamples, loads.size)), np.zeros((resamples, loads.size))
-    rows = np.arange(resamples)
-    for i, rs in enumerate(runs):
-        sizes = np.array([r.size for r in rs], dtype=float)
+    for i, by_seed in enumerate(runs):
         for slot in range(seeds):  # each slot's runs resampled afresh: a seed taken twice is two copies
-            copies = np.stack([_resampled_met(r, rng, resamples, min(block_arrivals, r.size)) if r.size
-                               else np.zeros(resamples) for r in rs])
-            met_by_copy[:, i] += copies[draws[:, slot], rows]
-            arrivals_by_copy[:, i] += sizes[draws[:, slot]]
+            taken = draws[:, slot]
+            for seed, seed_runs in enumerate(by_seed):
+                m, n = _resampled_runs(seed_runs, rng, resamples, block_arrivals)
+                met_by_copy[:, i] += np.where(taken == seed, m, 0.0)
+                arrivals_by_copy[:, i] += np.where(taken == seed, n, 0.0)
     samples = [fitted_crossing(loads, m, np.maximum(a, 1.0), target)[0] for m, a in zip(met_by_copy, arrivals_by_copy, strict=True)]
     tail = (1 - confidence) / 2
     low, high = np.quantile(samples, [tail, 1 - tail])
     return CapacityInterval(target, capacity, float(low), float(high), confidence, censored, tuple(samples))
+
+
+def _resampled_runs(seed_runs: Sequence[np.ndarray], rng: np.random.Generator, resamples: int,
+                    block_arrivals: int) -> tuple[np.ndarray, np.ndarray]:
+    """Met arrivals and arrivals of ``resamples`` copies of one seed's runs at one load: as many runs as it has,
+    drawn with replacement, each taken run's arrivals block-resampled (zeros for a seed with no run there)."""
+    if not seed_runs:
+        return np.zeros(resamples), np.zeros(resamples)
+    copies = np.stack([_resampled_met(r, rng, resamples, min(block_arrivals, r.size)) if r.size else np.zeros(resamples)
+                       for r in seed_runs])
+    sizes = np.array([r.size for r in seed_runs], dtype=float)
+    picks = rng.integers(0, len(seed_runs), (len(seed_runs), resamples))
+    rows = np.arange(resamples)
+    return copies[picks, rows].sum(axis=0), sizes[picks].sum(axis=0)
 
 
 def ratio_interval(ours: CapacityInterval, theirs: CapacityInterval) -> dict:

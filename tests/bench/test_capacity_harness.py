@@ -258,8 +258,49 @@ def test_the_grid_probes_every_row_load_and_seed_once_interleaved_and_its_interv
                    "per_seed_capacity_rps": {"0.9": {}, "0.99": {}}} for name, (est, _) in out.items()}
     result = capacity.ratios(rows, {"sglang-router": "sr-cache_aware"}, {name: est for name, (est, _) in out.items()})
     ratio = result["0.9"]["vs"]["sglang-router"]["interval"]
-    assert ratio["ahead"] and ratio["low"] < 2.0 < ratio["high"]
+    assert ratio["ahead"] and ratio["low"] < ratio["ratio"] < ratio["high"] and abs(ratio["ratio"] / 2.0 - 1) < 0.05
     assert "interval" not in result["0.99"]["vs"]["sglang-router"]
+
+
+def test_the_interval_pools_the_bisections_runs_and_a_censored_grid_grows_a_load_at_a_time():
+    """bench/capacity.py ``grid``: ours crosses 90% at about 1.0 req/s, but its grid sits at 0.6 (a bisection
+    cut short). Alone, every grid load passes: the grid adds one load above its top, every seed, twice
+    (``grid_extensions``), and the estimate stays censored, saying so. With the bisection's failing probe at 1.1
+    pooled in (``probe_runs``), the fit crosses between the grid and it: nothing is added."""
+    import random
+
+    import numpy as np
+
+    from prfaas_sglang.bench.capacity_rows import ALL
+
+    ours = ALL["prfaas"]
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def probe(row, load, seed):
+        calls.append((load, seed))
+        return list(rng.random(200) < 1 / (1 + math.exp((load - 1.11) / 0.05)))
+
+    setting = dataclasses.replace(SETTING, seeds=2, grid_loads=3, grid_step=1.06, grid_resamples=100, grid_extensions=2)
+    out = capacity.grid(probe, setting, [ours], {"prfaas": 0.6}, random.Random(1), log=lambda _m: None)
+    est, table = out["prfaas"]
+    assert est.censored == "above-grid" and len(calls) == 3 * 2 + 2 * 2
+    top = max(load for load, _ in calls[:6])
+    assert sorted({load for load, _ in calls[6:]}) == pytest.approx([top * 1.06, top * 1.06**2])
+    assert [t["runs"] for t in table] == [2] * 5
+
+    bisection = {"probes": [{"load_rps": 1.1, "met_in_arrival_order": {"0": "0" * 150 + "1" * 50, "1": "01" * 100}},
+                            {"load_rps": 0.6, "met_in_arrival_order": {"1": "1" * 200}}]}
+    prior = capacity.probe_runs(bisection)
+    assert sorted(prior) == [0.6, 1.1] and len(prior[1.1][1]) == 1 and sum(prior[1.1][1][0]) == 100
+    calls.clear()
+    out = capacity.grid(probe, setting, [ours], {"prfaas": 0.6}, random.Random(1), log=lambda _m: None,
+                        prior={"prfaas": prior})
+    est, table = out["prfaas"]
+    assert est.censored is None and len(calls) == 3 * 2 and 0.6 < est.capacity < 1.1
+    fitted = {round(t["load_rps"], 3): t for t in table}
+    assert fitted[1.1]["runs"] == 2 and fitted[1.1]["attainment"] == pytest.approx(150 / 400)
+    assert fitted[0.6]["runs"] == 3 and fitted[0.6]["arrivals"] == 600  # the grid's centre and the probe: one load
 
 
 def test_the_attainment_plot_draws_every_measurement_of_every_row_one_png_per_condition(tmp_path):
