@@ -1053,6 +1053,30 @@ def best_across(conds: list[dict]) -> dict | None:
             "per_seed": versus["per_seed"], "interval": versus.get("interval")}
 
 
+def refit(cond: dict, seed: int = 0) -> dict:
+    """One condition (a run's document, or its ``.partial.json``) with its intervals and ratios estimated again
+    from the runs it keeps (``grid_runs`` and each row's probes, :func:`estimate`), by today's estimator: a run
+    made before the estimator changed is read by the same method as one made after. ``seed`` draws the
+    bootstrap. A condition that kept no grid runs is returned as it is."""
+    if not cond.get("grid_runs"):
+        return cond
+    names = {f.name for f in dataclasses.fields(CapacitySetting)}
+    setting = CapacitySetting(**{k: v for k, v in cond["setting"].items() if k in names})
+    rng = np.random.default_rng(seed)
+    draws = slo.seed_draws(rng, setting.seeds, setting.grid_resamples)
+    rows, intervals = dict(cond["rows"]), {}
+    for name, by_load in cond["grid_runs"].items():
+        runs = probe_runs(rows[name])
+        for load, by_seed in by_load.items():
+            for seed_no, met in by_seed.items():
+                runs.setdefault(round(float(load), 9), {}).setdefault(int(seed_no), []).append([c == "1" for c in met])
+        est, table = estimate(runs, setting.seeds, rng, draws, setting)
+        rows[name] = {**rows[name], "interval": {**est.as_dict(), "grid": table}}
+        intervals[name] = est
+    best = cond.get("best_config") or final_best(cond.get("sweep") or {}, rows)
+    return {**cond, "rows": rows, "best_config": best, "ratios": ratios(rows, best, intervals), "refit": True}
+
+
 def load(path: Path) -> dict:
     doc = json.loads(Path(path).read_text())
     return doc.get("result", doc)
@@ -1272,6 +1296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--merge", type=Path, nargs="+", default=None,
                      help="merge runs written with --out (no run) and print them; a condition may run in pieces, "
                           "each one peer family (--families) beside ours")
+    cap.add_argument("--refit", action="store_true",
+                     help="with --merge: each run's intervals and ratios estimated again from the runs it kept "
+                          "(its grid's and its bisection's), by today's estimator (a .partial.json too)")
     cap.add_argument("--plot", type=Path, default=None, metavar="DIR",
                      help="also write attainment against offered load, one PNG per condition (bench/capacity_plots.py)")
 
@@ -1299,7 +1326,11 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     """``compare --capacity`` (or ``--merge``): the setting from the flags, the run, its header line."""
     if args.merge:
         try:
-            return merge([load(p) for p in args.merge]), f"<!-- merged {len(args.merge)} pieces; {inv.stamp} -->"
+            docs = [load(p) for p in args.merge]
+            if args.refit:
+                docs = [{**d, "conditions": [refit(c) for c in d["conditions"]]} if "conditions" in d else refit(d)
+                        for d in docs]
+            return merge(docs), f"<!-- merged {len(args.merge)} pieces{', refitted' if args.refit else ''}; {inv.stamp} -->"
         except ConfigError as err:  # pieces of one condition run with different settings
             inv.error(str(err))
     from prfaas_sglang.demo.netns import available

@@ -178,6 +178,41 @@ def test_a_condition_run_in_pieces_merges_and_takes_ours_over_the_best_peer_from
     assert ended.value.code == 2 and "different settings (seeds)" in capsys.readouterr().err
 
 
+def test_a_run_kept_on_disk_is_estimated_again_from_its_runs_by_todays_estimator(tmp_path, capsys):
+    """``--merge --refit``: a document (or a ``.partial.json``) that kept its grid's runs and its bisection's gets
+    its intervals and ratios estimated again from both (``refit``); one that kept no grid runs is left as it is."""
+    def met(share, n=100):
+        return "1" * round(share * n) + "0" * (n - round(share * n))
+
+    def row(crossing, name):
+        probes = [{"load_rps": crossing * 0.9, "met_in_arrival_order": {"0": met(0.97), "1": met(0.95)}},
+                  {"load_rps": crossing * 1.2, "met_in_arrival_order": {"0": met(0.7), "1": met(0.75)}}]
+        grid = {f"{crossing * f:g}": {"0": met(a), "1": met(a - 0.02)} for f, a in ((0.95, 0.95), (1.0, 0.91), (1.06, 0.85))}
+        return {"capacity_rps": {"0.9": crossing * 0.9, "0.99": 0.0}, "per_seed_capacity_rps": {"0.9": {}, "0.99": {}},
+                "probes": probes}, grid
+
+    ours, our_grid = row(1.0, "prfaas")
+    theirs, their_grid = row(0.5, "sr-cache_aware")
+    setting = dataclasses.asdict(dataclasses.replace(SETTING, seeds=2, grid_resamples=200))
+    cond = {"condition": "c", "setting": setting, "sweep": {"sglang-router": {}}, "best_config": {"sglang-router": "sr-cache_aware"},
+            "rows": {"prfaas": ours, "sr-cache_aware": theirs}, "grid_runs": {"prfaas": our_grid, "sr-cache_aware": their_grid}}
+    again = capacity.refit(cond)
+    for name in ("prfaas", "sr-cache_aware"):
+        iv = again["rows"][name]["interval"]
+        assert [t["runs"] for t in iv["grid"]] == [2] * 5 and iv["censored"] is None and iv["low"] <= iv["capacity"] <= iv["high"]
+    assert 0.9 < again["rows"]["prfaas"]["interval"]["capacity"] < 1.2
+    assert again["ratios"]["0.9"]["vs"]["sglang-router"]["interval"]["ratio"] == pytest.approx(2.0, rel=0.05)
+    assert "interval" not in cond["rows"]["prfaas"]  # the document given stays as it was
+    assert capacity.refit({k: v for k, v in cond.items() if k != "grid_runs"}) == {k: v for k, v in cond.items() if k != "grid_runs"}
+    from prfaas_sglang.bench.__main__ import main
+
+    path = tmp_path / "c.partial.json"
+    path.write_text(json.dumps(cond))
+    assert main(["compare", "--merge", str(path), "--refit", "--json"]) == 0
+    (printed,) = json.loads(capsys.readouterr().out)["result"]["conditions"]
+    assert printed["refit"] and printed["rows"]["prfaas"]["interval"] == again["rows"]["prfaas"]["interval"]
+
+
 @pytest.mark.parametrize(("speedup", "timeout", "rate"), [(4.0, "1", "4"), (2.0, "2", "2"), (1.0, "4", "1")])
 def test_a_peers_time_valued_knobs_reach_it_in_wall_time_at_the_deployments_speedup(tmp_path, monkeypatch, speedup,
                                                                                    timeout, rate):
