@@ -885,7 +885,8 @@ def row_result(search: CapacitySearch, probes: list[dict], setting: CapacitySett
     if at is not None:
         out["at_capacity"] = {k: at[k] for k in ("load_rps", "attainment", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
                                                  "goodput_rps", "token_goodput_tps", "refused", "refused_by_bucket",
-                                                 "missed_by_bucket", "offload_fraction", "link_utilization", "arrivals")
+                                                 "missed_by_bucket", "late_first_token", "slow_stream_only",
+                                                 "offload_fraction", "link_utilization", "arrivals")
                               if k in at}
     return out
 
@@ -1109,12 +1110,14 @@ def _render_misses(r: dict) -> list[str]:
     rows = [(name, row.get("at_capacity") or {}) for name, row in r["rows"].items()]
     if not any(at.get("missed_by_bucket") for _, at in rows):
         return []
-    out = ["", "Misses (refused, failed or late) / arrivals by prompt length, and the PrfaaS link's mean utilisation, "
-           "at each row's capacity probe:", ""]
+    out = ["", "Misses (refused, failed or late) / arrivals by prompt length, the served misses by the SLO they broke, "
+           "and the PrfaaS link's mean utilisation, at each row's capacity probe:", ""]
     for name, at in rows:
         if by := at.get("missed_by_bucket"):
             link = at.get("link_utilization")
-            out.append(f"- {name}: " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by.items())
+            kinds = ("" if at.get("late_first_token") is None
+                     else f"; first token late {at['late_first_token']}, stream slow only {at['slow_stream_only']}")
+            out.append(f"- {name}: " + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by.items()) + kinds
                        + ("" if link is None else f"; link {link:.0%} busy"))
     return out
 

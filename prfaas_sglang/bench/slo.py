@@ -87,6 +87,8 @@ class ProbeScore:
     token_goodput_tps: float
     refused_by_bucket: dict[str, list[int]]  # bucket -> [refused, arrivals]
     missed_by_bucket: dict[str, list[int]] = field(default_factory=dict)  # bucket -> [missed, arrivals]
+    late_first_token: int = 0  # served, its first token after the TTFT SLO
+    slow_stream_only: int = 0  # its first token in time, its mean time between tokens over the TBT SLO
 
     def as_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(self).items()}
@@ -109,6 +111,7 @@ def score(outcomes: Sequence[Outcome], window_s: float, ttft_slo_s: float, tbt_s
         missed_by[name][1] += 1
     refused = sum(o.refused for o in outcomes)
     failed = sum(o.failed and not o.refused for o in outcomes)
+    served = [o for o in outcomes if not o.refused and not o.failed and o.ttft_s is not None]
     return ProbeScore(
         arrivals=len(outcomes), met=len(met), refused=refused, failed=failed,
         unserved=sum(o.ttft_s is None and not o.refused and not o.failed for o in outcomes),
@@ -116,6 +119,8 @@ def score(outcomes: Sequence[Outcome], window_s: float, ttft_slo_s: float, tbt_s
         ttft_p50_s=percentile(ttfts, 0.50), ttft_p90_s=percentile(ttfts, 0.90), ttft_p99_s=percentile(ttfts, 0.99),
         goodput_rps=len(met) / window_s, token_goodput_tps=sum(o.input_tokens for o in met) / window_s,
         refused_by_bucket={k: v for k, v in by_bucket.items() if v[1]},
+        late_first_token=sum(o.ttft_s > ttft_slo_s for o in served),
+        slow_stream_only=sum(o.ttft_s <= ttft_slo_s and (o.mean_tbt_s or 0.0) > tbt_slo_s for o in served),
         missed_by_bucket={k: v for k, v in missed_by.items() if v[1]})
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layerwise", action="store_true",
                         help="with --ttft-slo-s: the PrfaaS workers stream KV by layer (a topology's links[].layerwise), "
                              "so a long prompt's transfer overlaps its prefill (plan/overlap.py)")
+    parser.add_argument("--prefill-scale", action="append", default=[], metavar="CLUSTER=X[+OFFSET_S]",
+                        help="the model's prefill seconds in CLUSTER (prfaas or pd) take X times as long, plus OFFSET_S "
+                             "a request: what the router learned of the engines (its /status calibration, prefill_scale "
+                             "and prefill_offset_s), to plan the deployment as it runs (repeatable)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write split_search.png and threshold_search.png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (automatic for large grids)")
@@ -147,9 +152,35 @@ def scenario_from_args(args: argparse.Namespace, catalog: Catalog):
         raw["search"] = {"threshold_step_tokens": args.threshold_step}
     if args.homogeneous_instances is not None:
         raw["baselines"] = {"homogeneous_instances": args.homogeneous_instances}
-    if overrides_given and raw.get("paper"):
+    if (overrides_given or args.prefill_scale) and raw.get("paper"):
         raw["paper"] = {}  # the paper's figures describe the unmodified scenario only
-    return parse_scenario(raw, Catalog(catalog.data_dir, base_dir))
+    scenario = parse_scenario(raw, Catalog(catalog.data_dir, base_dir))
+    return dataclasses.replace(scenario, deployment=with_prefill_scales(scenario.deployment, args.prefill_scale))
+
+
+def with_prefill_scales(dep, given: list[str]):
+    """``dep`` with each ``CLUSTER=X[+OFFSET_S]`` of ``--prefill-scale`` applied to that cluster's prefill profile
+    (:class:`~prfaas_sglang.plan.profiles.ScaledPrefill`: seconds times X, plus OFFSET_S; the KV is unchanged).
+    ConfigError for an unknown cluster, a cluster given twice, or a scale or offset that is not a number > 0 (>= 0)."""
+    from prfaas_sglang.plan.profiles import ScaledPrefill
+
+    attrs = {"prfaas": "prfaas", "pd": "pd"}
+    seen: set[str] = set()
+    for item in given:
+        cluster, _, value = item.partition("=")
+        scale_text, _, offset_text = value.partition("+")
+        try:
+            scale, offset_s = float(scale_text), float(offset_text or 0.0)
+        except ValueError:
+            scale, offset_s = math.nan, math.nan
+        if cluster not in attrs or cluster in seen or not scale > 0 or not offset_s >= 0 or math.isinf(scale + offset_s):
+            raise ConfigError("--prefill-scale", f"expected CLUSTER=X[+OFFSET_S] with CLUSTER prfaas or pd (once each), "
+                                                 f"X > 0 and OFFSET_S >= 0 seconds, got {item!r}")
+        seen.add(cluster)
+        cls = getattr(dep, attrs[cluster])
+        dep = dataclasses.replace(dep, **{attrs[cluster]: dataclasses.replace(
+            cls, prefill=ScaledPrefill(cls.prefill, scale, offset_s=offset_s))})
+    return dep
 
 
 def _progress_bar(done: int, total: int) -> None:
@@ -229,8 +260,8 @@ def print_fleet_plan(args: argparse.Namespace) -> int:
                                       ("--threshold", args.threshold), ("--plot", args.plot)) if value is not None]
     if given:
         raise ConfigError("--topology", f"plans the topology as it is; drop {', '.join(given)}")
-    unsupported = [flag for flag, value in (("--ttft-slo-s", args.ttft_slo_s), ("--layerwise", args.layerwise or None))
-                   if value is not None]
+    unsupported = [flag for flag, value in (("--ttft-slo-s", args.ttft_slo_s), ("--layerwise", args.layerwise or None),
+                                            ("--prefill-scale", args.prefill_scale or None)) if value is not None]
     if unsupported:  # capacity at the SLO is a one-pair scenario's (plan/slo_capacity.py); a fleet has none yet
         raise ConfigError(unsupported[0], "not available with --topology yet; capacity at the SLO is planned for a "
                                           "--scenario (one PrfaaS and one PD cluster)")

@@ -38,6 +38,7 @@ def test_a_miss_is_a_late_first_token_a_slow_stream_a_failure_or_no_answer():
                 Outcome(100, None, None, failed=True), Outcome(100, None, None)]
     s = score(outcomes, 1.0, TTFT, TBT)
     assert s.met == 1 and s.failed == 1 and s.unserved == 1 and s.refused == 0
+    assert s.late_first_token == 1 and s.slow_stream_only == 2  # which SLO a served miss broke: decode's, twice
     # every kind of miss counts in its prompt's length bucket; the refusals' own count stays apart
     late_long = [Outcome(20_000, 6.0, 0.01), Outcome(20_000, 2.0, 0.01), Outcome(50_000, None, None, refused=True)]
     s = score(outcomes + late_long, 1.0, TTFT, TBT)

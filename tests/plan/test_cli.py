@@ -158,3 +158,24 @@ def test_layerwise_streaming_is_priced_in_the_slo_capacity_and_needs_an_slo(caps
     assert streamed["at_plan"]["lambda_max_rps"] == after["at_plan"]["lambda_max_rps"]  # a throughput bound: unchanged
     assert plan_main(["--scenario", "case-study", "--layerwise"]) == 2
     assert "--layerwise: applies with --ttft-slo-s only" in capsys.readouterr().err
+
+
+def test_a_plan_of_the_engines_as_the_router_learned_them_scales_each_clusters_prefill(capsys):
+    """``--prefill-scale CLUSTER=X[+OFFSET_S]``: the router's learned prefill scale and offset, per cluster. Faster
+    PrfaaS prefill (X < 1) raises both bounds; an offset on every PD prefill lowers the SLO capacity against the
+    same scale without one. A cluster that is not one, a cluster twice, or X <= 0 is a usage error."""
+    from prfaas_sglang.plan.__main__ import main as plan_main
+
+    def plan(*flags):
+        assert plan_main(["--scenario", "case-study", "--prfaas", "h200x8:1", "--pd", "h20x8:2", "--egress-gbps", "25",
+                          "--ttft-slo-s", "5", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    roofline, faster = plan(), plan("--prefill-scale", "prfaas=0.74", "--prefill-scale", "pd=0.95")
+    assert faster["slo"]["at_plan"]["capacity_rps"] > 1.5 * roofline["slo"]["at_plan"]["capacity_rps"]
+    assert faster["lambda_max_rps"] > roofline["lambda_max_rps"]
+    offset = plan("--prefill-scale", "prfaas=0.74", "--prefill-scale", "pd=0.95+0.5")
+    assert offset["slo"]["best_for_slo"]["capacity_rps"] < faster["slo"]["best_for_slo"]["capacity_rps"]
+    for bad in (["decode=0.5"], ["prfaas=0"], ["prfaas=x"], ["pd=1", "--prefill-scale", "pd=2"], ["pd=1+-1"]):
+        assert plan_main(["--scenario", "case-study", "--prefill-scale", *bad]) == 2
+        assert "--prefill-scale" in capsys.readouterr().err
