@@ -27,8 +27,8 @@ of loads around the crossing (every load's arrivals, in arrival order, per run):
 non-increasing in load (isotonic, weighted by arrivals), the crossing of ``target`` interpolated in
 log load between the two grid loads that bracket it, and a percentile interval from a bootstrap over
 seeds, then over each taken seed's runs at a load, then over each taken run's arrivals (in blocks, since
-a run's neighbouring arrivals share a queue). On synthetic curves of several shapes and a 9-load grid 5-10% apart it covers the true crossing
-in 92-96 of 100 trials (tests/bench/test_slo.py). Resampling arrivals alone misses what varies from run
+a run's neighbouring arrivals share a queue). On synthetic curves of several shapes and a 9-load grid
+5-10% apart it covers the true crossing in 92-96 of 100 trials (tests/bench/test_slo.py). Resampling arrivals alone misses what varies from run
 to run (a seed's slow periods move its whole curve): with three seeds whose crossings spread by 5%, that
 interval covered 69 of 100, resampling seeds too 84 (fewer seeds than the spread needs still cover short).
 A row's runs are pooled wherever they were made (the bisection's probes beside the grid): with seeds and
