@@ -285,9 +285,13 @@ def oracle_row(bias: float) -> Row:
 
 NO_CALIBRATION = Row("prfaas-no-calibration", "ours", "hetero", "prfaas", ("--no-calibration",),
                      why="the topology's model as given, no online calibration")
+# The deployment apart from the router: ours on the naive deployment's nodes (the H200 prefills every prompt, both
+# H20s decode). Beside a naive row it is the router's share of a gap; beside ``prfaas``, the split's.
+NAIVE_SPLIT = Row("prfaas-naive-split", "ours", "naive", "prfaas", (),
+                  why="ablation: our router on the naive deployment's split (0P/2D: every prefill on PrfaaS)")
 
 PEERS = SGLANG_ROUTER + SMG + NAIVE + HOMOGENEOUS + DYNAMO_LIKE
-ALL = {r.name: r for r in OURS + PEERS + (NO_CALIBRATION,)}
+ALL = {r.name: r for r in OURS + PEERS + (NO_CALIBRATION, NAIVE_SPLIT)}
 FAMILIES = ("sglang-router", "smg", "naive", "homogeneous", "dynamo-like")
 
 
