@@ -1389,7 +1389,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     if args.quick:  # the CI smoke: the method end to end at its smallest (its figures mean nothing)
         setting = dataclasses.replace(setting, seeds=1, scored_per_seed=12, sweep_scored=8, warmup_s=5.0,
                                       resolution=0.5, resolution_99=1.0, max_rounds=3, speedup=args.speedup or 8.0,
-                                      output_tokens=args.output_tokens or 64, grid_loads=2, grid_step=1.5,
+                                      output_tokens=args.output_tokens or 64, grid_loads=2, grid_step=1.5, grid_extensions=0,
                                       grid_resamples=200, sweep_seeds=1)
         families = tuple(f for f in families if f == "sglang-router")[:1]
         ours = ours or ("prfaas",)

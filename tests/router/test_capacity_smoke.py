@@ -32,8 +32,12 @@ def test_quick_capacity_run(tmp_path):
             assert p["met"] + p["refused"] + p["failed"] + p["unserved"] <= p["arrivals"]
             assert p["attainment"] == pytest.approx(p["met"] / p["arrivals"])
             assert p["engine_timing_error"]["prefill"] is not None
-        grid = row["interval"]["grid"]  # the interval's load grid, in the bisection's bracket, every seed
-        assert len(grid) == setting.grid_loads and all(g["arrivals"] == setting.seeds * setting.scored_per_seed for g in grid)
+        # the interval is fitted to every run of the row: its grid's loads (in the bisection's bracket, every seed)
+        # and the bisection's own probes, each load's arrivals those of its runs
+        fitted = row["interval"]["grid"]
+        assert {round(load, 9) for load in probes} <= {g["load_rps"] for g in fitted} and setting.grid_extensions == 0
+        assert sum(g["runs"] for g in fitted) == (len(row["probes"]) + setting.grid_loads) * setting.seeds
+        assert all(g["arrivals"] == g["runs"] * setting.scored_per_seed for g in fitted)
         assert row["interval"]["low"] <= row["interval"]["capacity"] <= row["interval"]["high"]
         for target in ("0.9", "0.99"):
             lo, hi = row["search"]["brackets"][target]["lo"], row["search"]["brackets"][target]["hi"]
@@ -58,11 +62,12 @@ def test_quick_capacity_run(tmp_path):
         low, high = grid_ratio["low"], grid_ratio["high"]
         assert low is None or high is None or low <= high
         assert grid_ratio["ahead"] == (low is not None and low > 1)
-    # a piece merges, and the merged document renders
-    merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out), "--plot", str(tmp_path / "plots")],
-                    timeout=60)
+    # a piece merges, its kept runs fitted again (--refit), and the merged document renders
+    assert set(result["grid_runs"]) == set(result["rows"])
+    merged = run_py(["-m", "prfaas_sglang.bench", "compare", "--merge", str(out), str(out), "--refit",
+                     "--plot", str(tmp_path / "plots")], timeout=60)
     assert merged.returncode == 0 and merged.stdout.count("**case-study/abundant/out-64**") == 1, merged.stderr
     assert "engine truth batched, decode radix cache on" in merged.stdout and "outputs 64 tokens" in merged.stdout
-    assert "Capacity @90% on a grid of 2 loads" in merged.stdout
+    assert "refitted" in merged.stdout and "Capacity @90% fitted to every run of the row" in merged.stdout
     plot = tmp_path / "plots" / "attainment-case-study_abundant_out-64.png"  # one per condition
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in plot.parent.iterdir()] == [plot.name]
