@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -612,6 +612,11 @@ def met_string(met: Iterable[bool]) -> str:
     return "".join("1" if m else "0" for m in met)
 
 
+def met_of(kept: str) -> list[bool]:
+    """The arrivals a :func:`met_string` keeps."""
+    return [c == "1" for c in kept]
+
+
 def probe_summary(runs: list[dict], setting: CapacitySetting) -> dict:
     """One row at one load: the pooled score over its seeds, and each seed's attainment."""
     pooled = [o for r in runs for o in r["outcomes"]]
@@ -786,10 +791,23 @@ def probe_runs(result: dict) -> RunsByLoad:
     """The bisection's runs of one row (``row_result``'s probes, each seed's arrivals in ``met_in_arrival_order``):
     they are measurements of the same curve as the grid's, and the interval pools them. A probe recorded
     before arrivals were kept (no ``met_in_arrival_order``) is left out."""
+    return pooled(*(kept_runs({repr(p["load_rps"]): p.get("met_in_arrival_order") or {}}) for p in result.get("probes", [])))
+
+
+def kept_runs(kept: Mapping[str, Mapping[str, str]]) -> RunsByLoad:
+    """Runs as a document keeps them (load -> seed -> :func:`met_string`, as ``grid_runs`` holds each row's) as
+    :data:`RunsByLoad`, one run each."""
+    return {round(float(load), 9): {int(seed): [met_of(met)] for seed, met in by_seed.items()}
+            for load, by_seed in kept.items() if by_seed}
+
+
+def pooled(*sources: RunsByLoad) -> RunsByLoad:
+    """Every run of ``sources``, by load and seed (a seed measured at one load twice has two runs there)."""
     out: RunsByLoad = {}
-    for p in result.get("probes", []):
-        for seed, met in (p.get("met_in_arrival_order") or {}).items():
-            out.setdefault(round(p["load_rps"], 9), {}).setdefault(int(seed), []).append([c == "1" for c in met])
+    for runs in sources:
+        for load, by_seed in runs.items():
+            for seed, rs in by_seed.items():
+                out.setdefault(load, {}).setdefault(seed, []).extend(rs)
     return out
 
 
@@ -826,9 +844,7 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
     (the estimate, the table it was fitted to)."""
     n, step = setting.grid_loads, setting.grid_step
     prior = prior or {}
-    runs: dict[str, RunsByLoad] = {r.name: {ld: {s: list(rs) for s, rs in by_seed.items()}
-                                            for ld, by_seed in prior.get(r.name, {}).items()} for r in rows}
-    mine: dict[str, dict[float, dict[int, list[bool]]]] = {r.name: {} for r in rows}  # the grid's own runs
+    mine: dict[str, RunsByLoad] = {r.name: {} for r in rows}  # the grid's own runs, one per load and seed
     failed: set[str] = set()
 
     def measure(todo: list[tuple[Row, float]]) -> None:  # every seed at each (row, load), interleaved at random
@@ -846,11 +862,10 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
                     failed.add(row.name)
                     log(f"grid {row.name}: FAILED {err}")
                     continue
-                runs[row.name].setdefault(load, {}).setdefault(seed, []).append(met)
-                mine[row.name].setdefault(load, {})[seed] = met
+                mine[row.name].setdefault(load, {})[seed] = [met]
                 log(f"grid {row.name} @ {load:.3f} seed {seed}: attainment {sum(met) / max(len(met), 1):.3f}")
                 if checkpoint is not None:
-                    checkpoint({name: {f"{ld:g}": {str(sd): met_string(run) for sd, run in by_seed.items()}
+                    checkpoint({name: {f"{ld:g}": {str(sd): met_string(rs[0]) for sd, rs in by_seed.items()}
                                        for ld, by_seed in by_load.items()} for name, by_load in mine.items()})
 
     measure([(r, round(centres[r.name] * step ** (k - (n - 1) / 2), 9)) for r in rows for k in range(n)])
@@ -858,7 +873,8 @@ def grid(probe: Callable[[Row, float, int], list[bool]], setting: CapacitySettin
     draws = slo.seed_draws(rng, setting.seeds, setting.grid_resamples)  # every row the same seeds: ratios paired
     out: dict[str, tuple[slo.CapacityInterval, list[dict]]] = {}
     for extension in range(setting.grid_extensions + 1):
-        out = {r.name: estimate(runs[r.name], setting.seeds, rng, draws, setting) for r in rows if r.name not in failed}
+        runs = {r.name: pooled(prior.get(r.name, {}), mine[r.name]) for r in rows if r.name not in failed}
+        out = {name: estimate(rs, setting.seeds, rng, draws, setting) for name, rs in runs.items()}
         censored = [(r, out[r.name][0].censored) for r in rows if r.name in out and out[r.name][0].censored]
         if not censored or extension == setting.grid_extensions:
             break
@@ -1066,12 +1082,8 @@ def refit(cond: dict, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     draws = slo.seed_draws(rng, setting.seeds, setting.grid_resamples)
     rows, intervals = dict(cond["rows"]), {}
-    for name, by_load in cond["grid_runs"].items():
-        runs = probe_runs(rows[name])
-        for load, by_seed in by_load.items():
-            for seed_no, met in by_seed.items():
-                runs.setdefault(round(float(load), 9), {}).setdefault(int(seed_no), []).append([c == "1" for c in met])
-        est, table = estimate(runs, setting.seeds, rng, draws, setting)
+    for name, kept in cond["grid_runs"].items():
+        est, table = estimate(pooled(probe_runs(rows[name]), kept_runs(kept)), setting.seeds, rng, draws, setting)
         rows[name] = {**rows[name], "interval": {**est.as_dict(), "grid": table}}
         intervals[name] = est
     best = cond.get("best_config") or final_best(cond.get("sweep") or {}, rows)

@@ -162,24 +162,20 @@ def with_prefill_scales(dep, given: list[str]):
     """``dep`` with each ``CLUSTER=X[+OFFSET_S]`` of ``--prefill-scale`` applied to that cluster's prefill profile
     (:class:`~prfaas_sglang.plan.profiles.ScaledPrefill`: seconds times X, plus OFFSET_S; the KV is unchanged).
     ConfigError for an unknown cluster, a cluster given twice, or a scale or offset that is not a number > 0 (>= 0)."""
-    from prfaas_sglang.plan.profiles import ScaledPrefill
+    from prfaas_sglang.plan.profiles import ScaledPrefill, parse_scale_item
 
-    attrs = {"prfaas": "prfaas", "pd": "pd"}
     seen: set[str] = set()
     for item in given:
-        cluster, _, value = item.partition("=")
-        scale_text, _, offset_text = value.partition("+")
         try:
-            scale, offset_s = float(scale_text), float(offset_text or 0.0)
+            cluster, scale, offset_s = parse_scale_item(item, offset=True)
         except ValueError:
-            scale, offset_s = math.nan, math.nan
-        if cluster not in attrs or cluster in seen or not scale > 0 or not offset_s >= 0 or math.isinf(scale + offset_s):
+            cluster, scale, offset_s = "", math.nan, math.nan
+        if cluster not in ("prfaas", "pd") or cluster in seen or not scale > 0 or not offset_s >= 0 or math.isinf(scale + offset_s):
             raise ConfigError("--prefill-scale", f"expected CLUSTER=X[+OFFSET_S] with CLUSTER prfaas or pd (once each), "
                                                  f"X > 0 and OFFSET_S >= 0 seconds, got {item!r}")
         seen.add(cluster)
-        cls = getattr(dep, attrs[cluster])
-        dep = dataclasses.replace(dep, **{attrs[cluster]: dataclasses.replace(
-            cls, prefill=ScaledPrefill(cls.prefill, scale, offset_s=offset_s))})
+        cls = getattr(dep, cluster)  # the Deployment's fields are named as the clusters are
+        dep = dataclasses.replace(dep, **{cluster: dataclasses.replace(cls, prefill=ScaledPrefill(cls.prefill, scale, offset_s=offset_s))})
     return dep
 
 

@@ -158,6 +158,15 @@ class TabulatedPrefill(PrefillProfile):
         return max(self._kv(tokens), 0.0)
 
 
+def parse_scale_item(item: str, *, offset: bool = False) -> tuple[str, float, float]:
+    """One ``CLUSTER=SCALE`` (with ``offset``: ``CLUSTER=SCALE[+OFFSET_S]``) of a ``--prefill-scale`` flag, the
+    router's and the planner's: (cluster, scale, offset seconds; 0 without one). ValueError where a number does
+    not parse or an offset is given where none is taken; the range of each is the caller's to check."""
+    cluster, _, value = item.partition("=")
+    scale_text, plus, offset_text = value.partition("+") if offset else (value, "", "")
+    return cluster.strip(), float(scale_text), float(offset_text) if plus else 0.0
+
+
 class ScaledPrefill(PrefillProfile):
     """``base`` with prefill time and KV bytes scaled (what-if studies, property tests, the router's
     calibration), and ``offset_s`` added to every prefill (a per-request cost the profile lacks)."""

@@ -293,13 +293,13 @@ def make_service(args: argparse.Namespace):
 def calibration_settings(args: argparse.Namespace):
     """``CalibrationSettings`` from ``--no-calibration``, ``--prefill-scale`` and ``--calibration-max-age-s``
     (ConfigError naming a bad one)."""
+    from prfaas_sglang.plan.profiles import parse_scale_item
     from prfaas_sglang.router.calibration import CalibrationSettings
 
     scales = []
     for item in args.prefill_scale:
-        cluster, _, value = item.partition("=")
         try:
-            scales.append((cluster.strip(), float(value)))
+            scales.append(parse_scale_item(item)[:2])
         except ValueError:
             raise ConfigError("--prefill-scale", f"expected CLUSTER=SCALE (prfaas=1.2), got {item!r}") from None
     if args.calibration_max_age_s < 0:
