@@ -1074,9 +1074,13 @@ def refit(cond: dict, seed: int = 0) -> dict:
     """One condition (a run's document, or its ``.partial.json``) with its intervals and ratios estimated again
     from the runs it keeps (``grid_runs`` and each row's probes, :func:`estimate`), by today's estimator: a run
     made before the estimator changed is read by the same method as one made after. ``seed`` draws the
-    bootstrap. A condition that kept no grid runs is returned as it is."""
+    bootstrap. A condition that kept no grid runs is returned as it is; one whose grid runs name rows it lacks, or
+    with no setting, is a ConfigError."""
     if not cond.get("grid_runs"):
         return cond
+    if not isinstance(cond.get("setting"), dict) or set(cond["grid_runs"]) - set(cond.get("rows") or {}):
+        raise ConfigError("--refit", f"{cond.get('condition', 'a condition')}: its grid runs name rows it does not have, "
+                                     "or it has no setting: not a document bench compare --capacity wrote")
     names = {f.name for f in dataclasses.fields(CapacitySetting)}
     setting = CapacitySetting(**{k: v for k, v in cond["setting"].items() if k in names})
     rng = np.random.default_rng(seed)

@@ -204,6 +204,8 @@ def test_a_run_kept_on_disk_is_estimated_again_from_its_runs_by_todays_estimator
     assert again["ratios"]["0.9"]["vs"]["sglang-router"]["interval"]["ratio"] == pytest.approx(2.0, rel=0.05)
     assert "interval" not in cond["rows"]["prfaas"]  # the document given stays as it was
     assert capacity.refit({k: v for k, v in cond.items() if k != "grid_runs"}) == {k: v for k, v in cond.items() if k != "grid_runs"}
+    with pytest.raises(ConfigError, match="--refit"):
+        capacity.refit({**cond, "rows": {"prfaas": ours}})  # a grid run of a row the document lacks
     from prfaas_sglang.bench.__main__ import main
 
     path = tmp_path / "c.partial.json"
