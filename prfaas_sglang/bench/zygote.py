@@ -59,19 +59,25 @@ def _send(conn: socket.socket, doc: dict, fds: list[int] = ()) -> None:
     socket.send_fds(conn, [HEADER.pack(len(data)) + data], list(fds)) if fds else conn.sendall(HEADER.pack(len(data)) + data)
 
 
-def _recv(conn: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]]:
-    """A message and the descriptors that came with it; (None, []) when the peer closed."""
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, max_fds) if max_fds else (conn.recv(1 << 16), [], 0, None)
-    if len(data) < HEADER.size:
-        return None, fds
-    (length,) = HEADER.unpack_from(data)
-    data = data[HEADER.size:]
-    while len(data) < length:
-        more = conn.recv(length - len(data))
+def _recv_exactly(conn: socket.socket, num_bytes: int, data: bytes = b"") -> bytes | None:
+    while len(data) < num_bytes:
+        more = conn.recv(num_bytes - len(data))
         if not more:
-            return None, fds
+            return None
         data += more
-    return json.loads(data), fds
+    return data
+
+
+def _recv(conn: socket.socket, max_fds: int = 0) -> tuple[dict | None, list[int]]:
+    """One message and the descriptors that came with it; (None, []) when the peer closed.
+
+    It reads no byte past its message: a reply the peer sent right after (a run's exit status after its
+    pid) stays in the socket for the next call.
+    """
+    first, fds, _, _ = socket.recv_fds(conn, HEADER.size, max_fds) if max_fds else (conn.recv(HEADER.size), [], 0, None)
+    header = _recv_exactly(conn, HEADER.size, first) if first else None
+    data = None if header is None else _recv_exactly(conn, HEADER.unpack(header)[0])
+    return (None, fds) if data is None else (json.loads(data), fds)
 
 
 # --- the zygote (its own process) ----------------------------------------------------------------------

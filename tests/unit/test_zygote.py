@@ -6,13 +6,15 @@ runs are told apart by the object ``popen`` returns."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from prfaas_sglang.bench.zygote import Zygote, ZygoteProcess
+from prfaas_sglang.bench.zygote import Zygote, ZygoteProcess, _recv, _send
 
 PRELOADED = textwrap.dedent("""
     import os
@@ -61,3 +63,23 @@ def test_a_run_is_forked_only_where_it_sees_every_variable_the_preload_read_by_n
     assert _run(zygote, ZYG_NAMED="other") == (False, "other []")  # a fresh process imports it afresh
     assert _run(zygote, ZYG_NAMED=None) == (False, "None []")
     assert _run(zygote, ZYG_SET="mine") == (False, "seen []")
+
+
+
+def test_two_messages_sent_back_to_back_are_read_as_two():
+    """A run that ends at once has its pid and its exit status in the socket together (CI, 2026-11-30);
+    a request's descriptors come with its first message."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    read_end, write_end = os.pipe()
+    with ours, theirs:
+        _send(ours, {"pid": 7})
+        _send(ours, {"returncode": 0})
+        _send(ours, {"argv": ["-c", "pass"]}, [write_end])
+        ours.shutdown(socket.SHUT_WR)
+        assert _recv(theirs) == ({"pid": 7}, [])
+        assert _recv(theirs) == ({"returncode": 0}, [])
+        request, fds = _recv(theirs, max_fds=3)
+        assert request == {"argv": ["-c", "pass"]} and len(fds) == 1
+        assert _recv(theirs) == (None, [])
+    for fd in (read_end, write_end, *fds):
+        os.close(fd)
