@@ -165,7 +165,7 @@ class RuntimeModel:
         pd = prefill(dep.pd, scales.get("pd-prefill", 1.0))
         decode_scale = scales.get("pd-decode", 1.0)
         if decode_scale != 1.0:
-            pd = dataclasses.replace(pd, decode=DecodeProfile(pd.decode.bs_max * decode_scale, pd.decode.step_s))
+            pd = dataclasses.replace(pd, decode=dataclasses.replace(pd.decode, bs_max=pd.decode.bs_max * decode_scale))
         dep = dataclasses.replace(dep, prfaas=prefill(dep.prfaas, scales.get("prfaas", 1.0)), pd=pd)
         return dataclasses.replace(self, deployment=dep)
 
@@ -418,7 +418,8 @@ def from_topology(topology: Topology, catalog: Catalog | None = None, emulated: 
         decode = cost.instance.decode
         if decode is not None:
             bs_max = float(spec.decode_batch) if spec.decode_batch else decode.bs_max
-            decode = DecodeProfile(bs_max, decode.step_s * time_scale)
+            decode = DecodeProfile(bs_max, decode.step_s * time_scale,
+                                   tuple((b, step_s * time_scale) for b, step_s in decode.batch_steps))
         return InstanceClass(cost.instance.name, cost.instance.gpus_per_instance,
                              ScaledPrefill(cost.instance.prefill, time_scale, kv_scale), decode)
 
@@ -477,7 +478,7 @@ def fleet_from_topology(topology: Topology, catalog: Catalog | None = None) -> t
     def cost(c: ClusterSpec) -> InstanceClass:
         instance = _spec_cost(c, c.kind, f"clusters.{c.name}", catalog, model_ref, prior, output_tokens, slo).instance
         if c.kind == "pd" and spec.decode_batch:
-            instance = dataclasses.replace(instance, decode=DecodeProfile(float(spec.decode_batch), instance.decode.step_s))
+            instance = dataclasses.replace(instance, decode=dataclasses.replace(instance.decode, bs_max=float(spec.decode_batch)))
         return instance
 
     def count(c: ClusterSpec, *roles: Role) -> int:

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model's prefill seconds in CLUSTER (prfaas or pd) take X times as long, plus OFFSET_S "
                              "a request: what the router learned of the engines (its /status calibration, prefill_scale "
                              "and prefill_offset_s), to plan the deployment as it runs (repeatable)")
+    parser.add_argument("--decode-growth", type=float, default=0.0, metavar="SHARE",
+                        help="with --ttft-slo-s: a decode step takes 1 + SHARE x batch times the profile's (what a real "
+                             "engine adds per running sequence beyond the roofline; the measured H200 profile shows "
+                             "about 0.01 at 1K context). Default 0")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write split_search.png and threshold_search.png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (automatic for large grids)")
@@ -296,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_plots(plan, args.plot)
             if not args.json:
                 print("wrote " + ", ".join(str(p) for p in paths))
-        if args.layerwise and args.ttft_slo_s is None:
-            raise ConfigError("--layerwise", "applies with --ttft-slo-s only (Lambda_max does not depend on it)")
-        slo = slo_report(plan, args.ttft_slo_s, args.layerwise) if args.ttft_slo_s is not None else None
+        for flag, given in (("--layerwise", args.layerwise), ("--decode-growth", args.decode_growth)):
+            if given and args.ttft_slo_s is None:
+                raise ConfigError(flag, "applies with --ttft-slo-s only (Lambda_max does not depend on it)")
+        slo = slo_report(plan, args.ttft_slo_s, args.layerwise, args.decode_growth) if args.ttft_slo_s is not None else None
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -314,28 +319,38 @@ def main(argv: list[str] | None = None) -> int:
               f"{at['n_decode']}D): {at['capacity_rps']:.3f} req/s of Lambda_max {at['lambda_max_rps']:.3f}\n"
               f"  best for the SLO ({best['threshold_tokens'] / 1000:.1f}K, {best['n_prefill']}P/{best['n_decode']}D): "
               f"{best['capacity_rps']:.3f} req/s (its Lambda_max {best['lambda_max_rps']:.3f})")
+        for name, point in (("the plan", at), ("best for the SLO", best)):
+            print(f"  decode at {name}'s capacity: {point['tbt_met']:.1%} meet the TBT SLO ({slo['tbt_slo_s'] * 1e3:g} ms "
+                  f"a token; step growth {slo['decode_growth_per_seq']:g} per sequence), {point['decode_mean_batch']:.1f} "
+                  "running per decode instance")
     return 0
 
 
 SLO_THRESHOLDS = 24  # thresholds the SLO search tries: quantiles of the workload's lengths, and the plan's
 
 
-def slo_report(plan, ttft_slo_s: float, layerwise: bool = False) -> dict:
-    """Capacity at ``ttft_slo_s`` of the plan's point, and the (threshold, split) best for it (``layerwise``: the
-    KV streams while the prefill runs)."""
+def slo_report(plan, ttft_slo_s: float, layerwise: bool = False, decode_growth_per_seq: float = 0.0) -> dict:
+    """Capacity at ``ttft_slo_s`` and the scenario's TBT SLO of the plan's point, and the (threshold, split) best
+    for it (``layerwise``: the KV streams while the prefill runs; ``decode_growth_per_seq``: a decode step's rise
+    per running sequence beyond the profile)."""
     import random
 
     from prfaas_sglang.plan.slo_capacity import TARGET, SloModel
 
     if not ttft_slo_s > 0:
         raise ConfigError("--ttft-slo-s", f"must be > 0, got {ttft_slo_s!r}")
-    model = SloModel(plan.scenario.deployment, plan.scenario.workload, ttft_slo_s, random.Random(0), layerwise=layerwise)
+    if not decode_growth_per_seq >= 0:
+        raise ConfigError("--decode-growth", f"must be >= 0, got {decode_growth_per_seq!r}")
+    tbt_slo_s = 1.0 / plan.scenario.slo_tokens_per_s
+    model = SloModel(plan.scenario.deployment, plan.scenario.workload, ttft_slo_s, random.Random(0), layerwise=layerwise,
+                     tbt_slo_s=tbt_slo_s, decode_growth_per_seq=decode_growth_per_seq)
     best = plan.best
     at_plan = model.capacity(best.threshold_tokens, best.n_prefill, best.n_decode)
     ordered = sorted(model.lengths)
     thresholds = sorted({best.threshold_tokens, *(ordered[(k * len(ordered)) // SLO_THRESHOLDS]
                                                   for k in range(1, SLO_THRESHOLDS))})
-    return {"ttft_slo_s": ttft_slo_s, "target": TARGET, "layerwise": layerwise, "at_plan": at_plan.to_json(),
+    return {"ttft_slo_s": ttft_slo_s, "tbt_slo_s": tbt_slo_s, "decode_growth_per_seq": decode_growth_per_seq,
+            "target": TARGET, "layerwise": layerwise, "at_plan": at_plan.to_json(),
             "best_for_slo": model.best(thresholds).to_json()}
 
 

@@ -26,6 +26,7 @@ says where its values come from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prfaas_sglang.errors import ConfigError
@@ -194,4 +195,7 @@ def analytic_decode(
             lo = mid
         else:
             hi = mid
-    return DecodeProfile(bs_max=float(min(lo, by_memory)), step_s=budget_s)
+    bs_max = float(min(lo, by_memory))
+    batches = sorted({*(2**k for k in range(int(math.log2(2 * lo)) + 2)), lo, 2 * lo})
+    steps = tuple((float(b), decode_step_s(model, accel, b, mean_context)) for b in batches)
+    return DecodeProfile(bs_max=bs_max, step_s=budget_s, batch_steps=steps)

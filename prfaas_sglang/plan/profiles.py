@@ -42,16 +42,37 @@ class PrefillProfile:
 
 @dataclass(frozen=True)
 class DecodeProfile:
-    """Decode capacity of one instance under the SLO: ``BS_max`` requests at ``T_decode`` s/step."""
+    """Decode capacity of one instance under the SLO: ``BS_max`` requests at ``T_decode`` s/step.
+
+    ``batch_steps`` (optional): ``(batch, step_s)`` points, batches increasing, of one decode step's time
+    as the batch grows, at the workload's mean context (``analytic.analytic_decode`` fills them). Without
+    them a step takes ``step_s`` at any batch up to ``BS_max``, as equation 5 assumes.
+    """
 
     bs_max: float
     step_s: float
+    batch_steps: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         if not self.bs_max > 0:
             raise ConfigError("decode.bs_max", f"must be > 0, got {self.bs_max!r}")
         if not self.step_s > 0:
             raise ConfigError("decode.step_s", f"must be > 0, got {self.step_s!r}")
+        batches = [b for b, _ in self.batch_steps]
+        if any(not (b >= 1 and s > 0) for b, s in self.batch_steps) or batches != sorted(set(batches)):
+            raise ConfigError("decode.batch_steps", "must be (batch >= 1, step_s > 0) points, batches increasing")
+
+    def step_at(self, batch: float) -> float:
+        """One step's seconds with ``batch`` running: the points interpolated linearly, flat below the first,
+        extended along the last two's slope above the last; ``step_s`` where there are no points."""
+        if not self.batch_steps:
+            return self.step_s
+        xs = [b for b, _ in self.batch_steps]
+        i = bisect.bisect_right(xs, batch)
+        if i == 0:
+            return self.batch_steps[0][1]
+        (x0, y0), (x1, y1) = self.batch_steps[max(min(i, len(xs) - 1) - 1, 0)], self.batch_steps[min(i, len(xs) - 1)]
+        return y0 if x1 == x0 else y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ arrival rate at which ``target`` (0.90) of arrivals meet the SLO; this module es
     PrfaaS        lambda x p          N_prfaas         T_prfaas(l), l > t
     the link      lambda x p          1 (a pipe)       8 S_kv(l) / B_out
     PD-P          lambda x (1 - p)    N_p              T_pd(l), l <= t
-    PD-D          TBT met while lambda <= Theta_pd_d (equation 5), none above it
+    PD-D          lambda / N_d each    a batch (M/G/inf)  L_out steps of step(batch)
 
 Each queue is M/G/c: the probability of waiting is Erlang C at utilisation rho, and a wait, when there is
 one, is exponential with the Allen-Cunneen mean ``E[S] (1 + cs^2) / 2 / (c (1 - rho))`` (cs: the service
@@ -16,7 +16,16 @@ time's coefficient of variation). A long prompt's TTFT is the PrfaaS wait, its p
 its transfer (the two waits independent; with ``layerwise``, prefill and transfer overlap as
 ``plan.overlap.kv_finish_s`` says instead of adding up); a short one's the PD-P wait and its prefill. Attainment at rate
 lambda averages ``P(TTFT <= SLO)`` over lengths drawn from the workload (``rng`` draws them: pure), and the
-capacity is found by bisection on lambda (attainment falls with it). The approximation ignores early
+capacity is found by bisection on lambda (attainment falls with it).
+
+Decode (:func:`decode_stage`) is continuous batching: each of the ``N_d`` instances runs every request it
+holds in one batch, so no request waits for a server, and the number running on one instance is that of an
+M/G/infinity queue, Poisson with mean ``a = (lambda / N_d) L_out E[step]``. A request meets the TBT SLO when a
+step of the batch it joins (itself and a Poisson(a) others) takes no longer than the SLO's time between
+tokens and the batch fits ``BS_max``. ``step(batch)`` is the profile's curve (``DecodeProfile.batch_steps``),
+times ``1 + growth x batch`` (``decode_growth_per_seq``: the step's rise per running sequence beyond the
+roofline, as measured on a real engine); ``E[step]`` depends on ``a``, so ``a`` is their fixed point, and
+where none exists the stage is unstable. TTFT and TBT are taken as independent: attainment is their product. The approximation ignores early
 rejection, placement by expected TTFT and chunked prefill's interleaving, which the router and the
 engines add: BENCHMARKS.md compares it with the simulator and the emulated deployment.
 """
@@ -28,9 +37,11 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.special import gammaln
 
-from prfaas_sglang.plan.model import Deployment, evaluate
+from prfaas_sglang.plan.model import Deployment, evaluate, theta_pd_decode
 from prfaas_sglang.plan.overlap import STREAM_GROUPS, kv_finish_s
+from prfaas_sglang.plan.profiles import DecodeProfile
 from prfaas_sglang.plan.workload import Workload
 
 TARGET = 0.90
@@ -95,6 +106,56 @@ def p_within(budget_s: np.ndarray, *queues: Queue) -> np.ndarray:
     return np.where(budget_s >= 0, p, 0.0)
 
 
+DECODE_FIXED_POINT_ITERATIONS = 200
+
+
+@dataclass(frozen=True)
+class DecodeStage:
+    """The decode stage at one arrival rate: ``tbt_met`` the share of requests whose steps meet the TBT SLO,
+    ``mean_batch`` the mean number running on one instance (None where the batch grows without bound)."""
+
+    tbt_met: float
+    mean_batch: float | None
+
+
+def step_curve(decode: DecodeProfile, growth_per_seq: float = 0.0) -> np.ndarray:
+    """``curve[b - 1]``: one step's seconds with ``b`` running, for ``b`` from 1 to ten times the largest batch
+    the profile names (far past any batch that meets an SLO)."""
+    top = int(10 * max(decode.bs_max, *(b for b, _ in decode.batch_steps), 1.0))
+    batches = np.arange(1, top + 1, dtype=float)
+    return np.array([decode.step_at(b) for b in batches]) * (1 + growth_per_seq * batches)
+
+
+def decode_stage(rate_rps: float, n_decode: int, decode: DecodeProfile, output_tokens: float, tbt_slo_s: float,
+                 growth_per_seq: float = 0.0, curve: np.ndarray | None = None) -> DecodeStage:
+    """The module docstring's decode stage for ``rate_rps`` arrivals spread evenly over ``n_decode`` instances
+    (``curve``: :func:`step_curve` of ``decode`` and ``growth_per_seq``, computed once by a caller that asks often)."""
+    if n_decode < 1:
+        return DecodeStage(0.0, None)
+    curve = step_curve(decode, growth_per_seq) if curve is None else curve
+    log_factorial = gammaln(np.arange(curve.size) + 1.0)
+    work_s = rate_rps / n_decode * output_tokens  # the mean batch per second of step
+
+    def pmf(mean: float) -> np.ndarray:  # Poisson(mean) over the others a request finds, 0 past 12 sigma
+        others = np.arange(min(curve.size, int(mean + 12 * math.sqrt(mean) + 12)))
+        return np.exp(others * math.log(mean) - mean - log_factorial[:others.size]) if mean > 0 \
+            else (others == 0).astype(float)
+
+    mean = work_s * float(curve[0])
+    for _ in range(DECODE_FIXED_POINT_ITERATIONS):
+        weights = pmf(mean)
+        following = work_s * float(weights @ curve[:weights.size])
+        if following > curve.size / 2:  # no fixed point short of the curve's end: the batch grows for good
+            return DecodeStage(0.0, None)
+        converged = abs(following - mean) <= 1e-6 * max(mean, 1e-12)
+        mean = following
+        if converged:
+            break
+    weights = pmf(mean)
+    met = (curve[:weights.size] <= tbt_slo_s) & (np.arange(weights.size) + 1 <= decode.bs_max)
+    return DecodeStage(float(weights[met].sum()), mean)
+
+
 @dataclass(frozen=True)
 class SloPoint:
     """An operating point judged at an SLO: its throughput bound and its capacity at ``target`` attainment."""
@@ -106,6 +167,8 @@ class SloPoint:
     capacity_rps: float
     ttft_slo_s: float
     target: float
+    tbt_met: float | None = None  # at the capacity: the share whose steps meet the TBT SLO (None: no TBT SLO)
+    decode_mean_batch: float | None = None  # at the capacity: the mean number running on one decode instance
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -127,13 +190,22 @@ class _Point:
 
 
 class SloModel:
-    """Attainment and capacity at a TTFT SLO for ``dep`` on ``workload`` (lengths drawn once, from ``rng``)."""
+    """Attainment and capacity at a TTFT SLO for ``dep`` on ``workload`` (lengths drawn once, from ``rng``).
+
+    ``tbt_slo_s`` None: a request's TBT is met while the rate is under equation 5's bound, none above it (the
+    throughput model's view); given: the decode stage of the module docstring judges it, its step growing by
+    ``decode_growth_per_seq`` per running sequence beyond the profile."""
 
     def __init__(self, dep: Deployment, workload: Workload, ttft_slo_s: float, rng: random.Random,
-                 target: float = TARGET, samples: int = LENGTH_SAMPLES, layerwise: bool = False):
+                 target: float = TARGET, samples: int = LENGTH_SAMPLES, layerwise: bool = False,
+                 tbt_slo_s: float | None = None, decode_growth_per_seq: float = 0.0):
         if not ttft_slo_s > 0 or not 0 < target < 1:
             raise ValueError("need ttft_slo_s > 0 and 0 < target < 1")
+        if tbt_slo_s is not None and not tbt_slo_s > 0 or not decode_growth_per_seq >= 0:
+            raise ValueError("need tbt_slo_s > 0 (or None) and decode_growth_per_seq >= 0")
         self.dep, self.workload, self.ttft_slo_s, self.target = dep, workload, ttft_slo_s, target
+        self.tbt_slo_s, self.decode_growth_per_seq = tbt_slo_s, decode_growth_per_seq
+        self._curve = step_curve(dep.pd.decode, decode_growth_per_seq)
         self.lengths = np.array(workload.sample(rng, samples), dtype=float)
         prfaas, pd = dep.prfaas.prefill, dep.pd.prefill
         self._t_prfaas = np.array([prfaas.prefill_s(n) for n in self.lengths])
@@ -154,17 +226,25 @@ class SloModel:
                                        self._t_prfaas[long], self._x_link[long], self._done[long], self._t_pd[~long])
         return self._points[key]
 
+    def decode(self, rate_rps: float, n_decode: int) -> DecodeStage:
+        """The decode stage at ``rate_rps`` (equation 5's all-or-nothing where no TBT SLO was given)."""
+        if self.tbt_slo_s is None:
+            return DecodeStage(1.0 if rate_rps <= theta_pd_decode(n_decode, self.dep.pd, self.dep.output_tokens) else 0.0, None)
+        return decode_stage(rate_rps, n_decode, self.dep.pd.decode, self.dep.output_tokens, self.tbt_slo_s,
+                            self.decode_growth_per_seq, self._curve)
+
     def attainment(self, rate_rps: float, threshold_tokens: float, n_prefill: int, n_decode: int) -> float:
-        """The share of arrivals at ``rate_rps`` whose TTFT meets the SLO (none once decode is past equation 5)."""
+        """The share of arrivals at ``rate_rps`` whose TTFT meets its SLO and whose decode meets the TBT's."""
         pt = self._point(threshold_tokens, n_prefill, n_decode)
-        if rate_rps > pt.decode_rps:
+        tbt_met = self.decode(rate_rps, n_decode).tbt_met
+        if tbt_met == 0.0:
             return 0.0
         remote = queue(rate_rps * pt.share, self.dep.n_prfaas, pt.t_long)
         link = queue(rate_rps * pt.share, 1, pt.x_long)
         local = queue(rate_rps * (1 - pt.share), pt.n_prefill, pt.t_short)
         met_long = p_within(self.ttft_slo_s - pt.done_long, remote, link)
         met_short = p_within(self.ttft_slo_s - pt.t_short, local)
-        return float((met_long.sum() + met_short.sum()) / self.lengths.size)
+        return tbt_met * float((met_long.sum() + met_short.sum()) / self.lengths.size)
 
     def stability_limit_rps(self, threshold_tokens: float, n_prefill: int, n_decode: int) -> float:
         """The rate past which some stage's queue grows without bound: each stage's servers over its share's mean
@@ -187,9 +267,13 @@ class SloModel:
         for _ in range(BISECT_ITERATIONS if hi > 0 else 0):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if self.attainment(mid, threshold_tokens, n_prefill, n_decode) >= self.target else (lo, mid)
-        return SloPoint(threshold_tokens, n_prefill, n_decode, bound, lo, self.ttft_slo_s, self.target)
+        stage = self.decode(lo, n_decode) if self.tbt_slo_s is not None else None
+        return SloPoint(threshold_tokens, n_prefill, n_decode, bound, lo, self.ttft_slo_s, self.target,
+                        stage and stage.tbt_met, stage and stage.mean_batch)
 
     def best(self, thresholds: list[float]) -> SloPoint:
-        """The (threshold, split) with the highest capacity at the SLO, over ``thresholds`` and every split."""
-        return max((self.capacity(t, n_p, self.dep.n_pd - n_p) for t in thresholds for n_p in range(1, self.dep.n_pd)),
-                   key=lambda point: point.capacity_rps)
+        """The (threshold, split) with the highest capacity at the SLO, over ``thresholds`` and every split; with
+        a PrfaaS cluster, the naive split too: every prefill on it (threshold 0), every PD instance decoding."""
+        points = [(t, n_p) for t in thresholds for n_p in range(1, self.dep.n_pd)]
+        points += [(0.0, 0)] if self.dep.n_prfaas > 0 else []
+        return max((self.capacity(t, n_p, self.dep.n_pd - n_p) for t, n_p in points), key=lambda point: point.capacity_rps)

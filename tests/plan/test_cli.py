@@ -179,3 +179,24 @@ def test_a_plan_of_the_engines_as_the_router_learned_them_scales_each_clusters_p
     for bad in (["decode=0.5"], ["prfaas=0"], ["prfaas=x"], ["pd=1", "--prefill-scale", "pd=2"], ["pd=1+-1"]):
         assert plan_main(["--scenario", "case-study", "--prefill-scale", *bad]) == 2
         assert "--prefill-scale" in capsys.readouterr().err
+
+
+def test_the_plans_slo_capacity_counts_decode_and_a_step_that_grows_with_the_batch(capsys):
+    """``--ttft-slo-s`` judges decode too: each point reports the share meeting the scenario's TBT SLO and its
+    mean batch per decode instance; ``--decode-growth`` (a step's rise per running sequence) lowers neither
+    bound nor raises the capacity. Without ``--ttft-slo-s``, or negative, it is a usage error."""
+    from prfaas_sglang.plan.__main__ import main as plan_main
+
+    def slo(*flags):
+        assert plan_main(["--scenario", "case-study", "--ttft-slo-s", "10", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["slo"]
+
+    plain, grown = slo(), slo("--decode-growth", "0.05")
+    assert plain["tbt_slo_s"] == pytest.approx(1 / 40) and grown["decode_growth_per_seq"] == 0.05
+    for point in (plain["at_plan"], grown["at_plan"]):
+        assert 0.9 <= point["tbt_met"] <= 1.0 and point["decode_mean_batch"] > 1
+    assert grown["at_plan"]["capacity_rps"] < plain["at_plan"]["capacity_rps"]
+    assert grown["at_plan"]["lambda_max_rps"] == plain["at_plan"]["lambda_max_rps"]
+    for bad in (["--decode-growth", "0.01"], ["--ttft-slo-s", "5", "--decode-growth", "-1"]):
+        assert plan_main(["--scenario", "case-study", *bad]) == 2
+        assert "--decode-growth" in capsys.readouterr().err

@@ -79,3 +79,74 @@ def test_layerwise_overlap_raises_capacity_most_where_the_link_is_scarce(case_st
 
     scarce = dataclasses.replace(scenario.deployment, egress_bps=scenario.deployment.egress_bps / 10)
     assert gain(scarce) > gain(scenario.deployment) >= 1.0
+
+
+def _batching_monte_carlo(rate_per_step: float, output_tokens: int, step_of, steps: int, seed: int) -> float:
+    """A continuous-batching decoder, step by step: arrivals join the next step, each request leaves after
+    ``output_tokens`` steps; the mean number running, time-weighted (each step lasts ``step_of(batch)``)."""
+    rng = np.random.default_rng(seed)
+    left: list[int] = []
+    weighted = elapsed = 0.0
+    for _ in range(steps):
+        batch = len(left)
+        duration = step_of(batch) if batch else 1.0
+        left += [output_tokens] * int(rng.poisson(rate_per_step * duration))
+        weighted += batch * duration
+        elapsed += duration
+        left = [n - 1 for n in left if n > 1] if batch else left
+    return weighted / elapsed
+
+
+def test_the_decode_stages_batch_is_littles_law_at_the_fixed_point_of_a_step_that_grows_with_it():
+    """Each instance's mean batch is ``rate x L_out x E[step]``, with the step's growth (the curve's and the
+    growth per sequence) fed back: the fixed point agrees with a step-by-step simulation of continuous
+    batching, within its noise; TBT is met by the batches whose step fits the SLO."""
+    from prfaas_sglang.plan.profiles import DecodeProfile
+    from prfaas_sglang.plan.slo_capacity import DecodeStage, decode_stage
+
+    decode = DecodeProfile(64, 0.025, ((1, 0.010), (8, 0.012), (32, 0.020)))
+    growth, out = 0.01, 64
+    stage = decode_stage(2 * 6.0, 2, decode, out, 0.025, growth)  # 6 req/s an instance
+    simulated = _batching_monte_carlo(6.0, out, lambda b: decode.step_at(b) * (1 + growth * b), 60_000, 0)
+    assert stage.mean_batch == pytest.approx(simulated, rel=0.08)
+    assert stage.mean_batch > 6.0 * out * decode.step_at(1)  # the growth fed back
+    flat = decode_stage(12.0, 2, DecodeProfile(64, 0.010), out, 0.025)
+    assert flat.mean_batch == pytest.approx(6.0 * out * 0.010) and flat.tbt_met == pytest.approx(1.0)
+    # Meeting TBT: the batches whose step fits 25 ms (the curve's 20 ms at 32, x 1 + 0.01 b: b <= 21).
+    fits = decode_stage(12.0, 2, decode, out, 0.025, growth)
+    assert 0.0 < fits.tbt_met < 1.0
+    assert decode_stage(40.0, 2, decode, out, 0.025, growth).tbt_met < fits.tbt_met
+    assert decode_stage(12.0, 4, decode, out, 0.025, growth).tbt_met > fits.tbt_met  # more instances, smaller batches
+    assert decode_stage(1e4, 2, decode, out, 0.025, growth) == DecodeStage(0.0, None)  # no fixed point: the batch grows for good
+    assert decode_stage(1.0, 0, decode, out, 0.025).tbt_met == 0.0
+
+
+def test_a_tbt_slo_caps_the_capacity_by_decode_and_the_naive_split_competes_for_the_best(case_study):
+    """With the scenario's TBT SLO, the decode stage lowers capacity where decode binds (fewer decode instances,
+    a step growing faster), and the search for the best point includes every prefill on PrfaaS (0P/ND)."""
+    import dataclasses
+
+    scenario, best = case_study
+    point = (best.threshold_tokens, best.n_prefill, best.n_decode)
+    tbt = 1 / 40
+
+    def capacity(growth: float, n_prefill: int = best.n_prefill) -> float:
+        model = SloModel(scenario.deployment, scenario.workload, 10.0, random.Random(0), tbt_slo_s=tbt,
+                         decode_growth_per_seq=growth)
+        return model.capacity(point[0], n_prefill, scenario.deployment.n_pd - n_prefill).capacity_rps
+
+    plain = SloModel(scenario.deployment, scenario.workload, 10.0, random.Random(0)).capacity(*point)
+    assert capacity(0.0) <= plain.capacity_rps
+    assert capacity(0.05) < capacity(0.01) <= capacity(0.0)
+    assert capacity(0.0, n_prefill=7) < capacity(0.0, n_prefill=3)  # one decode instance for everything
+    stage = SloModel(scenario.deployment, scenario.workload, 10.0, random.Random(0), tbt_slo_s=tbt).decode(
+        best.theta_pd_decode_rps, best.n_decode)
+    assert stage.tbt_met < 0.6 and stage.mean_batch > 0.5 * scenario.deployment.pd.decode.bs_max  # eq. 5's rate
+    # A PD prefill 50x slower: the best point sends every prefill to PrfaaS and lets every PD instance decode.
+    from prfaas_sglang.plan.profiles import ScaledPrefill
+
+    slow = dataclasses.replace(scenario.deployment, pd=dataclasses.replace(
+        scenario.deployment.pd, prefill=ScaledPrefill(scenario.deployment.pd.prefill, 50.0)))
+    chosen = SloModel(slow, scenario.workload, 10.0, random.Random(0), tbt_slo_s=tbt).best([best.threshold_tokens])
+    assert (chosen.threshold_tokens, chosen.n_prefill, chosen.n_decode) == (0.0, 0, slow.n_pd)
+    assert chosen.tbt_met >= 0.9 and chosen.capacity_rps > 0
