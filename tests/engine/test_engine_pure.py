@@ -274,3 +274,27 @@ class TestStreamFailure:
         later = b'data: {"text":"a"}\n\ndata: {"error":{"code":500}}\n\n'
         for event in (later, b": keep-alive\n\n", b"data: [DONE]\n\n", b"data: [1,2]\n\n", b"data: {not json\n\n", b""):
             assert stream_failure(event) is None, event
+
+
+def test_a_decode_step_that_wakes_late_is_repaid_by_the_next_so_the_cadence_is_the_truths():
+    """The pacer (engine/mock/timing.py): steps are due one ``step_s`` after the previous was due. A wake-up
+    that comes late, and the work between steps, shorten the sleeps after it; past ``max_debt_s`` behind, or
+    after a rest, a new schedule starts from now."""
+    from prfaas_sglang.engine.mock.timing import Pacer
+
+    pacer, now, ends = Pacer(max_debt_s=0.05), 100.0, []
+    for _ in range(50):
+        now += pacer.delay_s(0.010, now) + 0.004  # every wake-up 4 ms late
+        ends.append(now)
+        now += 0.001  # the step's tokens handed out
+    # Unpaced, 50 steps would take 50 x 15 ms; paced, the schedule holds while the debt stays under 50 ms.
+    assert ends[-1] - 100.0 == pytest.approx(50 * 0.010 + 0.004)  # the schedule, and the last wake-up's lateness
+    assert pacer.started_s < now
+
+    fresh = Pacer(max_debt_s=0.05)
+    assert fresh.delay_s(0.010, 5.0) == pytest.approx(0.010) and fresh.started_s == 5.0
+    assert fresh.delay_s(0.010, 5.013) == pytest.approx(0.007)  # 3 ms late: repaid
+    assert fresh.started_s == pytest.approx(5.010)
+    assert fresh.delay_s(0.010, 5.2) == pytest.approx(0.010) and fresh.started_s == 5.2  # 180 ms behind: a new schedule
+    fresh.rest()
+    assert fresh.delay_s(0.010, 5.205) == pytest.approx(0.010) and fresh.started_s == 5.205

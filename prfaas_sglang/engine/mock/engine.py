@@ -55,7 +55,7 @@ from prfaas_sglang.adapters import tcpinfo
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
-from prfaas_sglang.engine.mock.timing import EngineTiming
+from prfaas_sglang.engine.mock.timing import DECODE_MAX_DEBT_S, EngineTiming, Pacer
 from prfaas_sglang.engine.mock.truth import ServiceTruth, forward_costs
 from prfaas_sglang.envs import envs
 from prfaas_sglang.hosts import local_host
@@ -180,7 +180,8 @@ class Stats:
     prefix_export_bytes: int = 0  # prefill: bytes of cached prefixes sent to another cluster's worker
     auth_rejected: collections.Counter = field(default_factory=collections.Counter)  # reason -> refused requests
     # The emulation's own timing error: what the forwards and decode steps were to take (wall) and what they
-    # took (a busy event loop or machine wakes the sleeps late). Their ratio is the engine's timing error.
+    # took (a busy event loop or machine wakes the sleeps late; a decode step counts from when it was due,
+    # so the work between steps is in it too). Their ratio is the engine's timing error.
     forward_intended_s: float = 0.0
     forward_actual_s: float = 0.0
 
@@ -898,8 +899,10 @@ class MockEngine:
 
     async def _decode_loop(self) -> None:
         """Continuous batching: admit up to max_batch, one step per ``decode_step_s``."""
+        pacer = Pacer(DECODE_MAX_DEBT_S)
         while True:
             if not self.running and not self._decode_queue:
+                pacer.rest()
                 self._wake.clear()
                 await self._wake.wait()
             self._decode_waiting -= len(admit(self._decode_queue, self.running, self.timing.max_batch,
@@ -909,10 +912,9 @@ class MockEngine:
             context = sum(len(s.req.input_ids) + len(s.tokens) for s in self.running) / len(self.running)
             profile_step_s = self.timing.decode_step_s(len(self.running), context)
             step_s = self.truth.decode_step_s(profile_step_s, len(self.running)) * self.truth.decode_factor() * self._slowdown()
-            began = time.perf_counter()
-            await asyncio.sleep(step_s)
+            await asyncio.sleep(pacer.delay_s(step_s, time.perf_counter()))
             self.stats.forward_intended_s += step_s
-            self.stats.forward_actual_s += time.perf_counter() - began
+            self.stats.forward_actual_s += time.perf_counter() - pacer.started_s
             produced = 0
             for seq in self.running:
                 if seq.cancelled:

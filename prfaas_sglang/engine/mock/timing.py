@@ -17,7 +17,7 @@ deployment behaves as the plan assumes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prfaas_sglang.errors import ConfigError
@@ -71,6 +71,36 @@ class EngineTiming:
         free -= self.model.total_params_b * 1e9 * self.model.weight_bytes_per_param
         per_token = self.model.full_attention.kv_elems_per_token() * self.model.kv_dtype_bytes
         return max(int(free / per_token), 1)
+
+
+DECODE_MAX_DEBT_S = 0.05  # wall: how far behind its schedule a decode loop may run and still catch up
+
+
+@dataclass
+class Pacer:
+    """Steps on a schedule (pure: the time comes in): each step is due ``step_s`` after the previous one was
+    due, not after it woke. A sleep that wakes late, or the work between two steps, is then repaid by
+    shorter sleeps after it instead of adding to every step, so a stream's mean time between tokens is the
+    truth's, not the truth's plus what the machine running the emulation adds per step. A loop more than
+    ``max_debt_s`` behind starts a new schedule from now (the machine cannot keep up: the lag is kept, and
+    shows in the engine's timing error); so does the first step after :meth:`rest`.
+
+    ``started_s``: when the current step began on the schedule (its predecessor's due time, or now)."""
+
+    max_debt_s: float
+    started_s: float = 0.0
+    _due_s: float | None = field(default=None, repr=False)
+
+    def delay_s(self, step_s: float, now_s: float) -> float:
+        """How long to sleep from ``now_s`` so that a step of ``step_s`` ends when it is due."""
+        behind = self._due_s is None or now_s - self._due_s > self.max_debt_s
+        self.started_s = now_s if behind else self._due_s
+        self._due_s = self.started_s + step_s
+        return max(self._due_s - now_s, 0.0)
+
+    def rest(self) -> None:
+        """The loop idles: the next step starts a new schedule."""
+        self._due_s = None
 
 
 def load_timing(profile: str, speedup: float, kv_scale: float, max_batch: int | None,
