@@ -298,3 +298,36 @@ def test_a_decode_step_that_wakes_late_is_repaid_by_the_next_so_the_cadence_is_t
     assert fresh.delay_s(0.010, 5.2) == pytest.approx(0.010) and fresh.started_s == 5.2  # 180 ms behind: a new schedule
     fresh.rest()
     assert fresh.delay_s(0.010, 5.205) == pytest.approx(0.010) and fresh.started_s == 5.205
+
+
+def test_a_streams_text_is_decoded_a_window_at_a_time_and_adds_up_to_the_whole():
+    """StreamText (engine/mock/detokenize.py), as SGLang's detokenizer: the pieces it returns add up to the
+    decode of every id, a character split over tokens is held until it is whole, and each token costs a short
+    window's decode, not the whole output's."""
+    import random
+
+    from prfaas_sglang.engine.mock.detokenize import StreamText
+    from prfaas_sglang.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer.load("prfaas-tiny-chatml")
+    decoded = []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    def stream(ids):
+        text = StreamText(decode)
+        pieces = [text.add(ids[:n]) for n in range(1, len(ids) + 1)]
+        return pieces + [text.finish(ids)], text.text
+
+    words = tok.encode_text("naïve café — 東京 ✓ " * 40)
+    pieces, whole = stream(words)
+    assert "".join(pieces) == whole == tok.decode(words)
+    assert "" in pieces[:-1] and not any("\ufffd" in piece for piece in pieces)  # a character over tokens: held
+    rng = random.Random(0)
+    ids = words + [rng.randrange(300, 2000) for _ in range(600)]
+    decoded.clear()
+    pieces, whole = stream(ids)
+    assert "".join(pieces) == whole == tok.decode(ids)
+    assert sum(decoded) < 8 * len(ids)  # a whole-output decode per token: len(ids)^2 / 2

@@ -52,6 +52,7 @@ import orjson
 
 from prfaas_sglang._pin import PINNED_SGLANG_VERSION
 from prfaas_sglang.adapters import tcpinfo
+from prfaas_sglang.engine.mock.detokenize import REPLACEMENT
 from prfaas_sglang.engine.mock.kv_transport import PATTERN, KvEndpoint, KvTransferError
 from prfaas_sglang.engine.mock.prefix_cache import PrefixCache
 from prfaas_sglang.engine.mock.scheduler import ChunkedPrefill, KvPool, PrefillJob, admit
@@ -235,9 +236,10 @@ class MockEngine:
         self.meter = LinkMeter(window_s=1.0)  # writes of ~0.1 s: a shorter window sees too few of them on a slow link
         self._transfer_ids = itertools.count()
         self._replay = ReplayGuard()
-        if tokenizer is not None:
-            special = tokenizer.special_ids
-            self._vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
+        if tokenizer is not None:  # what the emulated model says: tokens that are whole characters on their own
+            special = tokenizer.special_ids  # (a byte of a longer one is held by a stream's detokenizer: no text)
+            self._vocab = [i for i in range(tokenizer.vocab_size)
+                           if i not in special and (text := tokenizer.decode([i])) and REPLACEMENT not in text]
         else:
             self._vocab = None
 

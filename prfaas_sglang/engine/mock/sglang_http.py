@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prfaas_sglang.adapters.http_auth import bearer_middleware
+from prfaas_sglang.engine.mock.detokenize import StreamText
 from prfaas_sglang.engine.mock.engine import MockConfig, MockEngine
 from prfaas_sglang.protocol import (
     SSE_DONE,
@@ -414,14 +415,14 @@ async def _decode_stream(engine: MockEngine, req, seq, response: web.StreamRespo
     model = req.model or engine.config.served_model_name
     cached, extra = seq.ready.cached_tokens, _extra(seq)
     try:
-        sent, text = 0, ""
+        sent, text = 0, StreamText(engine.detokenize)
         # Tokens are appended to seq.tokens before they are queued, so [:sent] is complete.
         while await seq.queue.get() is not None:
             sent += 1
-            so_far = engine.detokenize(seq.tokens[:sent])
-            delta, text = so_far[len(text):] if so_far.startswith(text) else so_far, so_far
-            await response.write(stream_chunk(req, seq.tokens[:sent], delta, False, cached, model, extra, text).encode())
-        await response.write(stream_chunk(req, seq.tokens, "", True, cached, model, extra, text).encode())
+            delta = text.add(seq.tokens[:sent])
+            await response.write(stream_chunk(req, seq.tokens[:sent], delta, False, cached, model, extra, text.text).encode())
+        tail = text.finish(seq.tokens)
+        await response.write(stream_chunk(req, seq.tokens, tail, True, cached, model, extra, text.text).encode())
         if req.include_usage:
             await response.write(usage_chunk(req, seq.tokens, cached, model).encode())
         await response.write(SSE_DONE.encode())
