@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --ttft-slo-s: a decode step takes 1 + SHARE x batch times the profile's (what a real "
                              "engine adds per running sequence beyond the roofline; the measured H200 profile shows "
                              "about 0.01 at 1K context). Default 0")
+    parser.add_argument("--no-early-rejection", action="store_true",
+                        help="with --ttft-slo-s: plan for a router that queues every request (the router's own flag); by "
+                             "default a request that would miss the SLO on idle servers is refused on arrival, as our "
+                             "router's early rejection does, and adds no work")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write split_search.png and threshold_search.png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (automatic for large grids)")
@@ -300,10 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_plots(plan, args.plot)
             if not args.json:
                 print("wrote " + ", ".join(str(p) for p in paths))
-        for flag, given in (("--layerwise", args.layerwise), ("--decode-growth", args.decode_growth)):
+        for flag, given in (("--layerwise", args.layerwise), ("--decode-growth", args.decode_growth),
+                            ("--no-early-rejection", args.no_early_rejection)):
             if given and args.ttft_slo_s is None:
                 raise ConfigError(flag, "applies with --ttft-slo-s only (Lambda_max does not depend on it)")
-        slo = slo_report(plan, args.ttft_slo_s, args.layerwise, args.decode_growth) if args.ttft_slo_s is not None else None
+        slo = (slo_report(plan, args.ttft_slo_s, args.layerwise, args.decode_growth, not args.no_early_rejection)
+               if args.ttft_slo_s is not None else None)
     except PrfaasError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
@@ -313,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(plan))
     if slo:
         at, best = slo["at_plan"], slo["best_for_slo"]
-        streamed = "; KV streamed by layer" if slo["layerwise"] else ""
+        streamed = ("; KV streamed by layer" if slo["layerwise"] else "") + \
+            ("; early rejection of what misses on idle servers" if slo["early_rejection"] else "")
         print(f"\ncapacity at the TTFT SLO ({slo['ttft_slo_s']:g} s, {slo['target']:.0%} of arrivals; a queueing "
               f"approximation per stage{streamed}):\n  the plan ({at['threshold_tokens'] / 1000:.1f}K, {at['n_prefill']}P/"
               f"{at['n_decode']}D): {at['capacity_rps']:.3f} req/s of Lambda_max {at['lambda_max_rps']:.3f}\n"
@@ -329,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
 SLO_THRESHOLDS = 24  # thresholds the SLO search tries: quantiles of the workload's lengths, and the plan's
 
 
-def slo_report(plan, ttft_slo_s: float, layerwise: bool = False, decode_growth_per_seq: float = 0.0) -> dict:
+def slo_report(plan, ttft_slo_s: float, layerwise: bool = False, decode_growth_per_seq: float = 0.0,
+               early_rejection: bool = True) -> dict:
     """Capacity at ``ttft_slo_s`` and the scenario's TBT SLO of the plan's point, and the (threshold, split) best
     for it (``layerwise``: the KV streams while the prefill runs; ``decode_growth_per_seq``: a decode step's rise
-    per running sequence beyond the profile)."""
+    per running sequence beyond the profile; ``early_rejection``: what would miss on idle servers is refused)."""
     import random
 
     from prfaas_sglang.plan.slo_capacity import TARGET, SloModel
@@ -343,13 +351,14 @@ def slo_report(plan, ttft_slo_s: float, layerwise: bool = False, decode_growth_p
         raise ConfigError("--decode-growth", f"must be >= 0, got {decode_growth_per_seq!r}")
     tbt_slo_s = 1.0 / plan.scenario.slo_tokens_per_s
     model = SloModel(plan.scenario.deployment, plan.scenario.workload, ttft_slo_s, random.Random(0), layerwise=layerwise,
-                     tbt_slo_s=tbt_slo_s, decode_growth_per_seq=decode_growth_per_seq)
+                     tbt_slo_s=tbt_slo_s, decode_growth_per_seq=decode_growth_per_seq, early_rejection=early_rejection)
     best = plan.best
     at_plan = model.capacity(best.threshold_tokens, best.n_prefill, best.n_decode)
     ordered = sorted(model.lengths)
     thresholds = sorted({best.threshold_tokens, *(ordered[(k * len(ordered)) // SLO_THRESHOLDS]
                                                   for k in range(1, SLO_THRESHOLDS))})
     return {"ttft_slo_s": ttft_slo_s, "tbt_slo_s": tbt_slo_s, "decode_growth_per_seq": decode_growth_per_seq,
+            "early_rejection": early_rejection,
             "target": TARGET, "layerwise": layerwise, "at_plan": at_plan.to_json(),
             "best_for_slo": model.best(thresholds).to_json()}
 

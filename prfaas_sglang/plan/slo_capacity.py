@@ -187,6 +187,8 @@ class _Point:
     x_long: np.ndarray  # the link's service time (all the KV)
     done_long: np.ndarray  # prefill and transfer without waiting: their sum, or their overlap (layerwise)
     t_short: np.ndarray
+    queued_long: np.ndarray  # which of the long ones join the queues (all, or those early rejection admits)
+    queued_short: np.ndarray
 
 
 class SloModel:
@@ -194,17 +196,23 @@ class SloModel:
 
     ``tbt_slo_s`` None: a request's TBT is met while the rate is under equation 5's bound, none above it (the
     throughput model's view); given: the decode stage of the module docstring judges it, its step growing by
-    ``decode_growth_per_seq`` per running sequence beyond the profile."""
+    ``decode_growth_per_seq`` per running sequence beyond the profile.
+
+    ``early_rejection``: a request that would miss the TTFT SLO even on idle servers is refused on arrival, as
+    the router's early rejection refuses what its estimate says will be late: a miss, but no work in any
+    queue (the longest prompts, the most costly ones). The router also refuses what queueing would make late;
+    that part is not modelled, so at high load this is the lower of the two."""
 
     def __init__(self, dep: Deployment, workload: Workload, ttft_slo_s: float, rng: random.Random,
                  target: float = TARGET, samples: int = LENGTH_SAMPLES, layerwise: bool = False,
-                 tbt_slo_s: float | None = None, decode_growth_per_seq: float = 0.0):
+                 tbt_slo_s: float | None = None, decode_growth_per_seq: float = 0.0, early_rejection: bool = False):
         if not ttft_slo_s > 0 or not 0 < target < 1:
             raise ValueError("need ttft_slo_s > 0 and 0 < target < 1")
         if tbt_slo_s is not None and not tbt_slo_s > 0 or not decode_growth_per_seq >= 0:
             raise ValueError("need tbt_slo_s > 0 (or None) and decode_growth_per_seq >= 0")
         self.dep, self.workload, self.ttft_slo_s, self.target = dep, workload, ttft_slo_s, target
         self.tbt_slo_s, self.decode_growth_per_seq = tbt_slo_s, decode_growth_per_seq
+        self.early_rejection = early_rejection
         self._curve = step_curve(dep.pd.decode, decode_growth_per_seq)
         self.lengths = np.array(workload.sample(rng, samples), dtype=float)
         prfaas, pd = dep.prfaas.prefill, dep.pd.prefill
@@ -222,8 +230,11 @@ class SloModel:
         if key not in self._points:
             op = evaluate(self.dep, self.workload.split(threshold_tokens), n_prefill, n_decode)
             long = (self.lengths > threshold_tokens) & (self.dep.n_prfaas > 0)
+            done_long, t_short = self._done[long], self._t_pd[~long]
+            queued_long, queued_short = ((done_long <= self.ttft_slo_s, t_short <= self.ttft_slo_s) if self.early_rejection
+                                         else (np.ones(done_long.size, bool), np.ones(t_short.size, bool)))
             self._points[key] = _Point(op.lambda_max_rps, op.theta_pd_decode_rps, float(long.mean()), n_prefill,
-                                       self._t_prfaas[long], self._x_link[long], self._done[long], self._t_pd[~long])
+                                       self._t_prfaas[long], self._x_link[long], done_long, t_short, queued_long, queued_short)
         return self._points[key]
 
     def decode(self, rate_rps: float, n_decode: int) -> DecodeStage:
@@ -239,9 +250,11 @@ class SloModel:
         tbt_met = self.decode(rate_rps, n_decode).tbt_met
         if tbt_met == 0.0:
             return 0.0
-        remote = queue(rate_rps * pt.share, self.dep.n_prfaas, pt.t_long)
-        link = queue(rate_rps * pt.share, 1, pt.x_long)
-        local = queue(rate_rps * (1 - pt.share), pt.n_prefill, pt.t_short)
+        long_rps = rate_rps * pt.share * (float(pt.queued_long.mean()) if pt.queued_long.size else 0.0)
+        short_rps = rate_rps * (1 - pt.share) * (float(pt.queued_short.mean()) if pt.queued_short.size else 0.0)
+        remote = queue(long_rps, self.dep.n_prfaas, pt.t_long[pt.queued_long])
+        link = queue(long_rps, 1, pt.x_long[pt.queued_long])
+        local = queue(short_rps, pt.n_prefill, pt.t_short[pt.queued_short])
         met_long = p_within(self.ttft_slo_s - pt.done_long, remote, link)
         met_short = p_within(self.ttft_slo_s - pt.t_short, local)
         return tbt_met * float((met_long.sum() + met_short.sum()) / self.lengths.size)

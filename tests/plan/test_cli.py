@@ -197,6 +197,8 @@ def test_the_plans_slo_capacity_counts_decode_and_a_step_that_grows_with_the_bat
         assert 0.9 <= point["tbt_met"] <= 1.0 and point["decode_mean_batch"] > 1
     assert grown["at_plan"]["capacity_rps"] < plain["at_plan"]["capacity_rps"]
     assert grown["at_plan"]["lambda_max_rps"] == plain["at_plan"]["lambda_max_rps"]
-    for bad in (["--decode-growth", "0.01"], ["--ttft-slo-s", "5", "--decode-growth", "-1"]):
+    assert plain["early_rejection"] and not slo("--no-early-rejection")["early_rejection"]
+    for bad, flag in ((["--decode-growth", "0.01"], "--decode-growth"), (["--ttft-slo-s", "5", "--decode-growth", "-1"],
+                      "--decode-growth"), (["--no-early-rejection"], "--no-early-rejection")):
         assert plan_main(["--scenario", "case-study", *bad]) == 2
-        assert "--decode-growth" in capsys.readouterr().err
+        assert flag in capsys.readouterr().err

@@ -150,3 +150,20 @@ def test_a_tbt_slo_caps_the_capacity_by_decode_and_the_naive_split_competes_for_
     chosen = SloModel(slow, scenario.workload, 10.0, random.Random(0), tbt_slo_s=tbt).best([best.threshold_tokens])
     assert (chosen.threshold_tokens, chosen.n_prefill, chosen.n_decode) == (0.0, 0, slow.n_pd)
     assert chosen.tbt_met >= 0.9 and chosen.capacity_rps > 0
+
+
+def test_early_rejection_keeps_what_would_miss_anyway_out_of_the_queues(case_study):
+    """``early_rejection``: prompts that miss the SLO on idle servers are refused on arrival. They stay misses,
+    so at a light load attainment is unchanged, but they add no work, so capacity rises; at a shorter SLO, where
+    more prompts miss on an idle server, it rises more."""
+    scenario, best = case_study
+    point = (best.threshold_tokens, best.n_prefill, best.n_decode)
+
+    def model(slo_s: float, rejecting: bool) -> SloModel:
+        return SloModel(scenario.deployment, scenario.workload, slo_s, random.Random(0), early_rejection=rejecting)
+
+    light = 0.01 * best.lambda_max_rps
+    assert model(4.0, True).attainment(light, *point) == pytest.approx(model(4.0, False).attainment(light, *point), abs=0.01)
+    gain = {slo_s: model(slo_s, True).capacity(*point).capacity_rps / model(slo_s, False).capacity(*point).capacity_rps
+            for slo_s in (4.0, 5.0, 10.0)}
+    assert gain[4.0] > gain[5.0] > gain[10.0] >= 1.0 and gain[5.0] > 1.1
