@@ -25,9 +25,12 @@ step of the batch it joins (itself and a Poisson(a) others) takes no longer than
 tokens and the batch fits ``BS_max``. ``step(batch)`` is the profile's curve (``DecodeProfile.batch_steps``),
 times ``1 + growth x batch`` (``decode_growth_per_seq``: the step's rise per running sequence beyond the
 roofline, as measured on a real engine); ``E[step]`` depends on ``a``, so ``a`` is their fixed point, and
-where none exists the stage is unstable. TTFT and TBT are taken as independent: attainment is their product. The approximation ignores early
-rejection, placement by expected TTFT and chunked prefill's interleaving, which the router and the
-engines add: BENCHMARKS.md compares it with the simulator and the emulated deployment.
+where none exists the stage is unstable. TTFT and TBT are taken as independent: attainment is their product.
+
+Early rejection (``SloModel(early_rejection=True)``) refuses on arrival what would miss on idle servers. The
+approximation ignores the refusals queueing causes, placement by expected TTFT and chunked prefill's
+interleaving, which the router and the engines add: BENCHMARKS.md compares it with the simulator and the
+emulated deployment.
 """
 
 from __future__ import annotations

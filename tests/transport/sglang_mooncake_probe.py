@@ -197,7 +197,7 @@ def collected_metrics(async_sender, prefill_manager) -> dict | None:
     return samples
 
 
-ABORT_HOLD_S = 2.0  # how long main_abort holds the writes when no ACK comes first
+ABORT_HOLD_S = 3.0  # how long main_abort holds the writes after its last chunk when no ACK comes first
 
 
 class HeldWrites:
@@ -267,10 +267,12 @@ def main_abort() -> dict:
     while not any(not b.ended for b in list(async_sender.ledger.batches)) and time.time() < deadline:
         time.sleep(0.0002)  # until SGLang's transfer thread has handed a chunk to our sender
     queued_at_abort = sum(not b.ended for b in list(async_sender.ledger.batches))
-    threading.Timer(ABORT_HOLD_S, release.set).start()  # a check that waits for the writes gets them then
     receiver.abort()
     time.sleep(0.01)
     sender.send(src[-64:])  # the last chunk, after the abort: SGLang skips it and checks the ACK at once
+    # A check that waits for the writes gets them then. Counted from the last chunk, not from the abort: on a
+    # machine loaded tenfold the abort and the send took over 2 s (CI-like run 65, 2026-12-01).
+    threading.Timer(ABORT_HOLD_S, release.set).start()
     deadline = time.time() + 30.0
     while not decode.is_abort_release_safe(1, 1) and time.time() < deadline:
         time.sleep(0.0005)  # about as soon as the decode could release the pages
