@@ -136,12 +136,11 @@ def decode_stage(rate_rps: float, n_decode: int, decode: DecodeProfile, output_t
     if n_decode < 1:
         return DecodeStage(0.0, None)
     curve = step_curve(decode, growth_per_seq) if curve is None else curve
-    log_factorial = gammaln(np.arange(curve.size) + 1.0)
     work_s = rate_rps / n_decode * output_tokens  # the mean batch per second of step
 
     def pmf(mean: float) -> np.ndarray:  # Poisson(mean) over the others a request finds, 0 past 12 sigma
         others = np.arange(min(curve.size, int(mean + 12 * math.sqrt(mean) + 12)))
-        return np.exp(others * math.log(mean) - mean - log_factorial[:others.size]) if mean > 0 \
+        return np.exp(others * math.log(mean) - mean - gammaln(others + 1.0)) if mean > 0 \
             else (others == 0).astype(float)
 
     mean = work_s * float(curve[0])
@@ -190,8 +189,12 @@ class _Point:
     x_long: np.ndarray  # the link's service time (all the KV)
     done_long: np.ndarray  # prefill and transfer without waiting: their sum, or their overlap (layerwise)
     t_short: np.ndarray
-    queued_long: np.ndarray  # which of the long ones join the queues (all, or those early rejection admits)
-    queued_short: np.ndarray
+    # What joins the queues (all, or what early rejection admits): its service times and its share of the stage
+    t_long_queued: np.ndarray
+    x_long_queued: np.ndarray
+    long_admitted: float
+    t_short_queued: np.ndarray
+    short_admitted: float
 
 
 class SloModel:
@@ -236,8 +239,11 @@ class SloModel:
             done_long, t_short = self._done[long], self._t_pd[~long]
             queued_long, queued_short = ((done_long <= self.ttft_slo_s, t_short <= self.ttft_slo_s) if self.early_rejection
                                          else (np.ones(done_long.size, bool), np.ones(t_short.size, bool)))
+            t_long, x_long = self._t_prfaas[long], self._x_link[long]
             self._points[key] = _Point(op.lambda_max_rps, op.theta_pd_decode_rps, float(long.mean()), n_prefill,
-                                       self._t_prfaas[long], self._x_link[long], done_long, t_short, queued_long, queued_short)
+                                       t_long, x_long, done_long, t_short, t_long[queued_long], x_long[queued_long],
+                                       float(queued_long.mean()) if queued_long.size else 0.0, t_short[queued_short],
+                                       float(queued_short.mean()) if queued_short.size else 0.0)
         return self._points[key]
 
     def decode(self, rate_rps: float, n_decode: int) -> DecodeStage:
@@ -253,11 +259,10 @@ class SloModel:
         tbt_met = self.decode(rate_rps, n_decode).tbt_met
         if tbt_met == 0.0:
             return 0.0
-        long_rps = rate_rps * pt.share * (float(pt.queued_long.mean()) if pt.queued_long.size else 0.0)
-        short_rps = rate_rps * (1 - pt.share) * (float(pt.queued_short.mean()) if pt.queued_short.size else 0.0)
-        remote = queue(long_rps, self.dep.n_prfaas, pt.t_long[pt.queued_long])
-        link = queue(long_rps, 1, pt.x_long[pt.queued_long])
-        local = queue(short_rps, pt.n_prefill, pt.t_short[pt.queued_short])
+        long_rps, short_rps = rate_rps * pt.share * pt.long_admitted, rate_rps * (1 - pt.share) * pt.short_admitted
+        remote = queue(long_rps, self.dep.n_prfaas, pt.t_long_queued)
+        link = queue(long_rps, 1, pt.x_long_queued)
+        local = queue(short_rps, pt.n_prefill, pt.t_short_queued)
         met_long = p_within(self.ttft_slo_s - pt.done_long, remote, link)
         met_short = p_within(self.ttft_slo_s - pt.t_short, local)
         return tbt_met * float((met_long.sum() + met_short.sum()) / self.lengths.size)
