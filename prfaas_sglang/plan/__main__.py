@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "about 0.01 at 1K context). Default 0")
     parser.add_argument("--no-early-rejection", action="store_true",
                         help="with --ttft-slo-s: plan for a router that queues every request (the router's own flag); by "
-                             "default a request that would miss the SLO on idle servers is refused on arrival, as our "
-                             "router's early rejection does, and adds no work")
+                             "default a request that would miss the SLO, on idle servers or behind the queue it finds, is "
+                             "refused on arrival, as our router's early rejection does, and adds no work")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write split_search.png and threshold_search.png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (automatic for large grids)")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if slo:
         at, best = slo["at_plan"], slo["best_for_slo"]
         streamed = ("; KV streamed by layer" if slo["layerwise"] else "") + \
-            ("; early rejection of what misses on idle servers" if slo["early_rejection"] else "")
+            ("; early rejection of what would miss, idle or queued" if slo["early_rejection"] else "")
         print(f"\ncapacity at the TTFT SLO ({slo['ttft_slo_s']:g} s, {slo['target']:.0%} of arrivals; a queueing "
               f"approximation per stage{streamed}):\n  the plan ({at['threshold_tokens'] / 1000:.1f}K, {at['n_prefill']}P/"
               f"{at['n_decode']}D): {at['capacity_rps']:.3f} req/s of Lambda_max {at['lambda_max_rps']:.3f}\n"
@@ -340,7 +340,7 @@ def slo_report(plan, ttft_slo_s: float, layerwise: bool = False, decode_growth_p
                early_rejection: bool = True) -> dict:
     """Capacity at ``ttft_slo_s`` and the scenario's TBT SLO of the plan's point, and the (threshold, split) best
     for it (``layerwise``: the KV streams while the prefill runs; ``decode_growth_per_seq``: a decode step's rise
-    per running sequence beyond the profile; ``early_rejection``: what would miss on idle servers is refused)."""
+    per running sequence beyond the profile; ``early_rejection``: what would miss, on idle servers or behind the queue, is refused)."""
     import random
 
     from prfaas_sglang.plan.slo_capacity import TARGET, SloModel
