@@ -143,7 +143,8 @@ GPU_PROFILE = ServerProfile(SERVER_FLAGS, env=(SGLANG_HEALTH_WAIT,))
 # waits 5 ms at a time on its sockets.
 CPU_POLL_WAIT = ("PRFAAS_POLL_WAIT_MS", "5")
 CPU_PROFILE = ServerProfile(
-    ("--load-format", "dummy", "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    ("--load-format", "dummy", "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
+     "--sampling-backend", "pytorch",
      "--grammar-backend", "none", "--disable-cuda-graph", "--random-seed", "0", "--enable-cache-report",
      "--mem-fraction-static", "0.4", "--max-total-tokens", "65536", "--max-running-requests", "8",
      "--chunked-prefill-size", "2048", "--sleep-on-idle", "--log-level", "info"),

@@ -71,8 +71,12 @@ def tiny_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
 
 def tiny_cpu_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
     """A tiny Llama for real SGLang on CPU (``bench gpu-e2e --engine sglang-cpu``): SGLang's CPU path
-    serves plain attention (torch_native), not the hybrid's linear-attention kernels. 4 layers, 4 KV
-    heads of 64: 4 KiB of KV per token, so a 4K-token prompt's KV (16 MiB) binds a 200 Mbit/s link."""
+    serves plain attention (torch_native), not the hybrid's linear-attention kernels. 4 layers, 2 KV
+    heads of 64 in float32: 4 KiB of KV per token, so a 4K-token prompt's KV (16 MiB) binds a 200 Mbit/s link.
+    float32, not bfloat16 (served with ``--dtype float32``: SGLang's ``auto`` casts a float32 checkpoint to
+    float16): on a CPU without native bfloat16 matrix units torch's bfloat16 GEMMs ran about 60x slower than
+    float32's, and one 4,096-token prefill took 3.6-4.1 CPU-s in bfloat16 against 1.1 in float32 (2026-12-01,
+    the dev machine's AMD EPYC, one thread)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -81,14 +85,14 @@ def tiny_cpu_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> di
         "intermediate_size": 512,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
-        "num_key_value_heads": 4,
+        "num_key_value_heads": 2,
         "head_dim": 64,
         "rope_theta": 10000.0,
         "max_position_embeddings": CONTEXT_TOKENS,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": "float32",
         "bos_token_id": eos_token_id,
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,

@@ -569,7 +569,7 @@ def test_an_import_only_sgl_kernel_imports_every_name_and_refuses_every_call(tmp
 
 def test_on_cpu_the_router_reckons_the_kv_the_served_model_ships(tmp_path):
     """The CPU profile's cost model is the tiny Llama's own config.json: the router's KV bytes per prompt
-    are what the servers put on the link (4 layers x 4 KV heads x (64 + 64) x 2 bytes = 4 KiB a token),
+    are what the servers put on the link (4 layers x 2 KV heads x (64 + 64) x 4 bytes = 4 KiB a token),
     so a probe sized in bytes of the link fits a prompt that really crosses in its time."""
     import yaml
 
