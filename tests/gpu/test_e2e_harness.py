@@ -270,10 +270,20 @@ def test_a_misrouted_prompt_is_explained_by_the_routers_own_status():
 
 @pytest.mark.slow
 def test_the_broken_hook_scaffold_stops_real_sglang_plugin_loading(tmp_path):
+    """First on PYTHONPATH the scaffold adds its hook to every Python process (checked in a plain one, which
+    need not import SGLang); with that hook, SGLang's own plugin loading stops with the hook's name and
+    reason (checked in a process forked from the SGLang zygote: importing SGLang afresh took 10 CPU-s, and
+    starved beside the suite's other phases it once ran past a 240 s timeout)."""
+    import zygote
+
     site = e2e.broken_hook_site(tmp_path / "broken")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "from sglang.srt.plugins import load_plugins; load_plugins()"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    names = subprocess.run([sys.executable, "-c", "from prfaas_sglang import plugin; print(plugin.HOOKS[-1].name)"],
+                           capture_output=True, text=True, timeout=60, env=env, check=True).stdout
+    assert names.split() == ["deliberately-broken"]
+    code = (f"import runpy; runpy.run_path({str(site / 'sitecustomize.py')!r})\n"
+            "from sglang.srt.plugins import load_plugins; load_plugins()")
+    proc = zygote.run([sys.executable, "-c", code], timeout=240)
     assert proc.returncode != 0
     assert "deliberately-broken" in proc.stderr and "does not resolve" in proc.stderr, proc.stderr[-2000:]
 
