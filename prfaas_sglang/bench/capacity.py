@@ -1343,6 +1343,8 @@ def cli(args: argparse.Namespace, inv: Invocation) -> int:
 
 def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]:
     """``compare --capacity`` (or ``--merge``): the setting from the flags, the run, its header line."""
+    if args.out is not None and not args.out.parent.is_dir():  # refused before anything starts, not at the first checkpoint
+        inv.error(f"--out: no directory {args.out.parent}")
     if args.merge:
         try:
             docs = [load(p) for p in args.merge]

@@ -20,6 +20,7 @@ with ``wait_each_layer``: each layer must land on the decode before the next is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -34,6 +35,7 @@ import numpy as np
 
 from prfaas_sglang._compat.accessors import set_chunk, set_pool_row
 from prfaas_sglang.bench.subcommands import Invocation, Subcommand
+from prfaas_sglang.bench.zygote import Zygote
 
 N_AUX, AUX_BYTES = 4, 64
 
@@ -314,9 +316,20 @@ def _probe_main() -> None:
 
 
 def run(rate_mbit: float = 400.0, forward_s: float = 0.3, tokens: int = 2048, chunk: int = 2048, layers: int = 8,
-        heads: int = 2, head_dim: int = 128, requests: int = 4, repeats: int = 3) -> dict:
+        heads: int = 2, head_dim: int = 128, requests: int = 4, repeats: int = 3, zygote: Zygote | None = None) -> dict:
     """Layer-wise off and on, ``repeats`` probe runs each in alternation, in one namespace whose loopback
-    is shaped at ``rate_mbit``; per request the time from the forward's start to the decode's Success."""
+    is shaped at ``rate_mbit``; per request the time from the forward's start to the decode's Success.
+
+    Each probe run is forked from ``zygote`` (the caller's, left running; None: one of this run's own, stopped at
+    its end), which imported SGLang once: a probe started afresh spent about 12 CPU-s importing it."""
+    with contextlib.ExitStack() as stack:
+        if zygote is None:
+            zygote = stack.enter_context(Zygote())
+        return _run(zygote, rate_mbit, forward_s, tokens, chunk, layers, heads, head_dim, requests, repeats)
+
+
+def _run(zygote: Zygote, rate_mbit: float, forward_s: float, tokens: int, chunk: int, layers: int, heads: int,
+         head_dim: int, requests: int, repeats: int) -> dict:
     from prfaas_sglang.demo.cluster import free_port
     from prfaas_sglang.launch.command import sglang_command
     from prfaas_sglang.roles import Role
@@ -343,8 +356,8 @@ def run(rate_mbit: float = 400.0, forward_s: float = 0.3, tokens: int = 2048, ch
                 env = {**base, "PRFAAS_KV_LAYERWISE": "1" if mode == "on" else "0"}
                 opts = {"boot_port": free_port(), "requests": requests, "tokens": tokens, "chunk": chunk, "layers": layers,
                         "heads": heads, "head_dim": head_dim, "forward_s": forward_s}
-                proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "prfaas_sglang.bench.layerwise_bench",
-                                       json.dumps(opts)], capture_output=True, text=True, timeout=300, env=env)
+                proc = zygote.run([sys.executable, "-m", "prfaas_sglang.bench.layerwise_bench", json.dumps(opts)],
+                                  env=env, wrap=("ip", "netns", "exec", ns), timeout=300)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 result = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
                 if "error" in result:

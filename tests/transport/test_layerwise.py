@@ -344,9 +344,11 @@ def test_bench_layerwise_smoke():
     """The benchmark end to end, one run per mode: with streaming on every byte went layer by layer
     and nothing was sent twice, with it off nothing streamed; every request's KV landed intact (the
     bench refuses to report otherwise). No timing is asserted."""
+    import zygote
+
     from prfaas_sglang.bench.layerwise_bench import run
 
-    out = run(rate_mbit=400.0, forward_s=0.05, tokens=512, layers=4, requests=2, repeats=1)
+    out = run(rate_mbit=400.0, forward_s=0.05, tokens=512, layers=4, requests=2, repeats=1, zygote=zygote.zygote())
     (on,), (off,) = out["runs"]["on"], out["runs"]["off"]
     assert off["layerwise"] is None
     assert on["layerwise"]["unplanned_bytes"] == 0 and on["layerwise"]["open_chunks"] == 0
