@@ -69,6 +69,7 @@ class EngineRequest:
     model: str | None
     bootstrap: Bootstrap | None
     include_usage: bool = False  # stream_options.include_usage (OpenAI kinds)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (OpenAI kinds): the usage in every chunk
     created: int = 0  # unix seconds, stamped by the adapter that parsed it
     checkpoint_tokens: int | None = None  # custom_params.prfaas_checkpoint_tokens: a state checkpoint asked for there
 
@@ -235,11 +236,12 @@ def parse_request(kind: str, body: Any, rid: str, created_s: int = 0, tokenizer:
     if options is not None and not isinstance(options, dict):
         raise BadRequest(400, "stream_options must be an object")
     include_usage = bool(options and options.get("include_usage") is True and kind != "generate")
+    continuous_usage = bool(options and options.get("continuous_usage_stats") is True and kind != "generate")
     model = body.get("model")
     rid_value = _rid(body.get("rid"))
     return EngineRequest(kind, ids if isinstance(ids, JsonIds) else tuple(ids), max_new, stream, rid_value or rid,
-                         model if isinstance(model, str) else None, _bootstrap(body), include_usage, created_s,
-                         checkpoint_tokens(custom_params(kind, body)))
+                         model if isinstance(model, str) else None, _bootstrap(body), include_usage, continuous_usage,
+                         created_s, checkpoint_tokens(custom_params(kind, body)))
 
 
 def custom_params(kind: str, body: dict) -> dict | None:
@@ -330,6 +332,8 @@ def stream_chunk(req: EngineRequest, tokens: list[int], delta_text: str, finishe
         body = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion.chunk", "created": req.created, "model": model,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": delta_text} if delta_text or not finished else {},
                              "finish_reason": "length" if finished else None}]}
+    if req.continuous_usage and req.kind != "generate":  # as SGLang's stream_options.continuous_usage_stats
+        body["usage"] = _usage(req, tokens, cached_tokens)
     return f"data: {json.dumps(body)}\n\n"
 
 

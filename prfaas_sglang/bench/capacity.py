@@ -135,6 +135,10 @@ class CapacitySetting:
     truth_model: str = "batched"
     prior: str | None = None  # the router's workload prior (case-study or trace:PATH); None: the case study
     decode_radix_cache: bool = True  # decode workers keep a radix cache of what they decoded (every row's engines)
+    # SGLang's --stream-interval on every engine: a stream's chunk every Nth token. With 1024-token outputs at speedup
+    # 4, one chunk per token (written by the engine, relayed by a router, parsed by the client) is work on the same
+    # 2 cores as the emulated decode, which ran late by it; the client counts a chunk's tokens, not its chunks.
+    stream_interval: int = 1
     layerwise: bool = False  # the link streams KV by layer (links[].layerwise): every row's PrfaaS engines, our router's estimate
     resolution: float = 0.10  # of the 90% capacity: hi / lo <= 1.10
     resolution_99: float = 0.20  # of the 99% capacity
@@ -358,7 +362,7 @@ class Fleet:
         s = self.setting
         return ("--context-tokens", str(2 * MAX_INPUT_TOKENS + s.output_tokens), "--prefill-bias", f"{s.prefill_bias:g}",
                 "--decode-bias", f"{s.decode_bias:g}", "--noise-sigma", f"{s.noise_sigma:g}", "--noise-seed", str(index),
-                "--truth-model", s.truth_model,
+                "--truth-model", s.truth_model, "--stream-interval", str(s.stream_interval),
                 *(("--disaggregation-decode-enable-radix-cache",) if s.decode_radix_cache and role == "pd-decode" else ()))
 
     @staticmethod
@@ -1148,7 +1152,8 @@ def _render_condition(r: dict) -> str:
              f"{setting['noise_sigma']:g}, engine truth {setting.get('truth_model', 'profile')}, decode radix cache "
              f"{'on' if setting.get('decode_radix_cache') else 'off'}; the router's prior "
              f"{setting.get('prior') or 'case-study'}; outputs "
-             f"{setting['output_tokens']} tokens; {r['wall_s'] / 60:.0f} min", "",
+             f"{setting['output_tokens']} tokens, streamed every {setting.get('stream_interval', 1)} token(s); "
+             f"{r['wall_s'] / 60:.0f} min", "",
              "| row | capacity @90% (req/s) | x planned | per seed [min, max] | @99% | attainment | TTFT p50 / p90 / p99 (s, all arrivals) "
              "| goodput (req/s) | prompt tok/s in SLO | refused (of which >=16K) | offload | engine timing error (prefill / decode) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1288,6 +1293,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cap.add_argument("--output-tokens", type=int, default=None,
                      help=f"tokens each request generates (default {CASE_STUDY_OUTPUT_TOKENS}, the paper's case study; "
                           "--quick: 64); another length is named in the condition (out-N)")
+    cap.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                     help="every engine streams every Nth token (SGLang's --stream-interval; default 1); the client "
+                          "counts tokens from each chunk's usage")
     cap.add_argument("--bias", type=float, default=None,
                      help="the engines' prefill and decode take this x the profile (the study: ours with calibration "
                           "on, off, and with the true scale given; no peers)")
@@ -1398,6 +1406,10 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
         if args.grid_loads == 1 or not 0 <= args.grid_loads <= 15:
             inv.error("--grid-loads must be 0 (no grid) or in [2, 15]")
         setting = dataclasses.replace(setting, grid_loads=args.grid_loads)
+    if args.stream_interval is not None:
+        if not 1 <= args.stream_interval <= 64:
+            inv.error("--stream-interval must be in [1, 64]")
+        setting = dataclasses.replace(setting, stream_interval=args.stream_interval)
     if args.bias is not None:
         if not 0.1 <= args.bias <= 10:
             inv.error("--bias must be in [0.1, 10]")
@@ -1437,6 +1449,7 @@ def _capacity_run(args: argparse.Namespace, inv: Invocation) -> tuple[dict, str]
     header = (f"<!-- python -m prfaas_sglang.bench compare --capacity --workload {args.workload} --link {args.link}"
               f"{' --link-drop' if args.link_drop else ''}{' --layerwise' if args.layerwise else ''}"
               f"{f' --bias {args.bias:g}' if args.bias else ''}"
+              f"{f' --stream-interval {setting.stream_interval}' if setting.stream_interval != 1 else ''}"
               f"{f' --ttft-slo-s {args.ttft_slo_s:g}' if args.ttft_slo_s else ''} --output-tokens {setting.output_tokens}"
               f"{f' --prior {args.prior}' if args.prior else ''}"
               f"{f' --rounds {args.rounds}' if args.rounds else ''}{f' --scored {args.scored}' if args.scored else ''}"

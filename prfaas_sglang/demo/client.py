@@ -33,7 +33,9 @@ def generate_ids(offset_s: float, tokens: list[int], max_new_tokens: int) -> Arr
 
 
 def completion_text(offset_s: float, text: str, max_tokens: int, model: str | None = None) -> Arrival:
-    body = {"prompt": text, "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
+    # the usage in every chunk (SGLang's continuous_usage_stats): a chunk's tokens are counted, not its text,
+    # so a server that streams every Nth token (--stream-interval) or holds an incomplete character is read right
+    body = {"prompt": text, "max_tokens": max_tokens, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if model:
         body["model"] = model
     return Arrival(offset_s, "/v1/completions", body)
@@ -104,12 +106,15 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
                 obj = json.loads(line[6:])
                 if (code := event_failure(obj)) is not None:  # the router's (or SGLang's) failure event
                     failure = f"{code}: {_failure_message(obj)}"
-                if obj.get("usage"):
-                    result.input_tokens = obj["usage"].get("prompt_tokens", result.input_tokens)
+                usage = obj.get("usage")
+                if usage:
+                    result.input_tokens = usage.get("prompt_tokens", result.input_tokens)
                 if "output_ids" in obj:
                     new = len(obj["output_ids"])
                     if "meta_info" in obj:
                         result.input_tokens = obj["meta_info"].get("prompt_tokens", result.input_tokens)
+                elif obj.get("choices") and usage and isinstance(usage.get("completion_tokens"), int):
+                    new = usage["completion_tokens"]  # continuous usage: the tokens so far, however many a chunk holds
                 else:
                     choice = (obj.get("choices") or [{}])[0]
                     piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
@@ -118,9 +123,9 @@ async def stream_request(session: aiohttp.ClientSession, url: str, arrival: Arri
                     continue
                 now = time.perf_counter()
                 if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.token_gaps_s.append(now - last)
+                    result.ttft_s = now - start  # a first chunk of several tokens: their gaps are unseen, none counted
+                else:  # k tokens in one chunk: k gaps of a token each
+                    result.token_gaps_s.extend([(now - last) / (new - count)] * (new - count))
                 last, count = now, new
             result.output_tokens = count
             if count == 0:  # a 200 without a token is no answer: say what the stream said, if anything

@@ -117,7 +117,7 @@ class RouterCounters:
     rejected: collections.Counter = field(default_factory=collections.Counter)
     failed: collections.Counter = field(default_factory=collections.Counter)
     ttft: Histogram = field(default_factory=Histogram)  # streamed requests: time to the first byte
-    tbt: Histogram = field(default_factory=Histogram)  # streamed requests: gaps between chunks
+    tbt: Histogram = field(default_factory=Histogram)  # streamed requests: a chunk's gap over the worker's stream interval
     e2e: Histogram = field(default_factory=Histogram)  # every successful request
     queue_wait: Histogram = field(default_factory=Histogram)  # waiting in the router for decode room
     cache_moves: collections.Counter = field(default_factory=collections.Counter)  # outcome -> moves of a cached prefix
@@ -159,7 +159,7 @@ class RouterCounters:
         counter("prfaas_router_cache_moves_total", "Moves of a cached prefix between clusters, per outcome", "outcome",
                 sorted(self.cache_moves.items()))
         families += [self.ttft.family("prfaas_router_ttft_seconds", "Streamed requests: time to the first byte"),
-                     self.tbt.family("prfaas_router_tbt_seconds", "Streamed requests: gaps between chunks"),
+                     self.tbt.family("prfaas_router_tbt_seconds", "Streamed requests: gaps between tokens (a chunk's gap over the decode worker's stream interval)"),
                      self.e2e.family("prfaas_router_request_seconds", "Successful requests: time to the last byte"),
                      self.queue_wait.family("prfaas_router_queue_wait_seconds", "Time waiting in the router for decode room"),
                      self.cache_move.family("prfaas_router_cache_move_seconds", "Time a successful cache move took")]

@@ -64,7 +64,8 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
         "model": model, "prompt": {"oneOf": [{"type": "string"}, _IDS]},
         "max_tokens": {"type": "integer", "minimum": 0}, "temperature": {"type": "number", "minimum": 0},
         "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
+                                                             "continuous_usage_stats": {"type": "boolean"}}}}}
     chat = {"type": "object", "required": ["messages"], "additionalProperties": True, "properties": {
         "model": model,
         "messages": {"type": "array", "minItems": 1, "items": {
@@ -72,7 +73,8 @@ def router_openapi(version: str, models: list[str] | None = None) -> dict:
             "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]}, "content": _CONTENT}}},
         "max_tokens": {"type": "integer", "minimum": 0}, "max_completion_tokens": {"type": "integer", "minimum": 0},
         "temperature": {"type": "number", "minimum": 0}, "stream": {"type": "boolean"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}}}
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
+                                                             "continuous_usage_stats": {"type": "boolean"}}}}}
     worker = {"type": "object", "required": ["name", "url", "cluster", "role"], "properties": {
         "name": {"type": "string", "minLength": 1}, "url": {"type": "string", "format": "uri"},
         "cluster": {"type": "string", "minLength": 1, "description": "a cluster of the topology, or its kind (prfaas | pd) "

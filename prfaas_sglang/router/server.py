@@ -459,8 +459,13 @@ class Legs:
         return web.Response(body=payload, status=resp.status, headers=self.headers, content_type="application/json")
 
     async def _relay_stream(self, first: bytes, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        """The decode worker's SSE stream, chunk by chunk: its first token and gaps teach the calibration."""
+        """The decode worker's SSE stream, chunk by chunk: its first token and gaps teach the calibration. A
+        worker that streams every Nth token (SGLang's ``--stream-interval``, in its facts) sends N tokens a
+        chunk after the first: a chunk's gap over N is the token gap the TBT histogram and the calibration
+        see (otherwise its decode would read N times slower than it is)."""
         service, lease, started = self.service, self.lease, self.started
+        facts = self.decode.facts
+        per_chunk = facts.stream_interval if facts is not None else 1
         self.stream = stream = web.StreamResponse(status=200, headers={**self.headers, "Content-Type": "text/event-stream",
                                                                        "Cache-Control": "no-cache"})
         await stream.prepare(self.request)
@@ -471,8 +476,9 @@ class Legs:
                 service.counters.ttft.observe(now - started)
                 service.first_token(lease, now - started, time.monotonic())
             else:
-                service.counters.tbt.observe(now - last)
-                service.token_gap(lease, now - last, time.monotonic())
+                gap_s = (now - last) / per_chunk
+                service.counters.tbt.observe(gap_s)
+                service.token_gap(lease, gap_s, time.monotonic())
             last = now
             await stream.write(data)
             self.at_event_end = ends_event(data)

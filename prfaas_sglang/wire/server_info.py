@@ -68,6 +68,7 @@ class WorkerFacts:
     version: str | None
     cache_import: bool = False  # serves /prfaas/cache/import and /export (wire.cache_move)
     linear_state: bool | None = None  # SGLang's uses_mamba_radix_cache (a linear-attention model); None: not said
+    stream_interval: int = 1  # SGLang's --stream-interval: its streams carry a chunk every Nth token
 
     @property
     def events_block_size(self) -> int:
@@ -164,6 +165,7 @@ def parse_server_info(info: Any) -> WorkerFacts:
         version=str(info["version"]) if info.get("version") is not None else None,
         cache_import=_serves_cache_moves(info, emulated),
         linear_state=_linear_state(info),
+        stream_interval=opt_int(info, "stream_interval", 1) or 1,
     )
 
 

@@ -168,6 +168,29 @@ def test_stream_options_include_usage(pair):
     assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 3 and last["usage"]["completion_tokens"] == 3
 
 
+def test_a_decode_with_a_stream_interval_streams_every_nth_token_and_says_so(pair, procs):
+    """SGLang's ``--stream-interval 4``: chunks at tokens 1, 5, 9 and the last, each with the usage so far
+    (``continuous_usage_stats``), the text whole; ``/server_info`` reports the interval, which the router's facts
+    read (its TBT then counts a chunk's gap over 4)."""
+    from prfaas_sglang.wire.server_info import parse_server_info
+
+    prefill, _ = pair
+    decode = start_worker(procs, "pd-decode", DECODE_PROFILE, "--speedup", "20", "--kv-scale", str(KV_SCALE),
+                          "--bootstrap-timeout-s", "2", "--stream-interval", "4")
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 10,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    lines = pd_stream(prefill, decode, "/v1/completions", body)
+    chunks = [msgspec.json.decode(line[6:]) for line in lines[:-1]]
+    with_text = [c for c in chunks if c["choices"]]
+    assert [c["usage"]["completion_tokens"] for c in with_text] == [1, 5, 9, 10]  # the last: the finish chunk
+    assert with_text[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    one_by_one = pd_stream(*pair, "/v1/completions", body)  # interval 1: the same text, a token a chunk
+    text = "".join(c["choices"][0]["text"] for c in with_text)
+    assert text == "".join(msgspec.json.decode(line[6:])["choices"][0]["text"] for line in one_by_one[:-2])
+    assert parse_server_info(http_sync.get(decode.url + "/server_info", timeout_s=5).json()).stream_interval == 4
+    assert parse_server_info(http_sync.get(pair[1].url + "/server_info", timeout_s=5).json()).stream_interval == 1
+
+
 class TestBadInput:
     def test_malformed_json_and_missing_fields(self, pair):
         prefill, decode = pair

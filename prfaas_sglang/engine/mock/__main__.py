@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-scale", type=float, default=0.01, help="ship S_kv(l) * kv_scale real bytes per request")
     p.add_argument("--max-batch", type=int, default=None, help="decode batch limit (default: the profile's)")
     p.add_argument("--page-size", type=int, default=512, help="prefix-cache block size, tokens")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="decode: stream every Nth token, as SGLang's flag (tokens 1, N+1, 2N+1, ..., and the last)")
     p.add_argument("--cache-tokens", type=int, default=2_097_152, help="prefix-cache capacity, tokens")
     p.add_argument("--context-tokens", type=int, default=131_072, help="longest prompt + output accepted")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -89,7 +91,7 @@ def config_from_args(args: argparse.Namespace):
         raise ConfigError("--bootstrap-port", f"is required for role {role.value}")
     for flag, value in (("--page-size", args.page_size), ("--cache-tokens", args.cache_tokens),
                         ("--context-tokens", args.context_tokens), ("--kv-buffer-mb", args.kv_buffer_mb),
-                        ("--max-total-tokens", args.max_total_tokens or 1)):
+                        ("--max-total-tokens", args.max_total_tokens or 1), ("--stream-interval", args.stream_interval)):
         if value < 1:
             raise ConfigError(flag, f"must be >= 1, got {value}")
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
@@ -117,7 +119,7 @@ def config_from_args(args: argparse.Namespace):
         bootstrap_port=args.bootstrap_port, kv_events_port=args.kv_events_port, telemetry_port=args.telemetry_port,
         speedup=args.speedup,
         kv_scale=args.kv_scale, max_batch=args.max_batch, page_size=args.page_size, cache_tokens=args.cache_tokens,
-        context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
+        stream_interval=args.stream_interval, context_tokens=args.context_tokens, kv_buffer_bytes=args.kv_buffer_mb << 20, bootstrap_timeout_s=args.bootstrap_timeout_s,
         max_total_tokens=args.max_total_tokens, tokenizer=args.tokenizer,
         decode_radix_cache=args.disaggregation_decode_enable_radix_cache,
         enable_pd_role_switch=args.enable_pd_role_switch,

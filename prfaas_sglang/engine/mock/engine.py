@@ -98,6 +98,7 @@ class MockConfig:
     kv_scale: float = 0.01
     max_batch: int | None = None
     page_size: int = 512
+    stream_interval: int = 1  # SGLang's --stream-interval: a stream's chunk every Nth token (and its last)
     cache_tokens: int = 2_097_152
     context_tokens: int = 131_072
     max_total_tokens: int | None = None  # decode KV pool; None: the profile's

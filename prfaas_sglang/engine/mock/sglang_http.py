@@ -116,6 +116,7 @@ def _info(engine: MockEngine) -> dict:
         "dp_size": 1,
         "tp_size": 1,
         "page_size": cfg.page_size,
+        "stream_interval": cfg.stream_interval,
         "max_total_num_tokens": engine.max_total_tokens if cfg.mode == "decode" else cfg.cache_tokens,
         "max_req_input_len": cfg.context_tokens - 1,
         "max_prefill_tokens": cfg.context_tokens,
@@ -415,10 +416,13 @@ async def _decode_stream(engine: MockEngine, req, seq, response: web.StreamRespo
     model = req.model or engine.config.served_model_name
     cached, extra = seq.ready.cached_tokens, _extra(seq)
     try:
-        sent, text = 0, StreamText(engine.detokenize)
-        # Tokens are appended to seq.tokens before they are queued, so [:sent] is complete.
+        sent, text, interval = 0, StreamText(engine.detokenize), engine.config.stream_interval
+        # Tokens are appended to seq.tokens before they are queued, so [:sent] is complete. As SGLang's
+        # scheduler (output_streamer), with an interval N > 1 a chunk goes out at tokens 1, N+1, 2N+1, ...
         while await seq.queue.get() is not None:
             sent += 1
+            if interval > 1 and sent % interval != 1:
+                continue
             delta = text.add(seq.tokens[:sent])
             await response.write(stream_chunk(req, seq.tokens[:sent], delta, False, cached, model, extra, text.text).encode())
         tail = text.finish(seq.tokens)
