@@ -289,15 +289,18 @@ def test_a_decode_step_that_wakes_late_is_repaid_by_the_next_so_the_cadence_is_t
         now += 0.001  # the step's tokens handed out
     # Unpaced, 50 steps would take 50 x 15 ms; paced, the schedule holds while the debt stays under 50 ms.
     assert ends[-1] - 100.0 == pytest.approx(50 * 0.010 + 0.004)  # the schedule, and the last wake-up's lateness
-    assert pacer.started_s < now
+    assert pacer.started_s < now and pacer.slip_s == 0.0  # late wake-ups repaid: nothing lost
 
     fresh = Pacer(max_debt_s=0.05)
     assert fresh.delay_s(0.010, 5.0) == pytest.approx(0.010) and fresh.started_s == 5.0
     assert fresh.delay_s(0.010, 5.013) == pytest.approx(0.007)  # 3 ms late: repaid
     assert fresh.started_s == pytest.approx(5.010)
+    assert fresh.slip_s == 0.0
     assert fresh.delay_s(0.010, 5.2) == pytest.approx(0.010) and fresh.started_s == 5.2  # 180 ms behind: a new schedule
+    assert fresh.slip_s == pytest.approx(0.180)  # what the cadence lost there
     fresh.rest()
     assert fresh.delay_s(0.010, 5.205) == pytest.approx(0.010) and fresh.started_s == 5.205
+    assert fresh.slip_s == 0.0  # after a rest the loop was idle, not behind
 
 
 def test_a_streams_text_is_decoded_a_window_at_a_time_and_adds_up_to_the_whole():
