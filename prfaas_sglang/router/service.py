@@ -422,9 +422,15 @@ class RouterService:
                                          lease.decision.estimated_ttft_s, now_s)
 
     def token_gap(self, lease: Lease, observed_s: float, now_s: float) -> None:
-        """Two chunks of ``lease``'s decode stream ``observed_s`` apart, the second at ``now_s`` (the model's
-        step: the decode profile of its pair's PD cluster)."""
-        self.calibration.token_gap(observed_s, self.pairs[lease.pair].runtime.decode.step_s, now_s)
+        """Two tokens of ``lease``'s decode stream ``observed_s`` apart, the second at ``now_s``. The model's step:
+        the decode profile of its pair's PD cluster at the batch its decode worker runs (what the worker last
+        reported running, or the router's own leases on it if more), so the learned scale compares like with
+        like: at its flat ``step_s`` (the step at ``BS_max``), a worker decoding 4 at a time read 0.3x
+        (2026-12-02)."""
+        worker = self.workers.get(lease.decision.decode)
+        running = max(worker.load.running if worker is not None and worker.load else 0,
+                      worker.reserved_requests if worker is not None else 0, 1)
+        self.calibration.token_gap(observed_s, self.pairs[lease.pair].runtime.decode.step_at(running), now_s)
 
     def prefill_done(self, lease: Lease) -> None:
         """The prefill leg ended (its KV shipped, or it failed): its work leaves the queue signal."""

@@ -242,6 +242,27 @@ class TestRequestPath:
         west_step = service.pairs[H200_WEST].runtime.decode.step_s
         assert steps == [west_step, west_step] and west_step != service.pairs[H200_EAST].runtime.decode.step_s
 
+    def test_a_token_gap_is_compared_with_the_models_step_at_the_batch_its_decode_worker_runs(self):
+        """The calibration's decode scale compares like with like: a gap against the profile's step at the
+        decode worker's batch (what it last reported running, or the router's own leases on it if more)."""
+        from prfaas_sglang.router.workers import WorkerLoad
+
+        service = fleet_service()
+        for pair in (H200_WEST, H100_WEST):
+            model = service.pairs[pair].runtime
+            dep = model.deployment
+            grows = dataclasses.replace(dep.pd, decode=DecodeProfile(dep.pd.decode.bs_max, 0.05, ((1, 0.01), (9, 0.03))))
+            service.pairs[pair].runtime = dataclasses.replace(model, deployment=dataclasses.replace(dep, pd=grows))
+        steps = []
+        service.calibration.token_gap = lambda observed_s, step_s, now_s: steps.append(step_s)
+        decision = service.decide(RouteInput(2_000, 2_016, {}), set(), 0.0, "pd-west")
+        lease = service.begin(_request(2_000), decision, 0.0, 0)
+        service.token_gap(lease, 0.1, 0.0)  # nothing reported yet: its one lease
+        service.workers[decision.decode].load = WorkerLoad(running=5, waiting=0, used_tokens=0, max_total_tokens=None)
+        service.token_gap(lease, 0.1, 0.0)  # five running, as it reported
+        service.finish(lease)
+        assert steps == [pytest.approx(0.01), pytest.approx(0.02)]
+
     def test_a_decision_without_its_pair_is_refused(self):
         service = fleet_service()
         decision = service.decide(RouteInput(2_000, 2_016, {}), set(), 0.0, "pd-west")
