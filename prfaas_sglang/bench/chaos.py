@@ -50,7 +50,9 @@ from prfaas_sglang.bench.subcommands import Invocation, Subcommand
 
 DEADLINE_S = 60.0
 PROBE_INTERVAL_S = 0.25
-LONG_PROBE_MAX_TOKENS = 60_000  # a recovery check's long probe: above the threshold, never above this
+CONTEXT_TOKENS = 32_768  # every engine's --context-tokens: a prompt plus its output beyond it is refused (400)
+MAX_OUTPUT_TOKENS = 11  # _body's largest max_new_tokens
+LONG_PROBE_MAX_TOKENS = CONTEXT_TOKENS - MAX_OUTPUT_TOKENS  # a recovery check's long probe: above the threshold, never above this
 BOOTSTRAP_TIMEOUT_S = 10.0  # the workers' (--bootstrap-timeout-s): how long an unclaimed room may stay open
 FAULTS = ("kill-pd-decode-0", "kill-pd-prefill-0", "kill-prfaas-0", "kill-router", "zmq-garbage",
           "link-blackhole", "link-throttle", "http-fuzz")
@@ -83,7 +85,7 @@ def _body(rng: random.Random, long: bool, stream: bool, k: int, min_tokens: int 
     n = max(rng.randrange(9000, 14000) if long else rng.randrange(600, 2500), min_tokens)
     base = rng.randrange(4096)
     ids = [(base + k * 7919 + i * 40503) % 4096 for i in range(n)]
-    return {"input_ids": ids, "sampling_params": {"max_new_tokens": rng.randrange(2, 12)}, "stream": stream}
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": rng.randrange(2, MAX_OUTPUT_TOKENS + 1)}, "stream": stream}
 
 
 def _typed(text: str) -> bool:
@@ -241,7 +243,8 @@ def _why(status: dict) -> str:
 async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> tuple[float | None, str | None]:
     """Seconds from ``since`` until every worker is healthy and a probe on each path succeeds, or
     ``None`` and what the last probe saw when ``limit_s`` passes first. The long probe is longer than
-    the router's threshold as it stands (at most :data:`LONG_PROBE_MAX_TOKENS`): after a link fault the
+    the router's threshold as it stands (at most :data:`LONG_PROBE_MAX_TOKENS`, what the engines' context accepts: a
+    fresh run once waited its 60 s on 400s for a 34K-token probe with t at 31K, 2026-12-02): after a link fault the
     link's estimate may stay below nominal, and the threshold raised with it (a lightly used link's drop
     leaves it at half of nominal, and only samples above 1.4x that raise it again), so what the PrfaaS
     path must carry again is what the router offloads (a fresh run once saw t at 14,336 and 12.5K-token probes
@@ -255,9 +258,11 @@ async def _recovered(session, url: str, since: float, limit_s: float = 60.0) -> 
             last = f"unhealthy {unhealthy}, link down {status.get('link_down_workers')}"
             if not unhealthy and not status.get("link_down_workers"):
                 answers, seen = [], []
-                above_t = math.ceil(1.1 * (status.get("threshold_tokens") or 0))
-                if above_t > LONG_PROBE_MAX_TOKENS:
-                    last = f"threshold {status.get('threshold_tokens')} tokens: no probe of at most {LONG_PROBE_MAX_TOKENS} is offloaded"
+                threshold = status.get("threshold_tokens") or 0
+                above_t = min(math.ceil(1.1 * threshold), LONG_PROBE_MAX_TOKENS)  # a longer one is refused (400)
+                if above_t <= threshold:
+                    last = (f"threshold {threshold} tokens: no prompt the engines accept (at most {LONG_PROBE_MAX_TOKENS}) "
+                            f"is offloaded{_why(status)}")
                     await asyncio.sleep(PROBE_INTERVAL_S)
                     continue
                 for long in (False, True):
@@ -445,7 +450,7 @@ def run(duration_s: float = 60.0, rate: float = 2.0, seed: int = 0, down_s: floa
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="prfaas-chaos-"))
     group = ProcessGroup(log_dir)
-    engine = ("--bootstrap-timeout-s", f"{BOOTSTRAP_TIMEOUT_S:g}", "--context-tokens", "32768")
+    engine = ("--bootstrap-timeout-s", f"{BOOTSTRAP_TIMEOUT_S:g}", "--context-tokens", str(CONTEXT_TOKENS))
     engine_args = {r: engine for r in ("prfaas", "pd-prefill", "pd-decode")}
     router_args = ("--no-early-rejection", "--phase-timeout-s", "20", "--admission-timeout-s", "10",
                    "--health-interval-s", "0.5")
