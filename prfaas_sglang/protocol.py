@@ -332,7 +332,7 @@ def stream_chunk(req: EngineRequest, tokens: list[int], delta_text: str, finishe
         body = {"id": f"chatcmpl-{req.rid}", "object": "chat.completion.chunk", "created": req.created, "model": model,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": delta_text} if delta_text or not finished else {},
                              "finish_reason": "length" if finished else None}]}
-    if req.continuous_usage and req.kind != "generate":  # as SGLang's stream_options.continuous_usage_stats
+    if req.continuous_usage:  # as SGLang's stream_options.continuous_usage_stats (parse_request: OpenAI kinds only)
         body["usage"] = _usage(req, tokens, cached_tokens)
     return f"data: {json.dumps(body)}\n\n"
 

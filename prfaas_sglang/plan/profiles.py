@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prfaas_sglang.errors import ConfigError
 
@@ -52,6 +52,8 @@ class DecodeProfile:
     bs_max: float
     step_s: float
     batch_steps: tuple[tuple[float, float], ...] = ()
+    # the points' batches, kept once: step_at runs for every streamed token the router relays
+    _batches: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.bs_max > 0:
@@ -61,13 +63,14 @@ class DecodeProfile:
         batches = [b for b, _ in self.batch_steps]
         if any(not (b >= 1 and s > 0) for b, s in self.batch_steps) or batches != sorted(set(batches)):
             raise ConfigError("decode.batch_steps", "must be (batch >= 1, step_s > 0) points, batches increasing")
+        object.__setattr__(self, "_batches", tuple(batches))
 
     def step_at(self, batch: float) -> float:
         """One step's seconds with ``batch`` running: the points interpolated linearly, flat below the first,
         extended along the last two's slope above the last; ``step_s`` where there are no points."""
         if not self.batch_steps:
             return self.step_s
-        xs = [b for b, _ in self.batch_steps]
+        xs = self._batches
         i = bisect.bisect_right(xs, batch)
         if i == 0:
             return self.batch_steps[0][1]

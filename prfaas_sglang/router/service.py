@@ -428,8 +428,7 @@ class RouterService:
         like: at its flat ``step_s`` (the step at ``BS_max``), a worker decoding 4 at a time read 0.3x
         (2026-12-02)."""
         worker = self.workers.get(lease.decision.decode)
-        running = max(worker.load.running if worker is not None and worker.load else 0,
-                      worker.reserved_requests if worker is not None else 0, 1)
+        running = max(worker.running_requests if worker is not None else 0, 1)
         self.calibration.token_gap(observed_s, self.pairs[lease.pair].runtime.decode.step_at(running), now_s)
 
     def prefill_done(self, lease: Lease) -> None:

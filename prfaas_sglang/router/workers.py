@@ -194,12 +194,16 @@ class WorkerRecord:
     def kv_events_topic(self) -> str | None:
         return self.facts.kv_events.topic if self.facts is not None and self.facts.kv_events else None
 
+    @property
+    def running_requests(self) -> int:
+        """Requests it runs: what it last reported, or the router's own leases on it if more (a poll lags)."""
+        return max(self.load.running if self.load else 0, self.reserved_requests)
+
     def snapshot(self) -> WorkerState:
-        running = self.load.running if self.load else 0
         # a worker without (accepted) facts is not routable: it counts as unhealthy to the policy
         return WorkerState(self.name, self.cluster, self.role, self.healthy and self.facts is not None and self.refused is None,
                            self.draining,
-                           self.outstanding_prefill_s, max(running, self.reserved_requests),
+                           self.outstanding_prefill_s, self.running_requests,
                            self.kv_free_tokens if self.role == "decode" else None)
 
 
