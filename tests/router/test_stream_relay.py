@@ -4,6 +4,8 @@ from the gaps between chunks. Real HTTP on loopback; the worker's stream is play
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 import types
 
 import aiohttp
@@ -19,11 +21,12 @@ CHUNK_GAP_S = 0.08
 
 class _Content:
     def __init__(self, chunks: list[bytes]):
-        self.chunks = chunks
+        self.chunks, self.sent_at = chunks, []
 
     async def iter_any(self):
         for chunk in self.chunks:
             await asyncio.sleep(CHUNK_GAP_S)
+            self.sent_at.append(time.perf_counter())  # the relay reads it with nothing awaited in between
             yield chunk
 
 
@@ -35,6 +38,7 @@ def test_a_chunks_gap_over_the_workers_stream_interval_is_what_the_tbt_and_the_c
     gaps: list[float] = []
     tbt = Histogram()
     chunks = [b'data: {"choices": []}\n\n'] * 4
+    content = _Content(chunks)
 
     async def scenario() -> bytes:
         async def relay(request: web.Request) -> web.StreamResponse:
@@ -45,7 +49,7 @@ def test_a_chunks_gap_over_the_workers_stream_interval_is_what_the_tbt_and_the_c
                 first_token=lambda lease, observed_s, now_s: None,
                 token_gap=lambda lease, observed_s, now_s: gaps.append(observed_s))
             legs.decode = types.SimpleNamespace(facts=types.SimpleNamespace(stream_interval=stream_interval))
-            return await legs._relay_stream(b"", types.SimpleNamespace(content=_Content(chunks)))
+            return await legs._relay_stream(b"", types.SimpleNamespace(content=content))
 
         app = web.Application()
         app.router.add_post("/relay", relay)
@@ -54,6 +58,7 @@ def test_a_chunks_gap_over_the_workers_stream_interval_is_what_the_tbt_and_the_c
 
     assert asyncio.run(scenario()) == b"".join(chunks)
     assert len(gaps) == 3 and tbt.n == 3
-    for gap in gaps:  # a chunk's gap (at least CHUNK_GAP_S) over the tokens it carries
-        assert CHUNK_GAP_S / stream_interval <= gap < 3 * CHUNK_GAP_S / stream_interval
+    chunk_gaps = [b - a for a, b in itertools.pairwise(content.sent_at)]  # each at least CHUNK_GAP_S
+    for gap, chunk_gap in zip(gaps, chunk_gaps, strict=True):  # a chunk's gap over the tokens it carries
+        assert gap == pytest.approx(chunk_gap / stream_interval, abs=2e-3)
     assert tbt.total == pytest.approx(sum(gaps))
