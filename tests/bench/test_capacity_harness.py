@@ -443,7 +443,8 @@ def test_the_report_shows_each_windows_median_prediction_error_and_says_when_an_
 @pytest.mark.parametrize(("flags", "words"), [(["--scored", "5"], "--scored must be in [10, 2000]"),
                                              (["--grid-loads", "1"], "--grid-loads must be 0 (no grid) or in [2, 15]"),
                                              (["--warmup-s", "-1"], "--warmup-s must be in [0, 600]"),
-                                             (["--out", "/no-such-dir-prfaas/piece.json"], "--out: no directory /no-such-dir-prfaas")])
+                                             (["--out", "/no-such-dir-prfaas/piece.json"], "--out: no directory /no-such-dir-prfaas"),
+                                             (["--stream-interval", "0"], "--stream-interval must be in [1, 64]")])
 def test_a_probe_length_or_grid_the_method_cannot_use_is_refused_before_anything_starts(flags, words, capsys):
     import argparse
 

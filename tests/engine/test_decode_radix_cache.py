@@ -87,6 +87,12 @@ def test_an_unrelated_prompt_ships_everything(cached_pair):
     assert d.json()["meta_info"]["prfaas"]["kv_bytes"] == load_timing(DECODE_PROFILE, 1.0, KV_SCALE, None).kv_bytes(len(prompt))
 
 
+def test_a_stream_interval_below_one_is_refused_by_name():
+    args = build_parser().parse_args(["--role", "pd-decode", "--port", "1", "--profile", DECODE_PROFILE, "--stream-interval", "0"])
+    with pytest.raises(ConfigError, match="--stream-interval.*must be >= 1, got 0"):
+        config_from_args(args)
+
+
 def test_the_flag_belongs_to_decode_roles():
     args = build_parser().parse_args(["--role", "pd-prefill", "--port", "1", "--bootstrap-port", "2", "--profile", PREFILL_PROFILE,
                                       "--disaggregation-decode-enable-radix-cache"])
